@@ -1,0 +1,101 @@
+//! `/v1/images`.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::extract::{ApiJson, ApiQuery};
+use super::{AppState, detached};
+use crate::model::{CreateImageRequest, DeleteImageQuery, ErrorBody, Image, ResizeImageRequest};
+
+/// Register an existing image file, or create one.
+#[utoipa::path(
+    post, path = "/v1/images", tag = "images",
+    request_body = CreateImageRequest,
+    responses(
+        (status = 201, description = "Image recorded", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
+        (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
+        (status = 409, description = "Name taken, or file to create exists", body = ErrorBody),
+        (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, or registered already", body = ErrorBody),
+        (status = 507, description = "The image root's filesystem is full", body = ErrorBody),
+    )
+)]
+pub async fn create_image(
+    State(m): State<AppState>,
+    ApiJson(req): ApiJson<CreateImageRequest>,
+) -> Result<(StatusCode, Json<Image>), ApiError> {
+    let image = detached(async move { m.create_image(req).await }).await?;
+    Ok((StatusCode::CREATED, Json(image)))
+}
+
+/// List images.
+#[utoipa::path(
+    get, path = "/v1/images", tag = "images",
+    responses((status = 200, description = "All images, by name", body = Vec<Image>))
+)]
+pub async fn list_images(State(m): State<AppState>) -> Result<Json<Vec<Image>>, ApiError> {
+    Ok(Json(m.images().await?))
+}
+
+/// Show one image.
+#[utoipa::path(
+    get, path = "/v1/images/{id}", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "The image", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+    )
+)]
+pub async fn get_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(m.image(&id).await?))
+}
+
+/// Forget an image (and optionally delete its file).
+#[utoipa::path(
+    delete, path = "/v1/images/{id}", tag = "images",
+    params(("id" = String, Path, description = "Image id or name"), DeleteImageQuery),
+    responses(
+        (status = 204, description = "Forgotten"),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "A volume uses the image", body = ErrorBody),
+    )
+)]
+pub async fn delete_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<DeleteImageQuery>,
+) -> Result<StatusCode, ApiError> {
+    detached(async move { m.delete_image(&id, q.delete_file).await }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Grow an image; attached volumes follow.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/resize", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    request_body = ResizeImageRequest,
+    responses(
+        (status = 200, description = "The grown image", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "The file was replaced", body = ErrorBody),
+        (status = 422, description = "Shrink, or a size that is not a multiple of 512", body = ErrorBody),
+        (status = 507, description = "The filesystem is full", body = ErrorBody),
+    )
+)]
+pub async fn resize_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ResizeImageRequest>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.resize_image(&id, req.size_bytes).await }).await?,
+    ))
+}

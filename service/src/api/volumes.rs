@@ -1,0 +1,118 @@
+//! `/v1/volumes`.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::extract::ApiJson;
+use super::{AppState, detached};
+use crate::manager::Created;
+use crate::model::{CreateVolumeRequest, ErrorBody, PatchVolumeRequest, Volume, VolumeStats};
+
+/// Create a volume: a block device for an image. Idempotent by name.
+#[utoipa::path(
+    post, path = "/v1/volumes", tag = "volumes",
+    request_body = CreateVolumeRequest,
+    responses(
+        (status = 201, description = "Created; the device exists", body = Volume),
+        (status = 200, description = "A volume of this name and spec exists already", body = Volume),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "The image's file is no longer acceptable", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "Same name with another spec, or the image is in use", body = ErrorBody),
+        (status = 422, description = "A backend, policy or setting this host cannot run, or an invalid field", body = ErrorBody),
+    )
+)]
+pub async fn create_volume(
+    State(m): State<AppState>,
+    ApiJson(req): ApiJson<CreateVolumeRequest>,
+) -> Result<(StatusCode, Json<Volume>), ApiError> {
+    match detached(async move { m.create_volume(req).await }).await? {
+        Created::New(v) => Ok((StatusCode::CREATED, Json(v))),
+        Created::Existing(v) => Ok((StatusCode::OK, Json(v))),
+    }
+}
+
+/// List volumes.
+#[utoipa::path(
+    get, path = "/v1/volumes", tag = "volumes",
+    responses((status = 200, description = "All volumes, by name", body = Vec<Volume>))
+)]
+pub async fn list_volumes(State(m): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
+    Ok(Json(m.volumes().await?))
+}
+
+/// Show one volume.
+#[utoipa::path(
+    get, path = "/v1/volumes/{id}", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    responses(
+        (status = 200, description = "The volume", body = Volume),
+        (status = 404, description = "No such volume", body = ErrorBody),
+    )
+)]
+pub async fn get_volume(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(m.volume(&id).await?))
+}
+
+/// Change a volume live: dispatch policy, QoS, read-only.
+#[utoipa::path(
+    patch, path = "/v1/volumes/{id}", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    request_body = PatchVolumeRequest,
+    responses(
+        (status = 200, description = "The changed volume", body = Volume),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 409, description = "The volume has no device to change", body = ErrorBody),
+        (status = 422, description = "A field that cannot change live on this backend", body = ErrorBody),
+    )
+)]
+pub async fn patch_volume(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PatchVolumeRequest>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(
+        detached(async move { m.patch_volume(&id, req).await }).await?,
+    ))
+}
+
+/// Delete a volume; returns once its device is gone.
+#[utoipa::path(
+    delete, path = "/v1/volumes/{id}", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    responses(
+        (status = 204, description = "The device is gone"),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 409, description = "The device is mounted or held open", body = ErrorBody),
+    )
+)]
+pub async fn delete_volume(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    detached(async move { m.delete_volume(&id).await }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A volume's I/O counters.
+#[utoipa::path(
+    get, path = "/v1/volumes/{id}/stats", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    responses(
+        (status = 200, description = "Counters", body = VolumeStats),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 409, description = "The volume has no device", body = ErrorBody),
+    )
+)]
+pub async fn volume_stats(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<VolumeStats>, ApiError> {
+    Ok(Json(m.volume_stats(&id).await?))
+}

@@ -1,0 +1,221 @@
+//! Backends: how a volume becomes a kernel block device.
+//!
+//! Each backend is a small, blocking interface (the manager calls it from
+//! `spawn_blocking`) over one kernel mechanism. A backend owns nothing in
+//! SQLite: what it needs to find its device again is the [`Attachment`] it
+//! returns, which the manager stores with the volume.
+
+pub mod blockstat;
+pub mod loopdev;
+
+use std::io;
+use std::os::fd::OwnedFd;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::model::{
+    ActiveDispatch, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
+    VolumeStats,
+};
+
+/// What went wrong in a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("backend {backend} is not available on this host: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("{what} is not supported by backend {backend}: {reason}")]
+    Unsupported {
+        backend: &'static str,
+        what: String,
+        reason: String,
+    },
+    #[error("{field} cannot change live on backend {backend}: {reason}")]
+    NotLive {
+        backend: &'static str,
+        field: &'static str,
+        reason: String,
+    },
+    #[error("device {device} is busy: {reason}")]
+    Busy { device: String, reason: String },
+    #[error("{op} on {device} failed: {source}")]
+    Io {
+        op: &'static str,
+        device: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl BackendError {
+    /// An I/O failure of `op` on `device`.
+    pub fn io(op: &'static str, device: impl Into<String>, source: io::Error) -> Self {
+        BackendError::Io {
+            op,
+            device: device.into(),
+            source,
+        }
+    }
+}
+
+/// Everything a backend needs to bring a volume up.
+#[derive(Debug)]
+pub struct AttachRequest {
+    pub volume_id: Uuid,
+    /// The image, opened read-write (or read-only for read-only volumes) by the
+    /// manager through the image roots; the backend never resolves paths.
+    pub image_fd: OwnedFd,
+    /// Path of the image, for messages only.
+    pub image_path: String,
+    /// `(st_dev, st_ino)` of the image.
+    pub image_identity: (u64, u64),
+    pub size_bytes: u64,
+    pub read_only: bool,
+    pub dispatch: DispatchPolicy,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub qos: Option<Qos>,
+}
+
+/// A live device, as the backend describes it; stored with the volume so a
+/// restarted service can find and check it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    /// Device node, e.g. `/dev/loop3`.
+    pub device: String,
+    /// The kernel's name for it (`/sys/block/<name>`), e.g. `loop3`.
+    pub kernel_name: String,
+    pub major: u32,
+    pub minor: u32,
+    pub dispatch: ActiveDispatch,
+    pub dispatch_reason: String,
+    /// Loop: whether the loop driver does direct I/O.
+    pub direct_io: Option<bool>,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    /// When the counters in `baseline` were read (the attach).
+    #[serde(with = "time::serde::rfc3339")]
+    pub attached_at: OffsetDateTime,
+    /// Kernel block statistics at attach: the device may have counted I/O of an
+    /// earlier user.
+    pub baseline: Option<blockstat::BlockStat>,
+}
+
+/// What a backend found when asked about a volume's device.
+#[derive(Debug)]
+pub enum Probe {
+    /// The device is there and serves the image.
+    Alive(Box<Attachment>),
+    /// No device of this volume exists.
+    Gone,
+}
+
+/// A device that carries a blockplane mark, found by scanning the kernel.
+#[derive(Debug, Clone)]
+pub struct Marked {
+    pub volume_id: Uuid,
+    pub device: String,
+}
+
+/// A live change asked of a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Dispatch(DispatchPolicy),
+    Qos(Option<Qos>),
+    ReadOnly(bool),
+}
+
+impl Change {
+    /// The API field this change sets.
+    pub fn field(&self) -> &'static str {
+        match self {
+            Change::Dispatch(_) => "dispatch",
+            Change::Qos(_) => "qos",
+            Change::ReadOnly(_) => "read_only",
+        }
+    }
+}
+
+/// One kernel mechanism for serving volumes.
+pub trait VolumeBackend: Send + Sync {
+    /// Which backend this is.
+    fn kind(&self) -> BackendKind;
+
+    /// Whether it can run here, and why not.
+    fn capability(&self) -> BackendCapability;
+
+    /// Refuses, before anything is recorded, a spec this backend cannot serve.
+    fn validate(&self, req: &SpecCheck) -> Result<(), BackendError>;
+
+    /// Creates the device. On error, nothing of it is left behind.
+    fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError>;
+
+    /// Refuses, without side effects, to remove a device that is in use
+    /// (mounted or held open exclusively).
+    fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError>;
+
+    /// Flushes and removes the device of `volume_id` (found by its mark, so a
+    /// device whose attachment was never recorded can be removed too). No
+    /// device is not an error.
+    fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError>;
+
+    /// Looks for the device of `volume_id` in the kernel; `identity` is the
+    /// image's `(st_dev, st_ino)`, which the device must still serve.
+    fn probe(&self, volume_id: Uuid, identity: (u64, u64)) -> Result<Probe, BackendError>;
+
+    /// Every device of this backend that carries a blockplane mark.
+    fn marked(&self) -> Result<Vec<Marked>, BackendError>;
+
+    /// Current counters.
+    fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError>;
+
+    /// Makes the device follow its image's new size.
+    fn resize(&self, att: &Attachment, size_bytes: u64) -> Result<Attachment, BackendError>;
+
+    /// Refuses, without side effects, a live change this backend cannot make.
+    fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError>;
+
+    /// Applies a live change (after [`VolumeBackend::check_change`] passed).
+    fn reconfigure(&self, att: &Attachment, change: Change) -> Result<Attachment, BackendError>;
+}
+
+/// The parts of a volume spec a backend checks before anything is recorded.
+#[derive(Debug, Clone)]
+pub struct SpecCheck {
+    pub dispatch: DispatchPolicy,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub qos: Option<Qos>,
+    pub read_only: bool,
+}
+
+/// Stats in the API's shape from the kernel's counters since `att` was made.
+pub(crate) fn kernel_stats(
+    volume_id: Uuid,
+    backend: BackendKind,
+    att: &Attachment,
+) -> Result<VolumeStats, BackendError> {
+    let now = blockstat::BlockStat::read(&att.kernel_name)
+        .map_err(|e| BackendError::io("read statistics", &att.device, e))?;
+    let delta = match &att.baseline {
+        Some(base) => now.since(base),
+        None => now,
+    };
+    let [read, write, flush, discard]: [OpStats; 4] = delta.ops();
+    Ok(VolumeStats {
+        volume_id,
+        backend,
+        dispatch: att.dispatch,
+        read,
+        write,
+        flush,
+        discard,
+        in_flight: delta.in_flight,
+        since: att.attached_at,
+        kernel: Some(delta.kernel()),
+    })
+}

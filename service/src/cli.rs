@@ -1,0 +1,638 @@
+//! The `blockplane` command line: `serve` runs the service; every other
+//! command is a client of its API (tables for people, `--json` for scripts,
+//! a non-zero exit with the API's message on error).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hyper::Method;
+use serde_json::{Value, json};
+
+use crate::client::{Client, Endpoint};
+use crate::config::{ServeArgs, default_data_dir, default_socket};
+
+/// blockplane: image files as fast, safe block devices.
+#[derive(Debug, Parser)]
+#[command(name = "blockplane", version, about)]
+pub struct Cli {
+    /// API address: unix:/path.sock or http://host:port [default: the local service's socket].
+    #[arg(long, global = true, env = "BLOCKPLANE_API")]
+    api: Option<String>,
+    /// Bearer token for the API.
+    #[arg(long, global = true, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Print the API's JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the service.
+    Serve(ServeArgs),
+    /// What this host can run.
+    Host,
+    /// Backing image files.
+    #[command(subcommand)]
+    Image(ImageCmd),
+    /// Block devices.
+    #[command(subcommand)]
+    Volume(VolumeCmd),
+    /// The event log.
+    Events {
+        /// Only this volume's events (id or name).
+        #[arg(long)]
+        volume: Option<String>,
+        /// At most this many (newest).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Print the OpenAPI document.
+    #[command(hide = true)]
+    Openapi,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageCmd {
+    /// Register an existing file.
+    Add { name: String, path: String },
+    /// Create a new file and register it.
+    Create {
+        name: String,
+        path: String,
+        /// Size, e.g. 512M, 4G (binary units) or bytes.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        /// sparse, or full (allocated and zero-written: direct-map ready).
+        #[arg(long, default_value = "sparse", value_parser = ["sparse", "full"])]
+        allocation: String,
+    },
+    /// List images.
+    Ls,
+    /// Show one image.
+    Show { image: String },
+    /// Grow an image (attached volumes follow).
+    Resize {
+        image: String,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// Forget an image.
+    Rm {
+        image: String,
+        /// Also delete the file.
+        #[arg(long)]
+        delete_file: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum VolumeCmd {
+    /// Create a volume (idempotent by name).
+    Create {
+        name: String,
+        /// Image id or name.
+        #[arg(long)]
+        image: String,
+        #[arg(long, default_value = "auto", value_parser = ["auto", "loop", "ublk", "dm"])]
+        backend: String,
+        #[arg(long, default_value = "auto", value_parser = ["auto", "nowait", "threaded", "direct"])]
+        dispatch: String,
+        #[arg(long)]
+        read_only: bool,
+        #[arg(long, default_value_t = 1)]
+        queues: u16,
+        #[arg(long, default_value_t = 128)]
+        queue_depth: u16,
+    },
+    /// List volumes.
+    Ls,
+    /// Show one volume.
+    Show { volume: String },
+    /// Change a volume live.
+    Set {
+        volume: String,
+        #[arg(long, value_parser = ["auto", "nowait", "threaded", "direct"])]
+        dispatch: Option<String>,
+        #[arg(long)]
+        read_only: Option<bool>,
+        /// IOPS limit.
+        #[arg(long)]
+        qos_iops: Option<u64>,
+        /// Bandwidth limit, bytes/s (units allowed).
+        #[arg(long, value_parser = parse_size)]
+        qos_bytes_per_sec: Option<u64>,
+        /// Remove all QoS limits.
+        #[arg(long, conflicts_with_all = ["qos_iops", "qos_bytes_per_sec"])]
+        no_qos: bool,
+    },
+    /// A volume's I/O counters.
+    Stats { volume: String },
+    /// Delete a volume (its device goes away).
+    Rm { volume: String },
+}
+
+/// Parses `4096`, `64K`, `512M`, `4G`, `1T` (binary multiples; `KiB` etc. too).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size"))?;
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        "T" | "TB" | "TIB" => 1 << 40,
+        u => return Err(format!("unknown size unit '{u}' in '{s}'")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Openapi => {
+            let _ = std::io::Write::write_all(
+                &mut std::io::stdout(),
+                crate::api::openapi_json().as_bytes(),
+            );
+            ExitCode::SUCCESS
+        }
+        _ => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            rt.block_on(run_client(cli))
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> ExitCode {
+    let cfg = match args.resolve() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    crate::server::init_logging(cfg.log_format);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(crate::server::serve(cfg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "blockplane stopped");
+            eprintln!("blockplane: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_client(cli: Cli) -> ExitCode {
+    let api = cli
+        .api
+        .clone()
+        .unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()));
+    let client = match Endpoint::parse(&api) {
+        Ok(e) => Client::new(e, cli.token.clone()),
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let (method, path, body, view) = request_for(&cli.command);
+    let answer = match client.send(method, &path, body.as_ref()).await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if !answer.status.is_success() {
+        let code = answer.body["error"]["code"].as_str().unwrap_or("unknown");
+        let msg = answer.body["error"]["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| answer.body.to_string());
+        eprintln!(
+            "blockplane: {msg} ({code}, HTTP {})",
+            answer.status.as_u16()
+        );
+        return ExitCode::FAILURE;
+    }
+    let text = if cli.json {
+        if answer.body.is_null() {
+            String::new()
+        } else {
+            serde_json::to_string_pretty(&answer.body).unwrap_or_default() + "\n"
+        }
+    } else {
+        render(view, &answer.body)
+    };
+    // A closed stdout (`| head`) is not an error of ours.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+    ExitCode::SUCCESS
+}
+
+/// How to show an answer to people.
+#[derive(Debug, Clone, Copy)]
+enum View {
+    Host,
+    Image,
+    Images,
+    Volume,
+    Volumes,
+    Stats,
+    Events,
+    Done(&'static str),
+}
+
+fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
+    use Method as M;
+    match cmd {
+        Command::Serve(_) | Command::Openapi => unreachable!("handled without the API"),
+        Command::Host => (M::GET, "/v1/host".into(), None, View::Host),
+        Command::Events { volume, limit } => {
+            let mut q = Vec::new();
+            if let Some(v) = volume {
+                q.push(format!("volume={}", encode(v)));
+            }
+            if let Some(l) = limit {
+                q.push(format!("limit={l}"));
+            }
+            let qs = if q.is_empty() {
+                String::new()
+            } else {
+                format!("?{}", q.join("&"))
+            };
+            (M::GET, format!("/v1/events{qs}"), None, View::Events)
+        }
+        Command::Image(c) => match c {
+            ImageCmd::Add { name, path } => (
+                M::POST,
+                "/v1/images".into(),
+                Some(json!({"name": name, "path": path})),
+                View::Image,
+            ),
+            ImageCmd::Create {
+                name,
+                path,
+                size,
+                allocation,
+            } => (
+                M::POST,
+                "/v1/images".into(),
+                Some(
+                    json!({"name": name, "path": path, "create": {"size_bytes": size, "allocation": allocation}}),
+                ),
+                View::Image,
+            ),
+            ImageCmd::Ls => (M::GET, "/v1/images".into(), None, View::Images),
+            ImageCmd::Show { image } => (
+                M::GET,
+                format!("/v1/images/{}", encode(image)),
+                None,
+                View::Image,
+            ),
+            ImageCmd::Resize { image, size } => (
+                M::POST,
+                format!("/v1/images/{}/resize", encode(image)),
+                Some(json!({"size_bytes": size})),
+                View::Image,
+            ),
+            ImageCmd::Rm { image, delete_file } => (
+                M::DELETE,
+                format!("/v1/images/{}?delete_file={delete_file}", encode(image)),
+                None,
+                View::Done("image removed"),
+            ),
+        },
+        Command::Volume(c) => match c {
+            VolumeCmd::Create {
+                name,
+                image,
+                backend,
+                dispatch,
+                read_only,
+                queues,
+                queue_depth,
+            } => (
+                M::POST,
+                "/v1/volumes".into(),
+                Some(json!({
+                    "name": name, "image": image, "backend": backend, "dispatch": dispatch,
+                    "read_only": read_only, "queues": queues, "queue_depth": queue_depth,
+                })),
+                View::Volume,
+            ),
+            VolumeCmd::Ls => (M::GET, "/v1/volumes".into(), None, View::Volumes),
+            VolumeCmd::Show { volume } => (
+                M::GET,
+                format!("/v1/volumes/{}", encode(volume)),
+                None,
+                View::Volume,
+            ),
+            VolumeCmd::Set {
+                volume,
+                dispatch,
+                read_only,
+                qos_iops,
+                qos_bytes_per_sec,
+                no_qos,
+            } => {
+                let mut patch = serde_json::Map::new();
+                if let Some(d) = dispatch {
+                    patch.insert("dispatch".into(), json!(d));
+                }
+                if let Some(ro) = read_only {
+                    patch.insert("read_only".into(), json!(ro));
+                }
+                if *no_qos {
+                    patch.insert("qos".into(), Value::Null);
+                } else if qos_iops.is_some() || qos_bytes_per_sec.is_some() {
+                    patch.insert(
+                        "qos".into(),
+                        json!({"iops": qos_iops, "bytes_per_sec": qos_bytes_per_sec}),
+                    );
+                }
+                (
+                    M::PATCH,
+                    format!("/v1/volumes/{}", encode(volume)),
+                    Some(Value::Object(patch)),
+                    View::Volume,
+                )
+            }
+            VolumeCmd::Stats { volume } => (
+                M::GET,
+                format!("/v1/volumes/{}/stats", encode(volume)),
+                None,
+                View::Stats,
+            ),
+            VolumeCmd::Rm { volume } => (
+                M::DELETE,
+                format!("/v1/volumes/{}", encode(volume)),
+                None,
+                View::Done("volume deleted"),
+            ),
+        },
+    }
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn human_bytes(v: &Value) -> String {
+    let Some(n) = v.as_u64() else { return s(v) };
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = n as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u < UNITS.len() - 1 {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{x:.1} {}", UNITS[u])
+    }
+}
+
+/// Left-aligned columns, two spaces apart.
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut out = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ");
+        out.truncate(out.trim_end().len());
+        out + "\n"
+    };
+    let mut out = line(headers.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        out += &line(r);
+    }
+    out
+}
+
+fn fields(pairs: Vec<(&str, String)>) -> String {
+    let w = pairs.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    pairs
+        .into_iter()
+        .map(|(k, v)| format!("{k:<w$}  {v}\n"))
+        .collect()
+}
+
+fn render(view: View, b: &Value) -> String {
+    let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
+    match view {
+        View::Done(msg) => format!("{msg}\n"),
+        View::Host => {
+            let mut out = fields(vec![
+                ("kernel", s(&b["kernel"])),
+                ("version", s(&b["version"])),
+                ("default backend", s(&b["default_backend"])),
+                (
+                    "image roots",
+                    list(&b["image_roots"])
+                        .iter()
+                        .map(s)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ),
+            ]);
+            let cap = |c: &Value| {
+                if c["available"] == json!(true) {
+                    "yes".to_string()
+                } else {
+                    format!("no: {}", s(&c["reason"]))
+                }
+            };
+            let mut rows = Vec::new();
+            for k in ["loop", "ublk", "dm"] {
+                rows.push(vec![format!("backend {k}"), cap(&b["backends"][k])]);
+            }
+            for k in ["nowait", "threaded", "direct"] {
+                rows.push(vec![format!("policy {k}"), cap(&b["policies"][k])]);
+            }
+            out += &table(&["", "available"], rows);
+            out
+        }
+        View::Image => fields(vec![
+            ("id", s(&b["id"])),
+            ("name", s(&b["name"])),
+            ("path", s(&b["path"])),
+            ("size", human_bytes(&b["size_bytes"])),
+            ("allocated", human_bytes(&b["allocated_bytes"])),
+            ("filesystem", s(&b["filesystem"])),
+            ("allocation", s(&b["allocation"])),
+            (
+                "volumes",
+                list(&b["volumes"])
+                    .iter()
+                    .map(s)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+            ("created", s(&b["created_at"])),
+        ]),
+        View::Images => table(
+            &["NAME", "SIZE", "ALLOCATED", "FS", "VOLUMES", "PATH"],
+            list(b)
+                .iter()
+                .map(|i| {
+                    vec![
+                        s(&i["name"]),
+                        human_bytes(&i["size_bytes"]),
+                        human_bytes(&i["allocated_bytes"]),
+                        s(&i["filesystem"]),
+                        list(&i["volumes"]).len().to_string(),
+                        s(&i["path"]),
+                    ]
+                })
+                .collect(),
+        ),
+        View::Volume => fields(vec![
+            ("id", s(&b["id"])),
+            ("name", s(&b["name"])),
+            ("image", s(&b["image_id"])),
+            ("backend", s(&b["backend"])),
+            (
+                "dispatch",
+                format!(
+                    "{} (asked {}): {}",
+                    s(&b["dispatch"]),
+                    s(&b["requested_dispatch"]),
+                    s(&b["dispatch_reason"])
+                ),
+            ),
+            (
+                "state",
+                match &b["state_reason"] {
+                    Value::Null => s(&b["state"]),
+                    r => format!("{}: {}", s(&b["state"]), s(r)),
+                },
+            ),
+            ("device", s(&b["device"])),
+            ("size", human_bytes(&b["size_bytes"])),
+            ("read only", s(&b["read_only"])),
+            (
+                "queues",
+                format!("{} x depth {}", s(&b["queues"]), s(&b["queue_depth"])),
+            ),
+            ("qos", s(&b["qos"])),
+            ("direct io", s(&b["direct_io"])),
+            ("created", s(&b["created_at"])),
+            ("updated", s(&b["updated_at"])),
+        ]),
+        View::Volumes => table(
+            &[
+                "NAME", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO",
+            ],
+            list(b)
+                .iter()
+                .map(|v| {
+                    vec![
+                        s(&v["name"]),
+                        s(&v["backend"]),
+                        s(&v["dispatch"]),
+                        s(&v["state"]),
+                        s(&v["device"]),
+                        human_bytes(&v["size_bytes"]),
+                        s(&v["read_only"]),
+                    ]
+                })
+                .collect(),
+        ),
+        View::Stats => {
+            let mut out = fields(vec![
+                ("volume", s(&b["volume_id"])),
+                ("dispatch", s(&b["dispatch"])),
+                ("in flight", s(&b["in_flight"])),
+                ("since", s(&b["since"])),
+            ]);
+            out += &table(
+                &["OP", "OPS", "BYTES", "ERRORS"],
+                ["read", "write", "flush", "discard"]
+                    .iter()
+                    .map(|op| {
+                        vec![
+                            op.to_string(),
+                            s(&b[op]["ops"]),
+                            human_bytes(&b[op]["bytes"]),
+                            s(&b[op]["errors"]),
+                        ]
+                    })
+                    .collect(),
+            );
+            out
+        }
+        View::Events => table(
+            &["ID", "AT", "KIND", "MESSAGE"],
+            list(b)
+                .iter()
+                .map(|e| vec![s(&e["id"]), s(&e["at"]), s(&e["kind"]), s(&e["message"])])
+                .collect(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn path_segments_are_encoded() {
+        assert_eq!(encode("a b/c"), "a%20b%2Fc");
+        assert_eq!(encode("vol-1.x_y"), "vol-1.x_y");
+    }
+
+    #[test]
+    fn tables_align() {
+        let t = table(&["A", "BB"], vec![vec!["xxx".into(), "y".into()]]);
+        assert_eq!(t, "A    BB\nxxx  y\n");
+    }
+}

@@ -1,0 +1,306 @@
+//! `blockplane serve` configuration: flags, `BLOCKPLANE_*` environment
+//! variables (clap reads both; flags win), an optional TOML config file, then
+//! defaults, in that order of precedence.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Configuration errors, reported before anything starts.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("invalid listen address '{0}': use unix:/path/to.sock or HOST:PORT")]
+    Listen(String),
+    #[error(
+        "refusing to listen on TCP {0} without a token: set --token/BLOCKPLANE_TOKEN, or --insecure-tcp on a loopback address"
+    )]
+    TcpWithoutToken(SocketAddr),
+    #[error("--insecure-tcp only allows loopback addresses; {0} is not one")]
+    InsecureNotLoopback(SocketAddr),
+    #[error("token file {path}: {reason}")]
+    TokenFile { path: String, reason: String },
+    #[error("the token is empty")]
+    EmptyToken,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Flags of `blockplane serve`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML file with any of: data_dir, listen, image_roots, token, token_file, insecure_tcp, log_format.
+    #[arg(long, env = "BLOCKPLANE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// SQLite database and runtime files [default: /var/lib/blockplane as root, else ~/.local/share/blockplane].
+    #[arg(long, env = "BLOCKPLANE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Where to listen, repeatable: unix:/path.sock or HOST:PORT [default: unix:<data-dir>/blockplane.sock].
+    #[arg(long = "listen", env = "BLOCKPLANE_LISTEN", value_delimiter = ',')]
+    pub listen: Vec<String>,
+    /// A directory images may live under, repeatable [default: <data-dir>/images].
+    #[arg(
+        long = "image-root",
+        env = "BLOCKPLANE_IMAGE_ROOT",
+        value_delimiter = ','
+    )]
+    pub image_roots: Vec<PathBuf>,
+    /// Bearer token every request but /healthz must carry (prefer the env variable or --token-file: flags show in ps).
+    #[arg(long, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, env = "BLOCKPLANE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Allow a TCP listener without a token, on a loopback address only.
+    #[arg(long, env = "BLOCKPLANE_INSECURE_TCP")]
+    pub insecure_tcp: bool,
+    /// Log format.
+    #[arg(long, env = "BLOCKPLANE_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// The config file's keys (all optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    data_dir: Option<PathBuf>,
+    #[serde(default)]
+    listen: Vec<String>,
+    #[serde(default)]
+    image_roots: Vec<PathBuf>,
+    token: Option<String>,
+    token_file: Option<PathBuf>,
+    insecure_tcp: Option<bool>,
+    log_format: Option<LogFormat>,
+}
+
+/// A place to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl ListenAddr {
+    /// Parses `unix:/path` or `HOST:PORT`.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(ConfigError::Listen(s.into()));
+            }
+            return Ok(ListenAddr::Unix(PathBuf::from(path)));
+        }
+        s.parse()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| ConfigError::Listen(s.into()))
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+            ListenAddr::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// The resolved configuration of a running service.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub data_dir: PathBuf,
+    pub listen: Vec<ListenAddr>,
+    pub image_roots: Vec<PathBuf>,
+    pub token: Option<String>,
+    pub log_format: LogFormat,
+}
+
+/// The data dir used when none is configured.
+pub fn default_data_dir() -> PathBuf {
+    if rustix::process::geteuid().is_root() {
+        return PathBuf::from("/var/lib/blockplane");
+    }
+    std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("blockplane")
+}
+
+/// The API socket in a data dir.
+pub fn default_socket(data_dir: &Path) -> PathBuf {
+    data_dir.join("blockplane.sock")
+}
+
+impl ServeArgs {
+    /// Merges flags/env, the config file and defaults, and checks the result.
+    pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
+        let file = match &self.config {
+            None => FileConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                toml::from_str(&text).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?
+            }
+        };
+        let data_dir = self
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(default_data_dir);
+        let listen_text = if self.listen.is_empty() {
+            file.listen
+        } else {
+            self.listen
+        };
+        let mut listen = listen_text
+            .iter()
+            .map(|s| ListenAddr::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if listen.is_empty() {
+            listen.push(ListenAddr::Unix(default_socket(&data_dir)));
+        }
+        let mut image_roots = if self.image_roots.is_empty() {
+            file.image_roots
+        } else {
+            self.image_roots
+        };
+        if image_roots.is_empty() {
+            image_roots.push(data_dir.join("images"));
+        }
+        let token = match (
+            self.token.or(file.token),
+            self.token_file.or(file.token_file),
+        ) {
+            (Some(t), _) => Some(t),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(&path)
+                    .map_err(|e| ConfigError::TokenFile {
+                        path: path.display().to_string(),
+                        reason: e.to_string(),
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            (None, None) => None,
+        };
+        if token.as_deref() == Some("") {
+            return Err(ConfigError::EmptyToken);
+        }
+        let insecure_tcp = self.insecure_tcp || file.insecure_tcp.unwrap_or(false);
+        for l in &listen {
+            if let ListenAddr::Tcp(addr) = l
+                && token.is_none()
+            {
+                if !insecure_tcp {
+                    return Err(ConfigError::TcpWithoutToken(*addr));
+                }
+                if !addr.ip().is_loopback() {
+                    return Err(ConfigError::InsecureNotLoopback(*addr));
+                }
+            }
+        }
+        Ok(ServeConfig {
+            data_dir,
+            listen,
+            image_roots,
+            token,
+            log_format: self
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Human),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> ServeArgs {
+        ServeArgs {
+            data_dir: Some("/d".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_put_socket_and_images_in_the_data_dir() {
+        let c = args().resolve().unwrap();
+        assert_eq!(
+            c.listen,
+            vec![ListenAddr::Unix("/d/blockplane.sock".into())]
+        );
+        assert_eq!(c.image_roots, vec![PathBuf::from("/d/images")]);
+        assert_eq!(c.token, None);
+    }
+
+    #[test]
+    fn tcp_needs_a_token_or_insecure_loopback() {
+        let tcp = |addr: &str, token: Option<&str>, insecure| {
+            ServeArgs {
+                listen: vec![addr.into()],
+                token: token.map(Into::into),
+                insecure_tcp: insecure,
+                ..args()
+            }
+            .resolve()
+        };
+        assert!(matches!(
+            tcp("127.0.0.1:9", None, false),
+            Err(ConfigError::TcpWithoutToken(_))
+        ));
+        assert!(matches!(
+            tcp("0.0.0.0:9", None, true),
+            Err(ConfigError::InsecureNotLoopback(_))
+        ));
+        assert!(tcp("127.0.0.1:9", None, true).is_ok());
+        assert!(tcp("0.0.0.0:9", Some("t"), false).is_ok());
+        assert!(matches!(
+            tcp("nonsense", Some("t"), false),
+            Err(ConfigError::Listen(_))
+        ));
+    }
+
+    #[test]
+    fn flags_beat_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "data_dir = \"/file\"\nimage_roots = [\"/r1\"]\ntoken = \"x\"\n",
+        )
+        .unwrap();
+        let c = ServeArgs {
+            config: Some(file.clone()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/file"));
+        assert_eq!(c.image_roots, vec![PathBuf::from("/r1")]);
+        assert_eq!(c.token.as_deref(), Some("x"));
+        let c = ServeArgs {
+            config: Some(file),
+            data_dir: Some("/flag".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/flag"));
+    }
+}

@@ -1,0 +1,514 @@
+//! Image files: where they may live and how they are opened, created, grown and
+//! removed.
+//!
+//! Every open goes through [`ImageRoots`]: the path must be absolute, free of
+//! `..`, under a configured root, and is resolved with `openat2` beneath that
+//! root's directory fd with `RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`, so neither a
+//! symlink (in any component, swapped in at any time) nor a mount made after start
+//! can lead outside. Files are first opened `O_PATH` and checked before a real
+//! open of that same inode, so a FIFO or device node is never opened for I/O.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+
+use rustix::fs::{AtFlags, FallocateFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
+
+use crate::model::Allocation;
+
+/// Why an image path or file was refused, or an operation on it failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageFileError {
+    #[error(
+        "image path '{path}' is not absolute; images are absolute paths under an image root ({roots})"
+    )]
+    NotAbsolute { path: String, roots: String },
+    #[error("image path '{path}' contains '..'; paths must be written without parent references")]
+    DotDot { path: String },
+    #[error("image path '{path}' is outside every image root ({roots})")]
+    OutsideRoots { path: String, roots: String },
+    #[error(
+        "image path '{path}' goes through a symlink; images are opened without following symlinks"
+    )]
+    Symlink { path: String },
+    #[error(
+        "image path '{path}' crosses a mount point below its image root '{root}'; images must be on the image root's own filesystem"
+    )]
+    OtherFilesystem { path: String, root: String },
+    #[error("image file '{path}' does not exist")]
+    NotFound { path: String },
+    #[error("the directory that would hold '{path}' does not exist")]
+    ParentMissing { path: String },
+    #[error("'{path}' is {kind}, not a regular file")]
+    NotRegular { path: String, kind: &'static str },
+    #[error(
+        "'{path}' has {links} hard links; an image must have exactly one so no path outside the image roots reaches its data"
+    )]
+    HardLinks { path: String, links: u64 },
+    #[error("'{path}' is owned by uid {owner}, not by the service's uid {service}")]
+    ForeignOwner {
+        path: String,
+        owner: u32,
+        service: u32,
+    },
+    #[error("'{path}' is writable by group or others (mode {mode:04o}); make it 0600 or 0640")]
+    LooseMode { path: String, mode: u32 },
+    #[error("'{path}' has size {size}; an image's size must be a positive multiple of 512 bytes")]
+    BadSize { path: String, size: u64 },
+    #[error("'{path}' already exists; leave out 'create' to register an existing file")]
+    Exists { path: String },
+    #[error("image '{path}': the filesystem is full ({op})")]
+    NoSpace { path: String, op: &'static str },
+    #[error("image '{path}': {op} failed: {source}")]
+    Io {
+        path: String,
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, ImageFileError>;
+
+/// One configured image root: its canonical path and a directory fd held from
+/// start, so a mount over the root's path later does not move it.
+#[derive(Debug)]
+struct Root {
+    path: PathBuf,
+    dir: OwnedFd,
+}
+
+/// The directories images may live under.
+#[derive(Debug)]
+pub struct ImageRoots {
+    roots: Vec<Root>,
+}
+
+/// A path accepted by [`ImageRoots::resolve`]: an image root and the normalized
+/// path beneath it.
+#[derive(Debug, Clone)]
+pub struct ImagePath {
+    root: usize,
+    rel: PathBuf,
+    abs: PathBuf,
+}
+
+impl ImagePath {
+    /// The absolute, normalized path.
+    pub fn display(&self) -> String {
+        self.abs.display().to_string()
+    }
+}
+
+impl fmt::Display for ImagePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.abs.display().fmt(f)
+    }
+}
+
+impl ImageRoots {
+    /// Opens the given root directories (creating none): each must exist.
+    pub fn open(paths: &[PathBuf]) -> io::Result<Self> {
+        let mut roots = Vec::new();
+        for p in paths {
+            let canonical = p.canonicalize().map_err(|e| {
+                io::Error::new(e.kind(), format!("image root {}: {e}", p.display()))
+            })?;
+            let dir = rustix::fs::open(
+                &canonical,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| io::Error::other(format!("image root {}: {e}", canonical.display())))?;
+            roots.push(Root {
+                path: canonical,
+                dir,
+            });
+        }
+        Ok(Self { roots })
+    }
+
+    /// The canonical root paths.
+    pub fn paths(&self) -> Vec<String> {
+        self.roots
+            .iter()
+            .map(|r| r.path.display().to_string())
+            .collect()
+    }
+
+    fn roots_list(&self) -> String {
+        self.paths().join(", ")
+    }
+
+    /// Checks a user-supplied path against the roots, without touching the filesystem.
+    pub fn resolve(&self, path: &str) -> Result<ImagePath> {
+        let p = Path::new(path);
+        if !p.is_absolute() {
+            return Err(ImageFileError::NotAbsolute {
+                path: path.into(),
+                roots: self.roots_list(),
+            });
+        }
+        let mut abs = PathBuf::from("/");
+        for c in p.components() {
+            match c {
+                Component::RootDir | Component::CurDir => {}
+                Component::ParentDir => {
+                    return Err(ImageFileError::DotDot { path: path.into() });
+                }
+                Component::Normal(n) => abs.push(n),
+                Component::Prefix(_) => unreachable!("no prefixes on unix"),
+            }
+        }
+        for (i, root) in self.roots.iter().enumerate() {
+            if let Ok(rel) = abs.strip_prefix(&root.path)
+                && rel.components().next().is_some()
+            {
+                return Ok(ImagePath {
+                    root: i,
+                    rel: rel.to_path_buf(),
+                    abs,
+                });
+            }
+        }
+        Err(ImageFileError::OutsideRoots {
+            path: path.into(),
+            roots: self.roots_list(),
+        })
+    }
+
+    fn openat2(&self, path: &ImagePath, rel: &Path, flags: OFlags, mode: Mode) -> Result<OwnedFd> {
+        let root = &self.roots[path.root];
+        rustix::fs::openat2(
+            &root.dir,
+            rel,
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            mode,
+            ResolveFlags::BENEATH
+                | ResolveFlags::NO_SYMLINKS
+                | ResolveFlags::NO_MAGICLINKS
+                | ResolveFlags::NO_XDEV,
+        )
+        .map_err(|e| self.resolve_error(path, e.into(), "open"))
+    }
+
+    fn resolve_error(&self, path: &ImagePath, e: io::Error, op: &'static str) -> ImageFileError {
+        let p = path.display();
+        match e.raw_os_error() {
+            Some(libc::ELOOP) => ImageFileError::Symlink { path: p },
+            Some(libc::EXDEV) => ImageFileError::OtherFilesystem {
+                path: p,
+                root: self.roots[path.root].path.display().to_string(),
+            },
+            Some(libc::ENOENT) | Some(libc::ENOTDIR) => ImageFileError::NotFound { path: p },
+            Some(libc::EEXIST) => ImageFileError::Exists { path: p },
+            Some(libc::ENOSPC) => ImageFileError::NoSpace { path: p, op },
+            _ => ImageFileError::Io {
+                path: p,
+                op,
+                source: e,
+            },
+        }
+    }
+
+    /// Opens an existing image file after checking it is a plain, private,
+    /// singly-linked regular file of a usable size.
+    pub fn open_file(&self, path: &ImagePath, access: Access) -> Result<ImageFile> {
+        let probe = self.openat2(path, &path.rel, OFlags::PATH, Mode::empty())?;
+        let stat = fstat(&probe, path)?;
+        check_file(path, &stat)?;
+        // Reopen the very inode checked above: /proc/self/fd of an O_PATH fd is a
+        // magic link to it, so nothing can be swapped in between.
+        let flags = match access {
+            Access::ReadOnly => OFlags::RDONLY,
+            Access::ReadWrite => OFlags::RDWR,
+        };
+        let fd = rustix::fs::open(
+            format!("/proc/self/fd/{}", probe.as_raw_fd()),
+            flags | OFlags::CLOEXEC | OFlags::NOCTTY,
+            Mode::empty(),
+        )
+        .map_err(|e| io_error(path, "reopen", e.into()))?;
+        let file = ImageFile::from_fd(path.clone(), fd)?;
+        if (file.stat.st_dev, file.stat.st_ino) != (stat.st_dev, stat.st_ino) {
+            return Err(io_error(
+                path,
+                "reopen",
+                io::Error::other("file changed while being opened"),
+            ));
+        }
+        Ok(file)
+    }
+
+    /// Size and allocation of the file at `path`, if it is still the file with
+    /// identity `(dev, ino)`; never opens it for I/O.
+    pub fn stat_if_same(&self, path: &str, identity: (u64, u64)) -> Option<(u64, u64)> {
+        let path = self.resolve(path).ok()?;
+        let fd = self
+            .openat2(&path, &path.rel, OFlags::PATH, Mode::empty())
+            .ok()?;
+        let st = rustix::fs::fstat(fd).ok()?;
+        ((st.st_dev, st.st_ino) == identity)
+            .then_some((st.st_size as u64, st.st_blocks as u64 * 512))
+    }
+
+    /// Creates a new image file (mode 0600) of `size` bytes; on any failure the
+    /// half-made file is removed.
+    pub fn create_file(&self, path: &ImagePath, size: u64, alloc: Allocation) -> Result<ImageFile> {
+        check_size(path, size)?;
+        let (parent, name) = self.open_parent(path)?;
+        let fd = rustix::fs::openat(
+            &parent,
+            &name,
+            OFlags::CREATE
+                | OFlags::EXCL
+                | OFlags::RDWR
+                | OFlags::NOFOLLOW
+                | OFlags::CLOEXEC
+                | OFlags::NOCTTY,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| self.resolve_error(path, e.into(), "create"))?;
+        let mut file = ImageFile::from_fd(path.clone(), fd)?;
+        let filled = file.grow(size, alloc);
+        if let Err(e) = filled {
+            let _ = rustix::fs::unlinkat(&parent, &name, AtFlags::empty());
+            return Err(e);
+        }
+        Ok(file)
+    }
+
+    /// Unlinks an image file, but only if the name still refers to `(dev, ino)`.
+    pub fn remove_file(&self, path: &ImagePath, dev: u64, ino: u64) -> Result<()> {
+        let (parent, name) = self.open_parent(path)?;
+        let st = rustix::fs::statat(&parent, &name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
+        if (st.st_dev, st.st_ino) != (dev, ino) {
+            return Err(io_error(
+                path,
+                "unlink",
+                io::Error::other(
+                    "the path now names another file than the registered image; not removed",
+                ),
+            ));
+        }
+        rustix::fs::unlinkat(&parent, &name, AtFlags::empty())
+            .map_err(|e| self.resolve_error(path, e.into(), "unlink"))
+    }
+
+    fn open_parent(&self, path: &ImagePath) -> Result<(OwnedFd, PathBuf)> {
+        let name = path.rel.file_name().map(PathBuf::from).unwrap_or_default();
+        let dir = path.rel.parent().unwrap_or(Path::new(""));
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        let parent = self
+            .openat2(path, dir, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
+            .map_err(|e| match e {
+                ImageFileError::NotFound { path } => ImageFileError::ParentMissing { path },
+                e => e,
+            })?;
+        Ok((parent, name))
+    }
+}
+
+/// How an image file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// An open image file and what `fstat` said of it when opened.
+#[derive(Debug)]
+pub struct ImageFile {
+    path: ImagePath,
+    fd: OwnedFd,
+    stat: Stat,
+}
+
+impl ImageFile {
+    fn from_fd(path: ImagePath, fd: OwnedFd) -> Result<Self> {
+        let stat = fstat(&fd, &path)?;
+        Ok(Self { path, fd, stat })
+    }
+
+    /// The normalized absolute path it was opened by.
+    pub fn path(&self) -> &ImagePath {
+        &self.path
+    }
+
+    /// The open file descriptor.
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// Gives up the file descriptor.
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
+    /// `(st_dev, st_ino)`: the file's identity.
+    pub fn identity(&self) -> (u64, u64) {
+        (self.stat.st_dev, self.stat.st_ino)
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.stat.st_size as u64
+    }
+
+    /// Bytes allocated on disk.
+    pub fn allocated(&self) -> u64 {
+        self.stat.st_blocks as u64 * 512
+    }
+
+    /// The filesystem the file is on.
+    pub fn filesystem(&self) -> Result<String> {
+        let fs =
+            rustix::fs::fstatfs(&self.fd).map_err(|e| io_error(&self.path, "statfs", e.into()))?;
+        Ok(filesystem_name(fs.f_type as i64).to_string())
+    }
+
+    /// Re-reads size and allocation.
+    pub fn refresh(&mut self) -> Result<()> {
+        self.stat = fstat(&self.fd, &self.path)?;
+        Ok(())
+    }
+
+    /// Grows the file to `size` bytes; with `Full`, the new range is allocated and
+    /// written with zeros so no extent stays unwritten; then synced.
+    pub fn grow(&mut self, size: u64, alloc: Allocation) -> Result<()> {
+        check_size(&self.path, size)?;
+        let old = self.size();
+        if size < old {
+            return Err(io_error(
+                &self.path,
+                "grow",
+                io::Error::other(format!("new size {size} is below the current size {old}")),
+            ));
+        }
+        let io_err = |op, e: io::Error| match e.raw_os_error() {
+            Some(libc::ENOSPC) => ImageFileError::NoSpace {
+                path: self.path.display(),
+                op,
+            },
+            _ => io_error(&self.path, op, e),
+        };
+        match alloc {
+            Allocation::Sparse => {
+                rustix::fs::ftruncate(&self.fd, size).map_err(|e| io_err("ftruncate", e.into()))?
+            }
+            Allocation::Full => {
+                rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), old, size - old)
+                    .map_err(|e| io_err("fallocate", e.into()))?;
+                write_zeros(&self.fd, old, size).map_err(|e| io_err("write zeros", e))?;
+            }
+        }
+        rustix::fs::fsync(&self.fd).map_err(|e| io_err("fsync", e.into()))?;
+        self.refresh()
+    }
+}
+
+fn write_zeros(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {
+    const CHUNK: usize = 1 << 20;
+    let zeros = vec![0u8; CHUNK];
+    let mut off = from;
+    while off < to {
+        let n = ((to - off) as usize).min(CHUNK);
+        let written = rustix::io::pwrite(fd, &zeros[..n], off)?;
+        off += written as u64;
+    }
+    Ok(())
+}
+
+fn fstat(fd: impl AsFd, path: &ImagePath) -> Result<Stat> {
+    rustix::fs::fstat(fd).map_err(|e| io_error(path, "fstat", e.into()))
+}
+
+fn io_error(path: &ImagePath, op: &'static str, source: io::Error) -> ImageFileError {
+    ImageFileError::Io {
+        path: path.display(),
+        op,
+        source,
+    }
+}
+
+fn check_size(path: &ImagePath, size: u64) -> Result<()> {
+    if size == 0 || !size.is_multiple_of(512) {
+        return Err(ImageFileError::BadSize {
+            path: path.display(),
+            size,
+        });
+    }
+    Ok(())
+}
+
+fn check_file(path: &ImagePath, st: &Stat) -> Result<()> {
+    let p = path.display();
+    let kind = match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => None,
+        FileType::Directory => Some("a directory"),
+        // O_PATH|O_NOFOLLOW opens a final symlink itself rather than failing.
+        FileType::Symlink => return Err(ImageFileError::Symlink { path: p }),
+        FileType::Fifo => Some("a FIFO"),
+        FileType::Socket => Some("a socket"),
+        FileType::CharacterDevice => Some("a character device"),
+        FileType::BlockDevice => Some("a block device"),
+        FileType::Unknown => Some("of an unknown type"),
+    };
+    if let Some(kind) = kind {
+        return Err(ImageFileError::NotRegular { path: p, kind });
+    }
+    let service = rustix::process::geteuid().as_raw();
+    if st.st_uid != service {
+        return Err(ImageFileError::ForeignOwner {
+            path: p,
+            owner: st.st_uid,
+            service,
+        });
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(ImageFileError::LooseMode {
+            path: p,
+            mode: st.st_mode & 0o7777,
+        });
+    }
+    if st.st_nlink != 1 {
+        return Err(ImageFileError::HardLinks {
+            path: p,
+            links: st.st_nlink,
+        });
+    }
+    check_size(path, st.st_size as u64)
+}
+
+/// The name of a filesystem from its `statfs` magic number.
+pub fn filesystem_name(magic: i64) -> &'static str {
+    match magic as u32 {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0xCA45_1A4E => "bcachefs",
+        0xF2F5_2010 => "f2fs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58F6 => "ramfs",
+        0x794C_7630 => "overlay",
+        0x6969 => "nfs",
+        0xFF53_4D42 => "cifs",
+        0xFE53_4D42 => "smb2",
+        0x6573_5546 => "fuse",
+        0x0102_1997 => "9p",
+        0x2FC1_2FC1 => "zfs",
+        0x4D44 => "vfat",
+        0x2011_BAB0 => "exfat",
+        0x7366_746E => "ntfs3",
+        0x00C3_6400 => "ceph",
+        0x5346_4846 => "jfs",
+        0x5265_4973 => "reiserfs",
+        _ => "unknown",
+    }
+}

@@ -1,0 +1,17 @@
+//! blockplane: a storage virtualization service for Linux hosts. It records
+//! backing image files in SQLite and serves each volume as a kernel block
+//! device (loop, ublk or dm), with a dispatch policy that can change live.
+//!
+//! The control plane ([`api`] → [`manager`] → [`store`] and [`backend`])
+//! never touches a volume's bytes.
+
+pub mod api;
+pub mod backend;
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod image;
+pub mod manager;
+pub mod model;
+pub mod server;
+pub mod store;

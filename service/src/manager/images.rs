@@ -1,0 +1,306 @@
+//! Image operations: register, create, list, grow, forget.
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{Error, Manager, Result, blocking, validate_name};
+use crate::image::Access;
+use crate::model::{Allocation, CreateImageRequest, Image, VolumeState};
+use crate::store::ImageRow;
+
+impl Manager {
+    /// `POST /v1/images`.
+    pub async fn create_image(
+        self: &std::sync::Arc<Self>,
+        req: CreateImageRequest,
+    ) -> Result<Image> {
+        validate_name("image", &req.name)?;
+        let path = self.roots.resolve(&req.path)?;
+        let _registering = self.image_registration.lock().await;
+        if let Some(existing) = self.store.image(&req.name).await? {
+            return Err(Error::ImageNameTaken {
+                name: req.name,
+                id: existing.id,
+            });
+        }
+        let me = self.clone();
+        let (file, created) = match req.create.clone() {
+            Some(spec) => {
+                let p = path.clone();
+                let file =
+                    blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
+                        .await??;
+                (file, Some(spec.allocation))
+            }
+            None => {
+                let p = path.clone();
+                (
+                    blocking(move || me.roots.open_file(&p, Access::ReadOnly)).await??,
+                    None,
+                )
+            }
+        };
+        let (dev, ino) = file.identity();
+        let row = ImageRow {
+            id: Uuid::new_v4(),
+            name: req.name.clone(),
+            path: path.display(),
+            dev,
+            ino,
+            size_bytes: file.size(),
+            allocated_bytes: file.allocated(),
+            allocation: created,
+            filesystem: file.filesystem()?,
+            created_at: OffsetDateTime::now_utc(),
+        };
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            if let Some(other) = tx.image_by_file(dev, ino, &row.path).await? {
+                return Err(Error::AlreadyRegistered {
+                    path: row.path.clone(),
+                    name: other.name,
+                    id: other.id,
+                });
+            }
+            tx.insert_image(&row).await?;
+            let verb = if created.is_some() {
+                "created"
+            } else {
+                "registered"
+            };
+            tx.event(
+                None,
+                Some(row.id),
+                &format!("image_{verb}"),
+                &format!(
+                    "image '{}' {verb}: {} ({} bytes on {})",
+                    row.name, row.path, row.size_bytes, row.filesystem
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        }
+        .await;
+        if let Err(e) = recorded {
+            if created.is_some() {
+                // Nothing may be left behind by a refused create.
+                let _ = self.roots.remove_file(&path, dev, ino);
+            }
+            return Err(e);
+        }
+        tracing::info!(image = %row.name, path = %row.path, "image recorded");
+        self.image_view(row).await
+    }
+
+    pub(super) async fn image_row(&self, id_or_name: &str) -> Result<ImageRow> {
+        self.store
+            .image(id_or_name)
+            .await?
+            .ok_or_else(|| Error::ImageNotFound(id_or_name.to_string()))
+    }
+
+    async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let volumes = self.store.volume_ids_of_image(row.id).await?;
+        let (size_bytes, allocated_bytes) = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino))
+            .unwrap_or((row.size_bytes, row.allocated_bytes));
+        Ok(Image {
+            id: row.id,
+            name: row.name,
+            path: row.path,
+            size_bytes,
+            allocated_bytes,
+            filesystem: row.filesystem,
+            allocation: row.allocation,
+            created_at: row.created_at,
+            volumes,
+        })
+    }
+
+    /// `GET /v1/images`.
+    pub async fn images(&self) -> Result<Vec<Image>> {
+        let mut out = Vec::new();
+        for row in self.store.images().await? {
+            out.push(self.image_view(row).await?);
+        }
+        Ok(out)
+    }
+
+    /// `GET /v1/images/{id}`.
+    pub async fn image(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        self.image_view(row).await
+    }
+
+    /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
+    pub async fn resize_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+        size_bytes: u64,
+    ) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let row = self.image_row(&row.id.to_string()).await?;
+        if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+            return Err(Error::InvalidField {
+                field: "size_bytes",
+                reason: format!(
+                    "{size_bytes} is not a positive multiple of 512 (image '{}')",
+                    row.name
+                ),
+            });
+        }
+        let current = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino))
+            .map(|(size, _)| size)
+            .unwrap_or(row.size_bytes);
+        if size_bytes < current {
+            return Err(Error::Shrink {
+                name: row.name,
+                current,
+                asked: size_bytes,
+            });
+        }
+        if size_bytes > current {
+            let me = self.clone();
+            let r = row.clone();
+            let (size, allocated) = blocking(move || -> Result<(u64, u64)> {
+                let mut file = me.open_image(&r, Access::ReadWrite)?;
+                file.grow(size_bytes, r.allocation.unwrap_or(Allocation::Sparse))?;
+                Ok((file.size(), file.allocated()))
+            })
+            .await??;
+            let mut tx = self.store.begin().await?;
+            tx.update_image_size(row.id, size, allocated).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_resized",
+                &format!("image '{}' grown from {current} to {size} bytes", row.name),
+            )
+            .await?;
+            tx.commit().await?;
+            self.volumes_follow_resize(&row, size).await?;
+        }
+        self.image(&row.id.to_string()).await
+    }
+
+    /// Makes every attached volume of an image follow its new size.
+    async fn volumes_follow_resize(
+        self: &std::sync::Arc<Self>,
+        image: &ImageRow,
+        size: u64,
+    ) -> Result<()> {
+        for vid in self.store.volume_ids_of_image(image.id).await? {
+            let Some(v) = self.store.volume(&vid.to_string()).await? else {
+                continue;
+            };
+            let _vol = self.volume_locks.lock(&v.name).await;
+            let Some(mut v) = self.store.volume(&vid.to_string()).await? else {
+                continue;
+            };
+            let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+                continue;
+            };
+            if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+                continue;
+            }
+            let outcome = blocking(move || backend.resize(&att, size)).await?;
+            let mut tx = self.store.begin().await?;
+            match outcome {
+                Ok(att) => {
+                    let msg = format!(
+                        "volume '{}' now {} bytes on {}",
+                        v.name, att.size_bytes, att.device
+                    );
+                    v.attachment = Some(att);
+                    v.updated_at = OffsetDateTime::now_utc();
+                    tx.update_volume(&v).await?;
+                    tx.event(Some(v.id), Some(image.id), "volume_resized", &msg)
+                        .await?;
+                }
+                Err(e) => {
+                    tx.event(
+                        Some(v.id),
+                        Some(image.id),
+                        "volume_resize_failed",
+                        &format!("volume '{}' keeps its old size: {e}", v.name),
+                    )
+                    .await?;
+                }
+            }
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
+    /// `DELETE /v1/images/{id}`.
+    pub async fn delete_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+        delete_file: bool,
+    ) -> Result<()> {
+        let row = self.image_row(id_or_name).await?;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let mut tx = self.store.begin().await?;
+        let Some(row) = tx.image(&row.id.to_string()).await? else {
+            return Err(Error::ImageNotFound(id_or_name.to_string()));
+        };
+        let users = tx.volume_ids_of_image(row.id).await?;
+        if !users.is_empty() {
+            return Err(Error::ImageInUse {
+                name: row.name,
+                volumes: users
+                    .iter()
+                    .map(Uuid::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        if delete_file {
+            let path = self.roots.resolve(&row.path)?;
+            match self.roots.remove_file(&path, row.dev, row.ino) {
+                Ok(()) | Err(crate::image::ImageFileError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        tx.delete_image(row.id).await?;
+        let what = if delete_file {
+            "deleted with its file"
+        } else {
+            "forgotten (file kept)"
+        };
+        tx.event(
+            None,
+            Some(row.id),
+            "image_deleted",
+            &format!("image '{}' {what}: {}", row.name, row.path),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Opens a registered image's file and checks it is still the same file.
+    pub(super) fn open_image(
+        &self,
+        row: &ImageRow,
+        access: Access,
+    ) -> Result<crate::image::ImageFile> {
+        let path = self.roots.resolve(&row.path)?;
+        let file = self.roots.open_file(&path, access)?;
+        if file.identity() != (row.dev, row.ino) {
+            return Err(Error::ImageReplaced {
+                name: row.name.clone(),
+                reason: format!(
+                    "{} is no longer the registered file (inode {} on device {}); re-register it",
+                    row.path, row.ino, row.dev
+                ),
+            });
+        }
+        Ok(file)
+    }
+}

@@ -1,0 +1,311 @@
+//! The controller: owns the service's state and is the only thing that changes
+//! it. The API layer parses requests into calls on [`Manager`] and maps its
+//! [`Error`]s to HTTP; the manager keeps SQLite and the kernel in step, one
+//! image or volume at a time, with every change recorded as an event.
+
+mod images;
+pub mod locks;
+mod reconcile;
+mod volumes;
+
+use std::sync::Arc;
+
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::backend::loopdev::LoopBackend;
+use crate::backend::{BackendError, VolumeBackend};
+use crate::image::{ImageFileError, ImageRoots};
+use crate::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
+use crate::store::{Store, StoreError};
+use locks::KeyedLocks;
+
+/// Why the manager refused or failed an operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {what} name '{name}': names match [a-z0-9][a-z0-9._-]{{0,62}}")]
+    InvalidName { what: &'static str, name: String },
+    #[error("invalid {field}: {reason}")]
+    InvalidField { field: &'static str, reason: String },
+    #[error("image '{0}' not found")]
+    ImageNotFound(String),
+    #[error("volume '{0}' not found")]
+    VolumeNotFound(String),
+    #[error("image name '{name}' is taken by image {id}")]
+    ImageNameTaken { name: String, id: Uuid },
+    #[error("'{path}' is already registered as image '{name}' ({id})")]
+    AlreadyRegistered {
+        path: String,
+        name: String,
+        id: Uuid,
+    },
+    #[error("image '{name}' is used by volume(s) {volumes}")]
+    ImageInUse { name: String, volumes: String },
+    #[error("image '{name}' file changed: {reason}")]
+    ImageReplaced { name: String, reason: String },
+    #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
+    Shrink {
+        name: String,
+        current: u64,
+        asked: u64,
+    },
+    #[error("volume '{name}' already exists with a different spec ({differences})")]
+    VolumeExists { name: String, differences: String },
+    #[error("volume '{name}' is {state}: {reason}")]
+    VolumeState {
+        name: String,
+        state: &'static str,
+        reason: String,
+    },
+    #[error("volume '{name}': {source}")]
+    Volume {
+        name: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    ImageFile(#[from] ImageFileError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Result of the manager's operations.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Whether a create made something new or found it already there.
+#[derive(Debug)]
+pub enum Created<T> {
+    New(T),
+    Existing(T),
+}
+
+/// Points at which a test can have the service kill itself with SIGKILL, to
+/// prove that restart reconciles (env `BLOCKPLANE_TEST_CRASH_AT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// The volume row is recorded, no device exists yet.
+    AfterInsert,
+    /// The device exists, the row does not say so yet.
+    AfterAttach,
+    /// The device is gone, the row is still there.
+    AfterDetach,
+}
+
+impl CrashPoint {
+    /// Parses the env spelling (`after_insert`, `after_attach`, `after_detach`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "after_insert" => Some(Self::AfterInsert),
+            "after_attach" => Some(Self::AfterAttach),
+            "after_detach" => Some(Self::AfterDetach),
+            _ => None,
+        }
+    }
+}
+
+/// The controller.
+pub struct Manager {
+    store: Store,
+    roots: ImageRoots,
+    backends: Vec<Arc<dyn VolumeBackend>>,
+    /// Serialises image registration (name and file identity checks + insert).
+    image_registration: Mutex<()>,
+    image_locks: KeyedLocks,
+    /// Keyed by volume name: create, delete and live changes of one volume queue.
+    volume_locks: KeyedLocks,
+    crash_at: Option<CrashPoint>,
+}
+
+impl Manager {
+    /// A manager over `store` and `roots` with the backends this build has.
+    pub async fn new(
+        store: Store,
+        roots: ImageRoots,
+        crash_at: Option<CrashPoint>,
+    ) -> Result<Self> {
+        let instance = store.instance().await?;
+        Ok(Self {
+            store,
+            roots,
+            backends: vec![Arc::new(LoopBackend::new(instance))],
+            image_registration: Mutex::new(()),
+            image_locks: KeyedLocks::default(),
+            volume_locks: KeyedLocks::default(),
+            crash_at,
+        })
+    }
+
+    fn crash_point(&self, at: CrashPoint) {
+        if self.crash_at == Some(at) {
+            tracing::warn!(?at, "test crash point reached: killing the service");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
+    }
+
+    fn backend(&self, kind: Backend) -> Option<Arc<dyn VolumeBackend>> {
+        self.backends.iter().find(|b| b.kind() == kind).cloned()
+    }
+
+    /// Availability of a backend, including ones this build does not carry yet.
+    fn capability(&self, kind: Backend) -> model::BackendCapability {
+        match self.backend(kind) {
+            Some(b) => b.capability(),
+            None => model::BackendCapability {
+                available: false,
+                reason: Some(not_built_reason(kind)),
+                features: None,
+            },
+        }
+    }
+
+    /// What this host can run.
+    pub fn host(&self) -> Host {
+        let backends = HostBackends {
+            loop_: self.capability(Backend::Loop),
+            ublk: self.capability(Backend::Ublk),
+            dm: self.capability(Backend::Dm),
+        };
+        let needs = |which: &[&model::BackendCapability], what: &str| {
+            if which.iter().any(|c| c.available) {
+                Capability {
+                    available: true,
+                    reason: None,
+                }
+            } else {
+                let why: Vec<String> = which.iter().filter_map(|c| c.reason.clone()).collect();
+                Capability {
+                    available: false,
+                    reason: Some(format!("{what}: {}", why.join("; "))),
+                }
+            }
+        };
+        let policies = HostPolicies {
+            nowait: needs(&[&backends.ublk], "needs backend ublk"),
+            threaded: needs(&[&backends.ublk], "needs backend ublk"),
+            direct: needs(&[&backends.ublk, &backends.dm], "needs backend ublk or dm"),
+        };
+        let default_backend = Backend::PREFERENCE
+            .into_iter()
+            .find(|k| self.capability(*k).available);
+        Host {
+            kernel: rustix::system::uname()
+                .release()
+                .to_string_lossy()
+                .into_owned(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            backends,
+            policies,
+            image_roots: self.roots.paths(),
+            default_backend,
+        }
+    }
+}
+
+fn not_built_reason(kind: Backend) -> String {
+    match kind {
+        Backend::Ublk if !std::path::Path::new("/dev/ublk-control").exists() => {
+            "ublk_drv is not loaded (no /dev/ublk-control)".into()
+        }
+        Backend::Dm if !std::path::Path::new("/dev/mapper/control").exists() => {
+            "device-mapper is not available (no /dev/mapper/control)".into()
+        }
+        other => format!("this build of blockplane has no {} backend", other.as_str()),
+    }
+}
+
+/// Checks a user-chosen name against `[a-z0-9][a-z0-9._-]{0,62}`.
+pub fn validate_name(what: &'static str, name: &str) -> Result<()> {
+    let b = name.as_bytes();
+    let ok = !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b[1..]
+            .iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"._-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidName {
+            what,
+            name: name.to_string(),
+        })
+    }
+}
+
+/// Runs blocking work (ioctls, file creation) off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))
+}
+
+impl Manager {
+    /// `GET /v1/events`.
+    pub async fn events(&self, q: model::EventQuery) -> Result<Vec<model::Event>> {
+        let volume_id = match q.volume {
+            None => None,
+            Some(v) => match self.store.volume(&v).await? {
+                Some(row) => Some(row.id),
+                // A deleted volume's history stays readable by its id.
+                None => Some(Uuid::parse_str(&v).map_err(|_| Error::VolumeNotFound(v.clone()))?),
+            },
+        };
+        let since = q
+            .since
+            .map(|s| {
+                time::OffsetDateTime::parse(&s, &time::format_description::well_known::Rfc3339)
+                    .map_err(|e| Error::InvalidField {
+                        field: "since",
+                        reason: format!("'{s}' is not an RFC 3339 time: {e}"),
+                    })
+            })
+            .transpose()?;
+        let limit = q.limit.unwrap_or(100);
+        if !(1..=1000).contains(&limit) {
+            return Err(Error::InvalidField {
+                field: "limit",
+                reason: format!("{limit} is outside 1..=1000"),
+            });
+        }
+        Ok(self
+            .store
+            .events(&crate::store::EventFilter {
+                volume_id,
+                since,
+                limit,
+            })
+            .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in ["a", "0", "vol-1", "a.b_c-d", &"a".repeat(63)] {
+            validate_name("volume", ok).unwrap();
+        }
+        for bad in [
+            "",
+            "-a",
+            ".a",
+            "A",
+            "a/b",
+            "a b",
+            "é",
+            &"a".repeat(64),
+            "_x",
+        ] {
+            assert!(validate_name("volume", bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Start-up reconciliation: make SQLite and the kernel agree again after the
+//! service stopped or was killed at any point.
+//!
+//! Every volume row is matched with the kernel by the mark its device carries:
+//! a live device serving the same image is re-adopted; a vanished one is
+//! re-attached, or the volume goes `error` with the reason; a volume caught
+//! half-deleted is finished off. Marked devices with no row are removed.
+
+use std::collections::HashSet;
+
+use super::{Manager, Result, blocking, volumes::access};
+use crate::backend::Probe;
+use crate::model::VolumeState;
+
+/// What reconciliation did, for the log.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub adopted: usize,
+    pub reattached: usize,
+    pub failed: usize,
+    pub finished_deletes: usize,
+    pub orphans_removed: usize,
+}
+
+impl Manager {
+    /// Reconciles every volume, then removes orphan devices.
+    pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
+        let mut report = Report::default();
+        for v in self.store.volumes().await? {
+            let _volume = self.volume_locks.lock(&v.name).await;
+            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+                continue;
+            };
+            if v.state == VolumeState::Detaching {
+                match self.detach(&v).await {
+                    Ok(()) => {
+                        self.forget_volume(&v).await?;
+                        report.finished_deletes += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
+                    }
+                }
+                continue;
+            }
+            let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
+                let reason = format!("its image {} is not registered", v.image_id);
+                self.record_error(&mut v, reason).await?;
+                report.failed += 1;
+                continue;
+            };
+            let Some(backend) = self.backend(v.backend) else {
+                let reason = super::not_built_reason(v.backend);
+                self.record_error(&mut v, reason).await?;
+                report.failed += 1;
+                continue;
+            };
+            let (id, identity) = (v.id, (image.dev, image.ino));
+            let probe = blocking(move || backend.probe(id, identity)).await?;
+            match probe {
+                Ok(Probe::Alive(att)) => {
+                    let mut att = *att;
+                    // Same device as recorded: keep when and from what its counters count.
+                    if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
+                        att.attached_at = old.attached_at;
+                        att.baseline = old.baseline;
+                    }
+                    let unchanged =
+                        v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
+                    if !unchanged {
+                        self.record_attached(&mut v, att, "volume_adopted").await?;
+                    }
+                    report.adopted += 1;
+                }
+                Ok(Probe::Gone) => {
+                    let opened = {
+                        let (me, image, a) = (self.clone(), image.clone(), access(v.read_only));
+                        blocking(move || me.open_image(&image, a)).await?
+                    };
+                    let attached = match opened {
+                        Ok(file) => self.attach(&v, &image, file).await,
+                        Err(e) => Err(e),
+                    };
+                    match attached {
+                        Ok(att) => {
+                            self.record_attached(&mut v, att, "volume_reattached")
+                                .await?;
+                            report.reattached += 1;
+                        }
+                        Err(e) => {
+                            self.record_error(
+                                &mut v,
+                                format!("its device vanished and could not be re-attached: {e}"),
+                            )
+                            .await?;
+                            report.failed += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.record_error(&mut v, e.to_string()).await?;
+                    report.failed += 1;
+                }
+            }
+        }
+        report.orphans_removed = self.remove_orphans().await?;
+        Ok(report)
+    }
+
+    /// Removes devices that carry a blockplane mark but belong to no volume.
+    async fn remove_orphans(&self) -> Result<usize> {
+        let known: HashSet<_> = self.store.volumes().await?.iter().map(|v| v.id).collect();
+        let mut removed = 0;
+        for backend in &self.backends {
+            let b = backend.clone();
+            let marked = match blocking(move || b.marked()).await? {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(backend = backend.kind().as_str(), error = %e, "cannot scan for orphan devices");
+                    continue;
+                }
+            };
+            for m in marked.into_iter().filter(|m| !known.contains(&m.volume_id)) {
+                let b = backend.clone();
+                let id = m.volume_id;
+                let outcome = blocking(move || b.detach(id, None)).await?;
+                let mut tx = self.store.begin().await?;
+                match outcome {
+                    Ok(()) => {
+                        removed += 1;
+                        tx.event(
+                            Some(m.volume_id),
+                            None,
+                            "orphan_removed",
+                            &format!(
+                                "removed {}: it carried the mark of volume {}, which has no record",
+                                m.device, m.volume_id
+                            ),
+                        )
+                        .await?;
+                    }
+                    Err(e) => {
+                        tx.event(
+                            Some(m.volume_id),
+                            None,
+                            "orphan_found",
+                            &format!("{} carries the mark of unknown volume {} and could not be removed: {e}", m.device, m.volume_id),
+                        )
+                        .await?;
+                    }
+                }
+                tx.commit().await?;
+            }
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,576 @@
+//! Volume operations: create (idempotent by name), inspect, change live, delete.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{CrashPoint, Created, Error, Manager, Result, blocking, validate_name};
+use crate::backend::{AttachRequest, Attachment, BackendError, Change, SpecCheck, VolumeBackend};
+use crate::image::{Access, ImageFile};
+use crate::model::{
+    ActiveDispatch, Backend, BackendChoice, CreateVolumeRequest, DispatchPolicy,
+    PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
+};
+use crate::store::{ImageRow, VolumeRow};
+
+/// Largest queue count a volume may ask for.
+pub const MAX_QUEUES: u16 = 64;
+/// Largest queue depth a volume may ask for (the ublk driver's limit).
+pub const MAX_QUEUE_DEPTH: u16 = 4096;
+
+fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
+    if !(1..=MAX_QUEUES).contains(&req.queues) {
+        return Err(Error::InvalidField {
+            field: "queues",
+            reason: format!(
+                "{} is outside 1..={MAX_QUEUES} (volume '{}')",
+                req.queues, req.name
+            ),
+        });
+    }
+    if !(1..=MAX_QUEUE_DEPTH).contains(&req.queue_depth) {
+        return Err(Error::InvalidField {
+            field: "queue_depth",
+            reason: format!(
+                "{} is outside 1..={MAX_QUEUE_DEPTH} (volume '{}')",
+                req.queue_depth, req.name
+            ),
+        });
+    }
+    check_qos(&req.name, req.qos.as_ref())
+}
+
+fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
+    let Some(q) = qos else { return Ok(()) };
+    for (field, v) in [
+        ("qos.iops", q.iops),
+        ("qos.bytes_per_sec", q.bytes_per_sec),
+        ("qos.burst_iops", q.burst_iops),
+        ("qos.burst_bytes", q.burst_bytes),
+    ] {
+        if v == Some(0) {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!("0 would stop all I/O of volume '{volume}'; use null for no limit"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Names the fields in which two create requests differ.
+fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
+    let (a, b) = (
+        serde_json::to_value(a).unwrap_or_default(),
+        serde_json::to_value(b).unwrap_or_default(),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return String::new();
+    };
+    a.iter()
+        .filter(|(k, v)| b.get(*k) != Some(v))
+        .map(|(k, v)| {
+            format!(
+                "{k}: existing {v}, asked {}",
+                b.get(k).cloned().unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl Manager {
+    fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
+        let att = v.attachment.as_ref();
+        let idle_dispatch = match (v.backend, v.dispatch) {
+            (Backend::Loop, _) => ActiveDispatch::Kernel,
+            (_, DispatchPolicy::Threaded) => ActiveDispatch::Threaded,
+            (_, DispatchPolicy::Direct) => ActiveDispatch::Direct,
+            (_, DispatchPolicy::Nowait | DispatchPolicy::Auto) => ActiveDispatch::Nowait,
+        };
+        Volume {
+            id: v.id,
+            name: v.name.clone(),
+            image_id: v.image_id,
+            backend: v.backend,
+            dispatch: att.map(|a| a.dispatch).unwrap_or(idle_dispatch),
+            requested_dispatch: v.dispatch,
+            dispatch_reason: att
+                .map(|a| a.dispatch_reason.clone())
+                .unwrap_or_else(|| "no device".into()),
+            state: v.state,
+            state_reason: v.state_reason.clone(),
+            device: att.map(|a| a.device.clone()),
+            size_bytes: att.map(|a| a.size_bytes).unwrap_or(image_size),
+            read_only: v.read_only,
+            queues: v.spec.queues,
+            queue_depth: v.spec.queue_depth,
+            qos: v.qos,
+            direct_io: att.and_then(|a| a.direct_io),
+            created_at: v.created_at,
+            updated_at: v.updated_at,
+        }
+    }
+
+    async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
+        let size = self
+            .store
+            .image(&v.image_id.to_string())
+            .await?
+            .map(|i| i.size_bytes)
+            .unwrap_or(0);
+        Ok(self.view(v, size))
+    }
+
+    pub(super) async fn volume_row(&self, id_or_name: &str) -> Result<VolumeRow> {
+        self.store
+            .volume(id_or_name)
+            .await?
+            .ok_or_else(|| Error::VolumeNotFound(id_or_name.to_string()))
+    }
+
+    /// `GET /v1/volumes`.
+    pub async fn volumes(&self) -> Result<Vec<Volume>> {
+        let sizes: HashMap<Uuid, u64> = self
+            .store
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| (i.id, i.size_bytes))
+            .collect();
+        Ok(self
+            .store
+            .volumes()
+            .await?
+            .iter()
+            .map(|v| self.view(v, sizes.get(&v.image_id).copied().unwrap_or(0)))
+            .collect())
+    }
+
+    /// `GET /v1/volumes/{id}`.
+    pub async fn volume(&self, id_or_name: &str) -> Result<Volume> {
+        let v = self.volume_row(id_or_name).await?;
+        self.volume_view(&v).await
+    }
+
+    fn choose_backend(&self, choice: BackendChoice) -> Result<Arc<dyn VolumeBackend>> {
+        let kind = match choice {
+            BackendChoice::Loop => Backend::Loop,
+            BackendChoice::Ublk => Backend::Ublk,
+            BackendChoice::Dm => Backend::Dm,
+            BackendChoice::Auto => Backend::PREFERENCE
+                .into_iter()
+                .find(|k| self.capability(*k).available)
+                .ok_or_else(|| BackendError::Unavailable {
+                    backend: "auto",
+                    reason: "no backend works on this host (loop, ublk and dm are all missing)"
+                        .into(),
+                })?,
+        };
+        let cap = self.capability(kind);
+        match (self.backend(kind), cap.available) {
+            (Some(b), true) => Ok(b),
+            _ => Err(BackendError::Unavailable {
+                backend: kind.as_str(),
+                reason: cap.reason.unwrap_or_default(),
+            }
+            .into()),
+        }
+    }
+
+    /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
+    pub async fn create_volume(
+        self: &Arc<Self>,
+        req: CreateVolumeRequest,
+    ) -> Result<Created<Volume>> {
+        validate_name("volume", &req.name)?;
+        check_spec(&req)?;
+        let _volume = self.volume_locks.lock(&req.name).await;
+        let image = self.image_row(&req.image).await?;
+        let spec = CreateVolumeRequest {
+            image: image.id.to_string(),
+            ..req.clone()
+        };
+        if let Some(existing) = self.store.volume(&req.name).await? {
+            if existing.spec == spec {
+                return Ok(Created::Existing(self.volume_view(&existing).await?));
+            }
+            return Err(Error::VolumeExists {
+                name: req.name,
+                differences: differences(&existing.spec, &spec),
+            });
+        }
+        let _image = self.image_locks.lock(&image.id.to_string()).await;
+        let users = self.store.volume_ids_of_image(image.id).await?;
+        if !users.is_empty() {
+            return Err(Error::ImageInUse {
+                name: image.name,
+                volumes: users
+                    .iter()
+                    .map(Uuid::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        let backend = self.choose_backend(req.backend)?;
+        backend
+            .validate(&SpecCheck {
+                dispatch: req.dispatch,
+                queues: req.queues,
+                queue_depth: req.queue_depth,
+                qos: req.qos,
+                read_only: req.read_only,
+            })
+            .map_err(|e| volume_error(&req.name, e))?;
+        let file = {
+            let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
+            blocking(move || me.open_image(&image, access)).await??
+        };
+
+        let now = OffsetDateTime::now_utc();
+        let mut row = VolumeRow {
+            id: Uuid::new_v4(),
+            name: req.name.clone(),
+            image_id: image.id,
+            spec,
+            backend: backend.kind(),
+            dispatch: req.dispatch,
+            read_only: req.read_only,
+            qos: req.qos,
+            state: VolumeState::Attaching,
+            state_reason: None,
+            attachment: None,
+            created_at: now,
+            updated_at: now,
+        };
+        let mut tx = self.store.begin().await?;
+        tx.insert_volume(&row).await?;
+        tx.event(
+            Some(row.id),
+            Some(image.id),
+            "volume_created",
+            &format!(
+                "volume '{}' recorded: backend {}, image '{}'",
+                row.name,
+                row.backend.as_str(),
+                image.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.crash_point(CrashPoint::AfterInsert);
+
+        match self.attach(&row, &image, file).await {
+            Ok(att) => {
+                self.crash_point(CrashPoint::AfterAttach);
+                let recorded = self.record_attached(&mut row, att, "volume_attached").await;
+                if let Err(e) = recorded {
+                    let _ = self.detach(&row).await;
+                    return Err(e);
+                }
+                tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
+                Ok(Created::New(self.volume_view(&row).await?))
+            }
+            Err(e) => {
+                let mut tx = self.store.begin().await?;
+                tx.delete_volume(row.id).await?;
+                tx.event(
+                    Some(row.id),
+                    Some(image.id),
+                    "volume_create_failed",
+                    &format!("volume '{}' not created: {e}", row.name),
+                )
+                .await?;
+                tx.commit().await?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Brings up the device of a recorded volume on an opened image.
+    pub(super) async fn attach(
+        &self,
+        v: &VolumeRow,
+        image: &ImageRow,
+        file: ImageFile,
+    ) -> Result<Attachment> {
+        let backend = self.backend(v.backend).ok_or_else(|| {
+            volume_error(
+                &v.name,
+                BackendError::Unavailable {
+                    backend: v.backend.as_str(),
+                    reason: super::not_built_reason(v.backend),
+                },
+            )
+        })?;
+        let req = AttachRequest {
+            volume_id: v.id,
+            size_bytes: file.size(),
+            image_identity: file.identity(),
+            image_path: image.path.clone(),
+            image_fd: file.into_fd(),
+            read_only: v.read_only,
+            dispatch: v.dispatch,
+            queues: v.spec.queues,
+            queue_depth: v.spec.queue_depth,
+            qos: v.qos,
+        };
+        let name = v.name.clone();
+        blocking(move || backend.attach(req))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Removes a volume's device, if any.
+    pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
+        let Some(backend) = self.backend(v.backend) else {
+            return Ok(());
+        };
+        let (id, att, name) = (v.id, v.attachment.clone(), v.name.clone());
+        blocking(move || backend.detach(id, att.as_ref()))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Records a device as the volume's, state attached.
+    pub(super) async fn record_attached(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        kind: &str,
+    ) -> Result<()> {
+        let msg = format!(
+            "volume '{}' attached as {} ({} bytes, dispatch {}: {})",
+            v.name,
+            att.device,
+            att.size_bytes,
+            att.dispatch.as_str(),
+            att.dispatch_reason
+        );
+        v.attachment = Some(att);
+        v.state = VolumeState::Attached;
+        v.state_reason = None;
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        tx.event(Some(v.id), Some(v.image_id), kind, &msg).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a volume as having no working device, with the reason.
+    pub(super) async fn record_error(&self, v: &mut VolumeRow, reason: String) -> Result<()> {
+        tracing::warn!(volume = %v.name, %reason, "volume in error");
+        v.attachment = None;
+        v.state = VolumeState::Error;
+        v.state_reason = Some(reason.clone());
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_error",
+            &format!("volume '{}': {reason}", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
+    pub async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+        let v = self.volume_row(id_or_name).await?;
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let mut v = self.volume_row(&v.id.to_string()).await?;
+        if let Some(backend) = self.backend(v.backend) {
+            let (id, name) = (v.id, v.name.clone());
+            blocking(move || backend.check_detach(id))
+                .await?
+                .map_err(|e| volume_error(&name, e))?;
+        }
+        let before = (v.state, v.state_reason.clone());
+        v.state = VolumeState::Detaching;
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(&v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_detaching",
+            &format!("volume '{}' is being deleted", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        if let Err(e) = self.detach(&v).await {
+            (v.state, v.state_reason) = before;
+            v.updated_at = OffsetDateTime::now_utc();
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(&v).await?;
+            tx.event(
+                Some(v.id),
+                Some(v.image_id),
+                "volume_delete_failed",
+                &format!("{e}"),
+            )
+            .await?;
+            tx.commit().await?;
+            return Err(e);
+        }
+        self.crash_point(CrashPoint::AfterDetach);
+        self.forget_volume(&v).await
+    }
+
+    /// Deletes a volume's row once its device is gone.
+    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        tx.delete_volume(v.id).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_deleted",
+            &format!(
+                "volume '{}' deleted; device {} removed",
+                v.name,
+                v.attachment
+                    .as_ref()
+                    .map(|a| a.device.as_str())
+                    .unwrap_or("(none)")
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(volume = %v.name, "volume deleted");
+        Ok(())
+    }
+
+    /// `PATCH /v1/volumes/{id}`: every change is checked before any is made.
+    pub async fn patch_volume(
+        self: &Arc<Self>,
+        id_or_name: &str,
+        patch: PatchVolumeRequest,
+    ) -> Result<Volume> {
+        let v = self.volume_row(id_or_name).await?;
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let mut v = self.volume_row(&v.id.to_string()).await?;
+        // Only what differs from the current settings is a change.
+        let mut changes = Vec::new();
+        if let Some(d) = patch.dispatch.filter(|d| *d != v.dispatch) {
+            changes.push(Change::Dispatch(d));
+        }
+        if let Some(q) = patch.qos.filter(|q| *q != v.qos) {
+            check_qos(&v.name, q.as_ref())?;
+            changes.push(Change::Qos(q));
+        }
+        if let Some(ro) = patch.read_only.filter(|ro| *ro != v.read_only) {
+            changes.push(Change::ReadOnly(ro));
+        }
+        if changes.is_empty() {
+            return self.volume_view(&v).await;
+        }
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            return Err(self.not_live(&v));
+        };
+        if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+            return Err(self.not_live(&v));
+        }
+        for change in &changes {
+            backend
+                .check_change(&att, *change)
+                .map_err(|e| volume_error(&v.name, e))?;
+        }
+        let mut att = att;
+        for change in changes {
+            let (b, a) = (backend.clone(), att.clone());
+            att = blocking(move || b.reconfigure(&a, change))
+                .await?
+                .map_err(|e| volume_error(&v.name, e))?;
+            let (kind, msg) = match change {
+                Change::Dispatch(d) => {
+                    let old = v.dispatch;
+                    v.dispatch = d;
+                    (
+                        "dispatch_changed",
+                        format!(
+                            "dispatch {} -> {} (now {}: {})",
+                            old.as_str(),
+                            d.as_str(),
+                            att.dispatch.as_str(),
+                            att.dispatch_reason
+                        ),
+                    )
+                }
+                Change::Qos(q) => {
+                    v.qos = q;
+                    (
+                        "qos_changed",
+                        format!(
+                            "qos set to {}",
+                            serde_json::to_string(&q).unwrap_or_default()
+                        ),
+                    )
+                }
+                Change::ReadOnly(ro) => {
+                    let old = v.read_only;
+                    v.read_only = ro;
+                    ("read_only_changed", format!("read_only {old} -> {ro}"))
+                }
+            };
+            v.attachment = Some(att.clone());
+            v.updated_at = OffsetDateTime::now_utc();
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(&v).await?;
+            tx.event(
+                Some(v.id),
+                Some(v.image_id),
+                kind,
+                &format!("volume '{}': {msg}", v.name),
+            )
+            .await?;
+            tx.commit().await?;
+        }
+        self.volume_view(&v).await
+    }
+
+    fn not_live(&self, v: &VolumeRow) -> Error {
+        Error::VolumeState {
+            name: v.name.clone(),
+            state: v.state.as_str(),
+            reason: v
+                .state_reason
+                .clone()
+                .unwrap_or_else(|| "it has no device to change".into()),
+        }
+    }
+
+    /// `GET /v1/volumes/{id}/stats`.
+    pub async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
+        let v = self.volume_row(id_or_name).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            return Err(self.not_live(&v));
+        };
+        let (id, name) = (v.id, v.name.clone());
+        blocking(move || backend.stats(id, &att))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+}
+
+/// How a volume's image is opened.
+pub(super) fn access(read_only: bool) -> Access {
+    if read_only {
+        Access::ReadOnly
+    } else {
+        Access::ReadWrite
+    }
+}
+
+/// Names the volume in a backend's error.
+pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
+    Error::Volume {
+        name: name.to_string(),
+        source,
+    }
+}

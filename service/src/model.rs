@@ -1,0 +1,466 @@
+//! The API's data model: request and response bodies of `/v1`, shared by the
+//! server, the CLI and the tests. Nothing here does I/O.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+/// How the bytes of a newly created image file are laid out on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Allocation {
+    /// `ftruncate` only: blocks are allocated on first write.
+    Sparse,
+    /// `fallocate` plus zeros written, so no extent stays unwritten (direct-map ready).
+    Full,
+}
+
+/// `POST /v1/images`: register an existing file, or create one when `create` is given.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateImageRequest {
+    /// `[a-z0-9][a-z0-9._-]{0,62}`
+    pub name: String,
+    /// Absolute path under one of the service's image roots.
+    pub path: String,
+    /// Create the file instead of registering an existing one.
+    #[serde(default)]
+    pub create: Option<CreateImageFile>,
+}
+
+/// Size and layout of an image file to create.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateImageFile {
+    /// Size in bytes: a positive multiple of 512.
+    pub size_bytes: u64,
+    /// Defaults to `sparse`.
+    #[serde(default = "default_allocation")]
+    pub allocation: Allocation,
+}
+
+fn default_allocation() -> Allocation {
+    Allocation::Sparse
+}
+
+/// An image: a regular file under an image root that volumes are served from.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Image {
+    pub id: Uuid,
+    pub name: String,
+    pub path: String,
+    pub size_bytes: u64,
+    /// Bytes the filesystem has allocated to the file (`st_blocks * 512`).
+    pub allocated_bytes: u64,
+    /// The filesystem the file lives on, from `statfs` (e.g. `ext4`, `xfs`).
+    pub filesystem: String,
+    /// How blockplane created the file; `null` for registered files.
+    pub allocation: Option<Allocation>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// Ids of the volumes that use this image.
+    pub volumes: Vec<Uuid>,
+}
+
+/// `POST /v1/images/{id}/resize`: grow an image (attached volumes follow).
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeImageRequest {
+    /// New size in bytes: a multiple of 512, not smaller than the current size.
+    pub size_bytes: u64,
+}
+
+/// Query of `DELETE /v1/images/{id}`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteImageQuery {
+    /// Also unlink the file (default false: only forget the registration).
+    #[serde(default)]
+    pub delete_file: bool,
+}
+
+/// The kernel mechanism that exposes a volume as a block device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// The kernel loop driver.
+    Loop,
+    /// A ublk device served by a blockplane worker.
+    Ublk,
+    /// A device-mapper device whose table is the data path.
+    Dm,
+}
+
+impl Backend {
+    /// Every backend, in order of preference for `backend: auto`.
+    pub const PREFERENCE: [Backend; 3] = [Backend::Ublk, Backend::Dm, Backend::Loop];
+
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Loop => "loop",
+            Backend::Ublk => "ublk",
+            Backend::Dm => "dm",
+        }
+    }
+}
+
+/// The backend asked for at create time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendChoice {
+    /// The best backend this host supports.
+    Auto,
+    Loop,
+    Ublk,
+    Dm,
+}
+
+/// How a ublk or dm volume's I/O reaches its image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatchPolicy {
+    /// `direct` when the image passes every direct-map rule, else `nowait`.
+    Auto,
+    /// io_uring with `RWF_NOWAIT`, falling back to a blocking path on `EAGAIN`.
+    Nowait,
+    /// A pool of worker threads doing blocking syscalls, one work item per command.
+    Threaded,
+    /// The image's extent map, straight to the underlying disk.
+    Direct,
+}
+
+impl DispatchPolicy {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DispatchPolicy::Auto => "auto",
+            DispatchPolicy::Nowait => "nowait",
+            DispatchPolicy::Threaded => "threaded",
+            DispatchPolicy::Direct => "direct",
+        }
+    }
+}
+
+/// The data path a volume runs on now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ActiveDispatch {
+    Nowait,
+    Threaded,
+    Direct,
+    /// The kernel's own path (loop volumes): see `direct_io`.
+    Kernel,
+}
+
+impl ActiveDispatch {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActiveDispatch::Nowait => "nowait",
+            ActiveDispatch::Threaded => "threaded",
+            ActiveDispatch::Direct => "direct",
+            ActiveDispatch::Kernel => "kernel",
+        }
+    }
+}
+
+/// Per-volume I/O limits (token buckets; reads and writes together). `null` fields are unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Qos {
+    #[serde(default)]
+    pub iops: Option<u64>,
+    #[serde(default)]
+    pub bytes_per_sec: Option<u64>,
+    #[serde(default)]
+    pub burst_iops: Option<u64>,
+    #[serde(default)]
+    pub burst_bytes: Option<u64>,
+}
+
+/// `POST /v1/volumes`. Create is idempotent by name: the same spec again returns the
+/// existing volume (200), a different spec is a conflict (409).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolumeRequest {
+    /// `[a-z0-9][a-z0-9._-]{0,62}`
+    pub name: String,
+    /// Image id or name.
+    pub image: String,
+    #[serde(default = "default_backend")]
+    pub backend: BackendChoice,
+    #[serde(default = "default_dispatch")]
+    pub dispatch: DispatchPolicy,
+    #[serde(default)]
+    pub read_only: bool,
+    /// Hardware queues of the block device.
+    #[serde(default = "default_queues")]
+    pub queues: u16,
+    /// Depth of each queue.
+    #[serde(default = "default_queue_depth")]
+    pub queue_depth: u16,
+    #[serde(default)]
+    pub qos: Option<Qos>,
+}
+
+fn default_backend() -> BackendChoice {
+    BackendChoice::Auto
+}
+fn default_dispatch() -> DispatchPolicy {
+    DispatchPolicy::Auto
+}
+/// Default number of queues of a volume.
+pub const DEFAULT_QUEUES: u16 = 1;
+/// Default depth of each queue of a volume.
+pub const DEFAULT_QUEUE_DEPTH: u16 = 128;
+fn default_queues() -> u16 {
+    DEFAULT_QUEUES
+}
+fn default_queue_depth() -> u16 {
+    DEFAULT_QUEUE_DEPTH
+}
+
+/// Life-cycle state of a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeState {
+    /// Recorded; the device is being set up.
+    Attaching,
+    /// The device serves I/O.
+    Attached,
+    /// The device serves I/O, but not as asked (see `state_reason`).
+    Degraded,
+    /// The device is being torn down.
+    Detaching,
+    /// No device; `state_reason` says why.
+    Error,
+}
+
+impl VolumeState {
+    /// The API spelling (also the stored form).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeState::Attaching => "attaching",
+            VolumeState::Attached => "attached",
+            VolumeState::Degraded => "degraded",
+            VolumeState::Detaching => "detaching",
+            VolumeState::Error => "error",
+        }
+    }
+}
+
+/// A volume: one kernel block device serving one image.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Volume {
+    pub id: Uuid,
+    pub name: String,
+    pub image_id: Uuid,
+    pub backend: Backend,
+    /// The data path in effect now.
+    pub dispatch: ActiveDispatch,
+    /// The policy asked for (create or last PATCH).
+    pub requested_dispatch: DispatchPolicy,
+    /// Why `dispatch` is what it is.
+    pub dispatch_reason: String,
+    pub state: VolumeState,
+    /// Why the volume is in its state, when that needs saying (`degraded`, `error`).
+    pub state_reason: Option<String>,
+    /// Device node, e.g. `/dev/loop3`; `null` while there is none.
+    pub device: Option<String>,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub qos: Option<Qos>,
+    /// Loop volumes: whether the kernel loop driver does direct I/O on the image.
+    pub direct_io: Option<bool>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub updated_at: OffsetDateTime,
+}
+
+/// `PATCH /v1/volumes/{id}`: live changes. Absent fields stay as they are.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PatchVolumeRequest {
+    #[serde(default)]
+    pub dispatch: Option<DispatchPolicy>,
+    /// An object sets limits, `null` removes them.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = Option<Qos>)]
+    pub qos: Option<Option<Qos>>,
+    #[serde(default)]
+    pub read_only: Option<bool>,
+}
+
+/// Tells a present `null` (`Some(None)`) from an absent field (`None`).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// Counters of one kind of request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+pub struct OpStats {
+    pub ops: u64,
+    pub bytes: u64,
+    /// `null` where the backend cannot count errors (the kernel's block statistics do not).
+    pub errors: Option<u64>,
+}
+
+/// `GET /v1/volumes/{id}/stats`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct VolumeStats {
+    pub volume_id: Uuid,
+    pub backend: Backend,
+    pub dispatch: ActiveDispatch,
+    pub read: OpStats,
+    pub write: OpStats,
+    pub flush: OpStats,
+    pub discard: OpStats,
+    /// Requests issued to the device and not yet completed.
+    pub in_flight: u64,
+    /// When these counters started counting.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub since: OffsetDateTime,
+    /// Loop and dm volumes: the kernel's block-layer statistics, as read.
+    pub kernel: Option<KernelBlockStats>,
+}
+
+/// The raw counters of `/sys/block/<dev>/stat` (since the device's last attach).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+pub struct KernelBlockStats {
+    pub read_merges: u64,
+    pub write_merges: u64,
+    pub discard_merges: u64,
+    /// Milliseconds spent by reads, writes, discards and flushes in the queue.
+    pub read_ticks_ms: u64,
+    pub write_ticks_ms: u64,
+    pub discard_ticks_ms: u64,
+    pub flush_ticks_ms: u64,
+    /// Milliseconds the device had I/O in flight.
+    pub io_ticks_ms: u64,
+    /// Weighted milliseconds of all requests in the queue.
+    pub time_in_queue_ms: u64,
+}
+
+/// Whether a backend or policy can run on this host, and why not.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Capability {
+    pub available: bool,
+    /// Why it is not available (`null` when it is).
+    pub reason: Option<String>,
+}
+
+/// The ublk driver's features as the kernel reports them.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct UblkFeatures {
+    /// The raw `UBLK_U_CMD_GET_FEATURES` bitmask.
+    pub mask: u64,
+    /// Names of the known bits that are set.
+    pub names: Vec<String>,
+}
+
+/// One backend's availability on this host.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct BackendCapability {
+    pub available: bool,
+    pub reason: Option<String>,
+    /// ublk only.
+    pub features: Option<UblkFeatures>,
+}
+
+/// Backends on this host.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct HostBackends {
+    #[serde(rename = "loop")]
+    pub loop_: BackendCapability,
+    pub ublk: BackendCapability,
+    pub dm: BackendCapability,
+}
+
+/// Dispatch policies on this host.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct HostPolicies {
+    pub nowait: Capability,
+    pub threaded: Capability,
+    pub direct: Capability,
+}
+
+/// `GET /v1/host`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Host {
+    /// `uname -r`.
+    pub kernel: String,
+    /// blockplane's version.
+    pub version: String,
+    pub backends: HostBackends,
+    pub policies: HostPolicies,
+    /// The directories images may live under.
+    pub image_roots: Vec<String>,
+    /// The backend `backend: auto` picks here.
+    pub default_backend: Option<Backend>,
+}
+
+/// A recorded state change.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Event {
+    /// Increasing; usable as a cursor.
+    pub id: i64,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub at: OffsetDateTime,
+    pub volume_id: Option<Uuid>,
+    pub image_id: Option<Uuid>,
+    /// e.g. `volume_attached`, `dispatch_changed`.
+    pub kind: String,
+    pub message: String,
+}
+
+/// Query of `GET /v1/events`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct EventQuery {
+    /// Only events of this volume (id or name; a deleted volume's id still works).
+    pub volume: Option<String>,
+    /// Only events after this time (RFC 3339).
+    pub since: Option<String>,
+    /// At most this many, the newest (default 100, at most 1000), oldest first.
+    pub limit: Option<u32>,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Health {
+    /// Always `ok` when the service answers.
+    pub status: String,
+}
+
+/// Every error response: `{"error": {"code": ..., "message": ...}}`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable snake_case identifier, for programs.
+    pub code: String,
+    /// What was refused and why, naming the object; for people.
+    pub message: String,
+}

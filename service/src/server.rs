@@ -1,0 +1,207 @@
+//! `blockplane serve`: open the data dir, reconcile, listen, drain on SIGTERM.
+//!
+//! Stopping the service never touches devices: volumes keep serving I/O and
+//! the next start re-adopts them.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+use crate::config::{ListenAddr, LogFormat, ServeConfig};
+use crate::image::ImageRoots;
+use crate::manager::{CrashPoint, Manager};
+use crate::store::Store;
+
+/// Why the service could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("data dir {path}: {source}")]
+    DataDir {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("another blockplane is serving data dir {0}")]
+    Locked(String),
+    #[error("image roots: {0}")]
+    Roots(#[source] io::Error),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("reconciliation: {0}")]
+    Reconcile(#[from] crate::manager::Error),
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Sets up `tracing` output.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BLOCKPLANE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&io::stderr()))
+        .with_writer(io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+fn private_dir(path: &Path) -> Result<(), ServeError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|source| ServeError::DataDir {
+            path: path.display().to_string(),
+            source,
+        })
+}
+
+/// Takes an exclusive lock on the data dir for the life of the process.
+fn lock_data_dir(dir: &Path) -> Result<OwnedFd, ServeError> {
+    let path = dir.join("lock");
+    let fd = rustix::fs::open(
+        &path,
+        rustix::fs::OFlags::CREATE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| ServeError::DataDir {
+        path: path.display().to_string(),
+        source: e.into(),
+    })?;
+    rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(|_| ServeError::Locked(dir.display().to_string()))?;
+    Ok(fd)
+}
+
+enum Bound {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+async fn bind(addr: &ListenAddr) -> Result<Bound, ServeError> {
+    let err = |source| ServeError::Listen {
+        addr: addr.to_string(),
+        source,
+    };
+    match addr {
+        ListenAddr::Tcp(a) => Ok(Bound::Tcp(TcpListener::bind(a).await.map_err(err)?)),
+        ListenAddr::Unix(path) => {
+            if let Some(parent) = path.parent() {
+                private_dir(parent)?;
+            }
+            // A socket left by a killed service is stale unless someone answers on it.
+            if let Ok(meta) = std::fs::symlink_metadata(path) {
+                use std::os::unix::fs::FileTypeExt;
+                if !meta.file_type().is_socket() {
+                    return Err(err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "path exists and is not a socket",
+                    )));
+                }
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        "another process answers on this socket",
+                    )));
+                }
+                std::fs::remove_file(path).map_err(err)?;
+            }
+            let listener = UnixListener::bind(path).map_err(err)?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
+            Ok(Bound::Unix(listener))
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining requests"),
+        _ = int.recv() => tracing::info!("SIGINT: draining requests"),
+    }
+}
+
+/// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
+/// and returns. Devices are left as they are.
+pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
+    private_dir(&cfg.data_dir)?;
+    let _lock = lock_data_dir(&cfg.data_dir)?;
+    let default_root = cfg.data_dir.join("images");
+    if cfg.image_roots.contains(&default_root) {
+        private_dir(&default_root)?;
+    }
+    let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
+    let store = Store::open(&cfg.data_dir.join("blockplane.db")).await?;
+    let crash_at = std::env::var("BLOCKPLANE_TEST_CRASH_AT")
+        .ok()
+        .and_then(|s| CrashPoint::parse(&s));
+    let manager = Arc::new(Manager::new(store, roots, crash_at).await?);
+
+    let report = manager.reconcile().await?;
+    tracing::info!(
+        adopted = report.adopted,
+        reattached = report.reattached,
+        failed = report.failed,
+        finished_deletes = report.finished_deletes,
+        orphans_removed = report.orphans_removed,
+        "reconciled with the kernel"
+    );
+
+    let app = crate::api::router(manager, cfg.token.clone());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Bind everything before serving anything: answering on one listener means
+    // all are up.
+    let mut bound = Vec::new();
+    for addr in &cfg.listen {
+        bound.push(bind(addr).await?);
+        tracing::info!(listen = %addr, auth = cfg.token.is_some(), "listening");
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    for listener in bound {
+        let app = app.clone();
+        let mut stop = stop_rx.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        servers.spawn(async move {
+            match listener {
+                Bound::Unix(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+                Bound::Tcp(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+            }
+        });
+    }
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    let drained = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(r) = servers.join_next().await {
+            if let Ok(Err(e)) = r {
+                tracing::warn!(error = %e, "listener ended with an error");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("requests still running after 30 s; exiting anyway");
+    }
+    for addr in &cfg.listen {
+        if let ListenAddr::Unix(path) = addr {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    tracing::info!("stopped; devices left running");
+    Ok(())
+}

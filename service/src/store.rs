@@ -1,0 +1,528 @@
+//! SQLite persistence (sqlx): images, volumes and events.
+//!
+//! One real database file under the data dir, in WAL mode. Reads use a pool of
+//! connections; every write goes through a single-connection pool and starts
+//! with `BEGIN IMMEDIATE`, so writers queue in the process instead of meeting
+//! `SQLITE_BUSY`, and a read-modify-write sees no interleaved writer.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Serialize, de::DeserializeOwned};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Row, Sqlite, Transaction};
+use time::OffsetDateTime;
+use time::format_description::FormatItem;
+use time::macros::format_description;
+use uuid::Uuid;
+
+use crate::backend::Attachment;
+use crate::model::{
+    Allocation, Backend, CreateVolumeRequest, DispatchPolicy, Event, Qos, VolumeState,
+};
+
+/// A storage failure.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Sqlx(#[from] sqlx::Error),
+    #[error("database migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("database holds a malformed {what}: {detail}")]
+    Corrupt { what: &'static str, detail: String },
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+/// Fixed-width UTC timestamps, so text order is time order.
+const TS: &[FormatItem<'static>] =
+    format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z");
+
+/// Formats a time as stored.
+pub fn ts(t: OffsetDateTime) -> String {
+    t.to_offset(time::UtcOffset::UTC)
+        .format(TS)
+        .expect("formatting a valid time")
+}
+
+fn parse_ts(s: &str) -> Result<OffsetDateTime> {
+    time::PrimitiveDateTime::parse(s, TS)
+        .map(|t| t.assume_utc())
+        .map_err(|e| StoreError::Corrupt {
+            what: "timestamp",
+            detail: format!("{s}: {e}"),
+        })
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("serializing a model value")
+}
+
+fn from_json<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
+    serde_json::from_str(s).map_err(|e| StoreError::Corrupt {
+        what,
+        detail: e.to_string(),
+    })
+}
+
+fn uuid(what: &'static str, s: &str) -> Result<Uuid> {
+    Uuid::parse_str(s).map_err(|e| StoreError::Corrupt {
+        what,
+        detail: format!("{s}: {e}"),
+    })
+}
+
+fn enum_from_str<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
+    from_json(what, &format!("\"{s}\""))
+}
+
+/// A registered image as stored.
+#[derive(Debug, Clone)]
+pub struct ImageRow {
+    pub id: Uuid,
+    pub name: String,
+    pub path: String,
+    pub dev: u64,
+    pub ino: u64,
+    pub size_bytes: u64,
+    pub allocated_bytes: u64,
+    pub allocation: Option<Allocation>,
+    pub filesystem: String,
+    pub created_at: OffsetDateTime,
+}
+
+impl ImageRow {
+    fn from_row(r: &SqliteRow) -> Result<Self> {
+        let allocation: Option<String> = r.try_get("allocation")?;
+        Ok(Self {
+            id: uuid("image id", r.try_get("id")?)?,
+            name: r.try_get("name")?,
+            path: r.try_get("path")?,
+            dev: r.try_get::<i64, _>("dev")? as u64,
+            ino: r.try_get::<i64, _>("ino")? as u64,
+            size_bytes: r.try_get::<i64, _>("size_bytes")? as u64,
+            allocated_bytes: r.try_get::<i64, _>("allocated_bytes")? as u64,
+            allocation: allocation
+                .map(|a| enum_from_str("allocation", &a))
+                .transpose()?,
+            filesystem: r.try_get("filesystem")?,
+            created_at: parse_ts(r.try_get("created_at")?)?,
+        })
+    }
+}
+
+/// A volume as stored: how it was created, its live settings, and what was
+/// last observed of its device.
+#[derive(Debug, Clone)]
+pub struct VolumeRow {
+    pub id: Uuid,
+    pub name: String,
+    pub image_id: Uuid,
+    /// The create request, normalized (image given by id).
+    pub spec: CreateVolumeRequest,
+    pub backend: Backend,
+    pub dispatch: DispatchPolicy,
+    pub read_only: bool,
+    pub qos: Option<Qos>,
+    pub state: VolumeState,
+    pub state_reason: Option<String>,
+    pub attachment: Option<Attachment>,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+}
+
+impl VolumeRow {
+    fn from_row(r: &SqliteRow) -> Result<Self> {
+        let qos: Option<String> = r.try_get("qos")?;
+        let attachment: Option<String> = r.try_get("attachment")?;
+        Ok(Self {
+            id: uuid("volume id", r.try_get("id")?)?,
+            name: r.try_get("name")?,
+            image_id: uuid("image id", r.try_get("image_id")?)?,
+            spec: from_json("volume spec", r.try_get("spec")?)?,
+            backend: enum_from_str("backend", r.try_get("backend")?)?,
+            dispatch: enum_from_str("dispatch", r.try_get("dispatch")?)?,
+            read_only: r.try_get("read_only")?,
+            qos: qos.map(|q| from_json("qos", &q)).transpose()?,
+            state: enum_from_str("state", r.try_get("state")?)?,
+            state_reason: r.try_get("state_reason")?,
+            attachment: attachment
+                .map(|a| from_json("attachment", &a))
+                .transpose()?,
+            created_at: parse_ts(r.try_get("created_at")?)?,
+            updated_at: parse_ts(r.try_get("updated_at")?)?,
+        })
+    }
+}
+
+/// What to list of the event log.
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    pub volume_id: Option<Uuid>,
+    pub since: Option<OffsetDateTime>,
+    pub limit: u32,
+}
+
+/// The database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    readers: SqlitePool,
+    writer: SqlitePool,
+}
+
+impl Store {
+    /// Opens (creating if needed) the database file and applies migrations.
+    pub async fn open(path: &Path) -> Result<Self> {
+        let options = SqliteConnectOptions::from_str("sqlite://")?
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // Durable against power loss too: the volume of writes is tiny.
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await?;
+        sqlx::migrate!("../migrations").run(&writer).await?;
+        let readers = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options.read_only(true))
+            .await?;
+        Ok(Self { readers, writer })
+    }
+
+    /// The id of this service instance (8 hex digits, made with the database).
+    pub async fn instance(&self) -> Result<String> {
+        let row = sqlx::query("SELECT value FROM meta WHERE key = 'instance'")
+            .fetch_one(&self.readers)
+            .await?;
+        Ok(row.try_get("value")?)
+    }
+
+    /// Starts a write transaction (`BEGIN IMMEDIATE` on the one writer connection).
+    pub async fn begin(&self) -> Result<WriteTx> {
+        Ok(WriteTx {
+            tx: self.writer.begin_with("BEGIN IMMEDIATE").await?,
+        })
+    }
+
+    /// All images, by name.
+    pub async fn images(&self) -> Result<Vec<ImageRow>> {
+        sqlx::query("SELECT * FROM images ORDER BY name")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(ImageRow::from_row)
+            .collect()
+    }
+
+    /// The image with this id or name.
+    pub async fn image(&self, id_or_name: &str) -> Result<Option<ImageRow>> {
+        sqlx::query("SELECT * FROM images WHERE id = ?1 OR name = ?1")
+            .bind(id_or_name)
+            .fetch_optional(&self.readers)
+            .await?
+            .as_ref()
+            .map(ImageRow::from_row)
+            .transpose()
+    }
+
+    /// All volumes, by name.
+    pub async fn volumes(&self) -> Result<Vec<VolumeRow>> {
+        sqlx::query("SELECT * FROM volumes ORDER BY name")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(VolumeRow::from_row)
+            .collect()
+    }
+
+    /// The volume with this id or name.
+    pub async fn volume(&self, id_or_name: &str) -> Result<Option<VolumeRow>> {
+        sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
+            .bind(id_or_name)
+            .fetch_optional(&self.readers)
+            .await?
+            .as_ref()
+            .map(VolumeRow::from_row)
+            .transpose()
+    }
+
+    /// Ids of the volumes using an image.
+    pub async fn volume_ids_of_image(&self, image_id: Uuid) -> Result<Vec<Uuid>> {
+        let rows = sqlx::query("SELECT id FROM volumes WHERE image_id = ? ORDER BY name")
+            .bind(image_id.to_string())
+            .fetch_all(&self.readers)
+            .await?;
+        rows.iter()
+            .map(|r| uuid("volume id", r.try_get("id")?))
+            .collect()
+    }
+
+    /// Events, oldest first: the newest `limit` that match.
+    pub async fn events(&self, f: &EventFilter) -> Result<Vec<Event>> {
+        let rows = sqlx::query(
+            "SELECT * FROM (SELECT * FROM events
+               WHERE (?1 IS NULL OR volume_id = ?1) AND (?2 IS NULL OR at > ?2)
+               ORDER BY id DESC LIMIT ?3)
+             ORDER BY id",
+        )
+        .bind(f.volume_id.map(|v| v.to_string()))
+        .bind(f.since.map(ts))
+        .bind(f.limit as i64)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let opt_uuid = |col: &str| -> Result<Option<Uuid>> {
+                    let v: Option<String> = r.try_get(col)?;
+                    v.map(|s| uuid("event subject", &s)).transpose()
+                };
+                Ok(Event {
+                    id: r.try_get("id")?,
+                    at: parse_ts(r.try_get("at")?)?,
+                    volume_id: opt_uuid("volume_id")?,
+                    image_id: opt_uuid("image_id")?,
+                    kind: r.try_get("kind")?,
+                    message: r.try_get("message")?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A write transaction. Dropping it without [`WriteTx::commit`] rolls back.
+pub struct WriteTx {
+    tx: Transaction<'static, Sqlite>,
+}
+
+impl WriteTx {
+    /// Commits.
+    pub async fn commit(self) -> Result<()> {
+        Ok(self.tx.commit().await?)
+    }
+
+    /// The image with this id or name, read inside the transaction.
+    pub async fn image(&mut self, id_or_name: &str) -> Result<Option<ImageRow>> {
+        sqlx::query("SELECT * FROM images WHERE id = ?1 OR name = ?1")
+            .bind(id_or_name)
+            .fetch_optional(&mut *self.tx)
+            .await?
+            .as_ref()
+            .map(ImageRow::from_row)
+            .transpose()
+    }
+
+    /// The image registered for a file identity or path, if any.
+    pub async fn image_by_file(
+        &mut self,
+        dev: u64,
+        ino: u64,
+        path: &str,
+    ) -> Result<Option<ImageRow>> {
+        sqlx::query("SELECT * FROM images WHERE (dev = ?1 AND ino = ?2) OR path = ?3")
+            .bind(dev as i64)
+            .bind(ino as i64)
+            .bind(path)
+            .fetch_optional(&mut *self.tx)
+            .await?
+            .as_ref()
+            .map(ImageRow::from_row)
+            .transpose()
+    }
+
+    /// Records a new image.
+    pub async fn insert_image(&mut self, i: &ImageRow) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO images (id, name, path, dev, ino, size_bytes, allocated_bytes,
+                                 allocation, filesystem, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(i.id.to_string())
+        .bind(&i.name)
+        .bind(&i.path)
+        .bind(i.dev as i64)
+        .bind(i.ino as i64)
+        .bind(i.size_bytes as i64)
+        .bind(i.allocated_bytes as i64)
+        .bind(i.allocation.map(|a| match a {
+            Allocation::Sparse => "sparse",
+            Allocation::Full => "full",
+        }))
+        .bind(&i.filesystem)
+        .bind(ts(i.created_at))
+        .bind(ts(i.created_at))
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Records an image's new size.
+    pub async fn update_image_size(&mut self, id: Uuid, size: u64, allocated: u64) -> Result<()> {
+        sqlx::query(
+            "UPDATE images SET size_bytes = ?, allocated_bytes = ?, updated_at = ? WHERE id = ?",
+        )
+        .bind(size as i64)
+        .bind(allocated as i64)
+        .bind(ts(OffsetDateTime::now_utc()))
+        .bind(id.to_string())
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Forgets an image.
+    pub async fn delete_image(&mut self, id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM images WHERE id = ?")
+            .bind(id.to_string())
+            .execute(&mut *self.tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Ids of the volumes using an image, read inside the transaction.
+    pub async fn volume_ids_of_image(&mut self, image_id: Uuid) -> Result<Vec<Uuid>> {
+        let rows = sqlx::query("SELECT id FROM volumes WHERE image_id = ? ORDER BY name")
+            .bind(image_id.to_string())
+            .fetch_all(&mut *self.tx)
+            .await?;
+        rows.iter()
+            .map(|r| uuid("volume id", r.try_get("id")?))
+            .collect()
+    }
+
+    /// The volume with this id or name, read inside the transaction.
+    pub async fn volume(&mut self, id_or_name: &str) -> Result<Option<VolumeRow>> {
+        sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
+            .bind(id_or_name)
+            .fetch_optional(&mut *self.tx)
+            .await?
+            .as_ref()
+            .map(VolumeRow::from_row)
+            .transpose()
+    }
+
+    /// Records a new volume.
+    pub async fn insert_volume(&mut self, v: &VolumeRow) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO volumes (id, name, image_id, spec, backend, dispatch, read_only, qos,
+                                  state, state_reason, attachment, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(v.id.to_string())
+        .bind(&v.name)
+        .bind(v.image_id.to_string())
+        .bind(json(&v.spec))
+        .bind(v.backend.as_str())
+        .bind(v.dispatch.as_str())
+        .bind(v.read_only)
+        .bind(v.qos.as_ref().map(json))
+        .bind(v.state.as_str())
+        .bind(&v.state_reason)
+        .bind(v.attachment.as_ref().map(json))
+        .bind(ts(v.created_at))
+        .bind(ts(v.updated_at))
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Records a volume's live settings and observed state (everything but its
+    /// identity and create spec).
+    pub async fn update_volume(&mut self, v: &VolumeRow) -> Result<()> {
+        sqlx::query(
+            "UPDATE volumes SET dispatch = ?, read_only = ?, qos = ?, state = ?,
+                    state_reason = ?, attachment = ?, updated_at = ?
+             WHERE id = ?",
+        )
+        .bind(v.dispatch.as_str())
+        .bind(v.read_only)
+        .bind(v.qos.as_ref().map(json))
+        .bind(v.state.as_str())
+        .bind(&v.state_reason)
+        .bind(v.attachment.as_ref().map(json))
+        .bind(ts(v.updated_at))
+        .bind(v.id.to_string())
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Forgets a volume.
+    pub async fn delete_volume(&mut self, id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM volumes WHERE id = ?")
+            .bind(id.to_string())
+            .execute(&mut *self.tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Appends to the event log.
+    pub async fn event(
+        &mut self,
+        volume_id: Option<Uuid>,
+        image_id: Option<Uuid>,
+        kind: &str,
+        message: &str,
+    ) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO events (at, volume_id, image_id, kind, message) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(ts(OffsetDateTime::now_utc()))
+        .bind(volume_id.map(|v| v.to_string()))
+        .bind(image_id.map(|v| v.to_string()))
+        .bind(kind)
+        .bind(message)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_fixed_width_and_round_trip() {
+        let t = time::macros::datetime!(2026-11-30 01:02:03.5 UTC);
+        let s = ts(t);
+        assert_eq!(s, "2026-11-30T01:02:03.500000Z");
+        assert_eq!(parse_ts(&s).unwrap(), t);
+    }
+
+    #[tokio::test]
+    async fn concurrent_writers_never_see_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db.sqlite")).await.unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..32 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut tx = store.begin().await.unwrap();
+                tx.event(None, None, "test", &format!("event {i}"))
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let events = store
+            .events(&EventFilter {
+                limit: 100,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(events.len(), 32);
+        assert!(events.windows(2).all(|w| w[0].id < w[1].id));
+    }
+}

@@ -1,0 +1,478 @@
+//! Test harness: a real `blockplane serve` process on a temp data dir, an HTTP
+//! client that checks every answer against the committed OpenAPI document, and
+//! helpers to look at the kernel's loop devices.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use blockplane::client::{Answer, Client, Endpoint};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_blockplane");
+
+/// The committed OpenAPI document.
+pub fn openapi_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../openapi/openapi.json")
+}
+
+fn openapi() -> &'static Value {
+    static DOC: OnceLock<Value> = OnceLock::new();
+    DOC.get_or_init(|| {
+        let text = std::fs::read_to_string(openapi_path()).expect("read openapi/openapi.json");
+        let mut doc: Value = serde_json::from_str(&text).expect("openapi.json is JSON");
+        // Answers must not carry fields the document does not name.
+        if let Some(schemas) = doc["components"]["schemas"].as_object_mut() {
+            for s in schemas.values_mut() {
+                if s.get("properties").is_some() && s.get("additionalProperties").is_none() {
+                    s["additionalProperties"] = json!(false);
+                }
+            }
+        }
+        doc
+    })
+}
+
+/// Checks one answer against the document: the status must be documented for
+/// the operation, and the body must match its schema (or be empty).
+pub fn check_against_openapi(method: &Method, path: &str, a: &Answer) {
+    let doc = openapi();
+    let path_only = path.split('?').next().unwrap();
+    if path_only == "/openapi.json" {
+        return;
+    }
+    let Some((template, item)) = doc["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(t, _)| template_matches(t, path_only))
+    else {
+        // Only the API's own JSON 404 may come back for an undocumented path.
+        assert!(
+            matches!(a.status.as_u16(), 404 | 401),
+            "{method} {path}: not in openapi.json, answered {}",
+            a.status
+        );
+        validate(
+            &json!({"$ref": "#/components/schemas/ErrorBody"}),
+            &a.body,
+            method,
+            path,
+        );
+        return;
+    };
+    let op = &item[method.as_str().to_ascii_lowercase()];
+    if op.is_null() {
+        // Only the API's own 405 answer may come back for an undocumented method.
+        assert_eq!(
+            a.status,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {template}"
+        );
+        validate(
+            &json!({"$ref": "#/components/schemas/ErrorBody"}),
+            &a.body,
+            method,
+            path,
+        );
+        return;
+    }
+    let status = a.status.as_u16().to_string();
+    let resp = &op["responses"][&status];
+    if resp.is_null() {
+        // 401 applies to every operation through the security scheme.
+        if a.status == StatusCode::UNAUTHORIZED {
+            validate(
+                &json!({"$ref": "#/components/schemas/ErrorBody"}),
+                &a.body,
+                method,
+                path,
+            );
+            return;
+        }
+        panic!(
+            "{method} {path} answered {status}, which openapi.json does not document for {template}: {}",
+            a.body
+        );
+    }
+    match resp["content"]["application/json"]["schema"].clone() {
+        Value::Null => assert!(
+            a.body.is_null(),
+            "{method} {path}: {status} should have no body: {}",
+            a.body
+        ),
+        schema => validate(&schema, &a.body, method, path),
+    }
+}
+
+fn validate(schema: &Value, body: &Value, method: &Method, path: &str) {
+    let doc = openapi();
+    let mut full = schema.clone();
+    full["$schema"] = json!("https://json-schema.org/draft/2020-12/schema");
+    full["components"] = doc["components"].clone();
+    let v = jsonschema::validator_for(&full).expect("schema compiles");
+    let errors: Vec<String> = v
+        .iter_errors(body)
+        .map(|e| format!("{} at {}", e, e.instance_path))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{method} {path}: body does not match openapi.json: {errors:?}\nbody: {body}"
+    );
+}
+
+fn template_matches(template: &str, path: &str) -> bool {
+    let t: Vec<&str> = template.split('/').collect();
+    let p: Vec<&str> = path.split('/').collect();
+    t.len() == p.len()
+        && t.iter()
+            .zip(&p)
+            .all(|(t, p)| (t.starts_with('{') && !p.is_empty()) || t == p)
+}
+
+/// Options for starting the service.
+#[derive(Debug, Clone, Default)]
+pub struct Opts {
+    pub token: Option<String>,
+    /// Also listen on this TCP address (`HOST:PORT`).
+    pub tcp: Option<String>,
+    pub extra_args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+/// A running `blockplane serve` on its own temp dirs.
+pub struct Service {
+    pub dir: tempfile::TempDir,
+    pub data: PathBuf,
+    pub images: PathBuf,
+    pub sock: PathBuf,
+    pub opts: Opts,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Service {
+    /// Starts a service with default options.
+    pub async fn start() -> Self {
+        Self::start_with(Opts::default()).await
+    }
+
+    /// Starts a service and waits until it answers.
+    pub async fn start_with(opts: Opts) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("bp")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let data = dir.path().join("data");
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let sock = data.join("blockplane.sock");
+        let log = dir.path().join("service.log");
+        let mut s = Self {
+            dir,
+            data,
+            images,
+            sock,
+            opts,
+            child: None,
+            log,
+        };
+        s.spawn(&[]);
+        s.wait_ready().await;
+        s
+    }
+
+    /// The command line the service is started with.
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(BIN);
+        c.arg("serve")
+            .arg("--data-dir")
+            .arg(&self.data)
+            .arg("--image-root")
+            .arg(&self.images)
+            .arg("--listen")
+            .arg(format!("unix:{}", self.sock.display()))
+            .args(&self.opts.extra_args)
+            .env_remove("BLOCKPLANE_TOKEN")
+            .env("BLOCKPLANE_LOG", "info,blockplane=debug")
+            .stdin(Stdio::null());
+        if let Some(addr) = &self.opts.tcp {
+            c.arg("--listen").arg(addr);
+        }
+        if let Some(t) = &self.opts.token {
+            c.env("BLOCKPLANE_TOKEN", t);
+        }
+        for (k, v) in &self.opts.env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    /// Starts the process (again), with extra env for this start only.
+    pub fn spawn(&mut self, env: &[(&str, &str)]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut c = self.command();
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.stdout(log.try_clone().unwrap()).stderr(log);
+        self.child = Some(c.spawn().expect("start blockplane"));
+    }
+
+    /// Waits until `/healthz` answers (panics with the log after 20 s).
+    pub async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(a) = self.raw_client().send(Method::GET, "/healthz", None).await
+                && a.status == StatusCode::OK
+            {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!(
+                    "blockplane exited with {status} before answering:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "blockplane did not answer in 20 s:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The service's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn raw_client(&self) -> Client {
+        Client::new(Endpoint::Unix(self.sock.clone()), self.opts.token.clone())
+    }
+
+    /// Sends a request, checks the answer against openapi.json, returns it.
+    pub async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Answer {
+        let a = self
+            .raw_client()
+            .send(method.clone(), path, body.as_ref())
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", self.log_text()));
+        check_against_openapi(&method, path, &a);
+        a
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        self.call(Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Answer {
+        self.call(Method::POST, path, Some(body)).await
+    }
+
+    pub async fn patch(&self, path: &str, body: Value) -> Answer {
+        self.call(Method::PATCH, path, Some(body)).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Answer {
+        self.call(Method::DELETE, path, None).await
+    }
+
+    /// Sends the signal and waits for the process to end.
+    pub fn signal(&mut self, sig: rustix::process::Signal) -> ExitStatus {
+        let mut child = self.child.take().expect("service is running");
+        let pid = rustix::process::Pid::from_child(&child);
+        let _ = rustix::process::kill_process(pid, sig);
+        child.wait().unwrap()
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) {
+        self.signal(rustix::process::Signal::KILL);
+    }
+
+    /// Waits for the process to end by itself (e.g. at a crash point).
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        let child = self.child.as_mut().expect("service is running");
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                self.child = None;
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "service did not exit:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts the service again on the same data dir.
+    pub async fn restart(&mut self) {
+        self.spawn(&[]);
+        self.wait_ready().await;
+    }
+
+    /// Creates an image file of `size` bytes under the image root (mode 0600) and
+    /// registers it; returns the image object.
+    pub async fn image(&self, name: &str, size_mib: u64) -> Value {
+        let path = self.images.join(format!("{name}.img"));
+        let a = self
+            .post(
+                "/v1/images",
+                json!({"name": name, "path": path, "create": {"size_bytes": size_mib << 20, "allocation": "full"}}),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a.body
+    }
+
+    /// Creates a loop volume on a new image; returns the volume object.
+    pub async fn loop_volume(&self, name: &str, size_mib: u64) -> Value {
+        self.image(&format!("{name}-img"), size_mib).await;
+        let a = self
+            .post(
+                "/v1/volumes",
+                json!({"name": name, "image": format!("{name}-img"), "backend": "loop"}),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a.body
+    }
+
+    /// Loop devices bound to files under this service's temp dir.
+    pub fn my_loop_devices(&self) -> Vec<String> {
+        loop_devices_under(self.dir.path())
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Leave no device behind, whatever the test did.
+        for dev in loop_devices_under(self.dir.path()) {
+            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        }
+    }
+}
+
+/// `(device, backing file)` of every bound loop device.
+pub fn loop_devices() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            out.push((format!("/dev/{name}"), backing.trim().to_string()));
+        }
+    }
+    out
+}
+
+/// Loop devices whose backing file is under `dir`.
+pub fn loop_devices_under(dir: &Path) -> Vec<String> {
+    let dir = dir.display().to_string();
+    loop_devices()
+        .into_iter()
+        .filter(|(_, f)| f.starts_with(&dir))
+        .map(|(d, _)| d)
+        .collect()
+}
+
+/// The backing file of a loop device, if bound.
+pub fn backing_file(dev: &str) -> Option<String> {
+    let name = dev.trim_start_matches("/dev/");
+    std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Size of a block device in bytes, from sysfs.
+pub fn device_size(dev: &str) -> u64 {
+    let name = dev.trim_start_matches("/dev/");
+    std::fs::read_to_string(format!("/sys/block/{name}/size"))
+        .unwrap()
+        .trim()
+        .parse::<u64>()
+        .unwrap()
+        * 512
+}
+
+/// Asserts an error answer: status, code, and that the message is not empty.
+pub fn assert_error(a: &Answer, status: u16, code: &str) {
+    assert_eq!(
+        a.status.as_u16(),
+        status,
+        "expected {status} {code}, got {}",
+        a.body
+    );
+    assert_eq!(a.body["error"]["code"], code, "{}", a.body);
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{}",
+        a.body
+    );
+}
+
+/// Everything a refusal must leave unchanged: images, volumes, events and
+/// this service's devices.
+#[derive(Debug, PartialEq)]
+pub struct Snapshot {
+    images: Value,
+    volumes: Value,
+    events: usize,
+    devices: Vec<String>,
+    files: Vec<String>,
+}
+
+impl Service {
+    /// Records the state that refusals must not change.
+    pub async fn snapshot(&self) -> Snapshot {
+        let mut files: Vec<String> = walk(&self.images);
+        files.sort();
+        Snapshot {
+            images: self.get("/v1/images").await.body,
+            volumes: self.get("/v1/volumes").await.body,
+            events: self
+                .get("/v1/events?limit=1000")
+                .await
+                .body
+                .as_array()
+                .unwrap()
+                .len(),
+            devices: self.my_loop_devices(),
+            files,
+        }
+    }
+}
+
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            out.push(p.display().to_string());
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                out.extend(walk(&p));
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,13 @@
+//! Black-box tests: each starts the real `blockplane` binary on a temp data dir
+//! and talks to it over HTTP (every answer checked against
+//! openapi/openapi.json), with real SQLite and real /dev/loopN devices. They
+//! need root (loop devices).
+
+mod harness;
+
+mod auth;
+mod cli;
+mod images;
+mod openapi;
+mod restart;
+mod volumes;

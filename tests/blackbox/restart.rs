@@ -1,0 +1,210 @@
+//! Crashes and restarts: whatever moment the service dies at, the next start
+//! leaves no orphan device and no lost volume.
+
+use std::time::Duration;
+
+use hyper::StatusCode;
+use rustix::process::Signal;
+use serde_json::json;
+
+use crate::harness::{Service, backing_file};
+
+fn kinds(events: &serde_json::Value) -> Vec<String> {
+    events
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Starts a create that kills the service at `point`; returns the service, dead.
+async fn crash_during_create(point: &str) -> Service {
+    let mut s = Service::start().await;
+    s.image("img", 8).await;
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_CRASH_AT", point)]);
+    s.wait_ready().await;
+    let sock = s.sock.clone();
+    let answer = blockplane::client::Client::new(blockplane::client::Endpoint::Unix(sock), None)
+        .send(
+            hyper::Method::POST,
+            "/v1/volumes",
+            Some(&json!({"name": "v", "image": "img", "backend": "loop"})),
+        )
+        .await;
+    assert!(
+        answer.is_err(),
+        "the service should have died mid-request: {answer:?}"
+    );
+    let status = s.wait_exit(Duration::from_secs(10));
+    assert!(!status.success());
+    s
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_between_device_attached_and_row_updated() {
+    let mut s = crash_during_create("after_attach").await;
+    // The kernel has the device; SQLite says "attaching".
+    assert_eq!(s.my_loop_devices().len(), 1);
+    let dev = s.my_loop_devices()[0].clone();
+    s.restart().await;
+    let v = s.get("/v1/volumes/v").await;
+    assert_eq!(v.status, StatusCode::OK);
+    assert_eq!(v.body["state"], "attached");
+    assert_eq!(
+        v.body["device"],
+        dev.as_str(),
+        "the device is adopted, not replaced"
+    );
+    assert_eq!(s.my_loop_devices(), vec![dev]);
+    assert!(
+        kinds(&s.get("/v1/events?volume=v").await.body).contains(&"volume_adopted".to_string())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_row_before_the_device() {
+    let mut s = crash_during_create("after_insert").await;
+    assert!(s.my_loop_devices().is_empty());
+    s.restart().await;
+    let v = s.get("/v1/volumes/v").await;
+    assert_eq!(v.body["state"], "attached", "{}", v.body);
+    assert_eq!(s.my_loop_devices().len(), 1);
+    assert!(
+        kinds(&s.get("/v1/events?volume=v").await.body).contains(&"volume_reattached".to_string())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_between_device_removed_and_row_deleted() {
+    let mut s = Service::start().await;
+    s.loop_volume("v", 8).await;
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_CRASH_AT", "after_detach")]);
+    s.wait_ready().await;
+    let r =
+        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None)
+            .send(hyper::Method::DELETE, "/v1/volumes/v", None)
+            .await;
+    assert!(r.is_err());
+    s.wait_exit(Duration::from_secs(10));
+    assert!(s.my_loop_devices().is_empty());
+    s.restart().await;
+    assert_eq!(s.get("/v1/volumes/v").await.status, StatusCode::NOT_FOUND);
+    assert!(s.my_loop_devices().is_empty());
+    assert_eq!(s.get("/v1/volumes").await.body, json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_keeps_devices_and_counters() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("keep", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    std::fs::write(&dev, vec![0xabu8; 1 << 20]).unwrap();
+    let before = s.get("/v1/volumes/keep/stats").await.body;
+    assert!(before["write"]["bytes"].as_u64().unwrap() >= 1 << 20);
+    s.kill();
+    assert!(backing_file(&dev).is_some(), "SIGKILL leaves the device");
+    s.restart().await;
+    let after = s.get("/v1/volumes/keep").await.body;
+    assert_eq!(after["device"], dev.as_str());
+    assert_eq!(after["state"], "attached");
+    let stats = s.get("/v1/volumes/keep/stats").await.body;
+    assert!(
+        stats["write"]["bytes"].as_u64() >= before["write"]["bytes"].as_u64(),
+        "counters never go backwards"
+    );
+    assert_eq!(stats["since"], before["since"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_and_leaves_devices() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("t", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let status = s.signal(Signal::TERM);
+    assert!(
+        status.success(),
+        "SIGTERM exits 0, got {status}:\n{}",
+        s.log_text()
+    );
+    assert!(backing_file(&dev).is_some(), "the device keeps serving");
+    assert!(!s.sock.exists(), "the socket is removed");
+    s.restart().await;
+    assert_eq!(s.get("/v1/volumes/t").await.body["device"], dev.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vanished_device_is_reattached_or_marked_error() {
+    let mut s = Service::start().await;
+    s.loop_volume("a", 8).await;
+    s.loop_volume("b", 8).await;
+    let path_b = s.get("/v1/images/b-img").await.body["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    s.kill();
+    // Someone detaches both devices and removes b's image while the service is down.
+    for dev in s.my_loop_devices() {
+        assert!(
+            std::process::Command::new("losetup")
+                .arg("-d")
+                .arg(&dev)
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    std::fs::remove_file(&path_b).unwrap();
+    s.restart().await;
+    let a = s.get("/v1/volumes/a").await.body;
+    assert_eq!(a["state"], "attached");
+    let b = s.get("/v1/volumes/b").await.body;
+    assert_eq!(b["state"], "error");
+    assert!(
+        b["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("does not exist"),
+        "{b}"
+    );
+    assert_eq!(s.my_loop_devices().len(), 1);
+    // An error volume can still be deleted.
+    assert_eq!(
+        s.delete("/v1/volumes/b").await.status,
+        StatusCode::NO_CONTENT
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_device_is_removed() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("o", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    s.kill();
+    // The row disappears (as if SQLite was restored from an older backup).
+    let db = s.data.join("blockplane.db");
+    let out = std::process::Command::new("sqlite3")
+        .arg(&db)
+        .arg("DELETE FROM volumes;")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    s.restart().await;
+    assert_eq!(backing_file(&dev), None, "the orphan device is gone");
+    let ev = s.get("/v1/events").await.body;
+    assert!(kinds(&ev).contains(&"orphan_removed".to_string()), "{ev}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_service_on_the_same_data_dir_is_refused() {
+    let s = Service::start().await;
+    let out = s.command().output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("another blockplane is serving data dir"),
+        "{err}"
+    );
+}
