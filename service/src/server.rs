@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::config::{ListenAddr, LogFormat, ServeConfig};
 use crate::image::ImageRoots;
-use crate::manager::{CrashPoint, Manager};
+use crate::manager::{Fault, Manager};
 use crate::store::Store;
 
 /// Why the service could not start or run.
@@ -146,10 +146,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
     let store = Store::open(&cfg.data_dir.join("blockplane.db")).await?;
-    let crash_at = std::env::var("BLOCKPLANE_TEST_CRASH_AT")
+    let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
         .ok()
-        .and_then(|s| CrashPoint::parse(&s));
-    let manager = Arc::new(Manager::new(store, roots, crash_at).await?);
+        .and_then(|s| Fault::parse(&s));
+    let manager = Arc::new(Manager::new(store, roots, fault).await?);
 
     let report = manager.reconcile().await?;
     tracing::info!(

@@ -39,9 +39,11 @@ async fn with_a_token_everything_but_healthz_needs_it() {
         ] {
             for c in [&anon, &wrong] {
                 let a = c.send(Method::GET, path, None).await.unwrap();
+                check_against_openapi(&Method::GET, path, &a);
                 assert_error(&a, 401, "unauthorized");
             }
             let a = right.send(Method::GET, path, None).await.unwrap();
+            check_against_openapi(&Method::GET, path, &a);
             assert_ne!(a.status, StatusCode::UNAUTHORIZED, "{path}");
         }
         let a = anon
@@ -51,6 +53,7 @@ async fn with_a_token_everything_but_healthz_needs_it() {
         check_against_openapi(&Method::POST, "/v1/images", &a);
         assert_error(&a, 401, "unauthorized");
         let h = anon.send(Method::GET, "/healthz", None).await.unwrap();
+        check_against_openapi(&Method::GET, "/healthz", &h);
         assert_eq!(h.status, StatusCode::OK);
     }
     assert!(

@@ -23,7 +23,7 @@ async fn crash_during_create(point: &str) -> Service {
     let mut s = Service::start().await;
     s.image("img", 8).await;
     s.kill();
-    s.spawn(&[("BLOCKPLANE_TEST_CRASH_AT", point)]);
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", point)]);
     s.wait_ready().await;
     let sock = s.sock.clone();
     let answer = blockplane::client::Client::new(blockplane::client::Endpoint::Unix(sock), None)
@@ -44,7 +44,7 @@ async fn crash_during_create(point: &str) -> Service {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn killed_between_device_attached_and_row_updated() {
-    let mut s = crash_during_create("after_attach").await;
+    let mut s = crash_during_create("kill_after_attach").await;
     // The kernel has the device; SQLite says "attaching".
     assert_eq!(s.my_loop_devices().len(), 1);
     let dev = s.my_loop_devices()[0].clone();
@@ -65,7 +65,7 @@ async fn killed_between_device_attached_and_row_updated() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn killed_after_the_row_before_the_device() {
-    let mut s = crash_during_create("after_insert").await;
+    let mut s = crash_during_create("kill_after_insert").await;
     assert!(s.my_loop_devices().is_empty());
     s.restart().await;
     let v = s.get("/v1/volumes/v").await;
@@ -81,7 +81,7 @@ async fn killed_between_device_removed_and_row_deleted() {
     let mut s = Service::start().await;
     s.loop_volume("v", 8).await;
     s.kill();
-    s.spawn(&[("BLOCKPLANE_TEST_CRASH_AT", "after_detach")]);
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_detach")]);
     s.wait_ready().await;
     let r =
         blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None)
@@ -206,5 +206,33 @@ async fn a_second_service_on_the_same_data_dir_is_refused() {
     assert!(
         err.contains("another blockplane is serving data dir"),
         "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_that_fails_half_way_leaves_nothing() {
+    let mut s = Service::start().await;
+    s.image("img", 8).await;
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "fail_after_attach")]);
+    s.wait_ready().await;
+    let before_volumes = s.get("/v1/volumes").await.body;
+    let a = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "half", "image": "img", "backend": "loop"}),
+        )
+        .await;
+    crate::harness::assert_error(&a, 500, "internal");
+    assert!(s.my_loop_devices().is_empty(), "no device left behind");
+    assert_eq!(
+        s.get("/v1/volumes").await.body,
+        before_volumes,
+        "no row left behind"
+    );
+    let ev = s.get("/v1/events").await.body;
+    assert!(
+        kinds(&ev).contains(&"volume_create_failed".to_string()),
+        "{ev}"
     );
 }

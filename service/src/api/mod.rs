@@ -75,9 +75,40 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(system::healthz))
 }
 
+/// The routes and their OpenAPI document, with what every operation can answer.
+fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    let (router, mut doc) = routes().split_for_parts();
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.post,
+            &mut item.patch,
+            &mut item.put,
+            &mut item.delete,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !op.responses.responses.contains_key("500") {
+                let r = utoipa::openapi::ResponseBuilder::new()
+                    .description("Internal failure (database, device I/O); the message says what")
+                    .content(
+                        "application/json",
+                        utoipa::openapi::ContentBuilder::new()
+                            .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                            .build(),
+                    )
+                    .build();
+                op.responses.responses.insert("500".into(), r.into());
+            }
+        }
+    }
+    (router, doc)
+}
+
 /// The OpenAPI document of this API.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    routes().split_for_parts().1
+    split().1
 }
 
 /// The OpenAPI document as served and committed (pretty JSON, trailing newline).
@@ -87,7 +118,7 @@ pub fn openapi_json() -> String {
 
 /// The complete service: API routes, `/openapi.json`, JSON fallbacks, auth.
 pub fn router(manager: Arc<Manager>, token: Option<String>) -> Router {
-    let (api, doc) = routes().split_for_parts();
+    let (api, doc) = split();
     let doc = Arc::new(openapi_json_of(&doc));
     api.route(
         "/openapi.json",

@@ -83,10 +83,10 @@ pub enum Created<T> {
     Existing(T),
 }
 
-/// Points at which a test can have the service kill itself with SIGKILL, to
-/// prove that restart reconciles (env `BLOCKPLANE_TEST_CRASH_AT`).
+/// Stages of a volume's create and delete at which a test can inject a fault
+/// (env `BLOCKPLANE_TEST_FAULT`), to prove restart and cleanup work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CrashPoint {
+pub enum Stage {
     /// The volume row is recorded, no device exists yet.
     AfterInsert,
     /// The device exists, the row does not say so yet.
@@ -95,13 +95,27 @@ pub enum CrashPoint {
     AfterDetach,
 }
 
-impl CrashPoint {
-    /// Parses the env spelling (`after_insert`, `after_attach`, `after_detach`).
+/// An injected fault: SIGKILL the service, or fail the operation, at a stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    Kill(Stage),
+    Fail(Stage),
+}
+
+impl Fault {
+    /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
+    /// `fail_after_attach`.
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "after_insert" => Some(Self::AfterInsert),
-            "after_attach" => Some(Self::AfterAttach),
-            "after_detach" => Some(Self::AfterDetach),
+        let (action, stage) = s.split_once("_after_")?;
+        let stage = match stage {
+            "insert" => Stage::AfterInsert,
+            "attach" => Stage::AfterAttach,
+            "detach" => Stage::AfterDetach,
+            _ => return None,
+        };
+        match action {
+            "kill" => Some(Fault::Kill(stage)),
+            "fail" => Some(Fault::Fail(stage)),
             _ => None,
         }
     }
@@ -117,16 +131,12 @@ pub struct Manager {
     image_locks: KeyedLocks,
     /// Keyed by volume name: create, delete and live changes of one volume queue.
     volume_locks: KeyedLocks,
-    crash_at: Option<CrashPoint>,
+    fault: Option<Fault>,
 }
 
 impl Manager {
     /// A manager over `store` and `roots` with the backends this build has.
-    pub async fn new(
-        store: Store,
-        roots: ImageRoots,
-        crash_at: Option<CrashPoint>,
-    ) -> Result<Self> {
+    pub async fn new(store: Store, roots: ImageRoots, fault: Option<Fault>) -> Result<Self> {
         let instance = store.instance().await?;
         Ok(Self {
             store,
@@ -135,17 +145,25 @@ impl Manager {
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
-            crash_at,
+            fault,
         })
     }
 
-    fn crash_point(&self, at: CrashPoint) {
-        if self.crash_at == Some(at) {
-            tracing::warn!(?at, "test crash point reached: killing the service");
-            let _ = rustix::process::kill_process(
-                rustix::process::getpid(),
-                rustix::process::Signal::KILL,
-            );
+    /// Applies the injected fault of this stage, if any.
+    fn fault_point(&self, at: Stage) -> Result<()> {
+        match self.fault {
+            Some(Fault::Kill(s)) if s == at => {
+                tracing::warn!(?at, "test fault: killing the service");
+                let _ = rustix::process::kill_process(
+                    rustix::process::getpid(),
+                    rustix::process::Signal::KILL,
+                );
+                Ok(())
+            }
+            Some(Fault::Fail(s)) if s == at => {
+                Err(Error::Internal(format!("injected test fault at {at:?}")))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{CrashPoint, Created, Error, Manager, Result, blocking, validate_name};
+use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
 use crate::backend::{AttachRequest, Attachment, BackendError, Change, SpecCheck, VolumeBackend};
 use crate::image::{Access, ImageFile};
 use crate::model::{
@@ -260,33 +260,43 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.crash_point(CrashPoint::AfterInsert);
+        self.fault_point(Stage::AfterInsert)?;
 
         match self.attach(&row, &image, file).await {
             Ok(att) => {
-                self.crash_point(CrashPoint::AfterAttach);
-                let recorded = self.record_attached(&mut row, att, "volume_attached").await;
+                let recorded = match self.fault_point(Stage::AfterAttach) {
+                    Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
+                    Err(e) => Err(e),
+                };
                 if let Err(e) = recorded {
+                    // Half-way: remove the device and the row, keep the reason.
                     let _ = self.detach(&row).await;
+                    self.forget_failed(&row, &e).await?;
                     return Err(e);
                 }
                 tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
                 Ok(Created::New(self.volume_view(&row).await?))
             }
             Err(e) => {
-                let mut tx = self.store.begin().await?;
-                tx.delete_volume(row.id).await?;
-                tx.event(
-                    Some(row.id),
-                    Some(image.id),
-                    "volume_create_failed",
-                    &format!("volume '{}' not created: {e}", row.name),
-                )
-                .await?;
-                tx.commit().await?;
+                self.forget_failed(&row, &e).await?;
                 Err(e)
             }
         }
+    }
+
+    /// Deletes the row of a create that failed, recording why.
+    async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        tx.delete_volume(row.id).await?;
+        tx.event(
+            Some(row.id),
+            Some(row.image_id),
+            "volume_create_failed",
+            &format!("volume '{}' not created: {e}", row.name),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Brings up the device of a recorded volume on an opened image.
@@ -419,7 +429,7 @@ impl Manager {
             tx.commit().await?;
             return Err(e);
         }
-        self.crash_point(CrashPoint::AfterDetach);
+        self.fault_point(Stage::AfterDetach)?;
         self.forget_volume(&v).await
     }
 
