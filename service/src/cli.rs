@@ -52,6 +52,13 @@ enum Command {
     /// Print the OpenAPI document.
     #[command(hide = true)]
     Openapi,
+    /// Serve one volume's ublk device (started by the service, not by hand).
+    #[command(hide = true)]
+    Worker {
+        /// The worker spec, JSON.
+        #[arg(long)]
+        spec: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -106,6 +113,15 @@ enum VolumeCmd {
         queues: u16,
         #[arg(long, default_value_t = 128)]
         queue_depth: u16,
+        /// Largest request, bytes (power of two, 4K to 1M).
+        #[arg(long, value_parser = parse_size)]
+        max_io_bytes: Option<u64>,
+        /// IOPS limit (ublk).
+        #[arg(long)]
+        qos_iops: Option<u64>,
+        /// Bandwidth limit, bytes/s (ublk; units allowed).
+        #[arg(long, value_parser = parse_size)]
+        qos_bytes_per_sec: Option<u64>,
     },
     /// List volumes.
     Ls,
@@ -168,6 +184,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Worker { spec } => crate::dataplane::main(&spec),
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
@@ -270,7 +287,9 @@ enum View {
 fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
     use Method as M;
     match cmd {
-        Command::Serve(_) | Command::Openapi => unreachable!("handled without the API"),
+        Command::Serve(_) | Command::Openapi | Command::Worker { .. } => {
+            unreachable!("handled without the API")
+        }
         Command::Host => (M::GET, "/v1/host".into(), None, View::Host),
         Command::Events { volume, limit } => {
             let mut q = Vec::new();
@@ -336,15 +355,22 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 read_only,
                 queues,
                 queue_depth,
-            } => (
-                M::POST,
-                "/v1/volumes".into(),
-                Some(json!({
+                max_io_bytes,
+                qos_iops,
+                qos_bytes_per_sec,
+            } => {
+                let mut body = json!({
                     "name": name, "image": image, "backend": backend, "dispatch": dispatch,
                     "read_only": read_only, "queues": queues, "queue_depth": queue_depth,
-                })),
-                View::Volume,
-            ),
+                });
+                if let Some(m) = max_io_bytes {
+                    body["max_io_bytes"] = json!(m);
+                }
+                if qos_iops.is_some() || qos_bytes_per_sec.is_some() {
+                    body["qos"] = json!({"iops": qos_iops, "bytes_per_sec": qos_bytes_per_sec});
+                }
+                (M::POST, "/v1/volumes".into(), Some(body), View::Volume)
+            }
             VolumeCmd::Ls => (M::GET, "/v1/volumes".into(), None, View::Volumes),
             VolumeCmd::Show { volume } => (
                 M::GET,

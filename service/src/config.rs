@@ -67,6 +67,12 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "BLOCKPLANE_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Threads in each ublk worker's `threaded` pool [default: 4].
+    #[arg(long, env = "BLOCKPLANE_WORKER_THREADS")]
+    pub worker_threads: Option<u16>,
+    /// Seconds between re-reads of direct-mapped images' extents [default: 60].
+    #[arg(long, env = "BLOCKPLANE_EXTENT_CHECK_SECS")]
+    pub extent_check_secs: Option<u32>,
 }
 
 /// The config file's keys (all optional).
@@ -82,6 +88,8 @@ struct FileConfig {
     token_file: Option<PathBuf>,
     insecure_tcp: Option<bool>,
     log_format: Option<LogFormat>,
+    worker_threads: Option<u16>,
+    extent_check_secs: Option<u32>,
 }
 
 /// A place to listen.
@@ -123,6 +131,8 @@ pub struct ServeConfig {
     pub image_roots: Vec<PathBuf>,
     pub token: Option<String>,
     pub log_format: LogFormat,
+    pub worker_threads: u16,
+    pub extent_check_secs: u32,
 }
 
 /// The data dir used when none is configured.
@@ -223,6 +233,16 @@ impl ServeArgs {
                 .log_format
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Human),
+            worker_threads: self
+                .worker_threads
+                .or(file.worker_threads)
+                .unwrap_or(4)
+                .max(1),
+            extent_check_secs: self
+                .extent_check_secs
+                .or(file.extent_check_secs)
+                .unwrap_or(60)
+                .max(1),
         })
     }
 }

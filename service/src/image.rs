@@ -383,34 +383,44 @@ impl ImageFile {
     /// written with zeros so no extent stays unwritten; then synced.
     pub fn grow(&mut self, size: u64, alloc: Allocation) -> Result<()> {
         check_size(&self.path, size)?;
-        let old = self.size();
-        if size < old {
-            return Err(io_error(
-                &self.path,
-                "grow",
-                io::Error::other(format!("new size {size} is below the current size {old}")),
-            ));
-        }
-        let io_err = |op, e: io::Error| match e.raw_os_error() {
+        grow_fd(&self.fd, size, alloc).map_err(|(op, e)| match e.raw_os_error() {
             Some(libc::ENOSPC) => ImageFileError::NoSpace {
                 path: self.path.display(),
                 op,
             },
             _ => io_error(&self.path, op, e),
-        };
-        match alloc {
-            Allocation::Sparse => {
-                rustix::fs::ftruncate(&self.fd, size).map_err(|e| io_err("ftruncate", e.into()))?
-            }
-            Allocation::Full => {
-                rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), old, size - old)
-                    .map_err(|e| io_err("fallocate", e.into()))?;
-                write_zeros(&self.fd, old, size).map_err(|e| io_err("write zeros", e))?;
-            }
-        }
-        rustix::fs::fsync(&self.fd).map_err(|e| io_err("fsync", e.into()))?;
+        })?;
         self.refresh()
     }
+}
+
+/// Grows an open image to `size` bytes (never shrinks); `Full` allocates and
+/// zero-writes the new range. Fails with the step that failed.
+pub fn grow_fd(
+    fd: &OwnedFd,
+    size: u64,
+    alloc: Allocation,
+) -> std::result::Result<(), (&'static str, io::Error)> {
+    let old = rustix::fs::fstat(fd)
+        .map_err(|e| ("fstat", e.into()))?
+        .st_size as u64;
+    if size < old {
+        return Err((
+            "grow",
+            io::Error::other(format!("new size {size} is below the current size {old}")),
+        ));
+    }
+    match alloc {
+        Allocation::Sparse => {
+            rustix::fs::ftruncate(fd, size).map_err(|e| ("ftruncate", e.into()))?
+        }
+        Allocation::Full => {
+            rustix::fs::fallocate(fd, FallocateFlags::empty(), old, size - old)
+                .map_err(|e| ("fallocate", e.into()))?;
+            write_zeros(fd, old, size).map_err(|e| ("write zeros", e))?;
+        }
+    }
+    rustix::fs::fsync(fd).map_err(|e| ("fsync", e.into()))
 }
 
 fn write_zeros(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {

@@ -203,6 +203,10 @@ pub struct CreateVolumeRequest {
     /// Depth of each queue.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: u16,
+    /// Largest request the device accepts, bytes: a power of two from 4 KiB to
+    /// 1 MiB. Each queue holds depth x this much of I/O buffers.
+    #[serde(default = "default_max_io_bytes")]
+    pub max_io_bytes: u32,
     #[serde(default)]
     pub qos: Option<Qos>,
 }
@@ -217,6 +221,11 @@ fn default_dispatch() -> DispatchPolicy {
 pub const DEFAULT_QUEUES: u16 = 1;
 /// Default depth of each queue of a volume.
 pub const DEFAULT_QUEUE_DEPTH: u16 = 128;
+/// Default largest request of a volume, bytes.
+pub const DEFAULT_MAX_IO_BYTES: u32 = 256 << 10;
+fn default_max_io_bytes() -> u32 {
+    DEFAULT_MAX_IO_BYTES
+}
 fn default_queues() -> u16 {
     DEFAULT_QUEUES
 }
@@ -275,9 +284,12 @@ pub struct Volume {
     pub read_only: bool,
     pub queues: u16,
     pub queue_depth: u16,
+    pub max_io_bytes: u32,
     pub qos: Option<Qos>,
     /// Loop volumes: whether the kernel loop driver does direct I/O on the image.
     pub direct_io: Option<bool>,
+    /// ublk volumes: bytes of I/O buffers the worker holds (queues x depth x max_io_bytes).
+    pub buffer_bytes: Option<u64>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
@@ -338,6 +350,47 @@ pub struct VolumeStats {
     pub since: OffsetDateTime,
     /// Loop and dm volumes: the kernel's block-layer statistics, as read.
     pub kernel: Option<KernelBlockStats>,
+    /// ublk volumes: latency per op, from the worker's histograms (since the
+    /// worker started).
+    pub latency_us: Option<LatencyStats>,
+    /// ublk volumes: what the `nowait` path did.
+    pub nowait: Option<NowaitStats>,
+    /// ublk volumes: requests delayed by QoS.
+    pub qos_throttled: Option<u64>,
+    /// ublk volumes: workers replaced after a crash.
+    pub worker_restarts: Option<u64>,
+}
+
+/// Latency percentiles of one op, microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+pub struct Percentiles {
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub p999: u64,
+    pub max: u64,
+    /// Requests measured.
+    pub count: u64,
+}
+
+/// Latency of each op.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+pub struct LatencyStats {
+    pub read: Percentiles,
+    pub write: Percentiles,
+    pub flush: Percentiles,
+    pub discard: Percentiles,
+}
+
+/// The `nowait` path's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+pub struct NowaitStats {
+    /// Submissions with RWF_NOWAIT.
+    pub submitted: u64,
+    /// Of those, completed without blocking.
+    pub completed_inline: u64,
+    /// Of those, answered EAGAIN and resubmitted on the blocking path.
+    pub eagain_fallbacks: u64,
 }
 
 /// The raw counters of `/sys/block/<dev>/stat` (since the device's last attach).

@@ -7,7 +7,6 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
@@ -15,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::config::{ListenAddr, LogFormat, ServeConfig};
 use crate::image::ImageRoots;
-use crate::manager::{Fault, Manager};
+use crate::manager::{Fault, Manager, ManagerConfig};
 use crate::store::Store;
 
 /// Why the service could not start or run.
@@ -149,7 +148,17 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
         .ok()
         .and_then(|s| Fault::parse(&s));
-    let manager = Arc::new(Manager::new(store, roots, fault).await?);
+    let manager = Manager::new(
+        store,
+        roots,
+        ManagerConfig {
+            run_dir: cfg.data_dir.join("run"),
+            worker_threads: cfg.worker_threads,
+            extent_check_secs: cfg.extent_check_secs,
+            fault,
+        },
+    )
+    .await?;
 
     let report = manager.reconcile().await?;
     tracing::info!(

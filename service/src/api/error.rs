@@ -41,6 +41,7 @@ fn backend(e: &BackendError) -> (StatusCode, &'static str) {
         }
         BackendError::Unsupported { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "unsupported"),
         BackendError::NotLive { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "not_live"),
+        BackendError::Refused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "refused"),
         BackendError::Busy { .. } => (StatusCode::CONFLICT, "device_busy"),
         BackendError::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "device_error"),
     }

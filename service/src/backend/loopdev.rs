@@ -22,7 +22,9 @@ use super::blockstat::BlockStat;
 use super::{
     AttachRequest, Attachment, BackendError, Change, Marked, Probe, SpecCheck, VolumeBackend,
 };
-use crate::model::{ActiveDispatch, Backend, BackendCapability, DispatchPolicy, VolumeStats};
+use crate::model::{
+    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
+};
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
@@ -254,6 +256,7 @@ impl LoopDev {
             read_only,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
+            ublk: None,
         })
     }
 }
@@ -405,6 +408,13 @@ impl VolumeBackend for LoopBackend {
                 ),
             ));
         }
+        if spec.max_io_bytes != crate::model::DEFAULT_MAX_IO_BYTES {
+            return Err(unsupported(
+                format!("max_io_bytes {}", spec.max_io_bytes),
+                "the kernel loop driver sets its own request size; use backend ublk to choose"
+                    .into(),
+            ));
+        }
         if spec.qos.is_some() {
             return Err(unsupported(
                 "qos".into(),
@@ -538,7 +548,13 @@ impl VolumeBackend for LoopBackend {
         super::kernel_stats(volume_id, Backend::Loop, att)
     }
 
-    fn resize(&self, att: &Attachment, size_bytes: u64) -> Result<Attachment, BackendError> {
+    fn resize(
+        &self,
+        att: &Attachment,
+        size_bytes: u64,
+        _allocation: Allocation,
+        _volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
         let index: u32 = att
             .kernel_name
             .strip_prefix("loop")
@@ -591,7 +607,12 @@ impl VolumeBackend for LoopBackend {
         })
     }
 
-    fn reconfigure(&self, att: &Attachment, change: Change) -> Result<Attachment, BackendError> {
+    fn reconfigure(
+        &self,
+        att: &Attachment,
+        change: Change,
+        _volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
         // Only no-op changes pass check_change: nothing to do.
         self.check_change(att, change)?;
         Ok(att.clone())

@@ -7,6 +7,7 @@
 
 pub mod blockstat;
 pub mod loopdev;
+pub mod ublk;
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -15,9 +16,10 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::extent::Pin;
 use crate::model::{
-    ActiveDispatch, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
-    VolumeStats,
+    ActiveDispatch, Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats,
+    Qos, VolumeState, VolumeStats,
 };
 
 /// What went wrong in a backend.
@@ -40,6 +42,8 @@ pub enum BackendError {
         field: &'static str,
         reason: String,
     },
+    #[error("{reason}")]
+    Refused { reason: String },
     #[error("device {device} is busy: {reason}")]
     Busy { device: String, reason: String },
     #[error("{op} on {device} failed: {source}")]
@@ -78,6 +82,7 @@ pub struct AttachRequest {
     pub dispatch: DispatchPolicy,
     pub queues: u16,
     pub queue_depth: u16,
+    pub max_io_bytes: u32,
     pub qos: Option<Qos>,
 }
 
@@ -103,6 +108,54 @@ pub struct Attachment {
     /// Kernel block statistics at attach: the device may have counted I/O of an
     /// earlier user.
     pub baseline: Option<blockstat::BlockStat>,
+    /// ublk volumes: the device and its worker.
+    #[serde(default)]
+    pub ublk: Option<UblkAttachment>,
+}
+
+/// What the control plane keeps of a ublk volume's device and worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UblkAttachment {
+    pub dev_id: u32,
+    pub pid: u32,
+    /// The image's pin while direct-mapped.
+    pub pinned: Option<Pin>,
+    /// Bytes of I/O buffers the worker holds.
+    pub buffer_bytes: u64,
+    /// Why the volume left the direct path on its own (extent drift).
+    pub degraded: Option<String>,
+    /// A grown size the kernel could not take live.
+    pub resize_pending: bool,
+}
+
+/// Something a backend noticed on its own (a worker died and was replaced, a
+/// map drifted), for the manager to record.
+#[derive(Debug, Clone)]
+pub struct BackendEvent {
+    pub volume_id: Uuid,
+    pub kind: &'static str,
+    pub message: String,
+    /// The device as it is now, if it changed.
+    pub attachment: Option<Attachment>,
+    /// The volume's new state, if it changed.
+    pub state: Option<VolumeState>,
+}
+
+/// Where backends send their events.
+#[derive(Debug, Clone)]
+pub struct EventSink(std::sync::mpsc::Sender<BackendEvent>);
+
+impl EventSink {
+    /// A sink and the receiver the manager reads.
+    pub fn channel() -> (Self, std::sync::mpsc::Receiver<BackendEvent>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        (Self(tx), rx)
+    }
+
+    /// Sends (dropped if the manager is gone).
+    pub fn send(&self, e: BackendEvent) {
+        let _ = self.0.send(e);
+    }
 }
 
 /// What a backend found when asked about a volume's device.
@@ -173,14 +226,33 @@ pub trait VolumeBackend: Send + Sync {
     /// Current counters.
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError>;
 
-    /// Makes the device follow its image's new size.
-    fn resize(&self, att: &Attachment, size_bytes: u64) -> Result<Attachment, BackendError>;
+    /// Whether this backend grows the image file itself (its worker holds the
+    /// image, pinned when direct-mapped) rather than following a file the
+    /// manager grew.
+    fn grows_image(&self) -> bool {
+        false
+    }
+
+    /// Makes the device follow its image's new size (growing the file first
+    /// when [`VolumeBackend::grows_image`]).
+    fn resize(
+        &self,
+        att: &Attachment,
+        size_bytes: u64,
+        allocation: Allocation,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError>;
 
     /// Refuses, without side effects, a live change this backend cannot make.
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError>;
 
     /// Applies a live change (after [`VolumeBackend::check_change`] passed).
-    fn reconfigure(&self, att: &Attachment, change: Change) -> Result<Attachment, BackendError>;
+    fn reconfigure(
+        &self,
+        att: &Attachment,
+        change: Change,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError>;
 }
 
 /// The parts of a volume spec a backend checks before anything is recorded.
@@ -189,6 +261,7 @@ pub struct SpecCheck {
     pub dispatch: DispatchPolicy,
     pub queues: u16,
     pub queue_depth: u16,
+    pub max_io_bytes: u32,
     pub qos: Option<Qos>,
     pub read_only: bool,
 }
@@ -217,5 +290,9 @@ pub(crate) fn kernel_stats(
         in_flight: delta.in_flight,
         since: att.attached_at,
         kernel: Some(delta.kernel()),
+        latency_us: None,
+        nowait: None,
+        qos_throttled: None,
+        worker_restarts: None,
     })
 }

@@ -165,14 +165,30 @@ impl Manager {
             });
         }
         if size_bytes > current {
-            let me = self.clone();
-            let r = row.clone();
-            let (size, allocated) = blocking(move || -> Result<(u64, u64)> {
-                let mut file = me.open_image(&r, Access::ReadWrite)?;
-                file.grow(size_bytes, r.allocation.unwrap_or(Allocation::Sparse))?;
-                Ok((file.size(), file.allocated()))
-            })
-            .await??;
+            let allocation = row.allocation.unwrap_or(Allocation::Sparse);
+            // A ublk worker holds its image (pinned while direct-mapped) and
+            // grows it itself; otherwise the file is grown here first.
+            let worker_grows = self
+                .attached_volumes(row.id)
+                .await?
+                .iter()
+                .any(|(_, b)| b.grows_image());
+            if !worker_grows {
+                let me = self.clone();
+                let r = row.clone();
+                blocking(move || -> Result<()> {
+                    let mut file = me.open_image(&r, Access::ReadWrite)?;
+                    file.grow(size_bytes, allocation)?;
+                    Ok(())
+                })
+                .await??;
+            }
+            self.volumes_follow_resize(&row, size_bytes, allocation)
+                .await?;
+            let (size, allocated) = self
+                .roots
+                .stat_if_same(&row.path, (row.dev, row.ino))
+                .unwrap_or((size_bytes, row.allocated_bytes));
             let mut tx = self.store.begin().await?;
             tx.update_image_size(row.id, size, allocated).await?;
             tx.event(
@@ -183,44 +199,73 @@ impl Manager {
             )
             .await?;
             tx.commit().await?;
-            self.volumes_follow_resize(&row, size).await?;
         }
         self.image(&row.id.to_string()).await
     }
 
-    /// Makes every attached volume of an image follow its new size.
+    /// The image's volumes that have a device, with their backends.
+    async fn attached_volumes(
+        &self,
+        image_id: uuid::Uuid,
+    ) -> Result<
+        Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+    > {
+        let mut out = Vec::new();
+        for vid in self.store.volume_ids_of_image(image_id).await? {
+            if let Some(v) = self.store.volume(&vid.to_string()).await?
+                && v.attachment.is_some()
+                && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
+                && let Some(b) = self.backend(v.backend)
+            {
+                out.push((v, b));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes every attached volume of an image follow its new size. A volume
+    /// whose backend grows the image fails the resize when it cannot.
     async fn volumes_follow_resize(
         self: &std::sync::Arc<Self>,
         image: &ImageRow,
         size: u64,
+        allocation: Allocation,
     ) -> Result<()> {
-        for vid in self.store.volume_ids_of_image(image.id).await? {
-            let Some(v) = self.store.volume(&vid.to_string()).await? else {
-                continue;
-            };
+        for (v, backend) in self.attached_volumes(image.id).await? {
             let _vol = self.volume_locks.lock(&v.name).await;
-            let Some(mut v) = self.store.volume(&vid.to_string()).await? else {
+            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
                 continue;
             };
-            let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            let Some(att) = v.attachment.clone() else {
                 continue;
             };
-            if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-                continue;
-            }
-            let outcome = blocking(move || backend.resize(&att, size)).await?;
+            let grows = backend.grows_image();
+            let id = v.id;
+            let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
             let mut tx = self.store.begin().await?;
             match outcome {
                 Ok(att) => {
-                    let msg = format!(
-                        "volume '{}' now {} bytes on {}",
-                        v.name, att.size_bytes, att.device
-                    );
+                    let pending = att.ublk.as_ref().is_some_and(|u| u.resize_pending);
+                    let msg = if pending {
+                        format!(
+                            "volume '{}': image grown to {size} bytes; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
+                            v.name
+                        )
+                    } else {
+                        format!(
+                            "volume '{}' now {} bytes on {}",
+                            v.name, att.size_bytes, att.device
+                        )
+                    };
                     v.attachment = Some(att);
                     v.updated_at = OffsetDateTime::now_utc();
                     tx.update_volume(&v).await?;
                     tx.event(Some(v.id), Some(image.id), "volume_resized", &msg)
                         .await?;
+                    tx.commit().await?;
                 }
                 Err(e) => {
                     tx.event(
@@ -230,9 +275,12 @@ impl Manager {
                         &format!("volume '{}' keeps its old size: {e}", v.name),
                     )
                     .await?;
+                    tx.commit().await?;
+                    if grows {
+                        return Err(super::volumes::volume_error(&v.name, e));
+                    }
                 }
             }
-            tx.commit().await?;
         }
         Ok(())
     }

@@ -14,7 +14,8 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::backend::loopdev::LoopBackend;
-use crate::backend::{BackendError, VolumeBackend};
+use crate::backend::ublk::{UblkBackend, UblkConfig};
+use crate::backend::{BackendError, BackendEvent, EventSink, VolumeBackend};
 use crate::image::{ImageFileError, ImageRoots};
 use crate::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
 use crate::store::{Store, StoreError};
@@ -121,6 +122,19 @@ impl Fault {
     }
 }
 
+/// What the manager needs of the service's configuration.
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// Runtime files (worker run dirs).
+    pub run_dir: std::path::PathBuf,
+    /// Threads of each ublk worker's `threaded` pool.
+    pub worker_threads: u16,
+    /// Seconds between re-reads of direct maps (rule 5).
+    pub extent_check_secs: u32,
+    /// A test fault to inject.
+    pub fault: Option<Fault>,
+}
+
 /// The controller.
 pub struct Manager {
     store: Store,
@@ -136,17 +150,78 @@ pub struct Manager {
 
 impl Manager {
     /// A manager over `store` and `roots` with the backends this build has.
-    pub async fn new(store: Store, roots: ImageRoots, fault: Option<Fault>) -> Result<Self> {
+    pub async fn new(store: Store, roots: ImageRoots, cfg: ManagerConfig) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
-        Ok(Self {
+        let (events, backend_events) = EventSink::channel();
+        let ublk = UblkBackend::new(
+            UblkConfig {
+                run_root: cfg.run_dir.join("ublk"),
+                threads: cfg.worker_threads,
+                extent_check_secs: cfg.extent_check_secs,
+            },
+            events,
+        )
+        .map_err(|e| Error::Internal(format!("ublk backend: {e}")))?;
+        let me = Arc::new(Self {
             store,
             roots,
-            backends: vec![Arc::new(LoopBackend::new(instance))],
+            backends: vec![Arc::new(LoopBackend::new(instance)), Arc::new(ublk)],
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
-            fault,
-        })
+            fault: cfg.fault,
+        });
+        me.clone().record_backend_events(backend_events);
+        Ok(me)
+    }
+
+    /// Records what backends notice on their own (worker restarts, drift) as
+    /// events and volume state, on a thread of its own.
+    fn record_backend_events(self: Arc<Self>, rx: std::sync::mpsc::Receiver<BackendEvent>) {
+        let rt = tokio::runtime::Handle::current();
+        std::thread::spawn(move || {
+            while let Ok(ev) = rx.recv() {
+                if let Err(e) = rt.block_on(self.apply_backend_event(&ev)) {
+                    tracing::error!(volume = %ev.volume_id, error = %e, "cannot record a backend event");
+                }
+            }
+        });
+    }
+
+    async fn apply_backend_event(&self, ev: &BackendEvent) -> Result<()> {
+        let Some(v) = self.store.volume(&ev.volume_id.to_string()).await? else {
+            return Ok(());
+        };
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let Some(mut v) = self.store.volume(&ev.volume_id.to_string()).await? else {
+            return Ok(());
+        };
+        tracing::info!(volume = %v.name, kind = ev.kind, message = %ev.message, "backend event");
+        if let Some(mut att) = ev.attachment.clone() {
+            if let Some(old) = &v.attachment {
+                att.attached_at = old.attached_at;
+            }
+            v.attachment = Some(att);
+        }
+        if let Some(state) = ev.state {
+            v.state = state;
+            v.state_reason = Some(ev.message.clone());
+            if state == model::VolumeState::Error {
+                v.attachment = None;
+            }
+        }
+        v.updated_at = time::OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(&v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            ev.kind,
+            &format!("volume '{}': {}", v.name, ev.message),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Applies the injected fault of this stage, if any.

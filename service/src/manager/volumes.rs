@@ -39,6 +39,16 @@ fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
             ),
         });
     }
+    let m = req.max_io_bytes;
+    if !m.is_power_of_two() || !(4096..=1 << 20).contains(&m) {
+        return Err(Error::InvalidField {
+            field: "max_io_bytes",
+            reason: format!(
+                "{m} is not a power of two from 4096 to 1048576 (volume '{}')",
+                req.name
+            ),
+        });
+    }
     check_qos(&req.name, req.qos.as_ref())
 }
 
@@ -107,8 +117,10 @@ impl Manager {
             read_only: v.read_only,
             queues: v.spec.queues,
             queue_depth: v.spec.queue_depth,
+            max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
             direct_io: att.and_then(|a| a.direct_io),
+            buffer_bytes: att.and_then(|a| a.ublk.as_ref().map(|u| u.buffer_bytes)),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
@@ -220,6 +232,7 @@ impl Manager {
                 dispatch: req.dispatch,
                 queues: req.queues,
                 queue_depth: req.queue_depth,
+                max_io_bytes: req.max_io_bytes,
                 qos: req.qos,
                 read_only: req.read_only,
             })
@@ -325,6 +338,7 @@ impl Manager {
             dispatch: v.dispatch,
             queues: v.spec.queues,
             queue_depth: v.spec.queue_depth,
+            max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
         };
         let name = v.name.clone();
@@ -493,8 +507,8 @@ impl Manager {
         }
         let mut att = att;
         for change in changes {
-            let (b, a) = (backend.clone(), att.clone());
-            att = blocking(move || b.reconfigure(&a, change))
+            let (b, a, id) = (backend.clone(), att.clone(), v.id);
+            att = blocking(move || b.reconfigure(&a, change, id))
                 .await?
                 .map_err(|e| volume_error(&v.name, e))?;
             let (kind, msg) = match change {

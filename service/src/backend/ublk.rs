@@ -1,0 +1,915 @@
+//! The `ublk` backend, control-plane side: one worker process per volume
+//! (`blockplane worker`, see [`crate::dataplane`]), started detached so it
+//! outlives the control plane, supervised through a pidfd, recovered when it
+//! dies, and found again after a control-plane restart through its run dir
+//! (`<data-dir>/run/ublk/<volume-id>/`: `ctl.sock`, `state.json`, `stats`,
+//! `worker.log`).
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use libublk::ctrl::UblkCtrl;
+use libublk::sys;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{
+    AttachRequest, Attachment, BackendError, BackendEvent, Change, EventSink, Marked, Probe,
+    SpecCheck, UblkAttachment, VolumeBackend,
+};
+use crate::dataplane::protocol::{self, Answer, IMAGE_FD, Request, Status, WorkerSpec};
+use crate::extent::{self, ExtentMap};
+use crate::model::{
+    Allocation, Backend, BackendCapability, DispatchPolicy, LatencyStats, NowaitStats, Percentiles,
+    UblkFeatures, VolumeState, VolumeStats,
+};
+
+const CONTROL: &str = "/dev/ublk-control";
+const TALK_TIMEOUT: Duration = Duration::from_secs(60);
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Names of the ublk feature bits, in bit order.
+const FEATURE_NAMES: [&str; 20] = [
+    "SUPPORT_ZERO_COPY",
+    "URING_CMD_COMP_IN_TASK",
+    "NEED_GET_DATA",
+    "USER_RECOVERY",
+    "USER_RECOVERY_REISSUE",
+    "UNPRIVILEGED_DEV",
+    "CMD_IOCTL_ENCODE",
+    "USER_COPY",
+    "ZONED",
+    "USER_RECOVERY_FAIL_IO",
+    "UPDATE_SIZE",
+    "AUTO_BUF_REG",
+    "QUIESCE",
+    "PER_IO_DAEMON",
+    "BUF_REG_OFF_DAEMON",
+    "BATCH_IO",
+    "INTEGRITY",
+    "SAFE_STOP_DEV",
+    "NO_AUTO_PART_SCAN",
+    "SHMEM_ZC",
+];
+
+/// Backend settings from the service's configuration.
+#[derive(Debug, Clone)]
+pub struct UblkConfig {
+    /// Where worker run dirs live.
+    pub run_root: PathBuf,
+    /// Threads in each worker's `threaded` pool.
+    pub threads: u16,
+    /// Seconds between re-reads of direct maps.
+    pub extent_check_secs: u32,
+}
+
+/// A worker this control plane supervises.
+struct Worker {
+    pid: u32,
+    dev_id: u32,
+    /// A duplicate of the image fd, for a replacement worker and for unpinning.
+    image: OwnedFd,
+    spec: WorkerSpec,
+    /// Set while the control plane itself stops the worker.
+    stopping: Arc<AtomicBool>,
+    /// Set when the supervisor should end.
+    forget: Arc<AtomicBool>,
+}
+
+/// The ublk backend.
+pub struct UblkBackend {
+    cfg: UblkConfig,
+    exe: PathBuf,
+    workers: Arc<Mutex<HashMap<Uuid, Worker>>>,
+    events: EventSink,
+}
+
+/// Refusals and failures that name what the kernel or the rules said.
+fn io(op: &'static str, dev: impl Into<String>, e: io::Error) -> BackendError {
+    BackendError::io(op, dev, e)
+}
+
+impl UblkBackend {
+    /// A backend that runs workers from this executable.
+    pub fn new(cfg: UblkConfig, events: EventSink) -> io::Result<Self> {
+        Ok(Self {
+            cfg,
+            exe: std::env::current_exe()?,
+            workers: Arc::default(),
+            events,
+        })
+    }
+
+    fn unavailable() -> Option<String> {
+        if !Path::new(CONTROL).exists() {
+            return Some("ublk_drv is not loaded (no /dev/ublk-control)".into());
+        }
+        None
+    }
+
+    fn run_dir(&self, volume_id: Uuid) -> PathBuf {
+        self.cfg.run_root.join(volume_id.to_string())
+    }
+
+    fn state_file(&self, volume_id: Uuid) -> Option<crate::dataplane::ControlState> {
+        let text = std::fs::read(self.run_dir(volume_id).join("state.json")).ok()?;
+        serde_json::from_slice(&text).ok()
+    }
+
+    /// Decides the policy for a request: `auto` is `direct` when the image
+    /// passes every direct-map rule, else `nowait` with the reason.
+    fn decide(
+        &self,
+        image: &OwnedFd,
+        size: u64,
+        asked: DispatchPolicy,
+        read_only: bool,
+    ) -> Result<(DispatchPolicy, String), BackendError> {
+        let check = || -> Result<(), extent::MapError> {
+            if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
+                return Err(extent::MapError::ImmutableByUser);
+            }
+            ExtentMap::build(image.as_fd(), size).map(drop)
+        };
+        match asked {
+            DispatchPolicy::Auto => Ok(match check() {
+                Ok(()) => (
+                    DispatchPolicy::Direct,
+                    "auto: the image passes every direct-map rule".into(),
+                ),
+                Err(e) => (DispatchPolicy::Nowait, format!("auto chose nowait: {e}")),
+            }),
+            DispatchPolicy::Direct => {
+                check().map_err(|e| BackendError::Refused {
+                    reason: e.to_string(),
+                })?;
+                Ok((
+                    DispatchPolicy::Direct,
+                    "asked: direct (the image passes every direct-map rule)".into(),
+                ))
+            }
+            DispatchPolicy::Nowait => Ok((DispatchPolicy::Nowait, "asked: nowait".into())),
+            DispatchPolicy::Threaded => Ok((
+                DispatchPolicy::Threaded,
+                format!("asked: threaded ({} pool threads)", self.cfg.threads),
+            )),
+        }
+    }
+
+    /// Starts a worker and waits until its device serves; returns its status.
+    fn start_worker(
+        &self,
+        spec: WorkerSpec,
+        image: &OwnedFd,
+    ) -> Result<(u32, Status), BackendError> {
+        let run_dir = &spec.run_dir;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(run_dir)
+            .map_err(|e| io("create run dir", run_dir.display().to_string(), e))?;
+        let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(run_dir.join("worker.out"))
+            .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
+        let raw = image.as_raw_fd();
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("worker")
+            .arg("--spec")
+            .arg(serde_json::to_string(&spec).expect("spec serializes"))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().map_err(|e| io("dup", "worker output", e))?)
+            .stderr(out);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Its own session: signals to the control plane's group do not
+                // reach it, and it outlives the control plane.
+                libc::setsid();
+                if libc::dup2(raw, IMAGE_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| io("start worker", self.exe.display().to_string(), e))?;
+        let pid = child.id();
+        let socket = run_dir.join("ctl.sock");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(Answer::Status(s)) = protocol::talk(&socket, &Request::Status, TALK_TIMEOUT) {
+                // Reaped by a thread so the worker never lingers as a zombie.
+                std::thread::spawn(move || drop(child.wait()));
+                return Ok((pid, *s));
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(BackendError::io(
+                    "start worker",
+                    format!("volume {}", spec.volume_id),
+                    io::Error::other(format!(
+                        "worker exited ({status}): {}",
+                        last_error_line(run_dir)
+                    )),
+                ));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(BackendError::io(
+                    "start worker",
+                    format!("volume {}", spec.volume_id),
+                    io::Error::other(format!(
+                        "no answer within {START_TIMEOUT:?}: {}",
+                        last_error_line(run_dir)
+                    )),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn attachment(&self, s: &Status) -> Result<Attachment, BackendError> {
+        let name = format!("ublkb{}", s.dev_id);
+        let dev = std::fs::read_to_string(format!("/sys/block/{name}/dev"))
+            .map_err(|e| io("read sysfs of", &s.device, e))?;
+        let (major, minor) = dev
+            .trim()
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| io("parse dev of", &s.device, io::Error::other(dev.clone())))?;
+        Ok(Attachment {
+            device: s.device.clone(),
+            kernel_name: name,
+            major,
+            minor,
+            dispatch: s.dispatch,
+            dispatch_reason: s.dispatch_reason.clone(),
+            direct_io: None,
+            size_bytes: s.size_bytes,
+            read_only: s.read_only,
+            attached_at: OffsetDateTime::now_utc(),
+            baseline: None,
+            ublk: Some(UblkAttachment {
+                dev_id: s.dev_id,
+                pid: s.pid,
+                pinned: s.pinned,
+                buffer_bytes: s.buffer_bytes,
+                degraded: s.degraded.clone(),
+                resize_pending: s.resize_pending,
+            }),
+        })
+    }
+
+    fn socket(&self, volume_id: Uuid) -> PathBuf {
+        self.run_dir(volume_id).join("ctl.sock")
+    }
+
+    fn ask(&self, volume_id: Uuid, req: &Request) -> Result<Status, BackendError> {
+        match protocol::talk(&self.socket(volume_id), req, TALK_TIMEOUT) {
+            Ok(Answer::Status(s)) => Ok(*s),
+            Ok(Answer::Error { code, message }) if code == "refused" => {
+                Err(BackendError::Refused { reason: message })
+            }
+            Ok(Answer::Error { message, .. }) => Err(io(
+                "worker",
+                format!("volume {volume_id}"),
+                io::Error::other(message),
+            )),
+            Ok(other) => Err(io(
+                "worker",
+                format!("volume {volume_id}"),
+                io::Error::other(format!("unexpected answer {other:?}")),
+            )),
+            Err(e) => Err(io(
+                "worker",
+                format!("volume {volume_id}"),
+                io::Error::other(e.to_string()),
+            )),
+        }
+    }
+
+    /// Watches a worker: when it dies unasked, a new worker recovers its device.
+    fn supervise(&self, volume_id: Uuid) {
+        let workers = self.workers.clone();
+        let events = self.events.clone();
+        let exe = self.exe.clone();
+        let backend = UblkBackend {
+            cfg: self.cfg.clone(),
+            exe,
+            workers: workers.clone(),
+            events: events.clone(),
+        };
+        let _ = std::thread::Builder::new()
+            .name(format!("supervise-{}", &volume_id.to_string()[..8]))
+            .spawn(move || backend.supervise_loop(volume_id));
+    }
+
+    fn supervise_loop(&self, volume_id: Uuid) {
+        let mut last_degraded: Option<String> = None;
+        loop {
+            let (pid, stopping, forget) = {
+                let w = self.workers.lock().expect("workers poisoned");
+                let Some(w) = w.get(&volume_id) else { return };
+                (w.pid, w.stopping.clone(), w.forget.clone())
+            };
+            let pidfd = rustix::process::pidfd_open(
+                rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+                rustix::process::PidfdFlags::empty(),
+            )
+            .ok();
+            // Wait for the worker to end, looking at its status meanwhile.
+            loop {
+                if forget.load(Relaxed) {
+                    return;
+                }
+                let ended = match &pidfd {
+                    Some(fd) => {
+                        let mut fds =
+                            [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                        let t = rustix::event::Timespec {
+                            tv_sec: 2,
+                            tv_nsec: 0,
+                        };
+                        matches!(rustix::event::poll(&mut fds, Some(&t)), Ok(n) if n > 0)
+                    }
+                    None => true,
+                };
+                if ended {
+                    break;
+                }
+                if let Ok(Answer::Status(s)) = protocol::talk(
+                    &self.socket(volume_id),
+                    &Request::Status,
+                    Duration::from_secs(5),
+                ) && s.degraded != last_degraded
+                {
+                    last_degraded = s.degraded.clone();
+                    if s.degraded.is_some()
+                        && let Some(w) = self
+                            .workers
+                            .lock()
+                            .expect("workers poisoned")
+                            .get_mut(&volume_id)
+                    {
+                        // A replacement worker starts where this one is now.
+                        w.spec.dispatch = DispatchPolicy::Nowait;
+                    }
+                    if let (Some(reason), Ok(att)) = (&s.degraded, self.attachment(&s)) {
+                        self.events.send(BackendEvent {
+                            volume_id,
+                            kind: "volume_degraded",
+                            message: reason.clone(),
+                            attachment: Some(att),
+                            state: Some(VolumeState::Degraded),
+                        });
+                    }
+                }
+            }
+            if stopping.load(Relaxed) || forget.load(Relaxed) {
+                return;
+            }
+            self.recover_after_crash(volume_id, pid);
+        }
+    }
+
+    /// Starts a replacement worker that recovers the device of a dead one.
+    fn recover_after_crash(&self, volume_id: Uuid, old_pid: u32) {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (mut spec, image) = {
+                let w = self.workers.lock().expect("workers poisoned");
+                let Some(w) = w.get(&volume_id) else { return };
+                let Ok(image) = w.image.try_clone() else {
+                    return;
+                };
+                (w.spec.clone(), image)
+            };
+            let state = self.state_file(volume_id);
+            let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
+            spec.recover_dev_id = Some(dev_id);
+            spec.pinned = state.and_then(|s| s.pinned);
+            match self.start_worker(spec.clone(), &image) {
+                Ok((pid, status)) => {
+                    if let Some(w) = self
+                        .workers
+                        .lock()
+                        .expect("workers poisoned")
+                        .get_mut(&volume_id)
+                    {
+                        w.pid = pid;
+                        w.spec = spec;
+                    }
+                    let att = self.attachment(&status).ok();
+                    self.events.send(BackendEvent {
+                        volume_id,
+                        kind: "worker_restarted",
+                        message: format!(
+                            "worker {old_pid} died; worker {pid} recovered /dev/ublkb{} (attempt {attempt})",
+                            status.dev_id
+                        ),
+                        attachment: att,
+                        state: None,
+                    });
+                    return;
+                }
+                Err(e) if attempt < 10 => {
+                    tracing::warn!(%volume_id, attempt, error = %e, "recovery failed; retrying");
+                    std::thread::sleep(Duration::from_millis(200 * attempt));
+                }
+                Err(e) => {
+                    self.events.send(BackendEvent {
+                        volume_id,
+                        kind: "worker_recovery_failed",
+                        message: format!(
+                            "worker {old_pid} died and its device could not be recovered: {e}"
+                        ),
+                        attachment: None,
+                        state: Some(VolumeState::Error),
+                    });
+                    self.workers
+                        .lock()
+                        .expect("workers poisoned")
+                        .remove(&volume_id);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Deletes a ublk device whose server is gone (or will not stop).
+    fn delete_device(dev_id: u32) {
+        if let Ok(ctrl) = UblkCtrl::new_simple(dev_id as i32) {
+            let _ = ctrl.kill_dev();
+            let _ = ctrl.del_dev();
+        }
+    }
+
+    fn device_state(dev_id: u32) -> Option<u32> {
+        let ctrl = UblkCtrl::new_simple(dev_id as i32).ok()?;
+        ctrl.read_dev_info().ok()?;
+        Some(u32::from(ctrl.dev_info().state))
+    }
+}
+
+fn last_error_line(run_dir: &Path) -> String {
+    let text = std::fs::read_to_string(run_dir.join("worker.log")).unwrap_or_default()
+        + &std::fs::read_to_string(run_dir.join("worker.out")).unwrap_or_default();
+    text.lines()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.contains("error") || l.contains("worker:"))
+        .unwrap_or("no log")
+        .to_string()
+}
+
+fn feature_names(mask: u64) -> Vec<String> {
+    (0..64)
+        .filter(|b| mask & (1u64 << b) != 0)
+        .map(|b| {
+            FEATURE_NAMES
+                .get(b)
+                .map(|s| s.to_string())
+                .unwrap_or(format!("BIT_{b}"))
+        })
+        .collect()
+}
+
+/// Pid alive and running a blockplane worker of this volume.
+fn is_our_worker(pid: u32, volume_id: Uuid) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            let c = String::from_utf8_lossy(&c);
+            c.contains("worker") && c.contains(&volume_id.to_string())
+        })
+        .unwrap_or(false)
+}
+
+impl VolumeBackend for UblkBackend {
+    fn kind(&self) -> Backend {
+        Backend::Ublk
+    }
+
+    fn capability(&self) -> BackendCapability {
+        let reason = Self::unavailable();
+        let features = reason.is_none().then(|| {
+            let mask = crate::dataplane::kernel_features();
+            UblkFeatures {
+                mask,
+                names: feature_names(mask),
+            }
+        });
+        BackendCapability {
+            available: reason.is_none(),
+            reason,
+            features,
+        }
+    }
+
+    fn validate(&self, spec: &SpecCheck) -> Result<(), BackendError> {
+        if let Some(reason) = Self::unavailable() {
+            return Err(BackendError::Unavailable {
+                backend: "ublk",
+                reason,
+            });
+        }
+        let features = crate::dataplane::kernel_features();
+        if features & u64::from(sys::UBLK_F_USER_RECOVERY) == 0 {
+            return Err(BackendError::Unavailable {
+                backend: "ublk",
+                reason: format!(
+                    "the kernel's ublk driver lacks USER_RECOVERY (features {features:#x}); workers could not be replaced without losing I/O"
+                ),
+            });
+        }
+        let _ = spec;
+        Ok(())
+    }
+
+    fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
+        let (dispatch, reason) =
+            self.decide(&req.image_fd, req.size_bytes, req.dispatch, req.read_only)?;
+        let run_dir = self.run_dir(req.volume_id);
+        // A device left by a dead worker of this volume: recover it, so the
+        // data in flight when it died is reissued, not lost.
+        let earlier = self.state_file(req.volume_id);
+        let recover = earlier
+            .as_ref()
+            .filter(|s| !is_our_worker(s.pid, req.volume_id))
+            .and_then(|s| match Self::device_state(s.dev_id) {
+                Some(st) if st == sys::UBLK_S_DEV_QUIESCED => Some(s.dev_id),
+                Some(_) => {
+                    Self::delete_device(s.dev_id);
+                    None
+                }
+                None => None,
+            });
+        let spec = WorkerSpec {
+            volume_id: req.volume_id,
+            run_dir: run_dir.clone(),
+            image_path: req.image_path.clone(),
+            size_bytes: req.size_bytes,
+            read_only: req.read_only,
+            dispatch,
+            dispatch_reason: reason,
+            queues: req.queues,
+            queue_depth: req.queue_depth,
+            max_io_bytes: req.max_io_bytes,
+            threads: self.cfg.threads,
+            qos: req.qos,
+            recover_dev_id: recover,
+            pinned: if recover.is_some() {
+                earlier.and_then(|s| s.pinned)
+            } else {
+                None
+            },
+            extent_check_secs: self.cfg.extent_check_secs,
+        };
+        let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
+        let att = self.attachment(&status)?;
+        self.workers.lock().expect("workers poisoned").insert(
+            req.volume_id,
+            Worker {
+                pid,
+                dev_id: status.dev_id,
+                image: req.image_fd,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+            },
+        );
+        self.supervise(req.volume_id);
+        Ok(att)
+    }
+
+    fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        let Some(state) = self.state_file(volume_id) else {
+            return Ok(());
+        };
+        let node = format!("/dev/ublkb{}", state.dev_id);
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
+            .open(&node)
+        {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(BackendError::Busy {
+                device: node,
+                reason: "it is mounted or held open exclusively; unmount it first".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {
+        let worker = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .remove(&volume_id);
+        if let Some(w) = &worker {
+            w.stopping.store(true, Relaxed);
+            w.forget.store(true, Relaxed);
+        }
+        let state = self.state_file(volume_id);
+        let pid = worker
+            .as_ref()
+            .map(|w| w.pid)
+            .or(state.as_ref().map(|s| s.pid));
+        // Ask the worker to stop the device: in-flight I/O ends with errors.
+        let asked = self.ask(volume_id, &Request::Shutdown).is_ok();
+        if let Some(pid) = pid.filter(|p| is_our_worker(*p, volume_id)) {
+            let deadline = Instant::now() + Duration::from_secs(if asked { 30 } else { 0 });
+            while is_our_worker(pid, volume_id) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if is_our_worker(pid, volume_id) {
+                let _ = rustix::process::kill_process(
+                    rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+                    rustix::process::Signal::KILL,
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        let dev_id = worker
+            .as_ref()
+            .map(|w| w.dev_id)
+            .or(state.as_ref().map(|s| s.dev_id))
+            .or(att.and_then(|a| a.ublk.as_ref().map(|u| u.dev_id)));
+        if let Some(id) = dev_id
+            && Self::device_state(id).is_some()
+        {
+            Self::delete_device(id);
+        }
+        // The worker unpins on a clean stop; after a crash, unpin here.
+        let pinned = state
+            .as_ref()
+            .and_then(|s| s.pinned)
+            .or(att.and_then(|a| a.ublk.as_ref().and_then(|u| u.pinned)));
+        if let (Some(pin), Some(w)) = (pinned, &worker)
+            && let Err(e) = extent::unpin(w.image.as_fd(), pin)
+        {
+            tracing::warn!(%volume_id, error = %e, "could not clear the image's immutable flag");
+        }
+        let _ = std::fs::remove_dir_all(self.run_dir(volume_id));
+        Ok(())
+    }
+
+    fn probe(&self, volume_id: Uuid, identity: (u64, u64)) -> Result<Probe, BackendError> {
+        let Some(state) = self.state_file(volume_id) else {
+            return Ok(Probe::Gone);
+        };
+        if !is_our_worker(state.pid, volume_id) {
+            // Dead worker: attach recovers a quiesced device.
+            return Ok(Probe::Gone);
+        }
+        let status = self.ask(volume_id, &Request::Status)?;
+        // Take a duplicate of the worker's image fd, to recover it later.
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
+        let image = rustix::process::pidfd_getfd(
+            &pidfd,
+            IMAGE_FD,
+            rustix::process::PidfdGetfdFlags::empty(),
+        )
+        .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?;
+        let st = rustix::fs::fstat(&image)
+            .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
+        if (st.st_dev, st.st_ino) != identity {
+            return Err(BackendError::Busy {
+                device: status.device.clone(),
+                reason: "its worker serves another file than the registered image".into(),
+            });
+        }
+        let att = self.attachment(&status)?;
+        let spec = WorkerSpec {
+            volume_id,
+            run_dir: self.run_dir(volume_id),
+            image_path: String::new(),
+            size_bytes: status.size_bytes,
+            read_only: status.read_only,
+            dispatch: match status.dispatch {
+                crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
+                crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,
+                _ => DispatchPolicy::Nowait,
+            },
+            dispatch_reason: status.dispatch_reason.clone(),
+            queues: 1,
+            queue_depth: 128,
+            max_io_bytes: 0,
+            threads: self.cfg.threads,
+            qos: None,
+            recover_dev_id: None,
+            pinned: status.pinned,
+            extent_check_secs: self.cfg.extent_check_secs,
+        };
+        self.workers.lock().expect("workers poisoned").insert(
+            volume_id,
+            Worker {
+                pid: state.pid,
+                dev_id: state.dev_id,
+                image,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+            },
+        );
+        self.supervise(volume_id);
+        Ok(Probe::Alive(Box::new(att)))
+    }
+
+    fn marked(&self) -> Result<Vec<Marked>, BackendError> {
+        let Ok(dir) = std::fs::read_dir(&self.cfg.run_root) else {
+            return Ok(Vec::new());
+        };
+        Ok(dir
+            .flatten()
+            .filter_map(|e| Uuid::parse_str(&e.file_name().to_string_lossy()).ok())
+            .map(|volume_id| Marked {
+                volume_id,
+                device: self
+                    .state_file(volume_id)
+                    .map(|s| format!("/dev/ublkb{}", s.dev_id))
+                    .unwrap_or_else(|| "(no device)".into()),
+            })
+            .collect())
+    }
+
+    fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
+        let ws = match protocol::talk(&self.socket(volume_id), &Request::Stats, TALK_TIMEOUT) {
+            Ok(Answer::Stats(s)) => *s,
+            Ok(other) => {
+                return Err(io(
+                    "stats",
+                    &att.device,
+                    io::Error::other(format!("{other:?}")),
+                ));
+            }
+            Err(e) => return Err(io("stats", &att.device, io::Error::other(e.to_string()))),
+        };
+        let p = |l: &protocol::Latency| Percentiles {
+            p50: l.p50,
+            p90: l.p90,
+            p99: l.p99,
+            p999: l.p999,
+            max: l.max,
+            count: l.count,
+        };
+        Ok(VolumeStats {
+            volume_id,
+            backend: Backend::Ublk,
+            dispatch: att.dispatch,
+            read: ws.read,
+            write: ws.write,
+            flush: ws.flush,
+            discard: ws.discard,
+            in_flight: ws.in_flight,
+            since: OffsetDateTime::from_unix_timestamp_nanos(i128::from(ws.since_ms) * 1_000_000)
+                .unwrap_or(att.attached_at),
+            kernel: None,
+            latency_us: Some(LatencyStats {
+                read: p(&ws.latency[0]),
+                write: p(&ws.latency[1]),
+                flush: p(&ws.latency[2]),
+                discard: p(&ws.latency[3]),
+            }),
+            nowait: Some(NowaitStats {
+                submitted: ws.nowait_submitted,
+                completed_inline: ws.nowait_completed_inline,
+                eagain_fallbacks: ws.nowait_eagain_fallbacks,
+            }),
+            qos_throttled: Some(ws.qos_throttled),
+            worker_restarts: Some(ws.worker_restarts),
+        })
+    }
+
+    fn grows_image(&self) -> bool {
+        true
+    }
+
+    fn resize(
+        &self,
+        att: &Attachment,
+        size_bytes: u64,
+        allocation: Allocation,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        let s = self.ask(
+            volume_id,
+            &Request::Resize {
+                size_bytes,
+                allocation,
+            },
+        )?;
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            w.spec.size_bytes = size_bytes;
+        }
+        let mut out = self.attachment(&s)?;
+        out.attached_at = att.attached_at;
+        Ok(out)
+    }
+
+    fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
+        match change {
+            Change::Dispatch(d @ (DispatchPolicy::Direct | DispatchPolicy::Auto)) => {
+                let w = self.workers.lock().expect("workers poisoned");
+                let Some(w) = w
+                    .values()
+                    .find(|w| Some(w.dev_id) == att.ublk.as_ref().map(|u| u.dev_id))
+                else {
+                    return Ok(());
+                };
+                if d == DispatchPolicy::Direct
+                    && att.dispatch != crate::model::ActiveDispatch::Direct
+                {
+                    self.decide(&w.image, att.size_bytes, d, att.read_only)?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn reconfigure(
+        &self,
+        att: &Attachment,
+        change: Change,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        let status = match change {
+            Change::Dispatch(asked) => {
+                let (dispatch, reason) = {
+                    let w = self.workers.lock().expect("workers poisoned");
+                    let image = w
+                        .get(&volume_id)
+                        .and_then(|w| w.image.try_clone().ok())
+                        .ok_or_else(|| {
+                            io(
+                                "reconfigure",
+                                &att.device,
+                                io::Error::other("no supervised worker"),
+                            )
+                        })?;
+                    drop(w);
+                    if asked == DispatchPolicy::Auto
+                        && att.dispatch == crate::model::ActiveDispatch::Direct
+                    {
+                        (
+                            DispatchPolicy::Direct,
+                            "auto: the image passes every direct-map rule".to_string(),
+                        )
+                    } else {
+                        self.decide(&image, att.size_bytes, asked, att.read_only)?
+                    }
+                };
+                let s = self.ask(volume_id, &Request::SetDispatch { dispatch, reason })?;
+                if let Some(w) = self
+                    .workers
+                    .lock()
+                    .expect("workers poisoned")
+                    .get_mut(&volume_id)
+                {
+                    w.spec.dispatch = dispatch;
+                }
+                s
+            }
+            Change::ReadOnly(read_only) => {
+                self.ask(volume_id, &Request::SetReadOnly { read_only })?
+            }
+            Change::Qos(qos) => {
+                let s = self.ask(volume_id, &Request::SetQos { qos })?;
+                if let Some(w) = self
+                    .workers
+                    .lock()
+                    .expect("workers poisoned")
+                    .get_mut(&volume_id)
+                {
+                    w.spec.qos = qos;
+                }
+                s
+            }
+        };
+        let mut out = self.attachment(&status)?;
+        out.attached_at = att.attached_at;
+        Ok(out)
+    }
+}

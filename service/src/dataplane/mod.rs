@@ -1,0 +1,406 @@
+//! The data plane: a worker process (`blockplane worker`, started by the
+//! control plane) that serves one volume's ublk device. It never touches
+//! SQLite: it gets its image as an open fd and its spec on the command line,
+//! and answers on a control socket in its run dir.
+//!
+//! Policies switch live: the control thread closes every queue's [`gate::Gate`],
+//! waits for the requests inside to finish, changes what must change (the
+//! image's pin and map when entering or leaving `direct`), and opens the gates.
+
+mod control;
+mod device;
+pub mod gate;
+mod io;
+mod pool;
+pub mod protocol;
+mod qos;
+pub mod stats;
+
+use std::fs::File;
+use std::os::fd::{AsFd, FromRawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use crate::extent::{self, ExtentMap, Pin};
+use crate::model::{ActiveDispatch, DispatchPolicy};
+pub use control::StateFile as ControlState;
+pub use device::kernel_features;
+use gate::Gate;
+use protocol::{IMAGE_FD, WorkerSpec};
+use stats::Stats;
+
+/// The data path in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Policy {
+    Nowait = 0,
+    Threaded = 1,
+    Direct = 2,
+}
+
+impl Policy {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Policy::Threaded,
+            2 => Policy::Direct,
+            _ => Policy::Nowait,
+        }
+    }
+
+    /// The policy for a requested one (`Auto` is decided by the control plane
+    /// before a worker starts; here it means `Nowait`).
+    pub fn from_requested(d: DispatchPolicy) -> Self {
+        match d {
+            DispatchPolicy::Threaded => Policy::Threaded,
+            DispatchPolicy::Direct => Policy::Direct,
+            DispatchPolicy::Nowait | DispatchPolicy::Auto => Policy::Nowait,
+        }
+    }
+
+    /// In the API's terms.
+    pub fn active(self) -> ActiveDispatch {
+        match self {
+            Policy::Nowait => ActiveDispatch::Nowait,
+            Policy::Threaded => ActiveDispatch::Threaded,
+            Policy::Direct => ActiveDispatch::Direct,
+        }
+    }
+}
+
+/// The direct path: the image's map and its raw devices, opened O_DIRECT.
+pub struct DirectPath {
+    pub map: ExtentMap,
+    pub devices: Vec<File>,
+}
+
+/// What changes under the control thread, besides the policy.
+#[derive(Debug, Clone)]
+pub struct WorkerState {
+    pub dispatch_reason: String,
+    pub pinned: Option<Pin>,
+    pub degraded: Option<String>,
+    pub size_bytes: u64,
+}
+
+/// Why a worker refused a change.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Map(#[from] extent::MapError),
+    #[error("{0}")]
+    Rule(String),
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Refusal {
+    /// A stable word for the control plane.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::Map(extent::MapError::Io { .. }) | Refusal::Io { .. } => "io_error",
+            Refusal::Map(_) | Refusal::Rule(_) => "refused",
+        }
+    }
+}
+
+/// Everything the queues, the pool and the control thread share.
+pub struct Shared {
+    pub spec: WorkerSpec,
+    pub stats: Stats,
+    /// The image as handed over (ioctls, FIEMAP, flags).
+    pub image: File,
+    /// The image reopened for the data path (O_DIRECT where the filesystem allows).
+    pub data: File,
+    pub read_only: AtomicBool,
+    pub qos: qos::Limiter,
+    policy: AtomicU8,
+    direct: RwLock<Option<Arc<DirectPath>>>,
+    pub state: Mutex<WorkerState>,
+    gates: Mutex<Vec<Arc<Gate>>>,
+}
+
+impl Shared {
+    /// The policy in force.
+    pub fn policy(&self) -> Policy {
+        Policy::from_u8(self.policy.load(Relaxed))
+    }
+
+    /// The direct path, while the policy is `direct`.
+    pub fn direct_path(&self) -> Option<Arc<DirectPath>> {
+        self.direct.read().expect("direct path poisoned").clone()
+    }
+
+    fn register_gate(&self, gate: Arc<Gate>) {
+        self.gates.lock().expect("gates poisoned").push(gate);
+    }
+
+    fn refuse_rule_3(&self) -> Result<(), Refusal> {
+        if !self.read_only.load(Relaxed)
+            && extent::is_immutable(self.image.as_fd()).unwrap_or(false)
+        {
+            let pinned_by_us = self
+                .state
+                .lock()
+                .expect("state poisoned")
+                .pinned
+                .is_some_and(|p| !p.was_immutable);
+            if !pinned_by_us {
+                return Err(extent::MapError::ImmutableByUser.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps and pins the image and opens its raw devices (entering `direct`).
+    fn enter_direct(&self) -> Result<Arc<DirectPath>, Refusal> {
+        let size = self.state.lock().expect("state poisoned").size_bytes;
+        let earlier = self.state.lock().expect("state poisoned").pinned;
+        let (map, pin) = match earlier {
+            // Pinned by an earlier worker of this volume: keep what it knew of
+            // the owner's flag, and check the map as it is now.
+            Some(p) => {
+                let map = ExtentMap::build(self.image.as_fd(), size)?;
+                extent::drop_page_cache(self.image.as_fd()).map_err(|source| Refusal::Io {
+                    op: "drop page cache",
+                    source,
+                })?;
+                (map, p)
+            }
+            None => {
+                self.refuse_rule_3()?;
+                extent::map_and_pin(self.image.as_fd(), size)?
+            }
+        };
+        let devices = match self.open_raw_devices(&map) {
+            Ok(d) => d,
+            Err(e) => {
+                if earlier.is_none() {
+                    let _ = extent::unpin(self.image.as_fd(), pin);
+                }
+                return Err(e);
+            }
+        };
+        self.state.lock().expect("state poisoned").pinned = Some(pin);
+        Ok(Arc::new(DirectPath { map, devices }))
+    }
+
+    fn open_raw_devices(&self, map: &ExtentMap) -> Result<Vec<File>, Refusal> {
+        // Read-only may be switched off again live: a volume created writable
+        // opens its raw devices writable.
+        let write = !self.spec.read_only;
+        map.devices
+            .iter()
+            .map(|d| {
+                // Not O_EXCL: the filesystem on it is mounted (rule 7).
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(write)
+                    .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+                    .open(&d.node)
+                    .map_err(|e| match e.raw_os_error() {
+                        Some(libc::EBUSY) | Some(libc::EPERM) if write => Refusal::Rule(format!(
+                            "direct-map rule 7: the kernel refuses writes to {} while its filesystem is mounted (bdev_allow_write_mounted=0?): {e}",
+                            d.node.display()
+                        )),
+                        _ => Refusal::Io {
+                            op: "open the raw device",
+                            source: e,
+                        },
+                    })
+            })
+            .collect()
+    }
+
+    /// Leaves `direct`: flushes the raw devices, unpins, and drops the page
+    /// cache again so the file path reads what the raw device holds.
+    fn leave_direct(&self) -> Result<(), Refusal> {
+        if let Some(d) = self.direct.write().expect("direct path poisoned").take() {
+            for dev in &d.devices {
+                dev.sync_all().map_err(|source| Refusal::Io {
+                    op: "flush the raw device",
+                    source,
+                })?;
+            }
+        }
+        let pin = self.state.lock().expect("state poisoned").pinned.take();
+        if let Some(p) = pin {
+            extent::unpin(self.image.as_fd(), p).map_err(|source| Refusal::Io {
+                op: "clear FS_IMMUTABLE_FL",
+                source,
+            })?;
+        }
+        extent::drop_page_cache(self.image.as_fd()).map_err(|source| Refusal::Io {
+            op: "drop page cache",
+            source,
+        })
+    }
+
+    /// Switches the policy while I/O runs: drains every queue, changes the
+    /// path, lets the held requests continue on the new one.
+    pub fn switch(&self, to: Policy, reason: String) -> Result<(), Refusal> {
+        let from = self.policy();
+        if from == to {
+            self.state.lock().expect("state poisoned").dispatch_reason = reason;
+            return Ok(());
+        }
+        if to == Policy::Direct {
+            // Refuse early, before holding any I/O.
+            self.refuse_rule_3()?;
+        }
+        let gates = self.gates.lock().expect("gates poisoned").clone();
+        let drained = gates
+            .iter()
+            .all(|g| g.close_and_drain(Duration::from_secs(30)));
+        let outcome = if !drained {
+            Err(Refusal::Rule(
+                "requests did not finish within 30 s; policy unchanged".into(),
+            ))
+        } else {
+            self.change_path(from, to)
+        };
+        if outcome.is_ok() {
+            self.policy.store(to as u8, Relaxed);
+            self.state.lock().expect("state poisoned").dispatch_reason = reason;
+        }
+        for g in &gates {
+            g.open();
+        }
+        outcome
+    }
+
+    fn change_path(&self, from: Policy, to: Policy) -> Result<(), Refusal> {
+        match (from, to) {
+            (_, Policy::Direct) => {
+                // Written data reaches the disk before the map is read.
+                self.data.sync_data().map_err(|source| Refusal::Io {
+                    op: "fdatasync the image",
+                    source,
+                })?;
+                let path = self.enter_direct()?;
+                *self.direct.write().expect("direct path poisoned") = Some(path);
+                Ok(())
+            }
+            (Policy::Direct, _) => self.leave_direct(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Rule 5: re-reads the map of a `direct` volume; on drift, leaves the
+    /// direct path at once for `nowait` and records why.
+    pub fn check_drift(&self) {
+        let Some(current) = self.direct_path() else {
+            return;
+        };
+        let size = current.map.size;
+        let now = ExtentMap::build(self.image.as_fd(), size);
+        let drift = match now {
+            Ok(m) => current.map.differences(&m),
+            Err(e) => Some(e.to_string()),
+        };
+        let Some(what) = drift else { return };
+        tracing::error!(%what, "extent map drifted: leaving the direct path");
+        let reason =
+            format!("direct-map rule 5: the image's extents changed ({what}); serving on nowait");
+        self.state.lock().expect("state poisoned").degraded = Some(reason.clone());
+        if let Err(e) = self.switch(Policy::Nowait, reason) {
+            tracing::error!(error = %e, "could not leave the direct path");
+        }
+    }
+}
+
+/// Opens the image for the data path: O_DIRECT where the filesystem takes it.
+fn reopen_for_data(writable: bool) -> std::io::Result<File> {
+    let path = format!("/proc/self/fd/{IMAGE_FD}");
+    let open = |extra: i32| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .custom_flags(libc::O_CLOEXEC | extra)
+            .open(&path)
+    };
+    open(libc::O_DIRECT).or_else(|_| open(0))
+}
+
+/// `blockplane worker --spec JSON`: serves until told to stop (exit 0) or
+/// until the device is taken away (exit 1).
+pub fn main(spec_json: &str) -> ExitCode {
+    let spec: WorkerSpec = match serde_json::from_str(spec_json) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("blockplane worker: bad spec: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(&spec);
+    match run(spec) {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = %e, "worker failed");
+            eprintln!("blockplane worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(spec: &WorkerSpec) {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(spec.run_dir.join("worker.log"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BLOCKPLANE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false);
+    let _ = match log {
+        Ok(f) => builder.with_writer(Mutex::new(f)).try_init(),
+        Err(_) => builder.with_writer(std::io::stderr).try_init(),
+    };
+}
+
+fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    device::private_mount_namespace()?;
+    // SAFETY: the control plane hands the image over on this fd; nothing else owns it.
+    let image = unsafe { File::from_raw_fd(IMAGE_FD) };
+    let writable = !spec.read_only;
+    let data = reopen_for_data(writable)?;
+    let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
+    if spec.recover_dev_id.is_some() {
+        stats.counters.worker_restarts.fetch_add(1, Relaxed);
+    }
+    let shared = Arc::new(Shared {
+        read_only: AtomicBool::new(spec.read_only),
+        qos: qos::Limiter::new(spec.qos),
+        policy: AtomicU8::new(Policy::Nowait as u8),
+        direct: RwLock::new(None),
+        state: Mutex::new(WorkerState {
+            dispatch_reason: spec.dispatch_reason.clone(),
+            pinned: spec.pinned,
+            degraded: None,
+            size_bytes: spec.size_bytes,
+        }),
+        gates: Mutex::new(Vec::new()),
+        stats,
+        image,
+        data,
+        spec,
+    });
+    let start = Policy::from_requested(shared.spec.dispatch);
+    if start == Policy::Direct {
+        let path = shared.enter_direct()?;
+        *shared.direct.write().expect("direct path poisoned") = Some(path);
+    } else if let Some(p) = shared.spec.pinned {
+        // A crashed direct worker's pin, on a volume now asked on the file path.
+        extent::unpin(shared.image.as_fd(), p)?;
+        shared.state.lock().expect("state poisoned").pinned = None;
+    }
+    shared.policy.store(start as u8, Relaxed);
+    device::serve(shared)
+}

@@ -1,0 +1,199 @@
+//! What the control plane and a worker say to each other: the worker's launch
+//! spec, and one JSON request / one JSON answer per line on the worker's
+//! control socket. Both sides use these types; nothing else crosses.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::extent::Pin;
+use crate::model::{ActiveDispatch, Allocation, DispatchPolicy, OpStats, Qos};
+
+/// The file descriptor number the image is handed to a worker on.
+pub const IMAGE_FD: i32 = 3;
+
+/// How a worker is to serve its volume (passed as JSON on its command line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub volume_id: Uuid,
+    /// The worker's directory: control socket, stats file, log, state.
+    pub run_dir: PathBuf,
+    /// For messages only: the worker never resolves paths.
+    pub image_path: String,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    /// The policy to start with (never `Auto`: the control plane decides).
+    pub dispatch: DispatchPolicy,
+    /// Why that policy (reported back as the volume's `dispatch_reason`).
+    pub dispatch_reason: String,
+    pub queues: u16,
+    pub queue_depth: u16,
+    /// Largest request, bytes (the device's max sectors * 512).
+    pub max_io_bytes: u32,
+    /// Threads of the `threaded` policy's pool.
+    pub threads: u16,
+    pub qos: Option<Qos>,
+    /// Recover this existing (quiesced) ublk device instead of adding one.
+    pub recover_dev_id: Option<u32>,
+    /// The image was pinned by an earlier worker of this volume.
+    pub pinned: Option<Pin>,
+    /// Seconds between re-reads of a direct map (rule 5).
+    pub extent_check_secs: u32,
+}
+
+/// A request on the control socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Identity and state.
+    Status,
+    /// Counters and latency percentiles.
+    Stats,
+    /// Switch the dispatch policy while I/O runs.
+    SetDispatch {
+        dispatch: DispatchPolicy,
+        reason: String,
+    },
+    SetReadOnly {
+        read_only: bool,
+    },
+    SetQos {
+        qos: Option<Qos>,
+    },
+    /// Grow the image (the worker holds it, pinned if direct) and the device.
+    Resize {
+        size_bytes: u64,
+        allocation: Allocation,
+    },
+    /// Stop and delete the device (in-flight I/O ends with errors), unpin the
+    /// image, exit.
+    Shutdown,
+}
+
+/// A worker's state as it reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    pub pid: u32,
+    pub dev_id: u32,
+    /// `/dev/ublkbN`.
+    pub device: String,
+    pub dispatch: ActiveDispatch,
+    pub dispatch_reason: String,
+    /// Set while the image carries FS_IMMUTABLE_FL for a direct map.
+    pub pinned: Option<Pin>,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    /// Bytes of I/O buffers the worker holds (queues x depth x max I/O).
+    pub buffer_bytes: u64,
+    /// The kernel's ublk feature bits.
+    pub features: u64,
+    /// UBLK_F_* flags the device was created with.
+    pub dev_flags: u64,
+    /// Set when the direct map's extents drifted and the worker left the direct path.
+    pub degraded: Option<String>,
+    /// The kernel could not take a new size live (no UPDATE_SIZE): it applies
+    /// at the next attach.
+    pub resize_pending: bool,
+}
+
+/// Latency percentiles of one kind of request, microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub p999: u64,
+    pub max: u64,
+    pub count: u64,
+}
+
+/// What `Stats` answers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    pub read: OpStats,
+    pub write: OpStats,
+    pub flush: OpStats,
+    pub discard: OpStats,
+    pub in_flight: u64,
+    /// Unix milliseconds since which the counters count.
+    pub since_ms: u64,
+    pub latency: [Latency; 4],
+    pub nowait_submitted: u64,
+    pub nowait_completed_inline: u64,
+    pub nowait_eagain_fallbacks: u64,
+    pub qos_throttled: u64,
+    pub worker_restarts: u64,
+}
+
+/// An answer on the control socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Answer {
+    Status(Box<Status>),
+    Stats(Box<WorkerStats>),
+    /// Refused or failed; `code` is a stable word, `message` names the rule.
+    Error {
+        code: String,
+        message: String,
+    },
+}
+
+/// Why talking to a worker failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TalkError {
+    #[error("worker control socket {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("worker answered something unreadable: {0}")]
+    Garbled(String),
+}
+
+/// Sends one request and reads one answer (a fresh connection each time).
+pub fn talk(socket: &Path, req: &Request, timeout: Duration) -> Result<Answer, TalkError> {
+    let io = |source| TalkError::Io {
+        path: socket.display().to_string(),
+        source,
+    };
+    let mut s = UnixStream::connect(socket).map_err(io)?;
+    s.set_read_timeout(Some(timeout)).map_err(io)?;
+    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    let mut line = serde_json::to_string(req).expect("requests serialize");
+    line.push('\n');
+    s.write_all(line.as_bytes()).map_err(io)?;
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).map_err(io)?;
+    serde_json::from_str(&answer).map_err(|e| TalkError::Garbled(format!("{e}: {answer:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_and_answers_are_one_json_line_each() {
+        let r = Request::SetDispatch {
+            dispatch: DispatchPolicy::Direct,
+            reason: "asked".into(),
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            s,
+            r#"{"op":"set_dispatch","dispatch":"direct","reason":"asked"}"#
+        );
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        let a = Answer::Error {
+            code: "refused".into(),
+            message: "direct-map rule 2".into(),
+        };
+        let s = serde_json::to_string(&a).unwrap();
+        assert!(!s.contains('\n'));
+        assert_eq!(serde_json::from_str::<Answer>(&s).unwrap(), a);
+    }
+}
