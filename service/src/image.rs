@@ -424,11 +424,17 @@ pub fn grow_fd(
 }
 
 fn write_zeros(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {
-    const CHUNK: usize = 1 << 20;
-    let zeros = vec![0u8; CHUNK];
+    // Page-aligned pages, so the writes work on an O_DIRECT file too.
+    #[repr(C, align(4096))]
+    #[derive(Clone, Copy)]
+    struct Page([u8; 4096]);
+    let pages = vec![Page([0; 4096]); 256];
+    // SAFETY: the pages are contiguous plain bytes.
+    let zeros =
+        unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u8>(), pages.len() * 4096) };
     let mut off = from;
     while off < to {
-        let n = ((to - off) as usize).min(CHUNK);
+        let n = ((to - off) as usize).min(zeros.len());
         let written = rustix::io::pwrite(fd, &zeros[..n], off)?;
         off += written as u64;
     }

@@ -290,6 +290,8 @@ pub struct Volume {
     pub direct_io: Option<bool>,
     /// ublk volumes: bytes of I/O buffers the worker holds (queues x depth x max_io_bytes).
     pub buffer_bytes: Option<u64>,
+    /// ublk volumes: the worker process serving the device.
+    pub worker_pid: Option<u32>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,

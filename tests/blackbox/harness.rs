@@ -141,6 +141,8 @@ pub struct Opts {
     pub tcp: Option<String>,
     pub extra_args: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// More image roots (e.g. on the VM's scratch filesystems).
+    pub extra_roots: Vec<PathBuf>,
 }
 
 /// A running `blockplane serve` on its own temp dirs.
@@ -201,6 +203,9 @@ impl Service {
             .stdin(Stdio::null());
         if let Some(addr) = &self.opts.tcp {
             c.arg("--listen").arg(addr);
+        }
+        for root in &self.opts.extra_roots {
+            c.arg("--image-root").arg(root);
         }
         if let Some(t) = &self.opts.token {
             c.env("BLOCKPLANE_TOKEN", t);
@@ -358,6 +363,35 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.print_logs();
+        }
+        // Delete what the test left, through the service, while it runs.
+        if self.child.is_some() {
+            let cli = |args: &[&str]| {
+                Command::new(BIN)
+                    .arg("--api")
+                    .arg(format!("unix:{}", self.sock.display()))
+                    .args(args)
+                    .env_remove("BLOCKPLANE_TOKEN")
+                    .envs(
+                        self.opts
+                            .token
+                            .iter()
+                            .map(|t| ("BLOCKPLANE_TOKEN", t.as_str())),
+                    )
+                    .output()
+            };
+            if let Ok(out) = cli(&["--json", "volume", "ls"])
+                && let Ok(list) = serde_json::from_slice::<Value>(&out.stdout)
+            {
+                for v in list.as_array().into_iter().flatten() {
+                    if let Some(id) = v["id"].as_str() {
+                        let _ = cli(&["volume", "rm", id]);
+                    }
+                }
+            }
+        }
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -365,6 +399,53 @@ impl Drop for Service {
         // Leave no device behind, whatever the test did.
         for dev in loop_devices_under(self.dir.path()) {
             let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        }
+        kill_workers_of(&self.data);
+    }
+}
+
+impl Service {
+    /// Prints the service's log and its workers' logs (for a failing test).
+    pub fn print_logs(&self) {
+        let tail = |text: String| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(80)..].join("\n")
+        };
+        eprintln!("----- service log -----\n{}", tail(self.log_text()));
+        if let Ok(dirs) = std::fs::read_dir(self.data.join("run/ublk")) {
+            for d in dirs.flatten() {
+                for f in ["worker.log", "worker.out"] {
+                    if let Ok(t) = std::fs::read_to_string(d.path().join(f)) {
+                        eprintln!("----- {} -----\n{}", d.path().join(f).display(), tail(t));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Kills ublk workers run from `data` (and deletes their devices): a test
+/// that killed its service leaves them running.
+pub fn kill_workers_of(data: &Path) {
+    let run = data.join("run/ublk");
+    let Ok(dirs) = std::fs::read_dir(&run) else {
+        return;
+    };
+    for d in dirs.flatten() {
+        let Ok(state) = std::fs::read(d.path().join("state.json")) else {
+            continue;
+        };
+        let Ok(state) = serde_json::from_slice::<Value>(&state) else {
+            continue;
+        };
+        if let Some(pid) = state["pid"].as_u64() {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+        if let Some(id) = state["dev_id"].as_u64()
+            && let Ok(ctrl) = libublk::ctrl::UblkCtrl::new_simple(id as i32)
+        {
+            let _ = ctrl.kill_dev();
+            let _ = ctrl.del_dev();
         }
     }
 }

@@ -20,7 +20,8 @@ use uuid::Uuid;
 
 use super::blockstat::BlockStat;
 use super::{
-    AttachRequest, Attachment, BackendError, Change, Marked, Probe, SpecCheck, VolumeBackend,
+    AttachRequest, Attachment, BackendError, Change, Decision, Marked, Probe, SpecCheck,
+    VolumeBackend,
 };
 use crate::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
@@ -381,7 +382,12 @@ impl VolumeBackend for LoopBackend {
         }
     }
 
-    fn validate(&self, spec: &SpecCheck) -> Result<(), BackendError> {
+    fn validate(
+        &self,
+        spec: &SpecCheck,
+        _image: &OwnedFd,
+        _size: u64,
+    ) -> Result<Option<Decision>, BackendError> {
         let unsupported = |what: String, reason: String| BackendError::Unsupported {
             backend: "loop",
             what,
@@ -421,7 +427,7 @@ impl VolumeBackend for LoopBackend {
                 "QoS needs backend: \"ublk\"".into(),
             ));
         }
-        Ok(())
+        Ok(None)
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {

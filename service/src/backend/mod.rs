@@ -84,6 +84,15 @@ pub struct AttachRequest {
     pub queue_depth: u16,
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
+    /// What [`VolumeBackend::validate`] decided, if it was asked first.
+    pub decision: Option<Decision>,
+}
+
+/// The policy a backend decided for a volume, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub dispatch: DispatchPolicy,
+    pub reason: String,
 }
 
 /// A live device, as the backend describes it; stored with the volume so a
@@ -201,8 +210,14 @@ pub trait VolumeBackend: Send + Sync {
     /// Whether it can run here, and why not.
     fn capability(&self) -> BackendCapability;
 
-    /// Refuses, before anything is recorded, a spec this backend cannot serve.
-    fn validate(&self, req: &SpecCheck) -> Result<(), BackendError>;
+    /// Refuses, before anything is recorded, a spec this backend cannot serve
+    /// on this image; decides the dispatch policy where there is one to decide.
+    fn validate(
+        &self,
+        spec: &SpecCheck,
+        image: &OwnedFd,
+        size: u64,
+    ) -> Result<Option<Decision>, BackendError>;
 
     /// Creates the device. On error, nothing of it is left behind.
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError>;

@@ -22,8 +22,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{
-    AttachRequest, Attachment, BackendError, BackendEvent, Change, EventSink, Marked, Probe,
-    SpecCheck, UblkAttachment, VolumeBackend,
+    AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, EventSink, Marked,
+    Probe, SpecCheck, UblkAttachment, VolumeBackend,
 };
 use crate::dataplane::protocol::{self, Answer, IMAGE_FD, Request, Status, WorkerSpec};
 use crate::extent::{self, ExtentMap};
@@ -518,7 +518,12 @@ impl VolumeBackend for UblkBackend {
         }
     }
 
-    fn validate(&self, spec: &SpecCheck) -> Result<(), BackendError> {
+    fn validate(
+        &self,
+        spec: &SpecCheck,
+        image: &OwnedFd,
+        size: u64,
+    ) -> Result<Option<Decision>, BackendError> {
         if let Some(reason) = Self::unavailable() {
             return Err(BackendError::Unavailable {
                 backend: "ublk",
@@ -534,8 +539,8 @@ impl VolumeBackend for UblkBackend {
                 ),
             });
         }
-        let _ = spec;
-        Ok(())
+        let (dispatch, reason) = self.decide(image, size, spec.dispatch, spec.read_only)?;
+        Ok(Some(Decision { dispatch, reason }))
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {

@@ -315,17 +315,16 @@ impl Shared {
     }
 }
 
-/// Opens the image for the data path: O_DIRECT where the filesystem takes it.
-fn reopen_for_data(writable: bool) -> std::io::Result<File> {
-    let path = format!("/proc/self/fd/{IMAGE_FD}");
-    let open = |extra: i32| {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(writable)
-            .custom_flags(libc::O_CLOEXEC | extra)
-            .open(&path)
-    };
-    open(libc::O_DIRECT).or_else(|_| open(0))
+/// The image for the data path: the same open file, with O_DIRECT where the
+/// filesystem takes it. Not a fresh open: a pinned (immutable) image cannot be
+/// opened for writing, and a recovering worker finds it pinned.
+fn data_fd(image: &File) -> std::io::Result<File> {
+    let data = image.try_clone()?;
+    let flags = rustix::fs::fcntl_getfl(&data)?;
+    if let Err(e) = rustix::fs::fcntl_setfl(&data, flags | rustix::fs::OFlags::DIRECT) {
+        tracing::warn!(error = %e, "the image's filesystem refuses O_DIRECT; buffered I/O");
+    }
+    Ok(data)
 }
 
 /// `blockplane worker --spec JSON`: serves until told to stop (exit 0) or
@@ -369,8 +368,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     device::private_mount_namespace()?;
     // SAFETY: the control plane hands the image over on this fd; nothing else owns it.
     let image = unsafe { File::from_raw_fd(IMAGE_FD) };
-    let writable = !spec.read_only;
-    let data = reopen_for_data(writable)?;
+    let data = data_fd(&image)?;
     let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
     if spec.recover_dev_id.is_some() {
         stats.counters.worker_restarts.fetch_add(1, Relaxed);

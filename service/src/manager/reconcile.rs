@@ -78,7 +78,7 @@ impl Manager {
                         blocking(move || me.open_image(&image, a)).await?
                     };
                     let attached = match opened {
-                        Ok(file) => self.attach(&v, &image, file).await,
+                        Ok(file) => self.attach(&v, &image, file, None).await,
                         Err(e) => Err(e),
                     };
                     match attached {

@@ -7,7 +7,9 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
-use crate::backend::{AttachRequest, Attachment, BackendError, Change, SpecCheck, VolumeBackend};
+use crate::backend::{
+    AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
+};
 use crate::image::{Access, ImageFile};
 use crate::model::{
     ActiveDispatch, Backend, BackendChoice, CreateVolumeRequest, DispatchPolicy,
@@ -121,6 +123,7 @@ impl Manager {
             qos: v.qos,
             direct_io: att.and_then(|a| a.direct_io),
             buffer_bytes: att.and_then(|a| a.ublk.as_ref().map(|u| u.buffer_bytes)),
+            worker_pid: att.and_then(|a| a.ublk.as_ref().map(|u| u.pid)),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
@@ -227,20 +230,27 @@ impl Manager {
             });
         }
         let backend = self.choose_backend(req.backend)?;
-        backend
-            .validate(&SpecCheck {
-                dispatch: req.dispatch,
-                queues: req.queues,
-                queue_depth: req.queue_depth,
-                max_io_bytes: req.max_io_bytes,
-                qos: req.qos,
-                read_only: req.read_only,
-            })
-            .map_err(|e| volume_error(&req.name, e))?;
         let file = {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
             blocking(move || me.open_image(&image, access)).await??
         };
+        let check = SpecCheck {
+            dispatch: req.dispatch,
+            queues: req.queues,
+            queue_depth: req.queue_depth,
+            max_io_bytes: req.max_io_bytes,
+            qos: req.qos,
+            read_only: req.read_only,
+        };
+        let (file, decision) = {
+            let b = backend.clone();
+            blocking(move || {
+                let d = b.validate(&check, file.fd(), file.size());
+                (file, d)
+            })
+            .await?
+        };
+        let decision = decision.map_err(|e| volume_error(&req.name, e))?;
 
         let now = OffsetDateTime::now_utc();
         let mut row = VolumeRow {
@@ -275,7 +285,7 @@ impl Manager {
         tx.commit().await?;
         self.fault_point(Stage::AfterInsert)?;
 
-        match self.attach(&row, &image, file).await {
+        match self.attach(&row, &image, file, decision).await {
             Ok(att) => {
                 let recorded = match self.fault_point(Stage::AfterAttach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
@@ -318,6 +328,7 @@ impl Manager {
         v: &VolumeRow,
         image: &ImageRow,
         file: ImageFile,
+        decision: Option<Decision>,
     ) -> Result<Attachment> {
         let backend = self.backend(v.backend).ok_or_else(|| {
             volume_error(
@@ -340,6 +351,7 @@ impl Manager {
             queue_depth: v.spec.queue_depth,
             max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
+            decision,
         };
         let name = v.name.clone();
         blocking(move || backend.attach(req))

@@ -1,0 +1,396 @@
+//! ublk volumes on a real kernel: every policy, live switches, the direct-map
+//! rules, worker and control-plane crashes.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::assert_error;
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
+
+const POLICIES: [&str; 3] = ["nowait", "threaded", "direct"];
+
+/// mkfs, mount, write, unmount, detach, re-attach, fsck clean, files intact.
+async fn filesystem_round_trip(vm: &Vm, policy: &str, fs: &str) {
+    let name = format!("fs-{policy}-{fs}");
+    // mkfs.xfs wants at least 300 MB.
+    vm.image(
+        &name,
+        Scratch::Xfs,
+        if fs == "xfs" { 320 } else { 64 },
+        "full",
+    )
+    .await;
+    let spec = json!({"name": name, "image": name, "backend": "ublk", "dispatch": policy});
+    let v = vm.volume(spec.clone()).await;
+    assert_eq!(v["dispatch"], policy);
+    let dev = v["device"].as_str().unwrap().to_string();
+    let mnt = vm.root(Scratch::Tmpfs).join(format!("mnt-{name}"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    let m = mnt.to_str().unwrap();
+    sh(&format!("mkfs.{fs}"), &["-q", &dev]);
+    sh("mount", &[&dev, m]);
+    sh(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={m}/data"),
+            "bs=1M",
+            "count=8",
+            "status=none",
+        ],
+    );
+    sh("cp", &["-r", "/etc/ssl", &format!("{m}/tree")]);
+    let sums = sh(
+        "sh",
+        &[
+            "-c",
+            &format!("cd {m} && find . -type f -exec sha256sum {{}} + | sort"),
+        ],
+    );
+    sh("umount", &[m]);
+    vm.delete(&name).await;
+    assert!(
+        !std::path::Path::new(&dev).exists(),
+        "device gone after delete"
+    );
+
+    let v = vm.volume(spec).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    match fs {
+        "xfs" => drop(sh("xfs_repair", &["-n", &dev])),
+        _ => drop(sh("fsck.ext4", &["-fn", &dev])),
+    }
+    sh("mount", &[&dev, m]);
+    let again = sh(
+        "sh",
+        &[
+            "-c",
+            &format!("cd {m} && find . -type f -exec sha256sum {{}} + | sort"),
+        ],
+    );
+    assert_eq!(
+        sums, again,
+        "files changed across detach and re-attach ({policy}, {fs})"
+    );
+    sh("umount", &[m]);
+    vm.delete(&name).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn filesystems_survive_detach_and_reattach_on_every_policy() {
+    let vm = Vm::start().await;
+    for policy in POLICIES {
+        for fs in ["ext4", "xfs"] {
+            filesystem_round_trip(&vm, policy, fs).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fio_verify_passes_on_every_policy_on_xfs_and_ext4() {
+    let vm = Vm::start().await;
+    for fs in [Scratch::Xfs, Scratch::Ext4] {
+        let img = format!("fio-{fs:?}").to_lowercase();
+        vm.image(&img, fs, 96, "full").await;
+        for policy in POLICIES {
+            let name = format!("{img}-{policy}");
+            let v = vm
+                .volume(json!({"name": name, "image": img, "backend": "ublk", "dispatch": policy}))
+                .await;
+            assert_eq!(v["dispatch"], policy, "{v}");
+            fio_ok(fio_verify(v["device"].as_str().unwrap(), "48M", &[]));
+            let st = vm.s.get(&format!("/v1/volumes/{name}/stats")).await.body;
+            // The block layer may merge adjacent writes: count bytes.
+            assert!(st["write"]["bytes"].as_u64().unwrap() >= 48 << 20, "{st}");
+            assert_eq!(st["write"]["errors"], 0);
+            assert_eq!(st["dispatch"], policy);
+            assert!(
+                st["latency_us"]["write"]["count"].as_u64().unwrap() > 0,
+                "{st}"
+            );
+            assert!(
+                st["latency_us"]["write"]["p99"].as_u64().unwrap()
+                    >= st["latency_us"]["write"]["p50"].as_u64().unwrap()
+            );
+            if policy == "nowait" {
+                let n = &st["nowait"];
+                assert!(n["submitted"].as_u64().unwrap() > 0, "{st}");
+                assert_eq!(
+                    n["submitted"].as_u64().unwrap(),
+                    n["completed_inline"].as_u64().unwrap()
+                        + n["eagain_fallbacks"].as_u64().unwrap()
+                );
+            }
+            vm.delete(&name).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn policies_switch_live_under_fio_verify() {
+    let vm = Vm::start().await;
+    vm.image("sw", Scratch::Xfs, 128, "full").await;
+    let v = vm
+        .volume(json!({"name": "sw", "image": "sw", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let img = vm.root(Scratch::Xfs).join("sw.img");
+    let fio = fio_verify(&dev, "96M", &[]);
+    for policy in [
+        "threaded", "direct", "nowait", "direct", "threaded", "nowait",
+    ] {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let after = vm.set_dispatch("sw", policy).await;
+        assert_eq!(after["dispatch"], policy, "{after}");
+        assert_eq!(
+            is_immutable(&img),
+            policy == "direct",
+            "pinned exactly while direct"
+        );
+    }
+    fio_ok(fio);
+    let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "dispatch_changed").count(),
+        6,
+        "{kinds:?}"
+    );
+    let ev = vm.s.get("/v1/events?volume=sw").await.body;
+    assert!(
+        ev.as_array().unwrap().iter().any(|e| e["message"]
+            .as_str()
+            .unwrap()
+            .contains("dispatch threaded -> direct")),
+        "{ev}"
+    );
+    vm.delete("sw").await;
+    assert!(!is_immutable(&img));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_picks_direct_or_nowait_and_says_why() {
+    let vm = Vm::start().await;
+    vm.image("full", Scratch::Xfs, 32, "full").await;
+    vm.image("sparse", Scratch::Xfs, 32, "sparse").await;
+    let v = vm
+        .volume(json!({"name": "a1", "image": "full", "backend": "ublk"}))
+        .await;
+    assert_eq!(v["dispatch"], "direct", "{v}");
+    assert_eq!(v["requested_dispatch"], "auto");
+    let v = vm
+        .volume(json!({"name": "a2", "image": "sparse", "backend": "ublk"}))
+        .await;
+    assert_eq!(v["dispatch"], "nowait", "{v}");
+    let why = v["dispatch_reason"].as_str().unwrap();
+    assert!(why.contains("rule 2") && why.contains("hole"), "{why}");
+    vm.delete("a1").await;
+    vm.delete("a2").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn direct_map_refusals_name_their_rule_and_change_nothing() {
+    let vm = Vm::start().await;
+    vm.image("sparse", Scratch::Xfs, 16, "sparse").await;
+    vm.image("ontmpfs", Scratch::Tmpfs, 16, "full").await;
+    vm.image("orig", Scratch::Xfs, 16, "full").await;
+    let orig = vm.root(Scratch::Xfs).join("orig.img");
+    let copy = vm.root(Scratch::Xfs).join("copy.img");
+    sh(
+        "cp",
+        &[
+            "--reflink=always",
+            orig.to_str().unwrap(),
+            copy.to_str().unwrap(),
+        ],
+    );
+    sh("chmod", &["600", copy.to_str().unwrap()]);
+    let a =
+        vm.s.post("/v1/images", json!({"name": "copy", "path": copy}))
+            .await;
+    assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+    let before = vm.s.snapshot().await;
+    for (image, rule) in [
+        ("sparse", "rule 2"),
+        ("ontmpfs", "rule 1"),
+        ("copy", "SHARED"),
+    ] {
+        let a =
+            vm.s.post(
+                "/v1/volumes",
+                json!({"name": "x", "image": image, "backend": "ublk", "dispatch": "direct"}),
+            )
+            .await;
+        assert_error(&a, 422, "refused");
+        assert!(
+            a.body["error"]["message"].as_str().unwrap().contains(rule),
+            "{}",
+            a.body
+        );
+        assert_eq!(vm.s.snapshot().await, before);
+        assert!(
+            !run("ls", &["/dev/ublkb0"]).status.success(),
+            "no device made"
+        );
+    }
+    // Switching to direct is refused the same way, and the volume keeps serving.
+    let v = vm
+        .volume(json!({"name": "s", "image": "sparse", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let a =
+        vm.s.patch("/v1/volumes/s", json!({"dispatch": "direct"}))
+            .await;
+    assert_error(&a, 422, "refused");
+    assert!(!is_immutable(&vm.root(Scratch::Xfs).join("sparse.img")));
+    fio_ok(fio_verify(v["device"].as_str().unwrap(), "8M", &[]));
+    vm.delete("s").await;
+}
+
+/// FS_IMMUTABLE_FL makes the image refuse every change to itself, a reflink
+/// onto it included. (A reflink *from* it is allowed by the kernel: the source
+/// is not changed. Its extents then turn SHARED, which the periodic re-read
+/// catches under rule 5: see the dm drift tests.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapped_image_refuses_truncate_punch_and_reflink() {
+    let vm = Vm::start().await;
+    vm.image("pinned", Scratch::Xfs, 32, "full").await;
+    vm.image("other", Scratch::Xfs, 32, "full").await;
+    let other = vm.root(Scratch::Xfs).join("other.img");
+    vm.volume(json!({"name": "p", "image": "pinned", "backend": "ublk", "dispatch": "direct"}))
+        .await;
+    let img = vm.root(Scratch::Xfs).join("pinned.img");
+    let p = img.to_str().unwrap();
+    assert!(is_immutable(&img));
+    for (cmd, args) in [
+        ("truncate", vec!["-s", "4096", p]),
+        (
+            "fallocate",
+            vec!["--punch-hole", "--offset", "0", "--length", "65536", p],
+        ),
+        ("cp", vec!["--reflink=always", other.to_str().unwrap(), p]),
+        ("rm", vec!["-f", p]),
+    ] {
+        let out = run(cmd, &args);
+        assert!(!out.status.success(), "{cmd} succeeded on a pinned image");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("Operation not permitted"), "{cmd}: {err}");
+    }
+    vm.delete("p").await;
+    assert!(!is_immutable(&img), "unpinned on delete");
+    sh("truncate", &["-s", "32M", p]);
+}
+
+fn worker_pid(v: &serde_json::Value) -> u32 {
+    v["worker_pid"]
+        .as_u64()
+        .expect("a ublk volume has a worker") as u32
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_worker_is_replaced_and_fio_never_notices() {
+    let vm = Vm::start().await;
+    vm.image("crash", Scratch::Xfs, 128, "full").await;
+    for policy in ["nowait", "direct"] {
+        let v = vm
+            .volume(json!({"name": "c", "image": "crash", "backend": "ublk", "dispatch": policy}))
+            .await;
+        let dev = v["device"].as_str().unwrap().to_string();
+        let fio = fio_verify(&dev, "96M", &[]);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let pid = worker_pid(&v);
+        sh("kill", &["-9", &pid.to_string()]);
+        eventually(Duration::from_secs(60), "a new worker", async || {
+            let now = vm.s.get("/v1/volumes/c").await.body;
+            now["worker_pid"].as_u64().is_some_and(|p| p as u32 != pid)
+        })
+        .await;
+        fio_ok(fio);
+        let now = vm.s.get("/v1/volumes/c").await.body;
+        assert_eq!(now["device"], dev.as_str(), "the same device, recovered");
+        assert_eq!(now["dispatch"], policy);
+        let st = vm.s.get("/v1/volumes/c/stats").await.body;
+        assert_eq!(st["worker_restarts"], 1, "{st}");
+        assert!(
+            vm.event_kinds(v["id"].as_str().unwrap())
+                .await
+                .contains(&"worker_restarted".to_string())
+        );
+        vm.delete("c").await;
+        assert!(!is_immutable(&vm.root(Scratch::Xfs).join("crash.img")));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_the_control_plane_does_not_stop_io() {
+    let mut vm = Vm::start().await;
+    vm.image("cp", Scratch::Xfs, 128, "full").await;
+    let v = vm
+        .volume(json!({"name": "cp", "image": "cp", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let fio = fio_verify(&dev, "96M", &[]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = vm.s.get("/v1/volumes/cp/stats").await.body;
+    vm.s.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    vm.s.restart().await;
+    let after = vm.s.get("/v1/volumes/cp").await.body;
+    assert_eq!(after["state"], "attached", "{after}");
+    assert_eq!(
+        after["worker_pid"], v["worker_pid"],
+        "the same worker, re-adopted"
+    );
+    assert_eq!(after["device"], dev.as_str());
+    let text = fio_ok(fio);
+    let stats = vm.s.get("/v1/volumes/cp/stats").await.body;
+    assert!(
+        stats["write"]["ops"].as_u64() > before["write"]["ops"].as_u64(),
+        "counters kept counting: {before} then {stats}\n{text}"
+    );
+    assert_eq!(stats["since"], before["since"]);
+    vm.delete("cp").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_under_io_ends_it_with_errors_and_leaves_nothing() {
+    let vm = Vm::start().await;
+    vm.image("del", Scratch::Xfs, 64, "full").await;
+    let v = vm
+        .volume(json!({"name": "d", "image": "del", "backend": "ublk", "dispatch": "direct"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let pid = worker_pid(&v);
+    let fio = std::process::Command::new("timeout")
+        .args(["120", "fio", "--name=busy", "--filename", &dev])
+        .args([
+            "--rw=randrw",
+            "--bs=4k",
+            "--ioengine=io_uring",
+            "--iodepth=16",
+            "--direct=1",
+        ])
+        .args(["--time_based", "--runtime=60", "--size=32M"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = std::time::Instant::now();
+    vm.delete("d").await;
+    let out = fio.wait_with_output().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "fio hung after the delete"
+    );
+    assert_ne!(out.status.code(), Some(124), "fio was stuck until timeout");
+    assert!(!out.status.success(), "fio should see I/O errors");
+    assert!(!std::path::Path::new(&dev).exists(), "no device");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "no worker"
+    );
+    assert!(
+        !is_immutable(&vm.root(Scratch::Xfs).join("del.img")),
+        "no immutable flag"
+    );
+}
