@@ -13,6 +13,16 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 step "cargo fmt --check"
 cargo fmt --all --check
 step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --locked --all-targets --test vm -- -D warnings
 step "cargo test (unit and black-box tests on this host)"
 cargo test --locked --workspace
+
+# Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
+# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,
+# the newest kernel the full set.
+step "kernel e2e, LTS kernel (smoke set)"
+tests/vm/run-suite.sh lts \
+    ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
+    ublk::auto_picks
+step "kernel e2e, newest kernel (full set)"
+tests/vm/run-suite.sh latest

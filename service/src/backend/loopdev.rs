@@ -20,8 +20,8 @@ use uuid::Uuid;
 
 use super::blockstat::BlockStat;
 use super::{
-    AttachRequest, Attachment, BackendError, Change, Decision, Marked, Probe, SpecCheck,
-    VolumeBackend,
+    AttachRequest, Attachment, BackendError, Change, Decision, Marked, Probe, ProbeRequest,
+    SpecCheck, VolumeBackend,
 };
 use crate::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
@@ -299,9 +299,9 @@ impl LoopBackend {
 
     fn configure(&self, dev: &File, req: &AttachRequest, direct_io: bool) -> io::Result<()> {
         let mut info = LoopInfo64::zeroed();
-        info.lo_sizelimit = req.size_bytes;
+        info.lo_sizelimit = req.params.size_bytes;
         info.lo_file_name = mark(&self.instance, req.volume_id);
-        if req.read_only {
+        if req.params.read_only {
             info.lo_flags |= LO_FLAGS_READ_ONLY;
         }
         if direct_io {
@@ -513,7 +513,8 @@ impl VolumeBackend for LoopBackend {
         Ok(())
     }
 
-    fn probe(&self, volume_id: Uuid, identity: (u64, u64)) -> Result<Probe, BackendError> {
+    fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
+        let (volume_id, identity) = (req.volume_id, req.identity);
         let found = self
             .find(volume_id)
             .map_err(|e| BackendError::io("scan", "/sys/block", e))?;

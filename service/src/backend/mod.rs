@@ -66,17 +66,11 @@ impl BackendError {
     }
 }
 
-/// Everything a backend needs to bring a volume up.
-#[derive(Debug)]
-pub struct AttachRequest {
-    pub volume_id: Uuid,
-    /// The image, opened read-write (or read-only for read-only volumes) by the
-    /// manager through the image roots; the backend never resolves paths.
-    pub image_fd: OwnedFd,
+/// How a volume is to be served: its spec, as the backends need it.
+#[derive(Debug, Clone)]
+pub struct VolumeParams {
     /// Path of the image, for messages only.
     pub image_path: String,
-    /// `(st_dev, st_ino)` of the image.
-    pub image_identity: (u64, u64),
     pub size_bytes: u64,
     pub read_only: bool,
     pub dispatch: DispatchPolicy,
@@ -84,8 +78,34 @@ pub struct AttachRequest {
     pub queue_depth: u16,
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
+}
+
+/// Everything a backend needs to bring a volume up.
+#[derive(Debug)]
+pub struct AttachRequest {
+    pub volume_id: Uuid,
+    /// The image, opened read-write (or read-only for read-only volumes) by the
+    /// manager through the image roots; the backend never resolves paths.
+    pub image_fd: OwnedFd,
+    /// `(st_dev, st_ino)` of the image.
+    pub image_identity: (u64, u64),
+    pub params: VolumeParams,
     /// What [`VolumeBackend::validate`] decided, if it was asked first.
     pub decision: Option<Decision>,
+}
+
+/// What a backend gets to find (and take back under supervision) a volume's
+/// device after a restart.
+#[derive(Debug)]
+pub struct ProbeRequest {
+    pub volume_id: Uuid,
+    /// `(st_dev, st_ino)` of the image, which the device must still serve.
+    pub identity: (u64, u64),
+    /// The image, when the manager could open it.
+    pub image: Option<OwnedFd>,
+    pub params: VolumeParams,
+    /// What was recorded of the device.
+    pub stored: Option<Attachment>,
 }
 
 /// The policy a backend decided for a volume, and why.
@@ -231,9 +251,8 @@ pub trait VolumeBackend: Send + Sync {
     /// device is not an error.
     fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError>;
 
-    /// Looks for the device of `volume_id` in the kernel; `identity` is the
-    /// image's `(st_dev, st_ino)`, which the device must still serve.
-    fn probe(&self, volume_id: Uuid, identity: (u64, u64)) -> Result<Probe, BackendError>;
+    /// Looks for a volume's device in the kernel and takes it back.
+    fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError>;
 
     /// Every device of this backend that carries a blockplane mark.
     fn marked(&self) -> Result<Vec<Marked>, BackendError>;

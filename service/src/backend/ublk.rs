@@ -23,7 +23,7 @@ use uuid::Uuid;
 
 use super::{
     AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, EventSink, Marked,
-    Probe, SpecCheck, UblkAttachment, VolumeBackend,
+    Probe, ProbeRequest, SpecCheck, UblkAttachment, VolumeBackend,
 };
 use crate::dataplane::protocol::{self, Answer, IMAGE_FD, Request, Status, WorkerSpec};
 use crate::extent::{self, ExtentMap};
@@ -544,8 +544,12 @@ impl VolumeBackend for UblkBackend {
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let (dispatch, reason) =
-            self.decide(&req.image_fd, req.size_bytes, req.dispatch, req.read_only)?;
+        let (dispatch, reason) = self.decide(
+            &req.image_fd,
+            req.params.size_bytes,
+            req.params.dispatch,
+            req.params.read_only,
+        )?;
         let run_dir = self.run_dir(req.volume_id);
         // A device left by a dead worker of this volume: recover it, so the
         // data in flight when it died is reissued, not lost.
@@ -564,16 +568,16 @@ impl VolumeBackend for UblkBackend {
         let spec = WorkerSpec {
             volume_id: req.volume_id,
             run_dir: run_dir.clone(),
-            image_path: req.image_path.clone(),
-            size_bytes: req.size_bytes,
-            read_only: req.read_only,
+            image_path: req.params.image_path.clone(),
+            size_bytes: req.params.size_bytes,
+            read_only: req.params.read_only,
             dispatch,
             dispatch_reason: reason,
-            queues: req.queues,
-            queue_depth: req.queue_depth,
-            max_io_bytes: req.max_io_bytes,
+            queues: req.params.queues,
+            queue_depth: req.params.queue_depth,
+            max_io_bytes: req.params.max_io_bytes,
             threads: self.cfg.threads,
-            qos: req.qos,
+            qos: req.params.qos,
             recover_dev_id: recover,
             pinned: if recover.is_some() {
                 earlier.and_then(|s| s.pinned)
@@ -671,7 +675,8 @@ impl VolumeBackend for UblkBackend {
         Ok(())
     }
 
-    fn probe(&self, volume_id: Uuid, identity: (u64, u64)) -> Result<Probe, BackendError> {
+    fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
+        let (volume_id, identity) = (req.volume_id, req.identity);
         let Some(state) = self.state_file(volume_id) else {
             return Ok(Probe::Gone);
         };
@@ -680,18 +685,24 @@ impl VolumeBackend for UblkBackend {
             return Ok(Probe::Gone);
         }
         let status = self.ask(volume_id, &Request::Status)?;
-        // Take a duplicate of the worker's image fd, to recover it later.
-        let pidfd = rustix::process::pidfd_open(
-            rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
-            rustix::process::PidfdFlags::empty(),
-        )
-        .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
-        let image = rustix::process::pidfd_getfd(
-            &pidfd,
-            IMAGE_FD,
-            rustix::process::PidfdGetfdFlags::empty(),
-        )
-        .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?;
+        // A handle on the image, to recover the worker later: the manager's, or
+        // a duplicate of the worker's own.
+        let image = match req.image {
+            Some(fd) => fd,
+            None => {
+                let pidfd = rustix::process::pidfd_open(
+                    rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
+                    rustix::process::PidfdFlags::empty(),
+                )
+                .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
+                rustix::process::pidfd_getfd(
+                    &pidfd,
+                    IMAGE_FD,
+                    rustix::process::PidfdGetfdFlags::empty(),
+                )
+                .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?
+            }
+        };
         let st = rustix::fs::fstat(&image)
             .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
         if (st.st_dev, st.st_ino) != identity {
@@ -700,24 +711,28 @@ impl VolumeBackend for UblkBackend {
                 reason: "its worker serves another file than the registered image".into(),
             });
         }
-        let att = self.attachment(&status)?;
+        let mut att = self.attachment(&status)?;
+        if let Some(old) = &req.stored {
+            att.attached_at = old.attached_at;
+        }
+        let p = &req.params;
         let spec = WorkerSpec {
             volume_id,
             run_dir: self.run_dir(volume_id),
-            image_path: String::new(),
+            image_path: p.image_path.clone(),
             size_bytes: status.size_bytes,
-            read_only: status.read_only,
+            read_only: p.read_only,
             dispatch: match status.dispatch {
                 crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
                 crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,
                 _ => DispatchPolicy::Nowait,
             },
             dispatch_reason: status.dispatch_reason.clone(),
-            queues: 1,
-            queue_depth: 128,
-            max_io_bytes: 0,
+            queues: p.queues,
+            queue_depth: p.queue_depth,
+            max_io_bytes: p.max_io_bytes,
             threads: self.cfg.threads,
-            qos: None,
+            qos: p.qos,
             recover_dev_id: None,
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,

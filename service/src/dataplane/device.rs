@@ -39,18 +39,22 @@ pub fn private_mount_namespace() -> std::io::Result<()> {
         "/",
         rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC,
     )?;
-    let devices = std::fs::read_to_string("/proc/devices").unwrap_or_default();
-    let Some(major) = devices
-        .lines()
-        .find(|l| l.split_whitespace().nth(1) == Some("ublkb"))
-        .and_then(|l| l.split_whitespace().next())
-    else {
+    // ublk disks have dynamic (blkext) numbers: collect them from sysfs.
+    let ublk_devs: Vec<String> = std::fs::read_dir("/sys/class/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ublkb"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("dev")).ok())
+        .map(|d| d.trim().to_string())
+        .collect();
+    if ublk_devs.is_empty() {
         return Ok(());
-    };
+    }
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     for line in mountinfo.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() > 4 && f[2].split(':').next() == Some(major) {
+        if f.len() > 4 && ublk_devs.iter().any(|d| d == f[2]) {
             let _ = rustix::mount::unmount(f[4], rustix::mount::UnmountFlags::DETACH);
         }
     }
@@ -119,6 +123,15 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     let read_only = spec.read_only;
     let tgt_init = move |dev: &mut UblkDev| {
         dev.tgt.dev_size = size;
+        // Room on each queue's ring for every tag's command plus its own
+        // request SQE, the eventfd read and QoS timers.
+        let ring = dev
+            .dev_info
+            .queue_depth
+            .saturating_mul(2)
+            .saturating_add(16);
+        dev.tgt.sq_depth = ring;
+        dev.tgt.cq_depth = ring;
         let mut attrs = sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA;
         if read_only {
             attrs |= sys::UBLK_ATTR_READ_ONLY;

@@ -8,8 +8,9 @@
 
 use std::collections::HashSet;
 
-use super::{Manager, Result, blocking, volumes::access};
-use crate::backend::Probe;
+use super::volumes::{access, params};
+use super::{Manager, Result, blocking};
+use crate::backend::{Probe, ProbeRequest};
 use crate::model::VolumeState;
 
 /// What reconciliation did, for the log.
@@ -55,8 +56,18 @@ impl Manager {
                 report.failed += 1;
                 continue;
             };
-            let (id, identity) = (v.id, (image.dev, image.ino));
-            let probe = blocking(move || backend.probe(id, identity)).await?;
+            let opened = {
+                let (me, image, a) = (self.clone(), image.clone(), access(v.read_only));
+                blocking(move || me.open_image(&image, a)).await?
+            };
+            let req = ProbeRequest {
+                volume_id: v.id,
+                identity: (image.dev, image.ino),
+                params: params(&v, &image, image.size_bytes),
+                image: opened.ok().map(|f| f.into_fd()),
+                stored: v.attachment.clone(),
+            };
+            let probe = blocking(move || backend.probe(req)).await?;
             match probe {
                 Ok(Probe::Alive(att)) => {
                     let mut att = *att;

@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
+    VolumeParams,
 };
 use crate::image::{Access, ImageFile};
 use crate::model::{
@@ -341,16 +342,9 @@ impl Manager {
         })?;
         let req = AttachRequest {
             volume_id: v.id,
-            size_bytes: file.size(),
             image_identity: file.identity(),
-            image_path: image.path.clone(),
+            params: params(v, image, file.size()),
             image_fd: file.into_fd(),
-            read_only: v.read_only,
-            dispatch: v.dispatch,
-            queues: v.spec.queues,
-            queue_depth: v.spec.queue_depth,
-            max_io_bytes: v.spec.max_io_bytes,
-            qos: v.qos,
             decision,
         };
         let name = v.name.clone();
@@ -591,6 +585,20 @@ impl Manager {
         blocking(move || backend.stats(id, &att))
             .await?
             .map_err(|e| volume_error(&name, e))
+    }
+}
+
+/// A volume's spec as backends take it.
+pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> VolumeParams {
+    VolumeParams {
+        image_path: image.path.clone(),
+        size_bytes,
+        read_only: v.read_only,
+        dispatch: v.dispatch,
+        queues: v.spec.queues,
+        queue_depth: v.spec.queue_depth,
+        max_io_bytes: v.spec.max_io_bytes,
+        qos: v.qos,
     }
 }
 

@@ -11,24 +11,18 @@ use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
 const POLICIES: [&str; 3] = ["nowait", "threaded", "direct"];
 
 /// mkfs, mount, write, unmount, detach, re-attach, fsck clean, files intact.
-async fn filesystem_round_trip(vm: &Vm, policy: &str, fs: &str) {
+async fn filesystem_round_trip(vm: &Vm, image: &str, policy: &str, fs: &str) {
     let name = format!("fs-{policy}-{fs}");
-    // mkfs.xfs wants at least 300 MB.
-    vm.image(
-        &name,
-        Scratch::Xfs,
-        if fs == "xfs" { 320 } else { 64 },
-        "full",
-    )
-    .await;
-    let spec = json!({"name": name, "image": name, "backend": "ublk", "dispatch": policy});
+    let spec = json!({"name": name, "image": image, "backend": "ublk", "dispatch": policy});
     let v = vm.volume(spec.clone()).await;
     assert_eq!(v["dispatch"], policy);
     let dev = v["device"].as_str().unwrap().to_string();
     let mnt = vm.root(Scratch::Tmpfs).join(format!("mnt-{name}"));
     std::fs::create_dir_all(&mnt).unwrap();
     let m = mnt.to_str().unwrap();
-    sh(&format!("mkfs.{fs}"), &["-q", &dev]);
+    // Forced: the image held the other filesystem in the previous round.
+    let force = if fs == "xfs" { "-f" } else { "-F" };
+    sh(&format!("mkfs.{fs}"), &["-q", force, &dev]);
     sh("mount", &[&dev, m]);
     sh(
         "dd",
@@ -36,7 +30,7 @@ async fn filesystem_round_trip(vm: &Vm, policy: &str, fs: &str) {
             "if=/dev/urandom",
             &format!("of={m}/data"),
             "bs=1M",
-            "count=8",
+            "count=4",
             "status=none",
         ],
     );
@@ -80,9 +74,11 @@ async fn filesystem_round_trip(vm: &Vm, policy: &str, fs: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn filesystems_survive_detach_and_reattach_on_every_policy() {
     let vm = Vm::start().await;
+    // One image for every round (mkfs.xfs wants at least 300 MB).
+    vm.image("fs", Scratch::Xfs, 304, "full").await;
     for policy in POLICIES {
         for fs in ["ext4", "xfs"] {
-            filesystem_round_trip(&vm, policy, fs).await;
+            filesystem_round_trip(&vm, "fs", policy, fs).await;
         }
     }
 }
@@ -92,17 +88,17 @@ async fn fio_verify_passes_on_every_policy_on_xfs_and_ext4() {
     let vm = Vm::start().await;
     for fs in [Scratch::Xfs, Scratch::Ext4] {
         let img = format!("fio-{fs:?}").to_lowercase();
-        vm.image(&img, fs, 96, "full").await;
+        vm.image(&img, fs, 48, "full").await;
         for policy in POLICIES {
             let name = format!("{img}-{policy}");
             let v = vm
                 .volume(json!({"name": name, "image": img, "backend": "ublk", "dispatch": policy}))
                 .await;
             assert_eq!(v["dispatch"], policy, "{v}");
-            fio_ok(fio_verify(v["device"].as_str().unwrap(), "48M", &[]));
+            fio_ok(fio_verify(v["device"].as_str().unwrap(), "24M", &[]));
             let st = vm.s.get(&format!("/v1/volumes/{name}/stats")).await.body;
             // The block layer may merge adjacent writes: count bytes.
-            assert!(st["write"]["bytes"].as_u64().unwrap() >= 48 << 20, "{st}");
+            assert!(st["write"]["bytes"].as_u64().unwrap() >= 24 << 20, "{st}");
             assert_eq!(st["write"]["errors"], 0);
             assert_eq!(st["dispatch"], policy);
             assert!(
@@ -130,13 +126,13 @@ async fn fio_verify_passes_on_every_policy_on_xfs_and_ext4() {
 #[tokio::test(flavor = "multi_thread")]
 async fn policies_switch_live_under_fio_verify() {
     let vm = Vm::start().await;
-    vm.image("sw", Scratch::Xfs, 128, "full").await;
+    vm.image("sw", Scratch::Xfs, 64, "full").await;
     let v = vm
         .volume(json!({"name": "sw", "image": "sw", "backend": "ublk", "dispatch": "nowait"}))
         .await;
     let dev = v["device"].as_str().unwrap().to_string();
     let img = vm.root(Scratch::Xfs).join("sw.img");
-    let fio = fio_verify(&dev, "96M", &[]);
+    let fio = fio_verify(&dev, "48M", &[]);
     for policy in [
         "threaded", "direct", "nowait", "direct", "threaded", "nowait",
     ] {
@@ -289,13 +285,13 @@ fn worker_pid(v: &serde_json::Value) -> u32 {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_worker_is_replaced_and_fio_never_notices() {
     let vm = Vm::start().await;
-    vm.image("crash", Scratch::Xfs, 128, "full").await;
+    vm.image("crash", Scratch::Xfs, 64, "full").await;
     for policy in ["nowait", "direct"] {
         let v = vm
             .volume(json!({"name": "c", "image": "crash", "backend": "ublk", "dispatch": policy}))
             .await;
         let dev = v["device"].as_str().unwrap().to_string();
-        let fio = fio_verify(&dev, "96M", &[]);
+        let fio = fio_verify(&dev, "48M", &[]);
         tokio::time::sleep(Duration::from_secs(2)).await;
         let pid = worker_pid(&v);
         sh("kill", &["-9", &pid.to_string()]);
@@ -323,12 +319,12 @@ async fn a_killed_worker_is_replaced_and_fio_never_notices() {
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_the_control_plane_does_not_stop_io() {
     let mut vm = Vm::start().await;
-    vm.image("cp", Scratch::Xfs, 128, "full").await;
+    vm.image("cp", Scratch::Xfs, 64, "full").await;
     let v = vm
         .volume(json!({"name": "cp", "image": "cp", "backend": "ublk", "dispatch": "nowait"}))
         .await;
     let dev = v["device"].as_str().unwrap().to_string();
-    let fio = fio_verify(&dev, "96M", &[]);
+    let fio = fio_verify(&dev, "48M", &[]);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = vm.s.get("/v1/volumes/cp/stats").await.body;
     vm.s.kill();
@@ -354,7 +350,7 @@ async fn killing_the_control_plane_does_not_stop_io() {
 #[tokio::test(flavor = "multi_thread")]
 async fn deleting_under_io_ends_it_with_errors_and_leaves_nothing() {
     let vm = Vm::start().await;
-    vm.image("del", Scratch::Xfs, 64, "full").await;
+    vm.image("del", Scratch::Xfs, 16, "full").await;
     let v = vm
         .volume(json!({"name": "d", "image": "del", "backend": "ublk", "dispatch": "direct"}))
         .await;
@@ -369,7 +365,7 @@ async fn deleting_under_io_ends_it_with_errors_and_leaves_nothing() {
             "--iodepth=16",
             "--direct=1",
         ])
-        .args(["--time_based", "--runtime=60", "--size=32M"])
+        .args(["--time_based", "--runtime=60", "--size=16M"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
