@@ -23,6 +23,6 @@ cargo test --locked --workspace
 step "kernel e2e, LTS kernel (smoke set)"
 tests/vm/run-suite.sh lts \
     ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
-    ublk::auto_picks
+    ublk::auto_picks dm::switches_never_change dm::dm_refusals
 step "kernel e2e, newest kernel (full set)"
 tests/vm/run-suite.sh latest

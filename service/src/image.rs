@@ -220,16 +220,8 @@ impl ImageRoots {
         check_file(path, &stat)?;
         // Reopen the very inode checked above: /proc/self/fd of an O_PATH fd is a
         // magic link to it, so nothing can be swapped in between.
-        let flags = match access {
-            Access::ReadOnly => OFlags::RDONLY,
-            Access::ReadWrite => OFlags::RDWR,
-        };
-        let fd = rustix::fs::open(
-            format!("/proc/self/fd/{}", probe.as_raw_fd()),
-            flags | OFlags::CLOEXEC | OFlags::NOCTTY,
-            Mode::empty(),
-        )
-        .map_err(|e| io_error(path, "reopen", e.into()))?;
+        let fd =
+            reopen(&probe, access == Access::ReadWrite).map_err(|e| io_error(path, "reopen", e))?;
         let file = ImageFile::from_fd(path.clone(), fd)?;
         if (file.stat.st_dev, file.stat.st_ino) != (stat.st_dev, stat.st_ino) {
             return Err(io_error(
@@ -392,6 +384,18 @@ impl ImageFile {
         })?;
         self.refresh()
     }
+}
+
+/// Opens the very inode behind `fd` again (through /proc/self/fd), for
+/// writing if asked.
+pub fn reopen(fd: &OwnedFd, write: bool) -> io::Result<OwnedFd> {
+    let flags = if write { OFlags::RDWR } else { OFlags::RDONLY };
+    rustix::fs::open(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()),
+        flags | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(Into::into)
 }
 
 /// Grows an open image to `size` bytes (never shrinks); `Full` allocates and

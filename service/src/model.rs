@@ -436,6 +436,11 @@ pub struct BackendCapability {
     pub reason: Option<String>,
     /// ublk only.
     pub features: Option<UblkFeatures>,
+    /// dm only: the target types the kernel has loaded (DM_LIST_VERSIONS).
+    pub targets: Option<Vec<String>>,
+    /// dm only: whether the kernel offers a native `loop` target (blockplane
+    /// still maps with `linear` tables).
+    pub native_loop_target: Option<bool>,
 }
 
 /// Backends on this host.
@@ -468,6 +473,18 @@ pub struct Host {
     pub image_roots: Vec<String>,
     /// The backend `backend: auto` picks here.
     pub default_backend: Option<Backend>,
+    /// Devices of this service with no volume: left alone until
+    /// `DELETE /v1/host/orphans/{volume_id}`.
+    pub orphans: Vec<Orphan>,
+}
+
+/// A device that carries this service's mark but belongs to no volume.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Orphan {
+    pub backend: Backend,
+    /// The volume id in its mark.
+    pub volume_id: Uuid,
+    pub device: String,
 }
 
 /// A recorded state change.

@@ -11,6 +11,6 @@ cd "$repo"
 deploy/install-deps.sh --test
 cargo build --locked --release --bin blockplane
 mkdir -p target/bench
-env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-8} BENCH_REPEAT=${BENCH_REPEAT:-3} BENCH_BACKENDS=${BENCH_BACKENDS:-ublk}"
+env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-8} BENCH_REPEAT=${BENCH_REPEAT:-3} BENCH_BACKENDS=${BENCH_BACKENDS:-ublk,dm}"
 BLOCKPLANE_VM_ENV="$env_vars" VM_OUT=target/bench VM_TIMEOUT=${VM_TIMEOUT:-3600} \
   "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane"

@@ -82,6 +82,7 @@ impl ApiError {
                 Error::InvalidField { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_field"),
                 Error::ImageNotFound(_) => (S::NOT_FOUND, "image_not_found"),
                 Error::VolumeNotFound(_) => (S::NOT_FOUND, "volume_not_found"),
+                Error::OrphanNotFound(_) => (S::NOT_FOUND, "orphan_not_found"),
                 Error::ImageNameTaken { .. } => (S::CONFLICT, "name_taken"),
                 Error::AlreadyRegistered { .. } => (S::UNPROCESSABLE_ENTITY, "already_registered"),
                 Error::ImageInUse { .. } => (S::CONFLICT, "image_in_use"),

@@ -71,6 +71,7 @@ fn routes() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(volumes::volume_stats))
         .routes(routes!(system::host))
+        .routes(routes!(system::delete_orphan))
         .routes(routes!(system::events))
         .routes(routes!(system::healthz))
 }

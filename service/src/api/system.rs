@@ -24,12 +24,27 @@ pub async fn healthz() -> Json<Health> {
     get, path = "/v1/host", tag = "system",
     responses((status = 200, description = "Host capabilities", body = Host))
 )]
-pub async fn host(State(m): State<AppState>) -> Json<Host> {
-    Json(
-        tokio::task::spawn_blocking(move || m.host())
-            .await
-            .expect("host probe"),
+pub async fn host(State(m): State<AppState>) -> Result<Json<Host>, ApiError> {
+    Ok(Json(m.host().await?))
+}
+
+/// Remove an orphan device (one that carries this service's mark but
+/// belongs to no volume); orphans are never touched otherwise.
+#[utoipa::path(
+    delete, path = "/v1/host/orphans/{volume_id}", tag = "system",
+    params(("volume_id" = String, Path, description = "The volume id in the orphan's mark, or its device name")),
+    responses(
+        (status = 204, description = "Removed"),
+        (status = 404, description = "No such orphan", body = ErrorBody),
+        (status = 409, description = "The device is in use", body = ErrorBody),
     )
+)]
+pub async fn delete_orphan(
+    State(m): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<axum::http::StatusCode, ApiError> {
+    super::detached(async move { m.delete_orphan(&id).await }).await?;
+    Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
 /// The event log: every state change, with time and reason.

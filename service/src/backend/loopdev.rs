@@ -258,6 +258,7 @@ impl LoopDev {
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
             ublk: None,
+            dm: None,
         })
     }
 }
@@ -379,6 +380,8 @@ impl VolumeBackend for LoopBackend {
             available: reason.is_none(),
             reason,
             features: None,
+            targets: None,
+            native_loop_target: None,
         }
     }
 

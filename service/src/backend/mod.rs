@@ -6,6 +6,7 @@
 //! returns, which the manager stores with the volume.
 
 pub mod blockstat;
+pub mod dm;
 pub mod loopdev;
 pub mod ublk;
 
@@ -140,6 +141,33 @@ pub struct Attachment {
     /// ublk volumes: the device and its worker.
     #[serde(default)]
     pub ublk: Option<UblkAttachment>,
+    /// dm volumes: the device-mapper device and its table.
+    #[serde(default)]
+    pub dm: Option<DmAttachment>,
+}
+
+/// What the control plane keeps of a dm volume's device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DmAttachment {
+    pub name: String,
+    pub uuid: String,
+    /// The live table: `(start, length, target, params)` in sectors.
+    pub table: Vec<(u64, u64, String, String)>,
+    /// The image's pin while direct-mapped.
+    pub pinned: Option<Pin>,
+    /// `major:minor` of the private ublk device on the nowait/threaded path.
+    pub private_ublk: Option<String>,
+    /// Why the volume left the direct path on its own (extent drift).
+    pub degraded: Option<String>,
+}
+
+/// What reconciliation does with a marked device that has no volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrphanPolicy {
+    /// Remove it (it can only be a leftover of a crash mid-delete).
+    Remove,
+    /// Report it in `/v1/host` and leave it until an explicit DELETE.
+    Report,
 }
 
 /// What the control plane keeps of a ublk volume's device and worker.
@@ -254,8 +282,13 @@ pub trait VolumeBackend: Send + Sync {
     /// Looks for a volume's device in the kernel and takes it back.
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError>;
 
-    /// Every device of this backend that carries a blockplane mark.
+    /// Every device of this backend that carries this instance's mark.
     fn marked(&self) -> Result<Vec<Marked>, BackendError>;
+
+    /// What to do with marked devices that have no volume.
+    fn orphan_policy(&self) -> OrphanPolicy {
+        OrphanPolicy::Remove
+    }
 
     /// Current counters.
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError>;

@@ -82,6 +82,9 @@ struct Worker {
     stopping: Arc<AtomicBool>,
     /// Set when the supervisor should end.
     forget: Arc<AtomicBool>,
+    /// The private device of a dm volume: its events carry no attachment
+    /// (the volume's device is the dm device).
+    private: bool,
 }
 
 /// The ublk backend.
@@ -270,6 +273,7 @@ impl UblkBackend {
                 degraded: s.degraded.clone(),
                 resize_pending: s.resize_pending,
             }),
+            dm: None,
         })
     }
 
@@ -320,10 +324,10 @@ impl UblkBackend {
     fn supervise_loop(&self, volume_id: Uuid) {
         let mut last_degraded: Option<String> = None;
         loop {
-            let (pid, stopping, forget) = {
+            let (pid, stopping, forget, private) = {
                 let w = self.workers.lock().expect("workers poisoned");
                 let Some(w) = w.get(&volume_id) else { return };
-                (w.pid, w.stopping.clone(), w.forget.clone())
+                (w.pid, w.stopping.clone(), w.forget.clone(), w.private)
             };
             let pidfd = rustix::process::pidfd_open(
                 rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
@@ -350,11 +354,13 @@ impl UblkBackend {
                 if ended {
                     break;
                 }
-                if let Ok(Answer::Status(s)) = protocol::talk(
-                    &self.socket(volume_id),
-                    &Request::Status,
-                    Duration::from_secs(5),
-                ) && s.degraded != last_degraded
+                if !private
+                    && let Ok(Answer::Status(s)) = protocol::talk(
+                        &self.socket(volume_id),
+                        &Request::Status,
+                        Duration::from_secs(5),
+                    )
+                    && s.degraded != last_degraded
                 {
                     last_degraded = s.degraded.clone();
                     if s.degraded.is_some()
@@ -390,13 +396,13 @@ impl UblkBackend {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut spec, image) = {
+            let (mut spec, image, private) = {
                 let w = self.workers.lock().expect("workers poisoned");
                 let Some(w) = w.get(&volume_id) else { return };
                 let Ok(image) = w.image.try_clone() else {
                     return;
                 };
-                (w.spec.clone(), image)
+                (w.spec.clone(), image, w.private)
             };
             let state = self.state_file(volume_id);
             let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
@@ -413,7 +419,12 @@ impl UblkBackend {
                         w.pid = pid;
                         w.spec = spec;
                     }
-                    let att = self.attachment(&status).ok();
+                    // A private device's volume is its dm device: leave that be.
+                    let att = if private {
+                        None
+                    } else {
+                        self.attachment(&status).ok()
+                    };
                     self.events.send(BackendEvent {
                         volume_id,
                         kind: "worker_restarted",
@@ -515,6 +526,8 @@ impl VolumeBackend for UblkBackend {
             available: reason.is_none(),
             reason,
             features,
+            targets: None,
+            native_loop_target: None,
         }
     }
 
@@ -544,63 +557,7 @@ impl VolumeBackend for UblkBackend {
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let (dispatch, reason) = self.decide(
-            &req.image_fd,
-            req.params.size_bytes,
-            req.params.dispatch,
-            req.params.read_only,
-        )?;
-        let run_dir = self.run_dir(req.volume_id);
-        // A device left by a dead worker of this volume: recover it, so the
-        // data in flight when it died is reissued, not lost.
-        let earlier = self.state_file(req.volume_id);
-        let recover = earlier
-            .as_ref()
-            .filter(|s| !is_our_worker(s.pid, req.volume_id))
-            .and_then(|s| match Self::device_state(s.dev_id) {
-                Some(st) if st == sys::UBLK_S_DEV_QUIESCED => Some(s.dev_id),
-                Some(_) => {
-                    Self::delete_device(s.dev_id);
-                    None
-                }
-                None => None,
-            });
-        let spec = WorkerSpec {
-            volume_id: req.volume_id,
-            run_dir: run_dir.clone(),
-            image_path: req.params.image_path.clone(),
-            size_bytes: req.params.size_bytes,
-            read_only: req.params.read_only,
-            dispatch,
-            dispatch_reason: reason,
-            queues: req.params.queues,
-            queue_depth: req.params.queue_depth,
-            max_io_bytes: req.params.max_io_bytes,
-            threads: self.cfg.threads,
-            qos: req.params.qos,
-            recover_dev_id: recover,
-            pinned: if recover.is_some() {
-                earlier.and_then(|s| s.pinned)
-            } else {
-                None
-            },
-            extent_check_secs: self.cfg.extent_check_secs,
-        };
-        let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
-        let att = self.attachment(&status)?;
-        self.workers.lock().expect("workers poisoned").insert(
-            req.volume_id,
-            Worker {
-                pid,
-                dev_id: status.dev_id,
-                image: req.image_fd,
-                spec,
-                stopping: Arc::default(),
-                forget: Arc::default(),
-            },
-        );
-        self.supervise(req.volume_id);
-        Ok(att)
+        self.attach_worker(req, false)
     }
 
     fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
@@ -676,80 +633,7 @@ impl VolumeBackend for UblkBackend {
     }
 
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
-        let (volume_id, identity) = (req.volume_id, req.identity);
-        let Some(state) = self.state_file(volume_id) else {
-            return Ok(Probe::Gone);
-        };
-        if !is_our_worker(state.pid, volume_id) {
-            // Dead worker: attach recovers a quiesced device.
-            return Ok(Probe::Gone);
-        }
-        let status = self.ask(volume_id, &Request::Status)?;
-        // A handle on the image, to recover the worker later: the manager's, or
-        // a duplicate of the worker's own.
-        let image = match req.image {
-            Some(fd) => fd,
-            None => {
-                let pidfd = rustix::process::pidfd_open(
-                    rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
-                    rustix::process::PidfdFlags::empty(),
-                )
-                .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
-                rustix::process::pidfd_getfd(
-                    &pidfd,
-                    IMAGE_FD,
-                    rustix::process::PidfdGetfdFlags::empty(),
-                )
-                .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?
-            }
-        };
-        let st = rustix::fs::fstat(&image)
-            .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
-        if (st.st_dev, st.st_ino) != identity {
-            return Err(BackendError::Busy {
-                device: status.device.clone(),
-                reason: "its worker serves another file than the registered image".into(),
-            });
-        }
-        let mut att = self.attachment(&status)?;
-        if let Some(old) = &req.stored {
-            att.attached_at = old.attached_at;
-        }
-        let p = &req.params;
-        let spec = WorkerSpec {
-            volume_id,
-            run_dir: self.run_dir(volume_id),
-            image_path: p.image_path.clone(),
-            size_bytes: status.size_bytes,
-            read_only: p.read_only,
-            dispatch: match status.dispatch {
-                crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
-                crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,
-                _ => DispatchPolicy::Nowait,
-            },
-            dispatch_reason: status.dispatch_reason.clone(),
-            queues: p.queues,
-            queue_depth: p.queue_depth,
-            max_io_bytes: p.max_io_bytes,
-            threads: self.cfg.threads,
-            qos: p.qos,
-            recover_dev_id: None,
-            pinned: status.pinned,
-            extent_check_secs: self.cfg.extent_check_secs,
-        };
-        self.workers.lock().expect("workers poisoned").insert(
-            volume_id,
-            Worker {
-                pid: state.pid,
-                dev_id: state.dev_id,
-                image,
-                spec,
-                stopping: Arc::default(),
-                forget: Arc::default(),
-            },
-        );
-        self.supervise(volume_id);
-        Ok(Probe::Alive(Box::new(att)))
+        self.probe_worker(req, false)
     }
 
     fn marked(&self) -> Result<Vec<Marked>, BackendError> {
@@ -931,5 +815,210 @@ impl VolumeBackend for UblkBackend {
         let mut out = self.attachment(&status)?;
         out.attached_at = att.attached_at;
         Ok(out)
+    }
+}
+
+impl UblkBackend {
+    /// Starts the private ublk device of a dm volume.
+    pub fn attach_private(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
+        self.attach_worker(req, true)
+    }
+
+    /// Takes back the private worker of a dm volume after a restart.
+    pub fn probe_private(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
+        self.probe_worker(req, true)
+    }
+
+    /// Switches a private worker's policy (the dm table does not change).
+    pub fn switch_private(
+        &self,
+        volume_id: Uuid,
+        dispatch: DispatchPolicy,
+        reason: String,
+    ) -> Result<(), BackendError> {
+        self.ask(volume_id, &Request::SetDispatch { dispatch, reason })?;
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            w.spec.dispatch = dispatch;
+        }
+        Ok(())
+    }
+
+    /// Sets a private worker's read-only switch.
+    pub fn set_read_only_private(
+        &self,
+        volume_id: Uuid,
+        read_only: bool,
+    ) -> Result<(), BackendError> {
+        self.ask(volume_id, &Request::SetReadOnly { read_only })
+            .map(drop)
+    }
+
+    /// Grows a private worker's image and device.
+    pub fn resize_private(
+        &self,
+        volume_id: Uuid,
+        size_bytes: u64,
+        allocation: Allocation,
+    ) -> Result<Attachment, BackendError> {
+        let s = self.ask(
+            volume_id,
+            &Request::Resize {
+                size_bytes,
+                allocation,
+            },
+        )?;
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            w.spec.size_bytes = size_bytes;
+        }
+        self.attachment(&s)
+    }
+
+    fn attach_worker(&self, req: AttachRequest, private: bool) -> Result<Attachment, BackendError> {
+        let (dispatch, reason) = self.decide(
+            &req.image_fd,
+            req.params.size_bytes,
+            req.params.dispatch,
+            req.params.read_only,
+        )?;
+        let run_dir = self.run_dir(req.volume_id);
+        // A device left by a dead worker of this volume: recover it, so the
+        // data in flight when it died is reissued, not lost.
+        let earlier = self.state_file(req.volume_id);
+        let recover = earlier
+            .as_ref()
+            .filter(|s| !is_our_worker(s.pid, req.volume_id))
+            .and_then(|s| match Self::device_state(s.dev_id) {
+                Some(st) if st == sys::UBLK_S_DEV_QUIESCED => Some(s.dev_id),
+                Some(_) => {
+                    Self::delete_device(s.dev_id);
+                    None
+                }
+                None => None,
+            });
+        let spec = WorkerSpec {
+            volume_id: req.volume_id,
+            run_dir: run_dir.clone(),
+            image_path: req.params.image_path.clone(),
+            size_bytes: req.params.size_bytes,
+            read_only: req.params.read_only,
+            dispatch,
+            dispatch_reason: reason,
+            queues: req.params.queues,
+            queue_depth: req.params.queue_depth,
+            max_io_bytes: req.params.max_io_bytes,
+            threads: self.cfg.threads,
+            qos: req.params.qos,
+            recover_dev_id: recover,
+            pinned: if recover.is_some() {
+                earlier.and_then(|s| s.pinned)
+            } else {
+                None
+            },
+            extent_check_secs: self.cfg.extent_check_secs,
+        };
+        let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
+        let att = self.attachment(&status)?;
+        self.workers.lock().expect("workers poisoned").insert(
+            req.volume_id,
+            Worker {
+                pid,
+                dev_id: status.dev_id,
+                image: req.image_fd,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+                private,
+            },
+        );
+        self.supervise(req.volume_id);
+        Ok(att)
+    }
+
+    fn probe_worker(&self, req: ProbeRequest, private: bool) -> Result<Probe, BackendError> {
+        let (volume_id, identity) = (req.volume_id, req.identity);
+        let Some(state) = self.state_file(volume_id) else {
+            return Ok(Probe::Gone);
+        };
+        if !is_our_worker(state.pid, volume_id) {
+            // Dead worker: attach recovers a quiesced device.
+            return Ok(Probe::Gone);
+        }
+        let status = self.ask(volume_id, &Request::Status)?;
+        // A handle on the image, to recover the worker later: the manager's, or
+        // a duplicate of the worker's own.
+        let image = match req.image {
+            Some(fd) => fd,
+            None => {
+                let pidfd = rustix::process::pidfd_open(
+                    rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
+                    rustix::process::PidfdFlags::empty(),
+                )
+                .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
+                rustix::process::pidfd_getfd(
+                    &pidfd,
+                    IMAGE_FD,
+                    rustix::process::PidfdGetfdFlags::empty(),
+                )
+                .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?
+            }
+        };
+        let st = rustix::fs::fstat(&image)
+            .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
+        if (st.st_dev, st.st_ino) != identity {
+            return Err(BackendError::Busy {
+                device: status.device.clone(),
+                reason: "its worker serves another file than the registered image".into(),
+            });
+        }
+        let mut att = self.attachment(&status)?;
+        if let Some(old) = &req.stored {
+            att.attached_at = old.attached_at;
+        }
+        let p = &req.params;
+        let spec = WorkerSpec {
+            volume_id,
+            run_dir: self.run_dir(volume_id),
+            image_path: p.image_path.clone(),
+            size_bytes: status.size_bytes,
+            read_only: p.read_only,
+            dispatch: match status.dispatch {
+                crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
+                crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,
+                _ => DispatchPolicy::Nowait,
+            },
+            dispatch_reason: status.dispatch_reason.clone(),
+            queues: p.queues,
+            queue_depth: p.queue_depth,
+            max_io_bytes: p.max_io_bytes,
+            threads: self.cfg.threads,
+            qos: p.qos,
+            recover_dev_id: None,
+            pinned: status.pinned,
+            extent_check_secs: self.cfg.extent_check_secs,
+        };
+        self.workers.lock().expect("workers poisoned").insert(
+            volume_id,
+            Worker {
+                pid: state.pid,
+                dev_id: state.dev_id,
+                image,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+                private,
+            },
+        );
+        self.supervise(volume_id);
+        Ok(Probe::Alive(Box::new(att)))
     }
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
+use crate::backend::dm::DmBackend;
 use crate::backend::loopdev::LoopBackend;
 use crate::backend::ublk::{UblkBackend, UblkConfig};
 use crate::backend::{BackendError, BackendEvent, EventSink, VolumeBackend};
@@ -32,6 +33,8 @@ pub enum Error {
     ImageNotFound(String),
     #[error("volume '{0}' not found")]
     VolumeNotFound(String),
+    #[error("no orphan device '{0}' (orphans are listed in GET /v1/host)")]
+    OrphanNotFound(String),
     #[error("image name '{name}' is taken by image {id}")]
     ImageNameTaken { name: String, id: Uuid },
     #[error("'{path}' is already registered as image '{name}' ({id})")]
@@ -153,19 +156,27 @@ impl Manager {
     pub async fn new(store: Store, roots: ImageRoots, cfg: ManagerConfig) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
         let (events, backend_events) = EventSink::channel();
-        let ublk = UblkBackend::new(
-            UblkConfig {
-                run_root: cfg.run_dir.join("ublk"),
-                threads: cfg.worker_threads,
-                extent_check_secs: cfg.extent_check_secs,
-            },
+        let ublk = Arc::new(
+            UblkBackend::new(
+                UblkConfig {
+                    run_root: cfg.run_dir.join("ublk"),
+                    threads: cfg.worker_threads,
+                    extent_check_secs: cfg.extent_check_secs,
+                },
+                events.clone(),
+            )
+            .map_err(|e| Error::Internal(format!("ublk backend: {e}")))?,
+        );
+        let dm = DmBackend::new(
+            instance.clone(),
+            ublk.clone(),
             events,
-        )
-        .map_err(|e| Error::Internal(format!("ublk backend: {e}")))?;
+            cfg.extent_check_secs,
+        );
         let me = Arc::new(Self {
             store,
             roots,
-            backends: vec![Arc::new(LoopBackend::new(instance)), Arc::new(ublk)],
+            backends: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
@@ -254,12 +265,77 @@ impl Manager {
                 available: false,
                 reason: Some(not_built_reason(kind)),
                 features: None,
+                targets: None,
+                native_loop_target: None,
             },
         }
     }
 
-    /// What this host can run.
-    pub fn host(&self) -> Host {
+    /// What this host can run, and the devices of this instance no volume owns.
+    pub async fn host(self: &Arc<Self>) -> Result<Host> {
+        let me = self.clone();
+        let mut host = blocking(move || me.capabilities()).await?;
+        host.orphans = self.orphans().await?;
+        Ok(host)
+    }
+
+    /// Marked devices with no volume, of backends that report rather than remove them.
+    async fn orphans(&self) -> Result<Vec<model::Orphan>> {
+        let known: std::collections::HashSet<_> =
+            self.store.volumes().await?.iter().map(|v| v.id).collect();
+        let mut out = Vec::new();
+        for b in self
+            .backends
+            .iter()
+            .filter(|b| b.orphan_policy() == crate::backend::OrphanPolicy::Report)
+        {
+            let b2 = b.clone();
+            if let Ok(marked) = blocking(move || b2.marked()).await? {
+                out.extend(
+                    marked
+                        .into_iter()
+                        .filter(|m| !known.contains(&m.volume_id))
+                        .map(|m| model::Orphan {
+                            backend: b.kind(),
+                            volume_id: m.volume_id,
+                            device: m.device,
+                        }),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// `DELETE /v1/host/orphans/{volume_id}`: removes an orphan device on request.
+    pub async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
+        let orphan = self
+            .orphans()
+            .await?
+            .into_iter()
+            .find(|o| o.volume_id.to_string() == volume_id || o.device == volume_id)
+            .ok_or_else(|| Error::OrphanNotFound(volume_id.to_string()))?;
+        let b = self
+            .backend(orphan.backend)
+            .expect("orphans come from built backends");
+        let id = orphan.volume_id;
+        blocking(move || b.detach(id, None)).await??;
+        let mut tx = self.store.begin().await?;
+        tx.event(
+            Some(orphan.volume_id),
+            None,
+            "orphan_removed",
+            &format!(
+                "removed {} on request: it carried the mark of volume {}, which has no record",
+                orphan.device, orphan.volume_id
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Backends and policies, without the orphans (blocking: probes the kernel).
+    fn capabilities(&self) -> Host {
         let backends = HostBackends {
             loop_: self.capability(Backend::Loop),
             ublk: self.capability(Backend::Ublk),
@@ -297,6 +373,7 @@ impl Manager {
             policies,
             image_roots: self.roots.paths(),
             default_backend,
+            orphans: Vec::new(),
         }
     }
 }

@@ -10,7 +10,8 @@ use std::collections::HashSet;
 
 use super::volumes::{access, params};
 use super::{Manager, Result, blocking};
-use crate::backend::{Probe, ProbeRequest};
+use crate::backend::{OrphanPolicy, Probe, ProbeRequest};
+use crate::image::Access;
 use crate::model::VolumeState;
 
 /// What reconciliation did, for the log.
@@ -56,9 +57,14 @@ impl Manager {
                 report.failed += 1;
                 continue;
             };
+            // A direct-mapped image is pinned: it opens read-only only.
             let opened = {
                 let (me, image, a) = (self.clone(), image.clone(), access(v.read_only));
-                blocking(move || me.open_image(&image, a)).await?
+                blocking(move || {
+                    me.open_image(&image, a)
+                        .or_else(|_| me.open_image(&image, Access::ReadOnly))
+                })
+                .await?
             };
             let req = ProbeRequest {
                 volume_id: v.id,
@@ -118,11 +124,16 @@ impl Manager {
         Ok(report)
     }
 
-    /// Removes devices that carry a blockplane mark but belong to no volume.
+    /// Removes devices that carry this instance's mark but belong to no volume
+    /// (dm devices are only reported: see `Manager::host`).
     async fn remove_orphans(&self) -> Result<usize> {
         let known: HashSet<_> = self.store.volumes().await?.iter().map(|v| v.id).collect();
         let mut removed = 0;
-        for backend in &self.backends {
+        for backend in self
+            .backends
+            .iter()
+            .filter(|b| b.orphan_policy() == OrphanPolicy::Remove)
+        {
             let b = backend.clone();
             let marked = match blocking(move || b.marked()).await? {
                 Ok(m) => m,

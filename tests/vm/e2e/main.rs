@@ -8,6 +8,7 @@
 #[allow(dead_code)]
 mod harness;
 
+mod dm;
 mod ublk;
 
 use std::path::PathBuf;

@@ -1,0 +1,1027 @@
+//! The `dm` backend: a device-mapper device whose node never changes while
+//! its table decides the data path.
+//!
+//! * `direct`: `linear` targets built from the image's extent map, so the
+//!   kernel remaps every bio straight to the disk (no userspace on the data
+//!   path), under the direct-map rules: the image is pinned while mapped and
+//!   its map is re-read periodically (rule 5): on drift the device is
+//!   suspended and resumed on the `nowait` path at once.
+//! * `nowait` / `threaded`: one `linear` target over a private ublk device
+//!   served by a blockplane worker with that policy.
+//!
+//! Switching is suspend, load, resume (starting or stopping the private ublk
+//! worker around it). Names derive from the volume id (`blockplane-<uuid>`),
+//! the DM uuid also names this service instance, so a restart finds its
+//! devices and never mistakes another instance's for its own. DM ioctls go
+//! through the `devicemapper` crate; nothing depends on udev.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use devicemapper::{DM, DevId, DmError, DmFlags, DmName, DmOptions, DmUuid};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::blockstat::BlockStat;
+use super::ublk::UblkBackend;
+use super::{
+    AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, DmAttachment,
+    EventSink, Marked, OrphanPolicy, Probe, ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
+};
+use crate::extent::{self, DevNum, ExtentMap, Pin};
+use crate::model::{
+    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
+    VolumeStats,
+};
+
+/// One line of a DM table: start and length in sectors, target type, parameters.
+pub type Target = (u64, u64, String, String);
+
+const CONTROL: &str = "/dev/mapper/control";
+
+fn dm_name(volume_id: Uuid) -> String {
+    format!("blockplane-{volume_id}")
+}
+
+fn dm_uuid(instance: &str, volume_id: Uuid) -> String {
+    format!("blockplane-{instance}-{volume_id}")
+}
+
+fn dm() -> Result<DM, BackendError> {
+    DM::new().map_err(|e| BackendError::io("open", CONTROL, io::Error::other(e.to_string())))
+}
+
+/// The errno of a failed DM ioctl.
+fn errno(e: &DmError) -> Option<i32> {
+    match e {
+        DmError::Core(devicemapper::errors::Error::Ioctl(_, _, _, errno)) => Some(**errno as i32),
+        _ => None,
+    }
+}
+
+fn dm_error(op: &'static str, device: &str, e: DmError) -> BackendError {
+    let source = match errno(&e) {
+        Some(n) => io::Error::from_raw_os_error(n),
+        None => io::Error::other(e.to_string()),
+    };
+    BackendError::io(op, device, source)
+}
+
+/// `linear` targets over the raw devices, one per mapped segment.
+pub fn direct_table(map: &ExtentMap) -> Vec<Target> {
+    map.segments
+        .iter()
+        .map(|s| {
+            (
+                s.logical / 512,
+                s.len / 512,
+                "linear".to_string(),
+                format!("{} {}", map.devices[s.device].dev, s.physical / 512),
+            )
+        })
+        .collect()
+}
+
+/// Rule 7: device-mapper claims the disks it maps, which the kernel refuses
+/// (EBUSY) while a filesystem is mounted directly on one. That is the case
+/// when the image's filesystem sits on the raw device itself (no dm layer
+/// between): then refuse before anything is created.
+fn rule_7(map: &ExtentMap) -> Result<(), String> {
+    match map.devices.iter().find(|d| d.dev == map.fs_device) {
+        Some(d) => Err(format!(
+            "direct-map rule 7: device-mapper cannot open {} while the image's filesystem is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit",
+            d.node.display()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// One `linear` target over a whole device.
+fn over(dev: DevNum, size_bytes: u64) -> Vec<Target> {
+    vec![(
+        0,
+        size_bytes / 512,
+        "linear".to_string(),
+        format!("{dev} 0"),
+    )]
+}
+
+/// The kernel's name of a block device (`dm-3`), from sysfs.
+fn kernel_name(dev: DevNum) -> String {
+    std::fs::read_link(format!("/sys/dev/block/{dev}"))
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| format!("dm-{}", dev.minor))
+}
+
+/// What the dm backend keeps per volume.
+struct DmVolume {
+    /// A handle on the image: to map, pin, unpin and grow it.
+    image: OwnedFd,
+    params: VolumeParams,
+    /// The path in force (never `Auto`).
+    dispatch: DispatchPolicy,
+    reason: String,
+    read_only: bool,
+    /// The map and pin while `direct`.
+    direct: Option<(ExtentMap, Pin)>,
+    /// The private ublk device while `nowait`/`threaded`.
+    private_ublk: Option<DevNum>,
+    table: Vec<Target>,
+    degraded: Option<String>,
+    attached_at: OffsetDateTime,
+    baseline: Option<BlockStat>,
+    stop_checks: Arc<AtomicBool>,
+}
+
+/// The dm backend.
+pub struct DmBackend {
+    instance: String,
+    ublk: Arc<UblkBackend>,
+    volumes: Arc<Mutex<HashMap<Uuid, DmVolume>>>,
+    events: EventSink,
+    check_secs: u32,
+}
+
+impl DmBackend {
+    /// A dm backend for this instance, with `ublk` serving its private devices.
+    pub fn new(
+        instance: String,
+        ublk: Arc<UblkBackend>,
+        events: EventSink,
+        check_secs: u32,
+    ) -> Self {
+        Self {
+            instance,
+            ublk,
+            volumes: Arc::default(),
+            events,
+            check_secs,
+        }
+    }
+
+    fn unavailable() -> Option<String> {
+        if !Path::new(CONTROL).exists() {
+            return Some("device-mapper is not available (no /dev/mapper/control)".into());
+        }
+        match DM::new().and_then(|dm| dm.version()) {
+            Ok(_) => None,
+            Err(e) => Some(format!("device-mapper does not answer: {e}")),
+        }
+    }
+
+    /// Target types the kernel has loaded (DM_LIST_VERSIONS).
+    fn targets() -> Vec<String> {
+        DM::new()
+            .and_then(|dm| dm.list_versions())
+            .map(|v| v.into_iter().map(|(name, ..)| name).collect())
+            .unwrap_or_default()
+    }
+
+    fn ublk_reason(&self) -> Option<String> {
+        let cap = self.ublk.capability();
+        (!cap.available).then(|| cap.reason.unwrap_or_default())
+    }
+
+    /// Decides the path: `auto` is `direct` if the image passes every rule,
+    /// else `nowait` (which needs ublk).
+    fn decide(
+        &self,
+        image: &OwnedFd,
+        size: u64,
+        asked: DispatchPolicy,
+        read_only: bool,
+    ) -> Result<Decision, BackendError> {
+        let check = || -> Result<(), String> {
+            if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
+                return Err(extent::MapError::ImmutableByUser.to_string());
+            }
+            let map = ExtentMap::build(image.as_fd(), size).map_err(|e| e.to_string())?;
+            rule_7(&map)
+        };
+        let needs_ublk = |what: &str| -> Result<(), BackendError> {
+            match self.ublk_reason() {
+                None => Ok(()),
+                Some(why) => Err(BackendError::Unavailable {
+                    backend: "dm",
+                    reason: format!(
+                        "{what} needs a private ublk device, and ublk is not available: {why}; only dispatch 'direct' works here"
+                    ),
+                }),
+            }
+        };
+        Ok(match asked {
+            DispatchPolicy::Direct => {
+                check().map_err(|reason| BackendError::Refused { reason })?;
+                Decision {
+                    dispatch: DispatchPolicy::Direct,
+                    reason: "asked: direct (linear table over the image's extents)".into(),
+                }
+            }
+            DispatchPolicy::Auto => match check() {
+                Ok(()) => Decision {
+                    dispatch: DispatchPolicy::Direct,
+                    reason: "auto: the image passes every direct-map rule (linear table over its extents)".into(),
+                },
+                Err(e) => {
+                    needs_ublk(&format!("auto fell back to nowait ({e}), which"))?;
+                    Decision {
+                        dispatch: DispatchPolicy::Nowait,
+                        reason: format!("auto chose nowait: {e}"),
+                    }
+                }
+            },
+            other => {
+                needs_ublk(&format!("dispatch '{}'", other.as_str()))?;
+                Decision {
+                    dispatch: other,
+                    reason: format!("asked: {} (linear table over a private ublk device)", other.as_str()),
+                }
+            }
+        })
+    }
+
+    /// Creates (`create`) or reloads a device's table: suspend, then
+    /// `prepare` (which returns the new table), load it, `before_resume`,
+    /// resume. Any failure leaves the old table live (or no device, when
+    /// creating).
+    fn swap(
+        &self,
+        volume_id: Uuid,
+        create: bool,
+        read_only: bool,
+        prepare: impl FnOnce() -> Result<Vec<Target>, BackendError>,
+        before_resume: impl FnOnce() -> Result<(), BackendError>,
+    ) -> Result<Vec<Target>, BackendError> {
+        let dm = dm()?;
+        let name_s = dm_name(volume_id);
+        let name = DmName::new(&name_s)
+            .map_err(|e| BackendError::io("name", &name_s, io::Error::other(e.to_string())))?;
+        let id = DevId::Name(name);
+        if create {
+            let uuid_s = dm_uuid(&self.instance, volume_id);
+            let uuid = DmUuid::new(&uuid_s)
+                .map_err(|e| BackendError::io("uuid", &uuid_s, io::Error::other(e.to_string())))?;
+            dm.device_create(name, Some(uuid), DmOptions::default())
+                .map_err(|e| dm_error("DM_DEV_CREATE", &name_s, e))?;
+        } else {
+            // In-flight bios finish before the suspend returns.
+            dm.device_suspend(&id, DmOptions::default().set_flags(DmFlags::DM_SUSPEND))
+                .map_err(|e| dm_error("suspend", &name_s, e))?;
+        }
+        let undo = |dm: &DM| {
+            if create {
+                let _ = dm.device_remove(&id, DmOptions::default());
+            } else {
+                let _ = dm.table_clear(&id);
+                let _ = dm.device_suspend(&id, DmOptions::default());
+            }
+        };
+        let table = match prepare() {
+            Ok(t) => t,
+            Err(e) => {
+                undo(&dm);
+                return Err(e);
+            }
+        };
+        let flags = if read_only {
+            DmFlags::DM_READONLY
+        } else {
+            DmFlags::empty()
+        };
+        if let Err(e) = dm.table_load(&id, &table, DmOptions::default().set_flags(flags)) {
+            undo(&dm);
+            return Err(match errno(&e) {
+                Some(libc::EBUSY) => BackendError::Refused {
+                    reason: "direct-map rule 7: device-mapper cannot open the disk under the image's filesystem, which is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit".into(),
+                },
+                _ => dm_error("DM_TABLE_LOAD", &name_s, e),
+            });
+        }
+        if let Err(e) = before_resume() {
+            undo(&dm);
+            return Err(e);
+        }
+        dm.device_suspend(&id, DmOptions::default())
+            .map_err(|e| dm_error("resume", &name_s, e))?;
+        Ok(table)
+    }
+
+    fn remove(volume_id: Uuid) -> Result<(), BackendError> {
+        let name_s = dm_name(volume_id);
+        let Ok(name) = DmName::new(&name_s) else {
+            return Ok(());
+        };
+        match dm()?.device_remove(&DevId::Name(name), DmOptions::default()) {
+            Ok(_) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENXIO) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::EBUSY) => Err(BackendError::Busy {
+                device: name_s,
+                reason: "it is open (mounted or held by a process); close it first".into(),
+            }),
+            Err(e) => Err(dm_error("DM_DEV_REMOVE", &name_s, e)),
+        }
+    }
+
+    /// `(major, minor)` of the dm device, if it exists.
+    fn devnum(volume_id: Uuid) -> Option<DevNum> {
+        let name_s = dm_name(volume_id);
+        let name = DmName::new(&name_s).ok()?;
+        let info = dm().ok()?.device_info(&DevId::Name(name)).ok()?;
+        let d = info.device();
+        Some(DevNum {
+            major: d.major,
+            minor: d.minor,
+        })
+    }
+
+    fn describe(&self, volume_id: Uuid, v: &DmVolume) -> Result<Attachment, BackendError> {
+        let dev = Self::devnum(volume_id).ok_or_else(|| {
+            BackendError::io(
+                "find",
+                dm_name(volume_id),
+                io::Error::from_raw_os_error(libc::ENXIO),
+            )
+        })?;
+        let kernel_name = kernel_name(dev);
+        // /dev/mapper/<name> only exists where udev (or someone) made it.
+        let mapper = format!("/dev/mapper/{}", dm_name(volume_id));
+        let device = if Path::new(&mapper).exists() {
+            mapper
+        } else {
+            format!("/dev/{kernel_name}")
+        };
+        let size_bytes = std::fs::read_to_string(format!("/sys/block/{kernel_name}/size"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(|s| s * 512)
+            .unwrap_or(v.params.size_bytes);
+        Ok(Attachment {
+            device,
+            kernel_name,
+            major: dev.major,
+            minor: dev.minor,
+            dispatch: match v.dispatch {
+                DispatchPolicy::Direct => ActiveDispatch::Direct,
+                DispatchPolicy::Threaded => ActiveDispatch::Threaded,
+                _ => ActiveDispatch::Nowait,
+            },
+            dispatch_reason: v.reason.clone(),
+            direct_io: None,
+            size_bytes,
+            read_only: v.read_only,
+            attached_at: v.attached_at,
+            baseline: v.baseline,
+            ublk: None,
+            dm: Some(DmAttachment {
+                name: dm_name(volume_id),
+                uuid: dm_uuid(&self.instance, volume_id),
+                table: v.table.clone(),
+                pinned: v.direct.as_ref().map(|(_, p)| *p),
+                private_ublk: v.private_ublk.map(|d| d.to_string()),
+                degraded: v.degraded.clone(),
+            }),
+        })
+    }
+
+    /// Starts the private ublk device of a volume with `policy`; returns its number.
+    fn start_private(
+        &self,
+        volume_id: Uuid,
+        v: &DmVolume,
+        policy: DispatchPolicy,
+        reason: &str,
+    ) -> Result<DevNum, BackendError> {
+        let image = v
+            .image
+            .try_clone()
+            .map_err(|e| BackendError::io("dup", "image", e))?;
+        let st =
+            rustix::fs::fstat(&image).map_err(|e| BackendError::io("fstat", "image", e.into()))?;
+        let att = self.ublk.attach_private(AttachRequest {
+            volume_id,
+            image_fd: image,
+            image_identity: (st.st_dev, st.st_ino),
+            params: VolumeParams {
+                dispatch: policy,
+                read_only: v.read_only || v.params.read_only,
+                ..v.params.clone()
+            },
+            decision: Some(Decision {
+                dispatch: policy,
+                reason: reason.to_string(),
+            }),
+        })?;
+        Ok(DevNum {
+            major: att.major,
+            minor: att.minor,
+        })
+    }
+
+    /// Moves a volume to `to`, with the device suspended only around the table
+    /// swap. On error the volume stays as it was.
+    fn switch(
+        &self,
+        volume_id: Uuid,
+        v: &mut DmVolume,
+        to: DispatchPolicy,
+        reason: String,
+    ) -> Result<(), BackendError> {
+        let from = v.dispatch;
+        match (from == DispatchPolicy::Direct, to == DispatchPolicy::Direct) {
+            (false, false) => {
+                // Both on the private worker: it switches by itself.
+                self.ublk.switch_private(volume_id, to, reason.clone())?;
+            }
+            (true, false) => {
+                // Start the worker first (nothing reaches it until the table
+                // points at it); unpin only once the new table is loaded, while
+                // the device is still suspended: the worker cannot write
+                // through a pinned image, and the linear table must not serve
+                // an unpinned one.
+                let dev = self.start_private(volume_id, v, to, &reason)?;
+                let pin = v.direct.as_ref().map(|(_, p)| *p);
+                let image = &v.image;
+                let swapped = self.swap(
+                    volume_id,
+                    false,
+                    v.read_only,
+                    || Ok(over(dev, v.params.size_bytes)),
+                    || {
+                        if let Some(p) = pin {
+                            extent::unpin(image.as_fd(), p)
+                                .map_err(|e| BackendError::io("unpin", "image", e))?;
+                        }
+                        extent::drop_page_cache(image.as_fd())
+                            .map_err(|e| BackendError::io("drop page cache", "image", e))
+                    },
+                );
+                match swapped {
+                    Ok(table) => {
+                        v.table = table;
+                        v.direct = None;
+                        v.private_ublk = Some(dev);
+                    }
+                    Err(e) => {
+                        let _ = self.ublk.detach(volume_id, None);
+                        return Err(e);
+                    }
+                }
+            }
+            (false, true) => {
+                // Suspended, in-flight bios have finished on the worker: map
+                // and pin (FIEMAP with sync), load the linear table, resume.
+                let image = &v.image;
+                let (size, read_only) = (v.params.size_bytes, v.read_only);
+                let mut mapped = None;
+                let swapped = self.swap(
+                    volume_id,
+                    false,
+                    read_only,
+                    || {
+                        if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
+                            return Err(BackendError::Refused {
+                                reason: extent::MapError::ImmutableByUser.to_string(),
+                            });
+                        }
+                        let (map, pin) = extent::map_and_pin(image.as_fd(), size).map_err(|e| {
+                            BackendError::Refused {
+                                reason: e.to_string(),
+                            }
+                        })?;
+                        let table = direct_table(&map);
+                        mapped = Some((map, pin));
+                        Ok(table)
+                    },
+                    || Ok(()),
+                );
+                match swapped {
+                    Ok(table) => {
+                        v.direct = mapped;
+                        v.table = table;
+                        v.private_ublk = None;
+                        // Nothing references the private device any more.
+                        self.ublk.detach(volume_id, None)?;
+                    }
+                    Err(e) => {
+                        if let Some((_, pin)) = mapped {
+                            let _ = extent::unpin(image.as_fd(), pin);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            (true, true) => {}
+        }
+        v.dispatch = to;
+        v.reason = reason;
+        Ok(())
+    }
+
+    /// Rule 5 for one volume: re-read the map; on drift leave `direct` at once.
+    fn check_drift(&self, volume_id: Uuid) {
+        let mut volumes = self.volumes.lock().expect("dm volumes poisoned");
+        let Some(v) = volumes.get_mut(&volume_id) else {
+            return;
+        };
+        let Some((map, _)) = &v.direct else { return };
+        let now = ExtentMap::build(v.image.as_fd(), map.size);
+        let drift = match now {
+            Ok(m) => map.differences(&m),
+            Err(e) => Some(e.to_string()),
+        };
+        let Some(what) = drift else { return };
+        tracing::error!(%volume_id, %what, "dm direct map drifted: moving to nowait");
+        let reason = format!(
+            "direct-map rule 5: the image's extents changed ({what}); serving on nowait through a private ublk device"
+        );
+        // The pin is gone (someone cleared it to move blocks): do not restore it.
+        if let Some((_, pin)) = v.direct.as_mut() {
+            pin.was_immutable = true;
+        }
+        let outcome = self.switch(volume_id, v, DispatchPolicy::Nowait, reason.clone());
+        let (kind, state, message) = match outcome {
+            Ok(()) => {
+                v.degraded = Some(reason.clone());
+                ("volume_degraded", VolumeState::Degraded, reason)
+            }
+            Err(e) => {
+                // No ublk to fall back to: stop the mapping rather than write
+                // to blocks the image no longer owns.
+                let _ = Self::remove(volume_id);
+                (
+                    "volume_error",
+                    VolumeState::Error,
+                    format!("{reason}; the fallback failed ({e}): the device was removed"),
+                )
+            }
+        };
+        let att = self.describe(volume_id, v).ok();
+        self.events.send(BackendEvent {
+            volume_id,
+            kind,
+            message,
+            attachment: att,
+            state: Some(state),
+        });
+    }
+
+    fn start_checks(&self, volume_id: Uuid, stop: Arc<AtomicBool>) {
+        let me = DmBackend {
+            instance: self.instance.clone(),
+            ublk: self.ublk.clone(),
+            volumes: self.volumes.clone(),
+            events: self.events.clone(),
+            check_secs: self.check_secs,
+        };
+        let every = Duration::from_secs(u64::from(self.check_secs.max(1)));
+        let _ = std::thread::Builder::new()
+            .name(format!("dm-check-{}", &volume_id.to_string()[..8]))
+            .spawn(move || {
+                while !stop.load(Relaxed) {
+                    std::thread::sleep(every);
+                    if !stop.load(Relaxed) {
+                        me.check_drift(volume_id);
+                    }
+                }
+            });
+    }
+
+    fn with_volume<T>(
+        &self,
+        volume_id: Uuid,
+        f: impl FnOnce(&mut DmVolume) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        let mut volumes = self.volumes.lock().expect("dm volumes poisoned");
+        let v = volumes.get_mut(&volume_id).ok_or_else(|| {
+            BackendError::io(
+                "find",
+                dm_name(volume_id),
+                io::Error::other("not supervised by this service"),
+            )
+        })?;
+        f(v)
+    }
+}
+
+impl VolumeBackend for DmBackend {
+    fn kind(&self) -> Backend {
+        Backend::Dm
+    }
+
+    fn capability(&self) -> BackendCapability {
+        let reason = Self::unavailable();
+        let targets = reason.is_none().then(Self::targets);
+        BackendCapability {
+            available: reason.is_none(),
+            reason,
+            features: None,
+            native_loop_target: targets.as_ref().map(|t| t.iter().any(|n| n == "loop")),
+            targets,
+        }
+    }
+
+    fn validate(
+        &self,
+        spec: &SpecCheck,
+        image: &OwnedFd,
+        size: u64,
+    ) -> Result<Option<Decision>, BackendError> {
+        if let Some(reason) = Self::unavailable() {
+            return Err(BackendError::Unavailable {
+                backend: "dm",
+                reason,
+            });
+        }
+        if spec.qos.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: "dm",
+                what: "qos".into(),
+                reason: "QoS needs backend: \"ublk\"".into(),
+            });
+        }
+        self.decide(image, size, spec.dispatch, spec.read_only)
+            .map(Some)
+    }
+
+    fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
+        let decision = match req.decision.clone() {
+            Some(d) => d,
+            None => self.decide(
+                &req.image_fd,
+                req.params.size_bytes,
+                req.params.dispatch,
+                req.params.read_only,
+            )?,
+        };
+        let mut v = DmVolume {
+            image: req.image_fd,
+            params: req.params.clone(),
+            dispatch: decision.dispatch,
+            reason: decision.reason.clone(),
+            read_only: req.params.read_only,
+            direct: None,
+            private_ublk: None,
+            table: Vec::new(),
+            degraded: None,
+            attached_at: OffsetDateTime::now_utc(),
+            baseline: None,
+            stop_checks: Arc::default(),
+        };
+        let volume_id = req.volume_id;
+        // A device left by a crash of this service mid-create: start clean.
+        let _ = Self::remove(volume_id);
+        if decision.dispatch == DispatchPolicy::Direct {
+            let (map, pin) =
+                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
+                    BackendError::Refused {
+                        reason: e.to_string(),
+                    }
+                })?;
+            let table = direct_table(&map);
+            match self.swap(volume_id, true, v.read_only, || Ok(table), || Ok(())) {
+                Ok(t) => v.table = t,
+                Err(e) => {
+                    let _ = extent::unpin(v.image.as_fd(), pin);
+                    return Err(e);
+                }
+            }
+            v.direct = Some((map, pin));
+        } else {
+            let dev = self.start_private(volume_id, &v, decision.dispatch, &decision.reason)?;
+            let table = over(dev, v.params.size_bytes);
+            match self.swap(volume_id, true, v.read_only, || Ok(table), || Ok(())) {
+                Ok(t) => v.table = t,
+                Err(e) => {
+                    let _ = self.ublk.detach(volume_id, None);
+                    return Err(e);
+                }
+            }
+            v.private_ublk = Some(dev);
+        }
+        if let Some(dev) = Self::devnum(volume_id) {
+            v.baseline = BlockStat::read(&kernel_name(dev)).ok();
+        }
+        let att = self.describe(volume_id, &v)?;
+        let stop = v.stop_checks.clone();
+        self.volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .insert(volume_id, v);
+        self.start_checks(volume_id, stop);
+        Ok(att)
+    }
+
+    fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        let Some(dev) = Self::devnum(volume_id) else {
+            return Ok(());
+        };
+        let node = format!("/dev/{}", kernel_name(dev));
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
+            .open(&node)
+        {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(BackendError::Busy {
+                device: node,
+                reason: "it is mounted or held open exclusively; unmount it first".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {
+        Self::remove(volume_id)?;
+        let v = self
+            .volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .remove(&volume_id);
+        let _ = self.ublk.detach(volume_id, None);
+        match v {
+            Some(v) => {
+                v.stop_checks.store(true, Relaxed);
+                if let Some((_, pin)) = v.direct {
+                    extent::unpin(v.image.as_fd(), pin)
+                        .map_err(|e| BackendError::io("unpin", "image", e))?;
+                }
+            }
+            None => {
+                if let Some(pin) = att.and_then(|a| a.dm.as_ref()).and_then(|d| d.pinned) {
+                    tracing::warn!(%volume_id, ?pin, "image pinned by a dm volume this service does not hold; clear FS_IMMUTABLE_FL by hand if needed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
+        let volume_id = req.volume_id;
+        if Self::devnum(volume_id).is_none() {
+            // Maybe a private worker outlived its dm device: let it go.
+            let _ = self.ublk.detach(volume_id, None);
+            return Ok(Probe::Gone);
+        }
+        let Some(image) = req.image else {
+            return Err(BackendError::Busy {
+                device: dm_name(volume_id),
+                reason: "its image cannot be opened, so the map cannot be checked".into(),
+            });
+        };
+        let name_s = dm_name(volume_id);
+        let name = DmName::new(&name_s)
+            .map_err(|e| BackendError::io("name", &name_s, io::Error::other(e.to_string())))?;
+        let (info, live) = dm()?
+            .table_status(
+                &DevId::Name(name),
+                DmOptions::default().set_flags(DmFlags::DM_STATUS_TABLE),
+            )
+            .map_err(|e| dm_error("DM_TABLE_STATUS", &name_s, e))?;
+        let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
+        let mut v = DmVolume {
+            image,
+            params: req.params.clone(),
+            dispatch: req.params.dispatch,
+            reason: req
+                .stored
+                .as_ref()
+                .map(|a| a.dispatch_reason.clone())
+                .unwrap_or_default(),
+            read_only: info.flags().contains(DmFlags::DM_READONLY),
+            direct: None,
+            private_ublk: None,
+            table: live.clone(),
+            degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
+            attached_at: req
+                .stored
+                .as_ref()
+                .map(|a| a.attached_at)
+                .unwrap_or_else(OffsetDateTime::now_utc),
+            baseline: req.stored.as_ref().and_then(|a| a.baseline),
+            stop_checks: Arc::default(),
+        };
+        let over_ublk = live.len() == 1
+            && live[0].3.split_whitespace().next().is_some_and(|d| {
+                std::fs::read_link(format!("/sys/dev/block/{d}")).is_ok_and(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("ublkb"))
+                })
+            });
+        if over_ublk {
+            let probe = self.ublk.probe_private(ProbeRequest {
+                volume_id,
+                identity: req.identity,
+                image: v.image.try_clone().ok(),
+                params: req.params.clone(),
+                stored: None,
+            })?;
+            let Probe::Alive(worker) = probe else {
+                return Err(BackendError::Busy {
+                    device: name_s,
+                    reason: "its private ublk worker is gone; delete and re-create the volume"
+                        .into(),
+                });
+            };
+            v.dispatch = match worker.dispatch {
+                ActiveDispatch::Threaded => DispatchPolicy::Threaded,
+                _ => DispatchPolicy::Nowait,
+            };
+            v.private_ublk = Some(DevNum {
+                major: worker.major,
+                minor: worker.minor,
+            });
+        } else {
+            // Direct: the live table must be the image's map as it is now.
+            let map = ExtentMap::build(v.image.as_fd(), req.params.size_bytes).map_err(|e| {
+                BackendError::Refused {
+                    reason: e.to_string(),
+                }
+            })?;
+            let expected = direct_table(&map);
+            if expected != live {
+                return Err(BackendError::Busy {
+                    device: name_s,
+                    reason: "its table no longer matches the image's extents (rule 5); delete and re-create the volume".into(),
+                });
+            }
+            let pin = stored.and_then(|d| d.pinned).unwrap_or(Pin {
+                was_immutable: false,
+            });
+            v.dispatch = DispatchPolicy::Direct;
+            v.direct = Some((map, pin));
+        }
+        let att = self.describe(volume_id, &v)?;
+        let stop = v.stop_checks.clone();
+        self.volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .insert(volume_id, v);
+        self.start_checks(volume_id, stop);
+        Ok(Probe::Alive(Box::new(att)))
+    }
+
+    fn orphan_policy(&self) -> OrphanPolicy {
+        OrphanPolicy::Report
+    }
+
+    fn marked(&self) -> Result<Vec<Marked>, BackendError> {
+        let Ok(dm) = DM::new() else {
+            return Ok(Vec::new());
+        };
+        let prefix = format!("blockplane-{}-", self.instance);
+        let mut out = Vec::new();
+        for (name, _, _) in dm
+            .list_devices()
+            .map_err(|e| dm_error("DM_LIST_DEVICES", CONTROL, e))?
+        {
+            let Ok(info) = dm.device_info(&DevId::Name(&name)) else {
+                continue;
+            };
+            if let Some(id) = info
+                .uuid()
+                .and_then(|u| u.to_string().strip_prefix(&prefix).map(str::to_string))
+                .and_then(|id| Uuid::parse_str(&id).ok())
+            {
+                out.push(Marked {
+                    volume_id: id,
+                    device: name.to_string(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
+        super::kernel_stats(volume_id, Backend::Dm, att)
+    }
+
+    fn grows_image(&self) -> bool {
+        true
+    }
+
+    fn resize(
+        &self,
+        _att: &Attachment,
+        size_bytes: u64,
+        allocation: Allocation,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            if v.dispatch == DispatchPolicy::Direct {
+                // Unpin, grow, map and pin again, swap tables: the device is
+                // suspended only for the swap; the old table stays valid for the
+                // old range meanwhile (the grown part is new blocks).
+                let (_, pin) = v.direct.take().expect("direct volumes have a map");
+                extent::unpin(v.image.as_fd(), pin).map_err(|e| BackendError::io("unpin", "image", e))?;
+                // Re-adopted volumes hold the pinned image read-only: once
+                // unpinned, the same inode can be opened for writing.
+                let writable = crate::image::reopen(&v.image, true).map_err(|e| BackendError::io("reopen", "image", e))?;
+                let grown = crate::image::grow_fd(&writable, size_bytes, allocation)
+                    .map_err(|(op, e)| BackendError::io(op, "image", e));
+                let (map, pin) = extent::map_and_pin(v.image.as_fd(), if grown.is_ok() { size_bytes } else { v.params.size_bytes })
+                    .map_err(|e| BackendError::Refused { reason: e.to_string() })?;
+                grown?;
+                let table = direct_table(&map);
+                v.table = self.swap(volume_id, false, v.read_only, || Ok(table), || Ok(()))?;
+                v.direct = Some((map, pin));
+            } else {
+                let att = self.ublk.resize_private(volume_id, size_bytes, allocation)?;
+                if att.ublk.as_ref().is_some_and(|u| u.resize_pending) {
+                    return Err(BackendError::Unsupported {
+                        backend: "dm",
+                        what: "growing a volume on the nowait/threaded path".into(),
+                        reason: "the kernel's ublk driver cannot resize its private device live (no UPDATE_SIZE); the image was grown and the new size applies at the next attach".into(),
+                    });
+                }
+                let table = over(
+                    DevNum {
+                        major: att.major,
+                        minor: att.minor,
+                    },
+                    size_bytes,
+                );
+                v.table = self.swap(volume_id, false, v.read_only, || Ok(table), || Ok(()))?;
+            }
+            v.params.size_bytes = size_bytes;
+            self.describe(volume_id, v)
+        })
+    }
+
+    fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
+        match change {
+            Change::Qos(Some(_)) => Err(BackendError::NotLive {
+                backend: "dm",
+                field: "qos",
+                reason: "QoS needs backend: \"ublk\"".into(),
+            }),
+            Change::Dispatch(DispatchPolicy::Nowait | DispatchPolicy::Threaded)
+                if att.dispatch == ActiveDispatch::Direct =>
+            {
+                match self.ublk_reason() {
+                    None => Ok(()),
+                    Some(why) => Err(BackendError::Unavailable {
+                        backend: "dm",
+                        reason: format!(
+                            "leaving direct needs a private ublk device, and ublk is not available: {why}"
+                        ),
+                    }),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn reconfigure(
+        &self,
+        _att: &Attachment,
+        change: Change,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            match change {
+                Change::Dispatch(asked) => {
+                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct {
+                        Decision {
+                            dispatch: DispatchPolicy::Direct,
+                            reason: v.reason.clone(),
+                        }
+                    } else if asked == DispatchPolicy::Direct && v.dispatch != DispatchPolicy::Direct {
+                        // Checked under suspension by switch(); the reason is all we need here.
+                        Decision {
+                            dispatch: DispatchPolicy::Direct,
+                            reason: "asked: direct (linear table over the image's extents)".into(),
+                        }
+                    } else {
+                        self.decide(&v.image, v.params.size_bytes, asked, v.read_only)?
+                    };
+                    self.switch(volume_id, v, d.dispatch, d.reason)?;
+                    v.degraded = None;
+                }
+                Change::ReadOnly(ro) => {
+                    if !ro && v.params.read_only {
+                        return Err(BackendError::NotLive {
+                            backend: "dm",
+                            field: "read_only",
+                            reason: "the volume was created read-only and holds its image read-only; delete and re-create it writable".into(),
+                        });
+                    }
+                    if v.private_ublk.is_some() {
+                        self.ublk.set_read_only_private(volume_id, ro)?;
+                    }
+                    let table = v.table.clone();
+                    v.table = self.swap(volume_id, false, ro, || Ok(table), || Ok(()))?;
+                    v.read_only = ro;
+                }
+                Change::Qos(None) => {}
+                Change::Qos(Some(_)) => unreachable!("refused by check_change"),
+            }
+            self.describe(volume_id, v)
+        })
+    }
+}

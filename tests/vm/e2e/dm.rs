@@ -1,0 +1,506 @@
+//! dm volumes on a real kernel: linear tables over the image's extents, the
+//! private ublk path, live switches that never change the node, drift.
+
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::assert_error;
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
+
+fn rdev(dev: &str) -> u64 {
+    std::fs::metadata(dev).unwrap().rdev()
+}
+
+fn table(dev: &str) -> String {
+    let m = std::fs::metadata(dev).unwrap();
+    let (major, minor) = (rustix::fs::major(m.rdev()), rustix::fs::minor(m.rdev()));
+    String::from_utf8_lossy(
+        &std::process::Command::new("dmsetup")
+            .args(["table", "-j", &major.to_string(), "-m", &minor.to_string()])
+            .env("DM_DISABLE_UDEV", "1")
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned()
+}
+
+/// Whether a table is one linear target over a ublk device.
+fn over_ublk(table: &str) -> bool {
+    let lines: Vec<&str> = table.lines().collect();
+    lines.len() == 1
+        && lines[0].split_whitespace().nth(3).is_some_and(|d| {
+            std::fs::read_link(format!("/sys/dev/block/{d}"))
+                .is_ok_and(|p| p.to_string_lossy().contains("ublkb"))
+        })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fio_verify_on_direct_and_nowait_over_xfs_and_ext4_images() {
+    let vm = Vm::start().await;
+    for fs in [Scratch::Xfs, Scratch::Ext4] {
+        let img = format!("dm-{fs:?}").to_lowercase();
+        vm.image(&img, fs, 48, "full").await;
+        for policy in ["direct", "nowait"] {
+            let name = format!("{img}-{policy}");
+            let v = vm
+                .volume(json!({"name": name, "image": img, "backend": "dm", "dispatch": policy}))
+                .await;
+            assert_eq!(v["backend"], "dm");
+            assert_eq!(v["dispatch"], policy, "{v}");
+            let dev = v["device"].as_str().unwrap().to_string();
+            assert!(
+                dev.starts_with("/dev/dm-") || dev.starts_with("/dev/mapper/"),
+                "{dev}"
+            );
+            let t = table(&dev);
+            assert_eq!(over_ublk(&t), policy != "direct", "{t}");
+            if policy == "direct" {
+                assert!(t.lines().all(|l| l.contains(" linear ")), "{t}");
+                assert!(is_immutable(&vm.root(fs).join(format!("{img}.img"))));
+            }
+            fio_ok(fio_verify(&dev, "24M", &[]));
+            let st = vm.s.get(&format!("/v1/volumes/{name}/stats")).await.body;
+            assert!(st["write"]["bytes"].as_u64().unwrap() >= 24 << 20, "{st}");
+            assert!(
+                st["kernel"].is_object(),
+                "dm stats come from the kernel's counters: {st}"
+            );
+            vm.delete(&name).await;
+            assert!(!std::path::Path::new(&dev).exists() || !table(&dev).contains("linear"));
+            assert!(
+                !is_immutable(&vm.root(fs).join(format!("{img}.img"))),
+                "unpinned on delete"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_filesystem_on_a_direct_dm_volume_round_trips() {
+    let vm = Vm::start().await;
+    vm.image("fsimg", Scratch::Xfs, 304, "full").await;
+    let spec = json!({"name": "f", "image": "fsimg", "backend": "dm", "dispatch": "direct"});
+    let v = vm.volume(spec.clone()).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let mnt = vm.root(Scratch::Tmpfs).join("mnt-dm");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let m = mnt.to_str().unwrap();
+    sh("mkfs.xfs", &["-q", "-f", &dev]);
+    sh("mount", &[&dev, m]);
+    sh("cp", &["-r", "/etc/ssl", &format!("{m}/tree")]);
+    let sums = sh(
+        "sh",
+        &[
+            "-c",
+            &format!("cd {m} && find . -type f -exec sha256sum {{}} + | sort"),
+        ],
+    );
+    sh("umount", &[m]);
+    vm.delete("f").await;
+    let v = vm.volume(spec).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    sh("xfs_repair", &["-n", &dev]);
+    sh("mount", &[&dev, m]);
+    let again = sh(
+        "sh",
+        &[
+            "-c",
+            &format!("cd {m} && find . -type f -exec sha256sum {{}} + | sort"),
+        ],
+    );
+    assert_eq!(sums, again);
+    sh("umount", &[m]);
+    vm.delete("f").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dm_refusals_name_their_rule_and_change_nothing() {
+    let vm = Vm::start().await;
+    vm.image("sparse", Scratch::Xfs, 16, "sparse").await;
+    vm.image("ontmpfs", Scratch::Tmpfs, 16, "full").await;
+    vm.image("onplain", Scratch::Plain, 16, "full").await;
+    vm.image("orig", Scratch::Xfs, 16, "full").await;
+    let orig = vm.root(Scratch::Xfs).join("orig.img");
+    let copy = vm.root(Scratch::Xfs).join("copy.img");
+    sh(
+        "cp",
+        &[
+            "--reflink=always",
+            orig.to_str().unwrap(),
+            copy.to_str().unwrap(),
+        ],
+    );
+    sh("chmod", &["600", copy.to_str().unwrap()]);
+    assert_eq!(
+        vm.s.post("/v1/images", json!({"name": "copy", "path": copy}))
+            .await
+            .status
+            .as_u16(),
+        201
+    );
+    let before = vm.s.snapshot().await;
+    for (image, needle) in [
+        ("sparse", "rule 2"),
+        ("ontmpfs", "rule 1"),
+        ("copy", "SHARED"),
+        ("onplain", "mounted directly"),
+    ] {
+        let a =
+            vm.s.post(
+                "/v1/volumes",
+                json!({"name": "x", "image": image, "backend": "dm", "dispatch": "direct"}),
+            )
+            .await;
+        assert_error(&a, 422, "refused");
+        let msg = a.body["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{msg}");
+        if image == "onplain" {
+            assert!(
+                msg.contains("linear wrapper") && msg.contains("\"ublk\""),
+                "{msg}"
+            );
+        }
+        assert_eq!(
+            vm.s.snapshot().await,
+            before,
+            "refusal for {image} changed something"
+        );
+        assert!(!is_immutable(&vm.root(Scratch::Xfs).join("orig.img")));
+        assert!(!is_immutable(&vm.root(Scratch::Plain).join("onplain.img")));
+    }
+    // QoS is a ublk feature.
+    vm.image("q", Scratch::Xfs, 16, "full").await;
+    let a =
+        vm.s.post(
+            "/v1/volumes",
+            json!({"name": "x", "image": "q", "backend": "dm", "qos": {"iops": 100}}),
+        )
+        .await;
+    assert_error(&a, 422, "unsupported");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("ublk")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapped_image_refuses_truncate_punch_and_reflink_onto_it() {
+    let vm = Vm::start().await;
+    vm.image("pin", Scratch::Xfs, 16, "full").await;
+    vm.image("other", Scratch::Xfs, 16, "full").await;
+    vm.volume(json!({"name": "p", "image": "pin", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let img = vm.root(Scratch::Xfs).join("pin.img");
+    let other = vm.root(Scratch::Xfs).join("other.img");
+    let p = img.to_str().unwrap();
+    for (cmd, args) in [
+        ("truncate", vec!["-s", "4096", p]),
+        (
+            "fallocate",
+            vec!["--punch-hole", "--offset", "0", "--length", "65536", p],
+        ),
+        ("cp", vec!["--reflink=always", other.to_str().unwrap(), p]),
+    ] {
+        let out = run(cmd, &args);
+        assert!(!out.status.success(), "{cmd} succeeded on a mapped image");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("Operation not permitted"));
+    }
+    vm.delete("p").await;
+    assert!(!is_immutable(&img));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn switches_never_change_the_node_and_fio_verify_passes() {
+    let vm = Vm::start().await;
+    vm.image("sw", Scratch::Xfs, 64, "full").await;
+    let v = vm
+        .volume(json!({"name": "sw", "image": "sw", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let node = rdev(&dev);
+    let img = vm.root(Scratch::Xfs).join("sw.img");
+    let fio = fio_verify(&dev, "48M", &[]);
+    for policy in ["nowait", "threaded", "direct", "threaded", "direct"] {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let after = vm.set_dispatch("sw", policy).await;
+        assert_eq!(after["dispatch"], policy, "{after}");
+        assert_eq!(after["device"], dev.as_str(), "the node never changes");
+        assert_eq!(rdev(&dev), node, "major:minor never change");
+        assert_eq!(is_immutable(&img), policy == "direct");
+        let t = table(&dev);
+        assert_eq!(over_ublk(&t), policy != "direct", "{policy}: {t}");
+    }
+    fio_ok(fio);
+    vm.delete("sw").await;
+    assert!(!is_immutable(&img));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grow_under_io_and_toggle_read_only() {
+    let vm = Vm::start().await;
+    for policy in ["direct", "nowait"] {
+        let img = format!("g-{policy}");
+        vm.image(&img, Scratch::Xfs, 32, "full").await;
+        let v = vm
+            .volume(json!({"name": img, "image": img, "backend": "dm", "dispatch": policy}))
+            .await;
+        let dev = v["device"].as_str().unwrap().to_string();
+        let fio = fio_verify(&dev, "24M", &[]);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let a =
+            vm.s.post(
+                &format!("/v1/images/{img}/resize"),
+                json!({"size_bytes": 48 << 20}),
+            )
+            .await;
+        let features =
+            vm.s.get("/v1/host").await.body["backends"]["ublk"]["features"]["names"].clone();
+        let live_resize = policy == "direct"
+            || features
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|n| n == "UPDATE_SIZE");
+        assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+        fio_ok(fio);
+        let size: u64 = sh("blockdev", &["--getsize64", &dev])
+            .trim()
+            .parse()
+            .unwrap();
+        if live_resize {
+            assert_eq!(size, 48 << 20, "{policy}: blockdev sees the new size");
+        } else {
+            let ev = vm.s.get(&format!("/v1/events?volume={img}")).await.body;
+            assert!(ev.to_string().contains("UPDATE_SIZE"), "{ev}");
+        }
+        // Read-only: writes fail, reads keep working.
+        let a =
+            vm.s.patch(&format!("/v1/volumes/{img}"), json!({"read_only": true}))
+                .await;
+        assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+        let w = run(
+            "dd",
+            &[
+                "if=/dev/zero",
+                &format!("of={dev}"),
+                "bs=4k",
+                "count=1",
+                "oflag=direct",
+                "status=none",
+            ],
+        );
+        assert!(
+            !w.status.success(),
+            "a write to a read-only volume succeeded"
+        );
+        let err = String::from_utf8_lossy(&w.stderr);
+        assert!(
+            err.contains("Read-only")
+                || err.contains("Input/output")
+                || err.contains("Operation not permitted"),
+            "{err}"
+        );
+        sh(
+            "dd",
+            &[
+                &format!("if={dev}"),
+                "of=/dev/null",
+                "bs=4k",
+                "count=16",
+                "iflag=direct",
+                "status=none",
+            ],
+        );
+        let a =
+            vm.s.patch(&format!("/v1/volumes/{img}"), json!({"read_only": false}))
+                .await;
+        assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+        sh(
+            "dd",
+            &[
+                "if=/dev/zero",
+                &format!("of={dev}"),
+                "bs=4k",
+                "count=1",
+                "oflag=direct",
+                "status=none",
+            ],
+        );
+        vm.delete(&img).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_device_outlives_a_killed_control_plane_and_is_readopted() {
+    let mut vm = Vm::start().await;
+    vm.image("k", Scratch::Xfs, 64, "full").await;
+    let v = vm
+        .volume(json!({"name": "k", "image": "k", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let fio = fio_verify(&dev, "48M", &[]);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    vm.s.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    vm.s.restart().await;
+    let after = vm.s.get("/v1/volumes/k").await.body;
+    assert_eq!(after["state"], "attached", "{after}");
+    assert_eq!(after["device"], dev.as_str());
+    fio_ok(fio);
+    let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert!(!kinds.contains(&"volume_error".to_string()), "{kinds:?}");
+    vm.delete("k").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extent_drift_is_caught_and_the_volume_keeps_serving_on_nowait() {
+    let vm = Vm::start().await;
+    vm.image("drift", Scratch::Xfs, 32, "full").await;
+    let v = vm
+        .volume(json!({"name": "d", "image": "drift", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    // Known data through the device.
+    sh(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            "of=/tmp/drift.pattern",
+            "bs=1M",
+            "count=4",
+            "status=none",
+        ],
+    );
+    sh(
+        "dd",
+        &[
+            "if=/tmp/drift.pattern",
+            &format!("of={dev}"),
+            "bs=1M",
+            "oflag=direct,sync",
+            "status=none",
+        ],
+    );
+    // Someone unpins the image and moves its first blocks: punch them, let
+    // other files take the freed space, write the data back elsewhere (the
+    // allocator may hand the same blocks back: try until they moved).
+    let img = vm.root(Scratch::Xfs).join("drift.img");
+    let p = img.to_str().unwrap();
+    let first_block = || {
+        sh(
+            "sh",
+            &[
+                "-c",
+                &format!("filefrag -v {p} | awk '$1 == \"0:\" {{print $4}}'"),
+            ],
+        )
+    };
+    let before = first_block();
+    sh("chattr", &["-i", p]);
+    sh(
+        "dd",
+        &[
+            &format!("if={p}"),
+            "of=/tmp/drift.head",
+            "bs=1M",
+            "count=4",
+            "status=none",
+        ],
+    );
+    for attempt in 0..4 {
+        let filler = vm.root(Scratch::Xfs).join(format!("filler{attempt}"));
+        sh(
+            "fallocate",
+            &["--punch-hole", "--offset", "0", "--length", "4194304", p],
+        );
+        sh("fallocate", &["-l", "4194304", filler.to_str().unwrap()]);
+        sh(
+            "dd",
+            &[
+                "if=/tmp/drift.head",
+                &format!("of={p}"),
+                "bs=1M",
+                "conv=notrunc,fsync",
+                "status=none",
+            ],
+        );
+        if first_block() != before {
+            break;
+        }
+    }
+    assert_ne!(first_block(), before, "could not move the image's blocks");
+    eventually(
+        Duration::from_secs(30),
+        "the volume to go degraded",
+        async || vm.s.get("/v1/volumes/d").await.body["state"] == "degraded",
+    )
+    .await;
+    let now = vm.s.get("/v1/volumes/d").await.body;
+    assert_eq!(now["dispatch"], "nowait", "{now}");
+    assert!(
+        now["state_reason"].as_str().unwrap().contains("rule 5"),
+        "{now}"
+    );
+    assert_eq!(now["device"], dev.as_str());
+    assert!(
+        vm.event_kinds(v["id"].as_str().unwrap())
+            .await
+            .contains(&"volume_degraded".to_string())
+    );
+    // The data written before is there, and new I/O verifies.
+    sh(
+        "bash",
+        &[
+            "-c",
+            &format!(
+                "cmp <(dd if={dev} bs=1M count=4 iflag=direct status=none) /tmp/drift.pattern"
+            ),
+        ],
+    );
+    fio_ok(fio_verify(&dev, "24M", &[]));
+    vm.delete("d").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_dm_device_is_reported_and_removed_only_on_request() {
+    let mut vm = Vm::start().await;
+    vm.image("o", Scratch::Xfs, 16, "full").await;
+    let v = vm
+        .volume(json!({"name": "o", "image": "o", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let id = v["id"].as_str().unwrap().to_string();
+    let dev = v["device"].as_str().unwrap().to_string();
+    vm.s.kill();
+    let db = vm.s.data.join("blockplane.db");
+    sh("sqlite3", &[db.to_str().unwrap(), "DELETE FROM volumes;"]);
+    vm.s.restart().await;
+    let host = vm.s.get("/v1/host").await.body;
+    let orphans = host["orphans"].as_array().unwrap();
+    assert_eq!(orphans.len(), 1, "{host}");
+    assert_eq!(orphans[0]["volume_id"], id.as_str());
+    assert!(
+        std::path::Path::new(&dev).exists(),
+        "an orphan dm device is left alone"
+    );
+    let a = vm.s.delete(&format!("/v1/host/orphans/{id}")).await;
+    assert_eq!(a.status.as_u16(), 204, "{}", a.body);
+    assert!(
+        vm.s.get("/v1/host").await.body["orphans"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    assert_error(
+        &vm.s.delete(&format!("/v1/host/orphans/{id}")).await,
+        404,
+        "orphan_not_found",
+    );
+    // Nothing knew the orphan's image: its pin stays for the owner to clear.
+    let img = vm.root(Scratch::Xfs).join("o.img");
+    sh("chattr", &["-i", img.to_str().unwrap()]);
+}
