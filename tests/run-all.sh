@@ -10,6 +10,13 @@ if [[ $EUID -ne 0 ]]; then
 fi
 step() { printf '\n==> %s\n' "$*" >&2; }
 
+# Python tools the tests use (from PyPI), in a venv of their own.
+step "test tools (Python venv: prometheus-client)"
+venv=target/test-venv
+[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
+export BLOCKPLANE_TEST_PYTHON=$PWD/$venv/bin/python
+
 step "cargo fmt --check"
 cargo fmt --all --check
 step "cargo clippy --all-targets -- -D warnings"

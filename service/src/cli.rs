@@ -279,6 +279,7 @@ enum View {
     Images,
     Volume,
     Volumes,
+    Resize,
     Stats,
     Events,
     Done(&'static str),
@@ -337,7 +338,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 M::POST,
                 format!("/v1/images/{}/resize", encode(image)),
                 Some(json!({"size_bytes": size})),
-                View::Image,
+                View::Resize,
             ),
             ImageCmd::Rm { image, delete_file } => (
                 M::DELETE,
@@ -534,6 +535,13 @@ fn render(view: View, b: &Value) -> String {
             ),
             ("created", s(&b["created_at"])),
         ]),
+        View::Resize => {
+            let mut out = render(View::Image, &b["image"]);
+            for v in list(&b["volumes"]) {
+                out += &format!("volume {}: {}\n", s(&v["name"]), s(&v["message"]));
+            }
+            out
+        }
         View::Images => table(
             &["NAME", "SIZE", "ALLOCATED", "FS", "VOLUMES", "PATH"],
             list(b)

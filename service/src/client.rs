@@ -71,14 +71,43 @@ impl Client {
         Self { endpoint, token }
     }
 
-    /// Sends one request on a fresh connection.
+    /// Sends one request on a fresh connection; the answer's body is JSON.
     pub async fn send(
         &self,
         method: Method,
         path: &str,
         body: Option<&Value>,
     ) -> Result<Answer, ClientError> {
-        let (host, sender) = match &self.endpoint {
+        let (status, bytes) = self.exchange(method, path, body).await?;
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).map_err(|_| ClientError::NotJson {
+                status,
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            })?
+        };
+        Ok(Answer { status, body })
+    }
+
+    /// Sends one request; the answer's body as text (e.g. `/metrics`).
+    pub async fn send_raw(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, String), ClientError> {
+        let (status, bytes) = self.exchange(method, path, body).await?;
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    async fn exchange(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, Bytes), ClientError> {
+        let (host, mut sender) = match &self.endpoint {
             Endpoint::Unix(p) => {
                 let stream = tokio::net::UnixStream::connect(p).await.map_err(|source| {
                     ClientError::Connect {
@@ -98,7 +127,6 @@ impl Client {
                 (hp.clone(), handshake(stream).await?)
             }
         };
-        let mut sender = sender;
         let mut req = Request::builder()
             .method(method)
             .uri(path)
@@ -116,15 +144,7 @@ impl Client {
         let resp = sender.send_request(req.body(Full::new(payload))?).await?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
-        let body = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes).map_err(|_| ClientError::NotJson {
-                status,
-                body: String::from_utf8_lossy(&bytes).into_owned(),
-            })?
-        };
-        Ok(Answer { status, body })
+        Ok((status, bytes))
     }
 }
 

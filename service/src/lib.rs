@@ -14,6 +14,7 @@ pub mod dataplane;
 pub mod extent;
 pub mod image;
 pub mod manager;
+pub mod metrics;
 pub mod model;
 pub mod server;
 pub mod store;

@@ -72,6 +72,26 @@ pub struct ResizeImageRequest {
     pub size_bytes: u64,
 }
 
+/// What `POST /v1/images/{id}/resize` did.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ResizeImageResponse {
+    pub image: Image,
+    /// How each attached volume followed.
+    pub volumes: Vec<VolumeResize>,
+}
+
+/// How one attached volume followed an image's growth.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct VolumeResize {
+    pub volume_id: Uuid,
+    pub name: String,
+    /// The device's size now.
+    pub size_bytes: u64,
+    /// The device keeps its old size until the next attach.
+    pub resize_pending: bool,
+    pub message: String,
+}
+
 /// Query of `DELETE /v1/images/{id}`.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -292,6 +312,9 @@ pub struct Volume {
     pub buffer_bytes: Option<u64>,
     /// ublk volumes: the worker process serving the device.
     pub worker_pid: Option<u32>,
+    /// The image grew, but the kernel could not resize the device live
+    /// (ublk without UPDATE_SIZE): the new size applies at the next attach.
+    pub resize_pending: bool,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
@@ -361,6 +384,38 @@ pub struct VolumeStats {
     pub qos_throttled: Option<u64>,
     /// ublk volumes: workers replaced after a crash.
     pub worker_restarts: Option<u64>,
+    /// Rates over the last 1, 10 and 60 seconds (from the service's 1 s
+    /// sampler; `null` until it has two samples of the volume).
+    pub rates: Option<Rates>,
+    /// ublk volumes: latency histograms for `/metrics` (not part of the API).
+    #[serde(skip)]
+    pub histograms: Option<Vec<crate::metrics::LatencyHistogram>>,
+}
+
+/// Requests and bytes per second of one op.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize, ToSchema)]
+pub struct Rate {
+    pub iops: f64,
+    pub bytes_per_sec: f64,
+}
+
+/// Rates of each op over one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize, ToSchema)]
+pub struct OpRates {
+    pub read: Rate,
+    pub write: Rate,
+    pub flush: Rate,
+    pub discard: Rate,
+    /// The window actually covered, seconds (shorter while the sampler warms up).
+    pub window_secs: f64,
+}
+
+/// Rates over the last 1, 10 and 60 seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize, ToSchema)]
+pub struct Rates {
+    pub last_1s: OpRates,
+    pub last_10s: OpRates,
+    pub last_60s: OpRates,
 }
 
 /// Latency percentiles of one op, microseconds.
@@ -513,6 +568,17 @@ pub struct EventQuery {
     pub since: Option<String>,
     /// At most this many, the newest (default 100, at most 1000), oldest first.
     pub limit: Option<u32>,
+}
+
+/// Query of `GET /v1/events/stream`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct EventStreamQuery {
+    /// Only events of this volume (id or name).
+    pub volume: Option<String>,
+    /// Start after this event id (the `Last-Event-ID` header wins).
+    pub after: Option<i64>,
 }
 
 /// `GET /healthz`.

@@ -170,6 +170,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         "reconciled with the kernel"
     );
 
+    manager.start_sampler();
     let app = crate::api::router(manager, cfg.token.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
     // Bind everything before serving anything: answering on one listener means

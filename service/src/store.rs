@@ -7,6 +7,7 @@
 
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Serialize, de::DeserializeOwned};
@@ -18,6 +19,7 @@ use sqlx::{Row, Sqlite, Transaction};
 use time::OffsetDateTime;
 use time::format_description::FormatItem;
 use time::macros::format_description;
+use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::backend::Attachment;
@@ -159,6 +161,21 @@ impl VolumeRow {
     }
 }
 
+fn event_from_row(r: &SqliteRow) -> Result<Event> {
+    let opt_uuid = |col: &str| -> Result<Option<Uuid>> {
+        let v: Option<String> = r.try_get(col)?;
+        v.map(|s| uuid("event subject", &s)).transpose()
+    };
+    Ok(Event {
+        id: r.try_get("id")?,
+        at: parse_ts(r.try_get("at")?)?,
+        volume_id: opt_uuid("volume_id")?,
+        image_id: opt_uuid("image_id")?,
+        kind: r.try_get("kind")?,
+        message: r.try_get("message")?,
+    })
+}
+
 /// What to list of the event log.
 #[derive(Debug, Clone, Default)]
 pub struct EventFilter {
@@ -172,6 +189,8 @@ pub struct EventFilter {
 pub struct Store {
     readers: SqlitePool,
     writer: SqlitePool,
+    /// Woken after every commit that added events (the event stream waits on it).
+    events_added: Arc<Notify>,
 }
 
 impl Store {
@@ -194,7 +213,11 @@ impl Store {
             .max_connections(8)
             .connect_with(options.read_only(true))
             .await?;
-        Ok(Self { readers, writer })
+        Ok(Self {
+            readers,
+            writer,
+            events_added: Arc::default(),
+        })
     }
 
     /// The id of this service instance (8 hex digits, made with the database).
@@ -209,7 +232,40 @@ impl Store {
     pub async fn begin(&self) -> Result<WriteTx> {
         Ok(WriteTx {
             tx: self.writer.begin_with("BEGIN IMMEDIATE").await?,
+            events_added: self.events_added.clone(),
+            wrote_events: false,
         })
+    }
+
+    /// Resolves after the next commit that adds events.
+    pub fn events_added(&self) -> Arc<Notify> {
+        self.events_added.clone()
+    }
+
+    /// Events after `id` (oldest first, at most `limit`), optionally of one volume.
+    pub async fn events_after(
+        &self,
+        id: i64,
+        volume_id: Option<Uuid>,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        let rows = sqlx::query(
+            "SELECT * FROM events WHERE id > ?1 AND (?2 IS NULL OR volume_id = ?2) ORDER BY id LIMIT ?3",
+        )
+        .bind(id)
+        .bind(volume_id.map(|v| v.to_string()))
+        .bind(limit as i64)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    /// The id of the newest event (0 when there is none).
+    pub async fn last_event_id(&self) -> Result<i64> {
+        let row = sqlx::query("SELECT COALESCE(MAX(id), 0) AS id FROM events")
+            .fetch_one(&self.readers)
+            .await?;
+        Ok(row.try_get("id")?)
     }
 
     /// All images, by name.
@@ -278,34 +334,25 @@ impl Store {
         .bind(f.limit as i64)
         .fetch_all(&self.readers)
         .await?;
-        rows.iter()
-            .map(|r| {
-                let opt_uuid = |col: &str| -> Result<Option<Uuid>> {
-                    let v: Option<String> = r.try_get(col)?;
-                    v.map(|s| uuid("event subject", &s)).transpose()
-                };
-                Ok(Event {
-                    id: r.try_get("id")?,
-                    at: parse_ts(r.try_get("at")?)?,
-                    volume_id: opt_uuid("volume_id")?,
-                    image_id: opt_uuid("image_id")?,
-                    kind: r.try_get("kind")?,
-                    message: r.try_get("message")?,
-                })
-            })
-            .collect()
+        rows.iter().map(event_from_row).collect()
     }
 }
 
 /// A write transaction. Dropping it without [`WriteTx::commit`] rolls back.
 pub struct WriteTx {
     tx: Transaction<'static, Sqlite>,
+    events_added: Arc<Notify>,
+    wrote_events: bool,
 }
 
 impl WriteTx {
-    /// Commits.
+    /// Commits (and wakes event-stream readers if events were added).
     pub async fn commit(self) -> Result<()> {
-        Ok(self.tx.commit().await?)
+        self.tx.commit().await?;
+        if self.wrote_events {
+            self.events_added.notify_waiters();
+        }
+        Ok(())
     }
 
     /// The image with this id or name, read inside the transaction.
@@ -481,6 +528,7 @@ impl WriteTx {
         .bind(message)
         .execute(&mut *self.tx)
         .await?;
+        self.wrote_events = true;
         Ok(())
     }
 }

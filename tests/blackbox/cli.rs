@@ -81,7 +81,9 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
     assert!(ok(&s, &["volume", "stats", "cvol"]).contains("write"));
 
     let grown = json(&s, &["image", "resize", "cimg", "--size", "32M"]);
-    assert_eq!(grown["size_bytes"], 32 << 20);
+    assert_eq!(grown["image"]["size_bytes"], 32 << 20);
+    assert_eq!(grown["volumes"][0]["name"], "cvol");
+    assert_eq!(grown["volumes"][0]["size_bytes"], 32 << 20);
     assert!(ok(&s, &["host"]).contains("backend loop"));
     assert!(ok(&s, &["events", "--volume", "cvol"]).contains("volume_attached"));
 

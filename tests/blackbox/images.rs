@@ -347,11 +347,13 @@ async fn grow_follows_to_attached_loop_volumes() {
         .post("/v1/images/g-img/resize", json!({"size_bytes": 48 << 20}))
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    assert_eq!(a.body["size_bytes"], 48 << 20);
+    assert_eq!(a.body["image"]["size_bytes"], 48 << 20);
     assert!(
-        a.body["allocated_bytes"].as_u64().unwrap() >= 48 << 20,
+        a.body["image"]["allocated_bytes"].as_u64().unwrap() >= 48 << 20,
         "full images grow fully allocated"
     );
+    assert_eq!(a.body["volumes"][0]["size_bytes"], 48 << 20);
+    assert_eq!(a.body["volumes"][0]["resize_pending"], false);
     assert_eq!(device_size(&dev), 48 << 20, "the loop device follows");
     let v = s.get("/v1/volumes/g").await;
     assert_eq!(v.body["size_bytes"], 48 << 20);

@@ -7,7 +7,9 @@ mod harness;
 
 mod auth;
 mod cli;
+mod events;
 mod images;
+mod metrics;
 mod openapi;
 mod restart;
 mod volumes;

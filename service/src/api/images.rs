@@ -7,7 +7,9 @@ use axum::http::StatusCode;
 use super::error::ApiError;
 use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
-use crate::model::{CreateImageRequest, DeleteImageQuery, ErrorBody, Image, ResizeImageRequest};
+use crate::model::{
+    CreateImageRequest, DeleteImageQuery, ErrorBody, Image, ResizeImageRequest, ResizeImageResponse,
+};
 
 /// Register an existing image file, or create one.
 #[utoipa::path(
@@ -82,7 +84,7 @@ pub async fn delete_image(
     params(("id" = String, Path, description = "Image id or name")),
     request_body = ResizeImageRequest,
     responses(
-        (status = 200, description = "The grown image", body = Image),
+        (status = 200, description = "The grown image, and how each attached volume followed", body = ResizeImageResponse),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
         (status = 409, description = "The file was replaced", body = ErrorBody),
@@ -94,7 +96,7 @@ pub async fn resize_image(
     State(m): State<AppState>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ResizeImageRequest>,
-) -> Result<Json<Image>, ApiError> {
+) -> Result<Json<ResizeImageResponse>, ApiError> {
     Ok(Json(
         detached(async move { m.resize_image(&id, req.size_bytes).await }).await?,
     ))

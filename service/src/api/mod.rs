@@ -4,6 +4,7 @@
 //! (utoipa-axum), so they cannot drift apart.
 
 pub mod error;
+mod events;
 mod extract;
 mod images;
 mod system;
@@ -72,8 +73,10 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(volumes::volume_stats))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
-        .routes(routes!(system::events))
+        .routes(routes!(events::events))
+        .routes(routes!(events::event_stream))
         .routes(routes!(system::healthz))
+        .routes(routes!(system::metrics))
 }
 
 /// The routes and their OpenAPI document, with what every operation can answer.
@@ -134,6 +137,10 @@ pub fn router(manager: Arc<Manager>, token: Option<String>) -> Router {
         Arc::new(token),
         require_token,
     ))
+    .layer(axum::middleware::from_fn_with_state(
+        manager.clone(),
+        count_request,
+    ))
     .layer(tower_http::trace::TraceLayer::new_for_http())
     .with_state(manager)
 }
@@ -158,6 +165,27 @@ async fn no_method(req: Request) -> ApiError {
         status: StatusCode::METHOD_NOT_ALLOWED,
         message: format!("{} is not allowed on {}", req.method(), req.uri().path()),
     }
+}
+
+/// Counts every answered request by route template, method and status.
+async fn count_request(State(m): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "(no route)".into());
+    let method = req.method().to_string();
+    let started = std::time::Instant::now();
+    let resp = next.run(req).await;
+    m.api_metrics.record(
+        crate::metrics::ApiLabels {
+            route,
+            method,
+            status: resp.status().as_u16().to_string(),
+        },
+        started.elapsed(),
+    );
+    resp
 }
 
 /// With a token configured, every request but `/healthz` must carry it.

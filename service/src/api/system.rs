@@ -5,8 +5,7 @@ use axum::extract::State;
 
 use super::AppState;
 use super::error::ApiError;
-use super::extract::ApiQuery;
-use crate::model::{ErrorBody, Event, EventQuery, Health, Host};
+use crate::model::{ErrorBody, Health, Host};
 
 /// Liveness; needs no token.
 #[utoipa::path(
@@ -47,20 +46,20 @@ pub async fn delete_orphan(
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
-/// The event log: every state change, with time and reason.
+/// Prometheus metrics (text format 0.0.4).
 #[utoipa::path(
-    get, path = "/v1/events", tag = "system",
-    params(EventQuery),
-    responses(
-        (status = 200, description = "Events, oldest first", body = Vec<Event>),
-        (status = 400, description = "Malformed query", body = ErrorBody),
-        (status = 404, description = "No such volume", body = ErrorBody),
-        (status = 422, description = "Invalid since or limit", body = ErrorBody),
-    )
+    get, path = "/metrics", tag = "system",
+    responses((status = 200, description = "Metrics in the Prometheus text format", content_type = "text/plain; version=0.0.4", body = String))
 )]
-pub async fn events(
-    State(m): State<AppState>,
-    ApiQuery(q): ApiQuery<EventQuery>,
-) -> Result<Json<Vec<Event>>, ApiError> {
-    Ok(Json(m.events(q).await?))
+pub async fn metrics(State(m): State<AppState>) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    let text = m.metrics().await?;
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
 }

@@ -135,6 +135,8 @@ struct DmVolume {
     private_ublk: Option<DevNum>,
     table: Vec<Target>,
     degraded: Option<String>,
+    /// The image grew but the private ublk device could not (no UPDATE_SIZE).
+    resize_pending: bool,
     attached_at: OffsetDateTime,
     baseline: Option<BlockStat>,
     stop_checks: Arc<AtomicBool>,
@@ -387,6 +389,7 @@ impl DmBackend {
                 private_ublk: v.private_ublk.map(|d| d.to_string()),
                 degraded: v.degraded.clone(),
             }),
+            resize_pending: v.resize_pending,
         })
     }
 
@@ -670,6 +673,7 @@ impl VolumeBackend for DmBackend {
             private_ublk: None,
             table: Vec::new(),
             degraded: None,
+            resize_pending: false,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
             stop_checks: Arc::default(),
@@ -798,6 +802,7 @@ impl VolumeBackend for DmBackend {
             private_ublk: None,
             table: live.clone(),
             degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
+            resize_pending: req.stored.as_ref().is_some_and(|a| a.resize_pending),
             attached_at: req
                 .stored
                 .as_ref()
@@ -918,26 +923,38 @@ impl VolumeBackend for DmBackend {
                 // suspended only for the swap; the old table stays valid for the
                 // old range meanwhile (the grown part is new blocks).
                 let (_, pin) = v.direct.take().expect("direct volumes have a map");
-                extent::unpin(v.image.as_fd(), pin).map_err(|e| BackendError::io("unpin", "image", e))?;
+                extent::unpin(v.image.as_fd(), pin)
+                    .map_err(|e| BackendError::io("unpin", "image", e))?;
                 // Re-adopted volumes hold the pinned image read-only: once
                 // unpinned, the same inode can be opened for writing.
-                let writable = crate::image::reopen(&v.image, true).map_err(|e| BackendError::io("reopen", "image", e))?;
+                let writable = crate::image::reopen(&v.image, true)
+                    .map_err(|e| BackendError::io("reopen", "image", e))?;
                 let grown = crate::image::grow_fd(&writable, size_bytes, allocation)
                     .map_err(|(op, e)| BackendError::io(op, "image", e));
-                let (map, pin) = extent::map_and_pin(v.image.as_fd(), if grown.is_ok() { size_bytes } else { v.params.size_bytes })
-                    .map_err(|e| BackendError::Refused { reason: e.to_string() })?;
+                let (map, pin) = extent::map_and_pin(
+                    v.image.as_fd(),
+                    if grown.is_ok() {
+                        size_bytes
+                    } else {
+                        v.params.size_bytes
+                    },
+                )
+                .map_err(|e| BackendError::Refused {
+                    reason: e.to_string(),
+                })?;
                 grown?;
                 let table = direct_table(&map);
                 v.table = self.swap(volume_id, false, v.read_only, || Ok(table), || Ok(()))?;
                 v.direct = Some((map, pin));
             } else {
-                let att = self.ublk.resize_private(volume_id, size_bytes, allocation)?;
-                if att.ublk.as_ref().is_some_and(|u| u.resize_pending) {
-                    return Err(BackendError::Unsupported {
-                        backend: "dm",
-                        what: "growing a volume on the nowait/threaded path".into(),
-                        reason: "the kernel's ublk driver cannot resize its private device live (no UPDATE_SIZE); the image was grown and the new size applies at the next attach".into(),
-                    });
+                let att = self
+                    .ublk
+                    .resize_private(volume_id, size_bytes, allocation)?;
+                if att.resize_pending {
+                    // The image grew; the private device cannot (no UPDATE_SIZE):
+                    // the table keeps its size until the next attach.
+                    v.resize_pending = true;
+                    return self.describe(volume_id, v);
                 }
                 let table = over(
                     DevNum {

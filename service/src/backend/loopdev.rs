@@ -259,6 +259,7 @@ impl LoopDev {
             baseline: None,
             ublk: None,
             dm: None,
+            resize_pending: false,
         })
     }
 }

@@ -144,6 +144,10 @@ pub struct Attachment {
     /// dm volumes: the device-mapper device and its table.
     #[serde(default)]
     pub dm: Option<DmAttachment>,
+    /// The image grew but the device could not follow live (ublk without
+    /// UPDATE_SIZE): the new size applies at the next attach.
+    #[serde(default)]
+    pub resize_pending: bool,
 }
 
 /// What the control plane keeps of a dm volume's device.
@@ -181,8 +185,6 @@ pub struct UblkAttachment {
     pub buffer_bytes: u64,
     /// Why the volume left the direct path on its own (extent drift).
     pub degraded: Option<String>,
-    /// A grown size the kernel could not take live.
-    pub resize_pending: bool,
 }
 
 /// Something a backend noticed on its own (a worker died and was replaced, a
@@ -361,5 +363,7 @@ pub(crate) fn kernel_stats(
         nowait: None,
         qos_throttled: None,
         worker_restarts: None,
+        rates: None,
+        histograms: None,
     })
 }

@@ -37,7 +37,7 @@ const TALK_TIMEOUT: Duration = Duration::from_secs(60);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Names of the ublk feature bits, in bit order.
-const FEATURE_NAMES: [&str; 20] = [
+const FEATURE_NAMES: [&str; 21] = [
     "SUPPORT_ZERO_COPY",
     "URING_CMD_COMP_IN_TASK",
     "NEED_GET_DATA",
@@ -58,6 +58,7 @@ const FEATURE_NAMES: [&str; 20] = [
     "SAFE_STOP_DEV",
     "NO_AUTO_PART_SCAN",
     "SHMEM_ZC",
+    "IO_DESC_SIZE",
 ];
 
 /// Backend settings from the service's configuration.
@@ -271,9 +272,9 @@ impl UblkBackend {
                 pinned: s.pinned,
                 buffer_bytes: s.buffer_bytes,
                 degraded: s.degraded.clone(),
-                resize_pending: s.resize_pending,
             }),
             dm: None,
+            resize_pending: s.resize_pending,
         })
     }
 
@@ -698,6 +699,8 @@ impl VolumeBackend for UblkBackend {
             }),
             qos_throttled: Some(ws.qos_throttled),
             worker_restarts: Some(ws.worker_restarts),
+            rates: None,
+            histograms: Some(ws.histograms.clone()),
         })
     }
 

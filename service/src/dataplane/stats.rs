@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use hdrhistogram::Histogram;
 
 use super::protocol::{Latency, WorkerStats};
+use crate::metrics::{LATENCY_BOUNDS_US, LatencyHistogram};
 use crate::model::OpStats;
 
 const MAGIC: u64 = 0x6270_7374_6174_7331; // "bpstats1"
@@ -182,6 +183,7 @@ impl Stats {
             errors: Some(c.ops[i].errors.load(Relaxed)),
         };
         let mut latency = [Latency::default(); 4];
+        let mut histograms = Vec::with_capacity(4);
         for (i, l) in latency.iter_mut().enumerate() {
             let mut merged =
                 Histogram::<u64>::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
@@ -198,6 +200,7 @@ impl Stats {
                 max: merged.max(),
                 count: merged.len(),
             };
+            histograms.push(buckets(&merged));
         }
         WorkerStats {
             read: op(0),
@@ -207,12 +210,30 @@ impl Stats {
             in_flight: self.in_flight.load(Relaxed),
             since_ms: c.since_ms.load(Relaxed),
             latency,
+            histograms,
             nowait_submitted: c.nowait_submitted.load(Relaxed),
             nowait_completed_inline: c.nowait_completed_inline.load(Relaxed),
             nowait_eagain_fallbacks: c.nowait_eagain_fallbacks.load(Relaxed),
             qos_throttled: c.qos_throttled.load(Relaxed),
             worker_restarts: c.worker_restarts.load(Relaxed),
         }
+    }
+}
+
+/// Per-bucket counts over the metrics bounds (the last counts the rest).
+fn buckets(h: &Histogram<u64>) -> LatencyHistogram {
+    let mut out = Vec::with_capacity(LATENCY_BOUNDS_US.len() + 1);
+    let mut below = 0u64;
+    for b in LATENCY_BOUNDS_US {
+        let upto = h.count_between(0, b);
+        out.push(upto.saturating_sub(below));
+        below = upto;
+    }
+    out.push(h.len().saturating_sub(below));
+    LatencyHistogram {
+        buckets: out,
+        sum_us: h.mean() * h.len() as f64,
+        count: h.len(),
     }
 }
 
@@ -249,5 +270,10 @@ mod tests {
         let l = s.snapshot().latency[1];
         assert_eq!(l.count, 2);
         assert!(l.p50 >= 99 && l.p50 <= 101 && l.max >= 895, "{l:?}");
+        let h = &s.snapshot().histograms[1];
+        assert_eq!(h.count, 2);
+        assert_eq!(h.buckets.iter().sum::<u64>(), 2);
+        // 100 us lands in the (50, 100] bucket, 900 us in (500, 1000].
+        assert_eq!((h.buckets[1], h.buckets[4]), (1, 1), "{h:?}");
     }
 }

@@ -5,7 +5,9 @@ use uuid::Uuid;
 
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
-use crate::model::{Allocation, CreateImageRequest, Image, VolumeState};
+use crate::model::{
+    Allocation, CreateImageRequest, Image, ResizeImageResponse, VolumeResize, VolumeState,
+};
 use crate::store::ImageRow;
 
 impl Manager {
@@ -139,7 +141,7 @@ impl Manager {
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
         size_bytes: u64,
-    ) -> Result<Image> {
+    ) -> Result<ResizeImageResponse> {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
@@ -164,6 +166,7 @@ impl Manager {
                 asked: size_bytes,
             });
         }
+        let mut followed = Vec::new();
         if size_bytes > current {
             let allocation = row.allocation.unwrap_or(Allocation::Sparse);
             // A ublk worker holds its image (pinned while direct-mapped) and
@@ -183,7 +186,8 @@ impl Manager {
                 })
                 .await??;
             }
-            self.volumes_follow_resize(&row, size_bytes, allocation)
+            followed = self
+                .volumes_follow_resize(&row, size_bytes, allocation)
                 .await?;
             let (size, allocated) = self
                 .roots
@@ -200,7 +204,10 @@ impl Manager {
             .await?;
             tx.commit().await?;
         }
-        self.image(&row.id.to_string()).await
+        Ok(ResizeImageResponse {
+            image: self.image(&row.id.to_string()).await?,
+            volumes: followed,
+        })
     }
 
     /// The image's volumes that have a device, with their backends.
@@ -233,7 +240,8 @@ impl Manager {
         image: &ImageRow,
         size: u64,
         allocation: Allocation,
-    ) -> Result<()> {
+    ) -> Result<Vec<VolumeResize>> {
+        let mut out = Vec::new();
         for (v, backend) in self.attached_volumes(image.id).await? {
             let _vol = self.volume_locks.lock(&v.name).await;
             let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
@@ -248,7 +256,7 @@ impl Manager {
             let mut tx = self.store.begin().await?;
             match outcome {
                 Ok(att) => {
-                    let pending = att.ublk.as_ref().is_some_and(|u| u.resize_pending);
+                    let pending = att.resize_pending;
                     let msg = if pending {
                         format!(
                             "volume '{}': image grown to {size} bytes; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
@@ -260,6 +268,13 @@ impl Manager {
                             v.name, att.size_bytes, att.device
                         )
                     };
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: att.size_bytes,
+                        resize_pending: pending,
+                        message: msg.clone(),
+                    });
                     v.attachment = Some(att);
                     v.updated_at = OffsetDateTime::now_utc();
                     tx.update_volume(&v).await?;
@@ -279,10 +294,17 @@ impl Manager {
                     if grows {
                         return Err(super::volumes::volume_error(&v.name, e));
                     }
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: v.attachment.as_ref().map(|a| a.size_bytes).unwrap_or(0),
+                        resize_pending: true,
+                        message: format!("keeps its old size: {e}"),
+                    });
                 }
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// `DELETE /v1/images/{id}`.

@@ -6,6 +6,7 @@
 mod images;
 pub mod locks;
 mod reconcile;
+mod sampler;
 mod volumes;
 
 use std::sync::Arc;
@@ -148,6 +149,10 @@ pub struct Manager {
     image_locks: KeyedLocks,
     /// Keyed by volume name: create, delete and live changes of one volume queue.
     volume_locks: KeyedLocks,
+    /// Once-a-second readings of every attached volume.
+    sampler: sampler::Sampler,
+    /// API request counts and durations.
+    pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
 }
 
@@ -180,6 +185,8 @@ impl Manager {
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
+            sampler: sampler::Sampler::default(),
+            api_metrics: crate::metrics::ApiMetrics::default(),
             fault: cfg.fault,
         });
         me.clone().record_backend_events(backend_events);
@@ -417,6 +424,79 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl Manager {
+    /// `GET /metrics`: the exposition text.
+    pub async fn metrics(&self) -> Result<String> {
+        let latest = self.sampler.latest();
+        let rows = self.store.volumes().await?;
+        let mut states: Vec<(String, u64)> = [
+            model::VolumeState::Attaching,
+            model::VolumeState::Attached,
+            model::VolumeState::Degraded,
+            model::VolumeState::Detaching,
+            model::VolumeState::Error,
+        ]
+        .iter()
+        .map(|s| (s.as_str().to_string(), 0))
+        .collect();
+        let mut volumes = Vec::new();
+        for v in &rows {
+            if let Some(entry) = states.iter_mut().find(|(s, _)| s == v.state.as_str()) {
+                entry.1 += 1;
+            }
+            if let Some(stats) = latest.get(&v.id) {
+                volumes.push(crate::metrics::VolumeSample {
+                    name: v.name.clone(),
+                    backend: v.backend.as_str().to_string(),
+                    dispatch: stats.dispatch.as_str().to_string(),
+                    stats: stats.clone(),
+                });
+            }
+        }
+        let images = self
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| crate::metrics::ImageSample {
+                name: i.name,
+                size_bytes: i.size_bytes,
+                allocated_bytes: i.allocated_bytes,
+            })
+            .collect();
+        Ok(crate::metrics::render(
+            &self.api_metrics,
+            crate::metrics::Snapshot {
+                volumes,
+                images,
+                states,
+            },
+        ))
+    }
+
+    /// The database (for readers that follow it, like the event stream).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Where an event stream starts: its volume filter and the id it starts after.
+    pub async fn event_stream_start(
+        &self,
+        q: model::EventStreamQuery,
+        resume: Option<i64>,
+    ) -> Result<(Option<Uuid>, i64)> {
+        let volume = match q.volume {
+            None => None,
+            Some(v) => match self.store.volume(&v).await? {
+                Some(row) => Some(row.id),
+                None => Some(Uuid::parse_str(&v).map_err(|_| Error::VolumeNotFound(v.clone()))?),
+            },
+        };
+        let start = match resume.or(q.after) {
+            Some(id) => id,
+            None => self.store.last_event_id().await?,
+        };
+        Ok((volume, start))
+    }
+
     /// `GET /v1/events`.
     pub async fn events(&self, q: model::EventQuery) -> Result<Vec<model::Event>> {
         let volume_id = match q.volume {

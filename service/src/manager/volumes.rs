@@ -125,6 +125,7 @@ impl Manager {
             direct_io: att.and_then(|a| a.direct_io),
             buffer_bytes: att.and_then(|a| a.ublk.as_ref().map(|u| u.buffer_bytes)),
             worker_pid: att.and_then(|a| a.ublk.as_ref().map(|u| u.pid)),
+            resize_pending: att.is_some_and(|a| a.resize_pending),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
@@ -582,9 +583,11 @@ impl Manager {
             return Err(self.not_live(&v));
         };
         let (id, name) = (v.id, v.name.clone());
-        blocking(move || backend.stats(id, &att))
+        let mut stats = blocking(move || backend.stats(id, &att))
             .await?
-            .map_err(|e| volume_error(&name, e))
+            .map_err(|e| volume_error(&name, e))?;
+        stats.rates = self.sampler.rates(v.id, &stats);
+        Ok(stats)
     }
 }
 

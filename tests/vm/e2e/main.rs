@@ -9,6 +9,7 @@
 mod harness;
 
 mod dm;
+mod live;
 mod ublk;
 
 use std::path::PathBuf;

@@ -1,0 +1,91 @@
+//! `/v1/events`: the event log, as a list and as a live stream.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures_util::Stream;
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::ApiQuery;
+use crate::model::{ErrorBody, Event, EventQuery, EventStreamQuery};
+
+/// The event log: every state change, with time and reason.
+#[utoipa::path(
+    get, path = "/v1/events", tag = "system",
+    params(EventQuery),
+    responses(
+        (status = 200, description = "Events, oldest first", body = Vec<Event>),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 422, description = "Invalid since or limit", body = ErrorBody),
+    )
+)]
+pub async fn events(
+    State(m): State<AppState>,
+    ApiQuery(q): ApiQuery<EventQuery>,
+) -> Result<Json<Vec<Event>>, ApiError> {
+    Ok(Json(m.events(q).await?))
+}
+
+/// New events as they happen, as Server-Sent Events (`id` = event id,
+/// `event` = kind, `data` = the event as JSON). Resumes after the
+/// `Last-Event-ID` header or `after`, else starts with the next event.
+#[utoipa::path(
+    get, path = "/v1/events/stream", tag = "system",
+    params(EventStreamQuery),
+    responses(
+        (status = 200, description = "A stream of events, in order", content_type = "text/event-stream", body = Event),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such volume", body = ErrorBody),
+    )
+)]
+pub async fn event_stream(
+    State(m): State<AppState>,
+    headers: HeaderMap,
+    ApiQuery(q): ApiQuery<EventStreamQuery>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let resume = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok());
+    let (volume, start) = m.event_stream_start(q, resume).await?;
+    let store = m.store().clone();
+    let notify = store.events_added();
+    let state = (start, VecDeque::<Event>::new());
+    let stream = futures_util::stream::unfold(state, move |(mut last, mut pending)| {
+        let (store, notify) = (store.clone(), notify.clone());
+        async move {
+            loop {
+                if let Some(ev) = pending.pop_front() {
+                    let sse = SseEvent::default()
+                        .id(ev.id.to_string())
+                        .event(ev.kind.clone())
+                        .data(serde_json::to_string(&ev).expect("events serialize"));
+                    return Some((Ok(sse), (last, pending)));
+                }
+                // Register for the wake-up before looking, so none is missed.
+                let woken = notify.notified();
+                match store.events_after(last, volume, 100).await {
+                    Ok(batch) if !batch.is_empty() => {
+                        last = batch.last().map(|e| e.id).unwrap_or(last);
+                        pending.extend(batch);
+                    }
+                    Ok(_) => {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), woken).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "event stream ends");
+                        return None;
+                    }
+                }
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}

@@ -1,0 +1,171 @@
+//! `GET /metrics`: parsed by the reference Prometheus parser (Python
+//! `prometheus_client`), stable label sets, counters that survive a restart.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::time::Duration;
+
+use hyper::StatusCode;
+use serde_json::Value;
+
+use crate::harness::Service;
+
+/// The Python with `prometheus_client` (tests/run-all.sh makes a venv).
+fn python() -> String {
+    std::env::var("BLOCKPLANE_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// Parses exposition text with prometheus_client's parser; returns
+/// `[{name, type, samples: [{name, labels, value}]}]`.
+fn parse(text: &str) -> Value {
+    let script = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = []
+for f in text_string_to_metric_families(sys.stdin.read()):
+    out.append({"name": f.name, "type": f.type,
+                "samples": [{"name": s.name, "labels": s.labels, "value": s.value} for s in f.samples]})
+print(json.dumps(out))
+"#;
+    let mut child = std::process::Command::new(python())
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python for the Prometheus parser (set BLOCKPLANE_TEST_PYTHON)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "prometheus_client could not parse /metrics: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+async fn scrape(s: &Service) -> (String, Value) {
+    let c =
+        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);
+    let (status, text) = c
+        .send_raw(hyper::Method::GET, "/metrics", None)
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let parsed = parse(&text);
+    (text, parsed)
+}
+
+fn sample(parsed: &Value, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    parsed
+        .as_array()?
+        .iter()
+        .flat_map(|f| f["samples"].as_array().unwrap().iter())
+        .find_map(|s| {
+            (s["name"] == name && labels.iter().all(|(k, v)| s["labels"][k] == *v))
+                .then(|| s["value"].as_f64().unwrap())
+        })
+}
+
+fn label_sets(parsed: &Value) -> BTreeSet<String> {
+    parsed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["name"].as_str().unwrap().starts_with("blockplane_volume"))
+        .flat_map(|f| f["samples"].as_array().unwrap().iter())
+        .map(|s| {
+            let mut keys: Vec<&String> = s["labels"].as_object().unwrap().keys().collect();
+            keys.sort();
+            format!("{}{:?}", s["name"], keys)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("m", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    std::fs::write(&dev, vec![7u8; 1 << 20]).unwrap();
+    // Let the sampler read the volume.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (text, first) = scrape(&s).await;
+    let l = [
+        ("volume", "m"),
+        ("backend", "loop"),
+        ("dispatch", "kernel"),
+        ("op", "write"),
+    ];
+    let written =
+        sample(&first, "blockplane_volume_bytes_total", &l).unwrap_or_else(|| panic!("{text}"));
+    assert!(written >= (1 << 20) as f64, "{text}");
+    assert_eq!(
+        sample(&first, "blockplane_volumes", &[("state", "attached")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&first, "blockplane_image_size_bytes", &[("image", "m-img")]),
+        Some((8 << 20) as f64)
+    );
+    assert!(
+        sample(&first, "blockplane_volume_kernel_avg_latency_seconds", &l).is_some(),
+        "{text}"
+    );
+    assert!(
+        sample(
+            &first,
+            "blockplane_api_requests_total",
+            &[
+                ("route", "/v1/volumes"),
+                ("method", "POST"),
+                ("status", "201")
+            ]
+        )
+        .is_some(),
+        "{text}"
+    );
+    let sets = label_sets(&first);
+
+    // A restart: the device keeps its counters, the labels stay the same.
+    s.kill();
+    std::fs::write(&dev, vec![8u8; 1 << 20]).unwrap();
+    s.restart().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (text, second) = scrape(&s).await;
+    let after =
+        sample(&second, "blockplane_volume_bytes_total", &l).unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        after >= written + (1 << 20) as f64,
+        "counters never go backwards: {written} then {after}"
+    );
+    assert_eq!(
+        label_sets(&second),
+        sets,
+        "label sets are stable across a restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_carry_rates_once_sampled() {
+    let s = Service::start().await;
+    let v = s.loop_volume("r", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::write(&dev, vec![1u8; 4 << 20]).unwrap();
+    let st = s.get("/v1/volumes/r/stats").await;
+    assert_eq!(st.status, StatusCode::OK);
+    let r = &st.body["rates"];
+    assert!(r.is_object(), "{}", st.body);
+    assert!(
+        r["last_10s"]["write"]["bytes_per_sec"].as_f64().unwrap() > 0.0,
+        "{}",
+        st.body
+    );
+    assert!(r["last_60s"]["window_secs"].as_f64().unwrap() > 0.0);
+}

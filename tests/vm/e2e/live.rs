@@ -1,0 +1,216 @@
+//! Live changes of ublk volumes under I/O: QoS, read-only, growth.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::{Scratch, Vm, fio_ok, run, sh};
+
+/// fio 4k random reads at iodepth 16 for `secs` seconds.
+fn fio_reads(dev: &str, secs: u32) -> Child {
+    Command::new("timeout")
+        .args([
+            &(secs + 120).to_string(),
+            "fio",
+            "--name=qos",
+            "--filename",
+            dev,
+        ])
+        .args([
+            "--rw=randread",
+            "--bs=4k",
+            "--ioengine=io_uring",
+            "--iodepth=16",
+            "--direct=1",
+        ])
+        .args(["--time_based", &format!("--runtime={secs}"), "--size=32M"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Total IOPS over the service's last 10 s window.
+async fn iops_10s(vm: &Vm, name: &str) -> (f64, Value) {
+    let st = vm.s.get(&format!("/v1/volumes/{name}/stats")).await.body;
+    let w = &st["rates"]["last_10s"];
+    let iops = ["read", "write", "flush", "discard"]
+        .iter()
+        .map(|op| w[op]["iops"].as_f64().unwrap_or(0.0))
+        .sum();
+    (iops, st)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn qos_holds_iops_and_changes_live_without_failing_io() {
+    let vm = Vm::start().await;
+    vm.image("qos", Scratch::Xfs, 64, "full").await;
+    let v = vm
+        .volume(json!({"name": "q", "image": "qos", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    // What the device does without a limit, in this VM.
+    let free = fio_reads(&dev, 12);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let (capacity, _) = iops_10s(&vm, "q").await;
+    fio_ok(free);
+    eprintln!("qos: unthrottled {capacity:.0} IOPS (10 s average)");
+
+    let a =
+        vm.s.patch("/v1/volumes/q", json!({"qos": {"iops": 500}}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    let fio = fio_reads(&dev, 26);
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let (at_500, st) = iops_10s(&vm, "q").await;
+    eprintln!("qos: iops 500 -> {at_500:.0} IOPS (10 s average)");
+    assert!(
+        (450.0..=550.0).contains(&at_500),
+        "with iops 500: {at_500:.0} IOPS\n{st}"
+    );
+    let a =
+        vm.s.patch("/v1/volumes/q", json!({"qos": {"iops": 2000}}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let (at_2000, st) = iops_10s(&vm, "q").await;
+    eprintln!("qos: iops 2000 -> {at_2000:.0} IOPS (10 s average; device alone {capacity:.0})");
+    let reachable = capacity.min(2000.0);
+    assert!(
+        at_2000 >= 0.9 * reachable && at_2000 <= 2200.0,
+        "with iops 2000: {at_2000:.0} IOPS (the device alone did {capacity:.0})\n{st}"
+    );
+    // Delayed, never failed.
+    fio_ok(fio);
+    let st = vm.s.get("/v1/volumes/q/stats").await.body;
+    assert!(st["qos_throttled"].as_u64().unwrap() > 0, "{st}");
+    assert_eq!(st["read"]["errors"], 0);
+    // null removes the limit.
+    let a = vm.s.patch("/v1/volumes/q", json!({"qos": null})).await;
+    assert_eq!(a.body["qos"], Value::Null);
+    vm.delete("q").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn read_only_toggles_live_while_reads_go_on() {
+    let vm = Vm::start().await;
+    vm.image("ro", Scratch::Xfs, 32, "full").await;
+    let v = vm
+        .volume(json!({"name": "ro", "image": "ro", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let reads = fio_reads(&dev, 8);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let a =
+        vm.s.patch("/v1/volumes/ro", json!({"read_only": true}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    assert_eq!(a.body["read_only"], true);
+    let w = run(
+        "dd",
+        &[
+            "if=/dev/zero",
+            &format!("of={dev}"),
+            "bs=4k",
+            "count=1",
+            "oflag=direct",
+            "status=none",
+        ],
+    );
+    assert!(
+        !w.status.success(),
+        "a write after read_only=true succeeded"
+    );
+    fio_ok(reads);
+    let a =
+        vm.s.patch("/v1/volumes/ro", json!({"read_only": false}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    sh(
+        "dd",
+        &[
+            "if=/dev/zero",
+            &format!("of={dev}"),
+            "bs=4k",
+            "count=1",
+            "oflag=direct",
+            "status=none",
+        ],
+    );
+    let ev = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert_eq!(
+        ev.iter().filter(|k| *k == "read_only_changed").count(),
+        2,
+        "{ev:?}"
+    );
+    vm.delete("ro").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grown_image_grows_the_device_or_says_it_will() {
+    let vm = Vm::start().await;
+    let host = vm.s.get("/v1/host").await.body;
+    let live = host["backends"]["ublk"]["features"]["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n == "UPDATE_SIZE");
+    for policy in ["nowait", "direct"] {
+        let name = format!("grow-{policy}");
+        vm.image(&name, Scratch::Xfs, 32, "full").await;
+        let spec = json!({"name": name, "image": name, "backend": "ublk", "dispatch": policy});
+        let v = vm.volume(spec.clone()).await;
+        let dev = v["device"].as_str().unwrap().to_string();
+        let reads = fio_reads(&dev, 6);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let a =
+            vm.s.post(
+                &format!("/v1/images/{name}/resize"),
+                json!({"size_bytes": 48 << 20}),
+            )
+            .await;
+        assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+        assert_eq!(a.body["image"]["size_bytes"], 48 << 20);
+        assert!(
+            a.body["image"]["allocated_bytes"].as_u64().unwrap() >= 48 << 20,
+            "full images grow allocated"
+        );
+        let r = &a.body["volumes"][0];
+        fio_ok(reads);
+        let size: u64 = sh("blockdev", &["--getsize64", &dev])
+            .trim()
+            .parse()
+            .unwrap();
+        if live {
+            assert_eq!(r["resize_pending"], false, "{r}");
+            assert_eq!(size, 48 << 20, "{policy}: blockdev sees the new size live");
+        } else {
+            // No UPDATE_SIZE (6.12): said in the response, applied at the next attach.
+            assert_eq!(r["resize_pending"], true, "{r}");
+            assert!(
+                r["message"].as_str().unwrap().contains("next attach"),
+                "{r}"
+            );
+            assert_eq!(size, 32 << 20);
+            assert_eq!(
+                vm.s.get(&format!("/v1/volumes/{name}")).await.body["resize_pending"],
+                true
+            );
+            vm.delete(&name).await;
+            let v = vm.volume(spec).await;
+            let size: u64 = sh("blockdev", &["--getsize64", v["device"].as_str().unwrap()])
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(size, 48 << 20, "the new size at the next attach");
+        }
+        if policy == "direct" {
+            assert!(
+                crate::is_immutable(&vm.root(Scratch::Xfs).join(format!("{name}.img"))),
+                "pinned again after the grow"
+            );
+        }
+        vm.delete(&name).await;
+    }
+}
