@@ -26,10 +26,23 @@ cargo test --locked --workspace
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
 # Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,
-# the newest kernel the full set.
-step "kernel e2e, LTS kernel (smoke set)"
+# the newest kernel the full set; the two VMs run side by side (one CPU
+# thread each).
+step "kernel e2e: LTS kernel (smoke set) and newest kernel (full set), in parallel"
+mkdir -p target
+lts_log=target/vm-suite-lts.log
 tests/vm/run-suite.sh lts \
     ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
-    ublk::auto_picks dm::switches_never_change dm::dm_refusals
-step "kernel e2e, newest kernel (full set)"
-tests/vm/run-suite.sh latest
+    ublk::auto_picks dm::switches_never_change dm::dm_refusals live:: \
+    >"$lts_log" 2>&1 &
+lts_pid=$!
+latest_rc=0
+tests/vm/run-suite.sh latest || latest_rc=$?
+lts_rc=0
+wait "$lts_pid" || lts_rc=$?
+step "kernel e2e, LTS kernel: log"
+cat "$lts_log"
+if [ "$lts_rc" -ne 0 ] || [ "$latest_rc" -ne 0 ]; then
+    echo "run-all: kernel e2e failed (LTS exit $lts_rc, newest exit $latest_rc)" >&2
+    exit 1
+fi

@@ -5,10 +5,12 @@
 
 mod harness;
 
+mod attacks;
 mod auth;
 mod cli;
 mod events;
 mod images;
+mod limits;
 mod metrics;
 mod openapi;
 mod restart;

@@ -83,6 +83,7 @@ impl ApiError {
                 Error::ImageNotFound(_) => (S::NOT_FOUND, "image_not_found"),
                 Error::VolumeNotFound(_) => (S::NOT_FOUND, "volume_not_found"),
                 Error::OrphanNotFound(_) => (S::NOT_FOUND, "orphan_not_found"),
+                Error::VolumeLimit { .. } => (S::UNPROCESSABLE_ENTITY, "volume_limit"),
                 Error::ImageNameTaken { .. } => (S::CONFLICT, "name_taken"),
                 Error::AlreadyRegistered { .. } => (S::UNPROCESSABLE_ENTITY, "already_registered"),
                 Error::ImageInUse { .. } => (S::CONFLICT, "image_in_use"),

@@ -219,6 +219,12 @@ impl Manager {
                 differences: differences(&existing.spec, &spec),
             });
         }
+        if self.store.volumes().await?.len() >= self.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: req.name,
+                max: self.max_volumes,
+            });
+        }
         let _image = self.image_locks.lock(&image.id.to_string()).await;
         let users = self.store.volume_ids_of_image(image.id).await?;
         if !users.is_empty() {
