@@ -150,7 +150,7 @@ async fn a_symlink_swapped_in_during_registration_never_wins() {
         let mut i = 0u64;
         while !st.load(Ordering::Relaxed) {
             let _ = std::fs::remove_file(&p);
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 let _ = symlink(&o, &p);
             } else {
                 plain(&r, 1 << 20);
