@@ -7,7 +7,7 @@ set -euo pipefail
 
 build=(pkg-config libclang-dev libdevmapper-dev)
 test=(qemu-system-x86 busybox-static kmod cpio xz-utils zstd fio xfsprogs e2fsprogs
-      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip)
+      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip socat curl)
 
 want=("${build[@]}")
 if [[ "${1:-}" == "--test" ]]; then

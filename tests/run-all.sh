@@ -11,7 +11,7 @@ fi
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 # Python tools the tests use (from PyPI), in a venv of their own.
-step "test tools (Python venv: prometheus-client)"
+step "test tools (Python venv from tests/requirements.txt)"
 venv=target/test-venv
 [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
@@ -23,6 +23,8 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --locked --all-targets --test vm -- -D warnings
 step "cargo test (unit and black-box tests on this host)"
 cargo test --locked --workspace
+step "API fuzzing against openapi/openapi.json (schemathesis, both listeners)"
+tests/fuzz/run.sh 40
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
 # Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,

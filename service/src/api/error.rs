@@ -63,6 +63,7 @@ fn image_file(e: &ImageFileError) -> (StatusCode, &'static str) {
         E::HardLinks { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "hard_links"),
         E::LooseMode { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "loose_permissions"),
         E::BadSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_size"),
+        E::TooLarge { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "too_large"),
         E::Exists { .. } => (StatusCode::CONFLICT, "file_exists"),
         E::NoSpace { .. } => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
         E::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "io_error"),
