@@ -155,6 +155,8 @@ pub struct Manager {
     volume_locks: KeyedLocks,
     /// Once-a-second readings of every attached volume.
     sampler: sampler::Sampler,
+    /// `GET /v1/volumes` as JSON, with the store generation it was made at.
+    volumes_cache: std::sync::Mutex<Option<(u64, bytes::Bytes)>>,
     /// API request counts and durations.
     pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
@@ -191,6 +193,7 @@ impl Manager {
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
             sampler: sampler::Sampler::default(),
+            volumes_cache: std::sync::Mutex::default(),
             api_metrics: crate::metrics::ApiMetrics::default(),
             fault: cfg.fault,
             max_volumes: cfg.max_volumes,
