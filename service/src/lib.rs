@@ -17,5 +17,6 @@ pub mod image;
 pub mod manager;
 pub mod metrics;
 pub mod model;
+pub mod proxy;
 pub mod server;
 pub mod store;

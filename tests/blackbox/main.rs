@@ -7,6 +7,7 @@ mod harness;
 
 mod auth;
 mod cli;
+mod dashboard;
 mod events;
 mod images;
 mod metrics;
