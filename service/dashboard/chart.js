@@ -18,7 +18,7 @@ export function niceCeil(x) {
 
 /** niceCeil in binary units (KiB, MiB, ...), for byte values. */
 export function niceCeilBinary(x) {
-  if (!(x > 0)) return 1;
+  if (!(x > 1024)) return 1024;
   const k = Math.min(Math.floor(Math.log2(x) / 10), 5);
   const unit = 2 ** (10 * k);
   return niceCeil(x / unit) * unit;

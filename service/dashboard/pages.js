@@ -82,8 +82,18 @@ function invalid(message) {
   return Object.assign(new Error(message), { status: 0, code: 'invalid_input' });
 }
 
-/** A table in a scrollable, keyboard-reachable region (narrow windows). */
+/**
+ * A table in a scrollable, keyboard-reachable region. Each cell carries its
+ * column's name, so that a narrow window can show rows as stacked cards.
+ */
 function table(caption, headers, body) {
+  for (const tr of body.querySelectorAll('tr')) {
+    [...tr.children].forEach((cell, i) => {
+      cell.setAttribute('data-label', headers[i] ?? '');
+      // One box for the content, beside the name when stacked.
+      cell.append(h('div', { class: 'cell' }, ...cell.childNodes));
+    });
+  }
   return h(
     'div',
     { class: 'table-wrap', role: 'region', 'aria-label': caption, tabindex: 0 },
@@ -296,7 +306,7 @@ export function imagesPage(ctx) {
   const [sizeF, size] = field('Size', h('input', { type: 'text', value: '1G', autocomplete: 'off' }), 'e.g. 512M, 4G');
   const [allocF, alloc] = field('Allocation', select([
     ['sparse', 'sparse (allocated on write)'],
-    ['full', 'full (written out: direct-map ready)'],
+    ['full', 'full (direct-map ready)'],
   ], 'sparse'));
   const mode = h('fieldset', { class: 'mode' }, h('legend', null, 'File'),
     h('div', null, createR, h('label', { for: createR.id }, 'Create a new file')),
@@ -494,7 +504,11 @@ export function volumesPage(ctx) {
     if (r) {
       fill(createOut.firstChild, `Volume ${r.name} is ${r.state}: ${r.device ?? 'no device'} (${r.backend}). `,
         h('a', { href: `#/volumes/${seg(r.id)}` }, `Open ${r.name}`));
+      // Ready for the next one; the image, backend and policy choices stay.
       name.value = '';
+      ro.checked = false;
+      iops.value = '';
+      bw.value = '';
       load();
     }
   });
