@@ -406,6 +406,25 @@ describe('dashboard', { concurrency: false }, () => {
     }
   });
 
+  test('a service without a token: the forward opens the pages with no sign-in', async () => {
+    const open = await Service.start({ token: null });
+    const tab = await br.context.newPage();
+    tab.on('pageerror', (e) => pageErrors.push(e.message));
+    try {
+      await open.loopVolume('plain', 8);
+      await tab.goto(open.url);
+      await tab.locator('tr[data-volume="plain"]').waitFor();
+      await tab.locator('#live[data-state=live]').waitFor();
+      assert.equal(await tab.locator('#login').isHidden(), true, 'no sign-in');
+      assert.equal(await tab.getByRole('button', { name: 'Sign out' }).isHidden(), true);
+      assert.equal(await tab.locator('tr[data-volume="plain"] [data-field=device]').innerText(),
+        (await open.ok('GET', '/v1/volumes/plain')).device);
+    } finally {
+      await tab.close();
+      await open.stop();
+    }
+  });
+
   test('signing out forgets the token; the token never went into a URL', async () => {
     await go('#/volumes');
     await page.getByRole('button', { name: 'Sign out' }).click();

@@ -50,8 +50,10 @@ export async function until(what, fn, ms = 10000) {
 
 /** A running service, its port-forward, and a client of its API. */
 export class Service {
-  static async start() {
+  /** token: the service's token, or null for none (the socket's default). */
+  static async start({ token = TOKEN } = {}) {
     const s = new Service();
+    s.token = token;
     s.dir = mkdtempSync('/tmp/bpdash');
     s.data = path.join(s.dir, 'data');
     s.images = path.join(s.dir, 'images');
@@ -59,9 +61,16 @@ export class Service {
     s.sock = path.join(s.data, 'blockplane.sock');
     s.tcpPort = await freePort();
     s.log = [];
-    const env = { ...process.env, BLOCKPLANE_TOKEN: TOKEN, BLOCKPLANE_LOG: 'info' };
-    s.proc = spawn(BIN, ['serve', '--data-dir', s.data, '--image-root', s.images,
-      '--listen', `unix:${s.sock}`, '--listen', `127.0.0.1:${s.tcpPort}`], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    const env = { ...process.env, BLOCKPLANE_LOG: 'info' };
+    delete env.BLOCKPLANE_TOKEN;
+    const listen = ['--listen', `unix:${s.sock}`];
+    // A TCP listener needs a token.
+    if (token) {
+      env.BLOCKPLANE_TOKEN = token;
+      listen.push('--listen', `127.0.0.1:${s.tcpPort}`);
+    }
+    s.proc = spawn(BIN, ['serve', '--data-dir', s.data, '--image-root', s.images, ...listen],
+      { env, stdio: ['ignore', 'pipe', 'pipe'] });
     s.proc.stdout.on('data', (d) => s.log.push(String(d)));
     s.proc.stderr.on('data', (d) => s.log.push(String(d)));
     await until('the service to answer /healthz', async () => (await s.call('GET', '/healthz')).status === 200, 20000);
@@ -96,7 +105,7 @@ export class Service {
         path: p,
         headers: {
           host: 'localhost',
-          authorization: `Bearer ${TOKEN}`,
+          ...(this.token ? { authorization: `Bearer ${this.token}` } : {}),
           ...(payload ? { 'content-type': 'application/json', 'content-length': payload.length } : {}),
         },
       }, (res) => {
