@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README gives it: formatting, lints, unit tests,
-# black-box tests against the real binary with real loop devices (root).
+# black-box tests against the real binary with real loop devices (root), the
+# dashboard in headless Chromium, then the kernel e2e suites in VMs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-deps.sh --test
@@ -25,6 +26,20 @@ step "cargo test (unit and black-box tests on this host)"
 cargo test --locked --workspace
 step "API fuzzing against openapi/openapi.json (schemathesis, both listeners)"
 tests/fuzz/run.sh 40
+
+# The dashboard in Debian's headless Chromium, driven by playwright-core (npm,
+# pinned in tests/dashboard/package-lock.json), against the debug binary the
+# step above built. Screenshots: target/dashboard-screenshots/.
+step "dashboard in headless Chromium (tests/dashboard)"
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    echo "run-all: the dashboard tests need Node.js 20 or newer and npm on PATH" >&2
+    exit 1
+fi
+(
+    cd tests/dashboard
+    npm ci --no-audit --no-fund --loglevel=error
+    BLOCKPLANE_BIN=$PWD/../../target/debug/blockplane npm test --silent
+)
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
 # Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,

@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use crate::client::{Client, Endpoint};
 use crate::config::{ServeArgs, default_data_dir, default_socket};
+use crate::proxy::ProxyConfig;
 
 /// blockplane: image files as fast, safe block devices.
 #[derive(Debug, Parser)]
@@ -48,6 +49,16 @@ enum Command {
         /// At most this many (newest).
         #[arg(long)]
         limit: Option<u32>,
+    },
+    /// Open the dashboard of a service that listens on its unix socket: forwards
+    /// a local TCP address to the API given by --api; then browse to it. With
+    /// --token/BLOCKPLANE_TOKEN the forward requires that token on every API
+    /// request (the browser sends it; the forward never adds it).
+    Dashboard {
+        /// Where browsers connect: a loopback HOST:PORT, or any address when a
+        /// token is set (every request must then carry it).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
     },
     /// Print the OpenAPI document.
     #[command(hide = true)]
@@ -185,6 +196,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Worker { spec } => crate::dataplane::main(&spec),
+        Command::Dashboard { listen } => dashboard(cli.api.as_deref(), cli.token, &listen),
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
@@ -225,11 +237,46 @@ fn serve(args: ServeArgs) -> ExitCode {
     }
 }
 
+/// The API address given, or the local service's socket.
+fn api_address(api: Option<&str>) -> String {
+    api.map(str::to_string)
+        .unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()))
+}
+
+fn dashboard(api: Option<&str>, token: Option<String>, listen: &str) -> ExitCode {
+    let api = api_address(api);
+    let cfg = match Endpoint::parse(&api)
+        .map_err(|e| e.to_string())
+        .and_then(|up| ProxyConfig::new(listen, up, token).map_err(|e| e.to_string()))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let ready = |addr: std::net::SocketAddr| {
+        // One line on stdout, flushed, so that scripts can wait for it.
+        let line = format!("dashboard at http://{addr}/ (API {api})\n");
+        let mut out = std::io::stdout();
+        let _ = std::io::Write::write_all(&mut out, line.as_bytes());
+        let _ = std::io::Write::flush(&mut out);
+    };
+    match rt.block_on(crate::proxy::run(cfg, ready)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn run_client(cli: Cli) -> ExitCode {
-    let api = cli
-        .api
-        .clone()
-        .unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()));
+    let api = api_address(cli.api.as_deref());
     let client = match Endpoint::parse(&api) {
         Ok(e) => Client::new(e, cli.token.clone()),
         Err(e) => {
@@ -288,7 +335,10 @@ enum View {
 fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
     use Method as M;
     match cmd {
-        Command::Serve(_) | Command::Openapi | Command::Worker { .. } => {
+        Command::Serve(_)
+        | Command::Openapi
+        | Command::Worker { .. }
+        | Command::Dashboard { .. } => {
             unreachable!("handled without the API")
         }
         Command::Host => (M::GET, "/v1/host".into(), None, View::Host),

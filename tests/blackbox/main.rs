@@ -8,6 +8,7 @@ mod harness;
 mod attacks;
 mod auth;
 mod cli;
+mod dashboard;
 mod events;
 mod images;
 mod limits;

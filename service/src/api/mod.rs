@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
@@ -148,10 +148,13 @@ pub fn openapi_json() -> String {
     openapi_json_of(&openapi())
 }
 
-/// The complete service: API routes, `/openapi.json`, JSON fallbacks, auth.
+/// The complete service: API routes, `/openapi.json`, the dashboard's files,
+/// JSON fallbacks, auth and limits.
 pub fn router(manager: Arc<Manager>, token: Option<String>, limits: Limits) -> Router {
     let (api, doc) = split();
     let doc = Arc::new(openapi_json_of(&doc));
+    // The dashboard is not part of the API: plain routes, not in the document.
+    let api = api.merge(crate::dashboard::routes());
     api.route(
         "/openapi.json",
         axum::routing::get(move || {
@@ -306,7 +309,8 @@ async fn count_request(State(m): State<AppState>, req: Request, next: Next) -> R
     resp
 }
 
-/// With a token configured, every request but `/healthz` must carry it.
+/// With a token configured, every request but `/healthz` and the dashboard's
+/// static files must carry it.
 async fn require_token(
     State(token): State<Arc<Option<String>>>,
     req: Request,
@@ -315,7 +319,7 @@ async fn require_token(
     let Some(expected) = token.as_deref() else {
         return next.run(req).await;
     };
-    if req.uri().path() == "/healthz" {
+    if req.uri().path() == "/healthz" || is_public_asset(&req) {
         return next.run(req).await;
     }
     let presented = req
@@ -330,6 +334,14 @@ async fn require_token(
     } else {
         ApiError::Unauthorized.into_response()
     }
+}
+
+/// A read of one of the dashboard's files. They hold no data, and the page must
+/// load before the user has typed the token into its login field; every API
+/// call the page then makes carries the token like any other client's.
+pub(crate) fn is_public_asset(req: &Request) -> bool {
+    matches!(*req.method(), Method::GET | Method::HEAD)
+        && crate::dashboard::is_asset(req.uri().path())
 }
 
 /// Runs a changing operation on its own task, so a client that hangs up midway
