@@ -128,11 +128,21 @@ impl QueueCtx {
                     let (n, o) = (req.len - done, req.off + u64::from(done));
                     let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
                     c.nowait_submitted.fetch_add(1, Relaxed);
-                    let mut res = q
-                        .ublk_submit_sqe(rw_sqe(req.op, fd, p, n, o, dsync | libc::RWF_NOWAIT))
-                        .await;
-                    if res == -libc::EAGAIN {
-                        // Would block: io_uring without NOWAIT punts it to io-wq.
+                    let unsupported = &self.shared.nowait_unsupported;
+                    let mut res = if unsupported.load(Relaxed) {
+                        -libc::EAGAIN
+                    } else {
+                        q.ublk_submit_sqe(rw_sqe(req.op, fd, p, n, o, dsync | libc::RWF_NOWAIT))
+                            .await
+                    };
+                    if res == -libc::EOPNOTSUPP && !unsupported.swap(true, Relaxed) {
+                        tracing::warn!(
+                            "the image's filesystem does not take RWF_NOWAIT; every request now takes the blocking path"
+                        );
+                    }
+                    if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
+                        // Would block (or cannot say): io_uring without NOWAIT
+                        // punts it to io-wq.
                         c.nowait_eagain_fallbacks.fetch_add(1, Relaxed);
                         res = q.ublk_submit_sqe(rw_sqe(req.op, fd, p, n, o, dsync)).await;
                     } else {

@@ -119,6 +119,10 @@ pub struct Shared {
     /// The image reopened for the data path (O_DIRECT where the filesystem allows).
     pub data: File,
     pub read_only: AtomicBool,
+    /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
+    /// FMODE_NOWAIT, e.g. tmpfs on older kernels): `nowait` submits
+    /// blocking from then on.
+    pub nowait_unsupported: AtomicBool,
     pub qos: qos::Limiter,
     policy: AtomicU8,
     direct: RwLock<Option<Arc<DirectPath>>>,
@@ -375,6 +379,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let shared = Arc::new(Shared {
         read_only: AtomicBool::new(spec.read_only),
+        nowait_unsupported: AtomicBool::new(false),
         qos: qos::Limiter::new(spec.qos),
         policy: AtomicU8::new(Policy::Nowait as u8),
         direct: RwLock::new(None),
