@@ -40,7 +40,18 @@ impl Sample {
 struct Series {
     samples: VecDeque<Sample>,
     latest: Option<VolumeStats>,
+    /// Errors counted but not yet reported, and when they last were.
+    unreported_errors: [u64; 4],
+    last_error_event: Option<Instant>,
 }
+
+/// Errors of each op (read, write, flush, discard), zero where not counted.
+fn errors(s: &VolumeStats) -> [u64; 4] {
+    [&s.read, &s.write, &s.flush, &s.discard].map(|o| o.errors.unwrap_or(0))
+}
+
+/// At most one I/O-error event per volume this often.
+const ERROR_EVENT_EVERY: Duration = Duration::from_secs(10);
 
 /// Samples of every attached volume.
 #[derive(Debug, Default)]
@@ -49,14 +60,30 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    fn record(&self, id: Uuid, stats: VolumeStats) {
+    /// Keeps a reading; returns the I/O errors (per op) to report now, if any.
+    fn record(&self, id: Uuid, stats: VolumeStats) -> Option<[u64; 4]> {
         let mut all = self.series.lock().expect("sampler poisoned");
         let s = all.entry(id).or_default();
-        s.samples.push_back(Sample::of(&stats, Instant::now()));
+        let now = Instant::now();
+        s.samples.push_back(Sample::of(&stats, now));
         while s.samples.len() > KEEP {
             s.samples.pop_front();
         }
+        if let Some(prev) = &s.latest {
+            let (before, after) = (errors(prev), errors(&stats));
+            for i in 0..4 {
+                s.unreported_errors[i] += after[i].saturating_sub(before[i]);
+            }
+        }
         s.latest = Some(stats);
+        let due = s
+            .last_error_event
+            .is_none_or(|t| now.duration_since(t) >= ERROR_EVENT_EVERY);
+        if s.unreported_errors.iter().any(|e| *e > 0) && due {
+            s.last_error_event = Some(now);
+            return Some(std::mem::take(&mut s.unreported_errors));
+        }
+        None
     }
 
     fn retain(&self, live: &[Uuid]) {
@@ -141,8 +168,21 @@ impl Manager {
             }
             live.push(v.id);
             let id = v.id;
-            if let Ok(stats) = blocking(move || backend.stats(id, &att)).await? {
-                self.sampler.record(id, stats);
+            if let Ok(stats) = blocking(move || backend.stats(id, &att)).await?
+                && let Some([r, w, f, d]) = self.sampler.record(id, stats)
+            {
+                let mut tx = self.store.begin().await?;
+                tx.event(
+                    Some(v.id),
+                    Some(v.image_id),
+                    "volume_io_errors",
+                    &format!(
+                        "volume '{}': I/O errors since the last report: {r} read, {w} write, {f} flush, {d} discard (the volume's device reported them to its users)",
+                        v.name
+                    ),
+                )
+                .await?;
+                tx.commit().await?;
             }
         }
         self.sampler.retain(&live);
