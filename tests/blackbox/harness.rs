@@ -255,6 +255,11 @@ impl Service {
         }
     }
 
+    /// The running service's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the service runs").id()
+    }
+
     /// The service's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -441,11 +446,33 @@ pub fn kill_workers_of(data: &Path) {
         if let Some(pid) = state["pid"].as_u64() {
             let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
         }
-        if let Some(id) = state["dev_id"].as_u64()
-            && let Ok(ctrl) = libublk::ctrl::UblkCtrl::new_simple(id as i32)
-        {
-            let _ = ctrl.kill_dev();
-            let _ = ctrl.del_dev();
+        if let Some(id) = state["dev_id"].as_u64() {
+            // Deleting a ublk device waits until nothing holds it open: a dm
+            // volume's table (dispatch nowait/threaded) must go first.
+            remove_dm_holders(&format!("ublkb{id}"));
+            if let Ok(ctrl) = libublk::ctrl::UblkCtrl::new_simple(id as i32) {
+                let _ = ctrl.kill_dev();
+                let _ = ctrl.del_dev();
+            }
+        }
+    }
+}
+
+/// Removes the blockplane dm devices stacked on block device `dev`.
+fn remove_dm_holders(dev: &str) {
+    let Ok(holders) = std::fs::read_dir(format!("/sys/block/{dev}/holders")) else {
+        return;
+    };
+    for h in holders.flatten() {
+        let dm = h.file_name().to_string_lossy().into_owned();
+        let Ok(name) = std::fs::read_to_string(format!("/sys/block/{dm}/dm/name")) else {
+            continue;
+        };
+        if name.trim().starts_with("blockplane-") {
+            let _ = Command::new("dmsetup")
+                .args(["remove", "--force", name.trim()])
+                .env("DM_DISABLE_UDEV", "1")
+                .status();
         }
     }
 }

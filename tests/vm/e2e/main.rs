@@ -7,9 +7,13 @@
 #[path = "../../blackbox/harness.rs"]
 #[allow(dead_code)]
 mod harness;
+#[path = "../../blackbox/leaks.rs"]
+mod leaks;
 
 mod dm;
+mod faults;
 mod live;
+mod soak;
 mod ublk;
 
 use std::path::PathBuf;
@@ -65,6 +69,11 @@ pub struct Vm {
 impl Vm {
     /// Starts a service whose image roots are fresh directories on every scratch filesystem.
     pub async fn start() -> Self {
+        Self::start_with_roots(Vec::new()).await
+    }
+
+    /// As [`Vm::start`], with more image roots (e.g. on a test's own filesystem).
+    pub async fn start_with_roots(more: Vec<PathBuf>) -> Self {
         in_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         let roots: Vec<(Scratch, PathBuf)> =
@@ -77,7 +86,7 @@ impl Vm {
                 })
                 .collect();
         let s = Service::start_with(Opts {
-            extra_roots: roots.iter().map(|(_, p)| p.clone()).collect(),
+            extra_roots: roots.iter().map(|(_, p)| p.clone()).chain(more).collect(),
             extra_args: vec!["--extent-check-secs".into(), "2".into()],
             ..Default::default()
         })
