@@ -49,6 +49,8 @@ enum Command {
         #[arg(long)]
         limit: Option<u32>,
     },
+    /// Serve the CSI driver (Kubernetes) for this node's blockplane.
+    Csi(crate::csi::CsiArgs),
     /// Print the OpenAPI document.
     #[command(hide = true)]
     Openapi,
@@ -185,6 +187,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Worker { spec } => crate::dataplane::main(&spec),
+        Command::Csi(args) => csi(args, cli.api, cli.token),
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
@@ -220,6 +223,24 @@ fn serve(args: ServeArgs) -> ExitCode {
         Err(e) => {
             tracing::error!(error = %e, "blockplane stopped");
             eprintln!("blockplane: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn csi(args: crate::csi::CsiArgs, api: Option<String>, token: Option<String>) -> ExitCode {
+    crate::server::init_logging(args.log_format);
+    let api =
+        api.unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(crate::csi::serve(args, &api, token)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "CSI driver stopped");
+            eprintln!("blockplane csi: {e}");
             ExitCode::FAILURE
         }
     }
@@ -288,7 +309,7 @@ enum View {
 fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
     use Method as M;
     match cmd {
-        Command::Serve(_) | Command::Openapi | Command::Worker { .. } => {
+        Command::Serve(_) | Command::Openapi | Command::Worker { .. } | Command::Csi(_) => {
             unreachable!("handled without the API")
         }
         Command::Host => (M::GET, "/v1/host".into(), None, View::Host),
