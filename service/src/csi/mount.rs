@@ -383,6 +383,17 @@ pub fn grow_fs(
             });
         }
     };
+    if tool == "resize2fs" && !has_capability(CAP_SYS_RESOURCE) {
+        // The kernel refuses EXT4_IOC_RESIZE_FS without it, and resize2fs
+        // then says only "Permission denied".
+        return Err(CsiError::Precondition {
+            volume: volume.into(),
+            reason: format!(
+                "growing the mounted ext4 filesystem at {} needs CAP_SYS_RESOURCE, which the driver process lacks: run it privileged",
+                mount_point.display()
+            ),
+        });
+    }
     let args: Vec<&std::ffi::OsStr> = if tool == "xfs_growfs" {
         vec!["-d".as_ref(), arg.as_os_str()]
     } else {
@@ -394,6 +405,21 @@ pub fn grow_fs(
     } else {
         Err(tool_failed(volume, tool, &out))
     }
+}
+
+/// The capability number of `CAP_SYS_RESOURCE`.
+pub const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Whether this process has capability `cap` in its effective set.
+pub fn has_capability(cap: u32) -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|mask| mask & (1 << cap) != 0)
 }
 
 /// Size in bytes of the block device at `path`.
