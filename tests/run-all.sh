@@ -11,11 +11,20 @@ fi
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 # Python tools the tests use (from PyPI), in a venv of their own.
-step "test tools (Python venv: prometheus-client)"
+step "test tools (Python venv: prometheus-client, kubernetes-validate)"
 venv=target/test-venv
 [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
 export BLOCKPLANE_TEST_PYTHON=$PWD/$venv/bin/python
+
+# The manifests against the schemas of an older Kubernetes release (1.31) and
+# of the newest one the validator bundles (1.37), read offline from the
+# package; --strict refuses fields a schema does not know (typos).
+step "Kubernetes manifests (deploy/kubernetes) against the 1.31 and 1.37 schemas"
+manifests=(deploy/kubernetes/*.yaml deploy/kubernetes/example/*.yaml)
+for k in 1.31.0 1.37.0; do
+    "$venv/bin/kubernetes-validate" --strict --quiet -k "$k" "${manifests[@]}"
+done
 
 step "cargo fmt --check"
 cargo fmt --all --check
