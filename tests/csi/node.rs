@@ -452,3 +452,51 @@ impl Drop for Frozen {
         let _ = rustix::process::kill_process(self.0, rustix::process::Signal::CONT);
     }
 }
+
+#[tokio::test]
+async fn a_single_writer_volume_is_published_once() {
+    let csi = Csi::start().await;
+    for (name, cap) in [("one-fs", mount("ext4", &[])), ("one-raw", block())] {
+        let single = with_mode(cap.clone(), Mode::SingleNodeSingleWriter);
+        let v = csi.create(name, 16 * MIB, single.clone()).await;
+        let staging = csi.staging(name);
+        let (t1, t2) = (
+            csi.target(&format!("{name}-1")),
+            csi.target(&format!("{name}-2")),
+        );
+        csi.stage(&v.volume_id, &staging, single.clone())
+            .await
+            .unwrap();
+        csi.publish(&v.volume_id, &staging, &t1, single.clone(), false)
+            .await
+            .unwrap();
+        csi.publish(&v.volume_id, &staging, &t1, single.clone(), false)
+            .await
+            .unwrap();
+        let s = assert_code(
+            csi.publish(&v.volume_id, &staging, &t2, single.clone(), false)
+                .await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message().contains(&t1.display().to_string()),
+            "{}",
+            s.message()
+        );
+        assert!(!t2.exists(), "{name}: a refused publish leaves no target");
+        // Once unpublished there, it can be published elsewhere.
+        csi.unpublish(&v.volume_id, &t1).await.unwrap();
+        csi.publish(&v.volume_id, &staging, &t2, single.clone(), false)
+            .await
+            .unwrap();
+        csi.unpublish(&v.volume_id, &t2).await.unwrap();
+        // The multi-writer mode allows both at once.
+        let multi = with_mode(cap, Mode::SingleNodeMultiWriter);
+        csi.publish(&v.volume_id, &staging, &t1, multi.clone(), false)
+            .await
+            .unwrap();
+        csi.publish(&v.volume_id, &staging, &t2, multi, false)
+            .await
+            .unwrap();
+    }
+}

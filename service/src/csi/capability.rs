@@ -24,6 +24,9 @@ pub struct Capability {
     pub access: Access,
     /// The access mode allows no writes (`SINGLE_NODE_READER_ONLY`).
     pub read_only: bool,
+    /// The access mode allows one publication at a time
+    /// (`SINGLE_NODE_SINGLE_WRITER`, Kubernetes' ReadWriteOncePod).
+    pub single_publication: bool,
 }
 
 /// The filesystem used when a mount capability names none.
@@ -80,6 +83,7 @@ pub fn parse(cap: &VolumeCapability) -> Result<Capability, String> {
     Ok(Capability {
         access,
         read_only: mode == Mode::SingleNodeReaderOnly,
+        single_publication: mode == Mode::SingleNodeSingleWriter,
     })
 }
 

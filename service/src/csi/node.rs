@@ -202,6 +202,34 @@ fn stage_mount(
     mount::mount_device(volume, device, staging, fstype, &opts)
 }
 
+/// Refuses a second publication of a volume whose access mode allows one:
+/// any other mount of its device but the staging path is a publication.
+fn check_single_publication(
+    volume: &str,
+    rdev: u64,
+    staging: &Path,
+    target: &Path,
+) -> Result<(), CsiError> {
+    let (staging, target) = (mount::canonical(staging), mount::canonical(target));
+    let others: Vec<String> = mount::mounts_of_device(rdev)
+        .map_err(|e| mount_table_err(volume, &target, e))?
+        .into_iter()
+        .filter(|p| *p != staging && *p != target)
+        .map(|p| p.display().to_string())
+        .collect();
+    if others.is_empty() {
+        Ok(())
+    } else {
+        Err(CsiError::Precondition {
+            volume: volume.into(),
+            reason: format!(
+                "access mode SINGLE_NODE_SINGLE_WRITER allows one publication, and it is published at {}",
+                others.join(", ")
+            ),
+        })
+    }
+}
+
 fn read_only_mismatch(volume: &str, target: &Path, is_ro: bool) -> CsiError {
     CsiError::Incompatible {
         volume: volume.into(),
@@ -217,7 +245,9 @@ fn read_only_mismatch(volume: &str, target: &Path, is_ro: bool) -> CsiError {
 fn publish_block(
     volume: &str,
     device: &Path,
+    staging: &Path,
     target: &Path,
+    cap: &Capability,
     read_only: bool,
 ) -> Result<(), CsiError> {
     let rdev = rdev_of(volume, device)?;
@@ -248,12 +278,7 @@ fn publish_block(
                 });
             }
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            if let Some(parent) = target.parent() {
-                mount::ensure_dir(volume, parent)?;
-            }
-            mount::ensure_file(volume, target)?;
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(source) => {
             return Err(CsiError::Io {
                 volume: volume.into(),
@@ -263,6 +288,13 @@ fn publish_block(
             });
         }
     }
+    if cap.single_publication {
+        check_single_publication(volume, rdev, staging, target)?;
+    }
+    if let Some(parent) = target.parent() {
+        mount::ensure_dir(volume, parent)?;
+    }
+    mount::ensure_file(volume, target)?;
     let flags = if read_only {
         MountFlags::RDONLY
     } else {
@@ -274,11 +306,18 @@ fn publish_block(
 /// Bind-mounts the staged filesystem onto the target directory.
 fn publish_mount(
     volume: &str,
+    device: &Path,
     staging: &Path,
     target: &Path,
-    options: &MountOptions,
+    cap: &Capability,
     read_only: bool,
 ) -> Result<(), CsiError> {
+    let Access::Mount { options, .. } = &cap.access else {
+        return Err(CsiError::Internal {
+            volume: volume.into(),
+            reason: "publish_mount called for a block capability".into(),
+        });
+    };
     let staged = mount::mount_at(staging)
         .map_err(|e| mount_table_err(volume, staging, e))?
         .ok_or_else(|| CsiError::Precondition {
@@ -288,7 +327,6 @@ fn publish_mount(
                 staging.display()
             ),
         })?;
-    mount::ensure_dir(volume, target)?;
     if let Some(m) = mount::mount_at(target).map_err(|e| mount_table_err(volume, target, e))? {
         if m.dev != staged.dev {
             return Err(CsiError::Incompatible {
@@ -307,6 +345,10 @@ fn publish_mount(
             Err(read_only_mismatch(volume, target, m.read_only()))
         };
     }
+    if cap.single_publication {
+        check_single_publication(volume, rdev_of(volume, device)?, staging, target)?;
+    }
+    mount::ensure_dir(volume, target)?;
     let mut flags = options.mount_point_flags();
     if read_only {
         flags |= MountFlags::RDONLY;
@@ -479,9 +521,9 @@ impl Node for NodeService {
                 let (_, dev) = device(&d, &id).await?;
                 let name = id.to_string();
                 blocking(&id.to_string(), move || match cap.access {
-                    Access::Block => publish_block(&name, &dev, &target, read_only),
-                    Access::Mount { options, .. } => {
-                        publish_mount(&name, &staging, &target, &options, read_only)
+                    Access::Block => publish_block(&name, &dev, &staging, &target, &cap, read_only),
+                    Access::Mount { .. } => {
+                        publish_mount(&name, &dev, &staging, &target, &cap, read_only)
                     }
                 })
                 .await
