@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs, idempotently, the Debian packages blockplane needs.
 #   install-deps.sh          build and run the service
-#   install-deps.sh --test   also what the test suite uses (qemu, fio, filesystems, ...)
+#   install-deps.sh --test   also what the test suite uses (qemu, fio, filesystems,
+#                            Chromium for the dashboard's browser tests, ...)
 # Only missing packages are installed; an apt index refresh happens only then.
 set -euo pipefail
 
 build=(pkg-config libclang-dev libdevmapper-dev)
 test=(qemu-system-x86 busybox-static kmod cpio xz-utils zstd fio xfsprogs e2fsprogs
-      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip)
+      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip socat curl chromium)
 
 want=("${build[@]}")
 if [[ "${1:-}" == "--test" ]]; then

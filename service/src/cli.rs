@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use crate::client::{Client, Endpoint};
 use crate::config::{ServeArgs, default_data_dir, default_socket};
+use crate::proxy::ProxyConfig;
 
 /// blockplane: image files as fast, safe block devices.
 #[derive(Debug, Parser)]
@@ -51,6 +52,16 @@ enum Command {
     },
     /// Serve the CSI driver (Kubernetes) for this node's blockplane.
     Csi(crate::csi::CsiArgs),
+    /// Open the dashboard of a service that listens on its unix socket: forwards
+    /// a local TCP address to the API given by --api; then browse to it. With
+    /// --token/BLOCKPLANE_TOKEN the forward requires that token on every API
+    /// request (the browser sends it; the forward never adds it).
+    Dashboard {
+        /// Where browsers connect: a loopback HOST:PORT, or any address when a
+        /// token is set (every request must then carry it).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+    },
     /// Print the OpenAPI document.
     #[command(hide = true)]
     Openapi,
@@ -188,6 +199,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Worker { spec } => crate::dataplane::main(&spec),
         Command::Csi(args) => csi(args, cli.api, cli.token),
+        Command::Dashboard { listen } => dashboard(cli.api.as_deref(), cli.token, &listen),
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
@@ -214,10 +226,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     crate::server::init_logging(cfg.log_format);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = multi_thread_runtime();
     match rt.block_on(crate::server::serve(cfg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -230,12 +239,8 @@ fn serve(args: ServeArgs) -> ExitCode {
 
 fn csi(args: crate::csi::CsiArgs, api: Option<String>, token: Option<String>) -> ExitCode {
     crate::server::init_logging(args.log_format);
-    let api =
-        api.unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let api = api_address(api.as_deref());
+    let rt = multi_thread_runtime();
     match rt.block_on(crate::csi::serve(args, &api, token)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -246,11 +251,51 @@ fn csi(args: crate::csi::CsiArgs, api: Option<String>, token: Option<String>) ->
     }
 }
 
+/// The runtime for the long-running subcommands.
+fn multi_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// The API address given, or the local service's socket.
+fn api_address(api: Option<&str>) -> String {
+    api.map(str::to_string)
+        .unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()))
+}
+
+fn dashboard(api: Option<&str>, token: Option<String>, listen: &str) -> ExitCode {
+    let api = api_address(api);
+    let cfg = match Endpoint::parse(&api)
+        .map_err(|e| e.to_string())
+        .and_then(|up| ProxyConfig::new(listen, up, token).map_err(|e| e.to_string()))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = multi_thread_runtime();
+    let ready = |addr: std::net::SocketAddr| {
+        // One line on stdout, flushed, so that scripts can wait for it.
+        let line = format!("dashboard at http://{addr}/ (API {api})\n");
+        let mut out = std::io::stdout();
+        let _ = std::io::Write::write_all(&mut out, line.as_bytes());
+        let _ = std::io::Write::flush(&mut out);
+    };
+    match rt.block_on(crate::proxy::run(cfg, ready)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn run_client(cli: Cli) -> ExitCode {
-    let api = cli
-        .api
-        .clone()
-        .unwrap_or_else(|| format!("unix:{}", default_socket(&default_data_dir()).display()));
+    let api = api_address(cli.api.as_deref());
     let client = match Endpoint::parse(&api) {
         Ok(e) => Client::new(e, cli.token.clone()),
         Err(e) => {
@@ -309,7 +354,11 @@ enum View {
 fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
     use Method as M;
     match cmd {
-        Command::Serve(_) | Command::Openapi | Command::Worker { .. } | Command::Csi(_) => {
+        Command::Serve(_)
+        | Command::Openapi
+        | Command::Worker { .. }
+        | Command::Csi(_)
+        | Command::Dashboard { .. } => {
             unreachable!("handled without the API")
         }
         Command::Host => (M::GET, "/v1/host".into(), None, View::Host),

@@ -73,6 +73,35 @@ pub struct ServeArgs {
     /// Seconds between re-reads of direct-mapped images' extents [default: 60].
     #[arg(long, env = "BLOCKPLANE_EXTENT_CHECK_SECS")]
     pub extent_check_secs: Option<u32>,
+    /// Largest request body, bytes [default: 65536].
+    #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Seconds a connection has to send a request's headers (idle keep-alive included) [default: 10].
+    #[arg(long, env = "BLOCKPLANE_HEADER_TIMEOUT_SECS")]
+    pub header_timeout_secs: Option<u64>,
+    /// Seconds a request may take before it is answered 408 (the event stream excepted) [default: 120].
+    #[arg(long, env = "BLOCKPLANE_REQUEST_TIMEOUT_SECS")]
+    pub request_timeout_secs: Option<u64>,
+    /// Requests handled at once; more are answered 503 at once [default: 256].
+    #[arg(long, env = "BLOCKPLANE_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<usize>,
+    /// Event streams open at once [default: 64].
+    #[arg(long, env = "BLOCKPLANE_MAX_EVENT_STREAMS")]
+    pub max_event_streams: Option<usize>,
+    /// Volumes this host may have [default: 1024].
+    #[arg(long, env = "BLOCKPLANE_MAX_VOLUMES")]
+    pub max_volumes: Option<usize>,
+}
+
+/// Limits that protect the service from its clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_body_bytes: usize,
+    pub header_timeout: std::time::Duration,
+    pub request_timeout: std::time::Duration,
+    pub max_concurrent_requests: usize,
+    pub max_event_streams: usize,
+    pub max_volumes: usize,
 }
 
 /// The config file's keys (all optional).
@@ -90,6 +119,12 @@ struct FileConfig {
     log_format: Option<LogFormat>,
     worker_threads: Option<u16>,
     extent_check_secs: Option<u32>,
+    max_body_bytes: Option<usize>,
+    header_timeout_secs: Option<u64>,
+    request_timeout_secs: Option<u64>,
+    max_concurrent_requests: Option<usize>,
+    max_event_streams: Option<usize>,
+    max_volumes: Option<usize>,
 }
 
 /// A place to listen.
@@ -133,6 +168,7 @@ pub struct ServeConfig {
     pub log_format: LogFormat,
     pub worker_threads: u16,
     pub extent_check_secs: u32,
+    pub limits: Limits,
 }
 
 /// The data dir used when none is configured.
@@ -243,6 +279,35 @@ impl ServeArgs {
                 .or(file.extent_check_secs)
                 .unwrap_or(60)
                 .max(1),
+            limits: Limits {
+                max_body_bytes: self
+                    .max_body_bytes
+                    .or(file.max_body_bytes)
+                    .unwrap_or(64 << 10),
+                header_timeout: std::time::Duration::from_secs(
+                    self.header_timeout_secs
+                        .or(file.header_timeout_secs)
+                        .unwrap_or(10)
+                        .max(1),
+                ),
+                request_timeout: std::time::Duration::from_secs(
+                    self.request_timeout_secs
+                        .or(file.request_timeout_secs)
+                        .unwrap_or(120)
+                        .max(1),
+                ),
+                max_concurrent_requests: self
+                    .max_concurrent_requests
+                    .or(file.max_concurrent_requests)
+                    .unwrap_or(256)
+                    .max(1),
+                max_event_streams: self
+                    .max_event_streams
+                    .or(file.max_event_streams)
+                    .unwrap_or(64)
+                    .max(1),
+                max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
+            },
         })
     }
 }

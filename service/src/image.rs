@@ -56,6 +56,8 @@ pub enum ImageFileError {
     LooseMode { path: String, mode: u32 },
     #[error("'{path}' has size {size}; an image's size must be a positive multiple of 512 bytes")]
     BadSize { path: String, size: u64 },
+    #[error("image '{path}': {size} bytes is more than the filesystem allows for a file")]
+    TooLarge { path: String, size: u64 },
     #[error("'{path}' already exists; leave out 'create' to register an existing file")]
     Exists { path: String },
     #[error("image '{path}': the filesystem is full ({op})")]
@@ -380,6 +382,10 @@ impl ImageFile {
                 path: self.path.display(),
                 op,
             },
+            Some(libc::EFBIG) | Some(libc::EINVAL) => ImageFileError::TooLarge {
+                path: self.path.display(),
+                size,
+            },
             _ => io_error(&self.path, op, e),
         })?;
         self.refresh()
@@ -457,7 +463,16 @@ fn io_error(path: &ImagePath, op: &'static str, source: io::Error) -> ImageFileE
     }
 }
 
+/// The largest image blockplane makes or grows: 1 PiB.
+pub const MAX_IMAGE_BYTES: u64 = 1 << 50;
+
 fn check_size(path: &ImagePath, size: u64) -> Result<()> {
+    if size > MAX_IMAGE_BYTES {
+        return Err(ImageFileError::TooLarge {
+            path: path.display(),
+            size,
+        });
+    }
     if size == 0 || !size.is_multiple_of(512) {
         return Err(ImageFileError::BadSize {
             path: path.display(),

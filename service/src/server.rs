@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
-use crate::config::{ListenAddr, LogFormat, ServeConfig};
+use crate::config::{Limits, ListenAddr, LogFormat, ServeConfig};
 use crate::image::ImageRoots;
 use crate::manager::{Fault, Manager, ManagerConfig};
 use crate::store::Store;
@@ -134,6 +134,40 @@ async fn shutdown_signal() {
     }
 }
 
+/// Accepts connections until told to stop, then lets open ones finish.
+/// Each connection must send a request's headers within the header timeout
+/// (slow or idle clients are cut off); HTTP/1.1.
+async fn serve_listener<L>(
+    mut listener: L,
+    app: axum::Router,
+    mut stop: watch::Receiver<bool>,
+    limits: Limits,
+) where
+    L: axum::serve::Listener,
+    L::Io: Unpin,
+{
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    loop {
+        tokio::select! {
+            (io, _addr) = listener.accept() => {
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    graceful.shutdown().await;
+}
+
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
@@ -155,6 +189,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             run_dir: cfg.data_dir.join("run"),
             worker_threads: cfg.worker_threads,
             extent_check_secs: cfg.extent_check_secs,
+            max_volumes: cfg.limits.max_volumes,
             fault,
         },
     )
@@ -171,7 +206,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     );
 
     manager.start_sampler();
-    let app = crate::api::router(manager, cfg.token.clone());
+    let app = crate::api::router(manager, cfg.token.clone(), cfg.limits);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Bind everything before serving anything: answering on one listener means
     // all are up.
@@ -182,26 +217,19 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     let mut servers = tokio::task::JoinSet::new();
     for listener in bound {
-        let app = app.clone();
-        let mut stop = stop_rx.clone();
-        let stopped = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
+        let (app, stop) = (app.clone(), stop_rx.clone());
+        let limits = cfg.limits;
         servers.spawn(async move {
             match listener {
-                Bound::Unix(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
-                Bound::Tcp(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+                Bound::Unix(l) => serve_listener(l, app, stop, limits).await,
+                Bound::Tcp(l) => serve_listener(l, app, stop, limits).await,
             }
         });
     }
     shutdown_signal().await;
     let _ = stop_tx.send(true);
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(r) = servers.join_next().await {
-            if let Ok(Err(e)) = r {
-                tracing::warn!(error = %e, "listener ended with an error");
-            }
-        }
+        while servers.join_next().await.is_some() {}
     })
     .await;
     if drained.is_err() {

@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Serialize, de::DeserializeOwned};
@@ -191,6 +192,9 @@ pub struct Store {
     writer: SqlitePool,
     /// Woken after every commit that added events (the event stream waits on it).
     events_added: Arc<Notify>,
+    /// Bumped by every commit: readers that cache a view of the database
+    /// compare it to know whether their view is current.
+    generation: Arc<AtomicU64>,
 }
 
 impl Store {
@@ -217,6 +221,7 @@ impl Store {
             readers,
             writer,
             events_added: Arc::default(),
+            generation: Arc::default(),
         })
     }
 
@@ -234,7 +239,13 @@ impl Store {
             tx: self.writer.begin_with("BEGIN IMMEDIATE").await?,
             events_added: self.events_added.clone(),
             wrote_events: false,
+            generation: self.generation.clone(),
         })
+    }
+
+    /// The number of commits so far (see the field).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Resolves after the next commit that adds events.
@@ -343,12 +354,14 @@ pub struct WriteTx {
     tx: Transaction<'static, Sqlite>,
     events_added: Arc<Notify>,
     wrote_events: bool,
+    generation: Arc<AtomicU64>,
 }
 
 impl WriteTx {
     /// Commits (and wakes event-stream readers if events were added).
     pub async fn commit(self) -> Result<()> {
         self.tx.commit().await?;
+        self.generation.fetch_add(1, Ordering::AcqRel);
         if self.wrote_events {
             self.events_added.notify_waiters();
         }

@@ -100,7 +100,7 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("image_in_use"));
 
     assert!(ok(&s, &["volume", "rm", "cvol"]).contains("deleted"));
-    assert!(crate::harness::backing_file(&dev).is_none());
+    assert!(!crate::harness::serves_from(&dev, s.dir.path()));
     ok(&s, &["image", "rm", "cimg", "--delete-file"]);
     assert!(!std::path::Path::new(&path).exists());
     let out = cli(&s, &["volume", "show", "cvol"]);

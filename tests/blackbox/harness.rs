@@ -483,6 +483,12 @@ pub fn backing_file(dev: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// Whether `dev` is bound to a file under `dir` (another test may reuse a
+/// freed loop device at once: asking only "is it bound" races).
+pub fn serves_from(dev: &str, dir: &Path) -> bool {
+    backing_file(dev).is_some_and(|f| f.starts_with(&dir.display().to_string()))
+}
+
 /// Size of a block device in bytes, from sysfs.
 pub fn device_size(dev: &str) -> u64 {
     let name = dev.trim_start_matches("/dev/");

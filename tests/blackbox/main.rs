@@ -5,10 +5,13 @@
 
 mod harness;
 
+mod attacks;
 mod auth;
 mod cli;
+mod dashboard;
 mod events;
 mod images;
+mod limits;
 mod metrics;
 mod openapi;
 mod restart;

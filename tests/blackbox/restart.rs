@@ -7,7 +7,7 @@ use hyper::StatusCode;
 use rustix::process::Signal;
 use serde_json::json;
 
-use crate::harness::{Service, backing_file};
+use crate::harness::{Service, serves_from};
 
 fn kinds(events: &serde_json::Value) -> Vec<String> {
     events
@@ -105,7 +105,7 @@ async fn sigkill_keeps_devices_and_counters() {
     let before = s.get("/v1/volumes/keep/stats").await.body;
     assert!(before["write"]["bytes"].as_u64().unwrap() >= 1 << 20);
     s.kill();
-    assert!(backing_file(&dev).is_some(), "SIGKILL leaves the device");
+    assert!(serves_from(&dev, s.dir.path()), "SIGKILL leaves the device");
     s.restart().await;
     let after = s.get("/v1/volumes/keep").await.body;
     assert_eq!(after["device"], dev.as_str());
@@ -129,7 +129,7 @@ async fn sigterm_drains_and_leaves_devices() {
         "SIGTERM exits 0, got {status}:\n{}",
         s.log_text()
     );
-    assert!(backing_file(&dev).is_some(), "the device keeps serving");
+    assert!(serves_from(&dev, s.dir.path()), "the device keeps serving");
     assert!(!s.sock.exists(), "the socket is removed");
     s.restart().await;
     assert_eq!(s.get("/v1/volumes/t").await.body["device"], dev.as_str());
@@ -192,7 +192,10 @@ async fn an_orphan_device_is_removed() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     s.restart().await;
-    assert_eq!(backing_file(&dev), None, "the orphan device is gone");
+    assert!(
+        !serves_from(&dev, s.dir.path()),
+        "the orphan device is gone"
+    );
     let ev = s.get("/v1/events").await.body;
     assert!(kinds(&ev).contains(&"orphan_removed".to_string()), "{ev}");
 }

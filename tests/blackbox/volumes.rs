@@ -6,7 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use crate::harness::{Service, assert_error, backing_file};
+use crate::harness::{Service, assert_error, backing_file, serves_from};
 
 /// A 1 MiB pattern that differs at every 4 KiB.
 fn pattern(seed: u8) -> Vec<u8> {
@@ -84,7 +84,10 @@ async fn data_written_through_the_device_lands_in_the_image() {
 
     let d = s.delete("/v1/volumes/data").await;
     assert_eq!(d.status, StatusCode::NO_CONTENT);
-    assert_eq!(backing_file(&dev), None, "device unbound after delete");
+    assert!(
+        !serves_from(&dev, s.dir.path()),
+        "device unbound after delete"
+    );
     assert!(s.my_loop_devices().is_empty());
     assert_error(&s.get("/v1/volumes/data").await, 404, "volume_not_found");
     let ev = s.get("/v1/events?volume=").await;
@@ -460,7 +463,7 @@ async fn a_mounted_volume_is_not_deleted_under_its_user() {
     assert_error(&a, 409, "device_busy");
     let after = s.get("/v1/volumes/busy").await;
     assert_eq!(after.body["state"], "attached");
-    assert!(backing_file(&dev).is_some());
+    assert!(serves_from(&dev, s.dir.path()));
     assert_eq!(s.snapshot().await, before);
     drop(holder);
     // A plain opener (no O_EXCL) is only found out by the kernel deferring the
@@ -473,14 +476,14 @@ async fn a_mounted_volume_is_not_deleted_under_its_user() {
     opener.read_exact(&mut buf).unwrap();
     drop(opener);
     assert!(
-        backing_file(&dev).is_some(),
+        serves_from(&dev, s.dir.path()),
         "closing the last opener must not unbind it (autoclear undone)"
     );
     assert_eq!(
         s.delete("/v1/volumes/busy").await.status,
         StatusCode::NO_CONTENT
     );
-    assert_eq!(backing_file(&dev), None);
+    assert!(!serves_from(&dev, s.dir.path()));
 }
 
 #[tokio::test(flavor = "multi_thread")]

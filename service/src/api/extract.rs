@@ -16,10 +16,26 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(rejection) => Err(json_rejection(rejection)),
+        // Parse as a value first: serde would also accept a struct written as
+        // a JSON array (`[null, null]`); the API takes objects only.
+        let value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => v,
+            Err(rejection) => return Err(json_rejection(rejection)),
+        };
+        if !value.is_object() {
+            return Err(ApiError::BadRequest {
+                status: StatusCode::BAD_REQUEST,
+                code: "invalid_body",
+                message: "the request body must be a JSON object".into(),
+            });
         }
+        serde_json::from_value(value)
+            .map(ApiJson)
+            .map_err(|e| ApiError::BadRequest {
+                status: StatusCode::BAD_REQUEST,
+                code: "invalid_body",
+                message: format!("Failed to deserialize the JSON body into the target type: {e}"),
+            })
     }
 }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
@@ -24,6 +24,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::config::Limits;
 use crate::manager::{self, Manager};
 use error::ApiError;
 
@@ -79,10 +80,11 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(system::metrics))
 }
 
-/// The routes and their OpenAPI document, with what every operation can answer.
+/// The routes and their OpenAPI document, with what every operation can
+/// answer whatever its handler: auth, limits and internal failures.
 fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let (router, mut doc) = routes().split_for_parts();
-    for item in doc.paths.paths.values_mut() {
+    for (path, item) in doc.paths.paths.iter_mut() {
         for op in [
             &mut item.get,
             &mut item.post,
@@ -93,17 +95,43 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .into_iter()
         .flatten()
         {
-            if !op.responses.responses.contains_key("500") {
-                let r = utoipa::openapi::ResponseBuilder::new()
-                    .description("Internal failure (database, device I/O); the message says what")
-                    .content(
-                        "application/json",
-                        utoipa::openapi::ContentBuilder::new()
-                            .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
-                            .build(),
-                    )
-                    .build();
-                op.responses.responses.insert("500".into(), r.into());
+            let mut common = vec![
+                (
+                    "408",
+                    "No answer within the request timeout; a started operation still completes",
+                ),
+                (
+                    "500",
+                    "Internal failure (database, device I/O); the message says what",
+                ),
+                (
+                    "503",
+                    "Too many requests or event streams at once; retry shortly",
+                ),
+            ];
+            if path != "/healthz" {
+                common.push((
+                    "401",
+                    "Missing or wrong bearer token (when the service has one)",
+                ));
+            }
+            if op.request_body.is_some() {
+                common.push(("413", "The body is larger than the service accepts"));
+                common.push(("415", "The body is not declared as application/json"));
+            }
+            for (status, description) in common {
+                if !op.responses.responses.contains_key(status) {
+                    let r = utoipa::openapi::ResponseBuilder::new()
+                        .description(description)
+                        .content(
+                            "application/json",
+                            utoipa::openapi::ContentBuilder::new()
+                                .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                                .build(),
+                        )
+                        .build();
+                    op.responses.responses.insert(status.into(), r.into());
+                }
             }
         }
     }
@@ -120,10 +148,13 @@ pub fn openapi_json() -> String {
     openapi_json_of(&openapi())
 }
 
-/// The complete service: API routes, `/openapi.json`, JSON fallbacks, auth.
-pub fn router(manager: Arc<Manager>, token: Option<String>) -> Router {
+/// The complete service: API routes, `/openapi.json`, the dashboard's files,
+/// JSON fallbacks, auth and limits.
+pub fn router(manager: Arc<Manager>, token: Option<String>, limits: Limits) -> Router {
     let (api, doc) = split();
     let doc = Arc::new(openapi_json_of(&doc));
+    // The dashboard is not part of the API: plain routes, not in the document.
+    let api = api.merge(crate::dashboard::routes());
     api.route(
         "/openapi.json",
         axum::routing::get(move || {
@@ -133,9 +164,14 @@ pub fn router(manager: Arc<Manager>, token: Option<String>) -> Router {
     )
     .fallback(no_route)
     .method_not_allowed_fallback(no_method)
+    .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
     .layer(axum::middleware::from_fn_with_state(
         Arc::new(token),
         require_token,
+    ))
+    .layer(axum::middleware::from_fn_with_state(
+        Arc::new(Admission::new(limits)),
+        admit,
     ))
     .layer(axum::middleware::from_fn_with_state(
         manager.clone(),
@@ -167,6 +203,91 @@ async fn no_method(req: Request) -> ApiError {
     }
 }
 
+/// How many requests and event streams may run at once, and for how long.
+struct Admission {
+    requests: Arc<tokio::sync::Semaphore>,
+    streams: Arc<tokio::sync::Semaphore>,
+    timeout: std::time::Duration,
+}
+
+impl Admission {
+    fn new(limits: Limits) -> Self {
+        Self {
+            requests: Arc::new(tokio::sync::Semaphore::new(limits.max_concurrent_requests)),
+            streams: Arc::new(tokio::sync::Semaphore::new(limits.max_event_streams)),
+            timeout: limits.request_timeout,
+        }
+    }
+}
+
+/// Sheds load at once (503) past the concurrency limits, and answers 408
+/// when a request runs past the request timeout. Event streams are long by
+/// nature: they count against their own limit and have no timeout. A timed
+/// out request's operation still finishes (operations run detached).
+async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Response {
+    let overloaded = |what: &str| {
+        ApiError::BadRequest {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            code: "overloaded",
+            message: format!("too many {what} at once; retry shortly"),
+        }
+        .into_response()
+    };
+    if req.uri().path() == "/v1/events/stream" {
+        let Ok(permit) = a.streams.clone().try_acquire_owned() else {
+            return overloaded("event streams");
+        };
+        // The permit lives as long as the stream's body.
+        let (parts, body) = next.run(req).await.into_parts();
+        let body = axum::body::Body::new(PermitBody {
+            inner: body,
+            _permit: permit,
+        });
+        return Response::from_parts(parts, body);
+    }
+    let Ok(_permit) = a.requests.clone().try_acquire_owned() else {
+        return overloaded("requests");
+    };
+    match tokio::time::timeout(a.timeout, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => ApiError::BadRequest {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "request_timeout",
+            message: format!(
+                "no answer within {} s; an operation started by this request still completes (see GET /v1/events)",
+                a.timeout.as_secs()
+            ),
+        }
+        .into_response(),
+    }
+}
+
+/// A response body that holds an admission permit until it is dropped.
+struct PermitBody {
+    inner: axum::body::Body,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl http_body::Body for PermitBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Counts every answered request by route template, method and status.
 async fn count_request(State(m): State<AppState>, req: Request, next: Next) -> Response {
     let route = req
@@ -188,7 +309,8 @@ async fn count_request(State(m): State<AppState>, req: Request, next: Next) -> R
     resp
 }
 
-/// With a token configured, every request but `/healthz` must carry it.
+/// With a token configured, every request but `/healthz` and the dashboard's
+/// static files must carry it.
 async fn require_token(
     State(token): State<Arc<Option<String>>>,
     req: Request,
@@ -197,7 +319,7 @@ async fn require_token(
     let Some(expected) = token.as_deref() else {
         return next.run(req).await;
     };
-    if req.uri().path() == "/healthz" {
+    if req.uri().path() == "/healthz" || is_public_asset(&req) {
         return next.run(req).await;
     }
     let presented = req
@@ -212,6 +334,14 @@ async fn require_token(
     } else {
         ApiError::Unauthorized.into_response()
     }
+}
+
+/// A read of one of the dashboard's files. They hold no data, and the page must
+/// load before the user has typed the token into its login field; every API
+/// call the page then makes carries the token like any other client's.
+pub(crate) fn is_public_asset(req: &Request) -> bool {
+    matches!(*req.method(), Method::GET | Method::HEAD)
+        && crate::dashboard::is_asset(req.uri().path())
 }
 
 /// Runs a changing operation on its own task, so a client that hangs up midway

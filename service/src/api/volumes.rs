@@ -39,8 +39,14 @@ pub async fn create_volume(
     get, path = "/v1/volumes", tag = "volumes",
     responses((status = 200, description = "All volumes, by name", body = Vec<Volume>))
 )]
-pub async fn list_volumes(State(m): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
-    Ok(Json(m.volumes().await?))
+pub async fn list_volumes(State(m): State<AppState>) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    let json = m.volumes_json().await?;
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        json,
+    )
+        .into_response())
 }
 
 /// Show one volume.

@@ -145,11 +145,15 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+        if size_bytes == 0
+            || !size_bytes.is_multiple_of(512)
+            || size_bytes > crate::image::MAX_IMAGE_BYTES
+        {
             return Err(Error::InvalidField {
                 field: "size_bytes",
                 reason: format!(
-                    "{size_bytes} is not a positive multiple of 512 (image '{}')",
+                    "{size_bytes} is not a positive multiple of 512 up to {} (image '{}')",
+                    crate::image::MAX_IMAGE_BYTES,
                     row.name
                 ),
             });

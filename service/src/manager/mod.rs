@@ -36,6 +36,8 @@ pub enum Error {
     VolumeNotFound(String),
     #[error("no orphan device '{0}' (orphans are listed in GET /v1/host)")]
     OrphanNotFound(String),
+    #[error("volume '{name}' would exceed this host's cap of {max} volumes (--max-volumes)")]
+    VolumeLimit { name: String, max: usize },
     #[error("image name '{name}' is taken by image {id}")]
     ImageNameTaken { name: String, id: Uuid },
     #[error("'{path}' is already registered as image '{name}' ({id})")]
@@ -135,6 +137,8 @@ pub struct ManagerConfig {
     pub worker_threads: u16,
     /// Seconds between re-reads of direct maps (rule 5).
     pub extent_check_secs: u32,
+    /// Volumes this host may have.
+    pub max_volumes: usize,
     /// A test fault to inject.
     pub fault: Option<Fault>,
 }
@@ -151,9 +155,12 @@ pub struct Manager {
     volume_locks: KeyedLocks,
     /// Once-a-second readings of every attached volume.
     sampler: sampler::Sampler,
+    /// `GET /v1/volumes` as JSON, with the store generation it was made at.
+    volumes_cache: std::sync::Mutex<Option<(u64, bytes::Bytes)>>,
     /// API request counts and durations.
     pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
+    max_volumes: usize,
 }
 
 impl Manager {
@@ -186,8 +193,10 @@ impl Manager {
             image_locks: KeyedLocks::default(),
             volume_locks: KeyedLocks::default(),
             sampler: sampler::Sampler::default(),
+            volumes_cache: std::sync::Mutex::default(),
             api_metrics: crate::metrics::ApiMetrics::default(),
             fault: cfg.fault,
+            max_volumes: cfg.max_volumes,
         });
         me.clone().record_backend_events(backend_events);
         Ok(me)

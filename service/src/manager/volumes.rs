@@ -166,6 +166,24 @@ impl Manager {
             .collect())
     }
 
+    /// `GET /v1/volumes` as JSON, cached until the next commit: the list is
+    /// what dashboards and orchestrators poll.
+    pub async fn volumes_json(&self) -> Result<bytes::Bytes> {
+        let generation = self.store.generation();
+        if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
+            && *g == generation
+        {
+            return Ok(json.clone());
+        }
+        let json = bytes::Bytes::from(
+            serde_json::to_vec(&self.volumes().await?).expect("volumes serialize"),
+        );
+        // Stamped with the generation read before the query: a commit since
+        // makes the next reader rebuild it.
+        *self.volumes_cache.lock().expect("cache poisoned") = Some((generation, json.clone()));
+        Ok(json)
+    }
+
     /// `GET /v1/volumes/{id}`.
     pub async fn volume(&self, id_or_name: &str) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
@@ -217,6 +235,12 @@ impl Manager {
             return Err(Error::VolumeExists {
                 name: req.name,
                 differences: differences(&existing.spec, &spec),
+            });
+        }
+        if self.store.volumes().await?.len() >= self.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: req.name,
+                max: self.max_volumes,
             });
         }
         let _image = self.image_locks.lock(&image.id.to_string()).await;

@@ -1,0 +1,886 @@
+// The dashboard's pages. Each page is a function (ctx, params) returning
+// { el, onEvent(event), dispose() }: it loads what it shows from the API,
+// reloads when an event says something changed, and shows every refusal with
+// the API's own message.
+
+import { api, seg } from './api.js';
+import { LineChart, niceCeilBinary } from './chart.js';
+import {
+  bandwidth, bytes, count, fill, h, micros, parseSize, qos, sizeText, uid, when,
+} from './format.js';
+
+const OPS = ['read', 'write', 'flush', 'discard'];
+// Colours with at least 4.5:1 contrast on white, told apart by dashes too.
+const OP_STYLE = {
+  read: { color: '#0b57d0', dash: null },
+  write: { color: '#b3261e', dash: '6 3' },
+  flush: { color: '#7a5900', dash: '2 3' },
+  discard: { color: '#6a3fa0', dash: '10 3 2 3' },
+};
+
+/** A labelled form control; returns [wrapper, control]. */
+function field(label, control, hint) {
+  const id = control.id || uid('f');
+  control.id = id;
+  const hintEl = hint ? h('span', { class: 'hint', id: `${id}-hint` }, hint) : null;
+  if (hintEl) control.setAttribute('aria-describedby', hintEl.id);
+  const wrap = h('div', { class: 'field' }, h('label', { for: id }, label), control, hintEl);
+  return [wrap, control];
+}
+
+function select(options, value) {
+  return h(
+    'select',
+    null,
+    options.map(([v, text]) => h('option', { value: v, selected: v === value }, text)),
+  );
+}
+
+/** Where an action's outcome is shown: a success as status, a refusal as alert. */
+function outcome() {
+  return h('div', { class: 'outcome' });
+}
+
+/**
+ * Runs one action: disables its controls meanwhile, then shows what happened
+ * in `out`. Resolves to the action's result, or undefined when it failed.
+ */
+async function act(ctx, out, controls, fn, success) {
+  for (const c of controls) c.disabled = true;
+  fill(out, h('p', { class: 'busy', role: 'status' }, 'Working…'));
+  try {
+    const r = await fn();
+    const text = typeof success === 'function' ? success(r) : success;
+    fill(out, h('p', { class: 'ok', role: 'status' }, text));
+    return r;
+  } catch (e) {
+    showError(out, e);
+    if (e.status === 401) ctx.unauthorized(e.message);
+    return undefined;
+  } finally {
+    for (const c of controls) c.disabled = false;
+  }
+}
+
+/** Shows a refusal: the API's message, then its code and status. */
+function showError(out, e) {
+  const where = e.status ? `${e.code}, HTTP ${e.status}` : e.code;
+  fill(
+    out,
+    h(
+      'p',
+      { class: 'error', role: 'alert' },
+      h('span', { class: 'message' }, e.message),
+      ' ',
+      h('span', { class: 'code' }, `(${where})`),
+    ),
+  );
+}
+
+/** A client-side refusal, shown like the API's. */
+function invalid(message) {
+  return Object.assign(new Error(message), { status: 0, code: 'invalid_input' });
+}
+
+/**
+ * A table in a scrollable, keyboard-reachable region. Each cell carries its
+ * column's name, so that a narrow window can show rows as stacked cards.
+ */
+function table(caption, headers, body) {
+  for (const tr of body.querySelectorAll('tr')) {
+    [...tr.children].forEach((cell, i) => {
+      cell.setAttribute('data-label', headers[i] ?? '');
+      // One box for the content, beside the name when stacked.
+      cell.append(h('div', { class: 'cell' }, ...cell.childNodes));
+    });
+  }
+  return h(
+    'div',
+    { class: 'table-wrap', role: 'region', 'aria-label': caption, tabindex: 0 },
+    h(
+      'table',
+      null,
+      h('caption', null, caption),
+      h('thead', null, h('tr', null, headers.map((t) => h('th', { scope: 'col' }, t)))),
+      body,
+    ),
+  );
+}
+
+/** Rebuilds an element's content, keeping focus on the control with the same data-key. */
+function rebuild(el, ...children) {
+  const key = document.activeElement?.dataset?.key;
+  fill(el, ...children);
+  if (key) el.querySelector(`[data-key="${CSS.escape(key)}"]`)?.focus();
+}
+
+/** Calls fn at most once per `ms`, and once more after the last call. */
+function debounce(fn, ms) {
+  let timer = null;
+  return () => {
+    clearTimeout(timer);
+    timer = setTimeout(fn, ms);
+  };
+}
+
+function yesNo(b) {
+  return b ? 'yes' : 'no';
+}
+
+function dispatchText(v) {
+  const asked = v.requested_dispatch !== 'auto' && v.requested_dispatch !== v.dispatch
+    ? ` (asked ${v.requested_dispatch})`
+    : v.requested_dispatch === 'auto' ? ' (auto)' : '';
+  return `${v.dispatch}${asked}`;
+}
+
+function stateCell(v) {
+  return h(
+    'span',
+    { class: `state state-${v.state}` },
+    v.state,
+    v.state_reason ? h('span', { class: 'reason' }, `: ${v.state_reason}`) : null,
+  );
+}
+
+// ---------------------------------------------------------------- host
+
+/** Kernel, backends and policies (and why not), ublk features, orphans, recent events. */
+export function hostPage(ctx) {
+  const body = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const events = h('ol', { class: 'events', reversed: true });
+  const out = outcome();
+  const el = h('section', null, h('h1', { tabindex: -1 }, 'Host'), out, body,
+    h('h2', null, 'Recent events'), events);
+
+  async function load() {
+    let host;
+    let evs;
+    try {
+      [host, evs] = await Promise.all([api('GET', '/v1/host'), api('GET', '/v1/events?limit=20')]);
+    } catch (e) {
+      showError(out, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      return;
+    }
+    ctx.host = host;
+    const cap = (c) => (c.available
+      ? h('span', { class: 'yes' }, 'available')
+      : h('span', { class: 'no' }, 'not available'));
+    const backendDetail = (name, b) => {
+      if (name === 'ublk' && b.features) {
+        return [
+          h('div', null, `features: ${b.features.names.join(', ') || 'none'}`),
+          h('div', { class: 'mono' }, `mask 0x${b.features.mask.toString(16)}`),
+        ];
+      }
+      if (name === 'dm' && b.targets) {
+        return [
+          h('div', null, `targets: ${b.targets.join(', ')}`),
+          b.native_loop_target === null ? null
+            : h('div', null, `native loop target: ${yesNo(b.native_loop_target)}`),
+        ];
+      }
+      return null;
+    };
+    rebuild(
+      body,
+      h(
+        'dl',
+        { class: 'facts' },
+        h('dt', null, 'Kernel'), h('dd', { 'data-field': 'kernel' }, host.kernel),
+        h('dt', null, 'blockplane'), h('dd', null, host.version),
+        h('dt', null, 'Default backend'), h('dd', null, host.default_backend ?? 'none'),
+        h('dt', null, 'Image roots'), h('dd', { class: 'mono' }, host.image_roots.join(', ')),
+      ),
+      table(
+        'Backends',
+        ['Backend', 'Available', 'Why not', 'Details'],
+        h('tbody', null, ['loop', 'ublk', 'dm'].map((name) => {
+          const b = host.backends[name];
+          return h(
+            'tr',
+            { 'data-backend': name },
+            h('th', { scope: 'row' }, name),
+            h('td', null, cap(b)),
+            h('td', null, b.reason ?? ''),
+            h('td', null, backendDetail(name, b)),
+          );
+        })),
+      ),
+      table(
+        'Dispatch policies (ublk and dm)',
+        ['Policy', 'Available', 'Why not'],
+        h('tbody', null, ['nowait', 'threaded', 'direct'].map((name) => {
+          const p = host.policies[name];
+          return h(
+            'tr',
+            { 'data-policy': name },
+            h('th', { scope: 'row' }, name),
+            h('td', null, cap(p)),
+            h('td', null, p.reason ?? ''),
+          );
+        })),
+      ),
+      host.orphans.length
+        ? table(
+          'Orphan devices (carry this service\'s mark, belong to no volume)',
+          ['Device', 'Backend', 'Volume id', 'Action'],
+          h('tbody', null, host.orphans.map((o) => h(
+            'tr',
+            null,
+            h('td', { class: 'mono' }, o.device),
+            h('td', null, o.backend),
+            h('td', { class: 'mono' }, o.volume_id),
+            h('td', null, h('button', {
+              type: 'button',
+              class: 'danger',
+              'data-key': `orphan-${o.volume_id}`,
+              onclick: async (ev) => {
+                const ok = await ctx.confirm({
+                  title: `Remove orphan ${o.device}?`,
+                  text: `The ${o.backend} device ${o.device} belongs to no volume. Removing it detaches it from whatever still uses it.`,
+                  action: 'Remove device',
+                });
+                if (!ok.ok) return;
+                await act(ctx, out, [ev.currentTarget],
+                  () => api('DELETE', `/v1/host/orphans/${seg(o.volume_id)}`),
+                  `Orphan ${o.device} removed.`);
+                load();
+              },
+            }, 'Remove…')),
+          ))),
+        )
+        : h('p', null, 'No orphan devices.'),
+    );
+    fill(events, evs.slice().reverse().map(eventItem));
+  }
+  load();
+  const reload = debounce(load, 300);
+  return {
+    el,
+    onEvent(ev) {
+      events.prepend(eventItem(ev));
+      while (events.children.length > 50) events.lastChild.remove();
+      if (ev.kind.startsWith('orphan')) reload();
+    },
+    dispose() {},
+  };
+}
+
+function eventItem(ev) {
+  return h(
+    'li',
+    { 'data-event-id': ev.id, 'data-kind': ev.kind },
+    h('time', { datetime: ev.at }, when(ev.at)),
+    ' ',
+    h('span', { class: 'kind' }, ev.kind),
+    ' ',
+    h('span', { class: 'message' }, ev.message),
+  );
+}
+
+// ---------------------------------------------------------------- images
+
+/** Images: size, allocated, filesystem, the volumes using each; add, grow, delete. */
+export function imagesPage(ctx) {
+  const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const listOut = outcome();
+  let images = [];
+  let volumes = [];
+
+  // Add an image: create a new file, or register an existing one.
+  const root = ctx.host?.image_roots?.[0] ?? '';
+  const [nameF, name] = field('Name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -');
+  const [pathF, path] = field('Path', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false', class: 'mono' }),
+    root ? `under ${ctx.host.image_roots.join(' or ')}` : null);
+  let pathEdited = false;
+  path.addEventListener('input', () => { pathEdited = true; });
+  name.addEventListener('input', () => {
+    if (!pathEdited && root) path.value = name.value ? `${root}/${name.value}.img` : '';
+  });
+  const modeName = uid('mode');
+  const createR = h('input', { type: 'radio', name: modeName, value: 'create', id: uid('r'), checked: true });
+  const registerR = h('input', { type: 'radio', name: modeName, value: 'register', id: uid('r') });
+  const [sizeF, size] = field('Size', h('input', { type: 'text', value: '1G', autocomplete: 'off' }), 'e.g. 512M, 4G');
+  const [allocF, alloc] = field('Allocation', select([
+    ['sparse', 'sparse (allocated on write)'],
+    ['full', 'full (direct-map ready)'],
+  ], 'sparse'));
+  const mode = h('fieldset', { class: 'mode' }, h('legend', null, 'File'),
+    h('div', null, createR, h('label', { for: createR.id }, 'Create a new file')),
+    h('div', null, registerR, h('label', { for: registerR.id }, 'Register an existing file')));
+  const syncMode = () => {
+    const creating = createR.checked;
+    size.disabled = !creating;
+    alloc.disabled = !creating;
+  };
+  createR.addEventListener('change', syncMode);
+  registerR.addEventListener('change', syncMode);
+  const addBtn = h('button', { type: 'submit' }, 'Add image');
+  const addOut = outcome();
+  const addForm = h('form', { class: 'card', 'aria-labelledby': 'add-image-h' },
+    h('h2', { id: 'add-image-h' }, 'Add an image'),
+    h('div', { class: 'fields' }, nameF, pathF, mode, sizeF, allocF),
+    h('div', { class: 'buttons' }, addBtn), addOut);
+  addForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const body = { name: name.value.trim(), path: path.value.trim() };
+    if (createR.checked) {
+      const n = parseSize(size.value);
+      if (n === null) {
+        showError(addOut, invalid(`size: '${size.value}' is not a size (use e.g. 512M or 4G)`));
+        size.focus();
+        return;
+      }
+      body.create = { size_bytes: n, allocation: alloc.value };
+    }
+    const r = await act(ctx, addOut, [addBtn], () => api('POST', '/v1/images', body),
+      (img) => `Image ${img.name} added: ${bytes(img.size_bytes)} on ${img.filesystem}.`);
+    if (r) {
+      name.value = '';
+      path.value = '';
+      pathEdited = false;
+      load();
+    }
+  });
+
+  // Grow an image.
+  const [growImgF, growImg] = field('Image', h('select', null));
+  const [growSizeF, growSize] = field('New size', h('input', { type: 'text', autocomplete: 'off' }),
+    'larger than now; e.g. 2G');
+  const growBtn = h('button', { type: 'submit' }, 'Grow image');
+  const growOut = outcome();
+  const growForm = h('form', { class: 'card', 'aria-labelledby': 'grow-image-h' },
+    h('h2', { id: 'grow-image-h' }, 'Grow an image'),
+    h('p', { class: 'hint' }, 'Attached volumes follow where their backend can resize live.'),
+    h('div', { class: 'fields' }, growImgF, growSizeF),
+    h('div', { class: 'buttons' }, growBtn), growOut);
+  growForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const img = images.find((i) => i.id === growImg.value);
+    if (!img) {
+      showError(growOut, invalid('choose an image to grow'));
+      return;
+    }
+    const n = parseSize(growSize.value);
+    if (n === null) {
+      showError(growOut, invalid(`new size: '${growSize.value}' is not a size (use e.g. 2G)`));
+      growSize.focus();
+      return;
+    }
+    const ok = await ctx.confirm({
+      title: `Grow image ${img.name}?`,
+      text: `From ${bytes(img.size_bytes)} to ${bytes(n)}. An image cannot shrink back.`,
+      action: 'Grow image',
+      danger: false,
+    });
+    if (!ok.ok) return;
+    const r = await act(ctx, growOut, [growBtn],
+      () => api('POST', `/v1/images/${seg(img.id)}/resize`, { size_bytes: n }),
+      (res) => [`Image ${res.image.name} is now ${bytes(res.image.size_bytes)}.`,
+        ...res.volumes.map((v) => ` Volume ${v.name}: ${v.message}`)].join(''));
+    if (r) load();
+  });
+
+  function imageRow(img) {
+    const users = img.volumes.map((id) => volumes.find((v) => v.id === id));
+    return h(
+      'tr',
+      { 'data-image': img.name },
+      h('th', { scope: 'row' }, img.name),
+      h('td', { class: 'num' }, bytes(img.size_bytes)),
+      h('td', { class: 'num' }, bytes(img.allocated_bytes)),
+      h('td', null, img.filesystem),
+      h('td', null, img.allocation ?? 'registered'),
+      h('td', null, users.length ? users.map((v, i) => [i ? ', ' : '',
+        v ? h('a', { href: `#/volumes/${seg(v.id)}` }, v.name) : h('span', { class: 'mono' }, img.volumes[i])])
+        : 'none'),
+      h('td', { class: 'mono path' }, img.path),
+      h('td', null, h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `delete-image-${img.id}`,
+        'aria-label': `Delete image ${img.name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          const ok = await ctx.confirm({
+            title: `Delete image ${img.name}?`,
+            text: `blockplane forgets the image${img.volumes.length ? ' (it refuses while volumes use it)' : ''}.`,
+            check: `Also delete the file ${img.path}`,
+            action: 'Delete image',
+          });
+          if (!ok.ok) return;
+          const r = await act(ctx, listOut, [btn],
+            () => api('DELETE', `/v1/images/${seg(img.id)}?delete_file=${ok.checked}`),
+            `Image ${img.name} deleted${ok.checked ? ' with its file' : ''}.`);
+          if (r !== undefined) load();
+        },
+      }, 'Delete…')),
+    );
+  }
+
+  async function load() {
+    try {
+      [images, volumes] = await Promise.all([api('GET', '/v1/images'), api('GET', '/v1/volumes')]);
+    } catch (e) {
+      showError(listOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      return;
+    }
+    rebuild(list, images.length
+      ? table('Images', ['Name', 'Size', 'Allocated', 'Filesystem', 'Allocation', 'Volumes', 'Path', 'Action'],
+        h('tbody', null, images.map(imageRow)))
+      : h('p', null, 'No images yet: add one below.'));
+    const chosen = growImg.value;
+    fill(growImg, images.map((i) => h('option', { value: i.id, selected: i.id === chosen }, `${i.name} (${bytes(i.size_bytes)})`)));
+  }
+  load();
+  const reload = debounce(load, 300);
+  // Allocated bytes change with writes, which make no event.
+  const timer = setInterval(load, 10000);
+  const el = h('section', null, h('h1', { tabindex: -1 }, 'Images'), listOut, list,
+    h('div', { class: 'cards' }, addForm, growForm));
+  return {
+    el,
+    onEvent: reload,
+    dispose() { clearInterval(timer); },
+  };
+}
+
+// ---------------------------------------------------------------- volumes
+
+/** Volumes: backend, policy and its reason, state, device, QoS, size; create, delete. */
+export function volumesPage(ctx) {
+  const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const listOut = outcome();
+  let images = [];
+
+  const host = ctx.host;
+  const [nameF, name] = field('Name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -');
+  const [imageF, image] = field('Image', h('select', { required: true }));
+  const backendOpts = [['auto', `auto (${host?.default_backend ?? 'best available'})`]].concat(
+    ['loop', 'ublk', 'dm'].map((b) => [b, host && !host.backends[b].available ? `${b} (not available here)` : b]),
+  );
+  const [backendF, backend] = field('Backend', select(backendOpts, 'auto'), 'see Host for why a backend is missing');
+  const [dispatchF, dispatch] = field('Dispatch policy', select(
+    ['auto', 'nowait', 'threaded', 'direct'].map((p) => [p, p]), 'auto',
+  ), 'ublk and dm only');
+  const ro = h('input', { type: 'checkbox', id: uid('ro') });
+  const roF = h('div', { class: 'field check' }, ro, h('label', { for: ro.id }, 'Read-only'));
+  const [iopsF, iops] = field('QoS IOPS limit', h('input', { type: 'number', min: 1, inputmode: 'numeric' }), 'optional; ublk');
+  const [bwF, bw] = field('QoS bandwidth limit', h('input', { type: 'text', autocomplete: 'off' }), 'optional, bytes/s, e.g. 100M');
+  const createBtn = h('button', { type: 'submit' }, 'Create volume');
+  const createOut = outcome();
+  const form = h('form', { class: 'card', 'aria-labelledby': 'create-volume-h' },
+    h('h2', { id: 'create-volume-h' }, 'Create a volume'),
+    h('div', { class: 'fields' }, nameF, imageF, backendF, dispatchF, iopsF, bwF, roF),
+    h('div', { class: 'buttons' }, createBtn), createOut);
+  form.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const body = {
+      name: name.value.trim(),
+      image: image.value,
+      backend: backend.value,
+      dispatch: dispatch.value,
+      read_only: ro.checked,
+    };
+    const limits = {};
+    if (iops.value) limits.iops = Number(iops.value);
+    if (bw.value.trim()) {
+      const n = parseSize(bw.value);
+      if (n === null) {
+        showError(createOut, invalid(`bandwidth: '${bw.value}' is not a size (use e.g. 100M)`));
+        bw.focus();
+        return;
+      }
+      limits.bytes_per_sec = n;
+    }
+    if (Object.keys(limits).length) body.qos = limits;
+    const r = await act(ctx, createOut, [createBtn], () => api('POST', '/v1/volumes', body),
+      (v) => `Volume ${v.name} is ${v.state}: ${v.device ?? 'no device'} (${v.backend}).`);
+    if (r) {
+      fill(createOut.firstChild, `Volume ${r.name} is ${r.state}: ${r.device ?? 'no device'} (${r.backend}). `,
+        h('a', { href: `#/volumes/${seg(r.id)}` }, `Open ${r.name}`));
+      // Ready for the next one; the image, backend and policy choices stay.
+      name.value = '';
+      ro.checked = false;
+      iops.value = '';
+      bw.value = '';
+      load();
+    }
+  });
+
+  function row(v) {
+    return h(
+      'tr',
+      { 'data-volume': v.name },
+      h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(v.id)}`, 'data-key': `open-${v.id}` }, v.name)),
+      h('td', { 'data-field': 'backend' }, v.backend),
+      h('td', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
+      h('td', { 'data-field': 'state' }, stateCell(v)),
+      h('td', { 'data-field': 'device', class: 'mono' }, v.device ?? '–'),
+      h('td', { 'data-field': 'size', class: 'num' }, bytes(v.size_bytes)),
+      h('td', { 'data-field': 'read_only' }, yesNo(v.read_only)),
+      h('td', { 'data-field': 'qos' }, qos(v.qos)),
+      h('td', null, h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `delete-${v.id}`,
+        'aria-label': `Delete volume ${v.name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          if (!(await confirmDelete(ctx, v))) return;
+          await act(ctx, listOut, [btn], () => api('DELETE', `/v1/volumes/${seg(v.id)}`),
+            `Volume ${v.name} deleted; ${v.device ?? 'its device'} is gone.`);
+          load();
+        },
+      }, 'Delete…')),
+    );
+  }
+
+  async function load() {
+    let volumes;
+    try {
+      [volumes, images] = await Promise.all([api('GET', '/v1/volumes'), api('GET', '/v1/images')]);
+    } catch (e) {
+      showError(listOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      return;
+    }
+    rebuild(list, volumes.length
+      ? table('Volumes', ['Name', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Action'],
+        h('tbody', null, volumes.map(row)))
+      : h('p', null, 'No volumes yet: create one below.'));
+    const chosen = image.value;
+    fill(image, images.length
+      ? images.map((i) => h('option', { value: i.name, selected: i.name === chosen }, `${i.name} (${bytes(i.size_bytes)})`))
+      : h('option', { value: '' }, 'no images: add one on the Images page'));
+  }
+  load();
+  const reload = debounce(load, 200);
+  const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list, form);
+  return { el, onEvent: reload, dispose() {} };
+}
+
+function confirmDelete(ctx, v) {
+  return ctx.confirm({
+    title: `Delete volume ${v.name}?`,
+    text: `Its device ${v.device ?? ''} goes away; whatever uses it loses it. The image stays.`,
+    action: 'Delete volume',
+  }).then((r) => r.ok);
+}
+
+// ---------------------------------------------------------------- one volume
+
+/** Samples kept per volume across page visits: the charts' last minutes. */
+const histories = new Map();
+
+function history(id) {
+  if (!histories.has(id)) histories.set(id, { charts: {}, prev: null });
+  return histories.get(id);
+}
+
+/** One volume: its settings, live changes, charts of its I/O and its events. */
+export function volumePage(ctx, { id }) {
+  const heading = h('h1', { tabindex: -1 }, 'Volume');
+  const facts = h('dl', { class: 'facts' });
+  const pageOut = outcome();
+  let v = null;
+  let stopped = false;
+
+  // Live changes.
+  const [dispF, disp] = field('Dispatch policy', select(
+    ['auto', 'nowait', 'threaded', 'direct'].map((p) => [p, p]), 'auto',
+  ));
+  const dispBtn = h('button', { type: 'submit' }, 'Apply policy');
+  const dispOut = outcome();
+  const dispHint = h('p', { class: 'hint' });
+  const dispForm = h('form', { class: 'card', 'aria-labelledby': 'dispatch-h' },
+    h('h2', { id: 'dispatch-h' }, 'Dispatch policy'), dispHint,
+    h('div', { class: 'fields' }, dispF), h('div', { class: 'buttons' }, dispBtn), dispOut);
+  dispForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const r = await act(ctx, dispOut, [dispBtn],
+      () => api('PATCH', `/v1/volumes/${seg(id)}`, { dispatch: disp.value }),
+      (nv) => `Dispatch is now ${nv.dispatch}: ${nv.dispatch_reason}`);
+    if (r) show(r);
+  });
+
+  const [qIopsF, qIops] = field('IOPS limit', h('input', { type: 'number', min: 1, inputmode: 'numeric' }), 'empty: unlimited');
+  const [qBwF, qBw] = field('Bandwidth limit', h('input', { type: 'text', autocomplete: 'off' }), 'bytes/s, e.g. 100M; empty: unlimited');
+  const qSet = h('button', { type: 'submit' }, 'Set limits');
+  const qClear = h('button', { type: 'button', class: 'secondary' }, 'Clear limits');
+  const qOut = outcome();
+  const qHint = h('p', { class: 'hint' });
+  const qForm = h('form', { class: 'card', 'aria-labelledby': 'qos-h' },
+    h('h2', { id: 'qos-h' }, 'QoS limits'), qHint,
+    h('div', { class: 'fields' }, qIopsF, qBwF), h('div', { class: 'buttons' }, qSet, qClear), qOut);
+  qForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const limits = {};
+    if (qIops.value) limits.iops = Number(qIops.value);
+    if (qBw.value.trim()) {
+      const n = parseSize(qBw.value);
+      if (n === null) {
+        showError(qOut, invalid(`bandwidth: '${qBw.value}' is not a size (use e.g. 100M)`));
+        return;
+      }
+      limits.bytes_per_sec = n;
+    }
+    if (!Object.keys(limits).length) {
+      showError(qOut, invalid('give an IOPS or bandwidth limit, or use Clear limits'));
+      return;
+    }
+    const r = await act(ctx, qOut, [qSet, qClear],
+      () => api('PATCH', `/v1/volumes/${seg(id)}`, { qos: limits }),
+      (nv) => `QoS is now: ${qos(nv.qos)}.`);
+    if (r) show(r);
+  });
+  qClear.addEventListener('click', async () => {
+    const r = await act(ctx, qOut, [qSet, qClear],
+      () => api('PATCH', `/v1/volumes/${seg(id)}`, { qos: null }),
+      'QoS limits removed.');
+    if (r) show(r);
+  });
+
+  const roBtn = h('button', { type: 'button', 'aria-describedby': 'ro-now' }, 'Make read-only');
+  const roNow = h('p', { id: 'ro-now' });
+  const roOut = outcome();
+  roBtn.addEventListener('click', async () => {
+    const want = !v.read_only;
+    const r = await act(ctx, roOut, [roBtn],
+      () => api('PATCH', `/v1/volumes/${seg(id)}`, { read_only: want }),
+      (nv) => `The volume is now ${nv.read_only ? 'read-only' : 'writable'}.`);
+    if (r) show(r);
+  });
+  const roCard = h('section', { class: 'card', 'aria-labelledby': 'ro-h' },
+    h('h2', { id: 'ro-h' }, 'Read-only'), roNow, h('div', { class: 'buttons' }, roBtn), roOut);
+
+  const delBtn = h('button', { type: 'button', class: 'danger' }, 'Delete volume…');
+  const delOut = outcome();
+  delBtn.addEventListener('click', async () => {
+    if (!(await confirmDelete(ctx, v))) return;
+    const r = await act(ctx, delOut, [delBtn], () => api('DELETE', `/v1/volumes/${seg(id)}`).then(() => true),
+      'Deleted.');
+    if (r) ctx.navigate('#/volumes');
+  });
+  const delCard = h('section', { class: 'card', 'aria-labelledby': 'del-h' },
+    h('h2', { id: 'del-h' }, 'Delete'),
+    h('p', null, 'The device goes away; the image stays.'),
+    h('div', { class: 'buttons' }, delBtn), delOut);
+
+  // Charts: kept per volume, so coming back shows the last minutes again.
+  const hist = history(id);
+  const opSeries = (ops) => ops.map((op) => ({ key: op, label: op, ...OP_STYLE[op] }));
+  const charts = {
+    iops: new LineChart({ id: 'iops', title: 'IOPS (last 1 s)', series: opSeries(OPS), format: count }),
+    bandwidth: new LineChart({
+      id: 'bandwidth',
+      title: 'Bandwidth (last 1 s)',
+      series: opSeries(['read', 'write', 'discard']),
+      format: bandwidth,
+      nice: niceCeilBinary,
+    }),
+    latency: new LineChart({
+      id: 'latency',
+      title: 'Latency percentiles (since the worker started)',
+      series: [
+        { key: 'read_p50', label: 'read p50', color: OP_STYLE.read.color, dash: null },
+        { key: 'read_p99', label: 'read p99', color: OP_STYLE.read.color, dash: '6 3' },
+        { key: 'write_p50', label: 'write p50', color: OP_STYLE.write.color, dash: null },
+        { key: 'write_p99', label: 'write p99', color: OP_STYLE.write.color, dash: '6 3' },
+        { key: 'flush_p99', label: 'flush p99', color: OP_STYLE.flush.color, dash: '2 3' },
+        { key: 'discard_p99', label: 'discard p99', color: OP_STYLE.discard.color, dash: '10 3 2 3' },
+      ],
+      format: micros,
+    }),
+    events: new LineChart({
+      id: 'events',
+      title: 'NOWAIT fallbacks and QoS throttling (per second)',
+      series: [
+        { key: 'eagain', label: 'NOWAIT EAGAIN fallbacks', color: '#0b57d0', dash: null },
+        { key: 'throttled', label: 'QoS-throttled requests', color: '#b3261e', dash: '6 3' },
+      ],
+      format: count,
+    }),
+  };
+  for (const [k, c] of Object.entries(charts)) if (hist.charts[k]) c.load(hist.charts[k]);
+  const nowTable = h('div');
+  const latTable = h('div');
+  const ublkNote = h('p', { class: 'hint', hidden: true });
+  const statsOut = outcome();
+  const chartsEl = h('section', { 'aria-labelledby': 'charts-h' },
+    h('h2', { id: 'charts-h' }, 'I/O'), statsOut,
+    h('div', { class: 'charts' }, charts.iops.el, charts.bandwidth.el, charts.latency.el, charts.events.el),
+    ublkNote, nowTable, latTable);
+
+  const events = h('ol', { class: 'events', reversed: true });
+  const eventsEl = h('section', { 'aria-labelledby': 'events-h' }, h('h2', { id: 'events-h' }, 'Events'), events);
+
+  const el = h('section', { class: 'volume' }, heading, pageOut, facts, chartsEl,
+    h('div', { class: 'cards' }, dispForm, qForm, roCard, delCard), eventsEl);
+
+  function show(nv) {
+    const first = v === null;
+    v = nv;
+    fill(heading, `Volume ${v.name}`);
+    document.title = `${v.name} · blockplane`;
+    const image = ctx.images?.find((i) => i.id === v.image_id);
+    fill(
+      facts,
+      h('dt', null, 'State'), h('dd', { 'data-field': 'state' }, stateCell(v)),
+      h('dt', null, 'Device'), h('dd', { 'data-field': 'device', class: 'mono' }, v.device ?? '–'),
+      h('dt', null, 'Backend'), h('dd', { 'data-field': 'backend' }, v.backend),
+      h('dt', null, 'Dispatch'), h('dd', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
+      h('dt', null, 'Size'), h('dd', { 'data-field': 'size' }, bytes(v.size_bytes), v.resize_pending ? ' (resize pending: applies at the next attach)' : ''),
+      h('dt', null, 'Read-only'), h('dd', { 'data-field': 'read_only' }, yesNo(v.read_only)),
+      h('dt', null, 'QoS'), h('dd', { 'data-field': 'qos' }, qos(v.qos)),
+      h('dt', null, 'Image'), h('dd', null, image ? h('a', { href: '#/images' }, image.name) : h('span', { class: 'mono' }, v.image_id)),
+      h('dt', null, 'Queues'), h('dd', null, `${v.queues} × depth ${v.queue_depth}, requests up to ${bytes(v.max_io_bytes)}`),
+      v.direct_io === null ? null : [h('dt', null, 'Direct I/O'), h('dd', null, yesNo(v.direct_io))],
+      v.worker_pid === null ? null : [h('dt', null, 'Worker'), h('dd', null, `pid ${v.worker_pid}, buffers ${bytes(v.buffer_bytes)}`)],
+      h('dt', null, 'Updated'), h('dd', null, when(v.updated_at)),
+    );
+    // Say up front what this backend cannot change live; the API still
+    // decides, and its refusal is shown if the user tries.
+    const loop = v.backend === 'loop';
+    fill(dispHint, loop ? 'A loop volume runs on the kernel loop driver: policies apply to ublk and dm volumes.'
+      : 'Switches live, without detaching the device.');
+    fill(qHint, loop ? 'QoS limits need a ublk volume.' : 'Token buckets over reads and writes together.');
+    fill(roNow, `Now ${v.read_only ? 'read-only' : 'writable'}.`,
+      loop ? ' The kernel loop driver cannot change this on a bound device.' : '');
+    fill(roBtn, v.read_only ? 'Make writable' : 'Make read-only');
+    if (first) {
+      disp.value = v.requested_dispatch;
+      qIops.value = v.qos?.iops ?? '';
+      qBw.value = v.qos?.bytes_per_sec ? sizeText(v.qos.bytes_per_sec) : '';
+    }
+  }
+
+  async function load() {
+    try {
+      const [nv, imgs] = await Promise.all([api('GET', `/v1/volumes/${seg(id)}`), api('GET', '/v1/images')]);
+      ctx.images = imgs;
+      fill(pageOut);
+      show(nv);
+    } catch (e) {
+      showError(pageOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+    }
+  }
+
+  async function loadEvents() {
+    try {
+      const evs = await api('GET', `/v1/events?volume=${seg(id)}&limit=100`);
+      const have = new Set([...events.children].map((li) => li.dataset.eventId));
+      for (const ev of evs) if (!have.has(String(ev.id))) events.prepend(eventItem(ev));
+    } catch (e) {
+      showError(pageOut, e);
+    }
+  }
+
+  function sample(stats) {
+    const at = Date.now();
+    const r = stats.rates?.last_1s;
+    const per = (key) => Object.fromEntries(OPS.map((op) => [op, r ? r[op][key] : null]));
+    charts.iops.push(at, per('iops'));
+    charts.bandwidth.push(at, per('bytes_per_sec'));
+    const lat = stats.latency_us;
+    charts.latency.push(at, lat ? {
+      read_p50: lat.read.p50, read_p99: lat.read.p99,
+      write_p50: lat.write.p50, write_p99: lat.write.p99,
+      flush_p99: lat.flush.p99, discard_p99: lat.discard.p99,
+    } : {});
+    // Counters since the worker started: chart their change per second.
+    const prev = hist.prev;
+    const rate = (now, before) => (prev && now !== null && before !== null && now >= before
+      ? (now - before) / Math.max((at - prev.at) / 1000, 0.001) : null);
+    const eagain = stats.nowait?.eagain_fallbacks ?? null;
+    const throttled = stats.qos_throttled ?? null;
+    charts.events.push(at, {
+      eagain: rate(eagain, prev?.eagain ?? null),
+      throttled: rate(throttled, prev?.throttled ?? null),
+    });
+    hist.prev = { at, eagain, throttled };
+    for (const [k, c] of Object.entries(charts)) hist.charts[k] = c.points;
+
+    const ublk = stats.latency_us !== null || stats.nowait !== null;
+    charts.latency.el.hidden = !ublk;
+    charts.events.el.hidden = !ublk;
+    ublkNote.hidden = ublk;
+    fill(ublkNote, `Latency percentiles, NOWAIT fallbacks and QoS throttling are measured by ublk workers; a ${stats.backend} volume has none (the kernel's counters give IOPS and bandwidth).`);
+
+    const rates = stats.rates;
+    rebuild(nowTable, table(
+      rates ? `Rates (IOPS and bandwidth) and totals since ${when(stats.since)}; ${count(stats.in_flight)} in flight`
+        : 'Totals (rates appear after two samples)',
+      ['Op', 'last 1 s', 'last 10 s', 'last 60 s', 'Total ops', 'Total bytes', 'Errors'],
+      h('tbody', null, OPS.map((op) => h(
+        'tr',
+        { 'data-op': op },
+        h('th', { scope: 'row' }, op),
+        ['last_1s', 'last_10s', 'last_60s'].map((w) => h('td', { class: 'num' },
+          rates ? `${count(rates[w][op].iops)} IOPS, ${bandwidth(rates[w][op].bytes_per_sec)}` : '–')),
+        h('td', { class: 'num' }, count(stats[op].ops)),
+        h('td', { class: 'num' }, bytes(stats[op].bytes)),
+        h('td', { class: 'num' }, stats[op].errors ?? 'n/a'),
+      ))),
+    ));
+    if (lat) {
+      rebuild(latTable, table('Latency per op (µs percentiles since the worker started)',
+        ['Op', 'p50', 'p90', 'p99', 'p99.9', 'max', 'requests'],
+        h('tbody', null, OPS.map((op) => h(
+          'tr',
+          { 'data-op': op },
+          h('th', { scope: 'row' }, op),
+          ['p50', 'p90', 'p99', 'p999', 'max'].map((p) => h('td', { class: 'num' }, micros(lat[op][p]))),
+          h('td', { class: 'num' }, count(lat[op].count)),
+        )))),
+      h('p', null, stats.nowait ? `NOWAIT: ${count(stats.nowait.submitted)} submitted, ${count(stats.nowait.completed_inline)} inline, ${count(stats.nowait.eagain_fallbacks)} EAGAIN fallbacks.` : null,
+        stats.qos_throttled !== null ? ` QoS delayed ${count(stats.qos_throttled)} requests.` : null,
+        stats.worker_restarts ? ` Worker restarts: ${count(stats.worker_restarts)}.` : null));
+    } else {
+      fill(latTable);
+    }
+  }
+
+  // One stats request a second while the page is open.
+  async function poll() {
+    if (stopped) return;
+    try {
+      sample(await api('GET', `/v1/volumes/${seg(id)}/stats`));
+      fill(statsOut);
+    } catch (e) {
+      showError(statsOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+    }
+    if (!stopped) pollTimer = setTimeout(poll, 1000);
+  }
+  let pollTimer = null;
+
+  load();
+  loadEvents();
+  poll();
+  const reload = debounce(load, 200);
+  return {
+    el,
+    onEvent(ev) {
+      if (ev.volume_id !== v?.id && ev.volume_id !== id) return;
+      if (!events.querySelector(`[data-event-id="${ev.id}"]`)) events.prepend(eventItem(ev));
+      if (ev.kind === 'volume_deleted') {
+        stopped = true;
+        showError(pageOut, { status: 0, code: 'volume_deleted', message: ev.message });
+        return;
+      }
+      reload();
+    },
+    dispose() {
+      stopped = true;
+      clearTimeout(pollTimer);
+      for (const c of Object.values(charts)) c.dispose();
+    },
+  };
+}

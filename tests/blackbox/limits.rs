@@ -1,0 +1,157 @@
+//! Limits that protect the service from its clients: each answers with its
+//! own status and code, and changes nothing.
+
+use std::time::{Duration, Instant};
+
+use hyper::Method;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::{Opts, Service, assert_error};
+
+fn with(args: &[&str]) -> Opts {
+    Opts {
+        extra_args: args.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_over_the_cap_is_413() {
+    let s = Service::start_with(with(&["--max-body-bytes", "4096"])).await;
+    let before = s.snapshot().await;
+    let big = "x".repeat(8192);
+    let a = s
+        .call(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"name": big, "path": "/x"})),
+        )
+        .await;
+    assert_error(&a, 413, "body_too_large");
+    assert_eq!(s.snapshot().await, before);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_that_does_not_send_its_headers_is_cut_off() {
+    let s = Service::start_with(with(&["--header-timeout-secs", "1"])).await;
+    let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+    c.write_all(b"GET /v1/host HTTP/1.1\r\nHo").await.unwrap();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the half-sent request was not cut off");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // Whatever hyper answers (408 or nothing), no request was served.
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"));
+}
+
+/// A request that takes seconds: a fully allocated 2 GiB image (zeros written).
+fn slow_create(s: &Service, name: &str) -> serde_json::Value {
+    json!({"name": name, "path": s.images.join(format!("{name}.img")),
+           "create": {"size_bytes": 2u64 << 30, "allocation": "full"}})
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_past_its_timeout_is_408_and_its_operation_still_completes() {
+    let s = Service::start_with(with(&["--request-timeout-secs", "1"])).await;
+    let a = s.post("/v1/images", slow_create(&s, "slow")).await;
+    assert_error(&a, 408, "request_timeout");
+    // The operation ran on: the image appears.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let g = s.get("/v1/images/slow").await;
+        if g.status.as_u16() == 200 {
+            assert_eq!(g.body["size_bytes"], 2u64 << 30);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the timed-out create never completed"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Unlinking 2 GiB can itself outlast the 1 s timeout: 204, or 408 and gone soon.
+    let d = s.delete("/v1/images/slow?delete_file=true").await;
+    assert!(matches!(d.status.as_u16(), 204 | 408), "{}", d.body);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.get("/v1/images/slow").await.status.as_u16() != 404 {
+        assert!(Instant::now() < deadline, "the image was never deleted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn past_the_concurrency_limit_requests_are_shed_with_503() {
+    let s =
+        std::sync::Arc::new(Service::start_with(with(&["--max-concurrent-requests", "1"])).await);
+    let s2 = s.clone();
+    let slow = tokio::spawn(async move { s2.post("/v1/images", slow_create(&s2, "busy")).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = s.get("/v1/volumes").await;
+    assert_error(&a, 503, "overloaded");
+    let done = slow.await.unwrap();
+    assert_eq!(done.status.as_u16(), 201, "{}", done.body);
+    assert_eq!(s.get("/v1/volumes").await.status.as_u16(), 200);
+    assert_eq!(
+        s.delete("/v1/images/busy?delete_file=true")
+            .await
+            .status
+            .as_u16(),
+        204
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn event_streams_have_their_own_limit() {
+    let s = Service::start_with(with(&["--max-event-streams", "1"])).await;
+    let open = || async {
+        let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+        c.write_all(b"GET /v1/events/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = vec![0u8; 64];
+        let n = c.read(&mut head).await.unwrap();
+        (c, String::from_utf8_lossy(&head[..n]).into_owned())
+    };
+    let (first, head) = open().await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (_, head) = open().await;
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    // Requests are not affected by open streams.
+    assert_eq!(s.get("/v1/host").await.status.as_u16(), 200);
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, head) = open().await;
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "the closed stream gave its place back: {head}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_volume_cap_refuses_one_more_and_changes_nothing() {
+    let s = Service::start_with(with(&["--max-volumes", "2"])).await;
+    s.loop_volume("a", 4).await;
+    s.loop_volume("b", 4).await;
+    s.image("c-img", 4).await;
+    let before = s.snapshot().await;
+    let a = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "c", "image": "c-img", "backend": "loop"}),
+        )
+        .await;
+    assert_error(&a, 422, "volume_limit");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-volumes")
+    );
+    assert_eq!(s.snapshot().await, before);
+}

@@ -1,0 +1,442 @@
+// The dashboard in a real browser against a real service with real loop
+// volumes: what the pages show is what the API says, actions from the forms
+// reach the kernel, refusals are shown with the API's message, and the pages
+// follow changes live. Run by tests/run-all.sh (root: loop devices).
+//
+// The tests run in order and share one service and one browser tab: each
+// builds on what the previous ones made.
+
+import assert from 'node:assert/strict';
+import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { after, before, describe, test } from 'node:test';
+
+import {
+  SCREENSHOTS, Service, TOKEN, backingFile, browser, deviceSize, isBlockDevice, screenshot, until, writer,
+} from './harness.mjs';
+
+const MiB = 2 ** 20;
+
+let svc;
+let br;
+let page;
+/** Every request the browser made: URL and headers. */
+const requests = [];
+const pageErrors = [];
+
+before(async () => {
+  // This run's screenshots only.
+  rmSync(SCREENSHOTS, { recursive: true, force: true });
+  svc = await Service.start();
+  br = await browser();
+  page = await br.context.newPage();
+  page.on('request', (r) => requests.push({ url: r.url(), headers: r.headers() }));
+  page.on('pageerror', (e) => pageErrors.push(e.message));
+});
+
+after(async () => {
+  if (br) await br.close();
+  if (svc) await svc.stop();
+});
+
+/** Opens a dashboard route in the current tab, without reloading it. */
+async function go(hash) {
+  await page.evaluate((h) => { location.hash = h; }, hash);
+  await page.locator('main h1').first().waitFor();
+}
+
+function volumeRow(name) {
+  return page.locator(`tr[data-volume="${name}"]`);
+}
+
+async function apiVolume(name) {
+  return (await svc.call('GET', `/v1/volumes/${name}`)).body;
+}
+
+describe('dashboard', { concurrency: false }, () => {
+  test('the page loads without a token and asks for one; a wrong token is refused with the API message', async () => {
+    await page.goto(svc.url);
+    const field = page.getByLabel('API token');
+    await field.waitFor();
+    assert.ok(await field.evaluate((el) => el === document.activeElement), 'the token field has the focus');
+    await screenshot(page, 'login');
+
+    await field.fill('not-the-token');
+    await page.getByRole('button', { name: 'Sign in' }).click();
+    const alert = page.locator('#login [role=alert]');
+    await alert.waitFor();
+    // The message the API gives for a missing/wrong token.
+    const noToken = await fetch(`${svc.url}v1/host`).then((r) => r.json());
+    assert.match(await alert.innerText(), new RegExp(noToken.error.message.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')));
+    await screenshot(page, 'login-refused');
+
+    await field.fill(TOKEN);
+    await field.press('Enter');
+    await page.locator('#nav').waitFor();
+    await page.locator('#live[data-state=live]').waitFor();
+    assert.equal(await page.evaluate(() => sessionStorage.getItem('blockplane.token')), TOKEN);
+  });
+
+  test('the host page shows the kernel and every backend and policy, with why not', async () => {
+    const host = await svc.ok('GET', '/v1/host');
+    await go('#/host');
+    await page.locator('[data-field=kernel]').waitFor();
+    assert.equal(await page.locator('[data-field=kernel]').innerText(), host.kernel);
+    for (const b of ['loop', 'ublk', 'dm']) {
+      const row = page.locator(`tr[data-backend=${b}]`);
+      const text = await row.innerText();
+      assert.match(text, host.backends[b].available ? /available/ : /not available/, b);
+      if (host.backends[b].reason) assert.ok(text.includes(host.backends[b].reason), `${b}: ${text}`);
+      if (host.backends[b].features) {
+        for (const f of host.backends[b].features.names) assert.ok(text.includes(f), `ublk feature ${f}`);
+      }
+    }
+    for (const p of ['nowait', 'threaded', 'direct']) {
+      const text = await page.locator(`tr[data-policy=${p}]`).innerText();
+      if (host.policies[p].reason) assert.ok(text.includes(host.policies[p].reason), `${p}: ${text}`);
+    }
+    await screenshot(page, 'host');
+  });
+
+  test('the volume list shows what the API returns', async () => {
+    await svc.loopVolume('alpha', 64);
+    await svc.loopVolume('beta', 32, { read_only: true });
+    await go('#/volumes');
+    await until('both volumes listed', async () => (await page.locator('tr[data-volume]').count()) === 2);
+    const vols = await svc.ok('GET', '/v1/volumes');
+    assert.equal(vols.length, 2);
+    for (const v of vols) {
+      const row = volumeRow(v.name);
+      const cell = (f) => row.locator(`[data-field=${f}]`).innerText();
+      assert.equal(await cell('backend'), v.backend);
+      assert.equal(await cell('device'), v.device);
+      assert.match(await cell('state'), new RegExp(`^${v.state}`));
+      assert.equal(await cell('read_only'), v.read_only ? 'yes' : 'no');
+      assert.equal(await cell('size'), `${(v.size_bytes / MiB).toFixed(1)} MiB`);
+      assert.match(await cell('dispatch'), new RegExp(v.dispatch));
+      assert.ok((await cell('dispatch')).includes(v.dispatch_reason), 'the policy reason is shown');
+      assert.equal(await cell('qos'), 'none');
+    }
+    await screenshot(page, 'volumes');
+  });
+
+  test('a volume made elsewhere appears without a reload (event stream)', async () => {
+    await page.evaluate(() => { window.noReload = true; });
+    await svc.loopVolume('gamma', 16);
+    await volumeRow('gamma').waitFor({ timeout: 10000 });
+    assert.equal(await page.evaluate(() => window.noReload), true, 'the page was not reloaded');
+  });
+
+  test('creating an image from the form, with the keyboard, makes the file', async () => {
+    await go('#/images');
+    const form = page.getByRole('form', { name: 'Add an image' });
+    await form.getByLabel('Name').fill('delta-img');
+    assert.equal(await form.getByLabel('Path').inputValue(), `${svc.images}/delta-img.img`, 'the path follows the name');
+    await form.getByLabel('Size').fill('32M');
+    await form.getByLabel('Allocation').selectOption('full');
+    await form.getByLabel('Name').press('Enter');
+    await form.locator('.ok[role=status]').waitFor();
+    assert.match(await form.locator('.ok').innerText(), /Image delta-img added: 32\.0 MiB/);
+    const img = await svc.ok('GET', '/v1/images/delta-img');
+    assert.equal(img.size_bytes, 32 * MiB);
+    assert.equal(img.allocation, 'full');
+    assert.ok(existsSync(img.path));
+    await page.locator('tr[data-image="delta-img"]').waitFor();
+    const row = await page.locator('tr[data-image="alpha-img"]').innerText();
+    assert.match(row, /64\.0 MiB/);
+    assert.match(row, /alpha/, 'the volumes using an image are listed');
+    await screenshot(page, 'images');
+  });
+
+  test('creating a volume from the form makes a loop device', async () => {
+    await go('#/volumes');
+    const form = page.getByRole('form', { name: 'Create a volume' });
+    await form.getByLabel('Name').fill('delta');
+    await form.getByLabel('Image').selectOption('delta-img');
+    await form.getByLabel('Backend').selectOption('loop');
+    await form.getByRole('button', { name: 'Create volume' }).click();
+    await form.locator('.ok[role=status]').waitFor({ timeout: 20000 });
+    const v = await apiVolume('delta');
+    assert.equal(v.state, 'attached');
+    assert.match(v.device, /^\/dev\/loop\d+$/);
+    assert.ok((await form.locator('.ok').innerText()).includes(v.device), 'the new device is named');
+    assert.ok(isBlockDevice(v.device), `${v.device} is a block device`);
+    const img = await svc.ok('GET', '/v1/images/delta-img');
+    assert.equal(backingFile(v.device), img.path, 'the loop device serves the image');
+    assert.equal(deviceSize(v.device), 32 * MiB);
+    await volumeRow('delta').waitFor();
+  });
+
+  test('read-only chosen in the form shows in the API and in the kernel', async () => {
+    await svc.image('epsilon-img', 16);
+    const form = page.getByRole('form', { name: 'Create a volume' });
+    await until('the new image in the form', async () =>
+      (await form.getByLabel('Image').locator('option[value="epsilon-img"]').count()) === 1);
+    await form.getByLabel('Name').fill('epsilon');
+    await form.getByLabel('Image').selectOption('epsilon-img');
+    await form.getByLabel('Backend').selectOption('loop');
+    await form.getByLabel('Read-only').check();
+    await form.getByRole('button', { name: 'Create volume' }).click();
+    await form.locator('.ok[role=status]').waitFor({ timeout: 20000 });
+    const v = await apiVolume('epsilon');
+    assert.equal(v.read_only, true);
+    assert.equal(readFileSync(`/sys/block/${v.device.slice(5)}/ro`, 'utf8').trim(), '1', 'the kernel device is read-only');
+    await until('the row', async () =>
+      (await volumeRow('epsilon').locator('[data-field=read_only]').innerText().catch(() => '')) === 'yes');
+  });
+
+  test('API refusals are shown with their message: a duplicate volume and a duplicate image', async () => {
+    const form = page.getByRole('form', { name: 'Create a volume' });
+    await form.getByLabel('Name').fill('delta');
+    await form.getByLabel('Image').selectOption('alpha-img');
+    await form.getByLabel('Backend').selectOption('loop');
+    await form.getByRole('button', { name: 'Create volume' }).click();
+    const alert = form.locator('[role=alert]');
+    await alert.waitFor();
+    // The same request straight to the API: the page shows its message.
+    const direct = await svc.call('POST', '/v1/volumes',
+      { name: 'delta', image: 'alpha-img', backend: 'loop', dispatch: 'auto', read_only: false });
+    assert.equal(direct.status, 409);
+    assert.equal(await alert.locator('.message').innerText(), direct.body.error.message);
+    assert.match(await alert.innerText(), new RegExp(`${direct.body.error.code}, HTTP 409`));
+    assert.equal((await apiVolume('delta')).image_id, (await svc.ok('GET', '/v1/images/delta-img')).id, 'unchanged');
+    await screenshot(page, 'error-duplicate-volume');
+
+    await go('#/images');
+    const iform = page.getByRole('form', { name: 'Add an image' });
+    await iform.getByLabel('Name').fill('delta-img');
+    await iform.getByLabel('Path').fill(`${svc.images}/other.img`);
+    await iform.getByLabel('Size').fill('8M');
+    await iform.getByRole('button', { name: 'Add image' }).click();
+    const ialert = iform.locator('[role=alert]');
+    await ialert.waitFor();
+    const idirect = await svc.call('POST', '/v1/images',
+      { name: 'delta-img', path: `${svc.images}/other.img`, create: { size_bytes: 8 * MiB } });
+    assert.equal(idirect.status, 409);
+    assert.equal(await ialert.locator('.message').innerText(), idirect.body.error.message);
+    assert.ok(!existsSync(`${svc.images}/other.img`), 'no file was made');
+  });
+
+  test('read-only from the UI: loop cannot change it live, so the refusal shows and the API is unchanged', async () => {
+    const v = await apiVolume('delta');
+    const before = (await svc.ok('GET', '/v1/events?volume=delta&limit=1000')).length;
+    await go(`#/volumes/${v.id}`);
+    const btn = page.getByRole('button', { name: 'Make read-only' });
+    await btn.click();
+    const alert = page.locator('section[aria-labelledby=ro-h] [role=alert]');
+    await alert.waitFor();
+    const direct = await svc.call('PATCH', `/v1/volumes/${v.id}`, { read_only: true });
+    assert.equal(direct.status, 422);
+    assert.equal(direct.body.error.code, 'not_live');
+    assert.equal(await alert.locator('.message').innerText(), direct.body.error.message);
+    assert.match(await alert.innerText(), /not_live, HTTP 422/);
+    const now = await apiVolume('delta');
+    assert.equal(now.read_only, false, 'still writable');
+    assert.equal(now.updated_at, v.updated_at);
+    assert.equal((await svc.ok('GET', '/v1/events?volume=delta&limit=1000')).length, before, 'no event');
+    assert.equal(await page.locator('[data-field=read_only]').innerText(), 'no');
+    await screenshot(page, 'volume-read-only-refused');
+  });
+
+  test('a change loop makes live: growing the image from the UI grows the device, after a confirmation', async () => {
+    const v = await apiVolume('delta');
+    await go('#/images');
+    const form = page.getByRole('form', { name: 'Grow an image' });
+    await form.getByLabel('Image').selectOption({ label: 'delta-img (32.0 MiB)' });
+    await form.getByLabel('New size').fill('48M');
+    await form.getByRole('button', { name: 'Grow image' }).click();
+    const dialog = page.getByRole('dialog');
+    await dialog.waitFor();
+    assert.match(await dialog.innerText(), /From 32\.0 MiB to 48\.0 MiB/);
+    await dialog.getByRole('button', { name: 'Cancel' }).click();
+    await dialog.waitFor({ state: 'hidden' });
+    assert.equal((await svc.ok('GET', '/v1/images/delta-img')).size_bytes, 32 * MiB, 'cancel changes nothing');
+
+    await form.getByRole('button', { name: 'Grow image' }).click();
+    await dialog.getByRole('button', { name: 'Grow image' }).click();
+    await form.locator('.ok[role=status]').waitFor();
+    assert.match(await form.locator('.ok').innerText(), /delta-img is now 48\.0 MiB/);
+    assert.equal((await svc.ok('GET', '/v1/images/delta-img')).size_bytes, 48 * MiB);
+    assert.equal((await apiVolume('delta')).size_bytes, 48 * MiB, 'the volume followed');
+    assert.equal(deviceSize(v.device), 48 * MiB, 'the kernel device grew');
+    await until('the table to show the new size', async () =>
+      /48\.0 MiB/.test(await page.locator('tr[data-image="delta-img"]').innerText()));
+  });
+
+  test('the volume page follows changes made elsewhere: size and event history', async () => {
+    const v = await apiVolume('delta');
+    await go(`#/volumes/${v.id}`);
+    await until('the size', async () => (await page.locator('[data-field=size]').innerText()).startsWith('48.0 MiB'));
+    await page.locator('#live[data-state=live]').waitFor();
+    await svc.ok('POST', '/v1/images/delta-img/resize', { size_bytes: 64 * MiB });
+    await until('the new size on the page', async () =>
+      (await page.locator('[data-field=size]').innerText()).startsWith('64.0 MiB'));
+    const last = (await svc.ok('GET', '/v1/events?volume=delta&limit=1')).at(-1);
+    await page.locator(`.events li[data-event-id="${last.id}"]`).waitFor();
+    assert.ok((await page.locator(`.events li[data-event-id="${last.id}"]`).innerText()).includes(last.message));
+  });
+
+  test('the charts gain data points while a writer runs', async () => {
+    const v = await apiVolume('delta');
+    const iops = page.locator('[data-chart=iops]');
+    await until('two samples', async () => Number(await iops.getAttribute('data-points')) >= 2);
+    // Let the sampler settle so that the writer's samples are new ones.
+    const writes = () => iops.locator('li[data-series=write]').getAttribute('data-nonzero').then(Number);
+    const points0 = Number(await iops.getAttribute('data-points'));
+    const writes0 = await writes();
+    const done = writer(v.device, 7);
+    await until('write IOPS samples', async () => (await writes()) >= writes0 + 3, 15000);
+    const points1 = Number(await iops.getAttribute('data-points'));
+    assert.ok(points1 >= points0 + 3, `points grew: ${points0} -> ${points1}`);
+    const bw = page.locator('[data-chart=bandwidth] li[data-series=write]');
+    assert.ok(Number(await bw.getAttribute('data-nonzero')) >= 1, 'bandwidth saw the writes');
+    assert.ok(await iops.locator('polyline[data-series=write]').count() >= 1, 'the write line is drawn');
+    const stats = await svc.ok('GET', `/v1/volumes/${v.id}/stats`);
+    assert.ok(stats.write.ops > 0);
+    assert.match(await page.locator('tr[data-op=write]').innerText(), /IOPS/);
+    await screenshot(page, 'volume');
+    await done;
+  });
+
+  test('deleting asks first: Escape cancels, confirming removes the device', async () => {
+    const v = await apiVolume('gamma');
+    await go('#/volumes');
+    const del = volumeRow('gamma').getByRole('button', { name: 'Delete volume gamma' });
+    await del.click();
+    const dialog = page.getByRole('dialog');
+    await dialog.waitFor();
+    assert.match(await dialog.innerText(), /Delete volume gamma\?/);
+    assert.ok(await dialog.getByRole('button', { name: 'Cancel' }).evaluate((b) => b === document.activeElement),
+      'Cancel has the focus');
+    await screenshot(page, 'confirm-delete');
+    await page.keyboard.press('Escape');
+    await dialog.waitFor({ state: 'hidden' });
+    assert.equal((await svc.call('GET', '/v1/volumes/gamma')).status, 200, 'still there');
+    assert.equal(backingFile(v.device) !== null, true);
+
+    await del.click();
+    await dialog.getByRole('button', { name: 'Delete volume' }).click();
+    await volumeRow('gamma').waitFor({ state: 'detached' });
+    assert.equal((await svc.call('GET', '/v1/volumes/gamma')).status, 404);
+    assert.equal(backingFile(v.device), null, 'the loop device is released');
+  });
+
+  test('controls have labels, work from the keyboard, and text has enough contrast', async () => {
+    for (const hash of ['#/host', '#/images', '#/volumes', `#/volumes/${(await apiVolume('delta')).id}`]) {
+      await go(hash);
+      await page.waitForTimeout(300);
+      const unlabelled = await page.evaluate(() => [...document.querySelectorAll('input, select, textarea')]
+        .filter((el) => !el.closest('[hidden]') && el.labels.length === 0 && !el.getAttribute('aria-label'))
+        .map((el) => el.outerHTML));
+      assert.deepEqual(unlabelled, [], `${hash}: every control has a label`);
+      const unnamed = await page.evaluate(() => [...document.querySelectorAll('button, a[href]')]
+        .filter((el) => !el.closest('[hidden], dialog') && !(el.getAttribute('aria-label') || el.textContent.trim()))
+        .map((el) => el.outerHTML));
+      assert.deepEqual(unnamed, [], `${hash}: every button and link has a name`);
+      // WCAG AA: 4.5:1 for text against the background it sits on.
+      const low = await page.evaluate(() => {
+        const rgb = (s) => s.match(/[\d.]+/g).slice(0, 4).map(Number);
+        const lum = ([r, g, b]) => {
+          const c = [r, g, b].map((v) => {
+            const x = v / 255;
+            return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4;
+          });
+          return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2];
+        };
+        const bg = (el) => {
+          for (let e = el; e; e = e.parentElement) {
+            const c = rgb(getComputedStyle(e).backgroundColor);
+            if (c.length < 4 || c[3] > 0) return c;
+          }
+          return [255, 255, 255];
+        };
+        const bad = [];
+        for (const el of document.querySelectorAll('body *')) {
+          if (el.closest('[hidden], dialog, svg') || !el.offsetParent) continue;
+          const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+          if (!own) continue;
+          const s = getComputedStyle(el);
+          if (s.opacity !== '1' || el.matches(':disabled')) continue;
+          const [a, b] = [lum(rgb(s.color)), lum(bg(el))];
+          const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+          if (ratio < 4.5) bad.push(`${el.tagName}.${el.className} "${el.textContent.trim().slice(0, 30)}" ${ratio.toFixed(2)}`);
+        }
+        return bad;
+      });
+      assert.deepEqual(low, [], `${hash}: contrast`);
+    }
+    // Keyboard: a nav link by Tab order and Enter.
+    await go('#/volumes');
+    await page.locator('#nav a[data-nav=images]').focus();
+    await page.keyboard.press('Enter');
+    await until('the images page', async () => (await page.locator('main h1').innerText()) === 'Images');
+    assert.equal(await page.evaluate(() => document.activeElement.tagName), 'H1', 'focus moves to the new page');
+    await page.keyboard.press('Shift+Tab');
+    assert.ok(await page.evaluate(() => document.activeElement !== document.body), 'focus stays in the page');
+  });
+
+  test('usable on a narrow window', async () => {
+    await page.setViewportSize({ width: 390, height: 844 });
+    try {
+      for (const [hash, name] of [['#/volumes', 'volumes-narrow'],
+        [`#/volumes/${(await apiVolume('delta')).id}`, 'volume-narrow']]) {
+        await go(hash);
+        await page.waitForTimeout(1200);
+        const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+        assert.ok(overflow <= 0, `${hash}: the page does not scroll sideways (${overflow}px)`);
+        await screenshot(page, name);
+      }
+    } finally {
+      await page.setViewportSize({ width: 1280, height: 800 });
+    }
+  });
+
+  test('on TCP with the token, directly: a new tab asks for the token and then works', async () => {
+    const tab = await br.context.newPage();
+    tab.on('request', (r) => requests.push({ url: r.url(), headers: r.headers() }));
+    try {
+      await tab.goto(svc.tcpUrl);
+      await tab.getByLabel('API token').fill(TOKEN);
+      await tab.getByRole('button', { name: 'Sign in' }).click();
+      await tab.locator('tr[data-volume="delta"]').waitFor();
+      await tab.locator('#live[data-state=live]').waitFor();
+      const count = await tab.locator('tr[data-volume]').count();
+      assert.equal(count, (await svc.ok('GET', '/v1/volumes')).length);
+    } finally {
+      await tab.close();
+    }
+  });
+
+  test('a service without a token: the forward opens the pages with no sign-in', async () => {
+    const open = await Service.start({ token: null });
+    const tab = await br.context.newPage();
+    tab.on('pageerror', (e) => pageErrors.push(e.message));
+    try {
+      await open.loopVolume('plain', 8);
+      await tab.goto(open.url);
+      await tab.locator('tr[data-volume="plain"]').waitFor();
+      await tab.locator('#live[data-state=live]').waitFor();
+      assert.equal(await tab.locator('#login').isHidden(), true, 'no sign-in');
+      assert.equal(await tab.getByRole('button', { name: 'Sign out' }).isHidden(), true);
+      assert.equal(await tab.locator('tr[data-volume="plain"] [data-field=device]').innerText(),
+        (await open.ok('GET', '/v1/volumes/plain')).device);
+    } finally {
+      await tab.close();
+      await open.stop();
+    }
+  });
+
+  test('signing out forgets the token; the token never went into a URL', async () => {
+    await go('#/volumes');
+    await page.getByRole('button', { name: 'Sign out' }).click();
+    await page.getByLabel('API token').waitFor();
+    assert.equal(await page.evaluate(() => sessionStorage.getItem('blockplane.token')), null);
+    assert.ok(requests.length > 10);
+    for (const r of requests) assert.ok(!r.url.includes(TOKEN), `token in a URL: ${r.url}`);
+    const apiCalls = requests.filter((r) => new URL(r.url).pathname.startsWith('/v1/'));
+    assert.ok(apiCalls.length > 0);
+    const stream = apiCalls.filter((r) => new URL(r.url).pathname === '/v1/events/stream');
+    assert.ok(stream.length > 0, 'the event stream was used');
+    for (const r of stream) assert.equal(r.headers.authorization, `Bearer ${TOKEN}`, 'the stream sends the token in its header');
+    assert.deepEqual(pageErrors, [], 'no script errors');
+  });
+});

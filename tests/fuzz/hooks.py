@@ -1,0 +1,49 @@
+"""Schemathesis hooks for blockplane: no request may change state unless it
+answered 2xx. Before each call the visible state (images, volumes, and the
+loop devices under the test's image root) is read; after a non-2xx answer it
+must be the same."""
+
+import os
+import subprocess
+
+import requests
+import schemathesis
+
+BASE = os.environ["BP_FUZZ_URL"]
+TOKEN = os.environ.get("BP_FUZZ_TOKEN")
+ROOT = os.environ["BP_FUZZ_ROOT"]
+HEADERS = {"Authorization": f"Bearer {TOKEN}"} if TOKEN else {}
+_before = {}
+
+
+def _state():
+    images = requests.get(f"{BASE}/v1/images", headers=HEADERS, timeout=30).json()
+    volumes = requests.get(f"{BASE}/v1/volumes", headers=HEADERS, timeout=30).json()
+    loops = subprocess.run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True).stdout
+    mine = sorted(line for line in loops.splitlines() if ROOT in line)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(ROOT) for f in fs)
+    # Volatile fields (live sizes move with I/O) are left out.
+    return (
+        sorted((i["id"], i["name"], i["path"], i["size_bytes"]) for i in images),
+        sorted((v["id"], v["name"], v["state"], v["dispatch"], v["read_only"], str(v["qos"])) for v in volumes),
+        mine,
+        files,
+    )
+
+
+@schemathesis.hook
+def before_call(ctx, case, **kwargs):
+    _before[id(case)] = _state()
+
+
+@schemathesis.check
+def state_unchanged_unless_2xx(ctx, response, case):
+    before = _before.pop(id(case), None)
+    if before is None or 200 <= response.status_code < 300:
+        return
+    after = _state()
+    if after != before:
+        raise AssertionError(
+            f"{case.method} {case.formatted_path} answered {response.status_code} but changed state:\n"
+            f"before {before}\nafter  {after}"
+        )
