@@ -51,16 +51,20 @@ fi
 )
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
-# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,
-# the newest kernel the full set; the two VMs run side by side (one CPU
+# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set
+# and the CSI tests, the newest kernel the full set; the two VMs run side by side (one CPU
 # thread each).
 step "kernel e2e: LTS kernel (smoke set) and newest kernel (full set), in parallel"
 mkdir -p target
 lts_log=target/vm-suite-lts.log
-tests/vm/run-suite.sh lts \
-    ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
-    ublk::auto_picks dm::switches_never_change dm::dm_refusals live:: \
-    >"$lts_log" 2>&1 &
+# On the LTS kernel, after the smoke set: the CSI driver's node and expand
+# tests, where the volumes are ublk devices.
+(
+    tests/vm/run-suite.sh lts \
+        ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
+        ublk::auto_picks dm::switches_never_change dm::dm_refusals live::
+    BLOCKPLANE_VM_TESTS=csi tests/vm/run-suite.sh lts node:: expand::
+) >"$lts_log" 2>&1 &
 lts_pid=$!
 latest_rc=0
 tests/vm/run-suite.sh latest || latest_rc=$?
