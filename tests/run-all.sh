@@ -18,6 +18,15 @@ venv=target/test-venv
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
 export BLOCKPLANE_TEST_PYTHON=$PWD/$venv/bin/python
 
+# The manifests against the schemas of an older Kubernetes release (1.31) and
+# of the newest one the validator bundles (1.37), read offline from the
+# package; --strict refuses fields a schema does not know (typos).
+step "Kubernetes manifests (deploy/kubernetes) against the 1.31 and 1.37 schemas"
+manifests=(deploy/kubernetes/*.yaml deploy/kubernetes/example/*.yaml)
+for k in 1.31.0 1.37.0; do
+    "$venv/bin/kubernetes-validate" --strict --quiet -k "$k" "${manifests[@]}"
+done
+
 step "cargo fmt --check"
 cargo fmt --all --check
 step "cargo clippy --all-targets -- -D warnings"
@@ -42,19 +51,25 @@ fi
 )
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
-# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set,
-# the newest kernel the full set; the two VMs run side by side (one CPU
+# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set
+# and the CSI tests, the newest kernel the full set; the two VMs run side by side (one CPU
 # thread each).
 step "kernel e2e: LTS kernel (smoke set) and newest kernel (full set), in parallel"
 mkdir -p target
 lts_log=target/vm-suite-lts.log
-tests/vm/run-suite.sh lts \
-    ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
-    ublk::auto_picks dm::switches_never_change dm::dm_refusals live:: \
-    >"$lts_log" 2>&1 &
+# The CSI driver's node tests follow the LTS smoke set, its expand tests the
+# newest kernel's full set (only that kernel resizes ublk devices live): in
+# the VM, the volumes they make are ublk devices.
+(
+    tests/vm/run-suite.sh lts \
+        ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
+        ublk::auto_picks dm::switches_never_change dm::dm_refusals live::
+    BLOCKPLANE_VM_TESTS=csi tests/vm/run-suite.sh lts node::
+) >"$lts_log" 2>&1 &
 lts_pid=$!
 latest_rc=0
-tests/vm/run-suite.sh latest || latest_rc=$?
+{ tests/vm/run-suite.sh latest && BLOCKPLANE_VM_TESTS=csi tests/vm/run-suite.sh latest expand::; } ||
+    latest_rc=$?
 lts_rc=0
 wait "$lts_pid" || lts_rc=$?
 step "kernel e2e, LTS kernel: log"

@@ -50,6 +50,8 @@ enum Command {
         #[arg(long)]
         limit: Option<u32>,
     },
+    /// Serve the CSI driver (Kubernetes) for this node's blockplane.
+    Csi(crate::csi::CsiArgs),
     /// Open the dashboard of a service that listens on its unix socket: forwards
     /// a local TCP address to the API given by --api; then browse to it. With
     /// --token/BLOCKPLANE_TOKEN the forward requires that token on every API
@@ -196,6 +198,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Worker { spec } => crate::dataplane::main(&spec),
+        Command::Csi(args) => csi(args, cli.api, cli.token),
         Command::Dashboard { listen } => dashboard(cli.api.as_deref(), cli.token, &listen),
         Command::Openapi => {
             let _ = std::io::Write::write_all(
@@ -223,10 +226,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     crate::server::init_logging(cfg.log_format);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = multi_thread_runtime();
     match rt.block_on(crate::server::serve(cfg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -235,6 +235,28 @@ fn serve(args: ServeArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn csi(args: crate::csi::CsiArgs, api: Option<String>, token: Option<String>) -> ExitCode {
+    crate::server::init_logging(args.log_format);
+    let api = api_address(api.as_deref());
+    let rt = multi_thread_runtime();
+    match rt.block_on(crate::csi::serve(args, &api, token)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "CSI driver stopped");
+            eprintln!("blockplane csi: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The runtime for the long-running subcommands.
+fn multi_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
 }
 
 /// The API address given, or the local service's socket.
@@ -255,10 +277,7 @@ fn dashboard(api: Option<&str>, token: Option<String>, listen: &str) -> ExitCode
             return ExitCode::from(2);
         }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = multi_thread_runtime();
     let ready = |addr: std::net::SocketAddr| {
         // One line on stdout, flushed, so that scripts can wait for it.
         let line = format!("dashboard at http://{addr}/ (API {api})\n");
@@ -338,6 +357,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
         Command::Serve(_)
         | Command::Openapi
         | Command::Worker { .. }
+        | Command::Csi(_)
         | Command::Dashboard { .. } => {
             unreachable!("handled without the API")
         }

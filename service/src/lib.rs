@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod csi;
 pub mod dashboard;
 pub mod dataplane;
 pub mod extent;

@@ -1,0 +1,785 @@
+//! The CSI Controller service: creates, deletes, grows and lists this node's
+//! volumes through the blockplane API (an image file, then a volume serving
+//! it), and reports the free space under the image root.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+use super::capability::{self, Access};
+use super::errors::CsiError;
+use super::mount;
+use super::naming::{self, VolumeId};
+use super::proto::controller_server::Controller;
+use super::proto::controller_service_capability::{self, rpc};
+use super::proto::list_volumes_response::Entry;
+use super::proto::validate_volume_capabilities_response::Confirmed;
+use super::proto::{
+    CapacityRange, ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
+    ControllerGetCapabilitiesRequest, ControllerGetCapabilitiesResponse,
+    ControllerServiceCapability, CreateVolumeRequest, CreateVolumeResponse, DeleteVolumeRequest,
+    DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse, ListVolumesRequest,
+    ListVolumesResponse, Topology, ValidateVolumeCapabilitiesRequest,
+    ValidateVolumeCapabilitiesResponse, Volume,
+};
+use super::{Driver, TOPOLOGY_KEY};
+use crate::model::{self, Allocation, BackendChoice, DispatchPolicy, Qos};
+
+/// Image sizes are rounded up to this: aligned for every filesystem and
+/// every backend (the API itself takes multiples of 512).
+pub const GRANULE: u64 = 1 << 20;
+/// The size of a volume whose request names no capacity.
+pub const DEFAULT_SIZE: u64 = 1 << 30;
+
+/// The Controller service.
+#[derive(Debug)]
+pub struct ControllerService {
+    d: Arc<Driver>,
+}
+
+impl ControllerService {
+    /// The Controller service of `driver`.
+    pub fn new(d: Arc<Driver>) -> Self {
+        Self { d }
+    }
+}
+
+/// What a StorageClass's parameters ask of a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Params {
+    pub backend: BackendChoice,
+    pub dispatch: DispatchPolicy,
+    pub allocation: Allocation,
+    pub qos: Option<Qos>,
+}
+
+/// Parses StorageClass parameters: `backend`, `dispatch`, `allocation`
+/// (the API's values) and `qos.iops`, `qos.bytes_per_sec`, `qos.burst_iops`,
+/// `qos.burst_bytes` (byte counts take units: `100M`). Keys of Kubernetes
+/// (`csi.storage.k8s.io/...`) are not ours and are skipped; any other key is
+/// refused, so that a typo does not go unnoticed.
+pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Params, CsiError> {
+    let invalid = |reason: String| CsiError::Invalid {
+        volume: volume.to_string(),
+        reason,
+    };
+    fn api_value<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
+        serde_json::from_value(json!(v)).ok()
+    }
+    let mut p = Params {
+        backend: BackendChoice::Auto,
+        dispatch: DispatchPolicy::Auto,
+        allocation: Allocation::Sparse,
+        qos: None,
+    };
+    let mut qos = Qos::default();
+    let mut keys: Vec<&String> = params.keys().collect();
+    keys.sort();
+    for k in keys {
+        let v = params[k].trim();
+        let number = |bytes: bool| -> Result<u64, CsiError> {
+            let n = if bytes {
+                crate::cli::parse_size(v).ok()
+            } else {
+                v.parse().ok()
+            };
+            n.filter(|n| *n > 0)
+                .ok_or_else(|| invalid(format!("parameter {k}='{v}' is not a positive number")))
+        };
+        match k.as_str() {
+            "backend" => {
+                p.backend = api_value(v).ok_or_else(|| {
+                    invalid(format!(
+                        "parameter backend='{v}' is not one of auto, loop, ublk, dm"
+                    ))
+                })?
+            }
+            "dispatch" => {
+                p.dispatch = api_value(v).ok_or_else(|| {
+                    invalid(format!(
+                        "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct"
+                    ))
+                })?
+            }
+            "allocation" => {
+                p.allocation = api_value(v).ok_or_else(|| {
+                    invalid(format!("parameter allocation='{v}' is not sparse or full"))
+                })?
+            }
+            "qos.iops" => qos.iops = Some(number(false)?),
+            "qos.bytes_per_sec" => qos.bytes_per_sec = Some(number(true)?),
+            "qos.burst_iops" => qos.burst_iops = Some(number(false)?),
+            "qos.burst_bytes" => qos.burst_bytes = Some(number(true)?),
+            k if k.starts_with("csi.storage.k8s.io/") => {}
+            other => {
+                return Err(invalid(format!(
+                    "unknown parameter '{other}' (known: backend, dispatch, allocation, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
+                )));
+            }
+        }
+    }
+    if qos != Qos::default() {
+        p.qos = Some(qos);
+    }
+    Ok(p)
+}
+
+/// The image size for a capacity range: `required_bytes` rounded up to
+/// [`GRANULE`] (to 512 bytes when the granule would pass `limit_bytes`);
+/// [`DEFAULT_SIZE`] (within the limit) when nothing is required.
+pub fn size_for(volume: &str, range: Option<&CapacityRange>) -> Result<u64, CsiError> {
+    let (required, limit) = range.map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+    let out_of_range = |reason: String| CsiError::OutOfRange {
+        volume: volume.to_string(),
+        reason,
+    };
+    if required < 0 || limit < 0 {
+        return Err(out_of_range(format!(
+            "capacity range {required}..{limit} has a negative bound"
+        )));
+    }
+    let (required, limit) = (required as u64, limit as u64);
+    if limit > 0 && required > limit {
+        return Err(out_of_range(format!(
+            "required_bytes {required} is more than limit_bytes {limit}"
+        )));
+    }
+    if required == 0 {
+        if limit == 0 {
+            return Ok(DEFAULT_SIZE);
+        }
+        let size = DEFAULT_SIZE.min(limit / GRANULE * GRANULE);
+        let size = if size == 0 { limit / 512 * 512 } else { size };
+        return if size == 0 {
+            Err(out_of_range(format!(
+                "limit_bytes {limit} is less than the smallest volume (512 bytes)"
+            )))
+        } else {
+            Ok(size)
+        };
+    }
+    let size = required.div_ceil(GRANULE) * GRANULE;
+    if limit == 0 || size <= limit {
+        return Ok(size);
+    }
+    let size = required.div_ceil(512) * 512;
+    if size <= limit {
+        Ok(size)
+    } else {
+        Err(out_of_range(format!(
+            "no multiple of 512 bytes lies in {required}..={limit}"
+        )))
+    }
+}
+
+/// Whether a capacity range admits `size`.
+fn fits(size: u64, range: Option<&CapacityRange>) -> bool {
+    range.is_none_or(|r| {
+        size >= r.required_bytes.max(0) as u64
+            && (r.limit_bytes <= 0 || size <= r.limit_bytes as u64)
+    })
+}
+
+fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
+    ControllerServiceCapability {
+        r#type: Some(controller_service_capability::Type::Rpc(
+            controller_service_capability::Rpc { r#type: t as i32 },
+        )),
+    }
+}
+
+impl ControllerService {
+    fn csi_volume(&self, v: &model::Volume) -> Volume {
+        Volume {
+            capacity_bytes: v.size_bytes as i64,
+            volume_id: VolumeId::new(&self.d.node_id, &v.name).to_string(),
+            volume_context: Default::default(),
+            content_source: None,
+            accessible_topology: vec![self.d.topology()],
+        }
+    }
+
+    /// Parses a volume id of this node; `Ok(None)` for ids that cannot be
+    /// this driver's.
+    fn own_id(&self, id: &str, expand: bool) -> Result<Option<VolumeId>, CsiError> {
+        let Some(vid) = VolumeId::parse(id) else {
+            return Ok(None);
+        };
+        if vid.node != self.d.node_id {
+            let (volume, owner, node) = (id.to_string(), vid.node, self.d.node_id.clone());
+            return Err(if expand {
+                CsiError::ExpandElsewhere {
+                    volume,
+                    owner,
+                    node,
+                }
+            } else {
+                CsiError::OtherNode {
+                    volume,
+                    owner,
+                    node,
+                }
+            });
+        }
+        Ok(Some(vid))
+    }
+
+    /// Checks an existing volume against a repeated CreateVolume: the same
+    /// capacity range and parameters give the same volume.
+    async fn compatible(
+        d: &Driver,
+        csi_name: &str,
+        v: &model::Volume,
+        range: Option<&CapacityRange>,
+        p: &Params,
+    ) -> Result<(), CsiError> {
+        let image = d.api.image(&v.name).await?;
+        let size = image.as_ref().map_or(v.size_bytes, |i| i.size_bytes);
+        let mut diffs = Vec::new();
+        if !fits(size, range) {
+            diffs.push(format!(
+                "its size {size} is outside the requested capacity range"
+            ));
+        }
+        if p.backend != BackendChoice::Auto && v.backend.as_str() != backend_str(p.backend) {
+            diffs.push(format!(
+                "it runs on backend {}, asked {}",
+                v.backend.as_str(),
+                backend_str(p.backend)
+            ));
+        }
+        if v.requested_dispatch != p.dispatch {
+            diffs.push(format!(
+                "its dispatch is {}, asked {}",
+                v.requested_dispatch.as_str(),
+                p.dispatch.as_str()
+            ));
+        }
+        if let Some(i) = &image
+            && i.allocation != Some(p.allocation)
+        {
+            diffs.push(format!(
+                "its image allocation is {:?}, asked {:?}",
+                i.allocation, p.allocation
+            ));
+        }
+        if v.qos != p.qos {
+            diffs.push(format!("its QoS is {:?}, asked {:?}", v.qos, p.qos));
+        }
+        if diffs.is_empty() {
+            Ok(())
+        } else {
+            Err(CsiError::Incompatible {
+                volume: csi_name.to_string(),
+                reason: format!(
+                    "exists as blockplane volume '{}' with another spec: {}",
+                    v.name,
+                    diffs.join("; ")
+                ),
+            })
+        }
+    }
+
+    async fn create(
+        d: Arc<Driver>,
+        req: CreateVolumeRequest,
+        name: String,
+        params: Params,
+        size: u64,
+    ) -> Result<model::Volume, CsiError> {
+        let range = req.capacity_range.as_ref();
+        if let Some(v) = d.api.volume(&name).await? {
+            Self::compatible(&d, &req.name, &v, range, &params).await?;
+            return Ok(v);
+        }
+        // An image without its volume is what an interrupted create leaves:
+        // start again from nothing.
+        if let Some(image) = d.api.image(&name).await? {
+            if !image.volumes.is_empty() {
+                return Err(CsiError::Precondition {
+                    volume: req.name.clone(),
+                    reason: format!(
+                        "image '{name}' is used by volumes {:?} of other names",
+                        image.volumes
+                    ),
+                });
+            }
+            tracing::info!(image = %name, "removing the image of an interrupted create");
+            d.api.delete_image(&name).await?;
+        }
+        let root = d.image_root(&req.name).await?;
+        let path = root.join(format!("{name}.img"));
+        d.api
+            .create_image(&name, &path.display().to_string(), size, params.allocation)
+            .await?;
+        let vreq = model::CreateVolumeRequest {
+            name: name.clone(),
+            image: name.clone(),
+            backend: params.backend,
+            dispatch: params.dispatch,
+            read_only: false,
+            queues: model::DEFAULT_QUEUES,
+            queue_depth: model::DEFAULT_QUEUE_DEPTH,
+            max_io_bytes: model::DEFAULT_MAX_IO_BYTES,
+            qos: params.qos,
+        };
+        match d.api.create_volume(&vreq).await {
+            Ok(v) => {
+                tracing::info!(volume = %name, device = ?v.device, size, "volume created");
+                Ok(v)
+            }
+            Err(e) => {
+                // Leave nothing behind a refused create.
+                if let Err(cleanup) = d.api.delete_image(&name).await {
+                    tracing::warn!(image = %name, error = %cleanup, "could not remove the image of a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+fn backend_str(b: BackendChoice) -> &'static str {
+    match b {
+        BackendChoice::Auto => "auto",
+        BackendChoice::Loop => "loop",
+        BackendChoice::Ublk => "ublk",
+        BackendChoice::Dm => "dm",
+    }
+}
+
+/// Whether a topology is this node's.
+fn is_node(t: &Topology, node: &str) -> bool {
+    t.segments.get(TOPOLOGY_KEY).is_some_and(|n| n == node)
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        req: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let req = req.into_inner();
+        if req.name.is_empty() {
+            return Err(CsiError::Missing {
+                call: "CreateVolume",
+                field: "name",
+            }
+            .into());
+        }
+        let csi_name = req.name.clone();
+        let invalid = |reason: String| CsiError::Invalid {
+            volume: csi_name.clone(),
+            reason,
+        };
+        if req.volume_capabilities.is_empty() {
+            return Err(CsiError::Missing {
+                call: "CreateVolume",
+                field: "volume_capabilities",
+            }
+            .into());
+        }
+        for cap in &req.volume_capabilities {
+            capability::parse(cap).map_err(&invalid)?;
+        }
+        if req.volume_content_source.is_some() {
+            return Err(invalid(
+                "volume_content_source is not supported (no snapshots or clones)".into(),
+            )
+            .into());
+        }
+        if !req.mutable_parameters.is_empty() {
+            return Err(invalid("mutable_parameters are not supported".into()).into());
+        }
+        if let Some(t) = &req.accessibility_requirements
+            && !t.requisite.is_empty()
+            && !t.requisite.iter().any(|t| is_node(t, &self.d.node_id))
+        {
+            return Err(CsiError::Topology {
+                volume: csi_name,
+                reason: format!(
+                    "this driver creates volumes on node '{}' only ({TOPOLOGY_KEY}), which the requisite topologies exclude",
+                    self.d.node_id
+                ),
+            }
+            .into());
+        }
+        let params = parse_params(&csi_name, &req.parameters)?;
+        let size = size_for(&csi_name, req.capacity_range.as_ref())?;
+        let name = naming::blockplane_name(&csi_name);
+        tracing::info!(csi_name = %csi_name, volume = %name, size, ?params, "CreateVolume");
+        let d = self.d.clone();
+        let v = self
+            .d
+            .controller_calls
+            .run(&name.clone(), Self::create(d, req, name, params, size))
+            .await?;
+        Ok(Response::new(CreateVolumeResponse {
+            volume: Some(self.csi_volume(&v)),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let req = req.into_inner();
+        if req.volume_id.is_empty() {
+            return Err(CsiError::Missing {
+                call: "DeleteVolume",
+                field: "volume_id",
+            }
+            .into());
+        }
+        // An id that is not this driver's names no volume: deleted already.
+        let Some(id) = self.own_id(&req.volume_id, false)? else {
+            return Ok(Response::new(DeleteVolumeResponse {}));
+        };
+        tracing::info!(volume = %id.name, "DeleteVolume");
+        let d = self.d.clone();
+        let name = id.name.clone();
+        self.d
+            .controller_calls
+            .run(&id.name, async move {
+                if let Some(v) = d.api.volume(&name).await? {
+                    // The API refuses to delete a device held open (a mounted
+                    // filesystem); a bind-mounted device node holds nothing
+                    // open, so look for both in the mount table.
+                    if let Some(dev) = &v.device
+                        && let Ok(Some(rdev)) = mount::block_rdev(dev.as_ref())
+                    {
+                        let used = mount::mounts_of_device(rdev).unwrap_or_default();
+                        if !used.is_empty() {
+                            return Err(CsiError::Precondition {
+                                volume: name.clone(),
+                                reason: format!(
+                                    "in use: {dev} is mounted at {}",
+                                    used.iter()
+                                        .map(|p| p.display().to_string())
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                ),
+                            });
+                        }
+                    }
+                    d.api.delete_volume(&name).await?;
+                }
+                d.api.delete_image(&name).await?;
+                Ok(())
+            })
+            .await?;
+        Ok(Response::new(DeleteVolumeResponse {}))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = req.into_inner();
+        if req.volume_id.is_empty() {
+            return Err(CsiError::Missing {
+                call: "ValidateVolumeCapabilities",
+                field: "volume_id",
+            }
+            .into());
+        }
+        if req.volume_capabilities.is_empty() {
+            return Err(CsiError::Missing {
+                call: "ValidateVolumeCapabilities",
+                field: "volume_capabilities",
+            }
+            .into());
+        }
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        let id = self.own_id(&req.volume_id, false)?.ok_or_else(not_found)?;
+        if self.d.api.volume(&id.name).await?.is_none() {
+            return Err(not_found().into());
+        }
+        let mut refusals = Vec::new();
+        for cap in &req.volume_capabilities {
+            if let Err(reason) = capability::parse(cap) {
+                refusals.push(reason);
+            }
+        }
+        if let Err(e) = parse_params(&id.name, &req.parameters) {
+            refusals.push(e.to_string());
+        }
+        if !req.mutable_parameters.is_empty() {
+            refusals.push("mutable_parameters are not supported".into());
+        }
+        let resp = if refusals.is_empty() {
+            ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(Confirmed {
+                    volume_context: req.volume_context,
+                    volume_capabilities: req.volume_capabilities,
+                    parameters: req.parameters,
+                    mutable_parameters: Default::default(),
+                }),
+                message: String::new(),
+            }
+        } else {
+            ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message: refusals.join("; "),
+            }
+        };
+        Ok(Response::new(resp))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let req = req.into_inner();
+        if req.max_entries < 0 {
+            return Err(CsiError::Invalid {
+                volume: "*".into(),
+                reason: format!("ListVolumes: max_entries {} is negative", req.max_entries),
+            }
+            .into());
+        }
+        // The token is the last name of the previous page: a volume deleted
+        // between pages does not shift the next page.
+        let after = req.starting_token.as_str();
+        if !after.is_empty() && !naming::is_driver_name(after) {
+            return Err(CsiError::BadToken {
+                token: after.to_string(),
+            }
+            .into());
+        }
+        let mut volumes: Vec<model::Volume> = self
+            .d
+            .api
+            .volumes()
+            .await?
+            .into_iter()
+            .filter(|v| naming::is_driver_name(&v.name) && v.name.as_str() > after)
+            .collect();
+        volumes.sort_by(|a, b| a.name.cmp(&b.name));
+        let max = if req.max_entries == 0 {
+            usize::MAX
+        } else {
+            req.max_entries as usize
+        };
+        let next_token = if volumes.len() > max {
+            volumes.truncate(max);
+            volumes.last().map(|v| v.name.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(ListVolumesResponse {
+            entries: volumes
+                .iter()
+                .map(|v| Entry {
+                    volume: Some(self.csi_volume(v)),
+                    status: None,
+                })
+                .collect(),
+            next_token,
+        }))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let req = req.into_inner();
+        let none = || {
+            Ok(Response::new(GetCapacityResponse {
+                available_capacity: 0,
+                maximum_volume_size: None,
+                minimum_volume_size: None,
+            }))
+        };
+        // Another node's capacity, or volumes this driver cannot create.
+        if let Some(t) = &req.accessible_topology
+            && !is_node(t, &self.d.node_id)
+        {
+            return none();
+        }
+        if req
+            .volume_capabilities
+            .iter()
+            .any(|c| capability::parse(c).is_err())
+        {
+            return none();
+        }
+        parse_params("*", &req.parameters)?;
+        let root = self.d.image_root("*").await?;
+        // The API reports no free space, and the driver runs on the node
+        // whose image root this is: statvfs it here.
+        let stat = rustix::fs::statvfs(&root).map_err(|e| CsiError::Precondition {
+            volume: "*".into(),
+            reason: format!(
+                "cannot statvfs the image root {} ({e}): the driver must see it at the same path as the service",
+                root.display()
+            ),
+        })?;
+        let available = stat.f_bavail.saturating_mul(stat.f_frsize);
+        Ok(Response::new(GetCapacityResponse {
+            available_capacity: available.min(i64::MAX as u64) as i64,
+            maximum_volume_size: None,
+            minimum_volume_size: Some(512),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _req: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities: [
+                rpc::Type::CreateDeleteVolume,
+                rpc::Type::ListVolumes,
+                rpc::Type::GetCapacity,
+                rpc::Type::ExpandVolume,
+                rpc::Type::SingleNodeMultiWriter,
+            ]
+            .into_iter()
+            .map(rpc_cap)
+            .collect(),
+        }))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let req = req.into_inner();
+        if req.volume_id.is_empty() {
+            return Err(CsiError::Missing {
+                call: "ControllerExpandVolume",
+                field: "volume_id",
+            }
+            .into());
+        }
+        let Some(range) = req.capacity_range else {
+            return Err(CsiError::Missing {
+                call: "ControllerExpandVolume",
+                field: "capacity_range",
+            }
+            .into());
+        };
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        let id = self.own_id(&req.volume_id, true)?.ok_or_else(not_found)?;
+        let size = size_for(&id.name, Some(&range))?;
+        // A block volume has no filesystem to grow on the node.
+        let node_expansion_required = !req
+            .volume_capability
+            .as_ref()
+            .and_then(|c| capability::parse(c).ok())
+            .is_some_and(|c| c.access == Access::Block);
+        tracing::info!(volume = %id.name, size, "ControllerExpandVolume");
+        let d = self.d.clone();
+        let name = id.name.clone();
+        let capacity = self
+            .d
+            .controller_calls
+            .run(&id.name, async move {
+                let v = d.api.volume(&name).await?.ok_or_else(|| CsiError::NotFound {
+                    volume: name.clone(),
+                    reason: "no such volume".into(),
+                })?;
+                let pending = |reason: String| CsiError::Precondition {
+                    volume: name.clone(),
+                    reason: format!(
+                        "the image grew but the device keeps its old size until the volume is attached again: {reason}"
+                    ),
+                };
+                if v.resize_pending {
+                    return Err(pending(format!("device is {} bytes", v.size_bytes)));
+                }
+                if v.size_bytes >= size {
+                    return Ok(v.size_bytes);
+                }
+                let answer = d.api.resize_image(&name, size).await?;
+                if let Some(r) = answer.volumes.iter().find(|r| r.volume_id == v.id)
+                    && r.resize_pending
+                {
+                    return Err(pending(r.message.clone()));
+                }
+                Ok(answer.image.size_bytes)
+            })
+            .await?;
+        Ok(Response::new(ControllerExpandVolumeResponse {
+            capacity_bytes: capacity as i64,
+            node_expansion_required,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(required: i64, limit: i64) -> Option<CapacityRange> {
+        Some(CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        })
+    }
+
+    #[test]
+    fn sizes_round_up_to_the_granule_within_the_limit() {
+        let s = |r, l| size_for("v", range(r, l).as_ref());
+        assert_eq!(size_for("v", None).unwrap(), DEFAULT_SIZE);
+        assert_eq!(s(1, 0).unwrap(), GRANULE);
+        assert_eq!(s(GRANULE as i64, 0).unwrap(), GRANULE);
+        assert_eq!(s(GRANULE as i64 + 1, 0).unwrap(), 2 * GRANULE);
+        // The granule would pass the limit: 512-byte granularity instead.
+        assert_eq!(s(1000, 4096).unwrap(), 1024);
+        assert_eq!(s(0, 10 * GRANULE as i64 + 5).unwrap(), 10 * GRANULE);
+        assert_eq!(s(0, 1000).unwrap(), 512);
+        assert_eq!(s(2 << 30, 0).unwrap(), 2 << 30);
+        for (r, l) in [(1000, 1020), (10, 5), (-1, 0), (0, 100)] {
+            let e = s(r, l).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::OutOfRange, "{r}..{l}: {e}");
+        }
+    }
+
+    #[test]
+    fn parameters_are_the_apis_and_typos_are_refused() {
+        let m = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        let p = parse_params(
+            "v",
+            &m(&[
+                ("backend", "ublk"),
+                ("dispatch", "threaded"),
+                ("allocation", "full"),
+                ("qos.iops", "500"),
+                ("qos.bytes_per_sec", "100M"),
+                ("csi.storage.k8s.io/fstype", "xfs"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(p.backend, BackendChoice::Ublk);
+        assert_eq!(p.dispatch, DispatchPolicy::Threaded);
+        assert_eq!(p.allocation, Allocation::Full);
+        let qos = p.qos.unwrap();
+        assert_eq!((qos.iops, qos.bytes_per_sec), (Some(500), Some(100 << 20)));
+        assert_eq!(parse_params("v", &m(&[])).unwrap().qos, None);
+        for bad in [
+            ("backend", "nbd"),
+            ("qos.iops", "x"),
+            ("qos.iops", "0"),
+            ("sizee", "1"),
+        ] {
+            let e = parse_params("v", &m(&[bad])).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(e.to_string().contains(bad.0), "{e}");
+        }
+    }
+}
