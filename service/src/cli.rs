@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use hyper::Method;
 use serde_json::{Value, json};
 
-use crate::client::{Client, Endpoint};
+use crate::client::{Client, Endpoint, encode_segment};
 use crate::config::{ServeArgs, default_data_dir, default_socket};
 use crate::proxy::ProxyConfig;
 
@@ -179,17 +179,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("'{s}' is too large"))
-}
-
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// Entry point of the binary.
@@ -365,7 +354,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
         Command::Events { volume, limit } => {
             let mut q = Vec::new();
             if let Some(v) = volume {
-                q.push(format!("volume={}", encode(v)));
+                q.push(format!("volume={}", encode_segment(v)));
             }
             if let Some(l) = limit {
                 q.push(format!("limit={l}"));
@@ -400,19 +389,22 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
             ImageCmd::Ls => (M::GET, "/v1/images".into(), None, View::Images),
             ImageCmd::Show { image } => (
                 M::GET,
-                format!("/v1/images/{}", encode(image)),
+                format!("/v1/images/{}", encode_segment(image)),
                 None,
                 View::Image,
             ),
             ImageCmd::Resize { image, size } => (
                 M::POST,
-                format!("/v1/images/{}/resize", encode(image)),
+                format!("/v1/images/{}/resize", encode_segment(image)),
                 Some(json!({"size_bytes": size})),
                 View::Resize,
             ),
             ImageCmd::Rm { image, delete_file } => (
                 M::DELETE,
-                format!("/v1/images/{}?delete_file={delete_file}", encode(image)),
+                format!(
+                    "/v1/images/{}?delete_file={delete_file}",
+                    encode_segment(image)
+                ),
                 None,
                 View::Done("image removed"),
             ),
@@ -445,7 +437,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
             VolumeCmd::Ls => (M::GET, "/v1/volumes".into(), None, View::Volumes),
             VolumeCmd::Show { volume } => (
                 M::GET,
-                format!("/v1/volumes/{}", encode(volume)),
+                format!("/v1/volumes/{}", encode_segment(volume)),
                 None,
                 View::Volume,
             ),
@@ -474,20 +466,20 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 }
                 (
                     M::PATCH,
-                    format!("/v1/volumes/{}", encode(volume)),
+                    format!("/v1/volumes/{}", encode_segment(volume)),
                     Some(Value::Object(patch)),
                     View::Volume,
                 )
             }
             VolumeCmd::Stats { volume } => (
                 M::GET,
-                format!("/v1/volumes/{}/stats", encode(volume)),
+                format!("/v1/volumes/{}/stats", encode_segment(volume)),
                 None,
                 View::Stats,
             ),
             VolumeCmd::Rm { volume } => (
                 M::DELETE,
-                format!("/v1/volumes/{}", encode(volume)),
+                format!("/v1/volumes/{}", encode_segment(volume)),
                 None,
                 View::Done("volume deleted"),
             ),
@@ -730,8 +722,8 @@ mod tests {
 
     #[test]
     fn path_segments_are_encoded() {
-        assert_eq!(encode("a b/c"), "a%20b%2Fc");
-        assert_eq!(encode("vol-1.x_y"), "vol-1.x_y");
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
+        assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
     }
 
     #[test]

@@ -160,3 +160,16 @@ where
     });
     Ok(sender)
 }
+
+/// Percent-encodes one URL path segment or query value (names are
+/// `[a-z0-9._-]`, so this is a safeguard rather than a need).
+pub fn encode_segment(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -242,23 +242,7 @@ impl Csi {
 
     /// The pid of the blockplane service process.
     pub fn service_pid(&self) -> i32 {
-        let data = self.svc.data.display().to_string();
-        for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
-                continue;
-            };
-            let args: Vec<String> = cmdline
-                .split(|b| *b == 0)
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            if args.iter().any(|a| a == "serve") && args.contains(&data) {
-                return pid;
-            }
-        }
-        panic!("no blockplane serve process for {data}");
+        self.svc.pid() as i32
     }
 }
 

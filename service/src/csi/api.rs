@@ -7,26 +7,13 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::errors::CsiError;
-use crate::client::{Answer, Client};
+use crate::client::{Answer, Client, encode_segment};
 use crate::model::{Allocation, CreateVolumeRequest, Host, Image, ResizeImageResponse, Volume};
 
 /// A typed client of the blockplane API.
 #[derive(Debug, Clone)]
 pub struct Api {
     client: Client,
-}
-
-/// Percent-encodes one path segment (names are `[a-z0-9._-]`, so this is a
-/// safeguard rather than a need).
-fn segment(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 impl Api {
@@ -100,7 +87,7 @@ impl Api {
         self.fetch(
             name,
             Method::GET,
-            format!("/v1/volumes/{}", segment(name)),
+            format!("/v1/volumes/{}", encode_segment(name)),
             None,
             true,
         )
@@ -120,7 +107,7 @@ impl Api {
         self.fetch(
             name,
             Method::GET,
-            format!("/v1/images/{}", segment(name)),
+            format!("/v1/images/{}", encode_segment(name)),
             None,
             true,
         )
@@ -180,7 +167,7 @@ impl Api {
 
     /// `DELETE /v1/volumes/{name}`; `false` when there was none.
     pub async fn delete_volume(&self, name: &str) -> Result<bool, CsiError> {
-        self.delete(name, format!("/v1/volumes/{}", segment(name)))
+        self.delete(name, format!("/v1/volumes/{}", encode_segment(name)))
             .await
     }
 
@@ -188,7 +175,7 @@ impl Api {
     pub async fn delete_image(&self, name: &str) -> Result<bool, CsiError> {
         self.delete(
             name,
-            format!("/v1/images/{}?delete_file=true", segment(name)),
+            format!("/v1/images/{}?delete_file=true", encode_segment(name)),
         )
         .await
     }
@@ -211,7 +198,7 @@ impl Api {
         self.fetch(
             name,
             Method::POST,
-            format!("/v1/images/{}/resize", segment(name)),
+            format!("/v1/images/{}/resize", encode_segment(name)),
             Some(json!({"size_bytes": size_bytes})),
             false,
         )
