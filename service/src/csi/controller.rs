@@ -9,7 +9,7 @@ use serde_json::json;
 use tonic::{Request, Response, Status};
 
 use super::capability::{self, Access};
-use super::errors::CsiError;
+use super::errors::{CsiError, require};
 use super::mount;
 use super::naming::{self, VolumeId};
 use super::proto::controller_server::Controller;
@@ -362,25 +362,17 @@ impl Controller for ControllerService {
         req: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.name.is_empty() {
-            return Err(CsiError::Missing {
-                call: "CreateVolume",
-                field: "name",
-            }
-            .into());
-        }
+        require("CreateVolume", "name", req.name.is_empty())?;
         let csi_name = req.name.clone();
         let invalid = |reason: String| CsiError::Invalid {
             volume: csi_name.clone(),
             reason,
         };
-        if req.volume_capabilities.is_empty() {
-            return Err(CsiError::Missing {
-                call: "CreateVolume",
-                field: "volume_capabilities",
-            }
-            .into());
-        }
+        require(
+            "CreateVolume",
+            "volume_capabilities",
+            req.volume_capabilities.is_empty(),
+        )?;
         for cap in &req.volume_capabilities {
             capability::parse(cap).map_err(&invalid)?;
         }
@@ -426,13 +418,7 @@ impl Controller for ControllerService {
         req: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(CsiError::Missing {
-                call: "DeleteVolume",
-                field: "volume_id",
-            }
-            .into());
-        }
+        require("DeleteVolume", "volume_id", req.volume_id.is_empty())?;
         // An id that is not this driver's names no volume: deleted already.
         let Some(id) = self.own_id(&req.volume_id, false)? else {
             return Ok(Response::new(DeleteVolumeResponse {}));
@@ -478,20 +464,16 @@ impl Controller for ControllerService {
         req: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(CsiError::Missing {
-                call: "ValidateVolumeCapabilities",
-                field: "volume_id",
-            }
-            .into());
-        }
-        if req.volume_capabilities.is_empty() {
-            return Err(CsiError::Missing {
-                call: "ValidateVolumeCapabilities",
-                field: "volume_capabilities",
-            }
-            .into());
-        }
+        require(
+            "ValidateVolumeCapabilities",
+            "volume_id",
+            req.volume_id.is_empty(),
+        )?;
+        require(
+            "ValidateVolumeCapabilities",
+            "volume_capabilities",
+            req.volume_capabilities.is_empty(),
+        )?;
         let not_found = || CsiError::NotFound {
             volume: req.volume_id.clone(),
             reason: "no such volume".into(),
@@ -651,13 +633,11 @@ impl Controller for ControllerService {
         req: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(CsiError::Missing {
-                call: "ControllerExpandVolume",
-                field: "volume_id",
-            }
-            .into());
-        }
+        require(
+            "ControllerExpandVolume",
+            "volume_id",
+            req.volume_id.is_empty(),
+        )?;
         let Some(range) = req.capacity_range else {
             return Err(CsiError::Missing {
                 call: "ControllerExpandVolume",

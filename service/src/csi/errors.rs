@@ -99,6 +99,15 @@ pub enum CsiError {
     Internal { volume: String, reason: String },
 }
 
+/// Fails with [`CsiError::Missing`] when a required field of `call` is empty.
+pub fn require(call: &'static str, field: &'static str, empty: bool) -> Result<(), CsiError> {
+    if empty {
+        Err(CsiError::Missing { call, field })
+    } else {
+        Ok(())
+    }
+}
+
 impl CsiError {
     /// The gRPC code of this error.
     pub fn code(&self) -> Code {

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 
 use super::Driver;
 use super::capability::{self, Access, Capability};
-use super::errors::CsiError;
+use super::errors::{CsiError, require};
 use super::mount::{self, Contents, MountOptions};
 use super::naming::VolumeId;
 use super::proto::node_server::Node;
@@ -428,12 +428,12 @@ impl Node for NodeService {
         req: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodeStageVolume", "volume_id"));
-        }
-        if req.staging_target_path.is_empty() {
-            return Err(missing("NodeStageVolume", "staging_target_path"));
-        }
+        require("NodeStageVolume", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodeStageVolume",
+            "staging_target_path",
+            req.staging_target_path.is_empty(),
+        )?;
         let Some(cap) = req.volume_capability.as_ref() else {
             return Err(missing("NodeStageVolume", "volume_capability"));
         };
@@ -467,12 +467,12 @@ impl Node for NodeService {
         req: Request<NodeUnstageVolumeRequest>,
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodeUnstageVolume", "volume_id"));
-        }
-        if req.staging_target_path.is_empty() {
-            return Err(missing("NodeUnstageVolume", "staging_target_path"));
-        }
+        require("NodeUnstageVolume", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodeUnstageVolume",
+            "staging_target_path",
+            req.staging_target_path.is_empty(),
+        )?;
         tracing::info!(volume = %req.volume_id, staging = %req.staging_target_path, "NodeUnstageVolume");
         // No API call: unstaging must work for a volume blockplane no longer
         // has (or while the service restarts), and it only unmounts.
@@ -495,19 +495,21 @@ impl Node for NodeService {
         req: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodePublishVolume", "volume_id"));
-        }
-        if req.target_path.is_empty() {
-            return Err(missing("NodePublishVolume", "target_path"));
-        }
+        require("NodePublishVolume", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodePublishVolume",
+            "target_path",
+            req.target_path.is_empty(),
+        )?;
         let Some(cap) = req.volume_capability.as_ref() else {
             return Err(missing("NodePublishVolume", "volume_capability"));
         };
         // The driver stages every volume (STAGE_UNSTAGE_VOLUME).
-        if req.staging_target_path.is_empty() {
-            return Err(missing("NodePublishVolume", "staging_target_path"));
-        }
+        require(
+            "NodePublishVolume",
+            "staging_target_path",
+            req.staging_target_path.is_empty(),
+        )?;
         let cap = parse_cap(&req.volume_id, cap)?;
         let id = self.own(&req.volume_id)?;
         let read_only = req.readonly || cap.read_only;
@@ -537,12 +539,12 @@ impl Node for NodeService {
         req: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodeUnpublishVolume", "volume_id"));
-        }
-        if req.target_path.is_empty() {
-            return Err(missing("NodeUnpublishVolume", "target_path"));
-        }
+        require("NodeUnpublishVolume", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodeUnpublishVolume",
+            "target_path",
+            req.target_path.is_empty(),
+        )?;
         tracing::info!(volume = %req.volume_id, target = %req.target_path, "NodeUnpublishVolume");
         let volume = req.volume_id.clone();
         let target = PathBuf::from(req.target_path);
@@ -565,12 +567,12 @@ impl Node for NodeService {
         req: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodeGetVolumeStats", "volume_id"));
-        }
-        if req.volume_path.is_empty() {
-            return Err(missing("NodeGetVolumeStats", "volume_path"));
-        }
+        require("NodeGetVolumeStats", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodeGetVolumeStats",
+            "volume_path",
+            req.volume_path.is_empty(),
+        )?;
         let id = self.own(&req.volume_id)?;
         // Read-only: no in-flight lock, so stats never abort a real call.
         let v = self
@@ -632,12 +634,12 @@ impl Node for NodeService {
         req: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let req = req.into_inner();
-        if req.volume_id.is_empty() {
-            return Err(missing("NodeExpandVolume", "volume_id"));
-        }
-        if req.volume_path.is_empty() {
-            return Err(missing("NodeExpandVolume", "volume_path"));
-        }
+        require("NodeExpandVolume", "volume_id", req.volume_id.is_empty())?;
+        require(
+            "NodeExpandVolume",
+            "volume_path",
+            req.volume_path.is_empty(),
+        )?;
         let id = self.own(&req.volume_id)?;
         let required = req
             .capacity_range
