@@ -8,6 +8,11 @@ driver (direct I/O), and blockplane volumes of each backend/policy. Each cell
 runs REPEAT times; the table gives the median IOPS, its ratio to the raw
 file and to the kernel loop driver, and the spread (max-min)/median, flagged
 above 10%. Absolute numbers under TCG mean nothing; the ratios do.
+
+BENCH_PROFILE=1 also profiles the kernel loop driver and each ublk policy
+under the psync load: `perf record -a -g` (cpu-clock; TCG has no PMU) while
+fio runs, and `perf report` by command, by DSO and by symbol into
+/results/profile-<target>.txt.
 """
 
 import json
@@ -23,6 +28,7 @@ REPEAT = int(os.environ.get("BENCH_REPEAT", "3"))
 DATA = "/run/bp-bench"
 ROOT = os.path.join(os.environ["SCRATCH_XFS"], "bench")
 SOCK = os.path.join(DATA, "blockplane.sock")
+PROFILE = os.environ.get("BENCH_PROFILE") == "1"
 MODES = [("psync", ["--ioengine=psync"]), ("io_uring qd16", ["--ioengine=io_uring", "--iodepth=16"])]
 
 
@@ -91,6 +97,29 @@ def measure(rows, label, kind, path, image):
     for mode, args in MODES:
         vals = [fio(path, args) for _ in range(REPEAT)]
         rows.append({"target": label, "mode": mode, "iops": vals})
+    if PROFILE and kind != "raw":
+        profile(label, path)
+
+
+def profile(label, path):
+    """Where the CPU goes while fio (psync) runs on `path`: perf, system-wide."""
+    name = label.replace(" ", "-").replace("(", "").replace(")", "")
+    data = f"/run/perf-{name}.data"
+    job = subprocess.Popen(["fio", "--name=prof", "--filename=" + path, "--rw=randrw", "--bs=4k",
+                            "--numjobs=2", "--direct=1", "--time_based", f"--runtime={RUNTIME + 2}",
+                            "--size=512M", "--ioengine=psync"], stdout=subprocess.DEVNULL)
+    time.sleep(1)
+    subprocess.run(["perf", "record", "-a", "-g", "-F", "499", "-e", "cpu-clock", "-o", data,
+                    "--", "sleep", str(RUNTIME)], capture_output=True, check=True)
+    job.wait()
+    parts = []
+    for sort in ["comm", "comm,dso", "sym"]:
+        out = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-g", "none",
+                              "--percent-limit", "1", "--sort", sort], capture_output=True, text=True)
+        parts.append(f"### perf report --sort {sort}\n" + out.stdout)
+    with open(f"/results/profile-{name}.txt", "w") as f:
+        f.write("\n".join(parts))
+    print(f"  profile: /results/profile-{name}.txt", flush=True)
 
 
 def peak_rss_kib(pid):
