@@ -69,11 +69,12 @@ impl Sampler {
         while s.samples.len() > KEEP {
             s.samples.pop_front();
         }
-        if let Some(prev) = &s.latest {
-            let (before, after) = (errors(prev), errors(&stats));
-            for i in 0..4 {
-                s.unreported_errors[i] += after[i].saturating_sub(before[i]);
-            }
+        // A volume's first reading counts from zero: errors that came
+        // before the sampler first saw it (right after attach) are news too.
+        let before = s.latest.as_ref().map(errors).unwrap_or_default();
+        let after = errors(&stats);
+        for i in 0..4 {
+            s.unreported_errors[i] += after[i].saturating_sub(before[i]);
         }
         s.latest = Some(stats);
         let due = s
