@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README gives it: formatting, lints, unit tests,
-# black-box tests against the real binary with real loop devices (root), the
-# dashboard in headless Chromium, then the kernel e2e suites in VMs.
+# black-box and CSI tests against the real binary with real loop devices
+# (root), the API fuzzer, the dashboard in headless Chromium, and the kernel
+# e2e suites in VMs (which run in the background, beside the host tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-deps.sh --test
@@ -29,16 +30,60 @@ done
 
 step "cargo fmt --check"
 cargo fmt --all --check
+
+# Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
+# Debian's own kernels (tests/vm/README.md), one CPU thread each, in two lanes
+# started now so that they overlap the host tests below:
+#   lane 1: the newest kernel, ublk::, dm:: and live::;
+#   lane 2: the LTS kernel's smoke set and the CSI node tests (ublk volumes),
+#           then the newest kernel's faults:: and soak:: and the CSI expand
+#           tests (only that kernel resizes ublk devices live).
+# Together the lanes run the full set on the newest kernel.
+step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
+cargo build --locked --bin blockplane
+test_exe() {
+    cargo test --locked --no-run --test "$1" --message-format=json \
+        | jq -r --arg t "$1" 'select(.reason == "compiler-artifact" and .target.name == $t and .executable != null) | .executable' \
+        | tail -n1
+}
+vm_exe=$(test_exe vm)
+csi_exe=$(test_exe csi)
+mkdir -p target
+lane_1() {
+    BLOCKPLANE_VM_EXE=$vm_exe tests/vm/run-suite.sh latest ublk:: dm:: live::
+}
+lane_2() {
+    local rc=0
+    BLOCKPLANE_VM_EXE=$vm_exe tests/vm/run-suite.sh lts \
+        ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
+        ublk::auto_picks dm::switches_never_change dm::dm_refusals live:: || rc=1
+    BLOCKPLANE_VM_EXE=$csi_exe tests/vm/run-suite.sh lts node:: || rc=1
+    BLOCKPLANE_VM_EXE=$vm_exe tests/vm/run-suite.sh latest faults:: soak:: || rc=1
+    BLOCKPLANE_VM_EXE=$csi_exe tests/vm/run-suite.sh latest expand:: || rc=1
+    return "$rc"
+}
+# Per VM boot, generous: the lanes share two cores with the host tests.
+export VM_TIMEOUT=${VM_TIMEOUT:-1800}
+export vm_exe csi_exe
+export -f lane_1 lane_2
+# Each lane in a session of its own, so that a failing host step below can
+# stop its VMs on the way out.
+setsid bash -c lane_1 >target/vm-lane-1.log 2>&1 &
+lane1=$!
+setsid bash -c lane_2 >target/vm-lane-2.log 2>&1 &
+lane2=$!
+trap 'kill -TERM -- "-$lane1" "-$lane2" 2>/dev/null || true' EXIT
+
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --locked --all-targets --test vm -- -D warnings
-step "cargo test (unit and black-box tests on this host)"
+step "cargo test (unit, black-box and CSI tests on this host)"
 cargo test --locked --workspace
 step "API fuzzing against openapi/openapi.json (schemathesis, both listeners)"
 tests/fuzz/run.sh 40
 
 # The dashboard in Debian's headless Chromium, driven by playwright-core (npm,
-# pinned in tests/dashboard/package-lock.json), against the debug binary the
-# step above built. Screenshots: target/dashboard-screenshots/.
+# pinned in tests/dashboard/package-lock.json), against the debug binary built
+# above. Screenshots: target/dashboard-screenshots/.
 step "dashboard in headless Chromium (tests/dashboard)"
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     echo "run-all: the dashboard tests need Node.js 20 or newer and npm on PATH" >&2
@@ -50,31 +95,15 @@ fi
     BLOCKPLANE_BIN=$PWD/../../target/debug/blockplane npm test --silent
 )
 
-# Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
-# Debian's own kernels (tests/vm/README.md). The LTS kernel gets a smoke set
-# and the CSI tests, the newest kernel the full set; the two VMs run side by side (one CPU
-# thread each).
-step "kernel e2e: LTS kernel (smoke set) and newest kernel (full set), in parallel"
-mkdir -p target
-lts_log=target/vm-suite-lts.log
-# The CSI driver's node tests follow the LTS smoke set, its expand tests the
-# newest kernel's full set (only that kernel resizes ublk devices live): in
-# the VM, the volumes they make are ublk devices.
-(
-    tests/vm/run-suite.sh lts \
-        ublk::fio_verify_passes ublk::policies_switch_live ublk::a_killed_worker \
-        ublk::auto_picks dm::switches_never_change dm::dm_refusals live::
-    BLOCKPLANE_VM_TESTS=csi tests/vm/run-suite.sh lts node::
-) >"$lts_log" 2>&1 &
-lts_pid=$!
-latest_rc=0
-{ tests/vm/run-suite.sh latest && BLOCKPLANE_VM_TESTS=csi tests/vm/run-suite.sh latest expand::; } ||
-    latest_rc=$?
-lts_rc=0
-wait "$lts_pid" || lts_rc=$?
-step "kernel e2e, LTS kernel: log"
-cat "$lts_log"
-if [ "$lts_rc" -ne 0 ] || [ "$latest_rc" -ne 0 ]; then
-    echo "run-all: kernel e2e failed (LTS exit $lts_rc, newest exit $latest_rc)" >&2
+step "kernel e2e: waiting for the VM lanes"
+rc1=0 rc2=0
+wait "$lane1" || rc1=$?
+wait "$lane2" || rc2=$?
+for lane in 1 2; do
+    step "kernel e2e, lane $lane: log"
+    cat "target/vm-lane-$lane.log"
+done
+if [ "$rc1" -ne 0 ] || [ "$rc2" -ne 0 ]; then
+    echo "run-all: kernel e2e failed (lane 1 exit $rc1, lane 2 exit $rc2)" >&2
     exit 1
 fi
