@@ -61,6 +61,27 @@ impl NodeService {
         }
         Ok(id)
     }
+
+    /// Unmounts everything at `path` (and removes `path` when the driver
+    /// made it), in turn with the volume's other node calls. No API call:
+    /// this must work for a volume blockplane no longer has, or while the
+    /// service restarts.
+    async fn unmount(&self, volume: String, path: PathBuf, remove: bool) -> Result<(), CsiError> {
+        let key = volume.clone();
+        self.d
+            .node_calls
+            .run(&key, async move {
+                blocking(&volume.clone(), move || {
+                    mount::unmount_all(&volume, &path)?;
+                    if remove {
+                        mount::remove_target(&volume, &path)?;
+                    }
+                    Ok(())
+                })
+                .await
+            })
+            .await
+    }
 }
 
 fn missing(call: &'static str, field: &'static str) -> Status {
@@ -474,18 +495,7 @@ impl Node for NodeService {
             req.staging_target_path.is_empty(),
         )?;
         tracing::info!(volume = %req.volume_id, staging = %req.staging_target_path, "NodeUnstageVolume");
-        // No API call: unstaging must work for a volume blockplane no longer
-        // has (or while the service restarts), and it only unmounts.
-        let volume = req.volume_id.clone();
-        let staging = PathBuf::from(req.staging_target_path);
-        self.d
-            .node_calls
-            .run(&req.volume_id, async move {
-                blocking(&volume.clone(), move || {
-                    mount::unmount_all(&volume, &staging)
-                })
-                .await
-            })
+        self.unmount(req.volume_id, req.staging_target_path.into(), false)
             .await?;
         Ok(Response::new(NodeUnstageVolumeResponse {}))
     }
@@ -546,18 +556,8 @@ impl Node for NodeService {
             req.target_path.is_empty(),
         )?;
         tracing::info!(volume = %req.volume_id, target = %req.target_path, "NodeUnpublishVolume");
-        let volume = req.volume_id.clone();
-        let target = PathBuf::from(req.target_path);
-        self.d
-            .node_calls
-            .run(&req.volume_id, async move {
-                blocking(&volume.clone(), move || {
-                    mount::unmount_all(&volume, &target)?;
-                    // The driver created the target; it removes it (spec).
-                    mount::remove_target(&volume, &target)
-                })
-                .await
-            })
+        // The driver created the target; it removes it (spec).
+        self.unmount(req.volume_id, req.target_path.into(), true)
             .await?;
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
