@@ -18,7 +18,6 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -727,17 +726,7 @@ impl VolumeBackend for DmBackend {
             return Ok(());
         };
         let node = format!("/dev/{}", kernel_name(dev));
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
-            .open(&node)
-        {
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(BackendError::Busy {
-                device: node,
-                reason: "it is mounted or held open exclusively; unmount it first".into(),
-            }),
-            _ => Ok(()),
-        }
+        super::refuse_if_claimed(node)
     }
 
     fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {

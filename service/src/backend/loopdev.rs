@@ -199,7 +199,7 @@ impl LoopDev {
         self.open(true, true).map_err(|e| match e.raw_os_error() {
             Some(libc::EBUSY) => BackendError::Busy {
                 device: node.clone(),
-                reason: "it is mounted or held open exclusively; unmount it first".into(),
+                reason: super::CLAIMED.into(),
             },
             _ => BackendError::io("open", &node, e),
         })

@@ -335,6 +335,26 @@ pub struct SpecCheck {
     pub read_only: bool,
 }
 
+/// Why a claimed device cannot be removed.
+pub(crate) const CLAIMED: &str = "it is mounted or held open exclusively; unmount it first";
+
+/// Refuses when the block device `node` is mounted or held open exclusively:
+/// the kernel answers EBUSY to an `O_EXCL` open of a claimed device.
+pub(crate) fn refuse_if_claimed(node: String) -> Result<(), BackendError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
+        .open(&node)
+    {
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(BackendError::Busy {
+            device: node,
+            reason: CLAIMED.into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Stats in the API's shape from the kernel's counters since `att` was made.
 pub(crate) fn kernel_stats(
     volume_id: Uuid,

@@ -566,17 +566,7 @@ impl VolumeBackend for UblkBackend {
             return Ok(());
         };
         let node = format!("/dev/ublkb{}", state.dev_id);
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
-            .open(&node)
-        {
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(BackendError::Busy {
-                device: node,
-                reason: "it is mounted or held open exclusively; unmount it first".into(),
-            }),
-            _ => Ok(()),
-        }
+        super::refuse_if_claimed(node)
     }
 
     fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {
@@ -715,22 +705,7 @@ impl VolumeBackend for UblkBackend {
         allocation: Allocation,
         volume_id: Uuid,
     ) -> Result<Attachment, BackendError> {
-        let s = self.ask(
-            volume_id,
-            &Request::Resize {
-                size_bytes,
-                allocation,
-            },
-        )?;
-        if let Some(w) = self
-            .workers
-            .lock()
-            .expect("workers poisoned")
-            .get_mut(&volume_id)
-        {
-            w.spec.size_bytes = size_bytes;
-        }
-        let mut out = self.attachment(&s)?;
+        let mut out = self.resize_private(volume_id, size_bytes, allocation)?;
         out.attached_at = att.attached_at;
         Ok(out)
     }
@@ -861,7 +836,8 @@ impl UblkBackend {
             .map(drop)
     }
 
-    /// Grows a private worker's image and device.
+    /// Grows a worker's image and device (a volume's own, or a dm volume's
+    /// private one).
     pub fn resize_private(
         &self,
         volume_id: Uuid,
