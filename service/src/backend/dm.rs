@@ -574,6 +574,19 @@ impl DmBackend {
         });
     }
 
+    /// Records a volume that is live in the kernel and starts its extent
+    /// checks; returns its attachment.
+    fn register(&self, volume_id: Uuid, v: DmVolume) -> Result<Attachment, BackendError> {
+        let att = self.describe(volume_id, &v)?;
+        let stop = v.stop_checks.clone();
+        self.volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .insert(volume_id, v);
+        self.start_checks(volume_id, stop);
+        Ok(att)
+    }
+
     fn start_checks(&self, volume_id: Uuid, stop: Arc<AtomicBool>) {
         let me = DmBackend {
             instance: self.instance.clone(),
@@ -711,14 +724,7 @@ impl VolumeBackend for DmBackend {
         if let Some(dev) = Self::devnum(volume_id) {
             v.baseline = BlockStat::read(&kernel_name(dev)).ok();
         }
-        let att = self.describe(volume_id, &v)?;
-        let stop = v.stop_checks.clone();
-        self.volumes
-            .lock()
-            .expect("dm volumes poisoned")
-            .insert(volume_id, v);
-        self.start_checks(volume_id, stop);
-        Ok(att)
+        self.register(volume_id, v)
     }
 
     fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
@@ -850,14 +856,7 @@ impl VolumeBackend for DmBackend {
             v.dispatch = DispatchPolicy::Direct;
             v.direct = Some((map, pin));
         }
-        let att = self.describe(volume_id, &v)?;
-        let stop = v.stop_checks.clone();
-        self.volumes
-            .lock()
-            .expect("dm volumes poisoned")
-            .insert(volume_id, v);
-        self.start_checks(volume_id, stop);
-        Ok(Probe::Alive(Box::new(att)))
+        Ok(Probe::Alive(Box::new(self.register(volume_id, v)?)))
     }
 
     fn orphan_policy(&self) -> OrphanPolicy {

@@ -306,6 +306,19 @@ impl UblkBackend {
         }
     }
 
+    /// Changes the spec a replacement worker of `volume_id` would start with
+    /// (so a restart keeps what the running worker was told).
+    fn record(&self, volume_id: Uuid, change: impl FnOnce(&mut WorkerSpec)) {
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            change(&mut w.spec);
+        }
+    }
+
     /// Watches a worker: when it dies unasked, a new worker recovers its device.
     fn supervise(&self, volume_id: Uuid) {
         let workers = self.workers.clone();
@@ -364,15 +377,9 @@ impl UblkBackend {
                     && s.degraded != last_degraded
                 {
                     last_degraded = s.degraded.clone();
-                    if s.degraded.is_some()
-                        && let Some(w) = self
-                            .workers
-                            .lock()
-                            .expect("workers poisoned")
-                            .get_mut(&volume_id)
-                    {
+                    if s.degraded.is_some() {
                         // A replacement worker starts where this one is now.
-                        w.spec.dispatch = DispatchPolicy::Nowait;
+                        self.record(volume_id, |spec| spec.dispatch = DispatchPolicy::Nowait);
                     }
                     if let (Some(reason), Ok(att)) = (&s.degraded, self.attachment(&s)) {
                         self.events.send(BackendEvent {
@@ -764,14 +771,7 @@ impl VolumeBackend for UblkBackend {
                     }
                 };
                 let s = self.ask(volume_id, &Request::SetDispatch { dispatch, reason })?;
-                if let Some(w) = self
-                    .workers
-                    .lock()
-                    .expect("workers poisoned")
-                    .get_mut(&volume_id)
-                {
-                    w.spec.dispatch = dispatch;
-                }
+                self.record(volume_id, |spec| spec.dispatch = dispatch);
                 s
             }
             Change::ReadOnly(read_only) => {
@@ -779,14 +779,7 @@ impl VolumeBackend for UblkBackend {
             }
             Change::Qos(qos) => {
                 let s = self.ask(volume_id, &Request::SetQos { qos })?;
-                if let Some(w) = self
-                    .workers
-                    .lock()
-                    .expect("workers poisoned")
-                    .get_mut(&volume_id)
-                {
-                    w.spec.qos = qos;
-                }
+                self.record(volume_id, |spec| spec.qos = qos);
                 s
             }
         };
@@ -815,14 +808,7 @@ impl UblkBackend {
         reason: String,
     ) -> Result<(), BackendError> {
         self.ask(volume_id, &Request::SetDispatch { dispatch, reason })?;
-        if let Some(w) = self
-            .workers
-            .lock()
-            .expect("workers poisoned")
-            .get_mut(&volume_id)
-        {
-            w.spec.dispatch = dispatch;
-        }
+        self.record(volume_id, |spec| spec.dispatch = dispatch);
         Ok(())
     }
 
@@ -851,14 +837,7 @@ impl UblkBackend {
                 allocation,
             },
         )?;
-        if let Some(w) = self
-            .workers
-            .lock()
-            .expect("workers poisoned")
-            .get_mut(&volume_id)
-        {
-            w.spec.size_bytes = size_bytes;
-        }
+        self.record(volume_id, |spec| spec.size_bytes = size_bytes);
         self.attachment(&s)
     }
 
