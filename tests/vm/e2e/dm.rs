@@ -123,24 +123,7 @@ async fn dm_refusals_name_their_rule_and_change_nothing() {
     vm.image("ontmpfs", Scratch::Tmpfs, 16, "full").await;
     vm.image("onplain", Scratch::Plain, 16, "full").await;
     vm.image("orig", Scratch::Xfs, 16, "full").await;
-    let orig = vm.root(Scratch::Xfs).join("orig.img");
-    let copy = vm.root(Scratch::Xfs).join("copy.img");
-    sh(
-        "cp",
-        &[
-            "--reflink=always",
-            orig.to_str().unwrap(),
-            copy.to_str().unwrap(),
-        ],
-    );
-    sh("chmod", &["600", copy.to_str().unwrap()]);
-    assert_eq!(
-        vm.s.post("/v1/images", json!({"name": "copy", "path": copy}))
-            .await
-            .status
-            .as_u16(),
-        201
-    );
+    vm.reflinked_copy("orig").await;
     let before = vm.s.snapshot().await;
     for (image, needle) in [
         ("sparse", "rule 2"),

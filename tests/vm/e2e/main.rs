@@ -113,6 +113,27 @@ impl Vm {
         a.body
     }
 
+    /// Makes `copy` a reflinked copy (shared extents) of the xfs image
+    /// `orig` and registers it as image `copy`; panics unless 201.
+    pub async fn reflinked_copy(&self, orig: &str) {
+        let orig = self.root(Scratch::Xfs).join(format!("{orig}.img"));
+        let copy = self.root(Scratch::Xfs).join("copy.img");
+        sh(
+            "cp",
+            &[
+                "--reflink=always",
+                orig.to_str().unwrap(),
+                copy.to_str().unwrap(),
+            ],
+        );
+        sh("chmod", &["600", copy.to_str().unwrap()]);
+        let a = self
+            .s
+            .post("/v1/images", json!({"name": "copy", "path": copy}))
+            .await;
+        assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+    }
+
     /// Creates a volume and returns it; panics unless 201.
     pub async fn volume(&self, body: Value) -> Value {
         let a = self.s.post("/v1/volumes", body).await;

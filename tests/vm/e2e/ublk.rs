@@ -198,21 +198,7 @@ async fn direct_map_refusals_name_their_rule_and_change_nothing() {
     vm.image("sparse", Scratch::Xfs, 16, "sparse").await;
     vm.image("ontmpfs", Scratch::Tmpfs, 16, "full").await;
     vm.image("orig", Scratch::Xfs, 16, "full").await;
-    let orig = vm.root(Scratch::Xfs).join("orig.img");
-    let copy = vm.root(Scratch::Xfs).join("copy.img");
-    sh(
-        "cp",
-        &[
-            "--reflink=always",
-            orig.to_str().unwrap(),
-            copy.to_str().unwrap(),
-        ],
-    );
-    sh("chmod", &["600", copy.to_str().unwrap()]);
-    let a =
-        vm.s.post("/v1/images", json!({"name": "copy", "path": copy}))
-            .await;
-    assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+    vm.reflinked_copy("orig").await;
     let before = vm.s.snapshot().await;
     for (image, rule) in [
         ("sparse", "rule 2"),
