@@ -414,9 +414,20 @@ async fn overlapping_calls_for_one_volume_are_aborted() {
             .await
         })
     };
-    // Give the first call time to take the volume; the second must then be
-    // refused at once (its own deadline turns a hang into a failure).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Wait until the first call has taken the volume (it logs, then takes
+    // the volume's slot without yielding): a fixed pause lost the race on a
+    // loaded machine. The second must then be refused at once (its own
+    // deadline turns a hang into a failure).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !csi.driver_log().contains("NodeStageVolume volume=csi-busy") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first stage never reached the driver:\n{}",
+            csi.driver_log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let mut second = tonic::Request::new(NodeStageVolumeRequest {
         volume_id: v.volume_id.clone(),
         staging_target_path: staging.display().to_string(),
