@@ -75,18 +75,20 @@ S
     fi
   done
 
-  local kv pkgs=() p ver
+  # Not `kv`: read_resolved below assigns the global kv, and bash's dynamic scoping would make
+  # it clear a local of that name here (that wrote "kv=" into the cache once).
+  local new_kv pkgs=() p ver
   if [ "$flavor" = lts ]; then
     p=$(apt-cache "${apt_opts[@]}" search --names-only '^linux-image-6\.12\.[0-9]+\+deb13-amd64-unsigned$' \
         | awk '{print $1}' | sort -V | tail -n1)
     [ -n "$p" ] || bp_die "no linux-image-6.12.*+deb13-amd64-unsigned package found in trixie"
-    kv=${p#linux-image-}; kv=${kv%-unsigned}
+    new_kv=${p#linux-image-}; new_kv=${new_kv%-unsigned}
     pkgs=("$p")
   else
-    kv=$(apt-cache "${apt_opts[@]}" search --names-only '^linux-binary-unsigned-[0-9][0-9.]*\+deb13-amd64$' \
+    new_kv=$(apt-cache "${apt_opts[@]}" search --names-only '^linux-binary-unsigned-[0-9][0-9.]*\+deb13-amd64$' \
         | awk '{print $1}' | sed 's/^linux-binary-unsigned-//' | sort -V | tail -n1)
-    [ -n "$kv" ] || bp_die "no linux-binary-unsigned-*+deb13-amd64 package found in trixie-backports"
-    pkgs=("linux-binary-unsigned-$kv" "linux-modules-$kv" "linux-base-$kv")
+    [ -n "$new_kv" ] || bp_die "no linux-binary-unsigned-*+deb13-amd64 package found in trixie-backports"
+    pkgs=("linux-binary-unsigned-$new_kv" "linux-modules-$new_kv" "linux-base-$new_kv")
   fi
 
   local specs=() files=() f
@@ -95,7 +97,7 @@ S
     [ -n "$ver" ] || bp_die "package $p has no candidate version"
     specs+=("$p=$ver")
   done
-  bp_log "kernel $kv: ${specs[*]}"
+  bp_log "kernel $new_kv: ${specs[*]}"
   if read_resolved && [ "${pkgspecs[*]}" = "${specs[*]}" ]; then
     bp_log "already downloaded"
     return 0
@@ -112,7 +114,7 @@ S
   done
   rm -rf "$debdir" && mv "$debdir.new" "$debdir"
   {
-    echo "kv=$kv"
+    echo "kv=$new_kv"
     for p in "${files[@]}"; do echo "deb=$p"; done
     for p in "${specs[@]}"; do echo "pkg=$p"; done
   } > "$cache/resolved.tmp"
