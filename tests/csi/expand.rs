@@ -143,8 +143,7 @@ async fn ext4_grows_online() {
         node_expand(&csi, id, &target, 64 * MIB, cap.clone()).await,
         Code::FailedPrecondition,
     );
-    let Some(r) = expand_or_pending(&csi, id, "csi-grow", 64 * MIB, Some(cap.clone())).await
-    else {
+    let Some(r) = expand_or_pending(&csi, id, "csi-grow", 64 * MIB, Some(cap.clone())).await else {
         return;
     };
     assert_eq!(r.capacity_bytes, 64 * MIB);
