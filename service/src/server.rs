@@ -206,6 +206,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     );
 
     manager.start_sampler();
+    let store = manager.store().clone();
     let app = crate::api::router(manager, cfg.token.clone(), cfg.limits);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Bind everything before serving anything: answering on one listener means
@@ -239,6 +240,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         if let ListenAddr::Unix(path) = addr {
             let _ = std::fs::remove_file(path);
         }
+    }
+    // Into the .db file, so that a copy of it alone is the registry.
+    if let Err(e) = store.close().await {
+        tracing::warn!(error = %e, "could not checkpoint the database at stop");
     }
     tracing::info!("stopped; devices left running");
     Ok(())

@@ -94,6 +94,7 @@ impl ApiError {
                 Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),
                 Error::ImageFile(e) => image_file(e),
+                Error::Store(e) if e.is_full() => (S::INSUFFICIENT_STORAGE, "storage_full"),
                 Error::Store(_) => (S::INTERNAL_SERVER_ERROR, "database_error"),
                 Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal"),
             },

@@ -85,15 +85,15 @@ fn routes() -> OpenApiRouter<AppState> {
 fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let (router, mut doc) = routes().split_for_parts();
     for (path, item) in doc.paths.paths.iter_mut() {
-        for op in [
-            &mut item.get,
-            &mut item.post,
-            &mut item.patch,
-            &mut item.put,
-            &mut item.delete,
+        for (writes, op) in [
+            (false, &mut item.get),
+            (true, &mut item.post),
+            (true, &mut item.patch),
+            (true, &mut item.put),
+            (true, &mut item.delete),
         ]
         .into_iter()
-        .flatten()
+        .filter_map(|(w, op)| op.as_mut().map(|op| (w, op)))
         {
             let mut common = vec![
                 (
@@ -109,6 +109,12 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
                     "Too many requests or event streams at once; retry shortly",
                 ),
             ];
+            if writes {
+                common.push((
+                    "507",
+                    "The data dir's filesystem is full: the registry could not record the change; retry when there is space",
+                ));
+            }
             if path != "/healthz" {
                 common.push((
                     "401",
