@@ -441,6 +441,14 @@ impl Store {
             .collect()
     }
 
+    /// How many volumes there are.
+    pub async fn volume_count(&self) -> Result<usize> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
+            .fetch_one(&self.readers)
+            .await?;
+        Ok(row.try_get::<i64, _>("n")? as usize)
+    }
+
     /// The volume with this id or name.
     pub async fn volume(&self, id_or_name: &str) -> Result<Option<VolumeRow>> {
         sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
@@ -609,6 +617,14 @@ impl WriteTx {
             .as_ref()
             .map(VolumeRow::from_row)
             .transpose()
+    }
+
+    /// How many volumes there are, read inside the transaction.
+    pub async fn volume_count(&mut self) -> Result<usize> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
+            .fetch_one(self.conn())
+            .await?;
+        Ok(row.try_get::<i64, _>("n")? as usize)
     }
 
     /// Records a new volume.
