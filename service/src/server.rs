@@ -30,6 +30,14 @@ pub enum ServeError {
     Locked(String),
     #[error("image roots: {0}")]
     Roots(#[source] io::Error),
+    #[error(
+        "image root {root} {relation} the data dir {data_dir}: the registry and runtime files could be registered as images; use image roots apart from the data dir (or its own images/ directory)"
+    )]
+    RootHoldsDataDir {
+        root: String,
+        data_dir: String,
+        relation: &'static str,
+    },
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("reconciliation: {0}")]
@@ -65,6 +73,70 @@ fn private_dir(path: &Path) -> Result<(), ServeError> {
             path: path.display().to_string(),
             source,
         })
+}
+
+/// Makes the data dir, or sets one that already exists to 0700: it holds
+/// the registry, which others must not read.
+fn private_data_dir(path: &Path) -> Result<(), ServeError> {
+    private_dir(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        ServeError::DataDir {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// Makes the database file (and its WAL files, when present) mode 0600
+/// before SQLite opens it: SQLite gives new WAL files the database's mode.
+fn private_database(db: &Path) -> Result<(), ServeError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |path: &Path, source| ServeError::DataDir {
+        path: path.display().to_string(),
+        source,
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(db)
+        .map_err(|e| err(db, e))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let f = std::path::PathBuf::from(format!("{}{suffix}", db.display()));
+        match std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            r => r.map_err(|e| err(&f, e))?,
+        }
+    }
+    Ok(())
+}
+
+/// Refuses image roots that contain the data dir, or lie inside it other than
+/// its own `images/` directory: the database, its WAL, the lock and the
+/// workers' state could otherwise be registered (and served) as images.
+fn check_roots_apart(data_dir: &Path, roots: &[String]) -> Result<(), ServeError> {
+    let data = data_dir
+        .canonicalize()
+        .map_err(|source| ServeError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+    let images = data.join("images");
+    for root in roots.iter().map(Path::new) {
+        let relation = if data.starts_with(root) {
+            "contains"
+        } else if root.starts_with(&data) && !root.starts_with(&images) {
+            "lies inside"
+        } else {
+            continue;
+        };
+        return Err(ServeError::RootHoldsDataDir {
+            root: root.display().to_string(),
+            data_dir: data.display().to_string(),
+            relation,
+        });
+    }
+    Ok(())
 }
 
 /// Takes an exclusive lock on the data dir for the life of the process.
@@ -171,14 +243,17 @@ async fn serve_listener<L>(
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
-    private_dir(&cfg.data_dir)?;
+    private_data_dir(&cfg.data_dir)?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     let default_root = cfg.data_dir.join("images");
     if cfg.image_roots.contains(&default_root) {
         private_dir(&default_root)?;
     }
     let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
-    let store = Store::open(&cfg.data_dir.join("blockplane.db")).await?;
+    check_roots_apart(&cfg.data_dir, &roots.paths())?;
+    let db = cfg.data_dir.join("blockplane.db");
+    private_database(&db)?;
+    let store = Store::open(&db).await?;
     let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
         .ok()
         .and_then(|s| Fault::parse(&s));
