@@ -269,6 +269,7 @@ async fn serve_listener<L>(
         tokio::select! {
             (io, _addr) = listener.accept() => {
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let io = crate::api::wire::JsonParseErrors::new(io);
                 let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
