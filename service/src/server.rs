@@ -361,8 +361,11 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         }
     }
     // Into the .db file, so that a copy of it alone is the registry.
-    if let Err(e) = store.close().await {
-        tracing::warn!(error = %e, "could not checkpoint the database at stop");
+    // Bounded: a connection still busy must not keep the process from exiting.
+    match tokio::time::timeout(Duration::from_secs(10), store.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not checkpoint the database at stop"),
+        Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
     }
     tracing::info!("stopped; devices left running");
     Ok(())
