@@ -19,7 +19,7 @@ const LOG_FLUSH: u64 = 1;
 const LOG_FUA: u64 = 2;
 const LOG_DISCARD: u64 = 4;
 const LOG_MARK: u64 = 8;
-const LOG_MAGIC: u64 = 0x6a73_6677_7368_72;
+const LOG_MAGIC: u64 = 0x6a_7366_7773_6872;
 
 /// The image filesystem (ext4 on a dm `linear` over a loop device, as the
 /// direct-map rules want) keeps its disk as a file on an outer ext4, which sits
