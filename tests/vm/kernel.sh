@@ -196,6 +196,7 @@ overlay required
 ublk_drv required
 dm-mod required
 dm-flakey required
+dm-log-writes required
 dm-delay required
 dm-snapshot required
 loop required

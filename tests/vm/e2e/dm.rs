@@ -124,7 +124,7 @@ async fn dm_refusals_name_their_rule_and_change_nothing() {
     vm.image("onplain", Scratch::Plain, 16, "full").await;
     vm.image("orig", Scratch::Xfs, 16, "full").await;
     vm.reflinked_copy("orig").await;
-    let before = vm.s.snapshot().await;
+    let before = vm.snapshot().await;
     for (image, needle) in [
         ("sparse", "rule 2"),
         ("ontmpfs", "rule 1"),
@@ -147,7 +147,7 @@ async fn dm_refusals_name_their_rule_and_change_nothing() {
             );
         }
         assert_eq!(
-            vm.s.snapshot().await,
+            vm.snapshot().await,
             before,
             "refusal for {image} changed something"
         );

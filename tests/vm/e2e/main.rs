@@ -13,6 +13,7 @@ mod leaks;
 mod dm;
 mod faults;
 mod live;
+mod logwrites;
 mod soak;
 mod ublk;
 
@@ -64,6 +65,59 @@ impl Scratch {
 pub struct Vm {
     pub s: Service,
     roots: Vec<(Scratch, PathBuf)>,
+    /// More image roots given at start.
+    more: Vec<PathBuf>,
+}
+
+/// Everything a refusal must leave unchanged in the VM: the service's own
+/// view ([`harness::Snapshot`]), the kernel's ublk, dm (with their tables) and
+/// loop devices, and every file under the image roots with its type, size,
+/// mode, mtime, inode and attribute flags (immutable included).
+#[derive(Debug, PartialEq)]
+pub struct VmSnapshot {
+    service: harness::Snapshot,
+    ublk: Vec<String>,
+    dm_tables: Vec<String>,
+    loops: Vec<(String, String)>,
+    files: Vec<String>,
+}
+
+/// `path type size mode mtime inode flags` of everything under `dir`, sorted.
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            let flags = if m.is_file() || m.is_dir() {
+                std::fs::File::open(&p)
+                    .ok()
+                    .and_then(|f| rustix::fs::ioctl_getflags(&f).ok())
+                    .map_or("-".to_string(), |f| format!("{:#x}", f.bits()))
+            } else {
+                "-".to_string()
+            };
+            out.push(format!(
+                "{} {:?} {} {:o} {}.{} {} {flags}",
+                p.display(),
+                m.file_type(),
+                m.size(),
+                m.mode(),
+                m.mtime(),
+                m.mtime_nsec(),
+                m.ino()
+            ));
+            if m.is_dir() {
+                todo.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 impl Vm {
@@ -86,12 +140,53 @@ impl Vm {
                 })
                 .collect();
         let s = Service::start_with(Opts {
-            extra_roots: roots.iter().map(|(_, p)| p.clone()).chain(more).collect(),
+            extra_roots: roots
+                .iter()
+                .map(|(_, p)| p.clone())
+                .chain(more.iter().cloned())
+                .collect(),
             extra_args: vec!["--extent-check-secs".into(), "2".into()],
             ..Default::default()
         })
         .await;
-        Self { s, roots }
+        Self { s, roots, more }
+    }
+
+    /// Records what a refusal must not change (see [`VmSnapshot`]).
+    pub async fn snapshot(&self) -> VmSnapshot {
+        let mut ublk: Vec<String> = std::fs::read_dir("/dev")
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("ublk"))
+            .collect();
+        ublk.sort();
+        let out = Command::new("dmsetup")
+            .arg("table")
+            .env("DM_DISABLE_UDEV", "1")
+            .output()
+            .unwrap();
+        let mut dm_tables: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        dm_tables.sort();
+        let mut loops = harness::loop_devices();
+        loops.sort();
+        let files = self
+            .roots
+            .iter()
+            .map(|(_, p)| p)
+            .chain(&self.more)
+            .flat_map(|p| files_under(p))
+            .collect();
+        VmSnapshot {
+            service: self.s.snapshot().await,
+            ublk,
+            dm_tables,
+            loops,
+            files,
+        }
     }
 
     /// The image root on `k`.

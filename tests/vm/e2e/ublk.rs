@@ -199,7 +199,7 @@ async fn direct_map_refusals_name_their_rule_and_change_nothing() {
     vm.image("ontmpfs", Scratch::Tmpfs, 16, "full").await;
     vm.image("orig", Scratch::Xfs, 16, "full").await;
     vm.reflinked_copy("orig").await;
-    let before = vm.s.snapshot().await;
+    let before = vm.snapshot().await;
     for (image, rule) in [
         ("sparse", "rule 2"),
         ("ontmpfs", "rule 1"),
@@ -217,7 +217,7 @@ async fn direct_map_refusals_name_their_rule_and_change_nothing() {
             "{}",
             a.body
         );
-        assert_eq!(vm.s.snapshot().await, before);
+        assert_eq!(vm.snapshot().await, before);
         assert!(
             !run("ls", &["/dev/ublkb0"]).status.success(),
             "no device made"
@@ -227,10 +227,16 @@ async fn direct_map_refusals_name_their_rule_and_change_nothing() {
     let v = vm
         .volume(json!({"name": "s", "image": "sparse", "backend": "ublk", "dispatch": "nowait"}))
         .await;
+    let before = vm.snapshot().await;
     let a =
         vm.s.patch("/v1/volumes/s", json!({"dispatch": "direct"}))
             .await;
     assert_error(&a, 422, "refused");
+    assert_eq!(
+        vm.snapshot().await,
+        before,
+        "the refused switch changed something"
+    );
     assert!(!is_immutable(&vm.root(Scratch::Xfs).join("sparse.img")));
     fio_ok(fio_verify(v["device"].as_str().unwrap(), "8M", &[]));
     vm.delete("s").await;
