@@ -245,7 +245,10 @@ async fn check_data(s: &Service, name: &str, target_ino: u64) -> usize {
         .arg(&dev)
         .output()
         .unwrap();
-    let inode: u64 = String::from_utf8_lossy(&inode.stdout).trim().parse().unwrap();
+    let inode: u64 = String::from_utf8_lossy(&inode.stdout)
+        .trim()
+        .parse()
+        .unwrap();
     let d = s.delete(&format!("/v1/volumes/{name}")).await;
     assert_eq!(d.status.as_u16(), 204, "{}", d.body);
     assert_ne!(inode, target_ino, "{name}: the volume reads the target");

@@ -126,10 +126,8 @@ async fn sigterm_drains_and_leaves_devices() {
     // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image
     // (zeros written, seconds). Its file appearing means the service is in it.
     let slow = s.images.join("slow.img");
-    let client = blockplane::client::Client::new(
-        blockplane::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    );
+    let client =
+        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);
     let body = json!({"name": "slow", "path": slow,
                       "create": {"size_bytes": 1u64 << 30, "allocation": "full"}});
     let in_flight = tokio::spawn(async move {
