@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::harness::assert_error;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh, writes_flow};
 
 const POLICIES: [&str; 3] = ["nowait", "threaded", "direct"];
 
@@ -144,7 +144,9 @@ async fn policies_switch_live_under_fio_verify() {
     for policy in [
         "threaded", "direct", "nowait", "direct", "threaded", "nowait",
     ] {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        // Each switch lands while fio is writing: 1 MiB more written first.
+        let waited = writes_flow(&dev, 1 << 20).await;
+        eprintln!("switch to {policy} after {waited:?} of writes");
         let after = vm.set_dispatch("sw", policy).await;
         assert_eq!(after["dispatch"], policy, "{after}");
         assert_eq!(
@@ -153,6 +155,7 @@ async fn policies_switch_live_under_fio_verify() {
             "pinned exactly while direct"
         );
     }
+    writes_flow(&dev, 1 << 20).await;
     fio_ok(fio);
     let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
     assert_eq!(
