@@ -8,7 +8,7 @@ set -euo pipefail
 
 build=(pkg-config libclang-dev libdevmapper-dev)
 test=(qemu-system-x86 busybox-static kmod cpio xz-utils zstd fio xfsprogs e2fsprogs
-      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip socat curl chromium)
+      dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip socat curl chromium shellcheck)
 
 want=("${build[@]}")
 if [[ "${1:-}" == "--test" ]]; then
@@ -30,6 +30,24 @@ if ((${#missing[@]})); then
     apt_get() { apt-get -o DPkg::Lock::Timeout=300 "$@"; }
     apt_get update -qq
     apt_get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The dashboard's browser tests need Node.js 20 or newer with npm. Debian's own
+# nodejs is taken when the release carries 20+ (Debian 13 does); an older
+# release (Debian 12 has 18) needs it from elsewhere, which this script does not
+# fetch: say so in one line before anything runs.
+node_major() { node --version 2>/dev/null | sed -n 's/^v\([0-9]*\)\..*/\1/p'; }
+if [[ "${1:-}" == "--test" ]] && { [[ "$(node_major)" -lt 20 ]] || ! command -v npm >/dev/null; }; then
+    candidate=$(apt-cache policy nodejs 2>/dev/null | sed -n 's/^ *Candidate: \([0-9]*\)\..*/\1/p')
+    if [[ "${candidate:-0}" -ge 20 && $EUID -eq 0 ]]; then
+        echo "install-deps: installing Debian's nodejs and npm (Node.js $candidate)" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+            --no-install-recommends nodejs npm >/dev/null 2>&1 || true
+    fi
+    if [[ "$(node_major)" -lt 20 ]] || ! command -v npm >/dev/null; then
+        echo "install-deps: the dashboard tests need Node.js 20 or newer with npm (found: $(node --version 2>/dev/null || echo none), npm $(npm --version 2>/dev/null || echo none)); this Debian release carries Node.js ${candidate:-none}: install Node.js 20+ with npm (Debian 13's nodejs package, or the Node.js project's packages) and rerun" >&2
+        exit 1
+    fi
 fi
 
 if ! command -v cargo >/dev/null; then

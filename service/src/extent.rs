@@ -1,8 +1,9 @@
 //! Direct maps: an image's extents, checked against the direct-map safety
-//! rules of DESIGN.md and translated to the raw block device beneath its
-//! filesystem, so I/O can bypass the filesystem.
+//! rules (all seven are stated in `docs/architecture.md`) and translated to
+//! the raw block device beneath its filesystem, so I/O can bypass the
+//! filesystem.
 //!
-//! Rules (each refusal names its rule):
+//! Rules checked here (each refusal names its rule):
 //! 1. the filesystem is block-mapped and not copy-on-write: ext4 or xfs;
 //! 2. every extent from `FS_IOC_FIEMAP` (with `FIEMAP_FLAG_SYNC`) is plain,
 //!    512-aligned, with no holes, and the last one carries `LAST`;
@@ -11,6 +12,9 @@
 //!    device-mapper `linear` tables (only) down to a raw device;
 //! 5. the map is re-read and compared ([`ExtentMap::differences`]);
 //! 6. the image's page cache is written back and dropped ([`drop_page_cache`]).
+//!
+//! Rule 7 (opening the raw disk while its filesystem is mounted) is checked
+//! where the raw device is opened: `backend::dm` and the ublk worker.
 
 use std::fmt;
 use std::io;

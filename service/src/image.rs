@@ -26,6 +26,12 @@ pub enum ImageFileError {
     NotAbsolute { path: String, roots: String },
     #[error("image path '{path}' contains '..'; paths must be written without parent references")]
     DotDot { path: String },
+    #[error("image path '{path}' contains a NUL byte, which no file name can hold")]
+    Nul { path: String },
+    #[error("image path '{path}' has a file name of {len} bytes; names are at most {NAME_MAX}")]
+    NameTooLong { path: String, len: usize },
+    #[error("image path '{path}…' is {len} bytes long; paths are at most {}", PATH_MAX - 1)]
+    PathTooLong { path: String, len: usize },
     #[error("image path '{path}' is outside every image root ({roots})")]
     OutsideRoots { path: String, roots: String },
     #[error(
@@ -60,6 +66,8 @@ pub enum ImageFileError {
     TooLarge { path: String, size: u64 },
     #[error("'{path}' already exists; leave out 'create' to register an existing file")]
     Exists { path: String },
+    #[error("'{path}' now names another file than the registered image; it was not removed")]
+    Replaced { path: String },
     #[error("image '{path}': the filesystem is full ({op})")]
     NoSpace { path: String, op: &'static str },
     #[error("image '{path}': {op} failed: {source}")]
@@ -145,6 +153,7 @@ impl ImageRoots {
 
     /// Checks a user-supplied path against the roots, without touching the filesystem.
     pub fn resolve(&self, path: &str) -> Result<ImagePath> {
+        check_shape(path)?;
         let p = Path::new(path);
         if !p.is_absolute() {
             return Err(ImageFileError::NotAbsolute {
@@ -279,13 +288,9 @@ impl ImageRoots {
         let st = rustix::fs::statat(&parent, &name, AtFlags::SYMLINK_NOFOLLOW)
             .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
         if (st.st_dev, st.st_ino) != (dev, ino) {
-            return Err(io_error(
-                path,
-                "unlink",
-                io::Error::other(
-                    "the path now names another file than the registered image; not removed",
-                ),
-            ));
+            return Err(ImageFileError::Replaced {
+                path: path.display(),
+            });
         }
         rustix::fs::unlinkat(&parent, &name, AtFlags::empty())
             .map_err(|e| self.resolve_error(path, e.into(), "unlink"))
@@ -461,6 +466,36 @@ fn io_error(path: &ImagePath, op: &'static str, source: io::Error) -> ImageFileE
         op,
         source,
     }
+}
+
+/// The longest file name Linux filesystems take (bytes).
+const NAME_MAX: usize = 255;
+/// Linux's limit on a path, its terminating NUL included (bytes).
+const PATH_MAX: usize = 4096;
+
+/// Refuses paths no system call could take, before one fails on them.
+fn check_shape(path: &str) -> Result<()> {
+    if path.contains('\0') {
+        return Err(ImageFileError::Nul { path: path.into() });
+    }
+    if path.len() >= PATH_MAX {
+        // The path itself would make the message as long: its start names it.
+        let mut cut = 200;
+        while !path.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        return Err(ImageFileError::PathTooLong {
+            path: path[..cut].into(),
+            len: path.len(),
+        });
+    }
+    if let Some(name) = path.split('/').find(|n| n.len() > NAME_MAX) {
+        return Err(ImageFileError::NameTooLong {
+            path: path.into(),
+            len: name.len(),
+        });
+    }
+    Ok(())
 }
 
 /// The largest image blockplane makes or grows: 1 PiB.

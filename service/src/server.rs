@@ -35,6 +35,14 @@ pub enum ServeError {
     Locked(String),
     #[error("image roots: {0}")]
     Roots(#[source] io::Error),
+    #[error(
+        "image root {root} {relation} the data dir {data_dir}: the registry and runtime files could be registered as images; use image roots apart from the data dir (or its own images/ directory)"
+    )]
+    RootHoldsDataDir {
+        root: String,
+        data_dir: String,
+        relation: &'static str,
+    },
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("reconciliation: {0}")]
@@ -53,12 +61,55 @@ pub fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info,sqlx=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&io::stderr()))
-        .with_writer(io::stderr);
+        .with_ansi(std::io::IsTerminal::is_terminal(&io::stderr()));
     let _ = match format {
-        LogFormat::Human => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Human => builder.with_writer(|| EscapedLine(Vec::new())).try_init(),
+        // JSON strings escape their control characters already.
+        LogFormat::Json => builder.json().with_writer(io::stderr).try_init(),
     };
+}
+
+/// One human-format log line, written to stderr when dropped with the line
+/// breaks and other control characters inside it escaped: a logged value (a
+/// path with a newline, say) can never start a line of its own.
+struct EscapedLine(Vec<u8>);
+
+impl io::Write for EscapedLine {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for EscapedLine {
+    fn drop(&mut self) {
+        let line = escape_controls(&self.0);
+        let _ = io::Write::write_all(&mut io::stderr().lock(), &line);
+    }
+}
+
+/// Escapes control bytes but the final newline, tabs and (for colors) ESC.
+fn escape_controls(line: &[u8]) -> Vec<u8> {
+    let (body, end) = match line.strip_suffix(b"\n") {
+        Some(body) => (body, &b"\n"[..]),
+        None => (line, &b""[..]),
+    };
+    let mut out = Vec::with_capacity(line.len());
+    for &b in body {
+        match b {
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' | 0x1b => out.push(b),
+            0..0x20 | 0x7f => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+            _ => out.push(b),
+        }
+    }
+    out.extend_from_slice(end);
+    out
 }
 
 fn private_dir(path: &Path) -> Result<(), ServeError> {
@@ -70,6 +121,70 @@ fn private_dir(path: &Path) -> Result<(), ServeError> {
             path: path.display().to_string(),
             source,
         })
+}
+
+/// Makes the data dir, or sets one that already exists to 0700: it holds
+/// the registry, which others must not read.
+fn private_data_dir(path: &Path) -> Result<(), ServeError> {
+    private_dir(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        ServeError::DataDir {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// Makes the database file (and its WAL files, when present) mode 0600
+/// before SQLite opens it: SQLite gives new WAL files the database's mode.
+fn private_database(db: &Path) -> Result<(), ServeError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |path: &Path, source| ServeError::DataDir {
+        path: path.display().to_string(),
+        source,
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(db)
+        .map_err(|e| err(db, e))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let f = std::path::PathBuf::from(format!("{}{suffix}", db.display()));
+        match std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            r => r.map_err(|e| err(&f, e))?,
+        }
+    }
+    Ok(())
+}
+
+/// Refuses image roots that contain the data dir, or lie inside it other than
+/// its own `images/` directory: the database, its WAL, the lock and the
+/// workers' state could otherwise be registered (and served) as images.
+fn check_roots_apart(data_dir: &Path, roots: &[String]) -> Result<(), ServeError> {
+    let data = data_dir
+        .canonicalize()
+        .map_err(|source| ServeError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+    let images = data.join("images");
+    for root in roots.iter().map(Path::new) {
+        let relation = if data.starts_with(root) {
+            "contains"
+        } else if root.starts_with(&data) && !root.starts_with(&images) {
+            "lies inside"
+        } else {
+            continue;
+        };
+        return Err(ServeError::RootHoldsDataDir {
+            root: root.display().to_string(),
+            data_dir: data.display().to_string(),
+            relation,
+        });
+    }
+    Ok(())
 }
 
 /// Takes an exclusive lock on the data dir for the life of the process.
@@ -165,6 +280,7 @@ async fn serve_listener<L>(
                 let io = Tracked::new(io);
                 let partial = io.partial.clone();
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let io = crate::api::wire::JsonParseErrors::new(io);
                 let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
                 let conn = graceful.watch(conn);
                 let timeout = limits.header_timeout;
@@ -191,14 +307,16 @@ async fn serve_listener<L>(
 /// socket's send buffer empty (nothing was written since the request began),
 /// so one non-blocking write suffices; a client gone already gets nothing.
 fn answer_header_timeout(socket: &OwnedFd, timeout: Duration) {
-    let body = serde_json::json!({"error": {
-        "code": "request_timeout",
-        "message": format!(
-            "the request's headers did not arrive within {} s (--header-timeout-secs)",
-            timeout.as_secs()
-        ),
-    }})
-    .to_string();
+    let body = serde_json::to_string(&crate::model::ErrorBody {
+        error: crate::model::ErrorDetail {
+            code: "request_timeout".into(),
+            message: format!(
+                "the request's headers did not arrive within {} s (--header-timeout-secs)",
+                timeout.as_secs()
+            ),
+        },
+    })
+    .expect("an error body serializes");
     let answer = format!(
         "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -279,14 +397,17 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Tracked<IO> {
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
-    private_dir(&cfg.data_dir)?;
+    private_data_dir(&cfg.data_dir)?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     let default_root = cfg.data_dir.join("images");
     if cfg.image_roots.contains(&default_root) {
         private_dir(&default_root)?;
     }
     let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
-    let store = Store::open(&cfg.data_dir.join("blockplane.db")).await?;
+    check_roots_apart(&cfg.data_dir, &roots.paths())?;
+    let db = cfg.data_dir.join("blockplane.db");
+    private_database(&db)?;
+    let store = Store::open(&db).await?;
     let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
         .ok()
         .and_then(|s| Fault::parse(&s));
@@ -314,6 +435,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     );
 
     manager.start_sampler();
+    let store = manager.store().clone();
     let app = crate::api::router(manager, cfg.token.clone(), cfg.limits);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Bind everything before serving anything: answering on one listener means
@@ -347,6 +469,13 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         if let ListenAddr::Unix(path) = addr {
             let _ = std::fs::remove_file(path);
         }
+    }
+    // Into the .db file, so that a copy of it alone is the registry.
+    // Bounded: a connection still busy must not keep the process from exiting.
+    match tokio::time::timeout(Duration::from_secs(10), store.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not checkpoint the database at stop"),
+        Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
     }
     tracing::info!("stopped; devices left running");
     Ok(())

@@ -4,6 +4,12 @@
 //! connections; every write goes through a single-connection pool and starts
 //! with `BEGIN IMMEDIATE`, so writers queue in the process instead of meeting
 //! `SQLITE_BUSY`, and a read-modify-write sees no interleaved writer.
+//!
+//! A write that fails (a full disk) must not poison the writer: transactions
+//! are plain `BEGIN IMMEDIATE`/`COMMIT`/`ROLLBACK` statements, and a connection
+//! whose begin, commit or rollback failed is closed rather than reused, so the
+//! next write starts on a fresh one. The last write failure is kept for
+//! `/healthz` until a write succeeds again.
 
 use std::path::Path;
 use std::str::FromStr;
@@ -12,11 +18,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Serialize, de::DeserializeOwned};
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::{Row, Sqlite, Transaction};
+use sqlx::{Row, Sqlite, SqliteConnection};
 use time::OffsetDateTime;
 use time::format_description::FormatItem;
 use time::macros::format_description;
@@ -37,6 +44,22 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database holds a malformed {what}: {detail}")]
     Corrupt { what: &'static str, detail: String },
+}
+
+/// SQLite's primary result code for a full disk.
+const SQLITE_FULL: i64 = 13;
+
+impl StoreError {
+    /// Whether the database could not be written because its filesystem is full.
+    pub fn is_full(&self) -> bool {
+        match self {
+            StoreError::Sqlx(sqlx::Error::Database(e)) => e
+                .code()
+                .and_then(|c| c.parse::<i64>().ok())
+                .is_some_and(|c| c & 0xff == SQLITE_FULL),
+            _ => false,
+        }
+    }
 }
 
 type Result<T> = std::result::Result<T, StoreError>;
@@ -195,7 +218,15 @@ pub struct Store {
     /// Bumped by every commit: readers that cache a view of the database
     /// compare it to know whether their view is current.
     generation: Arc<AtomicU64>,
+    /// Why the last write failed, until a write succeeds again.
+    write_failure: Arc<std::sync::Mutex<Option<String>>>,
+    /// The directory of the database file.
+    dir: Arc<std::path::PathBuf>,
 }
+
+/// Free space below which the database counts as unwritable: a commit
+/// appends a few 4 KiB pages to the WAL.
+const MIN_FREE_BYTES: u64 = 64 << 10;
 
 impl Store {
     /// Opens (creating if needed) the database file and applies migrations.
@@ -222,7 +253,102 @@ impl Store {
             writer,
             events_added: Arc::default(),
             generation: Arc::default(),
+            write_failure: Arc::default(),
+            dir: Arc::new(path.parent().unwrap_or(Path::new(".")).to_path_buf()),
         })
+    }
+
+    /// Folds the WAL into the database file and closes every connection, so
+    /// that after a clean stop `blockplane.db` alone holds the registry.
+    pub async fn close(&self) -> Result<()> {
+        self.readers.close().await;
+        let checkpoint = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+            .fetch_one(&self.writer)
+            .await;
+        self.writer.close().await;
+        let row = checkpoint?;
+        // (busy, frames in the WAL, frames checkpointed)
+        let busy: i64 = row.try_get(0)?;
+        if busy != 0 {
+            return Err(StoreError::Corrupt {
+                what: "checkpoint",
+                detail: "the WAL could not be checkpointed: a reader holds it".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes a consistent copy of the database to `target` (which must not
+    /// exist) with `VACUUM INTO`, while other processes may be using it.
+    pub async fn backup(db: &Path, target: &Path) -> Result<()> {
+        let options = SqliteConnectOptions::from_str("sqlite://")?
+            .filename(db)
+            .create_if_missing(false)
+            .busy_timeout(Duration::from_secs(10));
+        let mut conn = sqlx::ConnectOptions::connect(&options).await?;
+        let target = target.to_str().ok_or_else(|| StoreError::Corrupt {
+            what: "backup path",
+            detail: format!("{} is not UTF-8", target.display()),
+        })?;
+        let done = sqlx::query("VACUUM INTO ?")
+            .bind(target)
+            .execute(&mut conn)
+            .await;
+        sqlx::Connection::close(conn).await?;
+        done?;
+        Ok(())
+    }
+
+    /// Whether the database can be written: its filesystem has room, and
+    /// the last write did not fail or a probe write now works (the probe only
+    /// runs after a failure).
+    pub async fn check_writable(&self) -> std::result::Result<(), String> {
+        let free = rustix::fs::statvfs(self.dir.as_path())
+            .map(|st| {
+                // root may use the blocks reserved for it, as the service does.
+                let blocks = if rustix::process::geteuid().is_root() {
+                    st.f_bfree
+                } else {
+                    st.f_bavail
+                };
+                blocks.saturating_mul(st.f_frsize)
+            })
+            .map_err(|e| format!("statvfs {}: {e}", self.dir.display()))?;
+        if free < MIN_FREE_BYTES {
+            return Err(format!(
+                "the filesystem of {} is full ({free} bytes free)",
+                self.dir.display()
+            ));
+        }
+        if self.write_failure().is_none() {
+            return Ok(());
+        }
+        let probe = async {
+            let mut tx = self.begin().await?;
+            // Rewrites a row as it is: a real write that changes nothing.
+            sqlx::query("UPDATE meta SET value = value WHERE key = 'instance'")
+                .execute(tx.conn())
+                .await?;
+            tx.commit().await
+        };
+        match probe.await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn write_failure(&self) -> Option<String> {
+        self.write_failure
+            .lock()
+            .expect("write failure lock poisoned")
+            .clone()
+    }
+
+    fn record_write(&self, outcome: std::result::Result<(), &sqlx::Error>) {
+        *self
+            .write_failure
+            .lock()
+            .expect("write failure lock poisoned") = outcome.err().map(|e| e.to_string());
     }
 
     /// The id of this service instance (8 hex digits, made with the database).
@@ -235,11 +361,16 @@ impl Store {
 
     /// Starts a write transaction (`BEGIN IMMEDIATE` on the one writer connection).
     pub async fn begin(&self) -> Result<WriteTx> {
+        let mut conn = self.writer.acquire().await?;
+        if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
+            conn.close_on_drop();
+            self.record_write(Err(&e));
+            return Err(e.into());
+        }
         Ok(WriteTx {
-            tx: self.writer.begin_with("BEGIN IMMEDIATE").await?,
-            events_added: self.events_added.clone(),
+            conn: Some(conn),
+            store: self.clone(),
             wrote_events: false,
-            generation: self.generation.clone(),
         })
     }
 
@@ -310,6 +441,14 @@ impl Store {
             .collect()
     }
 
+    /// How many volumes there are.
+    pub async fn volume_count(&self) -> Result<usize> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
+            .fetch_one(&self.readers)
+            .await?;
+        Ok(row.try_get::<i64, _>("n")? as usize)
+    }
+
     /// The volume with this id or name.
     pub async fn volume(&self, id_or_name: &str) -> Result<Option<VolumeRow>> {
         sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
@@ -351,19 +490,31 @@ impl Store {
 
 /// A write transaction. Dropping it without [`WriteTx::commit`] rolls back.
 pub struct WriteTx {
-    tx: Transaction<'static, Sqlite>,
-    events_added: Arc<Notify>,
+    /// `None` once committed.
+    conn: Option<PoolConnection<Sqlite>>,
+    store: Store,
     wrote_events: bool,
-    generation: Arc<AtomicU64>,
 }
 
 impl WriteTx {
+    fn conn(&mut self) -> &mut SqliteConnection {
+        self.conn.as_mut().expect("transaction is open")
+    }
+
     /// Commits (and wakes event-stream readers if events were added).
-    pub async fn commit(self) -> Result<()> {
-        self.tx.commit().await?;
-        self.generation.fetch_add(1, Ordering::AcqRel);
+    pub async fn commit(mut self) -> Result<()> {
+        let mut conn = self.conn.take().expect("transaction is open");
+        if let Err(e) = sqlx::query("COMMIT").execute(&mut *conn).await {
+            // Closing the connection rolls back whatever SQLite still holds open.
+            conn.close_on_drop();
+            self.store.record_write(Err(&e));
+            return Err(e.into());
+        }
+        drop(conn);
+        self.store.record_write(Ok(()));
+        self.store.generation.fetch_add(1, Ordering::AcqRel);
         if self.wrote_events {
-            self.events_added.notify_waiters();
+            self.store.events_added.notify_waiters();
         }
         Ok(())
     }
@@ -372,7 +523,7 @@ impl WriteTx {
     pub async fn image(&mut self, id_or_name: &str) -> Result<Option<ImageRow>> {
         sqlx::query("SELECT * FROM images WHERE id = ?1 OR name = ?1")
             .bind(id_or_name)
-            .fetch_optional(&mut *self.tx)
+            .fetch_optional(self.conn())
             .await?
             .as_ref()
             .map(ImageRow::from_row)
@@ -390,7 +541,7 @@ impl WriteTx {
             .bind(dev as i64)
             .bind(ino as i64)
             .bind(path)
-            .fetch_optional(&mut *self.tx)
+            .fetch_optional(self.conn())
             .await?
             .as_ref()
             .map(ImageRow::from_row)
@@ -418,7 +569,7 @@ impl WriteTx {
         .bind(&i.filesystem)
         .bind(ts(i.created_at))
         .bind(ts(i.created_at))
-        .execute(&mut *self.tx)
+        .execute(self.conn())
         .await?;
         Ok(())
     }
@@ -432,7 +583,7 @@ impl WriteTx {
         .bind(allocated as i64)
         .bind(ts(OffsetDateTime::now_utc()))
         .bind(id.to_string())
-        .execute(&mut *self.tx)
+        .execute(self.conn())
         .await?;
         Ok(())
     }
@@ -441,7 +592,7 @@ impl WriteTx {
     pub async fn delete_image(&mut self, id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM images WHERE id = ?")
             .bind(id.to_string())
-            .execute(&mut *self.tx)
+            .execute(self.conn())
             .await?;
         Ok(())
     }
@@ -450,7 +601,7 @@ impl WriteTx {
     pub async fn volume_ids_of_image(&mut self, image_id: Uuid) -> Result<Vec<Uuid>> {
         let rows = sqlx::query("SELECT id FROM volumes WHERE image_id = ? ORDER BY name")
             .bind(image_id.to_string())
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn())
             .await?;
         rows.iter()
             .map(|r| uuid("volume id", r.try_get("id")?))
@@ -461,11 +612,19 @@ impl WriteTx {
     pub async fn volume(&mut self, id_or_name: &str) -> Result<Option<VolumeRow>> {
         sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
             .bind(id_or_name)
-            .fetch_optional(&mut *self.tx)
+            .fetch_optional(self.conn())
             .await?
             .as_ref()
             .map(VolumeRow::from_row)
             .transpose()
+    }
+
+    /// How many volumes there are, read inside the transaction.
+    pub async fn volume_count(&mut self) -> Result<usize> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
+            .fetch_one(self.conn())
+            .await?;
+        Ok(row.try_get::<i64, _>("n")? as usize)
     }
 
     /// Records a new volume.
@@ -488,7 +647,7 @@ impl WriteTx {
         .bind(v.attachment.as_ref().map(json))
         .bind(ts(v.created_at))
         .bind(ts(v.updated_at))
-        .execute(&mut *self.tx)
+        .execute(self.conn())
         .await?;
         Ok(())
     }
@@ -509,7 +668,7 @@ impl WriteTx {
         .bind(v.attachment.as_ref().map(json))
         .bind(ts(v.updated_at))
         .bind(v.id.to_string())
-        .execute(&mut *self.tx)
+        .execute(self.conn())
         .await?;
         Ok(())
     }
@@ -518,7 +677,7 @@ impl WriteTx {
     pub async fn delete_volume(&mut self, id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM volumes WHERE id = ?")
             .bind(id.to_string())
-            .execute(&mut *self.tx)
+            .execute(self.conn())
             .await?;
         Ok(())
     }
@@ -539,10 +698,30 @@ impl WriteTx {
         .bind(image_id.map(|v| v.to_string()))
         .bind(kind)
         .bind(message)
-        .execute(&mut *self.tx)
+        .execute(self.conn())
         .await?;
         self.wrote_events = true;
         Ok(())
+    }
+}
+
+impl Drop for WriteTx {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        // Roll back before the connection serves the next writer; it goes back
+        // to the pool only when that worked (a failed rollback closes it).
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    if sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err() {
+                        conn.close_on_drop();
+                    }
+                });
+            }
+            Err(_) => conn.close_on_drop(),
+        }
     }
 }
 

@@ -164,6 +164,12 @@ impl Service {
 
     /// Starts a service and waits until it answers.
     pub async fn start_with(opts: Opts) -> Self {
+        Self::start_prepared(opts, |_| {}).await
+    }
+
+    /// Starts a service after `prepare` has run with its data dir's path (not
+    /// made yet): to mount a filesystem there or to seed it.
+    pub async fn start_prepared(opts: Opts, prepare: impl FnOnce(&Path)) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("bp")
             .tempdir_in("/tmp")
@@ -182,6 +188,7 @@ impl Service {
             child: None,
             log,
         };
+        prepare(&s.data);
         s.spawn(&[]);
         s.wait_ready().await;
         s

@@ -15,6 +15,7 @@ mod leaks;
 mod limits;
 mod metrics;
 mod openapi;
+mod registry;
 mod restart;
 mod soak;
 mod volumes;

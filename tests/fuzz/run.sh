@@ -18,6 +18,7 @@ token=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 proxy_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 mkdir -p "$work/images"
+# shellcheck disable=SC2317  # called by the trap
 cleanup() {
   kill "${proxy:-}" 2>/dev/null || true
   for id in $(BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" --json volume ls 2>/dev/null | jq -r '.[].id'); do

@@ -58,6 +58,17 @@ mount -t tmpfs -o mode=0755 tmpfs /newroot/run
 # rmmod/modprobe with other parameters (e.g. null_blk nr_devices=1) using the host's kmod.
 mkdir -p "/newroot/lib/modules/$kv"
 mount -o bind "/lib/modules/$kv" "/newroot/lib/modules/$kv"
+# The checkout (and a target dir outside it) come as shares of their own, mounted at their host
+# paths: a clone under /tmp would otherwise be hidden by the fresh /tmp above. run.sh lists them
+# in /results/.shares, one "TAG PATH" a line.
+if [ -f /newroot/results/.shares ]; then
+  while read -r tag path; do
+    [ -n "$tag" ] || continue
+    mkdir -p "/newroot$path" || fail "cannot make the mount point $path"
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,ro,cache=loose "$tag" "/newroot$path" \
+      || fail "cannot mount the share $tag at $path"
+  done < /newroot/results/.shares
+fi
 ip link set lo up 2>/dev/null || true
 hostname blockplane-vm
 

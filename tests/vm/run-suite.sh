@@ -8,6 +8,11 @@
 # built already (then nothing is built).
 # Every test runs (one at a time: the VM has one CPU thread of TCG) unless
 # filters are given; cargo's test filter syntax applies.
+#
+# What the run must show, or it fails: every filter matches at least one test
+# (a renamed test must not drop out of its lane silently); the guest ran
+# exactly the tests the filters select, all passed; with BLOCKPLANE_VM_EXPECT=N,
+# that number is N (the lane's own count, kept in tests/run-all.sh).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -30,5 +35,31 @@ else
   cargo build --locked --bin blockplane >/dev/null
 fi
 [ -x "$exe" ] || { echo "run-suite: could not build the $target test binary" >&2; exit 1; }
-echo "run-suite: $flavor kernel, $(basename "$exe") ${*:-(all tests)}" >&2
-exec "$here/run.sh" "$flavor" "$here/suite-job.sh" -- "$exe" --test-threads=1 "$@"
+
+# The tests the filters select, listed on the host by the same binary.
+count_tests() { "$exe" --list --format terse "$@" | grep -c ': test$' || true; }
+for f in "$@"; do
+  if [ "$(count_tests "$f")" -eq 0 ]; then
+    echo "run-suite: the filter '$f' matches no test in $(basename "$exe")" >&2
+    exit 1
+  fi
+done
+expected=$(count_tests "$@")
+if [ -n "${BLOCKPLANE_VM_EXPECT:-}" ] && [ "$expected" -ne "$BLOCKPLANE_VM_EXPECT" ]; then
+  echo "run-suite: the filters select $expected tests, the lane expects $BLOCKPLANE_VM_EXPECT:" >&2
+  "$exe" --list --format terse "$@" >&2
+  exit 1
+fi
+
+echo "run-suite: $flavor kernel, $(basename "$exe") ${*:-(all tests)}: $expected tests" >&2
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+rc=0
+"$here/run.sh" "$flavor" "$here/suite-job.sh" -- "$exe" --test-threads=1 "$@" | tee "$log" || rc=$?
+[ "$rc" -eq 0 ] || exit "$rc"
+ran=$(sed -n 's/^test result: ok\. \([0-9]*\) passed; 0 failed.*/\1/p' "$log" | tail -n1)
+if [ "${ran:-0}" -ne "$expected" ]; then
+  echo "run-suite: the guest reported ${ran:-no} passed tests; $expected were selected" >&2
+  exit 1
+fi
+echo "run-suite: $flavor kernel: $ran of $expected tests passed" >&2

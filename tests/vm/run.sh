@@ -80,6 +80,24 @@ env_list=(
   "BLOCKPLANE_VM_JOB=$job_abs" "BLOCKPLANE_REPO=$repo" "${user_env[@]}"
 )
 printf '%s\0' "${env_list[@]}" > "$results/.env"
+
+# The checkout and the test binaries are shared with the guest explicitly, at their own paths:
+# the guest sees the host root too, but mounts fresh /tmp, /run and /dev/shm over it, which would
+# hide a clone living there.
+shares=("$repo")
+if [ -n "${CARGO_TARGET_DIR:-}" ] && [ -d "$CARGO_TARGET_DIR" ]; then
+  target_abs=$(cd "$CARGO_TARGET_DIR" && pwd)
+  [[ "$target_abs/" == "$repo/"* ]] || shares+=("$target_abs")
+fi
+share_args=()
+: > "$results/.shares"
+i=0
+for s in "${shares[@]}"; do
+  [[ "$s" != *,* ]] || { bp_log "the path $s contains a comma, which qemu's -virtfs cannot take; move the checkout"; exit 2; }
+  share_args+=(-virtfs "local,path=$s,mount_tag=share$i,security_model=none,readonly=on,multidevs=remap")
+  printf 'share%d %s\n' "$i" "$s" >> "$results/.shares"
+  i=$((i + 1))
+done
 : > "$results/.args"
 [ "${#job_args[@]}" -eq 0 ] || printf '%s\0' "${job_args[@]}" > "$results/.args"
 cp "$job" "$results/job.sh"
@@ -113,6 +131,7 @@ qemu_args=(
   -serial "file:$console"
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
   -virtfs "local,path=$results,mount_tag=results,security_model=none"
+  "${share_args[@]}"
 )
 for d in "${disks[@]}"; do
   qemu_args+=(-drive "file=$d,if=virtio,format=raw,cache=none,aio=$aio,discard=unmap")
@@ -161,7 +180,7 @@ copy_out() {
   mkdir -p "$VM_OUT"
   local e
   while IFS= read -r -d '' e; do
-    case "${e##*/}" in .runner.sh|.env|.args|.rc.tmp) continue ;; esac
+    case "${e##*/}" in .runner.sh|.env|.args|.shares|.rc.tmp) continue ;; esac
     cp -a "$e" "$VM_OUT/"
   done < <(find "$results" -mindepth 1 -maxdepth 1 -print0)
   cp "$console" "$VM_OUT/vm-console.log" 2>/dev/null || true
@@ -212,6 +231,13 @@ fi
 rc=$rc_text
 [ "$qrc" -eq 0 ] || bp_log "note: qemu exited $qrc after the job finished"
 copy_out
+# A kernel warning, BUG or oops fails the run even when the job passed: the tests drive the
+# kernel's ublk and dm code, and a splat there is a failure of the run, not noise.
+if [ "$kernel_trouble" = 1 ] && [ "$rc" -eq 0 ]; then
+  console_tail
+  bp_log "job FAILED: it passed, but the guest kernel logged the oopses/warnings above; work dir kept: $work"
+  exit 1
+fi
 if [ "$rc" -ne 0 ]; then
   [ "$kernel_trouble" = 0 ] || console_tail
   bp_log "job FAILED with exit code $rc after ${elapsed}s; work dir kept: $work"

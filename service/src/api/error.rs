@@ -54,6 +54,9 @@ fn image_file(e: &ImageFileError) -> (StatusCode, &'static str) {
             (StatusCode::FORBIDDEN, "path_outside_roots")
         }
         E::DotDot { .. } => (StatusCode::FORBIDDEN, "path_parent_reference"),
+        E::Nul { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "path_contains_nul"),
+        E::NameTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "file_name_too_long"),
+        E::PathTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "path_too_long"),
         E::Symlink { .. } => (StatusCode::FORBIDDEN, "path_symlink"),
         E::OtherFilesystem { .. } => (StatusCode::FORBIDDEN, "path_crosses_mount"),
         E::ForeignOwner { .. } => (StatusCode::FORBIDDEN, "foreign_owner"),
@@ -65,6 +68,7 @@ fn image_file(e: &ImageFileError) -> (StatusCode, &'static str) {
         E::BadSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_size"),
         E::TooLarge { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "too_large"),
         E::Exists { .. } => (StatusCode::CONFLICT, "file_exists"),
+        E::Replaced { .. } => (StatusCode::CONFLICT, "image_replaced"),
         E::NoSpace { .. } => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
         E::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "io_error"),
     }
@@ -94,6 +98,7 @@ impl ApiError {
                 Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),
                 Error::ImageFile(e) => image_file(e),
+                Error::Store(e) if e.is_full() => (S::INSUFFICIENT_STORAGE, "storage_full"),
                 Error::Store(_) => (S::INTERNAL_SERVER_ERROR, "database_error"),
                 Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal"),
             },

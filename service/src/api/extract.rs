@@ -5,7 +5,8 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
-use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde::de::{DeserializeOwned, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 
 use super::error::ApiError;
 
@@ -18,8 +19,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         // Parse as a value first: serde would also accept a struct written as
         // a JSON array (`[null, null]`); the API takes objects only.
-        let value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
-            Ok(axum::Json(v)) => v,
+        let value = match axum::Json::<UniqueKeys>::from_request(req, state).await {
+            Ok(axum::Json(UniqueKeys(v))) => v,
             Err(rejection) => return Err(json_rejection(rejection)),
         };
         if !value.is_object() {
@@ -36,6 +37,75 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                 code: "invalid_body",
                 message: format!("Failed to deserialize the JSON body into the target type: {e}"),
             })
+    }
+}
+
+/// A JSON value whose objects repeat no key: `serde_json::Value` would keep
+/// the last of `{"name":"a","name":"b"}` silently, and two parsers of the same
+/// body could then disagree on what it asked.
+struct UniqueKeys(serde_json::Value);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueKeysVisitor).map(UniqueKeys)
+    }
+}
+
+struct UniqueKeysVisitor;
+
+impl<'de> Visitor<'de> for UniqueKeysVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(UniqueKeys(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(items.into())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(A::Error::custom(format!("duplicate key '{key}'")));
+            }
+            let UniqueKeys(v) = map.next_value()?;
+            object.insert(key, v);
+        }
+        Ok(object.into())
     }
 }
 

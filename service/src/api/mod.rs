@@ -9,6 +9,7 @@ mod extract;
 mod images;
 mod system;
 mod volumes;
+pub mod wire;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -85,15 +86,15 @@ fn routes() -> OpenApiRouter<AppState> {
 fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let (router, mut doc) = routes().split_for_parts();
     for (path, item) in doc.paths.paths.iter_mut() {
-        for op in [
-            &mut item.get,
-            &mut item.post,
-            &mut item.patch,
-            &mut item.put,
-            &mut item.delete,
+        for (writes, op) in [
+            (false, &mut item.get),
+            (true, &mut item.post),
+            (true, &mut item.patch),
+            (true, &mut item.put),
+            (true, &mut item.delete),
         ]
         .into_iter()
-        .flatten()
+        .filter_map(|(w, op)| op.as_mut().map(|op| (w, op)))
         {
             let mut common = vec![
                 (
@@ -109,6 +110,12 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
                     "Too many requests or event streams at once; retry shortly",
                 ),
             ];
+            if writes {
+                common.push((
+                    "507",
+                    "The data dir's filesystem is full: the registry could not record the change; retry when there is space",
+                ));
+            }
             if path != "/healthz" {
                 common.push((
                     "401",
@@ -164,6 +171,7 @@ pub fn router(manager: Arc<Manager>, token: Option<String>, limits: Limits) -> R
     )
     .fallback(no_route)
     .method_not_allowed_fallback(no_method)
+    .layer(axum::middleware::from_fn(json_errors))
     .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
     .layer(axum::middleware::from_fn_with_state(
         Arc::new(token),
@@ -201,6 +209,34 @@ async fn no_method(req: Request) -> ApiError {
         status: StatusCode::METHOD_NOT_ALLOWED,
         message: format!("{} is not allowed on {}", req.method(), req.uri().path()),
     }
+}
+
+/// Gives error answers made outside the API's handlers (axum's own
+/// rejections, such as a path segment that is not UTF-8) the JSON error shape.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let text = axum::body::to_bytes(resp.into_body(), 64 << 10)
+        .await
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    ApiError::BadRequest {
+        status,
+        code: wire::code_of(status),
+        message: if text.is_empty() {
+            wire::message_of(status)
+        } else {
+            text
+        },
+    }
+    .into_response()
 }
 
 /// How many requests and event streams may run at once, and for how long.
@@ -326,7 +362,7 @@ async fn require_token(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_credentials)
         .unwrap_or("");
     // Compare in constant time: the comparison must not tell how much matched.
     if bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
@@ -334,6 +370,15 @@ async fn require_token(
     } else {
         ApiError::Unauthorized.into_response()
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value. The scheme is
+/// matched in any case and may be followed by several spaces (RFC 7235).
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
 }
 
 /// A read of one of the dashboard's files. They hold no data, and the page must

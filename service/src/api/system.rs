@@ -7,15 +7,26 @@ use super::AppState;
 use super::error::ApiError;
 use crate::model::{ErrorBody, Health, Host};
 
-/// Liveness; needs no token.
+/// Liveness, and whether the registry can be written; needs no token.
 #[utoipa::path(
     get, path = "/healthz", tag = "system", security(()),
-    responses((status = 200, description = "The service answers", body = Health))
+    responses(
+        (status = 200, description = "The service answers", body = Health),
+        (status = 503, description = "The database cannot be written (e.g. its filesystem is full; code store_unwritable), or too many requests at once (code overloaded)", body = ErrorBody),
+    )
 )]
-pub async fn healthz() -> Json<Health> {
-    Json(Health {
+pub async fn healthz(State(m): State<AppState>) -> Result<Json<Health>, ApiError> {
+    m.store()
+        .check_writable()
+        .await
+        .map_err(|reason| ApiError::BadRequest {
+            status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            code: "store_unwritable",
+            message: format!("the registry cannot be written: {reason}"),
+        })?;
+    Ok(Json(Health {
         status: "ok".into(),
-    })
+    }))
 }
 
 /// What this host can run: kernel, backends and policies, and why not.

@@ -31,6 +31,7 @@ const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
 const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_CTL_REMOVE: libc::c_ulong = 0x4C81;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
@@ -126,6 +127,30 @@ fn get_status(dev: &File) -> io::Result<LoopInfo64> {
         )?
     };
     Ok(info)
+}
+
+fn open_control() -> Result<File, BackendError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(CONTROL)
+        .map_err(|e| BackendError::io("open", CONTROL, e))
+}
+
+/// Removes an unbound loop device that a volume had, so that volumes coming
+/// and going do not leave a trail of `/dev/loopN` nodes behind. Best effort:
+/// the kernel refuses (EBUSY) while anyone has the device open or has bound
+/// it again, and the device is then theirs.
+fn remove_unbound(dev: &LoopDev) {
+    let removed = open_control().and_then(|ctl| {
+        // SAFETY: LOOP_CTL_REMOVE takes the device index.
+        unsafe { ioctl(&ctl, LOOP_CTL_REMOVE, dev.index as usize) }
+            .map_err(|e| BackendError::io("LOOP_CTL_REMOVE", dev.node(), e))
+    });
+    if let Err(e) = removed {
+        tracing::debug!(device = %dev.node(), error = %e, "unbound loop device kept");
+    }
 }
 
 /// One `/dev/loopN`.
@@ -435,12 +460,7 @@ impl VolumeBackend for LoopBackend {
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let ctl = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(CONTROL)
-            .map_err(|e| BackendError::io("open", CONTROL, e))?;
+        let ctl = open_control()?;
         let direct_io = image_fd_is_direct_capable(&req.image_fd);
         // LOOP_CTL_GET_FREE only names a free index; another process may bind it
         // first (EBUSY), so take the next one.
@@ -451,9 +471,14 @@ impl VolumeBackend for LoopBackend {
                 as u32;
             let dev = LoopDev { index };
             let node = dev.node();
-            let f = dev
-                .open(true, false)
-                .map_err(|e| BackendError::io("open", &node, e))?;
+            let f = match dev.open(true, false) {
+                Ok(f) => f,
+                // Removed by another detach between GET_FREE and the open.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) => {
+                    continue;
+                }
+                Err(e) => return Err(BackendError::io("open", &node, e)),
+            };
             let baseline = BlockStat::read(&dev.name()).ok();
             match self.configure(&f, &req, direct_io) {
                 Ok(()) => {}
@@ -514,6 +539,7 @@ impl VolumeBackend for LoopBackend {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        remove_unbound(&dev);
         Ok(())
     }
 

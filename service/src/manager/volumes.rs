@@ -237,7 +237,9 @@ impl Manager {
                 differences: differences(&existing.spec, &spec),
             });
         }
-        if self.store.volumes().await?.len() >= self.max_volumes {
+        // A cheap early refusal; the count that holds under concurrency is the
+        // one inside the transaction that inserts.
+        if self.store.volume_count().await? >= self.max_volumes {
             return Err(Error::VolumeLimit {
                 name: req.name,
                 max: self.max_volumes,
@@ -295,6 +297,18 @@ impl Manager {
             updated_at: now,
         };
         let mut tx = self.store.begin().await?;
+        // Checked where the insert commits: writers are serialized there, so
+        // parallel creates cannot all see room, and an image deleted since
+        // it was read is refused as gone rather than failing the foreign key.
+        if tx.volume_count().await? >= self.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: req.name,
+                max: self.max_volumes,
+            });
+        }
+        if tx.image(&image.id.to_string()).await?.is_none() {
+            return Err(Error::ImageNotFound(req.image));
+        }
         tx.insert_volume(&row).await?;
         tx.event(
             Some(row.id),
