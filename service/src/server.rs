@@ -4,11 +4,16 @@
 //! the next start re-adopts them.
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
@@ -251,7 +256,8 @@ async fn shutdown_signal() {
 
 /// Accepts connections until told to stop, then lets open ones finish.
 /// Each connection must send a request's headers within the header timeout
-/// (slow or idle clients are cut off); HTTP/1.1.
+/// (slow or idle clients are cut off: a half-sent request is answered 408,
+/// an idle keep-alive connection is just closed); HTTP/1.1.
 async fn serve_listener<L>(
     mut listener: L,
     app: axum::Router,
@@ -259,7 +265,7 @@ async fn serve_listener<L>(
     limits: Limits,
 ) where
     L: axum::serve::Listener,
-    L::Io: Unpin,
+    L::Io: Unpin + AsFd,
 {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -268,13 +274,25 @@ async fn serve_listener<L>(
     loop {
         tokio::select! {
             (io, _addr) = listener.accept() => {
+                // hyper closes a connection whose headers are late without a
+                // word; a copy of the socket lets us answer 408 first.
+                let socket = rustix::io::fcntl_dupfd_cloexec(io.as_fd(), 0).ok();
+                let io = Tracked::new(io);
+                let partial = io.partial.clone();
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
                 let io = crate::api::wire::JsonParseErrors::new(io);
                 let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
                 let conn = graceful.watch(conn);
+                let timeout = limits.header_timeout;
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
                         tracing::debug!(error = %e, "connection ended with an error");
+                        if e.is_timeout()
+                            && partial.load(Ordering::Relaxed)
+                            && let Some(socket) = socket
+                        {
+                            answer_header_timeout(&socket, timeout);
+                        }
                     }
                 });
             }
@@ -282,6 +300,98 @@ async fn serve_listener<L>(
         }
     }
     graceful.shutdown().await;
+}
+
+/// Writes a 408 with the API's error body to a connection whose request
+/// headers did not arrive in time. Best effort: the answer is small and the
+/// socket's send buffer empty (nothing was written since the request began),
+/// so one non-blocking write suffices; a client gone already gets nothing.
+fn answer_header_timeout(socket: &OwnedFd, timeout: Duration) {
+    let body = serde_json::to_string(&crate::model::ErrorBody {
+        error: crate::model::ErrorDetail {
+            code: "request_timeout".into(),
+            message: format!(
+                "the request's headers did not arrive within {} s (--header-timeout-secs)",
+                timeout.as_secs()
+            ),
+        },
+    })
+    .expect("an error body serializes");
+    let answer = format!(
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = rustix::io::write(socket, answer.as_bytes());
+}
+
+/// A connection that notes whether a request has begun arriving: set when
+/// bytes are read, cleared when an answer is written. A header timeout with
+/// it set is a half-sent request; with it clear, an idle connection.
+struct Tracked<IO> {
+    io: IO,
+    partial: Arc<AtomicBool>,
+}
+
+impl<IO> Tracked<IO> {
+    fn new(io: IO) -> Self {
+        Self {
+            io,
+            partial: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.partial.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Tracked<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.partial.store(false, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.partial.store(false, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Benchmark (not a test): GET /v1/volumes with 100 loop volumes, from wrk on
-# loopback TCP (with a token), on this host. Release build.
+# loopback TCP (with a token), on this host. Release build. Fails if any
+# answer is outside 2xx/3xx.
 #   tests/bench/api-load.sh [VOLUMES=100] [SECONDS=10] [CONNECTIONS=32]
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,3 +41,9 @@ wrk -t2 -c"$conns" -d"${secs}s" --latency -H "Authorization: Bearer $token" "htt
 rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
 p99=$(awk '$1 == "99%" {print $2}' "$work/wrk.txt")
 echo "result: $rps requests/s, p99 $p99 (target: >= 5000 requests/s, p99 <= 20 ms)"
+# wrk counts answers outside 2xx/3xx but exits 0: a run full of errors is no result.
+non2xx=$(awk '/Non-2xx or 3xx responses:/ {print $NF}' "$work/wrk.txt")
+if [ -n "$non2xx" ]; then
+  echo "api-load: FAIL: wrk counted $non2xx answers outside 2xx/3xx" >&2
+  exit 1
+fi

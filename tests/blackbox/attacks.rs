@@ -134,59 +134,130 @@ async fn the_attack_table() {
     let _ = std::process::Command::new("umount").arg(&mnt).status();
 }
 
+/// Size and fill byte of the file a symlink swapped in points at, and of the
+/// plain files swapped with it: different, so whatever the service opened can
+/// be told apart by the size it reports and by the data a volume reads.
+const TARGET: (u64, u8) = (2 << 20, b'T');
+const REAL: (u64, u8) = (1 << 20, b'R');
+
+fn filled(path: &std::path::Path, (size, byte): (u64, u8)) {
+    std::fs::write(path, vec![byte; size as usize]).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 /// A symlink swapped in and out while the service opens the path: the
-/// service must never register (or open) what the symlink points at.
+/// service must never register (or open) what the symlink points at. The
+/// target sits under the root (a relative link), so only the refusal of
+/// symlinks stops it: `RESOLVE_BENEATH` alone would follow it. The test runs
+/// until the race was hit (the service met the symlink) often enough, and
+/// checks each registered image's size and, through a loop volume, its data.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_symlink_swapped_in_during_registration_never_wins() {
     let s = Service::start().await;
     let root = s.images.clone();
-    let outside = s.dir.path().join("target.img");
-    plain(&outside, 1 << 20);
-    let real = root.join("real.img");
+    let target = root.join("target.img");
+    filled(&target, TARGET);
+    let target_ino = std::fs::metadata(&target).unwrap().ino();
     let path = root.join("racy.img");
+    // The path always exists: a plain file or the symlink is made aside and
+    // renamed over it, and each stays for a moment. `hold` keeps a plain file
+    // in place while a registered file's data is read back.
     let stop = Arc::new(AtomicBool::new(false));
-    let (p, o, r, st) = (path.clone(), outside.clone(), real.clone(), stop.clone());
+    let hold = Arc::new(AtomicBool::new(false));
+    let (p, st, h) = (path.clone(), stop.clone(), hold.clone());
+    let (real, link) = (root.join("real.tmp"), root.join("link.tmp"));
     let swapper = std::thread::spawn(move || {
-        let mut i = 0u64;
         while !st.load(Ordering::Relaxed) {
-            let _ = std::fs::remove_file(&p);
-            if i.is_multiple_of(2) {
-                let _ = symlink(&o, &p);
-            } else {
-                plain(&r, 1 << 20);
-                let _ = std::fs::rename(&r, &p);
+            filled(&real, REAL);
+            std::fs::rename(&real, &p).unwrap();
+            std::thread::sleep(Duration::from_micros(300));
+            while h.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
             }
-            i += 1;
+            symlink("target.img", &link).unwrap();
+            std::fs::rename(&link, &p).unwrap();
+            std::thread::sleep(Duration::from_micros(300));
         }
     });
-    let target_ino = std::fs::metadata(&outside).unwrap().ino();
-    let mut registered = 0;
-    for n in 0..200 {
+    // Answers given while the path was a symlink (the race hit), plain files
+    // registered, and registered files whose data a volume read back.
+    let (mut symlink_hits, mut registered, mut data_checked) = (0, 0, 0);
+    let mut n = 0;
+    while (symlink_hits < 20 || registered < 20 || data_checked < 3) && n < 3000 {
+        n += 1;
         let a = s
             .post("/v1/images", json!({"name": format!("r{n}"), "path": path}))
             .await;
-        match a.status.as_u16() {
-            201 => {
+        match (a.status.as_u16(), a.body["error"]["code"].as_str()) {
+            (201, _) => {
                 registered += 1;
-                let id = a.body["id"].as_str().unwrap().to_string();
-                // Whatever was registered is a plain file under the root, not the target.
-                assert_eq!(a.body["path"], path.display().to_string());
-                let d = s.delete(&format!("/v1/images/{id}")).await;
-                assert_eq!(d.status.as_u16(), 204);
+                assert_eq!(
+                    a.body["size_bytes"], REAL.0,
+                    "registration {n} opened the symlink's target: {}",
+                    a.body
+                );
+                hold.store(true, Ordering::Relaxed);
+                data_checked += check_data(&s, &format!("r{n}"), target_ino).await;
+                hold.store(false, Ordering::Relaxed);
+                let d = s.delete(&format!("/v1/images/r{n}")).await;
+                assert_eq!(d.status.as_u16(), 204, "{}", d.body);
             }
-            403 | 404 | 422 => {}
-            other => panic!("unexpected {other}: {}", a.body),
+            (403, Some("path_symlink")) => symlink_hits += 1,
+            // The plain file was replaced (unlinked) while being opened and
+            // checked: refused as gone or as not singly linked.
+            (404, Some("file_not_found")) | (422, Some("hard_links")) => {}
+            (other, _) => panic!("unexpected {other}: {}", a.body),
         }
     }
     stop.store(true, Ordering::Relaxed);
     swapper.join().unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(std::fs::metadata(&outside).unwrap().ino(), target_ino);
-    // No image ever had the target's identity.
-    let ev = s.get("/v1/events?limit=1000").await.body;
-    assert!(
-        !ev.to_string().contains(&outside.display().to_string()),
-        "the target was registered: {ev}"
+    eprintln!(
+        "{n} registrations: {symlink_hits} met the symlink and were refused, \
+         {registered} registered a plain file, {data_checked} of those read back through a volume"
     );
-    eprintln!("racy registrations that succeeded (all on plain files): {registered}");
+    assert!(
+        symlink_hits >= 20 && registered >= 20 && data_checked >= 3,
+        "the race was not exercised enough in {n} tries"
+    );
+    assert_eq!(std::fs::metadata(&target).unwrap().ino(), target_ino);
+    let left = s.get("/v1/images").await.body;
+    assert_eq!(left, json!([]), "images left");
+}
+
+/// Attaches a loop volume to image `name` and checks that the device reads
+/// the plain file's bytes and is not backed by the target's inode. Returns 1
+/// if checked, 0 if the path had been swapped again before the attach (the
+/// service then refuses: the file is no longer the registered one).
+async fn check_data(s: &Service, name: &str, target_ino: u64) -> usize {
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": name, "image": name, "backend": "loop"}),
+        )
+        .await;
+    if v.status.as_u16() != 201 {
+        assert!(v.status.is_client_error(), "{}", v.body);
+        return 0;
+    }
+    let dev = v.body["device"].as_str().unwrap().to_string();
+    let data = std::fs::read(&dev).unwrap();
+    let inode = std::process::Command::new("losetup")
+        .args(["--noheadings", "--output", "BACK-INO"])
+        .arg(&dev)
+        .output()
+        .unwrap();
+    let inode: u64 = String::from_utf8_lossy(&inode.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    let d = s.delete(&format!("/v1/volumes/{name}")).await;
+    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    assert_ne!(inode, target_ino, "{name}: the volume reads the target");
+    assert!(
+        data.len() as u64 == REAL.0 && data.iter().all(|b| *b == REAL.1),
+        "{name}: the volume reads {} bytes starting {:?}, not the plain file",
+        data.len(),
+        &data[..16.min(data.len())]
+    );
+    1
 }

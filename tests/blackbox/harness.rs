@@ -287,6 +287,17 @@ impl Service {
         a
     }
 
+    /// GETs a text answer (e.g. `/metrics`); panics unless 200.
+    pub async fn get_text(&self, path: &str) -> String {
+        let (status, text) = self
+            .raw_client()
+            .send_raw(Method::GET, path, None)
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}\n{}", self.log_text()));
+        assert_eq!(status, StatusCode::OK, "GET {path}: {text}");
+        text
+    }
+
     pub async fn get(&self, path: &str) -> Answer {
         self.call(Method::GET, path, None).await
     }

@@ -33,7 +33,7 @@ async fn a_body_over_the_cap_is_413() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_connection_that_does_not_send_its_headers_is_cut_off() {
+async fn a_half_sent_request_is_answered_408_at_the_header_timeout() {
     let s = Service::start_with(with(&["--header-timeout-secs", "1"])).await;
     let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
     c.write_all(b"GET /v1/host HTTP/1.1\r\nHo").await.unwrap();
@@ -46,8 +46,37 @@ async fn a_connection_that_does_not_send_its_headers_is_cut_off() {
         "{:?}",
         started.elapsed()
     );
-    // Whatever hyper answers (408 or nothing), no request was served.
-    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"));
+    // The README promises 408 with the API's error body, and nothing else.
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP answer to a half-sent request: {text:?}"));
+    assert!(head.starts_with("HTTP/1.1 408 "), "{text}");
+    let body: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("within 1 s"),
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_connection_past_the_header_timeout_is_closed_without_an_answer() {
+    let s = Service::start_with(with(&["--header-timeout-secs", "1"])).await;
+    let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the idle connection was not closed");
+    // One answer, to the one request: no 408 for a request never begun.
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+    assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "{text}");
 }
 
 /// A request that takes seconds: a fully allocated 2 GiB image (zeros written).

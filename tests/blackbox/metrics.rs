@@ -50,13 +50,7 @@ print(json.dumps(out))
 }
 
 async fn scrape(s: &Service) -> (String, Value) {
-    let c =
-        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);
-    let (status, text) = c
-        .send_raw(hyper::Method::GET, "/metrics", None)
-        .await
-        .unwrap();
-    assert_eq!(status, StatusCode::OK, "{text}");
+    let text = s.get_text("/metrics").await;
     let parsed = parse(&text);
     (text, parsed)
 }
@@ -132,7 +126,10 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
     );
     let sets = label_sets(&first);
 
-    // A restart: the device keeps its counters, the labels stay the same.
+    // A restart: the device keeps its counters (a loop device's live in the
+    // kernel; the service's own, a ublk worker's, are checked in the VM by
+    // ublk::worker_counters_in_metrics_survive_a_worker_crash_and_a_restart),
+    // the labels stay the same.
     s.kill();
     std::fs::write(&dev, vec![8u8; 1 << 20]).unwrap();
     s.restart().await;

@@ -123,7 +123,34 @@ async fn sigterm_drains_and_leaves_devices() {
     let mut s = Service::start().await;
     let v = s.loop_volume("t", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
+    // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image
+    // (zeros written, seconds). Its file appearing means the service is in it.
+    let slow = s.images.join("slow.img");
+    let client =
+        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);
+    let body = json!({"name": "slow", "path": slow,
+                      "create": {"size_bytes": 1u64 << 30, "allocation": "full"}});
+    let in_flight = tokio::spawn(async move {
+        let a = client
+            .send(hyper::Method::POST, "/v1/images", Some(&body))
+            .await;
+        (a, std::time::Instant::now())
+    });
+    while !slow.exists() {
+        assert!(!in_flight.is_finished(), "the create ended before SIGTERM");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let sigterm_at = std::time::Instant::now();
     let status = s.signal(Signal::TERM);
+    let (answer, answered_at) = in_flight.await.unwrap();
+    let answer = answer.expect("an answer to the request in flight");
+    assert!(
+        answered_at > sigterm_at,
+        "the create was answered before SIGTERM: nothing was in flight"
+    );
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(answer.body["size_bytes"], 1u64 << 30);
+    assert_eq!(std::fs::metadata(&slow).unwrap().len(), 1 << 30);
     assert!(
         status.success(),
         "SIGTERM exits 0, got {status}:\n{}",
@@ -133,6 +160,7 @@ async fn sigterm_drains_and_leaves_devices() {
     assert!(!s.sock.exists(), "the socket is removed");
     s.restart().await;
     assert_eq!(s.get("/v1/volumes/t").await.body["device"], dev.as_str());
+    assert_eq!(s.get("/v1/images/slow").await.status, StatusCode::OK);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -12,7 +12,7 @@ async fn volumes_come_and_go_without_leaking() {
     let plan = Plan::pick(
         Plan {
             volumes: 16,
-            rounds: 4,
+            rounds: 6,
         },
         Plan {
             volumes: 64,
@@ -20,5 +20,5 @@ async fn volumes_come_and_go_without_leaking() {
         },
     );
     let rounds = soak(&s, &s.images, &[json!({"backend": "loop"})], &plan).await;
-    assert_flat(&rounds);
+    assert_flat(&rounds, plan.volumes);
 }

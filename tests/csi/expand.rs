@@ -164,14 +164,17 @@ async fn ext4_grows_online() {
     assert_eq!(smaller.capacity_bytes, 64 * MIB);
     // The kernel grows a mounted ext4 only for a process with
     // CAP_SYS_RESOURCE; where the tests run without it (some sandboxes), the
-    // driver must say so (xfs_grows_online covers online growth there).
+    // driver must say so, and the test is a skip, not a pass.
     if !blockplane::csi::mount::has_capability(blockplane::csi::mount::CAP_SYS_RESOURCE) {
         let s = assert_code(
             node_expand(&csi, id, &target, 64 * MIB, cap.clone()).await,
             Code::FailedPrecondition,
         );
         assert!(s.message().contains("CAP_SYS_RESOURCE"), "{}", s.message());
-        eprintln!("ext4_grows_online: no CAP_SYS_RESOURCE here; online ext4 growth not tried");
+        skip(
+            "ext4_grows_online",
+            "no CAP_SYS_RESOURCE here: online ext4 growth was not tried (the refusal was checked)",
+        );
         return;
     }
     assert_eq!(
@@ -301,4 +304,19 @@ async fn expand_refusals() {
         node_expand(&csi, &format!("{NODE}/csi-gone"), &csi.dir, 0, block()).await,
         Code::NotFound,
     );
+}
+
+/// A test that cannot run here. libtest has no skipped state, so this fails
+/// unless `BLOCKPLANE_ALLOW_SKIP` (comma-separated test names) accepts the
+/// skip; then it prints a SKIP line past libtest's output capture, so that a
+/// skip never reads as a pass.
+fn skip(test: &str, why: &str) {
+    let allowed = std::env::var("BLOCKPLANE_ALLOW_SKIP")
+        .is_ok_and(|v| v.split(',').any(|t| t.trim() == test));
+    assert!(
+        allowed,
+        "{test} cannot run here: {why}; set BLOCKPLANE_ALLOW_SKIP={test} to accept the skip"
+    );
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP {test}: {why}");
 }

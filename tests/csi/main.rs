@@ -121,10 +121,26 @@ impl Csi {
     }
 
     /// Creates a volume with `required` bytes (panics on error).
+    /// Without parameters a volume gets the host's best backend: ublk in the
+    /// test VM, loop on a host kernel without ublk_drv; checked here, so that
+    /// the VM lane really tests the driver over ublk.
     pub async fn create(&self, name: &str, required: i64, cap: VolumeCapability) -> Volume {
-        self.create_with(name, required, cap, &[])
+        let v = self
+            .create_with(name, required, cap, &[])
             .await
-            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}\n{}", self.driver_log()))
+            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}\n{}", self.driver_log()));
+        let (backend, node) = if in_vm() {
+            ("ublk", "/dev/ublkb")
+        } else {
+            ("loop", "/dev/loop")
+        };
+        let bp = self.bp_volume(&v.volume_id).await;
+        assert_eq!(bp["backend"], backend, "{name}: {bp}");
+        assert!(
+            bp["device"].as_str().unwrap().starts_with(node),
+            "{name}: {bp}"
+        );
+        v
     }
 
     /// CreateVolume with StorageClass parameters.
@@ -380,4 +396,9 @@ pub fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code) 
 /// The mount at `path`, if any.
 pub fn mount_at(path: &Path) -> Option<blockplane::csi::mount::MountEntry> {
     blockplane::csi::mount::mount_at(path).unwrap()
+}
+
+/// Whether this runs inside the test VM (its kernel command line says so).
+fn in_vm() -> bool {
+    std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.contains("blockplane_vm=1"))
 }

@@ -2,7 +2,8 @@
 # Fuzzes the API against openapi/openapi.json with schemathesis, on both
 # listeners: TCP with a token, and the unix socket (through a loopback TCP
 # proxy, socat: schemathesis speaks TCP). Pass: no 5xx, every answer matches
-# the spec, no request changes state unless it answered 2xx (hooks.py).
+# the spec, no request changes state unless it answered 2xx (hooks.py),
+# every operation of the document is reached (coverage.py).
 #   tests/fuzz/run.sh [SECONDS_PER_LISTENER=45]
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -51,9 +52,19 @@ run() {
     --workers 1 --max-time "$secs" --request-timeout 30 \
     --warnings off
 }
+# Every operation of the document must be reached: coverage.py reads the
+# service's request counters around each run (hooks.py logs its own reads).
+export BP_FUZZ_STATE_READS=$work/reads
+run_covered() {
+  python3 "$here/coverage.py" snapshot "$2" "$token" >"$work/before.json"
+  : >"$work/reads"
+  run "$@" || return 1
+  python3 "$here/coverage.py" check "$repo/openapi/openapi.json" "$work/before.json" "$work/reads" \
+    "$2" "$token" --skip GET:/v1/events/stream
+}
 rc=0
-run tcp "http://127.0.0.1:$port" || rc=1
-run unix-socket "http://127.0.0.1:$proxy_port" || rc=1
+run_covered tcp "http://127.0.0.1:$port" || rc=1
+run_covered unix-socket "http://127.0.0.1:$proxy_port" || rc=1
 if grep -q "panicked" "$work/serve.log"; then
   echo "fuzz: the service panicked:" >&2; grep -B2 -A8 panicked "$work/serve.log" >&2; rc=1
 fi

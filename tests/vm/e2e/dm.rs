@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::harness::assert_error;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh, writes_flow};
 
 fn rdev(dev: &str) -> u64 {
     std::fs::metadata(dev).unwrap().rdev()
@@ -209,7 +209,9 @@ async fn switches_never_change_the_node_and_fio_verify_passes() {
     let img = vm.root(Scratch::Xfs).join("sw.img");
     let fio = fio_verify(&dev, "48M", &[]);
     for policy in ["nowait", "threaded", "direct", "threaded", "direct"] {
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        // Each switch lands while fio is writing: 1 MiB more written first.
+        let waited = writes_flow(&dev, 1 << 20).await;
+        eprintln!("switch to {policy} after {waited:?} of writes");
         let after = vm.set_dispatch("sw", policy).await;
         assert_eq!(after["dispatch"], policy, "{after}");
         assert_eq!(after["device"], dev.as_str(), "the node never changes");
@@ -218,6 +220,7 @@ async fn switches_never_change_the_node_and_fio_verify_passes() {
         let t = table(&dev);
         assert_eq!(over_ublk(&t), policy != "direct", "{policy}: {t}");
     }
+    writes_flow(&dev, 1 << 20).await;
     fio_ok(fio);
     vm.delete("sw").await;
     assert!(!is_immutable(&img));

@@ -330,6 +330,30 @@ pub fn fio_ok(child: Child) -> String {
     text
 }
 
+/// Sectors written to block device `dev` (`/dev/NAME`) so far, from
+/// `/sys/block/NAME/stat` (counted at completion).
+pub fn sectors_written(dev: &str) -> u64 {
+    let name = dev.rsplit('/').next().unwrap();
+    let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat")).unwrap();
+    stat.split_whitespace().nth(6).unwrap().parse().unwrap()
+}
+
+/// Waits until `dev` completes at least `bytes` more writes, so that what
+/// the caller does next happens while a writer is at work; panics if the
+/// writes stop (e.g. fio finished its write phase). Returns the time waited.
+pub async fn writes_flow(dev: &str, bytes: u64) -> Duration {
+    let started = Instant::now();
+    let from = sectors_written(dev);
+    while (sectors_written(dev) - from) * 512 < bytes {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{dev}: fewer than {bytes} bytes written in 30 s: nothing is writing"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
 /// Polls `f` until it is true, up to `within`.
 pub async fn eventually(within: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + within;

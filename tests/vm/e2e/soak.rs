@@ -29,5 +29,5 @@ async fn ublk_dm_and_loop_volumes_come_and_go_without_leaking() {
         json!({"backend": "loop"}),
     ];
     let rounds = soak(&vm.s, &vm.root(Scratch::Xfs), &specs, &plan).await;
-    assert_flat(&rounds);
+    assert_flat(&rounds, plan.volumes);
 }

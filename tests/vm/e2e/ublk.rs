@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::harness::assert_error;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh};
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh, writes_flow};
 
 const POLICIES: [&str; 3] = ["nowait", "threaded", "direct"];
 
@@ -144,7 +144,9 @@ async fn policies_switch_live_under_fio_verify() {
     for policy in [
         "threaded", "direct", "nowait", "direct", "threaded", "nowait",
     ] {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        // Each switch lands while fio is writing: 1 MiB more written first.
+        let waited = writes_flow(&dev, 1 << 20).await;
+        eprintln!("switch to {policy} after {waited:?} of writes");
         let after = vm.set_dispatch("sw", policy).await;
         assert_eq!(after["dispatch"], policy, "{after}");
         assert_eq!(
@@ -153,6 +155,7 @@ async fn policies_switch_live_under_fio_verify() {
             "pinned exactly while direct"
         );
     }
+    writes_flow(&dev, 1 << 20).await;
     fio_ok(fio);
     let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
     assert_eq!(
@@ -345,6 +348,81 @@ async fn killing_the_control_plane_does_not_stop_io() {
     );
     assert_eq!(stats["since"], before["since"]);
     vm.delete("cp").await;
+}
+
+/// The counters `/metrics` shows for a ublk volume live in the service (the
+/// worker's mapped counters file), not in the kernel: they keep counting
+/// across a worker crash and a control-plane restart, and the worker
+/// restart they record survives the restart too.
+#[tokio::test(flavor = "multi_thread")]
+async fn worker_counters_in_metrics_survive_a_worker_crash_and_a_restart() {
+    let mut vm = Vm::start().await;
+    vm.image("m", Scratch::Xfs, 16, "full").await;
+    let v = vm
+        .volume(json!({"name": "m", "image": "m", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    write_mib(&dev, 0);
+    let first = counters_reaching(&vm, 1 << 20, 0).await;
+    let pid = worker_pid(&v);
+    sh("kill", &["-9", &pid.to_string()]);
+    eventually(Duration::from_secs(60), "a new worker", async || {
+        let now = vm.s.get("/v1/volumes/m").await.body;
+        now["worker_pid"].as_u64().is_some_and(|p| p as u32 != pid)
+    })
+    .await;
+    write_mib(&dev, 1);
+    vm.s.kill();
+    write_mib(&dev, 2);
+    vm.s.restart().await;
+    let last = counters_reaching(&vm, first.0 + (2 << 20), 1).await;
+    assert!(
+        last.1 > first.1,
+        "nowait submissions: {first:?} then {last:?}"
+    );
+    vm.delete("m").await;
+}
+
+/// Writes 1 MiB at MiB `at` of `dev`, past the page cache.
+fn write_mib(dev: &str, at: u64) {
+    sh(
+        "dd",
+        &[
+            "if=/dev/zero",
+            &format!("of={dev}"),
+            "bs=1M",
+            "count=1",
+            &format!("seek={at}"),
+            "oflag=direct",
+            "status=none",
+        ],
+    );
+}
+
+/// Polls `/metrics` until volume `m` shows at least `bytes` written and
+/// `restarts` worker restarts; returns (bytes written, nowait submissions).
+async fn counters_reaching(vm: &Vm, bytes: u64, restarts: u64) -> (u64, u64) {
+    let sample = |text: &str, name: &str, extra: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")))
+            .filter(|l| l.contains("volume=\"m\"") && l.contains(extra))
+            .find_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    let mut last = String::new();
+    for _ in 0..150 {
+        last = vm.s.get_text("/metrics").await;
+        let got = (
+            sample(&last, "blockplane_volume_bytes_total", "op=\"write\""),
+            sample(&last, "blockplane_volume_nowait_submitted_total", ""),
+            sample(&last, "blockplane_volume_worker_restarts_total", ""),
+        );
+        if got.0 >= bytes && got.2 == restarts {
+            return (got.0, got.1);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("volume m never showed {bytes} bytes written and {restarts} worker restarts:\n{last}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
