@@ -412,7 +412,7 @@ impl DmBackend {
             image_identity: (st.st_dev, st.st_ino),
             params: VolumeParams {
                 dispatch: policy,
-                read_only: v.read_only || v.params.read_only,
+                refuse_writes: v.read_only,
                 ..v.params.clone()
             },
             decision: Some(Decision {
@@ -672,7 +672,7 @@ impl VolumeBackend for DmBackend {
                 &req.image_fd,
                 req.params.size_bytes,
                 req.params.dispatch,
-                req.params.read_only,
+                req.params.refuse_writes,
             )?,
         };
         let mut v = DmVolume {
@@ -680,7 +680,7 @@ impl VolumeBackend for DmBackend {
             params: req.params.clone(),
             dispatch: decision.dispatch,
             reason: decision.reason.clone(),
-            read_only: req.params.read_only,
+            read_only: req.params.refuse_writes,
             direct: None,
             private_ublk: None,
             table: Vec::new(),

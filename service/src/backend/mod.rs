@@ -73,7 +73,10 @@ pub struct VolumeParams {
     /// Path of the image, for messages only.
     pub image_path: String,
     pub size_bytes: u64,
+    /// Created read-only: the image is opened read-only.
     pub read_only: bool,
+    /// Writes are refused now: `read_only`, or the switch set live since.
+    pub refuse_writes: bool,
     pub dispatch: DispatchPolicy,
     pub queues: u16,
     pub queue_depth: u16,

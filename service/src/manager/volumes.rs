@@ -620,7 +620,8 @@ pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> Volume
     VolumeParams {
         image_path: image.path.clone(),
         size_bytes,
-        read_only: v.read_only,
+        read_only: v.spec.read_only,
+        refuse_writes: v.read_only,
         dispatch: v.dispatch,
         queues: v.spec.queues,
         queue_depth: v.spec.queue_depth,
