@@ -991,12 +991,15 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct {
+                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct
+                    {
                         Decision {
                             dispatch: DispatchPolicy::Direct,
                             reason: v.reason.clone(),
                         }
-                    } else if asked == DispatchPolicy::Direct && v.dispatch != DispatchPolicy::Direct {
+                    } else if asked == DispatchPolicy::Direct
+                        && v.dispatch != DispatchPolicy::Direct
+                    {
                         // Checked under suspension by switch(); the reason is all we need here.
                         Decision {
                             dispatch: DispatchPolicy::Direct,
@@ -1009,11 +1012,13 @@ impl VolumeBackend for DmBackend {
                     v.degraded = None;
                 }
                 Change::ReadOnly(ro) => {
+                    // The manager refuses this before any change; kept so a
+                    // table never turns writable over a read-only image.
                     if !ro && v.params.read_only {
                         return Err(BackendError::NotLive {
                             backend: "dm",
                             field: "read_only",
-                            reason: "the volume was created read-only and holds its image read-only; delete and re-create it writable".into(),
+                            reason: super::CREATED_READ_ONLY.into(),
                         });
                     }
                     if v.private_ublk.is_some() {

@@ -338,6 +338,9 @@ pub struct SpecCheck {
     pub read_only: bool,
 }
 
+/// Why a volume created read-only cannot be made writable.
+pub const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete and re-create it writable";
+
 /// Why a claimed device cannot be removed.
 pub(crate) const CLAIMED: &str = "it is mounted or held open exclusively; unmount it first";
 

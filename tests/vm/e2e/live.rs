@@ -328,3 +328,47 @@ async fn a_live_read_only_switch_survives_a_killed_worker() {
         vm.delete("rok").await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_patch_refused_for_a_created_read_only_volume_changes_nothing() {
+    let vm = Vm::start().await;
+    vm.image("rop", Scratch::Xfs, 32, "full").await;
+    for backend in ["ublk", "dm"] {
+        let v = vm
+            .volume(json!({"name": "rop", "image": "rop", "backend": backend,
+                "dispatch": "nowait", "read_only": true}))
+            .await;
+        let id = v["id"].as_str().unwrap();
+        let events = vm.event_kinds(id).await;
+        let a =
+            vm.s.patch(
+                "/v1/volumes/rop",
+                json!({"dispatch": "threaded", "read_only": false}),
+            )
+            .await;
+        assert_eq!(a.status.as_u16(), 422, "{backend}: {}", a.body);
+        let now = vm.s.get("/v1/volumes/rop").await.body;
+        for field in [
+            "dispatch",
+            "requested_dispatch",
+            "dispatch_reason",
+            "read_only",
+        ] {
+            assert_eq!(now[field], v[field], "{backend}: {field} changed: {now}");
+        }
+        assert_eq!(
+            vm.event_kinds(id).await,
+            events,
+            "{backend}: a refused PATCH recorded events"
+        );
+        let st = vm.s.get("/v1/volumes/rop/stats").await.body;
+        assert_eq!(st["dispatch"], "nowait", "{backend}: {st}");
+        crate::harness::assert_error(&a, 422, "not_live");
+        let msg = a.body["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("rop") && msg.contains("created read-only"),
+            "{backend}: {msg}"
+        );
+        vm.delete("rop").await;
+    }
+}
