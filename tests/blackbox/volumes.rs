@@ -370,6 +370,95 @@ async fn live_changes_a_loop_volume_cannot_make_are_refused() {
     assert_eq!(s.snapshot().await, before);
 }
 
+/// What a refused PATCH must leave as it was: the service's view (volumes,
+/// events, devices, files), the volume's counters and the kernel's read-only
+/// flag of its device.
+async fn patch_state(
+    s: &Service,
+    name: &str,
+    dev: &str,
+) -> (crate::harness::Snapshot, Value, String) {
+    let mut stats = s.get(&format!("/v1/volumes/{name}/stats")).await.body;
+    // Windows of rates move with the clock, not with the volume.
+    stats["rates"] = Value::Null;
+    let ro = std::fs::read_to_string(format!("/sys/block/{}/ro", dev.trim_start_matches("/dev/")))
+        .unwrap();
+    (s.snapshot().await, stats, ro)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_patch_whose_second_change_is_refused_changes_nothing() {
+    let s = Service::start().await;
+    let w = s.loop_volume("w", 8).await;
+    s.image("r-img", 8).await;
+    let r = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "r", "image": "r-img", "backend": "loop", "read_only": true}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = r.body;
+    // First a change that passes (or a no-op), then one that is refused.
+    for (name, vol, body, status, code, rule) in [
+        (
+            "w",
+            &w,
+            json!({"dispatch": "auto", "read_only": true}),
+            422,
+            "not_live",
+            "read_only",
+        ),
+        (
+            "w",
+            &w,
+            json!({"qos": null, "dispatch": "nowait"}),
+            422,
+            "not_live",
+            "dispatch",
+        ),
+        (
+            "w",
+            &w,
+            json!({"dispatch": "auto", "qos": {"iops": 0}}),
+            422,
+            "invalid_field",
+            "qos.iops",
+        ),
+        (
+            "r",
+            &r,
+            json!({"dispatch": "auto", "read_only": false}),
+            422,
+            "not_live",
+            "created read-only",
+        ),
+        (
+            "r",
+            &r,
+            json!({"qos": null, "read_only": false}),
+            422,
+            "not_live",
+            "created read-only",
+        ),
+    ] {
+        let dev = vol["device"].as_str().unwrap();
+        let before = patch_state(&s, name, dev).await;
+        let a = s.patch(&format!("/v1/volumes/{name}"), body.clone()).await;
+        assert_error(&a, status, code);
+        let msg = a.body["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(name) && msg.contains(rule),
+            "PATCH {body} of '{name}': {msg}"
+        );
+        assert_eq!(
+            patch_state(&s, name, dev).await,
+            before,
+            "PATCH {body} of '{name}' changed the volume"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn thirty_two_concurrent_creates_of_one_name_make_one_device() {
     let s = std::sync::Arc::new(Service::start().await);

@@ -412,7 +412,7 @@ impl DmBackend {
             image_identity: (st.st_dev, st.st_ino),
             params: VolumeParams {
                 dispatch: policy,
-                read_only: v.read_only || v.params.read_only,
+                refuse_writes: v.read_only,
                 ..v.params.clone()
             },
             decision: Some(Decision {
@@ -672,7 +672,7 @@ impl VolumeBackend for DmBackend {
                 &req.image_fd,
                 req.params.size_bytes,
                 req.params.dispatch,
-                req.params.read_only,
+                req.params.refuse_writes,
             )?,
         };
         let mut v = DmVolume {
@@ -680,7 +680,7 @@ impl VolumeBackend for DmBackend {
             params: req.params.clone(),
             dispatch: decision.dispatch,
             reason: decision.reason.clone(),
-            read_only: req.params.read_only,
+            read_only: req.params.refuse_writes,
             direct: None,
             private_ublk: None,
             table: Vec::new(),
@@ -991,12 +991,15 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct {
+                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct
+                    {
                         Decision {
                             dispatch: DispatchPolicy::Direct,
                             reason: v.reason.clone(),
                         }
-                    } else if asked == DispatchPolicy::Direct && v.dispatch != DispatchPolicy::Direct {
+                    } else if asked == DispatchPolicy::Direct
+                        && v.dispatch != DispatchPolicy::Direct
+                    {
                         // Checked under suspension by switch(); the reason is all we need here.
                         Decision {
                             dispatch: DispatchPolicy::Direct,
@@ -1009,11 +1012,13 @@ impl VolumeBackend for DmBackend {
                     v.degraded = None;
                 }
                 Change::ReadOnly(ro) => {
+                    // The manager refuses this before any change; kept so a
+                    // table never turns writable over a read-only image.
                     if !ro && v.params.read_only {
                         return Err(BackendError::NotLive {
                             backend: "dm",
                             field: "read_only",
-                            reason: "the volume was created read-only and holds its image read-only; delete and re-create it writable".into(),
+                            reason: super::CREATED_READ_ONLY.into(),
                         });
                     }
                     if v.private_ublk.is_some() {

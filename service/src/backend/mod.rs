@@ -73,7 +73,10 @@ pub struct VolumeParams {
     /// Path of the image, for messages only.
     pub image_path: String,
     pub size_bytes: u64,
+    /// Created read-only: the image is opened read-only.
     pub read_only: bool,
+    /// Writes are refused now: `read_only`, or the switch set live since.
+    pub refuse_writes: bool,
     pub dispatch: DispatchPolicy,
     pub queues: u16,
     pub queue_depth: u16,
@@ -334,6 +337,9 @@ pub struct SpecCheck {
     pub qos: Option<Qos>,
     pub read_only: bool,
 }
+
+/// Why a volume created read-only cannot be made writable.
+pub const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete and re-create it writable";
 
 /// Why a claimed device cannot be removed.
 pub(crate) const CLAIMED: &str = "it is mounted or held open exclusively; unmount it first";

@@ -774,9 +774,7 @@ impl VolumeBackend for UblkBackend {
                 self.record(volume_id, |spec| spec.dispatch = dispatch);
                 s
             }
-            Change::ReadOnly(read_only) => {
-                self.ask(volume_id, &Request::SetReadOnly { read_only })?
-            }
+            Change::ReadOnly(read_only) => self.set_read_only(volume_id, read_only)?,
             Change::Qos(qos) => {
                 let s = self.ask(volume_id, &Request::SetQos { qos })?;
                 self.record(volume_id, |spec| spec.qos = qos);
@@ -818,8 +816,16 @@ impl UblkBackend {
         volume_id: Uuid,
         read_only: bool,
     ) -> Result<(), BackendError> {
-        self.ask(volume_id, &Request::SetReadOnly { read_only })
-            .map(drop)
+        self.set_read_only(volume_id, read_only).map(drop)
+    }
+
+    /// Sets a worker's read-only switch, and records it for a replacement
+    /// worker (a volume made read-only must not come back writable after a
+    /// crash, nor the reverse).
+    fn set_read_only(&self, volume_id: Uuid, read_only: bool) -> Result<Status, BackendError> {
+        let s = self.ask(volume_id, &Request::SetReadOnly { read_only })?;
+        self.record(volume_id, |spec| spec.refuse_writes = read_only);
+        Ok(s)
     }
 
     /// Grows a worker's image and device (a volume's own, or a dm volume's
@@ -846,7 +852,7 @@ impl UblkBackend {
             &req.image_fd,
             req.params.size_bytes,
             req.params.dispatch,
-            req.params.read_only,
+            req.params.refuse_writes,
         )?;
         let run_dir = self.run_dir(req.volume_id);
         // A device left by a dead worker of this volume: recover it, so the
@@ -869,6 +875,7 @@ impl UblkBackend {
             image_path: req.params.image_path.clone(),
             size_bytes: req.params.size_bytes,
             read_only: req.params.read_only,
+            refuse_writes: req.params.refuse_writes,
             dispatch,
             dispatch_reason: reason,
             queues: req.params.queues,
@@ -949,6 +956,7 @@ impl UblkBackend {
             image_path: p.image_path.clone(),
             size_bytes: status.size_bytes,
             read_only: p.read_only,
+            refuse_writes: status.read_only,
             dispatch: match status.dispatch {
                 crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
                 crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,

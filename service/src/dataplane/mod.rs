@@ -378,7 +378,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         stats.counters.worker_restarts.fetch_add(1, Relaxed);
     }
     let shared = Arc::new(Shared {
-        read_only: AtomicBool::new(spec.read_only),
+        read_only: AtomicBool::new(spec.read_only || spec.refuse_writes),
         nowait_unsupported: AtomicBool::new(false),
         qos: qos::Limiter::new(spec.qos),
         policy: AtomicU8::new(Policy::Nowait as u8),

@@ -25,7 +25,13 @@ pub struct WorkerSpec {
     /// For messages only: the worker never resolves paths.
     pub image_path: String,
     pub size_bytes: u64,
+    /// Created read-only: the image is held read-only and the device carries
+    /// the read-only attribute, so it can never be made writable live.
     pub read_only: bool,
+    /// Writes are refused: the read-only switch as last set (live or at
+    /// create). A replacement worker starts with it.
+    #[serde(default)]
+    pub refuse_writes: bool,
     /// The policy to start with (never `Auto`: the control plane decides).
     pub dispatch: DispatchPolicy,
     /// Why that policy (reported back as the volume's `dispatch_reason`).

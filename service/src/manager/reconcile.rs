@@ -59,7 +59,7 @@ impl Manager {
             };
             // A direct-mapped image is pinned: it opens read-only only.
             let opened = {
-                let (me, image, a) = (self.clone(), image.clone(), access(v.read_only));
+                let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
                 blocking(move || {
                     me.open_image(&image, a)
                         .or_else(|_| me.open_image(&image, Access::ReadOnly))
@@ -91,7 +91,8 @@ impl Manager {
                 }
                 Ok(Probe::Gone) => {
                     let opened = {
-                        let (me, image, a) = (self.clone(), image.clone(), access(v.read_only));
+                        let (me, image, a) =
+                            (self.clone(), image.clone(), access(v.spec.read_only));
                         blocking(move || me.open_image(&image, a)).await?
                     };
                     let attached = match opened {

@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
 use crate::backend::{
-    AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
-    VolumeParams,
+    AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
+    VolumeBackend, VolumeParams,
 };
 use crate::image::{Access, ImageFile};
 use crate::model::{
@@ -515,7 +515,9 @@ impl Manager {
         Ok(())
     }
 
-    /// `PATCH /v1/volumes/{id}`: every change is checked before any is made.
+    /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
+    /// then the backend's) before any is made; if making one fails, those made
+    /// before it are undone, and what could not be undone is recorded.
     pub async fn patch_volume(
         self: &Arc<Self>,
         id_or_name: &str,
@@ -524,18 +526,7 @@ impl Manager {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
-        // Only what differs from the current settings is a change.
-        let mut changes = Vec::new();
-        if let Some(d) = patch.dispatch.filter(|d| *d != v.dispatch) {
-            changes.push(Change::Dispatch(d));
-        }
-        if let Some(q) = patch.qos.filter(|q| *q != v.qos) {
-            check_qos(&v.name, q.as_ref())?;
-            changes.push(Change::Qos(q));
-        }
-        if let Some(ro) = patch.read_only.filter(|ro| *ro != v.read_only) {
-            changes.push(Change::ReadOnly(ro));
-        }
+        let changes = changes(&v, &patch)?;
         if changes.is_empty() {
             return self.volume_view(&v).await;
         }
@@ -551,12 +542,64 @@ impl Manager {
                 .map_err(|e| volume_error(&v.name, e))?;
         }
         let mut att = att;
-        for change in changes {
-            let (b, a, id) = (backend.clone(), att.clone(), v.id);
-            att = blocking(move || b.reconfigure(&a, change, id))
-                .await?
-                .map_err(|e| volume_error(&v.name, e))?;
-            let (kind, msg) = match change {
+        let mut made = Vec::new();
+        for change in &changes {
+            match self.reconfigure(&backend, &v, &att, *change).await {
+                Ok(a) => {
+                    att = a;
+                    made.push(*change);
+                }
+                Err(e) => {
+                    // Undo, newest first, until an undo fails: what stays made
+                    // is recorded, so the record matches the device.
+                    while let Some(last) = made.last() {
+                        let undo = undo(&v, *last);
+                        match self.reconfigure(&backend, &v, &att, undo).await {
+                            Ok(a) => {
+                                att = a;
+                                made.pop();
+                            }
+                            Err(u) => {
+                                tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
+                                break;
+                            }
+                        }
+                    }
+                    if !made.is_empty() {
+                        self.record_changes(&mut v, att, &made).await?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.record_changes(&mut v, att, &made).await?;
+        self.volume_view(&v).await
+    }
+
+    /// Makes one live change on the device.
+    async fn reconfigure(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &Attachment,
+        change: Change,
+    ) -> Result<Attachment> {
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        blocking(move || b.reconfigure(&a, change, id))
+            .await?
+            .map_err(|e| volume_error(&v.name, e))
+    }
+
+    /// Records changes made on the device, with an event each, in one commit.
+    async fn record_changes(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        made: &[Change],
+    ) -> Result<()> {
+        let mut events = Vec::new();
+        for change in made {
+            let (kind, msg) = match *change {
                 Change::Dispatch(d) => {
                     let old = v.dispatch;
                     v.dispatch = d;
@@ -587,20 +630,17 @@ impl Manager {
                     ("read_only_changed", format!("read_only {old} -> {ro}"))
                 }
             };
-            v.attachment = Some(att.clone());
-            v.updated_at = OffsetDateTime::now_utc();
-            let mut tx = self.store.begin().await?;
-            tx.update_volume(&v).await?;
-            tx.event(
-                Some(v.id),
-                Some(v.image_id),
-                kind,
-                &format!("volume '{}': {msg}", v.name),
-            )
-            .await?;
-            tx.commit().await?;
+            events.push((kind, format!("volume '{}': {msg}", v.name)));
         }
-        self.volume_view(&v).await
+        v.attachment = Some(att);
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        for (kind, msg) in &events {
+            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     fn not_live(&self, v: &VolumeRow) -> Error {
@@ -629,12 +669,49 @@ impl Manager {
     }
 }
 
+/// The changes a PATCH asks for (only what differs from the volume's
+/// settings), refused as a whole when one breaks a rule of the manager's.
+fn changes(v: &VolumeRow, patch: &PatchVolumeRequest) -> Result<Vec<Change>> {
+    let mut changes = Vec::new();
+    if let Some(d) = patch.dispatch.filter(|d| *d != v.dispatch) {
+        changes.push(Change::Dispatch(d));
+    }
+    if let Some(q) = patch.qos.filter(|q| *q != v.qos) {
+        check_qos(&v.name, q.as_ref())?;
+        changes.push(Change::Qos(q));
+    }
+    if let Some(ro) = patch.read_only.filter(|ro| *ro != v.read_only) {
+        if !ro && v.spec.read_only {
+            return Err(volume_error(
+                &v.name,
+                BackendError::NotLive {
+                    backend: v.backend.as_str(),
+                    field: "read_only",
+                    reason: CREATED_READ_ONLY.into(),
+                },
+            ));
+        }
+        changes.push(Change::ReadOnly(ro));
+    }
+    Ok(changes)
+}
+
+/// The change that takes `change` of `v` back.
+fn undo(v: &VolumeRow, change: Change) -> Change {
+    match change {
+        Change::Dispatch(_) => Change::Dispatch(v.dispatch),
+        Change::Qos(_) => Change::Qos(v.qos),
+        Change::ReadOnly(ro) => Change::ReadOnly(!ro),
+    }
+}
+
 /// A volume's spec as backends take it.
 pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> VolumeParams {
     VolumeParams {
         image_path: image.path.clone(),
         size_bytes,
-        read_only: v.read_only,
+        read_only: v.spec.read_only,
+        refuse_writes: v.read_only,
         dispatch: v.dispatch,
         queues: v.spec.queues,
         queue_depth: v.spec.queue_depth,

@@ -351,3 +351,158 @@ async fn a_grown_image_grows_the_device_or_says_it_will() {
         vm.delete(&name).await;
     }
 }
+
+/// One 4 KiB `O_DIRECT` write at the start of `dev`.
+fn direct_write(dev: &str) -> std::process::Output {
+    run(
+        "dd",
+        &[
+            "if=/dev/zero",
+            &format!("of={dev}"),
+            "bs=4k",
+            "count=1",
+            "oflag=direct",
+            "status=none",
+        ],
+    )
+}
+
+/// One 4 KiB `O_DIRECT` read at the start of `dev`; panics unless it works.
+fn direct_read(dev: &str) {
+    sh(
+        "dd",
+        &[
+            &format!("if={dev}"),
+            "of=/dev/null",
+            "bs=4k",
+            "count=1",
+            "iflag=direct",
+            "status=none",
+        ],
+    );
+}
+
+/// SIGKILLs the ublk worker of a volume (a dm volume's private one too, which
+/// the API does not show) and waits until its replacement serves.
+async fn kill_worker(vm: &Vm, volume_id: &str) {
+    let state = vm.s.data.join(format!("run/ublk/{volume_id}/state.json"));
+    let pid_now = || -> Option<u64> {
+        let text = std::fs::read(&state).ok()?;
+        serde_json::from_slice::<Value>(&text).ok()?["pid"].as_u64()
+    };
+    let restarts = async || {
+        vm.event_kinds(volume_id)
+            .await
+            .iter()
+            .filter(|k| *k == "worker_restarted")
+            .count()
+    };
+    let (pid, before) = (pid_now().expect("a worker"), restarts().await);
+    sh("kill", &["-9", &pid.to_string()]);
+    crate::eventually(
+        Duration::from_secs(60),
+        "a replacement worker",
+        async || restarts().await > before && pid_now().is_some_and(|p| p != pid),
+    )
+    .await;
+}
+
+/// Sets a volume's read-only switch; panics unless 200.
+async fn set_read_only(vm: &Vm, name: &str, read_only: bool) {
+    let a =
+        vm.s.patch(
+            &format!("/v1/volumes/{name}"),
+            json!({"read_only": read_only}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    assert_eq!(a.body["read_only"], read_only);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_live_read_only_switch_survives_a_killed_worker() {
+    let vm = Vm::start().await;
+    vm.image("rok", Scratch::Xfs, 32, "full").await;
+    // A ublk volume's own worker, and a dm volume's private one: started
+    // with the volume, and started while the volume was read-only (dm
+    // leaving direct).
+    for (backend, created, then) in [
+        ("ublk", "nowait", None),
+        ("ublk", "threaded", None),
+        ("dm", "nowait", None),
+        ("dm", "direct", Some("threaded")),
+    ] {
+        let what = format!("{backend} {created} -> {then:?}");
+        let v = vm
+            .volume(json!({"name": "rok", "image": "rok", "backend": backend, "dispatch": created}))
+            .await;
+        let (id, dev) = (v["id"].as_str().unwrap(), v["device"].as_str().unwrap());
+        set_read_only(&vm, "rok", true).await;
+        if let Some(d) = then {
+            vm.set_dispatch("rok", d).await;
+        }
+        kill_worker(&vm, id).await;
+        let w = direct_write(dev);
+        assert!(
+            !w.status.success(),
+            "{what}: a write succeeded on a read-only volume after its worker was replaced"
+        );
+        direct_read(dev);
+        assert_eq!(vm.s.get("/v1/volumes/rok").await.body["read_only"], true);
+
+        set_read_only(&vm, "rok", false).await;
+        kill_worker(&vm, id).await;
+        let w = direct_write(dev);
+        assert!(
+            w.status.success(),
+            "{what}: a write failed on a writable volume after its worker was replaced: {}",
+            String::from_utf8_lossy(&w.stderr)
+        );
+        direct_read(dev);
+        vm.delete("rok").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_patch_refused_for_a_created_read_only_volume_changes_nothing() {
+    let vm = Vm::start().await;
+    vm.image("rop", Scratch::Xfs, 32, "full").await;
+    for backend in ["ublk", "dm"] {
+        let v = vm
+            .volume(json!({"name": "rop", "image": "rop", "backend": backend,
+                "dispatch": "nowait", "read_only": true}))
+            .await;
+        let id = v["id"].as_str().unwrap();
+        let events = vm.event_kinds(id).await;
+        let a =
+            vm.s.patch(
+                "/v1/volumes/rop",
+                json!({"dispatch": "threaded", "read_only": false}),
+            )
+            .await;
+        assert_eq!(a.status.as_u16(), 422, "{backend}: {}", a.body);
+        let now = vm.s.get("/v1/volumes/rop").await.body;
+        for field in [
+            "dispatch",
+            "requested_dispatch",
+            "dispatch_reason",
+            "read_only",
+        ] {
+            assert_eq!(now[field], v[field], "{backend}: {field} changed: {now}");
+        }
+        assert_eq!(
+            vm.event_kinds(id).await,
+            events,
+            "{backend}: a refused PATCH recorded events"
+        );
+        let st = vm.s.get("/v1/volumes/rop/stats").await.body;
+        assert_eq!(st["dispatch"], "nowait", "{backend}: {st}");
+        crate::harness::assert_error(&a, 422, "not_live");
+        let msg = a.body["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("rop") && msg.contains("created read-only"),
+            "{backend}: {msg}"
+        );
+        vm.delete("rop").await;
+    }
+}
