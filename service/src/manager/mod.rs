@@ -3,6 +3,7 @@
 //! [`Error`]s to HTTP; the manager keeps SQLite and the kernel in step, one
 //! image or volume at a time, with every change recorded as an event.
 
+mod holds;
 mod images;
 pub mod locks;
 mod reconcile;
@@ -50,6 +51,14 @@ pub enum Error {
     ImageInUse { name: String, volumes: String },
     #[error("image '{name}' file changed: {reason}")]
     ImageReplaced { name: String, reason: String },
+    #[error(
+        "image '{name}' ({path}) is locked by {holder}: another blockplane (another data dir) serves it; delete that volume first"
+    )]
+    ImageLocked {
+        name: String,
+        path: String,
+        holder: String,
+    },
     #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
     Shrink {
         name: String,
@@ -151,6 +160,8 @@ pub struct Manager {
     /// Serialises image registration (name and file identity checks + insert).
     image_registration: Mutex<()>,
     image_locks: KeyedLocks,
+    /// OFD locks on the images of this service's volumes.
+    holds: holds::ImageHolds,
     /// Keyed by volume name: create, delete and live changes of one volume queue.
     volume_locks: KeyedLocks,
     /// Once-a-second readings of every attached volume.
@@ -191,6 +202,7 @@ impl Manager {
             backends: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
+            holds: holds::ImageHolds::default(),
             volume_locks: KeyedLocks::default(),
             sampler: sampler::Sampler::default(),
             volumes_cache: std::sync::Mutex::default(),
