@@ -296,8 +296,7 @@ impl ImageRoots {
         )
         .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
         let st = fstat(&probe, path)?;
-        if (st.st_dev, st.st_ino) != (dev, ino) || !same_birth(birth, birth_of(&probe).as_deref())
-        {
+        if (st.st_dev, st.st_ino) != (dev, ino) || !same_birth(birth, birth_of(&probe).as_deref()) {
             return Err(io_error(
                 path,
                 "unlink",

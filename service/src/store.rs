@@ -400,11 +400,11 @@ impl WriteTx {
         .bind(ino as i64)
         .bind(birth)
         .bind(path)
-            .fetch_optional(&mut *self.tx)
-            .await?
-            .as_ref()
-            .map(ImageRow::from_row)
-            .transpose()
+        .fetch_optional(&mut *self.tx)
+        .await?
+        .as_ref()
+        .map(ImageRow::from_row)
+        .transpose()
     }
 
     /// Records a new image.

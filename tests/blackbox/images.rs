@@ -419,7 +419,10 @@ async fn a_new_file_on_a_removed_images_inode_is_not_the_image() {
         .await;
     assert_error(&a, 409, "image_replaced");
     assert!(
-        a.body["error"]["message"].as_str().unwrap().contains("a.img"),
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("a.img"),
         "{}",
         a.body
     );

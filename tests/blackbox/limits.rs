@@ -205,7 +205,12 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Every permit is held by a trickler now; liveness must not care.
     let h = s.get("/healthz").await;
-    assert_eq!(h.status.as_u16(), 200, "/healthz queued behind tricklers: {}", h.body);
+    assert_eq!(
+        h.status.as_u16(),
+        200,
+        "/healthz queued behind tricklers: {}",
+        h.body
+    );
     // The API comes back once the tricklers are cut off, well before 120 s.
     loop {
         let a = s.get("/v1/volumes").await;
@@ -224,7 +229,17 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
         let (after, answer) = c.await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
         assert!(answer.contains("\"body_timeout\""), "{answer}");
-        assert!(after < Duration::from_secs(30), "cut off only after {after:?}");
+        assert!(
+            after < Duration::from_secs(30),
+            "cut off only after {after:?}"
+        );
     }
-    assert!(s.get("/v1/images").await.body.as_array().unwrap().is_empty());
+    assert!(
+        s.get("/v1/images")
+            .await
+            .body
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
 }

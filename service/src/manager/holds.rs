@@ -17,7 +17,6 @@ use uuid::Uuid;
 
 use crate::image::{ImageFile, reopen};
 
-
 /// The image locks this service holds, one per volume (a volume has one image,
 /// an image at most one volume).
 #[derive(Default)]
@@ -129,4 +128,34 @@ fn holder(dev: u64, ino: u64) -> Option<u32> {
         }
     }
     None
+}
+
+/// Whether another open file description holds a lock on the regular file at
+/// `path` (the OFD lock of a serving blockplane); `Some` with its holder if so.
+pub fn held_elsewhere(path: &std::path::Path) -> Option<Held> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .ok()?;
+    let st = rustix::fs::fstat(&fd).ok()?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return None;
+    }
+    // SAFETY: as in set_lock; F_OFD_GETLK writes the conflicting lock back.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    let r = unsafe {
+        libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_OFD_GETLK,
+            &mut fl as *mut libc::flock,
+        )
+    };
+    (r == 0 && fl.l_type != libc::F_UNLCK as libc::c_short).then(|| Held {
+        pid: holder(st.st_dev, st.st_ino),
+    })
 }

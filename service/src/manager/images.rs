@@ -59,7 +59,10 @@ impl Manager {
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
-            if let Some(other) = tx.image_by_file(dev, ino, birth.as_deref(), &row.path).await? {
+            if let Some(other) = tx
+                .image_by_file(dev, ino, birth.as_deref(), &row.path)
+                .await?
+            {
                 return Err(Error::AlreadyRegistered {
                     path: row.path.clone(),
                     name: other.name,
@@ -338,8 +341,10 @@ impl Manager {
         }
         if delete_file {
             let path = self.roots.resolve(&row.path)?;
-            match self.roots
-                .remove_file(&path, row.dev, row.ino, row.birth.as_deref()) {
+            match self
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
+            {
                 Ok(()) | Err(crate::image::ImageFileError::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }

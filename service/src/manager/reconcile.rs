@@ -68,10 +68,7 @@ impl Manager {
             };
             // The lock a serving volume holds on its image, taken again; a
             // lock held elsewhere means another blockplane serves the file.
-            let image_lock = opened
-                .as_ref()
-                .ok()
-                .map(|f| self.lock_image(&image, f));
+            let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
             let req = ProbeRequest {
                 volume_id: v.id,
                 identity: (image.dev, image.ino),
