@@ -224,15 +224,16 @@ export function hostPage(ctx) {
       ),
       host.orphans.length
         ? table(
-          'Orphan devices (carry this service\'s mark, belong to no volume)',
-          ['Device', 'Backend', 'Volume id', 'Action'],
+          'Orphan devices (made by blockplane, belong to no volume of this service)',
+          ['Device', 'Backend', 'Volume id', 'Why', 'Action'],
           h('tbody', null, host.orphans.map((o) => h(
             'tr',
             null,
             h('td', { class: 'mono' }, o.device),
             h('td', null, o.backend),
-            h('td', { class: 'mono' }, o.volume_id),
-            h('td', null, h('button', {
+            h('td', { class: 'mono' }, o.volume_id ?? ''),
+            h('td', null, o.backing_file ? `${o.reason} (${o.backing_file})` : o.reason),
+            h('td', null, o.removable ? h('button', {
               type: 'button',
               class: 'danger',
               'data-key': `orphan-${o.volume_id}`,
@@ -248,7 +249,7 @@ export function hostPage(ctx) {
                   `Orphan ${o.device} removed.`);
                 load();
               },
-            }, 'Remove…')),
+            }, 'Remove…') : 'left to the operator'),
           ))),
         )
         : h('p', null, 'No orphan devices.'),

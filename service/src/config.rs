@@ -91,6 +91,11 @@ pub struct ServeArgs {
     /// Volumes this host may have [default: 1024].
     #[arg(long, env = "BLOCKPLANE_MAX_VOLUMES")]
     pub max_volumes: Option<usize>,
+    /// Start with a new, empty registry although the kernel serves devices over
+    /// files under the image roots (a lost or emptied blockplane.db, or a new
+    /// data dir): they are left running and reported as orphans.
+    #[arg(long, env = "BLOCKPLANE_ACCEPT_NEW_REGISTRY")]
+    pub accept_new_registry: bool,
 }
 
 /// Limits that protect the service from its clients.
@@ -169,6 +174,8 @@ pub struct ServeConfig {
     pub worker_threads: u16,
     pub extent_check_secs: u32,
     pub limits: Limits,
+    /// Start on a new registry even when devices over the image roots exist.
+    pub accept_new_registry: bool,
 }
 
 /// The data dir used when none is configured.
@@ -308,6 +315,7 @@ impl ServeArgs {
                     .max(1),
                 max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
             },
+            accept_new_registry: self.accept_new_registry,
         })
     }
 }

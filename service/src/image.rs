@@ -245,14 +245,19 @@ impl ImageRoots {
     }
 
     /// Size and allocation of the file at `path`, if it is still the file with
-    /// identity `(dev, ino)`; never opens it for I/O.
-    pub fn stat_if_same(&self, path: &str, identity: (u64, u64)) -> Option<(u64, u64)> {
+    /// identity `(dev, ino)` born at `birth`; never opens it for I/O.
+    pub fn stat_if_same(
+        &self,
+        path: &str,
+        identity: (u64, u64),
+        birth: Option<&str>,
+    ) -> Option<(u64, u64)> {
         let path = self.resolve(path).ok()?;
         let fd = self
             .openat2(&path, &path.rel, OFlags::PATH, Mode::empty())
             .ok()?;
-        let st = rustix::fs::fstat(fd).ok()?;
-        ((st.st_dev, st.st_ino) == identity)
+        let st = rustix::fs::fstat(&fd).ok()?;
+        ((st.st_dev, st.st_ino) == identity && same_birth(birth, birth_of(&fd).as_deref()))
             .then_some((st.st_size as u64, st.st_blocks as u64 * 512))
     }
 
@@ -282,12 +287,25 @@ impl ImageRoots {
         Ok(file)
     }
 
-    /// Unlinks an image file, but only if the name still refers to `(dev, ino)`.
-    pub fn remove_file(&self, path: &ImagePath, dev: u64, ino: u64) -> Result<()> {
+    /// Unlinks an image file, but only if the name still refers to `(dev, ino)`
+    /// born at `birth`.
+    pub fn remove_file(
+        &self,
+        path: &ImagePath,
+        dev: u64,
+        ino: u64,
+        birth: Option<&str>,
+    ) -> Result<()> {
         let (parent, name) = self.open_parent(path)?;
-        let st = rustix::fs::statat(&parent, &name, AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
-        if (st.st_dev, st.st_ino) != (dev, ino) {
+        let probe = rustix::fs::openat(
+            &parent,
+            &name,
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
+        let st = fstat(&probe, path)?;
+        if (st.st_dev, st.st_ino) != (dev, ino) || !same_birth(birth, birth_of(&probe).as_deref()) {
             return Err(ImageFileError::Replaced {
                 path: path.display(),
             });
@@ -327,12 +345,19 @@ pub struct ImageFile {
     path: ImagePath,
     fd: OwnedFd,
     stat: Stat,
+    birth: Option<String>,
 }
 
 impl ImageFile {
     fn from_fd(path: ImagePath, fd: OwnedFd) -> Result<Self> {
         let stat = fstat(&fd, &path)?;
-        Ok(Self { path, fd, stat })
+        let birth = birth_of(&fd);
+        Ok(Self {
+            path,
+            fd,
+            stat,
+            birth,
+        })
     }
 
     /// The normalized absolute path it was opened by.
@@ -353,6 +378,12 @@ impl ImageFile {
     /// `(st_dev, st_ino)`: the file's identity.
     pub fn identity(&self) -> (u64, u64) {
         (self.stat.st_dev, self.stat.st_ino)
+    }
+
+    /// When the inode was born (see [`birth_of`]): with [`Self::identity`],
+    /// tells this file from a later one that reuses its inode number.
+    pub fn birth(&self) -> Option<&str> {
+        self.birth.as_deref()
     }
 
     /// Size in bytes.
@@ -395,6 +426,45 @@ impl ImageFile {
         })?;
         self.refresh()
     }
+}
+
+/// What tells a file from a later one that reuses its inode number: its
+/// birth time (`statx` btime, `btime:SECS.NANOS`) or, on a filesystem that
+/// keeps none, its inode generation (`FS_IOC_GETVERSION`, `gen:N`). `None`
+/// when the filesystem has neither. Works on an `O_PATH` descriptor.
+pub fn birth_of(fd: &OwnedFd) -> Option<String> {
+    use rustix::fs::StatxFlags;
+    if let Ok(stx) = rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::BTIME)
+        && stx.stx_mask & StatxFlags::BTIME.bits() != 0
+    {
+        return Some(format!(
+            "btime:{}.{:09}",
+            stx.stx_btime.tv_sec, stx.stx_btime.tv_nsec
+        ));
+    }
+    // The ioctl needs a descriptor open for reading; `fd` may be `O_PATH`,
+    // and only a regular file opens without side effects (a FIFO would block).
+    if FileType::from_raw_mode(rustix::fs::fstat(fd).ok()?.st_mode) != FileType::RegularFile {
+        return None;
+    }
+    let readable = reopen(fd, false).ok()?;
+    let mut generation: libc::c_long = 0;
+    // SAFETY: FS_IOC_GETVERSION writes one c_long through the pointer.
+    let r = unsafe {
+        libc::ioctl(
+            readable.as_raw_fd(),
+            libc::FS_IOC_GETVERSION,
+            &mut generation as *mut libc::c_long,
+        )
+    };
+    (r == 0).then(|| format!("gen:{generation}"))
+}
+
+/// Whether a file born at `now` is the one recorded as born at `recorded`.
+/// A record without a birth (made before births were kept, or on a
+/// filesystem with none) matches on `(dev, ino)` alone.
+pub fn same_birth(recorded: Option<&str>, now: Option<&str>) -> bool {
+    recorded.is_none() || recorded == now
 }
 
 /// Opens the very inode behind `fd` again (through /proc/self/fd), for

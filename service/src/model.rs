@@ -533,13 +533,22 @@ pub struct Host {
     pub orphans: Vec<Orphan>,
 }
 
-/// A device that carries this service's mark but belongs to no volume.
+/// A device blockplane made that belongs to no volume of this service.
 #[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
 pub struct Orphan {
     pub backend: Backend,
-    /// The volume id in its mark.
-    pub volume_id: Uuid,
+    /// The volume id in its mark, if it carries one.
+    pub volume_id: Option<Uuid>,
     pub device: String,
+    /// The file it serves, when known (loop devices).
+    pub backing_file: Option<String>,
+    /// The blockplane instance in its mark, if it carries one.
+    pub instance: Option<String>,
+    /// Why it is an orphan.
+    pub reason: String,
+    /// Whether `DELETE /v1/host/orphans/{volume_id}` removes it: only devices
+    /// carrying this service's own mark; others are left to the operator.
+    pub removable: bool,
 }
 
 /// A recorded state change.

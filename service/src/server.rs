@@ -43,6 +43,18 @@ pub enum ServeError {
         data_dir: String,
         relation: &'static str,
     },
+    #[error(
+        "the registry {db} is missing or empty, but the kernel serves {} device(s) over files under the image roots that no live process holds: {devices}. \
+         Starting would begin an empty registry (and a new instance id) while they keep serving. \
+         To recover, restore {db} (with its -wal file) from a backup and start again; \
+         or start once with --accept-new-registry to begin empty: the devices are left running and listed as orphans in GET /v1/host",
+        count
+    )]
+    LostRegistry {
+        db: String,
+        count: usize,
+        devices: String,
+    },
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("reconciliation: {0}")]
@@ -394,6 +406,42 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Tracked<IO> {
     }
 }
 
+/// Whether opening `db` would make a new registry: neither it nor its WAL
+/// holds anything.
+fn is_new_registry(db: &Path) -> bool {
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    size(db) == 0 && size(Path::new(&wal)) == 0
+}
+
+/// Refuses to begin a new registry while loop devices over files under the
+/// image roots run unheld: they are what a lost registry leaves behind, and
+/// a new one would know nothing of them.
+fn refuse_over_unowned_devices(db: &Path, roots: &ImageRoots) -> Result<(), ServeError> {
+    let found =
+        crate::manager::unowned_loop_devices(&roots.paths(), "", &std::collections::HashSet::new());
+    if found.is_empty() {
+        return Ok(());
+    }
+    let devices = found
+        .iter()
+        .map(|o| {
+            format!(
+                "{} ({})",
+                o.device,
+                o.backing_file.as_deref().unwrap_or("unknown file")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ServeError::LostRegistry {
+        db: db.display().to_string(),
+        count: found.len(),
+        devices,
+    })
+}
+
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
@@ -406,6 +454,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
     check_roots_apart(&cfg.data_dir, &roots.paths())?;
     let db = cfg.data_dir.join("blockplane.db");
+    if !cfg.accept_new_registry && is_new_registry(&db) {
+        refuse_over_unowned_devices(&db, &roots)?;
+    }
     private_database(&db)?;
     let store = Store::open(&db).await?;
     let fault = std::env::var("BLOCKPLANE_TEST_FAULT")

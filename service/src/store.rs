@@ -114,6 +114,9 @@ pub struct ImageRow {
     pub path: String,
     pub dev: u64,
     pub ino: u64,
+    /// The file's birth (see [`crate::image::birth_of`]); `None` for rows
+    /// recorded before births were kept.
+    pub birth: Option<String>,
     pub size_bytes: u64,
     pub allocated_bytes: u64,
     pub allocation: Option<Allocation>,
@@ -130,6 +133,7 @@ impl ImageRow {
             path: r.try_get("path")?,
             dev: r.try_get::<i64, _>("dev")? as u64,
             ino: r.try_get::<i64, _>("ino")? as u64,
+            birth: r.try_get("birth")?,
             size_bytes: r.try_get::<i64, _>("size_bytes")? as u64,
             allocated_bytes: r.try_get::<i64, _>("allocated_bytes")? as u64,
             allocation: allocation
@@ -530,36 +534,43 @@ impl WriteTx {
             .transpose()
     }
 
-    /// The image registered for a file identity or path, if any.
+    /// The image registered for a file identity (a row without a birth
+    /// matches any) or path, if any.
     pub async fn image_by_file(
         &mut self,
         dev: u64,
         ino: u64,
+        birth: Option<&str>,
         path: &str,
     ) -> Result<Option<ImageRow>> {
-        sqlx::query("SELECT * FROM images WHERE (dev = ?1 AND ino = ?2) OR path = ?3")
-            .bind(dev as i64)
-            .bind(ino as i64)
-            .bind(path)
-            .fetch_optional(self.conn())
-            .await?
-            .as_ref()
-            .map(ImageRow::from_row)
-            .transpose()
+        sqlx::query(
+            "SELECT * FROM images
+             WHERE (dev = ?1 AND ino = ?2 AND (birth IS NULL OR birth IS ?3)) OR path = ?4",
+        )
+        .bind(dev as i64)
+        .bind(ino as i64)
+        .bind(birth)
+        .bind(path)
+        .fetch_optional(self.conn())
+        .await?
+        .as_ref()
+        .map(ImageRow::from_row)
+        .transpose()
     }
 
     /// Records a new image.
     pub async fn insert_image(&mut self, i: &ImageRow) -> Result<()> {
         sqlx::query(
-            "INSERT INTO images (id, name, path, dev, ino, size_bytes, allocated_bytes,
+            "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
                                  allocation, filesystem, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
         .bind(&i.path)
         .bind(i.dev as i64)
         .bind(i.ino as i64)
+        .bind(&i.birth)
         .bind(i.size_bytes as i64)
         .bind(i.allocated_bytes as i64)
         .bind(i.allocation.map(|a| match a {

@@ -377,3 +377,76 @@ async fn grow_follows_to_attached_loop_volumes() {
     );
     assert_eq!(s.snapshot().await, before);
 }
+
+/// Makes a new file at `dest` (mode 0600, `size` bytes) that reuses inode
+/// number `ino`, which must be free: ext4 hands out the lowest free inode of
+/// the parent's group, so fillers take the numbers before it until one gets
+/// it. Panics if none does within 512 tries.
+fn new_file_on_inode(dir: &std::path::Path, ino: u64, dest: &std::path::Path, size: u64) {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let fillers = dir.parent().unwrap();
+    for i in 0..512 {
+        let p = dir.join(format!("candidate-{i}"));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&p)
+            .unwrap();
+        if f.metadata().unwrap().ino() == ino {
+            f.set_len(size).unwrap();
+            std::fs::rename(&p, dest).unwrap();
+            return;
+        }
+        // Keep the number taken (outside the image root) so the next file moves on.
+        std::fs::rename(&p, fillers.join(format!("filler-{i}"))).unwrap();
+    }
+    panic!("no new file got inode {ino} in 512 tries");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_file_on_a_removed_images_inode_is_not_the_image() {
+    use std::os::unix::fs::MetadataExt;
+    let s = Service::start().await;
+    s.image("a", 4).await;
+    let path = s.images.join("a.img");
+    let ino = std::fs::metadata(&path).unwrap().ino();
+    std::fs::remove_file(&path).unwrap();
+    new_file_on_inode(&s.images, ino, &path, 1 << 20);
+    assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino);
+    let a = s
+        .post("/v1/images/a/resize", json!({"size_bytes": 16u64 << 20}))
+        .await;
+    assert_error(&a, 409, "image_replaced");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("a.img"),
+        "{}",
+        a.body
+    );
+    // The new file was not touched, nor reported as the image.
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
+    assert_eq!(s.get("/v1/images/a").await.body["size_bytes"], 4u64 << 20);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_file_on_a_renamed_over_images_inode_registers() {
+    use std::os::unix::fs::MetadataExt;
+    let s = Service::start().await;
+    s.image("a", 4).await;
+    let path = s.images.join("a.img");
+    let ino = std::fs::metadata(&path).unwrap().ino();
+    // Another file renamed over the image frees its inode number.
+    let other = s.images.join("other.img");
+    std::fs::write(&other, vec![0u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&other, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    std::fs::rename(&other, &path).unwrap();
+    let fresh = s.images.join("fresh.img");
+    new_file_on_inode(&s.images, ino, &fresh, 1 << 20);
+    let a = s
+        .post("/v1/images", json!({"name": "fresh", "path": fresh}))
+        .await;
+    assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+}

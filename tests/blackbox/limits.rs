@@ -184,3 +184,91 @@ async fn the_volume_cap_refuses_one_more_and_changes_nothing() {
     );
     assert_eq!(s.snapshot().await, before);
 }
+
+/// 256 clients (the default concurrency limit) that send their headers and
+/// then one body byte every 500 ms: `/healthz` still answers at once, each
+/// trickler is cut off with 408 `body_timeout` after the grace period (the
+/// header timeout, 10 s by default), and the API answers again well before
+/// the 120 s request timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_bodies_time_out_and_healthz_never_queues() {
+    const CLIENTS: usize = 256;
+    let s = Service::start().await;
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+        c.write_all(
+            b"POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+        clients.push(tokio::spawn(async move {
+            // Trickle until the service answers, then return what it said.
+            let mut answer = Vec::new();
+            let mut buf = [0u8; 1024];
+            loop {
+                tokio::select! {
+                    n = c.read(&mut buf) => match n {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            answer.extend_from_slice(&buf[..n]);
+                            if answer.windows(4).any(|w| w == b"\r\n\r\n") && answer.ends_with(b"}") {
+                                break;
+                            }
+                        }
+                    },
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                        if c.write_all(b" ").await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                if started.elapsed() > Duration::from_secs(150) {
+                    break;
+                }
+            }
+            (started.elapsed(), String::from_utf8_lossy(&answer).into_owned())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every permit is held by a trickler now; liveness must not care.
+    let h = s.get("/healthz").await;
+    assert_eq!(
+        h.status.as_u16(),
+        200,
+        "/healthz queued behind tricklers: {}",
+        h.body
+    );
+    // The API comes back once the tricklers are cut off, well before 120 s.
+    loop {
+        let a = s.get("/v1/volumes").await;
+        if a.status.as_u16() == 200 {
+            break;
+        }
+        assert_error(&a, 503, "overloaded");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the API still answers 503 after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    for c in clients {
+        let (after, answer) = c.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("\"body_timeout\""), "{answer}");
+        assert!(
+            after < Duration::from_secs(30),
+            "cut off only after {after:?}"
+        );
+    }
+    assert!(
+        s.get("/v1/images")
+            .await
+            .body
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}

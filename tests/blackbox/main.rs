@@ -11,6 +11,7 @@ mod cli;
 mod dashboard;
 mod events;
 mod images;
+mod instances;
 mod leaks;
 mod limits;
 mod metrics;

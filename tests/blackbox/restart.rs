@@ -267,3 +267,82 @@ async fn a_create_that_fails_half_way_leaves_nothing() {
         "{ev}"
     );
 }
+
+/// An emptied `blockplane.db` (or a new data dir over the same image root)
+/// while a loop volume still serves: the service refuses to start and says how
+/// to recover; with `--accept-new-registry` it starts empty and reports the
+/// device as an orphan with its mark and file, leaving it running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_registry_is_refused_then_reported_as_orphans() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("v", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    assert!(s.signal(Signal::TERM).success());
+
+    // Emptied registry.
+    let db = s.data.join("blockplane.db");
+    std::fs::write(&db, b"").unwrap();
+    for suffix in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(s.data.join(format!("blockplane.db{suffix}")));
+    }
+    s.spawn(&[]);
+    let status = s.wait_exit(Duration::from_secs(20));
+    assert!(!status.success(), "started over a lost registry");
+    let log = s.log_text();
+    assert!(log.contains("is missing or empty"), "{log}");
+    assert!(log.contains(&dev), "{log}");
+    assert!(log.contains("v-img.img"), "{log}");
+    assert!(log.contains("--accept-new-registry"), "{log}");
+    assert!(
+        serves_from(&dev, &s.images),
+        "the refused start touched {dev}"
+    );
+
+    // A new data dir over the same image root is the same situation.
+    let moved = s.dir.path().join("data.lost");
+    std::fs::rename(&s.data, &moved).unwrap();
+    s.spawn(&[]);
+    assert!(!s.wait_exit(Duration::from_secs(20)).success());
+    std::fs::remove_dir_all(&s.data).unwrap();
+    std::fs::rename(&moved, &s.data).unwrap();
+
+    // Explicit recovery: an empty registry, the device reported, not touched.
+    s.opts.extra_args.push("--accept-new-registry".into());
+    s.restart().await;
+    assert_eq!(s.get("/v1/volumes").await.body, json!([]));
+    let host = s.get("/v1/host").await.body;
+    let orphans = host["orphans"].as_array().unwrap();
+    assert_eq!(orphans.len(), 1, "{host}");
+    let o = &orphans[0];
+    assert_eq!(o["device"], dev.as_str());
+    assert_eq!(o["backend"], "loop");
+    assert_eq!(o["volume_id"], v["id"]);
+    assert!(o["instance"].is_string(), "{o}");
+    assert!(
+        o["backing_file"].as_str().unwrap().ends_with("/v-img.img"),
+        "{o}"
+    );
+    assert_eq!(o["removable"], false);
+    assert!(
+        o["reason"].as_str().unwrap().contains("registry was lost"),
+        "{o}"
+    );
+    assert!(serves_from(&dev, &s.images));
+    let a = s
+        .delete(&format!("/v1/host/orphans/{}", v["id"].as_str().unwrap()))
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.body);
+    assert!(serves_from(&dev, &s.images), "a foreign orphan was removed");
+
+    // The registry now exists: later starts need no flag, the orphan stays reported.
+    s.opts.extra_args.clear();
+    assert!(s.signal(Signal::TERM).success());
+    s.restart().await;
+    assert_eq!(
+        s.get("/v1/host").await.body["orphans"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+}

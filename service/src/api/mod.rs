@@ -99,7 +99,7 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
             let mut common = vec![
                 (
                     "408",
-                    "No answer within the request timeout; a started operation still completes",
+                    "No answer within the request timeout (a started operation still completes), or a body that arrived below the minimum rate",
                 ),
                 (
                     "500",
@@ -244,6 +244,8 @@ struct Admission {
     requests: Arc<tokio::sync::Semaphore>,
     streams: Arc<tokio::sync::Semaphore>,
     timeout: std::time::Duration,
+    /// How long a request body may take before the minimum rate applies.
+    body_grace: std::time::Duration,
 }
 
 impl Admission {
@@ -252,12 +254,14 @@ impl Admission {
             requests: Arc::new(tokio::sync::Semaphore::new(limits.max_concurrent_requests)),
             streams: Arc::new(tokio::sync::Semaphore::new(limits.max_event_streams)),
             timeout: limits.request_timeout,
+            body_grace: limits.header_timeout,
         }
     }
 }
 
 /// Sheds load at once (503) past the concurrency limits, and answers 408
-/// when a request runs past the request timeout. Event streams are long by
+/// when a request runs past the request timeout or its body trickles in
+/// below the minimum rate. `/healthz` is never counted nor shed. Event streams are long by
 /// nature: they count against their own limit and have no timeout. A timed
 /// out request's operation still finishes (operations run detached).
 async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Response {
@@ -281,10 +285,27 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
         });
         return Response::from_parts(parts, body);
     }
+    // Liveness must answer however busy the API is.
+    if req.uri().path() == "/healthz" {
+        return next.run(req).await;
+    }
     let Ok(_permit) = a.requests.clone().try_acquire_owned() else {
         return overloaded("requests");
     };
+    let (parts, body) = req.into_parts();
+    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let body = axum::body::Body::new(MinRateBody::new(body, a.body_grace, timed_out.clone()));
+    let req = Request::from_parts(parts, body);
     match tokio::time::timeout(a.timeout, next.run(req)).await {
+        Ok(_) if timed_out.load(std::sync::atomic::Ordering::Relaxed) => ApiError::BadRequest {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "body_timeout",
+            message: format!(
+                "the request body arrived slower than {MIN_BODY_BYTES_PER_SEC} bytes/s after the first {} s; nothing was done",
+                a.body_grace.as_secs()
+            ),
+        }
+        .into_response(),
         Ok(resp) => resp,
         Err(_) => ApiError::BadRequest {
             status: StatusCode::REQUEST_TIMEOUT,
@@ -295,6 +316,88 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
             ),
         }
         .into_response(),
+    }
+}
+
+/// The slowest a request body may arrive, after its grace period.
+pub const MIN_BODY_BYTES_PER_SEC: u64 = 1024;
+
+/// A request body that fails once it falls behind a minimum rate: all of it
+/// must have arrived by `grace + received / MIN_BODY_BYTES_PER_SEC` after the
+/// first poll, so a client trickling bytes cannot hold an admission permit
+/// for the whole request timeout.
+struct MinRateBody {
+    inner: axum::body::Body,
+    started: tokio::time::Instant,
+    grace: std::time::Duration,
+    received: u64,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+    timed_out: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Why a [`MinRateBody`] failed.
+#[derive(Debug, thiserror::Error)]
+#[error("request body arrived below {MIN_BODY_BYTES_PER_SEC} bytes/s")]
+struct BodyTooSlow;
+
+impl MinRateBody {
+    fn new(
+        inner: axum::body::Body,
+        grace: std::time::Duration,
+        timed_out: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
+        let started = tokio::time::Instant::now();
+        Self {
+            inner,
+            started,
+            grace,
+            received: 0,
+            deadline: Box::pin(tokio::time::sleep_until(started + grace)),
+            timed_out,
+        }
+    }
+}
+
+impl http_body::Body for MinRateBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.received += data.len() as u64;
+                    let allowed = this.grace
+                        + std::time::Duration::from_millis(
+                            this.received * 1000 / MIN_BODY_BYTES_PER_SEC,
+                        );
+                    this.deadline.as_mut().reset(this.started + allowed);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.timed_out
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    Poll::Ready(Some(Err(axum::Error::new(BodyTooSlow))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -94,6 +94,49 @@ impl LoopInfo64 {
     }
 }
 
+/// The instance and volume of a mark `bp:<instance>:<volume-id>`.
+fn parse_mark(name: &str) -> Option<(String, Uuid)> {
+    let (instance, id) = name.strip_prefix("bp:")?.split_once(':')?;
+    Some((instance.to_string(), Uuid::parse_str(id).ok()?))
+}
+
+/// A bound loop device over a file under an image root.
+#[derive(Debug, Clone)]
+pub struct LoopUnderRoot {
+    pub device: String,
+    /// As the kernel reports it (` (deleted)` appended once unlinked).
+    pub backing_file: String,
+    /// The instance and volume of its blockplane mark, if it carries one.
+    pub mark: Option<(String, Uuid)>,
+}
+
+/// Every bound loop device whose backing file lies under one of `roots`,
+/// whatever made it: the devices a blockplane over those roots may have made.
+pub fn bound_under(roots: &[String]) -> io::Result<Vec<LoopUnderRoot>> {
+    let mut out = Vec::new();
+    for dev in LoopDev::all_bound()? {
+        let Ok(backing) = dev.sys("loop/backing_file") else {
+            continue;
+        };
+        if !roots
+            .iter()
+            .any(|r| Path::new(&backing).starts_with(r) && backing.len() > r.len())
+        {
+            continue;
+        }
+        let mark = match dev.status() {
+            Ok(Some(info)) => parse_mark(info.name()),
+            _ => None,
+        };
+        out.push(LoopUnderRoot {
+            device: dev.node(),
+            backing_file: backing,
+            mark,
+        });
+    }
+    Ok(out)
+}
+
 fn mark(instance: &str, volume_id: Uuid) -> [u8; LO_NAME_SIZE] {
     let text = format!("bp:{instance}:{volume_id}");
     let mut name = [0u8; LO_NAME_SIZE];

@@ -43,12 +43,14 @@ impl Manager {
             }
         };
         let (dev, ino) = file.identity();
+        let birth = file.birth().map(str::to_string);
         let row = ImageRow {
             id: Uuid::new_v4(),
             name: req.name.clone(),
             path: path.display(),
             dev,
             ino,
+            birth: birth.clone(),
             size_bytes: file.size(),
             allocated_bytes: file.allocated(),
             allocation: created,
@@ -57,7 +59,10 @@ impl Manager {
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
-            if let Some(other) = tx.image_by_file(dev, ino, &row.path).await? {
+            if let Some(other) = tx
+                .image_by_file(dev, ino, birth.as_deref(), &row.path)
+                .await?
+            {
                 return Err(Error::AlreadyRegistered {
                     path: row.path.clone(),
                     name: other.name,
@@ -87,7 +92,7 @@ impl Manager {
         if let Err(e) = recorded {
             if created.is_some() {
                 // Nothing may be left behind by a refused create.
-                let _ = self.roots.remove_file(&path, dev, ino);
+                let _ = self.roots.remove_file(&path, dev, ino, birth.as_deref());
             }
             return Err(e);
         }
@@ -106,7 +111,7 @@ impl Manager {
         let volumes = self.store.volume_ids_of_image(row.id).await?;
         let (size_bytes, allocated_bytes) = self
             .roots
-            .stat_if_same(&row.path, (row.dev, row.ino))
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .unwrap_or((row.size_bytes, row.allocated_bytes));
         Ok(Image {
             id: row.id,
@@ -160,7 +165,7 @@ impl Manager {
         }
         let current = self
             .roots
-            .stat_if_same(&row.path, (row.dev, row.ino))
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .map(|(size, _)| size)
             .unwrap_or(row.size_bytes);
         if size_bytes < current {
@@ -195,7 +200,7 @@ impl Manager {
                 .await?;
             let (size, allocated) = self
                 .roots
-                .stat_if_same(&row.path, (row.dev, row.ino))
+                .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
                 .unwrap_or((size_bytes, row.allocated_bytes));
             let mut tx = self.store.begin().await?;
             tx.update_image_size(row.id, size, allocated).await?;
@@ -336,7 +341,10 @@ impl Manager {
         }
         if delete_file {
             let path = self.roots.resolve(&row.path)?;
-            match self.roots.remove_file(&path, row.dev, row.ino) {
+            match self
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
+            {
                 Ok(()) | Err(crate::image::ImageFileError::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -358,6 +366,32 @@ impl Manager {
         Ok(())
     }
 
+    /// Opens a registered image's file, as [`Self::open_image`], and takes
+    /// the OFD lock a volume holds while it serves it.
+    pub(super) fn open_and_lock(
+        &self,
+        row: &ImageRow,
+        access: Access,
+    ) -> Result<(crate::image::ImageFile, std::os::fd::OwnedFd)> {
+        let file = self.open_image(row, access)?;
+        let lock = self.lock_image(row, &file)?;
+        Ok((file, lock))
+    }
+
+    /// Takes the OFD lock on an opened image; 409 `image_locked` naming the
+    /// holder when another process has it.
+    pub(super) fn lock_image(
+        &self,
+        row: &ImageRow,
+        file: &crate::image::ImageFile,
+    ) -> Result<std::os::fd::OwnedFd> {
+        super::holds::lock(file).map_err(|held| Error::ImageLocked {
+            name: row.name.clone(),
+            path: row.path.clone(),
+            holder: held.holder(),
+        })
+    }
+
     /// Opens a registered image's file and checks it is still the same file.
     pub(super) fn open_image(
         &self,
@@ -366,12 +400,17 @@ impl Manager {
     ) -> Result<crate::image::ImageFile> {
         let path = self.roots.resolve(&row.path)?;
         let file = self.roots.open_file(&path, access)?;
-        if file.identity() != (row.dev, row.ino) {
+        if file.identity() != (row.dev, row.ino)
+            || !crate::image::same_birth(row.birth.as_deref(), file.birth())
+        {
             return Err(Error::ImageReplaced {
                 name: row.name.clone(),
                 reason: format!(
-                    "{} is no longer the registered file (inode {} on device {}); re-register it",
-                    row.path, row.ino, row.dev
+                    "{} is no longer the registered file (inode {} on device {}, born {}); re-register it",
+                    row.path,
+                    row.ino,
+                    row.dev,
+                    row.birth.as_deref().unwrap_or("at an unrecorded time")
                 ),
             });
         }

@@ -3,6 +3,7 @@
 //! [`Error`]s to HTTP; the manager keeps SQLite and the kernel in step, one
 //! image or volume at a time, with every change recorded as an event.
 
+pub mod holds;
 mod images;
 pub mod locks;
 mod reconcile;
@@ -50,6 +51,14 @@ pub enum Error {
     ImageInUse { name: String, volumes: String },
     #[error("image '{name}' file changed: {reason}")]
     ImageReplaced { name: String, reason: String },
+    #[error(
+        "image '{name}' ({path}) is locked by {holder}: another blockplane (another data dir) serves it; delete that volume first"
+    )]
+    ImageLocked {
+        name: String,
+        path: String,
+        holder: String,
+    },
     #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
     Shrink {
         name: String,
@@ -151,6 +160,8 @@ pub struct Manager {
     /// Serialises image registration (name and file identity checks + insert).
     image_registration: Mutex<()>,
     image_locks: KeyedLocks,
+    /// OFD locks on the images of this service's volumes.
+    holds: holds::ImageHolds,
     /// Keyed by volume name: create, delete and live changes of one volume queue.
     volume_locks: KeyedLocks,
     /// Once-a-second readings of every attached volume.
@@ -161,6 +172,8 @@ pub struct Manager {
     pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
     max_volumes: usize,
+    /// This service's instance id, in the marks it puts on devices.
+    instance: String,
 }
 
 impl Manager {
@@ -188,9 +201,15 @@ impl Manager {
         let me = Arc::new(Self {
             store,
             roots,
-            backends: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
+            backends: vec![
+                Arc::new(LoopBackend::new(instance.clone())),
+                ublk,
+                Arc::new(dm),
+            ],
+            instance,
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
+            holds: holds::ImageHolds::default(),
             volume_locks: KeyedLocks::default(),
             sampler: sampler::Sampler::default(),
             volumes_cache: std::sync::Mutex::default(),
@@ -295,7 +314,11 @@ impl Manager {
         Ok(host)
     }
 
-    /// Marked devices with no volume, of backends that report rather than remove them.
+    /// Devices blockplane made that no volume of this service owns: marked
+    /// devices of backends that report rather than remove them, and loop
+    /// devices over files under an image root (another instance's mark, or
+    /// none) that no live process holds locked. Only the first kind can be
+    /// removed through the API.
     async fn orphans(&self) -> Result<Vec<model::Orphan>> {
         let known: std::collections::HashSet<_> =
             self.store.volumes().await?.iter().map(|v| v.id).collect();
@@ -313,12 +336,23 @@ impl Manager {
                         .filter(|m| !known.contains(&m.volume_id))
                         .map(|m| model::Orphan {
                             backend: b.kind(),
-                            volume_id: m.volume_id,
+                            volume_id: Some(m.volume_id),
+                            reason: format!(
+                                "carries this service's mark of volume {}, which has no record",
+                                m.volume_id
+                            ),
                             device: m.device,
+                            backing_file: None,
+                            instance: Some(self.instance.clone()),
+                            removable: true,
                         }),
                 );
             }
         }
+        let roots = self.roots.paths();
+        let instance = self.instance.clone();
+        let loops = blocking(move || unowned_loop_devices(&roots, &instance, &known)).await?;
+        out.extend(loops);
         Ok(out)
     }
 
@@ -328,21 +362,26 @@ impl Manager {
             .orphans()
             .await?
             .into_iter()
-            .find(|o| o.volume_id.to_string() == volume_id || o.device == volume_id)
+            .filter(|o| o.removable)
+            .find(|o| {
+                o.volume_id.is_some_and(|id| id.to_string() == volume_id) || o.device == volume_id
+            })
             .ok_or_else(|| Error::OrphanNotFound(volume_id.to_string()))?;
         let b = self
             .backend(orphan.backend)
             .expect("orphans come from built backends");
-        let id = orphan.volume_id;
+        let id = orphan
+            .volume_id
+            .expect("removable orphans carry a volume id");
         blocking(move || b.detach(id, None)).await??;
         let mut tx = self.store.begin().await?;
         tx.event(
-            Some(orphan.volume_id),
+            Some(id),
             None,
             "orphan_removed",
             &format!(
-                "removed {} on request: it carried the mark of volume {}, which has no record",
-                orphan.device, orphan.volume_id
+                "removed {} on request: it carried the mark of volume {id}, which has no record",
+                orphan.device
             ),
         )
         .await?;
@@ -542,6 +581,50 @@ impl Manager {
             })
             .await?)
     }
+}
+
+/// Loop devices over files under `roots` that are neither a volume of
+/// `instance` nor served by a live process holding the image's lock: what a
+/// lost registry, or a blockplane stopped for good, leaves behind.
+pub fn unowned_loop_devices(
+    roots: &[String],
+    instance: &str,
+    known: &std::collections::HashSet<Uuid>,
+) -> Vec<model::Orphan> {
+    let found = match crate::backend::loopdev::bound_under(roots) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot scan loop devices for orphans");
+            return Vec::new();
+        }
+    };
+    found
+        .into_iter()
+        .filter(|d| {
+            !matches!(&d.mark, Some((i, id)) if i == instance && known.contains(id))
+                && holds::held_elsewhere(std::path::Path::new(&d.backing_file)).is_none()
+        })
+        .map(|d| {
+            let reason = match &d.mark {
+                Some((i, id)) if i == instance => format!(
+                    "carries this service's mark of volume {id}, which has no record"
+                ),
+                Some((i, id)) => format!(
+                    "carries the mark of blockplane instance {i} (volume {id}), not this one's ({instance}), and no live process holds its image: its registry was lost or replaced"
+                ),
+                None => "its backing file is under an image root but it carries no blockplane mark and no live process holds the file".to_string(),
+            };
+            model::Orphan {
+                backend: Backend::Loop,
+                volume_id: d.mark.as_ref().map(|(_, id)| *id),
+                device: d.device,
+                backing_file: Some(d.backing_file),
+                instance: d.mark.map(|(i, _)| i),
+                removable: false,
+                reason,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -66,6 +66,9 @@ impl Manager {
                 })
                 .await?
             };
+            // The lock a serving volume holds on its image, taken again; a
+            // lock held elsewhere means another blockplane serves the file.
+            let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
             let req = ProbeRequest {
                 volume_id: v.id,
                 identity: (image.dev, image.ino),
@@ -87,6 +90,13 @@ impl Manager {
                     if !unchanged {
                         self.record_attached(&mut v, att, "volume_adopted").await?;
                     }
+                    match image_lock {
+                        Some(Ok(fd)) => self.holds.keep(v.id, fd),
+                        Some(Err(e)) => {
+                            tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
+                        }
+                        None => {}
+                    }
                     report.adopted += 1;
                 }
                 Ok(Probe::Gone) => {
@@ -96,11 +106,20 @@ impl Manager {
                         blocking(move || me.open_image(&image, a)).await?
                     };
                     let attached = match opened {
-                        Ok(file) => self.attach(&v, &image, file, None).await,
+                        Ok(file) => {
+                            match image_lock.unwrap_or_else(|| self.lock_image(&image, &file)) {
+                                Ok(lock) => self
+                                    .attach(&v, &image, file, None)
+                                    .await
+                                    .map(|att| (att, lock)),
+                                Err(e) => Err(e),
+                            }
+                        }
                         Err(e) => Err(e),
                     };
                     match attached {
-                        Ok(att) => {
+                        Ok((att, lock)) => {
+                            self.holds.keep(v.id, lock);
                             self.record_attached(&mut v, att, "volume_reattached")
                                 .await?;
                             report.reattached += 1;

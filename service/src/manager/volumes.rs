@@ -258,9 +258,9 @@ impl Manager {
             });
         }
         let backend = self.choose_backend(req.backend)?;
-        let file = {
+        let (file, image_lock) = {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
-            blocking(move || me.open_image(&image, access)).await??
+            blocking(move || me.open_and_lock(&image, access)).await??
         };
         let check = SpecCheck {
             dispatch: req.dispatch,
@@ -337,6 +337,7 @@ impl Manager {
                     self.forget_failed(&row, &e).await?;
                     return Err(e);
                 }
+                self.holds.keep(row.id, image_lock);
                 tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
                 Ok(Created::New(self.volume_view(&row).await?))
             }
@@ -492,8 +493,9 @@ impl Manager {
         self.forget_volume(&v).await
     }
 
-    /// Deletes a volume's row once its device is gone.
+    /// Deletes a volume's row once its device is gone, and lets its image go.
     pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
+        self.holds.release(v.id);
         let mut tx = self.store.begin().await?;
         tx.delete_volume(v.id).await?;
         tx.event(
