@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::logwrites::LoggedFs;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, run, sh};
+use crate::{Scratch, Vm, dmsetup, eventually, fio_ok, fio_verify, run, sh};
 
 /// A filesystem on a device-mapper device over a loop device, whose table a
 /// test can swap: `linear` (healthy) or `error` ranges.
@@ -17,20 +17,6 @@ struct FlakyFs {
     sectors: u64,
     mnt: PathBuf,
     fs: &'static str,
-}
-
-fn dmsetup(args: &[&str]) -> String {
-    let out = std::process::Command::new("dmsetup")
-        .args(args)
-        .env("DM_DISABLE_UDEV", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "dmsetup {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 impl FlakyFs {

@@ -13,7 +13,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::{Scratch, run, sh};
+use crate::{Scratch, dmsetup, run, sh};
 
 const LOG_FLUSH: u64 = 1;
 const LOG_FUA: u64 = 2;
@@ -38,19 +38,6 @@ pub struct LoggedFs {
     outer: PathBuf,
     mnt: PathBuf,
     up: bool,
-}
-fn dmsetup(args: &[&str]) -> String {
-    let out = std::process::Command::new("dmsetup")
-        .args(args)
-        .env("DM_DISABLE_UDEV", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "dmsetup {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A loop device over a new sparse file of `mib` MiB.

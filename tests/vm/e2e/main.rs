@@ -270,6 +270,22 @@ impl Vm {
     }
 }
 
+/// Runs `dmsetup` without udev (the guest has none); panics with its stderr
+/// on failure, returns its trimmed stdout.
+pub fn dmsetup(args: &[&str]) -> String {
+    let out = std::process::Command::new("dmsetup")
+        .args(args)
+        .env("DM_DISABLE_UDEV", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dmsetup {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 /// Runs a command to success; returns its stdout.
 pub fn sh(cmd: &str, args: &[&str]) -> String {
     let out = run(cmd, args);
