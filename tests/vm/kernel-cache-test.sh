@@ -26,13 +26,13 @@ check() { # check DESCRIPTION COMMAND...
 }
 
 # ---------------------------------------------------------------- fake kernel packages
-# Every module kernel.sh wants is listed as built in, so the initramfs needs no .ko files.
+# Every module kernel.sh wants (its `wanted` list, read from the script itself so that the two
+# cannot drift apart) is listed as built in, so the initramfs needs no .ko files.
+mapfile -t wanted_modules < <(sed -n "/^wanted='\$/,/^'\$/{/^[a-z0-9]/s/ .*//p}" "$here/kernel.sh")
+[ "${#wanted_modules[@]}" -gt 10 ] || { echo "kernel-cache: cannot read kernel.sh's wanted modules" >&2; exit 1; }
 builtin_list() {
   local m
-  for m in crc32c_generic libcrc32c configfs virtio_pci virtio_blk 9pnet_virtio 9p overlay \
-           ublk_drv dm-mod dm-flakey dm-delay dm-snapshot loop xfs ext4 brd null_blk; do
-    echo "kernel/fake/$m.ko"
-  done
+  for m in "${wanted_modules[@]}"; do echo "kernel/fake/$m.ko"; done
 }
 mkdeb() { # mkdeb PACKAGE VERSION ROOT: ROOT's files as PACKAGE_VERSION_amd64.deb in the stub repo
   local p=$1 v=$2 root=$3
