@@ -7,7 +7,10 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::harness::assert_error;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh, writes_flow};
+use crate::{
+    Scratch, Vm, direct_write, direct_write_ok, eventually, fio_ok, fio_verify, is_immutable, run,
+    sh, writes_flow,
+};
 
 fn rdev(dev: &str) -> u64 {
     std::fs::metadata(dev).unwrap().rdev()
@@ -269,17 +272,7 @@ async fn grow_under_io_and_toggle_read_only() {
             vm.s.patch(&format!("/v1/volumes/{img}"), json!({"read_only": true}))
                 .await;
         assert_eq!(a.status.as_u16(), 200, "{}", a.body);
-        let w = run(
-            "dd",
-            &[
-                "if=/dev/zero",
-                &format!("of={dev}"),
-                "bs=4k",
-                "count=1",
-                "oflag=direct",
-                "status=none",
-            ],
-        );
+        let w = direct_write(&dev);
         assert!(
             !w.status.success(),
             "a write to a read-only volume succeeded"
@@ -306,17 +299,7 @@ async fn grow_under_io_and_toggle_read_only() {
             vm.s.patch(&format!("/v1/volumes/{img}"), json!({"read_only": false}))
                 .await;
         assert_eq!(a.status.as_u16(), 200, "{}", a.body);
-        sh(
-            "dd",
-            &[
-                "if=/dev/zero",
-                &format!("of={dev}"),
-                "bs=4k",
-                "count=1",
-                "oflag=direct",
-                "status=none",
-            ],
-        );
+        direct_write_ok(&dev);
         vm.delete(&img).await;
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::{Scratch, Vm, fio_ok, run, sh};
+use crate::{Scratch, Vm, direct_write, direct_write_ok, fio_ok, sh};
 
 /// fio 4k random reads at iodepth 16 for `secs` seconds.
 fn fio_reads(dev: &str, secs: u32) -> Child {
@@ -244,17 +244,7 @@ async fn read_only_toggles_live_while_reads_go_on() {
             .await;
     assert_eq!(a.status.as_u16(), 200, "{}", a.body);
     assert_eq!(a.body["read_only"], true);
-    let w = run(
-        "dd",
-        &[
-            "if=/dev/zero",
-            &format!("of={dev}"),
-            "bs=4k",
-            "count=1",
-            "oflag=direct",
-            "status=none",
-        ],
-    );
+    let w = direct_write(&dev);
     assert!(
         !w.status.success(),
         "a write after read_only=true succeeded"
@@ -264,17 +254,7 @@ async fn read_only_toggles_live_while_reads_go_on() {
         vm.s.patch("/v1/volumes/ro", json!({"read_only": false}))
             .await;
     assert_eq!(a.status.as_u16(), 200, "{}", a.body);
-    sh(
-        "dd",
-        &[
-            "if=/dev/zero",
-            &format!("of={dev}"),
-            "bs=4k",
-            "count=1",
-            "oflag=direct",
-            "status=none",
-        ],
-    );
+    direct_write_ok(&dev);
     let ev = vm.event_kinds(v["id"].as_str().unwrap()).await;
     assert_eq!(
         ev.iter().filter(|k| *k == "read_only_changed").count(),
@@ -350,21 +330,6 @@ async fn a_grown_image_grows_the_device_or_says_it_will() {
         }
         vm.delete(&name).await;
     }
-}
-
-/// One 4 KiB `O_DIRECT` write at the start of `dev`.
-fn direct_write(dev: &str) -> std::process::Output {
-    run(
-        "dd",
-        &[
-            "if=/dev/zero",
-            &format!("of={dev}"),
-            "bs=4k",
-            "count=1",
-            "oflag=direct",
-            "status=none",
-        ],
-    )
 }
 
 /// One 4 KiB `O_DIRECT` read at the start of `dev`; panics unless it works.

@@ -286,6 +286,32 @@ pub fn dmsetup(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// One 4 KiB `O_DIRECT` write at the start of `dev`.
+pub fn direct_write(dev: &str) -> Output {
+    run(
+        "dd",
+        &[
+            "if=/dev/zero",
+            &format!("of={dev}"),
+            "bs=4k",
+            "count=1",
+            "oflag=direct",
+            "status=none",
+        ],
+    )
+}
+
+/// [`direct_write`] that must succeed.
+pub fn direct_write_ok(dev: &str) {
+    let w = direct_write(dev);
+    assert!(
+        w.status.success(),
+        "dd to {dev} failed ({}): {}",
+        w.status,
+        String::from_utf8_lossy(&w.stderr)
+    );
+}
+
 /// Runs a command to success; returns its stdout.
 pub fn sh(cmd: &str, args: &[&str]) -> String {
     let out = run(cmd, args);
