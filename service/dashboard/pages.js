@@ -723,6 +723,9 @@ export function volumePage(ctx, { id }) {
 
   const el = h('section', { class: 'volume' }, heading, pageOut, facts, chartsEl,
     h('div', { class: 'cards' }, dispForm, qForm, roCard, delCard), eventsEl);
+  // Every control acts on the loaded volume: none works before it is known.
+  const controls = [dispBtn, qSet, qClear, roBtn, delBtn];
+  for (const c of controls) c.disabled = true;
 
   function show(nv) {
     const first = v === null;
@@ -755,6 +758,7 @@ export function volumePage(ctx, { id }) {
       loop ? ' The kernel loop driver cannot change this on a bound device.' : '');
     fill(roBtn, v.read_only ? 'Make writable' : 'Make read-only');
     if (first) {
+      for (const c of controls) c.disabled = false;
       disp.value = v.requested_dispatch;
       qIops.value = v.qos?.iops ?? '';
       qBw.value = v.qos?.bytes_per_sec ? sizeText(v.qos.bytes_per_sec) : '';

@@ -219,8 +219,19 @@ describe('dashboard', { concurrency: false }, () => {
   test('read-only from the UI: loop cannot change it live, so the refusal shows and the API is unchanged', async () => {
     const v = await apiVolume('delta');
     const before = (await svc.ok('GET', '/v1/events?volume=delta&limit=1000')).length;
-    await go(`#/volumes/${v.id}`);
+    // Hold the page's read of the volume back: its controls must wait for it
+    // (a click before the volume is known once threw in the page).
+    const volumeUrl = (u) => new URL(u).pathname === `/v1/volumes/${v.id}`;
+    let release;
+    const held = new Promise((r) => { release = r; });
+    await page.route(volumeUrl, async (route) => { await held; await route.continue(); }, { times: 1 });
     const btn = page.getByRole('button', { name: 'Make read-only' });
+    try {
+      await go(`#/volumes/${v.id}`);
+      assert.ok(await btn.isDisabled(), 'disabled until the volume is loaded');
+    } finally {
+      release();
+    }
     await btn.click();
     const alert = page.locator('section[aria-labelledby=ro-h] [role=alert]');
     await alert.waitFor();
