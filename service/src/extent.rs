@@ -284,6 +284,37 @@ pub struct Piece {
     pub offset_in_request: u64,
 }
 
+/// The pieces of one request, in order (see [`ExtentMap::pieces`]).
+#[derive(Debug, Clone)]
+pub struct Pieces<'a> {
+    segments: &'a [Segment],
+    start: u64,
+    at: u64,
+    end: u64,
+}
+
+impl Iterator for Pieces<'_> {
+    type Item = Piece;
+
+    fn next(&mut self) -> Option<Piece> {
+        if self.at >= self.end {
+            return None;
+        }
+        let (s, rest) = self.segments.split_first()?;
+        let within = self.at - s.logical;
+        let n = (s.len - within).min(self.end - self.at);
+        let piece = Piece {
+            device: s.device,
+            physical: s.physical + within,
+            len: n,
+            offset_in_request: self.at - self.start,
+        };
+        self.at += n;
+        self.segments = rest;
+        Some(piece)
+    }
+}
+
 impl ExtentMap {
     /// Builds the map of an image of `size` bytes under rules 1, 2 and 4.
     pub fn build(fd: BorrowedFd<'_>, size: u64) -> Result<Self, MapError> {
@@ -334,32 +365,25 @@ impl ExtentMap {
         })
     }
 
-    /// Splits `[offset, offset + len)` of the image at segment boundaries.
-    /// Returns `None` if any part lies beyond the map.
-    pub fn pieces(&self, offset: u64, len: u64) -> Option<Vec<Piece>> {
+    /// Splits `[offset, offset + len)` of the image at segment boundaries,
+    /// without allocating (the data path calls it per request). Returns
+    /// `None` if any part lies beyond the map.
+    pub fn pieces(&self, offset: u64, len: u64) -> Option<Pieces<'_>> {
         let end = offset.checked_add(len)?;
         if end > self.size {
             return None;
         }
-        let mut i = self
+        let first = self
             .segments
             .partition_point(|s| s.logical + s.len <= offset);
-        let mut out = Vec::new();
-        let mut at = offset;
-        while at < end {
-            let s = self.segments.get(i)?;
-            let within = at - s.logical;
-            let n = (s.len - within).min(end - at);
-            out.push(Piece {
-                device: s.device,
-                physical: s.physical + within,
-                len: n,
-                offset_in_request: at - offset,
-            });
-            at += n;
-            i += 1;
-        }
-        Some(out)
+        // Segments are contiguous (rule 2: no holes); they must reach the end.
+        self.segments.last().filter(|s| s.logical + s.len >= end)?;
+        Some(Pieces {
+            segments: &self.segments[first..],
+            start: offset,
+            at: offset,
+            end,
+        })
     }
 
     /// Describes how `other` differs from this map (rule 5), or `None`.
@@ -662,7 +686,7 @@ mod tests {
                 },
             ],
         };
-        let p = map.pieces(2048, 4096).unwrap();
+        let p: Vec<Piece> = map.pieces(2048, 4096).unwrap().collect();
         assert_eq!(
             p,
             vec![
@@ -680,7 +704,7 @@ mod tests {
                 },
             ]
         );
-        assert_eq!(map.pieces(8192, 4096).unwrap().len(), 1);
+        assert_eq!(map.pieces(8192, 4096).unwrap().count(), 1);
         assert!(map.pieces(8192, 8192).is_none(), "beyond the end");
     }
 
@@ -807,7 +831,7 @@ mod tests {
         assert_eq!(map.devices.len(), 1);
         assert_eq!(map.devices[0].node.display().to_string(), t.dev);
         drop_page_cache(f.as_fd()).unwrap();
-        let pieces = map.pieces(0, size as u64).unwrap();
+        let pieces: Vec<Piece> = map.pieces(0, size as u64).unwrap().collect();
         let mut back = vec![0u8; size];
         for p in pieces {
             let mut dev = std::fs::OpenOptions::new()
