@@ -745,6 +745,17 @@ fn render(view: View, b: &Value) -> String {
                     })
                     .collect(),
             );
+            // The nowait path, where the volume has one (ublk workers).
+            let n = &b["nowait"];
+            if n.is_object() {
+                out += &fields(vec![
+                    ("nowait submitted", s(&n["submitted"])),
+                    ("nowait inline", s(&n["completed_inline"])),
+                    ("nowait EAGAIN fallbacks", s(&n["eagain_fallbacks"])),
+                    ("nowait pauses", s(&n["pauses"])),
+                    ("nowait bypassed (paused)", s(&n["bypassed"])),
+                ]);
+            }
             out
         }
         View::Events => table(

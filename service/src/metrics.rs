@@ -263,6 +263,20 @@ impl Collector for Snapshot {
         )?;
         self.per_volume(
             &mut enc,
+            "blockplane_volume_nowait_pauses",
+            "Times an op type stopped asking RWF_NOWAIT (high EAGAIN share)",
+            C,
+            |v| v.stats.nowait.map(|n| n.pauses as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_nowait_bypassed",
+            "Submissions made without RWF_NOWAIT while their op type was paused",
+            C,
+            |v| v.stats.nowait.map(|n| n.bypassed as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
             "blockplane_volume_qos_throttled",
             "Requests delayed by QoS",
             C,

@@ -448,6 +448,11 @@ pub struct NowaitStats {
     pub completed_inline: u64,
     /// Of those, answered EAGAIN and resubmitted on the blocking path.
     pub eagain_fallbacks: u64,
+    /// Times an op type (read or write) stopped asking NOWAIT for a while
+    /// because most of its recent submissions answered EAGAIN.
+    pub pauses: u64,
+    /// Submissions made without NOWAIT while their op type was paused.
+    pub bypassed: u64,
 }
 
 /// The raw counters of `/sys/block/<dev>/stat` (since the device's last attach).

@@ -693,6 +693,8 @@ impl VolumeBackend for UblkBackend {
                 submitted: ws.nowait_submitted,
                 completed_inline: ws.nowait_completed_inline,
                 eagain_fallbacks: ws.nowait_eagain_fallbacks,
+                pauses: ws.nowait_pauses,
+                bypassed: ws.nowait_bypassed,
             }),
             qos_throttled: Some(ws.qos_throttled),
             worker_restarts: Some(ws.worker_restarts),

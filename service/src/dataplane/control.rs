@@ -156,7 +156,7 @@ fn status(cx: &Ctx) -> Answer {
         dispatch_reason: st.dispatch_reason,
         pinned: st.pinned,
         size_bytes: st.size_bytes,
-        read_only: s.read_only.load(Relaxed),
+        read_only: s.read_only(),
         buffer_bytes: u64::from(spec.queues)
             * u64::from(spec.queue_depth)
             * u64::from(spec.max_io_bytes),
@@ -171,7 +171,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
     let s = &cx.shared;
     match req {
         Request::Status => status(cx),
-        Request::Stats => Answer::Stats(Box::new(s.stats.snapshot())),
+        Request::Stats => Answer::Stats(Box::new(s.stats())),
         Request::SetDispatch { dispatch, reason } => {
             match s.switch(Policy::from_requested(dispatch), reason) {
                 Ok(()) => {
@@ -190,12 +190,16 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
                     "the volume was created read-only: its worker holds the image read-only; delete and re-create it writable",
                 );
             }
-            s.read_only.store(read_only, Relaxed);
-            status(cx)
+            match s.reconfigure(|c| c.read_only = read_only) {
+                Ok(()) => status(cx),
+                Err(e) => refusal(e),
+            }
         }
         Request::SetQos { qos } => {
-            s.qos.set(qos);
-            status(cx)
+            match s.reconfigure(|c| c.qos = super::qos::Limiter::for_limits(qos)) {
+                Ok(()) => status(cx),
+                Err(e) => refusal(e),
+            }
         }
         Request::Resize {
             size_bytes,

@@ -7,6 +7,7 @@
 //! steps are done here by hand, and the device is deleted only when the
 //! control plane asks for it.
 
+use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -18,9 +19,8 @@ use libublk::helpers::IoBuf;
 use libublk::io::{UblkDev, UblkQueue};
 use libublk::{BufDesc, UblkError, UblkFlags, sys};
 
-use super::gate::{Gate, Kick};
-use super::io::{QueueCtx, Req};
-use super::pool::Pool;
+use super::io::{IMAGE_SLOT, QueueCtx, RAW_SLOTS, Req};
+use super::mailbox::{Mailbox, Queues};
 use super::{Policy, Shared, control};
 
 /// Every request waits for the device's server to exist; how long a queue
@@ -121,14 +121,22 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     let lbs_shift = logical_block_shift(&shared);
     let size = spec.size_bytes;
     let read_only = spec.read_only;
+    let data_fd = shared.data.as_raw_fd();
     let tgt_init = move |dev: &mut UblkDev| {
         dev.tgt.dev_size = size;
+        // Registered files of every queue's ring: the char device (libublk's,
+        // slot 0), the image, and empty slots for the direct path's devices.
+        let files = IMAGE_SLOT as usize + 1 + RAW_SLOTS;
+        dev.tgt.fds[IMAGE_SLOT as usize] = data_fd;
+        dev.tgt.fds[IMAGE_SLOT as usize + 1..files].fill(-1);
+        dev.tgt.nr_fds = files as i32;
         // Room on each queue's ring for every tag's command plus its own
-        // request SQE, the eventfd read and QoS timers.
+        // request SQEs (a direct request's pieces go together), the eventfd
+        // read and QoS timers.
         let ring = dev
             .dev_info
             .queue_depth
-            .saturating_mul(2)
+            .saturating_mul(3)
             .saturating_add(16);
         dev.tgt.sq_depth = ring;
         dev.tgt.cq_depth = ring;
@@ -160,17 +168,22 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         Ok(())
     };
     let dev = Arc::new(UblkDev::new(ctrl.get_name(), tgt_init, &ctrl)?);
-    let pool = Pool::start(spec.threads as usize)?;
+    let mailboxes = (0..dev.dev_info.nr_hw_queues)
+        .map(|_| Mailbox::new().map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    if shared.queues.set(Queues(mailboxes.clone())).is_err() {
+        return Err("the queues were set up twice".into());
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     let mut queues = Vec::new();
-    for qid in 0..dev.dev_info.nr_hw_queues {
-        let (dev, tx, pool, shared) = (dev.clone(), tx.clone(), pool.clone(), shared.clone());
+    for (qid, mailbox) in (0..dev.dev_info.nr_hw_queues).zip(mailboxes) {
+        let (dev, tx, shared) = (dev.clone(), tx.clone(), shared.clone());
         queues.push(
             std::thread::Builder::new()
                 .name(format!("queue-{qid}"))
                 .spawn(move || {
                     let _ = tx.send((qid, UblkCtrl::init_queue_thread()));
-                    if let Err(e) = queue(qid, &dev, shared, pool) {
+                    if let Err(e) = queue(qid, &dev, shared, mailbox) {
                         tracing::error!(qid, error = %e, "queue ended with an error");
                     }
                 })?,
@@ -242,20 +255,25 @@ fn drift_checks(shared: Arc<Shared>) {
         });
 }
 
-/// One queue: a task per tag, plus one keeping a read armed on the eventfd so
-/// other threads can wake the ring.
-fn queue(qid: u16, dev: &UblkDev, shared: Arc<Shared>, pool: Pool) -> Result<(), UblkError> {
-    let kick = Arc::new(Kick::new()?);
-    let gate = Arc::new(Gate::new(kick.clone()));
-    shared.register_gate(gate.clone());
+/// One queue: a task per tag, plus one keeping a read armed on the mailbox's
+/// eventfd so the control thread can reach it.
+fn queue(
+    qid: u16,
+    dev: &UblkDev,
+    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
+) -> Result<(), UblkError> {
     let q = Rc::new(UblkQueue::new(qid, dev)?);
-    let ctx = Rc::new(QueueCtx {
-        qid: qid as usize,
-        shared,
-        gate,
-        kick: kick.clone(),
-        pool,
-    });
+    // `threaded` runs on this ring's io-wq workers: cap them as the spec says.
+    let mut max = [u32::from(shared.spec.threads.max(1)), 0];
+    if let Err(e) =
+        libublk::io::with_task_io_ring(|r| r.submitter().register_iowq_max_workers(&mut max))
+    {
+        tracing::warn!(qid, error = %e, "io-wq worker cap not set");
+    }
+    let efd = mailbox.kick_fd();
+    let cfg = shared.config().clone();
+    let ctx = Rc::new(QueueCtx::new(qid as usize, shared, mailbox, cfg));
     let exe = Rc::new(smol::LocalExecutor::new());
     let mut tasks = Vec::new();
     for tag in q.tags() {
@@ -267,8 +285,9 @@ fn queue(qid: u16, dev: &UblkDev, shared: Arc<Shared>, pool: Pool) -> Result<(),
             }
         }));
     }
-    let (q2, efd) = (q.clone(), kick.raw());
-    exe.spawn(async move { kick_task(&q2, efd).await }).detach();
+    let q2 = q.clone();
+    exe.spawn(async move { mailbox_task(&q2, &ctx, efd).await })
+        .detach();
     let ex = exe.clone();
     smol::block_on(exe.run(async move {
         let run_ops = || while ex.try_tick() {};
@@ -294,7 +313,8 @@ async fn tag_task(q: &UblkQueue<'_>, tag: u16, ctx: &QueueCtx) -> Result<(), Ubl
     }
 }
 
-async fn kick_task(q: &UblkQueue<'_>, efd: i32) {
+/// Takes the mailbox's messages each time its eventfd is written.
+async fn mailbox_task(q: &UblkQueue<'_>, ctx: &QueueCtx, efd: i32) {
     let mut val = Box::new(0u64);
     loop {
         let sqe =
@@ -302,6 +322,7 @@ async fn kick_task(q: &UblkQueue<'_>, efd: i32) {
         if q.ublk_submit_sqe(sqe).await < 0 {
             break;
         }
+        ctx.take_messages();
     }
     // A read may still be in the ring when the queue goes: never free its target.
     Box::leak(val);

@@ -1,7 +1,8 @@
 //! One request, start to finish, on the policy in force: `nowait` (the queue's
-//! io_uring with `RWF_NOWAIT`, resubmitted blocking on `EAGAIN`), `threaded`
-//! (a pool thread's blocking syscalls) or `direct` (the extent map, straight to
-//! the raw device).
+//! io_uring with `RWF_NOWAIT`, an `EAGAIN` resubmitted to io-wq), `threaded`
+//! (io_uring's blocking io-wq workers, `IOSQE_ASYNC`) or `direct` (the extent
+//! map, straight to the raw device). Nothing here is shared with another
+//! thread: see [`QueueCtx`].
 //!
 //! What each op does:
 //!
@@ -14,19 +15,32 @@
 //! | WRITE_ZEROES | zero range (`KEEP_SIZE`) | zeroes written on the raw device (`fallocate(ZERO_RANGE)` of the block device) |
 //! | other | `-EINVAL` | `-EINVAL` |
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::cell::{Cell, RefCell};
+use std::os::fd::AsRawFd;
+use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::Sender;
+use std::task::{Poll, Waker};
 use std::time::Instant;
 
-use io_uring::{opcode, types};
+use io_uring::{opcode, squeue, types};
 use libublk::io::UblkQueue;
 use libublk::sys;
+use libublk::uring_async::UblkUringOpFuture;
 
-use super::gate::{Gate, Kick, Slot};
-use super::pool::{Job, Pool};
-use super::stats::Op;
+use super::mailbox::{Mailbox, Msg, QueueConfig};
+use super::stats::{Op, QueueCounters, QueueLatency, QueueReport, bump};
 use super::{DirectPath, Policy, Shared};
+
+/// Registered-file slots of every queue's ring: libublk puts the ublk char
+/// device at 0; the image (data fd) is at 1; the direct path's raw devices
+/// follow, registered when a queue enters `direct`.
+pub const IMAGE_SLOT: u32 = 1;
+const RAW_SLOT: u32 = 2;
+/// Raw devices that get a registered slot (a map rarely spans more than one).
+pub const RAW_SLOTS: usize = 4;
+/// Pieces of a `direct` request put on the ring together.
+const PIECES_TOGETHER: usize = 8;
 
 /// A request as the kernel describes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,88 +80,288 @@ impl Req {
     }
 }
 
-/// What a queue thread's tasks share.
+/// A file on a queue's ring: a registered slot or a plain descriptor.
+#[derive(Debug, Clone, Copy)]
+enum FileRef {
+    Slot(u32),
+    Fd(i32),
+}
+
+/// Builds an SQE on `file`, registered or not.
+macro_rules! on_file {
+    ($file:expr, |$t:ident| $sqe:expr) => {
+        match $file {
+            FileRef::Slot(i) => {
+                let $t = types::Fixed(i);
+                $sqe
+            }
+            FileRef::Fd(fd) => {
+                let $t = types::Fd(fd);
+                $sqe
+            }
+        }
+    };
+}
+
+fn rw_sqe(op: u32, file: FileRef, p: *mut u8, n: u32, off: u64, flags: i32) -> squeue::Entry {
+    if op == sys::UBLK_IO_OP_READ {
+        on_file!(file, |f| opcode::Read::new(f, p, n)
+            .offset(off)
+            .rw_flags(flags)
+            .build())
+    } else {
+        on_file!(file, |f| opcode::Write::new(f, p, n)
+            .offset(off)
+            .rw_flags(flags)
+            .build())
+    }
+}
+
+fn fallocate_sqe(file: FileRef, off: u64, len: u64, mode: i32) -> squeue::Entry {
+    on_file!(file, |f| opcode::Fallocate::new(f, len)
+        .offset(off)
+        .mode(mode)
+        .build())
+}
+
+fn fsync_sqe(file: FileRef, datasync: bool) -> squeue::Entry {
+    let flags = if datasync {
+        types::FsyncFlags::DATASYNC
+    } else {
+        types::FsyncFlags::empty()
+    };
+    on_file!(file, |f| opcode::Fsync::new(f).flags(flags).build())
+}
+
+/// `fallocate` mode for DISCARD (punch) and WRITE_ZEROES (zero range).
+pub fn punch_or_zero(op: u32) -> i32 {
+    if op == sys::UBLK_IO_OP_DISCARD {
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+    } else {
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+    }
+}
+
+/// How the file policies submit a read or write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileMode {
+    /// `RWF_NOWAIT` first, io-wq on EAGAIN.
+    Nowait,
+    /// Straight to io-wq's blocking workers (`IOSQE_ASYNC`), never NOWAIT.
+    Threaded,
+}
+
+/// Whether an op type still asks `RWF_NOWAIT`: a type whose EAGAIN share over
+/// a window is high (XFS writes that must update timestamps, say) stops for
+/// a while, since every EAGAIN costs a trip back through the queue.
+#[derive(Debug, Clone, Copy, Default)]
+struct NowaitWindow {
+    seen: u32,
+    eagain: u32,
+    paused_for: u32,
+}
+
+impl NowaitWindow {
+    const WINDOW: u32 = 256;
+    /// Submissions made without NOWAIT once paused, before trying it again.
+    const PAUSE: u32 = 8192;
+
+    fn asks(&mut self) -> bool {
+        if self.paused_for > 0 {
+            self.paused_for -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// Records one NOWAIT attempt; true if the type pauses now.
+    fn record(&mut self, eagain: bool) -> bool {
+        self.seen += 1;
+        self.eagain += u32::from(eagain);
+        if self.seen < Self::WINDOW {
+            return false;
+        }
+        let pause = self.eagain * 2 > self.seen;
+        *self = Self {
+            paused_for: if pause { Self::PAUSE } else { 0 },
+            ..Self::default()
+        };
+        pause
+    }
+}
+
+/// The config in force on this queue, with what its ring holds for it.
+struct Local {
+    cfg: QueueConfig,
+    /// The direct path's raw devices sit in registered slots.
+    raw_registered: bool,
+}
+
+/// One queue thread's state: everything its requests touch, owned here.
 pub struct QueueCtx {
-    pub qid: usize,
-    pub shared: Arc<Shared>,
-    pub gate: Arc<Gate>,
-    pub kick: Arc<Kick>,
-    pub pool: Pool,
+    qid: usize,
+    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
+    local: RefCell<Rc<Local>>,
+    /// A policy switch holds new requests until the next config.
+    held: Cell<bool>,
+    in_flight: Cell<u64>,
+    drained: RefCell<Option<Sender<()>>>,
+    waiters: RefCell<Vec<Waker>>,
+    latency: RefCell<QueueLatency>,
+    /// Read and write.
+    nowait: [Cell<NowaitWindow>; 2],
+    /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
+    /// FMODE_NOWAIT, e.g. tmpfs on older kernels): blocking from then on.
+    nowait_unsupported: Cell<bool>,
 }
 
 impl QueueCtx {
+    /// Queue `qid`'s state, serving with `cfg`.
+    pub fn new(qid: usize, shared: Arc<Shared>, mailbox: Arc<Mailbox>, cfg: QueueConfig) -> Self {
+        let me = Self {
+            qid,
+            shared,
+            mailbox,
+            local: RefCell::new(Rc::new(Local {
+                cfg: cfg.clone(),
+                raw_registered: false,
+            })),
+            held: Cell::new(false),
+            in_flight: Cell::new(0),
+            drained: RefCell::new(None),
+            waiters: RefCell::default(),
+            latency: RefCell::default(),
+            nowait: Default::default(),
+            nowait_unsupported: Cell::new(false),
+        };
+        me.install(cfg);
+        me
+    }
+
+    fn counters(&self) -> &QueueCounters {
+        self.shared.stats.queue(self.qid)
+    }
+
+    /// Puts a config in force; registers the direct path's raw devices on
+    /// this thread's ring.
+    fn install(&self, cfg: QueueConfig) {
+        let raw_registered = cfg.direct.as_ref().is_some_and(|d| register_raw(d));
+        *self.local.borrow_mut() = Rc::new(Local {
+            cfg,
+            raw_registered,
+        });
+    }
+
+    /// Takes the control thread's messages (on this queue's thread).
+    pub fn take_messages(&self) {
+        for m in self.mailbox.take() {
+            match m {
+                Msg::Hold(done) => {
+                    self.held.set(true);
+                    if self.in_flight.get() == 0 {
+                        let _ = done.send(());
+                    } else {
+                        *self.drained.borrow_mut() = Some(done);
+                    }
+                }
+                Msg::Apply(cfg, done) => {
+                    self.install(cfg);
+                    self.held.set(false);
+                    for w in self.waiters.borrow_mut().drain(..) {
+                        w.wake();
+                    }
+                    let _ = done.send(());
+                }
+                Msg::Report(to) => {
+                    let _ = to.send(QueueReport {
+                        latency: self.latency.borrow().clone(),
+                        in_flight: self.in_flight.get(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Waits while a policy switch holds the queue.
+    async fn admitted(&self) {
+        std::future::poll_fn(|cx| {
+            if self.held.get() {
+                self.waiters.borrow_mut().push(cx.waker().clone());
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        })
+        .await
+    }
+
     /// Serves one request; returns its result (bytes, 0, or -errno).
     pub async fn serve(&self, q: &UblkQueue<'_>, req: Req, buf: *mut u8) -> i32 {
         let Some(op) = req.kind() else {
             return -libc::EINVAL;
         };
         let started = Instant::now();
-        let stats = &self.shared.stats;
-        stats.in_flight.fetch_add(1, Relaxed);
-        self.shared.qos.admit(q, &req, &stats.counters).await;
-        let res = if req.writes() && self.shared.read_only.load(Relaxed) {
+        let qos = self.local.borrow().cfg.qos.clone();
+        if let Some(limiter) = qos {
+            limiter.admit(q, &req, self.counters()).await;
+        }
+        self.admitted().await;
+        let local = self.local.borrow().clone();
+        self.in_flight.set(self.in_flight.get() + 1);
+        let res = if req.writes() && local.cfg.read_only {
             -libc::EROFS
         } else {
-            let _inside = self.gate.enter().await;
-            match self.shared.policy() {
-                Policy::Nowait => self.file_uring(q, req, buf).await,
-                Policy::Threaded => self.file_pool(req, buf).await,
-                Policy::Direct => match self.shared.direct_path() {
-                    Some(d) => direct(q, &d, req, buf).await,
-                    // Cannot happen: the policy and the path change together.
-                    None => -libc::EIO,
-                },
+            match (local.cfg.policy, &local.cfg.direct) {
+                (Policy::Nowait, _) => self.file(q, req, buf, FileMode::Nowait).await,
+                (Policy::Threaded, _) => self.file(q, req, buf, FileMode::Threaded).await,
+                (Policy::Direct, Some(d)) => direct(q, d, local.raw_registered, req, buf).await,
+                // Cannot happen: the policy and the path change together.
+                (Policy::Direct, None) => -libc::EIO,
             }
         };
-        stats.in_flight.fetch_sub(1, Relaxed);
+        drop(local);
+        self.in_flight.set(self.in_flight.get() - 1);
+        if self.held.get()
+            && self.in_flight.get() == 0
+            && let Some(done) = self.drained.borrow_mut().take()
+        {
+            let _ = done.send(());
+        }
         let bytes = if op == Op::Flush {
             0
         } else {
             u64::from(req.len)
         };
-        stats.complete(
-            self.qid,
-            op,
-            bytes,
-            res,
-            started.elapsed().as_micros() as u64,
-        );
+        self.counters().complete(op, bytes, res);
+        self.latency
+            .borrow_mut()
+            .record(op, started.elapsed().as_micros() as u64);
         res
     }
 
-    /// `nowait`: the image on the queue's ring, `RWF_NOWAIT` first.
-    async fn file_uring(&self, q: &UblkQueue<'_>, req: Req, buf: *mut u8) -> i32 {
-        let fd = self.shared.data.as_raw_fd();
+    /// `nowait` and `threaded`: the image, through its registered slot.
+    async fn file(&self, q: &UblkQueue<'_>, req: Req, buf: *mut u8, mode: FileMode) -> i32 {
+        let image = FileRef::Slot(IMAGE_SLOT);
+        let asynch = |sqe: squeue::Entry| match mode {
+            FileMode::Threaded => sqe.flags(squeue::Flags::ASYNC),
+            FileMode::Nowait => sqe,
+        };
         match req.op {
             sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE => {
-                let c = &self.shared.stats.counters;
+                let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
                 let mut done = 0u32;
                 while done < req.len {
                     // SAFETY: within the tag's buffer of at least req.len bytes.
                     let p = unsafe { buf.add(done as usize) };
                     let (n, o) = (req.len - done, req.off + u64::from(done));
-                    let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
-                    c.nowait_submitted.fetch_add(1, Relaxed);
-                    let unsupported = &self.shared.nowait_unsupported;
-                    let mut res = if unsupported.load(Relaxed) {
-                        -libc::EAGAIN
-                    } else {
-                        q.ublk_submit_sqe(rw_sqe(req.op, fd, p, n, o, dsync | libc::RWF_NOWAIT))
-                            .await
+                    let res = match mode {
+                        FileMode::Threaded => {
+                            q.ublk_submit_sqe(asynch(rw_sqe(req.op, image, p, n, o, dsync)))
+                                .await
+                        }
+                        FileMode::Nowait => self.nowait_rw(q, req.op, p, n, o, dsync).await,
                     };
-                    if res == -libc::EOPNOTSUPP && !unsupported.swap(true, Relaxed) {
-                        tracing::warn!(
-                            "the image's filesystem does not take RWF_NOWAIT; every request now takes the blocking path"
-                        );
-                    }
-                    if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
-                        // Would block (or cannot say): io_uring without NOWAIT
-                        // punts it to io-wq.
-                        c.nowait_eagain_fallbacks.fetch_add(1, Relaxed);
-                        res = q.ublk_submit_sqe(rw_sqe(req.op, fd, p, n, o, dsync)).await;
-                    } else {
-                        c.nowait_completed_inline.fetch_add(1, Relaxed);
-                    }
                     match res {
                         r if r < 0 => return r,
                         0 => {
@@ -165,69 +379,99 @@ impl QueueCtx {
                 }
                 req.len as i32
             }
-            sys::UBLK_IO_OP_FLUSH => {
-                let sqe = opcode::Fsync::new(types::Fd(fd))
-                    .flags(types::FsyncFlags::DATASYNC)
-                    .build();
-                q.ublk_submit_sqe(sqe).await.min(0)
-            }
+            sys::UBLK_IO_OP_FLUSH => q
+                .ublk_submit_sqe(asynch(fsync_sqe(image, true)))
+                .await
+                .min(0),
             _ => {
-                let sqe = opcode::Fallocate::new(types::Fd(fd), u64::from(req.len))
-                    .offset(req.off)
-                    .mode(punch_or_zero(req.op))
-                    .build();
+                let sqe = fallocate_sqe(image, req.off, u64::from(req.len), punch_or_zero(req.op));
                 q.ublk_submit_sqe(sqe).await.min(0)
             }
         }
     }
 
-    /// `threaded`: one work item for a pool thread.
-    async fn file_pool(&self, req: Req, buf: *mut u8) -> i32 {
-        let slot = Arc::new(Slot::default());
-        let job = Job {
-            req,
-            fd: self.shared.data.as_raw_fd(),
-            buf: buf as usize,
-            slot: slot.clone(),
-            kick: self.kick.clone(),
-        };
-        if !self.pool.submit(job) {
-            return -libc::EIO;
+    /// One read or write on the `nowait` path: `RWF_NOWAIT` while its op type
+    /// asks it; an EAGAIN goes straight to io-wq (`IOSQE_ASYNC`).
+    async fn nowait_rw(
+        &self,
+        q: &UblkQueue<'_>,
+        op: u32,
+        p: *mut u8,
+        n: u32,
+        o: u64,
+        dsync: i32,
+    ) -> i32 {
+        let image = FileRef::Slot(IMAGE_SLOT);
+        let c = self.counters();
+        let window = &self.nowait[usize::from(op != sys::UBLK_IO_OP_READ)];
+        let mut w = window.get();
+        let asks = w.asks();
+        window.set(w);
+        if !asks || self.nowait_unsupported.get() {
+            // io_uring still tries it without blocking first, then punts.
+            bump(&c.nowait_bypassed, 1);
+            return q.ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync)).await;
         }
-        slot.wait().await
+        bump(&c.nowait_submitted, 1);
+        let res = q
+            .ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync | libc::RWF_NOWAIT))
+            .await;
+        if res == -libc::EOPNOTSUPP && !self.nowait_unsupported.replace(true) {
+            tracing::warn!(
+                queue = self.qid,
+                "the image's filesystem does not take RWF_NOWAIT; this queue now submits blocking"
+            );
+        }
+        let again = res == -libc::EAGAIN || res == -libc::EOPNOTSUPP;
+        let mut w = window.get();
+        if w.record(again) {
+            bump(&c.nowait_pauses, 1);
+        }
+        window.set(w);
+        if !again {
+            bump(&c.nowait_completed_inline, 1);
+            return res;
+        }
+        bump(&c.nowait_eagain_fallbacks, 1);
+        q.ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync).flags(squeue::Flags::ASYNC))
+            .await
     }
 }
 
-fn rw_sqe(op: u32, fd: RawFd, p: *mut u8, n: u32, off: u64, flags: i32) -> io_uring::squeue::Entry {
-    if op == sys::UBLK_IO_OP_READ {
-        opcode::Read::new(types::Fd(fd), p, n)
-            .offset(off)
-            .rw_flags(flags)
-            .build()
+/// Registers the direct path's raw devices on this thread's ring; false if
+/// the ring would not take them (they are then used by descriptor).
+fn register_raw(d: &DirectPath) -> bool {
+    if d.devices.len() > RAW_SLOTS {
+        return false;
+    }
+    let fds: Vec<i32> = d.devices.iter().map(|f| f.as_raw_fd()).collect();
+    libublk::io::with_task_io_ring(|r| r.submitter().register_files_update(RAW_SLOT, &fds))
+        .inspect_err(|e| tracing::warn!(error = %e, "raw devices not registered with the ring"))
+        .is_ok()
+}
+
+fn raw_device(d: &DirectPath, registered: bool, device: usize) -> FileRef {
+    if registered {
+        FileRef::Slot(RAW_SLOT + device as u32)
     } else {
-        opcode::Write::new(types::Fd(fd), p, n)
-            .offset(off)
-            .rw_flags(flags)
-            .build()
+        FileRef::Fd(d.devices[device].as_raw_fd())
     }
 }
 
-/// `fallocate` mode for DISCARD (punch) and WRITE_ZEROES (zero range).
-pub fn punch_or_zero(op: u32) -> i32 {
-    if op == sys::UBLK_IO_OP_DISCARD {
-        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
-    } else {
-        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
-    }
-}
-
-/// `direct`: through the extent map to the raw device(s).
-async fn direct(q: &UblkQueue<'_>, d: &DirectPath, req: Req, buf: *mut u8) -> i32 {
+/// `direct`: through the extent map to the raw device(s). The pieces of a
+/// request go on the ring together.
+async fn direct(
+    q: &UblkQueue<'_>,
+    d: &DirectPath,
+    registered: bool,
+    req: Req,
+    buf: *mut u8,
+) -> i32 {
     match req.op {
         sys::UBLK_IO_OP_FLUSH => {
-            for dev in &d.devices {
+            for dev in 0..d.devices.len() {
                 let r = q
-                    .ublk_submit_sqe(opcode::Fsync::new(types::Fd(dev.as_raw_fd())).build())
+                    .ublk_submit_sqe(fsync_sqe(raw_device(d, registered, dev), false))
                     .await;
                 if r < 0 {
                     return r;
@@ -237,45 +481,51 @@ async fn direct(q: &UblkQueue<'_>, d: &DirectPath, req: Req, buf: *mut u8) -> i3
         }
         sys::UBLK_IO_OP_DISCARD => 0,
         _ => {
-            let Some(pieces) = d.map.pieces(req.off, u64::from(req.len)) else {
+            let Some(mut pieces) = d.map.pieces(req.off, u64::from(req.len)) else {
                 return -libc::EIO;
             };
-            for p in pieces {
-                let fd = d.devices[p.device].as_raw_fd();
-                let res = if req.op == sys::UBLK_IO_OP_WRITE_ZEROES {
-                    let sqe = opcode::Fallocate::new(types::Fd(fd), p.len)
-                        .offset(p.physical)
-                        .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
-                        .build();
-                    q.ublk_submit_sqe(sqe).await.min(0)
-                } else {
-                    // SAFETY: the piece lies within the request, within the buffer.
-                    let at = unsafe { buf.add(p.offset_in_request as usize) };
-                    let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
-                    let mut done = 0u64;
-                    let mut r = 0;
-                    while done < p.len {
-                        // SAFETY: as above.
-                        let ptr = unsafe { at.add(done as usize) };
-                        r = q
-                            .ublk_submit_sqe(rw_sqe(
-                                req.op,
-                                fd,
-                                ptr,
-                                (p.len - done) as u32,
-                                p.physical + done,
-                                dsync,
-                            ))
-                            .await;
-                        if r <= 0 {
-                            break;
-                        }
-                        done += r as u64;
+            let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
+            loop {
+                let mut out: [Option<(UblkUringOpFuture, crate::extent::Piece)>; PIECES_TOGETHER] =
+                    Default::default();
+                let mut any = false;
+                for (slot, p) in out.iter_mut().zip(pieces.by_ref()) {
+                    let file = raw_device(d, registered, p.device);
+                    let sqe = if req.op == sys::UBLK_IO_OP_WRITE_ZEROES {
+                        fallocate_sqe(
+                            file,
+                            p.physical,
+                            p.len,
+                            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                        )
+                    } else {
+                        // SAFETY: the piece lies within the request, within the buffer.
+                        let at = unsafe { buf.add(p.offset_in_request as usize) };
+                        rw_sqe(req.op, file, at, p.len as u32, p.physical, dsync)
+                    };
+                    *slot = Some((q.ublk_submit_sqe(sqe), p));
+                    any = true;
+                }
+                if !any {
+                    break;
+                }
+                let mut failed = 0;
+                for (f, p) in out.into_iter().flatten() {
+                    let r = f.await;
+                    if failed < 0 {
+                        continue;
                     }
-                    if r == 0 { -libc::EIO } else { r.min(0) }
-                };
-                if res < 0 {
-                    return res;
+                    failed = if r < 0 {
+                        r
+                    } else if req.op != sys::UBLK_IO_OP_WRITE_ZEROES && (r as u64) < p.len {
+                        // Short: finish the piece on its own.
+                        finish_piece(q, d, registered, req, buf, p, r as u64, dsync).await
+                    } else {
+                        0
+                    };
+                }
+                if failed < 0 {
+                    return failed;
                 }
             }
             if req.op == sys::UBLK_IO_OP_WRITE_ZEROES {
@@ -284,5 +534,64 @@ async fn direct(q: &UblkQueue<'_>, d: &DirectPath, req: Req, buf: *mut u8) -> i3
                 req.len as i32
             }
         }
+    }
+}
+
+/// The rest of a piece after a short transfer.
+#[allow(clippy::too_many_arguments)]
+async fn finish_piece(
+    q: &UblkQueue<'_>,
+    d: &DirectPath,
+    registered: bool,
+    req: Req,
+    buf: *mut u8,
+    p: crate::extent::Piece,
+    mut done: u64,
+    dsync: i32,
+) -> i32 {
+    let file = raw_device(d, registered, p.device);
+    while done < p.len {
+        // SAFETY: within the piece, within the buffer.
+        let at = unsafe { buf.add((p.offset_in_request + done) as usize) };
+        let r = q
+            .ublk_submit_sqe(rw_sqe(
+                req.op,
+                file,
+                at,
+                (p.len - done) as u32,
+                p.physical + done,
+                dsync,
+            ))
+            .await;
+        if r <= 0 {
+            return if r == 0 { -libc::EIO } else { r };
+        }
+        done += r as u64;
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NowaitWindow;
+
+    #[test]
+    fn an_op_type_that_mostly_gets_eagain_stops_asking_nowait_for_a_while() {
+        let mut w = NowaitWindow::default();
+        // Half or fewer EAGAINs: keeps asking.
+        for i in 0..NowaitWindow::WINDOW {
+            assert!(w.asks());
+            assert!(!w.record(i % 2 == 0));
+        }
+        // Most: pauses at the end of the window.
+        let mut paused = false;
+        for _ in 0..NowaitWindow::WINDOW {
+            assert!(w.asks());
+            paused = w.record(true);
+        }
+        assert!(paused);
+        let bypassed = (0..).take_while(|_| !w.asks()).count();
+        assert_eq!(bypassed, NowaitWindow::PAUSE as usize);
+        assert!(w.asks(), "asks again after the pause");
     }
 }

@@ -3,15 +3,17 @@
 //! SQLite: it gets its image as an open fd and its spec on the command line,
 //! and answers on a control socket in its run dir.
 //!
-//! Policies switch live: the control thread closes every queue's [`gate::Gate`],
-//! waits for the requests inside to finish, changes what must change (the
-//! image's pin and map when entering or leaving `direct`), and opens the gates.
+//! Each queue thread owns what its requests touch; the control thread
+//! changes it by message ([`mailbox`]). Policies switch live: the control
+//! thread holds every queue, waits for the requests inside to finish, changes
+//! what must change (the image's pin and map when entering or leaving
+//! `direct`), and sends each queue its new config, which lets the held
+//! requests continue on the new path.
 
 mod control;
 mod device;
-pub mod gate;
 mod io;
-mod pool;
+pub mod mailbox;
 pub mod protocol;
 mod qos;
 pub mod stats;
@@ -20,15 +22,14 @@ use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use crate::extent::{self, ExtentMap, Pin};
 use crate::model::{ActiveDispatch, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
-use gate::Gate;
+use mailbox::{QueueConfig, Queues};
 use protocol::{IMAGE_FD, WorkerSpec};
 use stats::Stats;
 
@@ -42,14 +43,6 @@ pub enum Policy {
 }
 
 impl Policy {
-    fn from_u8(v: u8) -> Self {
-        match v {
-            1 => Policy::Threaded,
-            2 => Policy::Direct,
-            _ => Policy::Nowait,
-        }
-    }
-
     /// The policy for a requested one (`Auto` is decided by the control plane
     /// before a worker starts; here it means `Nowait`).
     pub fn from_requested(d: DispatchPolicy) -> Self {
@@ -110,7 +103,9 @@ impl Refusal {
     }
 }
 
-/// Everything the queues, the pool and the control thread share.
+/// What the control thread and the queue threads share. Queue threads read
+/// the spec, the stats mapping and the data fd; the rest is the control
+/// thread's, sent to the queues as a [`QueueConfig`].
 pub struct Shared {
     pub spec: WorkerSpec,
     pub stats: Stats,
@@ -118,37 +113,66 @@ pub struct Shared {
     pub image: File,
     /// The image reopened for the data path (O_DIRECT where the filesystem allows).
     pub data: File,
-    pub read_only: AtomicBool,
-    /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
-    /// FMODE_NOWAIT, e.g. tmpfs on older kernels): `nowait` submits
-    /// blocking from then on.
-    pub nowait_unsupported: AtomicBool,
-    pub qos: qos::Limiter,
-    policy: AtomicU8,
-    direct: RwLock<Option<Arc<DirectPath>>>,
+    /// The config in force on every queue (the control thread's copy).
+    config: Mutex<QueueConfig>,
+    /// One change at a time (the control socket and the drift checks).
+    changing: Mutex<()>,
+    /// The queues' mailboxes, once the device has its queues.
+    queues: OnceLock<Queues>,
     pub state: Mutex<WorkerState>,
-    gates: Mutex<Vec<Arc<Gate>>>,
 }
 
 impl Shared {
+    fn config(&self) -> MutexGuard<'_, QueueConfig> {
+        self.config.lock().expect("config poisoned")
+    }
+
     /// The policy in force.
     pub fn policy(&self) -> Policy {
-        Policy::from_u8(self.policy.load(Relaxed))
+        self.config().policy
     }
 
-    /// The direct path, while the policy is `direct`.
-    pub fn direct_path(&self) -> Option<Arc<DirectPath>> {
-        self.direct.read().expect("direct path poisoned").clone()
+    /// Whether writes are refused now.
+    pub fn read_only(&self) -> bool {
+        self.config().read_only
     }
 
-    fn register_gate(&self, gate: Arc<Gate>) {
-        self.gates.lock().expect("gates poisoned").push(gate);
+    fn queues(&self) -> &[Arc<mailbox::Mailbox>] {
+        self.queues
+            .get()
+            .map(|q| q.0.as_slice())
+            .unwrap_or_default()
+    }
+
+    fn ask_queues(&self) -> Queues {
+        Queues(self.queues().to_vec())
+    }
+
+    /// Changes what the queues serve with (read-only, QoS) and waits until
+    /// every queue has it.
+    pub fn reconfigure(&self, change: impl FnOnce(&mut QueueConfig)) -> Result<(), Refusal> {
+        let _one = self.changing.lock().expect("changing poisoned");
+        let cfg = {
+            let mut c = self.config();
+            change(&mut c);
+            c.clone()
+        };
+        if self.ask_queues().apply(&cfg) {
+            Ok(())
+        } else {
+            Err(Refusal::Rule(
+                "a queue did not take the change within 30 s".into(),
+            ))
+        }
+    }
+
+    /// Counters merged with every queue's report.
+    pub fn stats(&self) -> protocol::WorkerStats {
+        self.stats.snapshot(&self.ask_queues().reports())
     }
 
     fn refuse_rule_3(&self) -> Result<(), Refusal> {
-        if !self.read_only.load(Relaxed)
-            && extent::is_immutable(self.image.as_fd()).unwrap_or(false)
-        {
+        if !self.read_only() && extent::is_immutable(self.image.as_fd()).unwrap_or(false) {
             let pinned_by_us = self
                 .state
                 .lock()
@@ -225,7 +249,8 @@ impl Shared {
     /// Leaves `direct`: flushes the raw devices, unpins, and drops the page
     /// cache again so the file path reads what the raw device holds.
     fn leave_direct(&self) -> Result<(), Refusal> {
-        if let Some(d) = self.direct.write().expect("direct path poisoned").take() {
+        let direct = self.config().direct.clone();
+        if let Some(d) = direct {
             for dev in &d.devices {
                 dev.sync_all().map_err(|source| Refusal::Io {
                     op: "flush the raw device",
@@ -246,9 +271,11 @@ impl Shared {
         })
     }
 
-    /// Switches the policy while I/O runs: drains every queue, changes the
-    /// path, lets the held requests continue on the new one.
+    /// Switches the policy while I/O runs: holds every queue until the
+    /// requests inside finish, changes the path, and sends each queue the new
+    /// config, on which the held requests continue.
     pub fn switch(&self, to: Policy, reason: String) -> Result<(), Refusal> {
+        let _one = self.changing.lock().expect("changing poisoned");
         let from = self.policy();
         if from == to {
             self.state.lock().expect("state poisoned").dispatch_reason = reason;
@@ -258,28 +285,33 @@ impl Shared {
             // Refuse early, before holding any I/O.
             self.refuse_rule_3()?;
         }
-        let gates = self.gates.lock().expect("gates poisoned").clone();
-        let drained = gates
-            .iter()
-            .all(|g| g.close_and_drain(Duration::from_secs(30)));
-        let outcome = if !drained {
+        let queues = self.ask_queues();
+        let outcome = if !queues.hold(Duration::from_secs(30)) {
             Err(Refusal::Rule(
                 "requests did not finish within 30 s; policy unchanged".into(),
             ))
         } else {
             self.change_path(from, to)
         };
+        let cfg = {
+            let mut c = self.config();
+            if let Ok(direct) = &outcome {
+                c.policy = to;
+                c.direct = direct.clone();
+            }
+            c.clone()
+        };
         if outcome.is_ok() {
-            self.policy.store(to as u8, Relaxed);
             self.state.lock().expect("state poisoned").dispatch_reason = reason;
         }
-        for g in &gates {
-            g.open();
+        if !queues.apply(&cfg) {
+            tracing::error!("a queue did not take the new config within 30 s");
         }
-        outcome
+        outcome.map(|_| ())
     }
 
-    fn change_path(&self, from: Policy, to: Policy) -> Result<(), Refusal> {
+    /// The direct path to serve with after the change.
+    fn change_path(&self, from: Policy, to: Policy) -> Result<Option<Arc<DirectPath>>, Refusal> {
         match (from, to) {
             (_, Policy::Direct) => {
                 // Written data reaches the disk before the map is read.
@@ -287,13 +319,16 @@ impl Shared {
                     op: "fdatasync the image",
                     source,
                 })?;
-                let path = self.enter_direct()?;
-                *self.direct.write().expect("direct path poisoned") = Some(path);
-                Ok(())
+                self.enter_direct().map(Some)
             }
-            (Policy::Direct, _) => self.leave_direct(),
-            _ => Ok(()),
+            (Policy::Direct, _) => self.leave_direct().map(|()| None),
+            _ => Ok(None),
         }
+    }
+
+    /// The direct path in force, if any.
+    fn direct_path(&self) -> Option<Arc<DirectPath>> {
+        self.config().direct.clone()
     }
 
     /// Rule 5: re-reads the map of a `direct` volume; on drift, leaves the
@@ -375,21 +410,23 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let data = data_fd(&image)?;
     let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
     if spec.recover_dev_id.is_some() {
-        stats.counters.worker_restarts.fetch_add(1, Relaxed);
+        stats.count_restart();
     }
     let shared = Arc::new(Shared {
-        read_only: AtomicBool::new(spec.read_only || spec.refuse_writes),
-        nowait_unsupported: AtomicBool::new(false),
-        qos: qos::Limiter::new(spec.qos),
-        policy: AtomicU8::new(Policy::Nowait as u8),
-        direct: RwLock::new(None),
+        config: Mutex::new(QueueConfig {
+            policy: Policy::Nowait,
+            direct: None,
+            read_only: spec.read_only || spec.refuse_writes,
+            qos: qos::Limiter::for_limits(spec.qos),
+        }),
+        changing: Mutex::new(()),
+        queues: OnceLock::new(),
         state: Mutex::new(WorkerState {
             dispatch_reason: spec.dispatch_reason.clone(),
             pinned: spec.pinned,
             degraded: None,
             size_bytes: spec.size_bytes,
         }),
-        gates: Mutex::new(Vec::new()),
         stats,
         image,
         data,
@@ -398,12 +435,13 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let start = Policy::from_requested(shared.spec.dispatch);
     if start == Policy::Direct {
         let path = shared.enter_direct()?;
-        *shared.direct.write().expect("direct path poisoned") = Some(path);
+        let mut c = shared.config();
+        c.direct = Some(path);
+        c.policy = Policy::Direct;
     } else if let Some(p) = shared.spec.pinned {
         // A crashed direct worker's pin, on a volume now asked on the file path.
         extent::unpin(shared.image.as_fd(), p)?;
         shared.state.lock().expect("state poisoned").pinned = None;
     }
-    shared.policy.store(start as u8, Relaxed);
     device::serve(shared)
 }

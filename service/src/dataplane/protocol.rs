@@ -133,6 +133,12 @@ pub struct WorkerStats {
     pub nowait_submitted: u64,
     pub nowait_completed_inline: u64,
     pub nowait_eagain_fallbacks: u64,
+    /// Times an op type stopped asking NOWAIT for a while.
+    #[serde(default)]
+    pub nowait_pauses: u64,
+    /// Submissions made without NOWAIT while their op type was paused.
+    #[serde(default)]
+    pub nowait_bypassed: u64,
     pub qos_throttled: u64,
     pub worker_restarts: u64,
 }

@@ -1,16 +1,18 @@
 //! Per-volume QoS: token buckets for IOPS and bandwidth (reads and writes
 //! together). A request over the limit waits on an io_uring timeout on its own
-//! queue's ring (never a failure); limits change live.
+//! queue's ring (never a failure); limits change live. A volume without
+//! limits has no limiter at all, so it pays nothing; one with limits shares
+//! its buckets between its queues, which keeps the limit whole however the
+//! requests spread over the queues.
 
-use std::sync::Mutex;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types};
 use libublk::io::UblkQueue;
 
 use super::io::Req;
-use super::stats::Counters;
+use super::stats::{QueueCounters, bump};
 use crate::model::Qos;
 
 #[derive(Debug, Clone, Copy)]
@@ -53,40 +55,33 @@ struct Buckets {
     last: Instant,
 }
 
-/// The limiter of one worker (shared by its queues).
-#[derive(Debug, Default)]
+/// The limiter of one volume with limits (shared by its queues).
+#[derive(Debug)]
 pub struct Limiter {
-    buckets: Mutex<Option<Buckets>>,
+    buckets: Mutex<Buckets>,
 }
 
 impl Limiter {
-    /// A limiter with `qos` (or none).
-    pub fn new(qos: Option<Qos>) -> Self {
-        let l = Self::default();
-        l.set(qos);
-        l
-    }
-
-    /// Replaces the limits; `None` (or all-null) removes them.
-    pub fn set(&self, qos: Option<Qos>) {
-        let b = qos.and_then(|q| {
-            let iops = q.iops.map(|r| Bucket::new(r, q.burst_iops));
-            let bytes = q.bytes_per_sec.map(|r| Bucket::new(r, q.burst_bytes));
-            (iops.is_some() || bytes.is_some()).then(|| Buckets {
-                iops,
-                bytes,
-                last: Instant::now(),
+    /// A limiter for `qos`, or `None` when it sets no limit.
+    pub fn for_limits(qos: Option<Qos>) -> Option<Arc<Self>> {
+        let q = qos?;
+        let iops = q.iops.map(|r| Bucket::new(r, q.burst_iops));
+        let bytes = q.bytes_per_sec.map(|r| Bucket::new(r, q.burst_bytes));
+        (iops.is_some() || bytes.is_some()).then(|| {
+            Arc::new(Self {
+                buckets: Mutex::new(Buckets {
+                    iops,
+                    bytes,
+                    last: Instant::now(),
+                }),
             })
-        });
-        *self.buckets.lock().expect("qos poisoned") = b;
+        })
     }
 
     /// Takes tokens now, or says how long to wait for them.
     fn try_take(&self, len: u64) -> Duration {
         let mut g = self.buckets.lock().expect("qos poisoned");
-        let Some(b) = g.as_mut() else {
-            return Duration::ZERO;
-        };
+        let b = &mut *g;
         let now = Instant::now();
         let secs = now.duration_since(b.last).as_secs_f64();
         b.last = now;
@@ -108,7 +103,7 @@ impl Limiter {
     }
 
     /// Waits (on the queue's ring) until the request fits the limits.
-    pub async fn admit(&self, q: &UblkQueue<'_>, req: &Req, counters: &Counters) {
+    pub async fn admit(&self, q: &UblkQueue<'_>, req: &Req, counters: &QueueCounters) {
         let mut throttled = false;
         loop {
             let wait = self.try_take(u64::from(req.len));
@@ -116,14 +111,15 @@ impl Limiter {
                 return;
             }
             if !throttled {
-                counters.qos_throttled.fetch_add(1, Relaxed);
+                bump(&counters.qos_throttled, 1);
                 throttled = true;
             }
-            let ts = Box::new(types::Timespec::from(wait));
-            let sqe = opcode::Timeout::new(&*ts as *const types::Timespec).build();
+            // Lives in this future's frame, which stays put until the
+            // timeout completes.
+            let ts = types::Timespec::from(wait);
+            let sqe = opcode::Timeout::new(&ts as *const types::Timespec).build();
             // -ETIME is the timeout firing: the expected outcome.
             let _ = q.ublk_submit_sqe(sqe).await;
-            drop(ts);
         }
     }
 }
@@ -134,11 +130,12 @@ mod tests {
 
     #[test]
     fn buckets_admit_bursts_then_pace() {
-        let l = Limiter::new(Some(Qos {
+        let l = Limiter::for_limits(Some(Qos {
             iops: Some(100),
             burst_iops: Some(10),
             ..Default::default()
-        }));
+        }))
+        .unwrap();
         for _ in 0..10 {
             assert!(l.try_take(4096).is_zero());
         }
@@ -147,12 +144,15 @@ mod tests {
             w > Duration::from_millis(5) && w <= Duration::from_millis(11),
             "{w:?}"
         );
-        l.set(None);
-        assert!(l.try_take(4096).is_zero(), "null removes the limit");
-        let l = Limiter::new(Some(Qos {
+        assert!(
+            Limiter::for_limits(Some(Qos::default())).is_none(),
+            "no limit, no limiter"
+        );
+        let l = Limiter::for_limits(Some(Qos {
             bytes_per_sec: Some(1 << 20),
             ..Default::default()
-        }));
+        }))
+        .unwrap();
         assert!(l.try_take(1 << 20).is_zero());
         let w = l.try_take(512 << 10);
         assert!(w >= Duration::from_millis(450), "{w:?}");

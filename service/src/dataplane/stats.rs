@@ -1,15 +1,16 @@
 //! A worker's counters and latency histograms.
 //!
-//! Counters live in a small file the worker maps shared (`stats` in its run
-//! dir): they survive a worker crash, so the worker that recovers the device
-//! keeps counting from where the last one stopped. Latency histograms
-//! (hdrhistogram) live in the worker's memory, one set per queue, and restart
-//! empty with a new worker.
+//! Nothing here is shared between queue threads while requests run. Each
+//! queue has its own block of counters in a small file the worker maps shared
+//! (`stats` in its run dir), written by that queue's thread alone: they
+//! survive a worker crash, so the worker that recovers the device keeps
+//! counting from where the last one stopped. Each queue thread also owns its
+//! latency histograms (hdrhistogram, [`QueueLatency`]), which it hands over
+//! when asked and which restart empty with a new worker. A read merges them.
 
 use std::fs::OpenOptions;
 use std::io;
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use hdrhistogram::Histogram;
@@ -18,7 +19,7 @@ use super::protocol::{Latency, WorkerStats};
 use crate::metrics::{LATENCY_BOUNDS_US, LatencyHistogram};
 use crate::model::OpStats;
 
-const MAGIC: u64 = 0x6270_7374_6174_7331; // "bpstats1"
+const MAGIC: u64 = 0x6270_7374_6174_7332; // "bpstats2": per-queue blocks
 
 /// Kinds of requests counted apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +31,13 @@ pub enum Op {
     Discard = 3,
 }
 
+/// Adds to a counter that only the calling thread writes: a plain load and
+/// store, no locked instruction (readers may see it a moment late).
+#[inline]
+pub fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Relaxed).wrapping_add(n), Relaxed);
+}
+
 /// One op's counters.
 #[repr(C)]
 #[derive(Debug, Default)]
@@ -39,40 +47,70 @@ pub struct OpCounters {
     pub errors: AtomicU64,
 }
 
-/// The shared counters (layout fixed: the file is read back by later workers).
-#[repr(C)]
+/// The file's header (layout fixed: the file is read back by later workers).
+#[repr(C, align(128))]
 #[derive(Debug, Default)]
-pub struct Counters {
+struct Header {
     magic: AtomicU64,
-    pub since_ms: AtomicU64,
+    since_ms: AtomicU64,
+    worker_restarts: AtomicU64,
+    queues: AtomicU64,
+}
+
+/// One queue's counters, written by its thread only. Aligned apart so that
+/// two queues never write the same cache line.
+#[repr(C, align(128))]
+#[derive(Debug, Default)]
+pub struct QueueCounters {
     pub ops: [OpCounters; 4],
     pub nowait_submitted: AtomicU64,
     pub nowait_completed_inline: AtomicU64,
     pub nowait_eagain_fallbacks: AtomicU64,
+    /// Times an op type stopped asking NOWAIT (its fallback share was high).
+    pub nowait_pauses: AtomicU64,
+    /// Submissions made without NOWAIT while their op type was paused.
+    pub nowait_bypassed: AtomicU64,
     pub qos_throttled: AtomicU64,
-    pub worker_restarts: AtomicU64,
 }
 
-/// The counters, mapped from the worker's stats file.
-pub struct SharedCounters {
-    ptr: *mut Counters,
+impl QueueCounters {
+    /// Counts a completed request: `res` is its result (bytes or -errno).
+    #[inline]
+    pub fn complete(&self, op: Op, bytes: u64, res: i32) {
+        let c = &self.ops[op as usize];
+        bump(&c.ops, 1);
+        if res < 0 {
+            bump(&c.errors, 1);
+        } else {
+            bump(&c.bytes, bytes);
+        }
+    }
+}
+
+/// The counters, mapped from the worker's stats file: a header, then one
+/// block per queue.
+pub struct Stats {
+    ptr: *mut u8,
+    len: usize,
+    queues: usize,
 }
 
 // SAFETY: the mapping is only accessed through atomics.
-unsafe impl Send for SharedCounters {}
+unsafe impl Send for Stats {}
 // SAFETY: as above.
-unsafe impl Sync for SharedCounters {}
+unsafe impl Sync for Stats {}
 
-impl SharedCounters {
-    /// Maps `path`, creating it (zeroed, counting from now) if new or unreadable.
-    pub fn open(path: &Path) -> io::Result<Self> {
+impl Stats {
+    /// Maps `path` for `queues` queues, creating it (zeroed, counting from
+    /// now) if new, unreadable or laid out for another queue count.
+    pub fn open(path: &Path, queues: usize) -> io::Result<Self> {
         let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .open(path)?;
-        let len = std::mem::size_of::<Counters>();
+        let len = size_of::<Header>() + queues * size_of::<QueueCounters>();
         if f.metadata()?.len() != len as u64 {
             f.set_len(0)?;
             f.set_len(len as u64)?;
@@ -88,109 +126,66 @@ impl SharedCounters {
                 0,
             )?
         }
-        .cast::<Counters>();
-        let me = Self { ptr };
-        if me.magic.load(Relaxed) != MAGIC {
-            me.since_ms.store(now_ms(), Relaxed);
-            me.magic.store(MAGIC, Relaxed);
+        .cast::<u8>();
+        let me = Self { ptr, len, queues };
+        let h = me.header();
+        if h.magic.load(Relaxed) != MAGIC || h.queues.load(Relaxed) != queues as u64 {
+            for q in 0..queues {
+                // SAFETY: a fresh block: zero it as a whole.
+                unsafe { std::ptr::write(me.queue_ptr(q), QueueCounters::default()) };
+            }
+            h.worker_restarts.store(0, Relaxed);
+            h.queues.store(queues as u64, Relaxed);
+            h.since_ms.store(now_ms(), Relaxed);
+            h.magic.store(MAGIC, Relaxed);
         }
         Ok(me)
     }
-}
 
-impl std::ops::Deref for SharedCounters {
-    type Target = Counters;
-    fn deref(&self) -> &Counters {
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a header; all its fields are atomics.
+        unsafe { &*self.ptr.cast::<Header>() }
+    }
+
+    fn queue_ptr(&self, q: usize) -> *mut QueueCounters {
+        assert!(q < self.queues, "queue {q} of {}", self.queues);
+        // SAFETY: within the mapping (len covers every queue's block).
+        unsafe {
+            self.ptr
+                .add(size_of::<Header>() + q * size_of::<QueueCounters>())
+                .cast()
+        }
+    }
+
+    /// Queue `q`'s counters, for its thread to write.
+    pub fn queue(&self, q: usize) -> &QueueCounters {
         // SAFETY: mapped for the life of self; all fields are atomics.
-        unsafe { &*self.ptr }
-    }
-}
-
-impl Drop for SharedCounters {
-    fn drop(&mut self) {
-        // SAFETY: unmapping what open() mapped.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), std::mem::size_of::<Counters>()) };
-    }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// Latency histograms of one queue, per op, in microseconds.
-pub struct QueueLatency {
-    hist: Mutex<[Histogram<u64>; 4]>,
-}
-
-impl Default for QueueLatency {
-    fn default() -> Self {
-        let h = || Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
-        Self {
-            hist: Mutex::new([h(), h(), h(), h()]),
-        }
-    }
-}
-
-impl QueueLatency {
-    /// Records one request's latency.
-    pub fn record(&self, op: Op, micros: u64) {
-        if let Ok(mut h) = self.hist.lock() {
-            h[op as usize].saturating_record(micros.max(1));
-        }
-    }
-}
-
-/// Everything a worker counts.
-pub struct Stats {
-    pub counters: SharedCounters,
-    pub queues: Vec<QueueLatency>,
-    pub in_flight: AtomicU64,
-}
-
-impl Stats {
-    /// Counters from `path`, histograms for `queues` queues.
-    pub fn open(path: &Path, queues: usize) -> io::Result<Self> {
-        Ok(Self {
-            counters: SharedCounters::open(path)?,
-            queues: (0..queues).map(|_| QueueLatency::default()).collect(),
-            in_flight: AtomicU64::new(0),
-        })
+        unsafe { &*self.queue_ptr(q) }
     }
 
-    /// Counts a completed request: `res` is its result (bytes or -errno).
-    pub fn complete(&self, queue: usize, op: Op, bytes: u64, res: i32, micros: u64) {
-        let c = &self.counters.ops[op as usize];
-        c.ops.fetch_add(1, Relaxed);
-        if res < 0 {
-            c.errors.fetch_add(1, Relaxed);
-        } else {
-            c.bytes.fetch_add(bytes, Relaxed);
-        }
-        if let Some(q) = self.queues.get(queue) {
-            q.record(op, micros);
-        }
+    /// Counts a worker that took over after a crash.
+    pub fn count_restart(&self) {
+        self.header().worker_restarts.fetch_add(1, Relaxed);
     }
 
-    /// A snapshot for the control plane.
-    pub fn snapshot(&self) -> WorkerStats {
-        let c = &self.counters;
+    /// Merges every queue's counters with what each queue thread reported.
+    pub fn snapshot(&self, reports: &[QueueReport]) -> WorkerStats {
+        let sum = |f: &dyn Fn(&QueueCounters) -> &AtomicU64| -> u64 {
+            (0..self.queues)
+                .map(|q| f(self.queue(q)).load(Relaxed))
+                .sum()
+        };
         let op = |i: usize| OpStats {
-            ops: c.ops[i].ops.load(Relaxed),
-            bytes: c.ops[i].bytes.load(Relaxed),
-            errors: Some(c.ops[i].errors.load(Relaxed)),
+            ops: sum(&|c| &c.ops[i].ops),
+            bytes: sum(&|c| &c.ops[i].bytes),
+            errors: Some(sum(&|c| &c.ops[i].errors)),
         };
         let mut latency = [Latency::default(); 4];
         let mut histograms = Vec::with_capacity(4);
         for (i, l) in latency.iter_mut().enumerate() {
-            let mut merged =
-                Histogram::<u64>::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
-            for q in &self.queues {
-                if let Ok(h) = q.hist.lock() {
-                    let _ = merged.add(&h[i]);
-                }
+            let mut merged = QueueLatency::histogram();
+            for r in reports {
+                let _ = merged.add(&r.latency.0[i]);
             }
             *l = Latency {
                 p50: merged.value_at_quantile(0.5),
@@ -202,22 +197,70 @@ impl Stats {
             };
             histograms.push(buckets(&merged));
         }
+        let h = self.header();
         WorkerStats {
             read: op(0),
             write: op(1),
             flush: op(2),
             discard: op(3),
-            in_flight: self.in_flight.load(Relaxed),
-            since_ms: c.since_ms.load(Relaxed),
+            in_flight: reports.iter().map(|r| r.in_flight).sum(),
+            since_ms: h.since_ms.load(Relaxed),
             latency,
             histograms,
-            nowait_submitted: c.nowait_submitted.load(Relaxed),
-            nowait_completed_inline: c.nowait_completed_inline.load(Relaxed),
-            nowait_eagain_fallbacks: c.nowait_eagain_fallbacks.load(Relaxed),
-            qos_throttled: c.qos_throttled.load(Relaxed),
-            worker_restarts: c.worker_restarts.load(Relaxed),
+            nowait_submitted: sum(&|c| &c.nowait_submitted),
+            nowait_completed_inline: sum(&|c| &c.nowait_completed_inline),
+            nowait_eagain_fallbacks: sum(&|c| &c.nowait_eagain_fallbacks),
+            nowait_pauses: sum(&|c| &c.nowait_pauses),
+            nowait_bypassed: sum(&|c| &c.nowait_bypassed),
+            qos_throttled: sum(&|c| &c.qos_throttled),
+            worker_restarts: h.worker_restarts.load(Relaxed),
         }
     }
+}
+
+impl Drop for Stats {
+    fn drop(&mut self) {
+        // SAFETY: unmapping what open() mapped.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Latency histograms of one queue, per op, in microseconds; owned by the
+/// queue's thread.
+#[derive(Clone)]
+pub struct QueueLatency([Histogram<u64>; 4]);
+
+impl Default for QueueLatency {
+    fn default() -> Self {
+        let h = Self::histogram;
+        Self([h(), h(), h(), h()])
+    }
+}
+
+impl QueueLatency {
+    fn histogram() -> Histogram<u64> {
+        Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds")
+    }
+
+    /// Records one request's latency.
+    #[inline]
+    pub fn record(&mut self, op: Op, micros: u64) {
+        self.0[op as usize].saturating_record(micros.max(1));
+    }
+}
+
+/// What a queue thread hands over for a stats read.
+#[derive(Clone, Default)]
+pub struct QueueReport {
+    pub latency: QueueLatency,
+    pub in_flight: u64,
 }
 
 /// Per-bucket counts over the metrics bounds (the last counts the rest).
@@ -246,34 +289,49 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("stats");
         let s = Stats::open(&path, 2).unwrap();
-        s.complete(0, Op::Write, 4096, 4096, 100);
-        s.complete(1, Op::Write, 4096, 4096, 300);
-        s.complete(1, Op::Read, 512, -5, 50);
-        let since = s.snapshot().since_ms;
+        let (mut l0, mut l1) = (QueueLatency::default(), QueueLatency::default());
+        s.queue(0).complete(Op::Write, 4096, 4096);
+        l0.record(Op::Write, 100);
+        s.queue(1).complete(Op::Write, 4096, 4096);
+        l1.record(Op::Write, 300);
+        s.queue(1).complete(Op::Read, 512, -5);
+        let since = s.snapshot(&[]).since_ms;
         drop(s);
         // A new worker maps the same file: the counters are still there.
-        let s = Stats::open(&path, 1).unwrap();
-        let snap = s.snapshot();
+        let s = Stats::open(&path, 2).unwrap();
+        s.count_restart();
+        let snap = s.snapshot(&[]);
         assert_eq!(snap.write.ops, 2);
         assert_eq!(snap.write.bytes, 8192);
         assert_eq!(
             (snap.read.ops, snap.read.errors, snap.read.bytes),
             (1, Some(1), 0)
         );
-        assert_eq!(snap.since_ms, since);
-        assert_eq!(
-            snap.latency[1].count, 0,
-            "histograms restart with the worker"
-        );
-        s.complete(0, Op::Write, 4096, 4096, 100);
-        s.complete(0, Op::Write, 4096, 4096, 900);
-        let l = s.snapshot().latency[1];
-        assert_eq!(l.count, 2);
-        assert!(l.p50 >= 99 && l.p50 <= 101 && l.max >= 895, "{l:?}");
-        let h = &s.snapshot().histograms[1];
-        assert_eq!(h.count, 2);
-        assert_eq!(h.buckets.iter().sum::<u64>(), 2);
-        // 100 us lands in the (50, 100] bucket, 900 us in (500, 1000].
+        assert_eq!((snap.since_ms, snap.worker_restarts), (since, 1));
+        assert_eq!(snap.latency[1].count, 0, "histograms live with the queues");
+        l0.record(Op::Write, 900);
+        let reports = [
+            QueueReport {
+                latency: l0,
+                in_flight: 1,
+            },
+            QueueReport {
+                latency: l1,
+                in_flight: 2,
+            },
+        ];
+        let snap = s.snapshot(&reports);
+        let l = snap.latency[1];
+        assert_eq!((l.count, snap.in_flight), (3, 3));
+        assert!(l.p50 >= 299 && l.p50 <= 301 && l.max >= 895, "{l:?}");
+        let h = &snap.histograms[1];
+        assert_eq!(h.count, 3);
+        assert_eq!(h.buckets.iter().sum::<u64>(), 3);
+        // 100 us lands in the (50, 100] bucket, 300 in (250, 500], 900 in (500, 1000].
         assert_eq!((h.buckets[1], h.buckets[4]), (1, 1), "{h:?}");
+        drop(s);
+        // Another queue count is another layout: counting starts again.
+        let s = Stats::open(&path, 3).unwrap();
+        assert_eq!(s.snapshot(&[]).write.ops, 0);
     }
 }
