@@ -67,9 +67,13 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "BLOCKPLANE_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
-    /// Threads in each ublk worker's `threaded` pool [default: 4].
+    /// Blocking io-wq workers of each ublk queue for the `threaded` policy [default: 4].
     #[arg(long, env = "BLOCKPLANE_WORKER_THREADS")]
     pub worker_threads: Option<u16>,
+    /// Queues of a ublk volume that does not ask for a number [default: one
+    /// per online CPU, at most 8].
+    #[arg(long, env = "BLOCKPLANE_QUEUES")]
+    pub queues: Option<u16>,
     /// Seconds between re-reads of direct-mapped images' extents [default: 60].
     #[arg(long, env = "BLOCKPLANE_EXTENT_CHECK_SECS")]
     pub extent_check_secs: Option<u32>,
@@ -98,6 +102,18 @@ pub struct ServeArgs {
     pub accept_new_registry: bool,
 }
 
+/// Most queues a volume may have.
+pub const MAX_QUEUES: u16 = 64;
+/// The per-CPU default stops here: more queues than this buy nothing but memory.
+const MAX_DEFAULT_QUEUES: u16 = 8;
+
+/// One queue per online CPU, at most [`MAX_DEFAULT_QUEUES`].
+fn per_cpu_queues() -> u16 {
+    std::thread::available_parallelism()
+        .map(|n| n.get().min(usize::from(MAX_DEFAULT_QUEUES)) as u16)
+        .unwrap_or(1)
+}
+
 /// Limits that protect the service from its clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -123,6 +139,7 @@ struct FileConfig {
     insecure_tcp: Option<bool>,
     log_format: Option<LogFormat>,
     worker_threads: Option<u16>,
+    queues: Option<u16>,
     extent_check_secs: Option<u32>,
     max_body_bytes: Option<usize>,
     header_timeout_secs: Option<u64>,
@@ -172,6 +189,8 @@ pub struct ServeConfig {
     pub token: Option<String>,
     pub log_format: LogFormat,
     pub worker_threads: u16,
+    /// Queues of a ublk volume created without a number.
+    pub queues: u16,
     pub extent_check_secs: u32,
     pub limits: Limits,
     /// Start on a new registry even when devices over the image roots exist.
@@ -281,6 +300,11 @@ impl ServeArgs {
                 .or(file.worker_threads)
                 .unwrap_or(4)
                 .max(1),
+            queues: self
+                .queues
+                .or(file.queues)
+                .unwrap_or_else(per_cpu_queues)
+                .clamp(1, MAX_QUEUES),
             extent_check_secs: self
                 .extent_check_secs
                 .or(file.extent_check_secs)

@@ -217,9 +217,11 @@ pub struct CreateVolumeRequest {
     pub dispatch: DispatchPolicy,
     #[serde(default)]
     pub read_only: bool,
-    /// Hardware queues of the block device.
-    #[serde(default = "default_queues")]
-    pub queues: u16,
+    /// Hardware queues of the block device, each served by its own thread.
+    /// Omitted: one per online CPU (at most 8, or the service's `--queues`)
+    /// for ublk and dm, 1 for loop.
+    #[serde(default)]
+    pub queues: Option<u16>,
     /// Depth of each queue.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: u16,
@@ -231,23 +233,25 @@ pub struct CreateVolumeRequest {
     pub qos: Option<Qos>,
 }
 
+impl CreateVolumeRequest {
+    /// The queue count of a recorded volume (recorded specs always carry one).
+    pub fn queue_count(&self) -> u16 {
+        self.queues.unwrap_or(1)
+    }
+}
+
 fn default_backend() -> BackendChoice {
     BackendChoice::Auto
 }
 fn default_dispatch() -> DispatchPolicy {
     DispatchPolicy::Auto
 }
-/// Default number of queues of a volume.
-pub const DEFAULT_QUEUES: u16 = 1;
 /// Default depth of each queue of a volume.
 pub const DEFAULT_QUEUE_DEPTH: u16 = 128;
 /// Default largest request of a volume, bytes.
 pub const DEFAULT_MAX_IO_BYTES: u32 = 256 << 10;
 fn default_max_io_bytes() -> u32 {
     DEFAULT_MAX_IO_BYTES
-}
-fn default_queues() -> u16 {
-    DEFAULT_QUEUES
 }
 fn default_queue_depth() -> u16 {
     DEFAULT_QUEUE_DEPTH

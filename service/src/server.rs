@@ -468,6 +468,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         ManagerConfig {
             run_dir: cfg.data_dir.join("run"),
             worker_threads: cfg.worker_threads,
+            default_queues: cfg.queues,
             extent_check_secs: cfg.extent_check_secs,
             max_volumes: cfg.limits.max_volumes,
             fault,

@@ -320,7 +320,7 @@ impl ControllerService {
             backend: params.backend,
             dispatch: params.dispatch,
             read_only: false,
-            queues: model::DEFAULT_QUEUES,
+            queues: None,
             queue_depth: model::DEFAULT_QUEUE_DEPTH,
             max_io_bytes: model::DEFAULT_MAX_IO_BYTES,
             qos: params.qos,

@@ -142,8 +142,10 @@ impl Fault {
 pub struct ManagerConfig {
     /// Runtime files (worker run dirs).
     pub run_dir: std::path::PathBuf,
-    /// Threads of each ublk worker's `threaded` pool.
+    /// Blocking io-wq workers of each ublk queue (`threaded`).
     pub worker_threads: u16,
+    /// Queues of a ublk or dm volume created without a number.
+    pub default_queues: u16,
     /// Seconds between re-reads of direct maps (rule 5).
     pub extent_check_secs: u32,
     /// Volumes this host may have.
@@ -172,6 +174,7 @@ pub struct Manager {
     pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
     max_volumes: usize,
+    default_queues: u16,
     /// This service's instance id, in the marks it puts on devices.
     instance: String,
 }
@@ -216,6 +219,7 @@ impl Manager {
             api_metrics: crate::metrics::ApiMetrics::default(),
             fault: cfg.fault,
             max_volumes: cfg.max_volumes,
+            default_queues: cfg.default_queues,
         });
         me.clone().record_backend_events(backend_events);
         Ok(me)

@@ -18,19 +18,17 @@ use crate::model::{
 };
 use crate::store::{ImageRow, VolumeRow};
 
-/// Largest queue count a volume may ask for.
-pub const MAX_QUEUES: u16 = 64;
+pub use crate::config::MAX_QUEUES;
 /// Largest queue depth a volume may ask for (the ublk driver's limit).
 pub const MAX_QUEUE_DEPTH: u16 = 4096;
 
 fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
-    if !(1..=MAX_QUEUES).contains(&req.queues) {
+    if let Some(q) = req.queues
+        && !(1..=MAX_QUEUES).contains(&q)
+    {
         return Err(Error::InvalidField {
             field: "queues",
-            reason: format!(
-                "{} is outside 1..={MAX_QUEUES} (volume '{}')",
-                req.queues, req.name
-            ),
+            reason: format!("{q} is outside 1..={MAX_QUEUES} (volume '{}')", req.name),
         });
     }
     if !(1..=MAX_QUEUE_DEPTH).contains(&req.queue_depth) {
@@ -118,7 +116,7 @@ impl Manager {
             device: att.map(|a| a.device.clone()),
             size_bytes: att.map(|a| a.size_bytes).unwrap_or(image_size),
             read_only: v.read_only,
-            queues: v.spec.queues,
+            queues: v.spec.queue_count(),
             queue_depth: v.spec.queue_depth,
             max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
@@ -224,11 +222,13 @@ impl Manager {
         check_spec(&req)?;
         let _volume = self.volume_locks.lock(&req.name).await;
         let image = self.image_row(&req.image).await?;
-        let spec = CreateVolumeRequest {
+        let mut spec = CreateVolumeRequest {
             image: image.id.to_string(),
             ..req.clone()
         };
         if let Some(existing) = self.store.volume(&req.name).await? {
+            // No queue count asked: whatever the volume got is the same spec.
+            spec.queues = spec.queues.or(existing.spec.queues);
             if existing.spec == spec {
                 return Ok(Created::Existing(self.volume_view(&existing).await?));
             }
@@ -262,9 +262,15 @@ impl Manager {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
             blocking(move || me.open_and_lock(&image, access)).await??
         };
+        // Loop has one queue; the others get one per CPU unless asked.
+        let queues = req.queues.unwrap_or(match backend.kind() {
+            Backend::Loop => 1,
+            Backend::Ublk | Backend::Dm => self.default_queues,
+        });
+        spec.queues = Some(queues);
         let check = SpecCheck {
             dispatch: req.dispatch,
-            queues: req.queues,
+            queues,
             queue_depth: req.queue_depth,
             max_io_bytes: req.max_io_bytes,
             qos: req.qos,
@@ -715,7 +721,7 @@ pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> Volume
         read_only: v.spec.read_only,
         refuse_writes: v.read_only,
         dispatch: v.dispatch,
-        queues: v.spec.queues,
+        queues: v.spec.queue_count(),
         queue_depth: v.spec.queue_depth,
         max_io_bytes: v.spec.max_io_bytes,
         qos: v.qos,
