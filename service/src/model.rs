@@ -257,6 +257,16 @@ fn default_queue_depth() -> u16 {
     DEFAULT_QUEUE_DEPTH
 }
 
+/// How a ublk worker gets at a request's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyMode {
+    /// Copied between the request and the worker's buffer.
+    Copy,
+    /// The request's pages, registered on the queue's ring by the kernel.
+    ZeroCopy,
+}
+
 /// Life-cycle state of a volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -312,8 +322,13 @@ pub struct Volume {
     pub qos: Option<Qos>,
     /// Loop volumes: whether the kernel loop driver does direct I/O on the image.
     pub direct_io: Option<bool>,
-    /// ublk volumes: bytes of I/O buffers the worker holds (queues x depth x max_io_bytes).
+    /// ublk volumes: bytes of I/O buffers the worker holds (queues x depth x
+    /// max_io_bytes in copy mode, 0 with zero copy).
     pub buffer_bytes: Option<u64>,
+    /// ublk volumes: whether the worker copies each request's data through
+    /// its own buffers (`copy`) or uses the request's pages in place
+    /// (`zero_copy`, where the kernel has UBLK_F_AUTO_BUF_REG).
+    pub copy_mode: Option<CopyMode>,
     /// ublk volumes: the worker process serving the device.
     pub worker_pid: Option<u32>,
     /// The image grew, but the kernel could not resize the device live

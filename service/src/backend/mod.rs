@@ -186,6 +186,12 @@ pub struct UblkAttachment {
     pub pinned: Option<Pin>,
     /// Bytes of I/O buffers the worker holds.
     pub buffer_bytes: u64,
+    /// Queues the device has (none recorded before they were).
+    #[serde(default)]
+    pub queues: Option<u16>,
+    /// The worker uses requests' pages in place (UBLK_F_AUTO_BUF_REG).
+    #[serde(default)]
+    pub zero_copy: bool,
     /// Why the volume left the direct path on its own (extent drift).
     pub degraded: Option<String>,
 }

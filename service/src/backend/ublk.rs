@@ -271,6 +271,8 @@ impl UblkBackend {
                 pid: s.pid,
                 pinned: s.pinned,
                 buffer_bytes: s.buffer_bytes,
+                queues: (s.queues > 0).then_some(s.queues),
+                zero_copy: s.zero_copy,
                 degraded: s.degraded.clone(),
             }),
             dm: None,

@@ -148,6 +148,8 @@ fn status(cx: &Ctx) -> Answer {
     let s = &cx.shared;
     let st = s.state.lock().expect("state poisoned").clone();
     let spec = &s.spec;
+    let queues = cx.ctrl.dev_info().nr_hw_queues;
+    let zero_copy = cx.dev_flags & u64::from(sys::UBLK_F_AUTO_BUF_REG) != 0;
     Answer::Status(Box::new(Status {
         pid: std::process::id(),
         dev_id: cx.dev_id,
@@ -157,9 +159,13 @@ fn status(cx: &Ctx) -> Answer {
         pinned: st.pinned,
         size_bytes: st.size_bytes,
         read_only: s.read_only(),
-        buffer_bytes: u64::from(spec.queues)
-            * u64::from(spec.queue_depth)
-            * u64::from(spec.max_io_bytes),
+        buffer_bytes: if zero_copy {
+            0
+        } else {
+            u64::from(queues) * u64::from(spec.queue_depth) * u64::from(spec.max_io_bytes)
+        },
+        queues,
+        zero_copy,
         features: cx.features,
         dev_flags: cx.dev_flags,
         degraded: st.degraded,

@@ -19,7 +19,7 @@ use libublk::helpers::IoBuf;
 use libublk::io::{UblkDev, UblkQueue};
 use libublk::{BufDesc, UblkError, UblkFlags, sys};
 
-use super::io::{IMAGE_SLOT, QueueCtx, RAW_SLOTS, Req};
+use super::io::{Buf, IMAGE_SLOT, QueueCtx, RAW_SLOTS, Req};
 use super::mailbox::{Mailbox, Queues};
 use super::{Policy, Shared, control};
 
@@ -68,7 +68,13 @@ pub fn kernel_features() -> u64 {
 
 fn ctrl_flags(features: u64) -> u64 {
     let mut f = u64::from(sys::UBLK_F_USER_RECOVERY);
-    for opt in [sys::UBLK_F_USER_RECOVERY_REISSUE, sys::UBLK_F_UPDATE_SIZE] {
+    // AUTO_BUF_REG: zero copy, the request's pages registered on the queue's
+    // ring for each request (kernel 6.16+); copy mode where it is missing.
+    for opt in [
+        sys::UBLK_F_USER_RECOVERY_REISSUE,
+        sys::UBLK_F_UPDATE_SIZE,
+        sys::UBLK_F_AUTO_BUF_REG,
+    ] {
         if features & u64::from(opt) != 0 {
             f |= u64::from(opt);
         }
@@ -302,12 +308,28 @@ fn queue(
 }
 
 async fn tag_task(q: &UblkQueue<'_>, tag: u16, ctx: &QueueCtx) -> Result<(), UblkError> {
+    if q.support_auto_buf_zc() {
+        // Zero copy: the kernel registers each request's pages at the tag's
+        // index of the ring's buffer table; there is no buffer of our own.
+        let reg = sys::ublk_auto_buf_reg {
+            index: tag,
+            ..Default::default()
+        };
+        q.submit_io_prep_cmd(tag, BufDesc::AutoReg(reg), 0, None)
+            .await?;
+        loop {
+            let req = Req::from_iod(q.get_iod(tag));
+            let res = ctx.serve(q, req, Buf::Registered(tag)).await;
+            q.submit_io_commit_cmd(tag, BufDesc::AutoReg(reg), res)
+                .await?;
+        }
+    }
     let buf = IoBuf::<u8>::new(q.dev.dev_info.max_io_buf_bytes as usize);
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(&buf))
         .await?;
     loop {
         let req = Req::from_iod(q.get_iod(tag));
-        let res = ctx.serve(q, req, buf.as_mut_ptr()).await;
+        let res = ctx.serve(q, req, Buf::Mem(buf.as_mut_ptr())).await;
         q.submit_io_commit_cmd(tag, BufDesc::Slice(buf.as_slice()), res)
             .await?;
     }

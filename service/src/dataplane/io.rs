@@ -117,6 +117,100 @@ fn rw_sqe(op: u32, file: FileRef, p: *mut u8, n: u32, off: u64, flags: i32) -> s
     }
 }
 
+/// A request's data: the tag's own buffer (copy mode), or the request's pages,
+/// which the kernel registered on the queue's ring at the tag's index
+/// (zero copy, `UBLK_F_AUTO_BUF_REG`): the server never touches the bytes.
+#[derive(Debug, Clone, Copy)]
+pub enum Buf {
+    Mem(*mut u8),
+    Registered(u16),
+}
+
+impl Buf {
+    /// Reads or writes `n` bytes at `at` within the buffer, on `file` at `off`.
+    fn rw_sqe(
+        self,
+        op: u32,
+        file: FileRef,
+        at: u64,
+        n: u32,
+        off: u64,
+        flags: i32,
+    ) -> squeue::Entry {
+        match self {
+            // SAFETY: callers stay within the request, within the tag's buffer.
+            Buf::Mem(p) => rw_sqe(op, file, unsafe { p.add(at as usize) }, n, off, flags),
+            // A registered kernel buffer is addressed from 0.
+            Buf::Registered(index) => {
+                let at = at as usize as *mut u8;
+                if op == sys::UBLK_IO_OP_READ {
+                    on_file!(file, |f| opcode::ReadFixed::new(f, at, n, index)
+                        .offset(off)
+                        .rw_flags(flags)
+                        .build())
+                } else {
+                    on_file!(file, |f| opcode::WriteFixed::new(f, at, n, index)
+                        .offset(off)
+                        .rw_flags(flags)
+                        .build())
+                }
+            }
+        }
+    }
+
+    /// Zeroes `n` bytes at `at` (a read past the image's end).
+    async fn zero(self, q: &UblkQueue<'_>, zero: FileRef, at: u64, n: u32) -> i32 {
+        match self {
+            Buf::Mem(p) => {
+                // SAFETY: within the request, within the tag's buffer.
+                unsafe { std::ptr::write_bytes(p.add(at as usize), 0, n as usize) };
+                0
+            }
+            // The bytes are the kernel's: /dev/zero fills them.
+            Buf::Registered(_) => q
+                .ublk_submit_sqe(self.rw_sqe(sys::UBLK_IO_OP_READ, zero, at, n, 0, 0))
+                .await
+                .min(0),
+        }
+    }
+}
+
+/// One read or write: `n` bytes at `at` within a request's buffer, at `off`
+/// in a file.
+#[derive(Debug, Clone, Copy)]
+struct Io {
+    op: u32,
+    buf: Buf,
+    at: u64,
+    n: u32,
+    off: u64,
+    /// `RWF_*` (`RWF_DSYNC` for FUA).
+    flags: i32,
+}
+
+impl Io {
+    fn sqe(&self, file: FileRef, more_flags: i32) -> squeue::Entry {
+        self.buf.rw_sqe(
+            self.op,
+            file,
+            self.at,
+            self.n,
+            self.off,
+            self.flags | more_flags,
+        )
+    }
+
+    /// What is left after `done` bytes.
+    fn after(self, done: u32) -> Self {
+        Self {
+            at: self.at + u64::from(done),
+            n: self.n - done,
+            off: self.off + u64::from(done),
+            ..self
+        }
+    }
+}
+
 fn fallocate_sqe(file: FileRef, off: u64, len: u64, mode: i32) -> squeue::Entry {
     on_file!(file, |f| opcode::Fallocate::new(f, len)
         .offset(off)
@@ -297,7 +391,7 @@ impl QueueCtx {
     }
 
     /// Serves one request; returns its result (bytes, 0, or -errno).
-    pub async fn serve(&self, q: &UblkQueue<'_>, req: Req, buf: *mut u8) -> i32 {
+    pub async fn serve(&self, q: &UblkQueue<'_>, req: Req, buf: Buf) -> i32 {
         let Some(op) = req.kind() else {
             return -libc::EINVAL;
         };
@@ -341,7 +435,7 @@ impl QueueCtx {
     }
 
     /// `nowait` and `threaded`: the image, through its registered slot.
-    async fn file(&self, q: &UblkQueue<'_>, req: Req, buf: *mut u8, mode: FileMode) -> i32 {
+    async fn file(&self, q: &UblkQueue<'_>, req: Req, buf: Buf, mode: FileMode) -> i32 {
         let image = FileRef::Slot(IMAGE_SLOT);
         let asynch = |sqe: squeue::Entry| match mode {
             FileMode::Threaded => sqe.flags(squeue::Flags::ASYNC),
@@ -349,18 +443,20 @@ impl QueueCtx {
         };
         match req.op {
             sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE => {
-                let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
+                let flags = if req.fua { libc::RWF_DSYNC } else { 0 };
                 let mut done = 0u32;
                 while done < req.len {
-                    // SAFETY: within the tag's buffer of at least req.len bytes.
-                    let p = unsafe { buf.add(done as usize) };
-                    let (n, o) = (req.len - done, req.off + u64::from(done));
+                    let io = Io {
+                        op: req.op,
+                        buf,
+                        at: u64::from(done),
+                        n: req.len - done,
+                        off: req.off + u64::from(done),
+                        flags,
+                    };
                     let res = match mode {
-                        FileMode::Threaded => {
-                            q.ublk_submit_sqe(asynch(rw_sqe(req.op, image, p, n, o, dsync)))
-                                .await
-                        }
-                        FileMode::Nowait => self.nowait_rw(q, req.op, p, n, o, dsync).await,
+                        FileMode::Threaded => q.ublk_submit_sqe(asynch(io.sqe(image, 0))).await,
+                        FileMode::Nowait => self.nowait_rw(q, io).await,
                     };
                     match res {
                         r if r < 0 => return r,
@@ -370,8 +466,11 @@ impl QueueCtx {
                             if req.op == sys::UBLK_IO_OP_WRITE {
                                 return -libc::EIO;
                             }
-                            // SAFETY: as above.
-                            unsafe { std::ptr::write_bytes(p, 0, n as usize) };
+                            let zero = FileRef::Fd(self.shared.zero.as_raw_fd());
+                            let r = buf.zero(q, zero, io.at, io.n).await;
+                            if r < 0 {
+                                return r;
+                            }
                             break;
                         }
                         r => done += r as u32,
@@ -392,30 +491,20 @@ impl QueueCtx {
 
     /// One read or write on the `nowait` path: `RWF_NOWAIT` while its op type
     /// asks it; an EAGAIN goes straight to io-wq (`IOSQE_ASYNC`).
-    async fn nowait_rw(
-        &self,
-        q: &UblkQueue<'_>,
-        op: u32,
-        p: *mut u8,
-        n: u32,
-        o: u64,
-        dsync: i32,
-    ) -> i32 {
+    async fn nowait_rw(&self, q: &UblkQueue<'_>, io: Io) -> i32 {
         let image = FileRef::Slot(IMAGE_SLOT);
         let c = self.counters();
-        let window = &self.nowait[usize::from(op != sys::UBLK_IO_OP_READ)];
+        let window = &self.nowait[usize::from(io.op != sys::UBLK_IO_OP_READ)];
         let mut w = window.get();
         let asks = w.asks();
         window.set(w);
         if !asks || self.nowait_unsupported.get() {
             // io_uring still tries it without blocking first, then punts.
             bump(&c.nowait_bypassed, 1);
-            return q.ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync)).await;
+            return q.ublk_submit_sqe(io.sqe(image, 0)).await;
         }
         bump(&c.nowait_submitted, 1);
-        let res = q
-            .ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync | libc::RWF_NOWAIT))
-            .await;
+        let res = q.ublk_submit_sqe(io.sqe(image, libc::RWF_NOWAIT)).await;
         if res == -libc::EOPNOTSUPP && !self.nowait_unsupported.replace(true) {
             tracing::warn!(
                 queue = self.qid,
@@ -433,7 +522,7 @@ impl QueueCtx {
             return res;
         }
         bump(&c.nowait_eagain_fallbacks, 1);
-        q.ublk_submit_sqe(rw_sqe(op, image, p, n, o, dsync).flags(squeue::Flags::ASYNC))
+        q.ublk_submit_sqe(io.sqe(image, 0).flags(squeue::Flags::ASYNC))
             .await
     }
 }
@@ -460,13 +549,7 @@ fn raw_device(d: &DirectPath, registered: bool, device: usize) -> FileRef {
 
 /// `direct`: through the extent map to the raw device(s). The pieces of a
 /// request go on the ring together.
-async fn direct(
-    q: &UblkQueue<'_>,
-    d: &DirectPath,
-    registered: bool,
-    req: Req,
-    buf: *mut u8,
-) -> i32 {
+async fn direct(q: &UblkQueue<'_>, d: &DirectPath, registered: bool, req: Req, buf: Buf) -> i32 {
     match req.op {
         sys::UBLK_IO_OP_FLUSH => {
             for dev in 0..d.devices.len() {
@@ -484,42 +567,46 @@ async fn direct(
             let Some(mut pieces) = d.map.pieces(req.off, u64::from(req.len)) else {
                 return -libc::EIO;
             };
-            let dsync = if req.fua { libc::RWF_DSYNC } else { 0 };
+            let zeroes = req.op == sys::UBLK_IO_OP_WRITE_ZEROES;
+            let flags = if req.fua { libc::RWF_DSYNC } else { 0 };
             loop {
-                let mut out: [Option<(UblkUringOpFuture, crate::extent::Piece)>; PIECES_TOGETHER] =
+                let mut out: [Option<(UblkUringOpFuture, FileRef, Io)>; PIECES_TOGETHER] =
                     Default::default();
                 let mut any = false;
                 for (slot, p) in out.iter_mut().zip(pieces.by_ref()) {
                     let file = raw_device(d, registered, p.device);
-                    let sqe = if req.op == sys::UBLK_IO_OP_WRITE_ZEROES {
-                        fallocate_sqe(
-                            file,
-                            p.physical,
-                            p.len,
-                            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                        )
-                    } else {
-                        // SAFETY: the piece lies within the request, within the buffer.
-                        let at = unsafe { buf.add(p.offset_in_request as usize) };
-                        rw_sqe(req.op, file, at, p.len as u32, p.physical, dsync)
+                    let io = Io {
+                        op: req.op,
+                        buf,
+                        at: p.offset_in_request,
+                        n: p.len as u32,
+                        off: p.physical,
+                        flags,
                     };
-                    *slot = Some((q.ublk_submit_sqe(sqe), p));
+                    let sqe = if zeroes {
+                        let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+                        fallocate_sqe(file, p.physical, p.len, mode)
+                    } else {
+                        io.sqe(file, 0)
+                    };
+                    *slot = Some((q.ublk_submit_sqe(sqe), file, io));
                     any = true;
                 }
                 if !any {
                     break;
                 }
+                // Every piece in flight is awaited, even after a failure.
                 let mut failed = 0;
-                for (f, p) in out.into_iter().flatten() {
+                for (f, file, io) in out.into_iter().flatten() {
                     let r = f.await;
                     if failed < 0 {
                         continue;
                     }
                     failed = if r < 0 {
                         r
-                    } else if req.op != sys::UBLK_IO_OP_WRITE_ZEROES && (r as u64) < p.len {
+                    } else if !zeroes && (r as u32) < io.n {
                         // Short: finish the piece on its own.
-                        finish_piece(q, d, registered, req, buf, p, r as u64, dsync).await
+                        finish(q, file, io.after(r as u32)).await
                     } else {
                         0
                     };
@@ -528,45 +615,19 @@ async fn direct(
                     return failed;
                 }
             }
-            if req.op == sys::UBLK_IO_OP_WRITE_ZEROES {
-                0
-            } else {
-                req.len as i32
-            }
+            if zeroes { 0 } else { req.len as i32 }
         }
     }
 }
 
 /// The rest of a piece after a short transfer.
-#[allow(clippy::too_many_arguments)]
-async fn finish_piece(
-    q: &UblkQueue<'_>,
-    d: &DirectPath,
-    registered: bool,
-    req: Req,
-    buf: *mut u8,
-    p: crate::extent::Piece,
-    mut done: u64,
-    dsync: i32,
-) -> i32 {
-    let file = raw_device(d, registered, p.device);
-    while done < p.len {
-        // SAFETY: within the piece, within the buffer.
-        let at = unsafe { buf.add((p.offset_in_request + done) as usize) };
-        let r = q
-            .ublk_submit_sqe(rw_sqe(
-                req.op,
-                file,
-                at,
-                (p.len - done) as u32,
-                p.physical + done,
-                dsync,
-            ))
-            .await;
+async fn finish(q: &UblkQueue<'_>, file: FileRef, mut io: Io) -> i32 {
+    while io.n > 0 {
+        let r = q.ublk_submit_sqe(io.sqe(file, 0)).await;
         if r <= 0 {
             return if r == 0 { -libc::EIO } else { r };
         }
-        done += r as u64;
+        io = io.after(r as u32);
     }
     0
 }

@@ -113,6 +113,8 @@ pub struct Shared {
     pub image: File,
     /// The image reopened for the data path (O_DIRECT where the filesystem allows).
     pub data: File,
+    /// `/dev/zero`: fills a zero-copy read past the image's end.
+    pub zero: File,
     /// The config in force on every queue (the control thread's copy).
     config: Mutex<QueueConfig>,
     /// One change at a time (the control socket and the drift checks).
@@ -430,6 +432,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         stats,
         image,
         data,
+        zero: File::open("/dev/zero")?,
         spec,
     });
     let start = Policy::from_requested(shared.spec.dispatch);

@@ -93,8 +93,15 @@ pub struct Status {
     pub pinned: Option<Pin>,
     pub size_bytes: u64,
     pub read_only: bool,
-    /// Bytes of I/O buffers the worker holds (queues x depth x max I/O).
+    /// Bytes of I/O buffers the worker holds (queues x depth x max I/O; 0
+    /// with zero copy).
     pub buffer_bytes: u64,
+    /// Queues the device has (the kernel caps the count asked at its CPUs).
+    #[serde(default)]
+    pub queues: u16,
+    /// Requests' pages are used in place (UBLK_F_AUTO_BUF_REG), not copied.
+    #[serde(default)]
+    pub zero_copy: bool,
     /// The kernel's ublk feature bits.
     pub features: u64,
     /// UBLK_F_* flags the device was created with.

@@ -13,7 +13,7 @@ use crate::backend::{
 };
 use crate::image::{Access, ImageFile};
 use crate::model::{
-    ActiveDispatch, Backend, BackendChoice, CreateVolumeRequest, DispatchPolicy,
+    ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
     PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
 };
 use crate::store::{ImageRow, VolumeRow};
@@ -116,12 +116,21 @@ impl Manager {
             device: att.map(|a| a.device.clone()),
             size_bytes: att.map(|a| a.size_bytes).unwrap_or(image_size),
             read_only: v.read_only,
-            queues: v.spec.queue_count(),
+            // The device's count where known: the kernel caps it at its CPUs.
+            queues: att
+                .and_then(|a| a.ublk.as_ref()?.queues)
+                .unwrap_or(v.spec.queue_count()),
             queue_depth: v.spec.queue_depth,
             max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
             direct_io: att.and_then(|a| a.direct_io),
             buffer_bytes: att.and_then(|a| a.ublk.as_ref().map(|u| u.buffer_bytes)),
+            copy_mode: att.and_then(|a| {
+                a.ublk.as_ref().map(|u| match u.zero_copy {
+                    true => CopyMode::ZeroCopy,
+                    false => CopyMode::Copy,
+                })
+            }),
             worker_pid: att.and_then(|a| a.ublk.as_ref().map(|u| u.pid)),
             resize_pending: att.is_some_and(|a| a.resize_pending),
             created_at: v.created_at,

@@ -468,3 +468,59 @@ async fn deleting_under_io_ends_it_with_errors_and_leaves_nothing() {
         "no immutable flag"
     );
 }
+
+/// The CPUs a thread may run on, from `/proc/<pid>/task/<tid>/status`.
+fn cpus_allowed(pid: u32, tid: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_default_volume_has_a_pinned_queue_per_cpu_and_says_how_it_copies() {
+    let vm = Vm::start().await;
+    vm.image("q", Scratch::Xfs, 64, "full").await;
+    let cpus = std::thread::available_parallelism().unwrap().get().min(8);
+    let v = vm
+        .volume(json!({"name": "q", "image": "q", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    assert_eq!(v["queues"], cpus, "a queue per CPU: {v}");
+    // Zero copy where the kernel offers AUTO_BUF_REG, else copy mode.
+    let host = vm.s.get("/v1/host").await.body;
+    let names = &host["backends"]["ublk"]["features"]["names"];
+    let zc = names
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n == "AUTO_BUF_REG");
+    assert_eq!(v["copy_mode"], if zc { "zero_copy" } else { "copy" }, "{v}");
+    let per_queue = 128 * 256 * 1024;
+    let buffers = if zc { 0 } else { cpus as u64 * per_queue };
+    assert_eq!(v["buffer_bytes"], buffers);
+    // One thread per queue, each pinned to a CPU of its own.
+    let pid = worker_pid(&v);
+    let mut pinned = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let tid = t.unwrap().file_name().into_string().unwrap();
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap();
+        if comm.trim().starts_with("queue-") {
+            pinned.push(cpus_allowed(pid, &tid));
+        }
+    }
+    pinned.sort();
+    let want: Vec<String> = (0..cpus).map(|c| c.to_string()).collect();
+    assert_eq!(pinned, want, "queue threads and their CPUs");
+    // The data path in that mode keeps data, on each policy.
+    let dev = v["device"].as_str().unwrap().to_string();
+    for policy in POLICIES {
+        vm.set_dispatch("q", policy).await;
+        fio_ok(fio_verify(&dev, "16M", &[]));
+    }
+    let st = vm.s.get("/v1/volumes/q/stats").await.body;
+    assert!(st["nowait"]["pauses"].is_u64(), "{st}");
+    vm.delete("q").await;
+}
