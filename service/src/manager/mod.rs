@@ -109,6 +109,8 @@ pub enum Stage {
     AfterAttach,
     /// The device is gone, the row is still there.
     AfterDetach,
+    /// A live change is made on the device, the row does not say so yet.
+    AfterChange,
 }
 
 /// An injected fault: SIGKILL the service, or fail the operation, at a stage.
@@ -120,13 +122,14 @@ pub enum Fault {
 
 impl Fault {
     /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
-    /// `fail_after_attach`.
+    /// `kill_after_change`, `fail_after_attach`.
     pub fn parse(s: &str) -> Option<Self> {
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
             "insert" => Stage::AfterInsert,
             "attach" => Stage::AfterAttach,
             "detach" => Stage::AfterDetach,
+            "change" => Stage::AfterChange,
             _ => return None,
         };
         match action {

@@ -10,9 +10,10 @@ use std::collections::HashSet;
 
 use super::volumes::{access, params};
 use super::{Manager, Result, blocking};
-use crate::backend::{OrphanPolicy, Probe, ProbeRequest};
+use crate::backend::{Attachment, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend};
 use crate::image::Access;
-use crate::model::VolumeState;
+use crate::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState};
+use crate::store::VolumeRow;
 
 /// What reconciliation did, for the log.
 #[derive(Debug, Default)]
@@ -25,6 +26,54 @@ pub struct Report {
 }
 
 impl Manager {
+    /// A device adopted after a crash may carry a live change its row never
+    /// recorded (the service died between changing the device and the
+    /// commit, whose answer the client never got). The row says what should
+    /// be: its live settings are applied again.
+    async fn reapply_settings(
+        &self,
+        backend: &std::sync::Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        mut att: Attachment,
+    ) -> Attachment {
+        if v.backend == Backend::Loop {
+            return att;
+        }
+        let asked = match v.dispatch {
+            DispatchPolicy::Auto => None,
+            DispatchPolicy::Nowait => Some(ActiveDispatch::Nowait),
+            DispatchPolicy::Threaded => Some(ActiveDispatch::Threaded),
+            DispatchPolicy::Direct => Some(ActiveDispatch::Direct),
+        };
+        let mut changes = Vec::new();
+        if asked.is_some_and(|d| d != att.dispatch) {
+            changes.push(Change::Dispatch(v.dispatch));
+        }
+        if att.read_only != v.read_only {
+            changes.push(Change::ReadOnly(v.read_only));
+        }
+        // A worker does not report its limits: send the row's.
+        if v.backend == Backend::Ublk {
+            changes.push(Change::Qos(v.qos));
+        }
+        for change in changes {
+            let (b, a) = (backend.clone(), att.clone());
+            if !matches!(
+                blocking(move || b.check_change(&a, change)).await,
+                Ok(Ok(()))
+            ) {
+                continue;
+            }
+            match self.reconfigure(backend, v, &att, change).await {
+                Ok(a) => att = a,
+                Err(e) => {
+                    tracing::warn!(volume = %v.name, error = %e, ?change, "could not apply the recorded setting again after adoption")
+                }
+            }
+        }
+        att
+    }
+
     /// Reconciles every volume, then removes orphan devices.
     pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
         let mut report = Report::default();
@@ -76,10 +125,11 @@ impl Manager {
                 image: opened.ok().map(|f| f.into_fd()),
                 stored: v.attachment.clone(),
             };
-            let probe = blocking(move || backend.probe(req)).await?;
+            let prober = backend.clone();
+            let probe = blocking(move || prober.probe(req)).await?;
             match probe {
                 Ok(Probe::Alive(att)) => {
-                    let mut att = *att;
+                    let mut att = self.reapply_settings(&backend, &v, *att).await;
                     // Same device as recorded: keep when and from what its counters count.
                     if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
                         att.attached_at = old.attached_at;

@@ -589,12 +589,13 @@ impl Manager {
                 }
             }
         }
+        self.fault_point(Stage::AfterChange)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
 
     /// Makes one live change on the device.
-    async fn reconfigure(
+    pub(super) async fn reconfigure(
         &self,
         backend: &Arc<dyn VolumeBackend>,
         v: &VolumeRow,

@@ -6,7 +6,10 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::harness::assert_error;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, is_immutable, run, sh, writes_flow};
+use crate::{
+    Scratch, Vm, direct_write, direct_write_ok, eventually, fio_ok, fio_verify, is_immutable, run,
+    sh, writes_flow,
+};
 
 const POLICIES: [&str; 3] = ["nowait", "threaded", "direct"];
 
@@ -523,4 +526,58 @@ async fn a_default_volume_has_a_pinned_queue_per_cpu_and_says_how_it_copies() {
     let st = vm.s.get("/v1/volumes/q/stats").await.body;
     assert!(st["nowait"]["pauses"].is_u64(), "{st}");
     vm.delete("q").await;
+}
+
+/// Sends a PATCH the service dies in the middle of (test fault
+/// `kill_after_change`: the worker has the change, the row does not).
+async fn patch_and_die(vm: &mut Vm, volume: &str, body: serde_json::Value) {
+    vm.s.kill();
+    vm.s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
+    vm.s.wait_ready().await;
+    let client = blockplane::client::Client::new(
+        blockplane::client::Endpoint::Unix(vm.s.sock.clone()),
+        None,
+    );
+    let path = format!("/v1/volumes/{volume}");
+    let answer = client.send(hyper::Method::PATCH, &path, Some(&body)).await;
+    assert!(answer.is_err(), "the service should have died: {answer:?}");
+    assert!(!vm.s.wait_exit(Duration::from_secs(30)).success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_live_change_the_service_died_before_recording_is_undone_at_restart() {
+    let mut vm = Vm::start().await;
+    vm.image("lc", Scratch::Xfs, 64, "full").await;
+    let v = vm
+        .volume(json!({"name": "lc", "image": "lc", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    direct_write_ok(&dev);
+
+    // Read-only reached the worker; the row still says writable.
+    patch_and_die(&mut vm, "lc", json!({"read_only": true})).await;
+    assert!(
+        !direct_write(&dev).status.success(),
+        "the worker had taken the change"
+    );
+    vm.s.restart().await;
+    let now = vm.s.get("/v1/volumes/lc").await.body;
+    assert_eq!(now["read_only"], false, "{now}");
+    assert_eq!(
+        now["worker_pid"], v["worker_pid"],
+        "the same worker, adopted"
+    );
+    direct_write_ok(&dev);
+
+    // A policy switch reached the worker; the row still says nowait.
+    patch_and_die(&mut vm, "lc", json!({"dispatch": "threaded"})).await;
+    vm.s.restart().await;
+    let now = vm.s.get("/v1/volumes/lc").await.body;
+    assert_eq!(
+        (&now["dispatch"], &now["requested_dispatch"]),
+        (&json!("nowait"), &json!("nowait")),
+        "{now}"
+    );
+    fio_ok(fio_verify(&dev, "16M", &[]));
+    vm.delete("lc").await;
 }
