@@ -438,13 +438,12 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let start = Policy::from_requested(shared.spec.dispatch);
     if start == Policy::Direct {
         let path = shared.enter_direct()?;
-        let mut c = shared.config();
-        c.direct = Some(path);
-        c.policy = Policy::Direct;
+        shared.config().direct = Some(path);
     } else if let Some(p) = shared.spec.pinned {
         // A crashed direct worker's pin, on a volume now asked on the file path.
         extent::unpin(shared.image.as_fd(), p)?;
         shared.state.lock().expect("state poisoned").pinned = None;
     }
+    shared.config().policy = start;
     device::serve(shared)
 }
