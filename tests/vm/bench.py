@@ -10,7 +10,9 @@ depth, blockplane ublk volumes `nowait`/`threaded`/`direct` and dm volumes
 defaults: only backend and dispatch are given.
 
 fio 4k randrw, 2 jobs, --direct=1, once with psync and once with io_uring at
-iodepth 16. All targets exist for the whole run; they are measured in rounds
+iodepth 16. All targets exist for the whole run; after one short unmeasured
+run per cell (BENCH_WARMUP s: the first I/O through a path is slow under
+TCG, which translates code on first use), they are measured in rounds
 (BENCH_REPEAT rounds, each visiting every target in both modes), each round
 starting one target later than the last, so that drift of the host hits
 every target alike. The table gives per target the median IOPS, its ratios to
@@ -46,6 +48,7 @@ RUNTIME = int(os.environ.get("BENCH_RUNTIME", "5"))
 REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
 IMAGE_SIZE = os.environ.get("BENCH_IMAGE_SIZE", "512M")
 RUBLK_QUEUES = os.environ.get("BENCH_RUBLK_QUEUES", "")
+WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
 PROFILE = os.environ.get("BENCH_PROFILE") == "1"
 RESULTS = os.environ.get("BLOCKPLANE_VM_RESULTS", "/results")
 DATA = "/run/bp-bench"
@@ -209,9 +212,9 @@ def nowait_counters(t):
     return (n["submitted"], n["eagain_fallbacks"]) if n else None
 
 
-def fio(path, mode_args, size):
+def fio(path, mode_args, size, runtime=RUNTIME):
     cmd = ["fio", "--name=bench", "--filename=" + path, "--rw=randrw", "--bs=4k", "--numjobs=2",
-           "--direct=1", "--group_reporting", "--time_based", f"--runtime={RUNTIME}",
+           "--direct=1", "--group_reporting", "--time_based", f"--runtime={runtime}",
            f"--size={size}", "--randrepeat=0", "--output-format=json", *mode_args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -381,6 +384,15 @@ def main():
     targets = setup(keys, size)
     live = [t for t in targets if not t.get("refused")]
 
+    # The first I/O through each path is slow under TCG (code translated on
+    # first use) and the fresh images' writeback still runs: one unmeasured
+    # run per cell first.
+    if WARMUP:
+        subprocess.run(["sync"], check=True)
+        for t in live:
+            for _, args in MODES:
+                fio(t["path"], args, size, WARMUP)
+        print(f"warm-up: {WARMUP} s per cell, not measured", flush=True)
     started = time.time()
     for r in range(REPEAT):
         order = live[r % len(live):] + live[:r % len(live)]

@@ -5,7 +5,8 @@
 # raw image file, the kernel loop driver and the best rublk row, spread, each userspace server's
 # CPU time and context switches per request, NOWAIT fallback share, worker RSS); the table is
 # also written to target/bench/bench.txt, every run to target/bench/bench.json.
-#   BENCH_RUNTIME=5 (s per fio run)  BENCH_REPEAT=5 (rounds)  BENCH_IMAGE_SIZE=512M
+#   BENCH_RUNTIME=5 (s per fio run)  BENCH_REPEAT=5 (rounds)  BENCH_WARMUP=2 (s per cell, unmeasured)
+#   BENCH_IMAGE_SIZE=512M
 #   BENCH_TARGETS=raw,loop,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait
 #   BENCH_RUBLK_QUEUES=N (default: the queue count of blockplane's default ublk volume)
 #   BENCH_RUBLK_VERSION=0.2.15  BENCH_KERNEL=latest  VM_SMP=2  VM_TCG_THREAD=multi
@@ -31,7 +32,7 @@ fi
 
 tcg=${VM_TCG_THREAD:-multi}
 env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-5} BENCH_REPEAT=${BENCH_REPEAT:-5} BENCH_IMAGE_SIZE=${BENCH_IMAGE_SIZE:-512M}"
-env_vars+=" BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg"
+env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg"
 [ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
 [ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
 # Nine fully allocated images live on the xfs scratch disk (vda); the others stay small.
