@@ -36,10 +36,13 @@ env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BE
 [ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
 [ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
 # Nine fully allocated images live on the xfs scratch disk (vda); the others stay small.
+# The host's load says how far to trust the spreads (other VMs share these cores).
+echo "bench: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 rc=0
 BLOCKPLANE_VM_ENV="$env_vars" VM_OUT=target/bench VM_TIMEOUT=${VM_TIMEOUT:-3600} \
   VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_DISK_SIZES=${VM_DISK_SIZES:-"6G 1G 1G"} \
   "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane" "$rublk" \
   || rc=$?
+echo "bench: host load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 echo "bench: $(( $(date +%s) - started )) s in all (build and install included); table in target/bench/bench.txt" >&2
 exit "$rc"
