@@ -208,8 +208,11 @@ def proc_sample(pid):
 def nowait_counters(t):
     if not t.get("volume_id"):
         return None
-    n = api("GET", f"/v1/volumes/{t['volume_id']}/stats").get("nowait")
-    return (n["submitted"], n["eagain_fallbacks"]) if n else None
+    n = api("GET", f"/v1/volumes/{t['volume_id']}/stats").get("nowait") or {}
+    # Tolerant of a reshaped object: a missing counter reads as no counters.
+    if "submitted" not in n or "eagain_fallbacks" not in n:
+        return None
+    return n["submitted"], n["eagain_fallbacks"]
 
 
 def fio(path, mode_args, size, runtime=RUNTIME):
