@@ -1,42 +1,117 @@
 #!/usr/bin/env python3
 """blockplane benchmark, run inside the test VM (see bench.sh).
 
-One fully allocated 512 MiB image on xfs (on a linear dm device over the
-virtio disk). fio 4k randrw, 2 jobs, --direct=1, once with psync and once
-with io_uring at iodepth 16, against: the raw image file, the kernel loop
-driver (direct I/O), and blockplane volumes of each backend/policy. Each cell
-runs REPEAT times; the table gives the median IOPS, its ratio to the raw
-file and to the kernel loop driver, and the spread (max-min)/median, flagged
-above 10%. Absolute numbers under TCG mean nothing; the ratios do.
+Every target serves its own fully allocated image (BENCH_IMAGE_SIZE, 512M) on
+xfs (on a linear dm device over the virtio disk): the raw image file, the
+kernel loop driver (direct I/O), the peer rublk (a ublk loop server from
+crates.io) in copy and in zero-copy mode with blockplane's queue count and
+depth, blockplane ublk volumes `nowait`/`threaded`/`direct` and dm volumes
+`direct`/`nowait`. The blockplane volumes are made with the service's
+defaults: only backend and dispatch are given.
 
-BENCH_PROFILE=1 also profiles the kernel loop driver and each ublk policy
-under the psync load: `perf record -a -g` (cpu-clock; TCG has no PMU) while
+fio 4k randrw, 2 jobs, --direct=1, once with psync and once with io_uring at
+iodepth 16. All targets exist for the whole run; after one short unmeasured
+run per cell (BENCH_WARMUP s: the first I/O through a path is slow under
+TCG, which translates code on first use), they are measured in rounds
+(BENCH_REPEAT rounds, each visiting every target in both modes), each round
+starting one target later than the last, so that drift of the host hits
+every target alike. The table gives per target the median IOPS, its ratios to
+the raw file, the kernel loop and the best rublk row, the spread
+(max-min)/median, and for each userspace server (blockplane worker, rublk):
+CPU time and context switches per request, from /proc/<pid>/stat
+(utime+stime of the whole process) and /proc/<pid>/task/*/status
+(voluntary+nonvoluntary switches of every thread) read before and after each
+fio run and divided by the requests fio completed in it (no ramp time, so the
+two windows match); the NOWAIT fallback share (EAGAIN fallbacks / NOWAIT
+submissions, from the volume's stats); the server's largest VmRSS.
+
+Absolute numbers under TCG mean nothing; the ratios inside one run do.
+
+BENCH_PROFILE=1 also profiles every target but the raw file under the psync
+load after the rounds: `perf record -a -g` (cpu-clock; TCG has no PMU) while
 fio runs, and `perf report` by command, by DSO and by symbol into
 /results/profile-<target>.txt.
 """
 
+import http.client
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 import time
 
 BIN = sys.argv[1]
-RUNTIME = int(os.environ.get("BENCH_RUNTIME", "8"))
-REPEAT = int(os.environ.get("BENCH_REPEAT", "3"))
+RUBLK = sys.argv[2] if len(sys.argv) > 2 else ""
+RUNTIME = int(os.environ.get("BENCH_RUNTIME", "5"))
+REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
+IMAGE_SIZE = os.environ.get("BENCH_IMAGE_SIZE", "512M")
+RUBLK_QUEUES = os.environ.get("BENCH_RUBLK_QUEUES", "")
+WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
+PROFILE = os.environ.get("BENCH_PROFILE") == "1"
+RESULTS = os.environ.get("BLOCKPLANE_VM_RESULTS", "/results")
 DATA = "/run/bp-bench"
 ROOT = os.path.join(os.environ["SCRATCH_XFS"], "bench")
 SOCK = os.path.join(DATA, "blockplane.sock")
-PROFILE = os.environ.get("BENCH_PROFILE") == "1"
-MODES = [("psync", ["--ioengine=psync"]), ("io_uring qd16", ["--ioengine=io_uring", "--iodepth=16"])]
+MODES = [("psync", ["--ioengine=psync"]), ("qd16", ["--ioengine=io_uring", "--iodepth=16"])]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# ublk device numbers for the rublk devices: far above the ones the kernel
+# hands blockplane (lowest free first).
+RUBLK_DEV_BASE = 900
+
+# key -> (label, kind, how): kind says what check_target expects; `how` is the
+# blockplane (backend, dispatch) or the rublk mode.
+TARGETS = {
+    "raw": ("raw file", "raw", None),
+    "loop": ("kernel loop (dio)", "loop", ("loop", None)),
+    "rublk": ("rublk copy", "rublk", "copy"),
+    "rublk-zc": ("rublk zero-copy", "rublk", "zero-copy"),
+    "ublk-nowait": ("blockplane ublk nowait", "ublk", ("ublk", "nowait")),
+    "ublk-threaded": ("blockplane ublk threaded", "ublk", ("ublk", "threaded")),
+    "ublk-direct": ("blockplane ublk direct", "ublk", ("ublk", "direct")),
+    "dm-direct": ("blockplane dm direct", "dm", ("dm", "direct")),
+    "dm-nowait": ("blockplane dm nowait", "dm", ("dm", "nowait")),
+    # Not in the default set (BENCH_TARGETS adds it).
+    "dm-threaded": ("blockplane dm threaded", "dm", ("dm", "threaded")),
+}
+DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded"]
 
 
-def cli(*args):
-    out = subprocess.run([BIN, "--api", "unix:" + SOCK, "--json", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"blockplane {' '.join(args)}: {out.stderr.strip()}")
-    return json.loads(out.stdout) if out.stdout.strip() else None
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to the service's unix socket."""
+
+    def __init__(self, path):
+        super().__init__("localhost", timeout=300)
+        self.unix_path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.unix_path)
+        self.sock = s
+
+
+def api(method, path, body=None):
+    """One API call; the JSON answer. Any error status ends the bench."""
+    conn = UnixHTTPConnection(SOCK)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    if resp.status >= 300:
+        sys.exit(f"{method} {path}: HTTP {resp.status}: {data.decode(errors='replace')}")
+    return json.loads(data) if data.strip() else None
+
+
+def size_bytes(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1:].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
 
 
 def major_of(name):
@@ -46,6 +121,11 @@ def major_of(name):
             if len(parts) == 2 and parts[1] == name:
                 return int(parts[0])
     return None
+
+
+def read(path):
+    with open(path) as f:
+        return f.read().strip()
 
 
 def check_target(kind, path, image):
@@ -59,17 +139,17 @@ def check_target(kind, path, image):
     dev = os.path.basename(path)
     if kind == "loop":
         assert major == 7, f"{path} is not a loop device (major {major})"
-        backing = open(f"/sys/block/{dev}/loop/backing_file").read().strip()
+        backing = read(f"/sys/block/{dev}/loop/backing_file")
         assert backing == image, f"{path} serves {backing}, not {image}"
-        dio = open(f"/sys/block/{dev}/loop/dio").read().strip()
+        dio = read(f"/sys/block/{dev}/loop/dio")
         assert dio == "1", f"{path} does not do direct I/O"
         return f"loop, backing {backing}, dio {dio}"
-    if kind == "ublk":
+    if kind in ("ublk", "rublk"):
         # ublk disks take dynamic (blkext) numbers: match the node with sysfs.
         assert dev.startswith("ublkb"), f"{path} is not named as a ublk device"
-        sysdev = open(f"/sys/block/{dev}/dev").read().strip()
+        sysdev = read(f"/sys/block/{dev}/dev")
         assert sysdev == f"{major}:{os.minor(st.st_rdev)}", f"{path} is not /sys/block/{dev}"
-        return f"ublk {sysdev}"
+        return f"ublk {sysdev}, {read(f'/sys/block/{dev}/queue/nr_requests')} requests per queue"
     if kind == "dm":
         assert major == major_of("device-mapper"), f"{path} is not a dm device (major {major})"
         table = subprocess.run(["dmsetup", "table", "-j", str(major), "-m", str(os.minor(st.st_rdev))],
@@ -78,36 +158,138 @@ def check_target(kind, path, image):
     raise AssertionError(kind)
 
 
-def fio(path, mode_args):
+def worker_pid_of(vol):
+    """The process serving a blockplane volume: `worker_pid`, or for a dm
+    volume's private ublk device (which the API does not show) the worker
+    whose --spec names the volume."""
+    if vol.get("worker_pid"):
+        return vol["worker_pid"]
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 3 and args[1] == b"worker" and b"--spec" in args:
+            try:
+                spec = json.loads(args[args.index(b"--spec") + 1])
+            except ValueError:
+                continue
+            if spec.get("volume_id") == vol["id"]:
+                return int(d)
+    return None
+
+
+def proc_sample(pid):
+    """CPU ticks (all threads, dead ones included), context switches (live
+    threads) and VmRSS (KiB) of a process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    ctx = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        ctx += int(line.split()[1])
+        except OSError:
+            pass  # the thread exited meanwhile
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    return {"ticks": ticks, "ctx": ctx, "rss_kib": rss}
+
+
+def nowait_counters(t):
+    if not t.get("volume_id"):
+        return None
+    n = api("GET", f"/v1/volumes/{t['volume_id']}/stats").get("nowait") or {}
+    # Tolerant of a reshaped object: a missing counter reads as no counters.
+    if "submitted" not in n or "eagain_fallbacks" not in n:
+        return None
+    return n["submitted"], n["eagain_fallbacks"]
+
+
+def fio(path, mode_args, size, runtime=RUNTIME):
     cmd = ["fio", "--name=bench", "--filename=" + path, "--rw=randrw", "--bs=4k", "--numjobs=2",
-           "--direct=1", "--group_reporting", "--time_based", f"--runtime={RUNTIME}", "--ramp_time=1",
-           "--size=512M", "--randrepeat=0", "--output-format=json", *mode_args]
+           "--direct=1", "--group_reporting", "--time_based", f"--runtime={runtime}",
+           f"--size={size}", "--randrepeat=0", "--output-format=json", *mode_args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"fio on {path} failed: {out.stderr}")
     job = json.loads(out.stdout)["jobs"][0]
     if job["error"]:
         sys.exit(f"fio on {path}: error {job['error']}")
-    return job["read"]["iops"] + job["write"]["iops"]
+    return job["read"]["iops"] + job["write"]["iops"], job["read"]["total_ios"] + job["write"]["total_ios"]
 
 
-def measure(rows, label, kind, path, image):
-    what = check_target(kind, path, image)
-    print(f"  {label}: {path} ({what})", flush=True)
-    for mode, args in MODES:
-        vals = [fio(path, args) for _ in range(REPEAT)]
-        rows.append({"target": label, "mode": mode, "iops": vals})
-    if PROFILE and kind != "raw":
-        profile(label, path)
+def run_cell(t, mode, args, size):
+    """One fio run on a target, with the server's costs around it."""
+    pid = t.get("pid")
+    before = proc_sample(pid) if pid else None
+    nw_before = nowait_counters(t)
+    iops, reqs = fio(t["path"], args, size)
+    run = {"iops": iops, "requests": reqs}
+    if pid:
+        after = proc_sample(pid)
+        run["cpu_us_per_req"] = (after["ticks"] - before["ticks"]) * 1e6 / CLK_TCK / max(reqs, 1)
+        run["ctx_per_req"] = (after["ctx"] - before["ctx"]) / max(reqs, 1)
+        run["rss_kib"] = after["rss_kib"]
+    nw_after = nowait_counters(t)
+    if nw_before and nw_after:
+        run["nowait_submitted"] = nw_after[0] - nw_before[0]
+        run["nowait_fallbacks"] = nw_after[1] - nw_before[1]
+    t["runs"][mode].append(run)
 
 
-def profile(label, path):
-    """Where the CPU goes while fio (psync) runs on `path`: perf, system-wide."""
-    name = label.replace(" ", "-").replace("(", "").replace(")", "")
+def start_rublk(t, n, queues, depth):
+    """A rublk loop device in the foreground (so its pid is ours); the reason
+    it did not start, or None."""
+    dev = f"/dev/ublkb{n}"
+    cmd = [RUBLK, "add", "loop", "-n", str(n), "-q", str(queues), "-d", str(depth), "-f", t["image"],
+           "--foreground"]
+    if t["how"] == "zero-copy":
+        cmd.append("-z")
+    log_path = f"{RESULTS}/rublk-{n}.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    t["cmd"] = " ".join(cmd[1:])
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                lines = [ln.strip() for ln in f if ln.strip()]
+            return f"rublk exited {proc.returncode}: {lines[-1] if lines else 'no output'}"
+        if os.path.exists(dev) and os.path.exists(f"/sys/block/ublkb{n}"):
+            t.update(proc=proc, pid=proc.pid, path=dev, dev_number=n)
+            return None
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    return f"{dev} did not appear within 60 s"
+
+
+def stop_rublk(t):
+    subprocess.run([RUBLK, "del", "-n", str(t["dev_number"])], capture_output=True)
+    try:
+        t["proc"].wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        t["proc"].kill()
+        t["proc"].wait()
+
+
+def profile(t, size):
+    """Where the CPU goes while fio (psync) runs on a target: perf, system-wide."""
+    name = t["key"]
     data = f"/run/perf-{name}.data"
-    job = subprocess.Popen(["fio", "--name=prof", "--filename=" + path, "--rw=randrw", "--bs=4k",
+    job = subprocess.Popen(["fio", "--name=prof", "--filename=" + t["path"], "--rw=randrw", "--bs=4k",
                             "--numjobs=2", "--direct=1", "--time_based", f"--runtime={RUNTIME + 2}",
-                            "--size=512M", "--ioengine=psync"], stdout=subprocess.DEVNULL)
+                            f"--size={size}", "--ioengine=psync"], stdout=subprocess.DEVNULL)
     time.sleep(1)
     subprocess.run(["perf", "record", "-a", "-g", "-F", "499", "-e", "cpu-clock", "-o", data,
                     "--", "sleep", str(RUNTIME)], capture_output=True, check=True)
@@ -117,87 +299,217 @@ def profile(label, path):
         out = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-g", "none",
                               "--percent-limit", "1", "--sort", sort], capture_output=True, text=True)
         parts.append(f"### perf report --sort {sort}\n" + out.stdout)
-    with open(f"/results/profile-{name}.txt", "w") as f:
+    with open(f"{RESULTS}/profile-{name}.txt", "w") as f:
         f.write("\n".join(parts))
-    print(f"  profile: /results/profile-{name}.txt", flush=True)
+    print(f"  profile: {RESULTS}/profile-{name}.txt", flush=True)
 
 
-def peak_rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+def setup(keys, size):
+    """Images, volumes and rublk devices for every target; the targets."""
+    targets = []
+    for key in keys:
+        label, kind, how = TARGETS[key]
+        t = {"key": key, "label": label, "kind": kind, "how": how, "image": os.path.join(ROOT, f"{key}.img"),
+             "runs": {m: [] for m, _ in MODES}}
+        started = time.time()
+        api("POST", "/v1/images", {"name": f"img-{key}", "path": t["image"],
+                                   "create": {"size_bytes": size, "allocation": "full"}})
+        print(f"  image {t['image']}: {size >> 20} MiB, fully allocated in {time.time() - started:.0f} s", flush=True)
+        if kind == "raw":
+            t["path"] = t["image"]
+        elif kind != "rublk":
+            backend, dispatch = how
+            body = {"name": key, "image": f"img-{key}", "backend": backend}
+            if dispatch:
+                body["dispatch"] = dispatch
+            vol = api("POST", "/v1/volumes", body)
+            vol = api("GET", f"/v1/volumes/{vol['id']}")
+            assert vol["backend"] == backend, vol
+            assert dispatch is None or vol["dispatch"] == dispatch, vol
+            t.update(volume=vol, volume_id=vol["id"], path=vol["device"])
+            # Every ublk volume has a worker; a dm volume only off the direct path.
+            if kind == "ublk" or (kind == "dm" and vol["dispatch"] != "direct"):
+                t["pid"] = worker_pid_of(vol)
+                assert t["pid"], f"no worker process found for volume {key}"
+        targets.append(t)
+
+    ref = next((t["volume"] for t in targets if t["kind"] in ("ublk", "dm") and t["volume"].get("worker_pid")), None)
+    queues = int(RUBLK_QUEUES) if RUBLK_QUEUES else (ref["queues"] if ref else os.cpu_count())
+    depth = ref["queue_depth"] if ref else 128
+    for i, t in enumerate(t for t in targets if t["kind"] == "rublk"):
+        t["rublk_queues"], t["rublk_depth"] = queues, depth
+        t["refused"] = start_rublk(t, RUBLK_DEV_BASE + i, queues, depth) if RUBLK else "rublk not installed"
+
+    for t in targets:
+        if t.get("refused"):
+            print(f"  {t['label']}: REFUSED: {t['refused']}", flush=True)
+            continue
+        what = check_target("ublk" if t["kind"] == "rublk" else t["kind"], t["path"], t["image"])
+        print(f"  {t['label']}: {t['path']} ({what}){describe(t)}", flush=True)
+    return targets
+
+
+def describe(t):
+    """How a target is set up, for the log and the table's notes."""
+    if t["kind"] == "rublk":
+        return f"; `rublk {t['cmd']}`, pid {t['pid']}"
+    vol = t.get("volume")
+    if not vol:
+        return ""
+    parts = [f"queues {vol['queues']} x depth {vol['queue_depth']}", f"dispatch {vol['dispatch']} ({vol['dispatch_reason']})"]
+    # Fields the data path may add (copy mode, zero-copy): shown as they come.
+    parts += [f"{k} {json.dumps(v)}" for k, v in vol.items() if "copy" in k]
+    if t.get("pid"):
+        parts.append(f"worker pid {t['pid']}")
+    return "; " + ", ".join(parts)
 
 
 def main():
+    keys = os.environ.get("BENCH_TARGETS", ",".join(DEFAULT_TARGETS)).split(",")
+    unknown = [k for k in keys if k not in TARGETS]
+    if unknown or "raw" not in keys or "loop" not in keys:
+        sys.exit(f"BENCH_TARGETS: keys from {','.join(TARGETS)}, raw and loop included (got {','.join(keys)})")
+    size = size_bytes(IMAGE_SIZE)
     os.makedirs(DATA, exist_ok=True)
     os.makedirs(ROOT, exist_ok=True)
     serve = subprocess.Popen([BIN, "serve", "--data-dir", DATA, "--image-root", ROOT],
-                             stdout=open("/results/bench-serve.log", "w"), stderr=subprocess.STDOUT)
+                             stdout=open(RESULTS + "/bench-serve.log", "w"), stderr=subprocess.STDOUT)
     for _ in range(100):
         if os.path.exists(SOCK):
             break
         time.sleep(0.1)
-    image = os.path.join(ROOT, "bench.img")
-    cli("image", "create", "bench", image, "--size", "512M", "--allocation", "full")
-    host = cli("host")
-    print(f"kernel {host['kernel']}; ublk features {host['backends']['ublk'].get('features')}", flush=True)
-    rows, rss = [], {}
+    host = api("GET", "/v1/host")
+    header = [f"kernel {host['kernel']}, {os.cpu_count()} vCPUs ({os.environ.get('BENCH_TCG', '?')} TCG); "
+              f"ublk features {host['backends']['ublk'].get('features')}",
+              f"fio 4k randrw, 2 jobs, direct, {RUNTIME} s per run, {REPEAT} rounds; "
+              f"each target on its own fully allocated {size >> 20} MiB image on xfs"]
+    print("\n".join(header), flush=True)
+    targets = setup(keys, size)
+    live = [t for t in targets if not t.get("refused")]
 
-    measure(rows, "raw file", "raw", image, image)
+    # The first I/O through each path is slow under TCG (code translated on
+    # first use) and the fresh images' writeback still runs: one unmeasured
+    # run per cell first.
+    if WARMUP:
+        subprocess.run(["sync"], check=True)
+        for t in live:
+            for _, args in MODES:
+                fio(t["path"], args, size, WARMUP)
+        print(f"warm-up: {WARMUP} s per cell, not measured", flush=True)
+    started = time.time()
+    for r in range(REPEAT):
+        order = live[r % len(live):] + live[:r % len(live)]
+        print(f"round {r + 1}/{REPEAT}: from {order[0]['label']}", flush=True)
+        for t in order:
+            for mode, args in MODES:
+                run_cell(t, mode, args, size)
+            print(f"  {t['label']}: " + ", ".join(f"{m} {t['runs'][m][-1]['iops']:.0f}" for m, _ in MODES),
+                  flush=True)
+    print(f"rounds took {time.time() - started:.0f} s", flush=True)
 
-    v = cli("volume", "create", "bl", "--image", "bench", "--backend", "loop")
-    measure(rows, "kernel loop (dio)", "loop", v["device"], image)
-    cli("volume", "rm", "bl")
+    if PROFILE:
+        for t in live:
+            if t["kind"] != "raw":
+                profile(t, size)
 
-    extra = os.environ.get("BENCH_BACKENDS", "ublk").split(",")
-    for backend in extra:
-        first = True
-        for policy in ["nowait", "threaded", "direct"]:
-            if first:
-                v = cli("volume", "create", "bv", "--image", "bench", "--backend", backend, "--dispatch", policy)
-                first = False
-            else:
-                v = cli("volume", "set", "bv", "--dispatch", policy)
-            assert v["dispatch"] == policy, v
-            measure(rows, f"{backend} {policy}", backend, v["device"], image)
-            if v.get("worker_pid"):
-                rss[f"{backend} {policy}"] = peak_rss_kib(v["worker_pid"])
-        cli("volume", "rm", "bv")
-
+    for t in live:
+        if t["kind"] == "rublk":
+            stop_rublk(t)
+    for t in live:
+        if t.get("volume_id"):
+            api("DELETE", f"/v1/volumes/{t['volume_id']}")
     serve.terminate()
     serve.wait()
-    report(rows, rss)
+    report(header, targets)
 
 
 def median(v):
     s = sorted(v)
-    return s[len(s) // 2]
+    n = len(s)
+    return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else None
 
 
-def report(rows, rss):
-    base = {}
-    for r in rows:
-        r["median"] = median(r["iops"])
-        r["spread"] = (max(r["iops"]) - min(r["iops"])) / r["median"] if r["median"] else 0
-        base.setdefault((r["target"], r["mode"]), r["median"])
-    lines = [f"{'target':<20} {'mode':<14} {'IOPS':>9} {'x raw':>7} {'x loop':>7} {'spread':>7}  runs"]
-    for r in rows:
-        raw = base[("raw file", r["mode"])]
-        loop = base[("kernel loop (dio)", r["mode"])]
-        flag = "  SPREAD>10%" if r["spread"] > 0.10 else ""
-        runs = " ".join(f"{x:.0f}" for x in r["iops"])
-        lines.append(f"{r['target']:<20} {r['mode']:<14} {r['median']:>9.0f} {r['median'] / raw:>7.2f} "
-                     f"{r['median'] / loop:>7.2f} {r['spread']:>6.1%}  {runs}{flag}")
+def summarize(t):
+    """Per mode: median IOPS, spread and the server's costs."""
+    out = {}
+    for mode, _ in MODES:
+        runs = t["runs"][mode]
+        iops = [r["iops"] for r in runs]
+        m = {"iops": median(iops), "runs": iops}
+        m["spread"] = (max(iops) - min(iops)) / m["iops"] if iops and m["iops"] else None
+        for k in ("cpu_us_per_req", "ctx_per_req"):
+            vals = [r[k] for r in runs if k in r]
+            m[k] = median(vals) if vals else None
+        sub = sum(r.get("nowait_submitted", 0) for r in runs)
+        m["nowait_fallback_share"] = sum(r.get("nowait_fallbacks", 0) for r in runs) / sub if sub else None
+        m["nowait_submitted"] = sub if any("nowait_submitted" in r for r in runs) else None
+        rss = [r["rss_kib"] for r in runs if "rss_kib" in r]
+        m["rss_kib"] = max(rss) if rss else None
+        out[mode] = m
+    return out
+
+
+def pair(values, fmt):
+    return ", ".join("–" if v is None else fmt.format(v) for v in values)
+
+
+def report(header, targets):
+    modes = [m for m, _ in MODES]
+    for t in targets:
+        if not t.get("refused"):
+            t["summary"] = summarize(t)
+    live = [t for t in targets if "summary" in t]
+    raw = next(t for t in live if t["key"] == "raw")["summary"]
+    loop = next(t for t in live if t["key"] == "loop")["summary"]
+    best = {}
+    for mode in modes:
+        rublks = [t for t in live if t["kind"] == "rublk"]
+        if rublks:
+            b = max(rublks, key=lambda t: t["summary"][mode]["iops"])
+            best[mode] = (b["label"], b["summary"][mode]["iops"])
+
+    def ratios(s, base):
+        return pair([s[m]["iops"] / base[m] if base.get(m) else None for m in modes], "{:.2f}")
+
+    lines = header + ["", "| target | IOPS psync, qd16 | × raw | × kernel loop | × best rublk | spread "
+                      "| server CPU µs/req | ctx switches/req | NOWAIT fallback | server VmRSS MiB |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in targets:
+        if t.get("refused"):
+            lines.append(f"| {t['label']} | refused: {t['refused']} | | | | | | | | |")
+            continue
+        s = t["summary"]
+        spread = pair([s[m]["spread"] for m in modes], "{:.0%}")
+        if any((s[m]["spread"] or 0) > 0.10 for m in modes):
+            spread += " (>10%)"
+        nowait = "–"
+        if any(s[m]["nowait_submitted"] is not None for m in modes):
+            nowait = pair([s[m]["nowait_fallback_share"] for m in modes], "{:.1%}")
+        rss = max((s[m]["rss_kib"] or 0) for m in modes)
+        lines.append(
+            f"| {t['label']} | {pair([s[m]['iops'] for m in modes], '{:.0f}')} "
+            f"| {ratios(s, {m: raw[m]['iops'] for m in modes})} "
+            f"| {ratios(s, {m: loop[m]['iops'] for m in modes})} "
+            f"| {ratios(s, {m: best[m][1] for m in best})} | {spread} "
+            f"| {pair([s[m]['cpu_us_per_req'] for m in modes], '{:.0f}') if t.get('pid') else '–'} "
+            f"| {pair([s[m]['ctx_per_req'] for m in modes], '{:.2f}') if t.get('pid') else '–'} "
+            f"| {nowait} | {f'{rss / 1024:.1f}' if rss else '–'} |")
     lines.append("")
-    lines.append("worker peak RSS (VmHWM): " + ", ".join(f"{k} {v / 1024:.1f} MiB" for k, v in rss.items()))
+    lines.append("Pairs are psync, iodepth 16. IOPS: median of the rounds; spread: (max-min)/median. "
+                 "Best rublk: " + (", ".join(f"{m} {best[m][0]}" for m in best) or "none") + ". "
+                 "Server CPU and context switches: medians over the runs of the server process's "
+                 "delta per request fio completed; NOWAIT fallback: EAGAIN fallbacks / NOWAIT submissions "
+                 "(– where the volume's stats have no such counters: dm volumes report kernel block stats); "
+                 "VmRSS: largest after a run.")
+    lines.append("")
+    for t in targets:
+        lines.append(f"- {t['label']}: {t.get('path', '-')}{describe(t) if not t.get('refused') else ''}")
     text = "\n".join(lines)
-    print(text)
-    with open("/results/bench.txt", "w") as f:
+    print(text, flush=True)
+    with open(RESULTS + "/bench.txt", "w") as f:
         f.write(text + "\n")
-    with open("/results/bench.json", "w") as f:
-        json.dump({"rows": rows, "worker_peak_rss_kib": rss}, f, indent=1)
+    with open(RESULTS + "/bench.json", "w") as f:
+        json.dump([{k: v for k, v in t.items() if k != "proc"} for t in targets], f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,48 @@
 #!/bin/bash
-# The benchmark (not a test): builds blockplane in release mode on the host,
-# boots the newest kernel and runs bench.py inside one VM. Prints the IOPS
-# table with ratios to the raw image file and the kernel loop driver; the
-# table is also written to target/bench/bench.txt.
-#   BENCH_RUNTIME=8 (s per run)  BENCH_REPEAT=3  BENCH_BACKENDS=ublk,dm
-#   BENCH_PROFILE=1 (perf profiles of loop and each policy: target/bench/profile-*.txt)
+# The benchmark (not a test): builds blockplane in release mode on the host, installs the peer
+# rublk from crates.io into target/bench/rublk, boots the newest kernel once (2 vCPUs,
+# multi-threaded TCG) and runs bench.py inside. Prints a markdown table (IOPS with ratios to the
+# raw image file, the kernel loop driver and the best rublk row, spread, each userspace server's
+# CPU time and context switches per request, NOWAIT fallback share, worker RSS); the table is
+# also written to target/bench/bench.txt, every run to target/bench/bench.json.
+#   BENCH_RUNTIME=5 (s per fio run)  BENCH_REPEAT=5 (rounds)  BENCH_WARMUP=2 (s per cell, unmeasured)
+#   BENCH_IMAGE_SIZE=512M
+#   BENCH_TARGETS=raw,loop,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait
+#   BENCH_RUBLK_QUEUES=N (default: the queue count of blockplane's default ublk volume)
+#   BENCH_RUBLK_VERSION=0.2.15  BENCH_KERNEL=latest  VM_SMP=2  VM_TCG_THREAD=multi
+#   BENCH_PROFILE=1 (perf profiles of every target under psync: target/bench/profile-*.txt)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
+started=$(date +%s)
 deploy/install-deps.sh --test
 if [ "${BENCH_PROFILE:-0}" = 1 ] && ! command -v perf >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends linux-perf
 fi
 cargo build --locked --release --bin blockplane
 mkdir -p target/bench
-env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-8} BENCH_REPEAT=${BENCH_REPEAT:-3} BENCH_BACKENDS=${BENCH_BACKENDS:-ublk,dm} BENCH_PROFILE=${BENCH_PROFILE:-0}"
+
+# The peer, pinned so that runs compare; installed once (cargo skips an installed version).
+rublk_version=${BENCH_RUBLK_VERSION:-0.2.15}
+rublk=$repo/target/bench/rublk/bin/rublk
+if [ "$("$rublk" --version 2>/dev/null || true)" != "rublk $rublk_version" ]; then
+  cargo install --locked rublk --version "$rublk_version" --root target/bench/rublk
+fi
+
+tcg=${VM_TCG_THREAD:-multi}
+env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-5} BENCH_REPEAT=${BENCH_REPEAT:-5} BENCH_IMAGE_SIZE=${BENCH_IMAGE_SIZE:-512M}"
+env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg"
+[ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
+[ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
+# Nine fully allocated images live on the xfs scratch disk (vda); the others stay small.
+# The host's load says how far to trust the spreads (other VMs share these cores).
+echo "bench: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+rc=0
 BLOCKPLANE_VM_ENV="$env_vars" VM_OUT=target/bench VM_TIMEOUT=${VM_TIMEOUT:-3600} \
-  "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane"
+  VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_DISK_SIZES=${VM_DISK_SIZES:-"6G 1G 1G"} \
+  "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane" "$rublk" \
+  || rc=$?
+echo "bench: host load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+echo "bench: $(( $(date +%s) - started )) s in all (build and install included); table in target/bench/bench.txt" >&2
+exit "$rc"
