@@ -133,8 +133,9 @@ enum VolumeCmd {
         dispatch: String,
         #[arg(long)]
         read_only: bool,
-        #[arg(long, default_value_t = 1)]
-        queues: u16,
+        /// Queues [default: the service's: one per CPU for ublk and dm, 1 for loop].
+        #[arg(long)]
+        queues: Option<u16>,
         #[arg(long, default_value_t = 128)]
         queue_depth: u16,
         /// Largest request, bytes (power of two, 4K to 1M).
@@ -476,8 +477,11 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
             } => {
                 let mut body = json!({
                     "name": name, "image": image, "backend": backend, "dispatch": dispatch,
-                    "read_only": read_only, "queues": queues, "queue_depth": queue_depth,
+                    "read_only": read_only, "queue_depth": queue_depth,
                 });
+                if let Some(q) = queues {
+                    body["queues"] = json!(q);
+                }
                 if let Some(m) = max_io_bytes {
                     body["max_io_bytes"] = json!(m);
                 }
@@ -698,7 +702,15 @@ fn render(view: View, b: &Value) -> String {
             ("read only", s(&b["read_only"])),
             (
                 "queues",
-                format!("{} x depth {}", s(&b["queues"]), s(&b["queue_depth"])),
+                match &b["copy_mode"] {
+                    Value::Null => format!("{} x depth {}", s(&b["queues"]), s(&b["queue_depth"])),
+                    m => format!(
+                        "{} x depth {}, {}",
+                        s(&b["queues"]),
+                        s(&b["queue_depth"]),
+                        s(m)
+                    ),
+                },
             ),
             ("qos", s(&b["qos"])),
             ("direct io", s(&b["direct_io"])),
