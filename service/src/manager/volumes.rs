@@ -14,7 +14,7 @@ use crate::backend::{
 use crate::image::{Access, ImageFile};
 use crate::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
-    PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
+    MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
 };
 use crate::store::{ImageRow, VolumeRow};
 
@@ -41,7 +41,7 @@ fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
         });
     }
     let m = req.max_io_bytes;
-    if !m.is_power_of_two() || !(4096..=1 << 20).contains(&m) {
+    if !MAX_IO_BYTES_CHOICES.contains(&m) {
         return Err(Error::InvalidField {
             field: "max_io_bytes",
             reason: format!(
@@ -65,6 +65,14 @@ fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
             return Err(Error::InvalidField {
                 field,
                 reason: format!("0 would stop all I/O of volume '{volume}'; use null for no limit"),
+            });
+        }
+        if let Some(v) = v.filter(|v| *v > MAX_QOS) {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!(
+                    "{v} is above the largest limit, {MAX_QOS} (volume '{volume}'); use null for no limit"
+                ),
             });
         }
     }
