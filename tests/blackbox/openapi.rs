@@ -164,3 +164,27 @@ async fn integral_numbers_written_with_a_fraction_are_integers() {
     }
     assert_eq!(s.snapshot().await, before);
 }
+
+/// Every `since` the document allows (a date-time) is answered, even one
+/// whose UTC falls outside the years 0000-9999 (it once panicked the handler).
+#[tokio::test(flavor = "multi_thread")]
+async fn events_since_any_date_time_is_answered() {
+    let s = Service::start().await;
+    s.image("a", 1).await;
+    for since in [
+        "9999-12-31T23:59:59-23:59",
+        "0000-01-01T00:00:00%2B23:59",
+        "2000-01-01T00:00:00Z",
+    ] {
+        let a = s.get(&format!("/v1/events?since={since}")).await;
+        assert_eq!(a.status, StatusCode::OK, "since={since}: {}", a.body);
+        let n = a.body.as_array().unwrap().len();
+        assert_eq!(
+            n,
+            usize::from(!since.starts_with("9999")),
+            "since={since}: {}",
+            a.body
+        );
+    }
+    assert!(!s.log_text().contains("panicked"), "{}", s.log_text());
+}
