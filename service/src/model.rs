@@ -252,8 +252,8 @@ pub struct CreateVolumeRequest {
     #[serde(default = "default_queue_depth")]
     #[schema(minimum = 1, maximum = 4096)]
     pub queue_depth: u16,
-    /// Largest request the device accepts, bytes: a power of two from 4 KiB to
-    /// 1 MiB. Each queue holds depth x this much of I/O buffers.
+    /// Largest request the device accepts, bytes: one of
+    /// [`MAX_IO_BYTES_CHOICES`] (described in `max_io_bytes_schema`).
     #[serde(default = "default_max_io_bytes")]
     #[schema(schema_with = max_io_bytes_schema)]
     pub max_io_bytes: u32,

@@ -762,3 +762,36 @@ pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
         source,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{CreateImageFile, ResizeImageRequest};
+    use utoipa::PartialSchema;
+
+    fn props<T: PartialSchema>() -> serde_json::Value {
+        serde_json::to_value(T::schema()).unwrap()["properties"].clone()
+    }
+
+    /// The bounds written as literals in the schema attributes are the ones
+    /// the service checks.
+    #[test]
+    fn schema_bounds_are_the_service_limits() {
+        let bounds = |p: &serde_json::Value| (p["minimum"].as_u64(), p["maximum"].as_u64());
+        let v = props::<CreateVolumeRequest>();
+        assert_eq!(bounds(&v["queues"]), (Some(1), Some(MAX_QUEUES.into())));
+        let depth = MAX_QUEUE_DEPTH;
+        assert_eq!(bounds(&v["queue_depth"]), (Some(1), Some(depth.into())));
+        assert_eq!(
+            v["max_io_bytes"]["enum"],
+            serde_json::json!(MAX_IO_BYTES_CHOICES)
+        );
+        for (name, p) in props::<Qos>().as_object().unwrap() {
+            assert_eq!(bounds(p), (Some(1), Some(MAX_QOS)), "{name}");
+        }
+        let max = crate::image::MAX_IMAGE_BYTES;
+        for p in [props::<CreateImageFile>(), props::<ResizeImageRequest>()] {
+            assert_eq!(bounds(&p["size_bytes"]), (Some(512), Some(max)));
+        }
+    }
+}
