@@ -21,8 +21,16 @@ pub enum Allocation {
 #[serde(deny_unknown_fields)]
 pub struct CreateImageRequest {
     /// `[a-z0-9][a-z0-9._-]{0,62}`
+    #[schema(
+        pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+        min_length = 1,
+        max_length = 63
+    )]
     pub name: String,
-    /// Absolute path under one of the service's image roots.
+    /// Absolute path under one of the service's image roots: no NUL, at most
+    /// 4095 bytes, each file name at most 255 bytes (UTF-8 bytes, where the
+    /// length bounds here count characters).
+    #[schema(pattern = "^/[^\\x00]*$", min_length = 1, max_length = 4095)]
     pub path: String,
     /// Create the file instead of registering an existing one.
     #[serde(default)]
@@ -33,7 +41,8 @@ pub struct CreateImageRequest {
 #[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateImageFile {
-    /// Size in bytes: a positive multiple of 512.
+    /// Size in bytes: a positive multiple of 512, at most 1 PiB.
+    #[schema(minimum = 512, maximum = 1125899906842624_u64, multiple_of = 512)]
     pub size_bytes: u64,
     /// Defaults to `sparse`.
     #[serde(default = "default_allocation")]
@@ -68,7 +77,9 @@ pub struct Image {
 #[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResizeImageRequest {
-    /// New size in bytes: a multiple of 512, not smaller than the current size.
+    /// New size in bytes: a multiple of 512, at most 1 PiB, not smaller than
+    /// the current size.
+    #[schema(minimum = 512, maximum = 1125899906842624_u64, multiple_of = 512)]
     pub size_bytes: u64,
 }
 
@@ -188,19 +199,28 @@ impl ActiveDispatch {
     }
 }
 
-/// Per-volume I/O limits (token buckets; reads and writes together). `null` fields are unlimited.
+/// Per-volume I/O limits (token buckets; reads and writes together). `null`
+/// fields are unlimited; a limit is 1 to 2^53 - 1 ([`MAX_QOS`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Qos {
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 9007199254740991_u64)]
     pub iops: Option<u64>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 9007199254740991_u64)]
     pub bytes_per_sec: Option<u64>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 9007199254740991_u64)]
     pub burst_iops: Option<u64>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 9007199254740991_u64)]
     pub burst_bytes: Option<u64>,
 }
+
+/// The largest QoS limit: 2^53 - 1, the largest integer every JSON parser
+/// carries exactly (RFC 8259 section 6), and the buckets count in `f64`.
+pub const MAX_QOS: u64 = (1 << 53) - 1;
 
 /// `POST /v1/volumes`. Create is idempotent by name: the same spec again returns the
 /// existing volume (200), a different spec is a conflict (409).
@@ -208,6 +228,11 @@ pub struct Qos {
 #[serde(deny_unknown_fields)]
 pub struct CreateVolumeRequest {
     /// `[a-z0-9][a-z0-9._-]{0,62}`
+    #[schema(
+        pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+        min_length = 1,
+        max_length = 63
+    )]
     pub name: String,
     /// Image id or name.
     pub image: String,
@@ -221,13 +246,16 @@ pub struct CreateVolumeRequest {
     /// Omitted: one per online CPU (at most 8, or the service's `--queues`)
     /// for ublk and dm, 1 for loop.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 64)]
     pub queues: Option<u16>,
     /// Depth of each queue.
     #[serde(default = "default_queue_depth")]
+    #[schema(minimum = 1, maximum = 4096)]
     pub queue_depth: u16,
-    /// Largest request the device accepts, bytes: a power of two from 4 KiB to
-    /// 1 MiB. Each queue holds depth x this much of I/O buffers.
+    /// Largest request the device accepts, bytes: one of
+    /// [`MAX_IO_BYTES_CHOICES`] (described in `max_io_bytes_schema`).
     #[serde(default = "default_max_io_bytes")]
+    #[schema(schema_with = max_io_bytes_schema)]
     pub max_io_bytes: u32,
     #[serde(default)]
     pub qos: Option<Qos>,
@@ -255,6 +283,34 @@ fn default_max_io_bytes() -> u32 {
 }
 fn default_queue_depth() -> u16 {
     DEFAULT_QUEUE_DEPTH
+}
+
+/// The values `max_io_bytes` may take: the powers of two from 4 KiB to 1 MiB.
+pub const MAX_IO_BYTES_CHOICES: [u32; 9] = [
+    4 << 10,
+    8 << 10,
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+];
+
+/// `max_io_bytes` as an enumeration: "a power of two" has no JSON Schema
+/// keyword, and nine values say it exactly.
+fn max_io_bytes_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    ObjectBuilder::new()
+        .schema_type(Type::Integer)
+        .description(Some(
+            "Largest request the device accepts, bytes: a power of two from 4 KiB to \
+             1 MiB. Each queue holds depth x this much of I/O buffers.",
+        ))
+        .enum_values(Some(MAX_IO_BYTES_CHOICES))
+        .default(Some(DEFAULT_MAX_IO_BYTES.into()))
+        .build()
 }
 
 /// How a ublk worker gets at a request's data.
@@ -598,8 +654,10 @@ pub struct EventQuery {
     /// Only events of this volume (id or name; a deleted volume's id still works).
     pub volume: Option<String>,
     /// Only events after this time (RFC 3339).
+    #[param(format = DateTime)]
     pub since: Option<String>,
     /// At most this many, the newest (default 100, at most 1000), oldest first.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<u32>,
 }
 

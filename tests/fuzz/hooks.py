@@ -52,3 +52,49 @@ def state_unchanged_unless_2xx(ctx, response, case):
             f"{case.method} {case.formatted_path} answered {response.status_code} but changed state:\n"
             f"before {before}\nafter  {after}"
         )
+
+
+# Codes a schema-valid request may be refused with (422 or 507): each depends
+# on something besides the request, which JSON Schema cannot state, or on a
+# length counted in bytes where JSON Schema counts characters. See
+# schemathesis.toml.
+STATE_CODES = {
+    # The file on disk and its filesystem.
+    "not_regular_file",
+    "hard_links",
+    "loose_permissions",
+    "invalid_size",
+    "too_large",
+    "no_space",
+    "storage_full",
+    # The registry: the file is registered, the image's size, the cap.
+    "already_registered",
+    "shrink_refused",
+    "volume_limit",
+    # The backend (`auto` picks it by host) and what the host's kernel offers.
+    "backend_unavailable",
+    "unsupported",
+    "refused",
+    "not_live",
+    # UTF-8 bytes, where the schema's maxLength counts characters.
+    "path_too_long",
+    "file_name_too_long",
+}
+
+
+@schemathesis.check
+def positive_data_refused_only_by_state(ctx, response, case):
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return
+    if response.status_code not in (422, 507):
+        return
+    try:
+        code = response.json()["error"]["code"]
+    except Exception:
+        code = None
+    if code not in STATE_CODES:
+        raise AssertionError(
+            f"{case.method} {case.formatted_path}: a schema-valid request was refused "
+            f"{response.status_code} {code!r}, a rule the schema should state: {response.text}"
+        )

@@ -73,7 +73,7 @@ impl<'de> Visitor<'de> for UniqueKeysVisitor {
     }
 
     fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
-        Ok(v.into())
+        Ok(integral(v))
     }
 
     fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
@@ -106,6 +106,26 @@ impl<'de> Visitor<'de> for UniqueKeysVisitor {
             object.insert(key, v);
         }
         Ok(object.into())
+    }
+}
+
+/// The largest integer an `f64` holds exactly: 2^53 - 1.
+const MAX_EXACT: f64 = 9_007_199_254_740_991.0;
+
+/// A number as the API reads it: JSON has one number type, and `7068.0` or
+/// `7.068e3` is the integer 7068 (as JSON Schema says), so an integral value
+/// becomes an integer for the integer fields. Beyond 2^53 the digits written
+/// may not be the value parsed, so such a number stays a float and an
+/// integer field refuses it.
+fn integral(v: f64) -> serde_json::Value {
+    if v.fract() == 0.0 && v.abs() <= MAX_EXACT {
+        if v < 0.0 {
+            (v as i64).into()
+        } else {
+            (v as u64).into()
+        }
+    } else {
+        v.into()
     }
 }
 
@@ -145,5 +165,36 @@ fn query_rejection(r: QueryRejection) -> ApiError {
         status: StatusCode::BAD_REQUEST,
         code: "invalid_query",
         message: r.body_text(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str) -> serde_json::Value {
+        serde_json::from_str::<UniqueKeys>(body).unwrap().0
+    }
+
+    #[test]
+    fn integral_numbers_written_as_floats_are_integers() {
+        let v =
+            parse(r#"{"a": 7068.0, "b": 7.068e3, "c": -2.0, "d": -0.0, "e": 9007199254740991.0}"#);
+        assert_eq!(v["a"].as_u64(), Some(7068));
+        assert_eq!(v["b"].as_u64(), Some(7068));
+        assert_eq!(v["c"].as_i64(), Some(-2));
+        assert_eq!(v["d"].as_u64(), Some(0));
+        assert_eq!(v["e"].as_u64(), Some(9_007_199_254_740_991));
+        // Fractions stay fractions, and beyond 2^53 a float is not trusted
+        // to be the integer written.
+        let v = parse(r#"{"a": 7068.5, "b": 9007199254740993.0, "c": 1e300}"#);
+        assert!(v["a"].is_f64() && v["b"].is_f64() && v["c"].is_f64(), "{v}");
+        #[derive(Deserialize)]
+        struct Size {
+            size_bytes: u64,
+        }
+        let s: Size = serde_json::from_value(parse(r#"{"size_bytes": 7068.0}"#)).unwrap();
+        assert_eq!(s.size_bytes, 7068);
+        assert!(serde_json::from_value::<Size>(parse(r#"{"size_bytes": 1.5}"#)).is_err());
     }
 }

@@ -571,7 +571,8 @@ impl Manager {
                         reason: format!("'{s}' is not an RFC 3339 time: {e}"),
                     })
             })
-            .transpose()?;
+            .transpose()?
+            .map(utc_clamped);
         let limit = q.limit.unwrap_or(100);
         if !(1..=1000).contains(&limit) {
             return Err(Error::InvalidField {
@@ -588,6 +589,20 @@ impl Manager {
             })
             .await?)
     }
+}
+
+/// `t` in UTC; a valid RFC 3339 time whose UTC falls past year 9999 or
+/// before year -9999 (`9999-12-31T23:59:59-23:59`) becomes the last or first
+/// representable time, as no event lies beyond either.
+fn utc_clamped(t: time::OffsetDateTime) -> time::OffsetDateTime {
+    t.checked_to_offset(time::UtcOffset::UTC)
+        .unwrap_or_else(|| {
+            if t.year() > 0 {
+                time::PrimitiveDateTime::MAX.assume_utc()
+            } else {
+                time::PrimitiveDateTime::MIN.assume_utc()
+            }
+        })
 }
 
 /// Loop devices over files under `roots` that are neither a volume of

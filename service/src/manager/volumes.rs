@@ -14,7 +14,7 @@ use crate::backend::{
 use crate::image::{Access, ImageFile};
 use crate::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
-    PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
+    MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
 };
 use crate::store::{ImageRow, VolumeRow};
 
@@ -41,7 +41,7 @@ fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
         });
     }
     let m = req.max_io_bytes;
-    if !m.is_power_of_two() || !(4096..=1 << 20).contains(&m) {
+    if !MAX_IO_BYTES_CHOICES.contains(&m) {
         return Err(Error::InvalidField {
             field: "max_io_bytes",
             reason: format!(
@@ -65,6 +65,14 @@ fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
             return Err(Error::InvalidField {
                 field,
                 reason: format!("0 would stop all I/O of volume '{volume}'; use null for no limit"),
+            });
+        }
+        if let Some(v) = v.filter(|v| *v > MAX_QOS) {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!(
+                    "{v} is above the largest limit, {MAX_QOS} (volume '{volume}'); use null for no limit"
+                ),
             });
         }
     }
@@ -752,5 +760,38 @@ pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
     Error::Volume {
         name: name.to_string(),
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{CreateImageFile, ResizeImageRequest};
+    use utoipa::PartialSchema;
+
+    fn props<T: PartialSchema>() -> serde_json::Value {
+        serde_json::to_value(T::schema()).unwrap()["properties"].clone()
+    }
+
+    /// The bounds written as literals in the schema attributes are the ones
+    /// the service checks.
+    #[test]
+    fn schema_bounds_are_the_service_limits() {
+        let bounds = |p: &serde_json::Value| (p["minimum"].as_u64(), p["maximum"].as_u64());
+        let v = props::<CreateVolumeRequest>();
+        assert_eq!(bounds(&v["queues"]), (Some(1), Some(MAX_QUEUES.into())));
+        let depth = MAX_QUEUE_DEPTH;
+        assert_eq!(bounds(&v["queue_depth"]), (Some(1), Some(depth.into())));
+        assert_eq!(
+            v["max_io_bytes"]["enum"],
+            serde_json::json!(MAX_IO_BYTES_CHOICES)
+        );
+        for (name, p) in props::<Qos>().as_object().unwrap() {
+            assert_eq!(bounds(p), (Some(1), Some(MAX_QOS)), "{name}");
+        }
+        let max = crate::image::MAX_IMAGE_BYTES;
+        for p in [props::<CreateImageFile>(), props::<ResizeImageRequest>()] {
+            assert_eq!(bounds(&p["size_bytes"]), (Some(512), Some(max)));
+        }
     }
 }
