@@ -580,6 +580,34 @@ async fn a_live_change_the_service_died_before_recording_is_undone_at_restart() 
     );
     fio_ok(fio_verify(&dev, "16M", &[]));
     vm.delete("lc").await;
+}
+
+/// A worker of this service whose volume row vanished (a registry restored
+/// from an older backup) is an orphan of this instance: stopped at start,
+/// its device deleted, with an `orphan_removed` event.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_worker_of_this_instance_is_removed_at_start() {
+    let mut vm = Vm::start().await;
+    vm.image("ow", Scratch::Xfs, 16, "full").await;
+    let v = vm
+        .volume(json!({"name": "ow", "image": "ow", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let pid = worker_pid(&v);
+    vm.s.kill();
+    let db = vm.s.data.join("blockplane.db");
+    sh("sqlite3", &[db.to_str().unwrap(), "DELETE FROM volumes;"]);
+    vm.s.restart().await;
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the orphan worker {pid} still runs"
+    );
+    assert!(!std::path::Path::new(&dev).exists(), "{dev} is left");
+    let host = vm.s.get("/v1/host").await.body;
+    assert_eq!(host["orphans"], json!([]), "{host}");
+    let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert!(kinds.contains(&"orphan_removed".to_string()), "{kinds:?}");
+}
 
 /// `blockplane.db` lost while the data dir (and so the workers' run dirs) is
 /// kept, a ublk volume and a dm one (over its private ublk worker) serving:
@@ -639,11 +667,15 @@ async fn a_lost_registry_leaves_ublk_and_dm_devices_serving_and_reports_them() {
                 "{when}: the worker {pid} of {dev} was stopped"
             );
             assert!(std::path::Path::new(dev).exists(), "{when}: {dev} is gone");
+            // Bounded: a read from a device whose worker was stopped under
+            // it can wait forever.
             sh(
                 "bash",
                 &[
                     "-c",
-                    &format!("cmp <(dd if={dev} bs=1M count=4 iflag=direct status=none) {pattern}"),
+                    &format!(
+                        "cmp <(timeout 30 dd if={dev} bs=1M count=4 iflag=direct status=none) {pattern}"
+                    ),
                 ],
             );
         }
@@ -659,27 +691,38 @@ async fn a_lost_registry_leaves_ublk_and_dm_devices_serving_and_reports_them() {
     let reconciled = |log: &str| log.matches("reconciled with the kernel").count();
     let before = reconciled(&vm.s.log_text());
     vm.s.spawn(&[]);
-    eventually(
-        Duration::from_secs(30),
-        "the start to refuse or reconcile",
-        async || {
-            let log = vm.s.log_text();
-            log.contains("is missing or empty") || reconciled(&log) > before
-        },
-    )
-    .await;
+    // Until it refuses or has reconciled (stopping devices takes the longest).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let log = vm.s.log_text();
+        if log.contains("is missing or empty") || reconciled(&log) > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     still_serving("after a start over the lost registry");
     let status = vm.s.wait_exit(Duration::from_secs(20));
     assert!(!status.success(), "started over a lost registry");
     let log = vm.s.log_text();
-    assert!(log.contains("is missing or empty"), "{log}");
-    assert!(log.contains("--accept-new-registry"), "{log}");
-    for (dev, _, _) in &serving {
-        assert!(
-            log.contains(dev.trim_start_matches("/dev/mapper/")),
-            "{dev} not named:\n{log}"
-        );
+    let refusal = log
+        .lines()
+        .find(|l| l.contains("is missing or empty"))
+        .unwrap_or_else(|| panic!("no refusal:\n{log}"));
+    assert!(refusal.contains("--accept-new-registry"), "{refusal}");
+    // Each device, and each worker with its image.
+    for (dev, pid, dev_id) in &serving {
+        for what in [
+            dev.clone(),
+            format!("/dev/ublkb{dev_id}"),
+            format!("worker pid {pid}"),
+        ] {
+            assert!(refusal.contains(&what), "{what} not named: {refusal}");
+        }
     }
+    assert!(
+        refusal.contains("/lu.img") && refusal.contains("/ld.img"),
+        "{refusal}"
+    );
 
     // Explicit recovery: an empty registry, the devices reported, untouched.
     vm.s.opts.extra_args.push("--accept-new-registry".into());
