@@ -95,9 +95,9 @@ pub struct ServeArgs {
     /// Volumes this host may have [default: 1024].
     #[arg(long, env = "BLOCKPLANE_MAX_VOLUMES")]
     pub max_volumes: Option<usize>,
-    /// Start with a new, empty registry although the kernel serves devices over
-    /// files under the image roots (a lost or emptied blockplane.db, or a new
-    /// data dir): they are left running and reported as orphans.
+    /// Start with a new, empty registry although the kernel serves devices
+    /// blockplane made (a lost or emptied blockplane.db, or a new data dir):
+    /// they are left running and reported as orphans.
     #[arg(long, env = "BLOCKPLANE_ACCEPT_NEW_REGISTRY")]
     pub accept_new_registry: bool,
 }
@@ -193,7 +193,7 @@ pub struct ServeConfig {
     pub queues: u16,
     pub extent_check_secs: u32,
     pub limits: Limits,
-    /// Start on a new registry even when devices over the image roots exist.
+    /// Start on a new registry even when devices blockplane made exist.
     pub accept_new_registry: bool,
 }
 

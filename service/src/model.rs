@@ -620,10 +620,13 @@ pub struct Orphan {
     /// The volume id in its mark, if it carries one.
     pub volume_id: Option<Uuid>,
     pub device: String,
-    /// The file it serves, when known (loop devices).
+    /// The file it serves, when known (loop devices, ublk devices whose
+    /// worker runs).
     pub backing_file: Option<String>,
     /// The blockplane instance in its mark, if it carries one.
     pub instance: Option<String>,
+    /// The worker serving it (ublk), while it runs.
+    pub pid: Option<u32>,
     /// Why it is an orphan.
     pub reason: String,
     /// Whether `DELETE /v1/host/orphans/{volume_id}` removes it: only devices

@@ -44,7 +44,7 @@ pub enum ServeError {
         relation: &'static str,
     },
     #[error(
-        "the registry {db} is missing or empty, but the kernel serves {} device(s) over files under the image roots that no live process holds: {devices}. \
+        "the registry {db} is missing or empty, but the kernel serves {} device(s) that blockplane made and no live service owns: {devices}. \
          Starting would begin an empty registry (and a new instance id) while they keep serving. \
          To recover, restore {db} (with its -wal file) from a backup and start again; \
          or start once with --accept-new-registry to begin empty: the devices are left running and listed as orphans in GET /v1/host",
@@ -415,20 +415,34 @@ fn is_new_registry(db: &Path) -> bool {
     size(db) == 0 && size(Path::new(&wal)) == 0
 }
 
-/// Refuses to begin a new registry while loop devices over files under the
-/// image roots run unheld: they are what a lost registry leaves behind, and
-/// a new one would know nothing of them.
-fn refuse_over_unowned_devices(db: &Path, roots: &ImageRoots) -> Result<(), ServeError> {
-    let found =
-        crate::manager::unowned_loop_devices(&roots.paths(), "", &std::collections::HashSet::new());
+/// Refuses to begin a new registry while devices blockplane made serve
+/// unowned (loop devices over files under the image roots run unheld, ublk
+/// workers of the data dir, blockplane's dm devices): they are what a lost
+/// registry leaves behind, and a new one would know nothing of them.
+fn refuse_over_unowned_devices(
+    db: &Path,
+    run_dir: &Path,
+    roots: &ImageRoots,
+) -> Result<(), ServeError> {
+    let found = crate::manager::unowned_devices(
+        &roots.paths(),
+        &run_dir.join("ublk"),
+        "",
+        &std::collections::HashSet::new(),
+    );
     if found.is_empty() {
         return Ok(());
     }
     let devices = found
         .iter()
         .map(|o| {
+            let worker = o
+                .pid
+                .map(|p| format!(", worker pid {p}"))
+                .unwrap_or_default();
             format!(
-                "{} ({})",
+                "{} {} ({}{worker})",
+                o.backend.as_str(),
                 o.device,
                 o.backing_file.as_deref().unwrap_or("unknown file")
             )
@@ -455,7 +469,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     check_roots_apart(&cfg.data_dir, &roots.paths())?;
     let db = cfg.data_dir.join("blockplane.db");
     if !cfg.accept_new_registry && is_new_registry(&db) {
-        refuse_over_unowned_devices(&db, &roots)?;
+        refuse_over_unowned_devices(&db, &cfg.data_dir.join("run"), &roots)?;
     }
     private_database(&db)?;
     let store = Store::open(&db).await?;

@@ -52,6 +52,68 @@ fn dm_uuid(instance: &str, volume_id: Uuid) -> String {
     format!("blockplane-{instance}-{volume_id}")
 }
 
+/// A dm device carrying blockplane's DM uuid of another instance than this
+/// one: what a lost registry leaves (or another service on the host).
+#[derive(Debug, Clone)]
+pub struct ForeignDevice {
+    /// Its node, `/dev/dm-N`, as a volume's `device` names it.
+    pub device: String,
+    /// Its DM name.
+    pub name: String,
+    pub instance: String,
+    pub volume_id: Uuid,
+}
+
+/// The dm devices whose uuid (`blockplane-<instance>-<volume-id>`) names
+/// another instance than `instance`. They are only listed, never touched.
+pub fn foreign_devices(instance: &str) -> Result<Vec<ForeignDevice>, BackendError> {
+    let Ok(dm) = DM::new() else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for (name, _, _) in dm
+        .list_devices()
+        .map_err(|e| dm_error("DM_LIST_DEVICES", CONTROL, e))?
+    {
+        let Ok(info) = dm.device_info(&DevId::Name(&name)) else {
+            continue;
+        };
+        let Some(uuid) = info.uuid().map(|u| u.to_string()) else {
+            continue;
+        };
+        // The volume id is the last 36 characters, the instance what precedes it.
+        let Some(rest) = uuid.strip_prefix("blockplane-") else {
+            continue;
+        };
+        let Some((owner, id)) = rest
+            .len()
+            .checked_sub(37)
+            .and_then(|at| Some((rest.get(..at)?, rest.get(at + 1..)?)))
+        else {
+            continue;
+        };
+        let Ok(volume_id) = Uuid::parse_str(id) else {
+            continue;
+        };
+        if owner != instance {
+            let d = info.device();
+            out.push(ForeignDevice {
+                device: format!(
+                    "/dev/{}",
+                    kernel_name(DevNum {
+                        major: d.major,
+                        minor: d.minor
+                    })
+                ),
+                name: name.to_string(),
+                instance: owner.to_string(),
+                volume_id,
+            });
+        }
+    }
+    Ok(out)
+}
+
 fn dm() -> Result<DM, BackendError> {
     DM::new().map_err(|e| BackendError::io("open", CONTROL, io::Error::other(e.to_string())))
 }

@@ -3,7 +3,9 @@
 //! outlives the control plane, supervised through a pidfd, recovered when it
 //! dies, and found again after a control-plane restart through its run dir
 //! (`<data-dir>/run/ublk/<volume-id>/`: `ctl.sock`, `state.json`, `stats`,
-//! `worker.log`).
+//! `worker.log`, and `instance`, the service instance that made it: a run dir
+//! of another instance, left by a lost registry, is never taken for an orphan
+//! of this one and stopped).
 
 use std::collections::HashMap;
 use std::io;
@@ -70,6 +72,8 @@ pub struct UblkConfig {
     pub threads: u16,
     /// Seconds between re-reads of direct maps.
     pub extent_check_secs: u32,
+    /// This service's instance id, written into every run dir it makes.
+    pub instance: String,
 }
 
 /// A worker this control plane supervises.
@@ -124,8 +128,19 @@ impl UblkBackend {
     }
 
     fn state_file(&self, volume_id: Uuid) -> Option<crate::dataplane::ControlState> {
-        let text = std::fs::read(self.run_dir(volume_id).join("state.json")).ok()?;
-        serde_json::from_slice(&text).ok()
+        read_state(&self.run_dir(volume_id))
+    }
+
+    /// Marks a run dir as this instance's (see [`run_dir_instance`]).
+    fn claim_run_dir(&self, run_dir: &Path) -> Result<(), BackendError> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(run_dir.join(INSTANCE_FILE))
+            .and_then(|mut f| io::Write::write_all(&mut f, self.cfg.instance.as_bytes()))
+            .map_err(|e| io("mark run dir", run_dir.display().to_string(), e))
     }
 
     /// Decides the policy for a request: `auto` is `direct` when the image
@@ -180,6 +195,7 @@ impl UblkBackend {
             .mode(0o700)
             .create(run_dir)
             .map_err(|e| io("create run dir", run_dir.display().to_string(), e))?;
+        self.claim_run_dir(run_dir)?;
         let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -508,6 +524,75 @@ fn feature_names(mask: u64) -> Vec<String> {
         .collect()
 }
 
+/// The file in a run dir naming the service instance that made it.
+const INSTANCE_FILE: &str = "instance";
+
+fn read_state(run_dir: &Path) -> Option<crate::dataplane::ControlState> {
+    serde_json::from_slice(&std::fs::read(run_dir.join("state.json")).ok()?).ok()
+}
+
+/// The instance that made a run dir (`None`: unmarked, made before run dirs
+/// carried one).
+fn run_dir_instance(run_dir: &Path) -> Option<String> {
+    std::fs::read_to_string(run_dir.join(INSTANCE_FILE)).ok()
+}
+
+/// A worker's run dir that belongs to another service instance (or to none):
+/// what a lost registry leaves in a kept data dir.
+#[derive(Debug, Clone)]
+pub struct ForeignWorker {
+    pub volume_id: Uuid,
+    /// The instance in its run dir, if marked.
+    pub instance: Option<String>,
+    /// `/dev/ublkbN`, when its state file names one.
+    pub device: Option<String>,
+    /// The worker, while it runs.
+    pub pid: Option<u32>,
+    /// The image the worker serves, from its command line.
+    pub image_path: Option<String>,
+}
+
+/// Run dirs under `run_root` not marked as `instance`'s whose worker still
+/// runs or whose device still exists. They are only read, never stopped.
+pub fn foreign_workers(run_root: &Path, instance: &str) -> Vec<ForeignWorker> {
+    let Ok(dir) = std::fs::read_dir(run_root) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let volume_id = Uuid::parse_str(&e.file_name().to_string_lossy()).ok()?;
+            let run_dir = e.path();
+            let marked = run_dir_instance(&run_dir);
+            if marked.as_deref() == Some(instance) {
+                return None;
+            }
+            let state = read_state(&run_dir)?;
+            let pid = Some(state.pid).filter(|p| is_our_worker(*p, volume_id));
+            let device = format!("/dev/ublkb{}", state.dev_id);
+            let exists = Path::new(&device).exists();
+            if pid.is_none() && !exists {
+                return None;
+            }
+            Some(ForeignWorker {
+                volume_id,
+                instance: marked,
+                device: exists.then_some(device),
+                image_path: pid.and_then(worker_image_path),
+                pid,
+            })
+        })
+        .collect()
+}
+
+/// The image path in a worker's `--spec` argument.
+fn worker_image_path(pid: u32) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut args = cmdline.split(|b| *b == 0);
+    args.find(|a| *a == b"--spec")?;
+    let spec: serde_json::Value = serde_json::from_slice(args.next()?).ok()?;
+    spec["image_path"].as_str().map(str::to_string)
+}
+
 /// Pid alive and running a blockplane worker of this volume.
 fn is_our_worker(pid: u32, volume_id: Uuid) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline"))
@@ -642,6 +727,7 @@ impl VolumeBackend for UblkBackend {
         };
         Ok(dir
             .flatten()
+            .filter(|e| run_dir_instance(&e.path()).as_deref() == Some(self.cfg.instance.as_str()))
             .filter_map(|e| Uuid::parse_str(&e.file_name().to_string_lossy()).ok())
             .map(|volume_id| Marked {
                 volume_id,
@@ -949,6 +1035,9 @@ impl UblkBackend {
                 reason: "its worker serves another file than the registered image".into(),
             });
         }
+        // A row of this registry owns it: mark it ours (a run dir made before
+        // run dirs carried their instance has no mark yet).
+        self.claim_run_dir(&self.run_dir(volume_id))?;
         let mut att = self.attachment(&status)?;
         if let Some(old) = &req.stored {
             att.attached_at = old.attached_at;

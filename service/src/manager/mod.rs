@@ -180,6 +180,8 @@ pub struct Manager {
     default_queues: u16,
     /// This service's instance id, in the marks it puts on devices.
     instance: String,
+    /// Where ublk workers' run dirs live.
+    ublk_run_root: std::path::PathBuf,
 }
 
 impl Manager {
@@ -193,6 +195,7 @@ impl Manager {
                     run_root: cfg.run_dir.join("ublk"),
                     threads: cfg.worker_threads,
                     extent_check_secs: cfg.extent_check_secs,
+                    instance: instance.clone(),
                 },
                 events.clone(),
             )
@@ -223,6 +226,7 @@ impl Manager {
             fault: cfg.fault,
             max_volumes: cfg.max_volumes,
             default_queues: cfg.default_queues,
+            ublk_run_root: cfg.run_dir.join("ublk"),
         });
         me.clone().record_backend_events(backend_events);
         Ok(me)
@@ -351,6 +355,7 @@ impl Manager {
                             device: m.device,
                             backing_file: None,
                             instance: Some(self.instance.clone()),
+                            pid: None,
                             removable: true,
                         }),
                 );
@@ -358,8 +363,10 @@ impl Manager {
         }
         let roots = self.roots.paths();
         let instance = self.instance.clone();
-        let loops = blocking(move || unowned_loop_devices(&roots, &instance, &known)).await?;
-        out.extend(loops);
+        let run_root = self.ublk_run_root.clone();
+        let unowned =
+            blocking(move || unowned_devices(&roots, &run_root, &instance, &known)).await?;
+        out.extend(unowned);
         Ok(out)
     }
 
@@ -605,10 +612,65 @@ fn utc_clamped(t: time::OffsetDateTime) -> time::OffsetDateTime {
         })
 }
 
+/// Devices blockplane made that no volume of `instance` owns and that no
+/// service removes: what a lost registry, or a blockplane stopped for good,
+/// leaves behind. Loop devices (see [`unowned_loop_devices`]), ublk workers
+/// whose run dir under `ublk_run_root` another instance (or none) marked, and
+/// dm devices carrying another instance's uuid. `instance` empty: every one.
+pub fn unowned_devices(
+    roots: &[String],
+    ublk_run_root: &std::path::Path,
+    instance: &str,
+    known: &std::collections::HashSet<Uuid>,
+) -> Vec<model::Orphan> {
+    let lost = "its registry was lost or replaced";
+    let mut out = unowned_loop_devices(roots, instance, known);
+    out.extend(
+        crate::backend::ublk::foreign_workers(ublk_run_root, instance)
+            .into_iter()
+            .filter(|w| !known.contains(&w.volume_id))
+            .map(|w| model::Orphan {
+                backend: Backend::Ublk,
+                volume_id: Some(w.volume_id),
+                device: w.device.unwrap_or_else(|| "(no device)".into()),
+                backing_file: w.image_path,
+                reason: match &w.instance {
+                    Some(i) => format!(
+                        "its worker's run dir names blockplane instance {i} (volume {}), not this one: {lost}",
+                        w.volume_id
+                    ),
+                    None => format!(
+                        "its worker's run dir (volume {}) names no instance and no volume owns it: {lost}",
+                        w.volume_id
+                    ),
+                },
+                instance: w.instance,
+                pid: w.pid,
+                removable: false,
+            }),
+    );
+    match crate::backend::dm::foreign_devices(instance) {
+        Ok(found) => out.extend(found.into_iter().map(|d| model::Orphan {
+            backend: Backend::Dm,
+            volume_id: Some(d.volume_id),
+            reason: format!(
+                "dm device {} carries the DM uuid of blockplane instance {} (volume {}), not this one's: {lost}",
+                d.name, d.instance, d.volume_id
+            ),
+            device: d.device,
+            backing_file: None,
+            instance: Some(d.instance),
+            pid: None,
+            removable: false,
+        })),
+        Err(e) => tracing::warn!(error = %e, "cannot scan dm devices for orphans"),
+    }
+    out
+}
+
 /// Loop devices over files under `roots` that are neither a volume of
-/// `instance` nor served by a live process holding the image's lock: what a
-/// lost registry, or a blockplane stopped for good, leaves behind.
-pub fn unowned_loop_devices(
+/// `instance` nor served by a live process holding the image's lock.
+fn unowned_loop_devices(
     roots: &[String],
     instance: &str,
     known: &std::collections::HashSet<Uuid>,
@@ -642,6 +704,7 @@ pub fn unowned_loop_devices(
                 device: d.device,
                 backing_file: Some(d.backing_file),
                 instance: d.mark.map(|(i, _)| i),
+                pid: None,
                 removable: false,
                 reason,
             }

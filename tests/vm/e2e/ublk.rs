@@ -581,3 +581,200 @@ async fn a_live_change_the_service_died_before_recording_is_undone_at_restart() 
     fio_ok(fio_verify(&dev, "16M", &[]));
     vm.delete("lc").await;
 }
+
+/// A worker of this service whose volume row vanished (a registry restored
+/// from an older backup) is an orphan of this instance: stopped at start,
+/// its device deleted, with an `orphan_removed` event.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_worker_of_this_instance_is_removed_at_start() {
+    let mut vm = Vm::start().await;
+    vm.image("ow", Scratch::Xfs, 16, "full").await;
+    let v = vm
+        .volume(json!({"name": "ow", "image": "ow", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let pid = worker_pid(&v);
+    vm.s.kill();
+    let db = vm.s.data.join("blockplane.db");
+    sh("sqlite3", &[db.to_str().unwrap(), "DELETE FROM volumes;"]);
+    vm.s.restart().await;
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the orphan worker {pid} still runs"
+    );
+    assert!(!std::path::Path::new(&dev).exists(), "{dev} is left");
+    let host = vm.s.get("/v1/host").await.body;
+    assert_eq!(host["orphans"], json!([]), "{host}");
+    let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert!(kinds.contains(&"orphan_removed".to_string()), "{kinds:?}");
+}
+
+/// `blockplane.db` lost while the data dir (and so the workers' run dirs) is
+/// kept, a ublk volume and a dm one (over its private ublk worker) serving:
+/// the start is refused, as for loop devices, and with
+/// `--accept-new-registry` the service starts empty and reports the devices
+/// as orphans. Either way nothing is stopped: the devices still read what
+/// was written and their workers still run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_registry_leaves_ublk_and_dm_devices_serving_and_reports_them() {
+    let mut vm = Vm::start().await;
+    vm.image("lu", Scratch::Xfs, 16, "full").await;
+    vm.image("ld", Scratch::Ext4, 16, "full").await;
+    let u = vm
+        .volume(json!({"name": "lu", "image": "lu", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let d = vm
+        .volume(json!({"name": "ld", "image": "ld", "backend": "dm", "dispatch": "nowait"}))
+        .await;
+    let pattern = "/tmp/lost-registry.pattern";
+    sh(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={pattern}"),
+            "bs=1M",
+            "count=4",
+            "status=none",
+        ],
+    );
+    let mut serving = Vec::new();
+    for v in [&u, &d] {
+        let dev = v["device"].as_str().unwrap().to_string();
+        sh(
+            "dd",
+            &[
+                &format!("if={pattern}"),
+                &format!("of={dev}"),
+                "bs=1M",
+                "oflag=direct,sync",
+                "status=none",
+            ],
+        );
+        let id = v["id"].as_str().unwrap();
+        let state = vm.s.data.join(format!("run/ublk/{id}/state.json"));
+        let state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+        serving.push((
+            dev,
+            state["pid"].as_u64().unwrap(),
+            state["dev_id"].as_u64().unwrap(),
+        ));
+    }
+    let still_serving = |when: &str| {
+        // Every worker and device first: a read from a device whose worker
+        // was stopped under it can wait forever.
+        for (dev, pid, _) in &serving {
+            assert!(
+                std::path::Path::new(&format!("/proc/{pid}")).exists(),
+                "{when}: the worker {pid} of {dev} was stopped"
+            );
+            assert!(std::path::Path::new(dev).exists(), "{when}: {dev} is gone");
+        }
+        for (dev, _, _) in &serving {
+            sh(
+                "bash",
+                &[
+                    "-c",
+                    &format!(
+                        "cmp <(timeout 30 dd if={dev} bs=1M count=4 iflag=direct status=none) {pattern}"
+                    ),
+                ],
+            );
+        }
+    };
+    assert!(vm.s.signal(rustix::process::Signal::TERM).success());
+    let lost = vm.s.dir.path().join("lost");
+    std::fs::create_dir(&lost).unwrap();
+    for f in ["blockplane.db", "blockplane.db-wal", "blockplane.db-shm"] {
+        let _ = std::fs::rename(vm.s.data.join(f), lost.join(f));
+    }
+
+    // Refused, and nothing touched.
+    let reconciled = |log: &str| log.matches("reconciled with the kernel").count();
+    let before = reconciled(&vm.s.log_text());
+    vm.s.spawn(&[]);
+    // Until it refuses or has reconciled (stopping a worker can take 30 s).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        let log = vm.s.log_text();
+        if log.contains("is missing or empty") || reconciled(&log) > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    still_serving("after a start over the lost registry");
+    let status = vm.s.wait_exit(Duration::from_secs(20));
+    assert!(!status.success(), "started over a lost registry");
+    let log = vm.s.log_text();
+    let refusal = log
+        .lines()
+        .find(|l| l.contains("is missing or empty"))
+        .unwrap_or_else(|| panic!("no refusal:\n{log}"));
+    assert!(refusal.contains("--accept-new-registry"), "{refusal}");
+    // Each device, and each worker with its image.
+    for (dev, pid, dev_id) in &serving {
+        for what in [
+            dev.clone(),
+            format!("/dev/ublkb{dev_id}"),
+            format!("worker pid {pid}"),
+        ] {
+            assert!(refusal.contains(&what), "{what} not named: {refusal}");
+        }
+    }
+    assert!(
+        refusal.contains("/lu.img") && refusal.contains("/ld.img"),
+        "{refusal}"
+    );
+
+    // Explicit recovery: an empty registry, the devices reported, untouched.
+    vm.s.opts.extra_args.push("--accept-new-registry".into());
+    vm.s.restart().await;
+    still_serving("after --accept-new-registry");
+    assert_eq!(vm.s.get("/v1/volumes").await.body, json!([]));
+    let host = vm.s.get("/v1/host").await.body;
+    let orphans = host["orphans"].as_array().unwrap();
+    let find = |backend: &str, device: &str| {
+        orphans
+            .iter()
+            .find(|o| o["backend"] == backend && o["device"] == device)
+            .unwrap_or_else(|| panic!("no {backend} orphan {device}: {host}"))
+    };
+    let ou = find("ublk", &serving[0].0);
+    assert_eq!(ou["volume_id"], u["id"], "{ou}");
+    assert_eq!(ou["pid"], serving[0].1, "{ou}");
+    assert!(
+        ou["backing_file"].as_str().unwrap().ends_with("/lu.img"),
+        "{ou}"
+    );
+    assert_eq!(ou["removable"], false, "{ou}");
+    // The dm volume: its dm device and its private ublk device.
+    let od = find("dm", &serving[1].0);
+    assert_eq!(od["volume_id"], d["id"], "{od}");
+    assert_eq!(od["removable"], false, "{od}");
+    let private = find("ublk", &format!("/dev/ublkb{}", serving[1].2));
+    assert_eq!(private["pid"], serving[1].1, "{private}");
+    assert!(
+        private["backing_file"]
+            .as_str()
+            .unwrap()
+            .ends_with("/ld.img"),
+        "{private}"
+    );
+    let a =
+        vm.s.delete(&format!("/v1/host/orphans/{}", u["id"].as_str().unwrap()))
+            .await;
+    assert_eq!(a.status.as_u16(), 404, "{}", a.body);
+
+    // The registry exists now: a later start needs no flag, and still leaves them.
+    vm.s.opts.extra_args.clear();
+    assert!(vm.s.signal(rustix::process::Signal::TERM).success());
+    vm.s.restart().await;
+    still_serving("after a second start");
+    assert_eq!(
+        vm.s.get("/v1/host").await.body["orphans"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+}
