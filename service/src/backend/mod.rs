@@ -82,6 +82,9 @@ pub struct VolumeParams {
     pub queue_depth: u16,
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
+    /// The image's allocation (`sparse` for a registered file): whether the
+    /// file paths may punch it.
+    pub allocation: Allocation,
 }
 
 /// Everything a backend needs to bring a volume up.

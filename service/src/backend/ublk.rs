@@ -894,6 +894,7 @@ impl UblkBackend {
                 None
             },
             extent_check_secs: self.cfg.extent_check_secs,
+            allocation: req.params.allocation,
         };
         let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
         let att = self.attachment(&status)?;
@@ -975,6 +976,7 @@ impl UblkBackend {
             recover_dev_id: None,
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
+            allocation: p.allocation,
         };
         self.workers.lock().expect("workers poisoned").insert(
             volume_id,

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use crate::extent::{self, ExtentMap, Pin};
-use crate::model::{ActiveDispatch, DispatchPolicy};
+use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
 use mailbox::{QueueConfig, Queues};
@@ -420,6 +420,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
             direct: None,
             read_only: spec.read_only || spec.refuse_writes,
             qos: qos::Limiter::for_limits(spec.qos),
+            keep_allocated: spec.allocation == Allocation::Full,
         }),
         changing: Mutex::new(()),
         queues: OnceLock::new(),

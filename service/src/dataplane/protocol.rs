@@ -49,6 +49,11 @@ pub struct WorkerSpec {
     pub pinned: Option<Pin>,
     /// Seconds between re-reads of a direct map (rule 5).
     pub extent_check_secs: u32,
+    /// The image's allocation: a `full` image is never punched on the file
+    /// paths (DISCARD leaves its blocks, WRITE_ZEROES writes zeros), so it
+    /// stays eligible for `direct`; a `sparse` one is.
+    #[serde(default)]
+    pub allocation: Allocation,
 }
 
 /// A request on the control socket.
