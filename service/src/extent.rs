@@ -28,8 +28,13 @@ use crate::image::filesystem_name;
 const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
 const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
+/// Allocated but never written: reads as zeroes, refused by rule 2.
+pub const FIEMAP_EXTENT_UNWRITTEN: u32 = 0x800;
+/// The remedy named by rule 2's refusals of holes and unwritten extents.
+const REALLOCATE: &str = "`POST /v1/images/{id}/allocate` (`blockplane image allocate NAME`) writes zeros over them and makes the image `full`";
 /// Flags that make an extent unusable for a direct map, with their names.
-const BAD_FLAGS: [(u32, &str); 10] = [
+/// UNWRITTEN is its own refusal ([`MapError::Unwritten`]).
+const BAD_FLAGS: [(u32, &str); 9] = [
     (0x2, "UNKNOWN (location not known)"),
     (0x4, "DELALLOC (not yet allocated)"),
     (0x8, "ENCODED (compressed or otherwise encoded)"),
@@ -37,7 +42,6 @@ const BAD_FLAGS: [(u32, &str); 10] = [
     (0x100, "NOT_ALIGNED (not block-aligned)"),
     (0x200, "DATA_INLINE (stored in metadata)"),
     (0x400, "DATA_TAIL (packed with other files)"),
-    (0x800, "UNWRITTEN (allocated, never written)"),
     (0x2000, "SHARED (shared with another file, e.g. reflinked)"),
     (0x4000_0000, "unknown flag"),
 ];
@@ -51,9 +55,15 @@ pub enum MapError {
     )]
     Filesystem { fs: String },
     #[error(
-        "direct-map rule 2: the image has a hole at bytes {start}..{end} (a sparse image; create it with allocation 'full')"
+        "direct-map rule 2: the image has a hole at bytes {start}..{end} (a sparse image, or blocks punched by discards through a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
+        remedy = REALLOCATE
     )]
     Hole { start: u64, end: u64 },
+    #[error(
+        "direct-map rule 2: the extent at byte {logical} is UNWRITTEN (allocated, never written: fallocate'd, or zeroed with FALLOC_FL_ZERO_RANGE by a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
+        remedy = REALLOCATE
+    )]
+    Unwritten { logical: u64 },
     #[error("direct-map rule 2: the extent at byte {logical} is {what}")]
     BadExtent { logical: u64, what: &'static str },
     #[error("direct-map rule 2: the extent at byte {logical} is not 512-byte aligned")]
@@ -217,6 +227,9 @@ pub fn check_extents(extents: &[FsExtent], size: u64) -> Result<(), MapError> {
                 start: expect,
                 end: e.logical,
             });
+        }
+        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 {
+            return Err(MapError::Unwritten { logical: e.logical });
         }
         if let Some((_, what)) = BAD_FLAGS.iter().find(|(bit, _)| e.flags & bit != 0) {
             return Err(MapError::BadExtent {
@@ -637,6 +650,15 @@ mod tests {
             e.to_string().contains("UNWRITTEN") && e.to_string().contains("rule 2"),
             "{e}"
         );
+        // Both name the cause and the call that re-allocates.
+        let hole = check_extents(&hole, 12288).unwrap_err();
+        for e in [e, hole] {
+            let m = e.to_string();
+            assert!(
+                m.contains("nowait/threaded") && m.contains("/v1/images/{id}/allocate"),
+                "{m}"
+            );
+        }
         let shared = [ext(0, 4096, 0x2000 | FIEMAP_EXTENT_LAST)];
         assert!(
             check_extents(&shared, 4096)
