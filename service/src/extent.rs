@@ -178,12 +178,25 @@ struct Fiemap {
 /// Reads every extent of the file; with `sync`, dirty data is written (and so
 /// allocated) first.
 pub fn fiemap(fd: BorrowedFd<'_>, sync: bool) -> io::Result<Vec<FsExtent>> {
+    fiemap_range(fd, 0, u64::MAX, sync)
+}
+
+/// Reads the extents that overlap `[from, to)`.
+pub fn fiemap_range(
+    fd: BorrowedFd<'_>,
+    from: u64,
+    to: u64,
+    sync: bool,
+) -> io::Result<Vec<FsExtent>> {
     let mut out = Vec::new();
-    let mut start = 0u64;
+    let mut start = from;
     loop {
+        if start >= to {
+            return Ok(out);
+        }
         let mut fm = Box::new(Fiemap {
             fm_start: start,
-            fm_length: u64::MAX - start,
+            fm_length: to - start,
             fm_flags: if sync { FIEMAP_FLAG_SYNC } else { 0 },
             fm_mapped_extents: 0,
             fm_extent_count: EXTENTS_PER_CALL as u32,
@@ -213,6 +226,50 @@ pub fn fiemap(fd: BorrowedFd<'_>, sync: bool) -> io::Result<Vec<FsExtent>> {
         }
         start = last.logical + last.len;
     }
+}
+
+/// The stretches of `[from, to)` that rule 2 refuses for want of written
+/// data: holes and UNWRITTEN extents (both read as zeroes), sorted, merged.
+pub fn unwritten_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Vec<(u64, u64)>> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut add = |a: u64, b: u64| {
+        let (a, b) = (a.max(from), b.min(to));
+        if a >= b {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.1 >= a => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    };
+    let mut written_to = from;
+    for e in fiemap_range(fd, from, to, true)? {
+        let end = e.logical + e.len;
+        if e.logical > written_to {
+            add(written_to, e.logical);
+        }
+        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 {
+            add(e.logical, end);
+        }
+        written_to = written_to.max(end);
+    }
+    add(written_to, to);
+    Ok(out)
+}
+
+/// Bytes of `[0, size)` that are holes: what allocating the image takes
+/// from its filesystem's free space.
+pub fn hole_bytes(fd: BorrowedFd<'_>, size: u64) -> io::Result<u64> {
+    let mut holes = 0;
+    let mut covered = 0u64;
+    for e in fiemap_range(fd, 0, size, true)? {
+        if e.logical >= size {
+            break;
+        }
+        holes += e.logical.saturating_sub(covered);
+        covered = covered.max((e.logical + e.len).min(size));
+    }
+    Ok(holes + size.saturating_sub(covered))
 }
 
 /// Checks rule 2 over `[0, size)`.

@@ -721,6 +721,10 @@ impl VolumeBackend for UblkBackend {
         Ok(out)
     }
 
+    fn allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        self.allocate_private(volume_id)
+    }
+
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
         match change {
             Change::Dispatch(d @ (DispatchPolicy::Direct | DispatchPolicy::Auto)) => {
@@ -849,6 +853,14 @@ impl UblkBackend {
         )?;
         self.record(volume_id, |spec| spec.size_bytes = size_bytes);
         self.attachment(&s)
+    }
+
+    /// Makes a worker's image `full` (a volume's own, or a dm volume's
+    /// private one); a replacement worker keeps it so.
+    pub fn allocate_private(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        self.ask(volume_id, &Request::Allocate)?;
+        self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+        Ok(())
     }
 
     fn attach_worker(&self, req: AttachRequest, private: bool) -> Result<Attachment, BackendError> {

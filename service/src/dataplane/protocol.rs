@@ -80,6 +80,10 @@ pub enum Request {
         size_bytes: u64,
         allocation: Allocation,
     },
+    /// Make the image `full` (see `POST /v1/images/{id}/allocate`): never
+    /// punched from now on, and its holes and unwritten extents written
+    /// with zeros, range by range with the queues held.
+    Allocate,
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
     Shutdown,
