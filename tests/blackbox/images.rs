@@ -486,10 +486,16 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
     let before = rule_two(&path).unwrap_err();
     assert!(before.contains("hole"), "{before}");
 
-    let a = s.post(&format!("/v1/images/{id}/allocate"), json!(null)).await;
+    let a = s
+        .post(&format!("/v1/images/{id}/allocate"), json!(null))
+        .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     assert_eq!(a.body["allocation"], "full", "{}", a.body);
-    assert!(a.body["allocated_bytes"].as_u64().unwrap() >= 32 << 20, "{}", a.body);
+    assert!(
+        a.body["allocated_bytes"].as_u64().unwrap() >= 32 << 20,
+        "{}",
+        a.body
+    );
     rule_two(&path).unwrap();
     let out = std::process::Command::new("filefrag")
         .arg("-v")
@@ -497,7 +503,10 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && !text.contains("unwritten"), "{text}");
+    assert!(
+        out.status.success() && !text.contains("unwritten"),
+        "{text}"
+    );
     // The data stays; everything else reads as zeros.
     let all = std::fs::read(&path).unwrap();
     assert_eq!(all.len(), 32 << 20);
@@ -514,7 +523,11 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
     let a = s.post("/v1/images/punched/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     let ev = s.get("/v1/events?limit=50").await;
-    assert!(ev.body.to_string().contains("image_allocated"), "{}", ev.body);
+    assert!(
+        ev.body.to_string().contains("image_allocated"),
+        "{}",
+        ev.body
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
