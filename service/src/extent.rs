@@ -960,6 +960,40 @@ mod tests {
     }
 
     #[test]
+    fn unwritten_ranges_are_the_holes_and_unwritten_extents_and_allocating_them_passes_rule_two() {
+        use std::os::unix::fs::FileExt;
+        for fs in ["ext4", "xfs"] {
+            let t = TestFs::new(fs);
+            let (_d, f, _) = temp_file_on(&t.mnt(), "punched.img");
+            let k = 64 << 10;
+            f.set_len(8 * k).unwrap();
+            f.write_all_at(&vec![7u8; k as usize], 2 * k).unwrap();
+            f.sync_all().unwrap();
+            let keep = rustix::fs::FallocateFlags::KEEP_SIZE;
+            rustix::fs::fallocate(&f, keep, 4 * k, 2 * k).unwrap();
+            // Hole, data, hole + unwritten + hole (merged).
+            let ranges = unwritten_ranges(f.as_fd(), 0, 8 * k).unwrap();
+            assert_eq!(ranges, vec![(0, 2 * k), (3 * k, 8 * k)], "{fs}");
+            assert_eq!(hole_bytes(f.as_fd(), 8 * k).unwrap(), 5 * k, "{fs}");
+            let fd = std::os::fd::OwnedFd::from(f.try_clone().unwrap());
+            crate::image::allocate_range(&fd, 0, 8 * k).unwrap();
+            assert_eq!(unwritten_ranges(f.as_fd(), 0, 8 * k).unwrap(), vec![]);
+            assert_eq!(hole_bytes(f.as_fd(), 8 * k).unwrap(), 0);
+            ExtentMap::build(f.as_fd(), 8 * k).unwrap();
+            let mut all = vec![0u8; 8 * k as usize];
+            f.read_exact_at(&mut all, 0).unwrap();
+            let data = (2 * k as usize)..(3 * k as usize);
+            assert!(all[data.clone()].iter().all(|&b| b == 7), "{fs}");
+            assert!(
+                all.iter()
+                    .enumerate()
+                    .all(|(i, &b)| data.contains(&i) || b == 0),
+                "{fs}"
+            );
+        }
+    }
+
+    #[test]
     fn tmpfs_is_refused_under_rule_one() {
         let (_d, mut f, _) = temp_file_on("/dev/shm", "t.img");
         f.write_all(&[1u8; 4096]).unwrap();
