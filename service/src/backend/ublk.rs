@@ -35,6 +35,9 @@ use crate::model::{
 const CONTROL: &str = "/dev/ublk-control";
 const TALK_TIMEOUT: Duration = Duration::from_secs(60);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a worker may take to allocate its image (zeros written at disk
+/// speed; its control socket answers nothing else meanwhile).
+const ALLOCATE_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Names of the ublk feature bits, in bit order.
 const FEATURE_NAMES: [&str; 21] = [
@@ -285,7 +288,16 @@ impl UblkBackend {
     }
 
     fn ask(&self, volume_id: Uuid, req: &Request) -> Result<Status, BackendError> {
-        match protocol::talk(&self.socket(volume_id), req, TALK_TIMEOUT) {
+        self.ask_within(volume_id, req, TALK_TIMEOUT)
+    }
+
+    fn ask_within(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Status, BackendError> {
+        match protocol::talk(&self.socket(volume_id), req, timeout) {
             Ok(Answer::Status(s)) => Ok(*s),
             Ok(Answer::Error { code, message }) if code == "refused" => {
                 Err(BackendError::Refused { reason: message })
@@ -858,7 +870,7 @@ impl UblkBackend {
     /// Makes a worker's image `full` (a volume's own, or a dm volume's
     /// private one); a replacement worker keeps it so.
     pub fn allocate_private(&self, volume_id: Uuid) -> Result<(), BackendError> {
-        self.ask(volume_id, &Request::Allocate)?;
+        self.ask_within(volume_id, &Request::Allocate, ALLOCATE_TIMEOUT)?;
         self.record(volume_id, |spec| spec.allocation = Allocation::Full);
         Ok(())
     }
