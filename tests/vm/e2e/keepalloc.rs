@@ -48,10 +48,11 @@ async fn a_full_image_stays_direct_eligible_through_discards_on_nowait_and_threa
     let vm = Vm::start().await;
     // mkfs.xfs wants at least 300 MB; it discards the whole device.
     vm.image("keep", Scratch::Xfs, 304, "full").await;
-    for policy in ["nowait", "threaded"] {
-        let name = format!("keep-{policy}");
+    // dm's nowait is a linear table over a private ublk worker.
+    for (backend, policy) in [("ublk", "nowait"), ("ublk", "threaded"), ("dm", "nowait")] {
+        let name = format!("keep-{backend}-{policy}");
         let v = vm
-            .volume(json!({"name": name, "image": "keep", "backend": "ublk", "dispatch": policy}))
+            .volume(json!({"name": name, "image": "keep", "backend": backend, "dispatch": policy}))
             .await;
         assert_eq!(v["dispatch"], policy, "{v}");
         let dev = v["device"].as_str().unwrap().to_string();
