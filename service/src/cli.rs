@@ -110,6 +110,9 @@ enum ImageCmd {
         #[arg(long, value_parser = parse_size)]
         size: u64,
     },
+    /// Write zeros over an image's holes and unwritten extents and make it
+    /// `full`: eligible for `direct` again.
+    Allocate { image: String },
     /// Forget an image.
     Rm {
         image: String,
@@ -451,6 +454,12 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 format!("/v1/images/{}/resize", encode_segment(image)),
                 Some(json!({"size_bytes": size})),
                 View::Resize,
+            ),
+            ImageCmd::Allocate { image } => (
+                M::POST,
+                format!("/v1/images/{}/allocate", encode_segment(image)),
+                None,
+                View::Image,
             ),
             ImageCmd::Rm { image, delete_file } => (
                 M::DELETE,

@@ -28,8 +28,13 @@ use crate::image::filesystem_name;
 const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
 const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
+/// Allocated but never written: reads as zeroes, refused by rule 2.
+pub const FIEMAP_EXTENT_UNWRITTEN: u32 = 0x800;
+/// The remedy named by rule 2's refusals of holes and unwritten extents.
+const REALLOCATE: &str = "`POST /v1/images/{id}/allocate` (`blockplane image allocate NAME`) writes zeros over them and makes the image `full`";
 /// Flags that make an extent unusable for a direct map, with their names.
-const BAD_FLAGS: [(u32, &str); 10] = [
+/// UNWRITTEN is its own refusal ([`MapError::Unwritten`]).
+const BAD_FLAGS: [(u32, &str); 9] = [
     (0x2, "UNKNOWN (location not known)"),
     (0x4, "DELALLOC (not yet allocated)"),
     (0x8, "ENCODED (compressed or otherwise encoded)"),
@@ -37,7 +42,6 @@ const BAD_FLAGS: [(u32, &str); 10] = [
     (0x100, "NOT_ALIGNED (not block-aligned)"),
     (0x200, "DATA_INLINE (stored in metadata)"),
     (0x400, "DATA_TAIL (packed with other files)"),
-    (0x800, "UNWRITTEN (allocated, never written)"),
     (0x2000, "SHARED (shared with another file, e.g. reflinked)"),
     (0x4000_0000, "unknown flag"),
 ];
@@ -51,9 +55,15 @@ pub enum MapError {
     )]
     Filesystem { fs: String },
     #[error(
-        "direct-map rule 2: the image has a hole at bytes {start}..{end} (a sparse image; create it with allocation 'full')"
+        "direct-map rule 2: the image has a hole at bytes {start}..{end} (a sparse image, or blocks punched by discards through a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
+        remedy = REALLOCATE
     )]
     Hole { start: u64, end: u64 },
+    #[error(
+        "direct-map rule 2: the extent at byte {logical} is UNWRITTEN (allocated, never written: fallocate'd, or zeroed with FALLOC_FL_ZERO_RANGE by a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
+        remedy = REALLOCATE
+    )]
+    Unwritten { logical: u64 },
     #[error("direct-map rule 2: the extent at byte {logical} is {what}")]
     BadExtent { logical: u64, what: &'static str },
     #[error("direct-map rule 2: the extent at byte {logical} is not 512-byte aligned")]
@@ -168,12 +178,25 @@ struct Fiemap {
 /// Reads every extent of the file; with `sync`, dirty data is written (and so
 /// allocated) first.
 pub fn fiemap(fd: BorrowedFd<'_>, sync: bool) -> io::Result<Vec<FsExtent>> {
+    fiemap_range(fd, 0, u64::MAX, sync)
+}
+
+/// Reads the extents that overlap `[from, to)`.
+pub fn fiemap_range(
+    fd: BorrowedFd<'_>,
+    from: u64,
+    to: u64,
+    sync: bool,
+) -> io::Result<Vec<FsExtent>> {
     let mut out = Vec::new();
-    let mut start = 0u64;
+    let mut start = from;
     loop {
+        if start >= to {
+            return Ok(out);
+        }
         let mut fm = Box::new(Fiemap {
             fm_start: start,
-            fm_length: u64::MAX - start,
+            fm_length: to - start,
             fm_flags: if sync { FIEMAP_FLAG_SYNC } else { 0 },
             fm_mapped_extents: 0,
             fm_extent_count: EXTENTS_PER_CALL as u32,
@@ -205,6 +228,50 @@ pub fn fiemap(fd: BorrowedFd<'_>, sync: bool) -> io::Result<Vec<FsExtent>> {
     }
 }
 
+/// The stretches of `[from, to)` that rule 2 refuses for want of written
+/// data: holes and UNWRITTEN extents (both read as zeroes), sorted, merged.
+pub fn unwritten_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Vec<(u64, u64)>> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut add = |a: u64, b: u64| {
+        let (a, b) = (a.max(from), b.min(to));
+        if a >= b {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.1 >= a => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    };
+    let mut written_to = from;
+    for e in fiemap_range(fd, from, to, true)? {
+        let end = e.logical + e.len;
+        if e.logical > written_to {
+            add(written_to, e.logical);
+        }
+        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 {
+            add(e.logical, end);
+        }
+        written_to = written_to.max(end);
+    }
+    add(written_to, to);
+    Ok(out)
+}
+
+/// Bytes of `[0, size)` that are holes: what allocating the image takes
+/// from its filesystem's free space.
+pub fn hole_bytes(fd: BorrowedFd<'_>, size: u64) -> io::Result<u64> {
+    let mut holes = 0;
+    let mut covered = 0u64;
+    for e in fiemap_range(fd, 0, size, true)? {
+        if e.logical >= size {
+            break;
+        }
+        holes += e.logical.saturating_sub(covered);
+        covered = covered.max((e.logical + e.len).min(size));
+    }
+    Ok(holes + size.saturating_sub(covered))
+}
+
 /// Checks rule 2 over `[0, size)`.
 pub fn check_extents(extents: &[FsExtent], size: u64) -> Result<(), MapError> {
     let mut expect = 0u64;
@@ -217,6 +284,9 @@ pub fn check_extents(extents: &[FsExtent], size: u64) -> Result<(), MapError> {
                 start: expect,
                 end: e.logical,
             });
+        }
+        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 {
+            return Err(MapError::Unwritten { logical: e.logical });
         }
         if let Some((_, what)) = BAD_FLAGS.iter().find(|(bit, _)| e.flags & bit != 0) {
             return Err(MapError::BadExtent {
@@ -637,6 +707,15 @@ mod tests {
             e.to_string().contains("UNWRITTEN") && e.to_string().contains("rule 2"),
             "{e}"
         );
+        // Both name the cause and the call that re-allocates.
+        let hole = check_extents(&hole, 12288).unwrap_err();
+        for e in [e, hole] {
+            let m = e.to_string();
+            assert!(
+                m.contains("nowait/threaded") && m.contains("/v1/images/{id}/allocate"),
+                "{m}"
+            );
+        }
         let shared = [ext(0, 4096, 0x2000 | FIEMAP_EXTENT_LAST)];
         assert!(
             check_extents(&shared, 4096)
@@ -878,6 +957,40 @@ mod tests {
         run("cp", &["--reflink=always", p.to_str().unwrap(), &copy]);
         let e = ExtentMap::build(f.as_fd(), 1 << 20).unwrap_err();
         assert!(e.to_string().contains("SHARED"), "{e}");
+    }
+
+    #[test]
+    fn unwritten_ranges_are_the_holes_and_unwritten_extents_and_allocating_them_passes_rule_two() {
+        use std::os::unix::fs::FileExt;
+        for fs in ["ext4", "xfs"] {
+            let t = TestFs::new(fs);
+            let (_d, f, _) = temp_file_on(&t.mnt(), "punched.img");
+            let k = 64 << 10;
+            f.set_len(8 * k).unwrap();
+            f.write_all_at(&vec![7u8; k as usize], 2 * k).unwrap();
+            f.sync_all().unwrap();
+            let keep = rustix::fs::FallocateFlags::KEEP_SIZE;
+            rustix::fs::fallocate(&f, keep, 4 * k, 2 * k).unwrap();
+            // Hole, data, hole + unwritten + hole (merged).
+            let ranges = unwritten_ranges(f.as_fd(), 0, 8 * k).unwrap();
+            assert_eq!(ranges, vec![(0, 2 * k), (3 * k, 8 * k)], "{fs}");
+            assert_eq!(hole_bytes(f.as_fd(), 8 * k).unwrap(), 5 * k, "{fs}");
+            let fd = std::os::fd::OwnedFd::from(f.try_clone().unwrap());
+            crate::image::allocate_range(&fd, 0, 8 * k).unwrap();
+            assert_eq!(unwritten_ranges(f.as_fd(), 0, 8 * k).unwrap(), vec![]);
+            assert_eq!(hole_bytes(f.as_fd(), 8 * k).unwrap(), 0);
+            ExtentMap::build(f.as_fd(), 8 * k).unwrap();
+            let mut all = vec![0u8; 8 * k as usize];
+            f.read_exact_at(&mut all, 0).unwrap();
+            let data = (2 * k as usize)..(3 * k as usize);
+            assert!(all[data.clone()].iter().all(|&b| b == 7), "{fs}");
+            assert!(
+                all.iter()
+                    .enumerate()
+                    .all(|(i, &b)| data.contains(&i) || b == 0),
+                "{fs}"
+            );
+        }
     }
 
     #[test]

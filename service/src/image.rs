@@ -403,6 +403,32 @@ impl ImageFile {
         Ok(filesystem_name(fs.f_type as i64).to_string())
     }
 
+    /// Bytes of the file that are holes, and bytes its filesystem has free
+    /// (`statvfs`, as an unprivileged writer sees it): what [`Self::allocate`]
+    /// takes and what there is.
+    pub fn space_to_allocate(&self) -> Result<(u64, u64)> {
+        let holes = crate::extent::hole_bytes(self.fd.as_fd(), self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+        let vfs = rustix::fs::fstatvfs(&self.fd)
+            .map_err(|e| io_error(&self.path, "statvfs", e.into()))?;
+        Ok((holes, vfs.f_bavail * vfs.f_frsize))
+    }
+
+    /// Writes zeros over the file's holes and unwritten extents (see
+    /// [`allocate_range`]; nothing else may write it meanwhile), then syncs.
+    pub fn allocate(&mut self) -> Result<()> {
+        allocate_range(&self.fd, 0, self.size())
+            .and_then(|()| rustix::fs::fsync(&self.fd).map_err(Into::into))
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ENOSPC) => ImageFileError::NoSpace {
+                    path: self.path.display(),
+                    op: "allocate",
+                },
+                _ => io_error(&self.path, "allocate", e),
+            })?;
+        self.refresh()
+    }
+
     /// Re-reads size and allocation.
     pub fn refresh(&mut self) -> Result<()> {
         self.stat = fstat(&self.fd, &self.path)?;
@@ -506,6 +532,31 @@ pub fn grow_fd(
         }
     }
     rustix::fs::fsync(fd).map_err(|e| ("fsync", e.into()))
+}
+
+/// Makes `[from, to)` of an open image written zeros wherever it is a hole
+/// or unwritten (the ranges rule 2 refuses), leaving written data alone:
+/// holes get blocks (`fallocate`), then zeros are written over those ranges
+/// (`FALLOC_FL_WRITE_ZEROES` where the kernel has it, else plain writes).
+/// Whoever calls it keeps writers of those ranges out meanwhile: a write
+/// that lands between the map being read and the zeros being written would
+/// be overwritten.
+pub fn allocate_range(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {
+    for (a, b) in crate::extent::unwritten_ranges(fd.as_fd(), from, to)? {
+        rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, a, b - a)?;
+        let zeroed = rustix::fs::fallocate(
+            fd,
+            FallocateFlags::from_bits_retain(crate::dataplane::FALLOC_FL_WRITE_ZEROES as u32),
+            a,
+            b - a,
+        );
+        match zeroed {
+            Ok(()) => {}
+            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::INVAL) => write_zeros(fd, a, b)?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 fn write_zeros(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {

@@ -7,12 +7,17 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 /// How the bytes of a newly created image file are laid out on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Allocation {
-    /// `ftruncate` only: blocks are allocated on first write.
+    /// `ftruncate` only: blocks are allocated on first write. Volumes on the
+    /// file paths (`nowait`, `threaded`) punch holes for DISCARD and zero
+    /// ranges for WRITE_ZEROES, giving the space back.
+    #[default]
     Sparse,
-    /// `fallocate` plus zeros written, so no extent stays unwritten (direct-map ready).
+    /// `fallocate` plus zeros written, so no extent stays unwritten (direct-map
+    /// ready). Kept so under every policy: DISCARD leaves the blocks allocated
+    /// and WRITE_ZEROES writes zeros, so the image stays eligible for `direct`.
     Full,
 }
 

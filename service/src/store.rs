@@ -102,6 +102,14 @@ fn uuid(what: &'static str, s: &str) -> Result<Uuid> {
     })
 }
 
+/// An allocation as the `images` table spells it.
+fn allocation_str(a: Allocation) -> &'static str {
+    match a {
+        Allocation::Sparse => "sparse",
+        Allocation::Full => "full",
+    }
+}
+
 fn enum_from_str<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
     from_json(what, &format!("\"{s}\""))
 }
@@ -573,10 +581,7 @@ impl WriteTx {
         .bind(&i.birth)
         .bind(i.size_bytes as i64)
         .bind(i.allocated_bytes as i64)
-        .bind(i.allocation.map(|a| match a {
-            Allocation::Sparse => "sparse",
-            Allocation::Full => "full",
-        }))
+        .bind(i.allocation.map(allocation_str))
         .bind(&i.filesystem)
         .bind(ts(i.created_at))
         .bind(ts(i.created_at))
@@ -591,6 +596,25 @@ impl WriteTx {
             "UPDATE images SET size_bytes = ?, allocated_bytes = ?, updated_at = ? WHERE id = ?",
         )
         .bind(size as i64)
+        .bind(allocated as i64)
+        .bind(ts(OffsetDateTime::now_utc()))
+        .bind(id.to_string())
+        .execute(self.conn())
+        .await?;
+        Ok(())
+    }
+
+    /// Records an image's allocation (after `allocate`), with its allocated bytes.
+    pub async fn set_image_allocation(
+        &mut self,
+        id: Uuid,
+        allocation: Allocation,
+        allocated: u64,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE images SET allocation = ?, allocated_bytes = ?, updated_at = ? WHERE id = ?",
+        )
+        .bind(allocation_str(allocation))
         .bind(allocated as i64)
         .bind(ts(OffsetDateTime::now_utc()))
         .bind(id.to_string())

@@ -98,9 +98,17 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
     let out = cli(&s, &["image", "rm", "cimg"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("image_in_use"));
+    // The kernel's loop driver cannot be kept out of the ranges allocate
+    // would zero: refused while attached, done once detached.
+    let out = cli(&s, &["image", "allocate", "cimg"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("device_busy") && err.contains("loop"), "{err}");
 
     assert!(ok(&s, &["volume", "rm", "cvol"]).contains("deleted"));
     assert!(!crate::harness::serves_from(&dev, s.dir.path()));
+    let allocated = json(&s, &["image", "allocate", "cimg"]);
+    assert_eq!(allocated["allocation"], "full", "{allocated}");
     ok(&s, &["image", "rm", "cimg", "--delete-file"]);
     assert!(!std::path::Path::new(&path).exists());
     let out = cli(&s, &["volume", "show", "cvol"]);

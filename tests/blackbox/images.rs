@@ -1,6 +1,6 @@
 //! `/v1/images`: registration, creation, growth, removal, and every refusal.
 
-use std::os::unix::fs::{PermissionsExt, symlink};
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 
 use hyper::{Method, StatusCode};
 use serde_json::json;
@@ -449,4 +449,148 @@ async fn a_new_file_on_a_renamed_over_images_inode_registers() {
         .post("/v1/images", json!({"name": "fresh", "path": fresh}))
         .await;
     assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+}
+
+/// Rule 2 as the direct path checks it, on the file at `path`.
+fn rule_two(path: &std::path::Path) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    let f = std::fs::File::open(path).unwrap();
+    let size = f.metadata().unwrap().len();
+    let extents = blockplane::extent::fiemap(f.as_fd(), true).unwrap();
+    blockplane::extent::check_extents(&extents, size).map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
+    use std::os::unix::fs::FileExt;
+    let s = Service::start().await;
+    let path = s.images.join("punched.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "punched", "path": path, "create": {"size_bytes": 32 << 20}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let id = a.body["id"].as_str().unwrap().to_string();
+    // Data at 4 MiB, an unwritten (fallocated) stretch at 16 MiB, holes elsewhere.
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[0xa5; 1 << 20], 4 << 20).unwrap();
+    f.sync_all().unwrap();
+    let falloc = std::process::Command::new("fallocate")
+        .args(["--keep-size", "--offset", "16MiB", "--length", "4MiB"])
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(falloc.success());
+    let before = rule_two(&path).unwrap_err();
+    assert!(before.contains("hole"), "{before}");
+
+    let a = s
+        .post(&format!("/v1/images/{id}/allocate"), json!(null))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["allocation"], "full", "{}", a.body);
+    assert!(
+        a.body["allocated_bytes"].as_u64().unwrap() >= 32 << 20,
+        "{}",
+        a.body
+    );
+    rule_two(&path).unwrap();
+    let out = std::process::Command::new("filefrag")
+        .arg("-v")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !text.contains("unwritten"),
+        "{text}"
+    );
+    // The data stays; everything else reads as zeros.
+    let all = std::fs::read(&path).unwrap();
+    assert_eq!(all.len(), 32 << 20);
+    let data = (4 << 20)..(5 << 20);
+    assert!(all[data.clone()].iter().all(|&b| b == 0xa5));
+    assert!(
+        all.iter()
+            .enumerate()
+            .all(|(i, &b)| data.contains(&i) || b == 0)
+    );
+    let g = s.get("/v1/images/punched").await;
+    assert_eq!(g.body["allocation"], "full", "{}", g.body);
+    // Again: nothing left to do, same answer.
+    let a = s.post("/v1/images/punched/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let ev = s.get("/v1/events?limit=50").await;
+    assert!(
+        ev.body.to_string().contains("image_allocated"),
+        "{}",
+        ev.body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allocate_refusals_are_precise_and_change_nothing() {
+    // A 16 MiB ext4 filesystem as a second image root: too small for a
+    // 64 MiB sparse image's holes.
+    let scratch = tempfile::Builder::new()
+        .prefix("bpalloc")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let fs_file = scratch.path().join("fs.ext4");
+    make_file(&fs_file, 16 << 20);
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&fs_file)
+        .status()
+        .unwrap();
+    assert!(mkfs.success());
+    let small = scratch.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&fs_file)
+        .arg(&small)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _unmount = Unmount(small.clone());
+    std::fs::set_permissions(&small, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let s = Service::start_with(crate::harness::Opts {
+        extra_roots: vec![small.clone()],
+        ..Default::default()
+    })
+    .await;
+
+    let a = s.post("/v1/images/nosuch/allocate", json!(null)).await;
+    assert_error(&a, 404, "image_not_found");
+    assert!(a.body.to_string().contains("nosuch"), "{}", a.body);
+
+    let big = small.join("big.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "big", "path": big, "create": {"size_bytes": 64 << 20}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let allocated = std::fs::metadata(&big).unwrap().blocks();
+    let a = s.post("/v1/images/big/allocate", json!(null)).await;
+    assert_error(&a, 507, "no_space");
+    let m = a.body["error"]["message"].as_str().unwrap();
+    assert!(m.contains("'big'") && m.contains("67108864"), "{m}");
+    // Nothing was written, and the image is still sparse.
+    assert_eq!(std::fs::metadata(&big).unwrap().blocks(), allocated);
+    let g = s.get("/v1/images/big").await;
+    assert_eq!(g.body["allocation"], "sparse", "{}", g.body);
 }

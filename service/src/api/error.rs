@@ -95,6 +95,8 @@ impl ApiError {
                 Error::ImageReplaced { .. } => (S::CONFLICT, "image_replaced"),
                 Error::ImageLocked { .. } => (S::CONFLICT, "image_locked"),
                 Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, "shrink_refused"),
+                Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, "no_space"),
+                Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, "not_allocatable"),
                 Error::VolumeExists { .. } => (S::CONFLICT, "volume_exists"),
                 Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),

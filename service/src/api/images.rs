@@ -101,3 +101,32 @@ pub async fn resize_image(
         detached(async move { m.resize_image(&id, req.size_bytes).await }).await?,
     ))
 }
+
+/// Make an image eligible for `direct` again: write zeros over its holes and
+/// unwritten extents (left by discards punched through a volume served
+/// `nowait`/`threaded` on a sparse image, or by another program) and make it
+/// `full`, so the file paths never punch it again. Synchronous: answers when
+/// done. Refused before anything is written when the image's filesystem lacks
+/// the space for the holes. An attached ublk or dm volume keeps serving: its
+/// worker zeroes one 16 MiB stretch at a time with its queues held, so none
+/// of the volume's writes lands in a stretch being zeroed; a loop volume is
+/// refused (detach it first).
+#[utoipa::path(
+    post, path = "/v1/images/{id}/allocate", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "The image, now `full`", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "The file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only", body = ErrorBody),
+        (status = 422, description = "The image is not on ext4 or xfs (it can never be direct-mapped)", body = ErrorBody),
+        (status = 507, description = "The filesystem has less free space than the image's holes need", body = ErrorBody),
+    )
+)]
+pub async fn allocate_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.allocate_image(&id).await }).await?,
+    ))
+}

@@ -960,6 +960,20 @@ impl VolumeBackend for DmBackend {
         true
     }
 
+    fn allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        let direct = self.with_volume(volume_id, |v| {
+            v.params.allocation = Allocation::Full;
+            Ok(v.dispatch == DispatchPolicy::Direct)
+        })?;
+        // A direct table maps only a written image: nothing to fill. Otherwise
+        // the private worker does it, outside the volumes' lock.
+        if direct {
+            Ok(())
+        } else {
+            self.ublk.allocate_private(volume_id)
+        }
+    }
+
     fn resize(
         &self,
         _att: &Attachment,

@@ -82,6 +82,9 @@ pub struct VolumeParams {
     pub queue_depth: u16,
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
+    /// The image's allocation (`sparse` for a registered file): whether the
+    /// file paths may punch it.
+    pub allocation: Allocation,
 }
 
 /// Everything a backend needs to bring a volume up.
@@ -320,6 +323,21 @@ pub trait VolumeBackend: Send + Sync {
         allocation: Allocation,
         volume_id: Uuid,
     ) -> Result<Attachment, BackendError>;
+
+    /// Makes the volume's image `full` while it serves (`POST
+    /// /v1/images/{id}/allocate`): the data path stops punching it, and its
+    /// holes and unwritten extents are written with zeros without racing the
+    /// volume's own writes. A backend that cannot keep its writes out of the
+    /// ranges it zeroes refuses (the default).
+    fn allocate(&self, att: &Attachment, _volume_id: Uuid) -> Result<(), BackendError> {
+        Err(BackendError::Busy {
+            device: att.device.clone(),
+            reason: format!(
+                "the {} backend serves the image in the kernel, where blockplane cannot keep its writes out of the ranges it would zero; detach the volume, allocate, attach again",
+                self.kind().as_str()
+            ),
+        })
+    }
 
     /// Refuses, without side effects, a live change this backend cannot make.
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError>;

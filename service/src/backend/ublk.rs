@@ -37,6 +37,9 @@ use crate::model::{
 const CONTROL: &str = "/dev/ublk-control";
 const TALK_TIMEOUT: Duration = Duration::from_secs(60);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a worker may take to allocate its image (zeros written at disk
+/// speed; its control socket answers nothing else meanwhile).
+const ALLOCATE_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Names of the ublk feature bits, in bit order.
 const FEATURE_NAMES: [&str; 21] = [
@@ -301,7 +304,16 @@ impl UblkBackend {
     }
 
     fn ask(&self, volume_id: Uuid, req: &Request) -> Result<Status, BackendError> {
-        match protocol::talk(&self.socket(volume_id), req, TALK_TIMEOUT) {
+        self.ask_within(volume_id, req, TALK_TIMEOUT)
+    }
+
+    fn ask_within(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Status, BackendError> {
+        match protocol::talk(&self.socket(volume_id), req, timeout) {
             Ok(Answer::Status(s)) => Ok(*s),
             Ok(Answer::Error { code, message }) if code == "refused" => {
                 Err(BackendError::Refused { reason: message })
@@ -807,6 +819,10 @@ impl VolumeBackend for UblkBackend {
         Ok(out)
     }
 
+    fn allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        self.allocate_private(volume_id)
+    }
+
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
         match change {
             Change::Dispatch(d @ (DispatchPolicy::Direct | DispatchPolicy::Auto)) => {
@@ -937,6 +953,14 @@ impl UblkBackend {
         self.attachment(&s)
     }
 
+    /// Makes a worker's image `full` (a volume's own, or a dm volume's
+    /// private one); a replacement worker keeps it so.
+    pub fn allocate_private(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        self.ask_within(volume_id, &Request::Allocate, ALLOCATE_TIMEOUT)?;
+        self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+        Ok(())
+    }
+
     fn attach_worker(&self, req: AttachRequest, private: bool) -> Result<Attachment, BackendError> {
         let (dispatch, reason) = self.decide(
             &req.image_fd,
@@ -980,6 +1004,7 @@ impl UblkBackend {
                 None
             },
             extent_check_secs: self.cfg.extent_check_secs,
+            allocation: req.params.allocation,
         };
         let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
         let att = self.attachment(&status)?;
@@ -1064,6 +1089,7 @@ impl UblkBackend {
             recover_dev_id: None,
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
+            allocation: p.allocation,
         };
         self.workers.lock().expect("workers poisoned").insert(
             volume_id,

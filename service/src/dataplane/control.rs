@@ -214,6 +214,10 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
+        Request::Allocate => match s.allocate() {
+            Ok(()) => status(cx),
+            Err(e) => refusal(e),
+        },
         Request::Shutdown => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {

@@ -11,11 +11,14 @@
 //! | READ / WRITE | O_DIRECT read/write of the image | O_DIRECT read/write of each mapped piece |
 //! | WRITE + FUA | `RWF_DSYNC` | `RWF_DSYNC` (REQ_FUA) |
 //! | FLUSH | `fdatasync(image)` | `fsync(raw device)`: a cache flush |
-//! | DISCARD | punch a hole (`KEEP_SIZE`) | accepted, nothing done: the image's block map must not change, and discard promises nothing of the data |
-//! | WRITE_ZEROES | zero range (`KEEP_SIZE`) | zeroes written on the raw device (`fallocate(ZERO_RANGE)` of the block device) |
+//! | DISCARD, `sparse` image | punch a hole (`KEEP_SIZE`) | accepted, nothing done: the image's block map must not change, and discard promises nothing of the data |
+//! | DISCARD, `full` image | accepted, nothing done: the blocks stay allocated and written, so the image stays eligible for `direct` | same |
+//! | WRITE_ZEROES, `sparse` image | zero range (`KEEP_SIZE`) | zeroes written on the raw device (`fallocate(ZERO_RANGE)` of the block device) |
+//! | WRITE_ZEROES, `full` image | `fallocate(FALLOC_FL_WRITE_ZEROES)` (Linux 6.17+, where the filesystem has it), else zeroes written from the queue's zero buffer: extents stay written | same |
 //! | other | `-EINVAL` | `-EINVAL` |
 
-use std::cell::{Cell, RefCell};
+use std::alloc::Layout;
+use std::cell::{Cell, OnceCell, RefCell};
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -227,7 +230,48 @@ fn fsync_sqe(file: FileRef, datasync: bool) -> squeue::Entry {
     on_file!(file, |f| opcode::Fsync::new(f).flags(flags).build())
 }
 
-/// `fallocate` mode for DISCARD (punch) and WRITE_ZEROES (zero range).
+/// `fallocate` mode that writes zeroes and leaves written extents (Linux
+/// 6.17, `linux/falloc.h`; not in the `libc` crate yet). Older kernels, and
+/// filesystems or disks without it, answer EOPNOTSUPP.
+pub const FALLOC_FL_WRITE_ZEROES: i32 = 0x80;
+
+/// Bytes of a queue's zero buffer, written from by WRITE_ZEROES on a `full`
+/// image where `FALLOC_FL_WRITE_ZEROES` is missing.
+const ZEROS_LEN: usize = 1 << 20;
+
+/// A page-aligned (O_DIRECT) zeroed buffer, never written to: the source of
+/// zeroes written to a `full` image. One per queue, allocated on first use.
+struct Zeros(std::ptr::NonNull<u8>);
+
+impl Zeros {
+    fn layout() -> Layout {
+        Layout::from_size_align(ZEROS_LEN, 4096).expect("valid layout")
+    }
+
+    fn new() -> Self {
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(Self::layout()) };
+        Self(
+            std::ptr::NonNull::new(p)
+                .unwrap_or_else(|| std::alloc::handle_alloc_error(Self::layout())),
+        )
+    }
+
+    /// For write SQEs only: the kernel reads from it, nothing writes to it.
+    fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+}
+
+impl Drop for Zeros {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.0.as_ptr(), Self::layout()) }
+    }
+}
+
+/// `fallocate` mode for DISCARD (punch) and WRITE_ZEROES (zero range) on a
+/// `sparse` image.
 pub fn punch_or_zero(op: u32) -> i32 {
     if op == sys::UBLK_IO_OP_DISCARD {
         libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
@@ -243,6 +287,16 @@ enum FileMode {
     Nowait,
     /// Straight to io-wq's blocking workers (`IOSQE_ASYNC`), never NOWAIT.
     Threaded,
+}
+
+impl FileMode {
+    /// An SQE as this mode submits it (blocking ones on io-wq for `threaded`).
+    fn submit(self, sqe: squeue::Entry) -> squeue::Entry {
+        match self {
+            FileMode::Threaded => sqe.flags(squeue::Flags::ASYNC),
+            FileMode::Nowait => sqe,
+        }
+    }
 }
 
 /// Whether an op type still asks `RWF_NOWAIT`: a type whose EAGAIN share over
@@ -308,6 +362,10 @@ pub struct QueueCtx {
     /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
     /// FMODE_NOWAIT, e.g. tmpfs on older kernels): blocking from then on.
     nowait_unsupported: Cell<bool>,
+    /// `FALLOC_FL_WRITE_ZEROES` was refused: zeroes are written from
+    /// [`Self::zeros`] from then on.
+    write_zeroes_unsupported: Cell<bool>,
+    zeros: OnceCell<Zeros>,
 }
 
 impl QueueCtx {
@@ -328,6 +386,8 @@ impl QueueCtx {
             latency: RefCell::default(),
             nowait: Default::default(),
             nowait_unsupported: Cell::new(false),
+            write_zeroes_unsupported: Cell::new(false),
+            zeros: OnceCell::new(),
         };
         me.install(cfg);
         me
@@ -407,8 +467,14 @@ impl QueueCtx {
             -libc::EROFS
         } else {
             match (local.cfg.policy, &local.cfg.direct) {
-                (Policy::Nowait, _) => self.file(q, req, buf, FileMode::Nowait).await,
-                (Policy::Threaded, _) => self.file(q, req, buf, FileMode::Threaded).await,
+                (Policy::Nowait, _) => {
+                    let mode = FileMode::Nowait;
+                    self.file(q, req, buf, mode, local.cfg.keep_allocated).await
+                }
+                (Policy::Threaded, _) => {
+                    let mode = FileMode::Threaded;
+                    self.file(q, req, buf, mode, local.cfg.keep_allocated).await
+                }
                 (Policy::Direct, Some(d)) => direct(q, d, local.raw_registered, req, buf).await,
                 // Cannot happen: the policy and the path change together.
                 (Policy::Direct, None) => -libc::EIO,
@@ -435,12 +501,18 @@ impl QueueCtx {
     }
 
     /// `nowait` and `threaded`: the image, through its registered slot.
-    async fn file(&self, q: &UblkQueue<'_>, req: Req, buf: Buf, mode: FileMode) -> i32 {
+    /// `keep_allocated` (a `full` image): DISCARD and WRITE_ZEROES never
+    /// punch or leave unwritten extents.
+    async fn file(
+        &self,
+        q: &UblkQueue<'_>,
+        req: Req,
+        buf: Buf,
+        mode: FileMode,
+        keep_allocated: bool,
+    ) -> i32 {
         let image = FileRef::Slot(IMAGE_SLOT);
-        let asynch = |sqe: squeue::Entry| match mode {
-            FileMode::Threaded => sqe.flags(squeue::Flags::ASYNC),
-            FileMode::Nowait => sqe,
-        };
+        let asynch = |sqe: squeue::Entry| mode.submit(sqe);
         match req.op {
             sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE => {
                 let flags = if req.fua { libc::RWF_DSYNC } else { 0 };
@@ -482,11 +554,48 @@ impl QueueCtx {
                 .ublk_submit_sqe(asynch(fsync_sqe(image, true)))
                 .await
                 .min(0),
+            // Discard promises nothing of the data: the blocks stay.
+            sys::UBLK_IO_OP_DISCARD if keep_allocated => 0,
+            sys::UBLK_IO_OP_WRITE_ZEROES if keep_allocated => self.write_zeroes(q, req, mode).await,
             _ => {
                 let sqe = fallocate_sqe(image, req.off, u64::from(req.len), punch_or_zero(req.op));
                 q.ublk_submit_sqe(sqe).await.min(0)
             }
         }
+    }
+
+    /// WRITE_ZEROES on a `full` image: zeroes that leave written extents.
+    /// `FALLOC_FL_WRITE_ZEROES` while the kernel takes it; once refused, the
+    /// queue's zero buffer written over the range (never the request's
+    /// buffer, which may be the kernel's pages).
+    async fn write_zeroes(&self, q: &UblkQueue<'_>, req: Req, mode: FileMode) -> i32 {
+        let image = FileRef::Slot(IMAGE_SLOT);
+        let len = u64::from(req.len);
+        if !self.write_zeroes_unsupported.get() {
+            let sqe = fallocate_sqe(image, req.off, len, FALLOC_FL_WRITE_ZEROES);
+            let r = q.ublk_submit_sqe(sqe).await;
+            if r != -libc::EOPNOTSUPP && r != -libc::EINVAL {
+                return r.min(0);
+            }
+            self.write_zeroes_unsupported.set(true);
+            tracing::info!(
+                queue = self.qid,
+                "FALLOC_FL_WRITE_ZEROES not available here; this queue writes zeroes for WRITE_ZEROES"
+            );
+        }
+        let zeros = self.zeros.get_or_init(Zeros::new).ptr();
+        let flags = if req.fua { libc::RWF_DSYNC } else { 0 };
+        let (mut off, end) = (req.off, req.off + len);
+        while off < end {
+            let n = (end - off).min(ZEROS_LEN as u64) as u32;
+            let sqe = rw_sqe(sys::UBLK_IO_OP_WRITE, image, zeros, n, off, flags);
+            match q.ublk_submit_sqe(mode.submit(sqe)).await {
+                r if r < 0 => return r,
+                0 => return -libc::EIO,
+                r => off += r as u64,
+            }
+        }
+        0
     }
 
     /// One read or write on the `nowait` path: `RWF_NOWAIT` while its op type

@@ -46,6 +46,9 @@ pub struct QueueConfig {
     pub read_only: bool,
     /// `None`: no limit, and nothing to pay for one.
     pub qos: Option<Arc<qos::Limiter>>,
+    /// The image is `full`: the file paths never punch it (DISCARD does
+    /// nothing, WRITE_ZEROES writes zeros).
+    pub keep_allocated: bool,
 }
 
 /// A message for a queue thread. Each carries where to answer.
@@ -221,6 +224,7 @@ mod tests {
             direct: None,
             read_only: false,
             qos: None,
+            keep_allocated: false,
         };
         assert!(queues.apply(&cfg));
         assert_eq!(busy.join().unwrap(), vec![Policy::Direct]);

@@ -26,12 +26,16 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use crate::extent::{self, ExtentMap, Pin};
-use crate::model::{ActiveDispatch, DispatchPolicy};
+use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
+pub use io::FALLOC_FL_WRITE_ZEROES;
 use mailbox::{QueueConfig, Queues};
 use protocol::{IMAGE_FD, WorkerSpec};
 use stats::Stats;
+
+/// Bytes zeroed at a time by [`Shared::allocate`] (the queues wait that long).
+const ALLOCATE_STEP: u64 = 16 << 20;
 
 /// The data path in force.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +170,69 @@ impl Shared {
                 "a queue did not take the change within 30 s".into(),
             ))
         }
+    }
+
+    /// Runs `f` with every queue held (no request inside), then lets them
+    /// go on with the config in force.
+    fn with_queues_held<T>(&self, f: impl FnOnce() -> Result<T, Refusal>) -> Result<T, Refusal> {
+        let _one = self.changing.lock().expect("changing poisoned");
+        let queues = self.ask_queues();
+        let out = if queues.hold(Duration::from_secs(30)) {
+            f()
+        } else {
+            Err(Refusal::Rule("requests did not finish within 30 s".into()))
+        };
+        let cfg = self.config().clone();
+        if !queues.apply(&cfg) {
+            tracing::error!("a queue did not take the config back within 30 s");
+        }
+        out
+    }
+
+    /// Makes the image `full`: the file paths stop punching it, then its
+    /// holes and unwritten extents are written with zeros, one stretch of
+    /// at most [`ALLOCATE_STEP`] bytes at a time with the queues held, so
+    /// no write of the volume lands in a stretch while it is zeroed.
+    pub fn allocate(&self) -> Result<(), Refusal> {
+        if self.spec.read_only {
+            return Err(Refusal::Rule(
+                "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
+            ));
+        }
+        self.reconfigure(|c| c.keep_allocated = true)?;
+        let data = self
+            .data
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| Refusal::Io { op: "dup", source })?;
+        let size = self.state.lock().expect("state poisoned").size_bytes;
+        let todo = extent::unwritten_ranges(self.image.as_fd(), 0, size).map_err(|source| {
+            Refusal::Io {
+                op: "FS_IOC_FIEMAP",
+                source,
+            }
+        })?;
+        for (a, b) in todo {
+            let mut at = a;
+            while at < b {
+                let to = b.min(at + ALLOCATE_STEP);
+                self.with_queues_held(|| {
+                    // A direct map exists only over a written image.
+                    if self.policy() == Policy::Direct {
+                        return Ok(());
+                    }
+                    crate::image::allocate_range(&data, at, to).map_err(|source| Refusal::Io {
+                        op: "write zeros",
+                        source,
+                    })
+                })?;
+                at = to;
+            }
+        }
+        self.data.sync_data().map_err(|source| Refusal::Io {
+            op: "fdatasync the image",
+            source,
+        })
     }
 
     /// Counters merged with every queue's report.
@@ -420,6 +487,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
             direct: None,
             read_only: spec.read_only || spec.refuse_writes,
             qos: qos::Limiter::for_limits(spec.qos),
+            keep_allocated: spec.allocation == Allocation::Full,
         }),
         changing: Mutex::new(()),
         queues: OnceLock::new(),

@@ -49,6 +49,11 @@ pub struct WorkerSpec {
     pub pinned: Option<Pin>,
     /// Seconds between re-reads of a direct map (rule 5).
     pub extent_check_secs: u32,
+    /// The image's allocation: a `full` image is never punched on the file
+    /// paths (DISCARD leaves its blocks, WRITE_ZEROES writes zeros), so it
+    /// stays eligible for `direct`; a `sparse` one is.
+    #[serde(default)]
+    pub allocation: Allocation,
 }
 
 /// A request on the control socket.
@@ -75,6 +80,10 @@ pub enum Request {
         size_bytes: u64,
         allocation: Allocation,
     },
+    /// Make the image `full` (see `POST /v1/images/{id}/allocate`): never
+    /// punched from now on, and its holes and unwritten extents written
+    /// with zeros, range by range with the queues held.
+    Allocate,
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
     Shutdown,

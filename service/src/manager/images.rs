@@ -219,6 +219,88 @@ impl Manager {
         })
     }
 
+    /// `POST /v1/images/{id}/allocate`: writes zeros over the image's holes
+    /// and unwritten extents, so it passes direct-map rule 2 again, and makes
+    /// it `full` (never punched from then on). Refused before anything is
+    /// written when its filesystem lacks the space for the holes. An attached
+    /// volume's backend does the writing, keeping its own writes out of each
+    /// range it zeroes (ublk, dm); a loop volume is refused.
+    pub async fn allocate_image(self: &std::sync::Arc<Self>, id_or_name: &str) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let row = self.image_row(&row.id.to_string()).await?;
+        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
+            return Err(Error::NotAllocatable {
+                name: row.name,
+                reason: format!(
+                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
+                    row.filesystem
+                ),
+            });
+        }
+        let me = self.clone();
+        let r = row.clone();
+        let (needed, free) = blocking(move || -> Result<(u64, u64)> {
+            Ok(me.open_image(&r, Access::ReadOnly)?.space_to_allocate()?)
+        })
+        .await??;
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: row.name,
+                needed,
+                free,
+            });
+        }
+        let attached = self.attached_volumes(row.id).await?;
+        if attached.is_empty() {
+            // The volumes' OFD lock keeps another instance's volume (and an
+            // attach here) off the file while zeros are written.
+            let me = self.clone();
+            let r = row.clone();
+            blocking(move || -> Result<()> {
+                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
+                file.allocate()?;
+                Ok(())
+            })
+            .await??;
+        }
+        for (v, backend) in attached {
+            let _vol = self.volume_locks.lock(&v.name).await;
+            let Some(att) = self
+                .store
+                .volume(&v.id.to_string())
+                .await?
+                .and_then(|v| v.attachment)
+            else {
+                continue;
+            };
+            let id = v.id;
+            blocking(move || backend.allocate(&att, id))
+                .await?
+                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+        }
+        let allocated = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .map(|(_, allocated)| allocated)
+            .unwrap_or(row.allocated_bytes);
+        let mut tx = self.store.begin().await?;
+        tx.set_image_allocation(row.id, Allocation::Full, allocated)
+            .await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_allocated",
+            &format!(
+                "image '{}' allocated: {needed} bytes of holes filled, unwritten extents written with zeros; now full",
+                row.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.image(&row.id.to_string()).await
+    }
+
     /// The image's volumes that have a device, with their backends.
     async fn attached_volumes(
         &self,

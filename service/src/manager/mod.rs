@@ -59,6 +59,16 @@ pub enum Error {
         path: String,
         holder: String,
     },
+    #[error(
+        "image '{name}': allocating it needs {needed} bytes for its holes and its filesystem has {free} free; nothing was changed"
+    )]
+    SpaceShort {
+        name: String,
+        needed: u64,
+        free: u64,
+    },
+    #[error("image '{name}' cannot be allocated: {reason}")]
+    NotAllocatable { name: String, reason: String },
     #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
     Shrink {
         name: String,

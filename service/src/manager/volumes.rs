@@ -743,6 +743,7 @@ pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> Volume
         queue_depth: v.spec.queue_depth,
         max_io_bytes: v.spec.max_io_bytes,
         qos: v.qos,
+        allocation: image.allocation.unwrap_or_default(),
     }
 }
 

@@ -12,6 +12,7 @@ mod leaks;
 
 mod dm;
 mod faults;
+mod keepalloc;
 mod live;
 mod logwrites;
 mod soak;

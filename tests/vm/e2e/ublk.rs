@@ -77,9 +77,9 @@ async fn filesystem_round_trip(vm: &Vm, image: &str, policy: &str, fs: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn filesystems_survive_detach_and_reattach_on_every_policy() {
     let vm = Vm::start().await;
-    // mkfs.xfs wants at least 300 MB. mkfs discards and zeroes ranges, which
-    // on nowait/threaded punch holes and leave unwritten extents in the
-    // image: `direct` (rightly) refuses such an image, so it gets its own.
+    // mkfs.xfs wants at least 300 MB. The file paths keep a `full` image
+    // allocated through mkfs's discards (keepalloc:: tests that); `direct`
+    // still gets its own image so each policy starts from a fresh one.
     vm.image("fs", Scratch::Xfs, 304, "full").await;
     vm.image("fs-direct", Scratch::Xfs, 304, "full").await;
     for policy in POLICIES {
