@@ -64,9 +64,16 @@ pub struct ForeignDevice {
     pub volume_id: Uuid,
 }
 
-/// The dm devices whose uuid (`blockplane-<instance>-<volume-id>`) names
-/// another instance than `instance`. They are only listed, never touched.
-pub fn foreign_devices(instance: &str) -> Result<Vec<ForeignDevice>, BackendError> {
+/// A dm device carrying blockplane's uuid, `blockplane-<instance>-<volume-id>`.
+struct Carried {
+    name: String,
+    instance: String,
+    volume_id: Uuid,
+    dev: DevNum,
+}
+
+/// Every dm device whose uuid is blockplane's (none without device-mapper).
+fn blockplane_devices() -> Result<Vec<Carried>, BackendError> {
     let Ok(dm) = DM::new() else {
         return Ok(Vec::new());
     };
@@ -95,23 +102,33 @@ pub fn foreign_devices(instance: &str) -> Result<Vec<ForeignDevice>, BackendErro
         let Ok(volume_id) = Uuid::parse_str(id) else {
             continue;
         };
-        if owner != instance {
-            let d = info.device();
-            out.push(ForeignDevice {
-                device: format!(
-                    "/dev/{}",
-                    kernel_name(DevNum {
-                        major: d.major,
-                        minor: d.minor
-                    })
-                ),
-                name: name.to_string(),
-                instance: owner.to_string(),
-                volume_id,
-            });
-        }
+        let d = info.device();
+        out.push(Carried {
+            name: name.to_string(),
+            instance: owner.to_string(),
+            volume_id,
+            dev: DevNum {
+                major: d.major,
+                minor: d.minor,
+            },
+        });
     }
     Ok(out)
+}
+
+/// The dm devices whose uuid (`blockplane-<instance>-<volume-id>`) names
+/// another instance than `instance`. They are only listed, never touched.
+pub fn foreign_devices(instance: &str) -> Result<Vec<ForeignDevice>, BackendError> {
+    Ok(blockplane_devices()?
+        .into_iter()
+        .filter(|c| c.instance != instance)
+        .map(|c| ForeignDevice {
+            device: format!("/dev/{}", kernel_name(c.dev)),
+            name: c.name,
+            instance: c.instance,
+            volume_id: c.volume_id,
+        })
+        .collect())
 }
 
 fn dm() -> Result<DM, BackendError> {
@@ -926,30 +943,14 @@ impl VolumeBackend for DmBackend {
     }
 
     fn marked(&self) -> Result<Vec<Marked>, BackendError> {
-        let Ok(dm) = DM::new() else {
-            return Ok(Vec::new());
-        };
-        let prefix = format!("blockplane-{}-", self.instance);
-        let mut out = Vec::new();
-        for (name, _, _) in dm
-            .list_devices()
-            .map_err(|e| dm_error("DM_LIST_DEVICES", CONTROL, e))?
-        {
-            let Ok(info) = dm.device_info(&DevId::Name(&name)) else {
-                continue;
-            };
-            if let Some(id) = info
-                .uuid()
-                .and_then(|u| u.to_string().strip_prefix(&prefix).map(str::to_string))
-                .and_then(|id| Uuid::parse_str(&id).ok())
-            {
-                out.push(Marked {
-                    volume_id: id,
-                    device: name.to_string(),
-                });
-            }
-        }
-        Ok(out)
+        Ok(blockplane_devices()?
+            .into_iter()
+            .filter(|c| c.instance == self.instance)
+            .map(|c| Marked {
+                volume_id: c.volume_id,
+                device: c.name,
+            })
+            .collect())
     }
 
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
