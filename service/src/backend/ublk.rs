@@ -181,7 +181,10 @@ impl UblkBackend {
             DispatchPolicy::Nowait => Ok((DispatchPolicy::Nowait, "asked: nowait".into())),
             DispatchPolicy::Threaded => Ok((
                 DispatchPolicy::Threaded,
-                format!("asked: threaded ({} pool threads)", self.cfg.threads),
+                format!(
+                    "asked: threaded (io-wq, at most {} blocking workers per queue)",
+                    self.cfg.threads
+                ),
             )),
         }
     }
