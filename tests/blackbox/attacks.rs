@@ -159,21 +159,26 @@ async fn a_symlink_swapped_in_during_registration_never_wins() {
     filled(&target, TARGET);
     let target_ino = std::fs::metadata(&target).unwrap().ino();
     let path = root.join("racy.img");
-    // The path always exists: a plain file or the symlink is made aside and
-    // renamed over it, and each stays for a moment. `hold` keeps a plain file
-    // in place while a registered file's data is read back.
+    // One plain file (one inode, one content) and a symlink take turns at the
+    // path, each made aside and renamed over it, each staying for a moment.
+    // `hold` parks the plain file at the path (and `parked` says it is there)
+    // while a registered file's data is read back through the path.
     let stop = Arc::new(AtomicBool::new(false));
     let hold = Arc::new(AtomicBool::new(false));
-    let (p, st, h) = (path.clone(), stop.clone(), hold.clone());
+    let parked = Arc::new(AtomicBool::new(false));
+    let (p, st, h, pk) = (path.clone(), stop.clone(), hold.clone(), parked.clone());
     let (real, link) = (root.join("real.tmp"), root.join("link.tmp"));
+    filled(&real, REAL);
     let swapper = std::thread::spawn(move || {
         while !st.load(Ordering::Relaxed) {
-            filled(&real, REAL);
             std::fs::rename(&real, &p).unwrap();
             std::thread::sleep(Duration::from_micros(300));
             while h.load(Ordering::Relaxed) {
+                pk.store(true, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(1));
             }
+            pk.store(false, Ordering::Relaxed);
+            std::fs::rename(&p, &real).unwrap();
             symlink("target.img", &link).unwrap();
             std::fs::rename(&link, &p).unwrap();
             std::thread::sleep(Duration::from_micros(300));
@@ -197,8 +202,14 @@ async fn a_symlink_swapped_in_during_registration_never_wins() {
                     a.body
                 );
                 hold.store(true, Ordering::Relaxed);
+                while !parked.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
                 data_checked += check_data(&s, &format!("r{n}"), target_ino).await;
                 hold.store(false, Ordering::Relaxed);
+                while parked.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
                 let d = s.delete(&format!("/v1/images/r{n}")).await;
                 assert_eq!(d.status.as_u16(), 204, "{}", d.body);
             }
