@@ -82,12 +82,20 @@ async fn an_idle_connection_past_the_header_timeout_is_closed_without_an_answer(
 /// A request that takes seconds: a fully allocated 2 GiB image (zeros written).
 fn slow_create(s: &Service, name: &str) -> serde_json::Value {
     json!({"name": name, "path": s.images.join(format!("{name}.img")),
-           "create": {"size_bytes": 2u64 << 30, "allocation": "full"}})
+           "create": {"size_bytes": 64u64 << 20, "allocation": "full"}})
+}
+
+/// A service whose image creates take 3 s more (test fault), with `args`.
+fn slow(args: &[&str]) -> Opts {
+    Opts {
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_image_create".into())],
+        ..with(args)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_past_its_timeout_is_408_and_its_operation_still_completes() {
-    let s = Service::start_with(with(&["--request-timeout-secs", "1"])).await;
+    let s = Service::start_with(slow(&["--request-timeout-secs", "1"])).await;
     let a = s.post("/v1/images", slow_create(&s, "slow")).await;
     assert_error(&a, 408, "request_timeout");
     // The operation ran on: the image appears.
@@ -95,7 +103,7 @@ async fn a_request_past_its_timeout_is_408_and_its_operation_still_completes() {
     loop {
         let g = s.get("/v1/images/slow").await;
         if g.status.as_u16() == 200 {
-            assert_eq!(g.body["size_bytes"], 2u64 << 30);
+            assert_eq!(g.body["size_bytes"], 64u64 << 20);
             break;
         }
         assert!(
@@ -104,7 +112,7 @@ async fn a_request_past_its_timeout_is_408_and_its_operation_still_completes() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Unlinking 2 GiB can itself outlast the 1 s timeout: 204, or 408 and gone soon.
+    // A delete may outlast the 1 s timeout on a slow disk: 204, or 408 and gone soon.
     let d = s.delete("/v1/images/slow?delete_file=true").await;
     assert!(matches!(d.status.as_u16(), 204 | 408), "{}", d.body);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -117,7 +125,7 @@ async fn a_request_past_its_timeout_is_408_and_its_operation_still_completes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn past_the_concurrency_limit_requests_are_shed_with_503() {
     let s =
-        std::sync::Arc::new(Service::start_with(with(&["--max-concurrent-requests", "1"])).await);
+        std::sync::Arc::new(Service::start_with(slow(&["--max-concurrent-requests", "1"])).await);
     let s2 = s.clone();
     let slow = tokio::spawn(async move { s2.post("/v1/images", slow_create(&s2, "busy")).await });
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -7,7 +7,7 @@ use hyper::StatusCode;
 use rustix::process::Signal;
 use serde_json::json;
 
-use crate::harness::{Service, serves_from};
+use crate::harness::{Opts, Service, serves_from};
 
 fn kinds(events: &serde_json::Value) -> Vec<String> {
     events
@@ -120,11 +120,17 @@ async fn sigkill_keeps_devices_and_counters() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_drains_and_leaves_devices() {
-    let mut s = Service::start().await;
+    // Image creates take 3 s more once the file is made (test fault), so the
+    // create below is in flight when SIGTERM comes, however fast the disk.
+    let mut s = Service::start_with(Opts {
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_image_create".into())],
+        ..Default::default()
+    })
+    .await;
     let v = s.loop_volume("t", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
-    // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image
-    // (zeros written, seconds). Its file appearing means the service is in it.
+    // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image.
+    // Its file appearing means the service is in it.
     let slow = s.images.join("slow.img");
     let client =
         blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);

@@ -32,6 +32,9 @@ impl Manager {
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
+                if self.fault == Some(super::Fault::SlowImageCreate) {
+                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+                }
                 (file, Some(spec.allocation))
             }
             None => {

@@ -128,12 +128,19 @@ pub enum Stage {
 pub enum Fault {
     Kill(Stage),
     Fail(Stage),
+    /// Every image create takes 3 s more once its file is made
+    /// (`slow_image_create`): a request that outlasts a timeout, holds a
+    /// concurrency slot or is in flight at SIGTERM, whatever the disk.
+    SlowImageCreate,
 }
 
 impl Fault {
     /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
-    /// `kill_after_change`, `fail_after_attach`.
+    /// `kill_after_change`, `fail_after_attach`, `slow_image_create`.
     pub fn parse(s: &str) -> Option<Self> {
+        if s == "slow_image_create" {
+            return Some(Fault::SlowImageCreate);
+        }
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
             "insert" => Stage::AfterInsert,
