@@ -21,7 +21,14 @@ work=$(mktemp -d /tmp/bp-fuzz.XXXXXX)
 token=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 proxy_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# The image root is a small filesystem of its own (512 MiB ext4 on a loop
+# device): whatever size the fuzzer asks, a full create or an allocate writes
+# at most that much, in seconds, or is refused for space (507), and the host's
+# disk is never filled.
 mkdir -p "$work/images"
+truncate -s 512M "$work/images.fs"
+mkfs.ext4 -q -F "$work/images.fs"
+mount -o loop "$work/images.fs" "$work/images"
 # shellcheck disable=SC2317  # called by the trap
 cleanup() {
   kill "${proxy:-}" 2>/dev/null || true
@@ -30,6 +37,7 @@ cleanup() {
   done
   kill "${pid:-}" 2>/dev/null || true
   wait 2>/dev/null || true
+  umount "$work/images" 2>/dev/null || umount -l "$work/images" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
