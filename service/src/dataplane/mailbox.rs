@@ -97,19 +97,23 @@ impl Mailbox {
 pub struct Queues(pub Vec<Arc<Mailbox>>);
 
 impl Queues {
-    /// Posts what `make` builds to every queue and collects the answers
-    /// until `deadline`; `None` if a queue did not answer in time.
-    fn ask<T>(&self, make: impl Fn(mpsc::Sender<T>) -> Msg, timeout: Duration) -> Option<Vec<T>> {
-        let deadline = Instant::now() + timeout;
-        let waiting: Vec<_> = self
-            .0
+    /// Posts what `make` builds to every queue; where each will answer.
+    fn post_all<T>(&self, make: impl Fn(mpsc::Sender<T>) -> Msg) -> Vec<mpsc::Receiver<T>> {
+        self.0
             .iter()
             .map(|m| {
                 let (tx, rx) = mpsc::channel();
                 m.post(make(tx));
                 rx
             })
-            .collect();
+            .collect()
+    }
+
+    /// Posts what `make` builds to every queue and collects the answers
+    /// until `deadline`; `None` if a queue did not answer in time.
+    fn ask<T>(&self, make: impl Fn(mpsc::Sender<T>) -> Msg, timeout: Duration) -> Option<Vec<T>> {
+        let deadline = Instant::now() + timeout;
+        let waiting = self.post_all(make);
         let mut out = Vec::with_capacity(waiting.len());
         for rx in waiting {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -136,15 +140,7 @@ impl Queues {
 
     /// Every queue's report, or those of the queues that answered in time.
     pub fn reports(&self) -> Vec<QueueReport> {
-        let waiting: Vec<_> = self
-            .0
-            .iter()
-            .map(|m| {
-                let (tx, rx) = mpsc::channel();
-                m.post(Msg::Report(tx));
-                rx
-            })
-            .collect();
+        let waiting = self.post_all(Msg::Report);
         let deadline = Instant::now() + Duration::from_secs(2);
         waiting
             .into_iter()
