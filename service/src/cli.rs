@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use crate::client::{Client, Endpoint, encode_segment};
 use crate::config::{ServeArgs, default_data_dir, default_socket};
+use crate::model::parse_size;
 use crate::proxy::ProxyConfig;
 
 /// blockplane: image files as fast, safe block devices.
@@ -176,24 +177,6 @@ enum VolumeCmd {
     Stats { volume: String },
     /// Delete a volume (its device goes away).
     Rm { volume: String },
-}
-
-/// Parses `4096`, `64K`, `512M`, `4G`, `1T` (binary multiples; `KiB` etc. too).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size"))?;
-    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        "T" | "TB" | "TIB" => 1 << 40,
-        u => return Err(format!("unknown size unit '{u}' in '{s}'")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("'{s}' is too large"))
 }
 
 /// Entry point of the binary.
@@ -792,17 +775,6 @@ fn render(view: View, b: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64K"), Ok(65536));
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
-        assert!(parse_size("4X").is_err());
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 
     #[test]
     fn path_segments_are_encoded() {

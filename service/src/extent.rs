@@ -23,8 +23,6 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::image::filesystem_name;
-
 const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
 const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
@@ -669,6 +667,33 @@ pub fn map_and_pin(fd: BorrowedFd<'_>, size: u64) -> Result<(ExtentMap, Pin), Ma
     }
     drop_page_cache(fd).map_err(|e| undo(MapError::io("drop page cache", e)))?;
     Ok((map, pinned))
+}
+
+/// The name of a filesystem from its `statfs` magic number.
+pub fn filesystem_name(magic: i64) -> &'static str {
+    match magic as u32 {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0xCA45_1A4E => "bcachefs",
+        0xF2F5_2010 => "f2fs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58F6 => "ramfs",
+        0x794C_7630 => "overlay",
+        0x6969 => "nfs",
+        0xFF53_4D42 => "cifs",
+        0xFE53_4D42 => "smb2",
+        0x6573_5546 => "fuse",
+        0x0102_1997 => "9p",
+        0x2FC1_2FC1 => "zfs",
+        0x4D44 => "vfat",
+        0x2011_BAB0 => "exfat",
+        0x7366_746E => "ntfs3",
+        0x00C3_6400 => "ceph",
+        0x5346_4846 => "jfs",
+        0x5265_4973 => "reiserfs",
+        _ => "unknown",
+    }
 }
 
 #[cfg(test)]

@@ -400,7 +400,7 @@ impl ImageFile {
     pub fn filesystem(&self) -> Result<String> {
         let fs =
             rustix::fs::fstatfs(&self.fd).map_err(|e| io_error(&self.path, "statfs", e.into()))?;
-        Ok(filesystem_name(fs.f_type as i64).to_string())
+        Ok(crate::extent::filesystem_name(fs.f_type as i64).to_string())
     }
 
     /// Bytes of the file that are holes, and bytes its filesystem has free
@@ -534,6 +534,11 @@ pub fn grow_fd(
     rustix::fs::fsync(fd).map_err(|e| ("fsync", e.into()))
 }
 
+/// `fallocate` mode that writes zeroes and leaves written extents (Linux
+/// 6.17, `linux/falloc.h`; not in the `libc` crate yet). Older kernels, and
+/// filesystems or disks without it, answer EOPNOTSUPP.
+pub const FALLOC_FL_WRITE_ZEROES: i32 = 0x80;
+
 /// Makes `[from, to)` of an open image written zeros wherever it is a hole
 /// or unwritten (the ranges rule 2 refuses), leaving written data alone:
 /// holes get blocks (`fallocate`), then zeros are written over those ranges
@@ -546,7 +551,7 @@ pub fn allocate_range(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {
         rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, a, b - a)?;
         let zeroed = rustix::fs::fallocate(
             fd,
-            FallocateFlags::from_bits_retain(crate::dataplane::FALLOC_FL_WRITE_ZEROES as u32),
+            FallocateFlags::from_bits_retain(FALLOC_FL_WRITE_ZEROES as u32),
             a,
             b - a,
         );
@@ -675,31 +680,4 @@ fn check_file(path: &ImagePath, st: &Stat) -> Result<()> {
         });
     }
     check_size(path, st.st_size as u64)
-}
-
-/// The name of a filesystem from its `statfs` magic number.
-pub fn filesystem_name(magic: i64) -> &'static str {
-    match magic as u32 {
-        0xEF53 => "ext4",
-        0x5846_5342 => "xfs",
-        0x9123_683E => "btrfs",
-        0xCA45_1A4E => "bcachefs",
-        0xF2F5_2010 => "f2fs",
-        0x0102_1994 => "tmpfs",
-        0x8584_58F6 => "ramfs",
-        0x794C_7630 => "overlay",
-        0x6969 => "nfs",
-        0xFF53_4D42 => "cifs",
-        0xFE53_4D42 => "smb2",
-        0x6573_5546 => "fuse",
-        0x0102_1997 => "9p",
-        0x2FC1_2FC1 => "zfs",
-        0x4D44 => "vfat",
-        0x2011_BAB0 => "exfat",
-        0x7366_746E => "ntfs3",
-        0x00C3_6400 => "ceph",
-        0x5346_4846 => "jfs",
-        0x5265_4973 => "reiserfs",
-        _ => "unknown",
-    }
 }

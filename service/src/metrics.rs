@@ -21,22 +21,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::model::{OpStats, VolumeStats};
-
-/// Upper bounds of the worker latency histograms, microseconds.
-pub const LATENCY_BOUNDS_US: [u64; 16] = [
-    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
-    1_000_000, 2_500_000, 5_000_000,
-];
-
-/// One op's latency histogram: per-bucket counts over [`LATENCY_BOUNDS_US`]
-/// (the last entry counts everything above), sum in microseconds.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LatencyHistogram {
-    pub buckets: Vec<u64>,
-    pub sum_us: f64,
-    pub count: u64,
-}
+use crate::model::{LATENCY_BOUNDS_US, OpStats, VolumeStats};
 
 /// Labels of the API request metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -469,7 +469,7 @@ pub struct VolumeStats {
     pub rates: Option<Rates>,
     /// ublk volumes: latency histograms for `/metrics` (not part of the API).
     #[serde(skip)]
-    pub histograms: Option<Vec<crate::metrics::LatencyHistogram>>,
+    pub histograms: Option<Vec<LatencyHistogram>>,
 }
 
 /// Requests and bytes per second of one op.
@@ -700,4 +700,53 @@ pub struct ErrorDetail {
     pub code: String,
     /// What was refused and why, naming the object; for people.
     pub message: String,
+}
+
+/// Upper bounds of the worker latency histograms, microseconds.
+pub const LATENCY_BOUNDS_US: [u64; 16] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000,
+];
+
+/// One op's latency histogram: per-bucket counts over [`LATENCY_BOUNDS_US`]
+/// (the last entry counts everything above), sum in microseconds.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LatencyHistogram {
+    pub buckets: Vec<u64>,
+    pub sum_us: f64,
+    pub count: u64,
+}
+
+/// Parses `4096`, `64K`, `512M`, `4G`, `1T` (binary multiples; `KiB` etc. too).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size"))?;
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        "T" | "TB" | "TIB" => 1 << 40,
+        u => return Err(format!("unknown size unit '{u}' in '{s}'")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
 }

@@ -81,7 +81,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         let v = params[k].trim();
         let number = |bytes: bool| -> Result<u64, CsiError> {
             let n = if bytes {
-                crate::cli::parse_size(v).ok()
+                crate::model::parse_size(v).ok()
             } else {
                 v.parse().ok()
             };

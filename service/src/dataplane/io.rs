@@ -34,6 +34,7 @@ use libublk::uring_async::UblkUringOpFuture;
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::stats::{Op, QueueCounters, QueueLatency, QueueReport, bump};
 use super::{DirectPath, Policy, Shared};
+use crate::image::FALLOC_FL_WRITE_ZEROES;
 
 /// Registered-file slots of every queue's ring: libublk puts the ublk char
 /// device at 0; the image (data fd) is at 1; the direct path's raw devices
@@ -229,11 +230,6 @@ fn fsync_sqe(file: FileRef, datasync: bool) -> squeue::Entry {
     };
     on_file!(file, |f| opcode::Fsync::new(f).flags(flags).build())
 }
-
-/// `fallocate` mode that writes zeroes and leaves written extents (Linux
-/// 6.17, `linux/falloc.h`; not in the `libc` crate yet). Older kernels, and
-/// filesystems or disks without it, answer EOPNOTSUPP.
-pub const FALLOC_FL_WRITE_ZEROES: i32 = 0x80;
 
 /// Bytes of a queue's zero buffer, written from by WRITE_ZEROES on a `full`
 /// image where `FALLOC_FL_WRITE_ZEROES` is missing.
@@ -458,7 +454,7 @@ impl QueueCtx {
         let started = Instant::now();
         let qos = self.local.borrow().cfg.qos.clone();
         if let Some(limiter) = qos {
-            limiter.admit(q, &req, self.counters()).await;
+            limiter.admit(q, req.len, self.counters()).await;
         }
         self.admitted().await;
         let local = self.local.borrow().clone();

@@ -29,7 +29,6 @@ use crate::extent::{self, ExtentMap, Pin};
 use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
-pub use io::FALLOC_FL_WRITE_ZEROES;
 use mailbox::{QueueConfig, Queues};
 use protocol::{IMAGE_FD, WorkerSpec};
 use stats::Stats;

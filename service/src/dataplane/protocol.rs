@@ -144,8 +144,8 @@ pub struct WorkerStats {
     /// Unix milliseconds since which the counters count.
     pub since_ms: u64,
     pub latency: [Latency; 4],
-    /// Per-op histograms over `metrics::LATENCY_BOUNDS_US`.
-    pub histograms: Vec<crate::metrics::LatencyHistogram>,
+    /// Per-op histograms over `model::LATENCY_BOUNDS_US`.
+    pub histograms: Vec<crate::model::LatencyHistogram>,
     pub nowait_submitted: u64,
     pub nowait_completed_inline: u64,
     pub nowait_eagain_fallbacks: u64,

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, types};
 use libublk::io::UblkQueue;
 
-use super::io::Req;
 use super::stats::{QueueCounters, bump};
 use crate::model::Qos;
 
@@ -103,10 +102,10 @@ impl Limiter {
     }
 
     /// Waits (on the queue's ring) until the request fits the limits.
-    pub async fn admit(&self, q: &UblkQueue<'_>, req: &Req, counters: &QueueCounters) {
+    pub async fn admit(&self, q: &UblkQueue<'_>, len: u32, counters: &QueueCounters) {
         let mut throttled = false;
         loop {
-            let wait = self.try_take(u64::from(req.len));
+            let wait = self.try_take(u64::from(len));
             if wait.is_zero() {
                 return;
             }

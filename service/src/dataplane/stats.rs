@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use hdrhistogram::Histogram;
 
 use super::protocol::{Latency, WorkerStats};
-use crate::metrics::{LATENCY_BOUNDS_US, LatencyHistogram};
 use crate::model::OpStats;
+use crate::model::{LATENCY_BOUNDS_US, LatencyHistogram};
 
 const MAGIC: u64 = 0x6270_7374_6174_7332; // "bpstats2": per-queue blocks
 
