@@ -498,6 +498,60 @@ pub struct Rates {
     pub last_60s: OpRates,
 }
 
+/// Seconds of history the service keeps per attached volume (one sample a
+/// second, from attach or service start, whichever is later).
+pub const HISTORY_SECS: u32 = 900;
+
+/// Query of `GET /v1/volumes/{id}/stats/history`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct StatsHistoryQuery {
+    /// The last this many seconds (default 300, at most 900).
+    #[param(minimum = 1, maximum = 900)]
+    pub seconds: Option<u32>,
+}
+
+/// One op over one interval of a volume's history.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize, ToSchema)]
+pub struct OpPoint {
+    pub iops: f64,
+    pub bytes_per_sec: f64,
+    /// Mean time of the requests completed in the interval, microseconds:
+    /// the worker's own timing (ublk) or the kernel's time in queue (loop,
+    /// dm); `null` when none completed.
+    pub latency_us: Option<f64>,
+}
+
+/// One interval (about a second) of a volume's history.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize, ToSchema)]
+pub struct HistoryPoint {
+    /// The end of the interval.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub at: OffsetDateTime,
+    /// Length of the interval, seconds.
+    pub secs: f64,
+    pub read: OpPoint,
+    pub write: OpPoint,
+    pub flush: OpPoint,
+    pub discard: OpPoint,
+    /// Requests in flight at the end of the interval.
+    pub in_flight: u64,
+}
+
+/// `GET /v1/volumes/{id}/stats/history`: the volume's last seconds, oldest
+/// first, from the service's 1 s sampler.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct StatsHistory {
+    pub volume_id: Uuid,
+    pub name: String,
+    /// Seconds the service keeps (the most `seconds` can ask for).
+    pub kept_secs: u32,
+    /// Empty until the sampler has two readings of an attached volume.
+    pub points: Vec<HistoryPoint>,
+}
+
 /// Latency percentiles of one op, microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
 pub struct Percentiles {

@@ -166,3 +166,70 @@ async fn stats_carry_rates_once_sampled() {
     );
     assert!(r["last_60s"]["window_secs"].as_f64().unwrap() > 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_keeps_each_second_with_rates_and_the_kernels_latency() {
+    let s = Service::start().await;
+    let v = s.loop_volume("h", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The last close of the device writes its dirty pages back.
+    std::fs::write(&dev, vec![1u8; 4 << 20]).unwrap();
+    let mut found = Value::Null;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let h = s.get("/v1/volumes/h/stats/history?seconds=10").await;
+        assert_eq!(h.status, StatusCode::OK, "{}", h.body);
+        assert_eq!(h.body["name"], "h");
+        assert_eq!(h.body["kept_secs"], 900);
+        let points = h.body["points"].as_array().unwrap().clone();
+        assert!(points.len() <= 10, "at most the seconds asked: {}", h.body);
+        let times: Vec<&str> = points.iter().map(|p| p["at"].as_str().unwrap()).collect();
+        assert!(
+            times.windows(2).all(|w| w[0] < w[1]),
+            "oldest first: {times:?}"
+        );
+        for p in &points {
+            let secs = p["secs"].as_f64().unwrap();
+            assert!((0.5..3.0).contains(&secs), "a point is about a second: {p}");
+        }
+        if let Some(p) = points
+            .iter()
+            .find(|p| p["write"]["bytes_per_sec"].as_f64().unwrap() > 0.0)
+        {
+            found = p.clone();
+            break;
+        }
+    }
+    assert!(found.is_object(), "the write shows in the history");
+    let lat = found["write"]["latency_us"].as_f64();
+    assert!(
+        lat.is_some_and(|l| l > 0.0),
+        "a loop volume's latency comes from the kernel's time in queue: {found}"
+    );
+    assert_eq!(
+        found["read"]["latency_us"],
+        Value::Null,
+        "no reads, no latency: {found}"
+    );
+
+    for (q, status, code) in [
+        (
+            "seconds=0",
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_field",
+        ),
+        (
+            "seconds=901",
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_field",
+        ),
+        ("secs=5", StatusCode::BAD_REQUEST, "invalid_query"),
+    ] {
+        let a = s.get(&format!("/v1/volumes/h/stats/history?{q}")).await;
+        assert_eq!(a.status, status, "{q}: {}", a.body);
+        assert_eq!(a.body["error"]["code"], code, "{q}: {}", a.body);
+    }
+    let a = s.get("/v1/volumes/nope/stats/history").await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.body);
+}

@@ -74,6 +74,7 @@ fn routes() -> OpenApiRouter<AppState> {
             volumes::delete_volume
         ))
         .routes(routes!(volumes::volume_stats))
+        .routes(routes!(volumes::volume_history))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

@@ -5,10 +5,13 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 
 use super::error::ApiError;
-use super::extract::ApiJson;
+use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use crate::manager::Created;
-use crate::model::{CreateVolumeRequest, ErrorBody, PatchVolumeRequest, Volume, VolumeStats};
+use crate::model::{
+    CreateVolumeRequest, ErrorBody, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume,
+    VolumeStats,
+};
 
 /// Create a volume: a block device for an image. Idempotent by name.
 #[utoipa::path(
@@ -121,4 +124,26 @@ pub async fn volume_stats(
     Path(id): Path<String>,
 ) -> Result<Json<VolumeStats>, ApiError> {
     Ok(Json(m.volume_stats(&id).await?))
+}
+
+/// A volume's last seconds, one point a second, oldest first: rates, mean
+/// latency and requests in flight, as charts and `blockplane volume top`
+/// show them. The service keeps 15 minutes per attached volume, from attach
+/// or its own start.
+#[utoipa::path(
+    get, path = "/v1/volumes/{id}/stats/history", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name"), StatsHistoryQuery),
+    responses(
+        (status = 200, description = "The history (empty until two samples exist)", body = StatsHistory),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 422, description = "`seconds` outside 1..=900", body = ErrorBody),
+    )
+)]
+pub async fn volume_history(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<StatsHistoryQuery>,
+) -> Result<Json<StatsHistory>, ApiError> {
+    Ok(Json(m.volume_history(&id, q).await?))
 }

@@ -14,7 +14,8 @@ use crate::backend::{
 use crate::image::{Access, ImageFile};
 use crate::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
-    MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, Volume, VolumeState, VolumeStats,
+    HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
+    StatsHistoryQuery, Volume, VolumeState, VolumeStats,
 };
 use crate::store::{ImageRow, VolumeRow};
 
@@ -692,6 +693,30 @@ impl Manager {
             .map_err(|e| volume_error(&name, e))?;
         stats.rates = self.sampler.rates(v.id, &stats);
         Ok(stats)
+    }
+
+    /// `GET /v1/volumes/{id}/stats/history`.
+    pub async fn volume_history(
+        &self,
+        id_or_name: &str,
+        q: StatsHistoryQuery,
+    ) -> Result<StatsHistory> {
+        let seconds = q.seconds.unwrap_or(300);
+        if !(1..=HISTORY_SECS).contains(&seconds) {
+            return Err(Error::InvalidField {
+                field: "seconds",
+                reason: format!(
+                    "{seconds} is outside 1..={HISTORY_SECS} (the service keeps {HISTORY_SECS} s)"
+                ),
+            });
+        }
+        let v = self.volume_row(id_or_name).await?;
+        Ok(StatsHistory {
+            volume_id: v.id,
+            points: self.sampler.history(v.id, seconds),
+            name: v.name,
+            kept_secs: HISTORY_SECS,
+        })
     }
 }
 
