@@ -175,6 +175,13 @@ enum VolumeCmd {
     },
     /// A volume's I/O counters.
     Stats { volume: String },
+    /// Every attached volume's last second, refreshed each second (like
+    /// `iostat -x 1`): IOPS, bandwidth, mean latency, requests in flight.
+    Top {
+        /// Stop after this many screens [default: run until interrupted].
+        #[arg(long)]
+        count: Option<u32>,
+    },
     /// Delete a volume (its device goes away).
     Rm { volume: String },
 }
@@ -330,26 +337,14 @@ async fn run_client(cli: Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let (method, path, body, view) = request_for(&cli.command);
-    let answer = match client.send(method, &path, body.as_ref()).await {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("blockplane: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    if !answer.status.is_success() {
-        let code = answer.body["error"]["code"].as_str().unwrap_or("unknown");
-        let msg = answer.body["error"]["message"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_else(|| answer.body.to_string());
-        eprintln!(
-            "blockplane: {msg} ({code}, HTTP {})",
-            answer.status.as_u16()
-        );
-        return ExitCode::FAILURE;
+    if let Command::Volume(VolumeCmd::Top { count }) = cli.command {
+        return top(&client, count, cli.json).await;
     }
+    let (method, path, body, view) = request_for(&cli.command);
+    let answer = match call(&client, method, &path, body.as_ref()).await {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     let text = if cli.json {
         if answer.body.is_null() {
             String::new()
@@ -362,6 +357,134 @@ async fn run_client(cli: Cli) -> ExitCode {
     // A closed stdout (`| head`) is not an error of ours.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     ExitCode::SUCCESS
+}
+
+/// One API call; a failure is printed and becomes the exit code.
+async fn call(
+    client: &Client,
+    method: Method,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<crate::client::Answer, ExitCode> {
+    let answer = match client.send(method, path, body).await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return Err(ExitCode::FAILURE);
+        }
+    };
+    if !answer.status.is_success() {
+        let code = answer.body["error"]["code"].as_str().unwrap_or("unknown");
+        let msg = answer.body["error"]["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| answer.body.to_string());
+        eprintln!(
+            "blockplane: {msg} ({code}, HTTP {})",
+            answer.status.as_u16()
+        );
+        return Err(ExitCode::FAILURE);
+    }
+    Ok(answer)
+}
+
+/// `volume top`: a screen a second from each attached volume's last point
+/// of history.
+async fn top(client: &Client, count: Option<u32>, as_json: bool) -> ExitCode {
+    use std::io::IsTerminal;
+    let clear = !as_json && std::io::stdout().is_terminal();
+    let mut shown = 0;
+    loop {
+        let volumes = match call(client, Method::GET, "/v1/volumes", None).await {
+            Ok(a) => a.body.as_array().cloned().unwrap_or_default(),
+            Err(code) => return code,
+        };
+        let mut rows = Vec::new();
+        for v in volumes
+            .iter()
+            .filter(|v| matches!(v["state"].as_str(), Some("attached" | "degraded")))
+        {
+            let path = format!(
+                "/v1/volumes/{}/stats/history?seconds=1",
+                encode_segment(&s(&v["id"]))
+            );
+            // A volume deleted meanwhile is not an error of the screen.
+            let Ok(a) = client.send(Method::GET, &path, None).await else {
+                continue;
+            };
+            let point = a.body["points"]
+                .as_array()
+                .and_then(|p| p.last().cloned())
+                .unwrap_or(Value::Null);
+            rows.push((v.clone(), point));
+        }
+        let text = if as_json {
+            let frame: Vec<Value> = rows
+                .iter()
+                .map(|(v, p)| json!({"volume": v["name"], "point": p}))
+                .collect();
+            Value::Array(frame).to_string() + "\n"
+        } else {
+            top_screen(&rows, clear)
+        };
+        if std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).is_err() {
+            return ExitCode::SUCCESS;
+        }
+        shown += 1;
+        if count.is_some_and(|c| shown >= c) {
+            return ExitCode::SUCCESS;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
+/// One screen of `volume top`.
+fn top_screen(rows: &[(Value, Value)], clear: bool) -> String {
+    let rate = |p: &Value, op: &str, key: &str, div: f64| match p[op][key].as_f64() {
+        Some(x) => format!("{:.1}", x / div),
+        None => "-".into(),
+    };
+    let latency_ms = |p: &Value, op: &str| match p[op]["latency_us"].as_f64() {
+        Some(us) => format!("{:.2}", us / 1000.0),
+        None => "-".into(),
+    };
+    let body = rows
+        .iter()
+        .map(|(v, p)| {
+            vec![
+                s(&v["name"]),
+                s(&v["backend"]),
+                s(&v["dispatch"]),
+                rate(p, "read", "iops", 1.0),
+                rate(p, "write", "iops", 1.0),
+                rate(p, "read", "bytes_per_sec", 1048576.0),
+                rate(p, "write", "bytes_per_sec", 1048576.0),
+                latency_ms(p, "read"),
+                latency_ms(p, "write"),
+                s(&p["in_flight"]),
+            ]
+        })
+        .collect();
+    let now = time::OffsetDateTime::now_utc();
+    let mut out = String::new();
+    if clear {
+        out += "\x1b[H\x1b[2J";
+    }
+    out += &format!(
+        "{:02}:{:02}:{:02} UTC  {} attached volume(s); rates over the last second, latency in ms\n",
+        now.hour(),
+        now.minute(),
+        now.second(),
+        rows.len()
+    );
+    out += &table(
+        &[
+            "VOLUME", "BACKEND", "DISPATCH", "R/S", "W/S", "RMIB/S", "WMIB/S", "R_AWAIT",
+            "W_AWAIT", "INFLIGHT",
+        ],
+        body,
+    );
+    out + "\n"
 }
 
 /// How to show an answer to people.
@@ -525,6 +648,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 None,
                 View::Stats,
             ),
+            VolumeCmd::Top { .. } => unreachable!("a loop of calls, see `top`"),
             VolumeCmd::Rm { volume } => (
                 M::DELETE,
                 format!("/v1/volumes/{}", encode_segment(volume)),

@@ -143,3 +143,69 @@ async fn no_service_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot connect to the blockplane API"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn volume_top_shows_each_attached_volume_s_last_second() {
+    let s = Service::start().await;
+    let v = s.loop_volume("busy", 8).await;
+    s.loop_volume("idle", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        for _ in 0..40 {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+            f.write_all(&vec![7u8; 1 << 20]).unwrap();
+            f.sync_all().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let out = ok(&s, &["volume", "top", "--count", "2"]);
+    writer.join().unwrap();
+    let screens: Vec<&str> = out.split(" UTC ").collect();
+    assert_eq!(
+        screens.len(),
+        3,
+        "two screens, each with its clock time: {out}"
+    );
+    let last = screens[2];
+    let header = last.lines().nth(1).unwrap_or_default();
+    assert!(
+        header.starts_with("VOLUME") && header.contains("W_AWAIT"),
+        "{out}"
+    );
+    let row = |name: &str| -> Vec<String> {
+        last.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("a row for {name}: {out}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    let busy = row("busy");
+    let idle = row("idle");
+    let w_s: f64 = busy[4]
+        .parse()
+        .unwrap_or_else(|_| panic!("W/S of busy: {out}"));
+    assert!(w_s > 0.0, "busy writes show: {out}");
+    assert!(
+        busy[8].parse::<f64>().is_ok(),
+        "busy has a write latency: {out}"
+    );
+    assert_eq!(idle[4], "0.0", "idle writes nothing: {out}");
+    assert_eq!(idle[8], "-", "no writes, no latency: {out}");
+    assert!(
+        !out.contains('\x1b'),
+        "no screen clearing into a pipe: {out:?}"
+    );
+
+    let frames = ok(&s, &["--json", "volume", "top", "--count", "1"]);
+    let frame: serde_json::Value = serde_json::from_str(frames.trim()).unwrap();
+    let names: Vec<&str> = frame
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["volume"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["busy", "idle"], "{frames}");
+}
