@@ -7,6 +7,13 @@ import { h, fill } from './format.js';
 
 const HEIGHT = 180;
 const PAD = { top: 10, right: 12, bottom: 22, left: 64 };
+/** Width of one character of the axis labels (12px system font), pixels. */
+const CHAR_PX = 7;
+
+/** A clock time for the time axis, e.g. 14:05:30. */
+function clock(t) {
+  return new Date(t).toLocaleTimeString([], { hour: '2-digit', minute: '2-digit', second: '2-digit', hour12: false });
+}
 
 /** The smallest "round" number (1, 2 or 5 times a power of ten) >= x. */
 export function niceCeil(x) {
@@ -64,8 +71,14 @@ export class LineChart {
 
   /** Adds one sample: values maps series keys to numbers (or null: no value). */
   push(at, values) {
-    this.points.push({ at, values });
-    const oldest = at - this.windowMs;
+    this.append([{ at, values }]);
+  }
+
+  /** Adds samples ({ at, values }, oldest first) and draws once. */
+  append(samples) {
+    if (!samples.length) return;
+    this.points.push(...samples);
+    const oldest = this.points[this.points.length - 1].at - this.windowMs;
     while (this.points.length && this.points[0].at < oldest) this.points.shift();
     this.render();
   }
@@ -82,8 +95,6 @@ export class LineChart {
 
   render() {
     const { width: W, points } = this;
-    const plotW = Math.max(W - PAD.left - PAD.right, 10);
-    const plotH = HEIGHT - PAD.top - PAD.bottom;
     const now = points.length ? points[points.length - 1].at : Date.now();
     const span = Math.min(this.windowMs, Math.max(MIN_SPAN_MS, points.length ? now - points[0].at : 0));
     const start = now - span;
@@ -95,25 +106,32 @@ export class LineChart {
       }
     }
     const top = this.nice(max);
-    const x = (t) => PAD.left + ((t - start) / span) * plotW;
+    const ticks = [0, top / 2, top];
+    // Room for the widest y label, so "100.0 MiB/s" is never clipped.
+    const left = Math.max(PAD.left, 10 + CHAR_PX * Math.max(...ticks.map((v) => this.format(v).length)));
+    const plotW = Math.max(W - left - PAD.right, 10);
+    const plotH = HEIGHT - PAD.top - PAD.bottom;
+    const x = (t) => left + ((t - start) / span) * plotW;
     const y = (v) => PAD.top + plotH - (v / top) * plotH;
 
     this.svg.setAttribute('width', W);
     this.svg.setAttribute('viewBox', `0 0 ${W} ${HEIGHT}`);
-    const grid = [0, top / 2, top].map((v) =>
+    this.svg.dataset.left = left;
+    const grid = ticks.map((v) =>
       h(
         'svg:g',
         { class: 'grid' },
-        h('svg:line', { x1: PAD.left, x2: PAD.left + plotW, y1: y(v), y2: y(v) }),
-        h('svg:text', { x: PAD.left - 6, y: y(v) + 4, 'text-anchor': 'end' }, this.format(v)),
+        h('svg:line', { x1: left, x2: left + plotW, y1: y(v), y2: y(v) }),
+        h('svg:text', { x: left - 6, y: y(v) + 4, 'text-anchor': 'end' }, this.format(v)),
       ),
     );
-    const mins = Math.round(span / 6000) / 10;
+    // Clock times at both ends and the middle (three on a phone-width chart too).
     const xlabels = [
-      h('svg:text', { x: PAD.left, y: HEIGHT - 6, 'text-anchor': 'start' }, `−${mins} min`),
-      h('svg:text', { x: PAD.left + plotW, y: HEIGHT - 6, 'text-anchor': 'end' }, 'now'),
-    ];
-    const lines = this.series.map((s) => {
+      [start, 'start'], [start + span / 2, 'middle'], [now, 'end'],
+    ].map(([t, anchor]) => h('svg:text', { x: x(t), y: HEIGHT - 6, 'text-anchor': anchor, class: 'time' }, clock(t)));
+    const lines = this.series.map((s, i) => {
+      // Lines that coincide (all at zero, most often) stay apart by a pixel or two.
+      const lift = i * 1.5;
       // A missing value breaks the line rather than drawing it as zero.
       const runs = [[]];
       for (const p of points) {
@@ -121,7 +139,7 @@ export class LineChart {
         if (v === null || v === undefined || Number.isNaN(v)) {
           if (runs[runs.length - 1].length) runs.push([]);
         } else {
-          runs[runs.length - 1].push(`${x(p.at).toFixed(1)},${y(v).toFixed(1)}`);
+          runs[runs.length - 1].push(`${x(p.at).toFixed(1)},${(y(v) - lift).toFixed(1)}`);
         }
       }
       return runs

@@ -685,6 +685,12 @@ export function volumePage(ctx, { id }) {
       format: bandwidth,
       nice: niceCeilBinary,
     }),
+    mean: new LineChart({
+      id: 'latency-mean',
+      title: 'Mean latency (per second)',
+      series: opSeries(OPS),
+      format: micros,
+    }),
     latency: new LineChart({
       id: 'latency',
       title: 'Latency percentiles (since the worker started)',
@@ -708,14 +714,28 @@ export function volumePage(ctx, { id }) {
       format: count,
     }),
   };
-  for (const [k, c] of Object.entries(charts)) if (hist.charts[k]) c.load(hist.charts[k]);
+  // IOPS, bandwidth and mean latency come from the service's own history (it
+  // keeps 15 minutes), so they open full; the ublk-only charts are derived
+  // here from each stats reading and kept across visits of the page.
+  const derived = ['latency', 'events'];
+  for (const k of derived) if (hist.charts[k]) charts[k].load(hist.charts[k]);
+  let lastAt = 0;
+  function plot(points) {
+    const fresh = points.map((p) => ({ ...p, at: Date.parse(p.at) })).filter((p) => p.at > lastAt);
+    if (!fresh.length) return;
+    lastAt = fresh[fresh.length - 1].at;
+    const per = (key) => fresh.map((p) => ({ at: p.at, values: Object.fromEntries(OPS.map((op) => [op, p[op][key]])) }));
+    charts.iops.append(per('iops'));
+    charts.bandwidth.append(per('bytes_per_sec'));
+    charts.mean.append(per('latency_us'));
+  }
   const nowTable = h('div');
   const latTable = h('div');
   const ublkNote = h('p', { class: 'hint', hidden: true });
   const statsOut = outcome();
   const chartsEl = h('section', { 'aria-labelledby': 'charts-h' },
     h('h2', { id: 'charts-h' }, 'I/O'), statsOut,
-    h('div', { class: 'charts' }, charts.iops.el, charts.bandwidth.el, charts.latency.el, charts.events.el),
+    h('div', { class: 'charts' }, charts.iops.el, charts.bandwidth.el, charts.mean.el, charts.latency.el, charts.events.el),
     ublkNote, nowTable, latTable);
 
   const events = h('ol', { class: 'events', reversed: true });
@@ -790,10 +810,6 @@ export function volumePage(ctx, { id }) {
 
   function sample(stats) {
     const at = Date.now();
-    const r = stats.rates?.last_1s;
-    const per = (key) => Object.fromEntries(OPS.map((op) => [op, r ? r[op][key] : null]));
-    charts.iops.push(at, per('iops'));
-    charts.bandwidth.push(at, per('bytes_per_sec'));
     const lat = stats.latency_us;
     charts.latency.push(at, lat ? {
       read_p50: lat.read.p50, read_p99: lat.read.p99,
@@ -811,13 +827,13 @@ export function volumePage(ctx, { id }) {
       throttled: rate(throttled, prev?.throttled ?? null),
     });
     hist.prev = { at, eagain, throttled };
-    for (const [k, c] of Object.entries(charts)) hist.charts[k] = c.points;
+    for (const k of derived) hist.charts[k] = charts[k].points;
 
     const ublk = stats.latency_us !== null || stats.nowait !== null;
     charts.latency.el.hidden = !ublk;
     charts.events.el.hidden = !ublk;
     ublkNote.hidden = ublk;
-    fill(ublkNote, `Latency percentiles, NOWAIT fallbacks and QoS throttling are measured by ublk workers; a ${stats.backend} volume has none (the kernel's counters give IOPS and bandwidth).`);
+    fill(ublkNote, `Latency percentiles, NOWAIT fallbacks and QoS throttling are measured by ublk workers; a ${stats.backend} volume has none (the kernel's counters give IOPS, bandwidth and the mean latency: time in queue per request).`);
 
     const rates = stats.rates;
     rebuild(nowTable, table(
@@ -853,11 +869,18 @@ export function volumePage(ctx, { id }) {
     }
   }
 
-  // One stats request a second while the page is open.
+  // One stats and one history request a second while the page is open; the
+  // first asks for the whole window the charts show.
   async function poll() {
     if (stopped) return;
     try {
-      sample(await api('GET', `/v1/volumes/${seg(id)}/stats`));
+      const seconds = lastAt ? 10 : 300;
+      const [stats, history] = await Promise.all([
+        api('GET', `/v1/volumes/${seg(id)}/stats`),
+        api('GET', `/v1/volumes/${seg(id)}/stats/history?seconds=${seconds}`),
+      ]);
+      sample(stats);
+      plot(history.points);
       fill(statsOut);
     } catch (e) {
       showError(statsOut, e);

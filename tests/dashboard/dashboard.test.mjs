@@ -308,6 +308,49 @@ describe('dashboard', { concurrency: false }, () => {
     await done;
   });
 
+  test('charts open full from the service history, with clock times and labels that fit', async () => {
+    const v = await apiVolume('delta');
+    const hist = await svc.ok('GET', `/v1/volumes/${v.id}/stats/history?seconds=300`);
+    const written = hist.points.filter((p) => p.write.iops > 0).length;
+    assert.ok(written >= 3, `the service kept the writer's seconds: ${written} of ${hist.points.length}`);
+    // A new page load forgets earlier visits: what the charts show now comes from the service.
+    await page.reload();
+    await go(`#/volumes/${v.id}`);
+    const iops = page.locator('[data-chart=iops]');
+    await until('the chart filled at once', async () =>
+      Number(await iops.getAttribute('data-points')) >= hist.points.length, 5000);
+    const nonzero = (chart, series) =>
+      page.locator(`[data-chart=${chart}] li[data-series=${series}]`).getAttribute('data-nonzero').then(Number);
+    assert.ok((await nonzero('iops', 'write')) >= written, 'the writer shows from before the page opened');
+    assert.ok((await nonzero('latency-mean', 'write')) >= 1, 'a loop volume has a mean latency (kernel time in queue)');
+    const times = await iops.locator('text.time').allTextContents();
+    assert.equal(times.length, 3, `start, middle and end: ${times}`);
+    for (const t of times) assert.match(t, /^\d\d:\d\d:\d\d$/, `the time axis shows clock times: ${times}`);
+    for (const chart of ['iops', 'bandwidth', 'latency-mean']) {
+      const left = await page.locator(`[data-chart=${chart}] g.grid text`)
+        .evaluateAll((ts) => Math.min(...ts.map((t) => t.getBBox().x)));
+      assert.ok(left >= 0, `${chart}: every y label fits (leftmost x ${left})`);
+    }
+    // The widest label a bandwidth chart draws at 100 MiB/s once lost its first digit.
+    const [left, labels] = await page.evaluate(async () => {
+      const { LineChart, niceCeilBinary } = await import('/dashboard/chart.js');
+      const { bandwidth } = await import('/dashboard/format.js');
+      const c = new LineChart({
+        id: 'probe', title: 'probe', series: [{ key: 'w', label: 'w', color: '#000' }],
+        format: bandwidth, nice: niceCeilBinary,
+      });
+      document.body.append(c.el);
+      c.push(Date.now(), { w: 100 * 2 ** 20 });
+      const ts = [...c.el.querySelectorAll('g.grid text')];
+      const out = [Math.min(...ts.map((t) => t.getBBox().x)), ts.map((t) => t.textContent)];
+      c.dispose();
+      c.el.remove();
+      return out;
+    });
+    assert.ok(left >= 0, `labels ${labels} fit: leftmost x ${left}`);
+    await screenshot(page, 'volume-history');
+  });
+
   test('deleting asks first: Escape cancels, confirming removes the device', async () => {
     const v = await apiVolume('gamma');
     await go('#/volumes');
