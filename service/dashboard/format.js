@@ -35,22 +35,31 @@ export function micros(n) {
   return `${(n / 1e6).toFixed(2)} s`;
 }
 
+/** What parseSize reads, for refusals. */
+export const SIZE_FORMS = 'bytes, or e.g. 512M, 1.5G, 4GiB (binary: 1024) or 500MB, 2GB (decimal: 1000)';
+
 /**
- * Parses a size as the CLI does: "4096", "64K", "512M", "4G", "1T" (binary
- * multiples; "KiB" and "KB" too). Returns null for anything else.
+ * Parses a size as the CLI does: bytes, or a number (fractions allowed) with
+ * a unit: K, M, G, T / Ki, Mi... / KiB, MiB... are binary (1024), KB, MB, GB,
+ * TB decimal (1000). Returns null for anything else or a fraction of a byte.
  */
 export function parseSize(text) {
-  const m = /^\s*(\d+)\s*([a-zA-Z]*)\s*$/.exec(String(text));
-  if (!m) return null;
+  const m = /^\s*(\d*)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$/.exec(String(text));
+  if (!m || (m[1] === '' && m[2] === undefined)) return null;
   const mult = {
     '': 1, B: 1,
-    K: 2 ** 10, KB: 2 ** 10, KIB: 2 ** 10,
-    M: 2 ** 20, MB: 2 ** 20, MIB: 2 ** 20,
-    G: 2 ** 30, GB: 2 ** 30, GIB: 2 ** 30,
-    T: 2 ** 40, TB: 2 ** 40, TIB: 2 ** 40,
-  }[m[2].toUpperCase()];
+    K: 2 ** 10, k: 2 ** 10, Ki: 2 ** 10, KiB: 2 ** 10,
+    M: 2 ** 20, Mi: 2 ** 20, MiB: 2 ** 20,
+    G: 2 ** 30, Gi: 2 ** 30, GiB: 2 ** 30,
+    T: 2 ** 40, Ti: 2 ** 40, TiB: 2 ** 40,
+    KB: 1e3, kB: 1e3, MB: 1e6, GB: 1e9, TB: 1e12,
+  }[m[3]];
   if (mult === undefined) return null;
-  const n = Number(m[1]) * mult;
+  const frac = m[2] ?? '';
+  const scale = 10n ** BigInt(frac.length);
+  const bytes = BigInt(`${m[1]}${frac}` || '0') * BigInt(mult);
+  if (bytes % scale !== 0n) return null;
+  const n = Number(bytes / scale);
   return Number.isSafeInteger(n) ? n : null;
 }
 

@@ -6,7 +6,7 @@
 import { api, seg } from './api.js';
 import { LineChart, niceCeilBinary } from './chart.js';
 import {
-  bandwidth, bytes, count, fill, h, micros, parseSize, qos, sizeText, uid, when,
+  SIZE_FORMS, bandwidth, bytes, count, fill, h, micros, parseSize, qos, sizeText, uid, when,
 } from './format.js';
 
 const OPS = ['read', 'write', 'flush', 'discard'];
@@ -331,7 +331,7 @@ export function imagesPage(ctx) {
     if (createR.checked) {
       const n = parseSize(size.value);
       if (n === null) {
-        showError(addOut, invalid(`size: '${size.value}' is not a size (use e.g. 512M or 4G)`));
+        showError(addOut, invalid(`size: '${size.value}' is not a size (${SIZE_FORMS})`));
         size.focus();
         return;
       }
@@ -367,7 +367,7 @@ export function imagesPage(ctx) {
     }
     const n = parseSize(growSize.value);
     if (n === null) {
-      showError(growOut, invalid(`new size: '${growSize.value}' is not a size (use e.g. 2G)`));
+      showError(growOut, invalid(`new size: '${growSize.value}' is not a size (${SIZE_FORMS})`));
       growSize.focus();
       return;
     }
@@ -493,7 +493,7 @@ export function volumesPage(ctx) {
     if (bw.value.trim()) {
       const n = parseSize(bw.value);
       if (n === null) {
-        showError(createOut, invalid(`bandwidth: '${bw.value}' is not a size (use e.g. 100M)`));
+        showError(createOut, invalid(`bandwidth: '${bw.value}' is not a size (${SIZE_FORMS})`));
         bw.focus();
         return;
       }
@@ -626,7 +626,7 @@ export function volumePage(ctx, { id }) {
     if (qBw.value.trim()) {
       const n = parseSize(qBw.value);
       if (n === null) {
-        showError(qOut, invalid(`bandwidth: '${qBw.value}' is not a size (use e.g. 100M)`));
+        showError(qOut, invalid(`bandwidth: '${qBw.value}' is not a size (${SIZE_FORMS})`));
         return;
       }
       limits.bytes_per_sec = n;

@@ -94,8 +94,8 @@ enum ImageCmd {
     Create {
         name: String,
         path: String,
-        /// Size, e.g. 512M, 4G (binary units) or bytes.
-        #[arg(long, value_parser = parse_size)]
+        /// Size: bytes, or 512M, 1.5G, 4GiB (binary, 1024) or 500MB, 2GB (decimal, 1000).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         size: u64,
         /// sparse, or full (allocated and zero-written: direct-map ready).
         #[arg(long, default_value = "sparse", value_parser = ["sparse", "full"])]
@@ -108,7 +108,8 @@ enum ImageCmd {
     /// Grow an image (attached volumes follow).
     Resize {
         image: String,
-        #[arg(long, value_parser = parse_size)]
+        /// The new size, larger than today's: bytes, or 1G, 1.5GiB (binary) or 2GB (decimal).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         size: u64,
     },
     /// Write zeros over an image's holes and unwritten extents and make it
@@ -143,13 +144,13 @@ enum VolumeCmd {
         #[arg(long, default_value_t = 128)]
         queue_depth: u16,
         /// Largest request, bytes (power of two, 4K to 1M).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         max_io_bytes: Option<u64>,
         /// IOPS limit (ublk).
         #[arg(long)]
         qos_iops: Option<u64>,
-        /// Bandwidth limit, bytes/s (ublk; units allowed).
-        #[arg(long, value_parser = parse_size)]
+        /// Bandwidth limit, bytes/s (ublk): bytes, or 100M, 1.5G (binary) or 100MB (decimal).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         qos_bytes_per_sec: Option<u64>,
     },
     /// List volumes.
@@ -166,8 +167,8 @@ enum VolumeCmd {
         /// IOPS limit.
         #[arg(long)]
         qos_iops: Option<u64>,
-        /// Bandwidth limit, bytes/s (units allowed).
-        #[arg(long, value_parser = parse_size)]
+        /// Bandwidth limit, bytes/s: bytes, or 100M, 1.5G (binary) or 100MB (decimal).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         qos_bytes_per_sec: Option<u64>,
         /// Remove all QoS limits.
         #[arg(long, conflicts_with_all = ["qos_iops", "qos_bytes_per_sec"])]

@@ -771,22 +771,49 @@ pub struct LatencyHistogram {
     pub count: u64,
 }
 
-/// Parses `4096`, `64K`, `512M`, `4G`, `1T` (binary multiples; `KiB` etc. too).
+/// What [`parse_size`] accepts, for its refusals and the help texts.
+pub const SIZE_FORMS: &str = "a whole number of bytes, or a number (fractions allowed, e.g. 1.5G) \
+with a unit: K, M, G, T or Ki, Mi, Gi, Ti or KiB, MiB, GiB, TiB (binary: 1024) or KB, MB, GB, TB \
+(decimal: 1000)";
+
+/// Parses a size as people write it: `4096`, `64K`, `1.5G`, `1Gi`, `1GiB`
+/// (binary multiples), `1GB` (decimal, 10^9). Refuses what is not a whole
+/// number of bytes, saying what is accepted.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size"))?;
-    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+    let refuse = |why: &str| format!("'{s}' is not a size ({why}); give {SIZE_FORMS}");
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if whole.is_empty() && frac.is_empty() || frac.contains('.') || frac.len() > 18 {
+        return Err(refuse("no number"));
+    }
+    let mult: u128 = match unit.trim() {
         "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        "T" | "TB" | "TIB" => 1 << 40,
-        u => return Err(format!("unknown size unit '{u}' in '{s}'")),
+        "K" | "k" | "Ki" | "KiB" => 1 << 10,
+        "M" | "Mi" | "MiB" => 1 << 20,
+        "G" | "Gi" | "GiB" => 1 << 30,
+        "T" | "Ti" | "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => return Err(refuse(&format!("unknown unit '{u}'"))),
     };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("'{s}' is too large"))
+    // Exact: digits as an integer over 10^(fraction digits).
+    let scale = 10u128.pow(frac.len() as u32);
+    let digits: u128 = format!("{whole}{frac}")
+        .parse()
+        .map_err(|_| refuse("too many digits"))?;
+    let bytes = digits
+        .checked_mul(mult)
+        .ok_or_else(|| refuse("too large"))?;
+    if bytes % scale != 0 {
+        return Err(refuse("not a whole number of bytes"));
+    }
+    u64::try_from(bytes / scale).map_err(|_| refuse("too large"))
 }
 
 #[cfg(test)]
@@ -799,8 +826,14 @@ mod tests {
         assert_eq!(parse_size("64K"), Ok(65536));
         assert_eq!(parse_size("512M"), Ok(512 << 20));
         assert_eq!(parse_size("4GiB"), Ok(4 << 30));
-        assert!(parse_size("4X").is_err());
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(parse_size("1Gi"), Ok(1 << 30));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
+        assert_eq!(parse_size("2.5 MB"), Ok(2_500_000));
+        assert_eq!(parse_size("0.5K"), Ok(512));
+        for bad in ["4X", "G", "99999999999T", "-1", "0.1K", "1.2.3G", "", "."] {
+            let e = parse_size(bad).unwrap_err();
+            assert!(e.contains("binary: 1024") && e.contains(bad), "{bad}: {e}");
+        }
     }
 }

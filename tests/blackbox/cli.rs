@@ -209,3 +209,33 @@ async fn volume_top_shows_each_attached_volume_s_last_second() {
         .collect();
     assert_eq!(names, ["busy", "idle"], "{frames}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sizes_are_read_as_people_write_them_and_refusals_say_what_is_accepted() {
+    let s = Service::start().await;
+    for (name, size, bytes) in [
+        ("half", "1.5M", 3 << 19),
+        ("bin", "2Mi", 2 << 20),
+        ("dec", "4096KB", 4_096_000),
+    ] {
+        let path = s.images.join(format!("{name}.img")).display().to_string();
+        let img = json(&s, &["image", "create", name, &path, "--size", size]);
+        assert_eq!(img["size_bytes"], bytes, "{size}: {img}");
+    }
+    for bad in ["-1", "1.5X", "0.1K"] {
+        let path = s.images.join("bad.img").display().to_string();
+        let out = cli(&s, &["image", "create", "bad", &path, "--size", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad} is refused");
+        assert!(
+            err.contains(&format!("'{bad}' is not a size"))
+                && err.contains("binary: 1024")
+                && err.contains("decimal: 1000"),
+            "{bad}: the refusal says what is accepted: {err}"
+        );
+    }
+    assert!(
+        !s.images.join("bad.img").exists(),
+        "a refusal makes nothing"
+    );
+}
