@@ -502,8 +502,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
 
     manager.start_sampler();
     let store = manager.store().clone();
-    let app = crate::api::router(manager, cfg.token.clone(), cfg.limits);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let app = crate::api::router(manager, cfg.token.clone(), cfg.limits, stop_rx.clone());
     // Bind everything before serving anything: answering on one listener means
     // all are up.
     let mut bound = Vec::new();

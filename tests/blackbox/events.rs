@@ -92,3 +92,51 @@ async fn the_stream_delivers_a_scripted_sequence_in_order() {
         ["volume_detaching", "volume_deleted"]
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn open_streams_end_at_once_when_the_service_stops() {
+    let mut s = Service::start().await;
+    let mut a = open_stream(&s, "").await;
+    let b = open_stream(&s, "").await;
+    s.image("one", 4).await;
+    read_events(&mut a, 1).await;
+    let reader = |mut r: BufReader<tokio::net::UnixStream>| {
+        tokio::spawn(async move {
+            // To the end of the stream: chunked framing ends it with "0".
+            let mut last = String::new();
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).await.unwrap_or(0) == 0 {
+                    return last;
+                }
+                if !line.trim().is_empty() {
+                    last = line.trim().to_string();
+                }
+            }
+        })
+    };
+    let (ra, rb) = (reader(a), reader(b));
+    let at = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || {
+        let st = s.signal(rustix::process::Signal::TERM);
+        (st, s)
+    })
+    .await
+    .unwrap()
+    .0;
+    let took = at.elapsed();
+    assert!(status.success(), "SIGTERM exits 0: {status}");
+    // The keep-alive comes every 15 s and the drain waits up to 30 s: an
+    // open stream that held the stop up would take that long.
+    assert!(
+        took < Duration::from_secs(8),
+        "two open event streams held SIGTERM up for {took:?}"
+    );
+    for r in [ra, rb] {
+        let last = tokio::time::timeout(Duration::from_secs(5), r)
+            .await
+            .expect("the stream ended")
+            .unwrap();
+        assert_eq!(last, "0", "the stream ended cleanly (last chunk)");
+    }
+}

@@ -5,15 +5,21 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
+use tokio::sync::watch;
 
 use super::AppState;
 use super::error::ApiError;
 use super::extract::ApiQuery;
 use crate::model::{ErrorBody, Event, EventQuery, EventStreamQuery};
+
+/// Set once the service is stopping: open event streams end at once, so an
+/// open dashboard never holds up a shutdown.
+#[derive(Debug, Clone)]
+pub struct Stopping(pub watch::Receiver<bool>);
 
 /// The event log: every state change, with time and reason.
 #[utoipa::path(
@@ -47,6 +53,7 @@ pub async fn events(
 )]
 pub async fn event_stream(
     State(m): State<AppState>,
+    Extension(Stopping(mut stopping)): Extension<Stopping>,
     headers: HeaderMap,
     ApiQuery(q): ApiQuery<EventStreamQuery>,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
@@ -86,6 +93,9 @@ pub async fn event_stream(
                 }
             }
         }
+    });
+    let stream = stream.take_until(async move {
+        let _ = stopping.wait_for(|s| *s).await;
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }

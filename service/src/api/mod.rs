@@ -158,8 +158,14 @@ pub fn openapi_json() -> String {
 }
 
 /// The complete service: API routes, `/openapi.json`, the dashboard's files,
-/// JSON fallbacks, auth and limits.
-pub fn router(manager: Arc<Manager>, token: Option<String>, limits: Limits) -> Router {
+/// JSON fallbacks, auth and limits. `stopping` turns true when the service
+/// begins to stop.
+pub fn router(
+    manager: Arc<Manager>,
+    token: Option<String>,
+    limits: Limits,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> Router {
     let (api, doc) = split();
     let doc = Arc::new(openapi_json_of(&doc));
     // The dashboard is not part of the API: plain routes, not in the document.
@@ -174,6 +180,7 @@ pub fn router(manager: Arc<Manager>, token: Option<String>, limits: Limits) -> R
     .fallback(no_route)
     .method_not_allowed_fallback(no_method)
     .layer(axum::middleware::from_fn(json_errors))
+    .layer(axum::Extension(events::Stopping(stopping)))
     .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
     .layer(axum::middleware::from_fn_with_state(
         Arc::new(token),
