@@ -67,7 +67,7 @@ pub const ASSETS: &[Asset] = &[
 
 /// Whether `path` is one of the dashboard's files.
 pub fn is_asset(path: &str) -> bool {
-    ASSETS.iter().any(|a| a.path == path)
+    asset(path).is_some()
 }
 
 /// Only this origin's own scripts, styles and API: the page loads nothing from
@@ -75,40 +75,45 @@ pub fn is_asset(path: &str) -> bool {
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
                    connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
+/// The embedded file served at `path`, if any.
+pub fn asset(path: &str) -> Option<Asset> {
+    ASSETS.iter().find(|a| a.path == path).copied()
+}
+
+/// One file, with the headers every dashboard file carries.
+pub fn serve(a: Asset) -> axum::response::Response {
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(a.content_type),
+            ),
+            // A new binary serves new files: always revalidate.
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(CSP),
+            ),
+            (
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            ),
+            (
+                header::REFERRER_POLICY,
+                HeaderValue::from_static("no-referrer"),
+            ),
+        ],
+        a.body,
+    )
+        .into_response()
+}
+
 /// The routes serving [`ASSETS`] (GET and HEAD).
 pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
     let mut r = Router::new();
     for a in ASSETS {
         let a = *a;
-        r = r.route(
-            a.path,
-            get(move || async move {
-                (
-                    [
-                        (
-                            header::CONTENT_TYPE,
-                            HeaderValue::from_static(a.content_type),
-                        ),
-                        // A new binary serves new files: always revalidate.
-                        (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-                        (
-                            header::CONTENT_SECURITY_POLICY,
-                            HeaderValue::from_static(CSP),
-                        ),
-                        (
-                            header::X_CONTENT_TYPE_OPTIONS,
-                            HeaderValue::from_static("nosniff"),
-                        ),
-                        (
-                            header::REFERRER_POLICY,
-                            HeaderValue::from_static("no-referrer"),
-                        ),
-                    ],
-                    a.body,
-                )
-                    .into_response()
-            }),
-        );
+        r = r.route(a.path, get(move || async move { serve(a) }));
     }
     r
 }

@@ -194,8 +194,18 @@ async fn forward(State(cfg): State<Arc<ProxyConfig>>, req: Request) -> Response 
         }
         _ => {}
     }
+    // With the service down, the dashboard's own files come from this
+    // binary, so the browser gets the pages (which then say the API is
+    // unreachable) rather than a JSON error in place of a page.
+    let local = crate::dashboard::asset(req.uri().path()).filter(|_| {
+        matches!(
+            *req.method(),
+            axum::http::Method::GET | axum::http::Method::HEAD
+        )
+    });
     match send(&cfg.upstream, req).await {
         Ok(resp) => resp,
+        Err(_) if local.is_some() => crate::dashboard::serve(local.expect("checked")),
         Err(e) => error(StatusCode::BAD_GATEWAY, "api_unreachable", e),
     }
 }

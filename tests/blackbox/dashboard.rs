@@ -275,4 +275,14 @@ async fn the_port_forward_guards_itself() {
     assert_eq!(a.body["error"]["code"], "api_unreachable");
     let msg = a.body["error"]["message"].as_str().unwrap();
     assert!(msg.contains("unix:/nonexistent/blockplane.sock"), "{msg}");
+    // The pages still load (from the forward's own copy), to say so.
+    for (path, kind) in [("/", "text/html"), ("/dashboard/app.js", "text/javascript")] {
+        let (status, h, body) = raw(f.conn().await, "GET", path, &[]).await;
+        assert_eq!(status, 200, "{path} with the API down: {body}");
+        assert!(
+            header(&h, "content-type").unwrap().starts_with(kind),
+            "{path}: {h:?}"
+        );
+        assert!(!body.contains("api_unreachable"), "{path}: {body}");
+    }
 }
