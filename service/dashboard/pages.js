@@ -869,6 +869,17 @@ export function volumePage(ctx, { id }) {
     }
   }
 
+  // With the service out of reach, what the page last knew is no longer
+  // known: the state says so and the charts fade until it answers again.
+  let unreachable = false;
+  function markUnreachable(e) {
+    if (unreachable || !(e.status === 0 || e.code === 'api_unreachable')) return;
+    unreachable = true;
+    const cell = facts.querySelector('[data-field=state]');
+    if (cell) fill(cell, h('span', { class: 'state state-unknown' }, 'unknown: the service cannot be reached'));
+    chartsEl.classList.add('stale');
+  }
+
   // One stats and one history request a second while the page is open; the
   // first asks for the whole window the charts show.
   async function poll() {
@@ -882,9 +893,15 @@ export function volumePage(ctx, { id }) {
       sample(stats);
       plot(history.points);
       fill(statsOut);
+      if (unreachable) {
+        unreachable = false;
+        chartsEl.classList.remove('stale');
+        load();
+      }
     } catch (e) {
       showError(statsOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
+      markUnreachable(e);
     }
     if (!stopped) pollTimer = setTimeout(poll, 1000);
   }

@@ -479,6 +479,31 @@ describe('dashboard', { concurrency: false }, () => {
     }
   });
 
+  test('a volume page whose service stops says its state is unknown and fades its charts', async () => {
+    const gone = await Service.start({ token: null });
+    const tab = await br.context.newPage();
+    tab.on('pageerror', (e) => pageErrors.push(e.message));
+    try {
+      const v = await gone.loopVolume('going', 8);
+      await tab.goto(`${gone.url}#/volumes/${v.id}`);
+      const state = tab.locator('[data-field=state]');
+      await until('attached', async () => (await state.innerText()).startsWith('attached'));
+      await tab.locator('[data-chart=iops][data-points]').waitFor();
+      // The service goes; the forward stays and answers 502 api_unreachable.
+      gone.proc.kill('SIGTERM');
+      await new Promise((r) => gone.proc.once('exit', r));
+      await until('the state is no longer claimed', async () =>
+        (await state.innerText()).startsWith('unknown: the service cannot be reached'), 10000);
+      assert.equal(await tab.locator('[data-field=state] .state-attached').count(), 0, 'no green attached');
+      assert.ok(await tab.locator('section:has(> h2#charts-h)').evaluate((el) => el.classList.contains('stale')),
+        'the charts are marked stale');
+      await screenshot(tab, 'volume-service-unreachable');
+    } finally {
+      await tab.close();
+      await gone.stop();
+    }
+  });
+
   test('signing out forgets the token; the token never went into a URL', async () => {
     await go('#/volumes');
     await page.getByRole('button', { name: 'Sign out' }).click();
