@@ -47,6 +47,9 @@ enum Command {
         /// Only this volume's events (id or name).
         #[arg(long)]
         volume: Option<String>,
+        /// Only events after this time (RFC 3339, e.g. 2026-11-30T21:00:00Z).
+        #[arg(long)]
+        since: Option<String>,
         /// At most this many (newest).
         #[arg(long)]
         limit: Option<u32>,
@@ -128,54 +131,68 @@ enum ImageCmd {
 enum VolumeCmd {
     /// Create a volume (idempotent by name).
     Create {
+        /// The volume's name (letters, digits, '.', '_', '-').
         name: String,
-        /// Image id or name.
+        /// Image id or name (one image serves one volume).
         #[arg(long)]
         image: String,
+        /// Kernel device kind: loop, ublk (our userspace server) or dm
+        /// (device-mapper); auto picks the best this host has.
         #[arg(long, default_value = "auto", value_parser = ["auto", "loop", "ublk", "dm"])]
         backend: String,
+        /// How a ublk or dm volume does its I/O: nowait (io_uring, NOWAIT
+        /// first), threaded (blocking workers), direct (straight to the disk
+        /// through the image's extent map); auto picks direct when the image
+        /// allows it. Switchable live with `volume set`.
         #[arg(long, default_value = "auto", value_parser = ["auto", "nowait", "threaded", "direct"])]
         dispatch: String,
+        /// Create the device read-only (it can never be made writable live).
         #[arg(long)]
         read_only: bool,
         /// Queues [default: the service's: one per CPU for ublk and dm, 1 for loop].
         #[arg(long)]
         queues: Option<u16>,
+        /// Requests each queue holds at once.
         #[arg(long, default_value_t = 128)]
         queue_depth: u16,
         /// Largest request, bytes (power of two, 4K to 1M).
         #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
         max_io_bytes: Option<u64>,
-        /// IOPS limit (ublk).
-        #[arg(long)]
-        qos_iops: Option<u64>,
-        /// Bandwidth limit, bytes/s (ublk): bytes, or 100M, 1.5G (binary) or 100MB (decimal).
-        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
-        qos_bytes_per_sec: Option<u64>,
+        #[command(flatten)]
+        qos: QosArgs,
     },
     /// List volumes.
     Ls,
     /// Show one volume.
-    Show { volume: String },
-    /// Change a volume live.
-    Set {
+    Show {
+        /// Volume id or name.
         volume: String,
+    },
+    /// Change a volume live (at least one change).
+    #[command(group(clap::ArgGroup::new("change").required(true).multiple(true).args([
+        "dispatch", "read_only", "qos_iops", "qos_bytes_per_sec", "qos_burst_iops",
+        "qos_burst_bytes", "no_qos",
+    ])))]
+    Set {
+        /// Volume id or name.
+        volume: String,
+        /// The dispatch policy to switch to, live (ublk and dm).
         #[arg(long, value_parser = ["auto", "nowait", "threaded", "direct"])]
         dispatch: Option<String>,
+        /// Refuse (true) or allow (false) writes, live (ublk and dm).
         #[arg(long)]
         read_only: Option<bool>,
-        /// IOPS limit.
-        #[arg(long)]
-        qos_iops: Option<u64>,
-        /// Bandwidth limit, bytes/s: bytes, or 100M, 1.5G (binary) or 100MB (decimal).
-        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
-        qos_bytes_per_sec: Option<u64>,
+        #[command(flatten)]
+        qos: QosArgs,
         /// Remove all QoS limits.
-        #[arg(long, conflicts_with_all = ["qos_iops", "qos_bytes_per_sec"])]
+        #[arg(long, conflicts_with_all = ["qos_iops", "qos_bytes_per_sec", "qos_burst_iops", "qos_burst_bytes"])]
         no_qos: bool,
     },
     /// A volume's I/O counters.
-    Stats { volume: String },
+    Stats {
+        /// Volume id or name.
+        volume: String,
+    },
     /// Every attached volume's last second, refreshed each second (like
     /// `iostat -x 1`): IOPS, bandwidth, mean latency, requests in flight.
     Top {
@@ -183,8 +200,47 @@ enum VolumeCmd {
         #[arg(long)]
         count: Option<u32>,
     },
-    /// Delete a volume (its device goes away).
-    Rm { volume: String },
+    /// Delete a volume (its device goes away; the image stays).
+    Rm {
+        /// Volume id or name.
+        volume: String,
+    },
+}
+
+/// QoS limits of a ublk volume (token buckets over reads and writes together).
+#[derive(Debug, clap::Args)]
+struct QosArgs {
+    /// IOPS limit.
+    #[arg(long)]
+    qos_iops: Option<u64>,
+    /// Bandwidth limit, bytes/s: bytes, or 100M, 1.5G (binary) or 100MB (decimal).
+    #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+    qos_bytes_per_sec: Option<u64>,
+    /// IOPS bucket: requests that may go at once after a quiet spell [default: the IOPS limit].
+    #[arg(long)]
+    qos_burst_iops: Option<u64>,
+    /// Bandwidth bucket: bytes that may go at once after a quiet spell [default: the bandwidth limit].
+    #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+    qos_burst_bytes: Option<u64>,
+}
+
+impl QosArgs {
+    /// The `qos` object, when any limit is given.
+    fn to_json(&self) -> Option<Value> {
+        let Self {
+            qos_iops,
+            qos_bytes_per_sec,
+            qos_burst_iops,
+            qos_burst_bytes,
+        } = self;
+        let any = [qos_iops, qos_bytes_per_sec, qos_burst_iops, qos_burst_bytes]
+            .iter()
+            .any(|v| v.is_some());
+        any.then(|| {
+            json!({"iops": qos_iops, "bytes_per_sec": qos_bytes_per_sec,
+                   "burst_iops": qos_burst_iops, "burst_bytes": qos_burst_bytes})
+        })
+    }
 }
 
 /// Entry point of the binary.
@@ -380,8 +436,13 @@ async fn call(
             .as_str()
             .map(str::to_string)
             .unwrap_or_else(|| answer.body.to_string());
+        let hint = if answer.status == hyper::StatusCode::UNAUTHORIZED {
+            "; give the API's token with --token or BLOCKPLANE_TOKEN"
+        } else {
+            ""
+        };
         eprintln!(
-            "blockplane: {msg} ({code}, HTTP {})",
+            "blockplane: {msg} ({code}, HTTP {}){hint}",
             answer.status.as_u16()
         );
         return Err(ExitCode::FAILURE);
@@ -514,10 +575,17 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
             unreachable!("handled without the API")
         }
         Command::Host => (M::GET, "/v1/host".into(), None, View::Host),
-        Command::Events { volume, limit } => {
+        Command::Events {
+            volume,
+            since,
+            limit,
+        } => {
             let mut q = Vec::new();
             if let Some(v) = volume {
                 q.push(format!("volume={}", encode_segment(v)));
+            }
+            if let Some(t) = since {
+                q.push(format!("since={}", encode_segment(t)));
             }
             if let Some(l) = limit {
                 q.push(format!("limit={l}"));
@@ -588,8 +656,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 queues,
                 queue_depth,
                 max_io_bytes,
-                qos_iops,
-                qos_bytes_per_sec,
+                qos,
             } => {
                 let mut body = json!({
                     "name": name, "image": image, "backend": backend, "dispatch": dispatch,
@@ -601,8 +668,8 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 if let Some(m) = max_io_bytes {
                     body["max_io_bytes"] = json!(m);
                 }
-                if qos_iops.is_some() || qos_bytes_per_sec.is_some() {
-                    body["qos"] = json!({"iops": qos_iops, "bytes_per_sec": qos_bytes_per_sec});
+                if let Some(q) = qos.to_json() {
+                    body["qos"] = q;
                 }
                 (M::POST, "/v1/volumes".into(), Some(body), View::Volume)
             }
@@ -617,8 +684,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 volume,
                 dispatch,
                 read_only,
-                qos_iops,
-                qos_bytes_per_sec,
+                qos,
                 no_qos,
             } => {
                 let mut patch = serde_json::Map::new();
@@ -630,11 +696,8 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 }
                 if *no_qos {
                     patch.insert("qos".into(), Value::Null);
-                } else if qos_iops.is_some() || qos_bytes_per_sec.is_some() {
-                    patch.insert(
-                        "qos".into(),
-                        json!({"iops": qos_iops, "bytes_per_sec": qos_bytes_per_sec}),
-                    );
+                } else if let Some(q) = qos.to_json() {
+                    patch.insert("qos".into(), q);
                 }
                 (
                     M::PATCH,
@@ -749,7 +812,8 @@ fn render(view: View, b: &Value) -> String {
             for k in ["nowait", "threaded", "direct"] {
                 rows.push(vec![format!("policy {k}"), cap(&b["policies"][k])]);
             }
-            out += &table(&["", "available"], rows);
+            out += "\n";
+            out += &table(&["CAPABILITY", "AVAILABLE HERE"], rows);
             out
         }
         View::Image => fields(vec![

@@ -125,7 +125,12 @@ async fn the_cli_sends_the_token() {
     .await;
     let out = cli(&s, &["host"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unauthorized"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unauthorized"), "{err}");
+    assert!(
+        err.contains("--token") && err.contains("BLOCKPLANE_TOKEN"),
+        "a 401 says how to give the token: {err}"
+    );
     let out = std::process::Command::new(BIN)
         .args(["--api", &format!("unix:{}", s.sock.display()), "host"])
         .env("BLOCKPLANE_TOKEN", "tok")
@@ -238,4 +243,39 @@ async fn sizes_are_read_as_people_write_them_and_refusals_say_what_is_accepted()
         !s.images.join("bad.img").exists(),
         "a refusal makes nothing"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_refuses_an_empty_change_and_reads_events_since_a_time() {
+    let s = Service::start().await;
+    s.loop_volume("v", 8).await;
+    let out = cli(&s, &["volume", "set", "v"]);
+    assert!(!out.status.success(), "a set with no change is refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--dispatch") && err.contains("--no-qos"),
+        "{err}"
+    );
+
+    let host = ok(&s, &["host"]);
+    assert!(
+        !host.lines().any(|l| l.trim() == "available"),
+        "no stray header line: {host}"
+    );
+    assert!(host.contains("CAPABILITY"), "{host}");
+
+    let events = json(&s, &["events"]);
+    let last = events.as_array().unwrap().last().unwrap()["at"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    s.image("later", 4).await;
+    let after = json(&s, &["events", "--since", &last]);
+    let kinds: Vec<&str> = after
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["image_created"], "only what came after {last}");
 }
