@@ -769,8 +769,7 @@ export function volumePage(ctx, { id }) {
       v.worker_pid === null ? null : [h('dt', null, 'Worker'), h('dd', null, `pid ${v.worker_pid}, buffers ${bytes(v.buffer_bytes)}`)],
       h('dt', null, 'Updated'), h('dd', null, when(v.updated_at)),
     );
-    // Say up front what this backend cannot change live; the API still
-    // decides, and its refusal is shown if the user tries.
+    // Say up front what this backend cannot change live.
     const loop = v.backend === 'loop';
     fill(dispHint, loop ? 'A loop volume runs on the kernel loop driver: policies apply to ublk and dm volumes.'
       : 'Switches live, without detaching the device.');
@@ -778,9 +777,13 @@ export function volumePage(ctx, { id }) {
     fill(roNow, `Now ${v.read_only ? 'read-only' : 'writable'}.`,
       loop ? ' The kernel loop driver cannot change this on a bound device.' : '');
     fill(roBtn, v.read_only ? 'Make writable' : 'Make read-only');
+    // Controls that cannot work on this volume are off, with the reason
+    // beside them (loop: the kernel driver changes none of these live).
+    for (const c of controls) c.disabled = loop && c !== delBtn;
+    for (const c of [disp, qIops, qBw]) c.disabled = loop;
+    if (loop) fill(disp, h('option', { value: 'kernel', selected: true }, 'kernel (loop driver)'));
     if (first) {
-      for (const c of controls) c.disabled = false;
-      disp.value = v.requested_dispatch;
+      if (!loop) disp.value = v.requested_dispatch;
       qIops.value = v.qos?.iops ?? '';
       qBw.value = v.qos?.bytes_per_sec ? sizeText(v.qos.bytes_per_sec) : '';
     }
