@@ -856,6 +856,14 @@ async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> Stri
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_crashes() {
     let mut vm = Vm::start().await;
+    // Started first: a service starting on an empty registry refuses while
+    // the kernel serves another instance's dm devices (issue 12 item 2).
+    let root = vm.root(Scratch::Xfs);
+    let b = crate::harness::Service::start_with(crate::harness::Opts {
+        extra_roots: vec![root.clone()],
+        ..Default::default()
+    })
+    .await;
     let mut vols = Vec::new();
     for (name, backend) in [("s", "ublk"), ("d", "dm")] {
         vm.image(name, Scratch::Xfs, 16, "full").await;
@@ -866,12 +874,6 @@ async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_cras
         serves(dev);
         vols.push((name, id.to_string(), dev.to_string()));
     }
-    let root = vm.root(Scratch::Xfs);
-    let b = crate::harness::Service::start_with(crate::harness::Opts {
-        extra_roots: vec![root.clone()],
-        ..Default::default()
-    })
-    .await;
     for (name, _, _) in &vols {
         let path = root.join(format!("{name}.img"));
         let r = b
