@@ -202,6 +202,10 @@ fn kernel_name(dev: DevNum) -> String {
 struct DmVolume {
     /// A handle on the image: to map, pin, unpin and grow it.
     image: OwnedFd,
+    /// A duplicate of the image lock, for each private worker: the same open
+    /// file description as the manager's, so the worker's lock is that one,
+    /// not a second that would conflict with it.
+    lock: Option<OwnedFd>,
     params: VolumeParams,
     /// The path in force (never `Auto`).
     dispatch: DispatchPolicy,
@@ -485,9 +489,17 @@ impl DmBackend {
             .map_err(|e| BackendError::io("dup", "image", e))?;
         let st =
             rustix::fs::fstat(&image).map_err(|e| BackendError::io("fstat", "image", e.into()))?;
+        let image_lock = match &v.lock {
+            Some(l) => Some(
+                l.try_clone()
+                    .map_err(|e| BackendError::io("dup", "image lock", e))?,
+            ),
+            None => None,
+        };
         let att = self.ublk.attach_private(AttachRequest {
             volume_id,
             image_fd: image,
+            image_lock,
             image_identity: (st.st_dev, st.st_ino),
             params: VolumeParams {
                 dispatch: policy,
@@ -756,6 +768,7 @@ impl VolumeBackend for DmBackend {
         };
         let mut v = DmVolume {
             image: req.image_fd,
+            lock: req.image_lock,
             params: req.params.clone(),
             dispatch: decision.dispatch,
             reason: decision.reason.clone(),
@@ -839,6 +852,11 @@ impl VolumeBackend for DmBackend {
         Ok(())
     }
 
+    fn image_lock(&self, volume_id: Uuid) -> Option<OwnedFd> {
+        let volumes = self.volumes.lock().expect("dm volumes poisoned");
+        volumes.get(&volume_id)?.lock.as_ref()?.try_clone().ok()
+    }
+
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
         let volume_id = req.volume_id;
         if Self::devnum(volume_id).is_none() {
@@ -864,6 +882,7 @@ impl VolumeBackend for DmBackend {
         let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
         let mut v = DmVolume {
             image,
+            lock: req.image_lock,
             params: req.params.clone(),
             dispatch: req.params.dispatch,
             reason: req
@@ -899,6 +918,7 @@ impl VolumeBackend for DmBackend {
                 image: v.image.try_clone().ok(),
                 params: req.params.clone(),
                 stored: None,
+                image_lock: v.lock.as_ref().and_then(|l| l.try_clone().ok()),
             })?;
             let Probe::Alive(worker) = probe else {
                 return Err(BackendError::Busy {
@@ -915,6 +935,10 @@ impl VolumeBackend for DmBackend {
                 major: worker.major,
                 minor: worker.minor,
             });
+            // The worker's lock, if it kept one through a service crash.
+            if v.lock.is_none() {
+                v.lock = self.ublk.image_lock(volume_id);
+            }
         } else {
             // Direct: the live table must be the image's map as it is now.
             let map = ExtentMap::build(v.image.as_fd(), req.params.size_bytes).map_err(|e| {

@@ -99,6 +99,11 @@ pub struct AttachRequest {
     pub params: VolumeParams,
     /// What [`VolumeBackend::validate`] decided, if it was asked first.
     pub decision: Option<Decision>,
+    /// A duplicate of the OFD lock the manager holds on the image (see
+    /// `manager::holds`): a backend whose device another process serves (a
+    /// ublk worker) hands it to that process, so the lock lasts as long as
+    /// the device serves, whether or not this service lives.
+    pub image_lock: Option<OwnedFd>,
 }
 
 /// What a backend gets to find (and take back under supervision) a volume's
@@ -113,6 +118,9 @@ pub struct ProbeRequest {
     pub params: VolumeParams,
     /// What was recorded of the device.
     pub stored: Option<Attachment>,
+    /// The manager's lock on the image, when it could take it (not when the
+    /// device's own worker holds it, having outlived the last service).
+    pub image_lock: Option<OwnedFd>,
 }
 
 /// The policy a backend decided for a volume, and why.
@@ -312,6 +320,13 @@ pub trait VolumeBackend: Send + Sync {
     /// manager grew.
     fn grows_image(&self) -> bool {
         false
+    }
+
+    /// The lock on the image that a process serving the volume's device holds
+    /// (a duplicate of it), found by [`Self::probe`]: what the manager keeps
+    /// for an adopted volume when it could not take the lock itself.
+    fn image_lock(&self, _volume_id: Uuid) -> Option<OwnedFd> {
+        None
     }
 
     /// Makes the device follow its image's new size (growing the file first

@@ -27,7 +27,7 @@ use super::{
     AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, EventSink, Marked,
     Probe, ProbeRequest, SpecCheck, UblkAttachment, VolumeBackend,
 };
-use crate::dataplane::protocol::{self, Answer, IMAGE_FD, Request, Status, WorkerSpec};
+use crate::dataplane::protocol::{self, Answer, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec};
 use crate::extent::{self, ExtentMap};
 use crate::model::{
     Allocation, Backend, BackendCapability, DispatchPolicy, LatencyStats, NowaitStats, Percentiles,
@@ -85,6 +85,9 @@ struct Worker {
     dev_id: u32,
     /// A duplicate of the image fd, for a replacement worker and for unpinning.
     image: OwnedFd,
+    /// A duplicate of the worker's image lock ([`LOCK_FD`]), for a
+    /// replacement worker: held here, the lock outlives the worker's crash.
+    lock: Option<OwnedFd>,
     spec: WorkerSpec,
     /// Set while the control plane itself stops the worker.
     stopping: Arc<AtomicBool>,
@@ -190,10 +193,13 @@ impl UblkBackend {
     }
 
     /// Starts a worker and waits until its device serves; returns its status.
+    /// `lock` (an image lock, when `spec.image_lock`) goes to the worker as
+    /// [`LOCK_FD`].
     fn start_worker(
         &self,
         spec: WorkerSpec,
         image: &OwnedFd,
+        lock: Option<&OwnedFd>,
     ) -> Result<(u32, Status), BackendError> {
         let run_dir = &spec.run_dir;
         std::fs::DirBuilder::new()
@@ -210,6 +216,7 @@ impl UblkBackend {
             .open(run_dir.join("worker.out"))
             .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
         let raw = image.as_raw_fd();
+        let raw_lock = lock.map(|l| l.as_raw_fd());
         let mut cmd = Command::new(&self.exe);
         cmd.arg("worker")
             .arg("--spec")
@@ -223,8 +230,17 @@ impl UblkBackend {
                 // Its own session: signals to the control plane's group do not
                 // reach it, and it outlives the control plane.
                 libc::setsid();
-                if libc::dup2(raw, IMAGE_FD) < 0 {
-                    return Err(io::Error::last_os_error());
+                // Above the target numbers first (close-on-exec copies), so
+                // neither dup2 overwrites the other's source, and each target
+                // loses close-on-exec even where it was the source's number.
+                let moved = [Some(raw), raw_lock]
+                    .map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
+                for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD]) {
+                    if let Some(fd) = fd
+                        && (fd < 0 || libc::dup2(fd, target) < 0)
+                    {
+                        return Err(io::Error::last_os_error());
+                    }
                 }
                 Ok(())
             });
@@ -437,19 +453,24 @@ impl UblkBackend {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut spec, image, private) = {
+            let (mut spec, image, lock, private) = {
                 let w = self.workers.lock().expect("workers poisoned");
                 let Some(w) = w.get(&volume_id) else { return };
                 let Ok(image) = w.image.try_clone() else {
                     return;
                 };
-                (w.spec.clone(), image, w.private)
+                let lock = match w.lock.as_ref().map(OwnedFd::try_clone) {
+                    Some(Ok(l)) => Some(l),
+                    Some(Err(_)) => return,
+                    None => None,
+                };
+                (w.spec.clone(), image, lock, w.private)
             };
             let state = self.state_file(volume_id);
             let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
             spec.recover_dev_id = Some(dev_id);
             spec.pinned = state.and_then(|s| s.pinned);
-            match self.start_worker(spec.clone(), &image) {
+            match self.start_worker(spec.clone(), &image, lock.as_ref()) {
                 Ok((pid, status)) => {
                     if let Some(w) = self
                         .workers
@@ -599,13 +620,30 @@ pub fn foreign_workers(run_root: &Path, instance: &str) -> Vec<ForeignWorker> {
         .collect()
 }
 
+/// A duplicate of descriptor `fd` of worker `pid`.
+fn worker_fd(pid: u32, fd: i32) -> Result<OwnedFd, BackendError> {
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .map_err(|e| io("pidfd_open", format!("worker {pid}"), e.into()))?;
+    rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty())
+        .map_err(|e| io("pidfd_getfd", format!("worker {pid}"), e.into()))
+}
+
 /// The image path in a worker's `--spec` argument.
 fn worker_image_path(pid: u32) -> Option<String> {
+    worker_spec(pid)?["image_path"].as_str().map(str::to_string)
+}
+
+/// The `--spec` argument of process `pid`, if it is a blockplane worker (read
+/// as plain JSON: a worker of another version may have other fields).
+pub fn worker_spec(pid: u32) -> Option<serde_json::Value> {
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let mut args = cmdline.split(|b| *b == 0);
+    args.find(|a| *a == b"worker")?;
     args.find(|a| *a == b"--spec")?;
-    let spec: serde_json::Value = serde_json::from_slice(args.next()?).ok()?;
-    spec["image_path"].as_str().map(str::to_string)
+    serde_json::from_slice(args.next()?).ok()
 }
 
 /// Pid alive and running a blockplane worker of this volume.
@@ -734,6 +772,11 @@ impl VolumeBackend for UblkBackend {
 
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
         self.probe_worker(req, false)
+    }
+
+    fn image_lock(&self, volume_id: Uuid) -> Option<OwnedFd> {
+        let workers = self.workers.lock().expect("workers poisoned");
+        workers.get(&volume_id)?.lock.as_ref()?.try_clone().ok()
     }
 
     fn marked(&self) -> Result<Vec<Marked>, BackendError> {
@@ -1008,8 +1051,10 @@ impl UblkBackend {
             },
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: req.params.allocation,
+            image_lock: req.image_lock.is_some(),
         };
-        let (pid, status) = self.start_worker(spec.clone(), &req.image_fd)?;
+        let (pid, status) =
+            self.start_worker(spec.clone(), &req.image_fd, req.image_lock.as_ref())?;
         let att = self.attachment(&status)?;
         self.workers.lock().expect("workers poisoned").insert(
             req.volume_id,
@@ -1017,6 +1062,7 @@ impl UblkBackend {
                 pid,
                 dev_id: status.dev_id,
                 image: req.image_fd,
+                lock: req.image_lock,
                 spec,
                 stopping: Arc::default(),
                 forget: Arc::default(),
@@ -1041,19 +1087,15 @@ impl UblkBackend {
         // a duplicate of the worker's own.
         let image = match req.image {
             Some(fd) => fd,
-            None => {
-                let pidfd = rustix::process::pidfd_open(
-                    rustix::process::Pid::from_raw(state.pid as i32).expect("pid > 0"),
-                    rustix::process::PidfdFlags::empty(),
-                )
-                .map_err(|e| io("pidfd_open", format!("worker {}", state.pid), e.into()))?;
-                rustix::process::pidfd_getfd(
-                    &pidfd,
-                    IMAGE_FD,
-                    rustix::process::PidfdGetfdFlags::empty(),
-                )
-                .map_err(|e| io("pidfd_getfd", format!("worker {}", state.pid), e.into()))?
-            }
+            None => worker_fd(state.pid, IMAGE_FD)?,
+        };
+        // Its image lock, which it kept while no service lived: a duplicate
+        // to hold here (and hand to a replacement). A worker started without
+        // one (by an older service) gets the manager's for its replacement.
+        let lock = if worker_spec(state.pid).is_some_and(|s| s["image_lock"] == true) {
+            Some(worker_fd(state.pid, LOCK_FD)?)
+        } else {
+            req.image_lock
         };
         let st = rustix::fs::fstat(&image)
             .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
@@ -1093,6 +1135,7 @@ impl UblkBackend {
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: p.allocation,
+            image_lock: lock.is_some(),
         };
         self.workers.lock().expect("workers poisoned").insert(
             volume_id,
@@ -1100,6 +1143,7 @@ impl UblkBackend {
                 pid: state.pid,
                 dev_id: state.dev_id,
                 image,
+                lock,
                 spec,
                 stopping: Arc::default(),
                 forget: Arc::default(),

@@ -19,7 +19,7 @@ mod qos;
 pub mod stats;
 
 use std::fs::File;
-use std::os::fd::{AsFd, FromRawFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -30,7 +30,7 @@ use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
 use mailbox::{QueueConfig, Queues};
-use protocol::{IMAGE_FD, WorkerSpec};
+use protocol::{IMAGE_FD, LOCK_FD, WorkerSpec};
 use stats::Stats;
 
 /// Bytes zeroed at a time by [`Shared::allocate`] (the queues wait that long).
@@ -475,6 +475,20 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     device::private_mount_namespace()?;
     // SAFETY: the control plane hands the image over on this fd; nothing else owns it.
     let image = unsafe { File::from_raw_fd(IMAGE_FD) };
+    // Held until the worker ends: the device serves only while it is held.
+    let _lock = if spec.image_lock {
+        // SAFETY: as IMAGE_FD, for the image lock.
+        let lock = unsafe { OwnedFd::from_raw_fd(LOCK_FD) };
+        crate::manager::holds::retake(&lock).map_err(|e| {
+            format!(
+                "cannot take the lock on image {}: {e}; another process (another blockplane instance?) holds it, so this worker will not serve it",
+                spec.image_path
+            )
+        })?;
+        Some(lock)
+    } else {
+        None
+    };
     let data = data_fd(&image)?;
     let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
     if spec.recover_dev_id.is_some() {

@@ -16,6 +16,12 @@ use crate::model::{ActiveDispatch, Allocation, DispatchPolicy, OpStats, Qos};
 /// The file descriptor number the image is handed to a worker on.
 pub const IMAGE_FD: i32 = 3;
 
+/// The file descriptor number the control plane's image lock is handed to a
+/// worker on (when [`WorkerSpec::image_lock`]): an open file description
+/// that holds an OFD lock on the image, shared with the control plane, so
+/// the lock lasts while either of them lives.
+pub const LOCK_FD: i32 = 4;
+
 /// How a worker is to serve its volume (passed as JSON on its command line).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerSpec {
@@ -54,6 +60,11 @@ pub struct WorkerSpec {
     /// stays eligible for `direct`; a `sparse` one is.
     #[serde(default)]
     pub allocation: Allocation,
+    /// The image lock is on [`LOCK_FD`]: the worker takes it (again) before
+    /// it serves and refuses to start when another open file description
+    /// holds the image.
+    #[serde(default)]
+    pub image_lock: bool,
 }
 
 /// A request on the control socket.

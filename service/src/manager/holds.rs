@@ -8,6 +8,12 @@
 //! elsewhere. OFD locks belong to the open file description, so they are
 //! released when this process ends or the descriptor is closed, and they
 //! conflict across processes whatever the processes' other descriptors.
+//!
+//! A ublk worker owns its device and outlives this service, so it gets a
+//! duplicate of the locked descriptor (the same open file description) and
+//! takes the lock again on it before it serves ([`retake`]): one lock, held
+//! while the service or the worker lives, through a service crash as through
+//! a worker crash (the service's duplicate bridges the replacement worker).
 
 use std::collections::HashMap;
 use std::io;
@@ -32,13 +38,26 @@ pub struct Held {
 }
 
 impl Held {
-    /// "process N" or "another process", for messages.
+    /// "process N (what it is)" or "another process", for messages.
     pub fn holder(&self) -> String {
         match self.pid {
-            Some(pid) => format!("process {pid}"),
+            Some(pid) => format!("process {pid}{}", describe(pid)),
             None => "another process (its pid could not be found)".into(),
         }
     }
+}
+
+/// " (a blockplane ublk worker, run dir D)" for a worker, " (comm)" else.
+fn describe(pid: u32) -> String {
+    if let Some(run_dir) = crate::backend::ublk::worker_spec(pid)
+        .as_ref()
+        .and_then(|s| s["run_dir"].as_str())
+    {
+        return format!(" (a blockplane ublk worker, run dir {run_dir})");
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| format!(" ({})", c.trim()))
+        .unwrap_or_default()
 }
 
 impl ImageHolds {
@@ -78,6 +97,20 @@ pub fn lock(file: &ImageFile) -> Result<OwnedFd, Held> {
             })
         }
     }
+}
+
+/// Takes the lock again on a descriptor handed over already locked (a ublk
+/// worker's [`crate::dataplane::protocol::LOCK_FD`]): exclusive if it is open
+/// for writing, shared if not, as [`lock`] took it. Succeeds when this open
+/// file description holds it already; fails (`EAGAIN`) when another does.
+pub fn retake(fd: &OwnedFd) -> io::Result<()> {
+    let mode = rustix::fs::fcntl_getfl(fd)?;
+    let kind = if mode.contains(rustix::fs::OFlags::RDWR) {
+        libc::F_WRLCK
+    } else {
+        libc::F_RDLCK
+    };
+    set_lock(fd, kind)
 }
 
 fn set_lock(fd: &OwnedFd, kind: libc::c_int) -> io::Result<()> {
@@ -158,4 +191,52 @@ pub fn held_elsewhere(path: &std::path::Path) -> Option<Held> {
     (r == 0 && fl.l_type != libc::F_UNLCK as libc::c_short).then(|| Held {
         pid: holder(st.st_dev, st.st_ino),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+
+    use super::*;
+
+    fn open(path: &std::path::Path, write: bool) -> OwnedFd {
+        File::options()
+            .read(true)
+            .write(write)
+            .open(path)
+            .unwrap()
+            .into()
+    }
+
+    fn refused(fd: &OwnedFd) -> bool {
+        matches!(
+            retake(fd).map_err(|e| e.raw_os_error()),
+            Err(Some(libc::EAGAIN))
+        )
+    }
+
+    /// The lock a ublk worker takes again on its duplicate of the service's
+    /// locked descriptor is that one lock: it succeeds there, lasts while
+    /// either descriptor lives, and refuses every other open of the file,
+    /// a read-only one included.
+    #[test]
+    fn a_duplicate_retakes_the_lock_and_keeps_it_after_the_original_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let service = open(&path, true);
+        retake(&service).unwrap();
+        let worker = service.try_clone().unwrap();
+        retake(&worker).unwrap();
+        let other = open(&path, true);
+        assert!(refused(&other));
+        assert!(refused(&open(&path, false)));
+        // The service dies: the worker's duplicate keeps the lock.
+        drop(service);
+        assert!(refused(&other));
+        assert!(held_elsewhere(&path).is_some());
+        drop(worker);
+        assert!(held_elsewhere(&path).is_none());
+        retake(&other).unwrap();
+    }
 }

@@ -115,8 +115,10 @@ impl Manager {
                 })
                 .await?
             };
-            // The lock a serving volume holds on its image, taken again; a
-            // lock held elsewhere means another blockplane serves the file.
+            // The lock a serving volume holds on its image, taken again. Held
+            // elsewhere, it is either another blockplane's or the one this
+            // volume's ublk worker kept while no service lived (the backend
+            // finds that one when it probes the worker).
             let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
             let req = ProbeRequest {
                 volume_id: v.id,
@@ -124,6 +126,10 @@ impl Manager {
                 params: params(&v, &image, image.size_bytes),
                 image: opened.ok().map(|f| f.into_fd()),
                 stored: v.attachment.clone(),
+                image_lock: match &image_lock {
+                    Some(Ok(fd)) => fd.try_clone().ok(),
+                    _ => None,
+                },
             };
             let prober = backend.clone();
             let probe = blocking(move || prober.probe(req)).await?;
@@ -140,12 +146,12 @@ impl Manager {
                     if !unchanged {
                         self.record_attached(&mut v, att, "volume_adopted").await?;
                     }
-                    match image_lock {
-                        Some(Ok(fd)) => self.holds.keep(v.id, fd),
-                        Some(Err(e)) => {
+                    match (image_lock, backend.image_lock(v.id)) {
+                        (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
+                        (Some(Err(e)), None) => {
                             tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
                         }
-                        None => {}
+                        (None, None) => {}
                     }
                     report.adopted += 1;
                 }
@@ -157,9 +163,15 @@ impl Manager {
                     };
                     let attached = match opened {
                         Ok(file) => {
-                            match image_lock.unwrap_or_else(|| self.lock_image(&image, &file)) {
+                            // Taken again if it failed: the probe may have
+                            // stopped its holder (a dm volume's stray worker).
+                            let lock = match image_lock {
+                                Some(Ok(lock)) => Ok(lock),
+                                _ => self.lock_image(&image, &file),
+                            };
+                            match lock {
                                 Ok(lock) => self
-                                    .attach(&v, &image, file, None)
+                                    .attach(&v, &image, file, &lock, None)
                                     .await
                                     .map(|att| (att, lock)),
                                 Err(e) => Err(e),

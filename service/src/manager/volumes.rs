@@ -349,7 +349,7 @@ impl Manager {
         tx.commit().await?;
         self.fault_point(Stage::AfterInsert)?;
 
-        match self.attach(&row, &image, file, decision).await {
+        match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => {
                 let recorded = match self.fault_point(Stage::AfterAttach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
@@ -387,12 +387,14 @@ impl Manager {
         Ok(())
     }
 
-    /// Brings up the device of a recorded volume on an opened image.
+    /// Brings up the device of a recorded volume on an opened image, whose
+    /// lock (taken with `open_and_lock`) the caller keeps.
     pub(super) async fn attach(
         &self,
         v: &VolumeRow,
         image: &ImageRow,
         file: ImageFile,
+        lock: &std::os::fd::OwnedFd,
         decision: Option<Decision>,
     ) -> Result<Attachment> {
         let backend = self.backend(v.backend).ok_or_else(|| {
@@ -410,6 +412,10 @@ impl Manager {
             params: params(v, image, file.size()),
             image_fd: file.into_fd(),
             decision,
+            image_lock: Some(
+                lock.try_clone()
+                    .map_err(|e| volume_error(&v.name, BackendError::io("dup", "image lock", e)))?,
+            ),
         };
         let name = v.name.clone();
         blocking(move || backend.attach(req))

@@ -778,3 +778,179 @@ async fn a_lost_registry_leaves_ublk_and_dm_devices_serving_and_reports_them() {
         3
     );
 }
+
+/// Writes 1 MiB of a fresh random pattern at the start of `dev`, past the
+/// page cache, and reads it back: the device serves.
+fn serves(dev: &str) {
+    let pattern = format!("/tmp/serves-{}.pattern", dev.rsplit('/').next().unwrap());
+    sh(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={pattern}"),
+            "bs=1M",
+            "count=1",
+            "status=none",
+        ],
+    );
+    sh(
+        "timeout",
+        &[
+            "30",
+            "dd",
+            &format!("if={pattern}"),
+            &format!("of={dev}"),
+            "bs=1M",
+            "oflag=direct,sync",
+            "status=none",
+        ],
+    );
+    sh(
+        "bash",
+        &[
+            "-c",
+            &format!(
+                "cmp <(timeout 30 dd if={dev} bs=1M count=1 iflag=direct status=none) {pattern}"
+            ),
+        ],
+    );
+}
+
+/// The pid of the worker serving volume `id` of `vm` (a dm volume's private
+/// one included), from its run dir.
+fn run_dir_pid(vm: &Vm, id: &str) -> u32 {
+    let state = vm.s.data.join(format!("run/ublk/{id}/state.json"));
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(state).unwrap()).unwrap();
+    state["pid"].as_u64().unwrap() as u32
+}
+
+/// Service `b`'s attach of image `name` on ublk: asserts 409
+/// `image_locked` naming the image file; returns the message.
+async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> String {
+    let a = b
+        .post(
+            "/v1/volumes",
+            json!({"name": format!("b-{name}"), "image": name, "backend": "ublk"}),
+        )
+        .await;
+    assert!(
+        a.status.as_u16() == 409 && a.body["error"]["code"] == "image_locked",
+        "{when}: service B got {} for {name}.img: {}",
+        a.status,
+        a.body
+    );
+    let msg = a.body["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains(&format!("{name}.img")), "{msg}");
+    msg
+}
+
+/// Issue 12 item 4: a ublk worker owns its device and outlives its service,
+/// so it holds the image lock too (the same open file description as its
+/// service's). Service A serves `s.img` (ublk) and `d.img` (dm over a private
+/// ublk worker); A is SIGKILLed: its workers keep serving, and a service B
+/// with another data dir over the same image root is refused both images
+/// with 409 `image_locked` naming the worker. A restarted adopts its workers
+/// (no conflict with their locks); a killed worker's replacement takes the
+/// lock over with no window, B refused throughout; deleting the volumes
+/// lets B have the images.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_crashes() {
+    let mut vm = Vm::start().await;
+    // Started first: a service starting on an empty registry refuses while
+    // the kernel serves another instance's dm devices (issue 12 item 2).
+    let root = vm.root(Scratch::Xfs);
+    let b = crate::harness::Service::start_with(crate::harness::Opts {
+        extra_roots: vec![root.clone()],
+        ..Default::default()
+    })
+    .await;
+    let mut vols = Vec::new();
+    for (name, backend) in [("s", "ublk"), ("d", "dm")] {
+        vm.image(name, Scratch::Xfs, 16, "full").await;
+        let v = vm
+            .volume(json!({"name": name, "image": name, "backend": backend, "dispatch": "nowait"}))
+            .await;
+        let (id, dev) = (v["id"].as_str().unwrap(), v["device"].as_str().unwrap());
+        serves(dev);
+        vols.push((name, id.to_string(), dev.to_string()));
+    }
+    for (name, _, _) in &vols {
+        let path = root.join(format!("{name}.img"));
+        let r = b
+            .post("/v1/images", json!({"name": name, "path": path}))
+            .await;
+        assert_eq!(r.status.as_u16(), 201, "{}", r.body);
+    }
+    let refused = async |when: &str| {
+        for (name, _, _) in &vols {
+            locked_for(&b, name, when).await;
+        }
+        assert_eq!(b.get("/v1/volumes").await.body, json!([]), "{when}");
+    };
+    refused("while A runs").await;
+
+    vm.s.kill();
+    for (name, id, dev) in &vols {
+        serves(dev);
+        let msg = locked_for(&b, name, "after A's SIGKILL").await;
+        let worker = format!("process {}", run_dir_pid(&vm, id));
+        let run_dir = vm.s.data.join(format!("run/ublk/{id}"));
+        assert!(
+            msg.contains(&worker) && msg.contains(&run_dir.display().to_string()),
+            "the holder, {worker} with run dir {}, not named: {msg}",
+            run_dir.display()
+        );
+    }
+    refused("after A's SIGKILL").await;
+
+    let pids: Vec<u32> = vols.iter().map(|(_, id, _)| run_dir_pid(&vm, id)).collect();
+    vm.s.restart().await;
+    for ((name, id, dev), pid) in vols.iter().zip(&pids) {
+        let v = vm.s.get(&format!("/v1/volumes/{name}")).await.body;
+        assert_eq!(v["state"], "attached", "{v}\n{}", vm.s.log_text());
+        assert_eq!(v["device"], dev.as_str());
+        assert_eq!(
+            run_dir_pid(&vm, id),
+            *pid,
+            "{name}: the same worker, adopted"
+        );
+        serves(dev);
+    }
+    let log = vm.s.log_text();
+    assert!(
+        !log.contains("locked elsewhere"),
+        "A conflicted with its own workers' locks:\n{log}"
+    );
+    refused("after A's restart").await;
+
+    // A worker dies under A: the service's duplicate holds the lock until
+    // the replacement takes it again.
+    for (name, id, dev) in &vols {
+        let pid = run_dir_pid(&vm, id);
+        sh("kill", &["-9", &pid.to_string()]);
+        refused(&format!("right after worker {pid} of {name} died")).await;
+        eventually(Duration::from_secs(60), "a new worker", async || {
+            let now = run_dir_pid(&vm, id);
+            now != pid && std::path::Path::new(&format!("/proc/{now}")).exists()
+        })
+        .await;
+        serves(dev);
+        let kinds = vm.event_kinds(id).await;
+        assert!(kinds.contains(&"worker_restarted".to_string()), "{kinds:?}");
+    }
+    refused("after the workers' replacements").await;
+
+    for (name, _, _) in &vols {
+        vm.delete(name).await;
+        let a = b
+            .post(
+                "/v1/volumes",
+                json!({"name": format!("b-{name}"), "image": name, "backend": "ublk"}),
+            )
+            .await;
+        assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+        serves(a.body["device"].as_str().unwrap());
+        let d = b.delete(&format!("/v1/volumes/b-{name}")).await;
+        assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    }
+}
