@@ -28,6 +28,12 @@ for k in 1.31.0 1.37.0; do
     "$venv/bin/kubernetes-validate" --strict --quiet -k "$k" "${manifests[@]}"
 done
 
+# The alert rules as Prometheus reads them (promtool from Debian's package);
+# the metrics they and the Grafana dashboard name are checked against a real
+# scrape by the black-box tests.
+step "Prometheus alert rules (deploy/prometheus, promtool check rules)"
+tests/promtool.sh check rules deploy/prometheus/alerts.yaml
+
 step "cargo fmt --check"
 cargo fmt --all --check
 

@@ -791,9 +791,16 @@ fn render(view: View, b: &Value) -> String {
                 ("default backend", s(&b["default_backend"])),
                 (
                     "image roots",
-                    list(&b["image_roots"])
+                    list(&b["image_root_capacity"])
                         .iter()
-                        .map(s)
+                        .map(|r| {
+                            format!(
+                                "{} ({} free of {})",
+                                s(&r["path"]),
+                                human_bytes(&r["free_bytes"]),
+                                human_bytes(&r["size_bytes"])
+                            )
+                        })
                         .collect::<Vec<_>>()
                         .join(", "),
                 ),

@@ -21,7 +21,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::model::{LATENCY_BOUNDS_US, OpStats, VolumeStats};
+use crate::model::{LATENCY_BOUNDS_US, OpStats, RootCapacity, VolumeStats};
 
 /// Labels of the API request metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -84,6 +84,8 @@ pub struct Snapshot {
     pub images: Vec<ImageSample>,
     /// Volumes per state (every state listed, zeros included).
     pub states: Vec<(String, u64)>,
+    /// Each image root's filesystem.
+    pub roots: Vec<RootCapacity>,
 }
 
 const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
@@ -304,6 +306,24 @@ impl Collector for Snapshot {
             for i in &self.images {
                 ConstGauge::new(get(i) as f64)
                     .encode(family.encode_family(&[("image", i.name.as_str())])?)?;
+            }
+        }
+        for (name, help, get) in [
+            (
+                "blockplane_image_root_size_bytes",
+                "Size of an image root's filesystem",
+                (|r: &RootCapacity| r.size_bytes) as fn(&RootCapacity) -> u64,
+            ),
+            (
+                "blockplane_image_root_free_bytes",
+                "Free bytes of an image root's filesystem (as df's Avail)",
+                |r: &RootCapacity| r.free_bytes,
+            ),
+        ] {
+            let mut family = enc.encode_descriptor(name, help, None, G)?;
+            for r in &self.roots {
+                ConstGauge::new(get(r) as f64)
+                    .encode(family.encode_family(&[("root", r.path.as_str())])?)?;
             }
         }
         let mut family =

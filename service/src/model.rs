@@ -665,11 +665,22 @@ pub struct Host {
     pub policies: HostPolicies,
     /// The directories images may live under.
     pub image_roots: Vec<String>,
+    /// Each image root's filesystem: size and free space.
+    pub image_root_capacity: Vec<RootCapacity>,
     /// The backend `backend: auto` picks here.
     pub default_backend: Option<Backend>,
     /// Devices of this service with no volume: left alone until
     /// `DELETE /v1/host/orphans/{volume_id}`.
     pub orphans: Vec<Orphan>,
+}
+
+/// Size and free space of an image root's filesystem.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct RootCapacity {
+    pub path: String,
+    pub size_bytes: u64,
+    /// Bytes free to an unprivileged writer (`df`'s "Avail").
+    pub free_bytes: u64,
 }
 
 /// A device blockplane made that belongs to no volume of this service.

@@ -233,3 +233,66 @@ async fn history_keeps_each_second_with_rates_and_the_kernels_latency() {
     let a = s.get("/v1/volumes/nope/stats/history").await;
     assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.body);
 }
+
+/// Metric names an expression in `text` uses: `blockplane_...` words, without
+/// the suffixes the exposition adds to a family's name.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("blockplane_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let mut name = &tail[..end];
+        for suffix in ["_total", "_bucket", "_sum", "_count"] {
+            name = name.strip_suffix(suffix).unwrap_or(name);
+        }
+        out.insert(name.to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_grafana_dashboard_and_the_alerts_name_only_metrics_the_service_exports() {
+    let s = Service::start().await;
+    s.loop_volume("g", 8).await;
+    let text = s.get_text("/metrics").await;
+    let exported: BTreeSet<String> = parse(&text)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap().to_string())
+        .collect();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for file in [
+        "deploy/grafana/blockplane.json",
+        "deploy/prometheus/alerts.yaml",
+    ] {
+        let body = std::fs::read_to_string(root.join(file)).unwrap();
+        let used = metric_names(&body);
+        assert!(used.len() >= 5, "{file} names metrics: {used:?}");
+        let unknown: Vec<&String> = used.difference(&exported).collect();
+        assert!(
+            unknown.is_empty(),
+            "{file} names metrics the service does not export: {unknown:?} (exported: {exported:?})"
+        );
+    }
+    let dash: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("deploy/grafana/blockplane.json")).unwrap(),
+    )
+    .unwrap();
+    let titles: Vec<&str> = dash["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["title"].as_str().unwrap())
+        .collect();
+    for want in ["IOPS", "Bandwidth", "Latency", "NOWAIT", "errors", "API"] {
+        assert!(
+            titles.iter().any(|t| t.contains(want)),
+            "a panel for {want}: {titles:?}"
+        );
+    }
+}

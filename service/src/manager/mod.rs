@@ -458,6 +458,7 @@ impl Manager {
             backends,
             policies,
             image_roots: self.roots.paths(),
+            image_root_capacity: self.roots.capacity(),
             default_backend,
             orphans: Vec::new(),
         }
@@ -544,6 +545,7 @@ impl Manager {
         Ok(crate::metrics::render(
             &self.api_metrics,
             crate::metrics::Snapshot {
+                roots: self.roots.capacity(),
                 volumes,
                 images,
                 states,
