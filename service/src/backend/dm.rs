@@ -862,9 +862,14 @@ impl VolumeBackend for DmBackend {
             )
             .map_err(|e| dm_error("DM_TABLE_STATUS", &name_s, e))?;
         let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
+        // The device serves the size its table covers: the image's row may be
+        // older (the service died in a resize between growing the device and
+        // recording it) or its file larger (died before the table grew).
+        let mut params = req.params.clone();
+        params.size_bytes = live.iter().map(|t| t.1).sum::<u64>() * 512;
         let mut v = DmVolume {
             image,
-            params: req.params.clone(),
+            params,
             dispatch: req.params.dispatch,
             reason: req
                 .stored
@@ -917,7 +922,7 @@ impl VolumeBackend for DmBackend {
             });
         } else {
             // Direct: the live table must be the image's map as it is now.
-            let map = ExtentMap::build(v.image.as_fd(), req.params.size_bytes).map_err(|e| {
+            let map = ExtentMap::build(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
                 BackendError::Refused {
                     reason: e.to_string(),
                 }
