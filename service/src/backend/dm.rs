@@ -867,6 +867,10 @@ impl VolumeBackend for DmBackend {
         // recording it) or its file larger (died before the table grew).
         let mut params = req.params.clone();
         params.size_bytes = live.iter().map(|t| t.1).sum::<u64>() * 512;
+        // An image larger than its device is a resize still to apply (the
+        // private device cannot grow without UPDATE_SIZE), even when the
+        // service died before recording it.
+        let grown = rustix::fs::fstat(&image).is_ok_and(|st| st.st_size as u64 > params.size_bytes);
         let mut v = DmVolume {
             image,
             params,
@@ -881,7 +885,7 @@ impl VolumeBackend for DmBackend {
             private_ublk: None,
             table: live.clone(),
             degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
-            resize_pending: req.stored.as_ref().is_some_and(|a| a.resize_pending),
+            resize_pending: grown || req.stored.as_ref().is_some_and(|a| a.resize_pending),
             attached_at: req
                 .stored
                 .as_ref()
