@@ -561,7 +561,11 @@ async fn rows_and_kernel_agree(vm: &Vm, base: &Held, step: &str) -> Vec<Value> {
                         "{step}: the row's {field} is not the worker's: row {v}\nworker {w}"
                     );
                 }
-                assert_eq!(w["size_bytes"], size, "{step}: worker {w}");
+                // A resize the kernel cannot apply live (no UPDATE_SIZE)
+                // leaves the worker's image larger than the device.
+                if v["resize_pending"] != true {
+                    assert_eq!(w["size_bytes"], size, "{step}: worker {w}");
+                }
             }
             "dm" => {
                 want.dm.insert(id.to_string());
