@@ -7,7 +7,7 @@ use hyper::StatusCode;
 use rustix::process::Signal;
 use serde_json::json;
 
-use crate::harness::{Opts, Service, serves_from};
+use crate::harness::{Opts, Service, device_size, serves_from};
 
 fn kinds(events: &serde_json::Value) -> Vec<String> {
     events
@@ -94,6 +94,67 @@ async fn killed_between_device_removed_and_row_deleted() {
     assert_eq!(s.get("/v1/volumes/v").await.status, StatusCode::NOT_FOUND);
     assert!(s.my_loop_devices().is_empty());
     assert_eq!(s.get("/v1/volumes").await.body, json!([]));
+}
+
+/// Killed between a loop volume following its image's resize and the record
+/// of either (the only live change a loop volume takes; its read-only, QoS
+/// and dispatch are refused live): the restart records the device's size.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_between_a_resize_and_its_record() {
+    let mut s = Service::start().await;
+    let v = s.loop_volume("g", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
+    s.wait_ready().await;
+    let r =
+        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None)
+            .send(
+                hyper::Method::POST,
+                "/v1/images/g-img/resize",
+                Some(&json!({"size_bytes": 16 << 20})),
+            )
+            .await;
+    assert!(r.is_err(), "the service should have died mid-resize: {r:?}");
+    s.wait_exit(Duration::from_secs(10));
+    assert_eq!(
+        device_size(&dev),
+        16 << 20,
+        "the device grew before the kill"
+    );
+    s.restart().await;
+    let now = s.get("/v1/volumes/g").await.body;
+    assert_eq!(now["state"], "attached", "{now}");
+    assert_eq!(now["device"], dev.as_str(), "{now}");
+    assert_eq!(
+        now["size_bytes"],
+        16 << 20,
+        "the row says the device's size: {now}"
+    );
+    let image = s.get("/v1/images/g-img").await.body;
+    assert_eq!(image["size_bytes"], 16 << 20, "{image}");
+    // The grown part serves.
+    let data = vec![0x5au8; 1 << 20];
+    {
+        use std::io::{Read, Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&dev)
+            .unwrap();
+        f.seek(SeekFrom::Start(12 << 20)).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        f.seek(SeekFrom::Start(12 << 20)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert!(back == data, "the grown part did not read back");
+    }
+    assert_eq!(
+        s.delete("/v1/volumes/g").await.status,
+        StatusCode::NO_CONTENT
+    );
+    assert!(s.my_loop_devices().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -880,10 +880,19 @@ impl VolumeBackend for DmBackend {
             )
             .map_err(|e| dm_error("DM_TABLE_STATUS", &name_s, e))?;
         let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
+        // The device serves the size its table covers: the image's row may be
+        // older (the service died in a resize between growing the device and
+        // recording it) or its file larger (died before the table grew).
+        let mut params = req.params.clone();
+        params.size_bytes = live.iter().map(|t| t.1).sum::<u64>() * 512;
+        // An image larger than its device is a resize still to apply (the
+        // private device cannot grow without UPDATE_SIZE), even when the
+        // service died before recording it.
+        let grown = rustix::fs::fstat(&image).is_ok_and(|st| st.st_size as u64 > params.size_bytes);
         let mut v = DmVolume {
             image,
             lock: req.image_lock,
-            params: req.params.clone(),
+            params,
             dispatch: req.params.dispatch,
             reason: req
                 .stored
@@ -895,7 +904,7 @@ impl VolumeBackend for DmBackend {
             private_ublk: None,
             table: live.clone(),
             degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
-            resize_pending: req.stored.as_ref().is_some_and(|a| a.resize_pending),
+            resize_pending: grown || req.stored.as_ref().is_some_and(|a| a.resize_pending),
             attached_at: req
                 .stored
                 .as_ref()
@@ -941,7 +950,7 @@ impl VolumeBackend for DmBackend {
             }
         } else {
             // Direct: the live table must be the image's map as it is now.
-            let map = ExtentMap::build(v.image.as_fd(), req.params.size_bytes).map_err(|e| {
+            let map = ExtentMap::build(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
                 BackendError::Refused {
                     reason: e.to_string(),
                 }

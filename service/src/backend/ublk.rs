@@ -292,6 +292,14 @@ impl UblkBackend {
             .split_once(':')
             .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
             .ok_or_else(|| io("parse dev of", &s.device, io::Error::other(dev.clone())))?;
+        // The device's size is the kernel's: without UPDATE_SIZE it keeps its
+        // old size while the worker serves a grown image, and a replacement
+        // worker (started with the grown size) no longer knows the resize
+        // is pending: a device smaller than its worker's image says so.
+        let device_size = std::fs::read_to_string(format!("/sys/block/{name}/size"))
+            .ok()
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .map_or(s.size_bytes, |sectors| sectors * 512);
         Ok(Attachment {
             device: s.device.clone(),
             kernel_name: name,
@@ -300,7 +308,7 @@ impl UblkBackend {
             dispatch: s.dispatch,
             dispatch_reason: s.dispatch_reason.clone(),
             direct_io: None,
-            size_bytes: s.size_bytes,
+            size_bytes: device_size,
             read_only: s.read_only,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
@@ -314,7 +322,7 @@ impl UblkBackend {
                 degraded: s.degraded.clone(),
             }),
             dm: None,
-            resize_pending: s.resize_pending,
+            resize_pending: s.resize_pending || device_size < s.size_bytes,
         })
     }
 

@@ -347,6 +347,9 @@ impl Manager {
             let grows = backend.grows_image();
             let id = v.id;
             let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
+            if outcome.is_ok() {
+                self.fault_point(super::Stage::AfterChange)?;
+            }
             let mut tx = self.store.begin().await?;
             match outcome {
                 Ok(att) => {

@@ -109,8 +109,9 @@ pub enum Created<T> {
     Existing(T),
 }
 
-/// Stages of a volume's create and delete at which a test can inject a fault
-/// (env `BLOCKPLANE_TEST_FAULT`), to prove restart and cleanup work.
+/// Stages of a volume's create, delete and live changes at which a test can
+/// inject a fault (env `BLOCKPLANE_TEST_FAULT`), to prove restart and cleanup
+/// work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     /// The volume row is recorded, no device exists yet.
@@ -119,7 +120,8 @@ pub enum Stage {
     AfterAttach,
     /// The device is gone, the row is still there.
     AfterDetach,
-    /// A live change is made on the device, the row does not say so yet.
+    /// A live change (a PATCH, or a volume following its image's resize) is
+    /// made on the device, the row does not say so yet.
     AfterChange,
 }
 

@@ -349,7 +349,7 @@ fn direct_read(dev: &str) {
 
 /// SIGKILLs the ublk worker of a volume (a dm volume's private one too, which
 /// the API does not show) and waits until its replacement serves.
-async fn kill_worker(vm: &Vm, volume_id: &str) {
+pub(crate) async fn kill_worker(vm: &Vm, volume_id: &str) {
     let state = vm.s.data.join(format!("run/ublk/{volume_id}/state.json"));
     let pid_now = || -> Option<u64> {
         let text = std::fs::read(&state).ok()?;

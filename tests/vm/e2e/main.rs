@@ -256,6 +256,46 @@ impl Vm {
         assert_eq!(a.status.as_u16(), 204, "{}", a.body);
     }
 
+    /// Restarts the service with test fault `fault` (e.g. `kill_after_change`)
+    /// and sends a request it must die in the middle of; returns once it is
+    /// dead.
+    pub async fn die_during(
+        &mut self,
+        fault: &str,
+        method: hyper::Method,
+        path: &str,
+        body: Option<Value>,
+    ) {
+        self.s.kill();
+        self.start_with_fault(fault).await;
+        self.dies_in(method, path, body).await;
+    }
+
+    /// Starts the stopped service (which reconciles what it finds) with test
+    /// fault `fault` armed.
+    pub async fn start_with_fault(&mut self, fault: &str) {
+        self.s.spawn(&[("BLOCKPLANE_TEST_FAULT", fault)]);
+        self.s.wait_ready().await;
+    }
+
+    /// Sends a request the service (started with a test fault) must die in
+    /// the middle of; returns once it is dead.
+    pub async fn dies_in(&mut self, method: hyper::Method, path: &str, body: Option<Value>) {
+        let client = blockplane::client::Client::new(
+            blockplane::client::Endpoint::Unix(self.s.sock.clone()),
+            None,
+        );
+        let answer = client.send(method.clone(), path, body.as_ref()).await;
+        assert!(
+            answer.is_err(),
+            "the service should have died in {method} {path}: {answer:?}"
+        );
+        assert!(
+            !self.s.wait_exit(Duration::from_secs(30)).success(),
+            "{method} {path}"
+        );
+    }
+
     /// Event kinds of a volume, oldest first.
     pub async fn event_kinds(&self, volume_id: &str) -> Vec<String> {
         let ev = self

@@ -531,17 +531,9 @@ async fn a_default_volume_has_a_pinned_queue_per_cpu_and_says_how_it_copies() {
 /// Sends a PATCH the service dies in the middle of (test fault
 /// `kill_after_change`: the worker has the change, the row does not).
 async fn patch_and_die(vm: &mut Vm, volume: &str, body: serde_json::Value) {
-    vm.s.kill();
-    vm.s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
-    vm.s.wait_ready().await;
-    let client = blockplane::client::Client::new(
-        blockplane::client::Endpoint::Unix(vm.s.sock.clone()),
-        None,
-    );
     let path = format!("/v1/volumes/{volume}");
-    let answer = client.send(hyper::Method::PATCH, &path, Some(&body)).await;
-    assert!(answer.is_err(), "the service should have died: {answer:?}");
-    assert!(!vm.s.wait_exit(Duration::from_secs(30)).success());
+    vm.die_during("kill_after_change", hyper::Method::PATCH, &path, Some(body))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
