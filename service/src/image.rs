@@ -415,6 +415,14 @@ impl ImageFile {
         Ok((holes, vfs.f_bavail * vfs.f_frsize))
     }
 
+    /// Bytes of the file that are holes or unwritten extents: what
+    /// [`Self::allocate`] writes.
+    pub fn unwritten_bytes(&self) -> Result<u64> {
+        let todo = crate::extent::unwritten_ranges(self.fd.as_fd(), 0, self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+        Ok(todo.iter().map(|(a, b)| b - a).sum())
+    }
+
     /// Writes zeros over the file's holes and unwritten extents (see
     /// [`allocate_range`]; nothing else may write it meanwhile), one stretch
     /// of at most [`ALLOCATE_STEP`] bytes at a time, reporting into `job` and
@@ -572,8 +580,8 @@ pub struct AllocateJob {
     pub total_bytes: AtomicU64,
     /// Set to stop it after the current stretch.
     pub cancel: AtomicBool,
-    /// A pause after each stretch the service writes (the test fault
-    /// `slow_allocate`: progress and cancel observable on any disk).
+    /// A pause after each stretch (the test fault `slow_allocate`: progress
+    /// and cancel observable on any disk).
     pub pace: std::time::Duration,
 }
 

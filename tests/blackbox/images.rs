@@ -709,8 +709,8 @@ async fn allocate_runs_in_the_background_with_progress_and_one_at_a_time() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn allocate_cancel_stops_it_and_leaves_the_image_as_declared() {
-    let (s, path) = slow_allocate_service().await;
+async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
+    let (mut s, path) = slow_allocate_service().await;
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
     for _ in 0..100 {
@@ -736,7 +736,17 @@ async fn allocate_cancel_stops_it_and_leaves_the_image_as_declared() {
     assert!(ev.contains("image_allocate_cancelled"), "{ev}");
     let again = s.delete("/v1/images/slow/allocate").await;
     assert_error(&again, 409, "allocate_conflict");
-    // Allocating again finishes the job.
+    // Again, and the service is killed mid-way: the image is as declared,
+    // and allocating once more finishes the job.
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    s.kill();
+    s.restart().await;
+    let g = s.get("/v1/images/slow").await;
+    assert_eq!(g.body["allocation"], "sparse", "{}", g.body);
+    assert_eq!(g.body["allocate"], serde_json::Value::Null, "{}", g.body);
+    assert!(rule_two(&path).unwrap_err().contains("hole"));
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
     let end = wait_allocate(&s, "slow").await;

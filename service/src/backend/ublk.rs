@@ -1002,7 +1002,8 @@ impl UblkBackend {
                 io::Error::other(why),
             )
         };
-        let mut status = self.ask(volume_id, &Request::Allocate)?;
+        let pace_ms = job.pace.as_millis() as u64;
+        let mut status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
         let mut cancel_sent = false;
         loop {
             let Some(fill) = status.allocate else {

@@ -215,7 +215,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
-        Request::Allocate => match s.start_allocate() {
+        Request::Allocate { pace_ms } => match s.start_allocate(Duration::from_millis(pace_ms)) {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },

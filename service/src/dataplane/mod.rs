@@ -198,7 +198,7 @@ impl Shared {
     /// a thread of its own writes zeros over its holes and unwritten extents
     /// (see [`Self::fill`]), so the control socket keeps answering meanwhile.
     /// A fill already running goes on; its progress is in [`Self::fill_state`].
-    pub fn start_allocate(self: &Arc<Self>) -> Result<(), Refusal> {
+    pub fn start_allocate(self: &Arc<Self>, pace: Duration) -> Result<(), Refusal> {
         if self.spec.read_only {
             return Err(Refusal::Rule(
                 "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
@@ -230,7 +230,7 @@ impl Shared {
         let spawned = std::thread::Builder::new()
             .name("allocate".into())
             .spawn(move || {
-                let out = me.fill(&todo);
+                let out = me.fill(&todo, pace);
                 me.end_fill(out, kept);
             });
         if let Err(source) = spawned {
@@ -256,8 +256,9 @@ impl Shared {
 
     /// Writes zeros over `todo`, one stretch of at most [`ALLOCATE_STEP`]
     /// bytes at a time with the queues held, so no write of the volume lands
-    /// in a stretch while it is zeroed. `Ok(false)`: cancelled.
-    fn fill(&self, todo: &[(u64, u64)]) -> Result<bool, Refusal> {
+    /// in a stretch while it is zeroed, pausing `pace` after each (a test
+    /// fault). `Ok(false)`: cancelled.
+    fn fill(&self, todo: &[(u64, u64)], pace: Duration) -> Result<bool, Refusal> {
         let data = self
             .data
             .as_fd()
@@ -283,6 +284,7 @@ impl Shared {
                 if let Some(f) = self.fill.lock().expect("fill poisoned").as_mut() {
                     f.done_bytes += to - at;
                 }
+                std::thread::sleep(pace);
                 at = to;
             }
         }

@@ -86,7 +86,12 @@ pub enum Request {
     /// of its own (the socket keeps answering). Answers at once with the
     /// status; a fill already running is adopted, not started twice. Its
     /// progress and end are in [`Status::allocate`].
-    Allocate,
+    Allocate {
+        /// A pause after each stretch, ms (the service's test fault
+        /// `slow_allocate`; 0 otherwise).
+        #[serde(default)]
+        pace_ms: u64,
+    },
     /// Stop a running fill after its current range. The image goes back to
     /// being punched if it was before ([`FillState::Cancelled`]).
     CancelAllocate,
@@ -256,5 +261,10 @@ mod tests {
         let s = serde_json::to_string(&a).unwrap();
         assert!(!s.contains('\n'));
         assert_eq!(serde_json::from_str::<Answer>(&s).unwrap(), a);
+        // A service from before the pace asks without it.
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
+            Request::Allocate { pace_ms: 0 }
+        );
     }
 }

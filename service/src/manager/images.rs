@@ -260,8 +260,10 @@ impl Manager {
         }
         let me = self.clone();
         let r = row.clone();
-        let (needed, free) = blocking(move || -> Result<(u64, u64)> {
-            Ok(me.open_image(&r, Access::ReadOnly)?.space_to_allocate()?)
+        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
+            let file = me.open_image(&r, Access::ReadOnly)?;
+            let (needed, free) = file.space_to_allocate()?;
+            Ok((needed, free, file.unwritten_bytes()?))
         })
         .await??;
         if needed > free {
@@ -287,6 +289,7 @@ impl Manager {
             },
             ..Default::default()
         });
+        job.total_bytes.store(total, Relaxed);
         let mut tx = self.store.begin().await?;
         tx.event(
             None,

@@ -134,8 +134,9 @@ pub enum Fault {
     /// (`slow_image_create`): a request that outlasts a timeout, holds a
     /// concurrency slot or is in flight at SIGTERM, whatever the disk.
     SlowImageCreate,
-    /// Each 16 MiB stretch the service zeroes in an allocate takes 100 ms
-    /// more (`slow_allocate`): its progress and cancel, whatever the disk.
+    /// Each 16 MiB stretch an allocate zeroes (in the service or a ublk
+    /// worker) takes 100 ms more (`slow_allocate`): its progress and cancel,
+    /// whatever the disk.
     SlowAllocate,
 }
 
