@@ -736,6 +736,16 @@ async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
     assert!(ev.contains("image_allocate_cancelled"), "{ev}");
     let again = s.delete("/v1/images/slow/allocate").await;
     assert_error(&again, 409, "allocate_conflict");
+    // A stop (SIGTERM) mid-way cancels it: the service exits without
+    // finishing the fill, holes remain.
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let st = s.signal(rustix::process::Signal::TERM);
+    assert!(st.success(), "{st}");
+    assert!(rule_two(&path).unwrap_err().contains("hole"));
+    data_kept(&path);
+    s.restart().await;
     // Again, and the service is killed mid-way: the image is as declared,
     // and allocating once more finishes the job.
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;

@@ -122,6 +122,15 @@ impl Manager {
     }
 
     async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let allocate = self.allocate_view(row.id);
+        // A done allocate recorded `full` before it said so; the row may be
+        // from before that: read it again, so `done` always comes with `full`.
+        let row = match &allocate {
+            Some(a) if a.state == AllocateState::Done => {
+                self.image_row(&row.id.to_string()).await?
+            }
+            _ => row,
+        };
         let volumes = self.store.volume_ids_of_image(row.id).await?;
         let (size_bytes, allocated_bytes) = self
             .roots
@@ -137,7 +146,7 @@ impl Manager {
             allocation: row.allocation,
             created_at: row.created_at,
             volumes,
-            allocate: self.allocate_view(row.id),
+            allocate,
         })
     }
 

@@ -156,16 +156,21 @@ async fn a_full_image_stays_direct_eligible_through_discards_under_every_policy(
     vm.delete("keep-auto").await;
 }
 
-/// Whether a discard of 16 MiB of fresh data on `dev` gives the space back
-/// (image `thin`'s allocated bytes drop by as much).
-async fn punches(vm: &Vm, dev: &str) -> bool {
-    let allocated = |b: serde_json::Value| b["allocated_bytes"].as_u64().unwrap();
+/// Whether a discard of 16 MiB of fresh data on `dev` punches the image
+/// file at `path` (the range is a hole after; fio writing elsewhere meanwhile
+/// does not blur it, as the file's allocated bytes would).
+fn punches(dev: &str, path: &std::path::Path) -> bool {
+    use std::os::fd::AsFd;
+    let (from, to) = (200u64 << 20, 216u64 << 20);
+    let unwritten = || {
+        let f = std::fs::File::open(path).unwrap();
+        blockplane::extent::unwritten_ranges(f.as_fd(), from, to).unwrap()
+    };
     random_at(dev, 200, 16);
     sh("sync", &[]);
-    let before = allocated(vm.s.get("/v1/images/thin").await.body);
+    assert_eq!(unwritten(), vec![], "fresh data is written");
     sh("blkdiscard", &["-o", "200MiB", "-l", "16MiB", dev]);
-    let after = allocated(vm.s.get("/v1/images/thin").await.body);
-    before >= after + (16 << 20)
+    unwritten() == vec![(from, to)]
 }
 
 /// Polls an image until its allocate is no longer running; its last view.
@@ -187,12 +192,24 @@ async fn a_sparse_image_gives_space_back_and_allocate_runs_under_io_cancels_and_
     // seconds on any disk.
     let mut vm = Vm::start_with_env(&[("BLOCKPLANE_TEST_FAULT", "slow_allocate")]).await;
     vm.image("thin", Scratch::Xfs, 256, "sparse").await;
+    let path = vm.root(Scratch::Xfs).join("thin.img");
     let v = vm
         .volume(json!({"name": "thin", "image": "thin", "backend": "ublk", "dispatch": "nowait"}))
         .await;
     let dev = v["device"].as_str().unwrap().to_string();
-    // Discard punches: the file's allocated bytes drop.
-    assert!(punches(&vm, &dev).await, "a sparse image gives space back");
+    // Discard punches: the range is a hole, the file's allocated bytes drop.
+    let allocated = |b: serde_json::Value| b["allocated_bytes"].as_u64().unwrap();
+    random_at(&dev, 0, 16);
+    sh("sync", &[]);
+    let before = allocated(vm.s.get("/v1/images/thin").await.body);
+    assert!(before >= 16 << 20, "{before}");
+    assert!(punches(&dev, &path), "a sparse image gives space back");
+    sh("blkdiscard", &["-o", "0", "-l", "16MiB", &dev]);
+    let after = allocated(vm.s.get("/v1/images/thin").await.body);
+    assert!(
+        after < 1 << 20,
+        "discard gave space back: {before} -> {after}"
+    );
 
     // Allocate while fio verify writes and reads it; the worker's control
     // socket keeps answering (stats, a policy switch) while it fills.
@@ -226,7 +243,7 @@ async fn a_sparse_image_gives_space_back_and_allocate_runs_under_io_cancels_and_
     assert_eq!(c.body["allocate"]["state"], "cancelled", "{}", c.body);
     assert_eq!(c.body["allocation"], "sparse", "{}", c.body);
     assert!(
-        punches(&vm, &dev).await,
+        punches(&dev, &path),
         "a cancelled allocate leaves the image punched on discard"
     );
 
