@@ -618,6 +618,20 @@ async fn wait_allocate(s: &Service, image: &str) -> serde_json::Value {
     panic!("the allocate of image '{image}' still runs after 60 s");
 }
 
+/// Waits until an image's running allocate wrote something (its first
+/// stretch: the rest takes at least 100 ms a stretch more).
+async fn wait_progress(s: &Service, image: &str) {
+    for _ in 0..500 {
+        let g = s.get(&format!("/v1/images/{image}")).await;
+        if g.body["allocate"]["done_bytes"].as_u64().unwrap() > 0 {
+            assert_eq!(g.body["allocate"]["state"], "running", "{}", g.body);
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the allocate of image '{image}' wrote nothing in 5 s");
+}
+
 /// A service whose allocates pause 100 ms per 16 MiB stretch, with a sparse
 /// 256 MiB image `slow` that has 1 MiB of data at 100 MiB.
 async fn slow_allocate_service() -> (Service, std::path::PathBuf) {
@@ -713,13 +727,7 @@ async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
     let (mut s, path) = slow_allocate_service().await;
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
-    for _ in 0..100 {
-        let g = s.get("/v1/images/slow").await;
-        if g.body["allocate"]["done_bytes"].as_u64().unwrap() > 0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    wait_progress(&s, "slow").await;
     let c = s.delete("/v1/images/slow/allocate").await;
     assert_eq!(c.status, StatusCode::OK, "{}", c.body);
     assert_eq!(c.body["allocate"]["state"], "cancelled", "{}", c.body);
@@ -740,7 +748,7 @@ async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
     // finishing the fill, holes remain.
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    wait_progress(&s, "slow").await;
     let st = s.signal(rustix::process::Signal::TERM);
     assert!(st.success(), "{st}");
     assert!(rule_two(&path).unwrap_err().contains("hole"));
@@ -750,7 +758,7 @@ async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
     // and allocating once more finishes the job.
     let a = s.post("/v1/images/slow/allocate", json!(null)).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    wait_progress(&s, "slow").await;
     s.kill();
     s.restart().await;
     let g = s.get("/v1/images/slow").await;
