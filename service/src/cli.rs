@@ -116,8 +116,17 @@ enum ImageCmd {
         size: u64,
     },
     /// Write zeros over an image's holes and unwritten extents and make it
-    /// `full`: eligible for `direct` again.
-    Allocate { image: String },
+    /// `full`: eligible for `direct` again. Runs in the service; this waits
+    /// for its end, showing progress on stderr.
+    Allocate {
+        image: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long, conflicts_with = "cancel")]
+        no_wait: bool,
+        /// Stop the image's running allocate instead.
+        #[arg(long)]
+        cancel: bool,
+    },
     /// Forget an image.
     Rm {
         image: String,
@@ -398,10 +407,24 @@ async fn run_client(cli: Cli) -> ExitCode {
         return top(&client, count, cli.json).await;
     }
     let (method, path, body, view) = request_for(&cli.command);
-    let answer = match call(&client, method, &path, body.as_ref()).await {
+    let mut answer = match call(&client, method, &path, body.as_ref()).await {
         Ok(a) => a,
         Err(code) => return code,
     };
+    if let Command::Image(ImageCmd::Allocate {
+        image,
+        no_wait: false,
+        cancel: false,
+    }) = &cli.command
+    {
+        match wait_allocate(&client, image, answer.body).await {
+            Ok(body) => answer.body = body,
+            Err(msg) => {
+                eprintln!("blockplane: {msg}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let text = if cli.json {
         if answer.body.is_null() {
             String::new()
@@ -549,6 +572,39 @@ fn top_screen(rows: &[(Value, Value)], clear: bool) -> String {
     out + "\n"
 }
 
+/// Follows an image's allocate until it ends, its progress on stderr:
+/// the image when done, why not otherwise.
+async fn wait_allocate(client: &Client, image: &str, mut body: Value) -> Result<Value, String> {
+    let path = format!("/v1/images/{}", encode_segment(image));
+    loop {
+        let a = &body["allocate"];
+        match a["state"].as_str() {
+            Some("running") => eprintln!(
+                "allocating image '{image}': {} of {}",
+                human_bytes(&a["done_bytes"]),
+                human_bytes(&a["total_bytes"])
+            ),
+            Some("done") => return Ok(body),
+            other => {
+                return Err(format!(
+                    "the allocate of image '{image}' ended {}{}; the image stays as it was declared (allocate again)",
+                    other.unwrap_or("unseen"),
+                    a["error"]
+                        .as_str()
+                        .map(|e| format!(": {e}"))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        body = match client.send(Method::GET, &path, None).await {
+            Ok(a) if a.status.is_success() => a.body,
+            Ok(a) => return Err(format!("HTTP {}: {}", a.status.as_u16(), a.body)),
+            Err(e) => return Err(e.to_string()),
+        };
+    }
+}
+
 /// How to show an answer to people.
 #[derive(Debug, Clone, Copy)]
 enum View {
@@ -630,8 +686,8 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 Some(json!({"size_bytes": size})),
                 View::Resize,
             ),
-            ImageCmd::Allocate { image } => (
-                M::POST,
+            ImageCmd::Allocate { image, cancel, .. } => (
+                if *cancel { M::DELETE } else { M::POST },
                 format!("/v1/images/{}/allocate", encode_segment(image)),
                 None,
                 View::Image,
@@ -831,6 +887,17 @@ fn render(view: View, b: &Value) -> String {
             ("allocated", human_bytes(&b["allocated_bytes"])),
             ("filesystem", s(&b["filesystem"])),
             ("allocation", s(&b["allocation"])),
+            (
+                "allocate",
+                match b["allocate"]["state"].as_str() {
+                    None => String::new(),
+                    Some(st) => format!(
+                        "{st}: {} of {}",
+                        human_bytes(&b["allocate"]["done_bytes"]),
+                        human_bytes(&b["allocate"]["total_bytes"])
+                    ),
+                },
+            ),
             (
                 "volumes",
                 list(&b["volumes"])

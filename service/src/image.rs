@@ -12,6 +12,7 @@ use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 use rustix::fs::{AtFlags, FallocateFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
 
@@ -430,19 +431,50 @@ impl ImageFile {
         Ok((holes, vfs.f_bavail * vfs.f_frsize))
     }
 
+    /// Bytes of the file that are holes or unwritten extents: what
+    /// [`Self::allocate`] writes.
+    pub fn unwritten_bytes(&self) -> Result<u64> {
+        let todo = crate::extent::unwritten_ranges(self.fd.as_fd(), 0, self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+        Ok(todo.iter().map(|(a, b)| b - a).sum())
+    }
+
     /// Writes zeros over the file's holes and unwritten extents (see
-    /// [`allocate_range`]; nothing else may write it meanwhile), then syncs.
-    pub fn allocate(&mut self) -> Result<()> {
-        allocate_range(&self.fd, 0, self.size())
-            .and_then(|()| rustix::fs::fsync(&self.fd).map_err(Into::into))
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::ENOSPC) => ImageFileError::NoSpace {
-                    path: self.path.display(),
-                    op: "allocate",
-                },
-                _ => io_error(&self.path, "allocate", e),
-            })?;
-        self.refresh()
+    /// [`allocate_range`]; nothing else may write it meanwhile), one stretch
+    /// of at most [`ALLOCATE_STEP`] bytes at a time, reporting into `job` and
+    /// stopping between stretches when `job.cancel` is set (`Ok(false)`);
+    /// then syncs.
+    pub fn allocate(&mut self, job: &AllocateJob) -> Result<bool> {
+        let todo = crate::extent::unwritten_ranges(self.fd.as_fd(), 0, self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+        job.total_bytes
+            .store(todo.iter().map(|(a, b)| b - a).sum(), Relaxed);
+        let fill = || -> io::Result<bool> {
+            for (a, b) in todo {
+                let mut at = a;
+                while at < b {
+                    if job.cancel.load(Relaxed) {
+                        return Ok(false);
+                    }
+                    let to = b.min(at + ALLOCATE_STEP);
+                    allocate_range(&self.fd, at, to)?;
+                    job.done_bytes.fetch_add(to - at, Relaxed);
+                    std::thread::sleep(job.pace);
+                    at = to;
+                }
+            }
+            rustix::fs::fsync(&self.fd)?;
+            Ok(true)
+        };
+        let done = fill().map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOSPC) => ImageFileError::NoSpace {
+                path: self.path.display(),
+                op: "allocate",
+            },
+            _ => io_error(&self.path, "allocate", e),
+        })?;
+        self.refresh()?;
+        Ok(done)
     }
 
     /// Re-reads size and allocation.
@@ -554,6 +586,25 @@ pub fn grow_fd(
 /// 6.17, `linux/falloc.h`; not in the `libc` crate yet). Older kernels, and
 /// filesystems or disks without it, answer EOPNOTSUPP.
 pub const FALLOC_FL_WRITE_ZEROES: i32 = 0x80;
+
+/// Bytes an allocate zeroes at a time: between stretches it can stop, and a
+/// worker lets its queues go on.
+pub const ALLOCATE_STEP: u64 = 16 << 20;
+
+/// A running `POST /v1/images/{id}/allocate`: how far it got, and the
+/// request to stop it.
+#[derive(Debug, Default)]
+pub struct AllocateJob {
+    /// Bytes of holes and unwritten extents written with zeros so far.
+    pub done_bytes: AtomicU64,
+    /// Bytes of holes and unwritten extents to write.
+    pub total_bytes: AtomicU64,
+    /// Set to stop it after the current stretch.
+    pub cancel: AtomicBool,
+    /// A pause after each stretch (the test fault `slow_allocate`: progress
+    /// and cancel observable on any disk).
+    pub pace: std::time::Duration,
+}
 
 /// Makes `[from, to)` of an open image written zeros wherever it is a hole
 /// or unwritten (the ranges rule 2 refuses), leaving written data alone:

@@ -76,6 +76,41 @@ pub struct Image {
     pub created_at: OffsetDateTime,
     /// Ids of the volumes that use this image.
     pub volumes: Vec<Uuid>,
+    /// The last `POST /v1/images/{id}/allocate` since the service started:
+    /// running with its progress, or how it ended; `null` when there was none.
+    #[serde(default)]
+    pub allocate: Option<ImageAllocate>,
+}
+
+/// An image's allocate (`POST /v1/images/{id}/allocate`), running or ended.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ImageAllocate {
+    pub state: AllocateState,
+    /// Bytes of holes and unwritten extents written with zeros so far.
+    pub done_bytes: u64,
+    /// Bytes of holes and unwritten extents it found to write.
+    pub total_bytes: u64,
+    /// Why it failed (`failed` only).
+    pub error: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub started_at: OffsetDateTime,
+}
+
+/// Where an allocate is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocateState {
+    /// Writing zeros; `GET /v1/images/{id}` shows the progress.
+    Running,
+    /// Done: the image is `full` and passes direct-map rule 2.
+    Done,
+    /// Stopped by an error; the image keeps its allocation as declared
+    /// (allocate again).
+    Failed,
+    /// Stopped by `DELETE /v1/images/{id}/allocate` (or the service's stop);
+    /// the image keeps its allocation as declared (allocate again).
+    Cancelled,
 }
 
 /// `POST /v1/images/{id}/resize`: grow an image (attached volumes follow).

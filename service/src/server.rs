@@ -502,6 +502,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
 
     manager.start_sampler();
     let store = manager.store().clone();
+    let allocating = manager.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = crate::api::router(manager, cfg.token.clone(), cfg.limits, stop_rx.clone());
     // Bind everything before serving anything: answering on one listener means
@@ -524,6 +525,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     shutdown_signal().await;
     let _ = stop_tx.send(true);
+    // Their blocking fills would keep the runtime from ending.
+    allocating.stop_allocations();
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
         while servers.join_next().await.is_some() {}
     })

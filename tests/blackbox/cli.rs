@@ -107,8 +107,17 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
 
     assert!(ok(&s, &["volume", "rm", "cvol"]).contains("deleted"));
     assert!(!crate::harness::serves_from(&dev, s.dir.path()));
+    // It waits for the background allocate's end; nothing runs to cancel after.
     let allocated = json(&s, &["image", "allocate", "cimg"]);
     assert_eq!(allocated["allocation"], "full", "{allocated}");
+    assert_eq!(allocated["allocate"]["state"], "done", "{allocated}");
+    let out = cli(&s, &["image", "allocate", "cimg", "--cancel"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("allocate_conflict") && err.contains("no allocate runs"),
+        "{err}"
+    );
     ok(&s, &["image", "rm", "cimg", "--delete-file"]);
     assert!(!std::path::Path::new(&path).exists());
     let out = cli(&s, &["volume", "show", "cvol"]);

@@ -489,13 +489,11 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
     let a = s
         .post(&format!("/v1/images/{id}/allocate"), json!(null))
         .await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    assert_eq!(a.body["allocation"], "full", "{}", a.body);
-    assert!(
-        a.body["allocated_bytes"].as_u64().unwrap() >= 32 << 20,
-        "{}",
-        a.body
-    );
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    let a = wait_allocate(&s, "punched").await;
+    assert_eq!(a["allocate"]["state"], "done", "{a}");
+    assert_eq!(a["allocation"], "full", "{a}");
+    assert!(a["allocated_bytes"].as_u64().unwrap() >= 32 << 20, "{a}");
     rule_two(&path).unwrap();
     let out = std::process::Command::new("filefrag")
         .arg("-v")
@@ -519,9 +517,12 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
     );
     let g = s.get("/v1/images/punched").await;
     assert_eq!(g.body["allocation"], "full", "{}", g.body);
-    // Again: nothing left to do, same answer.
+    // Again: nothing left to do, same end.
     let a = s.post("/v1/images/punched/allocate", json!(null)).await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    let a = wait_allocate(&s, "punched").await;
+    assert_eq!(a["allocate"]["state"], "done", "{a}");
+    assert_eq!(a["allocate"]["total_bytes"], 0, "{a}");
     let ev = s.get("/v1/events?limit=50").await;
     assert!(
         ev.body.to_string().contains("image_allocated"),
@@ -589,8 +590,186 @@ async fn allocate_refusals_are_precise_and_change_nothing() {
     assert_error(&a, 507, "no_space");
     let m = a.body["error"]["message"].as_str().unwrap();
     assert!(m.contains("'big'") && m.contains("67108864"), "{m}");
-    // Nothing was written, and the image is still sparse.
+    // Nothing was written or started, and the image is still sparse.
     assert_eq!(std::fs::metadata(&big).unwrap().blocks(), allocated);
     let g = s.get("/v1/images/big").await;
     assert_eq!(g.body["allocation"], "sparse", "{}", g.body);
+    assert_eq!(g.body["allocate"], serde_json::Value::Null, "{}", g.body);
+    let ev = s.get("/v1/events?limit=100").await;
+    assert!(
+        !ev.body.to_string().contains("image_allocate_started"),
+        "{}",
+        ev.body
+    );
+    let a = s.delete("/v1/images/big/allocate").await;
+    assert_error(&a, 409, "allocate_conflict");
+}
+
+/// Polls an image until its allocate is no longer running; its last view.
+async fn wait_allocate(s: &Service, image: &str) -> serde_json::Value {
+    for _ in 0..600 {
+        let g = s.get(&format!("/v1/images/{image}")).await;
+        assert_eq!(g.status, StatusCode::OK, "{}", g.body);
+        if g.body["allocate"]["state"] != "running" {
+            return g.body;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the allocate of image '{image}' still runs after 60 s");
+}
+
+/// Waits until an image's running allocate wrote something (its first
+/// stretch: the rest takes at least 100 ms a stretch more).
+async fn wait_progress(s: &Service, image: &str) {
+    for _ in 0..500 {
+        let g = s.get(&format!("/v1/images/{image}")).await;
+        if g.body["allocate"]["done_bytes"].as_u64().unwrap() > 0 {
+            assert_eq!(g.body["allocate"]["state"], "running", "{}", g.body);
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the allocate of image '{image}' wrote nothing in 5 s");
+}
+
+/// A service whose allocates pause 100 ms per 16 MiB stretch, with a sparse
+/// 256 MiB image `slow` that has 1 MiB of data at 100 MiB.
+async fn slow_allocate_service() -> (Service, std::path::PathBuf) {
+    use std::os::unix::fs::FileExt;
+    let s = Service::start_with(crate::harness::Opts {
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_allocate".into())],
+        ..Default::default()
+    })
+    .await;
+    let path = s.images.join("slow.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "slow", "path": path, "create": {"size_bytes": 256 << 20}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[0x5a; 1 << 20], 100 << 20).unwrap();
+    f.sync_all().unwrap();
+    (s, path)
+}
+
+/// `slow`'s data is there and every other byte reads as zero (slices
+/// compared whole: a byte loop takes seconds in a debug build).
+fn data_kept(path: &std::path::Path) {
+    let all = std::fs::read(path).unwrap();
+    let mut want = vec![0u8; all.len()];
+    want[(100 << 20)..(101 << 20)].fill(0x5a);
+    assert!(all == want, "the image's bytes changed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allocate_runs_in_the_background_with_progress_and_one_at_a_time() {
+    let (s, path) = slow_allocate_service().await;
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    assert_eq!(a.body["allocate"]["state"], "running", "{}", a.body);
+    assert_eq!(a.body["allocation"], "sparse", "{}", a.body);
+    // While it runs: a second allocate, a resize, a forget and a volume are
+    // refused, naming the image and the way out.
+    let again = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_error(&again, 409, "allocate_conflict");
+    let m = again.body["error"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("'slow'") && m.contains("DELETE /v1/images/slow/allocate"),
+        "{m}"
+    );
+    let r = s
+        .post("/v1/images/slow/resize", json!({"size_bytes": 512 << 20}))
+        .await;
+    assert_error(&r, 409, "allocate_conflict");
+    let d = s.delete("/v1/images/slow").await;
+    assert_error(&d, 409, "allocate_conflict");
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "v", "image": "slow", "backend": "loop"}),
+        )
+        .await;
+    assert_error(&v, 409, "allocate_conflict");
+    // Progress shows, growing, short of the total.
+    let total = (256 - 1) << 20;
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        let g = s.get("/v1/images/slow").await;
+        let done = g.body["allocate"]["done_bytes"].as_u64().unwrap();
+        assert_eq!(g.body["allocate"]["total_bytes"], total, "{}", g.body);
+        if g.body["allocate"]["state"] != "running" {
+            break;
+        }
+        seen.push(done);
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    }
+    assert!(
+        seen.iter().any(|&d| d > 0 && d < total) && seen.windows(2).all(|w| w[0] <= w[1]),
+        "progress {seen:?}"
+    );
+    let end = wait_allocate(&s, "slow").await;
+    assert_eq!(end["allocate"]["state"], "done", "{end}");
+    assert_eq!(end["allocate"]["done_bytes"], total, "{end}");
+    assert_eq!(end["allocation"], "full", "{end}");
+    rule_two(&path).unwrap();
+    data_kept(&path);
+    let ev = s.get("/v1/events?limit=100").await.body.to_string();
+    let started = ev.find("image_allocate_started").expect(&ev);
+    let ended = ev.find("\"image_allocated\"").expect(&ev);
+    assert!(started < ended, "{ev}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
+    let (mut s, path) = slow_allocate_service().await;
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    wait_progress(&s, "slow").await;
+    let c = s.delete("/v1/images/slow/allocate").await;
+    assert_eq!(c.status, StatusCode::OK, "{}", c.body);
+    assert_eq!(c.body["allocate"]["state"], "cancelled", "{}", c.body);
+    assert_eq!(c.body["allocation"], "sparse", "{}", c.body);
+    let done = c.body["allocate"]["done_bytes"].as_u64().unwrap();
+    assert!(done > 0 && done < (255 << 20), "{}", c.body);
+    // Stopped: nothing more is written, holes remain, the data stays.
+    let blocks = std::fs::metadata(&path).unwrap().blocks();
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(std::fs::metadata(&path).unwrap().blocks(), blocks);
+    assert!(rule_two(&path).unwrap_err().contains("hole"));
+    data_kept(&path);
+    let ev = s.get("/v1/events?limit=100").await.body.to_string();
+    assert!(ev.contains("image_allocate_cancelled"), "{ev}");
+    let again = s.delete("/v1/images/slow/allocate").await;
+    assert_error(&again, 409, "allocate_conflict");
+    // A stop (SIGTERM) mid-way cancels it: the service exits without
+    // finishing the fill, holes remain.
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    wait_progress(&s, "slow").await;
+    let st = s.signal(rustix::process::Signal::TERM);
+    assert!(st.success(), "{st}");
+    assert!(rule_two(&path).unwrap_err().contains("hole"));
+    data_kept(&path);
+    s.restart().await;
+    // Again, and the service is killed mid-way: the image is as declared,
+    // and allocating once more finishes the job.
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    wait_progress(&s, "slow").await;
+    s.kill();
+    s.restart().await;
+    let g = s.get("/v1/images/slow").await;
+    assert_eq!(g.body["allocation"], "sparse", "{}", g.body);
+    assert_eq!(g.body["allocate"], serde_json::Value::Null, "{}", g.body);
+    assert!(rule_two(&path).unwrap_err().contains("hole"));
+    let a = s.post("/v1/images/slow/allocate", json!(null)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    let end = wait_allocate(&s, "slow").await;
+    assert_eq!(end["allocate"]["state"], "done", "{end}");
+    assert_eq!(end["allocation"], "full", "{end}");
+    rule_two(&path).unwrap();
+    data_kept(&path);
 }

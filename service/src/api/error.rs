@@ -97,6 +97,7 @@ impl ApiError {
                 Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, "shrink_refused"),
                 Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, "no_space"),
                 Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, "not_allocatable"),
+                Error::AllocateConflict { .. } => (S::CONFLICT, "allocate_conflict"),
                 Error::VolumeExists { .. } => (S::CONFLICT, "volume_exists"),
                 Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),

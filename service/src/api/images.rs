@@ -105,19 +105,25 @@ pub async fn resize_image(
 /// Make an image eligible for `direct` again: write zeros over its holes and
 /// unwritten extents (left by discards punched through a volume served
 /// `nowait`/`threaded` on a sparse image, or by another program) and make it
-/// `full`, so the file paths never punch it again. Synchronous: answers when
-/// done. Refused before anything is written when the image's filesystem lacks
-/// the space for the holes. An attached ublk or dm volume keeps serving: its
-/// worker zeroes one 16 MiB stretch at a time with its queues held, so none
-/// of the volume's writes lands in a stretch being zeroed; a loop volume is
-/// refused (detach it first).
+/// `full`, so the file paths never punch it again. Runs in the background:
+/// answers 202 at once with the image, its `allocate` `running`; `GET
+/// /v1/images/{id}` shows `done_bytes` of `total_bytes`, and the events
+/// `image_allocate_started`, then `image_allocated` (now `full`),
+/// `image_allocate_failed` or `image_allocate_cancelled` tell its end (the
+/// last two leave the image as declared; allocate again to finish). Refused
+/// before anything is written when the image's filesystem lacks the space for
+/// the holes, or while one runs. An attached ublk or dm volume keeps serving:
+/// its worker zeroes one 16 MiB stretch at a time with its queues held, so
+/// none of the volume's writes lands in a stretch being zeroed; a loop volume
+/// is refused (detach it first). While it runs the image cannot grow, be
+/// forgotten or get a volume (409). A service stop cancels it.
 #[utoipa::path(
     post, path = "/v1/images/{id}/allocate", tag = "images",
     params(("id" = String, Path, description = "Image id or name")),
     responses(
-        (status = 200, description = "The image, now `full`", body = Image),
+        (status = 202, description = "Started: the image, its `allocate` `running`", body = Image),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "The file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only", body = ErrorBody),
+        (status = 409, description = "An allocate already runs, the file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only", body = ErrorBody),
         (status = 422, description = "The image is not on ext4 or xfs (it can never be direct-mapped)", body = ErrorBody),
         (status = 507, description = "The filesystem has less free space than the image's holes need", body = ErrorBody),
     )
@@ -125,8 +131,29 @@ pub async fn resize_image(
 pub async fn allocate_image(
     State(m): State<AppState>,
     Path(id): Path<String>,
+) -> Result<(StatusCode, Json<Image>), ApiError> {
+    let image = detached(async move { m.allocate_image(&id).await }).await?;
+    Ok((StatusCode::ACCEPTED, Json(image)))
+}
+
+/// Stop an image's running allocate after its current 16 MiB stretch.
+/// Answers once it stopped: the image as it was declared (not `full`), its
+/// `allocate` `cancelled`; the zeros already written stay (harmless), and
+/// allocating again finishes the job.
+#[utoipa::path(
+    delete, path = "/v1/images/{id}/allocate", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "Stopped: the image, its `allocate` `cancelled` (or `done`/`failed` if it ended first)", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "No allocate runs on the image", body = ErrorBody),
+    )
+)]
+pub async fn cancel_allocate(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(
-        detached(async move { m.allocate_image(&id).await }).await?,
+        detached(async move { m.cancel_allocate(&id).await }).await?,
     ))
 }

@@ -66,7 +66,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::create_image, images::list_images))
         .routes(routes!(images::get_image, images::delete_image))
         .routes(routes!(images::resize_image))
-        .routes(routes!(images::allocate_image))
+        .routes(routes!(images::allocate_image, images::cancel_allocate))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,

@@ -994,18 +994,31 @@ impl VolumeBackend for DmBackend {
         true
     }
 
-    fn allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
-        let direct = self.with_volume(volume_id, |v| {
-            v.params.allocation = Allocation::Full;
-            Ok(v.dispatch == DispatchPolicy::Direct)
-        })?;
-        // A direct table maps only a written image: nothing to fill. Otherwise
-        // the private worker does it, outside the volumes' lock.
-        if direct {
+    fn check_allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
             Ok(())
         } else {
-            self.ublk.allocate_private(volume_id)
+            self.ublk.check_allocate_private(volume_id)
         }
+    }
+
+    fn allocate(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        job: &super::AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let direct = self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))?;
+        // A direct table maps only a written image: nothing to fill. Otherwise
+        // the private worker does it, outside the volumes' lock.
+        let done = direct || self.ublk.allocate_private(volume_id, job)?;
+        if done {
+            self.with_volume(volume_id, |v| {
+                v.params.allocation = Allocation::Full;
+                Ok(())
+            })?;
+        }
+        Ok(done)
     }
 
     fn resize(

@@ -18,6 +18,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::extent::Pin;
+pub use crate::image::AllocateJob;
 use crate::model::{
     ActiveDispatch, Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats,
     Qos, VolumeState, VolumeStats,
@@ -339,12 +340,11 @@ pub trait VolumeBackend: Send + Sync {
         volume_id: Uuid,
     ) -> Result<Attachment, BackendError>;
 
-    /// Makes the volume's image `full` while it serves (`POST
-    /// /v1/images/{id}/allocate`): the data path stops punching it, and its
-    /// holes and unwritten extents are written with zeros without racing the
-    /// volume's own writes. A backend that cannot keep its writes out of the
-    /// ranges it zeroes refuses (the default).
-    fn allocate(&self, att: &Attachment, _volume_id: Uuid) -> Result<(), BackendError> {
+    /// Refuses, without side effects and before anything is written, a
+    /// volume whose image [`VolumeBackend::allocate`] cannot fill while it
+    /// serves. A backend that cannot keep its writes out of the ranges it
+    /// zeroes refuses (the default).
+    fn check_allocate(&self, att: &Attachment, _volume_id: Uuid) -> Result<(), BackendError> {
         Err(BackendError::Busy {
             device: att.device.clone(),
             reason: format!(
@@ -352,6 +352,23 @@ pub trait VolumeBackend: Send + Sync {
                 self.kind().as_str()
             ),
         })
+    }
+
+    /// Makes the volume's image `full` while it serves (`POST
+    /// /v1/images/{id}/allocate`): the data path stops punching it, and its
+    /// holes and unwritten extents are written with zeros without racing the
+    /// volume's own writes. Blocks until done, reporting into `job`:
+    /// `Ok(true)` done, `Ok(false)` stopped by `job.cancel` (the image is
+    /// punched again if it was before). The default refuses as
+    /// [`VolumeBackend::check_allocate`] does; a backend that passes it
+    /// implements this.
+    fn allocate(
+        &self,
+        att: &Attachment,
+        volume_id: Uuid,
+        _job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        self.check_allocate(att, volume_id).map(|()| false)
     }
 
     /// Refuses, without side effects, a live change this backend cannot make.

@@ -27,7 +27,9 @@ use super::{
     AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, EventSink, Marked,
     Probe, ProbeRequest, SpecCheck, UblkAttachment, VolumeBackend,
 };
-use crate::dataplane::protocol::{self, Answer, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec};
+use crate::dataplane::protocol::{
+    self, Answer, FillState, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec,
+};
 use crate::extent::{self, ExtentMap};
 use crate::model::{
     Allocation, Backend, BackendCapability, DispatchPolicy, LatencyStats, NowaitStats, Percentiles,
@@ -37,9 +39,8 @@ use crate::model::{
 const CONTROL: &str = "/dev/ublk-control";
 const TALK_TIMEOUT: Duration = Duration::from_secs(60);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long a worker may take to allocate its image (zeros written at disk
-/// speed; its control socket answers nothing else meanwhile).
-const ALLOCATE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How often a worker's fill is asked how far it got.
+const ALLOCATE_POLL: Duration = Duration::from_millis(200);
 
 /// Names of the ublk feature bits, in bit order.
 const FEATURE_NAMES: [&str; 21] = [
@@ -873,8 +874,17 @@ impl VolumeBackend for UblkBackend {
         Ok(out)
     }
 
-    fn allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
-        self.allocate_private(volume_id)
+    fn check_allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        self.check_allocate_private(volume_id)
+    }
+
+    fn allocate(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        job: &super::AllocateJob,
+    ) -> Result<bool, BackendError> {
+        self.allocate_private(volume_id, job)
     }
 
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
@@ -1007,12 +1017,74 @@ impl UblkBackend {
         self.attachment(&s)
     }
 
+    /// Refuses, before an allocate starts, a worker that cannot write its
+    /// image (created read-only) or is not this service's.
+    pub fn check_allocate_private(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        match self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get(&volume_id)
+        {
+            None => Err(io(
+                "find",
+                format!("volume {volume_id}"),
+                io::Error::other("no worker of this service serves it"),
+            )),
+            Some(w) if w.spec.read_only => Err(BackendError::Refused {
+                reason: "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
+            }),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Makes a worker's image `full` (a volume's own, or a dm volume's
-    /// private one); a replacement worker keeps it so.
-    pub fn allocate_private(&self, volume_id: Uuid) -> Result<(), BackendError> {
-        self.ask_within(volume_id, &Request::Allocate, ALLOCATE_TIMEOUT)?;
-        self.record(volume_id, |spec| spec.allocation = Allocation::Full);
-        Ok(())
+    /// private one): starts its fill (or adopts one a restarted service left
+    /// running), reports progress into `job` and asks the worker to stop when
+    /// `job.cancel` is set. Returns when the fill ended: `Ok(true)` done (a
+    /// replacement worker keeps the image `full`), `Ok(false)` cancelled.
+    pub fn allocate_private(
+        &self,
+        volume_id: Uuid,
+        job: &super::AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let failed = |why: String| {
+            io(
+                "allocate",
+                format!("volume {volume_id}"),
+                io::Error::other(why),
+            )
+        };
+        let pace_ms = job.pace.as_millis() as u64;
+        let mut status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
+        let mut cancel_sent = false;
+        loop {
+            let Some(fill) = status.allocate else {
+                return Err(failed(
+                    "the worker was replaced while it filled the image; allocate again".into(),
+                ));
+            };
+            job.done_bytes.store(fill.done_bytes, Relaxed);
+            job.total_bytes.store(fill.total_bytes, Relaxed);
+            match fill.state {
+                FillState::Running => {}
+                FillState::Done => {
+                    self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+                    return Ok(true);
+                }
+                FillState::Cancelled => return Ok(false),
+                FillState::Failed => {
+                    return Err(failed(fill.error.unwrap_or_else(|| "unknown".into())));
+                }
+            }
+            if job.cancel.load(Relaxed) && !cancel_sent {
+                status = self.ask(volume_id, &Request::CancelAllocate)?;
+                cancel_sent = true;
+                continue;
+            }
+            std::thread::sleep(ALLOCATE_POLL);
+            status = self.ask(volume_id, &Request::Status)?;
+        }
     }
 
     fn attach_worker(&self, req: AttachRequest, private: bool) -> Result<Attachment, BackendError> {

@@ -170,6 +170,7 @@ fn status(cx: &Ctx) -> Answer {
         dev_flags: cx.dev_flags,
         degraded: st.degraded,
         resize_pending: cx.resize_pending.load(Relaxed),
+        allocate: s.fill_state(),
     }))
 }
 
@@ -214,10 +215,14 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
-        Request::Allocate => match s.allocate() {
+        Request::Allocate { pace_ms } => match s.start_allocate(Duration::from_millis(pace_ms)) {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
+        Request::CancelAllocate => {
+            s.cancel_allocate();
+            status(cx)
+        }
         Request::Shutdown => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {

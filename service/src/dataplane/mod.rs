@@ -22,6 +22,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -30,11 +31,11 @@ use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
 pub use control::StateFile as ControlState;
 pub use device::kernel_features;
 use mailbox::{QueueConfig, Queues};
-use protocol::{IMAGE_FD, LOCK_FD, WorkerSpec};
+use protocol::{Fill, FillState, IMAGE_FD, LOCK_FD, WorkerSpec};
 use stats::Stats;
 
-/// Bytes zeroed at a time by [`Shared::allocate`] (the queues wait that long).
-const ALLOCATE_STEP: u64 = 16 << 20;
+// Bytes zeroed at a time by a fill, the queues held meanwhile.
+use crate::image::ALLOCATE_STEP;
 
 /// The data path in force.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +126,10 @@ pub struct Shared {
     /// The queues' mailboxes, once the device has its queues.
     queues: OnceLock<Queues>,
     pub state: Mutex<WorkerState>,
+    /// The last fill of [`Shared::start_allocate`].
+    fill: Mutex<Option<Fill>>,
+    /// Set to stop a running fill.
+    fill_cancel: AtomicBool,
 }
 
 impl Shared {
@@ -188,22 +193,22 @@ impl Shared {
         out
     }
 
-    /// Makes the image `full`: the file paths stop punching it, then its
-    /// holes and unwritten extents are written with zeros, one stretch of
-    /// at most [`ALLOCATE_STEP`] bytes at a time with the queues held, so
-    /// no write of the volume lands in a stretch while it is zeroed.
-    pub fn allocate(&self) -> Result<(), Refusal> {
+    /// Starts making the image `full`: the file paths stop punching it, then
+    /// a thread of its own writes zeros over its holes and unwritten extents
+    /// (see [`Self::fill`]), so the control socket keeps answering meanwhile.
+    /// A fill already running goes on; its progress is in [`Self::fill_state`].
+    pub fn start_allocate(self: &Arc<Self>, pace: Duration) -> Result<(), Refusal> {
         if self.spec.read_only {
             return Err(Refusal::Rule(
                 "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
             ));
         }
-        self.reconfigure(|c| c.keep_allocated = true)?;
-        let data = self
-            .data
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|source| Refusal::Io { op: "dup", source })?;
+        if self
+            .fill_state()
+            .is_some_and(|f| f.state == FillState::Running)
+        {
+            return Ok(());
+        }
         let size = self.state.lock().expect("state poisoned").size_bytes;
         let todo = extent::unwritten_ranges(self.image.as_fd(), 0, size).map_err(|source| {
             Refusal::Io {
@@ -211,9 +216,59 @@ impl Shared {
                 source,
             }
         })?;
-        for (a, b) in todo {
+        let kept = self.config().keep_allocated;
+        self.reconfigure(|c| c.keep_allocated = true)?;
+        self.fill_cancel.store(false, Relaxed);
+        *self.fill.lock().expect("fill poisoned") = Some(Fill {
+            state: FillState::Running,
+            done_bytes: 0,
+            total_bytes: todo.iter().map(|(a, b)| b - a).sum(),
+            error: None,
+        });
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("allocate".into())
+            .spawn(move || {
+                let out = me.fill(&todo, pace);
+                me.end_fill(out, kept);
+            });
+        if let Err(source) = spawned {
+            let e = Refusal::Io {
+                op: "start the allocate thread",
+                source,
+            };
+            self.end_fill(Err(Refusal::Rule(e.to_string())), kept);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Asks a running fill to stop after its current stretch.
+    pub fn cancel_allocate(&self) {
+        self.fill_cancel.store(true, Relaxed);
+    }
+
+    /// The last fill: running, or how it ended.
+    pub fn fill_state(&self) -> Option<Fill> {
+        self.fill.lock().expect("fill poisoned").clone()
+    }
+
+    /// Writes zeros over `todo`, one stretch of at most [`ALLOCATE_STEP`]
+    /// bytes at a time with the queues held, so no write of the volume lands
+    /// in a stretch while it is zeroed, pausing `pace` after each (a test
+    /// fault). `Ok(false)`: cancelled.
+    fn fill(&self, todo: &[(u64, u64)], pace: Duration) -> Result<bool, Refusal> {
+        let data = self
+            .data
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| Refusal::Io { op: "dup", source })?;
+        for &(a, b) in todo {
             let mut at = a;
             while at < b {
+                if self.fill_cancel.load(Relaxed) {
+                    return Ok(false);
+                }
                 let to = b.min(at + ALLOCATE_STEP);
                 self.with_queues_held(|| {
                     // A direct map exists only over a written image.
@@ -225,13 +280,39 @@ impl Shared {
                         source,
                     })
                 })?;
+                if let Some(f) = self.fill.lock().expect("fill poisoned").as_mut() {
+                    f.done_bytes += to - at;
+                }
+                std::thread::sleep(pace);
                 at = to;
             }
         }
         self.data.sync_data().map_err(|source| Refusal::Io {
             op: "fdatasync the image",
             source,
-        })
+        })?;
+        Ok(true)
+    }
+
+    /// Records how a fill ended. One that did not finish leaves the image as
+    /// it was declared: punched again if it was (`kept` false).
+    fn end_fill(&self, out: Result<bool, Refusal>, kept: bool) {
+        let (state, error) = match out {
+            Ok(true) => (FillState::Done, None),
+            Ok(false) => (FillState::Cancelled, None),
+            Err(e) => (FillState::Failed, Some(e.to_string())),
+        };
+        if state != FillState::Done
+            && !kept
+            && let Err(e) = self.reconfigure(|c| c.keep_allocated = false)
+        {
+            tracing::error!(error = %e, "cannot go back to punching after an unfinished fill");
+        }
+        tracing::info!(?state, ?error, "allocate ended");
+        if let Some(f) = self.fill.lock().expect("fill poisoned").as_mut() {
+            f.state = state;
+            f.error = error;
+        }
     }
 
     /// Counters merged with every queue's report.
@@ -510,6 +591,8 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
             degraded: None,
             size_bytes: spec.size_bytes,
         }),
+        fill: Mutex::new(None),
+        fill_cancel: AtomicBool::new(false),
         stats,
         image,
         data,

@@ -91,10 +91,21 @@ pub enum Request {
         size_bytes: u64,
         allocation: Allocation,
     },
-    /// Make the image `full` (see `POST /v1/images/{id}/allocate`): never
-    /// punched from now on, and its holes and unwritten extents written
-    /// with zeros, range by range with the queues held.
-    Allocate,
+    /// Start making the image `full` (see `POST /v1/images/{id}/allocate`):
+    /// never punched from now on, and its holes and unwritten extents
+    /// written with zeros, range by range with the queues held, on a thread
+    /// of its own (the socket keeps answering). Answers at once with the
+    /// status; a fill already running is adopted, not started twice. Its
+    /// progress and end are in [`Status::allocate`].
+    Allocate {
+        /// A pause after each stretch, ms (the service's test fault
+        /// `slow_allocate`; 0 otherwise).
+        #[serde(default)]
+        pace_ms: u64,
+    },
+    /// Stop a running fill after its current range. The image goes back to
+    /// being punched if it was before ([`FillState::Cancelled`]).
+    CancelAllocate,
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
     Shutdown,
@@ -131,6 +142,31 @@ pub struct Status {
     /// The kernel could not take a new size live (no UPDATE_SIZE): it applies
     /// at the next attach.
     pub resize_pending: bool,
+    /// The last fill started by [`Request::Allocate`] (none yet: `None`).
+    #[serde(default)]
+    pub allocate: Option<Fill>,
+}
+
+/// Where a worker's fill ([`Request::Allocate`]) is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fill {
+    pub state: FillState,
+    /// Bytes of holes and unwritten extents written with zeros so far.
+    pub done_bytes: u64,
+    /// Bytes of holes and unwritten extents found when it started.
+    pub total_bytes: u64,
+    /// Why it failed ([`FillState::Failed`]).
+    pub error: Option<String>,
+}
+
+/// A fill's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FillState {
+    Running,
+    Done,
+    Failed,
+    Cancelled,
 }
 
 /// Latency percentiles of one kind of request, microseconds.
@@ -236,5 +272,10 @@ mod tests {
         let s = serde_json::to_string(&a).unwrap();
         assert!(!s.contains('\n'));
         assert_eq!(serde_json::from_str::<Answer>(&s).unwrap(), a);
+        // A service from before the pace asks without it.
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
+            Request::Allocate { pace_ms: 0 }
+        );
     }
 }

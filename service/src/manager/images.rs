@@ -1,14 +1,25 @@
 //! Image operations: register, create, list, grow, forget.
 
+use std::sync::atomic::Ordering::Relaxed;
+
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
 use crate::model::{
-    Allocation, CreateImageRequest, Image, ResizeImageResponse, VolumeResize, VolumeState,
+    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ResizeImageResponse,
+    VolumeResize, VolumeState,
 };
 use crate::store::ImageRow;
+
+/// An image's last allocate (see [`Manager::allocate_image`]).
+pub(super) struct AllocateRun {
+    pub job: std::sync::Arc<crate::image::AllocateJob>,
+    pub state: AllocateState,
+    pub error: Option<String>,
+    pub started_at: OffsetDateTime,
+}
 
 impl Manager {
     /// `POST /v1/images`.
@@ -111,6 +122,15 @@ impl Manager {
     }
 
     async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let allocate = self.allocate_view(row.id);
+        // A done allocate recorded `full` before it said so; the row may be
+        // from before that: read it again, so `done` always comes with `full`.
+        let row = match &allocate {
+            Some(a) if a.state == AllocateState::Done => {
+                self.image_row(&row.id.to_string()).await?
+            }
+            _ => row,
+        };
         let volumes = self.store.volume_ids_of_image(row.id).await?;
         let (size_bytes, allocated_bytes) = self
             .roots
@@ -126,6 +146,7 @@ impl Manager {
             allocation: row.allocation,
             created_at: row.created_at,
             volumes,
+            allocate,
         })
     }
 
@@ -153,6 +174,7 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
+        self.refuse_while_allocating(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > crate::image::MAX_IMAGE_BYTES
@@ -222,16 +244,20 @@ impl Manager {
         })
     }
 
-    /// `POST /v1/images/{id}/allocate`: writes zeros over the image's holes
-    /// and unwritten extents, so it passes direct-map rule 2 again, and makes
-    /// it `full` (never punched from then on). Refused before anything is
-    /// written when its filesystem lacks the space for the holes. An attached
+    /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
+    /// holes and unwritten extents in the background, so it passes direct-map
+    /// rule 2 again, and makes it `full` (never punched from then on) when
+    /// done. Refused before anything is written when its filesystem lacks the
+    /// space for the holes, when an attached volume's backend cannot fill it
+    /// while serving (loop), or when an allocate already runs. An attached
     /// volume's backend does the writing, keeping its own writes out of each
-    /// range it zeroes (ublk, dm); a loop volume is refused.
+    /// range it zeroes (ublk, dm); otherwise the service does, holding the
+    /// image's lock. Answers with the image, its `allocate` running.
     pub async fn allocate_image(self: &std::sync::Arc<Self>, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
+        self.refuse_while_allocating(&row, "start another")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
                 name: row.name,
@@ -243,8 +269,10 @@ impl Manager {
         }
         let me = self.clone();
         let r = row.clone();
-        let (needed, free) = blocking(move || -> Result<(u64, u64)> {
-            Ok(me.open_image(&r, Access::ReadOnly)?.space_to_allocate()?)
+        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
+            let file = me.open_image(&r, Access::ReadOnly)?;
+            let (needed, free) = file.space_to_allocate()?;
+            Ok((needed, free, file.unwritten_bytes()?))
         })
         .await??;
         if needed > free {
@@ -255,53 +283,240 @@ impl Manager {
             });
         }
         let attached = self.attached_volumes(row.id).await?;
-        if attached.is_empty() {
-            // The volumes' OFD lock keeps another instance's volume (and an
-            // attach here) off the file while zeros are written.
-            let me = self.clone();
-            let r = row.clone();
-            blocking(move || -> Result<()> {
-                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
-                file.allocate()?;
-                Ok(())
-            })
-            .await??;
+        for (v, backend) in &attached {
+            if let Some(att) = &v.attachment {
+                backend
+                    .check_allocate(att, v.id)
+                    .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+            }
         }
-        for (v, backend) in attached {
-            let _vol = self.volume_locks.lock(&v.name).await;
-            let Some(att) = self
-                .store
-                .volume(&v.id.to_string())
-                .await?
-                .and_then(|v| v.attachment)
-            else {
-                continue;
-            };
-            let id = v.id;
-            blocking(move || backend.allocate(&att, id))
-                .await?
-                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
-        }
-        let allocated = self
-            .roots
-            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-            .map(|(_, allocated)| allocated)
-            .unwrap_or(row.allocated_bytes);
+        let job = std::sync::Arc::new(crate::image::AllocateJob {
+            pace: if self.fault == Some(super::Fault::SlowAllocate) {
+                std::time::Duration::from_millis(100)
+            } else {
+                std::time::Duration::ZERO
+            },
+            ..Default::default()
+        });
+        job.total_bytes.store(total, Relaxed);
         let mut tx = self.store.begin().await?;
-        tx.set_image_allocation(row.id, Allocation::Full, allocated)
-            .await?;
         tx.event(
             None,
             Some(row.id),
-            "image_allocated",
+            "image_allocate_started",
             &format!(
-                "image '{}' allocated: {needed} bytes of holes filled, unwritten extents written with zeros; now full",
-                row.name
+                "image '{}': allocate started ({needed} bytes of holes to take from its filesystem, which has {free} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
+                row.name, row.name, row.name
             ),
         )
         .await?;
         tx.commit().await?;
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .insert(
+                row.id,
+                AllocateRun {
+                    job: job.clone(),
+                    state: AllocateState::Running,
+                    error: None,
+                    started_at: OffsetDateTime::now_utc(),
+                },
+            );
+        let me = self.clone();
+        let r = row.clone();
+        tokio::spawn(async move {
+            let out = me.run_allocate(&r, attached, &job).await;
+            me.end_allocate(&r, &job, needed, out).await;
+        });
         self.image(&row.id.to_string()).await
+    }
+
+    /// Writes the zeros: through each attached volume's backend, or, with
+    /// none, from here with the image's OFD lock held (it keeps another
+    /// instance's volume, and an attach here, off the file meanwhile).
+    /// `Ok(false)`: cancelled.
+    async fn run_allocate(
+        self: &std::sync::Arc<Self>,
+        row: &ImageRow,
+        attached: Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+        job: &std::sync::Arc<crate::image::AllocateJob>,
+    ) -> Result<bool> {
+        if attached.is_empty() {
+            let (me, r, j) = (self.clone(), row.clone(), job.clone());
+            return blocking(move || -> Result<bool> {
+                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
+                Ok(file.allocate(&j)?)
+            })
+            .await?;
+        }
+        for (v, backend) in attached {
+            // The volume's lock only to read its attachment: its other
+            // changes (a policy switch, a detach) go on while its worker fills.
+            let att = {
+                let _vol = self.volume_locks.lock(&v.name).await;
+                self.store
+                    .volume(&v.id.to_string())
+                    .await?
+                    .and_then(|v| v.attachment)
+            };
+            let Some(att) = att else { continue };
+            let (id, j) = (v.id, job.clone());
+            let done = blocking(move || backend.allocate(&att, id, &j))
+                .await?
+                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+            if !done {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Records how an allocate ended: `full` and an `image_allocated` event
+    /// when done; otherwise an event, and the image left as declared.
+    async fn end_allocate(
+        &self,
+        row: &ImageRow,
+        job: &crate::image::AllocateJob,
+        needed: u64,
+        out: Result<bool>,
+    ) {
+        let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
+        let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            let state = match &out {
+                Ok(true) => {
+                    let allocated = self
+                        .roots
+                        .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+                        .map(|(_, allocated)| allocated)
+                        .unwrap_or(row.allocated_bytes);
+                    tx.set_image_allocation(row.id, Allocation::Full, allocated)
+                        .await?;
+                    tx.event(None, Some(row.id), "image_allocated", &format!(
+                        "image '{}' allocated: {needed} bytes of holes filled, {total} bytes of holes and unwritten extents written with zeros; now full",
+                        row.name
+                    ))
+                    .await?;
+                    AllocateState::Done
+                }
+                Ok(false) => {
+                    tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
+                        "image '{}': allocate cancelled after {done} of {total} bytes; {stays}",
+                        row.name
+                    ))
+                    .await?;
+                    AllocateState::Cancelled
+                }
+                Err(e) => {
+                    tx.event(None, Some(row.id), "image_allocate_failed", &format!(
+                        "image '{}': allocate failed after {done} of {total} bytes: {e}; {stays}",
+                        row.name
+                    ))
+                    .await?;
+                    AllocateState::Failed
+                }
+            };
+            tx.commit().await?;
+            Ok::<_, Error>(state)
+        }
+        .await;
+        let (state, error) = match (recorded, out) {
+            (Ok(state), Err(e)) => (state, Some(e.to_string())),
+            (Ok(state), Ok(_)) => (state, None),
+            (Err(e), _) => (
+                AllocateState::Failed,
+                Some(format!("recording the end: {e}")),
+            ),
+        };
+        if let Some(run) = self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get_mut(&row.id)
+        {
+            run.state = state;
+            run.error = error;
+        }
+    }
+
+    /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
+    /// current stretch and answers once it stopped (the image as declared).
+    pub async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        let running = |s: &Self| {
+            s.allocations
+                .lock()
+                .expect("allocations poisoned")
+                .get(&row.id)
+                .filter(|r| r.state == AllocateState::Running)
+                .map(|r| r.job.clone())
+        };
+        let Some(job) = running(self) else {
+            return Err(Error::AllocateConflict {
+                name: row.name,
+                reason: "no allocate runs on it (POST /v1/images/{id}/allocate starts one)".into(),
+            });
+        };
+        job.cancel.store(true, Relaxed);
+        // One stretch, and a worker's next poll.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+        while running(self).is_some() && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        self.image(&row.id.to_string()).await
+    }
+
+    /// Asks every running allocate to stop (the service is stopping: the
+    /// images stay as declared, to be allocated again).
+    pub fn stop_allocations(&self) {
+        for run in self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .values()
+        {
+            run.job.cancel.store(true, Relaxed);
+        }
+    }
+
+    /// 409 while an allocate runs on the image: it must not change under it.
+    pub(super) fn refuse_while_allocating(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let running = self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get(&row.id)
+            .is_some_and(|r| r.state == AllocateState::Running);
+        if running {
+            return Err(Error::AllocateConflict {
+                name: row.name.clone(),
+                reason: format!(
+                    "an allocate runs on it, so it cannot {what} now; wait for its end (GET /v1/images/{}) or stop it (DELETE /v1/images/{}/allocate)",
+                    row.name, row.name
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The image's last allocate as the API shows it.
+    fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get(&id)
+            .map(|r| ImageAllocate {
+                state: r.state,
+                done_bytes: r.job.done_bytes.load(Relaxed),
+                total_bytes: r.job.total_bytes.load(Relaxed),
+                error: r.error.clone(),
+                started_at: r.started_at,
+            })
     }
 
     /// The image's volumes that have a device, with their backends.
@@ -416,6 +631,7 @@ impl Manager {
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
+        self.refuse_while_allocating(&row, "be forgotten")?;
         let users = tx.volume_ids_of_image(row.id).await?;
         if !users.is_empty() {
             return Err(Error::ImageInUse {
@@ -451,6 +667,10 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .remove(&row.id);
         Ok(())
     }
 

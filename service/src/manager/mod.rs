@@ -69,6 +69,8 @@ pub enum Error {
     },
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
+    #[error("image '{name}': {reason}")]
+    AllocateConflict { name: String, reason: String },
     #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
     Shrink {
         name: String,
@@ -134,14 +136,22 @@ pub enum Fault {
     /// (`slow_image_create`): a request that outlasts a timeout, holds a
     /// concurrency slot or is in flight at SIGTERM, whatever the disk.
     SlowImageCreate,
+    /// Each 16 MiB stretch an allocate zeroes (in the service or a ublk
+    /// worker) takes 100 ms more (`slow_allocate`): its progress and cancel,
+    /// whatever the disk.
+    SlowAllocate,
 }
 
 impl Fault {
     /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
-    /// `kill_after_change`, `fail_after_attach`, `slow_image_create`.
+    /// `kill_after_change`, `fail_after_attach`, `slow_image_create`,
+    /// `slow_allocate`.
     pub fn parse(s: &str) -> Option<Self> {
         if s == "slow_image_create" {
             return Some(Fault::SlowImageCreate);
+        }
+        if s == "slow_allocate" {
+            return Some(Fault::SlowAllocate);
         }
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
@@ -201,6 +211,9 @@ pub struct Manager {
     instance: String,
     /// Where ublk workers' run dirs live.
     ublk_run_root: std::path::PathBuf,
+    /// Each image's last allocate since the service started (in memory: a
+    /// restart leaves the image as declared, to be allocated again).
+    allocations: std::sync::Mutex<std::collections::HashMap<Uuid, images::AllocateRun>>,
 }
 
 impl Manager {
@@ -246,6 +259,7 @@ impl Manager {
             max_volumes: cfg.max_volumes,
             default_queues: cfg.default_queues,
             ublk_run_root: cfg.run_dir.join("ublk"),
+            allocations: std::sync::Mutex::default(),
         });
         me.clone().record_backend_events(backend_events);
         Ok(me)

@@ -275,6 +275,7 @@ impl Manager {
                     .join(", "),
             });
         }
+        self.refuse_while_allocating(&image, "get a volume")?;
         let backend = self.choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));

@@ -129,6 +129,20 @@ impl Vm {
 
     /// As [`Vm::start`], with more image roots (e.g. on a test's own filesystem).
     pub async fn start_with_roots(more: Vec<PathBuf>) -> Self {
+        Self::start_with(more, Vec::new()).await
+    }
+
+    /// As [`Vm::start`], with the service's environment extended (e.g. a
+    /// test fault).
+    pub async fn start_with_env(env: &[(&str, &str)]) -> Self {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::start_with(Vec::new(), env).await
+    }
+
+    async fn start_with(more: Vec<PathBuf>, env: Vec<(String, String)>) -> Self {
         in_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         let roots: Vec<(Scratch, PathBuf)> =
@@ -147,6 +161,7 @@ impl Vm {
                 .chain(more.iter().cloned())
                 .collect(),
             extra_args: vec!["--extent-check-secs".into(), "2".into()],
+            env,
             ..Default::default()
         })
         .await;
