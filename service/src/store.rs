@@ -95,6 +95,15 @@ fn from_json<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
     })
 }
 
+/// The volumes of one image, by name.
+const VOLUMES_OF_IMAGE: &str = "SELECT id, name FROM volumes WHERE image_id = ? ORDER BY name";
+
+fn id_name_pairs(rows: &[sqlx::sqlite::SqliteRow]) -> Result<Vec<(Uuid, String)>> {
+    rows.iter()
+        .map(|r| Ok((uuid("volume id", r.try_get("id")?)?, r.try_get("name")?)))
+        .collect()
+}
+
 fn uuid(what: &'static str, s: &str) -> Result<Uuid> {
     Uuid::parse_str(s).map_err(|e| StoreError::Corrupt {
         what,
@@ -472,15 +481,13 @@ impl Store {
             .transpose()
     }
 
-    /// Ids of the volumes using an image.
-    pub async fn volume_ids_of_image(&self, image_id: Uuid) -> Result<Vec<Uuid>> {
-        let rows = sqlx::query("SELECT id FROM volumes WHERE image_id = ? ORDER BY name")
+    /// Ids and names of the volumes using an image, by name.
+    pub async fn volumes_of_image(&self, image_id: Uuid) -> Result<Vec<(Uuid, String)>> {
+        let rows = sqlx::query(VOLUMES_OF_IMAGE)
             .bind(image_id.to_string())
             .fetch_all(&self.readers)
             .await?;
-        rows.iter()
-            .map(|r| uuid("volume id", r.try_get("id")?))
-            .collect()
+        id_name_pairs(&rows)
     }
 
     /// Events, oldest first: the newest `limit` that match.
@@ -632,15 +639,13 @@ impl WriteTx {
         Ok(())
     }
 
-    /// Ids of the volumes using an image, read inside the transaction.
-    pub async fn volume_ids_of_image(&mut self, image_id: Uuid) -> Result<Vec<Uuid>> {
-        let rows = sqlx::query("SELECT id FROM volumes WHERE image_id = ? ORDER BY name")
+    /// Ids and names of the volumes using an image, read inside the transaction.
+    pub async fn volumes_of_image(&mut self, image_id: Uuid) -> Result<Vec<(Uuid, String)>> {
+        let rows = sqlx::query(VOLUMES_OF_IMAGE)
             .bind(image_id.to_string())
             .fetch_all(self.conn())
             .await?;
-        rows.iter()
-            .map(|r| uuid("volume id", r.try_get("id")?))
-            .collect()
+        id_name_pairs(&rows)
     }
 
     /// The volume with this id or name, read inside the transaction.

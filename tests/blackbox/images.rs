@@ -368,7 +368,13 @@ async fn grow_follows_to_attached_loop_volumes() {
 
     // In use: cannot be forgotten.
     let before = s.snapshot().await;
-    assert_error(&s.delete("/v1/images/g-img").await, 409, "image_in_use");
+    let in_use = s.delete("/v1/images/g-img").await;
+    assert_error(&in_use, 409, "image_in_use");
+    assert_eq!(
+        in_use.body["error"]["message"],
+        "image 'g-img' is used by volume(s) 'g' (an image serves one volume at a time)",
+        "the refusal names the volume, not its id"
+    );
     assert_error(
         &s.call(Method::DELETE, "/v1/images/g-img?delete_file=yes", None)
             .await,

@@ -131,7 +131,13 @@ impl Manager {
             }
             _ => row,
         };
-        let volumes = self.store.volume_ids_of_image(row.id).await?;
+        let volumes = self
+            .store
+            .volumes_of_image(row.id)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
         let (size_bytes, allocated_bytes) = self
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
@@ -530,7 +536,7 @@ impl Manager {
         )>,
     > {
         let mut out = Vec::new();
-        for vid in self.store.volume_ids_of_image(image_id).await? {
+        for (vid, _) in self.store.volumes_of_image(image_id).await? {
             if let Some(v) = self.store.volume(&vid.to_string()).await?
                 && v.attachment.is_some()
                 && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
@@ -632,16 +638,9 @@ impl Manager {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
         self.refuse_while_allocating(&row, "be forgotten")?;
-        let users = tx.volume_ids_of_image(row.id).await?;
+        let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
-            return Err(Error::ImageInUse {
-                name: row.name,
-                volumes: users
-                    .iter()
-                    .map(Uuid::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
+            return Err(Error::image_in_use(row.name, &users));
         }
         if delete_file {
             let path = self.roots.resolve(&row.path)?;

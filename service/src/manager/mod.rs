@@ -47,7 +47,7 @@ pub enum Error {
         name: String,
         id: Uuid,
     },
-    #[error("image '{name}' is used by volume(s) {volumes}")]
+    #[error("image '{name}' is used by volume(s) {volumes} (an image serves one volume at a time)")]
     ImageInUse { name: String, volumes: String },
     #[error("image '{name}' file changed: {reason}")]
     ImageReplaced { name: String, reason: String },
@@ -103,6 +103,20 @@ pub enum Error {
 
 /// Result of the manager's operations.
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An image refused because volumes use it, named by their names.
+    fn image_in_use(image: String, users: &[(Uuid, String)]) -> Self {
+        Error::ImageInUse {
+            name: image,
+            volumes: users
+                .iter()
+                .map(|(_, name)| format!("'{name}'"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+}
 
 /// Whether a create made something new or found it already there.
 #[derive(Debug)]

@@ -264,16 +264,9 @@ impl Manager {
             });
         }
         let _image = self.image_locks.lock(&image.id.to_string()).await;
-        let users = self.store.volume_ids_of_image(image.id).await?;
+        let users = self.store.volumes_of_image(image.id).await?;
         if !users.is_empty() {
-            return Err(Error::ImageInUse {
-                name: image.name,
-                volumes: users
-                    .iter()
-                    .map(Uuid::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
+            return Err(Error::image_in_use(image.name, &users));
         }
         self.refuse_while_allocating(&image, "get a volume")?;
         let backend = self.choose_backend(req.backend)?;
