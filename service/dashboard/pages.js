@@ -461,7 +461,7 @@ export function volumesPage(ctx) {
   const host = ctx.host;
   const [nameF, name] = field('Name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
     'lowercase letters, digits, . _ -');
-  const [imageF, image] = field('Image', h('select', { required: true }));
+  const [imageF, image] = field('Image', h('select', { required: true }), 'an image serves one volume at a time');
   const backendOpts = [['auto', `auto (${host?.default_backend ?? 'best available'})`]].concat(
     ['loop', 'ublk', 'dm'].map((b) => [b, host && !host.backends[b].available ? `${b} (not available here)` : b]),
   );
@@ -473,6 +473,11 @@ export function volumesPage(ctx) {
   const roF = h('div', { class: 'field check' }, ro, h('label', { for: ro.id }, 'Read-only'));
   const [iopsF, iops] = field('QoS IOPS limit', h('input', { type: 'number', min: 1, inputmode: 'numeric' }), 'optional; ublk');
   const [bwF, bw] = field('QoS bandwidth limit', h('input', { type: 'text', autocomplete: 'off' }), 'optional, bytes/s, e.g. 100M');
+  // Dispatch and QoS need ublk or dm: on a loop-only host they are off.
+  if (host && !host.backends.ublk.available && !host.backends.dm.available) {
+    for (const c of [dispatch, iops, bw]) c.disabled = true;
+    for (const f of [dispatchF, iopsF, bwF]) f.append(h('p', { class: 'hint' }, 'needs ublk or dm, which this host lacks (see Host)'));
+  }
   const createBtn = h('button', { type: 'submit' }, 'Create volume');
   const createOut = outcome();
   const form = h('form', { class: 'card', 'aria-labelledby': 'create-volume-h' },
@@ -555,9 +560,17 @@ export function volumesPage(ctx) {
       ? table('Volumes', ['Name', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Action'],
         h('tbody', null, volumes.map(row)))
       : h('p', null, 'No volumes yet: create one below.'));
-    const chosen = image.value;
+    // One image serves one volume: images in use are listed, not offered,
+    // and the first free one is the default.
+    const names = new Map(volumes.map((v) => [v.id, v.name]));
+    const free = images.filter((i) => !i.volumes?.length);
+    const chosen = free.some((i) => i.name === image.value) ? image.value : free[0]?.name;
     fill(image, images.length
-      ? images.map((i) => h('option', { value: i.name, selected: i.name === chosen }, `${i.name} (${bytes(i.size_bytes)})`))
+      ? images.map((i) => {
+        const users = (i.volumes ?? []).map((id) => names.get(id) ?? id);
+        return h('option', { value: i.name, selected: i.name === chosen, disabled: users.length > 0 },
+          `${i.name} (${bytes(i.size_bytes)})${users.length ? `, in use by ${users.join(', ')}` : ''}`);
+      })
       : h('option', { value: '' }, 'no images: add one on the Images page'));
   }
   load();

@@ -186,15 +186,25 @@ describe('dashboard', { concurrency: false }, () => {
 
   test('API refusals are shown with their message: a duplicate volume and a duplicate image', async () => {
     const form = page.getByRole('form', { name: 'Create a volume' });
+    // Images in use are listed but not offered (one image serves one volume).
+    const taken = form.locator('option[value="alpha-img"]');
+    assert.ok(await taken.isDisabled(), 'an image in use is not offered');
+    assert.match(await taken.innerText(), /in use by alpha/);
+    await svc.image('spare-img', 8);
+    await form.locator('option[value="spare-img"]').waitFor({ state: 'attached' });
+    assert.equal(await form.getByLabel('Image').inputValue(), 'spare-img', 'the free image is the default');
+    // This host runs loop only: dispatch and QoS are not offered.
+    assert.ok(await form.getByLabel('QoS IOPS limit').isDisabled(), 'QoS needs ublk or dm');
+    assert.ok(await form.getByLabel('Dispatch policy').isDisabled(), 'a policy needs ublk or dm');
     await form.getByLabel('Name').fill('delta');
-    await form.getByLabel('Image').selectOption('alpha-img');
+    await form.getByLabel('Image').selectOption('spare-img');
     await form.getByLabel('Backend').selectOption('loop');
     await form.getByRole('button', { name: 'Create volume' }).click();
     const alert = form.locator('[role=alert]');
     await alert.waitFor();
     // The same request straight to the API: the page shows its message.
     const direct = await svc.call('POST', '/v1/volumes',
-      { name: 'delta', image: 'alpha-img', backend: 'loop', dispatch: 'auto', read_only: false });
+      { name: 'delta', image: 'spare-img', backend: 'loop', dispatch: 'auto', read_only: false });
     assert.equal(direct.status, 409);
     assert.equal(await alert.locator('.message').innerText(), direct.body.error.message);
     assert.match(await alert.innerText(), new RegExp(`${direct.body.error.code}, HTTP 409`));
