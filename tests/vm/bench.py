@@ -28,9 +28,15 @@ submissions, from the volume's stats); the server's largest VmRSS.
 Absolute numbers under TCG mean nothing; the ratios inside one run do.
 
 BENCH_PROFILE=1 also profiles every target but the raw file under the psync
-load after the rounds: `perf record -a -g` (cpu-clock; TCG has no PMU) while
-fio runs, and `perf report` by command, by DSO and by symbol into
-/results/profile-<target>.txt.
+load after the rounds (BENCH_PROFILE=key,key... only those targets):
+`perf record -a -g` (cpu-clock; TCG has no PMU) while fio runs, and `perf
+report` by command, by DSO and by symbol, and for a userspace server by DSO
+and symbol of its own process, into /results/profile-<target>.txt. A profile
+that fails is noted in its file; the table still comes.
+
+BENCH_ALT_BIN=/path/to/blockplane serves the targets named `<key>-alt` (any
+blockplane key, e.g. ublk-nowait-alt) from a second service running that
+binary, so that two builds (a release profile, a change) compare in one boot.
 """
 
 import http.client
@@ -44,16 +50,21 @@ import time
 
 BIN = sys.argv[1]
 RUBLK = sys.argv[2] if len(sys.argv) > 2 else ""
+ALT_BIN = os.environ.get("BENCH_ALT_BIN", "")
 RUNTIME = int(os.environ.get("BENCH_RUNTIME", "5"))
 REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
 IMAGE_SIZE = os.environ.get("BENCH_IMAGE_SIZE", "512M")
 RUBLK_QUEUES = os.environ.get("BENCH_RUBLK_QUEUES", "")
 WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
-PROFILE = os.environ.get("BENCH_PROFILE") == "1"
+PROFILE = os.environ.get("BENCH_PROFILE", "0")
 RESULTS = os.environ.get("BLOCKPLANE_VM_RESULTS", "/results")
 DATA = "/run/bp-bench"
 ROOT = os.path.join(os.environ["SCRATCH_XFS"], "bench")
 SOCK = os.path.join(DATA, "blockplane.sock")
+# The second service (BENCH_ALT_BIN): its own data dir and socket, the same image root.
+ALT_DATA = DATA + "-alt"
+ALT_SOCK = os.path.join(ALT_DATA, "blockplane.sock")
+ALT = "-alt"
 MODES = [("psync", ["--ioengine=psync"]), ("qd16", ["--ioengine=io_uring", "--iodepth=16"])]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ublk device numbers for the rublk devices: far above the ones the kernel
@@ -78,6 +89,19 @@ TARGETS = {
 DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded"]
 
 
+def target_of(key):
+    """(label, kind, how, socket) of a target key; None for an unknown key.
+    `<key>-alt` is a blockplane target served by the BENCH_ALT_BIN service."""
+    if key in TARGETS:
+        label, kind, how = TARGETS[key]
+        return label, kind, how, SOCK
+    base = key[: -len(ALT)] if key.endswith(ALT) else None
+    if ALT_BIN and base in TARGETS and TARGETS[base][1] in ("ublk", "dm"):
+        label, kind, how = TARGETS[base]
+        return f"{label} (alt)", kind, how, ALT_SOCK
+    return None
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP to the service's unix socket."""
 
@@ -92,9 +116,9 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def api(method, path, body=None):
-    """One API call; the JSON answer. Any error status ends the bench."""
-    conn = UnixHTTPConnection(SOCK)
+def api(method, path, body=None, sock=SOCK):
+    """One API call to the service on `sock`; the JSON answer. Any error status ends the bench."""
+    conn = UnixHTTPConnection(sock)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
@@ -208,7 +232,7 @@ def proc_sample(pid):
 def nowait_counters(t):
     if not t.get("volume_id"):
         return None
-    n = api("GET", f"/v1/volumes/{t['volume_id']}/stats").get("nowait") or {}
+    n = api("GET", f"/v1/volumes/{t['volume_id']}/stats", sock=t["sock"]).get("nowait") or {}
     # Tolerant of a reshaped object: a missing counter reads as no counters.
     if "submitted" not in n or "eagain_fallbacks" not in n:
         return None
@@ -284,21 +308,29 @@ def stop_rublk(t):
 
 
 def profile(t, size):
-    """Where the CPU goes while fio (psync) runs on a target: perf, system-wide."""
+    """Where the CPU goes while fio (psync) runs on a target: perf, system-wide,
+    over fio's whole run (under TCG fio can take seconds to start its I/O, so
+    a window of its own could miss it; the start reads as idle)."""
     name = t["key"]
     data = f"/run/perf-{name}.data"
-    job = subprocess.Popen(["fio", "--name=prof", "--filename=" + t["path"], "--rw=randrw", "--bs=4k",
-                            "--numjobs=2", "--direct=1", "--time_based", f"--runtime={RUNTIME + 2}",
-                            f"--size={size}", "--ioengine=psync"], stdout=subprocess.DEVNULL)
-    time.sleep(1)
-    subprocess.run(["perf", "record", "-a", "-g", "-F", "499", "-e", "cpu-clock", "-o", data,
-                    "--", "sleep", str(RUNTIME)], capture_output=True, check=True)
-    job.wait()
-    parts = []
-    for sort in ["comm", "comm,dso", "sym"]:
+    rec = subprocess.run(["perf", "record", "-a", "-g", "-F", "499", "-e", "cpu-clock", "-o", data, "--",
+                          "fio", "--name=prof", "--filename=" + t["path"], "--rw=randrw", "--bs=4k",
+                          "--numjobs=2", "--direct=1", "--time_based", f"--runtime={max(RUNTIME, 20)}",
+                          f"--size={size}", "--ioengine=psync", "--group_reporting", "--output-format=terse"],
+                         capture_output=True, text=True)
+    parts = [f"### perf record: exit {rec.returncode}\n{rec.stderr}"]
+    reports = [(sort, []) for sort in ["comm", "comm,dso", "sym"]]
+    if t.get("pid"):
+        # The server alone (all its threads, io-wq's included), in shares of
+        # its own samples: where its CPU time per request goes.
+        reports.append(("comm,dso,sym", ["--pid", str(t["pid"]), "--percentage", "relative"]))
+    for sort, only in reports if rec.returncode == 0 else []:
         out = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-g", "none",
-                              "--percent-limit", "1", "--sort", sort], capture_output=True, text=True)
-        parts.append(f"### perf report --sort {sort}\n" + out.stdout)
+                              "--percent-limit", "0.5", "--sort", sort, *only], capture_output=True, text=True)
+        failed = f"perf report failed ({out.returncode}): {out.stderr[-2000:]}\n" if out.returncode else ""
+        parts.append(f"### perf report --sort {sort} {' '.join(only)}\n{failed}{out.stdout}")
+    if os.path.exists(data):
+        os.unlink(data)
     with open(f"{RESULTS}/profile-{name}.txt", "w") as f:
         f.write("\n".join(parts))
     print(f"  profile: {RESULTS}/profile-{name}.txt", flush=True)
@@ -308,12 +340,12 @@ def setup(keys, size):
     """Images, volumes and rublk devices for every target; the targets."""
     targets = []
     for key in keys:
-        label, kind, how = TARGETS[key]
+        label, kind, how, sock = target_of(key)
         t = {"key": key, "label": label, "kind": kind, "how": how, "image": os.path.join(ROOT, f"{key}.img"),
-             "runs": {m: [] for m, _ in MODES}}
+             "sock": sock, "runs": {m: [] for m, _ in MODES}}
         started = time.time()
         api("POST", "/v1/images", {"name": f"img-{key}", "path": t["image"],
-                                   "create": {"size_bytes": size, "allocation": "full"}})
+                                   "create": {"size_bytes": size, "allocation": "full"}}, sock)
         print(f"  image {t['image']}: {size >> 20} MiB, fully allocated in {time.time() - started:.0f} s", flush=True)
         if kind == "raw":
             t["path"] = t["image"]
@@ -322,8 +354,8 @@ def setup(keys, size):
             body = {"name": key, "image": f"img-{key}", "backend": backend}
             if dispatch:
                 body["dispatch"] = dispatch
-            vol = api("POST", "/v1/volumes", body)
-            vol = api("GET", f"/v1/volumes/{vol['id']}")
+            vol = api("POST", "/v1/volumes", body, sock)
+            vol = api("GET", f"/v1/volumes/{vol['id']}", sock=sock)
             assert vol["backend"] == backend, vol
             assert dispatch is None or vol["dispatch"] == dispatch, vol
             t.update(volume=vol, volume_id=vol["id"], path=vol["device"])
@@ -366,23 +398,32 @@ def describe(t):
 
 def main():
     keys = os.environ.get("BENCH_TARGETS", ",".join(DEFAULT_TARGETS)).split(",")
-    unknown = [k for k in keys if k not in TARGETS]
+    unknown = [k for k in keys if not target_of(k)]
     if unknown or "raw" not in keys or "loop" not in keys:
-        sys.exit(f"BENCH_TARGETS: keys from {','.join(TARGETS)}, raw and loop included (got {','.join(keys)})")
+        sys.exit(f"BENCH_TARGETS: keys from {','.join(TARGETS)} (and <key>{ALT} with BENCH_ALT_BIN), "
+                 f"raw and loop included (got {','.join(keys)})")
+    profiled = set(keys) - {"raw"} if PROFILE == "1" else set(PROFILE.split(",")) - {"0", ""}
     size = size_bytes(IMAGE_SIZE)
-    os.makedirs(DATA, exist_ok=True)
     os.makedirs(ROOT, exist_ok=True)
-    serve = subprocess.Popen([BIN, "serve", "--data-dir", DATA, "--image-root", ROOT],
-                             stdout=open(RESULTS + "/bench-serve.log", "w"), stderr=subprocess.STDOUT)
-    for _ in range(100):
-        if os.path.exists(SOCK):
-            break
-        time.sleep(0.1)
+    services = [(BIN, DATA, SOCK, "bench-serve.log")]
+    if any(k.endswith(ALT) for k in keys):
+        services.append((ALT_BIN, ALT_DATA, ALT_SOCK, "bench-serve-alt.log"))
+    serves = []
+    for binary, data, sock, log in services:
+        os.makedirs(data, exist_ok=True)
+        serves.append(subprocess.Popen([binary, "serve", "--data-dir", data, "--image-root", ROOT],
+                                       stdout=open(f"{RESULTS}/{log}", "w"), stderr=subprocess.STDOUT))
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.1)
     host = api("GET", "/v1/host")
     header = [f"kernel {host['kernel']}, {os.cpu_count()} vCPUs ({os.environ.get('BENCH_TCG', '?')} TCG); "
               f"ublk features {host['backends']['ublk'].get('features')}",
               f"fio 4k randrw, 2 jobs, direct, {RUNTIME} s per run, {REPEAT} rounds; "
               f"each target on its own fully allocated {size >> 20} MiB image on xfs"]
+    if len(serves) > 1:
+        header.append(f"(alt) rows: a second service running {ALT_BIN}; the others {BIN}")
     print("\n".join(header), flush=True)
     targets = setup(keys, size)
     live = [t for t in targets if not t.get("refused")]
@@ -407,19 +448,19 @@ def main():
                   flush=True)
     print(f"rounds took {time.time() - started:.0f} s", flush=True)
 
-    if PROFILE:
-        for t in live:
-            if t["kind"] != "raw":
-                profile(t, size)
+    for t in live:
+        if t["key"] in profiled:
+            profile(t, size)
 
     for t in live:
         if t["kind"] == "rublk":
             stop_rublk(t)
     for t in live:
         if t.get("volume_id"):
-            api("DELETE", f"/v1/volumes/{t['volume_id']}")
-    serve.terminate()
-    serve.wait()
+            api("DELETE", f"/v1/volumes/{t['volume_id']}", sock=t["sock"])
+    for serve in serves:
+        serve.terminate()
+        serve.wait()
     report(header, targets)
 
 

@@ -10,14 +10,17 @@
 #   BENCH_TARGETS=raw,loop,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait
 #   BENCH_RUBLK_QUEUES=N (default: the queue count of blockplane's default ublk volume)
 #   BENCH_RUBLK_VERSION=0.2.15  BENCH_KERNEL=latest  VM_SMP=2  VM_TCG_THREAD=multi
-#   BENCH_PROFILE=1 (perf profiles of every target under psync: target/bench/profile-*.txt)
+#   BENCH_PROFILE=1 (perf profiles of every target under psync: target/bench/profile-*.txt;
+#     BENCH_PROFILE=key,key... only those targets)
+#   BENCH_ALT_BIN=/path/to/blockplane (a second service with that binary serves the targets
+#     named <key>-alt in BENCH_TARGETS, e.g. ublk-nowait-alt: two builds in one boot)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 started=$(date +%s)
 deploy/install-deps.sh --test
-if [ "${BENCH_PROFILE:-0}" = 1 ] && ! command -v perf >/dev/null; then
+if [ "${BENCH_PROFILE:-0}" != 0 ] && ! command -v perf >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends linux-perf
 fi
 cargo build --locked --release --bin blockplane
@@ -35,6 +38,7 @@ env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-5} BENCH_REPEAT=${BENCH_REPEAT:-5} BENC
 env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg"
 [ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
 [ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
+[ -z "${BENCH_ALT_BIN:-}" ] || env_vars+=" BENCH_ALT_BIN=$(realpath "$BENCH_ALT_BIN")"
 # Nine fully allocated images live on the xfs scratch disk (vda); the others stay small.
 # The host's load says how far to trust the spreads (other VMs share these cores).
 echo "bench: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
