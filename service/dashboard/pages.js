@@ -338,7 +338,8 @@ export function imagesPage(ctx) {
       body.create = { size_bytes: n, allocation: alloc.value };
     }
     const r = await act(ctx, addOut, [addBtn], () => api('POST', '/v1/images', body),
-      (img) => `Image ${img.name} added: ${bytes(img.size_bytes)} on ${img.filesystem}.`);
+      (img) => [`Image ${img.name} added: ${bytes(img.size_bytes)} on ${img.filesystem}.`,
+        ...(img.warnings ?? []).map((w) => h('span', { class: 'warning' }, ` Warning: ${w}`))]);
     if (r) {
       name.value = '';
       path.value = '';

@@ -879,35 +879,41 @@ fn render(view: View, b: &Value) -> String {
             out += &table(&["CAPABILITY", "AVAILABLE HERE"], rows);
             out
         }
-        View::Image => fields(vec![
-            ("id", s(&b["id"])),
-            ("name", s(&b["name"])),
-            ("path", s(&b["path"])),
-            ("size", human_bytes(&b["size_bytes"])),
-            ("allocated", human_bytes(&b["allocated_bytes"])),
-            ("filesystem", s(&b["filesystem"])),
-            ("allocation", s(&b["allocation"])),
-            (
-                "allocate",
-                match b["allocate"]["state"].as_str() {
-                    None => String::new(),
-                    Some(st) => format!(
-                        "{st}: {} of {}",
-                        human_bytes(&b["allocate"]["done_bytes"]),
-                        human_bytes(&b["allocate"]["total_bytes"])
-                    ),
-                },
-            ),
-            (
-                "volumes",
-                list(&b["volumes"])
-                    .iter()
-                    .map(s)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            ),
-            ("created", s(&b["created_at"])),
-        ]),
+        View::Image => {
+            let mut out = fields(vec![
+                ("id", s(&b["id"])),
+                ("name", s(&b["name"])),
+                ("path", s(&b["path"])),
+                ("size", human_bytes(&b["size_bytes"])),
+                ("allocated", human_bytes(&b["allocated_bytes"])),
+                ("filesystem", s(&b["filesystem"])),
+                ("allocation", s(&b["allocation"])),
+                (
+                    "allocate",
+                    match b["allocate"]["state"].as_str() {
+                        None => String::new(),
+                        Some(st) => format!(
+                            "{st}: {} of {}",
+                            human_bytes(&b["allocate"]["done_bytes"]),
+                            human_bytes(&b["allocate"]["total_bytes"])
+                        ),
+                    },
+                ),
+                (
+                    "volumes",
+                    list(&b["volumes"])
+                        .iter()
+                        .map(s)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ),
+                ("created", s(&b["created_at"])),
+            ]);
+            for w in list(&b["warnings"]) {
+                out += &format!("warning: {}\n", s(&w));
+            }
+            out
+        }
         View::Resize => {
             let mut out = render(View::Image, &b["image"]);
             for v in list(&b["volumes"]) {

@@ -95,6 +95,12 @@ pub struct ServeArgs {
     /// Volumes this host may have [default: 1024].
     #[arg(long, env = "BLOCKPLANE_MAX_VOLUMES")]
     pub max_volumes: Option<usize>,
+    /// Refuse an image create or grow that would make the images of an
+    /// image root add up to more than RATIO times its filesystem's size
+    /// (e.g. 1.5) [default: no limit; a sparse image larger than the free
+    /// space is still reported].
+    #[arg(long, env = "BLOCKPLANE_MAX_OVERCOMMIT", value_parser = parse_ratio)]
+    pub max_overcommit: Option<f64>,
     /// Start with a new, empty registry although the kernel serves devices
     /// blockplane made (a lost or emptied blockplane.db, or a new data dir):
     /// they are left running and reported as orphans.
@@ -115,7 +121,7 @@ fn per_cpu_queues() -> u16 {
 }
 
 /// Limits that protect the service from its clients.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     pub max_body_bytes: usize,
     pub header_timeout: std::time::Duration,
@@ -123,6 +129,16 @@ pub struct Limits {
     pub max_concurrent_requests: usize,
     pub max_event_streams: usize,
     pub max_volumes: usize,
+    /// Provisioned bytes of a root over its filesystem's size, at most.
+    pub max_overcommit: Option<f64>,
+}
+
+/// A ratio above zero, e.g. `1.5`.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("'{s}' is not a ratio above 0 (e.g. 1.0 or 1.5)")),
+    }
 }
 
 /// The config file's keys (all optional).
@@ -147,6 +163,7 @@ struct FileConfig {
     max_concurrent_requests: Option<usize>,
     max_event_streams: Option<usize>,
     max_volumes: Option<usize>,
+    max_overcommit: Option<f64>,
 }
 
 /// A place to listen.
@@ -230,6 +247,12 @@ impl ServeArgs {
                 })?
             }
         };
+        if let (Some(path), Some(r)) = (&self.config, file.max_overcommit) {
+            parse_ratio(&r.to_string()).map_err(|reason| ConfigError::File {
+                path: path.display().to_string(),
+                reason: format!("max_overcommit: {reason}"),
+            })?;
+        }
         let data_dir = self
             .data_dir
             .or(file.data_dir)
@@ -338,6 +361,7 @@ impl ServeArgs {
                     .unwrap_or(64)
                     .max(1),
                 max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
+                max_overcommit: self.max_overcommit.or(file.max_overcommit),
             },
             accept_new_registry: self.accept_new_registry,
         })

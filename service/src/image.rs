@@ -149,17 +149,17 @@ impl ImageRoots {
     }
 
     /// Size and free space of each root's filesystem (space an unprivileged
-    /// writer may use, as `df` shows it).
-    pub fn capacity(&self) -> Vec<crate::model::RootCapacity> {
+    /// writer may use, as `df` shows it): `(root, size, free)`.
+    pub fn space(&self) -> Vec<(String, u64, u64)> {
         self.roots
             .iter()
             .map(|r| {
                 let fs = rustix::fs::fstatvfs(&r.dir).ok();
-                crate::model::RootCapacity {
-                    path: r.path.display().to_string(),
-                    size_bytes: fs.as_ref().map_or(0, |f| f.f_blocks * f.f_frsize),
-                    free_bytes: fs.as_ref().map_or(0, |f| f.f_bavail * f.f_frsize),
-                }
+                (
+                    r.path.display().to_string(),
+                    fs.as_ref().map_or(0, |f| f.f_blocks * f.f_frsize),
+                    fs.as_ref().map_or(0, |f| f.f_bavail * f.f_frsize),
+                )
             })
             .collect()
     }

@@ -319,6 +319,11 @@ impl Collector for Snapshot {
                 "Free bytes of an image root's filesystem (as df's Avail)",
                 |r: &RootCapacity| r.free_bytes,
             ),
+            (
+                "blockplane_image_root_provisioned_bytes",
+                "Sizes of the images under an image root, added up",
+                |r: &RootCapacity| r.provisioned_bytes,
+            ),
         ] {
             let mut family = enc.encode_descriptor(name, help, None, G)?;
             for r in &self.roots {

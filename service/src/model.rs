@@ -80,6 +80,11 @@ pub struct Image {
     /// running with its progress, or how it ended; `null` when there was none.
     #[serde(default)]
     pub allocate: Option<ImageAllocate>,
+    /// What the create or grow that answered this should make you check,
+    /// e.g. a sparse image larger than its root's free space (empty
+    /// otherwise).
+    #[serde(default)]
+    pub warnings: Vec<String>,
 }
 
 /// An image's allocate (`POST /v1/images/{id}/allocate`), running or ended.
@@ -716,6 +721,15 @@ pub struct RootCapacity {
     pub size_bytes: u64,
     /// Bytes free to an unprivileged writer (`df`'s "Avail").
     pub free_bytes: u64,
+    /// Images registered under this root.
+    pub images: u64,
+    /// Their sizes added up: what their volumes may come to hold.
+    pub provisioned_bytes: u64,
+    /// What the filesystem allocated to them.
+    pub allocated_bytes: u64,
+    /// The service's limit on `provisioned_bytes / size_bytes`, if set
+    /// (`--max-overcommit`).
+    pub max_overcommit: Option<f64>,
 }
 
 /// A device blockplane made that belongs to no volume of this service.

@@ -485,6 +485,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             default_queues: cfg.queues,
             extent_check_secs: cfg.extent_check_secs,
             max_volumes: cfg.limits.max_volumes,
+            max_overcommit: cfg.limits.max_overcommit,
             fault,
         },
     )

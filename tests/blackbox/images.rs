@@ -3,9 +3,9 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 
 use hyper::{Method, StatusCode};
-use serde_json::json;
+use serde_json::{Value, json};
 
-use crate::harness::{Service, assert_error, device_size};
+use crate::harness::{Opts, Service, assert_error, device_size};
 
 fn make_file(path: &std::path::Path, size: u64) {
     let f = std::fs::File::create(path).unwrap();
@@ -778,4 +778,77 @@ async fn allocate_cancel_or_a_crash_leaves_the_image_as_declared() {
     assert_eq!(end["allocation"], "full", "{end}");
     rule_two(&path).unwrap();
     data_kept(&path);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sparse_image_beyond_the_free_space_is_reported_and_overcommit_is_refused_past_its_ratio()
+{
+    let s = Service::start_with(Opts {
+        extra_args: vec!["--max-overcommit".into(), "1.0".into()],
+        ..Default::default()
+    })
+    .await;
+    let root = |h: &Value| h["image_root_capacity"][0].clone();
+    let r0 = root(&s.get("/v1/host").await.body);
+    assert_eq!(r0["max_overcommit"], 1.0, "{r0}");
+    let (fs_size, free) = (
+        r0["size_bytes"].as_u64().unwrap(),
+        r0["free_bytes"].as_u64().unwrap(),
+    );
+    assert!(fs_size > 0 && free > 0 && free <= fs_size, "{r0}");
+
+    // Larger than the free space, within the ratio: made, and said.
+    let big = (free + (1 << 30)) / 512 * 512;
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "big", "path": s.images.join("big.img"),
+                   "create": {"size_bytes": big, "allocation": "sparse"}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let w = a.body["warnings"][0].as_str().unwrap_or_default();
+    assert!(w.contains("'big'") && w.contains("ENOSPC"), "{}", a.body);
+    let ev = s.get("/v1/events?limit=1000").await.body;
+    assert!(
+        ev.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "image_overcommitted"),
+        "an event says it too"
+    );
+    let r1 = root(&s.get("/v1/host").await.body);
+    assert_eq!(r1["images"], 1);
+    assert_eq!(r1["provisioned_bytes"], big);
+
+    // Past the ratio: refused before any file is made, and a grow too.
+    let before = s.snapshot().await;
+    let over = (fs_size - big + (1 << 30)) / 512 * 512;
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "over", "path": s.images.join("over.img"),
+                   "create": {"size_bytes": over}}),
+        )
+        .await;
+    assert_error(&a, 507, "overcommit_refused");
+    let msg = a.body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("'over'") && msg.contains("--max-overcommit"),
+        "{msg}"
+    );
+    assert!(!s.images.join("over.img").exists(), "nothing was made");
+    let g = s
+        .post("/v1/images/big/resize", json!({"size_bytes": big + over}))
+        .await;
+    assert_error(&g, 507, "overcommit_refused");
+    assert_eq!(s.snapshot().await, before, "the refusals changed nothing");
+    let text = s.get_text("/metrics").await;
+    assert!(
+        text.contains(&format!(
+            "blockplane_image_root_provisioned_bytes{{root=\"{}\"}} {big}",
+            r1["path"].as_str().unwrap()
+        )),
+        "{text}"
+    );
 }

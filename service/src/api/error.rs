@@ -93,6 +93,7 @@ impl ApiError {
                 Error::AlreadyRegistered { .. } => (S::UNPROCESSABLE_ENTITY, "already_registered"),
                 Error::ImageInUse { .. } => (S::CONFLICT, "image_in_use"),
                 Error::ImageReplaced { .. } => (S::CONFLICT, "image_replaced"),
+                Error::Overcommit { .. } => (S::INSUFFICIENT_STORAGE, "overcommit_refused"),
                 Error::ImageLocked { .. } => (S::CONFLICT, "image_locked"),
                 Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, "shrink_refused"),
                 Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, "no_space"),

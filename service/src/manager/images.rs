@@ -9,7 +9,7 @@ use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
 use crate::model::{
     AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ResizeImageResponse,
-    VolumeResize, VolumeState,
+    RootCapacity, VolumeResize, VolumeState,
 };
 use crate::store::ImageRow;
 
@@ -36,6 +36,18 @@ impl Manager {
                 id: existing.id,
             });
         }
+        let warnings = match &req.create {
+            Some(spec) => {
+                self.check_provisioning(
+                    &req.name,
+                    &path.display(),
+                    spec.size_bytes,
+                    spec.allocation == Allocation::Sparse,
+                )
+                .await?
+            }
+            None => Vec::new(),
+        };
         let me = self.clone();
         let (file, created) = match req.create.clone() {
             Some(spec) => {
@@ -111,7 +123,83 @@ impl Manager {
             return Err(e);
         }
         tracing::info!(image = %row.name, path = %row.path, "image recorded");
-        self.image_view(row).await
+        if !warnings.is_empty() {
+            let mut tx = self.store.begin().await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await?;
+        }
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// Each image root: its filesystem's size and free space, and the
+    /// images under it (their sizes and allocated bytes as they are now).
+    pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
+        let images = self.images().await?;
+        Ok(self
+            .roots
+            .space()
+            .into_iter()
+            .map(|(path, size_bytes, free_bytes)| {
+                let under: Vec<&Image> = images
+                    .iter()
+                    .filter(|i| std::path::Path::new(&i.path).starts_with(&path))
+                    .collect();
+                RootCapacity {
+                    images: under.len() as u64,
+                    provisioned_bytes: under.iter().map(|i| i.size_bytes).sum(),
+                    allocated_bytes: under.iter().map(|i| i.allocated_bytes).sum(),
+                    path,
+                    size_bytes,
+                    free_bytes,
+                    max_overcommit: self.max_overcommit,
+                }
+            })
+            .collect())
+    }
+
+    /// Checks that `adding` more provisioned bytes for image `name` at
+    /// `path` stay within `--max-overcommit`; returns what the caller should
+    /// be told (a sparse image larger than the free space).
+    async fn check_provisioning(
+        &self,
+        name: &str,
+        path: &str,
+        adding: u64,
+        sparse: bool,
+    ) -> Result<Vec<String>> {
+        let usage = self.root_usage().await?;
+        let Some(root) = usage
+            .iter()
+            .find(|r| std::path::Path::new(path).starts_with(&r.path))
+        else {
+            return Ok(Vec::new());
+        };
+        let provisioned = root.provisioned_bytes + adding;
+        if let Some(ratio) = self.max_overcommit
+            && provisioned as f64 > ratio * root.size_bytes as f64
+        {
+            return Err(Error::Overcommit {
+                name: name.to_string(),
+                size: adding,
+                root: root.path.clone(),
+                provisioned,
+                ratio,
+                fs_size: root.size_bytes,
+            });
+        }
+        let mut warnings = Vec::new();
+        if sparse && adding > root.free_bytes {
+            warnings.push(format!(
+                "image '{name}' is sparse and {adding} bytes more than its filesystem's {} free bytes ({}): writes through its volume fail with ENOSPC once the filesystem is full",
+                root.free_bytes, root.path
+            ));
+        }
+        Ok(warnings)
     }
 
     pub(super) async fn image_row(&self, id_or_name: &str) -> Result<ImageRow> {
@@ -153,6 +241,7 @@ impl Manager {
             created_at: row.created_at,
             volumes,
             allocate,
+            warnings: Vec::new(),
         })
     }
 
@@ -206,6 +295,14 @@ impl Manager {
                 asked: size_bytes,
             });
         }
+        let warnings = self
+            .check_provisioning(
+                &row.name,
+                &row.path,
+                size_bytes - current,
+                row.allocation != Some(Allocation::Full),
+            )
+            .await?;
         let mut followed = Vec::new();
         if size_bytes > current {
             let allocation = row.allocation.unwrap_or(Allocation::Sparse);
@@ -242,10 +339,16 @@ impl Manager {
                 &format!("image '{}' grown from {current} to {size} bytes", row.name),
             )
             .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
             tx.commit().await?;
         }
+        let mut image = self.image(&row.id.to_string()).await?;
+        image.warnings = warnings;
         Ok(ResizeImageResponse {
-            image: self.image(&row.id.to_string()).await?,
+            image,
             volumes: followed,
         })
     }

@@ -49,6 +49,17 @@ pub enum Error {
     },
     #[error("image '{name}' is used by volume(s) {volumes} (an image serves one volume at a time)")]
     ImageInUse { name: String, volumes: String },
+    #[error(
+        "image '{name}' ({size} bytes) would bring the images of {root} to {provisioned} bytes, more than {ratio} times its filesystem's {fs_size} bytes (--max-overcommit)"
+    )]
+    Overcommit {
+        name: String,
+        size: u64,
+        root: String,
+        provisioned: u64,
+        ratio: f64,
+        fs_size: u64,
+    },
     #[error("image '{name}' file changed: {reason}")]
     ImageReplaced { name: String, reason: String },
     #[error(
@@ -196,6 +207,8 @@ pub struct ManagerConfig {
     pub extent_check_secs: u32,
     /// Volumes this host may have.
     pub max_volumes: usize,
+    /// Provisioned bytes of an image root over its filesystem's size, at most.
+    pub max_overcommit: Option<f64>,
     /// A test fault to inject.
     pub fault: Option<Fault>,
 }
@@ -220,6 +233,7 @@ pub struct Manager {
     pub api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
     max_volumes: usize,
+    max_overcommit: Option<f64>,
     default_queues: u16,
     /// This service's instance id, in the marks it puts on devices.
     instance: String,
@@ -271,6 +285,7 @@ impl Manager {
             api_metrics: crate::metrics::ApiMetrics::default(),
             fault: cfg.fault,
             max_volumes: cfg.max_volumes,
+            max_overcommit: cfg.max_overcommit,
             default_queues: cfg.default_queues,
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: std::sync::Mutex::default(),
@@ -369,6 +384,7 @@ impl Manager {
         let me = self.clone();
         let mut host = blocking(move || me.capabilities()).await?;
         host.orphans = self.orphans().await?;
+        host.image_root_capacity = self.root_usage().await?;
         Ok(host)
     }
 
@@ -488,7 +504,7 @@ impl Manager {
             backends,
             policies,
             image_roots: self.roots.paths(),
-            image_root_capacity: self.roots.capacity(),
+            image_root_capacity: Vec::new(),
             default_backend,
             orphans: Vec::new(),
         }
@@ -575,7 +591,7 @@ impl Manager {
         Ok(crate::metrics::render(
             &self.api_metrics,
             crate::metrics::Snapshot {
-                roots: self.roots.capacity(),
+                roots: self.root_usage().await?,
                 volumes,
                 images,
                 states,
