@@ -4,7 +4,9 @@
 
 import { api, eventStream, setToken, token } from './api.js';
 import { fill, h } from './format.js';
-import { hostPage, imagesPage, volumePage, volumesPage } from './pages.js';
+import {
+  hostPage, imagesPage, overviewPage, volumePage, volumesPage,
+} from './pages.js';
 
 const $ = (id) => document.getElementById(id);
 
@@ -25,6 +27,7 @@ let page = null;
 let stream = null;
 
 const ROUTES = [
+  [/^#\/overview$/, () => overviewPage(ctx), 'overview'],
   [/^#\/host$/, () => hostPage(ctx), 'host'],
   [/^#\/images$/, () => imagesPage(ctx), 'images'],
   [/^#\/volumes$/, () => volumesPage(ctx), 'volumes'],
@@ -33,7 +36,7 @@ const ROUTES = [
 
 function route() {
   if ($('app').hidden) return;
-  const hash = location.hash || '#/volumes';
+  const hash = location.hash || '#/overview';
   let found = null;
   for (const [re, make, nav] of ROUTES) {
     const m = re.exec(hash);

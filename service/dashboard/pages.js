@@ -143,6 +143,126 @@ function stateCell(v) {
   );
 }
 
+// ---------------------------------------------------------------- overview
+
+/** Event kinds an operator should look at. */
+const WARNING_KINDS = new Set([
+  'volume_io_errors', 'volume_degraded', 'volume_error', 'worker_restarted', 'worker_recovery_failed',
+  'volume_create_failed', 'volume_delete_failed', 'volume_resize_failed', 'image_overcommitted',
+  'image_allocate_failed', 'orphan_found',
+]);
+
+/** Requests per second and mean latency (µs) of one volume over its last history points. */
+function recent(points) {
+  let secs = 0;
+  let ops = 0;
+  let timed = 0;
+  let busy = 0;
+  for (const p of points) {
+    secs += p.secs;
+    for (const op of OPS) {
+      const n = p[op].iops * p.secs;
+      ops += n;
+      if (p[op].latency_us !== null) {
+        timed += n;
+        busy += n * p[op].latency_us;
+      }
+    }
+  }
+  return { iops: secs ? ops / secs : null, latency: timed ? busy / timed : null };
+}
+
+/** Health and capacity at a glance: the page an operator opens first. */
+export function overviewPage(ctx) {
+  const out = outcome();
+  const body = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const el = h('section', { class: 'overview' }, h('h1', { tabindex: -1 }, 'Overview'), out, body);
+  let stopped = false;
+  let timer = null;
+
+  async function load() {
+    let host;
+    let volumes;
+    let evs;
+    try {
+      [host, volumes, evs] = await Promise.all([
+        api('GET', '/v1/host'), api('GET', '/v1/volumes'), api('GET', '/v1/events?limit=200'),
+      ]);
+    } catch (e) {
+      showError(out, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      return;
+    }
+    ctx.host = host;
+    const health = await api('GET', '/healthz').then(() => 'ok', (e) => `${e.code}: ${e.message}`);
+    const live = volumes.filter((v) => v.state === 'attached' || v.state === 'degraded');
+    const hist = await Promise.all(live.map((v) =>
+      api('GET', `/v1/volumes/${seg(v.id)}/stats/history?seconds=10`).then((r) => r.points, () => [])));
+    const figures = live.map((v, i) => ({ v, ...recent(hist[i]) }));
+    const states = ['attached', 'degraded', 'attaching', 'detaching', 'error'];
+    const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
+    const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);
+    const figureRows = (list) => h('tbody', null, list.map((f) => h('tr', { 'data-volume': f.v.name },
+      h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(f.v.id)}` }, f.v.name)),
+      h('td', null, f.v.backend),
+      h('td', { class: 'num' }, f.iops === null ? '–' : count(Math.round(f.iops))),
+      h('td', { class: 'num' }, f.latency === null ? '–' : micros(Math.round(f.latency))))));
+    const warnings = evs.filter((e) => WARNING_KINDS.has(e.kind)).slice(-10).reverse();
+    fill(out);
+    rebuild(
+      body,
+      h('dl', { class: 'facts' },
+        h('dt', null, 'Service'), h('dd', { 'data-field': 'health' }, health === 'ok'
+          ? h('span', { class: 'yes' }, 'healthy') : h('span', { class: 'no' }, health)),
+        h('dt', null, 'Kernel'), h('dd', null, host.kernel),
+        h('dt', null, 'Backends here'), h('dd', null,
+          ['loop', 'ublk', 'dm'].filter((b) => host.backends[b].available).join(', ') || 'none')),
+      table('Image roots', ['Root', 'Size', 'Free', 'Provisioned', 'Allocated', 'Images'],
+        h('tbody', null, host.image_root_capacity.map((r) => {
+          const ratio = r.size_bytes ? r.provisioned_bytes / r.size_bytes : 0;
+          const over = r.provisioned_bytes > r.free_bytes + r.allocated_bytes;
+          return h('tr', { 'data-root': r.path },
+            h('th', { scope: 'row', class: 'mono' }, r.path),
+            h('td', { class: 'num' }, bytes(r.size_bytes)),
+            h('td', { class: 'num' }, `${bytes(r.free_bytes)} (${Math.round((100 * r.free_bytes) / (r.size_bytes || 1))}%)`),
+            h('td', { class: over ? 'num warn' : 'num' }, `${bytes(r.provisioned_bytes)} (×${ratio.toFixed(2)}${r.max_overcommit ? ` of ×${r.max_overcommit} allowed` : ''})`,
+              over ? h('div', { class: 'reason' }, 'more than the free space can hold') : null),
+            h('td', { class: 'num' }, bytes(r.allocated_bytes)),
+            h('td', { class: 'num' }, count(r.images)));
+        }))),
+      table('Volumes by state', ['State', 'Volumes'],
+        h('tbody', null, states.map((st) => h('tr', { 'data-state': st },
+          h('th', { scope: 'row' }, st),
+          h('td', { class: 'num' }, count(volumes.filter((v) => v.state === st).length)))))),
+      troubled.length
+        ? h('ul', { class: 'troubled' }, troubled.map((v) => h('li', { 'data-volume': v.name },
+          h('a', { href: `#/volumes/${seg(v.id)}` }, v.name), ' ', stateCell(v))))
+        : h('p', { class: 'hint' }, 'No volume is degraded or in error.'),
+      table('Busiest volumes (last 10 s)', ['Volume', 'Backend', 'IOPS', 'Mean latency'], figureRows(top('iops'))),
+      table('Slowest volumes (last 10 s)', ['Volume', 'Backend', 'IOPS', 'Mean latency'], figureRows(top('latency'))),
+      h('h2', null, 'Recent warnings'),
+      warnings.length ? h('ol', { class: 'events', reversed: true }, warnings.map(eventItem))
+        : h('p', { class: 'hint' }, 'None in the last 200 events.'),
+    );
+  }
+
+  // Figures of the last seconds: refreshed every 5 s while the page is open.
+  async function tick() {
+    if (stopped) return;
+    await load();
+    if (!stopped) timer = setTimeout(tick, 5000);
+  }
+  tick();
+  return {
+    el,
+    onEvent: debounce(load, 300),
+    dispose() {
+      stopped = true;
+      clearTimeout(timer);
+    },
+  };
+}
+
 // ---------------------------------------------------------------- host
 
 /** Kernel, backends and policies (and why not), ublk features, orphans, recent events. */
