@@ -513,7 +513,10 @@ export function imagesPage(ctx) {
       { 'data-image': img.name },
       h('th', { scope: 'row' }, img.name),
       h('td', { class: 'num' }, bytes(img.size_bytes)),
-      h('td', { class: 'num' }, bytes(img.allocated_bytes)),
+      h('td', { class: 'num' }, bytes(img.allocated_bytes),
+        img.allocated_bytes > img.size_bytes
+          ? h('div', { class: 'reason' }, 'above the size: the filesystem\'s own blocks for the file (extent tree, preallocation)')
+          : null),
       h('td', null, img.filesystem),
       h('td', null, img.allocation ?? 'registered'),
       h('td', null, users.length ? users.map((v, i) => [i ? ', ' : '',
