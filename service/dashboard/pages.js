@@ -46,6 +46,8 @@ function outcome() {
  * in `out`. Resolves to the action's result, or undefined when it failed.
  */
 async function act(ctx, out, controls, fn, success) {
+  // A new action makes the outcomes of earlier ones on the page stale.
+  for (const o of document.querySelectorAll('main .outcome')) if (o !== out) fill(o);
   for (const c of controls) c.disabled = true;
   fill(out, h('p', { class: 'busy', role: 'status' }, 'Working…'));
   try {

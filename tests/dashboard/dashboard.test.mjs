@@ -264,6 +264,13 @@ describe('dashboard', { concurrency: false }, () => {
   test('a change loop makes live: growing the image from the UI grows the device, after a confirmation', async () => {
     const v = await apiVolume('delta');
     await go('#/images');
+    // A refusal in another form first: the next action makes it stale.
+    const iform = page.getByRole('form', { name: 'Add an image' });
+    await iform.getByLabel('Name').fill('delta-img');
+    await iform.getByLabel('Path').fill(`${svc.images}/other.img`);
+    await iform.getByLabel('Size').fill('8M');
+    await iform.getByRole('button', { name: 'Add image' }).click();
+    await iform.locator('[role=alert]').waitFor();
     const form = page.getByRole('form', { name: 'Grow an image' });
     await form.getByLabel('Image').selectOption({ label: 'delta-img (32.0 MiB)' });
     await form.getByLabel('New size').fill('48M');
@@ -279,6 +286,7 @@ describe('dashboard', { concurrency: false }, () => {
     await dialog.getByRole('button', { name: 'Grow image' }).click();
     await form.locator('.ok[role=status]').waitFor();
     assert.match(await form.locator('.ok').innerText(), /delta-img is now 48\.0 MiB/);
+    assert.equal(await iform.locator('[role=alert]').count(), 0, 'the earlier refusal is no longer shown');
     assert.equal((await svc.ok('GET', '/v1/images/delta-img')).size_bytes, 48 * MiB);
     assert.equal((await apiVolume('delta')).size_bytes, 48 * MiB, 'the volume followed');
     assert.equal(deviceSize(v.device), 48 * MiB, 'the kernel device grew');
