@@ -389,7 +389,15 @@ impl Drop for Service {
         if std::thread::panicking() {
             self.print_logs();
         }
-        // Delete what the test left, through the service, while it runs.
+        self.stop_and_clean();
+    }
+}
+
+impl Service {
+    /// Deletes what the test left (volumes, through the service while it
+    /// runs), stops the service and removes any device or worker left
+    /// behind. Idempotent: a dropped service does it too.
+    pub fn stop_and_clean(&mut self) {
         if self.child.is_some() {
             let cli = |args: &[&str]| {
                 Command::new(BIN)

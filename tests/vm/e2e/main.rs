@@ -70,6 +70,20 @@ pub struct Vm {
     more: Vec<PathBuf>,
 }
 
+/// A test's image roots on the scratch filesystems go with it: the
+/// filesystems are shared by the whole suite, and images left behind filled
+/// the 3 GiB xfs one.
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.s.stop_and_clean();
+        for (_, p) in &self.roots {
+            // A pin left by a failed test would keep its file.
+            let _ = Command::new("chattr").args(["-R", "-i"]).arg(p).output();
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
 /// Everything a refusal must leave unchanged in the VM: the service's own
 /// view ([`harness::Snapshot`]), the kernel's ublk, dm (with their tables) and
 /// loop devices, and every file under the image roots with its type, size,
