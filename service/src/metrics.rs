@@ -21,7 +21,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::model::{LATENCY_BOUNDS_US, OpStats, RootCapacity, VolumeStats};
+use crate::model::{LATENCY_BOUNDS_US, RootCapacity, VolumeStats};
 
 /// Labels of the API request metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -89,10 +89,6 @@ pub struct Snapshot {
 }
 
 const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
-
-fn op_stats(s: &VolumeStats) -> [&OpStats; 4] {
-    [&s.read, &s.write, &s.flush, &s.discard]
-}
 
 fn labels<'a>(v: &'a VolumeSample, op: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
     let mut l = vec![
@@ -167,21 +163,21 @@ impl Collector for Snapshot {
             "blockplane_volume_ops",
             "Requests completed, per op",
             C,
-            |v, i| Some(op_stats(&v.stats)[i].ops as f64),
+            |v, i| Some(v.stats.ops()[i].ops as f64),
         )?;
         self.per_op(
             &mut enc,
             "blockplane_volume_bytes",
             "Bytes transferred, per op",
             C,
-            |v, i| Some(op_stats(&v.stats)[i].bytes as f64),
+            |v, i| Some(v.stats.ops()[i].bytes as f64),
         )?;
         self.per_op(
             &mut enc,
             "blockplane_volume_errors",
             "Requests that failed, per op (ublk volumes: the kernel counts no errors for loop and dm)",
             C,
-            |v, i| op_stats(&v.stats)[i].errors.map(|e| e as f64),
+            |v, i| v.stats.ops()[i].errors.map(|e| e as f64),
         )?;
         self.per_volume(
             &mut enc,
@@ -199,7 +195,7 @@ impl Collector for Snapshot {
             |v, i| {
                 let k = v.stats.kernel.as_ref()?;
                 let ms = [k.read_ticks_ms, k.write_ticks_ms, k.flush_ticks_ms, k.discard_ticks_ms][i];
-                let ops = op_stats(&v.stats)[i].ops;
+                let ops = v.stats.ops()[i].ops;
                 (ops > 0).then(|| ms as f64 / 1000.0 / ops as f64)
             },
         )?;

@@ -512,6 +512,14 @@ pub struct VolumeStats {
     pub histograms: Option<Vec<LatencyHistogram>>,
 }
 
+impl VolumeStats {
+    /// Read, write, flush and discard, in that order (the order of every
+    /// per-op array).
+    pub fn ops(&self) -> [&OpStats; 4] {
+        [&self.read, &self.write, &self.flush, &self.discard]
+    }
+}
+
 /// Requests and bytes per second of one op.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize, ToSchema)]
 pub struct Rate {

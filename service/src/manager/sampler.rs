@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::{Manager, blocking};
 use crate::model::{
-    HISTORY_SECS, HistoryPoint, OpPoint, OpRates, OpStats, Rate, Rates, VolumeState, VolumeStats,
+    HISTORY_SECS, HistoryPoint, OpPoint, OpRates, Rate, Rates, VolumeState, VolumeStats,
 };
 
 /// Samples kept per volume: the history, plus the one its first interval
@@ -53,11 +53,11 @@ impl Sample {
                 k.flush_ticks_ms,
                 k.discard_ticks_ms,
             ][i];
-            Some((op(stats, i).ops, ms as f64 * 1000.0))
+            Some((stats.ops()[i].ops, ms as f64 * 1000.0))
         };
         let mut ops = [OpSample::default(); 4];
         for (i, o) in ops.iter_mut().enumerate() {
-            let s = op(stats, i);
+            let s = stats.ops()[i];
             *o = OpSample {
                 ops: s.ops,
                 bytes: s.bytes,
@@ -101,11 +101,6 @@ impl Sample {
     }
 }
 
-/// Read, write, flush, discard: the order of every per-op array here.
-fn op(stats: &VolumeStats, i: usize) -> &OpStats {
-    [&stats.read, &stats.write, &stats.flush, &stats.discard][i]
-}
-
 #[derive(Debug, Default)]
 struct Series {
     samples: VecDeque<Sample>,
@@ -117,7 +112,7 @@ struct Series {
 
 /// Errors of each op (read, write, flush, discard), zero where not counted.
 fn errors(s: &VolumeStats) -> [u64; 4] {
-    [&s.read, &s.write, &s.flush, &s.discard].map(|o| o.errors.unwrap_or(0))
+    s.ops().map(|o| o.errors.unwrap_or(0))
 }
 
 /// At most one I/O-error event per volume this often.
