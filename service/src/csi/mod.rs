@@ -16,6 +16,7 @@
 //! call per volume at a time.
 
 pub mod api;
+pub mod authority;
 pub mod capability;
 pub mod controller;
 pub mod errors;
@@ -29,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokio::net::UnixListener;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::client::{Client, Endpoint};
@@ -210,7 +212,10 @@ pub async fn serve(args: CsiArgs, api: &str, token: Option<String>) -> Result<()
         .add_service(proto::node_server::NodeServer::from_arc(Arc::new(
             node::NodeService::new(driver.clone()),
         )))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown())
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener).map(|conn| conn.map(authority::Filtered::new)),
+            shutdown(),
+        )
         .await?;
     let _ = std::fs::remove_file(&path);
     tracing::info!("CSI driver stopped");
