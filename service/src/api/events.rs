@@ -1,6 +1,5 @@
 //! `/v1/events`: the event log, as a list and as a live stream.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -61,36 +60,19 @@ pub async fn event_stream(
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<i64>().ok());
-    let (volume, start) = m.event_stream_start(q, resume).await?;
-    let store = m.store().clone();
-    let notify = store.events_added();
-    let state = (start, VecDeque::<Event>::new());
-    let stream = futures_util::stream::unfold(state, move |(mut last, mut pending)| {
-        let (store, notify) = (store.clone(), notify.clone());
-        async move {
-            loop {
-                if let Some(ev) = pending.pop_front() {
-                    let sse = SseEvent::default()
-                        .id(ev.id.to_string())
-                        .event(ev.kind.clone())
-                        .data(serde_json::to_string(&ev).expect("events serialize"));
-                    return Some((Ok(sse), (last, pending)));
-                }
-                // Register for the wake-up before looking, so none is missed.
-                let woken = notify.notified();
-                match store.events_after(last, volume, 100).await {
-                    Ok(batch) if !batch.is_empty() => {
-                        last = batch.last().map(|e| e.id).unwrap_or(last);
-                        pending.extend(batch);
-                    }
-                    Ok(_) => {
-                        let _ = tokio::time::timeout(Duration::from_secs(5), woken).await;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "event stream ends");
-                        return None;
-                    }
-                }
+    let feed = m.subscribe_events(q, resume).await?;
+    let stream = futures_util::stream::unfold(feed, |mut feed| async move {
+        match feed.next().await {
+            Ok(ev) => {
+                let sse = SseEvent::default()
+                    .id(ev.id.to_string())
+                    .event(ev.kind.clone())
+                    .data(serde_json::to_string(&ev).expect("events serialize"));
+                Some((Ok(sse), feed))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "event stream ends");
+                None
             }
         }
     });

@@ -1,5 +1,6 @@
 //! The HTTP API (axum). Handlers only parse and render: each turns a request
-//! into one call on the [`Manager`] and its result into a response. Routes and
+//! into one call on the service's [`Operations`] and its result into a
+//! response. Routes and
 //! the OpenAPI document come from the same `#[utoipa::path]` annotations
 //! (utoipa-axum), so they cannot drift apart.
 
@@ -26,11 +27,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::config::Limits;
-use crate::manager::{self, Manager};
+use crate::manager::{self, Operations};
 use error::ApiError;
 
-/// Handlers' state: the controller.
-pub type AppState = Arc<Manager>;
+/// Handlers' state: the service's operations (the manager, in the service).
+pub type AppState = Arc<dyn Operations>;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -161,7 +162,7 @@ pub fn openapi_json() -> String {
 /// JSON fallbacks, auth and limits. `stopping` turns true when the service
 /// begins to stop.
 pub fn router(
-    manager: Arc<Manager>,
+    ops: AppState,
     token: Option<String>,
     limits: Limits,
     stopping: tokio::sync::watch::Receiver<bool>,
@@ -191,11 +192,11 @@ pub fn router(
         admit,
     ))
     .layer(axum::middleware::from_fn_with_state(
-        manager.clone(),
+        ops.clone(),
         count_request,
     ))
     .layer(tower_http::trace::TraceLayer::new_for_http())
-    .with_state(manager)
+    .with_state(ops)
 }
 
 fn openapi_json_of(doc: &utoipa::openapi::OpenApi) -> String {
@@ -446,7 +447,7 @@ async fn count_request(State(m): State<AppState>, req: Request, next: Next) -> R
     let method = req.method().to_string();
     let started = std::time::Instant::now();
     let resp = next.run(req).await;
-    m.api_metrics.record(
+    m.record_request(
         crate::metrics::ApiLabels {
             route,
             method,

@@ -16,8 +16,7 @@ use crate::model::{ErrorBody, Health, Host};
     )
 )]
 pub async fn healthz(State(m): State<AppState>) -> Result<Json<Health>, ApiError> {
-    m.store()
-        .check_writable()
+    m.check_writable()
         .await
         .map_err(|reason| ApiError::BadRequest {
             status: axum::http::StatusCode::SERVICE_UNAVAILABLE,

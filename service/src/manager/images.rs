@@ -23,7 +23,7 @@ pub(super) struct AllocateRun {
 
 impl Manager {
     /// `POST /v1/images`.
-    pub async fn create_image(
+    pub(super) async fn create_image(
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
@@ -246,7 +246,7 @@ impl Manager {
     }
 
     /// `GET /v1/images`.
-    pub async fn images(&self) -> Result<Vec<Image>> {
+    pub(super) async fn images(&self) -> Result<Vec<Image>> {
         let mut out = Vec::new();
         for row in self.store.images().await? {
             out.push(self.image_view(row).await?);
@@ -255,13 +255,13 @@ impl Manager {
     }
 
     /// `GET /v1/images/{id}`.
-    pub async fn image(&self, id_or_name: &str) -> Result<Image> {
+    pub(super) async fn image(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         self.image_view(row).await
     }
 
     /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
-    pub async fn resize_image(
+    pub(super) async fn resize_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
         size_bytes: u64,
@@ -362,7 +362,7 @@ impl Manager {
     /// volume's backend does the writing, keeping its own writes out of each
     /// range it zeroes (ublk, dm); otherwise the service does, holding the
     /// image's lock. Answers with the image, its `allocate` running.
-    pub async fn allocate_image(self: &std::sync::Arc<Self>, id_or_name: &str) -> Result<Image> {
+    pub(super) async fn allocate_image(self: &std::sync::Arc<Self>, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
@@ -555,7 +555,7 @@ impl Manager {
 
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
-    pub async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
+    pub(super) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         let running = |s: &Self| {
             s.allocations
@@ -729,7 +729,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/images/{id}`.
-    pub async fn delete_image(
+    pub(super) async fn delete_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
         delete_file: bool,

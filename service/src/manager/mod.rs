@@ -3,9 +3,11 @@
 //! [`Error`]s to HTTP; the manager keeps SQLite and the kernel in step, one
 //! image or volume at a time, with every change recorded as an event.
 
+mod events;
 pub mod holds;
 mod images;
 pub mod locks;
+pub mod ops;
 mod reconcile;
 mod sampler;
 mod volumes;
@@ -22,7 +24,9 @@ use crate::backend::{BackendError, BackendEvent, EventSink, VolumeBackend};
 use crate::image::{ImageFileError, ImageRoots};
 use crate::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
 use crate::store::{Store, StoreError};
+pub use events::EventFeed;
 use locks::KeyedLocks;
+pub use ops::Operations;
 
 /// Why the manager refused or failed an operation.
 #[derive(Debug, thiserror::Error)]
@@ -230,7 +234,7 @@ pub struct Manager {
     /// `GET /v1/volumes` as JSON, with the store generation it was made at.
     volumes_cache: std::sync::Mutex<Option<(u64, bytes::Bytes)>>,
     /// API request counts and durations.
-    pub api_metrics: crate::metrics::ApiMetrics,
+    api_metrics: crate::metrics::ApiMetrics,
     fault: Option<Fault>,
     max_volumes: usize,
     max_overcommit: Option<f64>,
@@ -380,7 +384,7 @@ impl Manager {
     }
 
     /// What this host can run, and the devices of this instance no volume owns.
-    pub async fn host(self: &Arc<Self>) -> Result<Host> {
+    async fn host(self: &Arc<Self>) -> Result<Host> {
         let me = self.clone();
         let mut host = blocking(move || me.capabilities()).await?;
         host.orphans = self.orphans().await?;
@@ -434,7 +438,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/host/orphans/{volume_id}`: removes an orphan device on request.
-    pub async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
+    async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
         let orphan = self
             .orphans()
             .await?
@@ -551,7 +555,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 
 impl Manager {
     /// `GET /metrics`: the exposition text.
-    pub async fn metrics(&self) -> Result<String> {
+    async fn metrics(&self) -> Result<String> {
         let latest = self.sampler.latest();
         let rows = self.store.volumes().await?;
         let mut states: Vec<(String, u64)> = [
@@ -599,82 +603,10 @@ impl Manager {
         ))
     }
 
-    /// The database (for readers that follow it, like the event stream).
+    /// The database (the server checkpoints it at stop).
     pub fn store(&self) -> &Store {
         &self.store
     }
-
-    /// Where an event stream starts: its volume filter and the id it starts after.
-    pub async fn event_stream_start(
-        &self,
-        q: model::EventStreamQuery,
-        resume: Option<i64>,
-    ) -> Result<(Option<Uuid>, i64)> {
-        let volume = match q.volume {
-            None => None,
-            Some(v) => match self.store.volume(&v).await? {
-                Some(row) => Some(row.id),
-                None => Some(Uuid::parse_str(&v).map_err(|_| Error::VolumeNotFound(v.clone()))?),
-            },
-        };
-        let start = match resume.or(q.after) {
-            Some(id) => id,
-            None => self.store.last_event_id().await?,
-        };
-        Ok((volume, start))
-    }
-
-    /// `GET /v1/events`.
-    pub async fn events(&self, q: model::EventQuery) -> Result<Vec<model::Event>> {
-        let volume_id = match q.volume {
-            None => None,
-            Some(v) => match self.store.volume(&v).await? {
-                Some(row) => Some(row.id),
-                // A deleted volume's history stays readable by its id.
-                None => Some(Uuid::parse_str(&v).map_err(|_| Error::VolumeNotFound(v.clone()))?),
-            },
-        };
-        let since = q
-            .since
-            .map(|s| {
-                time::OffsetDateTime::parse(&s, &time::format_description::well_known::Rfc3339)
-                    .map_err(|e| Error::InvalidField {
-                        field: "since",
-                        reason: format!("'{s}' is not an RFC 3339 time: {e}"),
-                    })
-            })
-            .transpose()?
-            .map(utc_clamped);
-        let limit = q.limit.unwrap_or(100);
-        if !(1..=1000).contains(&limit) {
-            return Err(Error::InvalidField {
-                field: "limit",
-                reason: format!("{limit} is outside 1..=1000"),
-            });
-        }
-        Ok(self
-            .store
-            .events(&crate::store::EventFilter {
-                volume_id,
-                since,
-                limit,
-            })
-            .await?)
-    }
-}
-
-/// `t` in UTC; a valid RFC 3339 time whose UTC falls past year 9999 or
-/// before year -9999 (`9999-12-31T23:59:59-23:59`) becomes the last or first
-/// representable time, as no event lies beyond either.
-fn utc_clamped(t: time::OffsetDateTime) -> time::OffsetDateTime {
-    t.checked_to_offset(time::UtcOffset::UTC)
-        .unwrap_or_else(|| {
-            if t.year() > 0 {
-                time::PrimitiveDateTime::MAX.assume_utc()
-            } else {
-                time::PrimitiveDateTime::MIN.assume_utc()
-            }
-        })
 }
 
 /// Devices blockplane made that no volume of `instance` owns and that no

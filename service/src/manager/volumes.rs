@@ -184,7 +184,7 @@ impl Manager {
 
     /// `GET /v1/volumes` as JSON, cached until the next commit: the list is
     /// what dashboards and orchestrators poll.
-    pub async fn volumes_json(&self) -> Result<bytes::Bytes> {
+    pub(super) async fn volumes_json(&self) -> Result<bytes::Bytes> {
         let generation = self.store.generation();
         if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
             && *g == generation
@@ -201,7 +201,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}`.
-    pub async fn volume(&self, id_or_name: &str) -> Result<Volume> {
+    pub(super) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
         self.volume_view(&v).await
     }
@@ -232,7 +232,7 @@ impl Manager {
     }
 
     /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
-    pub async fn create_volume(
+    pub(super) async fn create_volume(
         self: &Arc<Self>,
         req: CreateVolumeRequest,
     ) -> Result<Created<Volume>> {
@@ -475,7 +475,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
-    pub async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+    pub(super) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
@@ -544,7 +544,7 @@ impl Manager {
     /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
     /// then the backend's) before any is made; if making one fails, those made
     /// before it are undone, and what could not be undone is recorded.
-    pub async fn patch_volume(
+    pub(super) async fn patch_volume(
         self: &Arc<Self>,
         id_or_name: &str,
         patch: PatchVolumeRequest,
@@ -682,7 +682,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}/stats`.
-    pub async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
+    pub(super) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
         let v = self.volume_row(id_or_name).await?;
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
             return Err(self.not_live(&v));
@@ -696,7 +696,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}/stats/history`.
-    pub async fn volume_history(
+    pub(super) async fn volume_history(
         &self,
         id_or_name: &str,
         q: StatsHistoryQuery,
