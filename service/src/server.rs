@@ -19,7 +19,11 @@ use tokio::sync::watch;
 
 use crate::config::{Limits, ListenAddr, LogFormat, ServeConfig};
 use crate::image::ImageRoots;
-use crate::manager::{Fault, Manager, ManagerConfig};
+use crate::backend::EventSink;
+use crate::backend::dm::DmBackend;
+use crate::backend::loopdev::LoopBackend;
+use crate::backend::ublk::{UblkBackend, UblkConfig};
+use crate::manager::{Backends, Fault, Manager, ManagerConfig};
 use crate::store::Store;
 
 /// Why the service could not start or run.
@@ -55,6 +59,8 @@ pub enum ServeError {
         count: usize,
         devices: String,
     },
+    #[error("ublk backend: {0}")]
+    Ublk(#[source] io::Error),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("reconciliation: {0}")]
@@ -456,6 +462,35 @@ fn refuse_over_unowned_devices(
     })
 }
 
+/// The kernel's backends, marking their devices with `instance`: loop, ublk
+/// (workers run under `<data-dir>/run/ublk`) and dm (its nowait/threaded
+/// path a private ublk device), all reporting into one event sink.
+fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, ServeError> {
+    let (events, receiver) = EventSink::channel();
+    let ublk = Arc::new(
+        UblkBackend::new(
+            UblkConfig {
+                run_root: cfg.data_dir.join("run").join("ublk"),
+                threads: cfg.worker_threads,
+                extent_check_secs: cfg.extent_check_secs,
+                instance: instance.clone(),
+            },
+            events.clone(),
+        )
+        .map_err(ServeError::Ublk)?,
+    );
+    let dm = DmBackend::new(
+        instance.clone(),
+        ublk.clone(),
+        events,
+        cfg.extent_check_secs,
+    );
+    Ok(Backends {
+        list: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
+        events: receiver,
+    })
+}
+
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
@@ -476,14 +511,14 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
         .ok()
         .and_then(|s| Fault::parse(&s));
+    let backends = kernel_backends(&cfg, store.instance().await?)?;
     let manager = Manager::new(
         store,
         roots,
+        backends,
         ManagerConfig {
             run_dir: cfg.data_dir.join("run"),
-            worker_threads: cfg.worker_threads,
             default_queues: cfg.queues,
-            extent_check_secs: cfg.extent_check_secs,
             max_volumes: cfg.limits.max_volumes,
             max_overcommit: cfg.limits.max_overcommit,
             fault,

@@ -17,10 +17,7 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::backend::dm::DmBackend;
-use crate::backend::loopdev::LoopBackend;
-use crate::backend::ublk::{UblkBackend, UblkConfig};
-use crate::backend::{BackendError, BackendEvent, EventSink, VolumeBackend};
+use crate::backend::{BackendError, BackendEvent, VolumeBackend};
 use crate::image::{ImageFileError, ImageRoots};
 use crate::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
 use crate::store::{Store, StoreError};
@@ -203,12 +200,8 @@ impl Fault {
 pub struct ManagerConfig {
     /// Runtime files (worker run dirs).
     pub run_dir: std::path::PathBuf,
-    /// Blocking io-wq workers of each ublk queue (`threaded`).
-    pub worker_threads: u16,
     /// Queues of a ublk or dm volume created without a number.
     pub default_queues: u16,
-    /// Seconds between re-reads of direct maps (rule 5).
-    pub extent_check_secs: u32,
     /// Volumes this host may have.
     pub max_volumes: usize,
     /// Provisioned bytes of an image root over its filesystem's size, at most.
@@ -248,37 +241,29 @@ pub struct Manager {
     allocations: std::sync::Mutex<std::collections::HashMap<Uuid, images::AllocateRun>>,
 }
 
+/// The backends a manager serves volumes with, built by its caller (the
+/// server builds the kernel's; a test, fakes), and the receiving end of the
+/// [`crate::backend::EventSink`] they were given.
+pub struct Backends {
+    /// One per kind at most; a kind missing is a backend this build lacks.
+    pub list: Vec<Arc<dyn VolumeBackend>>,
+    /// What the backends notice on their own (worker restarts, drift).
+    pub events: std::sync::mpsc::Receiver<BackendEvent>,
+}
+
 impl Manager {
-    /// A manager over `store` and `roots` with the backends this build has.
-    pub async fn new(store: Store, roots: ImageRoots, cfg: ManagerConfig) -> Result<Arc<Self>> {
+    /// A manager over `store` and `roots`, serving volumes with `backends`.
+    pub async fn new(
+        store: Store,
+        roots: ImageRoots,
+        backends: Backends,
+        cfg: ManagerConfig,
+    ) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
-        let (events, backend_events) = EventSink::channel();
-        let ublk = Arc::new(
-            UblkBackend::new(
-                UblkConfig {
-                    run_root: cfg.run_dir.join("ublk"),
-                    threads: cfg.worker_threads,
-                    extent_check_secs: cfg.extent_check_secs,
-                    instance: instance.clone(),
-                },
-                events.clone(),
-            )
-            .map_err(|e| Error::Internal(format!("ublk backend: {e}")))?,
-        );
-        let dm = DmBackend::new(
-            instance.clone(),
-            ublk.clone(),
-            events,
-            cfg.extent_check_secs,
-        );
         let me = Arc::new(Self {
             store,
             roots,
-            backends: vec![
-                Arc::new(LoopBackend::new(instance.clone())),
-                ublk,
-                Arc::new(dm),
-            ],
+            backends: backends.list,
             instance,
             image_registration: Mutex::new(()),
             image_locks: KeyedLocks::default(),
@@ -294,7 +279,7 @@ impl Manager {
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: std::sync::Mutex::default(),
         });
-        me.clone().record_backend_events(backend_events);
+        me.clone().record_backend_events(backends.events);
         Ok(me)
     }
 
