@@ -17,12 +17,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
-use crate::config::{Limits, ListenAddr, LogFormat, ServeConfig};
-use crate::image::ImageRoots;
 use crate::backend::EventSink;
 use crate::backend::dm::DmBackend;
 use crate::backend::loopdev::LoopBackend;
 use crate::backend::ublk::{UblkBackend, UblkConfig};
+use crate::config::{Limits, ListenAddr, LogFormat, ServeConfig};
+use crate::image::ImageRoots;
 use crate::manager::{Backends, Fault, Manager, ManagerConfig};
 use crate::store::Store;
 

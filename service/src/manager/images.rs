@@ -362,7 +362,10 @@ impl Manager {
     /// volume's backend does the writing, keeping its own writes out of each
     /// range it zeroes (ublk, dm); otherwise the service does, holding the
     /// image's lock. Answers with the image, its `allocate` running.
-    pub(super) async fn allocate_image(self: &std::sync::Arc<Self>, id_or_name: &str) -> Result<Image> {
+    pub(super) async fn allocate_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+    ) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;

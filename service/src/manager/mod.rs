@@ -4,11 +4,15 @@
 //! image or volume at a time, with every change recorded as an event.
 
 mod events;
+#[cfg(test)]
+mod fake;
 pub mod holds;
 mod images;
 pub mod locks;
 pub mod ops;
 mod reconcile;
+#[cfg(test)]
+mod rules;
 mod sampler;
 mod volumes;
 

@@ -31,8 +31,11 @@ pub trait Operations: Send + Sync {
     /// `GET /v1/images/{id}`.
     async fn image(&self, id: &str) -> Result<Image>;
     /// `POST /v1/images/{id}/resize`: grows the file, then its volume.
-    async fn resize_image(self: Arc<Self>, id: &str, size_bytes: u64)
-    -> Result<ResizeImageResponse>;
+    async fn resize_image(
+        self: Arc<Self>,
+        id: &str,
+        size_bytes: u64,
+    ) -> Result<ResizeImageResponse>;
     /// `POST /v1/images/{id}/allocate`: starts filling the image's holes.
     async fn allocate_image(self: Arc<Self>, id: &str) -> Result<Image>;
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate.
