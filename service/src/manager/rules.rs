@@ -57,6 +57,36 @@ impl Bed {
         self.m.reconcile().await.unwrap()
     }
 
+    /// A bed whose image `img` serves volume `v`, created with `extra`;
+    /// and the volume's row as created.
+    async fn with_volume(extra: serde_json::Value) -> (Self, VolumeRow) {
+        let bed = Self::new(OrphanPolicy::Remove).await;
+        bed.image("img").await;
+        bed.create("v", "img", extra).await.unwrap();
+        let row = bed.row("v").await.unwrap();
+        (bed, row)
+    }
+
+    /// Volume `v` is as `before`: its row, its device, and no call made on
+    /// it since its attach.
+    async fn assert_unchanged(&self, before: &VolumeRow) {
+        assert_eq!(settings(&self.row("v").await.unwrap()), settings(before));
+        assert_eq!(self.fake.device(before.id), before.attachment);
+        assert_eq!(self.calls(before.id), vec![Call::Attach(before.id)]);
+    }
+
+    /// A PATCH of `v` is refused on `field` and leaves it as `before`.
+    async fn assert_patch_refused(
+        &self,
+        patch: serde_json::Value,
+        field: &str,
+        before: &VolumeRow,
+    ) {
+        let e = self.patch("v", patch).await.unwrap_err();
+        assert!(is_volume_error(&e, "v", field), "{e}");
+        self.assert_unchanged(before).await;
+    }
+
     fn root(&self) -> PathBuf {
         self.dir.path().join("images").canonicalize().unwrap()
     }
@@ -204,10 +234,7 @@ async fn create_again_with_the_same_spec_returns_the_volume_and_attaches_once() 
 
 #[tokio::test]
 async fn create_again_with_another_spec_is_refused_and_changes_nothing() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let before = bed.row("v").await.unwrap();
+    let (bed, before) = Bed::with_volume(json!({})).await;
     let e = bed
         .create("v", "img", json!({"dispatch": "threaded"}))
         .await
@@ -216,16 +243,13 @@ async fn create_again_with_another_spec_is_refused_and_changes_nothing() {
         matches!(&e, Error::VolumeExists { name, differences } if name == "v" && differences.contains("dispatch")),
         "{e}"
     );
-    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
-    assert_eq!(bed.calls(before.id), vec![Call::Attach(before.id)]);
+    bed.assert_unchanged(&before).await;
 }
 
 #[tokio::test]
 async fn delete_removes_the_device_and_the_row_then_answers_not_found() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let id = bed.row("v").await.unwrap().id;
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    let id = before.id;
     bed.m.delete_volume("v").await.unwrap();
     assert!(bed.row("v").await.is_none());
     assert!(bed.fake.device(id).is_none());
@@ -311,40 +335,23 @@ async fn the_volume_cap_holds() {
 
 #[tokio::test]
 async fn a_volume_created_read_only_never_turns_writable() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({"read_only": true}))
-        .await
-        .unwrap();
-    let before = bed.row("v").await.unwrap();
+    let (bed, before) = Bed::with_volume(json!({"read_only": true})).await;
     assert!(before.attachment.as_ref().unwrap().read_only);
-    let e = bed
-        .patch("v", json!({"read_only": false}))
-        .await
-        .unwrap_err();
-    assert!(is_volume_error(&e, "v", "read_only"), "{e}");
-    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
-    assert_eq!(bed.calls(before.id), vec![Call::Attach(before.id)]);
+    bed.assert_patch_refused(json!({"read_only": false}), "read_only", &before)
+        .await;
 }
 
 /// The bug of issue 16: a PATCH whose second change a rule of the manager's
 /// refuses must not make its first one.
 #[tokio::test]
 async fn a_patch_whose_second_change_breaks_a_rule_changes_nothing() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({"read_only": true}))
-        .await
-        .unwrap();
-    let before = bed.row("v").await.unwrap();
-    let e = bed
-        .patch("v", json!({"dispatch": "threaded", "read_only": false}))
-        .await
-        .unwrap_err();
-    assert!(is_volume_error(&e, "v", "read_only"), "{e}");
-    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
-    assert_eq!(bed.fake.device(before.id), before.attachment);
-    assert_eq!(bed.calls(before.id), vec![Call::Attach(before.id)]);
+    let (bed, before) = Bed::with_volume(json!({"read_only": true})).await;
+    bed.assert_patch_refused(
+        json!({"dispatch": "threaded", "read_only": false}),
+        "read_only",
+        &before,
+    )
+    .await;
     assert_eq!(
         bed.events(before.id).await,
         ["volume_created", "volume_attached"]
@@ -353,28 +360,20 @@ async fn a_patch_whose_second_change_breaks_a_rule_changes_nothing() {
 
 #[tokio::test]
 async fn a_patch_whose_second_change_the_backend_refuses_changes_nothing() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
+    let (bed, before) = Bed::with_volume(json!({})).await;
     bed.fake.refuse("read_only");
-    let before = bed.row("v").await.unwrap();
-    let e = bed
-        .patch("v", json!({"dispatch": "threaded", "read_only": true}))
-        .await
-        .unwrap_err();
-    assert!(is_volume_error(&e, "v", "read_only"), "{e}");
-    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
-    assert_eq!(bed.fake.device(before.id), before.attachment);
-    assert_eq!(bed.calls(before.id), vec![Call::Attach(before.id)]);
+    bed.assert_patch_refused(
+        json!({"dispatch": "threaded", "read_only": true}),
+        "read_only",
+        &before,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn a_patch_whose_second_change_fails_is_undone() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
+    let (bed, before) = Bed::with_volume(json!({})).await;
     bed.fake.fail("qos");
-    let before = bed.row("v").await.unwrap();
     let qos = Qos {
         iops: Some(100),
         ..Default::default()
@@ -404,9 +403,7 @@ async fn a_patch_whose_second_change_fails_is_undone() {
 
 #[tokio::test]
 async fn a_patch_makes_every_change_and_records_each() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
+    let (bed, _) = Bed::with_volume(json!({})).await;
     let v = bed
         .patch(
             "v",
@@ -440,10 +437,7 @@ async fn a_patch_makes_every_change_and_records_each() {
 
 #[tokio::test]
 async fn a_patch_with_a_zero_limit_is_refused_before_the_backend_hears_of_it() {
-    let bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let before = bed.row("v").await.unwrap();
+    let (bed, before) = Bed::with_volume(json!({})).await;
     let e = bed
         .patch("v", json!({"dispatch": "threaded", "qos": {"iops": 0}}))
         .await
@@ -458,16 +452,12 @@ async fn a_patch_with_a_zero_limit_is_refused_before_the_backend_hears_of_it() {
         ),
         "{e}"
     );
-    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
-    assert_eq!(bed.calls(before.id), vec![Call::Attach(before.id)]);
+    bed.assert_unchanged(&before).await;
 }
 
 #[tokio::test]
 async fn reconcile_adopts_a_matching_device_without_touching_it() {
-    let mut bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let before = bed.row("v").await.unwrap();
+    let (mut bed, before) = Bed::with_volume(json!({})).await;
     let report = bed.restart().await;
     assert_eq!(
         (report.adopted, report.reattached, report.failed),
@@ -490,13 +480,9 @@ async fn reconcile_adopts_a_matching_device_without_touching_it() {
 
 #[tokio::test]
 async fn reconcile_applies_again_a_change_the_row_never_recorded() {
-    let mut bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
     // Asked, not `auto`: a policy the backend chose is not forced back.
-    bed.create("v", "img", json!({"dispatch": "nowait"}))
-        .await
-        .unwrap();
-    let id = bed.row("v").await.unwrap().id;
+    let (mut bed, before) = Bed::with_volume(json!({"dispatch": "nowait"})).await;
+    let id = before.id;
     // The service died between changing the device and recording it.
     let mut changed = bed.fake.device(id).unwrap();
     changed.dispatch = crate::model::ActiveDispatch::Threaded;
@@ -517,10 +503,7 @@ async fn reconcile_applies_again_a_change_the_row_never_recorded() {
 
 #[tokio::test]
 async fn reconcile_attaches_again_a_volume_whose_device_vanished() {
-    let mut bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let before = bed.row("v").await.unwrap();
+    let (mut bed, before) = Bed::with_volume(json!({})).await;
     bed.fake.set_device(before.id, None);
     let report = bed.restart().await;
     assert_eq!(
@@ -547,10 +530,7 @@ async fn reconcile_attaches_again_a_volume_whose_device_vanished() {
 
 #[tokio::test]
 async fn reconcile_finishes_a_delete_caught_half_way() {
-    let mut bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let mut row = bed.row("v").await.unwrap();
+    let (mut bed, mut row) = Bed::with_volume(json!({})).await;
     row.state = VolumeState::Detaching;
     let mut tx = bed.store.begin().await.unwrap();
     tx.update_volume(&row).await.unwrap();
@@ -567,17 +547,14 @@ async fn reconcile_finishes_a_delete_caught_half_way() {
 
 #[tokio::test]
 async fn reconcile_removes_a_marked_device_with_no_volume() {
-    let mut bed = Bed::new(OrphanPolicy::Remove).await;
-    bed.image("img").await;
-    bed.create("v", "img", json!({})).await.unwrap();
-    let kept = bed.row("v").await.unwrap().id;
+    let (mut bed, kept) = Bed::with_volume(json!({})).await;
     let orphan = Uuid::new_v4();
     let att = bed.fake.attachment(1 << 20, DispatchPolicy::Nowait, false);
     bed.fake.set_device(orphan, Some(att));
     let report = bed.restart().await;
     assert_eq!(report.orphans_removed, 1);
     assert!(bed.fake.device(orphan).is_none());
-    assert!(bed.fake.device(kept).is_some());
+    assert!(bed.fake.device(kept.id).is_some());
     assert_eq!(bed.calls(orphan), vec![Call::Detach(orphan)]);
     assert_eq!(bed.events(orphan).await, ["orphan_removed"]);
 }
