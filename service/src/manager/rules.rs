@@ -580,3 +580,39 @@ async fn reconcile_reports_an_orphan_under_the_report_policy_until_asked() {
     assert!(bed.fake.device(orphan).is_none());
     assert_eq!(bed.calls(orphan), vec![Call::Detach(orphan)]);
 }
+
+#[tokio::test]
+async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
+    let (bed, v) = Bed::with_volume(json!({})).await;
+    let query = |after| crate::model::EventStreamQuery {
+        volume: Some("v".into()),
+        after,
+    };
+    let mut feed = bed.m.subscribe_events(query(Some(0)), None).await.unwrap();
+    let mut replayed = Vec::new();
+    for _ in 0..2 {
+        replayed.push(feed.next().await.unwrap().kind);
+    }
+    assert_eq!(replayed, ["volume_created", "volume_attached"]);
+    // From now on: only what comes next, and only of this volume.
+    let mut now = bed.m.subscribe_events(query(None), None).await.unwrap();
+    bed.image("other").await;
+    bed.create("w", "other", json!({})).await.unwrap();
+    bed.patch("v", json!({"dispatch": "threaded"}))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(std::time::Duration::from_secs(5), now.next())
+        .await
+        .expect("the feed follows new events")
+        .unwrap();
+    assert_eq!(
+        (next.kind.as_str(), next.volume_id),
+        ("dispatch_changed", Some(v.id))
+    );
+    let unknown = crate::model::EventStreamQuery {
+        volume: Some("gone".into()),
+        after: None,
+    };
+    let e = bed.m.subscribe_events(unknown, None).await.err();
+    assert!(matches!(&e, Some(Error::VolumeNotFound(n)) if n == "gone"));
+}

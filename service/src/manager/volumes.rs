@@ -165,7 +165,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes`.
-    pub async fn volumes(&self) -> Result<Vec<Volume>> {
+    async fn volumes(&self) -> Result<Vec<Volume>> {
         let sizes: HashMap<Uuid, u64> = self
             .store
             .images()
