@@ -105,6 +105,7 @@ impl ApiError {
                 Error::ImageFile(e) => image_file(e),
                 Error::Store(e) if e.is_full() => (S::INSUFFICIENT_STORAGE, "storage_full"),
                 Error::Store(_) => (S::INTERNAL_SERVER_ERROR, "database_error"),
+                Error::StoreUnwritable(_) => (S::SERVICE_UNAVAILABLE, "store_unwritable"),
                 Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal"),
             },
         }

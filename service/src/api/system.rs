@@ -16,13 +16,7 @@ use crate::model::{ErrorBody, Health, Host};
     )
 )]
 pub async fn healthz(State(m): State<AppState>) -> Result<Json<Health>, ApiError> {
-    m.check_writable()
-        .await
-        .map_err(|reason| ApiError::BadRequest {
-            status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            code: "store_unwritable",
-            message: format!("the registry cannot be written: {reason}"),
-        })?;
+    m.check_writable().await?;
     Ok(Json(Health {
         status: "ok".into(),
     }))

@@ -113,6 +113,8 @@ pub enum Error {
     ImageFile(#[from] ImageFileError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("the registry cannot be written: {0}")]
+    StoreUnwritable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }

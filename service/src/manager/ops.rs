@@ -62,8 +62,8 @@ pub trait Operations: Send + Sync {
     async fn host(self: Arc<Self>) -> Result<Host>;
     /// `DELETE /v1/host/orphans/{volume_id}`.
     async fn delete_orphan(&self, volume_id: &str) -> Result<()>;
-    /// `GET /healthz`: why the registry cannot be written, if it cannot.
-    async fn check_writable(&self) -> std::result::Result<(), String>;
+    /// `GET /healthz`: refused when the registry cannot be written.
+    async fn check_writable(&self) -> Result<()>;
     /// `GET /metrics`: the exposition text.
     async fn metrics(&self) -> Result<String>;
     /// Counts one answered API request (for `GET /metrics`).
@@ -133,8 +133,11 @@ impl Operations for Manager {
     async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
         Manager::delete_orphan(self, volume_id).await
     }
-    async fn check_writable(&self) -> std::result::Result<(), String> {
-        self.store.check_writable().await
+    async fn check_writable(&self) -> Result<()> {
+        self.store
+            .check_writable()
+            .await
+            .map_err(super::Error::StoreUnwritable)
     }
     async fn metrics(&self) -> Result<String> {
         Manager::metrics(self).await
