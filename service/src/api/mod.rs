@@ -1,8 +1,7 @@
 //! The HTTP API (axum). Handlers only parse and render: each turns a request
 //! into one call on the service's [`Operations`] and its result into a
-//! response. Routes and
-//! the OpenAPI document come from the same `#[utoipa::path]` annotations
-//! (utoipa-axum), so they cannot drift apart.
+//! response. Routes and the OpenAPI document come from the same
+//! `#[utoipa::path]` annotations (utoipa-axum), so they cannot drift apart.
 
 pub mod error;
 mod events;
