@@ -270,6 +270,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
     assert_eq!(a.body["method"], "copy", "{}", a.body);
     assert_eq!(a.body["state"], "copying", "{}", a.body);
+    assert_eq!(a.body["size_bytes"], 128 << 20, "{}", a.body);
     wait_copy_progress(&s, "base-s").await;
     // Not ready: no volume, not even a read-only one.
     let v = s

@@ -8,8 +8,8 @@ use uuid::Uuid;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
 use crate::model::{
-    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ResizeImageResponse,
-    RootCapacity, VolumeResize, VolumeState,
+    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
+    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState,
 };
 use crate::store::ImageRow;
 
@@ -98,7 +98,7 @@ impl Manager {
             cloned_from: None,
             read_only: false,
             method: None,
-            state: crate::model::ImageState::Ready,
+            state: ImageState::Ready,
             state_reason: None,
         };
         let recorded = async {
@@ -248,6 +248,8 @@ impl Manager {
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .unwrap_or((row.size_bytes, row.allocated_bytes));
+        // A copy's file grows to its size only once the copy starts.
+        let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
         let progress = self.copy_progress(row.id);
         Ok(Image {
             state: row.state,
@@ -775,7 +777,7 @@ impl Manager {
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
-        let delete_file = delete_file || row.state != crate::model::ImageState::Ready;
+        let delete_file = delete_file || row.state != ImageState::Ready;
         self.refuse_while_allocating(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
