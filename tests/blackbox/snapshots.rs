@@ -51,6 +51,20 @@ fn same_bytes(a: &Path, b: &Path) -> bool {
     std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
 }
 
+/// Asks for a loop volume `name` on `image`.
+async fn loop_volume(
+    s: &Service,
+    name: &str,
+    image: &str,
+    read_only: bool,
+) -> blockplane::client::Answer {
+    s.post(
+        "/v1/volumes",
+        json!({"name": name, "image": image, "backend": "loop", "read_only": read_only}),
+    )
+    .await
+}
+
 /// Polls an image until it is no longer `copying`; its last view.
 async fn wait_copy(s: &Service, image: &str) -> Value {
     for _ in 0..1200 {
@@ -91,12 +105,7 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
     let src = image_with_data(&s, &fs.mnt, "gold", 128 << 20, 64 << 20).await;
     // Through an attached loop volume too: a write that completed before
     // the request is in the snapshot.
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "gv", "image": "gold", "backend": "loop"}),
-        )
-        .await;
+    let v = loop_volume(&s, "gv", "gold", false).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
     let dev = v.body["device"].as_str().unwrap().to_string();
     let d = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
@@ -146,12 +155,7 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
 
     // Read-only: a writable volume, a grow and an allocate are refused,
     // naming the image and the rule.
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "sv", "image": "gold-s1", "backend": "loop"}),
-        )
-        .await;
+    let v = loop_volume(&s, "sv", "gold-s1", false).await;
     assert_error(&v, 422, "image_read_only");
     let m = v.body["error"]["message"].as_str().unwrap();
     assert!(m.contains("'gold-s1'") && m.contains("read_only"), "{m}");
@@ -165,12 +169,7 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
     let r = s.post("/v1/images/gold-s1/allocate", json!(null)).await;
     assert_error(&r, 422, "image_read_only");
     // A read-only loop volume on it: writes through the device fail.
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "sv", "image": "gold-s1", "backend": "loop", "read_only": true}),
-        )
-        .await;
+    let v = loop_volume(&s, "sv", "gold-s1", true).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
     let sdev = v.body["device"].as_str().unwrap();
     let w = std::fs::OpenOptions::new()
@@ -197,12 +196,7 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
     assert_eq!(c.body["read_only"], false, "{}", c.body);
     assert_eq!(c.body["snapshot_of"], Value::Null, "{}", c.body);
     assert_eq!(c.body["cloned_from"], a.body["id"], "{}", c.body);
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "cv", "image": "gold-c", "backend": "loop"}),
-        )
-        .await;
+    let v = loop_volume(&s, "cv", "gold-c", false).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
     let cdev = v.body["device"].as_str().unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(cdev).unwrap();
@@ -273,12 +267,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     assert_eq!(a.body["size_bytes"], 128 << 20, "{}", a.body);
     wait_copy_progress(&s, "base-s").await;
     // Not ready: no volume, not even a read-only one.
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "sv", "image": "base-s", "backend": "loop", "read_only": true}),
-        )
-        .await;
+    let v = loop_volume(&s, "sv", "base-s", true).await;
     assert_error(&v, 409, "image_not_ready");
     assert!(
         v.body["error"]["message"]
@@ -308,12 +297,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         started.is_some() && ended.is_some() && started < ended,
         "{ev}"
     );
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "sv", "image": "base-s", "backend": "loop", "read_only": true}),
-        )
-        .await;
+    let v = loop_volume(&s, "sv", "base-s", true).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
 
     // A clone's copy, cancelled by deleting the image: its file goes.
@@ -383,12 +367,7 @@ async fn a_crash_during_a_copy_never_leaves_a_ready_half_file() {
         g.body
     );
     assert!(!snap.exists(), "the half copy is still there");
-    let v = s
-        .post(
-            "/v1/volumes",
-            json!({"name": "sv", "image": "base-s", "backend": "loop", "read_only": true}),
-        )
-        .await;
+    let v = loop_volume(&s, "sv", "base-s", true).await;
     assert_error(&v, 409, "image_not_ready");
     let ev = s.get("/v1/events?limit=100").await.body.to_string();
     assert!(ev.contains("image_copy_failed"), "{ev}");

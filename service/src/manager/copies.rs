@@ -268,19 +268,10 @@ impl Manager {
                     .await?;
                 }
                 Err(e) => {
-                    self.remove_partial(row);
                     let reason = format!(
                         "the copy failed after {done} bytes: {e}; its partial file was removed"
                     );
-                    tx.set_image_state(row.id, ImageState::Failed, Some(&reason), 0)
-                        .await?;
-                    tx.event(
-                        None,
-                        Some(row.id),
-                        "image_copy_failed",
-                        &format!("image '{}': {reason}", row.name),
-                    )
-                    .await?;
+                    self.fail_copy(&mut tx, row, &reason).await?;
                 }
             }
             tx.commit().await
@@ -326,31 +317,37 @@ impl Manager {
             if row.state != ImageState::Copying {
                 continue;
             }
-            self.remove_partial(&row);
             let reason = "the service stopped during its copy; its partial file was removed (delete the image, then snapshot or clone again)";
             let mut tx = self.store.begin().await?;
-            tx.set_image_state(row.id, ImageState::Failed, Some(reason), 0)
-                .await?;
-            tx.event(
-                None,
-                Some(row.id),
-                "image_copy_failed",
-                &format!("image '{}': {reason}", row.name),
-            )
-            .await?;
+            self.fail_copy(&mut tx, &row, reason).await?;
             tx.commit().await?;
             tracing::warn!(image = %row.name, "an interrupted copy was removed");
         }
         Ok(())
     }
 
-    /// Removes an unfinished copy's file (if it is still that file).
-    fn remove_partial(&self, row: &ImageRow) {
+    /// Removes an unfinished copy's file (if it is still that file) and
+    /// records the image `failed` for `reason`, with an event.
+    async fn fail_copy(
+        &self,
+        tx: &mut crate::store::WriteTx,
+        row: &ImageRow,
+        reason: &str,
+    ) -> std::result::Result<(), crate::store::StoreError> {
         if let Ok(path) = self.roots.resolve(&row.path) {
             let _ = self
                 .roots
                 .remove_file(&path, row.dev, row.ino, row.birth.as_deref());
         }
+        tx.set_image_state(row.id, ImageState::Failed, Some(reason), 0)
+            .await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_copy_failed",
+            &format!("image '{}': {reason}", row.name),
+        )
+        .await
     }
 
     /// Bytes copied so far and to copy, while the image's copy runs.
