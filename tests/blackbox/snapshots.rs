@@ -258,6 +258,20 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     let fs = LoopFs::new(EXT4, 512 << 20);
     let s = service_on(&fs, &[("BLOCKPLANE_TEST_FAULT", "slow_copy")]).await;
     let src = image_with_data(&s, &fs.mnt, "base", 128 << 20, 96 << 20).await;
+    // A copy takes time: not while a writable volume writes the source.
+    let v = loop_volume(&s, "bv", "base", false).await;
+    assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
+    let a = s
+        .post("/v1/images/base/snapshots", json!({"name": "base-s"}))
+        .await;
+    assert_error(&a, 409, "volume_attached_snapshot_unsupported");
+    let m = a.body["error"]["message"].as_str().unwrap();
+    assert!(m.contains("'base'") && m.contains("'bv'"), "{m}");
+    assert!(!fs.mnt.join("base-s").exists());
+    assert_eq!(
+        s.delete("/v1/volumes/bv").await.status,
+        StatusCode::NO_CONTENT
+    );
     let a = s
         .post("/v1/images/base/snapshots", json!({"name": "base-s"}))
         .await;
@@ -275,6 +289,15 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
             .unwrap()
             .contains("'base-s'")
     );
+    // The source stays as it was until the copy ends.
+    let v = loop_volume(&s, "bv", "base", false).await;
+    assert_error(&v, 409, "copy_source_busy");
+    let m = v.body["error"]["message"].as_str().unwrap();
+    assert!(m.contains("'base'") && m.contains("'base-s'"), "{m}");
+    let r = s
+        .post("/v1/images/base/resize", json!({"size_bytes": 256 << 20}))
+        .await;
+    assert_error(&r, 409, "copy_source_busy");
     let mut seen = Vec::new();
     let end = loop {
         let g = s.get("/v1/images/base-s").await;

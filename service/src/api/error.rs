@@ -101,6 +101,7 @@ impl ApiError {
                 Error::AllocateConflict { .. } => (S::CONFLICT, "allocate_conflict"),
                 Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, "image_read_only"),
                 Error::ImageNotReady { .. } => (S::CONFLICT, "image_not_ready"),
+                Error::CopySource { .. } => (S::CONFLICT, "copy_source_busy"),
                 Error::SnapshotAttached { .. } => {
                     (S::CONFLICT, "volume_attached_snapshot_unsupported")
                 }

@@ -37,7 +37,7 @@ fn created(image: Image) -> (StatusCode, Json<Image>) {
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
         (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
-        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a ublk or dm volume serves it (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a ublk or dm volume serves it, or a writable volume does and it must be copied (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or both `create` and `clone_from`", body = ErrorBody),
         (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy (refused before it starts)", body = ErrorBody),
     )
@@ -67,7 +67,7 @@ pub async fn create_image(
         (status = 202, description = "Snapshot recorded, its copy runs in the background (`state` `copying`)", body = Image),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a ublk or dm volume serves it (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a ublk or dm volume serves it, or a writable volume does and it must be copied (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Invalid name", body = ErrorBody),
         (status = 507, description = "The filesystem lacks the space for the copy (refused before it starts), or the overcommit ratio would be passed", body = ErrorBody),
     )
@@ -148,7 +148,7 @@ pub async fn delete_image(
         (status = 200, description = "The grown image, and how each attached volume followed", body = ResizeImageResponse),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "The file was replaced, or the image's copy runs or failed (`image_not_ready`)", body = ErrorBody),
+        (status = 409, description = "The file was replaced, the image's copy runs or failed (`image_not_ready`), or a copy reads it (`copy_source_busy`)", body = ErrorBody),
         (status = 422, description = "Shrink, a size that is not a multiple of 512, or a read-only snapshot (`image_read_only`)", body = ErrorBody),
         (status = 507, description = "The filesystem is full", body = ErrorBody),
     )
@@ -184,7 +184,7 @@ pub async fn resize_image(
     responses(
         (status = 202, description = "Started: the image, its `allocate` `running`", body = Image),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "An allocate already runs, the file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only, or the image's copy runs or failed (`image_not_ready`)", body = ErrorBody),
+        (status = 409, description = "An allocate already runs, the file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only, the image's copy runs or failed (`image_not_ready`), or a copy reads it (`copy_source_busy`)", body = ErrorBody),
         (status = 422, description = "The image is not on ext4 or xfs (it can never be direct-mapped), or is a read-only snapshot (`image_read_only`)", body = ErrorBody),
         (status = 507, description = "The filesystem has less free space than the image's holes need", body = ErrorBody),
     )

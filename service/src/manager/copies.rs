@@ -14,6 +14,20 @@ use crate::image::{Access, AllocateJob, CloneStart, ImageFile};
 use crate::model::{Backend, CopyMethod, Image, ImageState};
 use crate::store::ImageRow;
 
+/// A running copy: its job, and the image it reads (which must not change
+/// until it ends).
+pub(super) struct CopyRun {
+    job: Arc<AllocateJob>,
+    source: Uuid,
+    name: String,
+}
+
+/// Why a ublk or dm volume stops a snapshot.
+const QUIESCE_MISSING: &str = "a snapshot or clone of an image a ublk or dm volume serves is not supported yet (it needs its queues quiesced); detach the volume, or use loop";
+
+/// Why a writable volume stops a copy.
+const COPY_UNDER_WRITES: &str = "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; detach the volume or make it read-only (PATCH read_only) first";
+
 impl Manager {
     /// `POST /v1/images/{id}/snapshots`: a read-only image made from
     /// `source`, its file named `name` in the source's directory.
@@ -70,14 +84,14 @@ impl Manager {
         // completed is in the file, and the filesystem's own locking orders
         // the reflink or copy after it. ublk and dm queues would need a
         // quiesce first, which is not there yet.
-        for (v, backend) in self.attached_volumes(src.id).await? {
-            if backend.kind() != Backend::Loop {
-                return Err(Error::SnapshotAttached {
-                    name: src.name,
-                    volume: v.name,
-                    backend: backend.kind().as_str(),
-                });
-            }
+        let attached = self.attached_volumes(src.id).await?;
+        if let Some((v, b)) = attached.iter().find(|(_, b)| b.kind() != Backend::Loop) {
+            return Err(Error::SnapshotAttached {
+                name: src.name,
+                volume: v.name.clone(),
+                backend: b.kind().as_str(),
+                reason: QUIESCE_MISSING,
+            });
         }
         let warnings = self
             .check_provisioning(name, &path.display(), src.size_bytes, true)
@@ -97,6 +111,15 @@ impl Manager {
                     .remove_file(&path, file.identity().0, file.identity().1, file.birth());
         };
         if !reflinked {
+            if let Some((v, b)) = attached.iter().find(|(v, _)| !v.read_only) {
+                remove(&file);
+                return Err(Error::SnapshotAttached {
+                    name: src.name,
+                    volume: v.name.clone(),
+                    backend: b.kind().as_str(),
+                    reason: COPY_UNDER_WRITES,
+                });
+            }
             let (needed, free) = (src_file.allocated(), file.free_bytes()?);
             if needed > free {
                 remove(&file);
@@ -186,7 +209,7 @@ impl Manager {
         tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
         if !reflinked {
             let private = start == CloneStart::Copy { private: true };
-            self.start_copy(&row, file, src_file, private);
+            self.start_copy(&row, src.id, file, src_file, private);
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
@@ -197,6 +220,7 @@ impl Manager {
     fn start_copy(
         self: &Arc<Self>,
         row: &ImageRow,
+        source: Uuid,
         mut file: ImageFile,
         src: ImageFile,
         private: bool,
@@ -210,10 +234,14 @@ impl Manager {
             ..Default::default()
         });
         job.total_bytes.store(src.allocated(), Relaxed);
-        self.copies
-            .lock()
-            .expect("copies poisoned")
-            .insert(row.id, job.clone());
+        self.copies.lock().expect("copies poisoned").insert(
+            row.id,
+            CopyRun {
+                job: job.clone(),
+                source,
+                name: row.name.clone(),
+            },
+        );
         let (me, row) = (self.clone(), row.clone());
         tokio::spawn(async move {
             let started = std::time::Instant::now();
@@ -290,7 +318,7 @@ impl Manager {
                 .lock()
                 .expect("copies poisoned")
                 .get(&id)
-                .cloned()
+                .map(|r| r.job.clone())
         };
         let Some(job) = running() else { return };
         job.cancel.store(true, Relaxed);
@@ -304,8 +332,8 @@ impl Manager {
     /// Asks every running copy to stop (the service is stopping: their
     /// images are found `copying` at the next start and failed there).
     pub fn stop_copies(&self) {
-        for job in self.copies.lock().expect("copies poisoned").values() {
-            job.cancel.store(true, Relaxed);
+        for run in self.copies.lock().expect("copies poisoned").values() {
+            run.job.cancel.store(true, Relaxed);
         }
     }
 
@@ -356,7 +384,24 @@ impl Manager {
             .lock()
             .expect("copies poisoned")
             .get(&id)
-            .map(|j| (j.done_bytes.load(Relaxed), j.total_bytes.load(Relaxed)))
+            .map(|r| {
+                let j = &r.job;
+                (j.done_bytes.load(Relaxed), j.total_bytes.load(Relaxed))
+            })
+    }
+
+    /// 409 `copy_source_busy` while a copy reads the image: its bytes must
+    /// not change under it.
+    pub(super) fn refuse_while_copied(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let copies = self.copies.lock().expect("copies poisoned");
+        match copies.values().find(|r| r.source == row.id) {
+            Some(r) => Err(Error::CopySource {
+                name: row.name.clone(),
+                copy: r.name.clone(),
+                what: what.to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// 409 `image_not_ready` unless the image's file is complete.
@@ -411,6 +456,7 @@ impl Manager {
         if read_only {
             return Ok(());
         }
+        self.refuse_while_copied(image, &format!("get writable volume '{volume}'"))?;
         self.refuse_read_only(
             image,
             &format!("volume '{volume}' on it must be created with \"read_only\": true"),

@@ -301,6 +301,7 @@ impl Manager {
         self.refuse_while_allocating(&row, "grow")?;
         self.refuse_unready(&row, "grow")?;
         self.refuse_read_only(&row, "it cannot grow")?;
+        self.refuse_while_copied(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > crate::image::MAX_IMAGE_BYTES
@@ -400,6 +401,7 @@ impl Manager {
         self.refuse_while_allocating(&row, "start another")?;
         self.refuse_unready(&row, "be allocated")?;
         self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
+        self.refuse_while_copied(&row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
                 name: row.name,

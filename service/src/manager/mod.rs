@@ -92,13 +92,20 @@ pub enum Error {
         state: &'static str,
         reason: String,
     },
-    #[error(
-        "image '{name}' is served by {backend} volume '{volume}': a snapshot or clone of an image a ublk or dm volume serves is not supported yet (it needs its queues quiesced); detach the volume, or use loop"
-    )]
+    #[error("image '{name}' is served by {backend} volume '{volume}': {reason}")]
     SnapshotAttached {
         name: String,
         volume: String,
         backend: &'static str,
+        reason: &'static str,
+    },
+    #[error(
+        "image '{name}': the copy to image '{copy}' reads it, so it cannot {what} until that copy is ready (or stopped by deleting '{copy}')"
+    )]
+    CopySource {
+        name: String,
+        copy: String,
+        what: String,
     },
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
@@ -272,7 +279,7 @@ pub struct Manager {
     /// restart leaves the image as declared, to be allocated again).
     allocations: std::sync::Mutex<std::collections::HashMap<Uuid, images::AllocateRun>>,
     /// The background copies of snapshots and clones running now, by image.
-    copies: std::sync::Mutex<std::collections::HashMap<Uuid, Arc<crate::image::AllocateJob>>>,
+    copies: std::sync::Mutex<std::collections::HashMap<Uuid, copies::CopyRun>>,
 }
 
 impl Manager {
