@@ -42,7 +42,9 @@ pub struct CreateImageRequest {
     pub create: Option<CreateImageFile>,
     /// Make the file a writable clone of this image (id or name): its
     /// extents shared (`reflink`) where the filesystem can, else copied in
-    /// the background (202, state `copying`). Not with `create`.
+    /// the background (202, state `copying`). With `create`, the clone is
+    /// then grown to its `size_bytes` (not below the source's size: 422
+    /// `shrink_refused`), the new range laid out as its `allocation`.
     #[serde(default)]
     pub clone_from: Option<String>,
 }

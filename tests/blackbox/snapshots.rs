@@ -206,14 +206,27 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
         same_bytes(&src, &snap),
         "a clone's write reached the snapshot"
     );
-    let both = s
+    let small = s
         .post(
             "/v1/images",
             json!({"name": "x", "path": fs.mnt.join("x.img"), "clone_from": "gold", "create": {"size_bytes": 4096}}),
         )
         .await;
-    assert_error(&both, 422, "invalid_field");
+    assert_error(&small, 422, "shrink_refused");
     assert!(!fs.mnt.join("x.img").exists());
+    // A clone grown on the way: the source's bytes, then zeros.
+    let g = s
+        .post(
+            "/v1/images",
+            json!({"name": "big", "path": fs.mnt.join("big.img"), "clone_from": "gold", "create": {"size_bytes": 192 << 20}}),
+        )
+        .await;
+    assert_eq!(g.status, StatusCode::CREATED, "{}", g.body);
+    assert_eq!(g.body["size_bytes"], 192 << 20, "{}", g.body);
+    let grown = std::fs::read(fs.mnt.join("big.img")).unwrap();
+    let gold = std::fs::read(&src).unwrap();
+    assert!(grown.len() == 192 << 20 && grown[..gold.len()] == gold[..]);
+    assert!(grown[gold.len()..].iter().all(|&b| b == 0));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -322,6 +335,24 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     );
     let v = loop_volume(&s, "sv", "base-s", true).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
+
+    // A copied clone grown on the way: the source's bytes, then zeros.
+    let g = s
+        .post(
+            "/v1/images",
+            json!({"name": "grown", "path": fs.mnt.join("grown.img"), "clone_from": "base-s", "create": {"size_bytes": 160 << 20}}),
+        )
+        .await;
+    assert_eq!(g.status, StatusCode::ACCEPTED, "{}", g.body);
+    assert_eq!(wait_copy(&s, "grown").await["size_bytes"], 160 << 20);
+    let grown = std::fs::read(fs.mnt.join("grown.img")).unwrap();
+    let base = std::fs::read(&src).unwrap();
+    assert!(grown.len() == 160 << 20 && grown[..base.len()] == base[..]);
+    assert!(grown[base.len()..].iter().all(|&b| b == 0));
+    assert_eq!(
+        s.delete("/v1/images/grown?delete_file=true").await.status,
+        StatusCode::NO_CONTENT
+    );
 
     // A clone's copy, cancelled by deleting the image: its file goes.
     let cpath = fs.mnt.join("clone.img");

@@ -38,7 +38,7 @@ fn created(image: Image) -> (StatusCode, Json<Image>) {
         (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
         (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
         (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a ublk or dm volume serves it, or a writable volume does and it must be copied (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
-        (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or both `create` and `clone_from`", body = ErrorBody),
+        (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or a clone's `create.size_bytes` below its source's size (`shrink_refused`)", body = ErrorBody),
         (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy (refused before it starts)", body = ErrorBody),
     )
 )]

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::{Access, AllocateJob, CloneStart, ImageFile};
-use crate::model::{Backend, CopyMethod, Image, ImageState};
+use crate::model::{Allocation, Backend, CopyMethod, CreateImageFile, Image, ImageState};
 use crate::store::ImageRow;
 
 /// A running copy: its job, and the image it reads (which must not change
@@ -38,20 +38,22 @@ impl Manager {
             .parent()
             .unwrap_or(std::path::Path::new("/"));
         let path = dir.join(name).display().to_string();
-        self.copy_image(src, name, &path, true).await
+        self.copy_image(src, name, &path, true, None).await
     }
 
     /// `POST /v1/images` with `clone_from`: a writable image at `path` made
-    /// from `source`.
+    /// from `source`, grown to `grow`'s size (its new range laid out as
+    /// asked) when given.
     pub async fn clone_image(
         self: &Arc<Self>,
         source: &str,
         name: &str,
         path: &str,
+        grow: Option<CreateImageFile>,
     ) -> Result<Image> {
         validate_name("image", name)?;
         let src = self.image_row(source).await?;
-        self.copy_image(src, name, path, false).await
+        self.copy_image(src, name, path, false, grow).await
     }
 
     /// Makes the new file (reflink, or empty for a copy, refused with 507
@@ -62,6 +64,7 @@ impl Manager {
         name: &str,
         path: &str,
         snapshot: bool,
+        grow: Option<CreateImageFile>,
     ) -> Result<Image> {
         let path = self.roots.resolve(path)?;
         let _registering = self.image_registration.lock().await;
@@ -80,6 +83,15 @@ impl Manager {
         };
         self.refuse_unready(&src, what)?;
         self.refuse_while_allocating(&src, what)?;
+        let size = grow.as_ref().map_or(src.size_bytes, |g| g.size_bytes);
+        if size < src.size_bytes {
+            return Err(Error::Shrink {
+                name: name.to_string(),
+                current: src.size_bytes,
+                asked: size,
+            });
+        }
+        let grow = grow.map(|g| (g.size_bytes, g.allocation));
         // A loop volume writes the file with direct I/O: every write that
         // completed is in the file, and the filesystem's own locking orders
         // the reflink or copy after it. ublk and dm queues would need a
@@ -94,13 +106,20 @@ impl Manager {
             });
         }
         let warnings = self
-            .check_provisioning(name, &path.display(), src.size_bytes, true)
+            .check_provisioning(name, &path.display(), size, true)
             .await?;
         let (me, s, p) = (self.clone(), src.clone(), path.clone());
         let (file, start, src_file) = blocking(move || -> Result<_> {
             let src_file = me.open_image(&s, Access::ReadOnly)?;
             src_file.sync()?;
-            let (file, start) = me.roots.create_clone(&p, &src_file)?;
+            let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+            if let (CloneStart::Reflinked, Some((size, alloc))) = (start, grow)
+                && let Err(e) = file.grow(size, alloc)
+            {
+                let (dev, ino) = file.identity();
+                let _ = me.roots.remove_file(&p, dev, ino, file.birth());
+                return Err(e.into());
+            }
             Ok((file, start, src_file))
         })
         .await??;
@@ -120,7 +139,12 @@ impl Manager {
                     reason: COPY_UNDER_WRITES,
                 });
             }
-            let (needed, free) = (src_file.allocated(), file.free_bytes()?);
+            // The source's data, and a full grow's new range.
+            let grown = match grow {
+                Some((size, Allocation::Full)) => size - src_file.size(),
+                _ => 0,
+            };
+            let (needed, free) = (src_file.allocated() + grown, file.free_bytes()?);
             if needed > free {
                 remove(&file);
                 return Err(Error::SpaceShort {
@@ -139,9 +163,15 @@ impl Manager {
             dev,
             ino,
             birth: file.birth().map(str::to_string),
-            size_bytes: src_file.size(),
+            size_bytes: size,
             allocated_bytes: file.allocated(),
-            allocation: src.allocation,
+            allocation: match grow {
+                // A full source grown sparse has holes now.
+                Some((_, Allocation::Sparse)) if src.allocation == Some(Allocation::Full) => {
+                    Some(Allocation::Sparse)
+                }
+                _ => src.allocation,
+            },
             filesystem: file.filesystem()?,
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: snapshot.then_some(src.id),
@@ -209,7 +239,7 @@ impl Manager {
         tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
         if !reflinked {
             let private = start == CloneStart::Copy { private: true };
-            self.start_copy(&row, src.id, file, src_file, private);
+            self.start_copy(&row, src.id, file, src_file, private, grow);
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
@@ -224,6 +254,7 @@ impl Manager {
         mut file: ImageFile,
         src: ImageFile,
         private: bool,
+        grow: Option<(u64, Allocation)>,
     ) {
         let job = Arc::new(AllocateJob {
             pace: if self.fault == Some(super::Fault::SlowCopy) {
@@ -248,6 +279,9 @@ impl Manager {
             let j = job.clone();
             let out = blocking(move || {
                 let done = file.copy_from(&src, &j, private)?;
+                if let (true, Some((size, alloc))) = (done, grow) {
+                    file.grow(size, alloc)?;
+                }
                 Ok((done, file.allocated()))
             })
             .await

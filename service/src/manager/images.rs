@@ -28,16 +28,9 @@ impl Manager {
         req: CreateImageRequest,
     ) -> Result<Image> {
         if let Some(source) = &req.clone_from {
-            if req.create.is_some() {
-                return Err(Error::InvalidField {
-                    field: "clone_from",
-                    reason: format!(
-                        "image '{}': give either 'create' (a new empty file) or 'clone_from' (a copy of an image), not both",
-                        req.name
-                    ),
-                });
-            }
-            return self.clone_image(source, &req.name, &req.path).await;
+            return self
+                .clone_image(source, &req.name, &req.path, req.create)
+                .await;
         }
         validate_name("image", &req.name)?;
         let path = self.roots.resolve(&req.path)?;
