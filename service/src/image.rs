@@ -914,3 +914,60 @@ fn check_file(path: &ImagePath, st: &Stat) -> Result<()> {
     }
     check_size(path, st.st_size as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    /// A root in a temp dir with `src.img`: 8 MiB, 1 MiB of data at 3 MiB,
+    /// holes elsewhere.
+    fn root_with_source() -> (tempfile::TempDir, ImageRoots, ImageFile) {
+        let dir = tempfile::tempdir().unwrap();
+        let roots = ImageRoots::open(&[dir.path().to_path_buf()]).unwrap();
+        let path = roots
+            .resolve(&dir.path().join("src.img").display().to_string())
+            .unwrap();
+        let src = roots
+            .create_file(&path, 8 << 20, Allocation::Sparse)
+            .unwrap();
+        std::fs::File::from(src.fd().try_clone().unwrap())
+            .write_all_at(&[0x77; 1 << 20], 3 << 20)
+            .unwrap();
+        (dir, roots, src)
+    }
+
+    fn new_copy(dir: &tempfile::TempDir, roots: &ImageRoots, name: &str) -> ImageFile {
+        let p = roots
+            .resolve(&dir.path().join(name).display().to_string())
+            .unwrap();
+        roots.create_then(&p, |_| Ok(())).unwrap()
+    }
+
+    #[test]
+    fn a_copy_keeps_the_data_and_the_holes_by_either_way() {
+        let (dir, roots, src) = root_with_source();
+        for (name, private) in [("shared", false), ("private", true)] {
+            let mut dst = new_copy(&dir, &roots, name);
+            let job = AllocateJob::default();
+            assert!(dst.copy_from(&src, &job, private).unwrap());
+            assert_eq!(job.total_bytes.load(Relaxed), 1 << 20);
+            assert_eq!(job.done_bytes.load(Relaxed), 1 << 20);
+            assert_eq!(dst.size(), 8 << 20);
+            let copied = std::fs::read(dir.path().join(name)).unwrap();
+            assert_eq!(copied, std::fs::read(dir.path().join("src.img")).unwrap());
+            // Only the data took blocks: the holes stayed holes.
+            assert!(dst.allocated() <= 2 << 20, "{name}: {}", dst.allocated());
+        }
+    }
+
+    #[test]
+    fn a_cancelled_copy_stops_before_its_first_stretch() {
+        let (dir, roots, src) = root_with_source();
+        let mut dst = new_copy(&dir, &roots, "dst");
+        let job = AllocateJob::default();
+        job.cancel.store(true, Relaxed);
+        assert!(!dst.copy_from(&src, &job, false).unwrap());
+        assert_eq!(job.done_bytes.load(Relaxed), 0);
+    }
+}
