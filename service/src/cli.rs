@@ -127,6 +127,26 @@ enum ImageCmd {
         #[arg(long)]
         cancel: bool,
     },
+    /// Snapshot an image: a read-only image NAME next to SRC's file,
+    /// extents shared where the filesystem can, else copied in the service
+    /// (this waits for the copy, showing progress on stderr).
+    Snapshot {
+        src: String,
+        name: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Clone an image: a writable image NAME at PATH made from SRC (shared
+    /// extents, or a copy this waits for, showing progress on stderr).
+    Clone {
+        src: String,
+        name: String,
+        path: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Forget an image.
     Rm {
         image: String,
@@ -411,19 +431,33 @@ async fn run_client(cli: Cli) -> ExitCode {
         Ok(a) => a,
         Err(code) => return code,
     };
-    if let Command::Image(ImageCmd::Allocate {
-        image,
-        no_wait: false,
-        cancel: false,
-    }) = &cli.command
-    {
-        match wait_allocate(&client, image, answer.body).await {
-            Ok(body) => answer.body = body,
-            Err(msg) => {
-                eprintln!("blockplane: {msg}");
-                return ExitCode::FAILURE;
+    let followed = match &cli.command {
+        Command::Image(ImageCmd::Allocate {
+            image,
+            no_wait: false,
+            cancel: false,
+        }) => Some(wait_allocate(&client, image, answer.body.clone()).await),
+        Command::Image(
+            ImageCmd::Snapshot {
+                name,
+                no_wait: false,
+                ..
             }
+            | ImageCmd::Clone {
+                name,
+                no_wait: false,
+                ..
+            },
+        ) => Some(wait_copy(&client, name, answer.body.clone()).await),
+        _ => None,
+    };
+    match followed {
+        Some(Ok(body)) => answer.body = body,
+        Some(Err(msg)) => {
+            eprintln!("blockplane: {msg}");
+            return ExitCode::FAILURE;
         }
+        None => {}
     }
     let text = if cli.json {
         if answer.body.is_null() {
@@ -574,27 +608,66 @@ fn top_screen(rows: &[(Value, Value)], clear: bool) -> String {
 
 /// Follows an image's allocate until it ends, its progress on stderr:
 /// the image when done, why not otherwise.
-async fn wait_allocate(client: &Client, image: &str, mut body: Value) -> Result<Value, String> {
+async fn wait_allocate(client: &Client, image: &str, body: Value) -> Result<Value, String> {
+    follow_image(client, image, body, |b| {
+        let a = &b["allocate"];
+        match a["state"].as_str() {
+            Some("running") => {
+                eprintln!(
+                    "allocating image '{image}': {} of {}",
+                    human_bytes(&a["done_bytes"]),
+                    human_bytes(&a["total_bytes"])
+                );
+                None
+            }
+            Some("done") => Some(Ok(())),
+            other => Some(Err(format!(
+                "the allocate of image '{image}' ended {}{}; the image stays as it was declared (allocate again)",
+                other.unwrap_or("unseen"),
+                a["error"]
+                    .as_str()
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            ))),
+        }
+    })
+    .await
+}
+
+/// Follows a snapshot's or clone's copy until the image is ready, its
+/// progress on stderr: the image when ready, why not otherwise.
+async fn wait_copy(client: &Client, image: &str, body: Value) -> Result<Value, String> {
+    follow_image(client, image, body, |b| match b["state"].as_str() {
+        Some("copying") => {
+            eprintln!(
+                "copying image '{image}': {} of {}",
+                human_bytes(&b["copied_bytes"]),
+                human_bytes(&b["copy_total_bytes"])
+            );
+            None
+        }
+        Some("ready") => Some(Ok(())),
+        other => Some(Err(format!(
+            "the copy of image '{image}' ended {}: {}",
+            other.unwrap_or("unseen"),
+            b["state_reason"].as_str().unwrap_or("no reason given")
+        ))),
+    })
+    .await
+}
+
+/// Reads an image once a second until `step` says it is done (`Some`):
+/// the image's last view, or `step`'s reason.
+async fn follow_image(
+    client: &Client,
+    image: &str,
+    mut body: Value,
+    step: impl Fn(&Value) -> Option<Result<(), String>>,
+) -> Result<Value, String> {
     let path = format!("/v1/images/{}", encode_segment(image));
     loop {
-        let a = &body["allocate"];
-        match a["state"].as_str() {
-            Some("running") => eprintln!(
-                "allocating image '{image}': {} of {}",
-                human_bytes(&a["done_bytes"]),
-                human_bytes(&a["total_bytes"])
-            ),
-            Some("done") => return Ok(body),
-            other => {
-                return Err(format!(
-                    "the allocate of image '{image}' ended {}{}; the image stays as it was declared (allocate again)",
-                    other.unwrap_or("unseen"),
-                    a["error"]
-                        .as_str()
-                        .map(|e| format!(": {e}"))
-                        .unwrap_or_default()
-                ));
-            }
+        if let Some(end) = step(&body) {
+            return end.map(|()| body);
         }
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         body = match client.send(Method::GET, &path, None).await {
@@ -690,6 +763,20 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 if *cancel { M::DELETE } else { M::POST },
                 format!("/v1/images/{}/allocate", encode_segment(image)),
                 None,
+                View::Image,
+            ),
+            ImageCmd::Snapshot { src, name, .. } => (
+                M::POST,
+                format!("/v1/images/{}/snapshots", encode_segment(src)),
+                Some(json!({"name": name})),
+                View::Image,
+            ),
+            ImageCmd::Clone {
+                src, name, path, ..
+            } => (
+                M::POST,
+                "/v1/images".into(),
+                Some(json!({"name": name, "path": path, "clone_from": src})),
                 View::Image,
             ),
             ImageCmd::Rm { image, delete_file } => (
@@ -888,6 +975,17 @@ fn render(view: View, b: &Value) -> String {
                 ("allocated", human_bytes(&b["allocated_bytes"])),
                 ("filesystem", s(&b["filesystem"])),
                 ("allocation", s(&b["allocation"])),
+                (
+                    "state",
+                    match b["state_reason"].as_str() {
+                        Some(why) => format!("{}: {why}", s(&b["state"])),
+                        None => s(&b["state"]),
+                    },
+                ),
+                ("read only", s(&b["read_only"])),
+                ("snapshot of", s(&b["snapshot_of"])),
+                ("cloned from", s(&b["cloned_from"])),
+                ("method", s(&b["method"])),
                 (
                     "allocate",
                     match b["allocate"]["state"].as_str() {

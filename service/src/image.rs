@@ -82,6 +82,19 @@ pub enum ImageFileError {
 
 type Result<T> = std::result::Result<T, ImageFileError>;
 
+impl ImageFileError {
+    /// `op` on the file at `path` failed: `NoSpace` for ENOSPC, else `Io`.
+    fn from_errno(path: &ImagePath, op: &'static str, e: io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::ENOSPC) => ImageFileError::NoSpace {
+                path: path.display(),
+                op,
+            },
+            _ => io_error(path, op, e),
+        }
+    }
+}
+
 /// One configured image root: its canonical path and a directory fd held from
 /// start, so a mount over the root's path later does not move it.
 #[derive(Debug)]
@@ -282,6 +295,54 @@ impl ImageRoots {
     /// half-made file is removed.
     pub fn create_file(&self, path: &ImagePath, size: u64, alloc: Allocation) -> Result<ImageFile> {
         check_size(path, size)?;
+        self.create_then(path, |file| file.grow(size, alloc))
+    }
+
+    /// Creates a new image file (mode 0600) at `path` for a copy of `src`:
+    /// with `src`'s extents shared (`FICLONE`, [`CloneStart::Reflinked`])
+    /// where the filesystem can and `src` is not pinned immutable, else
+    /// empty, for [`ImageFile::copy_from`]. On any other failure the new
+    /// file is removed.
+    pub fn create_clone(
+        &self,
+        path: &ImagePath,
+        src: &ImageFile,
+    ) -> Result<(ImageFile, CloneStart)> {
+        // A direct map may serve a pinned image: its blocks must never
+        // become shared, or a write through the map would change the copy.
+        if crate::extent::is_immutable(src.fd.as_fd()).unwrap_or(false) {
+            let file = self.create_then(path, |_| Ok(()))?;
+            return Ok((file, CloneStart::Copy { private: true }));
+        }
+        let mut start = CloneStart::Copy { private: false };
+        let file = self.create_then(path, |file| {
+            match rustix::fs::ioctl_ficlone(&file.fd, &src.fd) {
+                Ok(()) => {
+                    start = CloneStart::Reflinked;
+                    file.refresh()
+                }
+                // No shared extents here (ext4, another filesystem, a
+                // kernel without it): copy instead.
+                Err(
+                    rustix::io::Errno::OPNOTSUPP
+                    | rustix::io::Errno::XDEV
+                    | rustix::io::Errno::INVAL
+                    | rustix::io::Errno::NOTTY
+                    | rustix::io::Errno::PERM,
+                ) => Ok(()),
+                Err(e) => Err(ImageFileError::from_errno(file.path(), "FICLONE", e.into())),
+            }
+        })?;
+        Ok((file, start))
+    }
+
+    /// Creates `path` (`O_EXCL`, mode 0600) and runs `fill` on it; removes
+    /// it again when `fill` fails.
+    fn create_then(
+        &self,
+        path: &ImagePath,
+        fill: impl FnOnce(&mut ImageFile) -> Result<()>,
+    ) -> Result<ImageFile> {
         let (parent, name) = self.open_parent(path)?;
         let fd = rustix::fs::openat(
             &parent,
@@ -296,8 +357,7 @@ impl ImageRoots {
         )
         .map_err(|e| self.resolve_error(path, e.into(), "create"))?;
         let mut file = ImageFile::from_fd(path.clone(), fd)?;
-        let filled = file.grow(size, alloc);
-        if let Err(e) = filled {
+        if let Err(e) = fill(&mut file) {
             let _ = rustix::fs::unlinkat(&parent, &name, AtFlags::empty());
             return Err(e);
         }
@@ -420,15 +480,18 @@ impl ImageFile {
         Ok(crate::extent::filesystem_name(fs.f_type as i64).to_string())
     }
 
-    /// Bytes of the file that are holes, and bytes its filesystem has free
-    /// (`statvfs`, as an unprivileged writer sees it): what [`Self::allocate`]
-    /// takes and what there is.
-    pub fn space_to_allocate(&self) -> Result<(u64, u64)> {
-        let holes = crate::extent::hole_bytes(self.fd.as_fd(), self.size())
-            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+    /// Bytes of the file that are holes: what [`Self::allocate`] takes.
+    pub fn hole_bytes(&self) -> Result<u64> {
+        crate::extent::hole_bytes(self.fd.as_fd(), self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))
+    }
+
+    /// Bytes the file's filesystem has free (`statvfs`, as an unprivileged
+    /// writer sees it).
+    pub fn free_bytes(&self) -> Result<u64> {
         let vfs = rustix::fs::fstatvfs(&self.fd)
             .map_err(|e| io_error(&self.path, "statvfs", e.into()))?;
-        Ok((holes, vfs.f_bavail * vfs.f_frsize))
+        Ok(vfs.f_bavail * vfs.f_frsize)
     }
 
     /// Bytes of the file that are holes or unwritten extents: what
@@ -466,15 +529,67 @@ impl ImageFile {
             rustix::fs::fsync(&self.fd)?;
             Ok(true)
         };
-        let done = fill().map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOSPC) => ImageFileError::NoSpace {
-                path: self.path.display(),
-                op: "allocate",
-            },
-            _ => io_error(&self.path, "allocate", e),
-        })?;
+        let done = fill().map_err(|e| ImageFileError::from_errno(&self.path, "allocate", e))?;
         self.refresh()?;
         Ok(done)
+    }
+
+    /// Makes this (new, empty) file a copy of `src`: its size, then each of
+    /// `src`'s data ranges (`SEEK_DATA`/`SEEK_HOLE`: holes stay holes) with
+    /// `copy_file_range` (which shares extents where the filesystem can),
+    /// or, when `private`, with reads and writes (never shared), at most
+    /// [`ALLOCATE_STEP`] bytes at a time, reporting into `job`
+    /// (`total_bytes`: the data to copy) and stopping between stretches
+    /// when `job.cancel` is set (`Ok(false)`); then syncs. `src` must not
+    /// change meanwhile.
+    pub fn copy_from(&mut self, src: &ImageFile, job: &AllocateJob, private: bool) -> Result<bool> {
+        let size = src.size();
+        let ranges = data_ranges(&src.fd, size).map_err(|e| io_error(&src.path, "SEEK_DATA", e))?;
+        job.total_bytes
+            .store(ranges.iter().map(|(a, b)| b - a).sum(), Relaxed);
+        let copy = || -> io::Result<bool> {
+            rustix::fs::ftruncate(&self.fd, size)?;
+            for (a, b) in ranges {
+                let mut at = a;
+                while at < b {
+                    if job.cancel.load(Relaxed) {
+                        return Ok(false);
+                    }
+                    let len = (b - at).min(ALLOCATE_STEP) as usize;
+                    let n = if private {
+                        copy_by_reading(&src.fd, &self.fd, at, len)?
+                    } else {
+                        let (mut from, mut to) = (at, at);
+                        rustix::fs::copy_file_range(
+                            &src.fd,
+                            Some(&mut from),
+                            &self.fd,
+                            Some(&mut to),
+                            len,
+                        )?
+                    };
+                    if n == 0 {
+                        return Err(io::Error::other(format!(
+                            "the source ended at {at} bytes, short of {b}"
+                        )));
+                    }
+                    job.done_bytes.fetch_add(n as u64, Relaxed);
+                    std::thread::sleep(job.pace);
+                    at += n as u64;
+                }
+            }
+            rustix::fs::fsync(&self.fd)?;
+            Ok(true)
+        };
+        let done = copy().map_err(|e| ImageFileError::from_errno(&self.path, "copy", e))?;
+        self.refresh()?;
+        Ok(done)
+    }
+
+    /// Writes the file's dirty pages to disk, so a copy or reflink of it
+    /// holds every write that completed.
+    pub fn sync(&self) -> Result<()> {
+        rustix::fs::fsync(&self.fd).map_err(|e| io_error(&self.path, "fsync", e.into()))
     }
 
     /// Re-reads size and allocation.
@@ -649,6 +764,57 @@ fn write_zeros(fd: &OwnedFd, from: u64, to: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// How [`ImageRoots::create_clone`] started a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloneStart {
+    /// Done: the new file shares the source's extents.
+    Reflinked,
+    /// The new file is empty: [`ImageFile::copy_from`] fills it, `private`
+    /// when none of its blocks may be shared with the source.
+    Copy { private: bool },
+}
+
+/// Copies `len` bytes at `at` from `src` to `dst` through a buffer, so no
+/// extent is shared; the bytes copied (short at the source's end).
+fn copy_by_reading(src: &OwnedFd, dst: &OwnedFd, at: u64, len: usize) -> io::Result<usize> {
+    let mut buf = vec![0u8; len.min(1 << 20)];
+    let mut done = 0;
+    while done < len {
+        let want = (len - done).min(buf.len());
+        let n = rustix::io::pread(src, &mut buf[..want], at + done as u64)?;
+        if n == 0 {
+            break;
+        }
+        let mut put = 0;
+        while put < n {
+            put += rustix::io::pwrite(dst, &buf[put..n], at + (done + put) as u64)?;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
+/// The `[start, end)` ranges of a file of `size` bytes that hold data, as
+/// `SEEK_DATA`/`SEEK_HOLE` tell them.
+fn data_ranges(fd: &OwnedFd, size: u64) -> io::Result<Vec<(u64, u64)>> {
+    use rustix::fs::SeekFrom;
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < size {
+        let start = match rustix::fs::seek(fd, SeekFrom::Data(at)) {
+            Ok(s) => s,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = rustix::fs::seek(fd, SeekFrom::Hole(start))?.min(size);
+        if end > start {
+            out.push((start, end));
+        }
+        at = end.max(start + 1);
+    }
+    Ok(out)
+}
+
 fn fstat(fd: impl AsFd, path: &ImagePath) -> Result<Stat> {
     rustix::fs::fstat(fd).map_err(|e| io_error(path, "fstat", e.into()))
 }
@@ -747,4 +913,61 @@ fn check_file(path: &ImagePath, st: &Stat) -> Result<()> {
         });
     }
     check_size(path, st.st_size as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    /// A root in a temp dir with `src.img`: 8 MiB, 1 MiB of data at 3 MiB,
+    /// holes elsewhere.
+    fn root_with_source() -> (tempfile::TempDir, ImageRoots, ImageFile) {
+        let dir = tempfile::tempdir().unwrap();
+        let roots = ImageRoots::open(&[dir.path().to_path_buf()]).unwrap();
+        let path = roots
+            .resolve(&dir.path().join("src.img").display().to_string())
+            .unwrap();
+        let src = roots
+            .create_file(&path, 8 << 20, Allocation::Sparse)
+            .unwrap();
+        std::fs::File::from(src.fd().try_clone().unwrap())
+            .write_all_at(&[0x77; 1 << 20], 3 << 20)
+            .unwrap();
+        (dir, roots, src)
+    }
+
+    fn new_copy(dir: &tempfile::TempDir, roots: &ImageRoots, name: &str) -> ImageFile {
+        let p = roots
+            .resolve(&dir.path().join(name).display().to_string())
+            .unwrap();
+        roots.create_then(&p, |_| Ok(())).unwrap()
+    }
+
+    #[test]
+    fn a_copy_keeps_the_data_and_the_holes_by_either_way() {
+        let (dir, roots, src) = root_with_source();
+        for (name, private) in [("shared", false), ("private", true)] {
+            let mut dst = new_copy(&dir, &roots, name);
+            let job = AllocateJob::default();
+            assert!(dst.copy_from(&src, &job, private).unwrap());
+            assert_eq!(job.total_bytes.load(Relaxed), 1 << 20);
+            assert_eq!(job.done_bytes.load(Relaxed), 1 << 20);
+            assert_eq!(dst.size(), 8 << 20);
+            let copied = std::fs::read(dir.path().join(name)).unwrap();
+            assert_eq!(copied, std::fs::read(dir.path().join("src.img")).unwrap());
+            // Only the data took blocks: the holes stayed holes.
+            assert!(dst.allocated() <= 2 << 20, "{name}: {}", dst.allocated());
+        }
+    }
+
+    #[test]
+    fn a_cancelled_copy_stops_before_its_first_stretch() {
+        let (dir, roots, src) = root_with_source();
+        let mut dst = new_copy(&dir, &roots, "dst");
+        let job = AllocateJob::default();
+        job.cancel.store(true, Relaxed);
+        assert!(!dst.copy_from(&src, &job, false).unwrap());
+        assert_eq!(job.done_bytes.load(Relaxed), 0);
+    }
 }

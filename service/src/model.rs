@@ -40,6 +40,63 @@ pub struct CreateImageRequest {
     /// Create the file instead of registering an existing one.
     #[serde(default)]
     pub create: Option<CreateImageFile>,
+    /// Make the file a writable clone of this image (id or name): its
+    /// extents shared (`reflink`) where the filesystem can, else copied in
+    /// the background (202, state `copying`). With `create`, the clone is
+    /// then grown to its `size_bytes` (not below the source's size: 422
+    /// `shrink_refused`), the new range laid out as its `allocation`.
+    #[serde(default)]
+    pub clone_from: Option<String>,
+}
+
+/// `POST /v1/images/{id}/snapshots`: a read-only copy of an image, next to it.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshotRequest {
+    /// The snapshot's image name, also its file's name in the source's
+    /// directory: `[a-z0-9][a-z0-9._-]{0,62}`
+    #[schema(
+        pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+        min_length = 1,
+        max_length = 63
+    )]
+    pub name: String,
+}
+
+/// `GET /v1/images` filters.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListImagesQuery {
+    /// Only the snapshots of this image (id or name).
+    #[serde(default)]
+    pub snapshot_of: Option<String>,
+}
+
+/// How a snapshot's or clone's bytes were made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyMethod {
+    /// `FICLONE`: the file shares the source's extents (xfs with reflink,
+    /// btrfs); instant, and the blocks are copied only when one side writes.
+    Reflink,
+    /// `copy_file_range` of the source's data, in the background.
+    Copy,
+}
+
+/// Whether an image's file is complete.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageState {
+    /// Complete: volumes may use it.
+    #[default]
+    Ready,
+    /// A background copy is filling it (`copied_bytes` of
+    /// `copy_total_bytes`); volumes are refused until it is `ready`.
+    Copying,
+    /// The copy did not finish (`state_reason` says why); the partial file
+    /// was removed. Delete the image and snapshot or clone again.
+    Failed,
 }
 
 /// Size and layout of an image file to create.
@@ -80,6 +137,32 @@ pub struct Image {
     /// running with its progress, or how it ended; `null` when there was none.
     #[serde(default)]
     pub allocate: Option<ImageAllocate>,
+    /// `copying` while a background copy fills it, `failed` if that did
+    /// not finish; `ready` otherwise.
+    #[serde(default)]
+    pub state: ImageState,
+    /// Why it is `failed`.
+    #[serde(default)]
+    pub state_reason: Option<String>,
+    /// Id of the image this is a read-only snapshot of.
+    #[serde(default)]
+    pub snapshot_of: Option<Uuid>,
+    /// Id of the image this is a writable clone of.
+    #[serde(default)]
+    pub cloned_from: Option<Uuid>,
+    /// Volumes on it must be read-only (a snapshot); it cannot grow or be
+    /// allocated.
+    #[serde(default)]
+    pub read_only: bool,
+    /// How a snapshot's or clone's bytes were made; `null` for others.
+    #[serde(default)]
+    pub method: Option<CopyMethod>,
+    /// Bytes copied so far while `copying` (`null` otherwise).
+    #[serde(default)]
+    pub copied_bytes: Option<u64>,
+    /// Bytes of data the copy has to copy, while `copying`.
+    #[serde(default)]
+    pub copy_total_bytes: Option<u64>,
     /// What the create or grow that answered this should make you check,
     /// e.g. a sparse image larger than its root's free space (empty
     /// otherwise).

@@ -32,7 +32,8 @@ use uuid::Uuid;
 
 use crate::backend::Attachment;
 use crate::model::{
-    Allocation, Backend, CreateVolumeRequest, DispatchPolicy, Event, Qos, VolumeState,
+    Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageState, Qos,
+    VolumeState,
 };
 
 /// A storage failure.
@@ -119,6 +120,17 @@ fn allocation_str(a: Allocation) -> &'static str {
     }
 }
 
+fn opt_uuid(what: &'static str, s: Option<String>) -> Result<Option<Uuid>> {
+    s.map(|s| uuid(what, &s)).transpose()
+}
+
+fn enum_str<T: Serialize>(v: T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
 fn enum_from_str<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
     from_json(what, &format!("\"{s}\""))
 }
@@ -139,6 +151,14 @@ pub struct ImageRow {
     pub allocation: Option<Allocation>,
     pub filesystem: String,
     pub created_at: OffsetDateTime,
+    /// The source of a snapshot, and of a clone.
+    pub snapshot_of: Option<Uuid>,
+    pub cloned_from: Option<Uuid>,
+    /// Volumes on it must be read-only (a snapshot).
+    pub read_only: bool,
+    pub method: Option<CopyMethod>,
+    pub state: ImageState,
+    pub state_reason: Option<String>,
 }
 
 impl ImageRow {
@@ -158,6 +178,15 @@ impl ImageRow {
                 .transpose()?,
             filesystem: r.try_get("filesystem")?,
             created_at: parse_ts(r.try_get("created_at")?)?,
+            snapshot_of: opt_uuid("snapshot_of", r.try_get("snapshot_of")?)?,
+            cloned_from: opt_uuid("cloned_from", r.try_get("cloned_from")?)?,
+            read_only: r.try_get("read_only")?,
+            method: r
+                .try_get::<Option<String>, _>("method")?
+                .map(|m| enum_from_str("method", &m))
+                .transpose()?,
+            state: enum_from_str("image state", r.try_get("state")?)?,
+            state_reason: r.try_get("state_reason")?,
         })
     }
 }
@@ -577,8 +606,10 @@ impl WriteTx {
     pub async fn insert_image(&mut self, i: &ImageRow) -> Result<()> {
         sqlx::query(
             "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
-                                 allocation, filesystem, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 allocation, filesystem, created_at, updated_at,
+                                 snapshot_of, cloned_from, read_only, method, state,
+                                 state_reason)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
@@ -592,6 +623,35 @@ impl WriteTx {
         .bind(&i.filesystem)
         .bind(ts(i.created_at))
         .bind(ts(i.created_at))
+        .bind(i.snapshot_of.map(|u| u.to_string()))
+        .bind(i.cloned_from.map(|u| u.to_string()))
+        .bind(i.read_only)
+        .bind(i.method.map(enum_str))
+        .bind(enum_str(i.state))
+        .bind(&i.state_reason)
+        .execute(self.conn())
+        .await?;
+        Ok(())
+    }
+
+    /// Records where an image's copy is (its end, or a restart that found
+    /// it half done), with its allocated bytes.
+    pub async fn set_image_state(
+        &mut self,
+        id: Uuid,
+        state: ImageState,
+        reason: Option<&str>,
+        allocated: u64,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE images SET state = ?, state_reason = ?, allocated_bytes = ?, updated_at = ?
+             WHERE id = ?",
+        )
+        .bind(enum_str(state))
+        .bind(reason)
+        .bind(allocated as i64)
+        .bind(ts(OffsetDateTime::now_utc()))
+        .bind(id.to_string())
         .execute(self.conn())
         .await?;
         Ok(())

@@ -288,3 +288,60 @@ async fn the_cli_refuses_an_empty_change_and_reads_events_since_a_time() {
         .collect();
     assert_eq!(kinds, ["image_created"], "only what came after {last}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn image_snapshot_and_clone_wait_for_a_copy_showing_progress_unless_told_not_to() {
+    let fs = crate::harness::LoopFs::new(&["mkfs.ext4", "-q", "-F"], 256 << 20);
+    let s = Service::start_with(Opts {
+        extra_roots: vec![fs.mnt.clone()],
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_copy".into())],
+        ..Default::default()
+    })
+    .await;
+    let base = fs.mnt.join("base.img");
+    ok(
+        &s,
+        &[
+            "image",
+            "create",
+            "base",
+            base.to_str().unwrap(),
+            "--size",
+            "64M",
+        ],
+    );
+    let f = std::fs::OpenOptions::new().write(true).open(&base).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &vec![0x3c; 48 << 20], 0).unwrap();
+    f.sync_all().unwrap();
+
+    let out = cli(&s, &["--json", "image", "snapshot", "base", "base-s"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("copying image 'base-s': "), "{err}");
+    let snap: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(snap["state"], "ready", "{snap}");
+    assert_eq!(snap["method"], "copy", "{snap}");
+    assert_eq!(snap["read_only"], true, "{snap}");
+    let shown = ok(&s, &["image", "show", "base-s"]);
+    assert!(
+        shown.contains("snapshot of") && shown.contains("copy"),
+        "{shown}"
+    );
+
+    let cpath = fs.mnt.join("c.img");
+    let clone = json(
+        &s,
+        &[
+            "image",
+            "clone",
+            "base-s",
+            "c",
+            cpath.to_str().unwrap(),
+            "--no-wait",
+        ],
+    );
+    assert_eq!(clone["state"], "copying", "{clone}");
+    assert_eq!(clone["read_only"], false, "{clone}");
+    ok(&s, &["image", "rm", "c"]);
+    assert!(!cpath.exists(), "the partial clone was left");
+}

@@ -616,3 +616,50 @@ fn walk(dir: &Path) -> Vec<String> {
     }
     out
 }
+
+/// A filesystem made by `mkfs` (e.g. `["mkfs.ext4", "-q", "-F"]`) on a
+/// sparse file of `size` bytes, mounted through a loop device on a private
+/// (0700) directory: an image root with its own free space and features.
+/// Unmounted when dropped.
+pub struct LoopFs {
+    pub mnt: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl LoopFs {
+    pub fn new(mkfs: &[&str], size: u64) -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new()
+            .prefix("bpfs")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let fs_file = dir.path().join("fs.img");
+        std::fs::File::create(&fs_file)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        let made = Command::new(mkfs[0])
+            .args(&mkfs[1..])
+            .arg(&fs_file)
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "{mkfs:?}: {made:?}");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&fs_file)
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(mounted.success());
+        std::fs::set_permissions(&mnt, std::fs::Permissions::from_mode(0o700)).unwrap();
+        Self { mnt, _dir: dir }
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+    }
+}

@@ -541,38 +541,8 @@ async fn allocate_fills_holes_and_unwritten_extents_and_keeps_the_data() {
 async fn allocate_refusals_are_precise_and_change_nothing() {
     // A 16 MiB ext4 filesystem as a second image root: too small for a
     // 64 MiB sparse image's holes.
-    let scratch = tempfile::Builder::new()
-        .prefix("bpalloc")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let fs_file = scratch.path().join("fs.ext4");
-    make_file(&fs_file, 16 << 20);
-    let mkfs = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F"])
-        .arg(&fs_file)
-        .status()
-        .unwrap();
-    assert!(mkfs.success());
-    let small = scratch.path().join("small");
-    std::fs::create_dir(&small).unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-o", "loop"])
-        .arg(&fs_file)
-        .arg(&small)
-        .status()
-        .unwrap();
-    assert!(mounted.success());
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status();
-        }
-    }
-    let _unmount = Unmount(small.clone());
-    std::fs::set_permissions(&small, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let fs = crate::harness::LoopFs::new(&["mkfs.ext4", "-q", "-F"], 16 << 20);
+    let small = fs.mnt.clone();
     let s = Service::start_with(crate::harness::Opts {
         extra_roots: vec![small.clone()],
         ..Default::default()

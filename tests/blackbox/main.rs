@@ -18,5 +18,6 @@ mod metrics;
 mod openapi;
 mod registry;
 mod restart;
+mod snapshots;
 mod soak;
 mod volumes;

@@ -71,6 +71,8 @@ STATE_CODES = {
     "already_registered",
     "shrink_refused",
     "volume_limit",
+    # The image is a read-only snapshot.
+    "image_read_only",
     # The backend (`auto` picks it by host) and what the host's kernel offers.
     "backend_unavailable",
     "unsupported",

@@ -99,6 +99,12 @@ impl ApiError {
                 Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, "no_space"),
                 Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, "not_allocatable"),
                 Error::AllocateConflict { .. } => (S::CONFLICT, "allocate_conflict"),
+                Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, "image_read_only"),
+                Error::ImageNotReady { .. } => (S::CONFLICT, "image_not_ready"),
+                Error::CopySource { .. } => (S::CONFLICT, "copy_source_busy"),
+                Error::SnapshotAttached { .. } => {
+                    (S::CONFLICT, "volume_attached_snapshot_unsupported")
+                }
                 Error::VolumeExists { .. } => (S::CONFLICT, "volume_exists"),
                 Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),

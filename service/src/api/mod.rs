@@ -67,6 +67,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::get_image, images::delete_image))
         .routes(routes!(images::resize_image))
         .routes(routes!(images::allocate_image, images::cancel_allocate))
+        .routes(routes!(images::snapshot_image))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,

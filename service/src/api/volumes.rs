@@ -23,8 +23,8 @@ use crate::model::{
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "The image's file is no longer acceptable", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "Same name with another spec, or the image is in use", body = ErrorBody),
-        (status = 422, description = "A backend, policy or setting this host cannot run, or an invalid field", body = ErrorBody),
+        (status = 409, description = "Same name with another spec, the image is in use, its copy runs or failed (`image_not_ready`), or a copy reads it and the volume is writable (`copy_source_busy`)", body = ErrorBody),
+        (status = 422, description = "A backend, policy or setting this host cannot run, an invalid field, or a writable volume on a read-only snapshot (`image_read_only`)", body = ErrorBody),
     )
 )]
 pub async fn create_volume(

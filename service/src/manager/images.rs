@@ -8,8 +8,8 @@ use uuid::Uuid;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
 use crate::model::{
-    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ResizeImageResponse,
-    RootCapacity, VolumeResize, VolumeState,
+    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
+    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState,
 };
 use crate::store::ImageRow;
 
@@ -27,6 +27,11 @@ impl Manager {
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
+        if let Some(source) = &req.clone_from {
+            return self
+                .clone_image(source, &req.name, &req.path, req.create)
+                .await;
+        }
         validate_name("image", &req.name)?;
         let path = self.roots.resolve(&req.path)?;
         let _registering = self.image_registration.lock().await;
@@ -82,6 +87,12 @@ impl Manager {
             allocation: created,
             filesystem: file.filesystem()?,
             created_at: OffsetDateTime::now_utc(),
+            snapshot_of: None,
+            cloned_from: None,
+            read_only: false,
+            method: None,
+            state: ImageState::Ready,
+            state_reason: None,
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
@@ -165,7 +176,7 @@ impl Manager {
     /// Checks that `adding` more provisioned bytes for image `name` at
     /// `path` stay within `--max-overcommit`; returns what the caller should
     /// be told (a sparse image larger than the free space).
-    async fn check_provisioning(
+    pub(super) async fn check_provisioning(
         &self,
         name: &str,
         path: &str,
@@ -209,7 +220,7 @@ impl Manager {
             .ok_or_else(|| Error::ImageNotFound(id_or_name.to_string()))
     }
 
-    async fn image_view(&self, row: ImageRow) -> Result<Image> {
+    pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
         let allocate = self.allocate_view(row.id);
         // A done allocate recorded `full` before it said so; the row may be
         // from before that: read it again, so `done` always comes with `full`.
@@ -230,7 +241,18 @@ impl Manager {
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .unwrap_or((row.size_bytes, row.allocated_bytes));
+        // A copy's file grows to its size only once the copy starts.
+        let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
+        let progress = self.copy_progress(row.id);
         Ok(Image {
+            state: row.state,
+            state_reason: row.state_reason,
+            snapshot_of: row.snapshot_of,
+            cloned_from: row.cloned_from,
+            read_only: row.read_only,
+            method: row.method,
+            copied_bytes: progress.map(|(done, _)| done),
+            copy_total_bytes: progress.map(|(_, total)| total),
             id: row.id,
             name: row.name,
             path: row.path,
@@ -270,6 +292,9 @@ impl Manager {
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
         self.refuse_while_allocating(&row, "grow")?;
+        self.refuse_unready(&row, "grow")?;
+        self.refuse_read_only(&row, "it cannot grow")?;
+        self.refuse_while_copied(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > crate::image::MAX_IMAGE_BYTES
@@ -370,6 +395,9 @@ impl Manager {
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
         self.refuse_while_allocating(&row, "start another")?;
+        self.refuse_unready(&row, "be allocated")?;
+        self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
+        self.refuse_while_copied(&row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
                 name: row.name,
@@ -383,13 +411,14 @@ impl Manager {
         let r = row.clone();
         let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
             let file = me.open_image(&r, Access::ReadOnly)?;
-            let (needed, free) = file.space_to_allocate()?;
+            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
             Ok((needed, free, file.unwritten_bytes()?))
         })
         .await??;
         if needed > free {
             return Err(Error::SpaceShort {
                 name: row.name,
+                what: "allocating its holes",
                 needed,
                 free,
             });
@@ -586,6 +615,7 @@ impl Manager {
     /// Asks every running allocate to stop (the service is stopping: the
     /// images stay as declared, to be allocated again).
     pub fn stop_allocations(&self) {
+        self.stop_copies();
         for run in self
             .allocations
             .lock()
@@ -632,7 +662,7 @@ impl Manager {
     }
 
     /// The image's volumes that have a device, with their backends.
-    async fn attached_volumes(
+    pub(super) async fn attached_volumes(
         &self,
         image_id: uuid::Uuid,
     ) -> Result<
@@ -738,11 +768,14 @@ impl Manager {
         delete_file: bool,
     ) -> Result<()> {
         let row = self.image_row(id_or_name).await?;
+        // A copy stops first; its partial file goes with the image.
+        self.stop_copy(row.id).await;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let mut tx = self.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
+        let delete_file = delete_file || row.state != ImageState::Ready;
         self.refuse_while_allocating(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {

@@ -3,6 +3,7 @@
 //! [`Error`]s to HTTP; the manager keeps SQLite and the kernel in step, one
 //! image or volume at a time, with every change recorded as an event.
 
+mod copies;
 mod events;
 #[cfg(test)]
 mod fake;
@@ -76,12 +77,40 @@ pub enum Error {
         holder: String,
     },
     #[error(
-        "image '{name}': allocating it needs {needed} bytes for its holes and its filesystem has {free} free; nothing was changed"
+        "image '{name}': {what} needs {needed} bytes and its filesystem has {free} free; nothing was changed"
     )]
     SpaceShort {
         name: String,
+        what: &'static str,
         needed: u64,
         free: u64,
+    },
+    #[error("image '{name}' is a read-only snapshot of {source_id}: {reason}")]
+    ImageReadOnly {
+        name: String,
+        source_id: String,
+        reason: String,
+    },
+    #[error("image '{name}' is {state}: {reason}")]
+    ImageNotReady {
+        name: String,
+        state: &'static str,
+        reason: String,
+    },
+    #[error("image '{name}' is served by {backend} volume '{volume}': {reason}")]
+    SnapshotAttached {
+        name: String,
+        volume: String,
+        backend: &'static str,
+        reason: &'static str,
+    },
+    #[error(
+        "image '{name}': the copy to image '{copy}' reads it, so it cannot {what} until that copy is ready (or stopped by deleting '{copy}')"
+    )]
+    CopySource {
+        name: String,
+        copy: String,
+        what: String,
     },
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
@@ -172,18 +201,25 @@ pub enum Fault {
     /// worker) takes 100 ms more (`slow_allocate`): its progress and cancel,
     /// whatever the disk.
     SlowAllocate,
+    /// Each 16 MiB stretch a snapshot's or clone's background copy copies
+    /// takes 100 ms more (`slow_copy`): its progress, cancel and a crash
+    /// during it, whatever the disk.
+    SlowCopy,
 }
 
 impl Fault {
     /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
     /// `kill_after_change`, `fail_after_attach`, `slow_image_create`,
-    /// `slow_allocate`.
+    /// `slow_allocate`, `slow_copy`.
     pub fn parse(s: &str) -> Option<Self> {
         if s == "slow_image_create" {
             return Some(Fault::SlowImageCreate);
         }
         if s == "slow_allocate" {
             return Some(Fault::SlowAllocate);
+        }
+        if s == "slow_copy" {
+            return Some(Fault::SlowCopy);
         }
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
@@ -245,6 +281,8 @@ pub struct Manager {
     /// Each image's last allocate since the service started (in memory: a
     /// restart leaves the image as declared, to be allocated again).
     allocations: std::sync::Mutex<std::collections::HashMap<Uuid, images::AllocateRun>>,
+    /// The background copies of snapshots and clones running now, by image.
+    copies: std::sync::Mutex<std::collections::HashMap<Uuid, copies::CopyRun>>,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -284,6 +322,7 @@ impl Manager {
             default_queues: cfg.default_queues,
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: std::sync::Mutex::default(),
+            copies: std::sync::Mutex::default(),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)

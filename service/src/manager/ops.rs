@@ -28,6 +28,10 @@ pub trait Operations: Send + Sync {
     async fn create_image(self: Arc<Self>, req: CreateImageRequest) -> Result<Image>;
     /// `GET /v1/images`.
     async fn images(&self) -> Result<Vec<Image>>;
+    /// `POST /v1/images/{id}/snapshots`: a read-only image of `id` now.
+    async fn snapshot_image(self: Arc<Self>, id: &str, name: &str) -> Result<Image>;
+    /// `GET /v1/images?snapshot_of=`: the snapshots of one image.
+    async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>>;
     /// `GET /v1/images/{id}`.
     async fn image(&self, id: &str) -> Result<Image>;
     /// `POST /v1/images/{id}/resize`: grows the file, then its volume.
@@ -84,6 +88,12 @@ impl Operations for Manager {
     }
     async fn images(&self) -> Result<Vec<Image>> {
         Manager::images(self).await
+    }
+    async fn snapshot_image(self: Arc<Self>, id: &str, name: &str) -> Result<Image> {
+        Manager::snapshot_image(&self, id, name).await
+    }
+    async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
+        Manager::snapshots_of(self, source).await
     }
     async fn image(&self, id: &str) -> Result<Image> {
         Manager::image(self, id).await

@@ -76,6 +76,7 @@ impl Manager {
 
     /// Reconciles every volume, then removes orphan devices.
     pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
+        self.fail_interrupted_copies().await?;
         let mut report = Report::default();
         for v in self.store.volumes().await? {
             let _volume = self.volume_locks.lock(&v.name).await;

@@ -269,6 +269,8 @@ impl Manager {
             return Err(Error::image_in_use(image.name, &users));
         }
         self.refuse_while_allocating(&image, "get a volume")?;
+        let image = self.image_row(&image.id.to_string()).await?;
+        self.check_volume_image(&image, &req.name, req.read_only)?;
         let backend = self.choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
