@@ -28,7 +28,7 @@ use super::{
     Probe, ProbeRequest, SpecCheck, UblkAttachment, VolumeBackend,
 };
 use crate::dataplane::protocol::{
-    self, Answer, FillState, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec,
+    self, Answer, ErrorCode, FillState, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec, worker_spec,
 };
 use crate::extent::{self, ExtentMap};
 use crate::model::{
@@ -341,26 +341,30 @@ impl UblkBackend {
         req: &Request,
         timeout: Duration,
     ) -> Result<Status, BackendError> {
+        match self.talk(volume_id, req, timeout)? {
+            Answer::Status(s) => Ok(*s),
+            other => Err(unexpected(volume_id, &other)),
+        }
+    }
+
+    /// One request to a worker; a refusal or failure it answers, or a
+    /// socket that does not answer, as the backend's error.
+    fn talk(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Answer, BackendError> {
+        let worker = || format!("volume {volume_id}");
         match protocol::talk(&self.socket(volume_id), req, timeout) {
-            Ok(Answer::Status(s)) => Ok(*s),
-            Ok(Answer::Error { code, message }) if code == "refused" => {
-                Err(BackendError::Refused { reason: message })
-            }
-            Ok(Answer::Error { message, .. }) => Err(io(
-                "worker",
-                format!("volume {volume_id}"),
-                io::Error::other(message),
-            )),
-            Ok(other) => Err(io(
-                "worker",
-                format!("volume {volume_id}"),
-                io::Error::other(format!("unexpected answer {other:?}")),
-            )),
-            Err(e) => Err(io(
-                "worker",
-                format!("volume {volume_id}"),
-                io::Error::other(e.to_string()),
-            )),
+            Ok(Answer::Error { code, message }) => Err(match code {
+                ErrorCode::Refused => BackendError::Refused { reason: message },
+                ErrorCode::IoError | ErrorCode::BadRequest | ErrorCode::Unknown => {
+                    io("worker", worker(), io::Error::other(message))
+                }
+            }),
+            Ok(answer) => Ok(answer),
+            Err(e) => Err(io("worker", worker(), io::Error::other(e.to_string()))),
         }
     }
 
@@ -547,6 +551,15 @@ impl UblkBackend {
     }
 }
 
+/// A worker's answer of the wrong kind for its request.
+fn unexpected(volume_id: Uuid, answer: &Answer) -> BackendError {
+    io(
+        "worker",
+        format!("volume {volume_id}"),
+        io::Error::other(format!("unexpected answer {answer:?}")),
+    )
+}
+
 fn last_error_line(run_dir: &Path) -> String {
     let text = std::fs::read_to_string(run_dir.join("worker.log")).unwrap_or_default()
         + &std::fs::read_to_string(run_dir.join("worker.out")).unwrap_or_default();
@@ -643,16 +656,6 @@ fn worker_fd(pid: u32, fd: i32) -> Result<OwnedFd, BackendError> {
 /// The image path in a worker's `--spec` argument.
 fn worker_image_path(pid: u32) -> Option<String> {
     worker_spec(pid)?["image_path"].as_str().map(str::to_string)
-}
-
-/// The `--spec` argument of process `pid`, if it is a blockplane worker (read
-/// as plain JSON: a worker of another version may have other fields).
-pub fn worker_spec(pid: u32) -> Option<serde_json::Value> {
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let mut args = cmdline.split(|b| *b == 0);
-    args.find(|a| *a == b"worker")?;
-    args.find(|a| *a == b"--spec")?;
-    serde_json::from_slice(args.next()?).ok()
 }
 
 /// Pid alive and running a blockplane worker of this volume.
@@ -807,16 +810,9 @@ impl VolumeBackend for UblkBackend {
     }
 
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
-        let ws = match protocol::talk(&self.socket(volume_id), &Request::Stats, TALK_TIMEOUT) {
-            Ok(Answer::Stats(s)) => *s,
-            Ok(other) => {
-                return Err(io(
-                    "stats",
-                    &att.device,
-                    io::Error::other(format!("{other:?}")),
-                ));
-            }
-            Err(e) => return Err(io("stats", &att.device, io::Error::other(e.to_string()))),
+        let ws = match self.talk(volume_id, &Request::Stats, TALK_TIMEOUT)? {
+            Answer::Stats(s) => *s,
+            other => return Err(unexpected(volume_id, &other)),
         };
         let p = |l: &protocol::Latency| Percentiles {
             p50: l.p50,

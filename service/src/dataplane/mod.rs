@@ -98,11 +98,13 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    /// A stable word for the control plane.
-    pub fn code(&self) -> &'static str {
+    /// Its code on the control socket.
+    pub fn code(&self) -> protocol::ErrorCode {
         match self {
-            Refusal::Map(extent::MapError::Io { .. }) | Refusal::Io { .. } => "io_error",
-            Refusal::Map(_) | Refusal::Rule(_) => "refused",
+            Refusal::Map(extent::MapError::Io { .. }) | Refusal::Io { .. } => {
+                protocol::ErrorCode::IoError
+            }
+            Refusal::Map(_) | Refusal::Rule(_) => protocol::ErrorCode::Refused,
         }
     }
 }

@@ -206,15 +206,30 @@ pub struct WorkerStats {
     pub worker_restarts: u64,
 }
 
+/// Why a worker refused or failed a request: a stable word on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// A rule refused it; nothing changed.
+    Refused,
+    /// An I/O error (the kernel, the image, a raw device) failed it.
+    IoError,
+    /// The request could not be read.
+    BadRequest,
+    /// A code this build does not know (a worker of a newer version).
+    #[serde(other)]
+    Unknown,
+}
+
 /// An answer on the control socket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Answer {
     Status(Box<Status>),
     Stats(Box<WorkerStats>),
-    /// Refused or failed; `code` is a stable word, `message` names the rule.
+    /// Refused or failed; `message` names the rule.
     Error {
-        code: String,
+        code: ErrorCode,
         message: String,
     },
 }
@@ -230,6 +245,16 @@ pub enum TalkError {
     },
     #[error("worker answered something unreadable: {0}")]
     Garbled(String),
+}
+
+/// The `--spec` argument of process `pid`, if it is a blockplane worker (read
+/// as plain JSON: a worker of another version may have other fields).
+pub fn worker_spec(pid: u32) -> Option<serde_json::Value> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut args = cmdline.split(|b| *b == 0);
+    args.find(|a| *a == b"worker")?;
+    args.find(|a| *a == b"--spec")?;
+    serde_json::from_slice(args.next()?).ok()
 }
 
 /// Sends one request and reads one answer (a fresh connection each time).
@@ -266,12 +291,27 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
         let a = Answer::Error {
-            code: "refused".into(),
+            code: ErrorCode::Refused,
             message: "direct-map rule 2".into(),
         };
         let s = serde_json::to_string(&a).unwrap();
         assert!(!s.contains('\n'));
         assert_eq!(serde_json::from_str::<Answer>(&s).unwrap(), a);
+        // The codes are the words workers of earlier versions answer with.
+        assert_eq!(
+            s,
+            r#"{"error":{"code":"refused","message":"direct-map rule 2"}}"#
+        );
+        for (code, word) in [
+            (ErrorCode::IoError, "io_error"),
+            (ErrorCode::BadRequest, "bad_request"),
+        ] {
+            assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{word}\""));
+        }
+        assert_eq!(
+            serde_json::from_str::<ErrorCode>(r#""from_the_future""#).unwrap(),
+            ErrorCode::Unknown
+        );
         // A service from before the pace asks without it.
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
