@@ -13,6 +13,7 @@ pub mod config;
 pub mod csi;
 pub mod dashboard;
 pub mod dataplane;
+pub mod dispatch;
 pub mod extent;
 pub mod image;
 pub mod manager;

@@ -33,6 +33,7 @@ use super::{
     AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, DmAttachment,
     EventSink, Marked, OrphanPolicy, Probe, ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
 };
+use crate::dispatch;
 use crate::extent::{self, DevNum, ExtentMap, Pin};
 use crate::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
@@ -166,20 +167,6 @@ pub fn direct_table(map: &ExtentMap) -> Vec<Target> {
         .collect()
 }
 
-/// Rule 7: device-mapper claims the disks it maps, which the kernel refuses
-/// (EBUSY) while a filesystem is mounted directly on one. That is the case
-/// when the image's filesystem sits on the raw device itself (no dm layer
-/// between): then refuse before anything is created.
-fn rule_7(map: &ExtentMap) -> Result<(), String> {
-    match map.devices.iter().find(|d| d.dev == map.fs_device) {
-        Some(d) => Err(format!(
-            "direct-map rule 7: device-mapper cannot open {} while the image's filesystem is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit",
-            d.node.display()
-        )),
-        None => Ok(()),
-    }
-}
-
 /// One `linear` target over a whole device.
 fn over(dev: DevNum, size_bytes: u64) -> Vec<Target> {
     vec![(
@@ -273,62 +260,11 @@ impl DmBackend {
         (!cap.available).then(|| cap.reason.unwrap_or_default())
     }
 
-    /// Decides the path: `auto` is `direct` if the image passes every rule,
-    /// else `nowait` (which needs ublk).
-    fn decide(
-        &self,
-        image: &OwnedFd,
-        size: u64,
-        asked: DispatchPolicy,
-        read_only: bool,
-    ) -> Result<Decision, BackendError> {
-        let check = || -> Result<(), String> {
-            if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
-                return Err(extent::MapError::ImmutableByUser.to_string());
-            }
-            let map = ExtentMap::build(image.as_fd(), size).map_err(|e| e.to_string())?;
-            rule_7(&map)
-        };
-        let needs_ublk = |what: &str| -> Result<(), BackendError> {
-            match self.ublk_reason() {
-                None => Ok(()),
-                Some(why) => Err(BackendError::Unavailable {
-                    backend: "dm",
-                    reason: format!(
-                        "{what} needs a private ublk device, and ublk is not available: {why}; only dispatch 'direct' works here"
-                    ),
-                }),
-            }
-        };
-        Ok(match asked {
-            DispatchPolicy::Direct => {
-                check().map_err(|reason| BackendError::Refused { reason })?;
-                Decision {
-                    dispatch: DispatchPolicy::Direct,
-                    reason: "asked: direct (linear table over the image's extents)".into(),
-                }
-            }
-            DispatchPolicy::Auto => match check() {
-                Ok(()) => Decision {
-                    dispatch: DispatchPolicy::Direct,
-                    reason: "auto: the image passes every direct-map rule (linear table over its extents)".into(),
-                },
-                Err(e) => {
-                    needs_ublk(&format!("auto fell back to nowait ({e}), which"))?;
-                    Decision {
-                        dispatch: DispatchPolicy::Nowait,
-                        reason: format!("auto chose nowait: {e}"),
-                    }
-                }
-            },
-            other => {
-                needs_ublk(&format!("dispatch '{}'", other.as_str()))?;
-                Decision {
-                    dispatch: other,
-                    reason: format!("asked: {} (linear table over a private ublk device)", other.as_str()),
-                }
-            }
-        })
+    /// The dispatch decision's view of this backend.
+    fn path(&self) -> dispatch::Path {
+        dispatch::Path::Dm {
+            ublk_missing: self.ublk_reason(),
+        }
     }
 
     /// Creates (`create`) or reloads a device's table: suspend, then
@@ -383,7 +319,10 @@ impl DmBackend {
             undo(&dm);
             return Err(match errno(&e) {
                 Some(libc::EBUSY) => BackendError::Refused {
-                    reason: "direct-map rule 7: device-mapper cannot open the disk under the image's filesystem, which is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit".into(),
+                    reason: format!(
+                        "direct-map rule 7: device-mapper cannot open the disk under the image's filesystem, which is mounted directly on it (EBUSY); {}",
+                        dispatch::RULE_7_WAY_OUT
+                    ),
                 },
                 _ => dm_error("DM_TABLE_LOAD", &name_s, e),
             });
@@ -506,10 +445,7 @@ impl DmBackend {
                 refuse_writes: v.read_only,
                 ..v.params.clone()
             },
-            decision: Some(Decision {
-                dispatch: policy,
-                reason: reason.to_string(),
-            }),
+            decision: Some(Decision::new(policy, reason)),
         })?;
         Ok(DevNum {
             major: att.major,
@@ -573,27 +509,26 @@ impl DmBackend {
                 let image = &v.image;
                 let (size, read_only) = (v.params.size_bytes, v.read_only);
                 let mut mapped = None;
-                let swapped = self.swap(
-                    volume_id,
-                    false,
-                    read_only,
-                    || {
-                        if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
-                            return Err(BackendError::Refused {
-                                reason: extent::MapError::ImmutableByUser.to_string(),
-                            });
-                        }
-                        let (map, pin) = extent::map_and_pin(image.as_fd(), size).map_err(|e| {
-                            BackendError::Refused {
+                let swapped =
+                    self.swap(
+                        volume_id,
+                        false,
+                        read_only,
+                        || {
+                            let refused = |e: extent::MapError| BackendError::Refused {
                                 reason: e.to_string(),
-                            }
-                        })?;
-                        let table = direct_table(&map);
-                        mapped = Some((map, pin));
-                        Ok(table)
-                    },
-                    || Ok(()),
-                );
+                            };
+                            dispatch::rule_3(image.as_fd(), read_only).map_err(refused)?;
+                            let (map, pin) = extent::map_and_pin(image.as_fd(), size, None)
+                                .map_err(|e| BackendError::Refused {
+                                    reason: e.to_string(),
+                                })?;
+                            let table = direct_table(&map);
+                            mapped = Some((map, pin));
+                            Ok(table)
+                        },
+                        || Ok(()),
+                    );
                 match swapped {
                     Ok(table) => {
                         v.direct = mapped;
@@ -752,18 +687,26 @@ impl VolumeBackend for DmBackend {
                 reason: "QoS needs backend: \"ublk\"".into(),
             });
         }
-        self.decide(image, size, spec.dispatch, spec.read_only)
-            .map(Some)
+        let decision = dispatch::decide(
+            image.as_fd(),
+            size,
+            spec.dispatch,
+            spec.read_only,
+            &self.path(),
+        )?;
+        Ok(Some(decision))
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let decision = match req.decision.clone() {
+        // The decision validate made (with its map), or one made now.
+        let decision = match req.decision {
             Some(d) => d,
-            None => self.decide(
-                &req.image_fd,
+            None => dispatch::decide(
+                req.image_fd.as_fd(),
                 req.params.size_bytes,
                 req.params.dispatch,
                 req.params.refuse_writes,
+                &self.path(),
             )?,
         };
         let mut v = DmVolume {
@@ -787,11 +730,11 @@ impl VolumeBackend for DmBackend {
         let _ = Self::remove(volume_id);
         if decision.dispatch == DispatchPolicy::Direct {
             let (map, pin) =
-                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
-                    BackendError::Refused {
+                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes, decision.map).map_err(
+                    |e| BackendError::Refused {
                         reason: e.to_string(),
-                    }
-                })?;
+                    },
+                )?;
             let table = direct_table(&map);
             match self.swap(volume_id, true, v.read_only, || Ok(table), || Ok(())) {
                 Ok(t) => v.table = t,
@@ -936,10 +879,7 @@ impl VolumeBackend for DmBackend {
                         .into(),
                 });
             };
-            v.dispatch = match worker.dispatch {
-                ActiveDispatch::Threaded => DispatchPolicy::Threaded,
-                _ => DispatchPolicy::Nowait,
-            };
+            v.dispatch = dispatch::policy_of(worker.dispatch);
             v.private_ublk = Some(DevNum {
                 major: worker.major,
                 minor: worker.minor,
@@ -1049,6 +989,7 @@ impl VolumeBackend for DmBackend {
                     } else {
                         v.params.size_bytes
                     },
+                    None,
                 )
                 .map_err(|e| BackendError::Refused {
                     reason: e.to_string(),
@@ -1088,18 +1029,13 @@ impl VolumeBackend for DmBackend {
                 field: "qos",
                 reason: "QoS needs backend: \"ublk\"".into(),
             }),
-            Change::Dispatch(DispatchPolicy::Nowait | DispatchPolicy::Threaded)
+            Change::Dispatch(to @ (DispatchPolicy::Nowait | DispatchPolicy::Threaded))
                 if att.dispatch == ActiveDispatch::Direct =>
             {
-                match self.ublk_reason() {
-                    None => Ok(()),
-                    Some(why) => Err(BackendError::Unavailable {
-                        backend: "dm",
-                        reason: format!(
-                            "leaving direct needs a private ublk device, and ublk is not available: {why}"
-                        ),
-                    }),
-                }
+                Ok(dispatch::can_serve_off_direct(
+                    &format!("dispatch '{}'", to.as_str()),
+                    &self.path(),
+                )?)
             }
             _ => Ok(()),
         }
@@ -1114,23 +1050,15 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct
-                    {
-                        Decision {
-                            dispatch: DispatchPolicy::Direct,
-                            reason: v.reason.clone(),
-                        }
-                    } else if asked == DispatchPolicy::Direct
-                        && v.dispatch != DispatchPolicy::Direct
-                    {
-                        // Checked under suspension by switch(); the reason is all we need here.
-                        Decision {
-                            dispatch: DispatchPolicy::Direct,
-                            reason: "asked: direct (linear table over the image's extents)".into(),
-                        }
-                    } else {
-                        self.decide(&v.image, v.params.size_bytes, asked, v.read_only)?
-                    };
+                    let d = dispatch::decide_change(
+                        v.image.as_fd(),
+                        v.params.size_bytes,
+                        asked,
+                        v.read_only,
+                        &self.path(),
+                        v.dispatch == DispatchPolicy::Direct,
+                        &v.reason,
+                    )?;
                     self.switch(volume_id, v, d.dispatch, d.reason)?;
                     v.degraded = None;
                 }

@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+pub use crate::dispatch::Decision;
+use crate::dispatch::DispatchError;
 use crate::extent::Pin;
 pub use crate::image::AllocateJob;
 use crate::model::{
@@ -64,6 +66,19 @@ impl BackendError {
             op,
             device: device.into(),
             source,
+        }
+    }
+}
+
+impl From<DispatchError> for BackendError {
+    fn from(e: DispatchError) -> Self {
+        match e {
+            DispatchError::Refused(reason) => BackendError::Refused { reason },
+            // Only dm's paths off `direct` need a private ublk device.
+            DispatchError::NeedsUblk(reason) => BackendError::Unavailable {
+                backend: "dm",
+                reason,
+            },
         }
     }
 }
@@ -122,13 +137,6 @@ pub struct ProbeRequest {
     /// The manager's lock on the image, when it could take it (not when the
     /// device's own worker holds it, having outlived the last service).
     pub image_lock: Option<OwnedFd>,
-}
-
-/// The policy a backend decided for a volume, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
-    pub dispatch: DispatchPolicy,
-    pub reason: String,
 }
 
 /// A live device, as the backend describes it; stored with the volume so a

@@ -30,10 +30,11 @@ use super::{
 use crate::dataplane::protocol::{
     self, Answer, ErrorCode, FillState, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec, worker_spec,
 };
+use crate::dispatch;
 use crate::extent::{self, ExtentMap};
 use crate::model::{
-    Allocation, Backend, BackendCapability, DispatchPolicy, LatencyStats, NowaitStats, Percentiles,
-    UblkFeatures, VolumeState, VolumeStats,
+    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, LatencyStats,
+    NowaitStats, Percentiles, UblkFeatures, VolumeState, VolumeStats,
 };
 
 const CONTROL: &str = "/dev/ublk-control";
@@ -150,46 +151,10 @@ impl UblkBackend {
             .map_err(|e| io("mark run dir", run_dir.display().to_string(), e))
     }
 
-    /// Decides the policy for a request: `auto` is `direct` when the image
-    /// passes every direct-map rule, else `nowait` with the reason.
-    fn decide(
-        &self,
-        image: &OwnedFd,
-        size: u64,
-        asked: DispatchPolicy,
-        read_only: bool,
-    ) -> Result<(DispatchPolicy, String), BackendError> {
-        let check = || -> Result<(), extent::MapError> {
-            if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
-                return Err(extent::MapError::ImmutableByUser);
-            }
-            ExtentMap::build(image.as_fd(), size).map(drop)
-        };
-        match asked {
-            DispatchPolicy::Auto => Ok(match check() {
-                Ok(()) => (
-                    DispatchPolicy::Direct,
-                    "auto: the image passes every direct-map rule".into(),
-                ),
-                Err(e) => (DispatchPolicy::Nowait, format!("auto chose nowait: {e}")),
-            }),
-            DispatchPolicy::Direct => {
-                check().map_err(|e| BackendError::Refused {
-                    reason: e.to_string(),
-                })?;
-                Ok((
-                    DispatchPolicy::Direct,
-                    "asked: direct (the image passes every direct-map rule)".into(),
-                ))
-            }
-            DispatchPolicy::Nowait => Ok((DispatchPolicy::Nowait, "asked: nowait".into())),
-            DispatchPolicy::Threaded => Ok((
-                DispatchPolicy::Threaded,
-                format!(
-                    "asked: threaded (io-wq, at most {} blocking workers per queue)",
-                    self.cfg.threads
-                ),
-            )),
+    /// The dispatch decision's view of this backend.
+    fn path(&self) -> dispatch::Path {
+        dispatch::Path::Ublk {
+            threads: self.cfg.threads,
         }
     }
 
@@ -198,17 +163,23 @@ impl UblkBackend {
     /// [`LOCK_FD`].
     fn start_worker(
         &self,
-        spec: WorkerSpec,
+        mut spec: WorkerSpec,
         image: &OwnedFd,
         lock: Option<&OwnedFd>,
+        decided: Option<&ExtentMap>,
     ) -> Result<(u32, Status), BackendError> {
-        let run_dir = &spec.run_dir;
+        let run_dir = &spec.run_dir.clone();
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(run_dir)
             .map_err(|e| io("create run dir", run_dir.display().to_string(), e))?;
         self.claim_run_dir(run_dir)?;
+        if let Some(map) = decided {
+            protocol::put_decided_map(run_dir, map)
+                .map_err(|e| io("write the decided map", run_dir.display().to_string(), e))?;
+        }
+        spec.decided_map = decided.is_some();
         let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -483,7 +454,7 @@ impl UblkBackend {
             let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
             spec.recover_dev_id = Some(dev_id);
             spec.pinned = state.and_then(|s| s.pinned);
-            match self.start_worker(spec.clone(), &image, lock.as_ref()) {
+            match self.start_worker(spec.clone(), &image, lock.as_ref(), None) {
                 Ok((pid, status)) => {
                     if let Some(w) = self
                         .workers
@@ -712,8 +683,14 @@ impl VolumeBackend for UblkBackend {
                 ),
             });
         }
-        let (dispatch, reason) = self.decide(image, size, spec.dispatch, spec.read_only)?;
-        Ok(Some(Decision { dispatch, reason }))
+        let decision = dispatch::decide(
+            image.as_fd(),
+            size,
+            spec.dispatch,
+            spec.read_only,
+            &self.path(),
+        )?;
+        Ok(Some(decision))
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
@@ -893,10 +870,14 @@ impl VolumeBackend for UblkBackend {
                 else {
                     return Ok(());
                 };
-                if d == DispatchPolicy::Direct
-                    && att.dispatch != crate::model::ActiveDispatch::Direct
-                {
-                    self.decide(&w.image, att.size_bytes, d, att.read_only)?;
+                if d == DispatchPolicy::Direct && att.dispatch != ActiveDispatch::Direct {
+                    dispatch::decide(
+                        w.image.as_fd(),
+                        att.size_bytes,
+                        d,
+                        att.read_only,
+                        &self.path(),
+                    )?;
                 }
                 Ok(())
             }
@@ -912,30 +893,30 @@ impl VolumeBackend for UblkBackend {
     ) -> Result<Attachment, BackendError> {
         let status = match change {
             Change::Dispatch(asked) => {
-                let (dispatch, reason) = {
-                    let w = self.workers.lock().expect("workers poisoned");
-                    let image = w
-                        .get(&volume_id)
-                        .and_then(|w| w.image.try_clone().ok())
-                        .ok_or_else(|| {
-                            io(
-                                "reconfigure",
-                                &att.device,
-                                io::Error::other("no supervised worker"),
-                            )
-                        })?;
-                    drop(w);
-                    if asked == DispatchPolicy::Auto
-                        && att.dispatch == crate::model::ActiveDispatch::Direct
-                    {
-                        (
-                            DispatchPolicy::Direct,
-                            "auto: the image passes every direct-map rule".to_string(),
+                let image = self
+                    .workers
+                    .lock()
+                    .expect("workers poisoned")
+                    .get(&volume_id)
+                    .and_then(|w| w.image.try_clone().ok())
+                    .ok_or_else(|| {
+                        io(
+                            "reconfigure",
+                            &att.device,
+                            io::Error::other("no supervised worker"),
                         )
-                    } else {
-                        self.decide(&image, att.size_bytes, asked, att.read_only)?
-                    }
-                };
+                    })?;
+                let Decision {
+                    dispatch, reason, ..
+                } = dispatch::decide_change(
+                    image.as_fd(),
+                    att.size_bytes,
+                    asked,
+                    att.read_only,
+                    &self.path(),
+                    att.dispatch == ActiveDispatch::Direct,
+                    &att.dispatch_reason,
+                )?;
                 let s = self.ask(volume_id, &Request::SetDispatch { dispatch, reason })?;
                 self.record(volume_id, |spec| spec.dispatch = dispatch);
                 s
@@ -1084,12 +1065,17 @@ impl UblkBackend {
     }
 
     fn attach_worker(&self, req: AttachRequest, private: bool) -> Result<Attachment, BackendError> {
-        let (dispatch, reason) = self.decide(
-            &req.image_fd,
-            req.params.size_bytes,
-            req.params.dispatch,
-            req.params.refuse_writes,
-        )?;
+        // The decision validate made (with its map), or one made now.
+        let decision = match req.decision {
+            Some(d) => d,
+            None => dispatch::decide(
+                req.image_fd.as_fd(),
+                req.params.size_bytes,
+                req.params.dispatch,
+                req.params.refuse_writes,
+                &self.path(),
+            )?,
+        };
         let run_dir = self.run_dir(req.volume_id);
         // A device left by a dead worker of this volume: recover it, so the
         // data in flight when it died is reissued, not lost.
@@ -1112,8 +1098,8 @@ impl UblkBackend {
             size_bytes: req.params.size_bytes,
             read_only: req.params.read_only,
             refuse_writes: req.params.refuse_writes,
-            dispatch,
-            dispatch_reason: reason,
+            dispatch: decision.dispatch,
+            dispatch_reason: decision.reason,
             queues: req.params.queues,
             queue_depth: req.params.queue_depth,
             max_io_bytes: req.params.max_io_bytes,
@@ -1128,9 +1114,19 @@ impl UblkBackend {
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: req.params.allocation,
             image_lock: req.image_lock.is_some(),
+            decided_map: false,
         };
-        let (pid, status) =
-            self.start_worker(spec.clone(), &req.image_fd, req.image_lock.as_ref())?;
+        // Only the first start checks the decided map; a replacement
+        // worker finds the image pinned and reads its map under that pin.
+        let decided = decision
+            .map
+            .filter(|_| decision.dispatch == DispatchPolicy::Direct);
+        let (pid, status) = self.start_worker(
+            spec.clone(),
+            &req.image_fd,
+            req.image_lock.as_ref(),
+            decided.as_ref(),
+        )?;
         let att = self.attachment(&status)?;
         self.workers.lock().expect("workers poisoned").insert(
             req.volume_id,
@@ -1196,11 +1192,7 @@ impl UblkBackend {
             size_bytes: status.size_bytes,
             read_only: p.read_only,
             refuse_writes: status.read_only,
-            dispatch: match status.dispatch {
-                crate::model::ActiveDispatch::Direct => DispatchPolicy::Direct,
-                crate::model::ActiveDispatch::Threaded => DispatchPolicy::Threaded,
-                _ => DispatchPolicy::Nowait,
-            },
+            dispatch: dispatch::policy_of(status.dispatch),
             dispatch_reason: status.dispatch_reason.clone(),
             queues: p.queues,
             queue_depth: p.queue_depth,
@@ -1212,6 +1204,7 @@ impl UblkBackend {
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: p.allocation,
             image_lock: lock.is_some(),
+            decided_map: false,
         };
         self.workers.lock().expect("workers poisoned").insert(
             volume_id,

@@ -322,23 +322,24 @@ impl Shared {
         self.stats.snapshot(&self.ask_queues().reports())
     }
 
+    /// Rule 3, where this worker's own earlier pin is not the owner's flag.
     fn refuse_rule_3(&self) -> Result<(), Refusal> {
-        if !self.read_only() && extent::is_immutable(self.image.as_fd()).unwrap_or(false) {
-            let pinned_by_us = self
-                .state
-                .lock()
-                .expect("state poisoned")
-                .pinned
-                .is_some_and(|p| !p.was_immutable);
-            if !pinned_by_us {
-                return Err(extent::MapError::ImmutableByUser.into());
-            }
+        let pinned_by_us = self
+            .state
+            .lock()
+            .expect("state poisoned")
+            .pinned
+            .is_some_and(|p| !p.was_immutable);
+        if !pinned_by_us {
+            crate::dispatch::rule_3(self.image.as_fd(), self.read_only())?;
         }
         Ok(())
     }
 
     /// Maps and pins the image and opens its raw devices (entering `direct`).
-    fn enter_direct(&self) -> Result<Arc<DirectPath>, Refusal> {
+    /// `decided`: the map the control plane decided `direct` from, checked
+    /// under the pin instead of read again before it.
+    fn enter_direct(&self, decided: Option<ExtentMap>) -> Result<Arc<DirectPath>, Refusal> {
         let size = self.state.lock().expect("state poisoned").size_bytes;
         let earlier = self.state.lock().expect("state poisoned").pinned;
         let (map, pin) = match earlier {
@@ -354,7 +355,7 @@ impl Shared {
             }
             None => {
                 self.refuse_rule_3()?;
-                extent::map_and_pin(self.image.as_fd(), size)?
+                extent::map_and_pin(self.image.as_fd(), size, decided)?
             }
         };
         let devices = match self.open_raw_devices(&map) {
@@ -470,7 +471,7 @@ impl Shared {
                     op: "fdatasync the image",
                     source,
                 })?;
-                self.enter_direct().map(Some)
+                self.enter_direct(None).map(Some)
             }
             (Policy::Direct, _) => self.leave_direct().map(|()| None),
             _ => Ok(None),
@@ -603,7 +604,11 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     });
     let start = Policy::from_requested(shared.spec.dispatch);
     if start == Policy::Direct {
-        let path = shared.enter_direct()?;
+        let decided = match shared.spec.decided_map {
+            true => Some(protocol::take_decided_map(&shared.spec.run_dir)?),
+            false => None,
+        };
+        let path = shared.enter_direct(decided)?;
         shared.config().direct = Some(path);
     } else if let Some(p) = shared.spec.pinned {
         // A crashed direct worker's pin, on a volume now asked on the file path.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::extent::Pin;
+use crate::extent::{ExtentMap, Pin};
 use crate::model::{ActiveDispatch, Allocation, DispatchPolicy, OpStats, Qos};
 
 /// The file descriptor number the image is handed to a worker on.
@@ -65,6 +65,35 @@ pub struct WorkerSpec {
     /// holds the image.
     #[serde(default)]
     pub image_lock: bool,
+    /// The run dir holds the extent map the control plane decided `direct`
+    /// from ([`DECIDED_MAP`]; a map can be too large for a command line):
+    /// the worker pins the image and checks it still maps that way, instead
+    /// of reading the map before the pin too. Only a first start has one.
+    #[serde(default)]
+    pub decided_map: bool,
+}
+
+/// The file in a worker's run dir with the map of [`WorkerSpec::decided_map`].
+pub const DECIDED_MAP: &str = "decided-map.json";
+
+/// Writes the map a worker's start is to check (see [`WorkerSpec::decided_map`]).
+pub fn put_decided_map(run_dir: &Path, map: &ExtentMap) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(run_dir.join(DECIDED_MAP))?;
+    serde_json::to_writer(&mut f, map).map_err(std::io::Error::other)
+}
+
+/// Reads (and removes) the map written by [`put_decided_map`].
+pub fn take_decided_map(run_dir: &Path) -> std::io::Result<ExtentMap> {
+    let path = run_dir.join(DECIDED_MAP);
+    let map = serde_json::from_slice(&std::fs::read(&path)?).map_err(std::io::Error::other)?;
+    std::fs::remove_file(&path)?;
+    Ok(map)
 }
 
 /// A request on the control socket.
@@ -317,5 +346,20 @@ mod tests {
             serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
             Request::Allocate { pace_ms: 0 }
         );
+    }
+
+    #[test]
+    fn a_decided_map_is_read_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let map = ExtentMap {
+            size: 4096,
+            fs_device: crate::extent::DevNum { major: 7, minor: 1 },
+            devices: Vec::new(),
+            segments: Vec::new(),
+        };
+        put_decided_map(dir.path(), &map).unwrap();
+        assert_eq!(take_decided_map(dir.path()).unwrap(), map);
+        // Gone once taken: a replacement worker never checks a stale one.
+        assert!(take_decided_map(dir.path()).is_err());
     }
 }
