@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::dataplane::protocol::Request;
 pub use crate::dispatch::Decision;
 use crate::dispatch::DispatchError;
 use crate::extent::Pin;
@@ -389,6 +390,34 @@ pub trait VolumeBackend: Send + Sync {
         change: Change,
         volume_id: Uuid,
     ) -> Result<Attachment, BackendError>;
+}
+
+/// What the dm backend needs of the ublk backend: the private ublk device a
+/// dm volume's table points at off its direct path, named by the dm
+/// volume's id. The ublk backend implements it.
+pub trait PrivateDevices: Send + Sync {
+    /// Why private devices cannot be made here (`None`: they can).
+    fn missing(&self) -> Option<String>;
+
+    /// Starts a volume's private device with `req.decision`'s policy.
+    fn start(&self, req: AttachRequest) -> Result<Attachment, BackendError>;
+
+    /// Takes back a volume's private device after a restart.
+    fn adopt(&self, req: ProbeRequest) -> Result<Probe, BackendError>;
+
+    /// A live change (`SetDispatch`, `SetReadOnly`, `Resize`), kept for a
+    /// replacement worker; the private device as it is after it.
+    fn change(&self, volume_id: Uuid, req: Request) -> Result<Attachment, BackendError>;
+
+    /// Makes the image `full` while the private device serves (see
+    /// [`VolumeBackend::allocate`]).
+    fn fill(&self, volume_id: Uuid, job: &AllocateJob) -> Result<bool, BackendError>;
+
+    /// The image lock the private device's worker kept through a restart.
+    fn held_lock(&self, volume_id: Uuid) -> Option<OwnedFd>;
+
+    /// Stops the private device and its worker (none is not an error).
+    fn stop(&self, volume_id: Uuid) -> Result<(), BackendError>;
 }
 
 /// The parts of a volume spec a backend checks before anything is recorded.

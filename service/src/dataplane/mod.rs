@@ -201,9 +201,7 @@ impl Shared {
     /// A fill already running goes on; its progress is in [`Self::fill_state`].
     pub fn start_allocate(self: &Arc<Self>, pace: Duration) -> Result<(), Refusal> {
         if self.spec.read_only {
-            return Err(Refusal::Rule(
-                "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
-            ));
+            return Err(Refusal::Rule(protocol::CANNOT_FILL_READ_ONLY.into()));
         }
         if self
             .fill_state()

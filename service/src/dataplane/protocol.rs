@@ -73,6 +73,9 @@ pub struct WorkerSpec {
     pub decided_map: bool,
 }
 
+/// Why a worker of a volume created read-only cannot fill its image.
+pub const CANNOT_FILL_READ_ONLY: &str = "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first";
+
 /// The file in a worker's run dir with the map of [`WorkerSpec::decided_map`].
 pub const DECIDED_MAP: &str = "decided-map.json";
 
