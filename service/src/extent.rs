@@ -14,7 +14,7 @@
 //! 6. the image's page cache is written back and dropped ([`drop_page_cache`]).
 //!
 //! Rule 7 (opening the raw disk while its filesystem is mounted) is checked
-//! where the raw device is opened: `backend::dm` and the ublk worker.
+//! where the raw device is opened: the dm backend and the ublk worker.
 
 use std::fmt;
 use std::io;
@@ -651,8 +651,8 @@ pub fn drop_page_cache(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// Builds, pins and readies a map in the order the rules need: map and check
 /// (with a sync), pin, map again (nothing can have moved it since the pin:
 /// compare), drop the page cache. `decided`: the map a dispatch decision was
-/// made from (see [`crate::dispatch`]), taken as the first map instead of
-/// reading it again: the image must still map that way once pinned.
+/// made from, taken as the first map instead of reading it again: the image
+/// must still map that way once pinned.
 pub fn map_and_pin(
     fd: BorrowedFd<'_>,
     size: u64,

@@ -561,7 +561,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let _lock = if spec.image_lock {
         // SAFETY: as IMAGE_FD, for the image lock.
         let lock = unsafe { OwnedFd::from_raw_fd(LOCK_FD) };
-        crate::manager::holds::retake(&lock).map_err(|e| {
+        crate::image::retake_lock(&lock).map_err(|e| {
             format!(
                 "cannot take the lock on image {}: {e}; another process (another blockplane instance?) holds it, so this worker will not serve it",
                 spec.image_path
