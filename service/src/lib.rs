@@ -6,7 +6,9 @@
 //! never touches a volume's bytes.
 
 pub mod api;
+pub mod attachment;
 pub mod backend;
+pub mod blockstat;
 pub mod cli;
 pub mod client;
 pub mod config;

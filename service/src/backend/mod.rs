@@ -5,7 +5,6 @@
 //! SQLite: what it needs to find its device again is the [`Attachment`] it
 //! returns, which the manager stores with the volume.
 
-pub mod blockstat;
 pub mod dm;
 pub mod loopdev;
 pub mod ublk;
@@ -13,18 +12,16 @@ pub mod ublk;
 use std::io;
 use std::os::fd::OwnedFd;
 
-use serde::{Deserialize, Serialize};
-use time::OffsetDateTime;
 use uuid::Uuid;
 
+pub use crate::attachment::{Attachment, DeviceState, DmAttachment, UblkAttachment};
 use crate::dataplane::protocol::Request;
 pub use crate::dispatch::Decision;
 use crate::dispatch::DispatchError;
-use crate::extent::Pin;
 pub use crate::image::AllocateJob;
 use crate::model::{
-    ActiveDispatch, Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats,
-    Qos, VolumeState, VolumeStats,
+    Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
+    VolumeState, VolumeStats,
 };
 
 /// What went wrong in a backend.
@@ -140,55 +137,6 @@ pub struct ProbeRequest {
     pub image_lock: Option<OwnedFd>,
 }
 
-/// A live device, as the backend describes it; stored with the volume so a
-/// restarted service can find and check it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Attachment {
-    /// Device node, e.g. `/dev/loop3`.
-    pub device: String,
-    /// The kernel's name for it (`/sys/block/<name>`), e.g. `loop3`.
-    pub kernel_name: String,
-    pub major: u32,
-    pub minor: u32,
-    pub dispatch: ActiveDispatch,
-    pub dispatch_reason: String,
-    /// Loop: whether the loop driver does direct I/O.
-    pub direct_io: Option<bool>,
-    pub size_bytes: u64,
-    pub read_only: bool,
-    /// When the counters in `baseline` were read (the attach).
-    #[serde(with = "time::serde::rfc3339")]
-    pub attached_at: OffsetDateTime,
-    /// Kernel block statistics at attach: the device may have counted I/O of an
-    /// earlier user.
-    pub baseline: Option<blockstat::BlockStat>,
-    /// ublk volumes: the device and its worker.
-    #[serde(default)]
-    pub ublk: Option<UblkAttachment>,
-    /// dm volumes: the device-mapper device and its table.
-    #[serde(default)]
-    pub dm: Option<DmAttachment>,
-    /// The image grew but the device could not follow live (ublk without
-    /// UPDATE_SIZE): the new size applies at the next attach.
-    #[serde(default)]
-    pub resize_pending: bool,
-}
-
-/// What the control plane keeps of a dm volume's device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DmAttachment {
-    pub name: String,
-    pub uuid: String,
-    /// The live table: `(start, length, target, params)` in sectors.
-    pub table: Vec<(u64, u64, String, String)>,
-    /// The image's pin while direct-mapped.
-    pub pinned: Option<Pin>,
-    /// `major:minor` of the private ublk device on the nowait/threaded path.
-    pub private_ublk: Option<String>,
-    /// Why the volume left the direct path on its own (extent drift).
-    pub degraded: Option<String>,
-}
-
 /// What reconciliation does with a marked device that has no volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OrphanPolicy {
@@ -196,25 +144,6 @@ pub enum OrphanPolicy {
     Remove,
     /// Report it in `/v1/host` and leave it until an explicit DELETE.
     Report,
-}
-
-/// What the control plane keeps of a ublk volume's device and worker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UblkAttachment {
-    pub dev_id: u32,
-    pub pid: u32,
-    /// The image's pin while direct-mapped.
-    pub pinned: Option<Pin>,
-    /// Bytes of I/O buffers the worker holds.
-    pub buffer_bytes: u64,
-    /// Queues the device has (none recorded before they were).
-    #[serde(default)]
-    pub queues: Option<u16>,
-    /// The worker uses requests' pages in place (UBLK_F_AUTO_BUF_REG).
-    #[serde(default)]
-    pub zero_copy: bool,
-    /// Why the volume left the direct path on its own (extent drift).
-    pub degraded: Option<String>,
 }
 
 /// Something a backend noticed on its own (a worker died and was replaced, a
@@ -460,7 +389,7 @@ pub(crate) fn kernel_stats(
     backend: BackendKind,
     att: &Attachment,
 ) -> Result<VolumeStats, BackendError> {
-    let now = blockstat::BlockStat::read(&att.kernel_name)
+    let now = crate::blockstat::BlockStat::read(&att.kernel_name)
         .map_err(|e| BackendError::io("read statistics", &att.device, e))?;
     let delta = match &att.baseline {
         Some(base) => now.since(base),

@@ -29,12 +29,12 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::blockstat::BlockStat;
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
-    DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe, ProbeRequest, SpecCheck,
-    VolumeBackend, VolumeParams,
+    DeviceState, DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe,
+    ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
 };
+use crate::blockstat::BlockStat;
 use crate::dataplane::protocol::{CANNOT_FILL_READ_ONLY, Request};
 use crate::dispatch;
 use crate::extent::{self, DevNum, ExtentMap, Pin};
@@ -136,13 +136,11 @@ impl DmBackend {
                 _ => ActiveDispatch::Nowait,
             },
             dispatch_reason: v.reason.clone(),
-            direct_io: None,
             size_bytes,
             read_only: v.read_only,
             attached_at: v.attached_at,
             baseline: v.baseline,
-            ublk: None,
-            dm: Some(DmAttachment {
+            kind: DeviceState::Dm(DmAttachment {
                 name: dm_name(volume_id),
                 uuid: dm_uuid(&self.instance, volume_id),
                 table: v.table.clone(),
@@ -549,7 +547,7 @@ impl VolumeBackend for DmBackend {
                 }
             }
             None => {
-                if let Some(pin) = att.and_then(|a| a.dm.as_ref()).and_then(|d| d.pinned) {
+                if let Some(pin) = att.and_then(|a| a.dm()).and_then(|d| d.pinned) {
                     tracing::warn!(%volume_id, ?pin, "image pinned by a dm volume this service does not hold; clear FS_IMMUTABLE_FL by hand if needed");
                 }
             }
@@ -577,7 +575,7 @@ impl VolumeBackend for DmBackend {
         };
         let name_s = dm_name(volume_id);
         let (read_only, live) = ioctl::live_table(volume_id)?;
-        let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
+        let stored = req.stored.as_ref().and_then(|a| a.dm().cloned());
         // The device serves the size its table covers: the image's row may be
         // older (the service died in a resize between growing the device and
         // recording it) or its file larger (died before the table grew).

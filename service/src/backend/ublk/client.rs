@@ -10,7 +10,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{ALLOCATE_POLL, TALK_TIMEOUT, UblkBackend, io};
-use crate::backend::{AllocateJob, Attachment, BackendError, UblkAttachment};
+use crate::backend::{AllocateJob, Attachment, BackendError, DeviceState, UblkAttachment};
 use crate::dataplane::protocol::{self, Answer, ErrorCode, FillState, Request, Status, WorkerSpec};
 use crate::model::{Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats};
 
@@ -39,12 +39,11 @@ impl UblkBackend {
             minor,
             dispatch: s.dispatch,
             dispatch_reason: s.dispatch_reason.clone(),
-            direct_io: None,
             size_bytes: device_size,
             read_only: s.read_only,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
-            ublk: Some(UblkAttachment {
+            kind: DeviceState::Ublk(UblkAttachment {
                 dev_id: s.dev_id,
                 pid: s.pid,
                 pinned: s.pinned,
@@ -53,7 +52,6 @@ impl UblkBackend {
                 zero_copy: s.zero_copy,
                 degraded: s.degraded.clone(),
             }),
-            dm: None,
             resize_pending: s.resize_pending || device_size < s.size_bytes,
         })
     }

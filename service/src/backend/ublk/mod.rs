@@ -206,7 +206,7 @@ impl VolumeBackend for UblkBackend {
             .as_ref()
             .map(|w| w.dev_id)
             .or(state.as_ref().map(|s| s.dev_id))
-            .or(att.and_then(|a| a.ublk.as_ref().map(|u| u.dev_id)));
+            .or(att.and_then(|a| a.ublk().map(|u| u.dev_id)));
         if let Some(id) = dev_id
             && kernel::device_state(id).is_some()
         {
@@ -216,7 +216,7 @@ impl VolumeBackend for UblkBackend {
         let pinned = state
             .as_ref()
             .and_then(|s| s.pinned)
-            .or(att.and_then(|a| a.ublk.as_ref().and_then(|u| u.pinned)));
+            .or(att.and_then(|a| a.ublk().and_then(|u| u.pinned)));
         if let (Some(pin), Some(w)) = (pinned, &worker)
             && let Err(e) = extent::unpin(w.image.as_fd(), pin)
         {
@@ -314,7 +314,7 @@ impl VolumeBackend for UblkBackend {
                 let w = self.workers.lock().expect("workers poisoned");
                 let Some(w) = w
                     .values()
-                    .find(|w| Some(w.dev_id) == att.ublk.as_ref().map(|u| u.dev_id))
+                    .find(|w| Some(w.dev_id) == att.ublk().map(|u| u.dev_id))
                 else {
                     return Ok(());
                 };
