@@ -10,14 +10,14 @@ pub mod loopdev;
 pub mod ublk;
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use uuid::Uuid;
 
 pub use crate::attachment::{Attachment, DeviceState, DmAttachment, UblkAttachment};
 use crate::dataplane::protocol::Request;
 pub use crate::dispatch::Decision;
-use crate::dispatch::DispatchError;
+use crate::dispatch::{self, DispatchError};
 pub use crate::image::AllocateJob;
 use crate::model::{
     Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
@@ -118,6 +118,24 @@ pub struct AttachRequest {
     /// ublk worker) hands it to that process, so the lock lasts as long as
     /// the device serves, whether or not this service lives.
     pub image_lock: Option<OwnedFd>,
+}
+
+impl AttachRequest {
+    /// The decision this attach goes by: the one [`VolumeBackend::validate`]
+    /// made (with the map it read), or one made now (a re-attach at
+    /// reconciliation comes without one).
+    pub fn take_decision(&mut self, path: &dispatch::Path) -> Result<Decision, BackendError> {
+        match self.decision.take() {
+            Some(d) => Ok(d),
+            None => Ok(dispatch::decide(
+                self.image_fd.as_fd(),
+                self.params.size_bytes,
+                self.params.dispatch,
+                self.params.refuse_writes,
+                path,
+            )?),
+        }
+    }
 }
 
 /// What a backend gets to find (and take back under supervision) a volume's
@@ -358,6 +376,24 @@ pub struct SpecCheck {
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
     pub read_only: bool,
+}
+
+impl SpecCheck {
+    /// The dispatch decision for this spec on `image`, in `path`'s terms.
+    pub fn decide(
+        &self,
+        image: &OwnedFd,
+        size: u64,
+        path: &dispatch::Path,
+    ) -> Result<Decision, BackendError> {
+        Ok(dispatch::decide(
+            image.as_fd(),
+            size,
+            self.dispatch,
+            self.read_only,
+            path,
+        )?)
+    }
 }
 
 /// Why a volume created read-only cannot be made writable.

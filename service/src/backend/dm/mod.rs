@@ -380,6 +380,23 @@ impl DmBackend {
             });
     }
 
+    /// Loads `table` in place of the live one (suspend, load, resume).
+    fn reload(
+        &self,
+        volume_id: Uuid,
+        read_only: bool,
+        table: Vec<Target>,
+    ) -> Result<Vec<Target>, BackendError> {
+        ioctl::swap(
+            &self.instance,
+            volume_id,
+            false,
+            read_only,
+            || Ok(table),
+            || Ok(()),
+        )
+    }
+
     fn with_volume<T>(
         &self,
         volume_id: Uuid,
@@ -433,28 +450,11 @@ impl VolumeBackend for DmBackend {
                 reason: "QoS needs backend: \"ublk\"".into(),
             });
         }
-        let decision = dispatch::decide(
-            image.as_fd(),
-            size,
-            spec.dispatch,
-            spec.read_only,
-            &self.path(),
-        )?;
-        Ok(Some(decision))
+        spec.decide(image, size, &self.path()).map(Some)
     }
 
-    fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        // The decision validate made (with its map), or one made now.
-        let decision = match req.decision {
-            Some(d) => d,
-            None => dispatch::decide(
-                req.image_fd.as_fd(),
-                req.params.size_bytes,
-                req.params.dispatch,
-                req.params.refuse_writes,
-                &self.path(),
-            )?,
-        };
+    fn attach(&self, mut req: AttachRequest) -> Result<Attachment, BackendError> {
+        let decision = req.take_decision(&self.path())?;
         let mut v = DmVolume {
             image: req.image_fd,
             lock: req.image_lock,
@@ -474,7 +474,7 @@ impl VolumeBackend for DmBackend {
         let volume_id = req.volume_id;
         // A device left by a crash of this service mid-create: start clean.
         let _ = ioctl::remove(volume_id);
-        if decision.dispatch == DispatchPolicy::Direct {
+        let table = if decision.dispatch == DispatchPolicy::Direct {
             let (map, pin) =
                 extent::map_and_pin(v.image.as_fd(), v.params.size_bytes, decision.map).map_err(
                     |e| BackendError::Refused {
@@ -482,40 +482,32 @@ impl VolumeBackend for DmBackend {
                     },
                 )?;
             let table = direct_table(&map);
-            match ioctl::swap(
-                &self.instance,
-                volume_id,
-                true,
-                v.read_only,
-                || Ok(table),
-                || Ok(()),
-            ) {
-                Ok(t) => v.table = t,
-                Err(e) => {
-                    let _ = extent::unpin(v.image.as_fd(), pin);
-                    return Err(e);
-                }
-            }
             v.direct = Some((map, pin));
+            table
         } else {
             let dev = self.start_private(volume_id, &v, decision.dispatch, &decision.reason)?;
-            let table = over(dev, v.params.size_bytes);
-            match ioctl::swap(
-                &self.instance,
-                volume_id,
-                true,
-                v.read_only,
-                || Ok(table),
-                || Ok(()),
-            ) {
-                Ok(t) => v.table = t,
-                Err(e) => {
-                    let _ = self.ublk.stop(volume_id);
-                    return Err(e);
-                }
-            }
             v.private_ublk = Some(dev);
-        }
+            over(dev, v.params.size_bytes)
+        };
+        let created = ioctl::swap(
+            &self.instance,
+            volume_id,
+            true,
+            v.read_only,
+            || Ok(table),
+            || Ok(()),
+        );
+        v.table = match created {
+            Ok(t) => t,
+            Err(e) => {
+                // Nothing of the volume is left: no pin, no private device.
+                match &v.direct {
+                    Some((_, pin)) => drop(extent::unpin(v.image.as_fd(), *pin)),
+                    None => drop(self.ublk.stop(volume_id)),
+                }
+                return Err(e);
+            }
+        };
         if let Some(dev) = ioctl::devnum(volume_id) {
             v.baseline = BlockStat::read(&kernel_name(dev)).ok();
         }
@@ -754,14 +746,7 @@ impl VolumeBackend for DmBackend {
                 })?;
                 grown?;
                 let table = direct_table(&map);
-                v.table = ioctl::swap(
-                    &self.instance,
-                    volume_id,
-                    false,
-                    v.read_only,
-                    || Ok(table),
-                    || Ok(()),
-                )?;
+                v.table = self.reload(volume_id, v.read_only, table)?;
                 v.direct = Some((map, pin));
             } else {
                 let att = self.ublk.change(
@@ -784,14 +769,7 @@ impl VolumeBackend for DmBackend {
                     },
                     size_bytes,
                 );
-                v.table = ioctl::swap(
-                    &self.instance,
-                    volume_id,
-                    false,
-                    v.read_only,
-                    || Ok(table),
-                    || Ok(()),
-                )?;
+                v.table = self.reload(volume_id, v.read_only, table)?;
             }
             v.params.size_bytes = size_bytes;
             self.describe(volume_id, v)
@@ -853,14 +831,7 @@ impl VolumeBackend for DmBackend {
                             .change(volume_id, Request::SetReadOnly { read_only: ro })?;
                     }
                     let table = v.table.clone();
-                    v.table = ioctl::swap(
-                        &self.instance,
-                        volume_id,
-                        false,
-                        ro,
-                        || Ok(table),
-                        || Ok(()),
-                    )?;
+                    v.table = self.reload(volume_id, ro, table)?;
                     v.read_only = ro;
                 }
                 Change::Qos(None) => {}

@@ -150,14 +150,7 @@ impl VolumeBackend for UblkBackend {
                 ),
             });
         }
-        let decision = dispatch::decide(
-            image.as_fd(),
-            size,
-            spec.dispatch,
-            spec.read_only,
-            &self.path(),
-        )?;
-        Ok(Some(decision))
+        spec.decide(image, size, &self.path()).map(Some)
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {

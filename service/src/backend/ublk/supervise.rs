@@ -2,7 +2,7 @@
 //! fixed fds), watching it through a pidfd, replacing it when it dies, and
 //! the run dirs that let a restarted service find it again.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -298,20 +298,10 @@ impl UblkBackend {
 
     pub(super) fn attach_worker(
         &self,
-        req: AttachRequest,
+        mut req: AttachRequest,
         private: bool,
     ) -> Result<Attachment, BackendError> {
-        // The decision validate made (with its map), or one made now.
-        let decision = match req.decision {
-            Some(d) => d,
-            None => dispatch::decide(
-                req.image_fd.as_fd(),
-                req.params.size_bytes,
-                req.params.dispatch,
-                req.params.refuse_writes,
-                &self.path(),
-            )?,
-        };
+        let decision = req.take_decision(&self.path())?;
         let run_dir = self.run_dir(req.volume_id);
         // A device left by a dead worker of this volume: recover it, so the
         // data in flight when it died is reissued, not lost.
