@@ -183,9 +183,9 @@ pub fn decide(
 
 /// Decides a live change of a volume's policy to `asked`. Two shortcuts read
 /// no map: `auto` asked of a volume on `direct` keeps it there with the
-/// reason in force (rule 5's checks watch it meanwhile), and `direct` asked
-/// of a volume off it is checked by whoever pins the image (the worker, the
-/// dm switch), under the pin, where the map cannot move.
+/// reason in force (rule 5's checks watch it meanwhile), and `direct` is
+/// checked by whoever pins the image (the worker, the dm switch), under the
+/// pin, where the map cannot move (on a volume already direct, nothing moves).
 #[allow(clippy::too_many_arguments)]
 pub fn decide_change(
     image: BorrowedFd<'_>,
@@ -197,7 +197,7 @@ pub fn decide_change(
     reason_in_force: &str,
 ) -> Result<Decision, DispatchError> {
     match asked {
-        DispatchPolicy::Auto | DispatchPolicy::Direct if on_direct => {
+        DispatchPolicy::Auto if on_direct => {
             Ok(Decision::new(DispatchPolicy::Direct, reason_in_force))
         }
         DispatchPolicy::Direct => Ok(Decision::new(
@@ -293,8 +293,14 @@ mod tests {
             change(DispatchPolicy::Auto, false).unwrap().dispatch,
             DispatchPolicy::Nowait
         );
-        // direct off direct: left to the pin, no map read here.
-        let d = change(DispatchPolicy::Direct, false).unwrap();
-        assert_eq!((d.dispatch, d.map), (DispatchPolicy::Direct, None));
+        // direct: left to the pin, no map read here; its reason is the ask.
+        for on_direct in [false, true] {
+            let d = change(DispatchPolicy::Direct, on_direct).unwrap();
+            assert_eq!((d.dispatch, d.map), (DispatchPolicy::Direct, None));
+            assert_eq!(
+                d.reason,
+                "asked: direct (the image passes every direct-map rule)"
+            );
+        }
     }
 }
