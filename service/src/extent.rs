@@ -14,7 +14,7 @@
 //! 6. the image's page cache is written back and dropped ([`drop_page_cache`]).
 //!
 //! Rule 7 (opening the raw disk while its filesystem is mounted) is checked
-//! where the raw device is opened: `backend::dm` and the ublk worker.
+//! where the raw device is opened: the dm backend and the ublk worker.
 
 use std::fmt;
 use std::io;
@@ -650,9 +650,18 @@ pub fn drop_page_cache(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 /// Builds, pins and readies a map in the order the rules need: map and check
 /// (with a sync), pin, map again (nothing can have moved it since the pin:
-/// compare), drop the page cache.
-pub fn map_and_pin(fd: BorrowedFd<'_>, size: u64) -> Result<(ExtentMap, Pin), MapError> {
-    let first = ExtentMap::build(fd, size)?;
+/// compare), drop the page cache. `decided`: the map a dispatch decision was
+/// made from, taken as the first map instead of reading it again: the image
+/// must still map that way once pinned.
+pub fn map_and_pin(
+    fd: BorrowedFd<'_>,
+    size: u64,
+    decided: Option<ExtentMap>,
+) -> Result<(ExtentMap, Pin), MapError> {
+    let first = match decided {
+        Some(map) => map,
+        None => ExtentMap::build(fd, size)?,
+    };
     let pinned = pin(fd)?;
     let undo = |e: MapError| {
         let _ = unpin(fd, pinned);
@@ -1034,7 +1043,7 @@ mod tests {
         let t = TestFs::new("ext4");
         let (_d, mut f, p) = temp_file_on(&t.mnt(), "pin.img");
         f.write_all(&[1u8; 1 << 20]).unwrap();
-        let (map, pinned) = map_and_pin(f.as_fd(), 1 << 20).unwrap();
+        let (map, pinned) = map_and_pin(f.as_fd(), 1 << 20, None).unwrap();
         assert!(!pinned.was_immutable);
         assert!(!map.segments.is_empty());
         let e = std::fs::OpenOptions::new()
@@ -1060,5 +1069,23 @@ mod tests {
         assert!(is_immutable(f.as_fd()).unwrap());
         unpin(f.as_fd(), owner).unwrap();
         f.set_len(4096).unwrap();
+    }
+
+    #[test]
+    fn a_decided_map_the_image_no_longer_has_is_refused_and_leaves_it_unpinned() {
+        let t = TestFs::new("ext4");
+        let (_d, mut f, _) = temp_file_on(&t.mnt(), "decided.img");
+        f.write_all(&[1u8; 1 << 20]).unwrap();
+        let decided = ExtentMap::build(f.as_fd(), 1 << 20).unwrap();
+        // The map as a decision read it, and the image as it maps now, agree.
+        let (map, pinned) = map_and_pin(f.as_fd(), 1 << 20, Some(decided.clone())).unwrap();
+        assert_eq!(map, decided);
+        unpin(f.as_fd(), pinned).unwrap();
+        // Blocks moved between the decision and the pin.
+        let mut stale = decided;
+        stale.segments[0].physical += 4096;
+        let e = map_and_pin(f.as_fd(), 1 << 20, Some(stale)).unwrap_err();
+        assert!(e.to_string().contains("the map changed"), "{e}");
+        assert!(!is_immutable(f.as_fd()).unwrap());
     }
 }

@@ -6,13 +6,16 @@
 //! never touches a volume's bytes.
 
 pub mod api;
+pub mod attachment;
 pub mod backend;
+pub mod blockstat;
 pub mod cli;
 pub mod client;
 pub mod config;
 pub mod csi;
 pub mod dashboard;
 pub mod dataplane;
+pub mod dispatch;
 pub mod extent;
 pub mod image;
 pub mod manager;

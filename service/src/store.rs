@@ -30,7 +30,7 @@ use time::macros::format_description;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-use crate::backend::Attachment;
+use crate::attachment::Attachment;
 use crate::model::{
     Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageState, Qos,
     VolumeState,

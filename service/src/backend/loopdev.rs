@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::blockstat::BlockStat;
 use super::{
-    AttachRequest, Attachment, BackendError, Change, Decision, Marked, Probe, ProbeRequest,
-    SpecCheck, VolumeBackend,
+    AttachRequest, Attachment, BackendError, Change, Decision, DeviceState, Marked, Probe,
+    ProbeRequest, SpecCheck, VolumeBackend,
 };
+use crate::blockstat::BlockStat;
 use crate::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
@@ -320,13 +320,11 @@ impl LoopDev {
                 "kernel loop driver with buffered I/O: the image's filesystem refused direct I/O"
                     .into()
             },
-            direct_io: Some(direct_io),
             size_bytes,
             read_only,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
-            ublk: None,
-            dm: None,
+            kind: DeviceState::Loop { direct_io },
             resize_pending: false,
         })
     }

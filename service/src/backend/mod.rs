@@ -5,23 +5,23 @@
 //! SQLite: what it needs to find its device again is the [`Attachment`] it
 //! returns, which the manager stores with the volume.
 
-pub mod blockstat;
 pub mod dm;
 pub mod loopdev;
 pub mod ublk;
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 
-use serde::{Deserialize, Serialize};
-use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::extent::Pin;
+pub use crate::attachment::{Attachment, DeviceState, DmAttachment, UblkAttachment};
+use crate::dataplane::protocol::Request;
+pub use crate::dispatch::Decision;
+use crate::dispatch::{self, DispatchError};
 pub use crate::image::AllocateJob;
 use crate::model::{
-    ActiveDispatch, Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats,
-    Qos, VolumeState, VolumeStats,
+    Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
+    VolumeState, VolumeStats,
 };
 
 /// What went wrong in a backend.
@@ -68,6 +68,19 @@ impl BackendError {
     }
 }
 
+impl From<DispatchError> for BackendError {
+    fn from(e: DispatchError) -> Self {
+        match e {
+            DispatchError::Refused(reason) => BackendError::Refused { reason },
+            // Only dm's paths off `direct` need a private ublk device.
+            DispatchError::NeedsUblk(reason) => BackendError::Unavailable {
+                backend: "dm",
+                reason,
+            },
+        }
+    }
+}
+
 /// How a volume is to be served: its spec, as the backends need it.
 #[derive(Debug, Clone)]
 pub struct VolumeParams {
@@ -107,6 +120,24 @@ pub struct AttachRequest {
     pub image_lock: Option<OwnedFd>,
 }
 
+impl AttachRequest {
+    /// The decision this attach goes by: the one [`VolumeBackend::validate`]
+    /// made (with the map it read), or one made now (a re-attach at
+    /// reconciliation comes without one).
+    pub fn take_decision(&mut self, path: &dispatch::Path) -> Result<Decision, BackendError> {
+        match self.decision.take() {
+            Some(d) => Ok(d),
+            None => Ok(dispatch::decide(
+                self.image_fd.as_fd(),
+                self.params.size_bytes,
+                self.params.dispatch,
+                self.params.refuse_writes,
+                path,
+            )?),
+        }
+    }
+}
+
 /// What a backend gets to find (and take back under supervision) a volume's
 /// device after a restart.
 #[derive(Debug)]
@@ -124,62 +155,6 @@ pub struct ProbeRequest {
     pub image_lock: Option<OwnedFd>,
 }
 
-/// The policy a backend decided for a volume, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
-    pub dispatch: DispatchPolicy,
-    pub reason: String,
-}
-
-/// A live device, as the backend describes it; stored with the volume so a
-/// restarted service can find and check it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Attachment {
-    /// Device node, e.g. `/dev/loop3`.
-    pub device: String,
-    /// The kernel's name for it (`/sys/block/<name>`), e.g. `loop3`.
-    pub kernel_name: String,
-    pub major: u32,
-    pub minor: u32,
-    pub dispatch: ActiveDispatch,
-    pub dispatch_reason: String,
-    /// Loop: whether the loop driver does direct I/O.
-    pub direct_io: Option<bool>,
-    pub size_bytes: u64,
-    pub read_only: bool,
-    /// When the counters in `baseline` were read (the attach).
-    #[serde(with = "time::serde::rfc3339")]
-    pub attached_at: OffsetDateTime,
-    /// Kernel block statistics at attach: the device may have counted I/O of an
-    /// earlier user.
-    pub baseline: Option<blockstat::BlockStat>,
-    /// ublk volumes: the device and its worker.
-    #[serde(default)]
-    pub ublk: Option<UblkAttachment>,
-    /// dm volumes: the device-mapper device and its table.
-    #[serde(default)]
-    pub dm: Option<DmAttachment>,
-    /// The image grew but the device could not follow live (ublk without
-    /// UPDATE_SIZE): the new size applies at the next attach.
-    #[serde(default)]
-    pub resize_pending: bool,
-}
-
-/// What the control plane keeps of a dm volume's device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DmAttachment {
-    pub name: String,
-    pub uuid: String,
-    /// The live table: `(start, length, target, params)` in sectors.
-    pub table: Vec<(u64, u64, String, String)>,
-    /// The image's pin while direct-mapped.
-    pub pinned: Option<Pin>,
-    /// `major:minor` of the private ublk device on the nowait/threaded path.
-    pub private_ublk: Option<String>,
-    /// Why the volume left the direct path on its own (extent drift).
-    pub degraded: Option<String>,
-}
-
 /// What reconciliation does with a marked device that has no volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OrphanPolicy {
@@ -187,25 +162,6 @@ pub enum OrphanPolicy {
     Remove,
     /// Report it in `/v1/host` and leave it until an explicit DELETE.
     Report,
-}
-
-/// What the control plane keeps of a ublk volume's device and worker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UblkAttachment {
-    pub dev_id: u32,
-    pub pid: u32,
-    /// The image's pin while direct-mapped.
-    pub pinned: Option<Pin>,
-    /// Bytes of I/O buffers the worker holds.
-    pub buffer_bytes: u64,
-    /// Queues the device has (none recorded before they were).
-    #[serde(default)]
-    pub queues: Option<u16>,
-    /// The worker uses requests' pages in place (UBLK_F_AUTO_BUF_REG).
-    #[serde(default)]
-    pub zero_copy: bool,
-    /// Why the volume left the direct path on its own (extent drift).
-    pub degraded: Option<String>,
 }
 
 /// Something a backend noticed on its own (a worker died and was replaced, a
@@ -383,6 +339,34 @@ pub trait VolumeBackend: Send + Sync {
     ) -> Result<Attachment, BackendError>;
 }
 
+/// What the dm backend needs of the ublk backend: the private ublk device a
+/// dm volume's table points at off its direct path, named by the dm
+/// volume's id. The ublk backend implements it.
+pub trait PrivateDevices: Send + Sync {
+    /// Why private devices cannot be made here (`None`: they can).
+    fn missing(&self) -> Option<String>;
+
+    /// Starts a volume's private device with `req.decision`'s policy.
+    fn start(&self, req: AttachRequest) -> Result<Attachment, BackendError>;
+
+    /// Takes back a volume's private device after a restart.
+    fn adopt(&self, req: ProbeRequest) -> Result<Probe, BackendError>;
+
+    /// A live change (`SetDispatch`, `SetReadOnly`, `Resize`), kept for a
+    /// replacement worker; the private device as it is after it.
+    fn change(&self, volume_id: Uuid, req: Request) -> Result<Attachment, BackendError>;
+
+    /// Makes the image `full` while the private device serves (see
+    /// [`VolumeBackend::allocate`]).
+    fn fill(&self, volume_id: Uuid, job: &AllocateJob) -> Result<bool, BackendError>;
+
+    /// The image lock the private device's worker kept through a restart.
+    fn held_lock(&self, volume_id: Uuid) -> Option<OwnedFd>;
+
+    /// Stops the private device and its worker (none is not an error).
+    fn stop(&self, volume_id: Uuid) -> Result<(), BackendError>;
+}
+
 /// The parts of a volume spec a backend checks before anything is recorded.
 #[derive(Debug, Clone)]
 pub struct SpecCheck {
@@ -392,6 +376,24 @@ pub struct SpecCheck {
     pub max_io_bytes: u32,
     pub qos: Option<Qos>,
     pub read_only: bool,
+}
+
+impl SpecCheck {
+    /// The dispatch decision for this spec on `image`, in `path`'s terms.
+    pub fn decide(
+        &self,
+        image: &OwnedFd,
+        size: u64,
+        path: &dispatch::Path,
+    ) -> Result<Decision, BackendError> {
+        Ok(dispatch::decide(
+            image.as_fd(),
+            size,
+            self.dispatch,
+            self.read_only,
+            path,
+        )?)
+    }
 }
 
 /// Why a volume created read-only cannot be made writable.
@@ -423,7 +425,7 @@ pub(crate) fn kernel_stats(
     backend: BackendKind,
     att: &Attachment,
 ) -> Result<VolumeStats, BackendError> {
-    let now = blockstat::BlockStat::read(&att.kernel_name)
+    let now = crate::blockstat::BlockStat::read(&att.kernel_name)
         .map_err(|e| BackendError::io("read statistics", &att.device, e))?;
     let delta = match &att.baseline {
         Some(base) => now.since(base),

@@ -15,7 +15,7 @@ use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use serde::{Deserialize, Serialize};
 
-use super::protocol::{Answer, Request, Status};
+use super::protocol::{Answer, ErrorCode, Request, Status};
 use super::{Policy, Refusal, Shared};
 use crate::extent::Pin;
 
@@ -126,16 +126,16 @@ fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
     BufReader::new(&conn).read_line(&mut line)?;
     let answer = match serde_json::from_str::<Request>(&line) {
         Ok(req) => handle(cx, req),
-        Err(e) => error("bad_request", format!("unreadable request: {e}")),
+        Err(e) => error(ErrorCode::BadRequest, format!("unreadable request: {e}")),
     };
     let mut out = serde_json::to_string(&answer).expect("answers serialize");
     out.push('\n');
     (&conn).write_all(out.as_bytes())
 }
 
-fn error(code: &str, message: impl Into<String>) -> Answer {
+fn error(code: ErrorCode, message: impl Into<String>) -> Answer {
     Answer::Error {
-        code: code.into(),
+        code,
         message: message.into(),
     }
 }
@@ -193,7 +193,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
         Request::SetReadOnly { read_only } => {
             if !read_only && s.spec.read_only {
                 return error(
-                    "refused",
+                    ErrorCode::Refused,
                     "the volume was created read-only: its worker holds the image read-only; delete and re-create it writable",
                 );
             }
@@ -227,7 +227,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {
                 Ok(_) => status(cx),
-                Err(e) => error("io_error", format!("STOP_DEV: {e}")),
+                Err(e) => error(ErrorCode::IoError, format!("STOP_DEV: {e}")),
             }
         }
     }

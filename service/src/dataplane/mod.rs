@@ -98,11 +98,13 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    /// A stable word for the control plane.
-    pub fn code(&self) -> &'static str {
+    /// Its code on the control socket.
+    pub fn code(&self) -> protocol::ErrorCode {
         match self {
-            Refusal::Map(extent::MapError::Io { .. }) | Refusal::Io { .. } => "io_error",
-            Refusal::Map(_) | Refusal::Rule(_) => "refused",
+            Refusal::Map(extent::MapError::Io { .. }) | Refusal::Io { .. } => {
+                protocol::ErrorCode::IoError
+            }
+            Refusal::Map(_) | Refusal::Rule(_) => protocol::ErrorCode::Refused,
         }
     }
 }
@@ -199,9 +201,7 @@ impl Shared {
     /// A fill already running goes on; its progress is in [`Self::fill_state`].
     pub fn start_allocate(self: &Arc<Self>, pace: Duration) -> Result<(), Refusal> {
         if self.spec.read_only {
-            return Err(Refusal::Rule(
-                "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first".into(),
-            ));
+            return Err(Refusal::Rule(protocol::CANNOT_FILL_READ_ONLY.into()));
         }
         if self
             .fill_state()
@@ -320,23 +320,24 @@ impl Shared {
         self.stats.snapshot(&self.ask_queues().reports())
     }
 
+    /// Rule 3, where this worker's own earlier pin is not the owner's flag.
     fn refuse_rule_3(&self) -> Result<(), Refusal> {
-        if !self.read_only() && extent::is_immutable(self.image.as_fd()).unwrap_or(false) {
-            let pinned_by_us = self
-                .state
-                .lock()
-                .expect("state poisoned")
-                .pinned
-                .is_some_and(|p| !p.was_immutable);
-            if !pinned_by_us {
-                return Err(extent::MapError::ImmutableByUser.into());
-            }
+        let pinned_by_us = self
+            .state
+            .lock()
+            .expect("state poisoned")
+            .pinned
+            .is_some_and(|p| !p.was_immutable);
+        if !pinned_by_us {
+            crate::dispatch::rule_3(self.image.as_fd(), self.read_only())?;
         }
         Ok(())
     }
 
     /// Maps and pins the image and opens its raw devices (entering `direct`).
-    fn enter_direct(&self) -> Result<Arc<DirectPath>, Refusal> {
+    /// `decided`: the map the control plane decided `direct` from, checked
+    /// under the pin instead of read again before it.
+    fn enter_direct(&self, decided: Option<ExtentMap>) -> Result<Arc<DirectPath>, Refusal> {
         let size = self.state.lock().expect("state poisoned").size_bytes;
         let earlier = self.state.lock().expect("state poisoned").pinned;
         let (map, pin) = match earlier {
@@ -352,7 +353,7 @@ impl Shared {
             }
             None => {
                 self.refuse_rule_3()?;
-                extent::map_and_pin(self.image.as_fd(), size)?
+                extent::map_and_pin(self.image.as_fd(), size, decided)?
             }
         };
         let devices = match self.open_raw_devices(&map) {
@@ -468,7 +469,7 @@ impl Shared {
                     op: "fdatasync the image",
                     source,
                 })?;
-                self.enter_direct().map(Some)
+                self.enter_direct(None).map(Some)
             }
             (Policy::Direct, _) => self.leave_direct().map(|()| None),
             _ => Ok(None),
@@ -560,7 +561,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let _lock = if spec.image_lock {
         // SAFETY: as IMAGE_FD, for the image lock.
         let lock = unsafe { OwnedFd::from_raw_fd(LOCK_FD) };
-        crate::manager::holds::retake(&lock).map_err(|e| {
+        crate::image::retake_lock(&lock).map_err(|e| {
             format!(
                 "cannot take the lock on image {}: {e}; another process (another blockplane instance?) holds it, so this worker will not serve it",
                 spec.image_path
@@ -601,7 +602,11 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     });
     let start = Policy::from_requested(shared.spec.dispatch);
     if start == Policy::Direct {
-        let path = shared.enter_direct()?;
+        let decided = match shared.spec.decided_map {
+            true => Some(protocol::take_decided_map(&shared.spec.run_dir)?),
+            false => None,
+        };
+        let path = shared.enter_direct(decided)?;
         shared.config().direct = Some(path);
     } else if let Some(p) = shared.spec.pinned {
         // A crashed direct worker's pin, on a volume now asked on the file path.

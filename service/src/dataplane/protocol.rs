@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::extent::Pin;
+use crate::extent::{ExtentMap, Pin};
 use crate::model::{ActiveDispatch, Allocation, DispatchPolicy, OpStats, Qos};
 
 /// The file descriptor number the image is handed to a worker on.
@@ -65,6 +65,38 @@ pub struct WorkerSpec {
     /// holds the image.
     #[serde(default)]
     pub image_lock: bool,
+    /// The run dir holds the extent map the control plane decided `direct`
+    /// from ([`DECIDED_MAP`]; a map can be too large for a command line):
+    /// the worker pins the image and checks it still maps that way, instead
+    /// of reading the map before the pin too. Only a first start has one.
+    #[serde(default)]
+    pub decided_map: bool,
+}
+
+/// Why a worker of a volume created read-only cannot fill its image.
+pub const CANNOT_FILL_READ_ONLY: &str = "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first";
+
+/// The file in a worker's run dir with the map of [`WorkerSpec::decided_map`].
+pub const DECIDED_MAP: &str = "decided-map.json";
+
+/// Writes the map a worker's start is to check (see [`WorkerSpec::decided_map`]).
+pub fn put_decided_map(run_dir: &Path, map: &ExtentMap) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(run_dir.join(DECIDED_MAP))?;
+    serde_json::to_writer(&mut f, map).map_err(std::io::Error::other)
+}
+
+/// Reads (and removes) the map written by [`put_decided_map`].
+pub fn take_decided_map(run_dir: &Path) -> std::io::Result<ExtentMap> {
+    let path = run_dir.join(DECIDED_MAP);
+    let map = serde_json::from_slice(&std::fs::read(&path)?).map_err(std::io::Error::other)?;
+    std::fs::remove_file(&path)?;
+    Ok(map)
 }
 
 /// A request on the control socket.
@@ -206,15 +238,30 @@ pub struct WorkerStats {
     pub worker_restarts: u64,
 }
 
+/// Why a worker refused or failed a request: a stable word on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// A rule refused it; nothing changed.
+    Refused,
+    /// An I/O error (the kernel, the image, a raw device) failed it.
+    IoError,
+    /// The request could not be read.
+    BadRequest,
+    /// A code this build does not know (a worker of a newer version).
+    #[serde(other)]
+    Unknown,
+}
+
 /// An answer on the control socket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Answer {
     Status(Box<Status>),
     Stats(Box<WorkerStats>),
-    /// Refused or failed; `code` is a stable word, `message` names the rule.
+    /// Refused or failed; `message` names the rule.
     Error {
-        code: String,
+        code: ErrorCode,
         message: String,
     },
 }
@@ -230,6 +277,16 @@ pub enum TalkError {
     },
     #[error("worker answered something unreadable: {0}")]
     Garbled(String),
+}
+
+/// The `--spec` argument of process `pid`, if it is a blockplane worker (read
+/// as plain JSON: a worker of another version may have other fields).
+pub fn worker_spec(pid: u32) -> Option<serde_json::Value> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut args = cmdline.split(|b| *b == 0);
+    args.find(|a| *a == b"worker")?;
+    args.find(|a| *a == b"--spec")?;
+    serde_json::from_slice(args.next()?).ok()
 }
 
 /// Sends one request and reads one answer (a fresh connection each time).
@@ -266,16 +323,46 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
         let a = Answer::Error {
-            code: "refused".into(),
+            code: ErrorCode::Refused,
             message: "direct-map rule 2".into(),
         };
         let s = serde_json::to_string(&a).unwrap();
         assert!(!s.contains('\n'));
         assert_eq!(serde_json::from_str::<Answer>(&s).unwrap(), a);
+        // The codes are the words workers of earlier versions answer with.
+        assert_eq!(
+            s,
+            r#"{"error":{"code":"refused","message":"direct-map rule 2"}}"#
+        );
+        for (code, word) in [
+            (ErrorCode::IoError, "io_error"),
+            (ErrorCode::BadRequest, "bad_request"),
+        ] {
+            assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{word}\""));
+        }
+        assert_eq!(
+            serde_json::from_str::<ErrorCode>(r#""from_the_future""#).unwrap(),
+            ErrorCode::Unknown
+        );
         // A service from before the pace asks without it.
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
             Request::Allocate { pace_ms: 0 }
         );
+    }
+
+    #[test]
+    fn a_decided_map_is_read_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let map = ExtentMap {
+            size: 4096,
+            fs_device: crate::extent::DevNum { major: 7, minor: 1 },
+            devices: Vec::new(),
+            segments: Vec::new(),
+        };
+        put_decided_map(dir.path(), &map).unwrap();
+        assert_eq!(take_decided_map(dir.path()).unwrap(), map);
+        // Gone once taken: a replacement worker never checks a stale one.
+        assert!(take_decided_map(dir.path()).is_err());
     }
 }

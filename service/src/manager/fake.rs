@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::attachment::{DeviceState, DmAttachment, UblkAttachment};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, Marked, OrphanPolicy, Probe,
     ProbeRequest, SpecCheck, VolumeBackend,
@@ -113,15 +114,37 @@ impl FakeBackend {
             minor,
             dispatch: active(self.kind, dispatch),
             dispatch_reason: "as asked (fake)".into(),
-            direct_io: None,
             size_bytes,
             read_only,
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
-            ublk: None,
-            dm: None,
+            kind: device_state(self.kind, minor),
             resize_pending: false,
         }
+    }
+}
+
+/// The backend's part of a fake device: nothing a test reads, only its kind.
+fn device_state(kind: Backend, minor: u32) -> DeviceState {
+    match kind {
+        Backend::Loop => DeviceState::Loop { direct_io: true },
+        Backend::Ublk => DeviceState::Ublk(UblkAttachment {
+            dev_id: minor,
+            pid: 0,
+            pinned: None,
+            buffer_bytes: 0,
+            queues: None,
+            zero_copy: false,
+            degraded: None,
+        }),
+        Backend::Dm => DeviceState::Dm(DmAttachment {
+            name: format!("fake{minor}"),
+            uuid: format!("fake-{minor}"),
+            table: Vec::new(),
+            pinned: None,
+            private_ublk: None,
+            degraded: None,
+        }),
     }
 }
 

@@ -11,17 +11,16 @@
 //!
 //! A ublk worker owns its device and outlives this service, so it gets a
 //! duplicate of the locked descriptor (the same open file description) and
-//! takes the lock again on it before it serves ([`retake`]): one lock, held
+//! takes the lock again on it before it serves ([`crate::image::retake_lock`]): one lock, held
 //! while the service or the worker lives, through a service crash as through
 //! a worker crash (the service's duplicate bridges the replacement worker).
 
 use std::collections::HashMap;
-use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use uuid::Uuid;
 
-use crate::image::{ImageFile, reopen};
+use crate::image::{ImageFile, reopen, set_ofd_lock};
 
 /// The image locks this service holds, one per volume (a volume has one image,
 /// an image at most one volume).
@@ -49,7 +48,7 @@ impl Held {
 
 /// " (a blockplane ublk worker, run dir D)" for a worker, " (comm)" else.
 fn describe(pid: u32) -> String {
-    if let Some(run_dir) = crate::backend::ublk::worker_spec(pid)
+    if let Some(run_dir) = crate::dataplane::protocol::worker_spec(pid)
         .as_ref()
         .and_then(|s| s["run_dir"].as_str())
     {
@@ -85,7 +84,7 @@ pub fn lock(file: &ImageFile) -> Result<OwnedFd, Held> {
             }
         },
     };
-    match set_lock(&fd, kind) {
+    match set_ofd_lock(&fd, kind) {
         Ok(()) => Ok(fd),
         Err(e) => {
             if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
@@ -96,35 +95,6 @@ pub fn lock(file: &ImageFile) -> Result<OwnedFd, Held> {
                 pid: holder(dev, ino),
             })
         }
-    }
-}
-
-/// Takes the lock again on a descriptor handed over already locked (a ublk
-/// worker's [`crate::dataplane::protocol::LOCK_FD`]): exclusive if it is open
-/// for writing, shared if not, as [`lock`] took it. Succeeds when this open
-/// file description holds it already; fails (`EAGAIN`) when another does.
-pub fn retake(fd: &OwnedFd) -> io::Result<()> {
-    let mode = rustix::fs::fcntl_getfl(fd)?;
-    let kind = if mode.contains(rustix::fs::OFlags::RDWR) {
-        libc::F_WRLCK
-    } else {
-        libc::F_RDLCK
-    };
-    set_lock(fd, kind)
-}
-
-fn set_lock(fd: &OwnedFd, kind: libc::c_int) -> io::Result<()> {
-    // SAFETY: a zeroed flock is valid; the whole file (l_len 0), l_pid 0 as
-    // OFD locks require.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = kind as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    // SAFETY: F_OFD_SETLK reads one flock through the pointer.
-    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &fl as *const libc::flock) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
 
@@ -177,7 +147,7 @@ pub fn held_elsewhere(path: &std::path::Path) -> Option<Held> {
     if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
         return None;
     }
-    // SAFETY: as in set_lock; F_OFD_GETLK writes the conflicting lock back.
+    // SAFETY: as in image::set_ofd_lock; F_OFD_GETLK writes the conflicting lock back.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = libc::F_WRLCK as libc::c_short;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
@@ -198,6 +168,7 @@ mod tests {
     use std::fs::File;
 
     use super::*;
+    use crate::image::retake_lock as retake;
 
     fn open(path: &std::path::Path, write: bool) -> OwnedFd {
         File::options()

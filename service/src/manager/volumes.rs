@@ -127,20 +127,20 @@ impl Manager {
             read_only: v.read_only,
             // The device's count where known: the kernel caps it at its CPUs.
             queues: att
-                .and_then(|a| a.ublk.as_ref()?.queues)
+                .and_then(|a| a.ublk()?.queues)
                 .unwrap_or(v.spec.queue_count()),
             queue_depth: v.spec.queue_depth,
             max_io_bytes: v.spec.max_io_bytes,
             qos: v.qos,
-            direct_io: att.and_then(|a| a.direct_io),
-            buffer_bytes: att.and_then(|a| a.ublk.as_ref().map(|u| u.buffer_bytes)),
+            direct_io: att.and_then(|a| a.direct_io()),
+            buffer_bytes: att.and_then(|a| a.ublk().map(|u| u.buffer_bytes)),
             copy_mode: att.and_then(|a| {
-                a.ublk.as_ref().map(|u| match u.zero_copy {
+                a.ublk().map(|u| match u.zero_copy {
                     true => CopyMode::ZeroCopy,
                     false => CopyMode::Copy,
                 })
             }),
-            worker_pid: att.and_then(|a| a.ublk.as_ref().map(|u| u.pid)),
+            worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
             resize_pending: att.is_some_and(|a| a.resize_pending),
             created_at: v.created_at,
             updated_at: v.updated_at,

@@ -15,6 +15,9 @@
 //! devices and never mistakes another instance's for its own. DM ioctls go
 //! through the `devicemapper` crate; nothing depends on udev.
 
+mod ioctl;
+mod table;
+
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -23,180 +26,26 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use devicemapper::{DM, DevId, DmError, DmFlags, DmName, DmOptions, DmUuid};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::blockstat::BlockStat;
-use super::ublk::UblkBackend;
 use super::{
-    AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision, DmAttachment,
-    EventSink, Marked, OrphanPolicy, Probe, ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
+    AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
+    DeviceState, DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe,
+    ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
 };
+use crate::blockstat::BlockStat;
+use crate::dataplane::protocol::{CANNOT_FILL_READ_ONLY, Request};
+use crate::dispatch;
 use crate::extent::{self, DevNum, ExtentMap, Pin};
 use crate::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
     VolumeStats,
 };
-
-/// One line of a DM table: start and length in sectors, target type, parameters.
-pub type Target = (u64, u64, String, String);
-
-const CONTROL: &str = "/dev/mapper/control";
-
-fn dm_name(volume_id: Uuid) -> String {
-    format!("blockplane-{volume_id}")
-}
-
-fn dm_uuid(instance: &str, volume_id: Uuid) -> String {
-    format!("blockplane-{instance}-{volume_id}")
-}
-
-/// A dm device carrying blockplane's DM uuid of another instance than this
-/// one: what a lost registry leaves (or another service on the host).
-#[derive(Debug, Clone)]
-pub struct ForeignDevice {
-    /// Its node, `/dev/dm-N`, as a volume's `device` names it.
-    pub device: String,
-    /// Its DM name.
-    pub name: String,
-    pub instance: String,
-    pub volume_id: Uuid,
-}
-
-/// A dm device carrying blockplane's uuid, `blockplane-<instance>-<volume-id>`.
-struct Carried {
-    name: String,
-    instance: String,
-    volume_id: Uuid,
-    dev: DevNum,
-}
-
-/// Every dm device whose uuid is blockplane's (none without device-mapper).
-fn blockplane_devices() -> Result<Vec<Carried>, BackendError> {
-    let Ok(dm) = DM::new() else {
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::new();
-    for (name, _, _) in dm
-        .list_devices()
-        .map_err(|e| dm_error("DM_LIST_DEVICES", CONTROL, e))?
-    {
-        let Ok(info) = dm.device_info(&DevId::Name(&name)) else {
-            continue;
-        };
-        let Some(uuid) = info.uuid().map(|u| u.to_string()) else {
-            continue;
-        };
-        // The volume id is the last 36 characters, the instance what precedes it.
-        let Some(rest) = uuid.strip_prefix("blockplane-") else {
-            continue;
-        };
-        let Some((owner, id)) = rest
-            .len()
-            .checked_sub(37)
-            .and_then(|at| Some((rest.get(..at)?, rest.get(at + 1..)?)))
-        else {
-            continue;
-        };
-        let Ok(volume_id) = Uuid::parse_str(id) else {
-            continue;
-        };
-        let d = info.device();
-        out.push(Carried {
-            name: name.to_string(),
-            instance: owner.to_string(),
-            volume_id,
-            dev: DevNum {
-                major: d.major,
-                minor: d.minor,
-            },
-        });
-    }
-    Ok(out)
-}
-
-/// The dm devices whose uuid (`blockplane-<instance>-<volume-id>`) names
-/// another instance than `instance`. They are only listed, never touched.
-pub fn foreign_devices(instance: &str) -> Result<Vec<ForeignDevice>, BackendError> {
-    Ok(blockplane_devices()?
-        .into_iter()
-        .filter(|c| c.instance != instance)
-        .map(|c| ForeignDevice {
-            device: format!("/dev/{}", kernel_name(c.dev)),
-            name: c.name,
-            instance: c.instance,
-            volume_id: c.volume_id,
-        })
-        .collect())
-}
-
-fn dm() -> Result<DM, BackendError> {
-    DM::new().map_err(|e| BackendError::io("open", CONTROL, io::Error::other(e.to_string())))
-}
-
-/// The errno of a failed DM ioctl.
-fn errno(e: &DmError) -> Option<i32> {
-    match e {
-        DmError::Core(devicemapper::errors::Error::Ioctl(_, _, _, errno)) => Some(**errno as i32),
-        _ => None,
-    }
-}
-
-fn dm_error(op: &'static str, device: &str, e: DmError) -> BackendError {
-    let source = match errno(&e) {
-        Some(n) => io::Error::from_raw_os_error(n),
-        None => io::Error::other(e.to_string()),
-    };
-    BackendError::io(op, device, source)
-}
-
-/// `linear` targets over the raw devices, one per mapped segment.
-pub fn direct_table(map: &ExtentMap) -> Vec<Target> {
-    map.segments
-        .iter()
-        .map(|s| {
-            (
-                s.logical / 512,
-                s.len / 512,
-                "linear".to_string(),
-                format!("{} {}", map.devices[s.device].dev, s.physical / 512),
-            )
-        })
-        .collect()
-}
-
-/// Rule 7: device-mapper claims the disks it maps, which the kernel refuses
-/// (EBUSY) while a filesystem is mounted directly on one. That is the case
-/// when the image's filesystem sits on the raw device itself (no dm layer
-/// between): then refuse before anything is created.
-fn rule_7(map: &ExtentMap) -> Result<(), String> {
-    match map.devices.iter().find(|d| d.dev == map.fs_device) {
-        Some(d) => Err(format!(
-            "direct-map rule 7: device-mapper cannot open {} while the image's filesystem is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit",
-            d.node.display()
-        )),
-        None => Ok(()),
-    }
-}
-
-/// One `linear` target over a whole device.
-fn over(dev: DevNum, size_bytes: u64) -> Vec<Target> {
-    vec![(
-        0,
-        size_bytes / 512,
-        "linear".to_string(),
-        format!("{dev} 0"),
-    )]
-}
-
-/// The kernel's name of a block device (`dm-3`), from sysfs.
-fn kernel_name(dev: DevNum) -> String {
-    std::fs::read_link(format!("/sys/dev/block/{dev}"))
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| format!("dm-{}", dev.minor))
-}
+pub use ioctl::{ForeignDevice, foreign_devices};
+use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name};
+pub use table::Target;
+use table::{direct_table, over};
 
 /// What the dm backend keeps per volume.
 struct DmVolume {
@@ -227,7 +76,7 @@ struct DmVolume {
 /// The dm backend.
 pub struct DmBackend {
     instance: String,
-    ublk: Arc<UblkBackend>,
+    ublk: Arc<dyn PrivateDevices>,
     volumes: Arc<Mutex<HashMap<Uuid, DmVolume>>>,
     events: EventSink,
     check_secs: u32,
@@ -237,7 +86,7 @@ impl DmBackend {
     /// A dm backend for this instance, with `ublk` serving its private devices.
     pub fn new(
         instance: String,
-        ublk: Arc<UblkBackend>,
+        ublk: Arc<dyn PrivateDevices>,
         events: EventSink,
         check_secs: u32,
     ) -> Self {
@@ -249,184 +98,14 @@ impl DmBackend {
             check_secs,
         }
     }
-
-    fn unavailable() -> Option<String> {
-        if !Path::new(CONTROL).exists() {
-            return Some("device-mapper is not available (no /dev/mapper/control)".into());
-        }
-        match DM::new().and_then(|dm| dm.version()) {
-            Ok(_) => None,
-            Err(e) => Some(format!("device-mapper does not answer: {e}")),
+    /// The dispatch decision's view of this backend.
+    fn path(&self) -> dispatch::Path {
+        dispatch::Path::Dm {
+            ublk_missing: self.ublk.missing(),
         }
     }
-
-    /// Target types the kernel has loaded (DM_LIST_VERSIONS).
-    fn targets() -> Vec<String> {
-        DM::new()
-            .and_then(|dm| dm.list_versions())
-            .map(|v| v.into_iter().map(|(name, ..)| name).collect())
-            .unwrap_or_default()
-    }
-
-    fn ublk_reason(&self) -> Option<String> {
-        let cap = self.ublk.capability();
-        (!cap.available).then(|| cap.reason.unwrap_or_default())
-    }
-
-    /// Decides the path: `auto` is `direct` if the image passes every rule,
-    /// else `nowait` (which needs ublk).
-    fn decide(
-        &self,
-        image: &OwnedFd,
-        size: u64,
-        asked: DispatchPolicy,
-        read_only: bool,
-    ) -> Result<Decision, BackendError> {
-        let check = || -> Result<(), String> {
-            if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
-                return Err(extent::MapError::ImmutableByUser.to_string());
-            }
-            let map = ExtentMap::build(image.as_fd(), size).map_err(|e| e.to_string())?;
-            rule_7(&map)
-        };
-        let needs_ublk = |what: &str| -> Result<(), BackendError> {
-            match self.ublk_reason() {
-                None => Ok(()),
-                Some(why) => Err(BackendError::Unavailable {
-                    backend: "dm",
-                    reason: format!(
-                        "{what} needs a private ublk device, and ublk is not available: {why}; only dispatch 'direct' works here"
-                    ),
-                }),
-            }
-        };
-        Ok(match asked {
-            DispatchPolicy::Direct => {
-                check().map_err(|reason| BackendError::Refused { reason })?;
-                Decision {
-                    dispatch: DispatchPolicy::Direct,
-                    reason: "asked: direct (linear table over the image's extents)".into(),
-                }
-            }
-            DispatchPolicy::Auto => match check() {
-                Ok(()) => Decision {
-                    dispatch: DispatchPolicy::Direct,
-                    reason: "auto: the image passes every direct-map rule (linear table over its extents)".into(),
-                },
-                Err(e) => {
-                    needs_ublk(&format!("auto fell back to nowait ({e}), which"))?;
-                    Decision {
-                        dispatch: DispatchPolicy::Nowait,
-                        reason: format!("auto chose nowait: {e}"),
-                    }
-                }
-            },
-            other => {
-                needs_ublk(&format!("dispatch '{}'", other.as_str()))?;
-                Decision {
-                    dispatch: other,
-                    reason: format!("asked: {} (linear table over a private ublk device)", other.as_str()),
-                }
-            }
-        })
-    }
-
-    /// Creates (`create`) or reloads a device's table: suspend, then
-    /// `prepare` (which returns the new table), load it, `before_resume`,
-    /// resume. Any failure leaves the old table live (or no device, when
-    /// creating).
-    fn swap(
-        &self,
-        volume_id: Uuid,
-        create: bool,
-        read_only: bool,
-        prepare: impl FnOnce() -> Result<Vec<Target>, BackendError>,
-        before_resume: impl FnOnce() -> Result<(), BackendError>,
-    ) -> Result<Vec<Target>, BackendError> {
-        let dm = dm()?;
-        let name_s = dm_name(volume_id);
-        let name = DmName::new(&name_s)
-            .map_err(|e| BackendError::io("name", &name_s, io::Error::other(e.to_string())))?;
-        let id = DevId::Name(name);
-        if create {
-            let uuid_s = dm_uuid(&self.instance, volume_id);
-            let uuid = DmUuid::new(&uuid_s)
-                .map_err(|e| BackendError::io("uuid", &uuid_s, io::Error::other(e.to_string())))?;
-            dm.device_create(name, Some(uuid), DmOptions::default())
-                .map_err(|e| dm_error("DM_DEV_CREATE", &name_s, e))?;
-        } else {
-            // In-flight bios finish before the suspend returns.
-            dm.device_suspend(&id, DmOptions::default().set_flags(DmFlags::DM_SUSPEND))
-                .map_err(|e| dm_error("suspend", &name_s, e))?;
-        }
-        let undo = |dm: &DM| {
-            if create {
-                let _ = dm.device_remove(&id, DmOptions::default());
-            } else {
-                let _ = dm.table_clear(&id);
-                let _ = dm.device_suspend(&id, DmOptions::default());
-            }
-        };
-        let table = match prepare() {
-            Ok(t) => t,
-            Err(e) => {
-                undo(&dm);
-                return Err(e);
-            }
-        };
-        let flags = if read_only {
-            DmFlags::DM_READONLY
-        } else {
-            DmFlags::empty()
-        };
-        if let Err(e) = dm.table_load(&id, &table, DmOptions::default().set_flags(flags)) {
-            undo(&dm);
-            return Err(match errno(&e) {
-                Some(libc::EBUSY) => BackendError::Refused {
-                    reason: "direct-map rule 7: device-mapper cannot open the disk under the image's filesystem, which is mounted directly on it (EBUSY); dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit".into(),
-                },
-                _ => dm_error("DM_TABLE_LOAD", &name_s, e),
-            });
-        }
-        if let Err(e) = before_resume() {
-            undo(&dm);
-            return Err(e);
-        }
-        dm.device_suspend(&id, DmOptions::default())
-            .map_err(|e| dm_error("resume", &name_s, e))?;
-        Ok(table)
-    }
-
-    fn remove(volume_id: Uuid) -> Result<(), BackendError> {
-        let name_s = dm_name(volume_id);
-        let Ok(name) = DmName::new(&name_s) else {
-            return Ok(());
-        };
-        match dm()?.device_remove(&DevId::Name(name), DmOptions::default()) {
-            Ok(_) => Ok(()),
-            Err(e) if errno(&e) == Some(libc::ENXIO) => Ok(()),
-            Err(e) if errno(&e) == Some(libc::EBUSY) => Err(BackendError::Busy {
-                device: name_s,
-                reason: "it is open (mounted or held by a process); close it first".into(),
-            }),
-            Err(e) => Err(dm_error("DM_DEV_REMOVE", &name_s, e)),
-        }
-    }
-
-    /// `(major, minor)` of the dm device, if it exists.
-    fn devnum(volume_id: Uuid) -> Option<DevNum> {
-        let name_s = dm_name(volume_id);
-        let name = DmName::new(&name_s).ok()?;
-        let info = dm().ok()?.device_info(&DevId::Name(name)).ok()?;
-        let d = info.device();
-        Some(DevNum {
-            major: d.major,
-            minor: d.minor,
-        })
-    }
-
     fn describe(&self, volume_id: Uuid, v: &DmVolume) -> Result<Attachment, BackendError> {
-        let dev = Self::devnum(volume_id).ok_or_else(|| {
+        let dev = ioctl::devnum(volume_id).ok_or_else(|| {
             BackendError::io(
                 "find",
                 dm_name(volume_id),
@@ -457,13 +136,11 @@ impl DmBackend {
                 _ => ActiveDispatch::Nowait,
             },
             dispatch_reason: v.reason.clone(),
-            direct_io: None,
             size_bytes,
             read_only: v.read_only,
             attached_at: v.attached_at,
             baseline: v.baseline,
-            ublk: None,
-            dm: Some(DmAttachment {
+            kind: DeviceState::Dm(DmAttachment {
                 name: dm_name(volume_id),
                 uuid: dm_uuid(&self.instance, volume_id),
                 table: v.table.clone(),
@@ -496,7 +173,7 @@ impl DmBackend {
             ),
             None => None,
         };
-        let att = self.ublk.attach_private(AttachRequest {
+        let att = self.ublk.start(AttachRequest {
             volume_id,
             image_fd: image,
             image_lock,
@@ -506,10 +183,7 @@ impl DmBackend {
                 refuse_writes: v.read_only,
                 ..v.params.clone()
             },
-            decision: Some(Decision {
-                dispatch: policy,
-                reason: reason.to_string(),
-            }),
+            decision: Some(Decision::new(policy, reason)),
         })?;
         Ok(DevNum {
             major: att.major,
@@ -530,7 +204,13 @@ impl DmBackend {
         match (from == DispatchPolicy::Direct, to == DispatchPolicy::Direct) {
             (false, false) => {
                 // Both on the private worker: it switches by itself.
-                self.ublk.switch_private(volume_id, to, reason.clone())?;
+                self.ublk.change(
+                    volume_id,
+                    Request::SetDispatch {
+                        dispatch: to,
+                        reason: reason.clone(),
+                    },
+                )?;
             }
             (true, false) => {
                 // Start the worker first (nothing reaches it until the table
@@ -541,7 +221,8 @@ impl DmBackend {
                 let dev = self.start_private(volume_id, v, to, &reason)?;
                 let pin = v.direct.as_ref().map(|(_, p)| *p);
                 let image = &v.image;
-                let swapped = self.swap(
+                let swapped = ioctl::swap(
+                    &self.instance,
                     volume_id,
                     false,
                     v.read_only,
@@ -562,7 +243,7 @@ impl DmBackend {
                         v.private_ublk = Some(dev);
                     }
                     Err(e) => {
-                        let _ = self.ublk.detach(volume_id, None);
+                        let _ = self.ublk.stop(volume_id);
                         return Err(e);
                     }
                 }
@@ -573,34 +254,34 @@ impl DmBackend {
                 let image = &v.image;
                 let (size, read_only) = (v.params.size_bytes, v.read_only);
                 let mut mapped = None;
-                let swapped = self.swap(
-                    volume_id,
-                    false,
-                    read_only,
-                    || {
-                        if !read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
-                            return Err(BackendError::Refused {
-                                reason: extent::MapError::ImmutableByUser.to_string(),
-                            });
-                        }
-                        let (map, pin) = extent::map_and_pin(image.as_fd(), size).map_err(|e| {
-                            BackendError::Refused {
+                let swapped =
+                    ioctl::swap(
+                        &self.instance,
+                        volume_id,
+                        false,
+                        read_only,
+                        || {
+                            let refused = |e: extent::MapError| BackendError::Refused {
                                 reason: e.to_string(),
-                            }
-                        })?;
-                        let table = direct_table(&map);
-                        mapped = Some((map, pin));
-                        Ok(table)
-                    },
-                    || Ok(()),
-                );
+                            };
+                            dispatch::rule_3(image.as_fd(), read_only).map_err(refused)?;
+                            let (map, pin) = extent::map_and_pin(image.as_fd(), size, None)
+                                .map_err(|e| BackendError::Refused {
+                                    reason: e.to_string(),
+                                })?;
+                            let table = direct_table(&map);
+                            mapped = Some((map, pin));
+                            Ok(table)
+                        },
+                        || Ok(()),
+                    );
                 match swapped {
                     Ok(table) => {
                         v.direct = mapped;
                         v.table = table;
                         v.private_ublk = None;
                         // Nothing references the private device any more.
-                        self.ublk.detach(volume_id, None)?;
+                        self.ublk.stop(volume_id)?;
                     }
                     Err(e) => {
                         if let Some((_, pin)) = mapped {
@@ -647,7 +328,7 @@ impl DmBackend {
             Err(e) => {
                 // No ublk to fall back to: stop the mapping rather than write
                 // to blocks the image no longer owns.
-                let _ = Self::remove(volume_id);
+                let _ = ioctl::remove(volume_id);
                 (
                     "volume_error",
                     VolumeState::Error,
@@ -699,6 +380,23 @@ impl DmBackend {
             });
     }
 
+    /// Loads `table` in place of the live one (suspend, load, resume).
+    fn reload(
+        &self,
+        volume_id: Uuid,
+        read_only: bool,
+        table: Vec<Target>,
+    ) -> Result<Vec<Target>, BackendError> {
+        ioctl::swap(
+            &self.instance,
+            volume_id,
+            false,
+            read_only,
+            || Ok(table),
+            || Ok(()),
+        )
+    }
+
     fn with_volume<T>(
         &self,
         volume_id: Uuid,
@@ -722,8 +420,8 @@ impl VolumeBackend for DmBackend {
     }
 
     fn capability(&self) -> BackendCapability {
-        let reason = Self::unavailable();
-        let targets = reason.is_none().then(Self::targets);
+        let reason = ioctl::unavailable();
+        let targets = reason.is_none().then(ioctl::targets);
         BackendCapability {
             available: reason.is_none(),
             reason,
@@ -739,7 +437,7 @@ impl VolumeBackend for DmBackend {
         image: &OwnedFd,
         size: u64,
     ) -> Result<Option<Decision>, BackendError> {
-        if let Some(reason) = Self::unavailable() {
+        if let Some(reason) = ioctl::unavailable() {
             return Err(BackendError::Unavailable {
                 backend: "dm",
                 reason,
@@ -752,20 +450,11 @@ impl VolumeBackend for DmBackend {
                 reason: "QoS needs backend: \"ublk\"".into(),
             });
         }
-        self.decide(image, size, spec.dispatch, spec.read_only)
-            .map(Some)
+        spec.decide(image, size, &self.path()).map(Some)
     }
 
-    fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let decision = match req.decision.clone() {
-            Some(d) => d,
-            None => self.decide(
-                &req.image_fd,
-                req.params.size_bytes,
-                req.params.dispatch,
-                req.params.refuse_writes,
-            )?,
-        };
+    fn attach(&self, mut req: AttachRequest) -> Result<Attachment, BackendError> {
+        let decision = req.take_decision(&self.path())?;
         let mut v = DmVolume {
             image: req.image_fd,
             lock: req.image_lock,
@@ -784,43 +473,49 @@ impl VolumeBackend for DmBackend {
         };
         let volume_id = req.volume_id;
         // A device left by a crash of this service mid-create: start clean.
-        let _ = Self::remove(volume_id);
-        if decision.dispatch == DispatchPolicy::Direct {
+        let _ = ioctl::remove(volume_id);
+        let table = if decision.dispatch == DispatchPolicy::Direct {
             let (map, pin) =
-                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
-                    BackendError::Refused {
+                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes, decision.map).map_err(
+                    |e| BackendError::Refused {
                         reason: e.to_string(),
-                    }
-                })?;
+                    },
+                )?;
             let table = direct_table(&map);
-            match self.swap(volume_id, true, v.read_only, || Ok(table), || Ok(())) {
-                Ok(t) => v.table = t,
-                Err(e) => {
-                    let _ = extent::unpin(v.image.as_fd(), pin);
-                    return Err(e);
-                }
-            }
             v.direct = Some((map, pin));
+            table
         } else {
             let dev = self.start_private(volume_id, &v, decision.dispatch, &decision.reason)?;
-            let table = over(dev, v.params.size_bytes);
-            match self.swap(volume_id, true, v.read_only, || Ok(table), || Ok(())) {
-                Ok(t) => v.table = t,
-                Err(e) => {
-                    let _ = self.ublk.detach(volume_id, None);
-                    return Err(e);
-                }
-            }
             v.private_ublk = Some(dev);
-        }
-        if let Some(dev) = Self::devnum(volume_id) {
+            over(dev, v.params.size_bytes)
+        };
+        let created = ioctl::swap(
+            &self.instance,
+            volume_id,
+            true,
+            v.read_only,
+            || Ok(table),
+            || Ok(()),
+        );
+        v.table = match created {
+            Ok(t) => t,
+            Err(e) => {
+                // Nothing of the volume is left: no pin, no private device.
+                match &v.direct {
+                    Some((_, pin)) => drop(extent::unpin(v.image.as_fd(), *pin)),
+                    None => drop(self.ublk.stop(volume_id)),
+                }
+                return Err(e);
+            }
+        };
+        if let Some(dev) = ioctl::devnum(volume_id) {
             v.baseline = BlockStat::read(&kernel_name(dev)).ok();
         }
         self.register(volume_id, v)
     }
 
     fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
-        let Some(dev) = Self::devnum(volume_id) else {
+        let Some(dev) = ioctl::devnum(volume_id) else {
             return Ok(());
         };
         let node = format!("/dev/{}", kernel_name(dev));
@@ -828,13 +523,13 @@ impl VolumeBackend for DmBackend {
     }
 
     fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {
-        Self::remove(volume_id)?;
+        ioctl::remove(volume_id)?;
         let v = self
             .volumes
             .lock()
             .expect("dm volumes poisoned")
             .remove(&volume_id);
-        let _ = self.ublk.detach(volume_id, None);
+        let _ = self.ublk.stop(volume_id);
         match v {
             Some(v) => {
                 v.stop_checks.store(true, Relaxed);
@@ -844,7 +539,7 @@ impl VolumeBackend for DmBackend {
                 }
             }
             None => {
-                if let Some(pin) = att.and_then(|a| a.dm.as_ref()).and_then(|d| d.pinned) {
+                if let Some(pin) = att.and_then(|a| a.dm()).and_then(|d| d.pinned) {
                     tracing::warn!(%volume_id, ?pin, "image pinned by a dm volume this service does not hold; clear FS_IMMUTABLE_FL by hand if needed");
                 }
             }
@@ -859,9 +554,9 @@ impl VolumeBackend for DmBackend {
 
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
         let volume_id = req.volume_id;
-        if Self::devnum(volume_id).is_none() {
+        if ioctl::devnum(volume_id).is_none() {
             // Maybe a private worker outlived its dm device: let it go.
-            let _ = self.ublk.detach(volume_id, None);
+            let _ = self.ublk.stop(volume_id);
             return Ok(Probe::Gone);
         }
         let Some(image) = req.image else {
@@ -871,15 +566,8 @@ impl VolumeBackend for DmBackend {
             });
         };
         let name_s = dm_name(volume_id);
-        let name = DmName::new(&name_s)
-            .map_err(|e| BackendError::io("name", &name_s, io::Error::other(e.to_string())))?;
-        let (info, live) = dm()?
-            .table_status(
-                &DevId::Name(name),
-                DmOptions::default().set_flags(DmFlags::DM_STATUS_TABLE),
-            )
-            .map_err(|e| dm_error("DM_TABLE_STATUS", &name_s, e))?;
-        let stored = req.stored.as_ref().and_then(|a| a.dm.clone());
+        let (read_only, live) = ioctl::live_table(volume_id)?;
+        let stored = req.stored.as_ref().and_then(|a| a.dm().cloned());
         // The device serves the size its table covers: the image's row may be
         // older (the service died in a resize between growing the device and
         // recording it) or its file larger (died before the table grew).
@@ -899,7 +587,7 @@ impl VolumeBackend for DmBackend {
                 .as_ref()
                 .map(|a| a.dispatch_reason.clone())
                 .unwrap_or_default(),
-            read_only: info.flags().contains(DmFlags::DM_READONLY),
+            read_only,
             direct: None,
             private_ublk: None,
             table: live.clone(),
@@ -921,7 +609,7 @@ impl VolumeBackend for DmBackend {
                 })
             });
         if over_ublk {
-            let probe = self.ublk.probe_private(ProbeRequest {
+            let probe = self.ublk.adopt(ProbeRequest {
                 volume_id,
                 identity: req.identity,
                 image: v.image.try_clone().ok(),
@@ -936,17 +624,14 @@ impl VolumeBackend for DmBackend {
                         .into(),
                 });
             };
-            v.dispatch = match worker.dispatch {
-                ActiveDispatch::Threaded => DispatchPolicy::Threaded,
-                _ => DispatchPolicy::Nowait,
-            };
+            v.dispatch = dispatch::policy_of(worker.dispatch);
             v.private_ublk = Some(DevNum {
                 major: worker.major,
                 minor: worker.minor,
             });
             // The worker's lock, if it kept one through a service crash.
             if v.lock.is_none() {
-                v.lock = self.ublk.image_lock(volume_id);
+                v.lock = self.ublk.held_lock(volume_id);
             }
         } else {
             // Direct: the live table must be the image's map as it is now.
@@ -998,7 +683,12 @@ impl VolumeBackend for DmBackend {
         if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
             Ok(())
         } else {
-            self.ublk.check_allocate_private(volume_id)
+            self.with_volume(volume_id, |v| match v.params.read_only {
+                true => Err(BackendError::Refused {
+                    reason: CANNOT_FILL_READ_ONLY.into(),
+                }),
+                false => Ok(()),
+            })
         }
     }
 
@@ -1006,12 +696,12 @@ impl VolumeBackend for DmBackend {
         &self,
         _att: &Attachment,
         volume_id: Uuid,
-        job: &super::AllocateJob,
+        job: &AllocateJob,
     ) -> Result<bool, BackendError> {
         let direct = self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))?;
         // A direct table maps only a written image: nothing to fill. Otherwise
         // the private worker does it, outside the volumes' lock.
-        let done = direct || self.ublk.allocate_private(volume_id, job)?;
+        let done = direct || self.ublk.fill(volume_id, job)?;
         if done {
             self.with_volume(volume_id, |v| {
                 v.params.allocation = Allocation::Full;
@@ -1049,18 +739,23 @@ impl VolumeBackend for DmBackend {
                     } else {
                         v.params.size_bytes
                     },
+                    None,
                 )
                 .map_err(|e| BackendError::Refused {
                     reason: e.to_string(),
                 })?;
                 grown?;
                 let table = direct_table(&map);
-                v.table = self.swap(volume_id, false, v.read_only, || Ok(table), || Ok(()))?;
+                v.table = self.reload(volume_id, v.read_only, table)?;
                 v.direct = Some((map, pin));
             } else {
-                let att = self
-                    .ublk
-                    .resize_private(volume_id, size_bytes, allocation)?;
+                let att = self.ublk.change(
+                    volume_id,
+                    Request::Resize {
+                        size_bytes,
+                        allocation,
+                    },
+                )?;
                 if att.resize_pending {
                     // The image grew; the private device cannot (no UPDATE_SIZE):
                     // the table keeps its size until the next attach.
@@ -1074,7 +769,7 @@ impl VolumeBackend for DmBackend {
                     },
                     size_bytes,
                 );
-                v.table = self.swap(volume_id, false, v.read_only, || Ok(table), || Ok(()))?;
+                v.table = self.reload(volume_id, v.read_only, table)?;
             }
             v.params.size_bytes = size_bytes;
             self.describe(volume_id, v)
@@ -1088,18 +783,13 @@ impl VolumeBackend for DmBackend {
                 field: "qos",
                 reason: "QoS needs backend: \"ublk\"".into(),
             }),
-            Change::Dispatch(DispatchPolicy::Nowait | DispatchPolicy::Threaded)
+            Change::Dispatch(to @ (DispatchPolicy::Nowait | DispatchPolicy::Threaded))
                 if att.dispatch == ActiveDispatch::Direct =>
             {
-                match self.ublk_reason() {
-                    None => Ok(()),
-                    Some(why) => Err(BackendError::Unavailable {
-                        backend: "dm",
-                        reason: format!(
-                            "leaving direct needs a private ublk device, and ublk is not available: {why}"
-                        ),
-                    }),
-                }
+                Ok(dispatch::can_serve_off_direct(
+                    &format!("dispatch '{}'", to.as_str()),
+                    &self.path(),
+                )?)
             }
             _ => Ok(()),
         }
@@ -1114,23 +804,15 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    let d = if asked == DispatchPolicy::Auto && v.dispatch == DispatchPolicy::Direct
-                    {
-                        Decision {
-                            dispatch: DispatchPolicy::Direct,
-                            reason: v.reason.clone(),
-                        }
-                    } else if asked == DispatchPolicy::Direct
-                        && v.dispatch != DispatchPolicy::Direct
-                    {
-                        // Checked under suspension by switch(); the reason is all we need here.
-                        Decision {
-                            dispatch: DispatchPolicy::Direct,
-                            reason: "asked: direct (linear table over the image's extents)".into(),
-                        }
-                    } else {
-                        self.decide(&v.image, v.params.size_bytes, asked, v.read_only)?
-                    };
+                    let d = dispatch::decide_change(
+                        v.image.as_fd(),
+                        v.params.size_bytes,
+                        asked,
+                        v.read_only,
+                        &self.path(),
+                        v.dispatch == DispatchPolicy::Direct,
+                        &v.reason,
+                    )?;
                     self.switch(volume_id, v, d.dispatch, d.reason)?;
                     v.degraded = None;
                 }
@@ -1145,10 +827,11 @@ impl VolumeBackend for DmBackend {
                         });
                     }
                     if v.private_ublk.is_some() {
-                        self.ublk.set_read_only_private(volume_id, ro)?;
+                        self.ublk
+                            .change(volume_id, Request::SetReadOnly { read_only: ro })?;
                     }
                     let table = v.table.clone();
-                    v.table = self.swap(volume_id, false, ro, || Ok(table), || Ok(()))?;
+                    v.table = self.reload(volume_id, ro, table)?;
                     v.read_only = ro;
                 }
                 Change::Qos(None) => {}
