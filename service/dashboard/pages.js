@@ -89,7 +89,11 @@ function invalid(message) {
  * column's name, so that a narrow window can show rows as stacked cards.
  */
 function table(caption, headers, body) {
-  for (const tr of body.querySelectorAll('tr')) {
+  const rows = [...body.querySelectorAll('tr')];
+  // A column of numbers is right-aligned, its header with it.
+  const numeric = headers.map((_, i) => rows.length > 0
+    && rows.every((tr) => !tr.children[i] || tr.children[i].classList.contains('num')));
+  for (const tr of rows) {
     [...tr.children].forEach((cell, i) => {
       cell.setAttribute('data-label', headers[i] ?? '');
       // One box for the content, beside the name when stacked.
@@ -103,7 +107,7 @@ function table(caption, headers, body) {
       'table',
       null,
       h('caption', null, caption),
-      h('thead', null, h('tr', null, headers.map((t) => h('th', { scope: 'col' }, t)))),
+      h('thead', null, h('tr', null, headers.map((t, i) => h('th', { scope: 'col', class: numeric[i] ? 'num' : null }, t)))),
       body,
     ),
   );

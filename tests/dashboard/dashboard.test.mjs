@@ -392,6 +392,49 @@ describe('dashboard', { concurrency: false }, () => {
     await screenshot(page, 'overview');
   });
 
+  test('number columns: each header lines up with its numbers (right edges), in tabular figures', async () => {
+    const delta = await apiVolume('delta');
+    for (const hash of ['#/overview', '#/images', '#/volumes', `#/volumes/${delta.id}`]) {
+      await go(hash);
+      if (hash.includes(delta.id)) await page.locator('tr[data-op=write] td.num').first().waitFor();
+      else await page.waitForTimeout(500);
+      const { checked, bad } = await page.evaluate(() => {
+        // The right edge of the text an element shows (not of its box).
+        const textRight = (el) => {
+          let right = -Infinity;
+          const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+          for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+            if (!n.textContent.trim()) continue;
+            const r = document.createRange();
+            r.selectNodeContents(n);
+            for (const rect of r.getClientRects()) right = Math.max(right, rect.right);
+          }
+          return right;
+        };
+        const out = { checked: 0, bad: [] };
+        for (const t of document.querySelectorAll('main table')) {
+          const heads = [...t.querySelectorAll('thead th')];
+          heads.forEach((th, i) => {
+            const cells = [...t.querySelectorAll('tbody tr')].map((tr) => tr.children[i])
+              .filter((c) => c?.classList.contains('num') && c.textContent.trim());
+            for (const c of cells) {
+              out.checked += 1;
+              const [hr, cr] = [textRight(th), textRight(c)];
+              const where = `${t.querySelector('caption')?.textContent.slice(0, 30)} / ${th.textContent}`;
+              if (Math.abs(hr - cr) > 1) out.bad.push(`${where}: header ends at ${hr.toFixed(1)}, "${c.textContent}" at ${cr.toFixed(1)}`);
+              for (const el of [th, c]) {
+                if (!getComputedStyle(el).fontVariantNumeric.includes('tabular-nums')) out.bad.push(`${where}: ${el.tagName} not in tabular figures`);
+              }
+            }
+          });
+        }
+        return out;
+      });
+      assert.ok(checked > 0, `${hash}: some number cells were checked`);
+      assert.deepEqual(bad, [], `${hash}: number columns`);
+    }
+  });
+
   test('deleting asks first: Escape cancels, confirming removes the device', async () => {
     const v = await apiVolume('gamma');
     await go('#/volumes');
