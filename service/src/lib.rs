@@ -21,3 +21,4 @@ pub mod model;
 pub mod proxy;
 pub mod server;
 pub mod store;
+pub mod usage;
