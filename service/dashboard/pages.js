@@ -709,12 +709,23 @@ export function volumesPage(ctx) {
   return { el, onEvent: reload, dispose() {} };
 }
 
-function confirmDelete(ctx, v) {
-  return ctx.confirm({
-    title: `Delete volume ${v.name}?`,
+/**
+ * Asks before a volume is deleted. A volume in use (open by a process,
+ * mounted, or with I/O in its last seconds, as the service tells) says so
+ * and wants its name typed.
+ */
+async function confirmDelete(ctx, v) {
+  // Unknown use (e.g. the volume went meanwhile): the plain question; the delete says the rest.
+  const usage = await api('GET', `/v1/volumes/${seg(v.id)}/usage`).catch(() => null);
+  const busy = usage?.busy === true;
+  const r = await ctx.confirm({
+    title: busy ? `Volume ${v.name} is in use. Delete it?` : `Delete volume ${v.name}?`,
     text: `Its device ${v.device ?? ''} goes away; whatever uses it loses it. The image stays.`,
+    warning: busy ? `In use: ${usage.reasons.join('; ')}.` : null,
+    typeToConfirm: busy ? v.name : null,
     action: 'Delete volume',
-  }).then((r) => r.ok);
+  });
+  return r.ok;
 }
 
 // ---------------------------------------------------------------- one volume

@@ -7,7 +7,9 @@
 // builds on what the previous ones made.
 
 import assert from 'node:assert/strict';
-import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { spawn } from 'node:child_process';
+import { once } from 'node:events';
+import { closeSync, existsSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 
 import {
@@ -455,6 +457,54 @@ describe('dashboard', { concurrency: false }, () => {
     await dialog.getByRole('button', { name: 'Delete volume' }).click();
     await volumeRow('gamma').waitFor({ state: 'detached' });
     assert.equal((await svc.call('GET', '/v1/volumes/gamma')).status, 404);
+    assert.equal(backingFile(v.device), null, 'the loop device is released');
+  });
+
+  test('deleting a volume in use says by whom and at what rate, and wants its name typed', async () => {
+    const v = await svc.loopVolume('busy', 16);
+    const fd = openSync(v.device, 'r');
+    const holder = spawn('sleep', ['60'], { stdio: [fd, 'ignore', 'ignore'] });
+    closeSync(fd);
+    const dialog = page.getByRole('dialog');
+    const ok = dialog.getByRole('button', { name: 'Delete volume' });
+    const field = dialog.getByLabel('Type busy to confirm');
+    try {
+      await go('#/volumes');
+      await volumeRow('busy').getByRole('button', { name: 'Delete volume busy' }).click();
+      await dialog.waitFor();
+      const text = await dialog.innerText();
+      assert.match(text, /Volume busy is in use/);
+      assert.ok(text.includes(`open by sleep (pid ${holder.pid})`), `who holds it open: ${text}`);
+      assert.ok(await ok.isDisabled(), 'no delete before the name is typed');
+      assert.ok(await field.evaluate((el) => el === document.activeElement), 'the name field has the focus');
+      await field.fill('bus');
+      assert.ok(await ok.isDisabled(), 'a wrong name does not allow the delete');
+      await field.press('Enter');
+      assert.ok(await dialog.isVisible(), 'Enter with a wrong name does nothing');
+      await screenshot(page, 'confirm-delete-busy');
+      await page.keyboard.press('Escape');
+      await dialog.waitFor({ state: 'hidden' });
+      assert.equal((await svc.call('GET', '/v1/volumes/busy')).status, 200, 'still there');
+    } finally {
+      holder.kill();
+      await once(holder, 'exit');
+      if (await dialog.isVisible()) await page.keyboard.press('Escape');
+    }
+
+    // Closed, but written to in the last seconds: the rate says it is in use (the volume's own page).
+    const writes = writer(v.device, 3);
+    await until('the writes in the service history', async () =>
+      (await svc.ok('GET', '/v1/volumes/busy/usage')).iops > 0, 8000);
+    await go(`#/volumes/${v.id}`);
+    await page.getByRole('button', { name: 'Delete volume…' }).click();
+    await dialog.waitFor();
+    const text = await dialog.innerText();
+    assert.match(text, /IOPS, .* over the last \d s/, `the I/O rate: ${text}`);
+    await writes;
+    await field.fill('busy');
+    assert.ok(await ok.isEnabled(), 'the name typed allows the delete');
+    await field.press('Enter');
+    await until('the volume gone', async () => (await svc.call('GET', '/v1/volumes/busy')).status === 404);
     assert.equal(backingFile(v.device), null, 'the loop device is released');
   });
 
