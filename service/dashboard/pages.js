@@ -178,6 +178,14 @@ function recent(points) {
   return { iops: secs ? ops / secs : null, latency: timed ? busy / timed : null };
 }
 
+/** IOPS and mean latency of each attached (or degraded) volume over its last 10 s. */
+async function liveFigures(volumes) {
+  const live = volumes.filter((v) => v.state === 'attached' || v.state === 'degraded');
+  const hist = await Promise.all(live.map((v) =>
+    api('GET', `/v1/volumes/${seg(v.id)}/stats/history?seconds=10`).then((r) => r.points, () => [])));
+  return live.map((v, i) => ({ v, ...recent(hist[i]) }));
+}
+
 /** Health and capacity at a glance: the page an operator opens first. */
 export function overviewPage(ctx) {
   const out = outcome();
@@ -201,10 +209,7 @@ export function overviewPage(ctx) {
     }
     ctx.host = host;
     const health = await api('GET', '/healthz').then(() => 'ok', (e) => `${e.code}: ${e.message}`);
-    const live = volumes.filter((v) => v.state === 'attached' || v.state === 'degraded');
-    const hist = await Promise.all(live.map((v) =>
-      api('GET', `/v1/volumes/${seg(v.id)}/stats/history?seconds=10`).then((r) => r.points, () => [])));
-    const figures = live.map((v, i) => ({ v, ...recent(hist[i]) }));
+    const figures = await liveFigures(volumes);
     const states = ['attached', 'degraded', 'attaching', 'detaching', 'error'];
     const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
     const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);
@@ -654,6 +659,7 @@ export function volumesPage(ctx) {
       'tr',
       { 'data-volume': v.name },
       h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(v.id)}`, 'data-key': `open-${v.id}` }, v.name)),
+      h('td', { 'data-field': 'image' }, images.find((i) => i.id === v.image_id)?.name ?? v.image_id),
       h('td', { 'data-field': 'backend' }, v.backend),
       h('td', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
       h('td', { 'data-field': 'state' }, stateCell(v)),
@@ -661,6 +667,8 @@ export function volumesPage(ctx) {
       h('td', { 'data-field': 'size', class: 'num' }, bytes(v.size_bytes)),
       h('td', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('td', { 'data-field': 'qos' }, qos(v.qos)),
+      h('td', { 'data-field': 'iops', class: 'num' }, '–'),
+      h('td', { 'data-field': 'latency', class: 'num' }, '–'),
       h('td', null, h('button', {
         type: 'button',
         class: 'danger',
@@ -687,9 +695,12 @@ export function volumesPage(ctx) {
       return;
     }
     rebuild(list, volumes.length
-      ? table('Volumes', ['Name', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Action'],
+      ? table('Volumes (IOPS and mean latency over the last 10 s)',
+        ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'IOPS', 'Latency', 'Action'],
         h('tbody', null, volumes.map(row)))
       : h('p', null, 'No volumes yet: create one below.'));
+    shown = volumes;
+    figures();
     // One image serves one volume: images in use are listed, not offered,
     // and the first free one is the default.
     const names = new Map(volumes.map((v) => [v.id, v.name]));
@@ -703,10 +714,21 @@ export function volumesPage(ctx) {
       })
       : h('option', { value: '' }, 'no images: add one on the Images page'));
   }
+  // I/O makes no event: the figures are refreshed in place, the rows stay.
+  let shown = [];
+  async function figures() {
+    for (const f of await liveFigures(shown)) {
+      const tr = list.querySelector(`tr[data-volume="${CSS.escape(f.v.name)}"]`);
+      if (!tr) continue;
+      fill(tr.querySelector('[data-field=iops] .cell'), f.iops === null ? '–' : count(Math.round(f.iops)));
+      fill(tr.querySelector('[data-field=latency] .cell'), f.latency === null ? '–' : micros(Math.round(f.latency)));
+    }
+  }
   load();
   const reload = debounce(load, 200);
+  const timer = setInterval(figures, 3000);
   const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list, form);
-  return { el, onEvent: reload, dispose() {} };
+  return { el, onEvent: reload, dispose() { clearInterval(timer); } };
 }
 
 /**
@@ -916,7 +938,9 @@ export function volumePage(ctx, { id }) {
       h('dt', null, 'Size'), h('dd', { 'data-field': 'size' }, bytes(v.size_bytes), v.resize_pending ? ' (resize pending: applies at the next attach)' : ''),
       h('dt', null, 'Read-only'), h('dd', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('dt', null, 'QoS'), h('dd', { 'data-field': 'qos' }, qos(v.qos)),
-      h('dt', null, 'Image'), h('dd', null, image ? h('a', { href: '#/images' }, image.name) : h('span', { class: 'mono' }, v.image_id)),
+      h('dt', null, 'Image'), h('dd', { 'data-field': 'image' }, image
+        ? [h('a', { href: '#/images' }, image.name), ' ', h('span', { class: 'mono' }, `(${image.path})`)]
+        : h('span', { class: 'mono' }, v.image_id)),
       h('dt', null, 'Queues'), h('dd', null, `${v.queues} × depth ${v.queue_depth}, requests up to ${bytes(v.max_io_bytes)}`,
         v.copy_mode ? `, ${v.copy_mode === 'zero_copy' ? 'zero copy' : 'data copied'}` : ''),
       v.direct_io === null ? null : [h('dt', null, 'Direct I/O'), h('dd', null, yesNo(v.direct_io))],

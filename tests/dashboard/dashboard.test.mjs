@@ -374,6 +374,26 @@ describe('dashboard', { concurrency: false }, () => {
     await screenshot(page, 'volume-history');
   });
 
+  test('volumes show their image by name (and path), and the volumes table their IOPS and latency', async () => {
+    const v = await apiVolume('delta');
+    const img = (await svc.ok('GET', '/v1/images')).find((i) => i.id === v.image_id);
+    await go(`#/volumes/${v.id}`);
+    const fact = page.locator('[data-field=image]');
+    await until('the image fact', async () => (await fact.innerText()).includes(img.name));
+    assert.ok((await fact.innerText()).includes(img.path), await fact.innerText());
+    assert.ok(!(await page.locator('main').innerText()).includes(v.image_id), 'no image id on the page');
+
+    const writes = writer(v.device, 5);
+    await go('#/volumes');
+    const cell = (f) => volumeRow('delta').locator(`[data-field=${f}]`).innerText();
+    assert.equal(await cell('image'), img.name);
+    await until('delta\'s IOPS', async () => Number((await cell('iops')).replace(/,/g, '')) > 0, 10000);
+    assert.match(await cell('latency'), /\d/, 'a mean latency while it writes');
+    assert.equal(await volumeRow('alpha').locator('[data-field=iops]').innerText(), '0', 'an idle volume: 0 IOPS');
+    await screenshot(page, 'volumes-busy');
+    await writes;
+  });
+
   test('the overview shows health, capacity per image root, volumes by state and the busiest volumes', async () => {
     const [host, volumes] = [await svc.ok('GET', '/v1/host'), await svc.ok('GET', '/v1/volumes')];
     await go('#/overview');
