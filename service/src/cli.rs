@@ -158,10 +158,17 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum ImageCmd {
     /// Register an existing file.
-    Add { name: String, path: String },
+    Add {
+        /// The image's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// The file, under one of the service's image roots.
+        path: String,
+    },
     /// Create a new file and register it.
     Create {
+        /// The image's name (letters, digits, '.', '_', '-').
         name: String,
+        /// The file to make (must not exist), under one of the service's image roots.
         path: String,
         /// Size: bytes, or 512M, 1.5G, 4GiB (binary, 1024) or 500MB, 2GB (decimal, 1000).
         #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
@@ -174,9 +181,13 @@ enum ImageCmd {
     #[command(visible_alias = "list")]
     Ls,
     /// Show one image.
-    Show { image: String },
+    Show {
+        /// Image id or name.
+        image: String,
+    },
     /// Grow an image (attached volumes follow).
     Resize {
+        /// Image id or name.
         image: String,
         /// The new size, larger than today's: bytes, or 1G, 1.5GiB (binary) or 2GB (decimal).
         #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
@@ -186,6 +197,7 @@ enum ImageCmd {
     /// `full`: eligible for `direct` again. Runs in the service; this waits
     /// for its end, showing progress on stderr.
     Allocate {
+        /// Image id or name.
         image: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long, conflicts_with = "cancel")]
@@ -217,6 +229,7 @@ enum ImageCmd {
     /// Forget an image.
     #[command(visible_alias = "delete")]
     Rm {
+        /// Image id or name.
         image: String,
         /// Also delete the file.
         #[arg(long)]
@@ -1417,6 +1430,24 @@ mod tests {
     fn path_segments_are_encoded() {
         assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
         assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
+    }
+
+    /// Every flag and positional argument of every command says what it is.
+    #[test]
+    fn every_argument_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                if a.get_help().is_none() && !matches!(a.get_id().as_str(), "help" | "version") {
+                    missing.push(format!("{path} {}", a.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "blockplane", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
     }
 
     #[test]

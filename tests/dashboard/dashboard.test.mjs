@@ -585,7 +585,9 @@ describe('dashboard', { concurrency: false }, () => {
   test('usable on a narrow window', async () => {
     await page.setViewportSize({ width: 390, height: 844 });
     try {
-      for (const [hash, name] of [['#/volumes', 'volumes-narrow'],
+      // Every page at a phone's size: each screenshot shows one.
+      for (const [hash, name] of [['#/overview', 'overview-narrow'], ['#/host', 'host-narrow'],
+        ['#/images', 'images-narrow'], ['#/volumes', 'volumes-narrow'],
         [`#/volumes/${(await apiVolume('delta')).id}`, 'volume-narrow']]) {
         await go(hash);
         await page.waitForTimeout(1200);
@@ -663,6 +665,9 @@ describe('dashboard', { concurrency: false }, () => {
     await page.getByRole('button', { name: 'Sign out' }).click();
     await page.getByLabel('API token').waitFor();
     assert.equal(await page.evaluate(() => sessionStorage.getItem('blockplane.token')), null);
+    await page.setViewportSize({ width: 390, height: 844 });
+    await screenshot(page, 'login-narrow');
+    await page.setViewportSize({ width: 1280, height: 800 });
     assert.ok(requests.length > 10);
     for (const r of requests) assert.ok(!r.url.includes(TOKEN), `token in a URL: ${r.url}`);
     const apiCalls = requests.filter((r) => new URL(r.url).pathname.startsWith('/v1/'));
