@@ -620,11 +620,7 @@ async fn run_client(cli: Cli) -> ExitCode {
             serde_json::to_string_pretty(&answer.body).unwrap_or_default() + "\n"
         }
     } else {
-        let images = match view {
-            View::Volume | View::Volumes => image_list(&client).await,
-            _ => Vec::new(),
-        };
-        render(view, &answer.body, &images)
+        render(view, &answer.body, &Names::for_view(&client, view).await)
     };
     // A closed stdout (`| head`) is not an error of ours.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
@@ -1142,22 +1138,51 @@ fn human_bytes(v: &Value) -> String {
     v.as_u64().map(human_size).unwrap_or_else(|| s(v))
 }
 
-/// The images, to name a volume's image; none when they cannot be read
-/// (the volume's view then shows the image's id).
-async fn image_list(client: &Client) -> Vec<Value> {
-    match client.send(Method::GET, "/v1/images", None).await {
-        Ok(a) if a.status.is_success() => a.body.as_array().cloned().unwrap_or_default(),
-        _ => Vec::new(),
-    }
+/// The images and volumes a view refers to by id, to show their names
+/// instead; empty when not needed or not readable (ids are shown then).
+#[derive(Debug, Default)]
+struct Names {
+    images: Vec<Value>,
+    volumes: Vec<Value>,
 }
 
-/// A volume's image as people know it: its name (and path, when `with_path`),
-/// else its id.
-fn image_of(v: &Value, images: &[Value], with_path: bool) -> String {
-    match images.iter().find(|i| i["id"] == v["image_id"]) {
-        Some(i) if with_path => format!("{} ({})", s(&i["name"]), s(&i["path"])),
-        Some(i) => s(&i["name"]),
-        None => s(&v["image_id"]),
+impl Names {
+    async fn for_view(client: &Client, view: View) -> Self {
+        let list = |path: &'static str| async move {
+            match client.send(Method::GET, path, None).await {
+                Ok(a) if a.status.is_success() => a.body.as_array().cloned().unwrap_or_default(),
+                _ => Vec::new(),
+            }
+        };
+        match view {
+            View::Volume | View::Volumes => Names {
+                images: list("/v1/images").await,
+                ..Default::default()
+            },
+            View::Image | View::Resize | View::Stats => Names {
+                volumes: list("/v1/volumes").await,
+                ..Default::default()
+            },
+            _ => Names::default(),
+        }
+    }
+
+    /// A volume's image as people know it: its name (and path, when
+    /// `with_path`), else its id.
+    fn image_of(&self, v: &Value, with_path: bool) -> String {
+        match self.images.iter().find(|i| i["id"] == v["image_id"]) {
+            Some(i) if with_path => format!("{} ({})", s(&i["name"]), s(&i["path"])),
+            Some(i) => s(&i["name"]),
+            None => s(&v["image_id"]),
+        }
+    }
+
+    /// A volume's name, from its id; the id when unknown.
+    fn volume(&self, id: &Value) -> String {
+        self.volumes
+            .iter()
+            .find(|v| &v["id"] == id)
+            .map_or_else(|| s(id), |v| s(&v["name"]))
     }
 }
 
@@ -1205,7 +1230,7 @@ fn fields(pairs: Vec<(&str, String)>) -> String {
         .collect()
 }
 
-fn render(view: View, b: &Value, images: &[Value]) -> String {
+fn render(view: View, b: &Value, names: &Names) -> String {
     let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
     match view {
         View::Done(msg) => format!("{msg}\n"),
@@ -1283,7 +1308,7 @@ fn render(view: View, b: &Value, images: &[Value]) -> String {
                     "volumes",
                     list(&b["volumes"])
                         .iter()
-                        .map(s)
+                        .map(|id| names.volume(id))
                         .collect::<Vec<_>>()
                         .join(", "),
                 ),
@@ -1295,7 +1320,7 @@ fn render(view: View, b: &Value, images: &[Value]) -> String {
             out
         }
         View::Resize => {
-            let mut out = render(View::Image, &b["image"], images);
+            let mut out = render(View::Image, &b["image"], names);
             for v in list(&b["volumes"]) {
                 out += &format!("volume {}: {}\n", s(&v["name"]), s(&v["message"]));
             }
@@ -1320,7 +1345,7 @@ fn render(view: View, b: &Value, images: &[Value]) -> String {
         View::Volume => fields(vec![
             ("id", s(&b["id"])),
             ("name", s(&b["name"])),
-            ("image", image_of(b, images, true)),
+            ("image", names.image_of(b, true)),
             ("backend", s(&b["backend"])),
             (
                 "dispatch",
@@ -1367,7 +1392,7 @@ fn render(view: View, b: &Value, images: &[Value]) -> String {
                 .map(|v| {
                     vec![
                         s(&v["name"]),
-                        image_of(v, images, false),
+                        names.image_of(v, false),
                         s(&v["backend"]),
                         s(&v["dispatch"]),
                         s(&v["state"]),
@@ -1380,7 +1405,7 @@ fn render(view: View, b: &Value, images: &[Value]) -> String {
         ),
         View::Stats => {
             let mut out = fields(vec![
-                ("volume", s(&b["volume_id"])),
+                ("volume", names.volume(&b["volume_id"])),
                 ("dispatch", s(&b["dispatch"])),
                 ("in flight", s(&b["in_flight"])),
                 ("since", s(&b["since"])),

@@ -374,9 +374,20 @@ async fn volumes_name_their_image_and_keep_its_id_in_json() {
         row.contains("named-img") && !row.contains(image_id),
         "{list}"
     );
+    let vid = v["id"].as_str().unwrap();
     assert!(
-        !ok(&s, &["events"]).contains(v["id"].as_str().unwrap()),
+        !ok(&s, &["events"]).contains(vid),
         "event lines name the volume, not its id"
+    );
+    let image = ok(&s, &["image", "show", "named-img"]);
+    assert!(
+        image.contains("named") && !image.contains(vid),
+        "an image names its volume: {image}"
+    );
+    let stats = ok(&s, &["volume", "stats", "named"]);
+    assert!(
+        stats.lines().next().unwrap().contains("named") && !stats.contains(vid),
+        "stats name their volume: {stats}"
     );
 }
 
