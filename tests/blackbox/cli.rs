@@ -14,6 +14,39 @@ fn cli(s: &Service, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// Runs the CLI with a terminal as its stdin, `typed` already typed into it.
+fn cli_at_terminal(s: &Service, args: &[&str], typed: &str) -> Output {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty only writes the two new descriptors, owned right after.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both are open and owned by nothing else.
+    let (mut master, slave) = unsafe {
+        (
+            std::fs::File::from_raw_fd(master),
+            std::os::fd::OwnedFd::from_raw_fd(slave),
+        )
+    };
+    std::io::Write::write_all(&mut master, typed.as_bytes()).unwrap();
+    std::process::Command::new(BIN)
+        .arg("--api")
+        .arg(format!("unix:{}", s.sock.display()))
+        .args(args)
+        .env_remove("BLOCKPLANE_TOKEN")
+        .stdin(std::process::Stdio::from(slave))
+        .output()
+        .unwrap()
+}
+
 fn ok(s: &Service, args: &[&str]) -> String {
     let out = cli(s, args);
     assert!(
@@ -536,6 +569,15 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
     );
     assert_eq!(s.get("/v1/volumes/held").await.status, 200, "still there");
     assert!(crate::harness::serves_from(&dev, s.dir.path()));
+    // At a terminal it asks for the name; another answer deletes nothing.
+    let out = cli_at_terminal(&s, &["volume", "rm", "held"], "helt\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("Type its name") && err.contains("not deleted"),
+        "{err}"
+    );
+    assert_eq!(s.get("/v1/volumes/held").await.status, 200, "still there");
     let _ = holder.kill();
     let _ = holder.wait();
 
@@ -582,6 +624,31 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
 
     assert!(ok(&s, &["volume", "rm", "held", "--force"]).contains("deleted"));
     assert!(!crate::harness::serves_from(&dev, s.dir.path()));
+    // Written a moment ago, at a terminal: the name typed deletes it.
+    s.loop_volume("typed", 8).await;
+    let tdev = s.get("/v1/volumes/typed").await.body["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for _ in 0..40 {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&tdev).unwrap();
+        f.write_all(&vec![5u8; 1 << 20]).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        if s.get("/v1/volumes/typed/usage").await.body["iops"] != 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let out = cli_at_terminal(&s, &["volume", "rm", "typed"], "typed\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("volume 'typed' is in use") && err.contains("IOPS"),
+        "it asked, saying why: {err}"
+    );
+    assert_eq!(s.get("/v1/volumes/typed").await.status, 404);
     // An idle volume goes without a question.
     let quiet = s.loop_volume("quiet", 8).await;
     let u = s.get("/v1/volumes/quiet/usage").await.body;
