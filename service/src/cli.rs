@@ -210,7 +210,9 @@ enum ImageCmd {
     /// extents shared where the filesystem can, else copied in the service
     /// (this waits for the copy, showing progress on stderr).
     Snapshot {
+        /// The image to snapshot (id or name).
         src: String,
+        /// The snapshot's name (letters, digits, '.', '_', '-').
         name: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long)]
@@ -219,8 +221,11 @@ enum ImageCmd {
     /// Clone an image: a writable image NAME at PATH made from SRC (shared
     /// extents, or a copy this waits for, showing progress on stderr).
     Clone {
+        /// The image to clone (id or name).
         src: String,
+        /// The clone's name (letters, digits, '.', '_', '-').
         name: String,
+        /// The clone's file (must not exist), under one of the service's image roots.
         path: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long)]
