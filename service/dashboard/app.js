@@ -154,12 +154,30 @@ function confirm(opts) {
   check.checked = false;
   $('confirm-check-row').hidden = !opts.check;
   fill($('confirm-check-label'), opts.check ?? '');
+  const warning = $('confirm-warning');
+  warning.hidden = !opts.warning;
+  fill(warning, opts.warning ?? '');
+  // A word to type before the action is allowed (a volume in use: its name).
+  const typed = $('confirm-type');
+  typed.value = '';
+  $('confirm-type-row').hidden = !opts.typeToConfirm;
+  fill($('confirm-type-label'), opts.typeToConfirm ? `Type ${opts.typeToConfirm} to confirm` : '');
+  const allow = () => { ok.disabled = Boolean(opts.typeToConfirm) && typed.value !== opts.typeToConfirm; };
+  allow();
+  typed.oninput = allow;
+  // Enter in the field means the action, never the form's first button (Cancel).
+  typed.onkeydown = (e) => {
+    if (e.key !== 'Enter') return;
+    e.preventDefault();
+    if (!ok.disabled) ok.click();
+  };
   dlg.returnValue = '';
   const opener = document.activeElement;
   dlg.showModal();
-  $('confirm-cancel').focus();
+  (opts.typeToConfirm ? typed : $('confirm-cancel')).focus();
   return new Promise((resolve) => {
     dlg.addEventListener('close', () => {
+      ok.disabled = false;
       opener?.focus?.();
       resolve({ ok: dlg.returnValue === 'ok', checked: check.checked });
     }, { once: true });

@@ -89,7 +89,11 @@ function invalid(message) {
  * column's name, so that a narrow window can show rows as stacked cards.
  */
 function table(caption, headers, body) {
-  for (const tr of body.querySelectorAll('tr')) {
+  const rows = [...body.querySelectorAll('tr')];
+  // A column of numbers is right-aligned, its header with it.
+  const numeric = headers.map((_, i) => rows.length > 0
+    && rows.every((tr) => !tr.children[i] || tr.children[i].classList.contains('num')));
+  for (const tr of rows) {
     [...tr.children].forEach((cell, i) => {
       cell.setAttribute('data-label', headers[i] ?? '');
       // One box for the content, beside the name when stacked.
@@ -103,7 +107,7 @@ function table(caption, headers, body) {
       'table',
       null,
       h('caption', null, caption),
-      h('thead', null, h('tr', null, headers.map((t) => h('th', { scope: 'col' }, t)))),
+      h('thead', null, h('tr', null, headers.map((t, i) => h('th', { scope: 'col', class: numeric[i] ? 'num' : null }, t)))),
       body,
     ),
   );
@@ -174,6 +178,14 @@ function recent(points) {
   return { iops: secs ? ops / secs : null, latency: timed ? busy / timed : null };
 }
 
+/** IOPS and mean latency of each attached (or degraded) volume over its last 10 s. */
+async function liveFigures(volumes) {
+  const live = volumes.filter((v) => v.state === 'attached' || v.state === 'degraded');
+  const hist = await Promise.all(live.map((v) =>
+    api('GET', `/v1/volumes/${seg(v.id)}/stats/history?seconds=10`).then((r) => r.points, () => [])));
+  return live.map((v, i) => ({ v, ...recent(hist[i]) }));
+}
+
 /** Health and capacity at a glance: the page an operator opens first. */
 export function overviewPage(ctx) {
   const out = outcome();
@@ -197,10 +209,7 @@ export function overviewPage(ctx) {
     }
     ctx.host = host;
     const health = await api('GET', '/healthz').then(() => 'ok', (e) => `${e.code}: ${e.message}`);
-    const live = volumes.filter((v) => v.state === 'attached' || v.state === 'degraded');
-    const hist = await Promise.all(live.map((v) =>
-      api('GET', `/v1/volumes/${seg(v.id)}/stats/history?seconds=10`).then((r) => r.points, () => [])));
-    const figures = live.map((v, i) => ({ v, ...recent(hist[i]) }));
+    const figures = await liveFigures(volumes);
     const states = ['attached', 'degraded', 'attaching', 'detaching', 'error'];
     const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
     const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);
@@ -650,6 +659,7 @@ export function volumesPage(ctx) {
       'tr',
       { 'data-volume': v.name },
       h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(v.id)}`, 'data-key': `open-${v.id}` }, v.name)),
+      h('td', { 'data-field': 'image' }, images.find((i) => i.id === v.image_id)?.name ?? v.image_id),
       h('td', { 'data-field': 'backend' }, v.backend),
       h('td', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
       h('td', { 'data-field': 'state' }, stateCell(v)),
@@ -657,6 +667,8 @@ export function volumesPage(ctx) {
       h('td', { 'data-field': 'size', class: 'num' }, bytes(v.size_bytes)),
       h('td', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('td', { 'data-field': 'qos' }, qos(v.qos)),
+      h('td', { 'data-field': 'iops', class: 'num' }, '–'),
+      h('td', { 'data-field': 'latency', class: 'num' }, '–'),
       h('td', null, h('button', {
         type: 'button',
         class: 'danger',
@@ -683,9 +695,12 @@ export function volumesPage(ctx) {
       return;
     }
     rebuild(list, volumes.length
-      ? table('Volumes', ['Name', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Action'],
+      ? table('Volumes (IOPS and mean latency over the last 10 s)',
+        ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'IOPS', 'Latency', 'Action'],
         h('tbody', null, volumes.map(row)))
       : h('p', null, 'No volumes yet: create one below.'));
+    shown = volumes;
+    figures();
     // One image serves one volume: images in use are listed, not offered,
     // and the first free one is the default.
     const names = new Map(volumes.map((v) => [v.id, v.name]));
@@ -699,18 +714,40 @@ export function volumesPage(ctx) {
       })
       : h('option', { value: '' }, 'no images: add one on the Images page'));
   }
+  // I/O makes no event: the figures are refreshed in place, the rows stay.
+  let shown = [];
+  async function figures() {
+    for (const f of await liveFigures(shown)) {
+      const tr = list.querySelector(`tr[data-volume="${CSS.escape(f.v.name)}"]`);
+      if (!tr) continue;
+      fill(tr.querySelector('[data-field=iops] .cell'), f.iops === null ? '–' : count(Math.round(f.iops)));
+      fill(tr.querySelector('[data-field=latency] .cell'), f.latency === null ? '–' : micros(Math.round(f.latency)));
+    }
+  }
   load();
   const reload = debounce(load, 200);
+  const timer = setInterval(figures, 3000);
   const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list, form);
-  return { el, onEvent: reload, dispose() {} };
+  return { el, onEvent: reload, dispose() { clearInterval(timer); } };
 }
 
-function confirmDelete(ctx, v) {
-  return ctx.confirm({
-    title: `Delete volume ${v.name}?`,
+/**
+ * Asks before a volume is deleted. A volume in use (open by a process,
+ * mounted, or with I/O in its last seconds, as the service tells) says so
+ * and wants its name typed.
+ */
+async function confirmDelete(ctx, v) {
+  // Unknown use (e.g. the volume went meanwhile): the plain question; the delete says the rest.
+  const usage = await api('GET', `/v1/volumes/${seg(v.id)}/usage`).catch(() => null);
+  const busy = usage?.busy === true;
+  const r = await ctx.confirm({
+    title: busy ? `Volume ${v.name} is in use. Delete it?` : `Delete volume ${v.name}?`,
     text: `Its device ${v.device ?? ''} goes away; whatever uses it loses it. The image stays.`,
+    warning: busy ? `In use: ${usage.reasons.join('; ')}.` : null,
+    typeToConfirm: busy ? v.name : null,
     action: 'Delete volume',
-  }).then((r) => r.ok);
+  });
+  return r.ok;
 }
 
 // ---------------------------------------------------------------- one volume
@@ -901,7 +938,9 @@ export function volumePage(ctx, { id }) {
       h('dt', null, 'Size'), h('dd', { 'data-field': 'size' }, bytes(v.size_bytes), v.resize_pending ? ' (resize pending: applies at the next attach)' : ''),
       h('dt', null, 'Read-only'), h('dd', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('dt', null, 'QoS'), h('dd', { 'data-field': 'qos' }, qos(v.qos)),
-      h('dt', null, 'Image'), h('dd', null, image ? h('a', { href: '#/images' }, image.name) : h('span', { class: 'mono' }, v.image_id)),
+      h('dt', null, 'Image'), h('dd', { 'data-field': 'image' }, image
+        ? [h('a', { href: '#/images' }, image.name), ' ', h('span', { class: 'mono' }, `(${image.path})`)]
+        : h('span', { class: 'mono' }, v.image_id)),
       h('dt', null, 'Queues'), h('dd', null, `${v.queues} × depth ${v.queue_depth}, requests up to ${bytes(v.max_io_bytes)}`,
         v.copy_mode ? `, ${v.copy_mode === 'zero_copy' ? 'zero copy' : 'data copied'}` : ''),
       v.direct_io === null ? null : [h('dt', null, 'Direct I/O'), h('dd', null, yesNo(v.direct_io))],

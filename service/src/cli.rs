@@ -4,46 +4,105 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use hyper::Method;
 use serde_json::{Value, json};
 
 use crate::client::{Client, Endpoint, encode_segment};
 use crate::config::{ServeArgs, default_data_dir, default_socket};
-use crate::model::parse_size;
+use crate::model::{human_size, parse_size};
 use crate::proxy::ProxyConfig;
 
 /// blockplane: image files as fast, safe block devices.
+///
+/// The client flags (--api, --token, --json) go before the command or with
+/// any client command; `serve` has flags of its own only.
 #[derive(Debug, Parser)]
 #[command(name = "blockplane", version, about)]
 pub struct Cli {
+    /// Given before the command (not global here: see [`main`]).
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// How a client reaches the API. Global within each client command, so that
+/// they may follow its subcommands too.
+#[derive(Debug, Clone, Default, clap::Args)]
+struct ApiArgs {
     /// API address: unix:/path.sock or http://host:port [default: the local service's socket].
     #[arg(long, global = true, env = "BLOCKPLANE_API")]
     api: Option<String>,
     /// Bearer token for the API.
     #[arg(long, global = true, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+}
+
+/// The flags of the commands that print the API's answers.
+#[derive(Debug, Clone, Default, clap::Args)]
+struct ClientArgs {
+    #[command(flatten)]
+    api: ApiArgs,
     /// Print the API's JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
-    #[command(subcommand)]
-    command: Command,
 }
+
+impl ClientArgs {
+    /// These flags given with the command, over those given before it.
+    fn or(&self, before: &ClientArgs) -> ClientArgs {
+        ClientArgs {
+            api: self.api.or(&before.api),
+            json: self.json || before.json,
+        }
+    }
+}
+
+impl ApiArgs {
+    fn or(&self, before: &ApiArgs) -> ApiArgs {
+        ApiArgs {
+            api: self.api.clone().or_else(|| before.api.clone()),
+            token: self.token.clone().or_else(|| before.token.clone()),
+        }
+    }
+}
+
+/// The ids of the client flags given before the command.
+const CLIENT_FLAGS: [&str; 3] = ["api", "token", "json"];
 
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the service.
     Serve(ServeArgs),
     /// What this host can run.
-    Host,
+    Host {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Backing image files.
-    #[command(subcommand)]
-    Image(ImageCmd),
+    Image {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: ImageCmd,
+    },
     /// Block devices.
-    #[command(subcommand)]
-    Volume(VolumeCmd),
+    Volume {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
     /// The event log.
     Events {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Keep printing events as they happen, until interrupted (after
+        /// the newest --limit, or those --since).
+        #[arg(long)]
+        follow: bool,
         /// Only this volume's events (id or name).
         #[arg(long)]
         volume: Option<String>,
@@ -66,7 +125,12 @@ enum Command {
         file: std::path::PathBuf,
     },
     /// Serve the CSI driver (Kubernetes) for this node's blockplane.
-    Csi(crate::csi::CsiArgs),
+    Csi {
+        #[command(flatten)]
+        args: crate::csi::CsiArgs,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
     /// Open the dashboard of a service that listens on its unix socket: forwards
     /// a local TCP address to the API given by --api; then browse to it. With
     /// --token/BLOCKPLANE_TOKEN the forward requires that token on every API
@@ -76,6 +140,8 @@ enum Command {
         /// token is set (every request must then carry it).
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: String,
+        #[command(flatten)]
+        api: ApiArgs,
     },
     /// Print the OpenAPI document.
     #[command(hide = true)]
@@ -92,10 +158,17 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum ImageCmd {
     /// Register an existing file.
-    Add { name: String, path: String },
+    Add {
+        /// The image's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// The file, under one of the service's image roots.
+        path: String,
+    },
     /// Create a new file and register it.
     Create {
+        /// The image's name (letters, digits, '.', '_', '-').
         name: String,
+        /// The file to make (must not exist), under one of the service's image roots.
         path: String,
         /// Size: bytes, or 512M, 1.5G, 4GiB (binary, 1024) or 500MB, 2GB (decimal, 1000).
         #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
@@ -105,11 +178,16 @@ enum ImageCmd {
         allocation: String,
     },
     /// List images.
+    #[command(visible_alias = "list")]
     Ls,
     /// Show one image.
-    Show { image: String },
+    Show {
+        /// Image id or name.
+        image: String,
+    },
     /// Grow an image (attached volumes follow).
     Resize {
+        /// Image id or name.
         image: String,
         /// The new size, larger than today's: bytes, or 1G, 1.5GiB (binary) or 2GB (decimal).
         #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
@@ -119,6 +197,7 @@ enum ImageCmd {
     /// `full`: eligible for `direct` again. Runs in the service; this waits
     /// for its end, showing progress on stderr.
     Allocate {
+        /// Image id or name.
         image: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long, conflicts_with = "cancel")]
@@ -131,7 +210,9 @@ enum ImageCmd {
     /// extents shared where the filesystem can, else copied in the service
     /// (this waits for the copy, showing progress on stderr).
     Snapshot {
+        /// The image to snapshot (id or name).
         src: String,
+        /// The snapshot's name (letters, digits, '.', '_', '-').
         name: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long)]
@@ -140,15 +221,20 @@ enum ImageCmd {
     /// Clone an image: a writable image NAME at PATH made from SRC (shared
     /// extents, or a copy this waits for, showing progress on stderr).
     Clone {
+        /// The image to clone (id or name).
         src: String,
+        /// The clone's name (letters, digits, '.', '_', '-').
         name: String,
+        /// The clone's file (must not exist), under one of the service's image roots.
         path: String,
         /// Answer once started (follow it with `image show`).
         #[arg(long)]
         no_wait: bool,
     },
     /// Forget an image.
+    #[command(visible_alias = "delete")]
     Rm {
+        /// Image id or name.
         image: String,
         /// Also delete the file.
         #[arg(long)]
@@ -191,6 +277,7 @@ enum VolumeCmd {
         qos: QosArgs,
     },
     /// List volumes.
+    #[command(visible_alias = "list")]
     Ls,
     /// Show one volume.
     Show {
@@ -229,11 +316,31 @@ enum VolumeCmd {
         #[arg(long)]
         count: Option<u32>,
     },
-    /// Delete a volume (its device goes away; the image stays).
+    /// Delete a volume (its device goes away; the image stays). A volume
+    /// in use (open by a process, mounted, or with I/O in its last seconds)
+    /// is refused unless --force, or the volume's name typed at the prompt
+    /// when stdin is a terminal.
+    #[command(visible_alias = "delete")]
     Rm {
         /// Volume id or name.
         volume: String,
+        /// Delete even while in use (what uses it then sees I/O errors).
+        #[arg(long)]
+        force: bool,
     },
+}
+
+impl Command {
+    /// The client flags given with this command, for the API's clients.
+    fn client(&self) -> Option<&ClientArgs> {
+        match self {
+            Command::Host { client }
+            | Command::Image { client, .. }
+            | Command::Volume { client, .. }
+            | Command::Events { client, .. } => Some(client),
+            _ => None,
+        }
+    }
 }
 
 /// QoS limits of a ublk volume (token buckets over reads and writes together).
@@ -274,13 +381,33 @@ impl QosArgs {
 
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Before the command the client flags are plain ones: global there, they
+    // would reach `serve` and the other commands that are no API client.
+    let mut cmd = Cli::command();
+    for id in CLIENT_FLAGS {
+        cmd = cmd.mut_arg(id, |a| a.global(false));
+    }
+    let matches = cmd.get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some((sub @ ("serve" | "worker" | "backup" | "openapi"), _)) = matches.subcommand()
+        && let Some(flag) = CLIENT_FLAGS
+            .iter()
+            .find(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+    {
+        eprintln!(
+            "blockplane: --{flag} is a flag of the API's clients; `{sub}` does not take it (see blockplane {sub} --help)"
+        );
+        return ExitCode::from(2);
+    }
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Worker { spec } => crate::dataplane::main(&spec),
-        Command::Csi(args) => csi(args, cli.api, cli.token),
+        Command::Csi { args, api } => csi(args, api.or(&cli.client.api)),
         Command::Backup { data_dir, file } => backup(data_dir, &file),
-        Command::Dashboard { listen } => dashboard(cli.api.as_deref(), cli.token, &listen),
+        Command::Dashboard { listen, api } => {
+            let a = api.or(&cli.client.api);
+            dashboard(a.api.as_deref(), a.token, &listen)
+        }
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
@@ -357,11 +484,11 @@ fn backup(data_dir: Option<std::path::PathBuf>, file: &std::path::Path) -> ExitC
     }
 }
 
-fn csi(args: crate::csi::CsiArgs, api: Option<String>, token: Option<String>) -> ExitCode {
+fn csi(args: crate::csi::CsiArgs, api: ApiArgs) -> ExitCode {
     crate::server::init_logging(args.log_format);
-    let api = api_address(api.as_deref());
+    let address = api_address(api.api.as_deref());
     let rt = multi_thread_runtime();
-    match rt.block_on(crate::csi::serve(args, &api, token)) {
+    match rt.block_on(crate::csi::serve(args, &address, api.token)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "CSI driver stopped");
@@ -415,16 +542,42 @@ fn dashboard(api: Option<&str>, token: Option<String>, listen: &str) -> ExitCode
 }
 
 async fn run_client(cli: Cli) -> ExitCode {
-    let api = api_address(cli.api.as_deref());
+    let flags = cli
+        .command
+        .client()
+        .map(|c| c.or(&cli.client))
+        .unwrap_or_else(|| cli.client.clone());
+    let api = api_address(flags.api.api.as_deref());
     let client = match Endpoint::parse(&api) {
-        Ok(e) => Client::new(e, cli.token.clone()),
+        Ok(e) => Client::new(e, flags.api.token.clone()),
         Err(e) => {
             eprintln!("blockplane: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Command::Volume(VolumeCmd::Top { count }) = cli.command {
-        return top(&client, count, cli.json).await;
+    let as_json = flags.json;
+    match &cli.command {
+        Command::Volume {
+            cmd: VolumeCmd::Top { count },
+            ..
+        } => return top(&client, *count, as_json).await,
+        Command::Events {
+            follow: true,
+            volume,
+            ..
+        } => return follow_events(&client, &cli.command, volume.as_deref(), as_json).await,
+        Command::Volume {
+            cmd: VolumeCmd::Rm {
+                volume,
+                force: false,
+            },
+            ..
+        } => {
+            if let Err(code) = refuse_if_busy(&client, volume).await {
+                return code;
+            }
+        }
+        _ => {}
     }
     let (method, path, body, view) = request_for(&cli.command);
     let mut answer = match call(&client, method, &path, body.as_ref()).await {
@@ -432,23 +585,29 @@ async fn run_client(cli: Cli) -> ExitCode {
         Err(code) => return code,
     };
     let followed = match &cli.command {
-        Command::Image(ImageCmd::Allocate {
-            image,
-            no_wait: false,
-            cancel: false,
-        }) => Some(wait_allocate(&client, image, answer.body.clone()).await),
-        Command::Image(
-            ImageCmd::Snapshot {
-                name,
-                no_wait: false,
-                ..
-            }
-            | ImageCmd::Clone {
-                name,
-                no_wait: false,
-                ..
-            },
-        ) => Some(wait_copy(&client, name, answer.body.clone()).await),
+        Command::Image {
+            cmd:
+                ImageCmd::Allocate {
+                    image,
+                    no_wait: false,
+                    cancel: false,
+                },
+            ..
+        } => Some(wait_allocate(&client, image, answer.body.clone()).await),
+        Command::Image {
+            cmd:
+                ImageCmd::Snapshot {
+                    name,
+                    no_wait: false,
+                    ..
+                }
+                | ImageCmd::Clone {
+                    name,
+                    no_wait: false,
+                    ..
+                },
+            ..
+        } => Some(wait_copy(&client, name, answer.body.clone()).await),
         _ => None,
     };
     match followed {
@@ -459,14 +618,14 @@ async fn run_client(cli: Cli) -> ExitCode {
         }
         None => {}
     }
-    let text = if cli.json {
+    let text = if as_json {
         if answer.body.is_null() {
             String::new()
         } else {
             serde_json::to_string_pretty(&answer.body).unwrap_or_default() + "\n"
         }
     } else {
-        render(view, &answer.body)
+        render(view, &answer.body, &Names::for_view(&client, view).await)
     };
     // A closed stdout (`| head`) is not an error of ours.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
@@ -505,6 +664,111 @@ async fn call(
         return Err(ExitCode::FAILURE);
     }
     Ok(answer)
+}
+
+/// `events --follow`: the events asked for, then each new one as the
+/// service records it, one per line (one JSON object per line with --json),
+/// until interrupted or the service stops.
+async fn follow_events(
+    client: &Client,
+    cmd: &Command,
+    volume: Option<&str>,
+    as_json: bool,
+) -> ExitCode {
+    use http_body_util::BodyExt;
+    let print = |e: &Value| {
+        let line = if as_json {
+            e.to_string() + "\n"
+        } else {
+            event_line(e)
+        };
+        std::io::Write::write_all(&mut std::io::stdout(), line.as_bytes()).is_ok()
+    };
+    let (method, path, _, _) = request_for(cmd);
+    let past = match call(client, method, &path, None).await {
+        Ok(a) => a.body.as_array().cloned().unwrap_or_default(),
+        Err(code) => return code,
+    };
+    for e in &past {
+        if !print(e) {
+            return ExitCode::SUCCESS;
+        }
+    }
+    let mut q = Vec::new();
+    if let Some(v) = volume {
+        q.push(format!("volume={}", encode_segment(v)));
+    }
+    if let Some(id) = past.last().and_then(|e| e["id"].as_i64()) {
+        q.push(format!("after={id}"));
+    }
+    let path = format!("/v1/events/stream?{}", q.join("&"));
+    let mut body = match client.open(Method::GET, &path).await {
+        Ok((status, body)) if status.is_success() => body,
+        Ok((status, _)) => {
+            eprintln!(
+                "blockplane: the event stream answered HTTP {}",
+                status.as_u16()
+            );
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Server-sent events: blocks of `field: value` lines, a blank line after each.
+    let mut buf = String::new();
+    while let Some(Ok(frame)) = body.frame().await {
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = buf.find("\n\n") {
+            let block: String = buf.drain(..end + 2).collect();
+            let data: String = block
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(str::trim_start)
+                .collect();
+            if let Ok(e) = serde_json::from_str::<Value>(&data)
+                && !print(&e)
+            {
+                return ExitCode::SUCCESS;
+            }
+        }
+    }
+    eprintln!("blockplane: the event stream ended (the service stopped)");
+    ExitCode::FAILURE
+}
+
+/// `volume rm` without --force: a volume in use is deleted only when the
+/// person at the terminal types its name; otherwise refused, saying why.
+async fn refuse_if_busy(client: &Client, volume: &str) -> Result<(), ExitCode> {
+    use std::io::IsTerminal;
+    let path = format!("/v1/volumes/{}/usage", encode_segment(volume));
+    let usage = call(client, Method::GET, &path, None).await?.body;
+    if usage["busy"] != json!(true) {
+        return Ok(());
+    }
+    let name = s(&usage["name"]);
+    let why = usage["reasons"]
+        .as_array()
+        .map(|r| r.iter().map(s).collect::<Vec<_>>().join("; "))
+        .unwrap_or_default();
+    if std::io::stdin().is_terminal() {
+        eprint!("volume '{name}' is in use: {why}.\nType its name to delete it anyway: ");
+        let mut typed = String::new();
+        let _ = std::io::stdin().read_line(&mut typed);
+        if typed.trim() == name {
+            return Ok(());
+        }
+        eprintln!("blockplane: volume '{name}' not deleted (the name was not typed)");
+    } else {
+        eprintln!(
+            "blockplane: volume '{name}' is in use: {why}; not deleted (give --force to delete it anyway)"
+        );
+    }
+    Err(ExitCode::FAILURE)
 }
 
 /// `volume top`: a screen a second from each attached volume's last point
@@ -698,16 +962,17 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
         Command::Serve(_)
         | Command::Openapi
         | Command::Worker { .. }
-        | Command::Csi(_)
+        | Command::Csi { .. }
         | Command::Backup { .. }
         | Command::Dashboard { .. } => {
             unreachable!("handled without the API")
         }
-        Command::Host => (M::GET, "/v1/host".into(), None, View::Host),
+        Command::Host { .. } => (M::GET, "/v1/host".into(), None, View::Host),
         Command::Events {
             volume,
             since,
             limit,
+            ..
         } => {
             let mut q = Vec::new();
             if let Some(v) = volume {
@@ -726,7 +991,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
             };
             (M::GET, format!("/v1/events{qs}"), None, View::Events)
         }
-        Command::Image(c) => match c {
+        Command::Image { cmd, .. } => match cmd {
             ImageCmd::Add { name, path } => (
                 M::POST,
                 "/v1/images".into(),
@@ -789,7 +1054,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 View::Done("image removed"),
             ),
         },
-        Command::Volume(c) => match c {
+        Command::Volume { cmd, .. } => match cmd {
             VolumeCmd::Create {
                 name,
                 image,
@@ -856,7 +1121,7 @@ fn request_for(cmd: &Command) -> (Method, String, Option<Value>, View) {
                 View::Stats,
             ),
             VolumeCmd::Top { .. } => unreachable!("a loop of calls, see `top`"),
-            VolumeCmd::Rm { volume } => (
+            VolumeCmd::Rm { volume, .. } => (
                 M::DELETE,
                 format!("/v1/volumes/{}", encode_segment(volume)),
                 None,
@@ -875,19 +1140,66 @@ fn s(v: &Value) -> String {
 }
 
 fn human_bytes(v: &Value) -> String {
-    let Some(n) = v.as_u64() else { return s(v) };
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = n as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u < UNITS.len() - 1 {
-        x /= 1024.0;
-        u += 1;
+    v.as_u64().map(human_size).unwrap_or_else(|| s(v))
+}
+
+/// The images and volumes a view refers to by id, to show their names
+/// instead; empty when not needed or not readable (ids are shown then).
+#[derive(Debug, Default)]
+struct Names {
+    images: Vec<Value>,
+    volumes: Vec<Value>,
+}
+
+impl Names {
+    async fn for_view(client: &Client, view: View) -> Self {
+        let list = |path: &'static str| async move {
+            match client.send(Method::GET, path, None).await {
+                Ok(a) if a.status.is_success() => a.body.as_array().cloned().unwrap_or_default(),
+                _ => Vec::new(),
+            }
+        };
+        match view {
+            View::Volume | View::Volumes => Names {
+                images: list("/v1/images").await,
+                ..Default::default()
+            },
+            View::Image | View::Resize | View::Stats => Names {
+                volumes: list("/v1/volumes").await,
+                ..Default::default()
+            },
+            _ => Names::default(),
+        }
     }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{x:.1} {}", UNITS[u])
+
+    /// A volume's image as people know it: its name (and path, when
+    /// `with_path`), else its id.
+    fn image_of(&self, v: &Value, with_path: bool) -> String {
+        match self.images.iter().find(|i| i["id"] == v["image_id"]) {
+            Some(i) if with_path => format!("{} ({})", s(&i["name"]), s(&i["path"])),
+            Some(i) => s(&i["name"]),
+            None => s(&v["image_id"]),
+        }
     }
+
+    /// A volume's name, from its id; the id when unknown.
+    fn volume(&self, id: &Value) -> String {
+        self.volumes
+            .iter()
+            .find(|v| &v["id"] == id)
+            .map_or_else(|| s(id), |v| s(&v["name"]))
+    }
+}
+
+/// One event on one line, as `events --follow` prints them.
+fn event_line(e: &Value) -> String {
+    format!(
+        "{}  {}  {}  {}\n",
+        s(&e["id"]),
+        s(&e["at"]),
+        s(&e["kind"]),
+        s(&e["message"])
+    )
 }
 
 /// Left-aligned columns, two spaces apart.
@@ -923,7 +1235,7 @@ fn fields(pairs: Vec<(&str, String)>) -> String {
         .collect()
 }
 
-fn render(view: View, b: &Value) -> String {
+fn render(view: View, b: &Value, names: &Names) -> String {
     let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
     match view {
         View::Done(msg) => format!("{msg}\n"),
@@ -1001,7 +1313,7 @@ fn render(view: View, b: &Value) -> String {
                     "volumes",
                     list(&b["volumes"])
                         .iter()
-                        .map(s)
+                        .map(|id| names.volume(id))
                         .collect::<Vec<_>>()
                         .join(", "),
                 ),
@@ -1013,7 +1325,7 @@ fn render(view: View, b: &Value) -> String {
             out
         }
         View::Resize => {
-            let mut out = render(View::Image, &b["image"]);
+            let mut out = render(View::Image, &b["image"], names);
             for v in list(&b["volumes"]) {
                 out += &format!("volume {}: {}\n", s(&v["name"]), s(&v["message"]));
             }
@@ -1038,7 +1350,7 @@ fn render(view: View, b: &Value) -> String {
         View::Volume => fields(vec![
             ("id", s(&b["id"])),
             ("name", s(&b["name"])),
-            ("image", s(&b["image_id"])),
+            ("image", names.image_of(b, true)),
             ("backend", s(&b["backend"])),
             (
                 "dispatch",
@@ -1078,13 +1390,14 @@ fn render(view: View, b: &Value) -> String {
         ]),
         View::Volumes => table(
             &[
-                "NAME", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO",
+                "NAME", "IMAGE", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO",
             ],
             list(b)
                 .iter()
                 .map(|v| {
                     vec![
                         s(&v["name"]),
+                        names.image_of(v, false),
                         s(&v["backend"]),
                         s(&v["dispatch"]),
                         s(&v["state"]),
@@ -1097,7 +1410,7 @@ fn render(view: View, b: &Value) -> String {
         ),
         View::Stats => {
             let mut out = fields(vec![
-                ("volume", s(&b["volume_id"])),
+                ("volume", names.volume(&b["volume_id"])),
                 ("dispatch", s(&b["dispatch"])),
                 ("in flight", s(&b["in_flight"])),
                 ("since", s(&b["since"])),
@@ -1147,6 +1460,24 @@ mod tests {
     fn path_segments_are_encoded() {
         assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
         assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
+    }
+
+    /// Every flag and positional argument of every command says what it is.
+    #[test]
+    fn every_argument_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                if a.get_help().is_none() && !matches!(a.get_id().as_str(), "help" | "version") {
+                    missing.push(format!("{path} {}", a.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "blockplane", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
     }
 
     #[test]

@@ -101,12 +101,35 @@ impl Client {
         Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
+    /// Sends one request; the answer's status and its body as it arrives
+    /// (an event stream).
+    pub async fn open(
+        &self,
+        method: Method,
+        path: &str,
+    ) -> Result<(StatusCode, hyper::body::Incoming), ClientError> {
+        let resp = self.request(method, path, None).await?;
+        Ok((resp.status(), resp.into_body()))
+    }
+
     async fn exchange(
         &self,
         method: Method,
         path: &str,
         body: Option<&Value>,
     ) -> Result<(StatusCode, Bytes), ClientError> {
+        let resp = self.request(method, path, body).await?;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        Ok((status, bytes))
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, ClientError> {
         let (host, mut sender) = match &self.endpoint {
             Endpoint::Unix(p) => {
                 let stream = tokio::net::UnixStream::connect(p).await.map_err(|source| {
@@ -141,10 +164,7 @@ impl Client {
             }
             None => Bytes::new(),
         };
-        let resp = sender.send_request(req.body(Full::new(payload))?).await?;
-        let status = resp.status();
-        let bytes = resp.into_body().collect().await?.to_bytes();
-        Ok((status, bytes))
+        Ok(sender.send_request(req.body(Full::new(payload))?).await?)
     }
 }
 

@@ -24,3 +24,4 @@ pub mod model;
 pub mod proxy;
 pub mod server;
 pub mod store;
+pub mod usage;

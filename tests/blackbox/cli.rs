@@ -14,6 +14,39 @@ fn cli(s: &Service, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// Runs the CLI with a terminal as its stdin, `typed` already typed into it.
+fn cli_at_terminal(s: &Service, args: &[&str], typed: &str) -> Output {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty only writes the two new descriptors, owned right after.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both are open and owned by nothing else.
+    let (mut master, slave) = unsafe {
+        (
+            std::fs::File::from_raw_fd(master),
+            std::os::fd::OwnedFd::from_raw_fd(slave),
+        )
+    };
+    std::io::Write::write_all(&mut master, typed.as_bytes()).unwrap();
+    std::process::Command::new(BIN)
+        .arg("--api")
+        .arg(format!("unix:{}", s.sock.display()))
+        .args(args)
+        .env_remove("BLOCKPLANE_TOKEN")
+        .stdin(std::process::Stdio::from(slave))
+        .output()
+        .unwrap()
+}
+
 fn ok(s: &Service, args: &[&str]) -> String {
     let out = cli(s, args);
     assert!(
@@ -344,4 +377,284 @@ async fn image_snapshot_and_clone_wait_for_a_copy_showing_progress_unless_told_n
     assert_eq!(clone["read_only"], false, "{clone}");
     ok(&s, &["image", "rm", "c"]);
     assert!(!cpath.exists(), "the partial clone was left");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn volumes_name_their_image_and_keep_its_id_in_json() {
+    let s = Service::start().await;
+    let v = s.loop_volume("named", 8).await;
+    let img = s.get("/v1/images/named-img").await.body;
+    let (image_id, path) = (img["id"].as_str().unwrap(), img["path"].as_str().unwrap());
+    let show = ok(&s, &["volume", "show", "named"]);
+    let line = show
+        .lines()
+        .find(|l| l.starts_with("image "))
+        .unwrap_or_else(|| panic!("an image line: {show}"));
+    assert!(
+        line.contains("named-img") && line.contains(path) && !line.contains(image_id),
+        "the image by name and path: {show}"
+    );
+    assert_eq!(
+        json(&s, &["volume", "show", "named"])["image_id"],
+        image_id,
+        "the id stays in the JSON"
+    );
+    let list = ok(&s, &["volume", "ls"]);
+    let header = list.lines().next().unwrap();
+    assert!(header.contains("IMAGE"), "{list}");
+    let row = list.lines().find(|l| l.starts_with("named ")).unwrap();
+    assert!(
+        row.contains("named-img") && !row.contains(image_id),
+        "{list}"
+    );
+    let vid = v["id"].as_str().unwrap();
+    assert!(
+        !ok(&s, &["events"]).contains(vid),
+        "event lines name the volume, not its id"
+    );
+    let image = ok(&s, &["image", "show", "named-img"]);
+    assert!(
+        image.contains("named") && !image.contains(vid),
+        "an image names its volume: {image}"
+    );
+    let stats = ok(&s, &["volume", "stats", "named"]);
+    assert!(
+        stats.lines().next().unwrap().contains("named") && !stats.contains(vid),
+        "stats name their volume: {stats}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_help_lists_only_server_flags_and_client_flags_stay_where_they_work() {
+    let help = |args: &[&str]| {
+        let out = std::process::Command::new(BIN).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let serve = help(&["serve", "--help"]);
+    for client_only in ["--api", "--json"] {
+        assert!(
+            !serve.contains(client_only),
+            "serve --help lists the client flag {client_only}: {serve}"
+        );
+    }
+    assert!(
+        serve.contains("--listen") && serve.contains("--token-file"),
+        "{serve}"
+    );
+    for client in [
+        vec!["--help"],
+        vec!["volume", "ls", "--help"],
+        vec!["events", "--help"],
+    ] {
+        let h = help(&client);
+        assert!(
+            h.contains("--api") && h.contains("--json") && h.contains("--token"),
+            "{client:?}: {h}"
+        );
+    }
+    let out = std::process::Command::new(BIN)
+        .args(["--json", "serve"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a client flag given to serve is refused"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--json") && err.contains("serve"), "{err}");
+    // Client flags work before and after the command.
+    let s = Service::start().await;
+    s.loop_volume("f", 8).await;
+    let sock = format!("unix:{}", s.sock.display());
+    for args in [
+        vec!["--api", &sock, "--json", "volume", "ls"],
+        vec!["volume", "ls", "--api", &sock, "--json"],
+        vec!["volume", "--json", "ls", "--api", &sock],
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(&args)
+            .env_remove("BLOCKPLANE_TOKEN")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(list[0]["name"], "f", "{args:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn events_show_sizes_for_people_and_follow_the_stream() {
+    let s = Service::start().await;
+    s.image("sized", 24).await;
+    let out = ok(&s, &["events"]);
+    let line = out
+        .lines()
+        .find(|l| l.contains("image_created"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("24.0 MiB (25165824 bytes)"),
+        "the size for people, the exact count beside it: {line}"
+    );
+
+    let mut follow = std::process::Command::new(BIN)
+        .args(["--api", &format!("unix:{}", s.sock.display())])
+        .args(["events", "--follow", "--limit", "1"])
+        .env_remove("BLOCKPLANE_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = follow.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(stdout).lines() {
+            if tx.send(l.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_for = |what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut seen = Vec::new();
+        while let Ok(l) =
+            rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+        {
+            if l.contains(what) {
+                return l;
+            }
+            seen.push(l);
+        }
+        panic!("no line with {what} within 10 s: {seen:?}");
+    };
+    wait_for("image_created");
+    // What happens after the command started shows while it runs.
+    s.image("later", 4).await;
+    let l = wait_for("'later'");
+    assert!(l.contains("4.0 MiB (4194304 bytes)"), "{l}");
+    assert!(follow.try_wait().unwrap().is_none(), "it keeps following");
+    let _ = follow.kill();
+    let _ = follow.wait();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
+    let s = Service::start().await;
+    let v = s.loop_volume("held", 8).await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let mut holder = std::process::Command::new("sleep")
+        .arg("60")
+        .stdin(std::fs::File::open(&dev).unwrap())
+        .spawn()
+        .unwrap();
+    let usage = json(&s, &["volume", "show", "held"]);
+    assert_eq!(usage["name"], "held");
+    let u = s.get("/v1/volumes/held/usage").await.body;
+    assert_eq!(u["busy"], true, "{u}");
+    assert_eq!(u["openers"][0]["command"], "sleep", "{u}");
+    assert_eq!(u["openers"][0]["pid"], holder.id(), "{u}");
+
+    let out = cli(&s, &["volume", "rm", "held"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a volume held open is not deleted");
+    assert!(
+        err.contains("volume 'held' is in use")
+            && err.contains(&format!("open by sleep (pid {})", holder.id()))
+            && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(s.get("/v1/volumes/held").await.status, 200, "still there");
+    assert!(crate::harness::serves_from(&dev, s.dir.path()));
+    // At a terminal it asks for the name; another answer deletes nothing.
+    let out = cli_at_terminal(&s, &["volume", "rm", "held"], "helt\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("Type its name") && err.contains("not deleted"),
+        "{err}"
+    );
+    assert_eq!(s.get("/v1/volumes/held").await.status, 200, "still there");
+    let _ = holder.kill();
+    let _ = holder.wait();
+
+    // Closed again, but written a moment ago: the last seconds' I/O says it
+    // is in use (once the sampler follows the volume: two readings).
+    while s
+        .get("/v1/volumes/held/stats/history?seconds=10")
+        .await
+        .body["points"]
+        .as_array()
+        .map_or(0, Vec::len)
+        < 2
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        f.write_all(&vec![5u8; 1 << 20]).unwrap();
+        f.sync_all().unwrap();
+    }
+    // The sampler's next second sees the writes.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(4);
+    while s.get("/v1/volumes/held/usage").await.body["iops"] == 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writes show in the history: {}",
+            s.get("/v1/volumes/held/stats/history?seconds=10")
+                .await
+                .body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let out = cli(&s, &["volume", "delete", "held"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a volume written a second ago is not deleted"
+    );
+    assert!(
+        err.contains("IOPS") && err.contains("over the last") && !err.contains("open by"),
+        "{err}"
+    );
+
+    assert!(ok(&s, &["volume", "rm", "held", "--force"]).contains("deleted"));
+    assert!(!crate::harness::serves_from(&dev, s.dir.path()));
+    // Written a moment ago, at a terminal: the name typed deletes it.
+    s.loop_volume("typed", 8).await;
+    let tdev = s.get("/v1/volumes/typed").await.body["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for _ in 0..40 {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&tdev).unwrap();
+        f.write_all(&vec![5u8; 1 << 20]).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        if s.get("/v1/volumes/typed/usage").await.body["iops"] != 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let out = cli_at_terminal(&s, &["volume", "rm", "typed"], "typed\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("volume 'typed' is in use") && err.contains("IOPS"),
+        "it asked, saying why: {err}"
+    );
+    assert_eq!(s.get("/v1/volumes/typed").await.status, 404);
+    // An idle volume goes without a question.
+    let quiet = s.loop_volume("quiet", 8).await;
+    let u = s.get("/v1/volumes/quiet/usage").await.body;
+    assert_eq!(u["busy"], false, "{u}");
+    assert!(
+        ok(&s, &["volume", "rm", "quiet"]).contains("deleted"),
+        "{quiet}"
+    );
 }

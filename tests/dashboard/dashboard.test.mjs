@@ -7,7 +7,9 @@
 // builds on what the previous ones made.
 
 import assert from 'node:assert/strict';
-import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { spawn } from 'node:child_process';
+import { once } from 'node:events';
+import { closeSync, existsSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 
 import {
@@ -372,6 +374,26 @@ describe('dashboard', { concurrency: false }, () => {
     await screenshot(page, 'volume-history');
   });
 
+  test('volumes show their image by name (and path), and the volumes table their IOPS and latency', async () => {
+    const v = await apiVolume('delta');
+    const img = (await svc.ok('GET', '/v1/images')).find((i) => i.id === v.image_id);
+    await go(`#/volumes/${v.id}`);
+    const fact = page.locator('[data-field=image]');
+    await until('the image fact', async () => (await fact.innerText()).includes(img.name));
+    assert.ok((await fact.innerText()).includes(img.path), await fact.innerText());
+    assert.ok(!(await page.locator('main').innerText()).includes(v.image_id), 'no image id on the page');
+
+    const writes = writer(v.device, 5);
+    await go('#/volumes');
+    const cell = (f) => volumeRow('delta').locator(`[data-field=${f}]`).innerText();
+    assert.equal(await cell('image'), img.name);
+    await until('delta\'s IOPS', async () => Number((await cell('iops')).replace(/,/g, '')) > 0, 10000);
+    assert.match(await cell('latency'), /\d/, 'a mean latency while it writes');
+    assert.equal(await volumeRow('alpha').locator('[data-field=iops]').innerText(), '0', 'an idle volume: 0 IOPS');
+    await screenshot(page, 'volumes-busy');
+    await writes;
+  });
+
   test('the overview shows health, capacity per image root, volumes by state and the busiest volumes', async () => {
     const [host, volumes] = [await svc.ok('GET', '/v1/host'), await svc.ok('GET', '/v1/volumes')];
     await go('#/overview');
@@ -390,6 +412,49 @@ describe('dashboard', { concurrency: false }, () => {
     await page.locator('tr[data-volume=delta]').first().waitFor();
     assert.ok(await page.getByRole('link', { name: 'Overview' }).getAttribute('aria-current'), 'the nav marks the page');
     await screenshot(page, 'overview');
+  });
+
+  test('number columns: each header lines up with its numbers (right edges), in tabular figures', async () => {
+    const delta = await apiVolume('delta');
+    for (const hash of ['#/overview', '#/images', '#/volumes', `#/volumes/${delta.id}`]) {
+      await go(hash);
+      if (hash.includes(delta.id)) await page.locator('tr[data-op=write] td.num').first().waitFor();
+      else await page.waitForTimeout(500);
+      const { checked, bad } = await page.evaluate(() => {
+        // The right edge of the text an element shows (not of its box).
+        const textRight = (el) => {
+          let right = -Infinity;
+          const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+          for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+            if (!n.textContent.trim()) continue;
+            const r = document.createRange();
+            r.selectNodeContents(n);
+            for (const rect of r.getClientRects()) right = Math.max(right, rect.right);
+          }
+          return right;
+        };
+        const out = { checked: 0, bad: [] };
+        for (const t of document.querySelectorAll('main table')) {
+          const heads = [...t.querySelectorAll('thead th')];
+          heads.forEach((th, i) => {
+            const cells = [...t.querySelectorAll('tbody tr')].map((tr) => tr.children[i])
+              .filter((c) => c?.classList.contains('num') && c.textContent.trim());
+            for (const c of cells) {
+              out.checked += 1;
+              const [hr, cr] = [textRight(th), textRight(c)];
+              const where = `${t.querySelector('caption')?.textContent.slice(0, 30)} / ${th.textContent}`;
+              if (Math.abs(hr - cr) > 1) out.bad.push(`${where}: header ends at ${hr.toFixed(1)}, "${c.textContent}" at ${cr.toFixed(1)}`);
+              for (const el of [th, c]) {
+                if (!getComputedStyle(el).fontVariantNumeric.includes('tabular-nums')) out.bad.push(`${where}: ${el.tagName} not in tabular figures`);
+              }
+            }
+          });
+        }
+        return out;
+      });
+      assert.ok(checked > 0, `${hash}: some number cells were checked`);
+      assert.deepEqual(bad, [], `${hash}: number columns`);
+    }
   });
 
   test('deleting asks first: Escape cancels, confirming removes the device', async () => {
@@ -412,6 +477,54 @@ describe('dashboard', { concurrency: false }, () => {
     await dialog.getByRole('button', { name: 'Delete volume' }).click();
     await volumeRow('gamma').waitFor({ state: 'detached' });
     assert.equal((await svc.call('GET', '/v1/volumes/gamma')).status, 404);
+    assert.equal(backingFile(v.device), null, 'the loop device is released');
+  });
+
+  test('deleting a volume in use says by whom and at what rate, and wants its name typed', async () => {
+    const v = await svc.loopVolume('busy', 16);
+    const fd = openSync(v.device, 'r');
+    const holder = spawn('sleep', ['60'], { stdio: [fd, 'ignore', 'ignore'] });
+    closeSync(fd);
+    const dialog = page.getByRole('dialog');
+    const ok = dialog.getByRole('button', { name: 'Delete volume' });
+    const field = dialog.getByLabel('Type busy to confirm');
+    try {
+      await go('#/volumes');
+      await volumeRow('busy').getByRole('button', { name: 'Delete volume busy' }).click();
+      await dialog.waitFor();
+      const text = await dialog.innerText();
+      assert.match(text, /Volume busy is in use/);
+      assert.ok(text.includes(`open by sleep (pid ${holder.pid})`), `who holds it open: ${text}`);
+      assert.ok(await ok.isDisabled(), 'no delete before the name is typed');
+      assert.ok(await field.evaluate((el) => el === document.activeElement), 'the name field has the focus');
+      await field.fill('bus');
+      assert.ok(await ok.isDisabled(), 'a wrong name does not allow the delete');
+      await field.press('Enter');
+      assert.ok(await dialog.isVisible(), 'Enter with a wrong name does nothing');
+      await screenshot(page, 'confirm-delete-busy');
+      await page.keyboard.press('Escape');
+      await dialog.waitFor({ state: 'hidden' });
+      assert.equal((await svc.call('GET', '/v1/volumes/busy')).status, 200, 'still there');
+    } finally {
+      holder.kill();
+      await once(holder, 'exit');
+      if (await dialog.isVisible()) await page.keyboard.press('Escape');
+    }
+
+    // Closed, but written to in the last seconds: the rate says it is in use (the volume's own page).
+    const writes = writer(v.device, 3);
+    await until('the writes in the service history', async () =>
+      (await svc.ok('GET', '/v1/volumes/busy/usage')).iops > 0, 8000);
+    await go(`#/volumes/${v.id}`);
+    await page.getByRole('button', { name: 'Delete volume…' }).click();
+    await dialog.waitFor();
+    const text = await dialog.innerText();
+    assert.match(text, /IOPS, .* over the last \d s/, `the I/O rate: ${text}`);
+    await writes;
+    await field.fill('busy');
+    assert.ok(await ok.isEnabled(), 'the name typed allows the delete');
+    await field.press('Enter');
+    await until('the volume gone', async () => (await svc.call('GET', '/v1/volumes/busy')).status === 404);
     assert.equal(backingFile(v.device), null, 'the loop device is released');
   });
 
@@ -472,7 +585,9 @@ describe('dashboard', { concurrency: false }, () => {
   test('usable on a narrow window', async () => {
     await page.setViewportSize({ width: 390, height: 844 });
     try {
-      for (const [hash, name] of [['#/volumes', 'volumes-narrow'],
+      // Every page at a phone's size: each screenshot shows one.
+      for (const [hash, name] of [['#/overview', 'overview-narrow'], ['#/host', 'host-narrow'],
+        ['#/images', 'images-narrow'], ['#/volumes', 'volumes-narrow'],
         [`#/volumes/${(await apiVolume('delta')).id}`, 'volume-narrow']]) {
         await go(hash);
         await page.waitForTimeout(1200);
@@ -550,6 +665,9 @@ describe('dashboard', { concurrency: false }, () => {
     await page.getByRole('button', { name: 'Sign out' }).click();
     await page.getByLabel('API token').waitFor();
     assert.equal(await page.evaluate(() => sessionStorage.getItem('blockplane.token')), null);
+    await page.setViewportSize({ width: 390, height: 844 });
+    await screenshot(page, 'login-narrow');
+    await page.setViewportSize({ width: 1280, height: 800 });
     assert.ok(requests.length > 10);
     for (const r of requests) assert.ok(!r.url.includes(TOKEN), `token in a URL: ${r.url}`);
     const apiCalls = requests.filter((r) => new URL(r.url).pathname.startsWith('/v1/'));

@@ -76,6 +76,7 @@ fn routes() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(volumes::volume_stats))
         .routes(routes!(volumes::volume_history))
+        .routes(routes!(volumes::volume_usage))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

@@ -10,7 +10,7 @@ use super::{AppState, detached};
 use crate::manager::Created;
 use crate::model::{
     CreateVolumeRequest, ErrorBody, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume,
-    VolumeStats,
+    VolumeStats, VolumeUsage,
 };
 
 /// Create a volume: a block device for an image. Idempotent by name.
@@ -146,4 +146,41 @@ pub async fn volume_history(
     ApiQuery(q): ApiQuery<StatsHistoryQuery>,
 ) -> Result<Json<StatsHistory>, ApiError> {
     Ok(Json(m.volume_history(&id, q).await?))
+}
+
+/// Whether a volume is in use now: processes holding its device open, its
+/// mounts, requests in flight and its I/O of the last seconds. Clients ask
+/// before a delete (the dashboard then wants the name typed; the CLI wants
+/// `--force`); the delete itself refuses only a mounted or exclusively held
+/// device.
+#[utoipa::path(
+    get, path = "/v1/volumes/{id}/usage", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    responses(
+        (status = 200, description = "The volume's use now", body = VolumeUsage),
+        (status = 404, description = "No such volume", body = ErrorBody),
+    )
+)]
+pub async fn volume_usage(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<VolumeUsage>, ApiError> {
+    let v = m.volume(&id).await?;
+    let recent = m
+        .volume_history(
+            &v.id.to_string(),
+            StatsHistoryQuery {
+                seconds: Some(crate::usage::RECENT_SECS),
+            },
+        )
+        .await?;
+    // A walk of /proc: off the async workers.
+    let usage = tokio::task::spawn_blocking(move || crate::usage::of(&v, &recent.points))
+        .await
+        .map_err(|e| {
+            ApiError::Manager(crate::manager::Error::Internal(format!(
+                "usage of volume {id}: {e}"
+            )))
+        })?;
+    Ok(Json(usage))
 }

@@ -9,7 +9,7 @@ use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::Access;
 use crate::model::{
     AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
-    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState,
+    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
 };
 use crate::store::ImageRow;
 
@@ -117,8 +117,11 @@ impl Manager {
                 Some(row.id),
                 &format!("image_{verb}"),
                 &format!(
-                    "image '{}' {verb}: {} ({} bytes on {})",
-                    row.name, row.path, row.size_bytes, row.filesystem
+                    "image '{}' {verb}: {}, {}, on {}",
+                    row.name,
+                    row.path,
+                    size_text(row.size_bytes),
+                    row.filesystem
                 ),
             )
             .await?;
@@ -206,8 +209,8 @@ impl Manager {
         let mut warnings = Vec::new();
         if sparse && adding > root.free_bytes {
             warnings.push(format!(
-                "image '{name}' is sparse and {adding} bytes more than its filesystem's {} free bytes ({}): writes through its volume fail with ENOSPC once the filesystem is full",
-                root.free_bytes, root.path
+                "image '{name}' is sparse and {} more than its filesystem's {} free ({}): writes through its volume fail with ENOSPC once the filesystem is full",
+                size_text(adding), size_text(root.free_bytes), root.path
             ));
         }
         Ok(warnings)
@@ -361,7 +364,12 @@ impl Manager {
                 None,
                 Some(row.id),
                 "image_resized",
-                &format!("image '{}' grown from {current} to {size} bytes", row.name),
+                &format!(
+                    "image '{}' grown from {} to {}",
+                    row.name,
+                    size_text(current),
+                    size_text(size)
+                ),
             )
             .await?;
             for w in &warnings {
@@ -446,8 +454,8 @@ impl Manager {
             Some(row.id),
             "image_allocate_started",
             &format!(
-                "image '{}': allocate started ({needed} bytes of holes to take from its filesystem, which has {free} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
-                row.name, row.name, row.name
+                "image '{}': allocate started ({} of holes to take from its filesystem, which has {} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
+                row.name, size_text(needed), size_text(free), row.name, row.name
             ),
         )
         .await?;
@@ -539,24 +547,24 @@ impl Manager {
                     tx.set_image_allocation(row.id, Allocation::Full, allocated)
                         .await?;
                     tx.event(None, Some(row.id), "image_allocated", &format!(
-                        "image '{}' allocated: {needed} bytes of holes filled, {total} bytes of holes and unwritten extents written with zeros; now full",
-                        row.name
+                        "image '{}' allocated: {} of holes filled, {} of holes and unwritten extents written with zeros; now full",
+                        row.name, size_text(needed), size_text(total)
                     ))
                     .await?;
                     AllocateState::Done
                 }
                 Ok(false) => {
                     tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
-                        "image '{}': allocate cancelled after {done} of {total} bytes; {stays}",
-                        row.name
+                        "image '{}': allocate cancelled after {} of {}; {stays}",
+                        row.name, size_text(done), size_text(total)
                     ))
                     .await?;
                     AllocateState::Cancelled
                 }
                 Err(e) => {
                     tx.event(None, Some(row.id), "image_allocate_failed", &format!(
-                        "image '{}': allocate failed after {done} of {total} bytes: {e}; {stays}",
-                        row.name
+                        "image '{}': allocate failed after {} of {}: {e}; {stays}",
+                        row.name, size_text(done), size_text(total)
                     ))
                     .await?;
                     AllocateState::Failed
@@ -713,13 +721,16 @@ impl Manager {
                     let pending = att.resize_pending;
                     let msg = if pending {
                         format!(
-                            "volume '{}': image grown to {size} bytes; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
-                            v.name
+                            "volume '{}': image grown to {}; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
+                            v.name,
+                            size_text(size)
                         )
                     } else {
                         format!(
-                            "volume '{}' now {} bytes on {}",
-                            v.name, att.size_bytes, att.device
+                            "volume '{}' now {} on {}",
+                            v.name,
+                            size_text(att.size_bytes),
+                            att.device
                         )
                     };
                     out.push(VolumeResize {
