@@ -333,6 +333,11 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         started.is_some() && ended.is_some() && started < ended,
         "{ev}"
     );
+    // Sizes for people, the exact count beside them: only the data is copied.
+    assert!(
+        ev.contains("copy done, 96.0 MiB (100663296 bytes) in"),
+        "{ev}"
+    );
     let v = loop_volume(&s, "sv", "base-s", true).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
 

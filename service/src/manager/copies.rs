@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::image::{Access, AllocateJob, CloneStart, ImageFile};
-use crate::model::{Allocation, Backend, CopyMethod, CreateImageFile, Image, ImageState};
+use crate::model::{self, Allocation, Backend, CopyMethod, CreateImageFile, Image, ImageState};
 use crate::store::ImageRow;
 
 /// A running copy: its job, and the image it reads (which must not change
@@ -317,8 +317,9 @@ impl Manager {
                         Some(row.id),
                         "image_copied",
                         &format!(
-                            "image '{}': copy done, {done} bytes in {:.1} s; ready",
+                            "image '{}': copy done, {} in {:.1} s; ready",
                             row.name,
+                            model::size_text(done),
                             took.as_secs_f64()
                         ),
                     )
@@ -329,7 +330,11 @@ impl Manager {
                         None,
                         Some(row.id),
                         "image_copy_cancelled",
-                        &format!("image '{}': copy stopped after {done} bytes", row.name),
+                        &format!(
+                            "image '{}': copy stopped after {}",
+                            row.name,
+                            model::size_text(done)
+                        ),
                     )
                     .await?;
                 }
