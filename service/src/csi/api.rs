@@ -145,6 +145,55 @@ impl Api {
             })
     }
 
+    /// `GET /v1/images`.
+    pub async fn images(&self) -> Result<Vec<Image>, CsiError> {
+        Ok(self
+            .fetch("*", Method::GET, "/v1/images".into(), None, false)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// `POST /v1/images/{source}/snapshots`: a read-only snapshot `name` of
+    /// image `source` (201 ready, or 202 `copying`).
+    pub async fn snapshot_image(&self, source: &str, name: &str) -> Result<Image, CsiError> {
+        self.fetch(
+            name,
+            Method::POST,
+            format!("/v1/images/{}/snapshots", encode_segment(source)),
+            Some(json!({"name": name})),
+            false,
+        )
+        .await?
+        .ok_or_else(|| CsiError::Internal {
+            volume: name.into(),
+            reason: "POST /v1/images/{id}/snapshots answered nothing".into(),
+        })
+    }
+
+    /// `POST /v1/images` with `clone_from`: a writable clone of image
+    /// `source`, grown to `size_bytes` laid out as `allocation` (201 ready, or 202 `copying`).
+    pub async fn clone_image(
+        &self,
+        name: &str,
+        path: &str,
+        source: &str,
+        size_bytes: u64,
+        allocation: Allocation,
+    ) -> Result<Image, CsiError> {
+        let body = json!({
+            "name": name,
+            "path": path,
+            "clone_from": source,
+            "create": {"size_bytes": size_bytes, "allocation": allocation},
+        });
+        self.fetch(name, Method::POST, "/v1/images".into(), Some(body), false)
+            .await?
+            .ok_or_else(|| CsiError::Internal {
+                volume: name.into(),
+                reason: "POST /v1/images answered nothing".into(),
+            })
+    }
+
     /// `POST /v1/volumes` (idempotent by name in the API too).
     pub async fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
         let body = serde_json::to_value(req).map_err(|e| CsiError::Internal {
