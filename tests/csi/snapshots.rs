@@ -134,6 +134,18 @@ async fn read_at(csi: &Csi, volume_id: &str, off: u64, len: usize) -> Vec<u8> {
     back
 }
 
+/// Asserts two byte ranges are equal without printing a megabyte of each.
+#[track_caller]
+fn assert_same(got: Vec<u8>, want: &[u8], what: &str) {
+    let first = got.iter().zip(want).position(|(a, b)| a != b);
+    assert!(
+        got.len() == want.len() && first.is_none(),
+        "{what}: {} bytes read, {} expected, first difference at byte {first:?}",
+        got.len(),
+        want.len()
+    );
+}
+
 /// The blockplane image names of the service.
 async fn images(csi: &Csi) -> Vec<String> {
     let a = csi.svc.get("/v1/images").await;
@@ -289,13 +301,15 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
         r.content_source.as_ref().unwrap().r#type,
         Some(from_snapshot(&s.snapshot_id))
     );
-    assert_eq!(
+    assert_same(
         read_at(&csi, &r.volume_id, MIB as u64, MIB as usize).await,
-        before
+        &before,
+        "the restored volume at 1 MiB",
     );
-    assert_eq!(
+    assert_same(
         read_at(&csi, &r.volume_id, 15 * MIB as u64, MIB as usize).await,
-        before
+        &before,
+        "the restored volume at 15 MiB",
     );
     let staged = csi.staging("restored");
     csi.stage(&r.volume_id, &staged, block()).await.unwrap();
@@ -316,9 +330,10 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
         .unwrap();
     assert_eq!(big.capacity_bytes, 32 * MIB);
     assert_eq!(csi.bp_volume(&big.volume_id).await["size_bytes"], 32 * MIB);
-    assert_eq!(
+    assert_same(
         read_at(&csi, &big.volume_id, MIB as u64, MIB as usize).await,
-        before
+        &before,
+        "the grown restore",
     );
     // Less required than the source: the source's size; a limit below it:
     // OUT_OF_RANGE, and nothing is left behind.
@@ -343,6 +358,11 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
         e.message()
     );
     assert!(!images(&csi).await.contains(&"csi-tiny".to_string()));
+    // A snapshot of another node: that node's provisioner makes the volume.
+    assert_code(
+        restore(&csi, "x", 16 * MIB, 0, from_snapshot("other-node/csi-snap")).await,
+        Code::ResourceExhausted,
+    );
     // A snapshot that does not exist, or that is a volume.
     for missing in [
         from_snapshot("test-node/csi-nope"),
@@ -375,9 +395,10 @@ async fn a_volume_is_cloned_with_its_data_and_grown() {
         c.content_source.as_ref().unwrap().r#type,
         Some(from_volume(&src.volume_id))
     );
-    assert_eq!(
+    assert_same(
         read_at(&csi, &c.volume_id, 2 * MIB as u64, MIB as usize).await,
-        data
+        &data,
+        "the clone",
     );
     // The clone is its own: writing it leaves the source as it was.
     write_at(
@@ -387,9 +408,10 @@ async fn a_volume_is_cloned_with_its_data_and_grown() {
         &pattern(9, MIB as usize),
     )
     .await;
-    assert_eq!(
+    assert_same(
         read_at(&csi, &src.volume_id, 2 * MIB as u64, MIB as usize).await,
-        data
+        &data,
+        "the clone's source after the clone was written",
     );
     assert_code(
         restore(&csi, "copy2", 0, 8 * MIB, from_volume(&src.volume_id)).await,
@@ -425,4 +447,70 @@ async fn on_ext4_a_snapshot_under_a_writable_volume_is_a_failed_precondition() {
     );
     assert_eq!(images(&csi).await, ["csi-live"]);
     csi.delete(&v.volume_id).await.unwrap();
+}
+
+/// Polls `call` until it succeeds and `done` holds, for at most 60 s;
+/// returns the first answer too.
+async fn poll<T, F, Fut>(mut call: F, done: impl Fn(&T) -> bool) -> (Result<T, tonic::Status>, T)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let first = call().await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Ok(v) = call().await
+            && done(&v)
+        {
+            return (first, v);
+        }
+        assert!(std::time::Instant::now() < deadline, "not done in 60 s");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_copy_is_not_ready_to_use_and_a_copying_clone_is_aborted_until_ready() {
+    // ext4 shares no extents: the service copies in the background. The
+    // source is an image without a volume (made through the API under a
+    // name of the driver's), so that the copy is allowed.
+    let csi = Csi::start().await;
+    let path = csi.svc.images.join("csi-gold.img");
+    let a = csi
+        .svc
+        .post(
+            "/v1/images",
+            serde_json::json!({"name": "csi-gold", "path": path, "create": {"size_bytes": 64 * MIB}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let data = pattern(11, 8 * MIB as usize);
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&data, MIB as u64).unwrap();
+    f.sync_all().unwrap();
+    let gold = format!("{NODE}/csi-gold");
+
+    let (first, s) = poll(|| snap(&csi, "gs", &gold), |s| s.ready_to_use).await;
+    let first = first.unwrap();
+    assert!(
+        !first.ready_to_use,
+        "a copy is not ready at once: {first:?}"
+    );
+    assert_eq!(first.snapshot_id, s.snapshot_id);
+
+    let (first, v) = poll(
+        || restore(&csi, "from-copy", 0, 0, from_snapshot(&s.snapshot_id)),
+        |_| true,
+    )
+    .await;
+    assert_code(first, Code::Aborted);
+    assert_eq!(v.capacity_bytes, 64 * MIB);
+    assert_same(
+        read_at(&csi, &v.volume_id, MIB as u64, data.len()).await,
+        &data,
+        "the volume restored from a copied snapshot",
+    );
+    csi.delete(&v.volume_id).await.unwrap();
+    delete_snap(&csi, &s.snapshot_id).await.unwrap();
+    assert_eq!(images(&csi).await, ["csi-gold"]);
 }

@@ -74,11 +74,15 @@ pub fn parse_source(
         volume: volume.to_string(),
         reason: format!("source {kind} '{id}' is not one of this driver's"),
     })?;
+    // As a topology that excludes this node: RESOURCE_EXHAUSTED, on which
+    // the external-provisioner lets the scheduler pick another node.
     if vid.node != node {
-        return Err(CsiError::OtherNode {
-            volume: id.to_string(),
-            owner: vid.node,
-            node: node.to_string(),
+        return Err(CsiError::Topology {
+            volume: volume.to_string(),
+            reason: format!(
+                "source {kind} '{id}' lives on node '{}'; this driver creates volumes on node '{node}' only (volumes are local)",
+                vid.node
+            ),
         });
     }
     Ok(if snapshot {
