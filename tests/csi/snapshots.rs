@@ -189,7 +189,10 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
 
     // Lists: all, by id, by source, and in pages.
     let all = list(&csi, ListSnapshotsRequest::default()).await;
-    assert_eq!(ids(&all), [s1.snapshot_id.clone(), s2.snapshot_id.clone()]);
+    assert_eq!(
+        ids(&all),
+        [s1.snapshot_id.as_str(), s2.snapshot_id.as_str()]
+    );
     assert_eq!(all.entries[0].snapshot.as_ref().unwrap(), &s1);
     let by_id = |id: &str| ListSnapshotsRequest {
         snapshot_id: id.into(),
@@ -201,15 +204,15 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
     };
     assert_eq!(
         ids(&list(&csi, by_id(&s2.snapshot_id)).await),
-        [s2.snapshot_id.clone()]
+        [s2.snapshot_id.as_str()]
     );
     assert_eq!(
         ids(&list(&csi, by_source(&a.volume_id)).await),
-        [s1.snapshot_id.clone()]
+        [s1.snapshot_id.as_str()]
     );
     assert_eq!(
         ids(&list(&csi, by_source(&b.volume_id)).await),
-        [s2.snapshot_id.clone()]
+        [s2.snapshot_id.as_str()]
     );
     for nothing in [
         by_id("other-node/csi-s1"),
@@ -226,7 +229,7 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
         },
     )
     .await;
-    assert_eq!(ids(&first), [s1.snapshot_id.clone()]);
+    assert_eq!(ids(&first), [s1.snapshot_id.as_str()]);
     assert!(!first.next_token.is_empty());
     let second = list(
         &csi,
@@ -237,7 +240,7 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
         },
     )
     .await;
-    assert_eq!(ids(&second), [s2.snapshot_id.clone()]);
+    assert_eq!(ids(&second), [s2.snapshot_id.as_str()]);
     assert!(second.next_token.is_empty());
     let bad = csi
         .controller
@@ -266,7 +269,7 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
     assert_eq!(images(&csi).await, ["csi-a", "csi-b", "csi-s2"]);
     assert_eq!(
         ids(&list(&csi, ListSnapshotsRequest::default()).await),
-        [s2.snapshot_id.clone()]
+        [s2.snapshot_id.as_str()]
     );
     // The name is free again, for another source.
     let s1b = snap(&csi, "s1", &b.volume_id).await.unwrap();

@@ -124,19 +124,25 @@ impl Api {
             })
     }
 
-    /// `POST /v1/images` with `create`: a new image file.
+    /// `POST /v1/images` with `create`: a new image file of `size_bytes`
+    /// laid out as `allocation`; with `clone_from`, a writable clone of that
+    /// image grown to `size_bytes` (201 ready, or 202 `copying`).
     pub async fn create_image(
         &self,
         name: &str,
         path: &str,
         size_bytes: u64,
         allocation: Allocation,
+        clone_from: Option<&str>,
     ) -> Result<Image, CsiError> {
-        let body = json!({
+        let mut body = json!({
             "name": name,
             "path": path,
             "create": {"size_bytes": size_bytes, "allocation": allocation},
         });
+        if let Some(source) = clone_from {
+            body["clone_from"] = json!(source);
+        }
         self.fetch(name, Method::POST, "/v1/images".into(), Some(body), false)
             .await?
             .ok_or_else(|| CsiError::Internal {
@@ -168,30 +174,6 @@ impl Api {
             volume: name.into(),
             reason: "POST /v1/images/{id}/snapshots answered nothing".into(),
         })
-    }
-
-    /// `POST /v1/images` with `clone_from`: a writable clone of image
-    /// `source`, grown to `size_bytes` laid out as `allocation` (201 ready, or 202 `copying`).
-    pub async fn clone_image(
-        &self,
-        name: &str,
-        path: &str,
-        source: &str,
-        size_bytes: u64,
-        allocation: Allocation,
-    ) -> Result<Image, CsiError> {
-        let body = json!({
-            "name": name,
-            "path": path,
-            "clone_from": source,
-            "create": {"size_bytes": size_bytes, "allocation": allocation},
-        });
-        self.fetch(name, Method::POST, "/v1/images".into(), Some(body), false)
-            .await?
-            .ok_or_else(|| CsiError::Internal {
-                volume: name.into(),
-                reason: "POST /v1/images answered nothing".into(),
-            })
     }
 
     /// `POST /v1/volumes` (idempotent by name in the API too).

@@ -385,21 +385,13 @@ impl ControllerService {
         if !ready {
             let root = d.image_root(&req.name).await?;
             let path = root.join(format!("{name}.img")).display().to_string();
-            match &src {
-                Some(s) => {
-                    let image = d
-                        .api
-                        .clone_image(&name, &path, &s.name, size, params.allocation)
-                        .await?;
-                    if image.state == ImageState::Copying {
-                        return Err(snapshots::pending(&req.name, &image));
-                    }
-                }
-                None => {
-                    d.api
-                        .create_image(&name, &path, size, params.allocation)
-                        .await?;
-                }
+            let clone_from = src.as_ref().map(|s| s.name.as_str());
+            let image = d
+                .api
+                .create_image(&name, &path, size, params.allocation, clone_from)
+                .await?;
+            if image.state == ImageState::Copying {
+                return Err(snapshots::pending(&req.name, &image));
             }
         }
         let vreq = model::CreateVolumeRequest {
