@@ -180,6 +180,8 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
     let s2 = snap(&csi, "s2", &b.volume_id).await.unwrap();
     // Bad requests.
     assert_code(snap(&csi, "s3", "test-node/csi-nope").await, Code::NotFound);
+    // A snapshot is no volume.
+    assert_code(snap(&csi, "s3", &s1.snapshot_id).await, Code::NotFound);
     assert_code(snap(&csi, "", &a.volume_id).await, Code::InvalidArgument);
     assert_code(snap(&csi, "s3", "").await, Code::InvalidArgument);
     assert_code(
@@ -304,6 +306,8 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
         r.content_source.as_ref().unwrap().r#type,
         Some(from_snapshot(&s.snapshot_id))
     );
+    let staged = csi.staging("restored");
+    csi.stage(&r.volume_id, &staged, block()).await.unwrap();
     assert_same(
         read_at(&csi, &r.volume_id, MIB as u64, MIB as usize).await,
         &before,
@@ -314,8 +318,6 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
         &before,
         "the restored volume at 15 MiB",
     );
-    let staged = csi.staging("restored");
-    csi.stage(&r.volume_id, &staged, block()).await.unwrap();
     csi.unstage(&r.volume_id, &staged).await.unwrap();
     // Idempotent; another source under the same name is another volume.
     let again = restore(&csi, "restored", 16 * MIB, 0, from_snapshot(&s.snapshot_id))
@@ -380,6 +382,13 @@ async fn a_snapshot_restores_into_a_new_volume_with_its_data_and_sizes() {
     for v in [&r, &big, &small, &src] {
         csi.delete(&v.volume_id).await.unwrap();
     }
+    // The snapshot outlives its volume, whose name is gone with it.
+    let left = list(&csi, ListSnapshotsRequest::default()).await;
+    assert_eq!(ids(&left), [s.snapshot_id.as_str()]);
+    assert_eq!(
+        left.entries[0].snapshot.as_ref().unwrap().source_volume_id,
+        ""
+    );
     delete_snap(&csi, &s.snapshot_id).await.unwrap();
     assert!(images(&csi).await.is_empty());
 }

@@ -165,10 +165,13 @@ pub async fn create(
     source: String,
     name: String,
 ) -> Result<model::Image, CsiError> {
+    // A snapshot's image is no volume (the spec has no snapshot of a
+    // snapshot): as missing.
     let src = d
         .api
         .image(&source)
         .await?
+        .filter(|i| i.snapshot_of.is_none())
         .ok_or_else(|| CsiError::NotFound {
             volume: csi_name.clone(),
             reason: format!("source volume '{source}' does not exist"),
@@ -205,12 +208,17 @@ pub async fn delete(d: Arc<Driver>, name: String) -> Result<(), CsiError> {
     Ok(())
 }
 
-/// The CSI snapshot of a snapshot image whose source is image `source`.
+/// The CSI snapshot of a snapshot image whose source is image `source`
+/// (empty once the source volume was deleted: its name is gone with it).
 pub fn csi_snapshot(node: &str, image: &model::Image, source: &str) -> Snapshot {
     Snapshot {
         size_bytes: image.size_bytes as i64,
         snapshot_id: VolumeId::new(node, &image.name).to_string(),
-        source_volume_id: VolumeId::new(node, source).to_string(),
+        source_volume_id: if source.is_empty() {
+            String::new()
+        } else {
+            VolumeId::new(node, source).to_string()
+        },
         // Microseconds: what the service stores, so that the answer to the
         // create and every later one give the same time.
         creation_time: Some(prost_types::Timestamp {
