@@ -22,7 +22,7 @@ fn topology(node: &str) -> Topology {
 }
 
 #[tokio::test]
-async fn capabilities_are_create_delete_list_capacity_expand() {
+async fn capabilities_are_create_delete_list_capacity_expand_snapshot_clone() {
     let csi = Csi::start().await;
     let caps = csi
         .controller
@@ -45,6 +45,9 @@ async fn capabilities_are_create_delete_list_capacity_expand() {
             rpc::Type::CreateDeleteVolume as i32,
             rpc::Type::ListVolumes as i32,
             rpc::Type::GetCapacity as i32,
+            rpc::Type::CreateDeleteSnapshot as i32,
+            rpc::Type::ListSnapshots as i32,
+            rpc::Type::CloneVolume as i32,
             rpc::Type::ExpandVolume as i32,
             rpc::Type::SingleNodeMultiWriter as i32,
         ]
@@ -254,7 +257,8 @@ async fn bad_requests_are_refused_and_leave_nothing() {
             snapshot_id: "s".into(),
         })),
     });
-    assert_code(c.create_volume(snap).await, Code::InvalidArgument);
+    // A snapshot id this driver never handed out names no snapshot.
+    assert_code(c.create_volume(snap).await, Code::NotFound);
     // Another node's topology: not here.
     let mut elsewhere = create_req("x", MIB, block(), &[]);
     elsewhere.accessibility_requirements = Some(TopologyRequirement {

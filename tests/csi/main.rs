@@ -13,6 +13,7 @@ mod controller;
 mod expand;
 mod identity;
 mod node;
+mod snapshots;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

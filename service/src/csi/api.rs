@@ -124,25 +124,56 @@ impl Api {
             })
     }
 
-    /// `POST /v1/images` with `create`: a new image file.
+    /// `POST /v1/images` with `create`: a new image file of `size_bytes`
+    /// laid out as `allocation`; with `clone_from`, a writable clone of that
+    /// image grown to `size_bytes` (201 ready, or 202 `copying`).
     pub async fn create_image(
         &self,
         name: &str,
         path: &str,
         size_bytes: u64,
         allocation: Allocation,
+        clone_from: Option<&str>,
     ) -> Result<Image, CsiError> {
-        let body = json!({
+        let mut body = json!({
             "name": name,
             "path": path,
             "create": {"size_bytes": size_bytes, "allocation": allocation},
         });
+        if let Some(source) = clone_from {
+            body["clone_from"] = json!(source);
+        }
         self.fetch(name, Method::POST, "/v1/images".into(), Some(body), false)
             .await?
             .ok_or_else(|| CsiError::Internal {
                 volume: name.into(),
                 reason: "POST /v1/images answered nothing".into(),
             })
+    }
+
+    /// `GET /v1/images`.
+    pub async fn images(&self) -> Result<Vec<Image>, CsiError> {
+        Ok(self
+            .fetch("*", Method::GET, "/v1/images".into(), None, false)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// `POST /v1/images/{source}/snapshots`: a read-only snapshot `name` of
+    /// image `source` (201 ready, or 202 `copying`).
+    pub async fn snapshot_image(&self, source: &str, name: &str) -> Result<Image, CsiError> {
+        self.fetch(
+            name,
+            Method::POST,
+            format!("/v1/images/{}/snapshots", encode_segment(source)),
+            Some(json!({"name": name})),
+            false,
+        )
+        .await?
+        .ok_or_else(|| CsiError::Internal {
+            volume: name.into(),
+            reason: "POST /v1/images/{id}/snapshots answered nothing".into(),
+        })
     }
 
     /// `POST /v1/volumes` (idempotent by name in the API too).

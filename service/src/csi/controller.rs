@@ -1,6 +1,7 @@
 //! The CSI Controller service: creates, deletes, grows and lists this node's
 //! volumes through the blockplane API (an image file, then a volume serving
-//! it), and reports the free space under the image root.
+//! it), snapshots them and makes volumes from snapshots and volumes
+//! ([`super::snapshots`]), and reports the free space under the image root.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,13 +20,15 @@ use super::proto::validate_volume_capabilities_response::Confirmed;
 use super::proto::{
     CapacityRange, ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
     ControllerGetCapabilitiesRequest, ControllerGetCapabilitiesResponse,
-    ControllerServiceCapability, CreateVolumeRequest, CreateVolumeResponse, DeleteVolumeRequest,
-    DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse, ListVolumesRequest,
-    ListVolumesResponse, Topology, ValidateVolumeCapabilitiesRequest,
-    ValidateVolumeCapabilitiesResponse, Volume,
+    ControllerServiceCapability, CreateSnapshotRequest, CreateSnapshotResponse,
+    CreateVolumeRequest, CreateVolumeResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
+    DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse,
+    ListSnapshotsRequest, ListSnapshotsResponse, ListVolumesRequest, ListVolumesResponse, Topology,
+    ValidateVolumeCapabilitiesRequest, ValidateVolumeCapabilitiesResponse, Volume,
 };
+use super::snapshots::{self, Source};
 use super::{Driver, TOPOLOGY_KEY};
-use crate::model::{self, Allocation, BackendChoice, DispatchPolicy, Qos};
+use crate::model::{self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos};
 
 /// Image sizes are rounded up to this: aligned for every filesystem and
 /// every backend (the API itself takes multiples of 512).
@@ -182,6 +185,47 @@ fn fits(size: u64, range: Option<&CapacityRange>) -> bool {
     })
 }
 
+/// One page of `items` sorted by name: at most `max_entries` (0: all) after
+/// the name `token`. The token is the last name of the previous page, so
+/// that an item deleted between pages does not shift the next page.
+pub fn page<T>(
+    call: &'static str,
+    mut items: Vec<T>,
+    name: impl Fn(&T) -> &str,
+    max_entries: i32,
+    token: &str,
+) -> Result<(Vec<T>, String), CsiError> {
+    if max_entries < 0 {
+        return Err(CsiError::Invalid {
+            volume: "*".into(),
+            reason: format!("{call}: max_entries {max_entries} is negative"),
+        });
+    }
+    if !token.is_empty() && !naming::is_driver_name(token) {
+        return Err(CsiError::BadToken {
+            call,
+            token: token.to_string(),
+        });
+    }
+    items.retain(|i| name(i) > token);
+    items.sort_by(|a, b| name(a).cmp(name(b)));
+    let max = if max_entries == 0 {
+        usize::MAX
+    } else {
+        max_entries as usize
+    };
+    let next = if items.len() > max {
+        items.truncate(max);
+        items
+            .last()
+            .map(|i| name(i).to_string())
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
+    Ok((items, next))
+}
+
 fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
     ControllerServiceCapability {
         r#type: Some(controller_service_capability::Type::Rpc(
@@ -234,6 +278,7 @@ impl ControllerService {
         v: &model::Volume,
         range: Option<&CapacityRange>,
         p: &Params,
+        source: Option<&model::Image>,
     ) -> Result<(), CsiError> {
         let image = d.api.image(&v.name).await?;
         let size = image.as_ref().map_or(v.size_bytes, |i| i.size_bytes);
@@ -268,6 +313,14 @@ impl ControllerService {
         if v.qos != p.qos {
             diffs.push(format!("its QoS is {:?}, asked {:?}", v.qos, p.qos));
         }
+        let made_from = image.as_ref().and_then(|i| i.cloned_from);
+        if made_from != source.map(|s| s.id) {
+            diffs.push(format!(
+                "its content source is {}, asked {}",
+                made_from.map_or("none".into(), |id| id.to_string()),
+                source.map_or("none".into(), |s| format!("'{}'", s.name))
+            ));
+        }
         if diffs.is_empty() {
             Ok(())
         } else {
@@ -288,14 +341,25 @@ impl ControllerService {
         name: String,
         params: Params,
         size: u64,
+        source: Option<Source>,
     ) -> Result<model::Volume, CsiError> {
         let range = req.capacity_range.as_ref();
+        let src = match &source {
+            Some(s) => Some(snapshots::source_image(&d, &req.name, s).await?),
+            None => None,
+        };
         if let Some(v) = d.api.volume(&name).await? {
-            Self::compatible(&d, &req.name, &v, range, &params).await?;
+            Self::compatible(&d, &req.name, &v, range, &params, src.as_ref()).await?;
             return Ok(v);
         }
+        let size = match &src {
+            Some(s) => snapshots::clone_size(&req.name, range, s.size_bytes)?,
+            None => size,
+        };
         // An image without its volume is what an interrupted create leaves:
-        // start again from nothing.
+        // start again from nothing, unless it is this create's clone (still
+        // copying, or copied since the last call).
+        let mut ready = false;
         if let Some(image) = d.api.image(&name).await? {
             if !image.volumes.is_empty() {
                 return Err(CsiError::Precondition {
@@ -306,14 +370,30 @@ impl ControllerService {
                     ),
                 });
             }
-            tracing::info!(image = %name, "removing the image of an interrupted create");
-            d.api.delete_image(&name).await?;
+            let ours = src
+                .as_ref()
+                .is_some_and(|s| image.cloned_from == Some(s.id));
+            match image.state {
+                ImageState::Copying if ours => return Err(snapshots::pending(&req.name, &image)),
+                ImageState::Ready if ours => ready = true,
+                _ => {
+                    tracing::info!(image = %name, "removing the image of an interrupted create");
+                    d.api.delete_image(&name).await?;
+                }
+            }
         }
-        let root = d.image_root(&req.name).await?;
-        let path = root.join(format!("{name}.img"));
-        d.api
-            .create_image(&name, &path.display().to_string(), size, params.allocation)
-            .await?;
+        if !ready {
+            let root = d.image_root(&req.name).await?;
+            let path = root.join(format!("{name}.img")).display().to_string();
+            let clone_from = src.as_ref().map(|s| s.name.as_str());
+            let image = d
+                .api
+                .create_image(&name, &path, size, params.allocation, clone_from)
+                .await?;
+            if image.state == ImageState::Copying {
+                return Err(snapshots::pending(&req.name, &image));
+            }
+        }
         let vreq = model::CreateVolumeRequest {
             name: name.clone(),
             image: name.clone(),
@@ -376,12 +456,11 @@ impl Controller for ControllerService {
         for cap in &req.volume_capabilities {
             capability::parse(cap).map_err(&invalid)?;
         }
-        if req.volume_content_source.is_some() {
-            return Err(invalid(
-                "volume_content_source is not supported (no snapshots or clones)".into(),
-            )
-            .into());
-        }
+        let source = req
+            .volume_content_source
+            .as_ref()
+            .map(|cs| snapshots::parse_source(&self.d.node_id, &csi_name, cs))
+            .transpose()?;
         if !req.mutable_parameters.is_empty() {
             return Err(invalid("mutable_parameters are not supported".into()).into());
         }
@@ -403,13 +482,20 @@ impl Controller for ControllerService {
         let name = naming::blockplane_name(&csi_name);
         tracing::info!(csi_name = %csi_name, volume = %name, size, ?params, "CreateVolume");
         let d = self.d.clone();
+        let content_source = req.volume_content_source.clone();
         let v = self
             .d
             .controller_calls
-            .run(&name.clone(), Self::create(d, req, name, params, size))
+            .run(
+                &name.clone(),
+                Self::create(d, req, name, params, size, source),
+            )
             .await?;
         Ok(Response::new(CreateVolumeResponse {
-            volume: Some(self.csi_volume(&v)),
+            volume: Some(Volume {
+                content_source,
+                ..self.csi_volume(&v)
+            }),
         }))
     }
 
@@ -518,42 +604,21 @@ impl Controller for ControllerService {
         req: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
         let req = req.into_inner();
-        if req.max_entries < 0 {
-            return Err(CsiError::Invalid {
-                volume: "*".into(),
-                reason: format!("ListVolumes: max_entries {} is negative", req.max_entries),
-            }
-            .into());
-        }
-        // The token is the last name of the previous page: a volume deleted
-        // between pages does not shift the next page.
-        let after = req.starting_token.as_str();
-        if !after.is_empty() && !naming::is_driver_name(after) {
-            return Err(CsiError::BadToken {
-                token: after.to_string(),
-            }
-            .into());
-        }
-        let mut volumes: Vec<model::Volume> = self
+        let volumes: Vec<model::Volume> = self
             .d
             .api
             .volumes()
             .await?
             .into_iter()
-            .filter(|v| naming::is_driver_name(&v.name) && v.name.as_str() > after)
+            .filter(|v| naming::is_driver_name(&v.name))
             .collect();
-        volumes.sort_by(|a, b| a.name.cmp(&b.name));
-        let max = if req.max_entries == 0 {
-            usize::MAX
-        } else {
-            req.max_entries as usize
-        };
-        let next_token = if volumes.len() > max {
-            volumes.truncate(max);
-            volumes.last().map(|v| v.name.clone()).unwrap_or_default()
-        } else {
-            String::new()
-        };
+        let (volumes, next_token) = page(
+            "ListVolumes",
+            volumes,
+            |v| v.name.as_str(),
+            req.max_entries,
+            &req.starting_token,
+        )?;
         Ok(Response::new(ListVolumesResponse {
             entries: volumes
                 .iter()
@@ -621,11 +686,90 @@ impl Controller for ControllerService {
                 rpc::Type::GetCapacity,
                 rpc::Type::ExpandVolume,
                 rpc::Type::SingleNodeMultiWriter,
+                rpc::Type::CreateDeleteSnapshot,
+                rpc::Type::ListSnapshots,
+                rpc::Type::CloneVolume,
             ]
             .into_iter()
             .map(rpc_cap)
             .collect(),
         }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        let req = req.into_inner();
+        require("CreateSnapshot", "name", req.name.is_empty())?;
+        require(
+            "CreateSnapshot",
+            "source_volume_id",
+            req.source_volume_id.is_empty(),
+        )?;
+        if let Some(k) = req
+            .parameters
+            .keys()
+            .find(|k| !k.starts_with("csi.storage.k8s.io/"))
+        {
+            return Err(CsiError::Invalid {
+                volume: req.name.clone(),
+                reason: format!("unknown snapshot parameter '{k}' (snapshots take none)"),
+            }
+            .into());
+        }
+        let source =
+            self.own_id(&req.source_volume_id, false)?
+                .ok_or_else(|| CsiError::NotFound {
+                    volume: req.source_volume_id.clone(),
+                    reason: "no such volume".into(),
+                })?;
+        let name = naming::blockplane_name(&req.name);
+        tracing::info!(csi_name = %req.name, snapshot = %name, source = %source.name, "CreateSnapshot");
+        let d = self.d.clone();
+        let image = self
+            .d
+            .controller_calls
+            .run(
+                &name.clone(),
+                snapshots::create(d, req.name, source.name.clone(), name),
+            )
+            .await?;
+        Ok(Response::new(CreateSnapshotResponse {
+            snapshot: Some(snapshots::csi_snapshot(
+                &self.d.node_id,
+                &image,
+                &source.name,
+            )),
+        }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        let req = req.into_inner();
+        require("DeleteSnapshot", "snapshot_id", req.snapshot_id.is_empty())?;
+        // An id that is not this driver's names no snapshot: deleted already.
+        let Some(id) = self.own_id(&req.snapshot_id, false)? else {
+            return Ok(Response::new(DeleteSnapshotResponse {}));
+        };
+        tracing::info!(snapshot = %id.name, "DeleteSnapshot");
+        let d = self.d.clone();
+        self.d
+            .controller_calls
+            .run(&id.name.clone(), snapshots::delete(d, id.name))
+            .await?;
+        Ok(Response::new(DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        Ok(Response::new(
+            snapshots::list(&self.d, &req.into_inner()).await?,
+        ))
     }
 
     async fn controller_expand_volume(

@@ -58,9 +58,12 @@ pub enum CsiError {
     /// The accessibility requirements exclude this node.
     #[error("volume '{volume}': {reason}")]
     Topology { volume: String, reason: String },
-    /// A ListVolumes token this driver did not hand out.
-    #[error("ListVolumes: starting_token '{token}' is not one this driver returned")]
-    BadToken { token: String },
+    /// A ListVolumes or ListSnapshots token this driver did not hand out.
+    #[error("{call}: starting_token '{token}' is not one this driver returned")]
+    BadToken { call: &'static str, token: String },
+    /// A clone's background copy still runs: the CO retries CreateVolume.
+    #[error("volume '{volume}': {reason}")]
+    Pending { volume: String, reason: String },
     /// The blockplane API refused or failed a request.
     #[error("volume '{volume}': blockplane API {request} answered {status} {code}: {message}")]
     Api {
@@ -116,7 +119,7 @@ impl CsiError {
             CsiError::NotFound { .. } => Code::NotFound,
             CsiError::OtherNode { .. } | CsiError::Precondition { .. } => Code::FailedPrecondition,
             CsiError::ExpandElsewhere { .. } | CsiError::InFlight { .. } => Code::Aborted,
-            CsiError::BadToken { .. } => Code::Aborted,
+            CsiError::BadToken { .. } | CsiError::Pending { .. } => Code::Aborted,
             CsiError::Incompatible { .. } => Code::AlreadyExists,
             CsiError::OutOfRange { .. } => Code::OutOfRange,
             CsiError::Topology { .. } => Code::ResourceExhausted,
@@ -154,9 +157,13 @@ pub fn api_code(status: StatusCode, code: &str) -> Code {
         // a conflict with the object's state (a device in use, an image that a
         // volume uses, a volume without a device) is a precondition.
         409 => match code {
-            "device_busy" | "image_in_use" | "volume_state" | "image_replaced" => {
-                Code::FailedPrecondition
-            }
+            "device_busy"
+            | "image_in_use"
+            | "volume_state"
+            | "image_replaced"
+            | "image_not_ready"
+            | "copy_source_busy"
+            | "volume_attached_snapshot_unsupported" => Code::FailedPrecondition,
             _ => Code::AlreadyExists,
         },
         // 422 is a request the API understood and cannot carry out: a field
@@ -188,6 +195,10 @@ mod tests {
         assert_eq!(api_code(s(409), "name_taken"), Code::AlreadyExists);
         assert_eq!(api_code(s(409), "device_busy"), Code::FailedPrecondition);
         assert_eq!(api_code(s(409), "image_in_use"), Code::FailedPrecondition);
+        assert_eq!(
+            api_code(s(409), "volume_attached_snapshot_unsupported"),
+            Code::FailedPrecondition
+        );
         assert_eq!(api_code(s(422), "invalid_field"), Code::InvalidArgument);
         assert_eq!(api_code(s(422), "unsupported"), Code::InvalidArgument);
         assert_eq!(

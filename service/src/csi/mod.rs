@@ -12,7 +12,8 @@
 //! Modules: [`identity`], [`controller`] and [`node`] are the three services;
 //! [`errors`] maps every failure, and the API's answers, to a gRPC code;
 //! [`mount`] holds the mount and filesystem helpers; [`api`] the typed API
-//! calls; [`capability`] reads volume capabilities; [`inflight`] allows one
+//! calls; [`capability`] reads volume capabilities; [`snapshots`] makes
+//! snapshots and clones; [`inflight`] allows one
 //! call per volume at a time.
 
 pub mod api;
@@ -25,6 +26,7 @@ pub mod inflight;
 pub mod mount;
 pub mod naming;
 pub mod node;
+pub mod snapshots;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

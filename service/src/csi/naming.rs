@@ -8,6 +8,12 @@
 //! The `csi-`/`csi_` prefix marks what the driver owns: ListVolumes shows only
 //! those, and the driver never touches another volume.
 //!
+//! A CSI snapshot named `S` is a read-only blockplane image (a snapshot of
+//! the volume's image) named the same way, `blockplane_name(S)`, and its id
+//! is a [`VolumeId`] as well: snapshot and volume names share one namespace
+//! of images, so a snapshot cannot take a volume's name (ALREADY_EXISTS) and
+//! the driver tells them apart by the image's `snapshot_of`.
+//!
 //! The CSI volume id is `<node-id>/<blockplane name>`: blockplane volumes are
 //! local to one node, and the node in the id lets a driver refuse a volume of
 //! another node instead of answering "not found" (which DeleteVolume would
