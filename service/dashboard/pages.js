@@ -414,6 +414,38 @@ function eventItem(ev) {
 
 // ---------------------------------------------------------------- images
 
+/** A default snapshot name: `<image>-snap-<yyyymmdd-hhmmss>` (local time). */
+function snapshotName(img) {
+  const d = new Date();
+  const p = (n) => String(n).padStart(2, '0');
+  return `${img.name}-snap-${d.getFullYear()}${p(d.getMonth() + 1)}${p(d.getDate())}-${p(d.getHours())}${p(d.getMinutes())}${p(d.getSeconds())}`;
+}
+
+/** What a snapshot or clone answer means: instant (reflink) or a copy under way. */
+function copyOutcome(img, what) {
+  return img.state === 'copying'
+    ? `${what} ${img.name} is being copied (${bytes(img.copy_total_bytes)} of data); its progress shows on the Images page.`
+    : `${what} ${img.name} made (${img.method}).`;
+}
+
+/** Percent of a copy done, 0–100. */
+function copyPercent(img) {
+  return img.copy_total_bytes ? Math.floor((100 * (img.copied_bytes ?? 0)) / img.copy_total_bytes) : 0;
+}
+
+/** An image's state: ready, a copy's progress bar, or why it failed. */
+function imageStateCell(img) {
+  if (img.state === 'copying') {
+    const pct = copyPercent(img);
+    return h('span', { class: 'state state-copying' }, 'copying',
+      h('progress', { max: 100, value: pct, 'aria-label': `Copy of ${img.name}` }),
+      h('span', { class: 'reason', 'data-field': 'progress' },
+        ` ${pct}% (${bytes(img.copied_bytes ?? 0)} of ${bytes(img.copy_total_bytes)})`));
+  }
+  return h('span', { class: `state state-${img.state === 'failed' ? 'error' : 'ready'}` }, img.state,
+    img.state_reason ? h('span', { class: 'reason' }, `: ${img.state_reason}`) : null);
+}
+
 /** Images: size, allocated, filesystem, the volumes using each; add, grow, delete. */
 export function imagesPage(ctx) {
   const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
@@ -517,12 +549,123 @@ export function imagesPage(ctx) {
     if (r) load();
   });
 
+  // Take a snapshot: a read-only image next to the source, named by default
+  // after it and the time.
+  const [snapImgF, snapImg] = field('Image', h('select', null));
+  const [snapNameF, snapName] = field('Snapshot name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -; the file sits next to the image\'s');
+  const snapBtn = h('button', { type: 'submit' }, 'Take snapshot');
+  const snapOut = outcome();
+  const snapForm = h('form', { class: 'card', 'aria-labelledby': 'snap-image-h' },
+    h('h2', { id: 'snap-image-h' }, 'Take a snapshot'),
+    h('p', { class: 'hint' }, 'A read-only image: instant where the filesystem shares extents (xfs, btrfs), else copied in the background.'),
+    h('div', { class: 'fields' }, snapImgF, snapNameF),
+    h('div', { class: 'buttons' }, snapBtn), snapOut);
+  snapImg.addEventListener('change', () => {
+    const img = images.find((i) => i.id === snapImg.value);
+    if (img) snapName.value = snapshotName(img);
+  });
+  snapForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const img = images.find((i) => i.id === snapImg.value);
+    if (!img) {
+      showError(snapOut, invalid('choose an image to snapshot'));
+      return;
+    }
+    const r = await act(ctx, snapOut, [snapBtn],
+      () => api('POST', `/v1/images/${seg(img.id)}/snapshots`, { name: snapName.value.trim() }),
+      (snap) => copyOutcome(snap, 'Snapshot'));
+    if (r) {
+      snapName.value = snapshotName(img);
+      load();
+    }
+  });
+
+  // Clone: a writable image from any image, next to it by default, grown
+  // to a larger size if one is given.
+  const [cloneSrcF, cloneSrc] = field('Source', h('select', null));
+  const [cloneNameF, cloneName] = field('Clone name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -');
+  const [clonePathF, clonePath] = field('Clone path', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false', class: 'mono' }),
+    'next to the source by default');
+  const [cloneSizeF, cloneSize] = field('Clone size', h('input', { type: 'text', autocomplete: 'off' }),
+    'optional: larger than the source, e.g. 1.5G; empty: the source\'s size');
+  let clonePathEdited = false;
+  clonePath.addEventListener('input', () => { clonePathEdited = true; });
+  const clonePathDefault = () => {
+    const img = images.find((i) => i.id === cloneSrc.value);
+    if (clonePathEdited || !img) return;
+    const dir = img.path.slice(0, img.path.lastIndexOf('/') + 1);
+    clonePath.value = cloneName.value ? `${dir}${cloneName.value}.img` : '';
+  };
+  cloneName.addEventListener('input', clonePathDefault);
+  cloneSrc.addEventListener('change', clonePathDefault);
+  const cloneBtn = h('button', { type: 'submit' }, 'Clone image');
+  const cloneOut = outcome();
+  const cloneForm = h('form', { class: 'card', 'aria-labelledby': 'clone-image-h' },
+    h('h2', { id: 'clone-image-h' }, 'Clone an image'),
+    h('p', { class: 'hint' }, 'A writable image from any image or snapshot.'),
+    h('div', { class: 'fields' }, cloneSrcF, cloneNameF, clonePathF, cloneSizeF),
+    h('div', { class: 'buttons' }, cloneBtn), cloneOut);
+  cloneForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const img = images.find((i) => i.id === cloneSrc.value);
+    if (!img) {
+      showError(cloneOut, invalid('choose an image to clone'));
+      return;
+    }
+    const body = { name: cloneName.value.trim(), path: clonePath.value.trim(), clone_from: img.id };
+    if (cloneSize.value.trim()) {
+      const n = parseSize(cloneSize.value);
+      if (n === null) {
+        showError(cloneOut, invalid(`clone size: '${cloneSize.value}' is not a size (${SIZE_FORMS})`));
+        cloneSize.focus();
+        return;
+      }
+      body.create = { size_bytes: n };
+    }
+    const r = await act(ctx, cloneOut, [cloneBtn], () => api('POST', '/v1/images', body),
+      (c) => copyOutcome(c, 'Clone'));
+    if (r) {
+      cloneName.value = '';
+      clonePath.value = '';
+      cloneSize.value = '';
+      clonePathEdited = false;
+      load();
+    }
+  });
+
+  /** A row's Snapshot or Clone button: chooses the image in that form and goes to its name. */
+  function startCopy(img, form, sel, nameInput, fresh) {
+    sel.value = img.id;
+    sel.dispatchEvent(new Event('change'));
+    if (fresh) nameInput.value = fresh;
+    form.scrollIntoView({ block: 'nearest' });
+    nameInput.focus();
+    nameInput.select();
+  }
+
+  /** Where an image comes from (snapshot or clone of which image) and its snapshots. */
+  function originCell(img) {
+    const nameOf = (id) => images.find((i) => i.id === id)?.name ?? id;
+    const snaps = images.filter((i) => i.snapshot_of === img.id);
+    return [
+      img.snapshot_of ? h('div', null, 'snapshot of ', h('strong', null, nameOf(img.snapshot_of))) : null,
+      img.cloned_from ? h('div', null, 'clone of ', h('strong', null, nameOf(img.cloned_from))) : null,
+      img.read_only ? h('div', { class: 'badge' }, 'read-only') : null,
+      img.method ? h('div', { class: 'reason' }, img.method === 'reflink' ? 'shared extents (reflink)' : 'copied') : null,
+      snaps.length ? h('div', { 'data-field': 'snapshots' }, `snapshots: ${snaps.map((i) => i.name).join(', ')}`) : null,
+      img.snapshot_of || img.cloned_from || snaps.length ? null : '–',
+    ];
+  }
+
   function imageRow(img) {
     const users = img.volumes.map((id) => volumes.find((v) => v.id === id));
+    const copying = img.state === 'copying';
     return h(
       'tr',
       { 'data-image': img.name },
-      h('th', { scope: 'row' }, img.name),
+      h('th', { scope: 'row' }, img.name, h('div', { class: 'mono path reason' }, img.path)),
       h('td', { class: 'num' }, bytes(img.size_bytes)),
       h('td', { class: 'num' }, bytes(img.allocated_bytes),
         img.allocated_bytes > img.size_bytes
@@ -533,8 +676,38 @@ export function imagesPage(ctx) {
       h('td', null, users.length ? users.map((v, i) => [i ? ', ' : '',
         v ? h('a', { href: `#/volumes/${seg(v.id)}` }, v.name) : h('span', { class: 'mono' }, img.volumes[i])])
         : 'none'),
-      h('td', { class: 'mono path' }, img.path),
-      h('td', null, h('button', {
+      h('td', { 'data-field': 'state' }, imageStateCell(img)),
+      h('td', { 'data-field': 'origin' }, originCell(img)),
+      h('td', { class: 'actions' }, img.state === 'ready' ? [h('button', {
+        type: 'button',
+        class: 'secondary',
+        'data-key': `snapshot-image-${img.id}`,
+        'aria-label': `Snapshot image ${img.name}`,
+        onclick: () => startCopy(img, snapForm, snapImg, snapName, snapshotName(img)),
+      }, 'Snapshot'), ' ', h('button', {
+        type: 'button',
+        class: 'secondary',
+        'data-key': `clone-image-${img.id}`,
+        'aria-label': `Clone image ${img.name}`,
+        onclick: () => startCopy(img, cloneForm, cloneSrc, cloneName, null),
+      }, 'Clone'), ' '] : null, copying ? h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `cancel-copy-${img.id}`,
+        'aria-label': `Cancel the copy of ${img.name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          const ok = await ctx.confirm({
+            title: `Cancel the copy of ${img.name}?`,
+            text: `The copy stops, its partial file ${img.path} is removed and the image is forgotten.`,
+            action: 'Cancel copy',
+          });
+          if (!ok.ok) return;
+          const r = await act(ctx, listOut, [btn], () => api('DELETE', `/v1/images/${seg(img.id)}`).then(() => true),
+            `The copy of ${img.name} was cancelled and its file removed.`);
+          if (r !== undefined) load();
+        },
+      }, 'Cancel copy…') : h('button', {
         type: 'button',
         class: 'danger',
         'data-key': `delete-image-${img.id}`,
@@ -557,7 +730,11 @@ export function imagesPage(ctx) {
     );
   }
 
+  // A copy's progress makes no event: while one runs, the list is read every second.
+  let copyTimer = null;
+  let stopped = false;
   async function load() {
+    if (stopped) return;
     try {
       [images, volumes] = await Promise.all([api('GET', '/v1/images'), api('GET', '/v1/volumes')]);
     } catch (e) {
@@ -566,22 +743,36 @@ export function imagesPage(ctx) {
       return;
     }
     rebuild(list, images.length
-      ? table('Images', ['Name', 'Size', 'Allocated', 'Filesystem', 'Allocation', 'Volumes', 'Path', 'Action'],
+      ? table('Images', ['Name', 'Size', 'Allocated', 'Filesystem', 'Allocation', 'Volumes', 'State', 'Origin', 'Action'],
         h('tbody', null, images.map(imageRow)))
       : h('p', null, 'No images yet: add one below.'));
-    const chosen = growImg.value;
-    fill(growImg, images.map((i) => h('option', { value: i.id, selected: i.id === chosen }, `${i.name} (${bytes(i.size_bytes)})`)));
+    // Only ready images can be grown or copied; a snapshot cannot grow.
+    const options = (sel, ok) => {
+      const chosen = sel.value;
+      fill(sel, images.filter(ok).map((i) => h('option', { value: i.id, selected: i.id === chosen }, `${i.name} (${bytes(i.size_bytes)})`)));
+    };
+    options(growImg, (i) => i.state === 'ready' && !i.read_only);
+    const snapBefore = snapImg.value;
+    options(snapImg, (i) => i.state === 'ready');
+    if (snapImg.value !== snapBefore || !snapName.value) snapImg.dispatchEvent(new Event('change'));
+    options(cloneSrc, (i) => i.state === 'ready');
+    clearTimeout(copyTimer);
+    if (images.some((i) => i.state === 'copying')) copyTimer = setTimeout(load, 1000);
   }
   load();
   const reload = debounce(load, 300);
   // Allocated bytes change with writes, which make no event.
   const timer = setInterval(load, 10000);
   const el = h('section', null, h('h1', { tabindex: -1 }, 'Images'), listOut, list,
-    h('div', { class: 'cards' }, addForm, growForm));
+    h('div', { class: 'cards' }, addForm, growForm, snapForm, cloneForm));
   return {
     el,
     onEvent: reload,
-    dispose() { clearInterval(timer); },
+    dispose() {
+      stopped = true;
+      clearInterval(timer);
+      clearTimeout(copyTimer);
+    },
   };
 }
 
@@ -605,7 +796,21 @@ export function volumesPage(ctx) {
     ['auto', 'nowait', 'threaded', 'direct'].map((p) => [p, p]), 'auto',
   ), 'ublk and dm only');
   const ro = h('input', { type: 'checkbox', id: uid('ro') });
-  const roF = h('div', { class: 'field check' }, ro, h('label', { for: ro.id }, 'Read-only'));
+  const roNote = h('p', { class: 'hint', id: uid('ro-note'), hidden: true });
+  ro.setAttribute('aria-describedby', roNote.id);
+  const roF = h('div', { class: 'field' }, h('div', { class: 'field check' }, ro, h('label', { for: ro.id }, 'Read-only')), roNote);
+  // A read-only image (a snapshot) takes only read-only volumes: checked and held.
+  let roWanted = false;
+  ro.addEventListener('change', () => { roWanted = ro.checked; });
+  image.addEventListener('change', () => syncReadOnly());
+  function syncReadOnly() {
+    const img = images.find((i) => i.name === image.value);
+    const forced = Boolean(img?.read_only);
+    ro.disabled = forced;
+    ro.checked = forced || roWanted;
+    roNote.hidden = !forced;
+    fill(roNote, forced ? `${img.name} is a read-only snapshot: volumes on it are read-only.` : '');
+  }
   const [iopsF, iops] = field('QoS IOPS limit', h('input', { type: 'number', min: 1, inputmode: 'numeric' }), 'optional; ublk');
   const [bwF, bw] = field('QoS bandwidth limit', h('input', { type: 'text', autocomplete: 'off' }), 'optional, bytes/s, e.g. 100M');
   // Dispatch and QoS need ublk or dm: on a loop-only host they are off.
@@ -647,7 +852,7 @@ export function volumesPage(ctx) {
         h('a', { href: `#/volumes/${seg(r.id)}` }, `Open ${r.name}`));
       // Ready for the next one; the image, backend and policy choices stay.
       name.value = '';
-      ro.checked = false;
+      roWanted = false;
       iops.value = '';
       bw.value = '';
       load();
@@ -701,18 +906,22 @@ export function volumesPage(ctx) {
       : h('p', null, 'No volumes yet: create one below.'));
     shown = volumes;
     figures();
-    // One image serves one volume: images in use are listed, not offered,
-    // and the first free one is the default.
+    // One image serves one volume: images in use, or still being copied, are
+    // listed with why, not offered; the first free one is the default.
     const names = new Map(volumes.map((v) => [v.id, v.name]));
-    const free = images.filter((i) => !i.volumes?.length);
+    const notReady = (i) => (i.state === 'copying' ? `being copied (${copyPercent(i)}%): not ready`
+      : i.state === 'failed' ? `its copy failed: ${i.state_reason ?? 'see Images'}` : null);
+    const free = images.filter((i) => !i.volumes?.length && !notReady(i));
     const chosen = free.some((i) => i.name === image.value) ? image.value : free[0]?.name;
     fill(image, images.length
       ? images.map((i) => {
         const users = (i.volumes ?? []).map((id) => names.get(id) ?? id);
-        return h('option', { value: i.name, selected: i.name === chosen, disabled: users.length > 0 },
-          `${i.name} (${bytes(i.size_bytes)})${users.length ? `, in use by ${users.join(', ')}` : ''}`);
+        const why = notReady(i);
+        return h('option', { value: i.name, selected: i.name === chosen, disabled: users.length > 0 || Boolean(why) },
+          `${i.name} (${bytes(i.size_bytes)})${i.read_only ? ', read-only snapshot' : ''}${users.length ? `, in use by ${users.join(', ')}` : ''}${why ? `, ${why}` : ''}`);
       })
       : h('option', { value: '' }, 'no images: add one on the Images page'));
+    syncReadOnly();
   }
   // I/O makes no event: the figures are refreshed in place, the rows stay.
   let shown = [];
@@ -836,6 +1045,27 @@ export function volumePage(ctx, { id }) {
   const roCard = h('section', { class: 'card', 'aria-labelledby': 'ro-h' },
     h('h2', { id: 'ro-h' }, 'Read-only'), roNow, h('div', { class: 'buttons' }, roBtn), roOut);
 
+  // Snapshot the volume's image; the service refuses where it cannot hold
+  // one moment's state (its message says why).
+  const [snapNameF, snapName] = field('Snapshot name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'a read-only image next to this volume\'s');
+  const snapBtn = h('button', { type: 'submit' }, 'Snapshot image');
+  const snapOut = outcome();
+  const snapForm = h('form', { class: 'card', 'aria-labelledby': 'snap-h' },
+    h('h2', { id: 'snap-h' }, 'Snapshot'),
+    h('div', { class: 'fields' }, snapNameF), h('div', { class: 'buttons' }, snapBtn), snapOut);
+  snapForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const r = await act(ctx, snapOut, [snapBtn],
+      () => api('POST', `/v1/images/${seg(v.image_id)}/snapshots`, { name: snapName.value.trim() }),
+      (snap) => copyOutcome(snap, 'Snapshot'));
+    if (r) {
+      fill(snapOut.firstChild, copyOutcome(r, 'Snapshot'), ' ', h('a', { href: '#/images' }, 'Open Images'));
+      snapName.value = '';
+      load();
+    }
+  });
+
   const delBtn = h('button', { type: 'button', class: 'danger' }, 'Delete volume…');
   const delOut = outcome();
   delBtn.addEventListener('click', async () => {
@@ -918,9 +1148,9 @@ export function volumePage(ctx, { id }) {
   const eventsEl = h('section', { 'aria-labelledby': 'events-h' }, h('h2', { id: 'events-h' }, 'Events'), events);
 
   const el = h('section', { class: 'volume' }, heading, pageOut, facts, chartsEl,
-    h('div', { class: 'cards' }, dispForm, qForm, roCard, delCard), eventsEl);
+    h('div', { class: 'cards' }, dispForm, qForm, roCard, snapForm, delCard), eventsEl);
   // Every control acts on the loaded volume: none works before it is known.
-  const controls = [dispBtn, qSet, qClear, roBtn, delBtn];
+  const controls = [dispBtn, qSet, qClear, roBtn, snapBtn, delBtn];
   for (const c of controls) c.disabled = true;
 
   function show(nv) {
@@ -957,7 +1187,8 @@ export function volumePage(ctx, { id }) {
     fill(roBtn, v.read_only ? 'Make writable' : 'Make read-only');
     // Controls that cannot work on this volume are off, with the reason
     // beside them (loop: the kernel driver changes none of these live).
-    for (const c of controls) c.disabled = loop && c !== delBtn;
+    for (const c of controls) c.disabled = loop && c !== delBtn && c !== snapBtn;
+    if (!snapName.value && image) snapName.value = snapshotName(image);
     for (const c of [disp, qIops, qBw]) c.disabled = loop;
     if (loop) fill(disp, h('option', { value: 'kernel', selected: true }, 'kernel (loop driver)'));
     if (first) {

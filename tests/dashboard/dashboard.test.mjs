@@ -678,3 +678,192 @@ describe('dashboard', { concurrency: false }, () => {
     assert.deepEqual(pageErrors, [], 'no script errors');
   });
 });
+
+// Snapshots and clones, on a service of their own: its image root is on this
+// host's filesystem (ext4: no shared extents), so every snapshot and clone is
+// a background copy, each 16 MiB of it slowed by 100 ms (the `slow_copy` test
+// fault) so that its progress can be watched and cancelled.
+describe('snapshots and clones', { concurrency: false }, () => {
+  let snap;
+  let tab;
+  const snapName = /^gold-snap-\d{8}-\d{6}$/;
+  const imageRow = (name) => tab.locator(`tr[data-image="${name}"]`);
+  const readyImage = (name) => until(`${name} ready`, async () =>
+    (await snap.ok('GET', `/v1/images/${name}`)).state === 'ready', 30000);
+  async function open(hash) {
+    await tab.evaluate((h) => { location.hash = h; }, hash);
+    await tab.locator('main h1').first().waitFor();
+  }
+
+  before(async () => {
+    snap = await Service.start({ token: null, env: { BLOCKPLANE_TEST_FAULT: 'slow_copy' } });
+    tab = await br.context.newPage();
+    tab.on('pageerror', (e) => pageErrors.push(e.message));
+    await snap.imageWithData('gold', 64, 8);
+    await tab.goto(`${snap.url}#/images`);
+    await tab.locator('#live[data-state=live]').waitFor();
+  });
+
+  after(async () => {
+    if (tab) await tab.close();
+    if (snap) await snap.stop();
+  });
+
+  test('an image row takes a snapshot with a default name; the list shows it read-only, as a snapshot of its image', async () => {
+    await imageRow('gold').getByRole('button', { name: 'Snapshot image gold' }).click();
+    const form = tab.getByRole('form', { name: 'Take a snapshot' });
+    const name = form.getByLabel('Snapshot name');
+    assert.ok(await name.evaluate((el) => el === document.activeElement), 'the name field has the focus');
+    const chosen = await name.inputValue();
+    assert.match(chosen, snapName, 'the default name: image, -snap-, the time');
+    await name.press('Enter');
+    await form.locator('.ok[role=status]').waitFor();
+    assert.match(await form.locator('.ok').innerText(), new RegExp(`Snapshot ${chosen} is being copied`));
+    await readyImage(chosen);
+    const listed = await snap.ok('GET', '/v1/images?snapshot_of=gold');
+    assert.deepEqual(listed.map((i) => i.name), [chosen]);
+    await until('the snapshot ready in the list', async () =>
+      /^ready/.test(await imageRow(chosen).locator('[data-field=state]').innerText()));
+    const origin = await imageRow(chosen).locator('[data-field=origin]').innerText();
+    assert.match(origin, /snapshot of gold/);
+    assert.match(origin, /read-only/);
+    assert.match(await imageRow('gold').locator('[data-field=snapshots]').innerText(), new RegExp(`snapshots: ${chosen}`));
+    // A snapshot is not offered to grow (it cannot).
+    const growable = await tab.getByRole('form', { name: 'Grow an image' }).getByLabel('Image')
+      .locator('option').allInnerTexts();
+    assert.ok(!growable.some((t) => t.startsWith(chosen)), `grow offers ${growable}`);
+    await screenshot(tab, 'image-snapshots');
+    await tab.setViewportSize({ width: 390, height: 844 });
+    try {
+      const overflow = await tab.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+      assert.ok(overflow <= 0, `the images page does not scroll sideways (${overflow}px)`);
+      await screenshot(tab, 'image-snapshots-narrow');
+    } finally {
+      await tab.setViewportSize({ width: 1280, height: 800 });
+    }
+  });
+
+  test('a volume page snapshots its image; the refusal shows on its Snapshot card with the API message', async () => {
+    const v = await snap.ok('POST', '/v1/volumes', { name: 'goldv', image: 'gold', backend: 'loop' });
+    await open(`#/volumes/${v.id}`);
+    const form = tab.getByRole('form', { name: 'Snapshot' });
+    const name = form.getByLabel('Snapshot name');
+    await until('a default name', async () => snapName.test(await name.inputValue()));
+    await name.fill('gold-live');
+    await form.getByRole('button', { name: 'Snapshot image' }).click();
+    const alert = form.locator('[role=alert]');
+    await alert.waitFor();
+    const text = await alert.innerText();
+    // A copy under a writable volume would not be one moment's state: refused.
+    assert.match(text, /volume_attached_snapshot_unsupported, HTTP 409/);
+    assert.ok(text.includes("'goldv'"), `names the volume: ${text}`);
+    assert.equal((await snap.call('GET', '/v1/images/gold-live')).status, 404, 'nothing made');
+
+    // Read-only, it may: the snapshot is made from the same card.
+    await snap.ok('DELETE', '/v1/volumes/goldv');
+    const ro = await snap.ok('POST', '/v1/volumes', { name: 'goldro', image: 'gold', backend: 'loop', read_only: true });
+    await open(`#/volumes/${ro.id}`);
+    await until('a default name', async () => snapName.test(await name.inputValue()));
+    await name.fill('gold-ro');
+    await form.getByRole('button', { name: 'Snapshot image' }).click();
+    await form.locator('.ok[role=status]').waitFor();
+    assert.match(await form.locator('.ok').innerText(), /Snapshot gold-ro is being copied/);
+    await readyImage('gold-ro');
+    assert.equal((await snap.ok('GET', '/v1/images/gold-ro')).snapshot_of, (await snap.ok('GET', '/v1/images/gold')).id);
+    await snap.ok('DELETE', '/v1/volumes/goldro');
+  });
+
+  test('cloning from an image row: the path defaults next to the source, a larger size grows the clone', async () => {
+    await open('#/images');
+    await imageRow('gold').getByRole('button', { name: 'Clone image gold' }).click();
+    const form = tab.getByRole('form', { name: 'Clone an image' });
+    assert.equal(await form.getByLabel('Source').inputValue(), (await snap.ok('GET', '/v1/images/gold')).id);
+    await form.getByLabel('Clone name').fill('gold-big');
+    assert.equal(await form.getByLabel('Clone path').inputValue(), `${snap.images}/gold-big.img`);
+    await form.getByLabel('Clone size').fill('lots');
+    await form.getByRole('button', { name: 'Clone image' }).click();
+    assert.match(await form.locator('[role=alert]').innerText(), /clone size: 'lots' is not a size/);
+    await form.getByLabel('Clone size').fill('1.5G');
+    await form.getByRole('button', { name: 'Clone image' }).click();
+    await form.locator('.ok[role=status]').waitFor();
+    await readyImage('gold-big');
+    const c = await snap.ok('GET', '/v1/images/gold-big');
+    assert.equal(c.size_bytes, 1.5 * 2 ** 30);
+    assert.equal(c.read_only, false);
+    assert.equal(c.path, `${snap.images}/gold-big.img`);
+    await until('the clone in the list', async () =>
+      /clone of gold/.test(await imageRow('gold-big').locator('[data-field=origin]').innerText()));
+  });
+
+  test('a copy shows its progress live, is not offered for a volume, and Cancel deletes it after asking', async () => {
+    await snap.imageWithData('big', 1024, 1024);
+    await open('#/images');
+    const form = tab.getByRole('form', { name: 'Take a snapshot' });
+    await until('big offered', async () => (await form.getByLabel('Image').locator('option').allInnerTexts())
+      .some((t) => t.startsWith('big ')));
+    await form.getByLabel('Image').selectOption({ label: 'big (1.00 GiB)' });
+    assert.match(await form.getByLabel('Snapshot name').inputValue(), /^big-snap-/);
+    await form.getByLabel('Snapshot name').fill('big-s');
+    await form.getByRole('button', { name: 'Take snapshot' }).click();
+    await form.locator('.ok[role=status]').waitFor();
+    const progress = imageRow('big-s').locator('[data-field=progress]');
+    const pct = async () => Number(/(\d+)%/.exec(await progress.innerText())[1]);
+    await until('some progress', async () => (await pct()) > 0);
+    // Read every second while it runs (a copy's progress makes no event):
+    // three different figures within 3.5 s, rising, without a reload.
+    const seen = [];
+    for (const end = Date.now() + 3500; Date.now() < end;) {
+      const p = await pct();
+      if (seen[seen.length - 1] !== p) seen.push(p);
+      await tab.waitForTimeout(100);
+    }
+    assert.ok(seen.length >= 3 && seen.every((p, i) => !i || p > seen[i - 1]), `progress seen: ${seen}`);
+    assert.equal(await imageRow('big-s').locator('progress').count(), 1, 'a progress bar');
+    await screenshot(tab, 'image-copying');
+    await tab.setViewportSize({ width: 390, height: 844 });
+    try {
+      await screenshot(tab, 'image-copying-narrow');
+    } finally {
+      await tab.setViewportSize({ width: 1280, height: 800 });
+    }
+
+    // The create-volume form: the copying image is not offered, saying why;
+    // a snapshot holds the read-only box checked, with a note.
+    await open('#/volumes');
+    const vform = tab.getByRole('form', { name: 'Create a volume' });
+    const option = vform.getByLabel('Image').locator('option[value="big-s"]');
+    await option.waitFor({ state: 'attached' });
+    assert.ok(await option.isDisabled(), 'a copying image is not offered');
+    assert.match(await option.innerText(), /being copied \(\d+%\): not ready/);
+    await vform.getByLabel('Image').selectOption('gold-ro');
+    const roBox = vform.getByLabel('Read-only');
+    assert.ok(await roBox.isChecked(), 'read-only is checked');
+    assert.ok(await roBox.isDisabled(), 'and held');
+    assert.match(await vform.innerText(), /gold-ro is a read-only snapshot: volumes on it are read-only/);
+    await vform.getByLabel('Name').fill('rov');
+    await vform.getByRole('button', { name: 'Create volume' }).click();
+    await vform.locator('.ok[role=status]').waitFor();
+    assert.equal((await snap.ok('GET', '/v1/volumes/rov')).read_only, true);
+    await vform.getByLabel('Image').selectOption('gold');
+    assert.ok(!(await roBox.isDisabled()) && !(await roBox.isChecked()), 'a writable image leaves the box free');
+
+    await open('#/images');
+    const copy = await snap.ok('GET', '/v1/images/big-s');
+    assert.equal(copy.state, 'copying', 'the copy still runs');
+    const cancel = imageRow('big-s').getByRole('button', { name: 'Cancel the copy of big-s' });
+    await cancel.click();
+    const dialog = tab.getByRole('dialog');
+    await dialog.waitFor();
+    assert.match(await dialog.innerText(), /Cancel the copy of big-s\?/);
+    await tab.keyboard.press('Escape');
+    await dialog.waitFor({ state: 'hidden' });
+    assert.equal((await snap.ok('GET', '/v1/images/big-s')).state, 'copying', 'Escape leaves it running');
+    await cancel.click();
+    await dialog.getByRole('button', { name: 'Cancel copy' }).click();
+    await imageRow('big-s').waitFor({ state: 'detached' });
+    assert.equal((await snap.call('GET', '/v1/images/big-s')).status, 404);
+    assert.ok(!existsSync(copy.path), 'the partial file is removed');
+    const kinds = (await snap.ok('GET', '/v1/events?limit=200')).map((e) => e.kind);
+    assert.ok(kinds.includes('image_copy_cancelled'), `events: ${kinds}`);
+  });
+});

@@ -5,7 +5,9 @@
 // kernel's loop devices. Needs root (loop devices).
 
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, existsSync } from 'node:fs';
+import {
+  closeSync, existsSync, fsyncSync, mkdtempSync, mkdirSync, openSync, readFileSync, readdirSync, rmSync, statSync, writeSync,
+} from 'node:fs';
 import http from 'node:http';
 import net from 'node:net';
 import path from 'node:path';
@@ -50,8 +52,8 @@ export async function until(what, fn, ms = 10000) {
 
 /** A running service, its port-forward, and a client of its API. */
 export class Service {
-  /** token: the service's token, or null for none (the socket's default). */
-  static async start({ token = TOKEN } = {}) {
+  /** token: the service's token, or null for none (the socket's default); env: more of its environment (e.g. a test fault). */
+  static async start({ token = TOKEN, env: extra = {} } = {}) {
     const s = new Service();
     s.token = token;
     s.dir = mkdtempSync('/tmp/bpdash');
@@ -61,7 +63,7 @@ export class Service {
     s.sock = path.join(s.data, 'blockplane.sock');
     s.tcpPort = await freePort();
     s.log = [];
-    const env = { ...process.env, BLOCKPLANE_LOG: 'info' };
+    const env = { ...process.env, BLOCKPLANE_LOG: 'info', ...extra };
     delete env.BLOCKPLANE_TOKEN;
     const listen = ['--listen', `unix:${s.sock}`];
     // A TCP listener needs a token.
@@ -139,6 +141,26 @@ export class Service {
     return this.ok('POST', '/v1/images', {
       name, path: path.join(this.images, `${name}.img`), create: { size_bytes: mib * 2 ** 20, allocation: 'full' },
     });
+  }
+
+  /**
+   * A sparse image of `mib` MiB with `dataMib` MiB of a pattern written from
+   * its start (a copy copies the data, not the holes).
+   */
+  async imageWithData(name, mib, dataMib) {
+    const img = await this.ok('POST', '/v1/images', {
+      name, path: path.join(this.images, `${name}.img`), create: { size_bytes: mib * 2 ** 20 },
+    });
+    const chunk = Buffer.alloc(2 ** 20, 0);
+    for (let i = 0; i < chunk.length; i += 1) chunk[i] = i % 251;
+    const fd = openSync(img.path, 'r+');
+    try {
+      for (let off = 0; off < dataMib; off += 1) writeSync(fd, chunk, 0, chunk.length, off * 2 ** 20);
+      fsyncSync(fd);
+    } finally {
+      closeSync(fd);
+    }
+    return img;
   }
 
   /** A loop volume on a new image. */
