@@ -165,22 +165,5 @@ pub async fn volume_usage(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<VolumeUsage>, ApiError> {
-    let v = m.volume(&id).await?;
-    let recent = m
-        .volume_history(
-            &v.id.to_string(),
-            StatsHistoryQuery {
-                seconds: Some(crate::usage::RECENT_SECS),
-            },
-        )
-        .await?;
-    // A walk of /proc: off the async workers.
-    let usage = tokio::task::spawn_blocking(move || crate::usage::of(&v, &recent.points))
-        .await
-        .map_err(|e| {
-            ApiError::Manager(crate::manager::Error::Internal(format!(
-                "usage of volume {id}: {e}"
-            )))
-        })?;
-    Ok(Json(usage))
+    Ok(Json(m.volume_usage(&id).await?))
 }

@@ -19,6 +19,7 @@ use crate::metrics::ApiLabels;
 use crate::model::{
     CreateImageRequest, CreateVolumeRequest, Event, EventQuery, EventStreamQuery, Host, Image,
     PatchVolumeRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume, VolumeStats,
+    VolumeUsage,
 };
 
 /// The service's operations, one per API route (`id` is an id or a name).
@@ -61,6 +62,8 @@ pub trait Operations: Send + Sync {
     async fn volume_stats(&self, id: &str) -> Result<VolumeStats>;
     /// `GET /v1/volumes/{id}/stats/history`.
     async fn volume_history(&self, id: &str, q: StatsHistoryQuery) -> Result<StatsHistory>;
+    /// `GET /v1/volumes/{id}/usage`: whether the volume is in use now.
+    async fn volume_usage(&self, id: &str) -> Result<VolumeUsage>;
 
     /// `GET /v1/host`: capabilities and orphans.
     async fn host(self: Arc<Self>) -> Result<Host>;
@@ -135,6 +138,9 @@ impl Operations for Manager {
     }
     async fn volume_history(&self, id: &str, q: StatsHistoryQuery) -> Result<StatsHistory> {
         Manager::volume_history(self, id, q).await
+    }
+    async fn volume_usage(&self, id: &str) -> Result<VolumeUsage> {
+        Manager::volume_usage(self, id).await
     }
 
     async fn host(self: Arc<Self>) -> Result<Host> {

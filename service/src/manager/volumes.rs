@@ -15,7 +15,7 @@ use crate::image::{Access, ImageFile};
 use crate::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
     HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
-    StatsHistoryQuery, Volume, VolumeState, VolumeStats,
+    StatsHistoryQuery, Volume, VolumeState, VolumeStats, VolumeUsage,
 };
 use crate::store::{ImageRow, VolumeRow};
 
@@ -719,6 +719,15 @@ impl Manager {
             name: v.name,
             kept_secs: HISTORY_SECS,
         })
+    }
+
+    /// `GET /v1/volumes/{id}/usage`: who has the device open, its mounts,
+    /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
+    pub(super) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
+        let v = self.volume(id_or_name).await?;
+        let recent = self.sampler.history(v.id, crate::usage::RECENT_SECS);
+        // A walk of /proc: off the async workers.
+        blocking(move || crate::usage::of(&v, &recent)).await
     }
 }
 
