@@ -125,18 +125,33 @@ impl Manager {
             }
             None => {
                 let (me, s, p) = (self.clone(), src.clone(), path.clone());
-                let (file, start, src_file) = blocking(move || -> Result<_> {
+                let (file, start, src_file, took) = blocking(move || -> Result<_> {
                     let src_file = me.open_image(&s, Access::ReadOnly)?;
                     src_file.sync()?;
+                    let started = std::time::Instant::now();
                     let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+                    let took = started.elapsed();
                     if start == CloneStart::Reflinked {
                         me.grow_clone(&p, &mut file, grow)?;
                     }
-                    Ok((file, start, src_file))
+                    Ok((file, start, src_file, took))
                 })
                 .await??;
                 let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
-                (file, start, copy_from, None)
+                // A loop volume's writes wait on the file's lock while the
+                // reflink runs: that is its pause.
+                let held = attached
+                    .iter()
+                    .find(|(v, _)| !v.read_only)
+                    .filter(|_| copy_from.is_none())
+                    .map(|(v, _)| {
+                        format!(
+                            "volume '{}' (loop: the filesystem's lock on the file) held its I/O for {} µs",
+                            v.name,
+                            took.as_micros()
+                        )
+                    });
+                (file, start, copy_from, held)
             }
         };
         let reflinked = copy_from.is_none();
