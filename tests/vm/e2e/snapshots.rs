@@ -65,7 +65,14 @@ fn classify(buf: &[u8], i: u64) -> Held {
 struct SeqWriter {
     done: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<Vec<(Instant, Instant)>>,
+    thread: Option<JoinHandle<Vec<(Instant, Instant)>>>,
+}
+
+/// A failed test stops its writer too.
+impl Drop for SeqWriter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl SeqWriter {
@@ -100,7 +107,11 @@ impl SeqWriter {
             }
             times
         });
-        Self { done, stop, thread }
+        Self {
+            done,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Writes completed so far (block `completed() - 1` is the last).
@@ -113,7 +124,7 @@ impl SeqWriter {
         let started = Instant::now();
         while self.completed() < n {
             assert!(
-                !self.thread.is_finished(),
+                !self.thread.as_ref().unwrap().is_finished(),
                 "the sequence writer stopped at {}",
                 self.completed()
             );
@@ -127,9 +138,10 @@ impl SeqWriter {
     }
 
     /// Stops the writer; its writes' start and end times, by sequence number.
-    fn finish(self) -> Vec<(Instant, Instant)> {
+    fn finish(mut self) -> Vec<(Instant, Instant)> {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("the sequence writer panicked")
+        let thread = self.thread.take().unwrap();
+        thread.join().expect("the sequence writer panicked")
     }
 }
 
@@ -375,7 +387,14 @@ fn file_data(j: u64) -> Vec<u8> {
 struct FileWriter {
     done: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A failed test stops its writer too.
+impl Drop for FileWriter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl FileWriter {
@@ -398,16 +417,74 @@ impl FileWriter {
                 d.store(j, Ordering::Release);
             }
         });
-        Self { done, stop, thread }
+        Self {
+            done,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     fn completed(&self) -> u64 {
         self.done.load(Ordering::Acquire)
     }
 
-    fn finish(self) {
+    fn running(&self) -> bool {
+        !self.thread.as_ref().unwrap().is_finished()
+    }
+
+    fn finish(mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("the file writer panicked");
+        let thread = self.thread.take().unwrap();
+        thread.join().expect("the file writer panicked");
+    }
+}
+
+/// A mount undone when dropped, so a failed test leaves nothing mounted for
+/// the service's cleanup to trip on.
+struct Mounted {
+    dir: String,
+    done: bool,
+}
+
+impl Mounted {
+    fn new(dev: &str, dir: &Path, opts: &[&str]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let dir = dir.to_str().unwrap().to_string();
+        let mut args = opts.to_vec();
+        args.extend([dev, dir.as_str()]);
+        let m = Self { dir, done: false };
+        sh("mount", &args);
+        m
+    }
+
+    /// Unmounts; panics unless that works.
+    fn unmount(mut self) {
+        self.done = true;
+        sh("umount", &[&self.dir]);
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if !self.done && !crate::run("umount", &[&self.dir]).status.success() {
+            crate::run("umount", &["-l", &self.dir]);
+        }
+    }
+}
+
+/// A loop device over a file, detached when dropped.
+struct LoopDev(String);
+
+impl LoopDev {
+    fn new(file: &Path) -> Self {
+        let lo = sh("losetup", &["-f", "--show", file.to_str().unwrap()]);
+        Self(lo.trim().to_string())
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        crate::run("losetup", &["-d", &self.0]);
     }
 }
 
@@ -428,16 +505,13 @@ async fn xfs_snapshot_round(vm: &Vm, backend: &str, dispatch: &str, mib: u64) {
     let dev = v["device"].as_str().unwrap().to_string();
     let mnt = vm.root(Scratch::Tmpfs).join(format!("mnt-{name}"));
     let again = vm.root(Scratch::Tmpfs).join(format!("mnt-{name}-clone"));
-    std::fs::create_dir_all(&mnt).unwrap();
-    std::fs::create_dir_all(&again).unwrap();
-    let (m, m2) = (mnt.to_str().unwrap(), again.to_str().unwrap());
     sh("mkfs.xfs", &["-q", "-f", &dev]);
-    sh("mount", &[&dev, m]);
+    let mounted = Mounted::new(&dev, &mnt, &[]);
     let writer = FileWriter::start(&mnt);
     let started = Instant::now();
     while writer.completed() < 8 {
         assert!(
-            !writer.thread.is_finished() && started.elapsed() < Duration::from_secs(60),
+            writer.running() && started.elapsed() < Duration::from_secs(60),
             "{name}: the file writer made {} files",
             writer.completed()
         );
@@ -445,7 +519,7 @@ async fn xfs_snapshot_round(vm: &Vm, backend: &str, dispatch: &str, mib: u64) {
     }
     let synced = writer.completed();
     let snap = snapshot_of(vm, &src, &format!("{name}-snap")).await;
-    assert!(!writer.thread.is_finished(), "{name}: the file writer died");
+    assert!(writer.running(), "{name}: the file writer died");
     writer.finish();
     if dispatch == "direct" {
         let v = vm.s.get(&format!("/v1/volumes/{name}")).await.body;
@@ -463,10 +537,8 @@ async fn xfs_snapshot_round(vm: &Vm, backend: &str, dispatch: &str, mib: u64) {
     let clone = a.body;
     assert_eq!(clone["read_only"], false, "{clone}");
     // The clone's filesystem has the source's UUID, still mounted: nouuid.
-    let lo = sh("losetup", &["-f", "--show", clone_path.to_str().unwrap()])
-        .trim()
-        .to_string();
-    sh("mount", &["-o", "nouuid", &lo, m2]);
+    let lo = LoopDev::new(&clone_path);
+    let clone_mounted = Mounted::new(&lo.0, &again, &["-o", "nouuid"]);
     for j in 0..synced {
         let p = again.join(format!("f{j}"));
         let data = std::fs::read(&p).unwrap_or_else(|e| {
@@ -480,10 +552,10 @@ async fn xfs_snapshot_round(vm: &Vm, backend: &str, dispatch: &str, mib: u64) {
             "{name}: file f{j}, fsynced before the snapshot, differs in the clone"
         );
     }
-    sh("umount", &[m2]);
-    sh("xfs_repair", &["-n", &lo]);
-    sh("losetup", &["-d", &lo]);
-    sh("umount", &[m]);
+    clone_mounted.unmount();
+    sh("xfs_repair", &["-n", &lo.0]);
+    drop(lo);
+    mounted.unmount();
     vm.delete(&name).await;
     for image in [&clone, &snap, &src] {
         delete_image(vm, image).await;
