@@ -452,9 +452,8 @@ impl Mounted {
         let dir = dir.to_str().unwrap().to_string();
         let mut args = opts.to_vec();
         args.extend([dev, dir.as_str()]);
-        let m = Self { dir, done: false };
         sh("mount", &args);
-        m
+        Self { dir, done: false }
     }
 
     /// Unmounts; panics unless that works.
