@@ -257,11 +257,17 @@ async fn delete_image(vm: &Vm, image: &Value) {
 /// A volume moved from `direct` to `nowait` by a snapshot says so, keeps
 /// out of `direct` while the image shares extents, and its writes never
 /// reach the snapshot (`writer` writes on meanwhile).
-async fn assert_moved_off_direct(vm: &Vm, name: &str, snap_path: &str, writer: &SeqWriter) {
+async fn assert_moved_off_direct(vm: &Vm, name: &str, snap: &Value, writer: &SeqWriter) {
+    let snap_path = snap["path"].as_str().unwrap();
     let v = vm.s.get(&format!("/v1/volumes/{name}")).await.body;
     assert_eq!(v["dispatch"], "nowait", "{v}");
+    // The reason names the new image and the rule.
     let reason = v["dispatch_reason"].as_str().unwrap();
-    assert!(reason.contains("snapshot"), "{v}");
+    assert!(
+        reason.contains(&format!("'{}'", snap["name"].as_str().unwrap()))
+            && reason.contains("SHARED"),
+        "{v}"
+    );
     let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
     assert!(
         kinds.iter().any(|k| k == "dispatch_changed"),
@@ -347,7 +353,7 @@ async fn every_backend_and_policy_under_writes() {
         let held = held_us(&vm, &snap, &src, "image_snapshotted").await;
         assert!(held > 0, "{name}: held {held} µs");
         if dispatch == "direct" {
-            assert_moved_off_direct(&vm, &name, &snap_path, &writer).await;
+            assert_moved_off_direct(&vm, &name, &snap, &writer).await;
         }
         // Writes after the request too, for the latency outside it.
         writer.wait_for(writer.completed() + 64).await;
