@@ -56,7 +56,7 @@ tests/vm/kernel-cache-test.sh
 # Debian's own kernels (tests/vm/README.md), one CPU thread each, in two lanes
 # started now so that they overlap the host tests below. Each lane is one
 # kernel and runs the whole kernel suite on it (every test of the `vm` target:
-# ublk::, dm::, live::, faults::, soak::) and the CSI driver's node and expand
+# ublk::, dm::, live::, faults::, soak::, snapshots::) and the CSI driver's node and expand
 # tests (on ublk volumes):
 #   lane 1: the newest trixie-backports kernel;
 #   lane 2: Debian's 6.12 LTS kernel.
@@ -64,7 +64,7 @@ tests/vm/kernel-cache-test.sh
 # blockplane says so. run-suite.sh fails a lane whose test count is not the one
 # below (a test that drops out of a lane must be noticed) or whose guest kernel
 # logged a warning or oops.
-vm_tests=39   # tests/vm/e2e: every test
+vm_tests=42   # tests/vm/e2e: every test
 csi_vm_tests=13   # tests/csi node:: and expand::
 step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
 cargo build --locked --bin blockplane

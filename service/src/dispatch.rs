@@ -208,6 +208,14 @@ pub fn decide_change(
     }
 }
 
+/// Why a volume left `direct` for a snapshot or clone named `copy` of its
+/// image (the reason it then runs `nowait` with).
+pub fn left_direct_for_copy(copy: &str) -> String {
+    format!(
+        "left direct for nowait: image '{copy}' was made from this volume's image and shares its extents, which a direct map must own alone (direct-map rule: no SHARED extents)"
+    )
+}
+
 /// The policy a volume runs, as a policy to ask for (what a replacement
 /// worker or an adopted device is recorded with).
 pub fn policy_of(active: ActiveDispatch) -> DispatchPolicy {

@@ -336,6 +336,33 @@ impl ImageRoots {
         Ok((file, start))
     }
 
+    /// Creates an empty image file at `path` for a serving volume's worker
+    /// to share its image's extents with (`FICLONE` with its queues held:
+    /// [`crate::backend::VolumeBackend::snapshot`]), or `None`, making
+    /// nothing, where the filesystem cannot share extents: a probe clones
+    /// one empty unnamed file into another in the same directory first, so
+    /// the volume is never touched for a snapshot that cannot be made.
+    pub fn create_for_reflink(&self, path: &ImagePath) -> Result<Option<ImageFile>> {
+        let (parent, _) = self.open_parent(path)?;
+        let unnamed = || {
+            rustix::fs::openat(
+                &parent,
+                ".",
+                OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        };
+        let shares = match (unnamed(), unnamed()) {
+            (Ok(a), Ok(b)) => rustix::fs::ioctl_ficlone(&a, &b).is_ok(),
+            // No unnamed files here: no way to know, so no.
+            _ => false,
+        };
+        if !shares {
+            return Ok(None);
+        }
+        self.create_then(path, |_| Ok(())).map(Some)
+    }
+
     /// Creates `path` (`O_EXCL`, mode 0600) and runs `fill` on it; removes
     /// it again when `fill` fails.
     fn create_then(

@@ -133,6 +133,20 @@ async fn a_snapshot_on_xfs_is_an_instant_read_only_reflink_and_a_clone_is_writab
         .unwrap();
     assert_eq!(b, [0xa5; 4096], "a completed write is missing");
     assert!(same_bytes(&src, &snap));
+    // The event says how long the loop volume's writes could wait.
+    let events = s.get("/v1/events?limit=100").await.body;
+    let made = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "image_snapshotted")
+        .unwrap_or_else(|| panic!("no image_snapshotted event: {events}"));
+    let msg = made["message"].as_str().unwrap();
+    assert!(
+        msg.contains("volume 'gv' (loop: the filesystem's lock on the file) held its I/O for ")
+            && msg.ends_with(" µs"),
+        "{msg}"
+    );
     let ev = s.get("/v1/events?limit=100").await.body.to_string();
     assert!(ev.contains("image_snapshotted"), "{ev}");
     let l = s

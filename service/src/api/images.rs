@@ -37,7 +37,7 @@ fn created(image: Image) -> (StatusCode, Json<Image>) {
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
         (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
-        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a ublk or dm volume serves it, or a writable volume does and it must be copied (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or a clone's `create.size_bytes` below its source's size (`shrink_refused`)", body = ErrorBody),
         (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy (refused before it starts)", body = ErrorBody),
     )
@@ -52,8 +52,10 @@ pub async fn create_image(
 
 /// Snapshot an image: a read-only image (`snapshot_of`, `read_only`) whose
 /// file, named as the snapshot, sits next to the source's. Its bytes are the
-/// source's when the request arrived (an attached loop volume's completed
-/// writes included: the file is synced first). Extents shared (`method`
+/// source's when the request arrived: an attached volume's completed
+/// writes included, none after and none in part (a ublk or dm volume's I/O
+/// is held while its worker shares the extents; a volume on `direct` moves
+/// to `nowait` first, for good). Extents shared (`method`
 /// `reflink`, 201) where the filesystem can and the source is not pinned by
 /// a direct map (a pinned image is always copied); else copied in the
 /// background (`copy`, 202, as a clone's copy). Volumes on it must be
@@ -67,7 +69,7 @@ pub async fn create_image(
         (status = 202, description = "Snapshot recorded, its copy runs in the background (`state` `copying`)", body = Image),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a ublk or dm volume serves it, or a writable volume does and it must be copied (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Invalid name", body = ErrorBody),
         (status = 507, description = "The filesystem lacks the space for the copy (refused before it starts), or the overcommit ratio would be passed", body = ErrorBody),
     )

@@ -229,6 +229,15 @@ impl Change {
     }
 }
 
+/// Where a snapshot of a serving volume's image goes: the empty file the
+/// manager made ([`crate::image::ImageRoots::create_for_reflink`]), by path
+/// and `(dev, ino)`, which whoever opens it checks.
+#[derive(Debug, Clone)]
+pub struct SnapshotDest {
+    pub path: std::path::PathBuf,
+    pub identity: (u64, u64),
+}
+
 /// One kernel mechanism for serving volumes.
 pub trait VolumeBackend: Send + Sync {
     /// Which backend this is.
@@ -327,6 +336,43 @@ pub trait VolumeBackend: Send + Sync {
         self.check_allocate(att, volume_id).map(|()| false)
     }
 
+    /// Moves a volume on `direct` to `nowait` for `reason` (its image is
+    /// about to share extents, which a direct map must never serve). A
+    /// backend without `direct` refuses (the default).
+    fn leave_direct(
+        &self,
+        att: &Attachment,
+        _volume_id: Uuid,
+        _reason: String,
+    ) -> Result<Attachment, BackendError> {
+        Err(self.cannot_snapshot(att))
+    }
+
+    /// Shares the image's extents with `dest` at one moment of the volume's
+    /// I/O: held, with no request inside, so the snapshot holds every write
+    /// completed before and none after or in part. Returns how long I/O was
+    /// held. Refused on `direct` ([`VolumeBackend::leave_direct`] first),
+    /// and by a backend that cannot hold its I/O (the default).
+    fn snapshot(
+        &self,
+        att: &Attachment,
+        _volume_id: Uuid,
+        _dest: &SnapshotDest,
+    ) -> Result<std::time::Duration, BackendError> {
+        Err(self.cannot_snapshot(att))
+    }
+
+    /// Why this backend refuses [`VolumeBackend::snapshot`].
+    fn cannot_snapshot(&self, att: &Attachment) -> BackendError {
+        BackendError::Busy {
+            device: att.device.clone(),
+            reason: format!(
+                "the {} backend cannot hold a volume's I/O for a snapshot; detach the volume or make it read-only first",
+                self.kind().as_str()
+            ),
+        }
+    }
+
     /// Refuses, without side effects, a live change this backend cannot make.
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError>;
 
@@ -362,6 +408,13 @@ pub trait PrivateDevices: Send + Sync {
 
     /// The image lock the private device's worker kept through a restart.
     fn held_lock(&self, volume_id: Uuid) -> Option<OwnedFd>;
+
+    /// Makes the private worker snapshot the image ([`VolumeBackend::snapshot`]).
+    fn snapshot_image(
+        &self,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<std::time::Duration, BackendError>;
 
     /// Stops the private device and its worker (none is not an error).
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError>;

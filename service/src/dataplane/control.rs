@@ -223,6 +223,12 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             s.cancel_allocate();
             status(cx)
         }
+        Request::Snapshot { dest, dev, ino } => match snapshot_into(s, &dest, (dev, ino)) {
+            Ok(held) => Answer::Snapshot {
+                held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
+            },
+            Err(e) => refusal(e),
+        },
         Request::Shutdown => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {
@@ -231,6 +237,36 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             }
         }
     }
+}
+
+/// Opens the snapshot's file (never through a symlink) and checks it is the
+/// empty file the control plane made, then snapshots into it.
+fn snapshot_into(
+    s: &Shared,
+    dest: &std::path::Path,
+    identity: (u64, u64),
+) -> Result<Duration, Refusal> {
+    use rustix::fs::{Mode, OFlags};
+    let file = rustix::fs::open(
+        dest,
+        OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(|e| Refusal::Io {
+        op: "open the snapshot's file",
+        source: e.into(),
+    })?;
+    let st = rustix::fs::fstat(&file).map_err(|e| Refusal::Io {
+        op: "fstat the snapshot's file",
+        source: e.into(),
+    })?;
+    if (st.st_dev, st.st_ino) != identity || st.st_size != 0 {
+        return Err(Refusal::Rule(format!(
+            "{} is not the empty file the control plane made for the snapshot",
+            dest.display()
+        )));
+    }
+    s.snapshot(&std::fs::File::from(file))
 }
 
 /// Grows the image and the device. For a direct volume the pin is lifted,

@@ -30,7 +30,10 @@ const IDLE_WAIT_SECS: u64 = 20;
 /// A ublk server must not share a mount namespace with the device's users (a
 /// mount of its own device held in its namespace would make its exit wait on
 /// itself). Unshare, make everything private, and detach inherited mounts of
-/// ublk devices.
+/// ublk devices and of blockplane's dm volumes (a dm volume leaving `direct`
+/// with a filesystem mounted gets its private ublk worker only then: that
+/// worker would hold the mount, and its exit would unmount it through
+/// itself).
 pub fn private_mount_namespace() -> std::io::Result<()> {
     // SAFETY: called at start, before any thread exists: no other thread can
     // observe the namespace change.
@@ -44,7 +47,11 @@ pub fn private_mount_namespace() -> std::io::Result<()> {
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("ublkb"))
+        .filter(|e| {
+            e.file_name().to_string_lossy().starts_with("ublkb")
+                || std::fs::read_to_string(e.path().join("dm/name"))
+                    .is_ok_and(|n| n.starts_with("blockplane-"))
+        })
         .filter_map(|e| std::fs::read_to_string(e.path().join("dev")).ok())
         .map(|d| d.trim().to_string())
         .collect();

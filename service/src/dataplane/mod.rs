@@ -24,7 +24,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::extent::{self, ExtentMap, Pin};
 use crate::model::{ActiveDispatch, Allocation, DispatchPolicy};
@@ -193,6 +193,37 @@ impl Shared {
             tracing::error!("a queue did not take the config back within 30 s");
         }
         out
+    }
+
+    /// Shares the image's extents with `dest` at one moment of the volume's
+    /// I/O ([`protocol::Request::Snapshot`]); returns how long the queues
+    /// were held. Refused on `direct`, whose map must own its extents alone.
+    pub fn snapshot(&self, dest: &File) -> Result<Duration, Refusal> {
+        // Most dirty data reaches the disk before the hold, so the FICLONE
+        // inside it (which writes back what is still dirty) has little left.
+        self.data.sync_data().map_err(|source| Refusal::Io {
+            op: "fdatasync the image",
+            source,
+        })?;
+        let held = Instant::now();
+        self.with_queues_held(|| {
+            if self.config().policy == Policy::Direct {
+                return Err(Refusal::Rule(protocol::SNAPSHOT_OF_DIRECT.into()));
+            }
+            rustix::fs::ioctl_ficlone(dest, &self.image).map_err(|e| match e {
+                rustix::io::Errno::OPNOTSUPP
+                | rustix::io::Errno::XDEV
+                | rustix::io::Errno::INVAL
+                | rustix::io::Errno::NOTTY => Refusal::Rule(format!(
+                    "the image's filesystem cannot share its extents with a snapshot (FICLONE: {e})"
+                )),
+                e => Refusal::Io {
+                    op: "FICLONE",
+                    source: e.into(),
+                },
+            })
+        })?;
+        Ok(held.elapsed())
     }
 
     /// Starts making the image `full`: the file paths stop punching it, then

@@ -76,6 +76,9 @@ pub struct WorkerSpec {
 /// Why a worker of a volume created read-only cannot fill its image.
 pub const CANNOT_FILL_READ_ONLY: &str = "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first";
 
+/// Why a worker on `direct` refuses a snapshot.
+pub const SNAPSHOT_OF_DIRECT: &str = "a direct volume's image must own its extents alone (direct-map rule: no SHARED extents): move the volume off direct before sharing them with a snapshot";
+
 /// The file in a worker's run dir with the map of [`WorkerSpec::decided_map`].
 pub const DECIDED_MAP: &str = "decided-map.json";
 
@@ -138,6 +141,18 @@ pub enum Request {
     /// Stop a running fill after its current range. The image goes back to
     /// being punched if it was before ([`FillState::Cancelled`]).
     CancelAllocate,
+    /// Share the image's extents with `dest` (`FICLONE`) at one moment of
+    /// the volume's I/O: every queue held, no request inside, so the new
+    /// file holds every write completed before and none after or in part.
+    /// `dest` must be the empty file `(dev, ino)` the control plane made; a
+    /// worker on `direct` refuses (a shared extent is what a direct map must
+    /// never have: the control plane moves it off first). Answers
+    /// [`Answer::Snapshot`].
+    Snapshot {
+        dest: PathBuf,
+        dev: u64,
+        ino: u64,
+    },
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
     Shutdown,
@@ -259,6 +274,10 @@ pub enum ErrorCode {
 pub enum Answer {
     Status(Box<Status>),
     Stats(Box<WorkerStats>),
+    /// A [`Request::Snapshot`] made: how long the queues were held, µs.
+    Snapshot {
+        held_us: u64,
+    },
     /// Refused or failed; `message` names the rule.
     Error {
         code: ErrorCode,

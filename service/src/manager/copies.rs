@@ -9,10 +9,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
-use crate::image::{Access, AllocateJob, CloneStart, ImageFile};
-use crate::model::{self, Allocation, Backend, CopyMethod, CreateImageFile, Image, ImageState};
-use crate::store::ImageRow;
+use crate::backend::{Change, SnapshotDest, VolumeBackend};
+use crate::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
+use crate::model::{
+    self, ActiveDispatch, Allocation, Backend, CopyMethod, CreateImageFile, DispatchPolicy, Image,
+    ImageState,
+};
+use crate::store::{ImageRow, VolumeRow};
 
 /// A running copy: its job, and the image it reads (which must not change
 /// until it ends).
@@ -22,8 +27,9 @@ pub(super) struct CopyRun {
     name: String,
 }
 
-/// Why a ublk or dm volume stops a snapshot.
-const QUIESCE_MISSING: &str = "a snapshot or clone of an image a ublk or dm volume serves is not supported yet (it needs its queues quiesced); detach the volume, or use loop";
+/// Why a volume that went away meanwhile stops a snapshot.
+const VOLUME_CHANGED: &str =
+    "the volume was detached or deleted while the snapshot waited for it; try again";
 
 /// Why a writable volume stops a copy.
 const COPY_UNDER_WRITES: &str = "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; detach the volume or make it read-only (PATCH read_only) first";
@@ -96,44 +102,65 @@ impl Manager {
             });
         }
         let grow = grow.map(|g| (g.size_bytes, g.allocation));
-        // A loop volume writes the file with direct I/O: every write that
-        // completed is in the file, and the filesystem's own locking orders
-        // the reflink or copy after it. ublk and dm queues would need a
-        // quiesce first, which is not there yet.
+        // What may write the source meanwhile. A writable ublk or dm volume
+        // holds its queues while its worker shares the extents (below). A loop
+        // volume writes the file with direct I/O or through its page cache:
+        // every write that completed is in the file or written back by the
+        // sync and the FICLONE, which the filesystem's locking orders after it.
         let attached = self.attached_volumes(src.id).await?;
-        if let Some((v, b)) = attached.iter().find(|(_, b)| b.kind() != Backend::Loop) {
-            return Err(Error::SnapshotAttached {
-                name: src.name,
-                volume: v.name.clone(),
-                backend: b.kind().as_str(),
-                reason: QUIESCE_MISSING,
-            });
-        }
+        let serving = attached
+            .iter()
+            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
+            .cloned();
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
             .await?;
-        let (me, s, p) = (self.clone(), src.clone(), path.clone());
-        let (file, start, src_file) = blocking(move || -> Result<_> {
-            let src_file = me.open_image(&s, Access::ReadOnly)?;
-            src_file.sync()?;
-            let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
-            if let (CloneStart::Reflinked, Some((size, alloc))) = (start, grow)
-                && let Err(e) = file.grow(size, alloc)
-            {
-                let (dev, ino) = file.identity();
-                let _ = me.roots.remove_file(&p, dev, ino, file.birth());
-                return Err(e.into());
+        // `copy_from`: the open source, when a copy must fill the new file.
+        let (file, start, copy_from, held) = match serving {
+            Some((v, backend)) => {
+                let (file, held) = self
+                    .share_with_serving(&src, &path, v, backend, name, grow)
+                    .await?;
+                (file, CloneStart::Reflinked, None, Some(held))
             }
-            Ok((file, start, src_file))
-        })
-        .await??;
-        let reflinked = start == CloneStart::Reflinked;
+            None => {
+                let (me, s, p) = (self.clone(), src.clone(), path.clone());
+                let (file, start, src_file, took) = blocking(move || -> Result<_> {
+                    let src_file = me.open_image(&s, Access::ReadOnly)?;
+                    src_file.sync()?;
+                    let started = std::time::Instant::now();
+                    let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+                    let took = started.elapsed();
+                    if start == CloneStart::Reflinked {
+                        me.grow_clone(&p, &mut file, grow)?;
+                    }
+                    Ok((file, start, src_file, took))
+                })
+                .await??;
+                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
+                // A loop volume's writes wait on the file's lock while the
+                // reflink runs: that is its pause.
+                let held = attached
+                    .iter()
+                    .find(|(v, _)| !v.read_only)
+                    .filter(|_| copy_from.is_none())
+                    .map(|(v, _)| {
+                        format!(
+                            "volume '{}' (loop: the filesystem's lock on the file) held its I/O for {} µs",
+                            v.name,
+                            took.as_micros()
+                        )
+                    });
+                (file, start, copy_from, held)
+            }
+        };
+        let reflinked = copy_from.is_none();
         let remove = |file: &ImageFile| {
             let _ =
                 self.roots
                     .remove_file(&path, file.identity().0, file.identity().1, file.birth());
         };
-        if !reflinked {
+        if let Some(src_file) = &copy_from {
             if let Some((v, b)) = attached.iter().find(|(v, _)| !v.read_only) {
                 remove(&file);
                 return Err(Error::SnapshotAttached {
@@ -198,23 +225,25 @@ impl Manager {
         } else {
             "a writable clone"
         };
-        let (event, how) = if reflinked {
-            (
+        let (event, how) = match &copy_from {
+            None => (
                 if snapshot {
                     "image_snapshotted"
                 } else {
                     "image_cloned"
                 },
-                "extents shared (reflink)".to_string(),
-            )
-        } else {
-            (
+                match held {
+                    Some(held) => format!("extents shared (reflink); {held}"),
+                    None => "extents shared (reflink)".to_string(),
+                },
+            ),
+            Some(src_file) => (
                 "image_copy_started",
                 format!(
                     "copying {} bytes of data in the background; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
                     src_file.allocated()
                 ),
-            )
+            ),
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
@@ -241,13 +270,118 @@ impl Manager {
             return Err(e.into());
         }
         tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
-        if !reflinked {
+        if let Some(src_file) = copy_from {
             let private = start == CloneStart::Copy { private: true };
             self.start_copy(&row, src.id, file, src_file, private, grow);
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
         Ok(image)
+    }
+
+    /// Makes a new file at `path` share the extents of `src`, which writable
+    /// volume `v` serves, at one moment of its I/O: its backend holds it
+    /// while the extents are shared. A volume on `direct` is moved to
+    /// `nowait` first, for good (its map must own its extents alone),
+    /// recorded with a `dispatch_changed` event. Refused, changing nothing,
+    /// where the filesystem cannot share extents: a copy would take time
+    /// while the volume writes. Returns the file and, in words, how long the
+    /// volume's I/O was held.
+    async fn share_with_serving(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        v: VolumeRow,
+        backend: Arc<dyn VolumeBackend>,
+        name: &str,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<(ImageFile, String)> {
+        let refused = |v: &VolumeRow, reason| Error::SnapshotAttached {
+            name: src.name.clone(),
+            volume: v.name.clone(),
+            backend: v.backend.as_str(),
+            reason,
+        };
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let v = match self.store.volume(&v.id.to_string()).await? {
+            Some(now) if now.attachment.is_some() => now,
+            _ => return Err(refused(&v, VOLUME_CHANGED)),
+        };
+        let (me, p) = (self.clone(), path.clone());
+        let Some(mut file) = blocking(move || me.roots.create_for_reflink(&p)).await?? else {
+            return Err(refused(&v, COPY_UNDER_WRITES));
+        };
+        let identity = file.identity();
+        let birth = file.birth().map(str::to_string);
+        let made = async {
+            let mut v = v;
+            let mut att = v.attachment.clone().expect("checked above");
+            if att.dispatch == ActiveDispatch::Direct {
+                let (b, a, id) = (backend.clone(), att.clone(), v.id);
+                let reason = crate::dispatch::left_direct_for_copy(name);
+                att = blocking(move || b.leave_direct(&a, id, reason))
+                    .await?
+                    .map_err(|e| volume_error(&v.name, e))?;
+                self.fault_point(super::Stage::AfterChange)?;
+                // An explicit `direct` cannot hold any more; `auto` still
+                // decides, now without direct.
+                let asked = match v.dispatch {
+                    DispatchPolicy::Direct => DispatchPolicy::Nowait,
+                    d => d,
+                };
+                self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
+                    .await?;
+            }
+            let dest = SnapshotDest {
+                path: path.display().into(),
+                identity,
+            };
+            let (b, a, id) = (backend.clone(), att.clone(), v.id);
+            let held = blocking(move || b.snapshot(&a, id, &dest))
+                .await?
+                .map_err(|e| volume_error(&v.name, e))?;
+            tracing::info!(volume = %v.name, held_us = held.as_micros(), "I/O held for a snapshot");
+            let (me, p) = (self.clone(), path.clone());
+            let file = blocking(move || -> Result<ImageFile> {
+                file.refresh()?;
+                me.grow_clone(&p, &mut file, grow)?;
+                Ok(file)
+            })
+            .await??;
+            Ok((
+                file,
+                format!(
+                    "volume '{}' ({} {}) held its I/O for {} µs",
+                    v.name,
+                    v.backend.as_str(),
+                    att.dispatch.as_str(),
+                    held.as_micros()
+                ),
+            ))
+        };
+        made.await.inspect_err(|_| {
+            let _ = self
+                .roots
+                .remove_file(path, identity.0, identity.1, birth.as_deref());
+        })
+    }
+
+    /// Grows a clone whose extents are shared to `grow`'s size (its new
+    /// range laid out as asked); removes it when it cannot.
+    fn grow_clone(
+        &self,
+        path: &ImagePath,
+        file: &mut ImageFile,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<()> {
+        let Some((size, allocation)) = grow else {
+            return Ok(());
+        };
+        file.grow(size, allocation).map_err(|e| {
+            let (dev, ino) = file.identity();
+            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            e.into()
+        })
     }
 
     /// Runs the copy into `file` on a blocking thread, then records its end.

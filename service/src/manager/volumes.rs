@@ -620,7 +620,7 @@ impl Manager {
     }
 
     /// Records changes made on the device, with an event each, in one commit.
-    async fn record_changes(
+    pub(super) async fn record_changes(
         &self,
         v: &mut VolumeRow,
         att: Attachment,

@@ -15,6 +15,7 @@ mod faults;
 mod keepalloc;
 mod live;
 mod logwrites;
+mod snapshots;
 mod soak;
 mod ublk;
 

@@ -32,7 +32,7 @@ use uuid::Uuid;
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
     DeviceState, DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe,
-    ProbeRequest, SpecCheck, VolumeBackend, VolumeParams,
+    ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
 };
 use crate::blockstat::BlockStat;
 use crate::dataplane::protocol::{CANNOT_FILL_READ_ONLY, Request};
@@ -774,6 +774,38 @@ impl VolumeBackend for DmBackend {
             v.params.size_bytes = size_bytes;
             self.describe(volume_id, v)
         })
+    }
+
+    fn leave_direct(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        reason: String,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            if v.dispatch == DispatchPolicy::Direct {
+                dispatch::can_serve_off_direct("leaving direct", &self.path())?;
+                self.switch(volume_id, v, DispatchPolicy::Nowait, reason)?;
+                v.degraded = None;
+            }
+            self.describe(volume_id, v)
+        })
+    }
+
+    fn snapshot(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        // The linear table passes bios through to the private device: holding
+        // its worker's queues holds the volume's I/O.
+        if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
+            return Err(BackendError::Refused {
+                reason: crate::dataplane::protocol::SNAPSHOT_OF_DIRECT.into(),
+            });
+        }
+        self.ublk.snapshot_image(volume_id, dest)
     }
 
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {

@@ -10,7 +10,9 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{ALLOCATE_POLL, TALK_TIMEOUT, UblkBackend, io};
-use crate::backend::{AllocateJob, Attachment, BackendError, DeviceState, UblkAttachment};
+use crate::backend::{
+    AllocateJob, Attachment, BackendError, DeviceState, SnapshotDest, UblkAttachment,
+};
 use crate::dataplane::protocol::{self, Answer, ErrorCode, FillState, Request, Status, WorkerSpec};
 use crate::model::{Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats};
 
@@ -97,6 +99,25 @@ impl UblkBackend {
         }
     }
 
+    /// Asks a worker to share its image's extents with `dest` with its
+    /// queues held ([`Request::Snapshot`]); how long they were held.
+    pub(super) fn snapshot_worker(
+        &self,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        let req = Request::Snapshot {
+            dest: dest.path.clone(),
+            dev: dest.identity.0,
+            ino: dest.identity.1,
+        };
+        // The worker may wait up to 30 s for its queues before the clone.
+        match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30))? {
+            Answer::Snapshot { held_us } => Ok(Duration::from_micros(held_us)),
+            other => Err(unexpected(volume_id, &other)),
+        }
+    }
+
     /// The worker's counters and latencies in the API's shape.
     pub(super) fn worker_stats(
         &self,
@@ -164,6 +185,7 @@ impl UblkBackend {
             | Request::Stats
             | Request::Allocate { .. }
             | Request::CancelAllocate
+            | Request::Snapshot { .. }
             | Request::Shutdown => {}
         });
         Ok(s)

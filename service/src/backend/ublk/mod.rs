@@ -24,7 +24,7 @@ use uuid::Uuid;
 
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, Change, Decision, EventSink, Marked,
-    PrivateDevices, Probe, ProbeRequest, SpecCheck, VolumeBackend,
+    PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend,
 };
 use crate::dataplane::protocol::{CANNOT_FILL_READ_ONLY, Request, WorkerSpec};
 use crate::dispatch;
@@ -301,6 +301,33 @@ impl VolumeBackend for UblkBackend {
         self.fill_image(volume_id, job)
     }
 
+    fn leave_direct(
+        &self,
+        att: &Attachment,
+        volume_id: Uuid,
+        reason: String,
+    ) -> Result<Attachment, BackendError> {
+        let status = self.tell(
+            volume_id,
+            Request::SetDispatch {
+                dispatch: DispatchPolicy::Nowait,
+                reason,
+            },
+        )?;
+        let mut out = self.attachment(&status)?;
+        out.attached_at = att.attached_at;
+        Ok(out)
+    }
+
+    fn snapshot(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        self.snapshot_worker(volume_id, dest)
+    }
+
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
         match change {
             Change::Dispatch(d @ (DispatchPolicy::Direct | DispatchPolicy::Auto)) => {
@@ -395,6 +422,14 @@ impl PrivateDevices for UblkBackend {
 
     fn held_lock(&self, volume_id: Uuid) -> Option<OwnedFd> {
         self.image_lock(volume_id)
+    }
+
+    fn snapshot_image(
+        &self,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        self.snapshot_worker(volume_id, dest)
     }
 
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError> {
