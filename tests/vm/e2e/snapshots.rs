@@ -60,63 +60,49 @@ fn classify(buf: &[u8], i: u64) -> Held {
     }
 }
 
-/// A thread writing block `i` with sequence number `i`, i = 0, 1, 2, ...,
-/// one `O_DIRECT` pwrite at a time, recording when each started and ended.
-struct SeqWriter {
+/// A writer thread that counts what it completed; stopped when dropped, so
+/// a failed test stops it too.
+struct Writer<T> {
     done: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Vec<(Instant, Instant)>>>,
+    thread: Option<JoinHandle<T>>,
+    what: &'static str,
 }
 
-/// A failed test stops its writer too.
-impl Drop for SeqWriter {
+impl<T> Drop for Writer<T> {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
 }
 
-impl SeqWriter {
-    fn start(dev: &str) -> Self {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(dev)
-            .unwrap_or_else(|e| panic!("open {dev} O_DIRECT: {e}"));
+impl<T: Send + 'static> Writer<T> {
+    /// Runs `body(done, stop)` on a thread of its own: it counts into `done`
+    /// and returns once `stop` is set.
+    fn spawn(
+        what: &'static str,
+        body: impl FnOnce(&AtomicU64, &AtomicBool) -> T + Send + 'static,
+    ) -> Self {
         let (done, stop) = (
             Arc::new(AtomicU64::new(0)),
             Arc::new(AtomicBool::new(false)),
         );
         let (d, s) = (done.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            // O_DIRECT wants an aligned buffer.
-            let mut raw = vec![0u8; 2 * BLOCK];
-            let at = raw.as_ptr().align_offset(BLOCK);
-            let buf = &mut raw[at..at + BLOCK];
-            let mut times = Vec::new();
-            let mut i = 0u64;
-            while !s.load(Ordering::Relaxed) && i < HALF / BLOCK as u64 {
-                fill_block(buf, i);
-                let t0 = Instant::now();
-                let n = f
-                    .write_at(buf, i * BLOCK as u64)
-                    .unwrap_or_else(|e| panic!("sequence write {i}: {e}"));
-                assert_eq!(n, BLOCK, "short sequence write {i}");
-                times.push((t0, Instant::now()));
-                i += 1;
-                d.store(i, Ordering::Release);
-            }
-            times
-        });
+        let thread = std::thread::spawn(move || body(&d, &s));
         Self {
             done,
             stop,
             thread: Some(thread),
+            what,
         }
     }
 
-    /// Writes completed so far (block `completed() - 1` is the last).
+    /// Writes completed so far.
     fn completed(&self) -> u64 {
         self.done.load(Ordering::Acquire)
+    }
+
+    fn running(&self) -> bool {
+        !self.thread.as_ref().unwrap().is_finished()
     }
 
     /// Waits until at least `n` writes completed.
@@ -124,25 +110,60 @@ impl SeqWriter {
         let started = Instant::now();
         while self.completed() < n {
             assert!(
-                !self.thread.as_ref().unwrap().is_finished(),
-                "the sequence writer stopped at {}",
+                self.running(),
+                "the {} stopped at {}",
+                self.what,
                 self.completed()
             );
             assert!(
                 started.elapsed() < Duration::from_secs(60),
-                "the sequence writer did {} of {n} writes in 60 s",
+                "the {} did {} of {n} writes in 60 s",
+                self.what,
                 self.completed()
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
-    /// Stops the writer; its writes' start and end times, by sequence number.
-    fn finish(mut self) -> Vec<(Instant, Instant)> {
+    /// Stops the writer; what it returned.
+    fn finish(mut self) -> T {
         self.stop.store(true, Ordering::Relaxed);
         let thread = self.thread.take().unwrap();
-        thread.join().expect("the sequence writer panicked")
+        thread
+            .join()
+            .unwrap_or_else(|_| panic!("the {} panicked", self.what))
     }
+}
+
+/// Writes block `i` with sequence number `i`, i = 0, 1, 2, ..., one
+/// `O_DIRECT` pwrite at a time, recording when each started and ended
+/// (block `completed() - 1` is the last done).
+fn seq_writer(dev: &str) -> Writer<Vec<(Instant, Instant)>> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .unwrap_or_else(|e| panic!("open {dev} O_DIRECT: {e}"));
+    Writer::spawn("sequence writer", move |d, s| {
+        // O_DIRECT wants an aligned buffer.
+        let mut raw = vec![0u8; 2 * BLOCK];
+        let at = raw.as_ptr().align_offset(BLOCK);
+        let buf = &mut raw[at..at + BLOCK];
+        let mut times = Vec::new();
+        let mut i = 0u64;
+        while !s.load(Ordering::Relaxed) && i < HALF / BLOCK as u64 {
+            fill_block(buf, i);
+            let t0 = Instant::now();
+            let n = f
+                .write_at(buf, i * BLOCK as u64)
+                .unwrap_or_else(|e| panic!("sequence write {i}: {e}"));
+            assert_eq!(n, BLOCK, "short sequence write {i}");
+            times.push((t0, Instant::now()));
+            i += 1;
+            d.store(i, Ordering::Release);
+        }
+        times
+    })
 }
 
 /// `len` bytes of `path` from `at`, read with `O_DIRECT`: from the disk,
@@ -333,7 +354,7 @@ async fn every_backend_and_policy_under_writes() {
                 "--rate_iops=,300",
             ],
         );
-        let writer = SeqWriter::start(&dev);
+        let writer = seq_writer(&dev);
         writer.wait_for(64).await;
         writes_flow(&dev, 1 << 20).await;
         let last = writer.completed() - 1;
@@ -399,61 +420,23 @@ fn file_data(j: u64) -> Vec<u8> {
         .collect()
 }
 
-/// A thread making files `f0`, `f1`, ... in `dir`, each fsynced with its
-/// directory before it counts as done.
-struct FileWriter {
-    done: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// A failed test stops its writer too.
-impl Drop for FileWriter {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-impl FileWriter {
-    fn start(dir: &Path) -> Self {
-        let (done, stop) = (
-            Arc::new(AtomicU64::new(0)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let (d, s, dir) = (done.clone(), stop.clone(), dir.to_path_buf());
-        let thread = std::thread::spawn(move || {
-            let parent = File::open(&dir).unwrap();
-            let mut j = 0;
-            while !s.load(Ordering::Relaxed) {
-                let p = dir.join(format!("f{j}"));
-                let f = File::create(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-                f.write_all_at(&file_data(j), 0).unwrap();
-                f.sync_all().unwrap();
-                parent.sync_all().unwrap();
-                j += 1;
-                d.store(j, Ordering::Release);
-            }
-        });
-        Self {
-            done,
-            stop,
-            thread: Some(thread),
+/// Makes files `f0`, `f1`, ... in `dir`, each fsynced with its directory
+/// before it counts as done.
+fn file_writer(dir: &Path) -> Writer<()> {
+    let dir = dir.to_path_buf();
+    Writer::spawn("file writer", move |d, s| {
+        let parent = File::open(&dir).unwrap();
+        let mut j = 0;
+        while !s.load(Ordering::Relaxed) {
+            let p = dir.join(format!("f{j}"));
+            let f = File::create(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            f.write_all_at(&file_data(j), 0).unwrap();
+            f.sync_all().unwrap();
+            parent.sync_all().unwrap();
+            j += 1;
+            d.store(j, Ordering::Release);
         }
-    }
-
-    fn completed(&self) -> u64 {
-        self.done.load(Ordering::Acquire)
-    }
-
-    fn running(&self) -> bool {
-        !self.thread.as_ref().unwrap().is_finished()
-    }
-
-    fn finish(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let thread = self.thread.take().unwrap();
-        thread.join().expect("the file writer panicked");
-    }
+    })
 }
 
 /// A mount undone when dropped, so a failed test leaves nothing mounted for
@@ -523,7 +506,7 @@ async fn xfs_snapshot_round(vm: &Vm, backend: &str, dispatch: &str, mib: u64) {
     let again = vm.root(Scratch::Tmpfs).join(format!("mnt-{name}-clone"));
     sh("mkfs.xfs", &["-q", "-f", &dev]);
     let mounted = Mounted::new(&dev, &mnt, &[]);
-    let writer = FileWriter::start(&mnt);
+    let writer = file_writer(&mnt);
     let started = Instant::now();
     while writer.completed() < 8 {
         assert!(
