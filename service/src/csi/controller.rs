@@ -10,7 +10,9 @@ use serde_json::json;
 use tonic::{Request, Response, Status};
 
 use super::capability::{self, Access};
+use super::capacity::{fits, size_for};
 use super::errors::{CsiError, require};
+use super::listing::page;
 use super::mount;
 use super::naming::{self, VolumeId};
 use super::proto::controller_server::Controller;
@@ -29,12 +31,6 @@ use super::proto::{
 use super::snapshots::{self, Source};
 use super::{Driver, TOPOLOGY_KEY};
 use crate::model::{self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos};
-
-/// Image sizes are rounded up to this: aligned for every filesystem and
-/// every backend (the API itself takes multiples of 512).
-pub const GRANULE: u64 = 1 << 20;
-/// The size of a volume whose request names no capacity.
-pub const DEFAULT_SIZE: u64 = 1 << 30;
 
 /// The Controller service.
 #[derive(Debug)]
@@ -127,103 +123,6 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         p.qos = Some(qos);
     }
     Ok(p)
-}
-
-/// The image size for a capacity range: `required_bytes` rounded up to
-/// [`GRANULE`] (to 512 bytes when the granule would pass `limit_bytes`);
-/// [`DEFAULT_SIZE`] (within the limit) when nothing is required.
-pub fn size_for(volume: &str, range: Option<&CapacityRange>) -> Result<u64, CsiError> {
-    let (required, limit) = range.map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
-    let out_of_range = |reason: String| CsiError::OutOfRange {
-        volume: volume.to_string(),
-        reason,
-    };
-    if required < 0 || limit < 0 {
-        return Err(out_of_range(format!(
-            "capacity range {required}..{limit} has a negative bound"
-        )));
-    }
-    let (required, limit) = (required as u64, limit as u64);
-    if limit > 0 && required > limit {
-        return Err(out_of_range(format!(
-            "required_bytes {required} is more than limit_bytes {limit}"
-        )));
-    }
-    if required == 0 {
-        if limit == 0 {
-            return Ok(DEFAULT_SIZE);
-        }
-        let size = DEFAULT_SIZE.min(limit / GRANULE * GRANULE);
-        let size = if size == 0 { limit / 512 * 512 } else { size };
-        return if size == 0 {
-            Err(out_of_range(format!(
-                "limit_bytes {limit} is less than the smallest volume (512 bytes)"
-            )))
-        } else {
-            Ok(size)
-        };
-    }
-    let size = required.div_ceil(GRANULE) * GRANULE;
-    if limit == 0 || size <= limit {
-        return Ok(size);
-    }
-    let size = required.div_ceil(512) * 512;
-    if size <= limit {
-        Ok(size)
-    } else {
-        Err(out_of_range(format!(
-            "no multiple of 512 bytes lies in {required}..={limit}"
-        )))
-    }
-}
-
-/// Whether a capacity range admits `size`.
-fn fits(size: u64, range: Option<&CapacityRange>) -> bool {
-    range.is_none_or(|r| {
-        size >= r.required_bytes.max(0) as u64
-            && (r.limit_bytes <= 0 || size <= r.limit_bytes as u64)
-    })
-}
-
-/// One page of `items` sorted by name: at most `max_entries` (0: all) after
-/// the name `token`. The token is the last name of the previous page, so
-/// that an item deleted between pages does not shift the next page.
-pub fn page<T>(
-    call: &'static str,
-    mut items: Vec<T>,
-    name: impl Fn(&T) -> &str,
-    max_entries: i32,
-    token: &str,
-) -> Result<(Vec<T>, String), CsiError> {
-    if max_entries < 0 {
-        return Err(CsiError::Invalid {
-            volume: "*".into(),
-            reason: format!("{call}: max_entries {max_entries} is negative"),
-        });
-    }
-    if !token.is_empty() && !naming::is_driver_name(token) {
-        return Err(CsiError::BadToken {
-            call,
-            token: token.to_string(),
-        });
-    }
-    items.retain(|i| name(i) > token);
-    items.sort_by(|a, b| name(a).cmp(name(b)));
-    let max = if max_entries == 0 {
-        usize::MAX
-    } else {
-        max_entries as usize
-    };
-    let next = if items.len() > max {
-        items.truncate(max);
-        items
-            .last()
-            .map(|i| name(i).to_string())
-            .unwrap_or_default()
-    } else {
-        String::new()
-    };
-    Ok((items, next))
 }
 
 fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
@@ -843,31 +742,6 @@ impl Controller for ControllerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn range(required: i64, limit: i64) -> Option<CapacityRange> {
-        Some(CapacityRange {
-            required_bytes: required,
-            limit_bytes: limit,
-        })
-    }
-
-    #[test]
-    fn sizes_round_up_to_the_granule_within_the_limit() {
-        let s = |r, l| size_for("v", range(r, l).as_ref());
-        assert_eq!(size_for("v", None).unwrap(), DEFAULT_SIZE);
-        assert_eq!(s(1, 0).unwrap(), GRANULE);
-        assert_eq!(s(GRANULE as i64, 0).unwrap(), GRANULE);
-        assert_eq!(s(GRANULE as i64 + 1, 0).unwrap(), 2 * GRANULE);
-        // The granule would pass the limit: 512-byte granularity instead.
-        assert_eq!(s(1000, 4096).unwrap(), 1024);
-        assert_eq!(s(0, 10 * GRANULE as i64 + 5).unwrap(), 10 * GRANULE);
-        assert_eq!(s(0, 1000).unwrap(), 512);
-        assert_eq!(s(2 << 30, 0).unwrap(), 2 << 30);
-        for (r, l) in [(1000, 1020), (10, 5), (-1, 0), (0, 100)] {
-            let e = s(r, l).unwrap_err();
-            assert_eq!(e.code(), tonic::Code::OutOfRange, "{r}..{l}: {e}");
-        }
-    }
 
     #[test]
     fn parameters_are_the_apis_and_typos_are_refused() {

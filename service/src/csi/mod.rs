@@ -19,10 +19,12 @@
 pub mod api;
 pub mod authority;
 pub mod capability;
+pub mod capacity;
 pub mod controller;
 pub mod errors;
 pub mod identity;
 pub mod inflight;
+pub mod listing;
 pub mod mount;
 pub mod naming;
 pub mod node;

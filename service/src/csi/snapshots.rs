@@ -128,7 +128,7 @@ pub fn clone_size(
     let size = if required == 0 {
         source
     } else {
-        super::controller::size_for(volume, range)?.max(source)
+        super::capacity::size_for(volume, range)?.max(source)
     };
     let limit = range.map_or(0, |r| r.limit_bytes.max(0) as u64);
     if limit > 0 && size > limit {
@@ -261,7 +261,7 @@ pub async fn list(
                 .is_none_or(|w| w.as_ref().is_some_and(|w| w.name == *s))
         })
         .collect();
-    let (page, next_token) = super::controller::page(
+    let (page, next_token) = super::listing::page(
         "ListSnapshots",
         snapshots,
         |(i, _)| i.name.as_str(),
