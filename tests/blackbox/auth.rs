@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use blockplane::client::{Client, Endpoint};
+use blockplane_api::client::{Client, Endpoint};
 use hyper::{Method, StatusCode};
 
 use crate::harness::{BIN, Opts, Service, assert_error, check_against_openapi};

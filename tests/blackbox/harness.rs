@@ -7,16 +7,22 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use blockplane::client::{Answer, Client, Endpoint};
+use blockplane_api::client::{Answer, Client, Endpoint};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_blockplane");
 
+/// The repository's top (the tests belong to the `blockplane` crate in
+/// `service/cli`).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 /// The committed OpenAPI document.
 pub fn openapi_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../openapi/openapi.json")
+    repo().join("openapi/openapi.json")
 }
 
 fn openapi() -> &'static Value {

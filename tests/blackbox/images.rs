@@ -293,7 +293,7 @@ async fn registration_refusals_change_nothing() {
                 .unwrap();
             let status = resp.status();
             let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-            blockplane::client::Answer {
+            blockplane_api::client::Answer {
                 status,
                 body: serde_json::from_slice(&bytes).unwrap(),
             }
@@ -462,8 +462,8 @@ fn rule_two(path: &std::path::Path) -> Result<(), String> {
     use std::os::fd::AsFd;
     let f = std::fs::File::open(path).unwrap();
     let size = f.metadata().unwrap().len();
-    let extents = blockplane::extent::fiemap(f.as_fd(), true).unwrap();
-    blockplane::extent::check_extents(&extents, size).map_err(|e| e.to_string())
+    let extents = blockplane_system::extent::fiemap(f.as_fd(), true).unwrap();
+    blockplane_system::extent::check_extents(&extents, size).map_err(|e| e.to_string())
 }
 
 #[tokio::test(flavor = "multi_thread")]

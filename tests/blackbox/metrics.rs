@@ -8,7 +8,7 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::Value;
 
-use crate::harness::Service;
+use crate::harness::{Service, repo};
 
 /// The Python with `prometheus_client` (tests/run-all.sh makes a venv).
 fn python() -> String {
@@ -265,7 +265,7 @@ async fn the_grafana_dashboard_and_the_alerts_name_only_metrics_the_service_expo
         .iter()
         .map(|f| f["name"].as_str().unwrap().to_string())
         .collect();
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = repo();
     for file in [
         "deploy/grafana/blockplane.json",
         "deploy/prometheus/alerts.yaml",

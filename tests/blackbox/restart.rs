@@ -26,13 +26,14 @@ async fn crash_during_create(point: &str) -> Service {
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", point)]);
     s.wait_ready().await;
     let sock = s.sock.clone();
-    let answer = blockplane::client::Client::new(blockplane::client::Endpoint::Unix(sock), None)
-        .send(
-            hyper::Method::POST,
-            "/v1/volumes",
-            Some(&json!({"name": "v", "image": "img", "backend": "loop"})),
-        )
-        .await;
+    let answer =
+        blockplane_api::client::Client::new(blockplane_api::client::Endpoint::Unix(sock), None)
+            .send(
+                hyper::Method::POST,
+                "/v1/volumes",
+                Some(&json!({"name": "v", "image": "img", "backend": "loop"})),
+            )
+            .await;
     assert!(
         answer.is_err(),
         "the service should have died mid-request: {answer:?}"
@@ -83,10 +84,12 @@ async fn killed_between_device_removed_and_row_deleted() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_detach")]);
     s.wait_ready().await;
-    let r =
-        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None)
-            .send(hyper::Method::DELETE, "/v1/volumes/v", None)
-            .await;
+    let r = blockplane_api::client::Client::new(
+        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
+        None,
+    )
+    .send(hyper::Method::DELETE, "/v1/volumes/v", None)
+    .await;
     assert!(r.is_err());
     s.wait_exit(Duration::from_secs(10));
     assert!(s.my_loop_devices().is_empty());
@@ -107,14 +110,16 @@ async fn killed_between_a_resize_and_its_record() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
     s.wait_ready().await;
-    let r =
-        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None)
-            .send(
-                hyper::Method::POST,
-                "/v1/images/g-img/resize",
-                Some(&json!({"size_bytes": 16 << 20})),
-            )
-            .await;
+    let r = blockplane_api::client::Client::new(
+        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
+        None,
+    )
+    .send(
+        hyper::Method::POST,
+        "/v1/images/g-img/resize",
+        Some(&json!({"size_bytes": 16 << 20})),
+    )
+    .await;
     assert!(r.is_err(), "the service should have died mid-resize: {r:?}");
     s.wait_exit(Duration::from_secs(10));
     assert_eq!(
@@ -193,8 +198,10 @@ async fn sigterm_drains_and_leaves_devices() {
     // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image.
     // Its file appearing means the service is in it.
     let slow = s.images.join("slow.img");
-    let client =
-        blockplane::client::Client::new(blockplane::client::Endpoint::Unix(s.sock.clone()), None);
+    let client = blockplane_api::client::Client::new(
+        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
+        None,
+    );
     let body = json!({"name": "slow", "path": slow,
                       "create": {"size_bytes": 1u64 << 30, "allocation": "full"}});
     let in_flight = tokio::spawn(async move {

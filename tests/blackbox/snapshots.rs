@@ -57,7 +57,7 @@ async fn loop_volume(
     name: &str,
     image: &str,
     read_only: bool,
-) -> blockplane::client::Answer {
+) -> blockplane_api::client::Answer {
     s.post(
         "/v1/volumes",
         json!({"name": name, "image": image, "backend": "loop", "read_only": read_only}),

@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use blockplane::csi::proto::controller_service_capability::{Type as CapType, rpc};
-use blockplane::csi::proto::volume_capability::access_mode::Mode;
-use blockplane::csi::proto::volume_content_source::{self, SnapshotSource};
-use blockplane::csi::proto::{
+use blockplane_csi::proto::controller_service_capability::{Type as CapType, rpc};
+use blockplane_csi::proto::volume_capability::access_mode::Mode;
+use blockplane_csi::proto::volume_content_source::{self, SnapshotSource};
+use blockplane_csi::proto::{
     CapacityRange, ControllerGetCapabilitiesRequest, GetCapacityRequest, ListVolumesRequest,
     Topology, TopologyRequirement, ValidateVolumeCapabilitiesRequest, VolumeContentSource,
 };

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use blockplane::csi::proto::{
+use blockplane_csi::proto::{
     CapacityRange, ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
     NodeExpandVolumeRequest, NodeGetVolumeStatsRequest, VolumeCapability,
 };
@@ -165,7 +165,7 @@ async fn ext4_grows_online() {
     // The kernel grows a mounted ext4 only for a process with
     // CAP_SYS_RESOURCE; where the tests run without it (some sandboxes), the
     // driver must say so, and the test is a skip, not a pass.
-    if !blockplane::csi::mount::has_capability(blockplane::csi::mount::CAP_SYS_RESOURCE) {
+    if !blockplane_csi::mount::has_capability(blockplane_csi::mount::CAP_SYS_RESOURCE) {
         let s = assert_code(
             node_expand(&csi, id, &target, 64 * MIB, cap.clone()).await,
             Code::FailedPrecondition,

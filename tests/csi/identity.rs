@@ -1,7 +1,7 @@
 //! Identity service.
 
-use blockplane::csi::proto::plugin_capability::{Type, service, volume_expansion};
-use blockplane::csi::proto::{GetPluginCapabilitiesRequest, GetPluginInfoRequest, ProbeRequest};
+use blockplane_csi::proto::plugin_capability::{Type, service, volume_expansion};
+use blockplane_csi::proto::{GetPluginCapabilitiesRequest, GetPluginInfoRequest, ProbeRequest};
 
 use crate::Csi;
 

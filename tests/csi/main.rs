@@ -20,12 +20,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use blockplane::csi::proto::controller_client::ControllerClient;
-use blockplane::csi::proto::identity_client::IdentityClient;
-use blockplane::csi::proto::node_client::NodeClient;
-use blockplane::csi::proto::volume_capability::access_mode::Mode;
-use blockplane::csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
-use blockplane::csi::proto::{
+use blockplane_csi::proto::controller_client::ControllerClient;
+use blockplane_csi::proto::identity_client::IdentityClient;
+use blockplane_csi::proto::node_client::NodeClient;
+use blockplane_csi::proto::volume_capability::access_mode::Mode;
+use blockplane_csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use blockplane_csi::proto::{
     CapacityRange, CreateVolumeRequest, DeleteVolumeRequest, NodePublishVolumeRequest,
     NodeStageVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, Volume,
     VolumeCapability,
@@ -283,7 +283,7 @@ impl Drop for Csi {
 
 /// Unmounts everything mounted under `dir`, deepest first.
 pub fn unmount_under(dir: &Path) {
-    let mut points: Vec<PathBuf> = blockplane::csi::mount::mounts()
+    let mut points: Vec<PathBuf> = blockplane_system::mountinfo::mounts()
         .unwrap_or_default()
         .into_iter()
         .map(|m| m.mount_point)
@@ -395,8 +395,8 @@ pub fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code) 
 }
 
 /// The mount at `path`, if any.
-pub fn mount_at(path: &Path) -> Option<blockplane::csi::mount::MountEntry> {
-    blockplane::csi::mount::mount_at(path).unwrap()
+pub fn mount_at(path: &Path) -> Option<blockplane_system::mountinfo::MountEntry> {
+    blockplane_system::mountinfo::mount_at(path).unwrap()
 }
 
 /// Whether this runs inside the test VM (its kernel command line says so).

@@ -7,10 +7,10 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::time::Duration;
 
-use blockplane::csi::proto::node_service_capability::{Type as CapType, rpc};
-use blockplane::csi::proto::volume_capability::access_mode::Mode;
-use blockplane::csi::proto::volume_usage::Unit;
-use blockplane::csi::proto::{
+use blockplane_csi::proto::node_service_capability::{Type as CapType, rpc};
+use blockplane_csi::proto::volume_capability::access_mode::Mode;
+use blockplane_csi::proto::volume_usage::Unit;
+use blockplane_csi::proto::{
     NodeGetCapabilitiesRequest, NodeGetInfoRequest, NodeGetVolumeStatsRequest,
     NodeGetVolumeStatsResponse, NodeStageVolumeRequest,
 };

@@ -6,8 +6,8 @@
 
 use std::os::unix::fs::FileExt;
 
-use blockplane::csi::proto::volume_content_source::{SnapshotSource, Type, VolumeSource};
-use blockplane::csi::proto::{
+use blockplane_csi::proto::volume_content_source::{SnapshotSource, Type, VolumeSource};
+use blockplane_csi::proto::{
     CapacityRange, CreateSnapshotRequest, DeleteSnapshotRequest, ListSnapshotsRequest,
     ListSnapshotsResponse, ListVolumesRequest, Snapshot, Volume, VolumeContentSource,
 };

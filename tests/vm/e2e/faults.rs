@@ -516,7 +516,7 @@ impl Held {
 /// The worker of a volume (a dm volume's private one too) as it describes
 /// itself on its control socket.
 fn worker_status(vm: &Vm, volume_id: &str) -> Value {
-    use blockplane::dataplane::protocol::{Answer, Request, talk};
+    use blockplane_worker::protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
     match talk(&sock, &Request::Status, Duration::from_secs(10)) {
         Ok(Answer::Status(s)) => serde_json::to_value(*s).unwrap(),

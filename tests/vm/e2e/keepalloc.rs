@@ -164,7 +164,7 @@ fn punches(dev: &str, path: &std::path::Path) -> bool {
     let (from, to) = (200u64 << 20, 216u64 << 20);
     let unwritten = || {
         let f = std::fs::File::open(path).unwrap();
-        blockplane::extent::unwritten_ranges(f.as_fd(), from, to).unwrap()
+        blockplane_system::extent::unwritten_ranges(f.as_fd(), from, to).unwrap()
     };
     random_at(dev, 200, 16);
     sh("sync", &[]);

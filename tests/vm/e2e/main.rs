@@ -311,8 +311,8 @@ impl Vm {
     /// Sends a request the service (started with a test fault) must die in
     /// the middle of; returns once it is dead.
     pub async fn dies_in(&mut self, method: hyper::Method, path: &str, body: Option<Value>) {
-        let client = blockplane::client::Client::new(
-            blockplane::client::Endpoint::Unix(self.s.sock.clone()),
+        let client = blockplane_api::client::Client::new(
+            blockplane_api::client::Endpoint::Unix(self.s.sock.clone()),
             None,
         );
         let answer = client.send(method.clone(), path, body.as_ref()).await;

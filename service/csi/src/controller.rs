@@ -1,0 +1,784 @@
+//! The CSI Controller service: creates, deletes, grows and lists this node's
+//! volumes through the blockplane API (an image file, then a volume serving
+//! it), snapshots them and makes volumes from snapshots and volumes
+//! ([`super::snapshots`]), and reports the free space under the image root.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+use super::capability::{self, Access};
+use super::capacity::{fits, size_for};
+use super::errors::{CsiError, require};
+use super::listing::page;
+use super::mount;
+use super::naming::{self, VolumeId};
+use super::proto::controller_server::Controller;
+use super::proto::controller_service_capability::{self, rpc};
+use super::proto::list_volumes_response::Entry;
+use super::proto::validate_volume_capabilities_response::Confirmed;
+use super::proto::{
+    CapacityRange, ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
+    ControllerGetCapabilitiesRequest, ControllerGetCapabilitiesResponse,
+    ControllerServiceCapability, CreateSnapshotRequest, CreateSnapshotResponse,
+    CreateVolumeRequest, CreateVolumeResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
+    DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse,
+    ListSnapshotsRequest, ListSnapshotsResponse, ListVolumesRequest, ListVolumesResponse, Topology,
+    ValidateVolumeCapabilitiesRequest, ValidateVolumeCapabilitiesResponse, Volume,
+};
+use super::snapshots::{self, Source};
+use super::{Driver, TOPOLOGY_KEY};
+use blockplane_api::model::{self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos};
+use blockplane_system::mountinfo;
+
+/// The Controller service.
+#[derive(Debug)]
+pub struct ControllerService {
+    d: Arc<Driver>,
+}
+
+impl ControllerService {
+    /// The Controller service of `driver`.
+    pub fn new(d: Arc<Driver>) -> Self {
+        Self { d }
+    }
+}
+
+/// What a StorageClass's parameters ask of a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Params {
+    pub backend: BackendChoice,
+    pub dispatch: DispatchPolicy,
+    pub allocation: Allocation,
+    pub qos: Option<Qos>,
+}
+
+/// Parses StorageClass parameters: `backend`, `dispatch`, `allocation`
+/// (the API's values) and `qos.iops`, `qos.bytes_per_sec`, `qos.burst_iops`,
+/// `qos.burst_bytes` (byte counts take units: `100M`). Keys of Kubernetes
+/// (`csi.storage.k8s.io/...`) are not ours and are skipped; any other key is
+/// refused, so that a typo does not go unnoticed.
+pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Params, CsiError> {
+    let invalid = |reason: String| CsiError::Invalid {
+        volume: volume.to_string(),
+        reason,
+    };
+    fn api_value<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
+        serde_json::from_value(json!(v)).ok()
+    }
+    let mut p = Params {
+        backend: BackendChoice::Auto,
+        dispatch: DispatchPolicy::Auto,
+        allocation: Allocation::Sparse,
+        qos: None,
+    };
+    let mut qos = Qos::default();
+    let mut keys: Vec<&String> = params.keys().collect();
+    keys.sort();
+    for k in keys {
+        let v = params[k].trim();
+        let number = |bytes: bool| -> Result<u64, CsiError> {
+            let n = if bytes {
+                blockplane_api::model::parse_size(v).ok()
+            } else {
+                v.parse().ok()
+            };
+            n.filter(|n| *n > 0)
+                .ok_or_else(|| invalid(format!("parameter {k}='{v}' is not a positive number")))
+        };
+        match k.as_str() {
+            "backend" => {
+                p.backend = api_value(v).ok_or_else(|| {
+                    invalid(format!(
+                        "parameter backend='{v}' is not one of auto, loop, ublk, dm"
+                    ))
+                })?
+            }
+            "dispatch" => {
+                p.dispatch = api_value(v).ok_or_else(|| {
+                    invalid(format!(
+                        "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct"
+                    ))
+                })?
+            }
+            "allocation" => {
+                p.allocation = api_value(v).ok_or_else(|| {
+                    invalid(format!("parameter allocation='{v}' is not sparse or full"))
+                })?
+            }
+            "qos.iops" => qos.iops = Some(number(false)?),
+            "qos.bytes_per_sec" => qos.bytes_per_sec = Some(number(true)?),
+            "qos.burst_iops" => qos.burst_iops = Some(number(false)?),
+            "qos.burst_bytes" => qos.burst_bytes = Some(number(true)?),
+            k if k.starts_with("csi.storage.k8s.io/") => {}
+            other => {
+                return Err(invalid(format!(
+                    "unknown parameter '{other}' (known: backend, dispatch, allocation, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
+                )));
+            }
+        }
+    }
+    if qos != Qos::default() {
+        p.qos = Some(qos);
+    }
+    Ok(p)
+}
+
+fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
+    ControllerServiceCapability {
+        r#type: Some(controller_service_capability::Type::Rpc(
+            controller_service_capability::Rpc { r#type: t as i32 },
+        )),
+    }
+}
+
+impl ControllerService {
+    fn csi_volume(&self, v: &model::Volume) -> Volume {
+        Volume {
+            capacity_bytes: v.size_bytes as i64,
+            volume_id: VolumeId::new(&self.d.node_id, &v.name).to_string(),
+            volume_context: Default::default(),
+            content_source: None,
+            accessible_topology: vec![self.d.topology()],
+        }
+    }
+
+    /// Parses a volume id of this node; `Ok(None)` for ids that cannot be
+    /// this driver's.
+    fn own_id(&self, id: &str, expand: bool) -> Result<Option<VolumeId>, CsiError> {
+        let Some(vid) = VolumeId::parse(id) else {
+            return Ok(None);
+        };
+        if vid.node != self.d.node_id {
+            let (volume, owner, node) = (id.to_string(), vid.node, self.d.node_id.clone());
+            return Err(if expand {
+                CsiError::ExpandElsewhere {
+                    volume,
+                    owner,
+                    node,
+                }
+            } else {
+                CsiError::OtherNode {
+                    volume,
+                    owner,
+                    node,
+                }
+            });
+        }
+        Ok(Some(vid))
+    }
+
+    /// Checks an existing volume against a repeated CreateVolume: the same
+    /// capacity range and parameters give the same volume.
+    async fn compatible(
+        d: &Driver,
+        csi_name: &str,
+        v: &model::Volume,
+        range: Option<&CapacityRange>,
+        p: &Params,
+        source: Option<&model::Image>,
+    ) -> Result<(), CsiError> {
+        let image = d.api.image(&v.name).await?;
+        let size = image.as_ref().map_or(v.size_bytes, |i| i.size_bytes);
+        let mut diffs = Vec::new();
+        if !fits(size, range) {
+            diffs.push(format!(
+                "its size {size} is outside the requested capacity range"
+            ));
+        }
+        if p.backend != BackendChoice::Auto && v.backend.as_str() != backend_str(p.backend) {
+            diffs.push(format!(
+                "it runs on backend {}, asked {}",
+                v.backend.as_str(),
+                backend_str(p.backend)
+            ));
+        }
+        if v.requested_dispatch != p.dispatch {
+            diffs.push(format!(
+                "its dispatch is {}, asked {}",
+                v.requested_dispatch.as_str(),
+                p.dispatch.as_str()
+            ));
+        }
+        if let Some(i) = &image
+            && i.allocation != Some(p.allocation)
+        {
+            diffs.push(format!(
+                "its image allocation is {:?}, asked {:?}",
+                i.allocation, p.allocation
+            ));
+        }
+        if v.qos != p.qos {
+            diffs.push(format!("its QoS is {:?}, asked {:?}", v.qos, p.qos));
+        }
+        let made_from = image.as_ref().and_then(|i| i.cloned_from);
+        if made_from != source.map(|s| s.id) {
+            diffs.push(format!(
+                "its content source is {}, asked {}",
+                made_from.map_or("none".into(), |id| id.to_string()),
+                source.map_or("none".into(), |s| format!("'{}'", s.name))
+            ));
+        }
+        if diffs.is_empty() {
+            Ok(())
+        } else {
+            Err(CsiError::Incompatible {
+                volume: csi_name.to_string(),
+                reason: format!(
+                    "exists as blockplane volume '{}' with another spec: {}",
+                    v.name,
+                    diffs.join("; ")
+                ),
+            })
+        }
+    }
+
+    async fn create(
+        d: Arc<Driver>,
+        req: CreateVolumeRequest,
+        name: String,
+        params: Params,
+        size: u64,
+        source: Option<Source>,
+    ) -> Result<model::Volume, CsiError> {
+        let range = req.capacity_range.as_ref();
+        let src = match &source {
+            Some(s) => Some(snapshots::source_image(&d, &req.name, s).await?),
+            None => None,
+        };
+        if let Some(v) = d.api.volume(&name).await? {
+            Self::compatible(&d, &req.name, &v, range, &params, src.as_ref()).await?;
+            return Ok(v);
+        }
+        let size = match &src {
+            Some(s) => snapshots::clone_size(&req.name, range, s.size_bytes)?,
+            None => size,
+        };
+        // An image without its volume is what an interrupted create leaves:
+        // start again from nothing, unless it is this create's clone (still
+        // copying, or copied since the last call).
+        let mut ready = false;
+        if let Some(image) = d.api.image(&name).await? {
+            if !image.volumes.is_empty() {
+                return Err(CsiError::Precondition {
+                    volume: req.name.clone(),
+                    reason: format!(
+                        "image '{name}' is used by volumes {:?} of other names",
+                        image.volumes
+                    ),
+                });
+            }
+            let ours = src
+                .as_ref()
+                .is_some_and(|s| image.cloned_from == Some(s.id));
+            match image.state {
+                ImageState::Copying if ours => return Err(snapshots::pending(&req.name, &image)),
+                ImageState::Ready if ours => ready = true,
+                _ => {
+                    tracing::info!(image = %name, "removing the image of an interrupted create");
+                    d.api.delete_image(&name).await?;
+                }
+            }
+        }
+        if !ready {
+            let root = d.image_root(&req.name).await?;
+            let path = root.join(format!("{name}.img")).display().to_string();
+            let clone_from = src.as_ref().map(|s| s.name.as_str());
+            let image = d
+                .api
+                .create_image(&name, &path, size, params.allocation, clone_from)
+                .await?;
+            if image.state == ImageState::Copying {
+                return Err(snapshots::pending(&req.name, &image));
+            }
+        }
+        let vreq = model::CreateVolumeRequest {
+            name: name.clone(),
+            image: name.clone(),
+            backend: params.backend,
+            dispatch: params.dispatch,
+            read_only: false,
+            queues: None,
+            queue_depth: model::DEFAULT_QUEUE_DEPTH,
+            max_io_bytes: model::DEFAULT_MAX_IO_BYTES,
+            qos: params.qos,
+        };
+        match d.api.create_volume(&vreq).await {
+            Ok(v) => {
+                tracing::info!(volume = %name, device = ?v.device, size, "volume created");
+                Ok(v)
+            }
+            Err(e) => {
+                // Leave nothing behind a refused create.
+                if let Err(cleanup) = d.api.delete_image(&name).await {
+                    tracing::warn!(image = %name, error = %cleanup, "could not remove the image of a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+fn backend_str(b: BackendChoice) -> &'static str {
+    match b {
+        BackendChoice::Auto => "auto",
+        BackendChoice::Loop => "loop",
+        BackendChoice::Ublk => "ublk",
+        BackendChoice::Dm => "dm",
+    }
+}
+
+/// Whether a topology is this node's.
+fn is_node(t: &Topology, node: &str) -> bool {
+    t.segments.get(TOPOLOGY_KEY).is_some_and(|n| n == node)
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        req: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let req = req.into_inner();
+        require("CreateVolume", "name", req.name.is_empty())?;
+        let csi_name = req.name.clone();
+        let invalid = |reason: String| CsiError::Invalid {
+            volume: csi_name.clone(),
+            reason,
+        };
+        require(
+            "CreateVolume",
+            "volume_capabilities",
+            req.volume_capabilities.is_empty(),
+        )?;
+        for cap in &req.volume_capabilities {
+            capability::parse(cap).map_err(&invalid)?;
+        }
+        let source = req
+            .volume_content_source
+            .as_ref()
+            .map(|cs| snapshots::parse_source(&self.d.node_id, &csi_name, cs))
+            .transpose()?;
+        if !req.mutable_parameters.is_empty() {
+            return Err(invalid("mutable_parameters are not supported".into()).into());
+        }
+        if let Some(t) = &req.accessibility_requirements
+            && !t.requisite.is_empty()
+            && !t.requisite.iter().any(|t| is_node(t, &self.d.node_id))
+        {
+            return Err(CsiError::Topology {
+                volume: csi_name,
+                reason: format!(
+                    "this driver creates volumes on node '{}' only ({TOPOLOGY_KEY}), which the requisite topologies exclude",
+                    self.d.node_id
+                ),
+            }
+            .into());
+        }
+        let params = parse_params(&csi_name, &req.parameters)?;
+        let size = size_for(&csi_name, req.capacity_range.as_ref())?;
+        let name = naming::blockplane_name(&csi_name);
+        tracing::info!(csi_name = %csi_name, volume = %name, size, ?params, "CreateVolume");
+        let d = self.d.clone();
+        let content_source = req.volume_content_source.clone();
+        let v = self
+            .d
+            .controller_calls
+            .run(
+                &name.clone(),
+                Self::create(d, req, name, params, size, source),
+            )
+            .await?;
+        Ok(Response::new(CreateVolumeResponse {
+            volume: Some(Volume {
+                content_source,
+                ..self.csi_volume(&v)
+            }),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let req = req.into_inner();
+        require("DeleteVolume", "volume_id", req.volume_id.is_empty())?;
+        // An id that is not this driver's names no volume: deleted already.
+        let Some(id) = self.own_id(&req.volume_id, false)? else {
+            return Ok(Response::new(DeleteVolumeResponse {}));
+        };
+        tracing::info!(volume = %id.name, "DeleteVolume");
+        let d = self.d.clone();
+        let name = id.name.clone();
+        self.d
+            .controller_calls
+            .run(&id.name, async move {
+                if let Some(v) = d.api.volume(&name).await? {
+                    // The API refuses to delete a device held open (a mounted
+                    // filesystem); a bind-mounted device node holds nothing
+                    // open, so look for both in the mount table.
+                    if let Some(dev) = &v.device
+                        && let Ok(Some(rdev)) = mount::block_rdev(dev.as_ref())
+                    {
+                        let used = mountinfo::mounts_of_device(rdev).unwrap_or_default();
+                        if !used.is_empty() {
+                            return Err(CsiError::Precondition {
+                                volume: name.clone(),
+                                reason: format!(
+                                    "in use: {dev} is mounted at {}",
+                                    used.iter()
+                                        .map(|p| p.display().to_string())
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                ),
+                            });
+                        }
+                    }
+                    d.api.delete_volume(&name).await?;
+                }
+                d.api.delete_image(&name).await?;
+                Ok(())
+            })
+            .await?;
+        Ok(Response::new(DeleteVolumeResponse {}))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = req.into_inner();
+        require(
+            "ValidateVolumeCapabilities",
+            "volume_id",
+            req.volume_id.is_empty(),
+        )?;
+        require(
+            "ValidateVolumeCapabilities",
+            "volume_capabilities",
+            req.volume_capabilities.is_empty(),
+        )?;
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        let id = self.own_id(&req.volume_id, false)?.ok_or_else(not_found)?;
+        if self.d.api.volume(&id.name).await?.is_none() {
+            return Err(not_found().into());
+        }
+        let mut refusals = Vec::new();
+        for cap in &req.volume_capabilities {
+            if let Err(reason) = capability::parse(cap) {
+                refusals.push(reason);
+            }
+        }
+        if let Err(e) = parse_params(&id.name, &req.parameters) {
+            refusals.push(e.to_string());
+        }
+        if !req.mutable_parameters.is_empty() {
+            refusals.push("mutable_parameters are not supported".into());
+        }
+        let resp = if refusals.is_empty() {
+            ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(Confirmed {
+                    volume_context: req.volume_context,
+                    volume_capabilities: req.volume_capabilities,
+                    parameters: req.parameters,
+                    mutable_parameters: Default::default(),
+                }),
+                message: String::new(),
+            }
+        } else {
+            ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message: refusals.join("; "),
+            }
+        };
+        Ok(Response::new(resp))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let req = req.into_inner();
+        let volumes: Vec<model::Volume> = self
+            .d
+            .api
+            .volumes()
+            .await?
+            .into_iter()
+            .filter(|v| naming::is_driver_name(&v.name))
+            .collect();
+        let (volumes, next_token) = page(
+            "ListVolumes",
+            volumes,
+            |v| v.name.as_str(),
+            req.max_entries,
+            &req.starting_token,
+        )?;
+        Ok(Response::new(ListVolumesResponse {
+            entries: volumes
+                .iter()
+                .map(|v| Entry {
+                    volume: Some(self.csi_volume(v)),
+                    status: None,
+                })
+                .collect(),
+            next_token,
+        }))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let req = req.into_inner();
+        let none = || {
+            Ok(Response::new(GetCapacityResponse {
+                available_capacity: 0,
+                maximum_volume_size: None,
+                minimum_volume_size: None,
+            }))
+        };
+        // Another node's capacity, or volumes this driver cannot create.
+        if let Some(t) = &req.accessible_topology
+            && !is_node(t, &self.d.node_id)
+        {
+            return none();
+        }
+        if req
+            .volume_capabilities
+            .iter()
+            .any(|c| capability::parse(c).is_err())
+        {
+            return none();
+        }
+        parse_params("*", &req.parameters)?;
+        let root = self.d.image_root("*").await?;
+        // The API reports no free space, and the driver runs on the node
+        // whose image root this is: statvfs it here.
+        let stat = rustix::fs::statvfs(&root).map_err(|e| CsiError::Precondition {
+            volume: "*".into(),
+            reason: format!(
+                "cannot statvfs the image root {} ({e}): the driver must see it at the same path as the service",
+                root.display()
+            ),
+        })?;
+        let available = stat.f_bavail.saturating_mul(stat.f_frsize);
+        Ok(Response::new(GetCapacityResponse {
+            available_capacity: available.min(i64::MAX as u64) as i64,
+            maximum_volume_size: None,
+            minimum_volume_size: Some(512),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _req: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities: [
+                rpc::Type::CreateDeleteVolume,
+                rpc::Type::ListVolumes,
+                rpc::Type::GetCapacity,
+                rpc::Type::ExpandVolume,
+                rpc::Type::SingleNodeMultiWriter,
+                rpc::Type::CreateDeleteSnapshot,
+                rpc::Type::ListSnapshots,
+                rpc::Type::CloneVolume,
+            ]
+            .into_iter()
+            .map(rpc_cap)
+            .collect(),
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        let req = req.into_inner();
+        require("CreateSnapshot", "name", req.name.is_empty())?;
+        require(
+            "CreateSnapshot",
+            "source_volume_id",
+            req.source_volume_id.is_empty(),
+        )?;
+        if let Some(k) = req
+            .parameters
+            .keys()
+            .find(|k| !k.starts_with("csi.storage.k8s.io/"))
+        {
+            return Err(CsiError::Invalid {
+                volume: req.name.clone(),
+                reason: format!("unknown snapshot parameter '{k}' (snapshots take none)"),
+            }
+            .into());
+        }
+        let source =
+            self.own_id(&req.source_volume_id, false)?
+                .ok_or_else(|| CsiError::NotFound {
+                    volume: req.source_volume_id.clone(),
+                    reason: "no such volume".into(),
+                })?;
+        let name = naming::blockplane_name(&req.name);
+        tracing::info!(csi_name = %req.name, snapshot = %name, source = %source.name, "CreateSnapshot");
+        let d = self.d.clone();
+        let image = self
+            .d
+            .controller_calls
+            .run(
+                &name.clone(),
+                snapshots::create(d, req.name, source.name.clone(), name),
+            )
+            .await?;
+        Ok(Response::new(CreateSnapshotResponse {
+            snapshot: Some(snapshots::csi_snapshot(
+                &self.d.node_id,
+                &image,
+                &source.name,
+            )),
+        }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        let req = req.into_inner();
+        require("DeleteSnapshot", "snapshot_id", req.snapshot_id.is_empty())?;
+        // An id that is not this driver's names no snapshot: deleted already.
+        let Some(id) = self.own_id(&req.snapshot_id, false)? else {
+            return Ok(Response::new(DeleteSnapshotResponse {}));
+        };
+        tracing::info!(snapshot = %id.name, "DeleteSnapshot");
+        let d = self.d.clone();
+        self.d
+            .controller_calls
+            .run(&id.name.clone(), snapshots::delete(d, id.name))
+            .await?;
+        Ok(Response::new(DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        Ok(Response::new(
+            snapshots::list(&self.d, &req.into_inner()).await?,
+        ))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let req = req.into_inner();
+        require(
+            "ControllerExpandVolume",
+            "volume_id",
+            req.volume_id.is_empty(),
+        )?;
+        let Some(range) = req.capacity_range else {
+            return Err(CsiError::Missing {
+                call: "ControllerExpandVolume",
+                field: "capacity_range",
+            }
+            .into());
+        };
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        let id = self.own_id(&req.volume_id, true)?.ok_or_else(not_found)?;
+        let size = size_for(&id.name, Some(&range))?;
+        // A block volume has no filesystem to grow on the node.
+        let node_expansion_required = !req
+            .volume_capability
+            .as_ref()
+            .and_then(|c| capability::parse(c).ok())
+            .is_some_and(|c| c.access == Access::Block);
+        tracing::info!(volume = %id.name, size, "ControllerExpandVolume");
+        let d = self.d.clone();
+        let name = id.name.clone();
+        let capacity = self
+            .d
+            .controller_calls
+            .run(&id.name, async move {
+                let v = d.api.volume(&name).await?.ok_or_else(|| CsiError::NotFound {
+                    volume: name.clone(),
+                    reason: "no such volume".into(),
+                })?;
+                let pending = |reason: String| CsiError::Precondition {
+                    volume: name.clone(),
+                    reason: format!(
+                        "the image grew but the device keeps its old size until the volume is attached again: {reason}"
+                    ),
+                };
+                if v.resize_pending {
+                    return Err(pending(format!("device is {} bytes", v.size_bytes)));
+                }
+                if v.size_bytes >= size {
+                    return Ok(v.size_bytes);
+                }
+                let answer = d.api.resize_image(&name, size).await?;
+                if let Some(r) = answer.volumes.iter().find(|r| r.volume_id == v.id)
+                    && r.resize_pending
+                {
+                    return Err(pending(r.message.clone()));
+                }
+                Ok(answer.image.size_bytes)
+            })
+            .await?;
+        Ok(Response::new(ControllerExpandVolumeResponse {
+            capacity_bytes: capacity as i64,
+            node_expansion_required,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_the_apis_and_typos_are_refused() {
+        let m = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        let p = parse_params(
+            "v",
+            &m(&[
+                ("backend", "ublk"),
+                ("dispatch", "threaded"),
+                ("allocation", "full"),
+                ("qos.iops", "500"),
+                ("qos.bytes_per_sec", "100M"),
+                ("csi.storage.k8s.io/fstype", "xfs"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(p.backend, BackendChoice::Ublk);
+        assert_eq!(p.dispatch, DispatchPolicy::Threaded);
+        assert_eq!(p.allocation, Allocation::Full);
+        let qos = p.qos.unwrap();
+        assert_eq!((qos.iops, qos.bytes_per_sec), (Some(500), Some(100 << 20)));
+        assert_eq!(parse_params("v", &m(&[])).unwrap().qos, None);
+        for bad in [
+            ("backend", "nbd"),
+            ("qos.iops", "x"),
+            ("qos.iops", "0"),
+            ("sizee", "1"),
+        ] {
+            let e = parse_params("v", &m(&[bad])).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(e.to_string().contains(bad.0), "{e}");
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The CSI driver: `blockplane csi` serves the CSI v1 Identity, Controller
+//! and Node services over a unix socket, for the blockplane service of its
+//! own node, through blockplane's public API only.
+//!
+//! Volumes are local: on every node of a cluster the driver runs beside that
+//! node's blockplane, the external-provisioner runs in node-deployment mode,
+//! and each volume is accessible from its node alone (topology key
+//! [`TOPOLOGY_KEY`]). A CSI volume is a blockplane image file (under an image
+//! root) and a blockplane volume serving it, both named after the CSI name
+//! ([`naming`]).
+//!
+//! Modules: [`identity`], [`controller`] and [`node`] are the three services;
+//! [`errors`] maps every failure, and the API's answers, to a gRPC code;
+//! [`mount`] holds the mount and filesystem helpers; [`api`] the typed API
+//! calls; [`capability`] reads volume capabilities; [`snapshots`] makes
+//! snapshots and clones; [`inflight`] allows one
+//! call per volume at a time.
+
+pub mod api;
+pub mod authority;
+pub mod capability;
+pub mod capacity;
+pub mod controller;
+pub mod errors;
+pub mod identity;
+pub mod inflight;
+pub mod listing;
+pub mod mount;
+pub mod naming;
+pub mod node;
+pub mod snapshots;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::net::UnixListener;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use api::Api;
+use blockplane_api::client::{Client, Endpoint};
+use errors::CsiError;
+use inflight::InFlight;
+
+/// The generated CSI v1 messages, and server and client stubs.
+pub mod proto {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("csi.v1");
+}
+
+/// The driver's default name (the `provisioner` of its StorageClasses).
+pub const DRIVER_NAME: &str = "csi.blockplane.io";
+
+/// The topology key whose value is the node a volume lives on.
+pub const TOPOLOGY_KEY: &str = "blockplane.io/node";
+
+/// Flags of `blockplane csi` (the API address and token are the global
+/// `--api` and `--token`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CsiArgs {
+    /// Where to serve CSI: unix:///path/csi.sock (or unix:/path, or a path).
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+    /// This node's name (Kubernetes: spec.nodeName); volumes are created for
+    /// it and its topology is `blockplane.io/node=<node-id>`.
+    #[arg(long, env = "BLOCKPLANE_NODE_ID")]
+    pub node_id: String,
+    /// The driver's name, as StorageClasses and the CSIDriver object name it.
+    #[arg(long, env = "BLOCKPLANE_CSI_DRIVER_NAME", default_value = DRIVER_NAME)]
+    pub driver_name: String,
+    /// The image root to create image files under [default: the API's first
+    /// image root]. GetCapacity reports its free space, read here with
+    /// statvfs, so it must be visible to the driver at the same path.
+    #[arg(long, env = "BLOCKPLANE_CSI_IMAGE_ROOT")]
+    pub image_root: Option<PathBuf>,
+}
+
+/// What keeps `blockplane csi` from serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("--node-id is empty")]
+    NoNodeId,
+    #[error(
+        "--node-id '{0}' is too long or contains '/': a node id has at most {max} bytes so that volume ids fit the CSI limit of {limit}",
+        max = naming::MAX_NODE_ID,
+        limit = naming::MAX_VOLUME_ID
+    )]
+    BadNodeId(String),
+    #[error("--endpoint '{0}': only unix sockets are served (unix:///path/csi.sock)")]
+    Endpoint(String),
+    #[error("API address: {0}")]
+    Api(#[from] blockplane_api::client::ClientError),
+    #[error("socket {path}: {source}")]
+    Socket {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// State shared by the three services.
+#[derive(Debug)]
+pub struct Driver {
+    /// The driver's name.
+    pub name: String,
+    /// The node this driver serves.
+    pub node_id: String,
+    /// The blockplane API of this node.
+    pub api: Api,
+    /// Where image files are created (`None`: the API's first image root).
+    pub image_root: Option<PathBuf>,
+    /// Controller calls in flight, by blockplane name.
+    pub controller_calls: InFlight,
+    /// Node calls in flight, by volume id.
+    pub node_calls: InFlight,
+}
+
+impl Driver {
+    /// The topology segment of this node.
+    pub fn topology(&self) -> proto::Topology {
+        proto::Topology {
+            segments: [(TOPOLOGY_KEY.to_string(), self.node_id.clone())].into(),
+        }
+    }
+
+    /// The image root to create files under.
+    pub async fn image_root(&self, volume: &str) -> Result<PathBuf, CsiError> {
+        if let Some(r) = &self.image_root {
+            return Ok(r.clone());
+        }
+        let host = self.api.host().await?;
+        host.image_roots
+            .first()
+            .map(PathBuf::from)
+            .ok_or_else(|| CsiError::Precondition {
+                volume: volume.into(),
+                reason: "the blockplane service has no image root".into(),
+            })
+    }
+}
+
+/// The socket path of a `unix://` endpoint.
+pub fn socket_path(endpoint: &str) -> Result<PathBuf, ServeError> {
+    let path = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    if path.starts_with('/') {
+        Ok(PathBuf::from(path))
+    } else {
+        Err(ServeError::Endpoint(endpoint.to_string()))
+    }
+}
+
+fn bind(path: &Path) -> Result<UnixListener, ServeError> {
+    let err = |source| ServeError::Socket {
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    // A socket left by a previous run (the sidecars reconnect to the path).
+    if std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    {
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    UnixListener::bind(path).map_err(err)
+}
+
+/// Serves CSI until SIGTERM or SIGINT.
+pub async fn serve(args: CsiArgs, api: &str, token: Option<String>) -> Result<(), ServeError> {
+    if args.node_id.is_empty() {
+        return Err(ServeError::NoNodeId);
+    }
+    if args.node_id.len() > naming::MAX_NODE_ID || args.node_id.contains('/') {
+        return Err(ServeError::BadNodeId(args.node_id));
+    }
+    let path = socket_path(&args.endpoint)?;
+    let client = Client::new(Endpoint::parse(api)?, token);
+    let driver = Arc::new(Driver {
+        name: args.driver_name,
+        node_id: args.node_id,
+        api: Api::new(client),
+        image_root: args.image_root,
+        controller_calls: InFlight::default(),
+        node_calls: InFlight::default(),
+    });
+    let listener = bind(&path)?;
+    tracing::info!(
+        socket = %path.display(),
+        api,
+        node = %driver.node_id,
+        driver = %driver.name,
+        "serving CSI"
+    );
+    tonic::transport::Server::builder()
+        .add_service(proto::identity_server::IdentityServer::from_arc(Arc::new(
+            identity::IdentityService::new(driver.clone()),
+        )))
+        .add_service(proto::controller_server::ControllerServer::from_arc(
+            Arc::new(controller::ControllerService::new(driver.clone())),
+        ))
+        .add_service(proto::node_server::NodeServer::from_arc(Arc::new(
+            node::NodeService::new(driver.clone()),
+        )))
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener).map(|conn| conn.map(authority::Filtered::new)),
+            shutdown(),
+        )
+        .await?;
+    let _ = std::fs::remove_file(&path);
+    tracing::info!("CSI driver stopped");
+    Ok(())
+}
+
+async fn shutdown() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,875 @@
+//! The `dm` backend: a device-mapper device whose node never changes while
+//! its table decides the data path.
+//!
+//! * `direct`: `linear` targets built from the image's extent map, so the
+//!   kernel remaps every bio straight to the disk (no userspace on the data
+//!   path), under the direct-map rules: the image is pinned while mapped and
+//!   its map is re-read periodically (rule 5): on drift the device is
+//!   suspended and resumed on the `nowait` path at once.
+//! * `nowait` / `threaded`: one `linear` target over a private ublk device
+//!   served by a blockplane worker with that policy.
+//!
+//! Switching is suspend, load, resume (starting or stopping the private ublk
+//! worker around it). Names derive from the volume id (`blockplane-<uuid>`),
+//! the DM uuid also names this service instance, so a restart finds its
+//! devices and never mistakes another instance's for its own. DM ioctls go
+//! through the `devicemapper` crate; nothing depends on udev.
+
+mod ioctl;
+mod table;
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{
+    AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
+    DeviceState, DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe,
+    ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
+};
+use blockplane_api::model::{
+    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
+    VolumeStats,
+};
+use blockplane_system::blockstat::BlockStat;
+use blockplane_system::dispatch;
+use blockplane_system::extent::{self, DevNum, ExtentMap, Pin};
+use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request};
+pub use ioctl::{ForeignDevice, foreign_devices};
+use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name};
+pub use table::Target;
+use table::{direct_table, over};
+
+/// What the dm backend keeps per volume.
+struct DmVolume {
+    /// A handle on the image: to map, pin, unpin and grow it.
+    image: OwnedFd,
+    /// A duplicate of the image lock, for each private worker: the same open
+    /// file description as the manager's, so the worker's lock is that one,
+    /// not a second that would conflict with it.
+    lock: Option<OwnedFd>,
+    params: VolumeParams,
+    /// The path in force (never `Auto`).
+    dispatch: DispatchPolicy,
+    reason: String,
+    read_only: bool,
+    /// The map and pin while `direct`.
+    direct: Option<(ExtentMap, Pin)>,
+    /// The private ublk device while `nowait`/`threaded`.
+    private_ublk: Option<DevNum>,
+    table: Vec<Target>,
+    degraded: Option<String>,
+    /// The image grew but the private ublk device could not (no UPDATE_SIZE).
+    resize_pending: bool,
+    attached_at: OffsetDateTime,
+    baseline: Option<BlockStat>,
+    stop_checks: Arc<AtomicBool>,
+}
+
+/// The dm backend.
+pub struct DmBackend {
+    instance: String,
+    ublk: Arc<dyn PrivateDevices>,
+    volumes: Arc<Mutex<HashMap<Uuid, DmVolume>>>,
+    events: EventSink,
+    check_secs: u32,
+}
+
+impl DmBackend {
+    /// A dm backend for this instance, with `ublk` serving its private devices.
+    pub fn new(
+        instance: String,
+        ublk: Arc<dyn PrivateDevices>,
+        events: EventSink,
+        check_secs: u32,
+    ) -> Self {
+        Self {
+            instance,
+            ublk,
+            volumes: Arc::default(),
+            events,
+            check_secs,
+        }
+    }
+    /// The dispatch decision's view of this backend.
+    fn path(&self) -> dispatch::Path {
+        dispatch::Path::Dm {
+            ublk_missing: self.ublk.missing(),
+        }
+    }
+    fn describe(&self, volume_id: Uuid, v: &DmVolume) -> Result<Attachment, BackendError> {
+        let dev = ioctl::devnum(volume_id).ok_or_else(|| {
+            BackendError::io(
+                "find",
+                dm_name(volume_id),
+                io::Error::from_raw_os_error(libc::ENXIO),
+            )
+        })?;
+        let kernel_name = kernel_name(dev);
+        // /dev/mapper/<name> only exists where udev (or someone) made it.
+        let mapper = format!("/dev/mapper/{}", dm_name(volume_id));
+        let device = if Path::new(&mapper).exists() {
+            mapper
+        } else {
+            format!("/dev/{kernel_name}")
+        };
+        let size_bytes = std::fs::read_to_string(format!("/sys/block/{kernel_name}/size"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(|s| s * 512)
+            .unwrap_or(v.params.size_bytes);
+        Ok(Attachment {
+            device,
+            kernel_name,
+            major: dev.major,
+            minor: dev.minor,
+            dispatch: match v.dispatch {
+                DispatchPolicy::Direct => ActiveDispatch::Direct,
+                DispatchPolicy::Threaded => ActiveDispatch::Threaded,
+                _ => ActiveDispatch::Nowait,
+            },
+            dispatch_reason: v.reason.clone(),
+            size_bytes,
+            read_only: v.read_only,
+            attached_at: v.attached_at,
+            baseline: v.baseline,
+            kind: DeviceState::Dm(DmAttachment {
+                name: dm_name(volume_id),
+                uuid: dm_uuid(&self.instance, volume_id),
+                table: v.table.clone(),
+                pinned: v.direct.as_ref().map(|(_, p)| *p),
+                private_ublk: v.private_ublk.map(|d| d.to_string()),
+                degraded: v.degraded.clone(),
+            }),
+            resize_pending: v.resize_pending,
+        })
+    }
+
+    /// Starts the private ublk device of a volume with `policy`; returns its number.
+    fn start_private(
+        &self,
+        volume_id: Uuid,
+        v: &DmVolume,
+        policy: DispatchPolicy,
+        reason: &str,
+    ) -> Result<DevNum, BackendError> {
+        let image = v
+            .image
+            .try_clone()
+            .map_err(|e| BackendError::io("dup", "image", e))?;
+        let st =
+            rustix::fs::fstat(&image).map_err(|e| BackendError::io("fstat", "image", e.into()))?;
+        let image_lock = match &v.lock {
+            Some(l) => Some(
+                l.try_clone()
+                    .map_err(|e| BackendError::io("dup", "image lock", e))?,
+            ),
+            None => None,
+        };
+        let att = self.ublk.start(AttachRequest {
+            volume_id,
+            image_fd: image,
+            image_lock,
+            image_identity: (st.st_dev, st.st_ino),
+            params: VolumeParams {
+                dispatch: policy,
+                refuse_writes: v.read_only,
+                ..v.params.clone()
+            },
+            decision: Some(Decision::new(policy, reason)),
+        })?;
+        Ok(DevNum {
+            major: att.major,
+            minor: att.minor,
+        })
+    }
+
+    /// Moves a volume to `to`, with the device suspended only around the table
+    /// swap. On error the volume stays as it was.
+    fn switch(
+        &self,
+        volume_id: Uuid,
+        v: &mut DmVolume,
+        to: DispatchPolicy,
+        reason: String,
+    ) -> Result<(), BackendError> {
+        let from = v.dispatch;
+        match (from == DispatchPolicy::Direct, to == DispatchPolicy::Direct) {
+            (false, false) => {
+                // Both on the private worker: it switches by itself.
+                self.ublk.change(
+                    volume_id,
+                    Request::SetDispatch {
+                        dispatch: to,
+                        reason: reason.clone(),
+                    },
+                )?;
+            }
+            (true, false) => {
+                // Start the worker first (nothing reaches it until the table
+                // points at it); unpin only once the new table is loaded, while
+                // the device is still suspended: the worker cannot write
+                // through a pinned image, and the linear table must not serve
+                // an unpinned one.
+                let dev = self.start_private(volume_id, v, to, &reason)?;
+                let pin = v.direct.as_ref().map(|(_, p)| *p);
+                let image = &v.image;
+                let swapped = ioctl::swap(
+                    &self.instance,
+                    volume_id,
+                    false,
+                    v.read_only,
+                    || Ok(over(dev, v.params.size_bytes)),
+                    || {
+                        if let Some(p) = pin {
+                            extent::unpin(image.as_fd(), p)
+                                .map_err(|e| BackendError::io("unpin", "image", e))?;
+                        }
+                        extent::drop_page_cache(image.as_fd())
+                            .map_err(|e| BackendError::io("drop page cache", "image", e))
+                    },
+                );
+                match swapped {
+                    Ok(table) => {
+                        v.table = table;
+                        v.direct = None;
+                        v.private_ublk = Some(dev);
+                    }
+                    Err(e) => {
+                        let _ = self.ublk.stop(volume_id);
+                        return Err(e);
+                    }
+                }
+            }
+            (false, true) => {
+                // Suspended, in-flight bios have finished on the worker: map
+                // and pin (FIEMAP with sync), load the linear table, resume.
+                let image = &v.image;
+                let (size, read_only) = (v.params.size_bytes, v.read_only);
+                let mut mapped = None;
+                let swapped =
+                    ioctl::swap(
+                        &self.instance,
+                        volume_id,
+                        false,
+                        read_only,
+                        || {
+                            let refused = |e: extent::MapError| BackendError::Refused {
+                                reason: e.to_string(),
+                            };
+                            dispatch::rule_3(image.as_fd(), read_only).map_err(refused)?;
+                            let (map, pin) = extent::map_and_pin(image.as_fd(), size, None)
+                                .map_err(|e| BackendError::Refused {
+                                    reason: e.to_string(),
+                                })?;
+                            let table = direct_table(&map);
+                            mapped = Some((map, pin));
+                            Ok(table)
+                        },
+                        || Ok(()),
+                    );
+                match swapped {
+                    Ok(table) => {
+                        v.direct = mapped;
+                        v.table = table;
+                        v.private_ublk = None;
+                        // Nothing references the private device any more.
+                        self.ublk.stop(volume_id)?;
+                    }
+                    Err(e) => {
+                        if let Some((_, pin)) = mapped {
+                            let _ = extent::unpin(image.as_fd(), pin);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            (true, true) => {}
+        }
+        v.dispatch = to;
+        v.reason = reason;
+        Ok(())
+    }
+
+    /// Rule 5 for one volume: re-read the map; on drift leave `direct` at once.
+    fn check_drift(&self, volume_id: Uuid) {
+        let mut volumes = self.volumes.lock().expect("dm volumes poisoned");
+        let Some(v) = volumes.get_mut(&volume_id) else {
+            return;
+        };
+        let Some((map, _)) = &v.direct else { return };
+        let now = ExtentMap::build(v.image.as_fd(), map.size);
+        let drift = match now {
+            Ok(m) => map.differences(&m),
+            Err(e) => Some(e.to_string()),
+        };
+        let Some(what) = drift else { return };
+        tracing::error!(%volume_id, %what, "dm direct map drifted: moving to nowait");
+        let reason = format!(
+            "direct-map rule 5: the image's extents changed ({what}); serving on nowait through a private ublk device"
+        );
+        // The pin is gone (someone cleared it to move blocks): do not restore it.
+        if let Some((_, pin)) = v.direct.as_mut() {
+            pin.was_immutable = true;
+        }
+        let outcome = self.switch(volume_id, v, DispatchPolicy::Nowait, reason.clone());
+        let (kind, state, message) = match outcome {
+            Ok(()) => {
+                v.degraded = Some(reason.clone());
+                ("volume_degraded", VolumeState::Degraded, reason)
+            }
+            Err(e) => {
+                // No ublk to fall back to: stop the mapping rather than write
+                // to blocks the image no longer owns.
+                let _ = ioctl::remove(volume_id);
+                (
+                    "volume_error",
+                    VolumeState::Error,
+                    format!("{reason}; the fallback failed ({e}): the device was removed"),
+                )
+            }
+        };
+        let att = self.describe(volume_id, v).ok();
+        self.events.send(BackendEvent {
+            volume_id,
+            kind,
+            message,
+            attachment: att,
+            state: Some(state),
+        });
+    }
+
+    /// Records a volume that is live in the kernel and starts its extent
+    /// checks; returns its attachment.
+    fn register(&self, volume_id: Uuid, v: DmVolume) -> Result<Attachment, BackendError> {
+        let att = self.describe(volume_id, &v)?;
+        let stop = v.stop_checks.clone();
+        self.volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .insert(volume_id, v);
+        self.start_checks(volume_id, stop);
+        Ok(att)
+    }
+
+    fn start_checks(&self, volume_id: Uuid, stop: Arc<AtomicBool>) {
+        let me = DmBackend {
+            instance: self.instance.clone(),
+            ublk: self.ublk.clone(),
+            volumes: self.volumes.clone(),
+            events: self.events.clone(),
+            check_secs: self.check_secs,
+        };
+        let every = Duration::from_secs(u64::from(self.check_secs.max(1)));
+        let _ = std::thread::Builder::new()
+            .name(format!("dm-check-{}", &volume_id.to_string()[..8]))
+            .spawn(move || {
+                while !stop.load(Relaxed) {
+                    std::thread::sleep(every);
+                    if !stop.load(Relaxed) {
+                        me.check_drift(volume_id);
+                    }
+                }
+            });
+    }
+
+    /// Loads `table` in place of the live one (suspend, load, resume).
+    fn reload(
+        &self,
+        volume_id: Uuid,
+        read_only: bool,
+        table: Vec<Target>,
+    ) -> Result<Vec<Target>, BackendError> {
+        ioctl::swap(
+            &self.instance,
+            volume_id,
+            false,
+            read_only,
+            || Ok(table),
+            || Ok(()),
+        )
+    }
+
+    fn with_volume<T>(
+        &self,
+        volume_id: Uuid,
+        f: impl FnOnce(&mut DmVolume) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        let mut volumes = self.volumes.lock().expect("dm volumes poisoned");
+        let v = volumes.get_mut(&volume_id).ok_or_else(|| {
+            BackendError::io(
+                "find",
+                dm_name(volume_id),
+                io::Error::other("not supervised by this service"),
+            )
+        })?;
+        f(v)
+    }
+}
+
+impl VolumeBackend for DmBackend {
+    fn kind(&self) -> Backend {
+        Backend::Dm
+    }
+
+    fn capability(&self) -> BackendCapability {
+        let reason = ioctl::unavailable();
+        let targets = reason.is_none().then(ioctl::targets);
+        BackendCapability {
+            available: reason.is_none(),
+            reason,
+            features: None,
+            native_loop_target: targets.as_ref().map(|t| t.iter().any(|n| n == "loop")),
+            targets,
+        }
+    }
+
+    fn validate(
+        &self,
+        spec: &SpecCheck,
+        image: &OwnedFd,
+        size: u64,
+    ) -> Result<Option<Decision>, BackendError> {
+        if let Some(reason) = ioctl::unavailable() {
+            return Err(BackendError::Unavailable {
+                backend: "dm",
+                reason,
+            });
+        }
+        if spec.qos.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: "dm",
+                what: "qos".into(),
+                reason: "QoS needs backend: \"ublk\"".into(),
+            });
+        }
+        spec.decide(image, size, &self.path()).map(Some)
+    }
+
+    fn attach(&self, mut req: AttachRequest) -> Result<Attachment, BackendError> {
+        let decision = req.take_decision(&self.path())?;
+        let mut v = DmVolume {
+            image: req.image_fd,
+            lock: req.image_lock,
+            params: req.params.clone(),
+            dispatch: decision.dispatch,
+            reason: decision.reason.clone(),
+            read_only: req.params.refuse_writes,
+            direct: None,
+            private_ublk: None,
+            table: Vec::new(),
+            degraded: None,
+            resize_pending: false,
+            attached_at: OffsetDateTime::now_utc(),
+            baseline: None,
+            stop_checks: Arc::default(),
+        };
+        let volume_id = req.volume_id;
+        // A device left by a crash of this service mid-create: start clean.
+        let _ = ioctl::remove(volume_id);
+        let table = if decision.dispatch == DispatchPolicy::Direct {
+            let (map, pin) =
+                extent::map_and_pin(v.image.as_fd(), v.params.size_bytes, decision.map).map_err(
+                    |e| BackendError::Refused {
+                        reason: e.to_string(),
+                    },
+                )?;
+            let table = direct_table(&map);
+            v.direct = Some((map, pin));
+            table
+        } else {
+            let dev = self.start_private(volume_id, &v, decision.dispatch, &decision.reason)?;
+            v.private_ublk = Some(dev);
+            over(dev, v.params.size_bytes)
+        };
+        let created = ioctl::swap(
+            &self.instance,
+            volume_id,
+            true,
+            v.read_only,
+            || Ok(table),
+            || Ok(()),
+        );
+        v.table = match created {
+            Ok(t) => t,
+            Err(e) => {
+                // Nothing of the volume is left: no pin, no private device.
+                match &v.direct {
+                    Some((_, pin)) => drop(extent::unpin(v.image.as_fd(), *pin)),
+                    None => drop(self.ublk.stop(volume_id)),
+                }
+                return Err(e);
+            }
+        };
+        if let Some(dev) = ioctl::devnum(volume_id) {
+            v.baseline = BlockStat::read(&kernel_name(dev)).ok();
+        }
+        self.register(volume_id, v)
+    }
+
+    fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        let Some(dev) = ioctl::devnum(volume_id) else {
+            return Ok(());
+        };
+        let node = format!("/dev/{}", kernel_name(dev));
+        super::refuse_if_claimed(node)
+    }
+
+    fn detach(&self, volume_id: Uuid, att: Option<&Attachment>) -> Result<(), BackendError> {
+        ioctl::remove(volume_id)?;
+        let v = self
+            .volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .remove(&volume_id);
+        let _ = self.ublk.stop(volume_id);
+        match v {
+            Some(v) => {
+                v.stop_checks.store(true, Relaxed);
+                if let Some((_, pin)) = v.direct {
+                    extent::unpin(v.image.as_fd(), pin)
+                        .map_err(|e| BackendError::io("unpin", "image", e))?;
+                }
+            }
+            None => {
+                if let Some(pin) = att.and_then(|a| a.dm()).and_then(|d| d.pinned) {
+                    tracing::warn!(%volume_id, ?pin, "image pinned by a dm volume this service does not hold; clear FS_IMMUTABLE_FL by hand if needed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn image_lock(&self, volume_id: Uuid) -> Option<OwnedFd> {
+        let volumes = self.volumes.lock().expect("dm volumes poisoned");
+        volumes.get(&volume_id)?.lock.as_ref()?.try_clone().ok()
+    }
+
+    fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
+        let volume_id = req.volume_id;
+        if ioctl::devnum(volume_id).is_none() {
+            // Maybe a private worker outlived its dm device: let it go.
+            let _ = self.ublk.stop(volume_id);
+            return Ok(Probe::Gone);
+        }
+        let Some(image) = req.image else {
+            return Err(BackendError::Busy {
+                device: dm_name(volume_id),
+                reason: "its image cannot be opened, so the map cannot be checked".into(),
+            });
+        };
+        let name_s = dm_name(volume_id);
+        let (read_only, live) = ioctl::live_table(volume_id)?;
+        let stored = req.stored.as_ref().and_then(|a| a.dm().cloned());
+        // The device serves the size its table covers: the image's row may be
+        // older (the service died in a resize between growing the device and
+        // recording it) or its file larger (died before the table grew).
+        let mut params = req.params.clone();
+        params.size_bytes = live.iter().map(|t| t.1).sum::<u64>() * 512;
+        // An image larger than its device is a resize still to apply (the
+        // private device cannot grow without UPDATE_SIZE), even when the
+        // service died before recording it.
+        let grown = rustix::fs::fstat(&image).is_ok_and(|st| st.st_size as u64 > params.size_bytes);
+        let mut v = DmVolume {
+            image,
+            lock: req.image_lock,
+            params,
+            dispatch: req.params.dispatch,
+            reason: req
+                .stored
+                .as_ref()
+                .map(|a| a.dispatch_reason.clone())
+                .unwrap_or_default(),
+            read_only,
+            direct: None,
+            private_ublk: None,
+            table: live.clone(),
+            degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
+            resize_pending: grown || req.stored.as_ref().is_some_and(|a| a.resize_pending),
+            attached_at: req
+                .stored
+                .as_ref()
+                .map(|a| a.attached_at)
+                .unwrap_or_else(OffsetDateTime::now_utc),
+            baseline: req.stored.as_ref().and_then(|a| a.baseline),
+            stop_checks: Arc::default(),
+        };
+        let over_ublk = live.len() == 1
+            && live[0].3.split_whitespace().next().is_some_and(|d| {
+                std::fs::read_link(format!("/sys/dev/block/{d}")).is_ok_and(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("ublkb"))
+                })
+            });
+        if over_ublk {
+            let probe = self.ublk.adopt(ProbeRequest {
+                volume_id,
+                identity: req.identity,
+                image: v.image.try_clone().ok(),
+                params: req.params.clone(),
+                stored: None,
+                image_lock: v.lock.as_ref().and_then(|l| l.try_clone().ok()),
+            })?;
+            let Probe::Alive(worker) = probe else {
+                return Err(BackendError::Busy {
+                    device: name_s,
+                    reason: "its private ublk worker is gone; delete and re-create the volume"
+                        .into(),
+                });
+            };
+            v.dispatch = dispatch::policy_of(worker.dispatch);
+            v.private_ublk = Some(DevNum {
+                major: worker.major,
+                minor: worker.minor,
+            });
+            // The worker's lock, if it kept one through a service crash.
+            if v.lock.is_none() {
+                v.lock = self.ublk.held_lock(volume_id);
+            }
+        } else {
+            // Direct: the live table must be the image's map as it is now.
+            let map = ExtentMap::build(v.image.as_fd(), v.params.size_bytes).map_err(|e| {
+                BackendError::Refused {
+                    reason: e.to_string(),
+                }
+            })?;
+            let expected = direct_table(&map);
+            if expected != live {
+                return Err(BackendError::Busy {
+                    device: name_s,
+                    reason: "its table no longer matches the image's extents (rule 5); delete and re-create the volume".into(),
+                });
+            }
+            let pin = stored.and_then(|d| d.pinned).unwrap_or(Pin {
+                was_immutable: false,
+            });
+            v.dispatch = DispatchPolicy::Direct;
+            v.direct = Some((map, pin));
+        }
+        Ok(Probe::Alive(Box::new(self.register(volume_id, v)?)))
+    }
+
+    fn orphan_policy(&self) -> OrphanPolicy {
+        OrphanPolicy::Report
+    }
+
+    fn marked(&self) -> Result<Vec<Marked>, BackendError> {
+        Ok(blockplane_devices()?
+            .into_iter()
+            .filter(|c| c.instance == self.instance)
+            .map(|c| Marked {
+                volume_id: c.volume_id,
+                device: c.name,
+            })
+            .collect())
+    }
+
+    fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
+        super::kernel_stats(volume_id, Backend::Dm, att)
+    }
+
+    fn grows_image(&self) -> bool {
+        true
+    }
+
+    fn check_allocate(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
+            Ok(())
+        } else {
+            self.with_volume(volume_id, |v| match v.params.read_only {
+                true => Err(BackendError::Refused {
+                    reason: CANNOT_FILL_READ_ONLY.into(),
+                }),
+                false => Ok(()),
+            })
+        }
+    }
+
+    fn allocate(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let direct = self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))?;
+        // A direct table maps only a written image: nothing to fill. Otherwise
+        // the private worker does it, outside the volumes' lock.
+        let done = direct || self.ublk.fill(volume_id, job)?;
+        if done {
+            self.with_volume(volume_id, |v| {
+                v.params.allocation = Allocation::Full;
+                Ok(())
+            })?;
+        }
+        Ok(done)
+    }
+
+    fn resize(
+        &self,
+        _att: &Attachment,
+        size_bytes: u64,
+        allocation: Allocation,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            if v.dispatch == DispatchPolicy::Direct {
+                // Unpin, grow, map and pin again, swap tables: the device is
+                // suspended only for the swap; the old table stays valid for the
+                // old range meanwhile (the grown part is new blocks).
+                let (_, pin) = v.direct.take().expect("direct volumes have a map");
+                extent::unpin(v.image.as_fd(), pin)
+                    .map_err(|e| BackendError::io("unpin", "image", e))?;
+                // Re-adopted volumes hold the pinned image read-only: once
+                // unpinned, the same inode can be opened for writing.
+                let writable = blockplane_system::image::reopen(&v.image, true)
+                    .map_err(|e| BackendError::io("reopen", "image", e))?;
+                let grown = blockplane_system::image::grow_fd(&writable, size_bytes, allocation)
+                    .map_err(|(op, e)| BackendError::io(op, "image", e));
+                let (map, pin) = extent::map_and_pin(
+                    v.image.as_fd(),
+                    if grown.is_ok() {
+                        size_bytes
+                    } else {
+                        v.params.size_bytes
+                    },
+                    None,
+                )
+                .map_err(|e| BackendError::Refused {
+                    reason: e.to_string(),
+                })?;
+                grown?;
+                let table = direct_table(&map);
+                v.table = self.reload(volume_id, v.read_only, table)?;
+                v.direct = Some((map, pin));
+            } else {
+                let att = self.ublk.change(
+                    volume_id,
+                    Request::Resize {
+                        size_bytes,
+                        allocation,
+                    },
+                )?;
+                if att.resize_pending {
+                    // The image grew; the private device cannot (no UPDATE_SIZE):
+                    // the table keeps its size until the next attach.
+                    v.resize_pending = true;
+                    return self.describe(volume_id, v);
+                }
+                let table = over(
+                    DevNum {
+                        major: att.major,
+                        minor: att.minor,
+                    },
+                    size_bytes,
+                );
+                v.table = self.reload(volume_id, v.read_only, table)?;
+            }
+            v.params.size_bytes = size_bytes;
+            self.describe(volume_id, v)
+        })
+    }
+
+    fn leave_direct(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        reason: String,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            if v.dispatch == DispatchPolicy::Direct {
+                dispatch::can_serve_off_direct("leaving direct", &self.path())?;
+                self.switch(volume_id, v, DispatchPolicy::Nowait, reason)?;
+                v.degraded = None;
+            }
+            self.describe(volume_id, v)
+        })
+    }
+
+    fn snapshot(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        // The linear table passes bios through to the private device: holding
+        // its worker's queues holds the volume's I/O.
+        if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
+            return Err(BackendError::Refused {
+                reason: blockplane_worker::protocol::SNAPSHOT_OF_DIRECT.into(),
+            });
+        }
+        self.ublk.snapshot_image(volume_id, dest)
+    }
+
+    fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
+        match change {
+            Change::Qos(Some(_)) => Err(BackendError::NotLive {
+                backend: "dm",
+                field: "qos",
+                reason: "QoS needs backend: \"ublk\"".into(),
+            }),
+            Change::Dispatch(to @ (DispatchPolicy::Nowait | DispatchPolicy::Threaded))
+                if att.dispatch == ActiveDispatch::Direct =>
+            {
+                Ok(dispatch::can_serve_off_direct(
+                    &format!("dispatch '{}'", to.as_str()),
+                    &self.path(),
+                )?)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn reconfigure(
+        &self,
+        _att: &Attachment,
+        change: Change,
+        volume_id: Uuid,
+    ) -> Result<Attachment, BackendError> {
+        self.with_volume(volume_id, |v| {
+            match change {
+                Change::Dispatch(asked) => {
+                    let d = dispatch::decide_change(
+                        v.image.as_fd(),
+                        v.params.size_bytes,
+                        asked,
+                        v.read_only,
+                        &self.path(),
+                        v.dispatch == DispatchPolicy::Direct,
+                        &v.reason,
+                    )?;
+                    self.switch(volume_id, v, d.dispatch, d.reason)?;
+                    v.degraded = None;
+                }
+                Change::ReadOnly(ro) => {
+                    // The manager refuses this before any change; kept so a
+                    // table never turns writable over a read-only image.
+                    if !ro && v.params.read_only {
+                        return Err(BackendError::NotLive {
+                            backend: "dm",
+                            field: "read_only",
+                            reason: super::CREATED_READ_ONLY.into(),
+                        });
+                    }
+                    if v.private_ublk.is_some() {
+                        self.ublk
+                            .change(volume_id, Request::SetReadOnly { read_only: ro })?;
+                    }
+                    let table = v.table.clone();
+                    v.table = self.reload(volume_id, ro, table)?;
+                    v.read_only = ro;
+                }
+                Change::Qos(None) => {}
+                Change::Qos(Some(_)) => unreachable!("refused by check_change"),
+            }
+            self.describe(volume_id, v)
+        })
+    }
+}

@@ -1,0 +1,268 @@
+//! Talking to a volume's worker on its control socket: one request, its
+//! answer as the backend's error or the device as the worker describes it,
+//! and the live changes recorded for a replacement worker.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{ALLOCATE_POLL, TALK_TIMEOUT, UblkBackend, io};
+use crate::backend::{
+    AllocateJob, Attachment, BackendError, DeviceState, SnapshotDest, UblkAttachment,
+};
+use blockplane_api::model::{
+    Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats,
+};
+use blockplane_worker::protocol::{
+    self, Answer, ErrorCode, FillState, Request, Status, WorkerSpec,
+};
+
+impl UblkBackend {
+    pub(super) fn attachment(&self, s: &Status) -> Result<Attachment, BackendError> {
+        let name = format!("ublkb{}", s.dev_id);
+        let dev = std::fs::read_to_string(format!("/sys/block/{name}/dev"))
+            .map_err(|e| io("read sysfs of", &s.device, e))?;
+        let (major, minor) = dev
+            .trim()
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| io("parse dev of", &s.device, io::Error::other(dev.clone())))?;
+        // The device's size is the kernel's: without UPDATE_SIZE it keeps its
+        // old size while the worker serves a grown image, and a replacement
+        // worker (started with the grown size) no longer knows the resize
+        // is pending: a device smaller than its worker's image says so.
+        let device_size = std::fs::read_to_string(format!("/sys/block/{name}/size"))
+            .ok()
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .map_or(s.size_bytes, |sectors| sectors * 512);
+        Ok(Attachment {
+            device: s.device.clone(),
+            kernel_name: name,
+            major,
+            minor,
+            dispatch: s.dispatch,
+            dispatch_reason: s.dispatch_reason.clone(),
+            size_bytes: device_size,
+            read_only: s.read_only,
+            attached_at: OffsetDateTime::now_utc(),
+            baseline: None,
+            kind: DeviceState::Ublk(UblkAttachment {
+                dev_id: s.dev_id,
+                pid: s.pid,
+                pinned: s.pinned,
+                buffer_bytes: s.buffer_bytes,
+                queues: (s.queues > 0).then_some(s.queues),
+                zero_copy: s.zero_copy,
+                degraded: s.degraded.clone(),
+            }),
+            resize_pending: s.resize_pending || device_size < s.size_bytes,
+        })
+    }
+
+    pub(super) fn socket(&self, volume_id: Uuid) -> PathBuf {
+        self.run_dir(volume_id).join("ctl.sock")
+    }
+
+    pub(super) fn ask(&self, volume_id: Uuid, req: &Request) -> Result<Status, BackendError> {
+        self.ask_within(volume_id, req, TALK_TIMEOUT)
+    }
+
+    fn ask_within(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Status, BackendError> {
+        match self.talk(volume_id, req, timeout)? {
+            Answer::Status(s) => Ok(*s),
+            other => Err(unexpected(volume_id, &other)),
+        }
+    }
+
+    /// One request to a worker; a refusal or failure it answers, or a
+    /// socket that does not answer, as the backend's error.
+    fn talk(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<Answer, BackendError> {
+        let worker = || format!("volume {volume_id}");
+        match protocol::talk(&self.socket(volume_id), req, timeout) {
+            Ok(Answer::Error { code, message }) => Err(match code {
+                ErrorCode::Refused => BackendError::Refused { reason: message },
+                ErrorCode::IoError | ErrorCode::BadRequest | ErrorCode::Unknown => {
+                    io("worker", worker(), io::Error::other(message))
+                }
+            }),
+            Ok(answer) => Ok(answer),
+            Err(e) => Err(io("worker", worker(), io::Error::other(e.to_string()))),
+        }
+    }
+
+    /// Asks a worker to share its image's extents with `dest` with its
+    /// queues held ([`Request::Snapshot`]); how long they were held.
+    pub(super) fn snapshot_worker(
+        &self,
+        volume_id: Uuid,
+        dest: &SnapshotDest,
+    ) -> Result<Duration, BackendError> {
+        let req = Request::Snapshot {
+            dest: dest.path.clone(),
+            dev: dest.identity.0,
+            ino: dest.identity.1,
+        };
+        // The worker may wait up to 30 s for its queues before the clone.
+        match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30))? {
+            Answer::Snapshot { held_us } => Ok(Duration::from_micros(held_us)),
+            other => Err(unexpected(volume_id, &other)),
+        }
+    }
+
+    /// The worker's counters and latencies in the API's shape.
+    pub(super) fn worker_stats(
+        &self,
+        volume_id: Uuid,
+        att: &Attachment,
+    ) -> Result<VolumeStats, BackendError> {
+        let ws = match self.talk(volume_id, &Request::Stats, TALK_TIMEOUT)? {
+            Answer::Stats(s) => *s,
+            other => return Err(unexpected(volume_id, &other)),
+        };
+        let p = |l: &protocol::Latency| Percentiles {
+            p50: l.p50,
+            p90: l.p90,
+            p99: l.p99,
+            p999: l.p999,
+            max: l.max,
+            count: l.count,
+        };
+        Ok(VolumeStats {
+            volume_id,
+            backend: Backend::Ublk,
+            dispatch: att.dispatch,
+            read: ws.read,
+            write: ws.write,
+            flush: ws.flush,
+            discard: ws.discard,
+            in_flight: ws.in_flight,
+            since: OffsetDateTime::from_unix_timestamp_nanos(i128::from(ws.since_ms) * 1_000_000)
+                .unwrap_or(att.attached_at),
+            kernel: None,
+            latency_us: Some(LatencyStats {
+                read: p(&ws.latency[0]),
+                write: p(&ws.latency[1]),
+                flush: p(&ws.latency[2]),
+                discard: p(&ws.latency[3]),
+            }),
+            nowait: Some(NowaitStats {
+                submitted: ws.nowait_submitted,
+                completed_inline: ws.nowait_completed_inline,
+                eagain_fallbacks: ws.nowait_eagain_fallbacks,
+                pauses: ws.nowait_pauses,
+                bypassed: ws.nowait_bypassed,
+            }),
+            qos_throttled: Some(ws.qos_throttled),
+            worker_restarts: Some(ws.worker_restarts),
+            rates: None,
+            histograms: Some(ws.histograms.clone()),
+        })
+    }
+
+    /// A live change for a worker: asked, then recorded in the spec a
+    /// replacement worker starts from, so a crash loses none of it (a
+    /// volume made read-only must not come back writable, nor the reverse).
+    pub(super) fn tell(&self, volume_id: Uuid, req: Request) -> Result<Status, BackendError> {
+        let s = self.ask(volume_id, &req)?;
+        self.record(volume_id, |spec| match req {
+            Request::SetDispatch { dispatch, reason } => {
+                spec.dispatch = dispatch;
+                spec.dispatch_reason = reason;
+            }
+            Request::SetReadOnly { read_only } => spec.refuse_writes = read_only,
+            Request::SetQos { qos } => spec.qos = qos,
+            Request::Resize { size_bytes, .. } => spec.size_bytes = size_bytes,
+            Request::Status
+            | Request::Stats
+            | Request::Allocate { .. }
+            | Request::CancelAllocate
+            | Request::Snapshot { .. }
+            | Request::Shutdown => {}
+        });
+        Ok(s)
+    }
+
+    /// Changes the spec a replacement worker of `volume_id` would start with
+    /// (so a restart keeps what the running worker was told).
+    pub(super) fn record(&self, volume_id: Uuid, change: impl FnOnce(&mut WorkerSpec)) {
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            change(&mut w.spec);
+        }
+    }
+
+    /// Makes a worker's image `full` (a volume's own, or a dm volume's
+    /// private one): starts its fill (or adopts one a restarted service left
+    /// running), reports progress into `job` and asks the worker to stop when
+    /// `job.cancel` is set. Returns when the fill ended: `Ok(true)` done (a
+    /// replacement worker keeps the image `full`), `Ok(false)` cancelled.
+    pub(super) fn fill_image(
+        &self,
+        volume_id: Uuid,
+        job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let failed = |why: String| {
+            io(
+                "allocate",
+                format!("volume {volume_id}"),
+                io::Error::other(why),
+            )
+        };
+        let pace_ms = job.pace.as_millis() as u64;
+        let mut status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
+        let mut cancel_sent = false;
+        loop {
+            let Some(fill) = status.allocate else {
+                return Err(failed(
+                    "the worker was replaced while it filled the image; allocate again".into(),
+                ));
+            };
+            job.done_bytes.store(fill.done_bytes, Relaxed);
+            job.total_bytes.store(fill.total_bytes, Relaxed);
+            match fill.state {
+                FillState::Running => {}
+                FillState::Done => {
+                    self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+                    return Ok(true);
+                }
+                FillState::Cancelled => return Ok(false),
+                FillState::Failed => {
+                    return Err(failed(fill.error.unwrap_or_else(|| "unknown".into())));
+                }
+            }
+            if job.cancel.load(Relaxed) && !cancel_sent {
+                status = self.ask(volume_id, &Request::CancelAllocate)?;
+                cancel_sent = true;
+                continue;
+            }
+            std::thread::sleep(ALLOCATE_POLL);
+            status = self.ask(volume_id, &Request::Status)?;
+        }
+    }
+}
+
+/// A worker's answer of the wrong kind for its request.
+fn unexpected(volume_id: Uuid, answer: &Answer) -> BackendError {
+    io(
+        "worker",
+        format!("volume {volume_id}"),
+        io::Error::other(format!("unexpected answer {answer:?}")),
+    )
+}

@@ -1,0 +1,551 @@
+//! Worker supervision: starting a worker (detached, its image and lock on
+//! fixed fds), watching it through a pidfd, replacing it when it dies, and
+//! the run dirs that let a restarted service find it again.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use libublk::sys;
+use uuid::Uuid;
+
+use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
+use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Probe, ProbeRequest};
+use blockplane_api::model::{DispatchPolicy, VolumeState};
+use blockplane_system::dispatch;
+use blockplane_system::extent::ExtentMap;
+use blockplane_worker::protocol::{
+    self, Answer, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec, worker_spec,
+};
+
+impl UblkBackend {
+    pub(super) fn run_dir(&self, volume_id: Uuid) -> PathBuf {
+        self.cfg.run_root.join(volume_id.to_string())
+    }
+
+    pub(super) fn state_file(&self, volume_id: Uuid) -> Option<blockplane_worker::ControlState> {
+        read_state(&self.run_dir(volume_id))
+    }
+
+    /// Marks a run dir as this instance's (see [`run_dir_instance`]).
+    fn claim_run_dir(&self, run_dir: &Path) -> Result<(), BackendError> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(run_dir.join(INSTANCE_FILE))
+            .and_then(|mut f| io::Write::write_all(&mut f, self.cfg.instance.as_bytes()))
+            .map_err(|e| io("mark run dir", run_dir.display().to_string(), e))
+    }
+
+    /// Starts a worker and waits until its device serves; returns its status.
+    /// `lock` (an image lock, when `spec.image_lock`) goes to the worker as
+    /// [`LOCK_FD`].
+    fn start_worker(
+        &self,
+        mut spec: WorkerSpec,
+        image: &OwnedFd,
+        lock: Option<&OwnedFd>,
+        decided: Option<&ExtentMap>,
+    ) -> Result<(u32, Status), BackendError> {
+        let run_dir = &spec.run_dir.clone();
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(run_dir)
+            .map_err(|e| io("create run dir", run_dir.display().to_string(), e))?;
+        self.claim_run_dir(run_dir)?;
+        if let Some(map) = decided {
+            protocol::put_decided_map(run_dir, map)
+                .map_err(|e| io("write the decided map", run_dir.display().to_string(), e))?;
+        }
+        spec.decided_map = decided.is_some();
+        let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(run_dir.join("worker.out"))
+            .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
+        let raw = image.as_raw_fd();
+        let raw_lock = lock.map(|l| l.as_raw_fd());
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("worker")
+            .arg("--spec")
+            .arg(serde_json::to_string(&spec).expect("spec serializes"))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().map_err(|e| io("dup", "worker output", e))?)
+            .stderr(out);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Its own session: signals to the control plane's group do not
+                // reach it, and it outlives the control plane.
+                libc::setsid();
+                // Above the target numbers first (close-on-exec copies), so
+                // neither dup2 overwrites the other's source, and each target
+                // loses close-on-exec even where it was the source's number.
+                let moved = [Some(raw), raw_lock]
+                    .map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
+                for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD]) {
+                    if let Some(fd) = fd
+                        && (fd < 0 || libc::dup2(fd, target) < 0)
+                    {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| io("start worker", self.exe.display().to_string(), e))?;
+        let pid = child.id();
+        let socket = run_dir.join("ctl.sock");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(Answer::Status(s)) = protocol::talk(&socket, &Request::Status, TALK_TIMEOUT) {
+                // Reaped by a thread so the worker never lingers as a zombie.
+                std::thread::spawn(move || drop(child.wait()));
+                return Ok((pid, *s));
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(BackendError::io(
+                    "start worker",
+                    format!("volume {}", spec.volume_id),
+                    io::Error::other(format!(
+                        "worker exited ({status}): {}",
+                        last_error_line(run_dir)
+                    )),
+                ));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(BackendError::io(
+                    "start worker",
+                    format!("volume {}", spec.volume_id),
+                    io::Error::other(format!(
+                        "no answer within {START_TIMEOUT:?}: {}",
+                        last_error_line(run_dir)
+                    )),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Watches a worker: when it dies unasked, a new worker recovers its device.
+    fn supervise(&self, volume_id: Uuid) {
+        let workers = self.workers.clone();
+        let events = self.events.clone();
+        let exe = self.exe.clone();
+        let backend = UblkBackend {
+            cfg: self.cfg.clone(),
+            exe,
+            workers: workers.clone(),
+            events: events.clone(),
+        };
+        let _ = std::thread::Builder::new()
+            .name(format!("supervise-{}", &volume_id.to_string()[..8]))
+            .spawn(move || backend.supervise_loop(volume_id));
+    }
+
+    fn supervise_loop(&self, volume_id: Uuid) {
+        let mut last_degraded: Option<String> = None;
+        loop {
+            let (pid, stopping, forget, private) = {
+                let w = self.workers.lock().expect("workers poisoned");
+                let Some(w) = w.get(&volume_id) else { return };
+                (w.pid, w.stopping.clone(), w.forget.clone(), w.private)
+            };
+            let pidfd = rustix::process::pidfd_open(
+                rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+                rustix::process::PidfdFlags::empty(),
+            )
+            .ok();
+            // Wait for the worker to end, looking at its status meanwhile.
+            loop {
+                if forget.load(Relaxed) {
+                    return;
+                }
+                let ended = match &pidfd {
+                    Some(fd) => {
+                        let mut fds =
+                            [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                        let t = rustix::event::Timespec {
+                            tv_sec: 2,
+                            tv_nsec: 0,
+                        };
+                        matches!(rustix::event::poll(&mut fds, Some(&t)), Ok(n) if n > 0)
+                    }
+                    None => true,
+                };
+                if ended {
+                    break;
+                }
+                if !private
+                    && let Ok(Answer::Status(s)) = protocol::talk(
+                        &self.socket(volume_id),
+                        &Request::Status,
+                        Duration::from_secs(5),
+                    )
+                    && s.degraded != last_degraded
+                {
+                    last_degraded = s.degraded.clone();
+                    if s.degraded.is_some() {
+                        // A replacement worker starts where this one is now.
+                        self.record(volume_id, |spec| spec.dispatch = DispatchPolicy::Nowait);
+                    }
+                    if let (Some(reason), Ok(att)) = (&s.degraded, self.attachment(&s)) {
+                        self.events.send(BackendEvent {
+                            volume_id,
+                            kind: "volume_degraded",
+                            message: reason.clone(),
+                            attachment: Some(att),
+                            state: Some(VolumeState::Degraded),
+                        });
+                    }
+                }
+            }
+            if stopping.load(Relaxed) || forget.load(Relaxed) {
+                return;
+            }
+            self.recover_after_crash(volume_id, pid);
+        }
+    }
+
+    /// Starts a replacement worker that recovers the device of a dead one.
+    fn recover_after_crash(&self, volume_id: Uuid, old_pid: u32) {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (mut spec, image, lock, private) = {
+                let w = self.workers.lock().expect("workers poisoned");
+                let Some(w) = w.get(&volume_id) else { return };
+                let Ok(image) = w.image.try_clone() else {
+                    return;
+                };
+                let lock = match w.lock.as_ref().map(OwnedFd::try_clone) {
+                    Some(Ok(l)) => Some(l),
+                    Some(Err(_)) => return,
+                    None => None,
+                };
+                (w.spec.clone(), image, lock, w.private)
+            };
+            let state = self.state_file(volume_id);
+            let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
+            spec.recover_dev_id = Some(dev_id);
+            spec.pinned = state.and_then(|s| s.pinned);
+            match self.start_worker(spec.clone(), &image, lock.as_ref(), None) {
+                Ok((pid, status)) => {
+                    if let Some(w) = self
+                        .workers
+                        .lock()
+                        .expect("workers poisoned")
+                        .get_mut(&volume_id)
+                    {
+                        w.pid = pid;
+                        w.spec = spec;
+                    }
+                    // A private device's volume is its dm device: leave that be.
+                    let att = if private {
+                        None
+                    } else {
+                        self.attachment(&status).ok()
+                    };
+                    self.events.send(BackendEvent {
+                        volume_id,
+                        kind: "worker_restarted",
+                        message: format!(
+                            "worker {old_pid} died; worker {pid} recovered /dev/ublkb{} (attempt {attempt})",
+                            status.dev_id
+                        ),
+                        attachment: att,
+                        state: None,
+                    });
+                    return;
+                }
+                Err(e) if attempt < 10 => {
+                    tracing::warn!(%volume_id, attempt, error = %e, "recovery failed; retrying");
+                    std::thread::sleep(Duration::from_millis(200 * attempt));
+                }
+                Err(e) => {
+                    self.events.send(BackendEvent {
+                        volume_id,
+                        kind: "worker_recovery_failed",
+                        message: format!(
+                            "worker {old_pid} died and its device could not be recovered: {e}"
+                        ),
+                        attachment: None,
+                        state: Some(VolumeState::Error),
+                    });
+                    self.workers
+                        .lock()
+                        .expect("workers poisoned")
+                        .remove(&volume_id);
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn attach_worker(
+        &self,
+        mut req: AttachRequest,
+        private: bool,
+    ) -> Result<Attachment, BackendError> {
+        let decision = req.take_decision(&self.path())?;
+        let run_dir = self.run_dir(req.volume_id);
+        // A device left by a dead worker of this volume: recover it, so the
+        // data in flight when it died is reissued, not lost.
+        let earlier = self.state_file(req.volume_id);
+        let recover = earlier
+            .as_ref()
+            .filter(|s| !is_our_worker(s.pid, req.volume_id))
+            .and_then(|s| match kernel::device_state(s.dev_id) {
+                Some(st) if st == sys::UBLK_S_DEV_QUIESCED => Some(s.dev_id),
+                Some(_) => {
+                    kernel::delete_device(s.dev_id);
+                    None
+                }
+                None => None,
+            });
+        let spec = WorkerSpec {
+            volume_id: req.volume_id,
+            run_dir: run_dir.clone(),
+            image_path: req.params.image_path.clone(),
+            size_bytes: req.params.size_bytes,
+            read_only: req.params.read_only,
+            refuse_writes: req.params.refuse_writes,
+            dispatch: decision.dispatch,
+            dispatch_reason: decision.reason,
+            queues: req.params.queues,
+            queue_depth: req.params.queue_depth,
+            max_io_bytes: req.params.max_io_bytes,
+            threads: self.cfg.threads,
+            qos: req.params.qos,
+            recover_dev_id: recover,
+            pinned: if recover.is_some() {
+                earlier.and_then(|s| s.pinned)
+            } else {
+                None
+            },
+            extent_check_secs: self.cfg.extent_check_secs,
+            allocation: req.params.allocation,
+            image_lock: req.image_lock.is_some(),
+            decided_map: false,
+        };
+        // Only the first start checks the decided map; a replacement
+        // worker finds the image pinned and reads its map under that pin.
+        let decided = decision
+            .map
+            .filter(|_| decision.dispatch == DispatchPolicy::Direct);
+        let (pid, status) = self.start_worker(
+            spec.clone(),
+            &req.image_fd,
+            req.image_lock.as_ref(),
+            decided.as_ref(),
+        )?;
+        let att = self.attachment(&status)?;
+        self.workers.lock().expect("workers poisoned").insert(
+            req.volume_id,
+            Worker {
+                pid,
+                dev_id: status.dev_id,
+                image: req.image_fd,
+                lock: req.image_lock,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+                private,
+            },
+        );
+        self.supervise(req.volume_id);
+        Ok(att)
+    }
+
+    pub(super) fn probe_worker(
+        &self,
+        req: ProbeRequest,
+        private: bool,
+    ) -> Result<Probe, BackendError> {
+        let (volume_id, identity) = (req.volume_id, req.identity);
+        let Some(state) = self.state_file(volume_id) else {
+            return Ok(Probe::Gone);
+        };
+        if !is_our_worker(state.pid, volume_id) {
+            // Dead worker: attach recovers a quiesced device.
+            return Ok(Probe::Gone);
+        }
+        let status = self.ask(volume_id, &Request::Status)?;
+        // A handle on the image, to recover the worker later: the manager's, or
+        // a duplicate of the worker's own.
+        let image = match req.image {
+            Some(fd) => fd,
+            None => worker_fd(state.pid, IMAGE_FD)?,
+        };
+        // Its image lock, which it kept while no service lived: a duplicate
+        // to hold here (and hand to a replacement). A worker started without
+        // one (by an older service) gets the manager's for its replacement.
+        let lock = if worker_spec(state.pid).is_some_and(|s| s["image_lock"] == true) {
+            Some(worker_fd(state.pid, LOCK_FD)?)
+        } else {
+            req.image_lock
+        };
+        let st = rustix::fs::fstat(&image)
+            .map_err(|e| io("fstat image of", format!("worker {}", state.pid), e.into()))?;
+        if (st.st_dev, st.st_ino) != identity {
+            return Err(BackendError::Busy {
+                device: status.device.clone(),
+                reason: "its worker serves another file than the registered image".into(),
+            });
+        }
+        // A row of this registry owns it: mark it ours (a run dir made before
+        // run dirs carried their instance has no mark yet).
+        self.claim_run_dir(&self.run_dir(volume_id))?;
+        let mut att = self.attachment(&status)?;
+        if let Some(old) = &req.stored {
+            att.attached_at = old.attached_at;
+        }
+        let p = &req.params;
+        let spec = WorkerSpec {
+            volume_id,
+            run_dir: self.run_dir(volume_id),
+            image_path: p.image_path.clone(),
+            size_bytes: status.size_bytes,
+            read_only: p.read_only,
+            refuse_writes: status.read_only,
+            dispatch: dispatch::policy_of(status.dispatch),
+            dispatch_reason: status.dispatch_reason.clone(),
+            queues: p.queues,
+            queue_depth: p.queue_depth,
+            max_io_bytes: p.max_io_bytes,
+            threads: self.cfg.threads,
+            qos: p.qos,
+            recover_dev_id: None,
+            pinned: status.pinned,
+            extent_check_secs: self.cfg.extent_check_secs,
+            allocation: p.allocation,
+            image_lock: lock.is_some(),
+            decided_map: false,
+        };
+        self.workers.lock().expect("workers poisoned").insert(
+            volume_id,
+            Worker {
+                pid: state.pid,
+                dev_id: state.dev_id,
+                image,
+                lock,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+                private,
+            },
+        );
+        self.supervise(volume_id);
+        Ok(Probe::Alive(Box::new(att)))
+    }
+}
+
+fn last_error_line(run_dir: &Path) -> String {
+    let text = std::fs::read_to_string(run_dir.join("worker.log")).unwrap_or_default()
+        + &std::fs::read_to_string(run_dir.join("worker.out")).unwrap_or_default();
+    text.lines()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.contains("error") || l.contains("worker:"))
+        .unwrap_or("no log")
+        .to_string()
+}
+
+/// The file in a run dir naming the service instance that made it.
+const INSTANCE_FILE: &str = "instance";
+
+fn read_state(run_dir: &Path) -> Option<blockplane_worker::ControlState> {
+    serde_json::from_slice(&std::fs::read(run_dir.join("state.json")).ok()?).ok()
+}
+
+/// The instance that made a run dir (`None`: unmarked, made before run dirs
+/// carried one).
+pub(super) fn run_dir_instance(run_dir: &Path) -> Option<String> {
+    std::fs::read_to_string(run_dir.join(INSTANCE_FILE)).ok()
+}
+
+/// A worker's run dir that belongs to another service instance (or to none):
+/// what a lost registry leaves in a kept data dir.
+#[derive(Debug, Clone)]
+pub struct ForeignWorker {
+    pub volume_id: Uuid,
+    /// The instance in its run dir, if marked.
+    pub instance: Option<String>,
+    /// `/dev/ublkbN`, when its state file names one.
+    pub device: Option<String>,
+    /// The worker, while it runs.
+    pub pid: Option<u32>,
+    /// The image the worker serves, from its command line.
+    pub image_path: Option<String>,
+}
+
+/// Run dirs under `run_root` not marked as `instance`'s whose worker still
+/// runs or whose device still exists. They are only read, never stopped.
+pub fn foreign_workers(run_root: &Path, instance: &str) -> Vec<ForeignWorker> {
+    let Ok(dir) = std::fs::read_dir(run_root) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let volume_id = Uuid::parse_str(&e.file_name().to_string_lossy()).ok()?;
+            let run_dir = e.path();
+            let marked = run_dir_instance(&run_dir);
+            if marked.as_deref() == Some(instance) {
+                return None;
+            }
+            let state = read_state(&run_dir)?;
+            let pid = Some(state.pid).filter(|p| is_our_worker(*p, volume_id));
+            let device = format!("/dev/ublkb{}", state.dev_id);
+            let exists = Path::new(&device).exists();
+            if pid.is_none() && !exists {
+                return None;
+            }
+            Some(ForeignWorker {
+                volume_id,
+                instance: marked,
+                device: exists.then_some(device),
+                image_path: pid.and_then(worker_image_path),
+                pid,
+            })
+        })
+        .collect()
+}
+
+/// A duplicate of descriptor `fd` of worker `pid`.
+fn worker_fd(pid: u32, fd: i32) -> Result<OwnedFd, BackendError> {
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .map_err(|e| io("pidfd_open", format!("worker {pid}"), e.into()))?;
+    rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty())
+        .map_err(|e| io("pidfd_getfd", format!("worker {pid}"), e.into()))
+}
+
+/// The image path in a worker's `--spec` argument.
+fn worker_image_path(pid: u32) -> Option<String> {
+    worker_spec(pid)?["image_path"].as_str().map(str::to_string)
+}
+
+/// Pid alive and running a blockplane worker of this volume.
+pub(super) fn is_our_worker(pid: u32, volume_id: Uuid) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            let c = String::from_utf8_lossy(&c);
+            c.contains("worker") && c.contains(&volume_id.to_string())
+        })
+        .unwrap_or(false)
+}

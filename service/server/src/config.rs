@@ -1,0 +1,439 @@
+//! `blockplane serve` configuration: flags, `BLOCKPLANE_*` environment
+//! variables (clap reads both; flags win), an optional TOML config file, then
+//! defaults, in that order of precedence.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::logging::LogFormat;
+
+/// Configuration errors, reported before anything starts.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("invalid listen address '{0}': use unix:/path/to.sock or HOST:PORT")]
+    Listen(String),
+    #[error(
+        "refusing to listen on TCP {0} without a token: set --token/BLOCKPLANE_TOKEN, or --insecure-tcp on a loopback address"
+    )]
+    TcpWithoutToken(SocketAddr),
+    #[error("--insecure-tcp only allows loopback addresses; {0} is not one")]
+    InsecureNotLoopback(SocketAddr),
+    #[error("token file {path}: {reason}")]
+    TokenFile { path: String, reason: String },
+    #[error("the token is empty")]
+    EmptyToken,
+}
+
+/// Flags of `blockplane serve`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML file with any of: data_dir, listen, image_roots, token, token_file, insecure_tcp, log_format.
+    #[arg(long, env = "BLOCKPLANE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// SQLite database and runtime files [default: /var/lib/blockplane as root, else ~/.local/share/blockplane].
+    #[arg(long, env = "BLOCKPLANE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Where to listen, repeatable: unix:/path.sock or HOST:PORT [default: unix:<data-dir>/blockplane.sock].
+    #[arg(long = "listen", env = "BLOCKPLANE_LISTEN", value_delimiter = ',')]
+    pub listen: Vec<String>,
+    /// A directory images may live under, repeatable [default: <data-dir>/images].
+    #[arg(
+        long = "image-root",
+        env = "BLOCKPLANE_IMAGE_ROOT",
+        value_delimiter = ','
+    )]
+    pub image_roots: Vec<PathBuf>,
+    /// Bearer token every request but /healthz must carry (prefer the env variable or --token-file: flags show in ps).
+    #[arg(long, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, env = "BLOCKPLANE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Allow a TCP listener without a token, on a loopback address only.
+    #[arg(long, env = "BLOCKPLANE_INSECURE_TCP")]
+    pub insecure_tcp: bool,
+    /// Log format.
+    #[arg(long, env = "BLOCKPLANE_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Blocking io-wq workers of each ublk queue for the `threaded` policy [default: 4].
+    #[arg(long, env = "BLOCKPLANE_WORKER_THREADS")]
+    pub worker_threads: Option<u16>,
+    /// Queues of a ublk volume that does not ask for a number [default: one
+    /// per online CPU, at most 8].
+    #[arg(long, env = "BLOCKPLANE_QUEUES")]
+    pub queues: Option<u16>,
+    /// Seconds between re-reads of direct-mapped images' extents [default: 60].
+    #[arg(long, env = "BLOCKPLANE_EXTENT_CHECK_SECS")]
+    pub extent_check_secs: Option<u32>,
+    /// Largest request body, bytes [default: 65536].
+    #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Seconds a connection has to send a request's headers (idle keep-alive included) [default: 10].
+    #[arg(long, env = "BLOCKPLANE_HEADER_TIMEOUT_SECS")]
+    pub header_timeout_secs: Option<u64>,
+    /// Seconds a request may take before it is answered 408 (the event stream excepted) [default: 120].
+    #[arg(long, env = "BLOCKPLANE_REQUEST_TIMEOUT_SECS")]
+    pub request_timeout_secs: Option<u64>,
+    /// Requests handled at once; more are answered 503 at once [default: 256].
+    #[arg(long, env = "BLOCKPLANE_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<usize>,
+    /// Event streams open at once [default: 64].
+    #[arg(long, env = "BLOCKPLANE_MAX_EVENT_STREAMS")]
+    pub max_event_streams: Option<usize>,
+    /// Volumes this host may have [default: 1024].
+    #[arg(long, env = "BLOCKPLANE_MAX_VOLUMES")]
+    pub max_volumes: Option<usize>,
+    /// Refuse an image create or grow that would make the images of an
+    /// image root add up to more than RATIO times its filesystem's size
+    /// (e.g. 1.5) [default: no limit; a sparse image larger than the free
+    /// space is still reported].
+    #[arg(long, env = "BLOCKPLANE_MAX_OVERCOMMIT", value_parser = parse_ratio)]
+    pub max_overcommit: Option<f64>,
+    /// Start with a new, empty registry although the kernel serves devices
+    /// blockplane made (a lost or emptied blockplane.db, or a new data dir):
+    /// they are left running and reported as orphans.
+    #[arg(long, env = "BLOCKPLANE_ACCEPT_NEW_REGISTRY")]
+    pub accept_new_registry: bool,
+}
+
+/// Most queues a volume may have.
+pub const MAX_QUEUES: u16 = 64;
+/// The per-CPU default stops here: more queues than this buy nothing but memory.
+const MAX_DEFAULT_QUEUES: u16 = 8;
+
+/// One queue per online CPU, at most [`MAX_DEFAULT_QUEUES`].
+fn per_cpu_queues() -> u16 {
+    std::thread::available_parallelism()
+        .map(|n| n.get().min(usize::from(MAX_DEFAULT_QUEUES)) as u16)
+        .unwrap_or(1)
+}
+
+/// Limits that protect the service from its clients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub max_body_bytes: usize,
+    pub header_timeout: std::time::Duration,
+    pub request_timeout: std::time::Duration,
+    pub max_concurrent_requests: usize,
+    pub max_event_streams: usize,
+    pub max_volumes: usize,
+    /// Provisioned bytes of a root over its filesystem's size, at most.
+    pub max_overcommit: Option<f64>,
+}
+
+/// A ratio above zero, e.g. `1.5`.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("'{s}' is not a ratio above 0 (e.g. 1.0 or 1.5)")),
+    }
+}
+
+/// The config file's keys (all optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    data_dir: Option<PathBuf>,
+    #[serde(default)]
+    listen: Vec<String>,
+    #[serde(default)]
+    image_roots: Vec<PathBuf>,
+    token: Option<String>,
+    token_file: Option<PathBuf>,
+    insecure_tcp: Option<bool>,
+    log_format: Option<LogFormat>,
+    worker_threads: Option<u16>,
+    queues: Option<u16>,
+    extent_check_secs: Option<u32>,
+    max_body_bytes: Option<usize>,
+    header_timeout_secs: Option<u64>,
+    request_timeout_secs: Option<u64>,
+    max_concurrent_requests: Option<usize>,
+    max_event_streams: Option<usize>,
+    max_volumes: Option<usize>,
+    max_overcommit: Option<f64>,
+}
+
+/// A place to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl ListenAddr {
+    /// Parses `unix:/path` or `HOST:PORT`.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(ConfigError::Listen(s.into()));
+            }
+            return Ok(ListenAddr::Unix(PathBuf::from(path)));
+        }
+        s.parse()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| ConfigError::Listen(s.into()))
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+            ListenAddr::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// The resolved configuration of a running service.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub data_dir: PathBuf,
+    pub listen: Vec<ListenAddr>,
+    pub image_roots: Vec<PathBuf>,
+    pub token: Option<String>,
+    pub log_format: LogFormat,
+    pub worker_threads: u16,
+    /// Queues of a ublk volume created without a number.
+    pub queues: u16,
+    pub extent_check_secs: u32,
+    pub limits: Limits,
+    /// Start on a new registry even when devices blockplane made exist.
+    pub accept_new_registry: bool,
+}
+
+/// The data dir used when none is configured.
+pub fn default_data_dir() -> PathBuf {
+    if rustix::process::geteuid().is_root() {
+        return PathBuf::from("/var/lib/blockplane");
+    }
+    std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("blockplane")
+}
+
+/// The API socket in a data dir.
+pub fn default_socket(data_dir: &Path) -> PathBuf {
+    data_dir.join("blockplane.sock")
+}
+
+impl ServeArgs {
+    /// Merges flags/env, the config file and defaults, and checks the result.
+    pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
+        let file = match &self.config {
+            None => FileConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                toml::from_str(&text).map_err(|e| ConfigError::File {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?
+            }
+        };
+        if let (Some(path), Some(r)) = (&self.config, file.max_overcommit) {
+            parse_ratio(&r.to_string()).map_err(|reason| ConfigError::File {
+                path: path.display().to_string(),
+                reason: format!("max_overcommit: {reason}"),
+            })?;
+        }
+        let data_dir = self
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(default_data_dir);
+        let listen_text = if self.listen.is_empty() {
+            file.listen
+        } else {
+            self.listen
+        };
+        let mut listen = listen_text
+            .iter()
+            .map(|s| ListenAddr::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if listen.is_empty() {
+            listen.push(ListenAddr::Unix(default_socket(&data_dir)));
+        }
+        let mut image_roots = if self.image_roots.is_empty() {
+            file.image_roots
+        } else {
+            self.image_roots
+        };
+        if image_roots.is_empty() {
+            image_roots.push(data_dir.join("images"));
+        }
+        let token = match (
+            self.token.or(file.token),
+            self.token_file.or(file.token_file),
+        ) {
+            (Some(t), _) => Some(t),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(&path)
+                    .map_err(|e| ConfigError::TokenFile {
+                        path: path.display().to_string(),
+                        reason: e.to_string(),
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            (None, None) => None,
+        };
+        if token.as_deref() == Some("") {
+            return Err(ConfigError::EmptyToken);
+        }
+        let insecure_tcp = self.insecure_tcp || file.insecure_tcp.unwrap_or(false);
+        for l in &listen {
+            if let ListenAddr::Tcp(addr) = l
+                && token.is_none()
+            {
+                if !insecure_tcp {
+                    return Err(ConfigError::TcpWithoutToken(*addr));
+                }
+                if !addr.ip().is_loopback() {
+                    return Err(ConfigError::InsecureNotLoopback(*addr));
+                }
+            }
+        }
+        Ok(ServeConfig {
+            data_dir,
+            listen,
+            image_roots,
+            token,
+            log_format: self
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Human),
+            worker_threads: self
+                .worker_threads
+                .or(file.worker_threads)
+                .unwrap_or(4)
+                .max(1),
+            queues: self
+                .queues
+                .or(file.queues)
+                .unwrap_or_else(per_cpu_queues)
+                .clamp(1, MAX_QUEUES),
+            extent_check_secs: self
+                .extent_check_secs
+                .or(file.extent_check_secs)
+                .unwrap_or(60)
+                .max(1),
+            limits: Limits {
+                max_body_bytes: self
+                    .max_body_bytes
+                    .or(file.max_body_bytes)
+                    .unwrap_or(64 << 10),
+                header_timeout: std::time::Duration::from_secs(
+                    self.header_timeout_secs
+                        .or(file.header_timeout_secs)
+                        .unwrap_or(10)
+                        .max(1),
+                ),
+                request_timeout: std::time::Duration::from_secs(
+                    self.request_timeout_secs
+                        .or(file.request_timeout_secs)
+                        .unwrap_or(120)
+                        .max(1),
+                ),
+                max_concurrent_requests: self
+                    .max_concurrent_requests
+                    .or(file.max_concurrent_requests)
+                    .unwrap_or(256)
+                    .max(1),
+                max_event_streams: self
+                    .max_event_streams
+                    .or(file.max_event_streams)
+                    .unwrap_or(64)
+                    .max(1),
+                max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
+                max_overcommit: self.max_overcommit.or(file.max_overcommit),
+            },
+            accept_new_registry: self.accept_new_registry,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> ServeArgs {
+        ServeArgs {
+            data_dir: Some("/d".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_put_socket_and_images_in_the_data_dir() {
+        let c = args().resolve().unwrap();
+        assert_eq!(
+            c.listen,
+            vec![ListenAddr::Unix("/d/blockplane.sock".into())]
+        );
+        assert_eq!(c.image_roots, vec![PathBuf::from("/d/images")]);
+        assert_eq!(c.token, None);
+    }
+
+    #[test]
+    fn tcp_needs_a_token_or_insecure_loopback() {
+        let tcp = |addr: &str, token: Option<&str>, insecure| {
+            ServeArgs {
+                listen: vec![addr.into()],
+                token: token.map(Into::into),
+                insecure_tcp: insecure,
+                ..args()
+            }
+            .resolve()
+        };
+        assert!(matches!(
+            tcp("127.0.0.1:9", None, false),
+            Err(ConfigError::TcpWithoutToken(_))
+        ));
+        assert!(matches!(
+            tcp("0.0.0.0:9", None, true),
+            Err(ConfigError::InsecureNotLoopback(_))
+        ));
+        assert!(tcp("127.0.0.1:9", None, true).is_ok());
+        assert!(tcp("0.0.0.0:9", Some("t"), false).is_ok());
+        assert!(matches!(
+            tcp("nonsense", Some("t"), false),
+            Err(ConfigError::Listen(_))
+        ));
+    }
+
+    #[test]
+    fn flags_beat_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "data_dir = \"/file\"\nimage_roots = [\"/r1\"]\ntoken = \"x\"\n",
+        )
+        .unwrap();
+        let c = ServeArgs {
+            config: Some(file.clone()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/file"));
+        assert_eq!(c.image_roots, vec![PathBuf::from("/r1")]);
+        assert_eq!(c.token.as_deref(), Some("x"));
+        let c = ServeArgs {
+            config: Some(file),
+            data_dir: Some("/flag".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/flag"));
+    }
+}

@@ -1,0 +1,222 @@
+//! `/v1/images`.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::extract::{ApiJson, ApiQuery};
+use super::{AppState, detached};
+use blockplane_api::model::{
+    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image, ImageState,
+    ListImagesQuery, ResizeImageRequest, ResizeImageResponse,
+};
+
+/// 201 for an image that is ready, 202 for one whose copy runs.
+fn created(image: Image) -> (StatusCode, Json<Image>) {
+    let status = if image.state == ImageState::Copying {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::CREATED
+    };
+    (status, Json(image))
+}
+
+/// Register an existing image file, create one, or clone an image
+/// (`clone_from`): a writable image whose file shares the source's extents
+/// (`method` `reflink`, 201) where the filesystem can, else is copied in the
+/// background (`copy`, 202 with `state` `copying` and `copied_bytes`; events
+/// `image_copy_started` then `image_copied` or `image_copy_failed`; volumes
+/// are refused until it is `ready`; DELETE stops it and removes its file).
+#[utoipa::path(
+    post, path = "/v1/images", tag = "images",
+    request_body = CreateImageRequest,
+    responses(
+        (status = 201, description = "Image recorded", body = Image),
+        (status = 202, description = "Clone recorded, its copy runs in the background (`state` `copying`)", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
+        (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
+        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or a clone's `create.size_bytes` below its source's size (`shrink_refused`)", body = ErrorBody),
+        (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy (refused before it starts)", body = ErrorBody),
+    )
+)]
+pub async fn create_image(
+    State(m): State<AppState>,
+    ApiJson(req): ApiJson<CreateImageRequest>,
+) -> Result<(StatusCode, Json<Image>), ApiError> {
+    let image = detached(async move { m.create_image(req).await }).await?;
+    Ok(created(image))
+}
+
+/// Snapshot an image: a read-only image (`snapshot_of`, `read_only`) whose
+/// file, named as the snapshot, sits next to the source's. Its bytes are the
+/// source's when the request arrived: an attached volume's completed
+/// writes included, none after and none in part (a ublk or dm volume's I/O
+/// is held while its worker shares the extents; a volume on `direct` moves
+/// to `nowait` first, for good). Extents shared (`method`
+/// `reflink`, 201) where the filesystem can and the source is not pinned by
+/// a direct map (a pinned image is always copied); else copied in the
+/// background (`copy`, 202, as a clone's copy). Volumes on it must be
+/// read-only; it cannot grow or be allocated.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/snapshots", tag = "images",
+    params(("id" = String, Path, description = "Source image id or name")),
+    request_body = CreateSnapshotRequest,
+    responses(
+        (status = 201, description = "Snapshot made (reflink)", body = Image),
+        (status = 202, description = "Snapshot recorded, its copy runs in the background (`state` `copying`)", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 422, description = "Invalid name", body = ErrorBody),
+        (status = 507, description = "The filesystem lacks the space for the copy (refused before it starts), or the overcommit ratio would be passed", body = ErrorBody),
+    )
+)]
+pub async fn snapshot_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<CreateSnapshotRequest>,
+) -> Result<(StatusCode, Json<Image>), ApiError> {
+    let image = detached(async move { m.snapshot_image(&id, &req.name).await }).await?;
+    Ok(created(image))
+}
+
+/// List images (or only the snapshots of one).
+#[utoipa::path(
+    get, path = "/v1/images", tag = "images",
+    params(ListImagesQuery),
+    responses(
+        (status = 200, description = "The images, by name", body = Vec<Image>),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "`snapshot_of` names no image", body = ErrorBody),
+    )
+)]
+pub async fn list_images(
+    State(m): State<AppState>,
+    ApiQuery(q): ApiQuery<ListImagesQuery>,
+) -> Result<Json<Vec<Image>>, ApiError> {
+    Ok(Json(match q.snapshot_of {
+        Some(source) => m.snapshots_of(&source).await?,
+        None => m.images().await?,
+    }))
+}
+
+/// Show one image.
+#[utoipa::path(
+    get, path = "/v1/images/{id}", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "The image", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+    )
+)]
+pub async fn get_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(m.image(&id).await?))
+}
+
+/// Forget an image (and optionally delete its file). An image whose copy
+/// runs or failed: the copy stops and its file is removed whatever
+/// `delete_file` says.
+#[utoipa::path(
+    delete, path = "/v1/images/{id}", tag = "images",
+    params(("id" = String, Path, description = "Image id or name"), DeleteImageQuery),
+    responses(
+        (status = 204, description = "Forgotten"),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "A volume uses the image", body = ErrorBody),
+    )
+)]
+pub async fn delete_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<DeleteImageQuery>,
+) -> Result<StatusCode, ApiError> {
+    detached(async move { m.delete_image(&id, q.delete_file).await }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Grow an image; attached volumes follow.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/resize", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    request_body = ResizeImageRequest,
+    responses(
+        (status = 200, description = "The grown image, and how each attached volume followed", body = ResizeImageResponse),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "The file was replaced, the image's copy runs or failed (`image_not_ready`), or a copy reads it (`copy_source_busy`)", body = ErrorBody),
+        (status = 422, description = "Shrink, a size that is not a multiple of 512, or a read-only snapshot (`image_read_only`)", body = ErrorBody),
+        (status = 507, description = "The filesystem is full", body = ErrorBody),
+    )
+)]
+pub async fn resize_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ResizeImageRequest>,
+) -> Result<Json<ResizeImageResponse>, ApiError> {
+    Ok(Json(
+        detached(async move { m.resize_image(&id, req.size_bytes).await }).await?,
+    ))
+}
+
+/// Make an image eligible for `direct` again: write zeros over its holes and
+/// unwritten extents (left by discards punched through a volume served
+/// `nowait`/`threaded` on a sparse image, or by another program) and make it
+/// `full`, so the file paths never punch it again. Runs in the background:
+/// answers 202 at once with the image, its `allocate` `running`; `GET
+/// /v1/images/{id}` shows `done_bytes` of `total_bytes`, and the events
+/// `image_allocate_started`, then `image_allocated` (now `full`),
+/// `image_allocate_failed` or `image_allocate_cancelled` tell its end (the
+/// last two leave the image as declared; allocate again to finish). Refused
+/// before anything is written when the image's filesystem lacks the space for
+/// the holes, or while one runs. An attached ublk or dm volume keeps serving:
+/// its worker zeroes one 16 MiB stretch at a time with its queues held, so
+/// none of the volume's writes lands in a stretch being zeroed; a loop volume
+/// is refused (detach it first). While it runs the image cannot grow, be
+/// forgotten or get a volume (409). A service stop cancels it.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/allocate", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 202, description = "Started: the image, its `allocate` `running`", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "An allocate already runs, the file was replaced, another blockplane holds it, or an attached volume's backend cannot keep its writes out (loop) or holds it read-only, the image's copy runs or failed (`image_not_ready`), or a copy reads it (`copy_source_busy`)", body = ErrorBody),
+        (status = 422, description = "The image is not on ext4 or xfs (it can never be direct-mapped), or is a read-only snapshot (`image_read_only`)", body = ErrorBody),
+        (status = 507, description = "The filesystem has less free space than the image's holes need", body = ErrorBody),
+    )
+)]
+pub async fn allocate_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<Image>), ApiError> {
+    let image = detached(async move { m.allocate_image(&id).await }).await?;
+    Ok((StatusCode::ACCEPTED, Json(image)))
+}
+
+/// Stop an image's running allocate after its current 16 MiB stretch.
+/// Answers once it stopped: the image as it was declared (not `full`), its
+/// `allocate` `cancelled`; the zeros already written stay (harmless), and
+/// allocating again finishes the job.
+#[utoipa::path(
+    delete, path = "/v1/images/{id}/allocate", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "Stopped: the image, its `allocate` `cancelled` (or `done`/`failed` if it ended first)", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "No allocate runs on the image", body = ErrorBody),
+    )
+)]
+pub async fn cancel_allocate(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.cancel_allocate(&id).await }).await?,
+    ))
+}

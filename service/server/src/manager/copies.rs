@@ -1,0 +1,657 @@
+//! Snapshots and clones: images made from another image, sharing its extents
+//! (`FICLONE`) where the filesystem can, else copied in the background with
+//! the allocate's machinery ([`blockplane_system::image::AllocateJob`]: progress, pace,
+//! cancel).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::volumes::volume_error;
+use super::{Error, Manager, Result, blocking, validate_name};
+use crate::backend::{Change, SnapshotDest, VolumeBackend};
+use crate::store::{ImageRow, VolumeRow};
+use blockplane_api::model::{
+    self, ActiveDispatch, Allocation, Backend, CopyMethod, CreateImageFile, DispatchPolicy, Image,
+    ImageState,
+};
+use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
+
+/// A running copy: its job, and the image it reads (which must not change
+/// until it ends).
+pub(super) struct CopyRun {
+    job: Arc<AllocateJob>,
+    source: Uuid,
+    name: String,
+}
+
+/// Why a volume that went away meanwhile stops a snapshot.
+const VOLUME_CHANGED: &str =
+    "the volume was detached or deleted while the snapshot waited for it; try again";
+
+/// Why a writable volume stops a copy.
+const COPY_UNDER_WRITES: &str = "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; detach the volume or make it read-only (PATCH read_only) first";
+
+impl Manager {
+    /// `POST /v1/images/{id}/snapshots`: a read-only image made from
+    /// `source`, its file named `name` in the source's directory.
+    pub(super) async fn snapshot_image(
+        self: &Arc<Self>,
+        source: &str,
+        name: &str,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let src = self.image_row(source).await?;
+        let dir = std::path::Path::new(&src.path)
+            .parent()
+            .unwrap_or(std::path::Path::new("/"));
+        let path = dir.join(name).display().to_string();
+        self.copy_image(src, name, &path, true, None).await
+    }
+
+    /// `POST /v1/images` with `clone_from`: a writable image at `path` made
+    /// from `source`, grown to `grow`'s size (its new range laid out as
+    /// asked) when given.
+    pub(super) async fn clone_image(
+        self: &Arc<Self>,
+        source: &str,
+        name: &str,
+        path: &str,
+        grow: Option<CreateImageFile>,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let src = self.image_row(source).await?;
+        self.copy_image(src, name, path, false, grow).await
+    }
+
+    /// Makes the new file (reflink, or empty for a copy, refused with 507
+    /// when the source's data cannot fit), records it, and starts the copy.
+    async fn copy_image(
+        self: &Arc<Self>,
+        src: ImageRow,
+        name: &str,
+        path: &str,
+        snapshot: bool,
+        grow: Option<CreateImageFile>,
+    ) -> Result<Image> {
+        let path = self.roots.resolve(path)?;
+        let _registering = self.image_registration.lock().await;
+        if let Some(existing) = self.store.image(name).await? {
+            return Err(Error::ImageNameTaken {
+                name: name.to_string(),
+                id: existing.id,
+            });
+        }
+        let _source = self.image_locks.lock(&src.id.to_string()).await;
+        let src = self.image_row(&src.id.to_string()).await?;
+        let what = if snapshot {
+            "be snapshotted"
+        } else {
+            "be cloned"
+        };
+        self.refuse_unready(&src, what)?;
+        self.refuse_while_allocating(&src, what)?;
+        let size = grow.as_ref().map_or(src.size_bytes, |g| g.size_bytes);
+        if size < src.size_bytes {
+            return Err(Error::Shrink {
+                name: name.to_string(),
+                current: src.size_bytes,
+                asked: size,
+            });
+        }
+        let grow = grow.map(|g| (g.size_bytes, g.allocation));
+        // What may write the source meanwhile. A writable ublk or dm volume
+        // holds its queues while its worker shares the extents (below). A loop
+        // volume writes the file with direct I/O or through its page cache:
+        // every write that completed is in the file or written back by the
+        // sync and the FICLONE, which the filesystem's locking orders after it.
+        let attached = self.attached_volumes(src.id).await?;
+        let serving = attached
+            .iter()
+            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
+            .cloned();
+        let warnings = self
+            .check_provisioning(name, &path.display(), size, true)
+            .await?;
+        // `copy_from`: the open source, when a copy must fill the new file.
+        let (file, start, copy_from, held) = match serving {
+            Some((v, backend)) => {
+                let (file, held) = self
+                    .share_with_serving(&src, &path, v, backend, name, grow)
+                    .await?;
+                (file, CloneStart::Reflinked, None, Some(held))
+            }
+            None => {
+                let (me, s, p) = (self.clone(), src.clone(), path.clone());
+                let (file, start, src_file, took) = blocking(move || -> Result<_> {
+                    let src_file = me.open_image(&s, Access::ReadOnly)?;
+                    src_file.sync()?;
+                    let started = std::time::Instant::now();
+                    let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+                    let took = started.elapsed();
+                    if start == CloneStart::Reflinked {
+                        me.grow_clone(&p, &mut file, grow)?;
+                    }
+                    Ok((file, start, src_file, took))
+                })
+                .await??;
+                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
+                // A loop volume's writes wait on the file's lock while the
+                // reflink runs: that is its pause.
+                let held = attached
+                    .iter()
+                    .find(|(v, _)| !v.read_only)
+                    .filter(|_| copy_from.is_none())
+                    .map(|(v, _)| {
+                        format!(
+                            "volume '{}' (loop: the filesystem's lock on the file) held its I/O for {} µs",
+                            v.name,
+                            took.as_micros()
+                        )
+                    });
+                (file, start, copy_from, held)
+            }
+        };
+        let reflinked = copy_from.is_none();
+        let remove = |file: &ImageFile| {
+            let _ =
+                self.roots
+                    .remove_file(&path, file.identity().0, file.identity().1, file.birth());
+        };
+        if let Some(src_file) = &copy_from {
+            if let Some((v, b)) = attached.iter().find(|(v, _)| !v.read_only) {
+                remove(&file);
+                return Err(Error::SnapshotAttached {
+                    name: src.name,
+                    volume: v.name.clone(),
+                    backend: b.kind().as_str(),
+                    reason: COPY_UNDER_WRITES,
+                });
+            }
+            // The source's data, and a full grow's new range.
+            let grown = match grow {
+                Some((size, Allocation::Full)) => size - src_file.size(),
+                _ => 0,
+            };
+            let (needed, free) = (src_file.allocated() + grown, file.free_bytes()?);
+            if needed > free {
+                remove(&file);
+                return Err(Error::SpaceShort {
+                    name: name.to_string(),
+                    what: "copying its source's data",
+                    needed,
+                    free,
+                });
+            }
+        }
+        let (dev, ino) = file.identity();
+        let row = ImageRow {
+            id: Uuid::new_v4(),
+            name: name.to_string(),
+            path: path.display(),
+            dev,
+            ino,
+            birth: file.birth().map(str::to_string),
+            size_bytes: size,
+            allocated_bytes: file.allocated(),
+            allocation: match grow {
+                // A full source grown sparse has holes now.
+                Some((_, Allocation::Sparse)) if src.allocation == Some(Allocation::Full) => {
+                    Some(Allocation::Sparse)
+                }
+                _ => src.allocation,
+            },
+            filesystem: file.filesystem()?,
+            created_at: OffsetDateTime::now_utc(),
+            snapshot_of: snapshot.then_some(src.id),
+            cloned_from: (!snapshot).then_some(src.id),
+            read_only: snapshot,
+            method: Some(if reflinked {
+                CopyMethod::Reflink
+            } else {
+                CopyMethod::Copy
+            }),
+            state: if reflinked {
+                ImageState::Ready
+            } else {
+                ImageState::Copying
+            },
+            state_reason: None,
+        };
+        let kind = if snapshot {
+            "a read-only snapshot"
+        } else {
+            "a writable clone"
+        };
+        let (event, how) = match &copy_from {
+            None => (
+                if snapshot {
+                    "image_snapshotted"
+                } else {
+                    "image_cloned"
+                },
+                match held {
+                    Some(held) => format!("extents shared (reflink); {held}"),
+                    None => "extents shared (reflink)".to_string(),
+                },
+            ),
+            Some(src_file) => (
+                "image_copy_started",
+                format!(
+                    "copying {} bytes of data in the background; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
+                    src_file.allocated()
+                ),
+            ),
+        };
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            tx.insert_image(&row).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                event,
+                &format!(
+                    "image '{name}' ({}) is {kind} of image '{}': {how}",
+                    row.path, src.name
+                ),
+            )
+            .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            remove(&file);
+            return Err(e.into());
+        }
+        tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
+        if let Some(src_file) = copy_from {
+            let private = start == CloneStart::Copy { private: true };
+            self.start_copy(&row, src.id, file, src_file, private, grow);
+        }
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// Makes a new file at `path` share the extents of `src`, which writable
+    /// volume `v` serves, at one moment of its I/O: its backend holds it
+    /// while the extents are shared. A volume on `direct` is moved to
+    /// `nowait` first, for good (its map must own its extents alone),
+    /// recorded with a `dispatch_changed` event. Refused, changing nothing,
+    /// where the filesystem cannot share extents: a copy would take time
+    /// while the volume writes. Returns the file and, in words, how long the
+    /// volume's I/O was held.
+    async fn share_with_serving(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        v: VolumeRow,
+        backend: Arc<dyn VolumeBackend>,
+        name: &str,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<(ImageFile, String)> {
+        let refused = |v: &VolumeRow, reason| Error::SnapshotAttached {
+            name: src.name.clone(),
+            volume: v.name.clone(),
+            backend: v.backend.as_str(),
+            reason,
+        };
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let v = match self.store.volume(&v.id.to_string()).await? {
+            Some(now) if now.attachment.is_some() => now,
+            _ => return Err(refused(&v, VOLUME_CHANGED)),
+        };
+        let (me, p) = (self.clone(), path.clone());
+        let Some(mut file) = blocking(move || me.roots.create_for_reflink(&p)).await?? else {
+            return Err(refused(&v, COPY_UNDER_WRITES));
+        };
+        let identity = file.identity();
+        let birth = file.birth().map(str::to_string);
+        let made = async {
+            let mut v = v;
+            let mut att = v.attachment.clone().expect("checked above");
+            if att.dispatch == ActiveDispatch::Direct {
+                let (b, a, id) = (backend.clone(), att.clone(), v.id);
+                let reason = blockplane_system::dispatch::left_direct_for_copy(name);
+                att = blocking(move || b.leave_direct(&a, id, reason))
+                    .await?
+                    .map_err(|e| volume_error(&v.name, e))?;
+                self.fault_point(super::Stage::AfterChange)?;
+                // An explicit `direct` cannot hold any more; `auto` still
+                // decides, now without direct.
+                let asked = match v.dispatch {
+                    DispatchPolicy::Direct => DispatchPolicy::Nowait,
+                    d => d,
+                };
+                self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
+                    .await?;
+            }
+            let dest = SnapshotDest {
+                path: path.display().into(),
+                identity,
+            };
+            let (b, a, id) = (backend.clone(), att.clone(), v.id);
+            let held = blocking(move || b.snapshot(&a, id, &dest))
+                .await?
+                .map_err(|e| volume_error(&v.name, e))?;
+            tracing::info!(volume = %v.name, held_us = held.as_micros(), "I/O held for a snapshot");
+            let (me, p) = (self.clone(), path.clone());
+            let file = blocking(move || -> Result<ImageFile> {
+                file.refresh()?;
+                me.grow_clone(&p, &mut file, grow)?;
+                Ok(file)
+            })
+            .await??;
+            Ok((
+                file,
+                format!(
+                    "volume '{}' ({} {}) held its I/O for {} µs",
+                    v.name,
+                    v.backend.as_str(),
+                    att.dispatch.as_str(),
+                    held.as_micros()
+                ),
+            ))
+        };
+        made.await.inspect_err(|_| {
+            let _ = self
+                .roots
+                .remove_file(path, identity.0, identity.1, birth.as_deref());
+        })
+    }
+
+    /// Grows a clone whose extents are shared to `grow`'s size (its new
+    /// range laid out as asked); removes it when it cannot.
+    fn grow_clone(
+        &self,
+        path: &ImagePath,
+        file: &mut ImageFile,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<()> {
+        let Some((size, allocation)) = grow else {
+            return Ok(());
+        };
+        file.grow(size, allocation).map_err(|e| {
+            let (dev, ino) = file.identity();
+            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            e.into()
+        })
+    }
+
+    /// Runs the copy into `file` on a blocking thread, then records its end.
+    fn start_copy(
+        self: &Arc<Self>,
+        row: &ImageRow,
+        source: Uuid,
+        mut file: ImageFile,
+        src: ImageFile,
+        private: bool,
+        grow: Option<(u64, Allocation)>,
+    ) {
+        let job = Arc::new(AllocateJob {
+            pace: if self.fault == Some(super::Fault::SlowCopy) {
+                std::time::Duration::from_millis(100)
+            } else {
+                std::time::Duration::ZERO
+            },
+            ..Default::default()
+        });
+        job.total_bytes.store(src.allocated(), Relaxed);
+        self.copies.lock().expect("copies poisoned").insert(
+            row.id,
+            CopyRun {
+                job: job.clone(),
+                source,
+                name: row.name.clone(),
+            },
+        );
+        let (me, row) = (self.clone(), row.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let j = job.clone();
+            let out = blocking(move || {
+                let done = file.copy_from(&src, &j, private)?;
+                if let (true, Some((size, alloc))) = (done, grow) {
+                    file.grow(size, alloc)?;
+                }
+                Ok((done, file.allocated()))
+            })
+            .await
+            .and_then(|r: Result<(bool, u64)>| r);
+            me.end_copy(&row, &job, started.elapsed(), out).await;
+        });
+    }
+
+    /// Records how a copy ended: `ready` with an `image_copied` event; on a
+    /// failure its partial file is removed and the image `failed`; when
+    /// cancelled (a DELETE of the image, or the service's stop) whoever
+    /// cancelled it removes it.
+    async fn end_copy(
+        &self,
+        row: &ImageRow,
+        job: &AllocateJob,
+        took: std::time::Duration,
+        out: Result<(bool, u64)>,
+    ) {
+        let done = job.done_bytes.load(Relaxed);
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            match &out {
+                Ok((true, allocated)) => {
+                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
+                        .await?;
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copied",
+                        &format!(
+                            "image '{}': copy done, {} in {:.1} s; ready",
+                            row.name,
+                            model::size_text(done),
+                            took.as_secs_f64()
+                        ),
+                    )
+                    .await?;
+                }
+                Ok((false, _)) => {
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copy_cancelled",
+                        &format!(
+                            "image '{}': copy stopped after {}",
+                            row.name,
+                            model::size_text(done)
+                        ),
+                    )
+                    .await?;
+                }
+                Err(e) => {
+                    let reason = format!(
+                        "the copy failed after {done} bytes: {e}; its partial file was removed"
+                    );
+                    self.fail_copy(&mut tx, row, &reason).await?;
+                }
+            }
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            tracing::error!(image = %row.name, error = %e, "could not record the end of a copy");
+        }
+        self.copies.lock().expect("copies poisoned").remove(&row.id);
+    }
+
+    /// Stops the image's running copy, if any, and waits until it stopped.
+    pub(super) async fn stop_copy(&self, id: Uuid) {
+        let running = || {
+            self.copies
+                .lock()
+                .expect("copies poisoned")
+                .get(&id)
+                .map(|r| r.job.clone())
+        };
+        let Some(job) = running() else { return };
+        job.cancel.store(true, Relaxed);
+        // One stretch, and the end being recorded.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+        while running().is_some() && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Asks every running copy to stop (the service is stopping: their
+    /// images are found `copying` at the next start and failed there).
+    pub(super) fn stop_copies(&self) {
+        for run in self.copies.lock().expect("copies poisoned").values() {
+            run.job.cancel.store(true, Relaxed);
+        }
+    }
+
+    /// At start, before anything is served: an image still `copying` was
+    /// left by a service that stopped or died during its copy. Its partial
+    /// file is removed and it is `failed`, never served as `ready`.
+    pub(super) async fn fail_interrupted_copies(&self) -> Result<()> {
+        for row in self.store.images().await? {
+            if row.state != ImageState::Copying {
+                continue;
+            }
+            let reason = "the service stopped during its copy; its partial file was removed (delete the image, then snapshot or clone again)";
+            let mut tx = self.store.begin().await?;
+            self.fail_copy(&mut tx, &row, reason).await?;
+            tx.commit().await?;
+            tracing::warn!(image = %row.name, "an interrupted copy was removed");
+        }
+        Ok(())
+    }
+
+    /// Removes an unfinished copy's file (if it is still that file) and
+    /// records the image `failed` for `reason`, with an event.
+    async fn fail_copy(
+        &self,
+        tx: &mut crate::store::WriteTx,
+        row: &ImageRow,
+        reason: &str,
+    ) -> std::result::Result<(), crate::store::StoreError> {
+        if let Ok(path) = self.roots.resolve(&row.path) {
+            let _ = self
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref());
+        }
+        tx.set_image_state(row.id, ImageState::Failed, Some(reason), 0)
+            .await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_copy_failed",
+            &format!("image '{}': {reason}", row.name),
+        )
+        .await
+    }
+
+    /// Bytes copied so far and to copy, while the image's copy runs.
+    pub(super) fn copy_progress(&self, id: Uuid) -> Option<(u64, u64)> {
+        self.copies
+            .lock()
+            .expect("copies poisoned")
+            .get(&id)
+            .map(|r| {
+                let j = &r.job;
+                (j.done_bytes.load(Relaxed), j.total_bytes.load(Relaxed))
+            })
+    }
+
+    /// 409 `copy_source_busy` while a copy reads the image: its bytes must
+    /// not change under it.
+    pub(super) fn refuse_while_copied(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let copies = self.copies.lock().expect("copies poisoned");
+        match copies.values().find(|r| r.source == row.id) {
+            Some(r) => Err(Error::CopySource {
+                name: row.name.clone(),
+                copy: r.name.clone(),
+                what: what.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// 409 `image_not_ready` unless the image's file is complete.
+    pub(super) fn refuse_unready(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let (state, reason) = match row.state {
+            ImageState::Ready => return Ok(()),
+            ImageState::Copying => (
+                "copying",
+                format!(
+                    "its copy runs, so it cannot {what} until it is ready (GET /v1/images/{} shows its progress)",
+                    row.name
+                ),
+            ),
+            ImageState::Failed => (
+                "failed",
+                format!(
+                    "it cannot {what}: {}",
+                    row.state_reason.as_deref().unwrap_or("its copy failed")
+                ),
+            ),
+        };
+        Err(Error::ImageNotReady {
+            name: row.name.clone(),
+            state,
+            reason,
+        })
+    }
+
+    /// 422 `image_read_only` for a change of a read-only image's bytes.
+    pub(super) fn refuse_read_only(&self, row: &ImageRow, what: &str) -> Result<()> {
+        if !row.read_only {
+            return Ok(());
+        }
+        Err(Error::ImageReadOnly {
+            name: row.name.clone(),
+            source_id: row
+                .snapshot_of
+                .map_or_else(|| "another image".to_string(), |s| s.to_string()),
+            reason: what.to_string(),
+        })
+    }
+
+    /// A volume may use the image: it is `ready`, and the volume is
+    /// read-only when the image is.
+    pub(super) fn check_volume_image(
+        &self,
+        image: &ImageRow,
+        volume: &str,
+        read_only: bool,
+    ) -> Result<()> {
+        self.refuse_unready(image, &format!("get volume '{volume}'"))?;
+        if read_only {
+            return Ok(());
+        }
+        self.refuse_while_copied(image, &format!("get writable volume '{volume}'"))?;
+        self.refuse_read_only(
+            image,
+            &format!("volume '{volume}' on it must be created with \"read_only\": true"),
+        )
+    }
+
+    /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
+    /// name; an id also finds those of a forgotten image).
+    pub(super) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
+        let id = match self.store.image(source).await? {
+            Some(row) => row.id,
+            None => Uuid::parse_str(source).map_err(|_| Error::ImageNotFound(source.into()))?,
+        };
+        Ok(self
+            .images()
+            .await?
+            .into_iter()
+            .filter(|i| i.snapshot_of == Some(id))
+            .collect())
+    }
+}

@@ -1,0 +1,876 @@
+//! Image operations: register, create, list, grow, forget.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{Error, Manager, Result, blocking, validate_name};
+use crate::store::ImageRow;
+use blockplane_api::model::{
+    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
+    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
+};
+use blockplane_system::image::Access;
+
+/// An image's last allocate (see [`Manager::allocate_image`]).
+pub(super) struct AllocateRun {
+    pub job: std::sync::Arc<blockplane_system::image::AllocateJob>,
+    pub state: AllocateState,
+    pub error: Option<String>,
+    pub started_at: OffsetDateTime,
+}
+
+impl Manager {
+    /// `POST /v1/images`.
+    pub(super) async fn create_image(
+        self: &std::sync::Arc<Self>,
+        req: CreateImageRequest,
+    ) -> Result<Image> {
+        if let Some(source) = &req.clone_from {
+            return self
+                .clone_image(source, &req.name, &req.path, req.create)
+                .await;
+        }
+        validate_name("image", &req.name)?;
+        let path = self.roots.resolve(&req.path)?;
+        let _registering = self.image_registration.lock().await;
+        if let Some(existing) = self.store.image(&req.name).await? {
+            return Err(Error::ImageNameTaken {
+                name: req.name,
+                id: existing.id,
+            });
+        }
+        let warnings = match &req.create {
+            Some(spec) => {
+                self.check_provisioning(
+                    &req.name,
+                    &path.display(),
+                    spec.size_bytes,
+                    spec.allocation == Allocation::Sparse,
+                )
+                .await?
+            }
+            None => Vec::new(),
+        };
+        let me = self.clone();
+        let (file, created) = match req.create.clone() {
+            Some(spec) => {
+                let p = path.clone();
+                let file =
+                    blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
+                        .await??;
+                if self.fault == Some(super::Fault::SlowImageCreate) {
+                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+                }
+                (file, Some(spec.allocation))
+            }
+            None => {
+                let p = path.clone();
+                (
+                    blocking(move || me.roots.open_file(&p, Access::ReadOnly)).await??,
+                    None,
+                )
+            }
+        };
+        let (dev, ino) = file.identity();
+        let birth = file.birth().map(str::to_string);
+        let row = ImageRow {
+            id: Uuid::new_v4(),
+            name: req.name.clone(),
+            path: path.display(),
+            dev,
+            ino,
+            birth: birth.clone(),
+            size_bytes: file.size(),
+            allocated_bytes: file.allocated(),
+            allocation: created,
+            filesystem: file.filesystem()?,
+            created_at: OffsetDateTime::now_utc(),
+            snapshot_of: None,
+            cloned_from: None,
+            read_only: false,
+            method: None,
+            state: ImageState::Ready,
+            state_reason: None,
+        };
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            if let Some(other) = tx
+                .image_by_file(dev, ino, birth.as_deref(), &row.path)
+                .await?
+            {
+                return Err(Error::AlreadyRegistered {
+                    path: row.path.clone(),
+                    name: other.name,
+                    id: other.id,
+                });
+            }
+            tx.insert_image(&row).await?;
+            let verb = if created.is_some() {
+                "created"
+            } else {
+                "registered"
+            };
+            tx.event(
+                None,
+                Some(row.id),
+                &format!("image_{verb}"),
+                &format!(
+                    "image '{}' {verb}: {}, {}, on {}",
+                    row.name,
+                    row.path,
+                    size_text(row.size_bytes),
+                    row.filesystem
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        }
+        .await;
+        if let Err(e) = recorded {
+            if created.is_some() {
+                // Nothing may be left behind by a refused create.
+                let _ = self.roots.remove_file(&path, dev, ino, birth.as_deref());
+            }
+            return Err(e);
+        }
+        tracing::info!(image = %row.name, path = %row.path, "image recorded");
+        if !warnings.is_empty() {
+            let mut tx = self.store.begin().await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await?;
+        }
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// Each image root: its filesystem's size and free space, and the
+    /// images under it (their sizes and allocated bytes as they are now).
+    pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
+        let images = self.images().await?;
+        Ok(self
+            .roots
+            .space()
+            .into_iter()
+            .map(|(path, size_bytes, free_bytes)| {
+                let under: Vec<&Image> = images
+                    .iter()
+                    .filter(|i| std::path::Path::new(&i.path).starts_with(&path))
+                    .collect();
+                RootCapacity {
+                    images: under.len() as u64,
+                    provisioned_bytes: under.iter().map(|i| i.size_bytes).sum(),
+                    allocated_bytes: under.iter().map(|i| i.allocated_bytes).sum(),
+                    path,
+                    size_bytes,
+                    free_bytes,
+                    max_overcommit: self.max_overcommit,
+                }
+            })
+            .collect())
+    }
+
+    /// Checks that `adding` more provisioned bytes for image `name` at
+    /// `path` stay within `--max-overcommit`; returns what the caller should
+    /// be told (a sparse image larger than the free space).
+    pub(super) async fn check_provisioning(
+        &self,
+        name: &str,
+        path: &str,
+        adding: u64,
+        sparse: bool,
+    ) -> Result<Vec<String>> {
+        let usage = self.root_usage().await?;
+        let Some(root) = usage
+            .iter()
+            .find(|r| std::path::Path::new(path).starts_with(&r.path))
+        else {
+            return Ok(Vec::new());
+        };
+        let provisioned = root.provisioned_bytes + adding;
+        if let Some(ratio) = self.max_overcommit
+            && provisioned as f64 > ratio * root.size_bytes as f64
+        {
+            return Err(Error::Overcommit {
+                name: name.to_string(),
+                size: adding,
+                root: root.path.clone(),
+                provisioned,
+                ratio,
+                fs_size: root.size_bytes,
+            });
+        }
+        let mut warnings = Vec::new();
+        if sparse && adding > root.free_bytes {
+            warnings.push(format!(
+                "image '{name}' is sparse and {} more than its filesystem's {} free ({}): writes through its volume fail with ENOSPC once the filesystem is full",
+                size_text(adding), size_text(root.free_bytes), root.path
+            ));
+        }
+        Ok(warnings)
+    }
+
+    pub(super) async fn image_row(&self, id_or_name: &str) -> Result<ImageRow> {
+        self.store
+            .image(id_or_name)
+            .await?
+            .ok_or_else(|| Error::ImageNotFound(id_or_name.to_string()))
+    }
+
+    pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let allocate = self.allocate_view(row.id);
+        // A done allocate recorded `full` before it said so; the row may be
+        // from before that: read it again, so `done` always comes with `full`.
+        let row = match &allocate {
+            Some(a) if a.state == AllocateState::Done => {
+                self.image_row(&row.id.to_string()).await?
+            }
+            _ => row,
+        };
+        let volumes = self
+            .store
+            .volumes_of_image(row.id)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        let (size_bytes, allocated_bytes) = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .unwrap_or((row.size_bytes, row.allocated_bytes));
+        // A copy's file grows to its size only once the copy starts.
+        let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
+        let progress = self.copy_progress(row.id);
+        Ok(Image {
+            state: row.state,
+            state_reason: row.state_reason,
+            snapshot_of: row.snapshot_of,
+            cloned_from: row.cloned_from,
+            read_only: row.read_only,
+            method: row.method,
+            copied_bytes: progress.map(|(done, _)| done),
+            copy_total_bytes: progress.map(|(_, total)| total),
+            id: row.id,
+            name: row.name,
+            path: row.path,
+            size_bytes,
+            allocated_bytes,
+            filesystem: row.filesystem,
+            allocation: row.allocation,
+            created_at: row.created_at,
+            volumes,
+            allocate,
+            warnings: Vec::new(),
+        })
+    }
+
+    /// `GET /v1/images`.
+    pub(super) async fn images(&self) -> Result<Vec<Image>> {
+        let mut out = Vec::new();
+        for row in self.store.images().await? {
+            out.push(self.image_view(row).await?);
+        }
+        Ok(out)
+    }
+
+    /// `GET /v1/images/{id}`.
+    pub(super) async fn image(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        self.image_view(row).await
+    }
+
+    /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
+    pub(super) async fn resize_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+        size_bytes: u64,
+    ) -> Result<ResizeImageResponse> {
+        let row = self.image_row(id_or_name).await?;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let row = self.image_row(&row.id.to_string()).await?;
+        self.refuse_while_allocating(&row, "grow")?;
+        self.refuse_unready(&row, "grow")?;
+        self.refuse_read_only(&row, "it cannot grow")?;
+        self.refuse_while_copied(&row, "grow")?;
+        if size_bytes == 0
+            || !size_bytes.is_multiple_of(512)
+            || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
+        {
+            return Err(Error::InvalidField {
+                field: "size_bytes",
+                reason: format!(
+                    "{size_bytes} is not a positive multiple of 512 up to {} (image '{}')",
+                    blockplane_system::image::MAX_IMAGE_BYTES,
+                    row.name
+                ),
+            });
+        }
+        let current = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .map(|(size, _)| size)
+            .unwrap_or(row.size_bytes);
+        if size_bytes < current {
+            return Err(Error::Shrink {
+                name: row.name,
+                current,
+                asked: size_bytes,
+            });
+        }
+        let warnings = self
+            .check_provisioning(
+                &row.name,
+                &row.path,
+                size_bytes - current,
+                row.allocation != Some(Allocation::Full),
+            )
+            .await?;
+        let mut followed = Vec::new();
+        if size_bytes > current {
+            let allocation = row.allocation.unwrap_or(Allocation::Sparse);
+            // A ublk worker holds its image (pinned while direct-mapped) and
+            // grows it itself; otherwise the file is grown here first.
+            let worker_grows = self
+                .attached_volumes(row.id)
+                .await?
+                .iter()
+                .any(|(_, b)| b.grows_image());
+            if !worker_grows {
+                let me = self.clone();
+                let r = row.clone();
+                blocking(move || -> Result<()> {
+                    let mut file = me.open_image(&r, Access::ReadWrite)?;
+                    file.grow(size_bytes, allocation)?;
+                    Ok(())
+                })
+                .await??;
+            }
+            followed = self
+                .volumes_follow_resize(&row, size_bytes, allocation)
+                .await?;
+            let (size, allocated) = self
+                .roots
+                .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+                .unwrap_or((size_bytes, row.allocated_bytes));
+            let mut tx = self.store.begin().await?;
+            tx.update_image_size(row.id, size, allocated).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_resized",
+                &format!(
+                    "image '{}' grown from {} to {}",
+                    row.name,
+                    size_text(current),
+                    size_text(size)
+                ),
+            )
+            .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await?;
+        }
+        let mut image = self.image(&row.id.to_string()).await?;
+        image.warnings = warnings;
+        Ok(ResizeImageResponse {
+            image,
+            volumes: followed,
+        })
+    }
+
+    /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
+    /// holes and unwritten extents in the background, so it passes direct-map
+    /// rule 2 again, and makes it `full` (never punched from then on) when
+    /// done. Refused before anything is written when its filesystem lacks the
+    /// space for the holes, when an attached volume's backend cannot fill it
+    /// while serving (loop), or when an allocate already runs. An attached
+    /// volume's backend does the writing, keeping its own writes out of each
+    /// range it zeroes (ublk, dm); otherwise the service does, holding the
+    /// image's lock. Answers with the image, its `allocate` running.
+    pub(super) async fn allocate_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+    ) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let row = self.image_row(&row.id.to_string()).await?;
+        self.refuse_while_allocating(&row, "start another")?;
+        self.refuse_unready(&row, "be allocated")?;
+        self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
+        self.refuse_while_copied(&row, "be allocated")?;
+        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
+            return Err(Error::NotAllocatable {
+                name: row.name,
+                reason: format!(
+                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
+                    row.filesystem
+                ),
+            });
+        }
+        let me = self.clone();
+        let r = row.clone();
+        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
+            let file = me.open_image(&r, Access::ReadOnly)?;
+            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
+            Ok((needed, free, file.unwritten_bytes()?))
+        })
+        .await??;
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: row.name,
+                what: "allocating its holes",
+                needed,
+                free,
+            });
+        }
+        let attached = self.attached_volumes(row.id).await?;
+        for (v, backend) in &attached {
+            if let Some(att) = &v.attachment {
+                backend
+                    .check_allocate(att, v.id)
+                    .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+            }
+        }
+        let job = std::sync::Arc::new(blockplane_system::image::AllocateJob {
+            pace: if self.fault == Some(super::Fault::SlowAllocate) {
+                std::time::Duration::from_millis(100)
+            } else {
+                std::time::Duration::ZERO
+            },
+            ..Default::default()
+        });
+        job.total_bytes.store(total, Relaxed);
+        let mut tx = self.store.begin().await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_allocate_started",
+            &format!(
+                "image '{}': allocate started ({} of holes to take from its filesystem, which has {} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
+                row.name, size_text(needed), size_text(free), row.name, row.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .insert(
+                row.id,
+                AllocateRun {
+                    job: job.clone(),
+                    state: AllocateState::Running,
+                    error: None,
+                    started_at: OffsetDateTime::now_utc(),
+                },
+            );
+        let me = self.clone();
+        let r = row.clone();
+        tokio::spawn(async move {
+            let out = me.run_allocate(&r, attached, &job).await;
+            me.end_allocate(&r, &job, needed, out).await;
+        });
+        self.image(&row.id.to_string()).await
+    }
+
+    /// Writes the zeros: through each attached volume's backend, or, with
+    /// none, from here with the image's OFD lock held (it keeps another
+    /// instance's volume, and an attach here, off the file meanwhile).
+    /// `Ok(false)`: cancelled.
+    async fn run_allocate(
+        self: &std::sync::Arc<Self>,
+        row: &ImageRow,
+        attached: Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+        job: &std::sync::Arc<blockplane_system::image::AllocateJob>,
+    ) -> Result<bool> {
+        if attached.is_empty() {
+            let (me, r, j) = (self.clone(), row.clone(), job.clone());
+            return blocking(move || -> Result<bool> {
+                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
+                Ok(file.allocate(&j)?)
+            })
+            .await?;
+        }
+        for (v, backend) in attached {
+            // The volume's lock only to read its attachment: its other
+            // changes (a policy switch, a detach) go on while its worker fills.
+            let att = {
+                let _vol = self.volume_locks.lock(&v.name).await;
+                self.store
+                    .volume(&v.id.to_string())
+                    .await?
+                    .and_then(|v| v.attachment)
+            };
+            let Some(att) = att else { continue };
+            let (id, j) = (v.id, job.clone());
+            let done = blocking(move || backend.allocate(&att, id, &j))
+                .await?
+                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+            if !done {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Records how an allocate ended: `full` and an `image_allocated` event
+    /// when done; otherwise an event, and the image left as declared.
+    async fn end_allocate(
+        &self,
+        row: &ImageRow,
+        job: &blockplane_system::image::AllocateJob,
+        needed: u64,
+        out: Result<bool>,
+    ) {
+        let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
+        let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            let state = match &out {
+                Ok(true) => {
+                    let allocated = self
+                        .roots
+                        .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+                        .map(|(_, allocated)| allocated)
+                        .unwrap_or(row.allocated_bytes);
+                    tx.set_image_allocation(row.id, Allocation::Full, allocated)
+                        .await?;
+                    tx.event(None, Some(row.id), "image_allocated", &format!(
+                        "image '{}' allocated: {} of holes filled, {} of holes and unwritten extents written with zeros; now full",
+                        row.name, size_text(needed), size_text(total)
+                    ))
+                    .await?;
+                    AllocateState::Done
+                }
+                Ok(false) => {
+                    tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
+                        "image '{}': allocate cancelled after {} of {}; {stays}",
+                        row.name, size_text(done), size_text(total)
+                    ))
+                    .await?;
+                    AllocateState::Cancelled
+                }
+                Err(e) => {
+                    tx.event(None, Some(row.id), "image_allocate_failed", &format!(
+                        "image '{}': allocate failed after {} of {}: {e}; {stays}",
+                        row.name, size_text(done), size_text(total)
+                    ))
+                    .await?;
+                    AllocateState::Failed
+                }
+            };
+            tx.commit().await?;
+            Ok::<_, Error>(state)
+        }
+        .await;
+        let (state, error) = match (recorded, out) {
+            (Ok(state), Err(e)) => (state, Some(e.to_string())),
+            (Ok(state), Ok(_)) => (state, None),
+            (Err(e), _) => (
+                AllocateState::Failed,
+                Some(format!("recording the end: {e}")),
+            ),
+        };
+        if let Some(run) = self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get_mut(&row.id)
+        {
+            run.state = state;
+            run.error = error;
+        }
+    }
+
+    /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
+    /// current stretch and answers once it stopped (the image as declared).
+    pub(super) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.image_row(id_or_name).await?;
+        let running = |s: &Self| {
+            s.allocations
+                .lock()
+                .expect("allocations poisoned")
+                .get(&row.id)
+                .filter(|r| r.state == AllocateState::Running)
+                .map(|r| r.job.clone())
+        };
+        let Some(job) = running(self) else {
+            return Err(Error::AllocateConflict {
+                name: row.name,
+                reason: "no allocate runs on it (POST /v1/images/{id}/allocate starts one)".into(),
+            });
+        };
+        job.cancel.store(true, Relaxed);
+        // One stretch, and a worker's next poll.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+        while running(self).is_some() && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        self.image(&row.id.to_string()).await
+    }
+
+    /// Asks every running allocate to stop (the service is stopping: the
+    /// images stay as declared, to be allocated again).
+    pub fn stop_allocations(&self) {
+        self.stop_copies();
+        for run in self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .values()
+        {
+            run.job.cancel.store(true, Relaxed);
+        }
+    }
+
+    /// 409 while an allocate runs on the image: it must not change under it.
+    pub(super) fn refuse_while_allocating(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let running = self
+            .allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get(&row.id)
+            .is_some_and(|r| r.state == AllocateState::Running);
+        if running {
+            return Err(Error::AllocateConflict {
+                name: row.name.clone(),
+                reason: format!(
+                    "an allocate runs on it, so it cannot {what} now; wait for its end (GET /v1/images/{}) or stop it (DELETE /v1/images/{}/allocate)",
+                    row.name, row.name
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The image's last allocate as the API shows it.
+    fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .get(&id)
+            .map(|r| ImageAllocate {
+                state: r.state,
+                done_bytes: r.job.done_bytes.load(Relaxed),
+                total_bytes: r.job.total_bytes.load(Relaxed),
+                error: r.error.clone(),
+                started_at: r.started_at,
+            })
+    }
+
+    /// The image's volumes that have a device, with their backends.
+    pub(super) async fn attached_volumes(
+        &self,
+        image_id: uuid::Uuid,
+    ) -> Result<
+        Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+    > {
+        let mut out = Vec::new();
+        for (vid, _) in self.store.volumes_of_image(image_id).await? {
+            if let Some(v) = self.store.volume(&vid.to_string()).await?
+                && v.attachment.is_some()
+                && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
+                && let Some(b) = self.backend(v.backend)
+            {
+                out.push((v, b));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes every attached volume of an image follow its new size. A volume
+    /// whose backend grows the image fails the resize when it cannot.
+    async fn volumes_follow_resize(
+        self: &std::sync::Arc<Self>,
+        image: &ImageRow,
+        size: u64,
+        allocation: Allocation,
+    ) -> Result<Vec<VolumeResize>> {
+        let mut out = Vec::new();
+        for (v, backend) in self.attached_volumes(image.id).await? {
+            let _vol = self.volume_locks.lock(&v.name).await;
+            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+                continue;
+            };
+            let Some(att) = v.attachment.clone() else {
+                continue;
+            };
+            let grows = backend.grows_image();
+            let id = v.id;
+            let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
+            if outcome.is_ok() {
+                self.fault_point(super::Stage::AfterChange)?;
+            }
+            let mut tx = self.store.begin().await?;
+            match outcome {
+                Ok(att) => {
+                    let pending = att.resize_pending;
+                    let msg = if pending {
+                        format!(
+                            "volume '{}': image grown to {}; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
+                            v.name,
+                            size_text(size)
+                        )
+                    } else {
+                        format!(
+                            "volume '{}' now {} on {}",
+                            v.name,
+                            size_text(att.size_bytes),
+                            att.device
+                        )
+                    };
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: att.size_bytes,
+                        resize_pending: pending,
+                        message: msg.clone(),
+                    });
+                    v.attachment = Some(att);
+                    v.updated_at = OffsetDateTime::now_utc();
+                    tx.update_volume(&v).await?;
+                    tx.event(Some(v.id), Some(image.id), "volume_resized", &msg)
+                        .await?;
+                    tx.commit().await?;
+                }
+                Err(e) => {
+                    tx.event(
+                        Some(v.id),
+                        Some(image.id),
+                        "volume_resize_failed",
+                        &format!("volume '{}' keeps its old size: {e}", v.name),
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    if grows {
+                        return Err(super::volumes::volume_error(&v.name, e));
+                    }
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: v.attachment.as_ref().map(|a| a.size_bytes).unwrap_or(0),
+                        resize_pending: true,
+                        message: format!("keeps its old size: {e}"),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// `DELETE /v1/images/{id}`.
+    pub(super) async fn delete_image(
+        self: &std::sync::Arc<Self>,
+        id_or_name: &str,
+        delete_file: bool,
+    ) -> Result<()> {
+        let row = self.image_row(id_or_name).await?;
+        // A copy stops first; its partial file goes with the image.
+        self.stop_copy(row.id).await;
+        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let mut tx = self.store.begin().await?;
+        let Some(row) = tx.image(&row.id.to_string()).await? else {
+            return Err(Error::ImageNotFound(id_or_name.to_string()));
+        };
+        let delete_file = delete_file || row.state != ImageState::Ready;
+        self.refuse_while_allocating(&row, "be forgotten")?;
+        let users = tx.volumes_of_image(row.id).await?;
+        if !users.is_empty() {
+            return Err(Error::image_in_use(row.name, &users));
+        }
+        if delete_file {
+            let path = self.roots.resolve(&row.path)?;
+            match self
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
+            {
+                Ok(()) | Err(blockplane_system::image::ImageFileError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        tx.delete_image(row.id).await?;
+        let what = if delete_file {
+            "deleted with its file"
+        } else {
+            "forgotten (file kept)"
+        };
+        tx.event(
+            None,
+            Some(row.id),
+            "image_deleted",
+            &format!("image '{}' {what}: {}", row.name, row.path),
+        )
+        .await?;
+        tx.commit().await?;
+        self.allocations
+            .lock()
+            .expect("allocations poisoned")
+            .remove(&row.id);
+        Ok(())
+    }
+
+    /// Opens a registered image's file, as [`Self::open_image`], and takes
+    /// the OFD lock a volume holds while it serves it.
+    pub(super) fn open_and_lock(
+        &self,
+        row: &ImageRow,
+        access: Access,
+    ) -> Result<(blockplane_system::image::ImageFile, std::os::fd::OwnedFd)> {
+        let file = self.open_image(row, access)?;
+        let lock = self.lock_image(row, &file)?;
+        Ok((file, lock))
+    }
+
+    /// Takes the OFD lock on an opened image; 409 `image_locked` naming the
+    /// holder when another process has it.
+    pub(super) fn lock_image(
+        &self,
+        row: &ImageRow,
+        file: &blockplane_system::image::ImageFile,
+    ) -> Result<std::os::fd::OwnedFd> {
+        super::holds::lock(file).map_err(|held| Error::ImageLocked {
+            name: row.name.clone(),
+            path: row.path.clone(),
+            holder: held.holder(),
+        })
+    }
+
+    /// Opens a registered image's file and checks it is still the same file.
+    pub(super) fn open_image(
+        &self,
+        row: &ImageRow,
+        access: Access,
+    ) -> Result<blockplane_system::image::ImageFile> {
+        let path = self.roots.resolve(&row.path)?;
+        let file = self.roots.open_file(&path, access)?;
+        if file.identity() != (row.dev, row.ino)
+            || !blockplane_system::image::same_birth(row.birth.as_deref(), file.birth())
+        {
+            return Err(Error::ImageReplaced {
+                name: row.name.clone(),
+                reason: format!(
+                    "{} is no longer the registered file (inode {} on device {}, born {}); re-register it",
+                    row.path,
+                    row.ino,
+                    row.dev,
+                    row.birth.as_deref().unwrap_or("at an unrecorded time")
+                ),
+            });
+        }
+        Ok(file)
+    }
+}

@@ -1,0 +1,262 @@
+//! Start-up reconciliation: make SQLite and the kernel agree again after the
+//! service stopped or was killed at any point.
+//!
+//! Every volume row is matched with the kernel by the mark its device carries:
+//! a live device serving the same image is re-adopted; a vanished one is
+//! re-attached, or the volume goes `error` with the reason; a volume caught
+//! half-deleted is finished off. Marked devices with no row are removed.
+
+use std::collections::HashSet;
+
+use super::volumes::{access, params};
+use super::{Manager, Result, blocking};
+use crate::backend::{Attachment, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend};
+use crate::store::VolumeRow;
+use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState};
+use blockplane_system::image::Access;
+
+/// What reconciliation did, for the log.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub adopted: usize,
+    pub reattached: usize,
+    pub failed: usize,
+    pub finished_deletes: usize,
+    pub orphans_removed: usize,
+}
+
+impl Manager {
+    /// A device adopted after a crash may carry a live change its row never
+    /// recorded (the service died between changing the device and the
+    /// commit, whose answer the client never got). The row says what should
+    /// be: its live settings are applied again.
+    async fn reapply_settings(
+        &self,
+        backend: &std::sync::Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        mut att: Attachment,
+    ) -> Attachment {
+        if v.backend == Backend::Loop {
+            return att;
+        }
+        let asked = match v.dispatch {
+            DispatchPolicy::Auto => None,
+            DispatchPolicy::Nowait => Some(ActiveDispatch::Nowait),
+            DispatchPolicy::Threaded => Some(ActiveDispatch::Threaded),
+            DispatchPolicy::Direct => Some(ActiveDispatch::Direct),
+        };
+        let mut changes = Vec::new();
+        if asked.is_some_and(|d| d != att.dispatch) {
+            changes.push(Change::Dispatch(v.dispatch));
+        }
+        if att.read_only != v.read_only {
+            changes.push(Change::ReadOnly(v.read_only));
+        }
+        // A worker does not report its limits: send the row's.
+        if v.backend == Backend::Ublk {
+            changes.push(Change::Qos(v.qos));
+        }
+        for change in changes {
+            let (b, a) = (backend.clone(), att.clone());
+            if !matches!(
+                blocking(move || b.check_change(&a, change)).await,
+                Ok(Ok(()))
+            ) {
+                continue;
+            }
+            match self.reconfigure(backend, v, &att, change).await {
+                Ok(a) => att = a,
+                Err(e) => {
+                    tracing::warn!(volume = %v.name, error = %e, ?change, "could not apply the recorded setting again after adoption")
+                }
+            }
+        }
+        att
+    }
+
+    /// Reconciles every volume, then removes orphan devices.
+    pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
+        self.fail_interrupted_copies().await?;
+        let mut report = Report::default();
+        for v in self.store.volumes().await? {
+            let _volume = self.volume_locks.lock(&v.name).await;
+            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+                continue;
+            };
+            if v.state == VolumeState::Detaching {
+                match self.detach(&v).await {
+                    Ok(()) => {
+                        self.forget_volume(&v).await?;
+                        report.finished_deletes += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
+                    }
+                }
+                continue;
+            }
+            let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
+                let reason = format!("its image {} is not registered", v.image_id);
+                self.record_error(&mut v, reason).await?;
+                report.failed += 1;
+                continue;
+            };
+            let Some(backend) = self.backend(v.backend) else {
+                let reason = super::not_built_reason(v.backend);
+                self.record_error(&mut v, reason).await?;
+                report.failed += 1;
+                continue;
+            };
+            // A direct-mapped image is pinned: it opens read-only only.
+            let opened = {
+                let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+                blocking(move || {
+                    me.open_image(&image, a)
+                        .or_else(|_| me.open_image(&image, Access::ReadOnly))
+                })
+                .await?
+            };
+            // The lock a serving volume holds on its image, taken again. Held
+            // elsewhere, it is either another blockplane's or the one this
+            // volume's ublk worker kept while no service lived (the backend
+            // finds that one when it probes the worker).
+            let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
+            let req = ProbeRequest {
+                volume_id: v.id,
+                identity: (image.dev, image.ino),
+                params: params(&v, &image, image.size_bytes),
+                image: opened.ok().map(|f| f.into_fd()),
+                stored: v.attachment.clone(),
+                image_lock: match &image_lock {
+                    Some(Ok(fd)) => fd.try_clone().ok(),
+                    _ => None,
+                },
+            };
+            let prober = backend.clone();
+            let probe = blocking(move || prober.probe(req)).await?;
+            match probe {
+                Ok(Probe::Alive(att)) => {
+                    let mut att = self.reapply_settings(&backend, &v, *att).await;
+                    // Same device as recorded: keep when and from what its counters count.
+                    if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
+                        att.attached_at = old.attached_at;
+                        att.baseline = old.baseline;
+                    }
+                    let unchanged =
+                        v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
+                    if !unchanged {
+                        self.record_attached(&mut v, att, "volume_adopted").await?;
+                    }
+                    match (image_lock, backend.image_lock(v.id)) {
+                        (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
+                        (Some(Err(e)), None) => {
+                            tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
+                        }
+                        (None, None) => {}
+                    }
+                    report.adopted += 1;
+                }
+                Ok(Probe::Gone) => {
+                    let opened = {
+                        let (me, image, a) =
+                            (self.clone(), image.clone(), access(v.spec.read_only));
+                        blocking(move || me.open_image(&image, a)).await?
+                    };
+                    let attached = match opened {
+                        Ok(file) => {
+                            // Taken again if it failed: the probe may have
+                            // stopped its holder (a dm volume's stray worker).
+                            let lock = match image_lock {
+                                Some(Ok(lock)) => Ok(lock),
+                                _ => self.lock_image(&image, &file),
+                            };
+                            match lock {
+                                Ok(lock) => self
+                                    .attach(&v, &image, file, &lock, None)
+                                    .await
+                                    .map(|att| (att, lock)),
+                                Err(e) => Err(e),
+                            }
+                        }
+                        Err(e) => Err(e),
+                    };
+                    match attached {
+                        Ok((att, lock)) => {
+                            self.holds.keep(v.id, lock);
+                            self.record_attached(&mut v, att, "volume_reattached")
+                                .await?;
+                            report.reattached += 1;
+                        }
+                        Err(e) => {
+                            self.record_error(
+                                &mut v,
+                                format!("its device vanished and could not be re-attached: {e}"),
+                            )
+                            .await?;
+                            report.failed += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.record_error(&mut v, e.to_string()).await?;
+                    report.failed += 1;
+                }
+            }
+        }
+        report.orphans_removed = self.remove_orphans().await?;
+        Ok(report)
+    }
+
+    /// Removes devices that carry this instance's mark but belong to no volume
+    /// (dm devices are only reported: see `Manager::host`).
+    async fn remove_orphans(&self) -> Result<usize> {
+        let known: HashSet<_> = self.store.volumes().await?.iter().map(|v| v.id).collect();
+        let mut removed = 0;
+        for backend in self
+            .backends
+            .iter()
+            .filter(|b| b.orphan_policy() == OrphanPolicy::Remove)
+        {
+            let b = backend.clone();
+            let marked = match blocking(move || b.marked()).await? {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(backend = backend.kind().as_str(), error = %e, "cannot scan for orphan devices");
+                    continue;
+                }
+            };
+            for m in marked.into_iter().filter(|m| !known.contains(&m.volume_id)) {
+                let b = backend.clone();
+                let id = m.volume_id;
+                let outcome = blocking(move || b.detach(id, None)).await?;
+                let mut tx = self.store.begin().await?;
+                match outcome {
+                    Ok(()) => {
+                        removed += 1;
+                        tx.event(
+                            Some(m.volume_id),
+                            None,
+                            "orphan_removed",
+                            &format!(
+                                "removed {}: it carried the mark of volume {}, which has no record",
+                                m.device, m.volume_id
+                            ),
+                        )
+                        .await?;
+                    }
+                    Err(e) => {
+                        tx.event(
+                            Some(m.volume_id),
+                            None,
+                            "orphan_found",
+                            &format!("{} carries the mark of unknown volume {} and could not be removed: {e}", m.device, m.volume_id),
+                        )
+                        .await?;
+                    }
+                }
+                tx.commit().await?;
+            }
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,638 @@
+//! The manager's rules, without root: a real SQLite registry in a temporary
+//! directory, real image files under a real root, and the in-memory
+//! [`FakeBackend`] in place of the kernel.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::json;
+use uuid::Uuid;
+
+use super::fake::{Call, FakeBackend};
+use super::{Backends, Created, Error, Manager, ManagerConfig};
+use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy};
+use crate::store::{EventFilter, Store, VolumeRow};
+use blockplane_api::model::{
+    Backend, CreateImageRequest, CreateVolumeRequest, DispatchPolicy, PatchVolumeRequest, Qos,
+    VolumeState,
+};
+use blockplane_system::image::ImageRoots;
+
+/// A manager over a fresh registry and image root, with one fake backend.
+struct Bed {
+    dir: tempfile::TempDir,
+    store: Store,
+    fake: Arc<FakeBackend>,
+    m: Arc<Manager>,
+}
+
+impl Bed {
+    async fn new(policy: OrphanPolicy) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("images")).unwrap();
+        let store = Store::open(&dir.path().join("blockplane.db"))
+            .await
+            .unwrap();
+        let fake = Arc::new(FakeBackend::new(Backend::Ublk, policy));
+        let m = manager(&dir, &store, &fake, 8).await;
+        Self {
+            dir,
+            store,
+            fake,
+            m,
+        }
+    }
+
+    /// The service stops and starts again over the same registry and
+    /// devices: the old manager is gone (its image locks with it), a new one
+    /// reconciles.
+    async fn restart(&mut self) -> super::reconcile::Report {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        // Its backend-event thread holds it until it sees the channel closed.
+        while Arc::strong_count(&self.m) > 1 && std::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(Arc::strong_count(&self.m), 1, "the old manager lingers");
+        self.m = manager(&self.dir, &self.store, &self.fake, 8).await;
+        self.m.reconcile().await.unwrap()
+    }
+
+    /// A bed whose image `img` serves volume `v`, created with `extra`;
+    /// and the volume's row as created.
+    async fn with_volume(extra: serde_json::Value) -> (Self, VolumeRow) {
+        let bed = Self::new(OrphanPolicy::Remove).await;
+        bed.image("img").await;
+        bed.create("v", "img", extra).await.unwrap();
+        let row = bed.row("v").await.unwrap();
+        (bed, row)
+    }
+
+    /// Volume `v` is as `before`: its row, its device, and no call made on
+    /// it since its attach.
+    async fn assert_unchanged(&self, before: &VolumeRow) {
+        assert_eq!(settings(&self.row("v").await.unwrap()), settings(before));
+        assert_eq!(self.fake.device(before.id), before.attachment);
+        assert_eq!(self.calls(before.id), vec![Call::Attach(before.id)]);
+    }
+
+    /// A PATCH of `v` is refused on `field` and leaves it as `before`.
+    async fn assert_patch_refused(
+        &self,
+        patch: serde_json::Value,
+        field: &str,
+        before: &VolumeRow,
+    ) {
+        let e = self.patch("v", patch).await.unwrap_err();
+        assert!(is_volume_error(&e, "v", field), "{e}");
+        self.assert_unchanged(before).await;
+    }
+
+    fn root(&self) -> PathBuf {
+        self.dir.path().join("images").canonicalize().unwrap()
+    }
+
+    /// Creates a 1 MiB image file `name` under the root.
+    async fn image(&self, name: &str) {
+        let path = self.root().join(format!("{name}.img"));
+        let req: CreateImageRequest = serde_json::from_value(json!({
+            "name": name,
+            "path": path.to_str().unwrap(),
+            "create": {"size_bytes": 1 << 20}
+        }))
+        .unwrap();
+        self.m.create_image(req).await.unwrap();
+    }
+
+    /// Creates volume `name` on image `image`; `extra` adds fields.
+    async fn create(
+        &self,
+        name: &str,
+        image: &str,
+        extra: serde_json::Value,
+    ) -> super::Result<Created<blockplane_api::model::Volume>> {
+        let mut req = json!({"name": name, "image": image, "backend": "ublk"});
+        req.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let req: CreateVolumeRequest = serde_json::from_value(req).unwrap();
+        self.m.create_volume(req).await
+    }
+
+    async fn patch(
+        &self,
+        name: &str,
+        patch: serde_json::Value,
+    ) -> super::Result<blockplane_api::model::Volume> {
+        let patch: PatchVolumeRequest = serde_json::from_value(patch).unwrap();
+        self.m.patch_volume(name, patch).await
+    }
+
+    async fn row(&self, name: &str) -> Option<VolumeRow> {
+        self.store.volume(name).await.unwrap()
+    }
+
+    /// The kinds of a volume's events, oldest first.
+    async fn events(&self, volume: Uuid) -> Vec<String> {
+        self.store
+            .events(&EventFilter {
+                volume_id: Some(volume),
+                since: None,
+                limit: 1000,
+            })
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect()
+    }
+
+    /// The fake's calls about one volume.
+    fn calls(&self, volume: Uuid) -> Vec<Call> {
+        self.fake
+            .calls()
+            .into_iter()
+            .filter(|c| match c {
+                Call::Attach(id) | Call::Detach(id) | Call::Reconfigure(id, _) => *id == volume,
+            })
+            .collect()
+    }
+}
+
+async fn manager(
+    dir: &tempfile::TempDir,
+    store: &Store,
+    fake: &Arc<FakeBackend>,
+    max_volumes: usize,
+) -> Arc<Manager> {
+    let roots = ImageRoots::open(&[dir.path().join("images")]).unwrap();
+    // The sink goes at once: the fake notices nothing on its own.
+    let (_, events) = EventSink::channel();
+    Manager::new(
+        store.clone(),
+        roots,
+        Backends {
+            list: vec![fake.clone()],
+            events,
+        },
+        ManagerConfig {
+            run_dir: dir.path().join("run"),
+            default_queues: 1,
+            max_volumes,
+            max_overcommit: None,
+            fault: None,
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// What a refused request must leave as it was: the row's settings and
+/// state, and the device.
+type Settings = (
+    DispatchPolicy,
+    bool,
+    Option<Qos>,
+    VolumeState,
+    Option<Attachment>,
+);
+
+fn settings(v: &VolumeRow) -> Settings {
+    (
+        v.dispatch,
+        v.read_only,
+        v.qos,
+        v.state,
+        v.attachment.clone(),
+    )
+}
+
+fn is_volume_error(e: &Error, volume: &str, field: &str) -> bool {
+    matches!(e, Error::Volume { name, source: BackendError::NotLive { field: f, .. } }
+        if name == volume && *f == field)
+}
+
+#[tokio::test]
+async fn create_again_with_the_same_spec_returns_the_volume_and_attaches_once() {
+    let bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    let first = bed.create("v", "img", json!({})).await.unwrap();
+    let Created::New(first) = first else {
+        panic!("the first create made nothing new")
+    };
+    let again = bed.create("v", "img", json!({})).await.unwrap();
+    let Created::Existing(again) = again else {
+        panic!("the second create made a new volume")
+    };
+    assert_eq!(first.id, again.id);
+    assert_eq!(again.device, first.device);
+    assert_eq!(bed.calls(first.id), vec![Call::Attach(first.id)]);
+    assert_eq!(
+        bed.events(first.id).await,
+        ["volume_created", "volume_attached"]
+    );
+}
+
+#[tokio::test]
+async fn create_again_with_another_spec_is_refused_and_changes_nothing() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    let e = bed
+        .create("v", "img", json!({"dispatch": "threaded"}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::VolumeExists { name, differences } if name == "v" && differences.contains("dispatch")),
+        "{e}"
+    );
+    bed.assert_unchanged(&before).await;
+}
+
+#[tokio::test]
+async fn delete_removes_the_device_and_the_row_then_answers_not_found() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    let id = before.id;
+    bed.m.delete_volume("v").await.unwrap();
+    assert!(bed.row("v").await.is_none());
+    assert!(bed.fake.device(id).is_none());
+    let e = bed.m.delete_volume("v").await.unwrap_err();
+    assert!(matches!(&e, Error::VolumeNotFound(n) if n == "v"), "{e}");
+    assert_eq!(bed.calls(id), vec![Call::Attach(id), Call::Detach(id)]);
+    assert_eq!(
+        bed.events(id).await,
+        [
+            "volume_created",
+            "volume_attached",
+            "volume_detaching",
+            "volume_deleted"
+        ]
+    );
+    // Its image is free for another volume again.
+    bed.create("w", "img", json!({})).await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_names_are_refused_before_anything_is_recorded() {
+    let bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    for bad in ["", "Vol", "-v", "a/b", &"v".repeat(64)] {
+        let e = bed.create(bad, "img", json!({})).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidName { what: "volume", name } if name == bad),
+            "{bad}: {e}"
+        );
+    }
+    assert!(bed.store.volumes().await.unwrap().is_empty());
+    assert!(bed.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn an_image_serves_one_volume_at_a_time() {
+    let bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    bed.create("first", "img", json!({})).await.unwrap();
+    let e = bed.create("second", "img", json!({})).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::ImageInUse { name, volumes } if name == "img" && volumes == "'first'"),
+        "{e}"
+    );
+    assert!(bed.row("second").await.is_none());
+    assert_eq!(bed.fake.calls().len(), 1, "{:?}", bed.fake.calls());
+}
+
+#[tokio::test]
+async fn a_policy_the_backend_refuses_records_nothing() {
+    let bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    bed.fake.refuse_policy(DispatchPolicy::Direct);
+    let e = bed
+        .create("v", "img", json!({"dispatch": "direct"}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Volume { name, source: BackendError::Unsupported { .. } } if name == "v"),
+        "{e}"
+    );
+    assert!(bed.row("v").await.is_none());
+    assert!(bed.fake.calls().is_empty());
+    // Refused before the image was taken: another spec gets it.
+    bed.create("v", "img", json!({})).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_volume_cap_holds() {
+    let mut bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.m = manager(&bed.dir, &bed.store, &bed.fake, 1).await;
+    bed.image("a").await;
+    bed.image("b").await;
+    bed.create("one", "a", json!({})).await.unwrap();
+    let e = bed.create("two", "b", json!({})).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::VolumeLimit { name, max: 1 } if name == "two"),
+        "{e}"
+    );
+    assert!(bed.row("two").await.is_none());
+    assert_eq!(bed.fake.calls().len(), 1);
+}
+
+#[tokio::test]
+async fn a_volume_created_read_only_never_turns_writable() {
+    let (bed, before) = Bed::with_volume(json!({"read_only": true})).await;
+    assert!(before.attachment.as_ref().unwrap().read_only);
+    bed.assert_patch_refused(json!({"read_only": false}), "read_only", &before)
+        .await;
+}
+
+/// The bug of issue 16: a PATCH whose second change a rule of the manager's
+/// refuses must not make its first one.
+#[tokio::test]
+async fn a_patch_whose_second_change_breaks_a_rule_changes_nothing() {
+    let (bed, before) = Bed::with_volume(json!({"read_only": true})).await;
+    bed.assert_patch_refused(
+        json!({"dispatch": "threaded", "read_only": false}),
+        "read_only",
+        &before,
+    )
+    .await;
+    assert_eq!(
+        bed.events(before.id).await,
+        ["volume_created", "volume_attached"]
+    );
+}
+
+#[tokio::test]
+async fn a_patch_whose_second_change_the_backend_refuses_changes_nothing() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    bed.fake.refuse("read_only");
+    bed.assert_patch_refused(
+        json!({"dispatch": "threaded", "read_only": true}),
+        "read_only",
+        &before,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_patch_whose_second_change_fails_is_undone() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    bed.fake.fail("qos");
+    let qos = Qos {
+        iops: Some(100),
+        ..Default::default()
+    };
+    let e = bed
+        .patch("v", json!({"dispatch": "threaded", "qos": qos}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Volume { name, source: BackendError::Refused { .. } } if name == "v"),
+        "{e}"
+    );
+    let id = before.id;
+    assert_eq!(
+        bed.calls(id),
+        vec![
+            Call::Attach(id),
+            Call::Reconfigure(id, Change::Dispatch(DispatchPolicy::Threaded)),
+            Call::Reconfigure(id, Change::Qos(Some(qos))),
+            // Back to what the row asks: `auto`, the default.
+            Call::Reconfigure(id, Change::Dispatch(DispatchPolicy::Auto)),
+        ]
+    );
+    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
+    assert_eq!(bed.fake.device(id), before.attachment);
+}
+
+#[tokio::test]
+async fn a_patch_makes_every_change_and_records_each() {
+    let (bed, _) = Bed::with_volume(json!({})).await;
+    let v = bed
+        .patch(
+            "v",
+            json!({"dispatch": "threaded", "read_only": true, "qos": null}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(v.requested_dispatch, DispatchPolicy::Threaded);
+    assert!(v.read_only);
+    let row = bed.row("v").await.unwrap();
+    assert_eq!(row.dispatch, DispatchPolicy::Threaded);
+    assert!(row.read_only);
+    // The row's device is the backend's.
+    assert_eq!(bed.fake.device(row.id), row.attachment);
+    assert!(row.attachment.as_ref().unwrap().read_only);
+    assert_eq!(
+        bed.events(row.id).await,
+        [
+            "volume_created",
+            "volume_attached",
+            "dispatch_changed",
+            "read_only_changed"
+        ]
+    );
+    // The same PATCH again is no change at all.
+    bed.patch("v", json!({"dispatch": "threaded", "read_only": true}))
+        .await
+        .unwrap();
+    assert_eq!(bed.calls(row.id).len(), 3);
+}
+
+#[tokio::test]
+async fn a_patch_with_a_zero_limit_is_refused_before_the_backend_hears_of_it() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    let e = bed
+        .patch("v", json!({"dispatch": "threaded", "qos": {"iops": 0}}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidField {
+                field: "qos.iops",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    bed.assert_unchanged(&before).await;
+}
+
+#[tokio::test]
+async fn reconcile_adopts_a_matching_device_without_touching_it() {
+    let (mut bed, before) = Bed::with_volume(json!({})).await;
+    let report = bed.restart().await;
+    assert_eq!(
+        (report.adopted, report.reattached, report.failed),
+        (1, 0, 0)
+    );
+    // A ublk worker does not report its limits: the row's are sent again.
+    assert_eq!(
+        bed.calls(before.id),
+        vec![
+            Call::Attach(before.id),
+            Call::Reconfigure(before.id, Change::Qos(None))
+        ]
+    );
+    assert_eq!(settings(&bed.row("v").await.unwrap()), settings(&before));
+    assert_eq!(
+        bed.events(before.id).await,
+        ["volume_created", "volume_attached"]
+    );
+}
+
+#[tokio::test]
+async fn reconcile_applies_again_a_change_the_row_never_recorded() {
+    // Asked, not `auto`: a policy the backend chose is not forced back.
+    let (mut bed, before) = Bed::with_volume(json!({"dispatch": "nowait"})).await;
+    let id = before.id;
+    // The service died between changing the device and recording it.
+    let mut changed = bed.fake.device(id).unwrap();
+    changed.dispatch = blockplane_api::model::ActiveDispatch::Threaded;
+    changed.read_only = true;
+    bed.fake.set_device(id, Some(changed));
+    bed.restart().await;
+    let device = bed.fake.device(id).unwrap();
+    assert_eq!(
+        device.dispatch,
+        blockplane_api::model::ActiveDispatch::Nowait
+    );
+    assert!(!device.read_only);
+    let row = bed.row("v").await.unwrap();
+    assert_eq!(row.attachment, Some(device));
+    assert_eq!(row.dispatch, DispatchPolicy::Nowait);
+    assert!(bed.calls(id).contains(&Call::Reconfigure(
+        id,
+        Change::Dispatch(DispatchPolicy::Nowait)
+    )));
+}
+
+#[tokio::test]
+async fn reconcile_attaches_again_a_volume_whose_device_vanished() {
+    let (mut bed, before) = Bed::with_volume(json!({})).await;
+    bed.fake.set_device(before.id, None);
+    let report = bed.restart().await;
+    assert_eq!(
+        (report.adopted, report.reattached, report.failed),
+        (0, 1, 0)
+    );
+    let row = bed.row("v").await.unwrap();
+    assert_eq!(row.state, VolumeState::Attached);
+    let device = bed.fake.device(row.id).expect("a new device");
+    assert_ne!(
+        Some(&device.device),
+        before.attachment.as_ref().map(|a| &a.device)
+    );
+    assert_eq!(row.attachment, Some(device));
+    assert_eq!(
+        bed.calls(row.id),
+        vec![Call::Attach(row.id), Call::Attach(row.id)]
+    );
+    assert_eq!(
+        bed.events(row.id).await.last().map(String::as_str),
+        Some("volume_reattached")
+    );
+}
+
+#[tokio::test]
+async fn reconcile_finishes_a_delete_caught_half_way() {
+    let (mut bed, mut row) = Bed::with_volume(json!({})).await;
+    row.state = VolumeState::Detaching;
+    let mut tx = bed.store.begin().await.unwrap();
+    tx.update_volume(&row).await.unwrap();
+    tx.commit().await.unwrap();
+    let report = bed.restart().await;
+    assert_eq!(report.finished_deletes, 1);
+    assert!(bed.row("v").await.is_none());
+    assert!(bed.fake.device(row.id).is_none());
+    assert_eq!(
+        bed.calls(row.id),
+        vec![Call::Attach(row.id), Call::Detach(row.id)]
+    );
+}
+
+#[tokio::test]
+async fn reconcile_removes_a_marked_device_with_no_volume() {
+    let (mut bed, kept) = Bed::with_volume(json!({})).await;
+    let orphan = Uuid::new_v4();
+    let att = bed.fake.attachment(1 << 20, DispatchPolicy::Nowait, false);
+    bed.fake.set_device(orphan, Some(att));
+    let report = bed.restart().await;
+    assert_eq!(report.orphans_removed, 1);
+    assert!(bed.fake.device(orphan).is_none());
+    assert!(bed.fake.device(kept.id).is_some());
+    assert_eq!(bed.calls(orphan), vec![Call::Detach(orphan)]);
+    assert_eq!(bed.events(orphan).await, ["orphan_removed"]);
+}
+
+#[tokio::test]
+async fn reconcile_reports_an_orphan_under_the_report_policy_until_asked() {
+    let mut bed = Bed::new(OrphanPolicy::Report).await;
+    let orphan = Uuid::new_v4();
+    let att = bed.fake.attachment(1 << 20, DispatchPolicy::Nowait, false);
+    let device = att.device.clone();
+    bed.fake.set_device(orphan, Some(att));
+    let report = bed.restart().await;
+    assert_eq!(report.orphans_removed, 0);
+    assert!(bed.fake.device(orphan).is_some());
+    let listed = bed.m.orphans().await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .any(|o| o.volume_id == Some(orphan) && o.device == device && o.removable),
+        "{listed:?}"
+    );
+    bed.m.delete_orphan(&orphan.to_string()).await.unwrap();
+    assert!(bed.fake.device(orphan).is_none());
+    assert_eq!(bed.calls(orphan), vec![Call::Detach(orphan)]);
+}
+
+#[tokio::test]
+async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
+    let (bed, v) = Bed::with_volume(json!({})).await;
+    let query = |after| blockplane_api::model::EventStreamQuery {
+        volume: Some("v".into()),
+        after,
+    };
+    let mut feed = bed.m.subscribe_events(query(Some(0)), None).await.unwrap();
+    let mut replayed = Vec::new();
+    for _ in 0..2 {
+        replayed.push(feed.next().await.unwrap().kind);
+    }
+    assert_eq!(replayed, ["volume_created", "volume_attached"]);
+    // From now on: only what comes next, and only of this volume.
+    let mut now = bed.m.subscribe_events(query(None), None).await.unwrap();
+    bed.image("other").await;
+    bed.create("w", "other", json!({})).await.unwrap();
+    bed.patch("v", json!({"dispatch": "threaded"}))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(std::time::Duration::from_secs(5), now.next())
+        .await
+        .expect("the feed follows new events")
+        .unwrap();
+    assert_eq!(
+        (next.kind.as_str(), next.volume_id),
+        ("dispatch_changed", Some(v.id))
+    );
+    let unknown = blockplane_api::model::EventStreamQuery {
+        volume: Some("gone".into()),
+        after: None,
+    };
+    let e = bed.m.subscribe_events(unknown, None).await.err();
+    assert!(matches!(&e, Some(Error::VolumeNotFound(n)) if n == "gone"));
+}
+
+/// A writable ublk volume's image on a filesystem that cannot share extents
+/// (this test's ext4 or tmpfs): a snapshot would be a copy taking time while
+/// the volume writes, so it is refused before the volume is asked anything,
+/// and no file or row is left.
+#[tokio::test]
+async fn a_snapshot_under_a_writable_volume_without_shared_extents_changes_nothing() {
+    let (bed, before) = Bed::with_volume(json!({})).await;
+    let e = bed.m.snapshot_image("img", "snap").await.unwrap_err();
+    assert!(
+        matches!(&e, Error::SnapshotAttached { volume, .. } if volume == "v"),
+        "{e}"
+    );
+    assert!(!bed.root().join("snap").exists());
+    assert!(bed.store.image("snap").await.unwrap().is_none());
+    bed.assert_unchanged(&before).await;
+}

@@ -1,0 +1,834 @@
+//! Volume operations: create (idempotent by name), inspect, change live, delete.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
+use crate::backend::{
+    AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
+    VolumeBackend, VolumeParams,
+};
+use crate::store::{ImageRow, VolumeRow};
+use blockplane_api::model::{
+    ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
+    HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
+    StatsHistoryQuery, Volume, VolumeState, VolumeStats, VolumeUsage,
+};
+use blockplane_system::image::{Access, ImageFile};
+
+pub use crate::config::MAX_QUEUES;
+/// Largest queue depth a volume may ask for (the ublk driver's limit).
+pub const MAX_QUEUE_DEPTH: u16 = 4096;
+
+fn check_spec(req: &CreateVolumeRequest) -> Result<()> {
+    if let Some(q) = req.queues
+        && !(1..=MAX_QUEUES).contains(&q)
+    {
+        return Err(Error::InvalidField {
+            field: "queues",
+            reason: format!("{q} is outside 1..={MAX_QUEUES} (volume '{}')", req.name),
+        });
+    }
+    if !(1..=MAX_QUEUE_DEPTH).contains(&req.queue_depth) {
+        return Err(Error::InvalidField {
+            field: "queue_depth",
+            reason: format!(
+                "{} is outside 1..={MAX_QUEUE_DEPTH} (volume '{}')",
+                req.queue_depth, req.name
+            ),
+        });
+    }
+    let m = req.max_io_bytes;
+    if !MAX_IO_BYTES_CHOICES.contains(&m) {
+        return Err(Error::InvalidField {
+            field: "max_io_bytes",
+            reason: format!(
+                "{m} is not a power of two from 4096 to 1048576 (volume '{}')",
+                req.name
+            ),
+        });
+    }
+    check_qos(&req.name, req.qos.as_ref())
+}
+
+fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
+    let Some(q) = qos else { return Ok(()) };
+    for (field, v) in [
+        ("qos.iops", q.iops),
+        ("qos.bytes_per_sec", q.bytes_per_sec),
+        ("qos.burst_iops", q.burst_iops),
+        ("qos.burst_bytes", q.burst_bytes),
+    ] {
+        if v == Some(0) {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!("0 would stop all I/O of volume '{volume}'; use null for no limit"),
+            });
+        }
+        if let Some(v) = v.filter(|v| *v > MAX_QOS) {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!(
+                    "{v} is above the largest limit, {MAX_QOS} (volume '{volume}'); use null for no limit"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Names the fields in which two create requests differ.
+fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
+    let (a, b) = (
+        serde_json::to_value(a).unwrap_or_default(),
+        serde_json::to_value(b).unwrap_or_default(),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return String::new();
+    };
+    a.iter()
+        .filter(|(k, v)| b.get(*k) != Some(v))
+        .map(|(k, v)| {
+            format!(
+                "{k}: existing {v}, asked {}",
+                b.get(k).cloned().unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl Manager {
+    fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
+        let att = v.attachment.as_ref();
+        let idle_dispatch = match (v.backend, v.dispatch) {
+            (Backend::Loop, _) => ActiveDispatch::Kernel,
+            (_, DispatchPolicy::Threaded) => ActiveDispatch::Threaded,
+            (_, DispatchPolicy::Direct) => ActiveDispatch::Direct,
+            (_, DispatchPolicy::Nowait | DispatchPolicy::Auto) => ActiveDispatch::Nowait,
+        };
+        Volume {
+            id: v.id,
+            name: v.name.clone(),
+            image_id: v.image_id,
+            backend: v.backend,
+            dispatch: att.map(|a| a.dispatch).unwrap_or(idle_dispatch),
+            requested_dispatch: v.dispatch,
+            dispatch_reason: att
+                .map(|a| a.dispatch_reason.clone())
+                .unwrap_or_else(|| "no device".into()),
+            state: v.state,
+            state_reason: v.state_reason.clone(),
+            device: att.map(|a| a.device.clone()),
+            size_bytes: att.map(|a| a.size_bytes).unwrap_or(image_size),
+            read_only: v.read_only,
+            // The device's count where known: the kernel caps it at its CPUs.
+            queues: att
+                .and_then(|a| a.ublk()?.queues)
+                .unwrap_or(v.spec.queue_count()),
+            queue_depth: v.spec.queue_depth,
+            max_io_bytes: v.spec.max_io_bytes,
+            qos: v.qos,
+            direct_io: att.and_then(|a| a.direct_io()),
+            buffer_bytes: att.and_then(|a| a.ublk().map(|u| u.buffer_bytes)),
+            copy_mode: att.and_then(|a| {
+                a.ublk().map(|u| match u.zero_copy {
+                    true => CopyMode::ZeroCopy,
+                    false => CopyMode::Copy,
+                })
+            }),
+            worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
+            resize_pending: att.is_some_and(|a| a.resize_pending),
+            created_at: v.created_at,
+            updated_at: v.updated_at,
+        }
+    }
+
+    async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
+        let size = self
+            .store
+            .image(&v.image_id.to_string())
+            .await?
+            .map(|i| i.size_bytes)
+            .unwrap_or(0);
+        Ok(self.view(v, size))
+    }
+
+    pub(super) async fn volume_row(&self, id_or_name: &str) -> Result<VolumeRow> {
+        self.store
+            .volume(id_or_name)
+            .await?
+            .ok_or_else(|| Error::VolumeNotFound(id_or_name.to_string()))
+    }
+
+    /// `GET /v1/volumes`.
+    async fn volumes(&self) -> Result<Vec<Volume>> {
+        let sizes: HashMap<Uuid, u64> = self
+            .store
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| (i.id, i.size_bytes))
+            .collect();
+        Ok(self
+            .store
+            .volumes()
+            .await?
+            .iter()
+            .map(|v| self.view(v, sizes.get(&v.image_id).copied().unwrap_or(0)))
+            .collect())
+    }
+
+    /// `GET /v1/volumes` as JSON, cached until the next commit: the list is
+    /// what dashboards and orchestrators poll.
+    pub(super) async fn volumes_json(&self) -> Result<bytes::Bytes> {
+        let generation = self.store.generation();
+        if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
+            && *g == generation
+        {
+            return Ok(json.clone());
+        }
+        let json = bytes::Bytes::from(
+            serde_json::to_vec(&self.volumes().await?).expect("volumes serialize"),
+        );
+        // Stamped with the generation read before the query: a commit since
+        // makes the next reader rebuild it.
+        *self.volumes_cache.lock().expect("cache poisoned") = Some((generation, json.clone()));
+        Ok(json)
+    }
+
+    /// `GET /v1/volumes/{id}`.
+    pub(super) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
+        let v = self.volume_row(id_or_name).await?;
+        self.volume_view(&v).await
+    }
+
+    fn choose_backend(&self, choice: BackendChoice) -> Result<Arc<dyn VolumeBackend>> {
+        let kind = match choice {
+            BackendChoice::Loop => Backend::Loop,
+            BackendChoice::Ublk => Backend::Ublk,
+            BackendChoice::Dm => Backend::Dm,
+            BackendChoice::Auto => Backend::PREFERENCE
+                .into_iter()
+                .find(|k| self.capability(*k).available)
+                .ok_or_else(|| BackendError::Unavailable {
+                    backend: "auto",
+                    reason: "no backend works on this host (loop, ublk and dm are all missing)"
+                        .into(),
+                })?,
+        };
+        let cap = self.capability(kind);
+        match (self.backend(kind), cap.available) {
+            (Some(b), true) => Ok(b),
+            _ => Err(BackendError::Unavailable {
+                backend: kind.as_str(),
+                reason: cap.reason.unwrap_or_default(),
+            }
+            .into()),
+        }
+    }
+
+    /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
+    pub(super) async fn create_volume(
+        self: &Arc<Self>,
+        req: CreateVolumeRequest,
+    ) -> Result<Created<Volume>> {
+        validate_name("volume", &req.name)?;
+        check_spec(&req)?;
+        let _volume = self.volume_locks.lock(&req.name).await;
+        let image = self.image_row(&req.image).await?;
+        let mut spec = CreateVolumeRequest {
+            image: image.id.to_string(),
+            ..req.clone()
+        };
+        if let Some(existing) = self.store.volume(&req.name).await? {
+            // No queue count asked: whatever the volume got is the same spec.
+            spec.queues = spec.queues.or(existing.spec.queues);
+            if existing.spec == spec {
+                return Ok(Created::Existing(self.volume_view(&existing).await?));
+            }
+            return Err(Error::VolumeExists {
+                name: req.name,
+                differences: differences(&existing.spec, &spec),
+            });
+        }
+        // A cheap early refusal; the count that holds under concurrency is the
+        // one inside the transaction that inserts.
+        if self.store.volume_count().await? >= self.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: req.name,
+                max: self.max_volumes,
+            });
+        }
+        let _image = self.image_locks.lock(&image.id.to_string()).await;
+        let users = self.store.volumes_of_image(image.id).await?;
+        if !users.is_empty() {
+            return Err(Error::image_in_use(image.name, &users));
+        }
+        self.refuse_while_allocating(&image, "get a volume")?;
+        let image = self.image_row(&image.id.to_string()).await?;
+        self.check_volume_image(&image, &req.name, req.read_only)?;
+        let backend = self.choose_backend(req.backend)?;
+        let (file, image_lock) = {
+            let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
+            blocking(move || me.open_and_lock(&image, access)).await??
+        };
+        // Loop has one queue; the others get one per CPU unless asked.
+        let queues = req.queues.unwrap_or(match backend.kind() {
+            Backend::Loop => 1,
+            Backend::Ublk | Backend::Dm => self.default_queues,
+        });
+        spec.queues = Some(queues);
+        let check = SpecCheck {
+            dispatch: req.dispatch,
+            queues,
+            queue_depth: req.queue_depth,
+            max_io_bytes: req.max_io_bytes,
+            qos: req.qos,
+            read_only: req.read_only,
+        };
+        let (file, decision) = {
+            let b = backend.clone();
+            blocking(move || {
+                let d = b.validate(&check, file.fd(), file.size());
+                (file, d)
+            })
+            .await?
+        };
+        let decision = decision.map_err(|e| volume_error(&req.name, e))?;
+
+        let now = OffsetDateTime::now_utc();
+        let mut row = VolumeRow {
+            id: Uuid::new_v4(),
+            name: req.name.clone(),
+            image_id: image.id,
+            spec,
+            backend: backend.kind(),
+            dispatch: req.dispatch,
+            read_only: req.read_only,
+            qos: req.qos,
+            state: VolumeState::Attaching,
+            state_reason: None,
+            attachment: None,
+            created_at: now,
+            updated_at: now,
+        };
+        let mut tx = self.store.begin().await?;
+        // Checked where the insert commits: writers are serialized there, so
+        // parallel creates cannot all see room, and an image deleted since
+        // it was read is refused as gone rather than failing the foreign key.
+        if tx.volume_count().await? >= self.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: req.name,
+                max: self.max_volumes,
+            });
+        }
+        if tx.image(&image.id.to_string()).await?.is_none() {
+            return Err(Error::ImageNotFound(req.image));
+        }
+        tx.insert_volume(&row).await?;
+        tx.event(
+            Some(row.id),
+            Some(image.id),
+            "volume_created",
+            &format!(
+                "volume '{}' recorded: backend {}, image '{}'",
+                row.name,
+                row.backend.as_str(),
+                image.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.fault_point(Stage::AfterInsert)?;
+
+        match self.attach(&row, &image, file, &image_lock, decision).await {
+            Ok(att) => {
+                let recorded = match self.fault_point(Stage::AfterAttach) {
+                    Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = recorded {
+                    // Half-way: remove the device and the row, keep the reason.
+                    let _ = self.detach(&row).await;
+                    self.forget_failed(&row, &e).await?;
+                    return Err(e);
+                }
+                self.holds.keep(row.id, image_lock);
+                tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
+                Ok(Created::New(self.volume_view(&row).await?))
+            }
+            Err(e) => {
+                self.forget_failed(&row, &e).await?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the row of a create that failed, recording why.
+    async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        tx.delete_volume(row.id).await?;
+        tx.event(
+            Some(row.id),
+            Some(row.image_id),
+            "volume_create_failed",
+            &format!("volume '{}' not created: {e}", row.name),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Brings up the device of a recorded volume on an opened image, whose
+    /// lock (taken with `open_and_lock`) the caller keeps.
+    pub(super) async fn attach(
+        &self,
+        v: &VolumeRow,
+        image: &ImageRow,
+        file: ImageFile,
+        lock: &std::os::fd::OwnedFd,
+        decision: Option<Decision>,
+    ) -> Result<Attachment> {
+        let backend = self.backend(v.backend).ok_or_else(|| {
+            volume_error(
+                &v.name,
+                BackendError::Unavailable {
+                    backend: v.backend.as_str(),
+                    reason: super::not_built_reason(v.backend),
+                },
+            )
+        })?;
+        let req = AttachRequest {
+            volume_id: v.id,
+            image_identity: file.identity(),
+            params: params(v, image, file.size()),
+            image_fd: file.into_fd(),
+            decision,
+            image_lock: Some(
+                lock.try_clone()
+                    .map_err(|e| volume_error(&v.name, BackendError::io("dup", "image lock", e)))?,
+            ),
+        };
+        let name = v.name.clone();
+        blocking(move || backend.attach(req))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Removes a volume's device, if any.
+    pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
+        let Some(backend) = self.backend(v.backend) else {
+            return Ok(());
+        };
+        let (id, att, name) = (v.id, v.attachment.clone(), v.name.clone());
+        blocking(move || backend.detach(id, att.as_ref()))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Records a device as the volume's, state attached.
+    pub(super) async fn record_attached(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        kind: &str,
+    ) -> Result<()> {
+        let msg = format!(
+            "volume '{}' attached as {} ({} bytes, dispatch {}: {})",
+            v.name,
+            att.device,
+            att.size_bytes,
+            att.dispatch.as_str(),
+            att.dispatch_reason
+        );
+        v.attachment = Some(att);
+        v.state = VolumeState::Attached;
+        v.state_reason = None;
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        tx.event(Some(v.id), Some(v.image_id), kind, &msg).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a volume as having no working device, with the reason.
+    pub(super) async fn record_error(&self, v: &mut VolumeRow, reason: String) -> Result<()> {
+        tracing::warn!(volume = %v.name, %reason, "volume in error");
+        v.attachment = None;
+        v.state = VolumeState::Error;
+        v.state_reason = Some(reason.clone());
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_error",
+            &format!("volume '{}': {reason}", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
+    pub(super) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+        let v = self.volume_row(id_or_name).await?;
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let mut v = self.volume_row(&v.id.to_string()).await?;
+        if let Some(backend) = self.backend(v.backend) {
+            let (id, name) = (v.id, v.name.clone());
+            blocking(move || backend.check_detach(id))
+                .await?
+                .map_err(|e| volume_error(&name, e))?;
+        }
+        let before = (v.state, v.state_reason.clone());
+        v.state = VolumeState::Detaching;
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(&v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_detaching",
+            &format!("volume '{}' is being deleted", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        if let Err(e) = self.detach(&v).await {
+            (v.state, v.state_reason) = before;
+            v.updated_at = OffsetDateTime::now_utc();
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(&v).await?;
+            tx.event(
+                Some(v.id),
+                Some(v.image_id),
+                "volume_delete_failed",
+                &format!("{e}"),
+            )
+            .await?;
+            tx.commit().await?;
+            return Err(e);
+        }
+        self.fault_point(Stage::AfterDetach)?;
+        self.forget_volume(&v).await
+    }
+
+    /// Deletes a volume's row once its device is gone, and lets its image go.
+    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
+        self.holds.release(v.id);
+        let mut tx = self.store.begin().await?;
+        tx.delete_volume(v.id).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_deleted",
+            &format!(
+                "volume '{}' deleted; device {} removed",
+                v.name,
+                v.attachment
+                    .as_ref()
+                    .map(|a| a.device.as_str())
+                    .unwrap_or("(none)")
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(volume = %v.name, "volume deleted");
+        Ok(())
+    }
+
+    /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
+    /// then the backend's) before any is made; if making one fails, those made
+    /// before it are undone, and what could not be undone is recorded.
+    pub(super) async fn patch_volume(
+        self: &Arc<Self>,
+        id_or_name: &str,
+        patch: PatchVolumeRequest,
+    ) -> Result<Volume> {
+        let v = self.volume_row(id_or_name).await?;
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let mut v = self.volume_row(&v.id.to_string()).await?;
+        let changes = changes(&v, &patch)?;
+        if changes.is_empty() {
+            return self.volume_view(&v).await;
+        }
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            return Err(self.not_live(&v));
+        };
+        if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+            return Err(self.not_live(&v));
+        }
+        for change in &changes {
+            backend
+                .check_change(&att, *change)
+                .map_err(|e| volume_error(&v.name, e))?;
+        }
+        let mut att = att;
+        let mut made = Vec::new();
+        for change in &changes {
+            match self.reconfigure(&backend, &v, &att, *change).await {
+                Ok(a) => {
+                    att = a;
+                    made.push(*change);
+                }
+                Err(e) => {
+                    // Undo, newest first, until an undo fails: what stays made
+                    // is recorded, so the record matches the device.
+                    while let Some(last) = made.last() {
+                        let undo = undo(&v, *last);
+                        match self.reconfigure(&backend, &v, &att, undo).await {
+                            Ok(a) => {
+                                att = a;
+                                made.pop();
+                            }
+                            Err(u) => {
+                                tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
+                                break;
+                            }
+                        }
+                    }
+                    if !made.is_empty() {
+                        self.record_changes(&mut v, att, &made).await?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.fault_point(Stage::AfterChange)?;
+        self.record_changes(&mut v, att, &made).await?;
+        self.volume_view(&v).await
+    }
+
+    /// Makes one live change on the device.
+    pub(super) async fn reconfigure(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &Attachment,
+        change: Change,
+    ) -> Result<Attachment> {
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        blocking(move || b.reconfigure(&a, change, id))
+            .await?
+            .map_err(|e| volume_error(&v.name, e))
+    }
+
+    /// Records changes made on the device, with an event each, in one commit.
+    pub(super) async fn record_changes(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        made: &[Change],
+    ) -> Result<()> {
+        let mut events = Vec::new();
+        for change in made {
+            let (kind, msg) = match *change {
+                Change::Dispatch(d) => {
+                    let old = v.dispatch;
+                    v.dispatch = d;
+                    (
+                        "dispatch_changed",
+                        format!(
+                            "dispatch {} -> {} (now {}: {})",
+                            old.as_str(),
+                            d.as_str(),
+                            att.dispatch.as_str(),
+                            att.dispatch_reason
+                        ),
+                    )
+                }
+                Change::Qos(q) => {
+                    v.qos = q;
+                    (
+                        "qos_changed",
+                        format!(
+                            "qos set to {}",
+                            serde_json::to_string(&q).unwrap_or_default()
+                        ),
+                    )
+                }
+                Change::ReadOnly(ro) => {
+                    let old = v.read_only;
+                    v.read_only = ro;
+                    ("read_only_changed", format!("read_only {old} -> {ro}"))
+                }
+            };
+            events.push((kind, format!("volume '{}': {msg}", v.name)));
+        }
+        v.attachment = Some(att);
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        for (kind, msg) in &events {
+            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    fn not_live(&self, v: &VolumeRow) -> Error {
+        Error::VolumeState {
+            name: v.name.clone(),
+            state: v.state.as_str(),
+            reason: v
+                .state_reason
+                .clone()
+                .unwrap_or_else(|| "it has no device to change".into()),
+        }
+    }
+
+    /// `GET /v1/volumes/{id}/stats`.
+    pub(super) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
+        let v = self.volume_row(id_or_name).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            return Err(self.not_live(&v));
+        };
+        let (id, name) = (v.id, v.name.clone());
+        let mut stats = blocking(move || backend.stats(id, &att))
+            .await?
+            .map_err(|e| volume_error(&name, e))?;
+        stats.rates = self.sampler.rates(v.id, &stats);
+        Ok(stats)
+    }
+
+    /// `GET /v1/volumes/{id}/stats/history`.
+    pub(super) async fn volume_history(
+        &self,
+        id_or_name: &str,
+        q: StatsHistoryQuery,
+    ) -> Result<StatsHistory> {
+        let seconds = q.seconds.unwrap_or(300);
+        if !(1..=HISTORY_SECS).contains(&seconds) {
+            return Err(Error::InvalidField {
+                field: "seconds",
+                reason: format!(
+                    "{seconds} is outside 1..={HISTORY_SECS} (the service keeps {HISTORY_SECS} s)"
+                ),
+            });
+        }
+        let v = self.volume_row(id_or_name).await?;
+        Ok(StatsHistory {
+            volume_id: v.id,
+            points: self.sampler.history(v.id, seconds),
+            name: v.name,
+            kept_secs: HISTORY_SECS,
+        })
+    }
+
+    /// `GET /v1/volumes/{id}/usage`: who has the device open, its mounts,
+    /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
+    pub(super) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
+        let v = self.volume(id_or_name).await?;
+        let recent = self.sampler.history(v.id, crate::usage::RECENT_SECS);
+        // A walk of /proc: off the async workers.
+        blocking(move || crate::usage::of(&v, &recent)).await
+    }
+}
+
+/// The changes a PATCH asks for (only what differs from the volume's
+/// settings), refused as a whole when one breaks a rule of the manager's.
+fn changes(v: &VolumeRow, patch: &PatchVolumeRequest) -> Result<Vec<Change>> {
+    let mut changes = Vec::new();
+    if let Some(d) = patch.dispatch.filter(|d| *d != v.dispatch) {
+        changes.push(Change::Dispatch(d));
+    }
+    if let Some(q) = patch.qos.filter(|q| *q != v.qos) {
+        check_qos(&v.name, q.as_ref())?;
+        changes.push(Change::Qos(q));
+    }
+    if let Some(ro) = patch.read_only.filter(|ro| *ro != v.read_only) {
+        if !ro && v.spec.read_only {
+            return Err(volume_error(
+                &v.name,
+                BackendError::NotLive {
+                    backend: v.backend.as_str(),
+                    field: "read_only",
+                    reason: CREATED_READ_ONLY.into(),
+                },
+            ));
+        }
+        changes.push(Change::ReadOnly(ro));
+    }
+    Ok(changes)
+}
+
+/// The change that takes `change` of `v` back.
+fn undo(v: &VolumeRow, change: Change) -> Change {
+    match change {
+        Change::Dispatch(_) => Change::Dispatch(v.dispatch),
+        Change::Qos(_) => Change::Qos(v.qos),
+        Change::ReadOnly(ro) => Change::ReadOnly(!ro),
+    }
+}
+
+/// A volume's spec as backends take it.
+pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> VolumeParams {
+    VolumeParams {
+        image_path: image.path.clone(),
+        size_bytes,
+        read_only: v.spec.read_only,
+        refuse_writes: v.read_only,
+        dispatch: v.dispatch,
+        queues: v.spec.queue_count(),
+        queue_depth: v.spec.queue_depth,
+        max_io_bytes: v.spec.max_io_bytes,
+        qos: v.qos,
+        allocation: image.allocation.unwrap_or_default(),
+    }
+}
+
+/// How a volume's image is opened.
+pub(super) fn access(read_only: bool) -> Access {
+    if read_only {
+        Access::ReadOnly
+    } else {
+        Access::ReadWrite
+    }
+}
+
+/// Names the volume in a backend's error.
+pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
+    Error::Volume {
+        name: name.to_string(),
+        source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blockplane_api::model::{CreateImageFile, ResizeImageRequest};
+    use utoipa::PartialSchema;
+
+    fn props<T: PartialSchema>() -> serde_json::Value {
+        serde_json::to_value(T::schema()).unwrap()["properties"].clone()
+    }
+
+    /// The bounds written as literals in the schema attributes are the ones
+    /// the service checks.
+    #[test]
+    fn schema_bounds_are_the_service_limits() {
+        let bounds = |p: &serde_json::Value| (p["minimum"].as_u64(), p["maximum"].as_u64());
+        let v = props::<CreateVolumeRequest>();
+        assert_eq!(bounds(&v["queues"]), (Some(1), Some(MAX_QUEUES.into())));
+        let depth = MAX_QUEUE_DEPTH;
+        assert_eq!(bounds(&v["queue_depth"]), (Some(1), Some(depth.into())));
+        assert_eq!(
+            v["max_io_bytes"]["enum"],
+            serde_json::json!(MAX_IO_BYTES_CHOICES)
+        );
+        for (name, p) in props::<Qos>().as_object().unwrap() {
+            assert_eq!(bounds(p), (Some(1), Some(MAX_QOS)), "{name}");
+        }
+        let max = blockplane_system::image::MAX_IMAGE_BYTES;
+        for p in [props::<CreateImageFile>(), props::<ResizeImageRequest>()] {
+            assert_eq!(bounds(&p["size_bytes"]), (Some(512), Some(max)));
+        }
+    }
+}

@@ -1,0 +1,358 @@
+//! `GET /metrics`: Prometheus text (0.0.4) via `prometheus-client`.
+//!
+//! API request counts and durations are kept here as they happen. Per-volume
+//! and per-image figures are a snapshot the manager gathers at scrape time
+//! (from the stats sampler's cache: a scrape never waits on a device), encoded
+//! by a [`Collector`].
+//!
+//! Counters: volume counters come from the kernel (loop, dm) or the worker's
+//! mapped counters file (ublk), so they survive a control-plane restart; the
+//! API request counters count this process's requests and start at zero when
+//! it starts (their HELP says so).
+
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use blockplane_api::model::{LATENCY_BOUNDS_US, RootCapacity, VolumeStats};
+
+/// Labels of the API request metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiLabels {
+    /// The matched route template, e.g. `/v1/volumes/{id}`.
+    pub route: String,
+    pub method: String,
+    pub status: String,
+}
+
+/// API request metrics, recorded by a middleware.
+#[derive(Debug, Clone)]
+pub struct ApiMetrics {
+    requests: Family<ApiLabels, Counter>,
+    duration: Family<ApiLabels, Histogram>,
+}
+
+impl Default for ApiMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            duration: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
+            }),
+        }
+    }
+}
+
+impl ApiMetrics {
+    /// Records one answered request.
+    pub fn record(&self, labels: ApiLabels, took: Duration) {
+        self.requests.get_or_create(&labels).inc();
+        self.duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+}
+
+/// One volume in a scrape.
+#[derive(Debug, Clone)]
+pub struct VolumeSample {
+    pub name: String,
+    pub backend: String,
+    pub dispatch: String,
+    pub stats: VolumeStats,
+}
+
+/// One image in a scrape.
+#[derive(Debug, Clone)]
+pub struct ImageSample {
+    pub name: String,
+    pub size_bytes: u64,
+    pub allocated_bytes: u64,
+}
+
+/// Everything a scrape shows besides the API metrics.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub volumes: Vec<VolumeSample>,
+    pub images: Vec<ImageSample>,
+    /// Volumes per state (every state listed, zeros included).
+    pub states: Vec<(String, u64)>,
+    /// Each image root's filesystem.
+    pub roots: Vec<RootCapacity>,
+}
+
+const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
+
+fn labels<'a>(v: &'a VolumeSample, op: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
+    let mut l = vec![
+        ("volume", v.name.as_str()),
+        ("backend", v.backend.as_str()),
+        ("dispatch", v.dispatch.as_str()),
+    ];
+    if let Some(op) = op {
+        l.push(("op", op));
+    }
+    l
+}
+
+impl Snapshot {
+    /// One metric family with a value per volume and op.
+    fn per_op(
+        &self,
+        enc: &mut DescriptorEncoder,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        value: impl Fn(&VolumeSample, usize) -> Option<f64>,
+    ) -> Result<(), std::fmt::Error> {
+        let mut family = enc.encode_descriptor(name, help, None, kind)?;
+        for v in &self.volumes {
+            for (i, op) in OPS.iter().enumerate() {
+                if let Some(x) = value(v, i) {
+                    let l = labels(v, Some(op));
+                    encode_value(kind, x, family.encode_family(&l)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One metric family with a value per volume.
+    fn per_volume(
+        &self,
+        enc: &mut DescriptorEncoder,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        value: impl Fn(&VolumeSample) -> Option<f64>,
+    ) -> Result<(), std::fmt::Error> {
+        let mut family = enc.encode_descriptor(name, help, None, kind)?;
+        for v in &self.volumes {
+            if let Some(x) = value(v) {
+                let l = labels(v, None);
+                encode_value(kind, x, family.encode_family(&l)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn encode_value(
+    kind: MetricType,
+    x: f64,
+    m: prometheus_client::encoding::MetricEncoder,
+) -> Result<(), std::fmt::Error> {
+    match kind {
+        MetricType::Counter => ConstCounter::new(x as u64).encode(m),
+        _ => ConstGauge::new(x).encode(m),
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use MetricType::{Counter as C, Gauge as G};
+        self.per_op(
+            &mut enc,
+            "blockplane_volume_ops",
+            "Requests completed, per op",
+            C,
+            |v, i| Some(v.stats.ops()[i].ops as f64),
+        )?;
+        self.per_op(
+            &mut enc,
+            "blockplane_volume_bytes",
+            "Bytes transferred, per op",
+            C,
+            |v, i| Some(v.stats.ops()[i].bytes as f64),
+        )?;
+        self.per_op(
+            &mut enc,
+            "blockplane_volume_errors",
+            "Requests that failed, per op (ublk volumes: the kernel counts no errors for loop and dm)",
+            C,
+            |v, i| v.stats.ops()[i].errors.map(|e| e as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_in_flight",
+            "Requests in flight",
+            G,
+            |v| Some(v.stats.in_flight as f64),
+        )?;
+        // Loop and dm: the kernel keeps time in queue, not a distribution.
+        self.per_op(
+            &mut enc,
+            "blockplane_volume_kernel_avg_latency_seconds",
+            "Average time a request spent in the kernel's queue since attach (loop and dm: from /sys/block/<dev>/stat ticks / completed requests; not a percentile)",
+            G,
+            |v, i| {
+                let k = v.stats.kernel.as_ref()?;
+                let ms = [k.read_ticks_ms, k.write_ticks_ms, k.flush_ticks_ms, k.discard_ticks_ms][i];
+                let ops = v.stats.ops()[i].ops;
+                (ops > 0).then(|| ms as f64 / 1000.0 / ops as f64)
+            },
+        )?;
+        {
+            let mut family = enc.encode_descriptor(
+                "blockplane_volume_latency_seconds",
+                "Request latency at the ublk worker, since the worker started",
+                None,
+                MetricType::Histogram,
+            )?;
+            for v in &self.volumes {
+                let Some(hists) = &v.stats.histograms else {
+                    continue;
+                };
+                for (i, op) in OPS.iter().enumerate() {
+                    let h = &hists[i];
+                    let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                        .iter()
+                        .map(|b| *b as f64 / 1e6)
+                        .chain(std::iter::once(f64::INFINITY))
+                        .zip(h.buckets.iter().copied())
+                        .collect();
+                    let l = labels(v, Some(op));
+                    family
+                        .encode_family(&l)?
+                        .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                            h.sum_us / 1e6,
+                            h.count,
+                            &buckets,
+                            None,
+                        )?;
+                }
+            }
+        }
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_nowait_submitted",
+            "Submissions with RWF_NOWAIT (ublk nowait path)",
+            C,
+            |v| v.stats.nowait.map(|n| n.submitted as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_nowait_eagain_fallbacks",
+            "RWF_NOWAIT submissions answered EAGAIN and resubmitted blocking",
+            C,
+            |v| v.stats.nowait.map(|n| n.eagain_fallbacks as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_nowait_pauses",
+            "Times an op type stopped asking RWF_NOWAIT (high EAGAIN share)",
+            C,
+            |v| v.stats.nowait.map(|n| n.pauses as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_nowait_bypassed",
+            "Submissions made without RWF_NOWAIT while their op type was paused",
+            C,
+            |v| v.stats.nowait.map(|n| n.bypassed as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_qos_throttled",
+            "Requests delayed by QoS",
+            C,
+            |v| v.stats.qos_throttled.map(|n| n as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_worker_restarts",
+            "ublk workers replaced after a crash",
+            C,
+            |v| v.stats.worker_restarts.map(|n| n as f64),
+        )?;
+        {
+            let family = enc.encode_descriptor(
+                "blockplane_worker_restarts",
+                "ublk workers replaced after a crash, all volumes",
+                None,
+                C,
+            )?;
+            let total: u64 = self
+                .volumes
+                .iter()
+                .filter_map(|v| v.stats.worker_restarts)
+                .sum();
+            ConstCounter::new(total).encode(family)?;
+        }
+        for (name, help, get) in [
+            (
+                "blockplane_image_size_bytes",
+                "Image file size",
+                (|i: &ImageSample| i.size_bytes) as fn(&ImageSample) -> u64,
+            ),
+            (
+                "blockplane_image_allocated_bytes",
+                "Bytes the filesystem allocated to the image",
+                |i: &ImageSample| i.allocated_bytes,
+            ),
+        ] {
+            let mut family = enc.encode_descriptor(name, help, None, G)?;
+            for i in &self.images {
+                ConstGauge::new(get(i) as f64)
+                    .encode(family.encode_family(&[("image", i.name.as_str())])?)?;
+            }
+        }
+        for (name, help, get) in [
+            (
+                "blockplane_image_root_size_bytes",
+                "Size of an image root's filesystem",
+                (|r: &RootCapacity| r.size_bytes) as fn(&RootCapacity) -> u64,
+            ),
+            (
+                "blockplane_image_root_free_bytes",
+                "Free bytes of an image root's filesystem (as df's Avail)",
+                |r: &RootCapacity| r.free_bytes,
+            ),
+            (
+                "blockplane_image_root_provisioned_bytes",
+                "Sizes of the images under an image root, added up",
+                |r: &RootCapacity| r.provisioned_bytes,
+            ),
+        ] {
+            let mut family = enc.encode_descriptor(name, help, None, G)?;
+            for r in &self.roots {
+                ConstGauge::new(get(r) as f64)
+                    .encode(family.encode_family(&[("root", r.path.as_str())])?)?;
+            }
+        }
+        let mut family =
+            enc.encode_descriptor("blockplane_volumes", "Volumes per state", None, G)?;
+        for (state, n) in &self.states {
+            ConstGauge::new(*n as f64)
+                .encode(family.encode_family(&[("state", state.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The exposition text of one scrape.
+pub fn render(api: &ApiMetrics, snapshot: Snapshot) -> String {
+    let mut registry = Registry::default();
+    registry.register(
+        "blockplane_api_requests",
+        "API requests answered, by route, method and status (since this service process started)",
+        api.requests.clone(),
+    );
+    registry.register(
+        "blockplane_api_request_duration_seconds",
+        "API request durations (since this service process started)",
+        api.duration.clone(),
+    );
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
+        .expect("encoding to a String");
+    out
+}

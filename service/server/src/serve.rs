@@ -1,0 +1,530 @@
+//! `blockplane serve`: open the data dir, reconcile, listen, drain on SIGTERM.
+//!
+//! Stopping the service never touches devices: volumes keep serving I/O and
+//! the next start re-adopts them.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+use crate::backend::EventSink;
+use crate::backend::dm::DmBackend;
+use crate::backend::loopdev::LoopBackend;
+use crate::backend::ublk::{UblkBackend, UblkConfig};
+use crate::config::{Limits, ListenAddr, ServeConfig};
+use crate::manager::{Backends, Fault, Manager, ManagerConfig};
+use crate::store::Store;
+use blockplane_system::image::ImageRoots;
+
+/// Why the service could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("data dir {path}: {source}")]
+    DataDir {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("another blockplane is serving data dir {0}")]
+    Locked(String),
+    #[error("image roots: {0}")]
+    Roots(#[source] io::Error),
+    #[error(
+        "image root {root} {relation} the data dir {data_dir}: the registry and runtime files could be registered as images; use image roots apart from the data dir (or its own images/ directory)"
+    )]
+    RootHoldsDataDir {
+        root: String,
+        data_dir: String,
+        relation: &'static str,
+    },
+    #[error(
+        "the registry {db} is missing or empty, but the kernel serves {} device(s) that blockplane made and no live service owns: {devices}. \
+         Starting would begin an empty registry (and a new instance id) while they keep serving. \
+         To recover, restore {db} (with its -wal file) from a backup and start again; \
+         or start once with --accept-new-registry to begin empty: the devices are left running and listed as orphans in GET /v1/host",
+        count
+    )]
+    LostRegistry {
+        db: String,
+        count: usize,
+        devices: String,
+    },
+    #[error("ublk backend: {0}")]
+    Ublk(#[source] io::Error),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("reconciliation: {0}")]
+    Reconcile(#[from] crate::manager::Error),
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn private_dir(path: &Path) -> Result<(), ServeError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|source| ServeError::DataDir {
+            path: path.display().to_string(),
+            source,
+        })
+}
+
+/// Makes the data dir, or sets one that already exists to 0700: it holds
+/// the registry, which others must not read.
+fn private_data_dir(path: &Path) -> Result<(), ServeError> {
+    private_dir(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        ServeError::DataDir {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// Makes the database file (and its WAL files, when present) mode 0600
+/// before SQLite opens it: SQLite gives new WAL files the database's mode.
+fn private_database(db: &Path) -> Result<(), ServeError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |path: &Path, source| ServeError::DataDir {
+        path: path.display().to_string(),
+        source,
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(db)
+        .map_err(|e| err(db, e))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let f = std::path::PathBuf::from(format!("{}{suffix}", db.display()));
+        match std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            r => r.map_err(|e| err(&f, e))?,
+        }
+    }
+    Ok(())
+}
+
+/// Refuses image roots that contain the data dir, or lie inside it other than
+/// its own `images/` directory: the database, its WAL, the lock and the
+/// workers' state could otherwise be registered (and served) as images.
+fn check_roots_apart(data_dir: &Path, roots: &[String]) -> Result<(), ServeError> {
+    let data = data_dir
+        .canonicalize()
+        .map_err(|source| ServeError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+    let images = data.join("images");
+    for root in roots.iter().map(Path::new) {
+        let relation = if data.starts_with(root) {
+            "contains"
+        } else if root.starts_with(&data) && !root.starts_with(&images) {
+            "lies inside"
+        } else {
+            continue;
+        };
+        return Err(ServeError::RootHoldsDataDir {
+            root: root.display().to_string(),
+            data_dir: data.display().to_string(),
+            relation,
+        });
+    }
+    Ok(())
+}
+
+/// Takes an exclusive lock on the data dir for the life of the process.
+fn lock_data_dir(dir: &Path) -> Result<OwnedFd, ServeError> {
+    let path = dir.join("lock");
+    let fd = rustix::fs::open(
+        &path,
+        rustix::fs::OFlags::CREATE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| ServeError::DataDir {
+        path: path.display().to_string(),
+        source: e.into(),
+    })?;
+    rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(|_| ServeError::Locked(dir.display().to_string()))?;
+    Ok(fd)
+}
+
+enum Bound {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+async fn bind(addr: &ListenAddr) -> Result<Bound, ServeError> {
+    let err = |source| ServeError::Listen {
+        addr: addr.to_string(),
+        source,
+    };
+    match addr {
+        ListenAddr::Tcp(a) => Ok(Bound::Tcp(TcpListener::bind(a).await.map_err(err)?)),
+        ListenAddr::Unix(path) => {
+            if let Some(parent) = path.parent() {
+                private_dir(parent)?;
+            }
+            // A socket left by a killed service is stale unless someone answers on it.
+            if let Ok(meta) = std::fs::symlink_metadata(path) {
+                use std::os::unix::fs::FileTypeExt;
+                if !meta.file_type().is_socket() {
+                    return Err(err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "path exists and is not a socket",
+                    )));
+                }
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        "another process answers on this socket",
+                    )));
+                }
+                std::fs::remove_file(path).map_err(err)?;
+            }
+            let listener = UnixListener::bind(path).map_err(err)?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
+            Ok(Bound::Unix(listener))
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining requests"),
+        _ = int.recv() => tracing::info!("SIGINT: draining requests"),
+    }
+}
+
+/// Accepts connections until told to stop, then lets open ones finish.
+/// Each connection must send a request's headers within the header timeout
+/// (slow or idle clients are cut off: a half-sent request is answered 408,
+/// an idle keep-alive connection is just closed); HTTP/1.1.
+async fn serve_listener<L>(
+    mut listener: L,
+    app: axum::Router,
+    mut stop: watch::Receiver<bool>,
+    limits: Limits,
+) where
+    L: axum::serve::Listener,
+    L::Io: Unpin + AsFd,
+{
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    loop {
+        tokio::select! {
+            (io, _addr) = listener.accept() => {
+                // hyper closes a connection whose headers are late without a
+                // word; a copy of the socket lets us answer 408 first.
+                let socket = rustix::io::fcntl_dupfd_cloexec(io.as_fd(), 0).ok();
+                let io = Tracked::new(io);
+                let partial = io.partial.clone();
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let io = crate::http::wire::JsonParseErrors::new(io);
+                let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+                let conn = graceful.watch(conn);
+                let timeout = limits.header_timeout;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                        if e.is_timeout()
+                            && partial.load(Ordering::Relaxed)
+                            && let Some(socket) = socket
+                        {
+                            answer_header_timeout(&socket, timeout);
+                        }
+                    }
+                });
+            }
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    graceful.shutdown().await;
+}
+
+/// Writes a 408 with the API's error body to a connection whose request
+/// headers did not arrive in time. Best effort: the answer is small and the
+/// socket's send buffer empty (nothing was written since the request began),
+/// so one non-blocking write suffices; a client gone already gets nothing.
+fn answer_header_timeout(socket: &OwnedFd, timeout: Duration) {
+    let body = serde_json::to_string(&blockplane_api::model::ErrorBody {
+        error: blockplane_api::model::ErrorDetail {
+            code: "request_timeout".into(),
+            message: format!(
+                "the request's headers did not arrive within {} s (--header-timeout-secs)",
+                timeout.as_secs()
+            ),
+        },
+    })
+    .expect("an error body serializes");
+    let answer = format!(
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = rustix::io::write(socket, answer.as_bytes());
+}
+
+/// A connection that notes whether a request has begun arriving: set when
+/// bytes are read, cleared when an answer is written. A header timeout with
+/// it set is a half-sent request; with it clear, an idle connection.
+struct Tracked<IO> {
+    io: IO,
+    partial: Arc<AtomicBool>,
+}
+
+impl<IO> Tracked<IO> {
+    fn new(io: IO) -> Self {
+        Self {
+            io,
+            partial: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.partial.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Tracked<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.partial.store(false, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.partial.store(false, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Whether opening `db` would make a new registry: neither it nor its WAL
+/// holds anything.
+fn is_new_registry(db: &Path) -> bool {
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    size(db) == 0 && size(Path::new(&wal)) == 0
+}
+
+/// Refuses to begin a new registry while devices blockplane made serve
+/// unowned (loop devices over files under the image roots run unheld, ublk
+/// workers of the data dir, blockplane's dm devices): they are what a lost
+/// registry leaves behind, and a new one would know nothing of them.
+fn refuse_over_unowned_devices(
+    db: &Path,
+    run_dir: &Path,
+    roots: &ImageRoots,
+) -> Result<(), ServeError> {
+    let found = crate::manager::unowned_devices(
+        &roots.paths(),
+        &run_dir.join("ublk"),
+        "",
+        &std::collections::HashSet::new(),
+    );
+    if found.is_empty() {
+        return Ok(());
+    }
+    let devices = found
+        .iter()
+        .map(|o| {
+            let worker = o
+                .pid
+                .map(|p| format!(", worker pid {p}"))
+                .unwrap_or_default();
+            format!(
+                "{} {} ({}{worker})",
+                o.backend.as_str(),
+                o.device,
+                o.backing_file.as_deref().unwrap_or("unknown file")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ServeError::LostRegistry {
+        db: db.display().to_string(),
+        count: found.len(),
+        devices,
+    })
+}
+
+/// The kernel's backends, marking their devices with `instance`: loop, ublk
+/// (workers run under `<data-dir>/run/ublk`) and dm (its nowait/threaded
+/// path a private ublk device), all reporting into one event sink.
+fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, ServeError> {
+    let (events, receiver) = EventSink::channel();
+    let ublk = Arc::new(
+        UblkBackend::new(
+            UblkConfig {
+                run_root: cfg.data_dir.join("run").join("ublk"),
+                threads: cfg.worker_threads,
+                extent_check_secs: cfg.extent_check_secs,
+                instance: instance.clone(),
+            },
+            events.clone(),
+        )
+        .map_err(ServeError::Ublk)?,
+    );
+    let dm = DmBackend::new(
+        instance.clone(),
+        ublk.clone(),
+        events,
+        cfg.extent_check_secs,
+    );
+    Ok(Backends {
+        list: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
+        events: receiver,
+    })
+}
+
+/// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
+/// and returns. Devices are left as they are.
+pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
+    private_data_dir(&cfg.data_dir)?;
+    let _lock = lock_data_dir(&cfg.data_dir)?;
+    let default_root = cfg.data_dir.join("images");
+    if cfg.image_roots.contains(&default_root) {
+        private_dir(&default_root)?;
+    }
+    let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
+    check_roots_apart(&cfg.data_dir, &roots.paths())?;
+    let db = cfg.data_dir.join("blockplane.db");
+    if !cfg.accept_new_registry && is_new_registry(&db) {
+        refuse_over_unowned_devices(&db, &cfg.data_dir.join("run"), &roots)?;
+    }
+    private_database(&db)?;
+    let store = Store::open(&db).await?;
+    let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
+        .ok()
+        .and_then(|s| Fault::parse(&s));
+    let backends = kernel_backends(&cfg, store.instance().await?)?;
+    let manager = Manager::new(
+        store,
+        roots,
+        backends,
+        ManagerConfig {
+            run_dir: cfg.data_dir.join("run"),
+            default_queues: cfg.queues,
+            max_volumes: cfg.limits.max_volumes,
+            max_overcommit: cfg.limits.max_overcommit,
+            fault,
+        },
+    )
+    .await?;
+
+    let report = manager.reconcile().await?;
+    tracing::info!(
+        adopted = report.adopted,
+        reattached = report.reattached,
+        failed = report.failed,
+        finished_deletes = report.finished_deletes,
+        orphans_removed = report.orphans_removed,
+        "reconciled with the kernel"
+    );
+
+    manager.start_sampler();
+    let store = manager.store().clone();
+    let allocating = manager.clone();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let app = crate::http::router(manager, cfg.token.clone(), cfg.limits, stop_rx.clone());
+    // Bind everything before serving anything: answering on one listener means
+    // all are up.
+    let mut bound = Vec::new();
+    for addr in &cfg.listen {
+        bound.push(bind(addr).await?);
+        tracing::info!(listen = %addr, auth = cfg.token.is_some(), "listening");
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    for listener in bound {
+        let (app, stop) = (app.clone(), stop_rx.clone());
+        let limits = cfg.limits;
+        servers.spawn(async move {
+            match listener {
+                Bound::Unix(l) => serve_listener(l, app, stop, limits).await,
+                Bound::Tcp(l) => serve_listener(l, app, stop, limits).await,
+            }
+        });
+    }
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    // Their blocking fills would keep the runtime from ending.
+    allocating.stop_allocations();
+    let drained = tokio::time::timeout(Duration::from_secs(30), async {
+        while servers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("requests still running after 30 s; exiting anyway");
+    }
+    for addr in &cfg.listen {
+        if let ListenAddr::Unix(path) = addr {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    // Into the .db file, so that a copy of it alone is the registry.
+    // Bounded: a connection still busy must not keep the process from exiting.
+    match tokio::time::timeout(Duration::from_secs(10), store.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not checkpoint the database at stop"),
+        Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
+    }
+    tracing::info!("stopped; devices left running");
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! The dispatch decision: which data path a volume takes, and why.
+//!
+//! One place for the choice (`auto` is `direct` when the image passes every
+//! direct-map rule, else `nowait`), its reason, the "auto keeps direct"
+//! shortcut of a live change, and the rule-3 check (an image the owner made
+//! immutable is refused). The backends (ublk, dm) and the ublk worker all
+//! import it, so it sits below both, next to [`crate::extent`], which it
+//! builds on.
+//!
+//! A decision for `direct` carries the extent map it was made from. That map
+//! travels with the attach to whoever pins the image (the dm backend, or the
+//! ublk worker through its run dir) and is not built again before the pin:
+//! [`crate::extent::map_and_pin`] pins, re-reads the map under the pin and
+//! refuses when it differs from the decision's. Nothing can move the image's
+//! blocks once it is pinned, so the map compared there is the one served.
+
+use std::os::fd::BorrowedFd;
+
+use crate::extent::{self, ExtentMap, MapError};
+use blockplane_api::model::{ActiveDispatch, DispatchPolicy};
+
+/// The policy decided for a volume, why, and (for `direct`) the map the
+/// decision was made from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Never `Auto`.
+    pub dispatch: DispatchPolicy,
+    pub reason: String,
+    /// The image's extent map, read for this decision (`direct` only).
+    pub map: Option<ExtentMap>,
+}
+
+impl Decision {
+    /// A decision that needs no map (every policy but `direct`).
+    pub fn new(dispatch: DispatchPolicy, reason: impl Into<String>) -> Self {
+        Self {
+            dispatch,
+            reason: reason.into(),
+            map: None,
+        }
+    }
+}
+
+/// What serves the volume off the direct path, which words its reasons use,
+/// and which extra rules its direct path has.
+#[derive(Debug, Clone)]
+pub enum Path {
+    /// A ublk worker: `direct` splits requests over the raw devices itself.
+    Ublk {
+        /// Threads of the `threaded` policy.
+        threads: u16,
+    },
+    /// A dm device: `direct` is a linear table (rule 7 applies); the other
+    /// policies need a private ublk device.
+    Dm {
+        /// Why ublk cannot serve here (`None`: it can).
+        ublk_missing: Option<String>,
+    },
+}
+
+/// Why no policy could be decided.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    /// `direct` was asked and the image breaks a direct-map rule.
+    #[error("{0}")]
+    Refused(String),
+    /// The policy needs a private ublk device and ublk is not available.
+    #[error("{0}")]
+    NeedsUblk(String),
+}
+
+/// Rule 3: a writable volume's image must not carry `FS_IMMUTABLE_FL` set by
+/// its owner (the pin must be blockplane's own, so unpinning is safe).
+pub fn rule_3(image: BorrowedFd<'_>, refuse_writes: bool) -> Result<(), MapError> {
+    if !refuse_writes && extent::is_immutable(image).unwrap_or(false) {
+        return Err(MapError::ImmutableByUser);
+    }
+    Ok(())
+}
+
+/// Rule 7 (dm only): device-mapper claims the disks it maps, which the kernel
+/// refuses (EBUSY) while a filesystem is mounted directly on one. That is the
+/// case when the image's filesystem sits on the raw device itself.
+pub fn rule_7(map: &ExtentMap) -> Result<(), String> {
+    match map.devices.iter().find(|d| d.dev == map.fs_device) {
+        Some(d) => Err(format!(
+            "direct-map rule 7: device-mapper cannot open {} while the image's filesystem is mounted directly on it (EBUSY); {RULE_7_WAY_OUT}",
+            d.node.display()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// What an operator can do about rule 7.
+pub const RULE_7_WAY_OUT: &str = "dm needs that filesystem on a dm device (LVM or a linear wrapper). backend \"ublk\" with dispatch \"direct\" has no such limit";
+
+/// The map of an image that passes every direct-map rule of `path`.
+fn direct_map(
+    image: BorrowedFd<'_>,
+    size: u64,
+    refuse_writes: bool,
+    path: &Path,
+) -> Result<ExtentMap, String> {
+    rule_3(image, refuse_writes).map_err(|e| e.to_string())?;
+    let map = ExtentMap::build(image, size).map_err(|e| e.to_string())?;
+    if let Path::Dm { .. } = path {
+        rule_7(&map)?;
+    }
+    Ok(map)
+}
+
+/// Why `direct`, when asked, in the words of `path`.
+fn asked_direct(path: &Path) -> &'static str {
+    match path {
+        Path::Ublk { .. } => "the image passes every direct-map rule",
+        Path::Dm { .. } => "linear table over the image's extents",
+    }
+}
+
+/// Refuses a path off `direct` that `path` cannot serve here (dm without
+/// ublk for its private device); `what` names what asked for it.
+pub fn can_serve_off_direct(what: &str, path: &Path) -> Result<(), DispatchError> {
+    match path {
+        Path::Dm {
+            ublk_missing: Some(why),
+        } => Err(DispatchError::NeedsUblk(format!(
+            "{what} needs a private ublk device, and ublk is not available: {why}; only dispatch 'direct' works here"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Decides the policy for `asked` on an image of `size` bytes. The map is
+/// read once, only for `direct` and `auto`.
+pub fn decide(
+    image: BorrowedFd<'_>,
+    size: u64,
+    asked: DispatchPolicy,
+    refuse_writes: bool,
+    path: &Path,
+) -> Result<Decision, DispatchError> {
+    // How each path serves: (auto direct, the other policies).
+    let (auto_direct, other_how) = match path {
+        Path::Ublk { .. } => ("", ""),
+        Path::Dm { .. } => (
+            " (linear table over its extents)",
+            " (linear table over a private ublk device)",
+        ),
+    };
+    let direct = |reason: String, map| Decision {
+        dispatch: DispatchPolicy::Direct,
+        reason,
+        map: Some(map),
+    };
+    Ok(match asked {
+        DispatchPolicy::Direct => {
+            let map =
+                direct_map(image, size, refuse_writes, path).map_err(DispatchError::Refused)?;
+            direct(format!("asked: direct ({})", asked_direct(path)), map)
+        }
+        DispatchPolicy::Auto => match direct_map(image, size, refuse_writes, path) {
+            Ok(map) => direct(
+                format!("auto: the image passes every direct-map rule{auto_direct}"),
+                map,
+            ),
+            Err(e) => {
+                can_serve_off_direct(&format!("auto fell back to nowait ({e}), which"), path)?;
+                Decision::new(DispatchPolicy::Nowait, format!("auto chose nowait: {e}"))
+            }
+        },
+        other => {
+            can_serve_off_direct(&format!("dispatch '{}'", other.as_str()), path)?;
+            let detail = match (other, path) {
+                (DispatchPolicy::Threaded, Path::Ublk { threads }) => {
+                    format!(" (io-wq, at most {threads} blocking workers per queue)")
+                }
+                _ => other_how.to_string(),
+            };
+            Decision::new(other, format!("asked: {}{detail}", other.as_str()))
+        }
+    })
+}
+
+/// Decides a live change of a volume's policy to `asked`. Two shortcuts read
+/// no map: `auto` asked of a volume on `direct` keeps it there with the
+/// reason in force (rule 5's checks watch it meanwhile), and `direct` is
+/// checked by whoever pins the image (the worker, the dm switch), under the
+/// pin, where the map cannot move (on a volume already direct, nothing moves).
+#[allow(clippy::too_many_arguments)]
+pub fn decide_change(
+    image: BorrowedFd<'_>,
+    size: u64,
+    asked: DispatchPolicy,
+    refuse_writes: bool,
+    path: &Path,
+    on_direct: bool,
+    reason_in_force: &str,
+) -> Result<Decision, DispatchError> {
+    match asked {
+        DispatchPolicy::Auto if on_direct => {
+            Ok(Decision::new(DispatchPolicy::Direct, reason_in_force))
+        }
+        DispatchPolicy::Direct => Ok(Decision::new(
+            DispatchPolicy::Direct,
+            format!("asked: direct ({})", asked_direct(path)),
+        )),
+        _ => decide(image, size, asked, refuse_writes, path),
+    }
+}
+
+/// Why a volume left `direct` for a snapshot or clone named `copy` of its
+/// image (the reason it then runs `nowait` with).
+pub fn left_direct_for_copy(copy: &str) -> String {
+    format!(
+        "left direct for nowait: image '{copy}' was made from this volume's image and shares its extents, which a direct map must own alone (direct-map rule: no SHARED extents)"
+    )
+}
+
+/// The policy a volume runs, as a policy to ask for (what a replacement
+/// worker or an adopted device is recorded with).
+pub fn policy_of(active: ActiveDispatch) -> DispatchPolicy {
+    match active {
+        ActiveDispatch::Direct => DispatchPolicy::Direct,
+        ActiveDispatch::Threaded => DispatchPolicy::Threaded,
+        _ => DispatchPolicy::Nowait,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A regular file on the test host's /tmp (tmpfs or not ext4/xfs): the
+    /// map cannot be built, which exercises every fallback.
+    fn image() -> std::fs::File {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(1 << 20).unwrap();
+        f
+    }
+
+    #[test]
+    fn auto_falls_back_to_nowait_with_the_rule_and_direct_is_refused() {
+        use std::os::fd::AsFd;
+        let f = image();
+        let fd = f.as_fd();
+        let ublk = Path::Ublk { threads: 4 };
+        let d = decide(fd, 1 << 20, DispatchPolicy::Auto, false, &ublk).unwrap();
+        assert_eq!(d.dispatch, DispatchPolicy::Nowait);
+        assert!(d.reason.starts_with("auto chose nowait: "), "{}", d.reason);
+        assert!(d.map.is_none());
+        assert!(matches!(
+            decide(fd, 1 << 20, DispatchPolicy::Direct, false, &ublk),
+            Err(DispatchError::Refused(_))
+        ));
+        let t = decide(fd, 1 << 20, DispatchPolicy::Threaded, false, &ublk).unwrap();
+        assert_eq!(
+            t.reason,
+            "asked: threaded (io-wq, at most 4 blocking workers per queue)"
+        );
+        // dm: off direct needs ublk.
+        let dm = Path::Dm {
+            ublk_missing: Some("no ublk_drv".into()),
+        };
+        assert!(matches!(
+            decide(fd, 1 << 20, DispatchPolicy::Auto, false, &dm),
+            Err(DispatchError::NeedsUblk(m)) if m.contains("no ublk_drv")
+        ));
+        let dm = Path::Dm { ublk_missing: None };
+        let n = decide(fd, 1 << 20, DispatchPolicy::Nowait, false, &dm).unwrap();
+        assert_eq!(
+            n.reason,
+            "asked: nowait (linear table over a private ublk device)"
+        );
+    }
+
+    #[test]
+    fn a_change_keeps_direct_or_leaves_it_to_the_pin() {
+        use std::os::fd::AsFd;
+        let f = image();
+        let ublk = Path::Ublk { threads: 4 };
+        let change = |asked, on_direct| {
+            decide_change(
+                f.as_fd(),
+                1 << 20,
+                asked,
+                false,
+                &ublk,
+                on_direct,
+                "in force",
+            )
+        };
+        // auto on direct: kept, with the reason in force, though this image
+        // would fail the rules now.
+        let d = change(DispatchPolicy::Auto, true).unwrap();
+        assert_eq!(
+            (d.dispatch, d.reason.as_str()),
+            (DispatchPolicy::Direct, "in force")
+        );
+        // auto off direct: decided (here: nowait, the rules fail).
+        assert_eq!(
+            change(DispatchPolicy::Auto, false).unwrap().dispatch,
+            DispatchPolicy::Nowait
+        );
+        // direct: left to the pin, no map read here; its reason is the ask.
+        for on_direct in [false, true] {
+            let d = change(DispatchPolicy::Direct, on_direct).unwrap();
+            assert_eq!((d.dispatch, d.map), (DispatchPolicy::Direct, None));
+            assert_eq!(
+                d.reason,
+                "asked: direct (the image passes every direct-map rule)"
+            );
+        }
+    }
+}

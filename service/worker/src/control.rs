@@ -1,0 +1,321 @@
+//! The worker's control socket (`ctl.sock` in its run dir) and its state file
+//! (`state.json`: what a control plane needs to take over after a crash of
+//! either side: the device id and the image's pin).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::Duration;
+
+use libublk::ctrl::UblkCtrl;
+use libublk::sys;
+use serde::{Deserialize, Serialize};
+
+use super::protocol::{Answer, ErrorCode, Request, Status};
+use super::{Policy, Refusal, Shared};
+use blockplane_system::extent::Pin;
+
+/// What `state.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateFile {
+    pub pid: u32,
+    pub dev_id: u32,
+    pub pinned: Option<Pin>,
+}
+
+/// The running control thread.
+pub struct Control {
+    shutdown: Arc<AtomicBool>,
+    run_dir: PathBuf,
+}
+
+impl Control {
+    /// Whether the control plane asked for the device to go.
+    pub fn shutdown_requested(&self) -> bool {
+        self.shutdown.load(Relaxed)
+    }
+
+    /// Removes the socket and state file (the device is gone).
+    pub fn remove_files(&self) {
+        for f in ["ctl.sock", "state.json"] {
+            let _ = std::fs::remove_file(self.run_dir.join(f));
+        }
+    }
+}
+
+struct Ctx {
+    shared: Arc<Shared>,
+    ctrl: Arc<UblkCtrl>,
+    dev_id: u32,
+    features: u64,
+    dev_flags: u64,
+    shutdown: Arc<AtomicBool>,
+    resize_pending: AtomicBool,
+}
+
+/// Writes `state.json` atomically.
+fn write_state(cx: &Ctx) {
+    let state = StateFile {
+        pid: std::process::id(),
+        dev_id: cx.dev_id,
+        pinned: cx.shared.state.lock().expect("state poisoned").pinned,
+    };
+    let dir = &cx.shared.spec.run_dir;
+    let tmp = dir.join("state.json.tmp");
+    let ok = std::fs::write(&tmp, serde_json::to_vec(&state).expect("state serializes"))
+        .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")));
+    if let Err(e) = ok {
+        tracing::error!(error = %e, "cannot write state.json");
+    }
+}
+
+/// Binds the socket, writes the state file, and serves requests on a thread.
+pub fn start(
+    shared: Arc<Shared>,
+    ctrl: Arc<UblkCtrl>,
+    dev_id: u32,
+    features: u64,
+    dev_flags: u64,
+) -> std::io::Result<Control> {
+    let run_dir = shared.spec.run_dir.clone();
+    let path = run_dir.join("ctl.sock");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let cx = Ctx {
+        shared,
+        ctrl,
+        dev_id,
+        features,
+        dev_flags,
+        shutdown: shutdown.clone(),
+        resize_pending: AtomicBool::new(false),
+    };
+    write_state(&cx);
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            // Control commands go through a per-thread ring libublk keeps.
+            if let Err(e) = libublk::ublk_init_ctrl_task_ring(|r| {
+                if r.is_none() {
+                    *r =
+                        Some(io_uring::IoUring::<io_uring::squeue::Entry128>::builder().build(16)?);
+                }
+                Ok(())
+            }) {
+                tracing::error!(error = %e, "control ring");
+                return;
+            }
+            for conn in listener.incoming().flatten() {
+                if let Err(e) = serve_one(&cx, conn) {
+                    tracing::warn!(error = %e, "control connection");
+                }
+            }
+        })?;
+    Ok(Control { shutdown, run_dir })
+}
+
+fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line)?;
+    let answer = match serde_json::from_str::<Request>(&line) {
+        Ok(req) => handle(cx, req),
+        Err(e) => error(ErrorCode::BadRequest, format!("unreadable request: {e}")),
+    };
+    let mut out = serde_json::to_string(&answer).expect("answers serialize");
+    out.push('\n');
+    (&conn).write_all(out.as_bytes())
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Answer {
+    Answer::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+fn refusal(e: Refusal) -> Answer {
+    error(e.code(), e.to_string())
+}
+
+fn status(cx: &Ctx) -> Answer {
+    let s = &cx.shared;
+    let st = s.state.lock().expect("state poisoned").clone();
+    let spec = &s.spec;
+    let queues = cx.ctrl.dev_info().nr_hw_queues;
+    let zero_copy = cx.dev_flags & u64::from(sys::UBLK_F_AUTO_BUF_REG) != 0;
+    Answer::Status(Box::new(Status {
+        pid: std::process::id(),
+        dev_id: cx.dev_id,
+        device: format!("/dev/ublkb{}", cx.dev_id),
+        dispatch: s.policy().active(),
+        dispatch_reason: st.dispatch_reason,
+        pinned: st.pinned,
+        size_bytes: st.size_bytes,
+        read_only: s.read_only(),
+        buffer_bytes: if zero_copy {
+            0
+        } else {
+            u64::from(queues) * u64::from(spec.queue_depth) * u64::from(spec.max_io_bytes)
+        },
+        queues,
+        zero_copy,
+        features: cx.features,
+        dev_flags: cx.dev_flags,
+        degraded: st.degraded,
+        resize_pending: cx.resize_pending.load(Relaxed),
+        allocate: s.fill_state(),
+    }))
+}
+
+fn handle(cx: &Ctx, req: Request) -> Answer {
+    let s = &cx.shared;
+    match req {
+        Request::Status => status(cx),
+        Request::Stats => Answer::Stats(Box::new(s.stats())),
+        Request::SetDispatch { dispatch, reason } => {
+            match s.switch(Policy::from_requested(dispatch), reason) {
+                Ok(()) => {
+                    // A deliberate switch ends a drift episode.
+                    s.state.lock().expect("state poisoned").degraded = None;
+                    write_state(cx);
+                    status(cx)
+                }
+                Err(e) => refusal(e),
+            }
+        }
+        Request::SetReadOnly { read_only } => {
+            if !read_only && s.spec.read_only {
+                return error(
+                    ErrorCode::Refused,
+                    "the volume was created read-only: its worker holds the image read-only; delete and re-create it writable",
+                );
+            }
+            match s.reconfigure(|c| c.read_only = read_only) {
+                Ok(()) => status(cx),
+                Err(e) => refusal(e),
+            }
+        }
+        Request::SetQos { qos } => {
+            match s.reconfigure(|c| c.qos = super::qos::Limiter::for_limits(qos)) {
+                Ok(()) => status(cx),
+                Err(e) => refusal(e),
+            }
+        }
+        Request::Resize {
+            size_bytes,
+            allocation,
+        } => match resize(cx, size_bytes, allocation) {
+            Ok(()) => status(cx),
+            Err(e) => refusal(e),
+        },
+        Request::Allocate { pace_ms } => match s.start_allocate(Duration::from_millis(pace_ms)) {
+            Ok(()) => status(cx),
+            Err(e) => refusal(e),
+        },
+        Request::CancelAllocate => {
+            s.cancel_allocate();
+            status(cx)
+        }
+        Request::Snapshot { dest, dev, ino } => match snapshot_into(s, &dest, (dev, ino)) {
+            Ok(held) => Answer::Snapshot {
+                held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
+            },
+            Err(e) => refusal(e),
+        },
+        Request::Shutdown => {
+            cx.shutdown.store(true, Relaxed);
+            match cx.ctrl.kill_dev() {
+                Ok(_) => status(cx),
+                Err(e) => error(ErrorCode::IoError, format!("STOP_DEV: {e}")),
+            }
+        }
+    }
+}
+
+/// Opens the snapshot's file (never through a symlink) and checks it is the
+/// empty file the control plane made, then snapshots into it.
+fn snapshot_into(
+    s: &Shared,
+    dest: &std::path::Path,
+    identity: (u64, u64),
+) -> Result<Duration, Refusal> {
+    use rustix::fs::{Mode, OFlags};
+    let file = rustix::fs::open(
+        dest,
+        OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(|e| Refusal::Io {
+        op: "open the snapshot's file",
+        source: e.into(),
+    })?;
+    let st = rustix::fs::fstat(&file).map_err(|e| Refusal::Io {
+        op: "fstat the snapshot's file",
+        source: e.into(),
+    })?;
+    if (st.st_dev, st.st_ino) != identity || st.st_size != 0 {
+        return Err(Refusal::Rule(format!(
+            "{} is not the empty file the control plane made for the snapshot",
+            dest.display()
+        )));
+    }
+    s.snapshot(&std::fs::File::from(file))
+}
+
+/// Grows the image and the device. For a direct volume the pin is lifted,
+/// the file grown, re-mapped and pinned again while the queues are held.
+fn resize(
+    cx: &Ctx,
+    size: u64,
+    allocation: blockplane_api::model::Allocation,
+) -> Result<(), Refusal> {
+    let s = &cx.shared;
+    if s.spec.read_only {
+        return Err(Refusal::Rule(
+            "a read-only volume's worker cannot grow its image".into(),
+        ));
+    }
+    let was = s.policy();
+    let reason = s
+        .state
+        .lock()
+        .expect("state poisoned")
+        .dispatch_reason
+        .clone();
+    if was == Policy::Direct {
+        s.switch(Policy::Nowait, reason.clone())?;
+    }
+    let grown = blockplane_system::image::grow_fd(
+        &s.image
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| Refusal::Io { op: "dup", source })?,
+        size,
+        allocation,
+    )
+    .map_err(|(op, source)| Refusal::Io { op, source });
+    if grown.is_ok() {
+        s.state.lock().expect("state poisoned").size_bytes = size;
+    }
+    if was == Policy::Direct {
+        s.switch(Policy::Direct, reason)?;
+        write_state(cx);
+    }
+    grown?;
+    if cx.dev_flags & u64::from(sys::UBLK_F_UPDATE_SIZE) != 0 {
+        cx.ctrl.update_size(size).map_err(|e| Refusal::Io {
+            op: "UPDATE_SIZE",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    } else {
+        cx.resize_pending.store(true, Relaxed);
+    }
+    Ok(())
+}
