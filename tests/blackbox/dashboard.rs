@@ -60,7 +60,7 @@ async fn the_dashboard_files_load_without_a_token_and_nothing_else_does() {
         ..Default::default()
     })
     .await;
-    for a in blockplane_server::dashboard::ASSETS {
+    for a in blockplane_server::ASSETS {
         let (status, h, body) = raw(unix(&s).await, "GET", a.path, &[]).await;
         assert_eq!(status, 200, "{}", a.path);
         assert_eq!(
@@ -100,7 +100,7 @@ async fn the_dashboard_files_load_without_a_token_and_nothing_else_does() {
     let doc = s.get("/openapi.json").await.body;
     for path in doc["paths"].as_object().unwrap().keys() {
         assert!(
-            !blockplane_server::dashboard::is_asset(path) && !path.starts_with("/dashboard"),
+            !blockplane_server::is_asset(path) && !path.starts_with("/dashboard"),
             "{path}"
         );
     }

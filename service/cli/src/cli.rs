@@ -424,7 +424,7 @@ pub fn main() -> ExitCode {
         Command::Openapi => {
             let _ = std::io::Write::write_all(
                 &mut std::io::stdout(),
-                blockplane_server::http::openapi_json().as_bytes(),
+                blockplane_server::openapi_json().as_bytes(),
             );
             ExitCode::SUCCESS
         }
@@ -448,7 +448,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     };
     logging::init(cfg.log_format);
     let rt = multi_thread_runtime();
-    match rt.block_on(blockplane_server::serve::serve(cfg)) {
+    match rt.block_on(blockplane_server::serve(cfg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "blockplane stopped");
@@ -484,7 +484,7 @@ fn backup(data_dir: Option<std::path::PathBuf>, file: &std::path::Path) -> ExitC
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match rt.block_on(blockplane_server::store::Store::backup(&db, file)) {
+    match rt.block_on(blockplane_server::backup_registry(&db, file)) {
         Ok(()) => {
             println!("backed up {} to {}", db.display(), file.display());
             ExitCode::SUCCESS

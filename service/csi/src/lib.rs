@@ -16,19 +16,19 @@
 //! snapshots and clones; [`inflight`] allows one
 //! call per volume at a time.
 
-pub mod api;
-pub mod authority;
-pub mod capability;
-pub mod capacity;
-pub mod controller;
-pub mod errors;
-pub mod identity;
-pub mod inflight;
-pub mod listing;
+mod api;
+mod authority;
+mod capability;
+mod capacity;
+mod controller;
+mod errors;
+mod identity;
+mod inflight;
+mod listing;
 pub mod mount;
-pub mod naming;
-pub mod node;
-pub mod snapshots;
+mod naming;
+mod node;
+mod snapshots;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -102,7 +102,7 @@ pub enum ServeError {
 
 /// State shared by the three services.
 #[derive(Debug)]
-pub struct Driver {
+pub(crate) struct Driver {
     /// The driver's name.
     pub name: String,
     /// The node this driver serves.

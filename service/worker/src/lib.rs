@@ -13,10 +13,10 @@
 mod control;
 mod device;
 mod io;
-pub mod mailbox;
+mod mailbox;
 pub mod protocol;
 mod qos;
-pub mod stats;
+mod stats;
 
 use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
@@ -40,7 +40,7 @@ use blockplane_system::image::ALLOCATE_STEP;
 /// The data path in force.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Policy {
+pub(crate) enum Policy {
     Nowait = 0,
     Threaded = 1,
     Direct = 2,
@@ -68,14 +68,14 @@ impl Policy {
 }
 
 /// The direct path: the image's map and its raw devices, opened O_DIRECT.
-pub struct DirectPath {
+pub(crate) struct DirectPath {
     pub map: ExtentMap,
     pub devices: Vec<File>,
 }
 
 /// What changes under the control thread, besides the policy.
 #[derive(Debug, Clone)]
-pub struct WorkerState {
+pub(crate) struct WorkerState {
     pub dispatch_reason: String,
     pub pinned: Option<Pin>,
     pub degraded: Option<String>,
@@ -84,7 +84,7 @@ pub struct WorkerState {
 
 /// Why a worker refused a change.
 #[derive(Debug, thiserror::Error)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     #[error(transparent)]
     Map(#[from] extent::MapError),
     #[error("{0}")]
@@ -112,7 +112,7 @@ impl Refusal {
 /// What the control thread and the queue threads share. Queue threads read
 /// the spec, the stats mapping and the data fd; the rest is the control
 /// thread's, sent to the queues as a [`QueueConfig`].
-pub struct Shared {
+pub(crate) struct Shared {
     pub spec: WorkerSpec,
     pub stats: Stats,
     /// The image as handed over (ioctls, FIEMAP, flags).

@@ -108,8 +108,6 @@ pub struct AttachRequest {
     /// The image, opened read-write (or read-only for read-only volumes) by the
     /// manager through the image roots; the backend never resolves paths.
     pub image_fd: OwnedFd,
-    /// `(st_dev, st_ino)` of the image.
-    pub image_identity: (u64, u64),
     pub params: VolumeParams,
     /// What [`VolumeBackend::validate`] decided, if it was asked first.
     pub decision: Option<Decision>,

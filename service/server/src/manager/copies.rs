@@ -322,7 +322,7 @@ impl Manager {
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;
-                self.fault_point(super::Stage::AfterChange)?;
+                self.fault_point(super::After::Change)?;
                 // An explicit `direct` cannot hold any more; `auto` still
                 // decides, now without direct.
                 let asked = match v.dispatch {

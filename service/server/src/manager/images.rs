@@ -713,7 +713,7 @@ impl Manager {
             let id = v.id;
             let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
             if outcome.is_ok() {
-                self.fault_point(super::Stage::AfterChange)?;
+                self.fault_point(super::After::Change)?;
             }
             let mut tx = self.store.begin().await?;
             match outcome {

@@ -26,7 +26,6 @@ use crate::backend::{BackendError, BackendEvent, VolumeBackend};
 use crate::store::{Store, StoreError};
 use blockplane_api::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
 use blockplane_system::image::{ImageFileError, ImageRoots};
-pub use events::EventFeed;
 use locks::KeyedLocks;
 pub use ops::Operations;
 
@@ -172,27 +171,27 @@ pub enum Created<T> {
     Existing(T),
 }
 
-/// Stages of a volume's create, delete and live changes at which a test can
+/// The points of a volume's create, delete and live changes after which a test can
 /// inject a fault (env `BLOCKPLANE_TEST_FAULT`), to prove restart and cleanup
 /// work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
+pub enum After {
     /// The volume row is recorded, no device exists yet.
-    AfterInsert,
+    Insert,
     /// The device exists, the row does not say so yet.
-    AfterAttach,
+    Attach,
     /// The device is gone, the row is still there.
-    AfterDetach,
+    Detach,
     /// A live change (a PATCH, or a volume following its image's resize) is
     /// made on the device, the row does not say so yet.
-    AfterChange,
+    Change,
 }
 
 /// An injected fault: SIGKILL the service, or fail the operation, at a stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    Kill(Stage),
-    Fail(Stage),
+    Kill(After),
+    Fail(After),
     /// Every image create takes 3 s more once its file is made
     /// (`slow_image_create`): a request that outlasts a timeout, holds a
     /// concurrency slot or is in flight at SIGTERM, whatever the disk.
@@ -223,10 +222,10 @@ impl Fault {
         }
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
-            "insert" => Stage::AfterInsert,
-            "attach" => Stage::AfterAttach,
-            "detach" => Stage::AfterDetach,
-            "change" => Stage::AfterChange,
+            "insert" => After::Insert,
+            "attach" => After::Attach,
+            "detach" => After::Detach,
+            "change" => After::Change,
             _ => return None,
         };
         match action {
@@ -378,7 +377,7 @@ impl Manager {
     }
 
     /// Applies the injected fault of this stage, if any.
-    fn fault_point(&self, at: Stage) -> Result<()> {
+    fn fault_point(&self, at: After) -> Result<()> {
         match self.fault {
             Some(Fault::Kill(s)) if s == at => {
                 tracing::warn!(?at, "test fault: killing the service");

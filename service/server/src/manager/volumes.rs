@@ -6,7 +6,7 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{Created, Error, Manager, Result, Stage, blocking, validate_name};
+use super::{After, Created, Error, Manager, Result, blocking, validate_name};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
     VolumeBackend, VolumeParams,
@@ -343,11 +343,11 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.fault_point(Stage::AfterInsert)?;
+        self.fault_point(After::Insert)?;
 
         match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => {
-                let recorded = match self.fault_point(Stage::AfterAttach) {
+                let recorded = match self.fault_point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
                     Err(e) => Err(e),
                 };
@@ -404,7 +404,6 @@ impl Manager {
         })?;
         let req = AttachRequest {
             volume_id: v.id,
-            image_identity: file.identity(),
             params: params(v, image, file.size()),
             image_fd: file.into_fd(),
             decision,
@@ -515,7 +514,7 @@ impl Manager {
             tx.commit().await?;
             return Err(e);
         }
-        self.fault_point(Stage::AfterDetach)?;
+        self.fault_point(After::Detach)?;
         self.forget_volume(&v).await
     }
 
@@ -600,7 +599,7 @@ impl Manager {
                 }
             }
         }
-        self.fault_point(Stage::AfterChange)?;
+        self.fault_point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }

@@ -42,7 +42,7 @@ use blockplane_system::blockstat::BlockStat;
 use blockplane_system::dispatch;
 use blockplane_system::extent::{self, DevNum, ExtentMap, Pin};
 use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request};
-pub use ioctl::{ForeignDevice, foreign_devices};
+pub use ioctl::foreign_devices;
 use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name};
 pub use table::Target;
 use table::{direct_table, over};
@@ -164,8 +164,6 @@ impl DmBackend {
             .image
             .try_clone()
             .map_err(|e| BackendError::io("dup", "image", e))?;
-        let st =
-            rustix::fs::fstat(&image).map_err(|e| BackendError::io("fstat", "image", e.into()))?;
         let image_lock = match &v.lock {
             Some(l) => Some(
                 l.try_clone()
@@ -177,7 +175,6 @@ impl DmBackend {
             volume_id,
             image_fd: image,
             image_lock,
-            image_identity: (st.st_dev, st.st_ino),
             params: VolumeParams {
                 dispatch: policy,
                 refuse_writes: v.read_only,

@@ -33,7 +33,7 @@ use blockplane_api::model::{
 use blockplane_system::dispatch;
 use blockplane_system::extent;
 use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request, WorkerSpec};
-pub use supervise::{ForeignWorker, foreign_workers};
+pub use supervise::foreign_workers;
 use supervise::{is_our_worker, run_dir_instance};
 
 const TALK_TIMEOUT: Duration = Duration::from_secs(60);
