@@ -1,0 +1,405 @@
+//! Image files: opening one checked, creating (empty, sized or as a clone),
+//! growing and removing one, and what `fstat` says of it.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+
+use rustix::fs::{AtFlags, FallocateFlags, FileType, Mode, OFlags, Stat};
+
+use blockplane_api::model::Allocation;
+
+use super::fill::write_zeros;
+use super::identity::{birth_of, reopen, same_birth};
+use super::{ImageFileError, ImagePath, ImageRoots, Result, io_error};
+
+/// How an image file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// An open image file and what `fstat` said of it when opened.
+#[derive(Debug)]
+pub struct ImageFile {
+    pub(super) path: ImagePath,
+    pub(super) fd: OwnedFd,
+    stat: Stat,
+    birth: Option<String>,
+}
+
+impl ImageFile {
+    fn from_fd(path: ImagePath, fd: OwnedFd) -> Result<Self> {
+        let stat = fstat(&fd, &path)?;
+        let birth = birth_of(&fd);
+        Ok(Self {
+            path,
+            fd,
+            stat,
+            birth,
+        })
+    }
+
+    /// The normalized absolute path it was opened by.
+    pub fn path(&self) -> &ImagePath {
+        &self.path
+    }
+
+    /// The open file descriptor.
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// Gives up the file descriptor.
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
+    /// `(st_dev, st_ino)`: the file's identity.
+    pub fn identity(&self) -> (u64, u64) {
+        (self.stat.st_dev, self.stat.st_ino)
+    }
+
+    /// When the inode was born (see [`birth_of`]): with [`Self::identity`],
+    /// tells this file from a later one that reuses its inode number.
+    pub fn birth(&self) -> Option<&str> {
+        self.birth.as_deref()
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.stat.st_size as u64
+    }
+
+    /// Bytes allocated on disk.
+    pub fn allocated(&self) -> u64 {
+        self.stat.st_blocks as u64 * 512
+    }
+
+    /// The filesystem the file is on.
+    pub fn filesystem(&self) -> Result<String> {
+        let fs =
+            rustix::fs::fstatfs(&self.fd).map_err(|e| io_error(&self.path, "statfs", e.into()))?;
+        Ok(crate::extent::filesystem_name(fs.f_type as i64).to_string())
+    }
+
+    /// Bytes of the file that are holes: what [`Self::allocate`] takes.
+    pub fn hole_bytes(&self) -> Result<u64> {
+        crate::extent::hole_bytes(self.fd.as_fd(), self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))
+    }
+
+    /// Bytes the file's filesystem has free (`statvfs`, as an unprivileged
+    /// writer sees it).
+    pub fn free_bytes(&self) -> Result<u64> {
+        let vfs = rustix::fs::fstatvfs(&self.fd)
+            .map_err(|e| io_error(&self.path, "statvfs", e.into()))?;
+        Ok(vfs.f_bavail * vfs.f_frsize)
+    }
+
+    /// Bytes of the file that are holes or unwritten extents: what
+    /// [`Self::allocate`] writes.
+    pub fn unwritten_bytes(&self) -> Result<u64> {
+        let todo = crate::extent::unwritten_ranges(self.fd.as_fd(), 0, self.size())
+            .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
+        Ok(todo.iter().map(|(a, b)| b - a).sum())
+    }
+
+    /// Writes the file's dirty pages to disk, so a copy or reflink of it
+    /// holds every write that completed.
+    pub fn sync(&self) -> Result<()> {
+        rustix::fs::fsync(&self.fd).map_err(|e| io_error(&self.path, "fsync", e.into()))
+    }
+
+    /// Re-reads size and allocation.
+    pub fn refresh(&mut self) -> Result<()> {
+        self.stat = fstat(&self.fd, &self.path)?;
+        Ok(())
+    }
+
+    /// Grows the file to `size` bytes; with `Full`, the new range is allocated and
+    /// written with zeros so no extent stays unwritten; then synced.
+    pub fn grow(&mut self, size: u64, alloc: Allocation) -> Result<()> {
+        check_size(&self.path, size)?;
+        grow_fd(&self.fd, size, alloc).map_err(|(op, e)| match e.raw_os_error() {
+            Some(libc::ENOSPC) => ImageFileError::NoSpace {
+                path: self.path.display(),
+                op,
+            },
+            Some(libc::EFBIG) | Some(libc::EINVAL) => ImageFileError::TooLarge {
+                path: self.path.display(),
+                size,
+            },
+            _ => io_error(&self.path, op, e),
+        })?;
+        self.refresh()
+    }
+}
+
+impl ImageRoots {
+    /// Opens an existing image file after checking it is a plain, private,
+    /// singly-linked regular file of a usable size.
+    pub fn open_file(&self, path: &ImagePath, access: Access) -> Result<ImageFile> {
+        let probe = self.openat2(path, &path.rel, OFlags::PATH, Mode::empty())?;
+        let stat = fstat(&probe, path)?;
+        check_file(path, &stat)?;
+        // Reopen the very inode checked above: /proc/self/fd of an O_PATH fd is a
+        // magic link to it, so nothing can be swapped in between.
+        let fd =
+            reopen(&probe, access == Access::ReadWrite).map_err(|e| io_error(path, "reopen", e))?;
+        let file = ImageFile::from_fd(path.clone(), fd)?;
+        if (file.stat.st_dev, file.stat.st_ino) != (stat.st_dev, stat.st_ino) {
+            return Err(io_error(
+                path,
+                "reopen",
+                io::Error::other("file changed while being opened"),
+            ));
+        }
+        Ok(file)
+    }
+
+    /// Size and allocation of the file at `path`, if it is still the file with
+    /// identity `(dev, ino)` born at `birth`; never opens it for I/O.
+    pub fn stat_if_same(
+        &self,
+        path: &str,
+        identity: (u64, u64),
+        birth: Option<&str>,
+    ) -> Option<(u64, u64)> {
+        let path = self.resolve(path).ok()?;
+        let fd = self
+            .openat2(&path, &path.rel, OFlags::PATH, Mode::empty())
+            .ok()?;
+        let st = rustix::fs::fstat(&fd).ok()?;
+        ((st.st_dev, st.st_ino) == identity && same_birth(birth, birth_of(&fd).as_deref()))
+            .then_some((st.st_size as u64, st.st_blocks as u64 * 512))
+    }
+
+    /// Creates a new image file (mode 0600) of `size` bytes; on any failure the
+    /// half-made file is removed.
+    pub fn create_file(&self, path: &ImagePath, size: u64, alloc: Allocation) -> Result<ImageFile> {
+        check_size(path, size)?;
+        self.create_then(path, |file| file.grow(size, alloc))
+    }
+
+    /// Creates a new image file (mode 0600) at `path` for a copy of `src`:
+    /// with `src`'s extents shared (`FICLONE`, [`CloneStart::Reflinked`])
+    /// where the filesystem can and `src` is not pinned immutable, else
+    /// empty, for [`ImageFile::copy_from`]. On any other failure the new
+    /// file is removed.
+    pub fn create_clone(
+        &self,
+        path: &ImagePath,
+        src: &ImageFile,
+    ) -> Result<(ImageFile, CloneStart)> {
+        // A direct map may serve a pinned image: its blocks must never
+        // become shared, or a write through the map would change the copy.
+        if crate::extent::is_immutable(src.fd.as_fd()).unwrap_or(false) {
+            let file = self.create_then(path, |_| Ok(()))?;
+            return Ok((file, CloneStart::Copy { private: true }));
+        }
+        let mut start = CloneStart::Copy { private: false };
+        let file = self.create_then(path, |file| {
+            match rustix::fs::ioctl_ficlone(&file.fd, &src.fd) {
+                Ok(()) => {
+                    start = CloneStart::Reflinked;
+                    file.refresh()
+                }
+                // No shared extents here (ext4, another filesystem, a
+                // kernel without it): copy instead.
+                Err(
+                    rustix::io::Errno::OPNOTSUPP
+                    | rustix::io::Errno::XDEV
+                    | rustix::io::Errno::INVAL
+                    | rustix::io::Errno::NOTTY
+                    | rustix::io::Errno::PERM,
+                ) => Ok(()),
+                Err(e) => Err(ImageFileError::from_errno(file.path(), "FICLONE", e.into())),
+            }
+        })?;
+        Ok((file, start))
+    }
+
+    /// Creates an empty image file at `path` for a serving volume's worker
+    /// to share its image's extents with (`FICLONE` with its queues held:
+    /// [`blockplane_server::backend::VolumeBackend::snapshot`]), or `None`, making
+    /// nothing, where the filesystem cannot share extents: a probe clones
+    /// one empty unnamed file into another in the same directory first, so
+    /// the volume is never touched for a snapshot that cannot be made.
+    pub fn create_for_reflink(&self, path: &ImagePath) -> Result<Option<ImageFile>> {
+        let (parent, _) = self.open_parent(path)?;
+        let unnamed = || {
+            rustix::fs::openat(
+                &parent,
+                ".",
+                OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        };
+        let shares = match (unnamed(), unnamed()) {
+            (Ok(a), Ok(b)) => rustix::fs::ioctl_ficlone(&a, &b).is_ok(),
+            // No unnamed files here: no way to know, so no.
+            _ => false,
+        };
+        if !shares {
+            return Ok(None);
+        }
+        self.create_then(path, |_| Ok(())).map(Some)
+    }
+
+    /// Creates `path` (`O_EXCL`, mode 0600) and runs `fill` on it; removes
+    /// it again when `fill` fails.
+    pub(super) fn create_then(
+        &self,
+        path: &ImagePath,
+        fill: impl FnOnce(&mut ImageFile) -> Result<()>,
+    ) -> Result<ImageFile> {
+        let (parent, name) = self.open_parent(path)?;
+        let fd = rustix::fs::openat(
+            &parent,
+            &name,
+            OFlags::CREATE
+                | OFlags::EXCL
+                | OFlags::RDWR
+                | OFlags::NOFOLLOW
+                | OFlags::CLOEXEC
+                | OFlags::NOCTTY,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| self.resolve_error(path, e.into(), "create"))?;
+        let mut file = ImageFile::from_fd(path.clone(), fd)?;
+        if let Err(e) = fill(&mut file) {
+            let _ = rustix::fs::unlinkat(&parent, &name, AtFlags::empty());
+            return Err(e);
+        }
+        Ok(file)
+    }
+
+    /// Unlinks an image file, but only if the name still refers to `(dev, ino)`
+    /// born at `birth`.
+    pub fn remove_file(
+        &self,
+        path: &ImagePath,
+        dev: u64,
+        ino: u64,
+        birth: Option<&str>,
+    ) -> Result<()> {
+        let (parent, name) = self.open_parent(path)?;
+        let probe = rustix::fs::openat(
+            &parent,
+            &name,
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| self.resolve_error(path, e.into(), "stat"))?;
+        let st = fstat(&probe, path)?;
+        if (st.st_dev, st.st_ino) != (dev, ino) || !same_birth(birth, birth_of(&probe).as_deref()) {
+            return Err(ImageFileError::Replaced {
+                path: path.display(),
+            });
+        }
+        rustix::fs::unlinkat(&parent, &name, AtFlags::empty())
+            .map_err(|e| self.resolve_error(path, e.into(), "unlink"))
+    }
+}
+
+/// How [`ImageRoots::create_clone`] started a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloneStart {
+    /// Done: the new file shares the source's extents.
+    Reflinked,
+    /// The new file is empty: [`ImageFile::copy_from`] fills it, `private`
+    /// when none of its blocks may be shared with the source.
+    Copy { private: bool },
+}
+
+/// Grows an open image to `size` bytes (never shrinks); `Full` allocates and
+/// zero-writes the new range. Fails with the step that failed.
+pub fn grow_fd(
+    fd: &OwnedFd,
+    size: u64,
+    alloc: Allocation,
+) -> std::result::Result<(), (&'static str, io::Error)> {
+    let old = rustix::fs::fstat(fd)
+        .map_err(|e| ("fstat", e.into()))?
+        .st_size as u64;
+    if size < old {
+        return Err((
+            "grow",
+            io::Error::other(format!("new size {size} is below the current size {old}")),
+        ));
+    }
+    match alloc {
+        Allocation::Sparse => {
+            rustix::fs::ftruncate(fd, size).map_err(|e| ("ftruncate", e.into()))?
+        }
+        Allocation::Full => {
+            rustix::fs::fallocate(fd, FallocateFlags::empty(), old, size - old)
+                .map_err(|e| ("fallocate", e.into()))?;
+            write_zeros(fd, old, size).map_err(|e| ("write zeros", e))?;
+        }
+    }
+    rustix::fs::fsync(fd).map_err(|e| ("fsync", e.into()))
+}
+
+fn fstat(fd: impl AsFd, path: &ImagePath) -> Result<Stat> {
+    rustix::fs::fstat(fd).map_err(|e| io_error(path, "fstat", e.into()))
+}
+
+/// The largest image blockplane makes or grows: 1 PiB.
+pub const MAX_IMAGE_BYTES: u64 = 1 << 50;
+
+fn check_size(path: &ImagePath, size: u64) -> Result<()> {
+    if size > MAX_IMAGE_BYTES {
+        return Err(ImageFileError::TooLarge {
+            path: path.display(),
+            size,
+        });
+    }
+    if size == 0 || !size.is_multiple_of(512) {
+        return Err(ImageFileError::BadSize {
+            path: path.display(),
+            size,
+        });
+    }
+    Ok(())
+}
+
+fn check_file(path: &ImagePath, st: &Stat) -> Result<()> {
+    let p = path.display();
+    let kind = match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => None,
+        FileType::Directory => Some("a directory"),
+        // O_PATH|O_NOFOLLOW opens a final symlink itself rather than failing.
+        FileType::Symlink => return Err(ImageFileError::Symlink { path: p }),
+        FileType::Fifo => Some("a FIFO"),
+        FileType::Socket => Some("a socket"),
+        FileType::CharacterDevice => Some("a character device"),
+        FileType::BlockDevice => Some("a block device"),
+        FileType::Unknown => Some("of an unknown type"),
+    };
+    if let Some(kind) = kind {
+        return Err(ImageFileError::NotRegular { path: p, kind });
+    }
+    let service = rustix::process::geteuid().as_raw();
+    if st.st_uid != service {
+        return Err(ImageFileError::ForeignOwner {
+            path: p,
+            owner: st.st_uid,
+            service,
+        });
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(ImageFileError::LooseMode {
+            path: p,
+            mode: st.st_mode & 0o7777,
+        });
+    }
+    if st.st_nlink != 1 {
+        return Err(ImageFileError::HardLinks {
+            path: p,
+            links: st.st_nlink,
+        });
+    }
+    check_size(path, st.st_size as u64)
+}
