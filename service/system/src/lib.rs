@@ -1,12 +1,13 @@
 //! What blockplane asks of the host's kernel, without a runtime or a
 //! database: image files under their roots ([`image`]), their extents and the
 //! direct-map rules ([`extent`]), the dispatch decision built on them
-//! ([`dispatch`]), the mount table ([`mountinfo`]) and the kernel's
-//! per-device statistics ([`blockstat`]).
+//! ([`dispatch`]), device-mapper tables ([`dm`]), the mount table
+//! ([`mountinfo`]) and the kernel's per-device statistics ([`blockstat`]).
 //! The control plane and the worker both build on it.
 
 pub mod blockstat;
 pub mod dispatch;
+pub mod dm;
 pub mod extent;
 pub mod image;
 pub mod mountinfo;

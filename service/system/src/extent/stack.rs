@@ -94,9 +94,10 @@ impl Layer {
         let Ok(name) = dev.sys_read("dm/name") else {
             return Ok(Layer::Raw(dev));
         };
-        let table = dm_table(&name).map_err(|e| err(format!("reading dm table of {name}: {e}")))?;
+        let table =
+            crate::dm::table(&name).map_err(|e| err(format!("reading dm table of {name}: {e}")))?;
         let mut targets = Vec::new();
-        for (start, len, kind, params) in table {
+        for (start, len, kind, params) in table.targets {
             if kind != "linear" {
                 return Err(MapError::Target {
                     dev: format!("{dev} ({name})"),
@@ -160,19 +161,6 @@ fn parse_devnum(s: &str) -> Option<DevNum> {
         major: ma.parse().ok()?,
         minor: mi.parse().ok()?,
     })
-}
-
-fn dm_table(name: &str) -> Result<Vec<(u64, u64, String, String)>, String> {
-    use devicemapper::{DM, DevId, DmFlags, DmName, DmOptions};
-    let dm = DM::new().map_err(|e| e.to_string())?;
-    let name = DmName::new(name).map_err(|e| e.to_string())?;
-    let (_, table) = dm
-        .table_status(
-            &DevId::Name(name),
-            DmOptions::default().set_flags(DmFlags::DM_STATUS_TABLE),
-        )
-        .map_err(|e| e.to_string())?;
-    Ok(table)
 }
 
 #[cfg(test)]

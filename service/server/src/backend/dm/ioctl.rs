@@ -11,9 +11,8 @@ use uuid::Uuid;
 use super::table::Target;
 use crate::backend::BackendError;
 use blockplane_system::dispatch;
+use blockplane_system::dm::{CONTROL, DmCallError, errno};
 use blockplane_system::extent::DevNum;
-
-const CONTROL: &str = "/dev/mapper/control";
 
 pub(super) fn dm_name(volume_id: Uuid) -> String {
     format!("blockplane-{volume_id}")
@@ -106,20 +105,12 @@ fn dm() -> Result<DM, BackendError> {
     DM::new().map_err(|e| BackendError::io("open", CONTROL, io::Error::other(e.to_string())))
 }
 
-/// The errno of a failed DM ioctl.
-fn errno(e: &DmError) -> Option<i32> {
-    match e {
-        DmError::Core(devicemapper::errors::Error::Ioctl(_, _, _, errno)) => Some(**errno as i32),
-        _ => None,
-    }
+fn dm_error(op: &'static str, device: &str, e: DmError) -> BackendError {
+    call_error(DmCallError::new(op, device, e))
 }
 
-fn dm_error(op: &'static str, device: &str, e: DmError) -> BackendError {
-    let source = match errno(&e) {
-        Some(n) => io::Error::from_raw_os_error(n),
-        None => io::Error::other(e.to_string()),
-    };
-    BackendError::io(op, device, source)
+fn call_error(e: DmCallError) -> BackendError {
+    BackendError::io(e.op, e.device.clone(), e.to_io())
 }
 
 /// The kernel's name of a block device (`dm-3`), from sysfs.
@@ -249,14 +240,6 @@ pub(super) fn devnum(volume_id: Uuid) -> Option<DevNum> {
 
 /// A volume's live table and whether it is loaded read-only.
 pub(super) fn live_table(volume_id: Uuid) -> Result<(bool, Vec<Target>), BackendError> {
-    let name_s = dm_name(volume_id);
-    let name = DmName::new(&name_s)
-        .map_err(|e| BackendError::io("name", &name_s, io::Error::other(e.to_string())))?;
-    let (info, live) = dm()?
-        .table_status(
-            &DevId::Name(name),
-            DmOptions::default().set_flags(DmFlags::DM_STATUS_TABLE),
-        )
-        .map_err(|e| dm_error("DM_TABLE_STATUS", &name_s, e))?;
-    Ok((info.flags().contains(DmFlags::DM_READONLY), live))
+    let live = blockplane_system::dm::table(&dm_name(volume_id)).map_err(call_error)?;
+    Ok((live.read_only, live.targets))
 }

@@ -1,9 +1,7 @@
 //! DM tables: the `linear` targets of each data path.
 
+pub use blockplane_system::dm::Target;
 use blockplane_system::extent::{DevNum, ExtentMap};
-
-/// One line of a DM table: start and length in sectors, target type, parameters.
-pub type Target = (u64, u64, String, String);
 
 /// `linear` targets over the raw devices, one per mapped segment.
 pub fn direct_table(map: &ExtentMap) -> Vec<Target> {
