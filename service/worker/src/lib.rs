@@ -210,17 +210,17 @@ impl Shared {
             if self.config().policy == Policy::Direct {
                 return Err(Refusal::Rule(protocol::SNAPSHOT_OF_DIRECT.into()));
             }
-            rustix::fs::ioctl_ficlone(dest, &self.image).map_err(|e| match e {
-                rustix::io::Errno::OPNOTSUPP
-                | rustix::io::Errno::XDEV
-                | rustix::io::Errno::INVAL
-                | rustix::io::Errno::NOTTY => Refusal::Rule(format!(
-                    "the image's filesystem cannot share its extents with a snapshot (FICLONE: {e})"
-                )),
-                e => Refusal::Io {
-                    op: "FICLONE",
-                    source: e.into(),
-                },
+            rustix::fs::ioctl_ficlone(dest, &self.image).map_err(|e| {
+                if blockplane_system::image::cannot_share(e) {
+                    Refusal::Rule(format!(
+                        "the image's filesystem cannot share its extents with a snapshot (FICLONE: {e})"
+                    ))
+                } else {
+                    Refusal::Io {
+                        op: "FICLONE",
+                        source: e.into(),
+                    }
+                }
             })
         })?;
         Ok(held.elapsed())

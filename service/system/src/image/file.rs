@@ -5,6 +5,7 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 
 use rustix::fs::{AtFlags, FallocateFlags, FileType, Mode, OFlags, Stat};
+use rustix::io::Errno;
 
 use blockplane_api::model::Allocation;
 
@@ -205,15 +206,9 @@ impl ImageRoots {
                     start = CloneStart::Reflinked;
                     file.refresh()
                 }
-                // No shared extents here (ext4, another filesystem, a
-                // kernel without it): copy instead.
-                Err(
-                    rustix::io::Errno::OPNOTSUPP
-                    | rustix::io::Errno::XDEV
-                    | rustix::io::Errno::INVAL
-                    | rustix::io::Errno::NOTTY
-                    | rustix::io::Errno::PERM,
-                ) => Ok(()),
+                // No shared extents here, or a source made immutable
+                // since the check above (EPERM): copy instead.
+                Err(e) if cannot_share(e) || e == Errno::PERM => Ok(()),
                 Err(e) => Err(ImageFileError::from_errno(file.path(), "FICLONE", e.into())),
             }
         })?;
@@ -301,6 +296,17 @@ impl ImageRoots {
         rustix::fs::unlinkat(&parent, &name, AtFlags::empty())
             .map_err(|e| self.resolve_error(path, e.into(), "unlink"))
     }
+}
+
+/// Whether a `FICLONE` that failed with `errno` failed because the
+/// filesystem cannot share extents between the two files (ext4, files on two
+/// filesystems, a kernel without it), rather than on these files: the one
+/// rule for a clone that falls back to a copy and a snapshot that is refused.
+pub fn cannot_share(errno: Errno) -> bool {
+    matches!(
+        errno,
+        Errno::OPNOTSUPP | Errno::XDEV | Errno::INVAL | Errno::NOTTY
+    )
 }
 
 /// How [`ImageRoots::create_clone`] started a copy.
