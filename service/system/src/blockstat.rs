@@ -11,22 +11,39 @@ use blockplane_api::model::{KernelBlockStats, OpStats};
 /// Documentation/block/stat.rst for the field order).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockStat {
+    /// Reads completed.
     pub read_ios: u64,
+    /// Reads merged with one already queued.
     pub read_merges: u64,
+    /// 512-byte sectors read.
     pub read_sectors: u64,
+    /// Milliseconds reads spent waiting, summed over reads.
     pub read_ticks: u64,
+    /// Writes completed.
     pub write_ios: u64,
+    /// Writes merged with one already queued.
     pub write_merges: u64,
+    /// 512-byte sectors written.
     pub write_sectors: u64,
+    /// Milliseconds writes spent waiting, summed over writes.
     pub write_ticks: u64,
+    /// Requests issued to the device and not yet completed (a gauge).
     pub in_flight: u64,
+    /// Milliseconds the device had requests in flight.
     pub io_ticks: u64,
+    /// Milliseconds requests spent waiting, summed over all requests.
     pub time_in_queue: u64,
+    /// Discards completed (kernel 4.18 and later).
     pub discard_ios: u64,
+    /// Discards merged with one already queued.
     pub discard_merges: u64,
+    /// 512-byte sectors discarded.
     pub discard_sectors: u64,
+    /// Milliseconds discards spent waiting, summed over discards.
     pub discard_ticks: u64,
+    /// Flushes completed (kernel 5.5 and later).
     pub flush_ios: u64,
+    /// Milliseconds flushes spent waiting, summed over flushes.
     pub flush_ticks: u64,
 }
 

@@ -25,6 +25,7 @@ use blockplane_api::model::{ActiveDispatch, DispatchPolicy};
 pub struct Decision {
     /// Never `Auto`.
     pub dispatch: DispatchPolicy,
+    /// Why, in the words the volume reports as its dispatch reason.
     pub reason: String,
     /// The image's extent map, read for this decision (`direct` only).
     pub map: Option<ExtentMap>,

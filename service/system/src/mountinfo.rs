@@ -14,10 +14,13 @@ pub struct MountEntry {
     pub dev: (u32, u32),
     /// The path inside that filesystem that is mounted.
     pub root: String,
+    /// Where it is mounted, escapes decoded.
     pub mount_point: PathBuf,
     /// Per-mount options (`ro`, `nosuid`, ...).
     pub options: String,
+    /// The filesystem type (`ext4`, `xfs`, `tmpfs`, ...).
     pub fstype: String,
+    /// The mount source: a device node, or what the filesystem names it.
     pub source: String,
 }
 

@@ -22,8 +22,11 @@ use blockplane_system::extent::Pin;
 /// What `state.json` holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateFile {
+    /// The worker's process id.
     pub pid: u32,
+    /// The ublk device it serves (`/dev/ublkbN`).
     pub dev_id: u32,
+    /// The image's pin for a direct map, which a replacement worker keeps.
     pub pinned: Option<Pin>,
 }
 

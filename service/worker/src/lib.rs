@@ -1,10 +1,12 @@
+#![warn(missing_docs)]
+
 //! The data plane: a worker process (`blockplane worker`, started by the
 //! control plane) that serves one volume's ublk device. It never touches
 //! SQLite: it gets its image as an open fd and its spec on the command line,
 //! and answers on a control socket in its run dir.
 //!
 //! Each queue thread owns what its requests touch; the control thread
-//! changes it by message ([`mailbox`]). Policies switch live: the control
+//! changes it by message (`mailbox`). Policies switch live: the control
 //! thread holds every queue, waits for the requests inside to finish, changes
 //! what must change (the image's pin and map when entering or leaving
 //! `direct`), and sends each queue its new config, which lets the held

@@ -25,11 +25,13 @@ pub const LOCK_FD: i32 = 4;
 /// How a worker is to serve its volume (passed as JSON on its command line).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerSpec {
+    /// The volume served.
     pub volume_id: Uuid,
     /// The worker's directory: control socket, stats file, log, state.
     pub run_dir: PathBuf,
     /// For messages only: the worker never resolves paths.
     pub image_path: String,
+    /// The device's size.
     pub size_bytes: u64,
     /// Created read-only: the image is held read-only and the device carries
     /// the read-only attribute, so it can never be made writable live.
@@ -42,12 +44,15 @@ pub struct WorkerSpec {
     pub dispatch: DispatchPolicy,
     /// Why that policy (reported back as the volume's `dispatch_reason`).
     pub dispatch_reason: String,
+    /// Queues to ask the kernel for (each on a thread of its own).
     pub queues: u16,
+    /// Requests in flight per queue.
     pub queue_depth: u16,
     /// Largest request, bytes (the device's max sectors * 512).
     pub max_io_bytes: u32,
     /// Threads of the `threaded` policy's pool.
     pub threads: u16,
+    /// IOPS and bandwidth limits (none: unlimited).
     pub qos: Option<Qos>,
     /// Recover this existing (quiesced) ublk device instead of adding one.
     pub recover_dev_id: Option<u32>,
@@ -112,18 +117,26 @@ pub enum Request {
     Stats,
     /// Switch the dispatch policy while I/O runs.
     SetDispatch {
+        /// The policy (never `Auto`).
         dispatch: DispatchPolicy,
+        /// Why, reported back as the volume's `dispatch_reason`.
         reason: String,
     },
+    /// Refuse writes, or take them again (a volume created writable only).
     SetReadOnly {
+        /// Refuse writes.
         read_only: bool,
     },
+    /// Change the QoS limits live.
     SetQos {
+        /// The new limits (none: unlimited).
         qos: Option<Qos>,
     },
     /// Grow the image (the worker holds it, pinned if direct) and the device.
     Resize {
+        /// The new size (not below the current one).
         size_bytes: u64,
+        /// `full`: the new range is allocated and written with zeros.
         allocation: Allocation,
     },
     /// Start making the image `full` (see `POST /v1/images/{id}/allocate`):
@@ -149,8 +162,11 @@ pub enum Request {
     /// never have: the control plane moves it off first). Answers
     /// [`Answer::Snapshot`].
     Snapshot {
+        /// The empty file to share the extents with.
         dest: PathBuf,
+        /// Its `st_dev`, checked before the clone.
         dev: u64,
+        /// Its `st_ino`, checked before the clone.
         ino: u64,
     },
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
@@ -161,15 +177,21 @@ pub enum Request {
 /// A worker's state as it reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Status {
+    /// The worker's process id.
     pub pid: u32,
+    /// The ublk device's id.
     pub dev_id: u32,
     /// `/dev/ublkbN`.
     pub device: String,
+    /// The policy in force.
     pub dispatch: ActiveDispatch,
+    /// Why that policy.
     pub dispatch_reason: String,
     /// Set while the image carries FS_IMMUTABLE_FL for a direct map.
     pub pinned: Option<Pin>,
+    /// The device's size as the worker serves it.
     pub size_bytes: u64,
+    /// Writes are refused now.
     pub read_only: bool,
     /// Bytes of I/O buffers the worker holds (queues x depth x max I/O; 0
     /// with zero copy).
@@ -197,6 +219,7 @@ pub struct Status {
 /// Where a worker's fill ([`Request::Allocate`]) is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Fill {
+    /// Running, or how it ended.
     pub state: FillState,
     /// Bytes of holes and unwritten extents written with zeros so far.
     pub done_bytes: u64,
@@ -210,38 +233,57 @@ pub struct Fill {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FillState {
+    /// Writing zeros now.
     Running,
+    /// Every hole and unwritten extent is written: the image is `full`.
     Done,
+    /// Stopped by an error ([`Fill::error`]).
     Failed,
+    /// Stopped by [`Request::CancelAllocate`].
     Cancelled,
 }
 
 /// Latency percentiles of one kind of request, microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Latency {
+    /// The median.
     pub p50: u64,
+    /// The 90th percentile.
     pub p90: u64,
+    /// The 99th percentile.
     pub p99: u64,
+    /// The 99.9th percentile.
     pub p999: u64,
+    /// The slowest request.
     pub max: u64,
+    /// Requests measured.
     pub count: u64,
 }
 
 /// What `Stats` answers.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
+    /// Reads.
     pub read: OpStats,
+    /// Writes.
     pub write: OpStats,
+    /// Flushes.
     pub flush: OpStats,
+    /// Discards and write-zeroes.
     pub discard: OpStats,
+    /// Requests inside the queues now (a gauge).
     pub in_flight: u64,
     /// Unix milliseconds since which the counters count.
     pub since_ms: u64,
+    /// Latency of reads, writes, flushes and discards, in that order.
     pub latency: [Latency; 4],
     /// Per-op histograms over `model::LATENCY_BOUNDS_US`.
     pub histograms: Vec<blockplane_api::model::LatencyHistogram>,
+    /// Submissions with RWF_NOWAIT.
     pub nowait_submitted: u64,
+    /// Of those, completed without blocking.
     pub nowait_completed_inline: u64,
+    /// Of those, answered EAGAIN and resubmitted on the blocking path.
     pub nowait_eagain_fallbacks: u64,
     /// Times an op type stopped asking NOWAIT for a while.
     #[serde(default)]
@@ -249,7 +291,10 @@ pub struct WorkerStats {
     /// Submissions made without NOWAIT while their op type was paused.
     #[serde(default)]
     pub nowait_bypassed: u64,
+    /// Requests that waited for the QoS limits.
     pub qos_throttled: u64,
+    /// Workers that took the device over after an earlier one ended, since
+    /// the counters started.
     pub worker_restarts: u64,
 }
 
@@ -272,15 +317,20 @@ pub enum ErrorCode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Answer {
+    /// The answer to [`Request::Status`] and to every change.
     Status(Box<Status>),
+    /// The answer to [`Request::Stats`].
     Stats(Box<WorkerStats>),
     /// A [`Request::Snapshot`] made: how long the queues were held, µs.
     Snapshot {
+        /// Microseconds the queues were held.
         held_us: u64,
     },
     /// Refused or failed; `message` names the rule.
     Error {
+        /// What kind of failure.
         code: ErrorCode,
+        /// What happened, for the operator.
         message: String,
     },
 }
@@ -288,12 +338,16 @@ pub enum Answer {
 /// Why talking to a worker failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TalkError {
+    /// Connecting, writing or reading failed.
     #[error("worker control socket {path}: {source}")]
     Io {
+        /// The socket.
         path: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
+    /// The answer was not JSON of an [`Answer`].
     #[error("worker answered something unreadable: {0}")]
     Garbled(String),
 }

@@ -14,9 +14,13 @@ const EXTENTS_PER_CALL: usize = 256;
 /// One extent as `FS_IOC_FIEMAP` reports it (bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsExtent {
+    /// Offset in the file.
     pub logical: u64,
+    /// Offset on the filesystem's device.
     pub physical: u64,
+    /// Length.
     pub len: u64,
+    /// `FIEMAP_EXTENT_*` flags.
     pub flags: u32,
 }
 

@@ -15,6 +15,7 @@ use super::stack::{DevNum, Layer};
 pub struct Segment {
     /// Offset in the image.
     pub logical: u64,
+    /// Length.
     pub len: u64,
     /// Index into [`ExtentMap::devices`].
     pub device: usize,
@@ -25,16 +26,20 @@ pub struct Segment {
 /// A raw block device a map points into.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RawDevice {
+    /// Its device number.
     pub dev: DevNum,
+    /// Its node under /dev, which the direct path opens.
     pub node: PathBuf,
 }
 
 /// An image's validated map onto raw devices.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExtentMap {
+    /// The image's size: the map covers `[0, size)`.
     pub size: u64,
     /// The device the filesystem is on (before translation).
     pub fs_device: DevNum,
+    /// The raw devices the segments point into.
     pub devices: Vec<RawDevice>,
     /// Sorted by `logical`, contiguous, covering `[0, size)`.
     pub segments: Vec<Segment>,
@@ -43,8 +48,11 @@ pub struct ExtentMap {
 /// One piece of an I/O request, on one raw device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
+    /// Index into [`ExtentMap::devices`].
     pub device: usize,
+    /// Offset on that device.
     pub physical: u64,
+    /// Length.
     pub len: u64,
     /// Offset of this piece within the request.
     pub offset_in_request: u64,

@@ -25,39 +25,84 @@ const BAD_FLAGS: [(u32, &str); 9] = [
 /// Why an image cannot be direct-mapped (or its map could not be read).
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
+    /// Rule 1: the filesystem is not ext4 or xfs.
     #[error(
         "direct-map rule 1: the image is on {fs}, not on a block-mapped, non-copy-on-write filesystem (ext4 or xfs)"
     )]
-    Filesystem { fs: String },
+    Filesystem {
+        /// Its name ([`filesystem_name`]).
+        fs: String,
+    },
+    /// Rule 2: `[start, end)` has no extent.
     #[error(
         "direct-map rule 2: the image has a hole at bytes {start}..{end} (a sparse image, or blocks punched by discards through a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
         remedy = REALLOCATE
     )]
-    Hole { start: u64, end: u64 },
+    Hole {
+        /// Where the hole starts (bytes).
+        start: u64,
+        /// Where it ends.
+        end: u64,
+    },
+    /// Rule 2: an extent is allocated but unwritten (reads as zeroes).
     #[error(
         "direct-map rule 2: the extent at byte {logical} is UNWRITTEN (allocated, never written: fallocate'd, or zeroed with FALLOC_FL_ZERO_RANGE by a volume served nowait/threaded on a sparse image or before blockplane kept full images allocated, or by another program); {remedy}",
         remedy = REALLOCATE
     )]
-    Unwritten { logical: u64 },
+    Unwritten {
+        /// The extent's offset in the file.
+        logical: u64,
+    },
+    /// Rule 2: an extent carries a flag that makes it unusable.
     #[error("direct-map rule 2: the extent at byte {logical} is {what}")]
-    BadExtent { logical: u64, what: &'static str },
+    BadExtent {
+        /// The extent's offset in the file.
+        logical: u64,
+        /// The flag, by name and meaning.
+        what: &'static str,
+    },
+    /// Rule 2: an extent is not 512-byte aligned (in the file or on disk).
     #[error("direct-map rule 2: the extent at byte {logical} is not 512-byte aligned")]
-    Unaligned { logical: u64 },
+    Unaligned {
+        /// The extent's offset in the file.
+        logical: u64,
+    },
+    /// Rule 2: the kernel's extent list has no last extent, so it may be
+    /// incomplete.
     #[error("direct-map rule 2: the extent list does not end with FIEMAP_EXTENT_LAST")]
     NoLast,
+    /// Rule 3: the owner set `FS_IMMUTABLE_FL`, so blockplane's pin could
+    /// not be told from theirs.
     #[error(
         "direct-map rule 3: the image is immutable by its owner's choice and can back only read-only volumes on the file paths"
     )]
     ImmutableByUser,
+    /// Rule 4: a device-mapper device under the filesystem has a target
+    /// other than `linear`.
     #[error(
         "direct-map rule 4: the filesystem's device {dev} is a device-mapper '{target}' target; only 'linear' tables can be mapped through"
     )]
-    Target { dev: String, target: String },
+    Target {
+        /// The dm device (number and name).
+        dev: String,
+        /// Its target type.
+        target: String,
+    },
+    /// Rule 4: the device stack under the filesystem could not be resolved
+    /// (also: the map changed while pinning).
     #[error("direct-map rule 4: cannot resolve the filesystem's device {dev}: {reason}")]
-    Device { dev: String, reason: String },
+    Device {
+        /// The device that could not be resolved.
+        dev: String,
+        /// Why.
+        reason: String,
+    },
+    /// A system call failed while reading or pinning the map.
     #[error("direct map: {op}: {source}")]
     Io {
+        /// The call.
         op: &'static str,
+        /// Its error.
         #[source]
         source: io::Error,
     },

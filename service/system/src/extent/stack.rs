@@ -13,7 +13,9 @@ use super::MapError;
 /// A block device number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DevNum {
+    /// The major number: the driver.
     pub major: u32,
+    /// The minor number: the device of that driver.
     pub minor: u32,
 }
 

@@ -16,7 +16,9 @@ use super::{ImageFileError, ImagePath, ImageRoots, Result, io_error};
 /// How an image file is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
+    /// For reading only: a read-only volume's image.
     ReadOnly,
+    /// For reading and writing.
     ReadWrite,
 }
 
@@ -217,7 +219,7 @@ impl ImageRoots {
 
     /// Creates an empty image file at `path` for a serving volume's worker
     /// to share its image's extents with (`FICLONE` with its queues held:
-    /// [`blockplane_server::backend::VolumeBackend::snapshot`]), or `None`, making
+    /// the server's `VolumeBackend::snapshot`), or `None`, making
     /// nothing, where the filesystem cannot share extents: a probe clones
     /// one empty unnamed file into another in the same directory first, so
     /// the volume is never touched for a snapshot that cannot be made.
@@ -314,9 +316,12 @@ pub fn cannot_share(errno: Errno) -> bool {
 pub enum CloneStart {
     /// Done: the new file shares the source's extents.
     Reflinked,
-    /// The new file is empty: [`ImageFile::copy_from`] fills it, `private`
-    /// when none of its blocks may be shared with the source.
-    Copy { private: bool },
+    /// The new file is empty: [`ImageFile::copy_from`] fills it.
+    Copy {
+        /// None of its blocks may be shared with the source (a pinned
+        /// source, whose direct map must own its blocks alone).
+        private: bool,
+    },
 }
 
 /// Grows an open image to `size` bytes (never shrinks); `Full` allocates and

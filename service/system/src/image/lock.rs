@@ -5,8 +5,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 /// Takes the lock again on a descriptor handed over already locked (a ublk
-/// worker's [`blockplane_worker::protocol::LOCK_FD`]): exclusive if it is open
-/// for writing, shared if not, as `manager::holds::lock` took it. Succeeds when this open
+/// worker's `LOCK_FD`): exclusive if it is open for writing, shared if not,
+/// as the server's `manager::holds::lock` took it. Succeeds when this open
 /// file description holds it already; fails (`EAGAIN`) when another does.
 pub fn retake_lock(fd: &OwnedFd) -> io::Result<()> {
     let mode = rustix::fs::fcntl_getfl(fd)?;

@@ -30,62 +30,167 @@ pub use roots::{ImagePath, ImageRoots};
 use roots::{NAME_MAX, PATH_MAX};
 
 /// Why an image path or file was refused, or an operation on it failed.
+/// Every variant names the path as the request wrote it, or (once resolved)
+/// as [`ImagePath::display`] normalizes it.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageFileError {
+    /// The path is relative.
     #[error(
         "image path '{path}' is not absolute; images are absolute paths under an image root ({roots})"
     )]
-    NotAbsolute { path: String, roots: String },
+    NotAbsolute {
+        /// The path.
+        path: String,
+        /// The image roots, for the message.
+        roots: String,
+    },
+    /// The path has a `..` component.
     #[error("image path '{path}' contains '..'; paths must be written without parent references")]
-    DotDot { path: String },
+    DotDot {
+        /// The path.
+        path: String,
+    },
+    /// The path has a NUL byte.
     #[error("image path '{path}' contains a NUL byte, which no file name can hold")]
-    Nul { path: String },
+    Nul {
+        /// The path.
+        path: String,
+    },
+    /// A component is longer than a file name can be.
     #[error("image path '{path}' has a file name of {len} bytes; names are at most {NAME_MAX}")]
-    NameTooLong { path: String, len: usize },
+    NameTooLong {
+        /// The path.
+        path: String,
+        /// The long component's length in bytes.
+        len: usize,
+    },
+    /// The path is longer than the kernel takes.
     #[error("image path '{path}…' is {len} bytes long; paths are at most {}", PATH_MAX - 1)]
-    PathTooLong { path: String, len: usize },
+    PathTooLong {
+        /// The path's start.
+        path: String,
+        /// Its whole length in bytes.
+        len: usize,
+    },
+    /// The path is under no image root.
     #[error("image path '{path}' is outside every image root ({roots})")]
-    OutsideRoots { path: String, roots: String },
+    OutsideRoots {
+        /// The path.
+        path: String,
+        /// The image roots, for the message.
+        roots: String,
+    },
+    /// A component of the path is a symlink.
     #[error(
         "image path '{path}' goes through a symlink; images are opened without following symlinks"
     )]
-    Symlink { path: String },
+    Symlink {
+        /// The path.
+        path: String,
+    },
+    /// The path crosses a mount point below its root.
     #[error(
         "image path '{path}' crosses a mount point below its image root '{root}'; images must be on the image root's own filesystem"
     )]
-    OtherFilesystem { path: String, root: String },
+    OtherFilesystem {
+        /// The path.
+        path: String,
+        /// Its image root.
+        root: String,
+    },
+    /// No file at the path.
     #[error("image file '{path}' does not exist")]
-    NotFound { path: String },
+    NotFound {
+        /// The path.
+        path: String,
+    },
+    /// The directory the path names the file in does not exist.
     #[error("the directory that would hold '{path}' does not exist")]
-    ParentMissing { path: String },
+    ParentMissing {
+        /// The path.
+        path: String,
+    },
+    /// The file is not a regular file.
     #[error("'{path}' is {kind}, not a regular file")]
-    NotRegular { path: String, kind: &'static str },
+    NotRegular {
+        /// The path.
+        path: String,
+        /// What it is instead (`a directory`, `a FIFO`, ...).
+        kind: &'static str,
+    },
+    /// The file has more than one hard link.
     #[error(
         "'{path}' has {links} hard links; an image must have exactly one so no path outside the image roots reaches its data"
     )]
-    HardLinks { path: String, links: u64 },
+    HardLinks {
+        /// The path.
+        path: String,
+        /// Its number of links.
+        links: u64,
+    },
+    /// The file is owned by another uid than the service's.
     #[error("'{path}' is owned by uid {owner}, not by the service's uid {service}")]
     ForeignOwner {
+        /// The path.
         path: String,
+        /// The file's owner.
         owner: u32,
+        /// The service's effective uid.
         service: u32,
     },
+    /// The file is writable by group or others.
     #[error("'{path}' is writable by group or others (mode {mode:04o}); make it 0600 or 0640")]
-    LooseMode { path: String, mode: u32 },
+    LooseMode {
+        /// The path.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The size is zero or not a multiple of 512 bytes.
     #[error("'{path}' has size {size}; an image's size must be a positive multiple of 512 bytes")]
-    BadSize { path: String, size: u64 },
+    BadSize {
+        /// The path.
+        path: String,
+        /// The size in bytes.
+        size: u64,
+    },
+    /// The size is more than [`MAX_IMAGE_BYTES`] or the filesystem allows.
     #[error("image '{path}': {size} bytes is more than the filesystem allows for a file")]
-    TooLarge { path: String, size: u64 },
+    TooLarge {
+        /// The path.
+        path: String,
+        /// The size in bytes.
+        size: u64,
+    },
+    /// A file to be created exists already.
     #[error("'{path}' already exists; leave out 'create' to register an existing file")]
-    Exists { path: String },
+    Exists {
+        /// The path.
+        path: String,
+    },
+    /// The path names another file than the one registered (another inode,
+    /// or one born later), so it is left alone.
     #[error("'{path}' now names another file than the registered image; it was not removed")]
-    Replaced { path: String },
+    Replaced {
+        /// The path.
+        path: String,
+    },
+    /// The filesystem ran out of space (ENOSPC).
     #[error("image '{path}': the filesystem is full ({op})")]
-    NoSpace { path: String, op: &'static str },
+    NoSpace {
+        /// The path.
+        path: String,
+        /// The step that found it full.
+        op: &'static str,
+    },
+    /// Any other failure of a system call on the file.
     #[error("image '{path}': {op} failed: {source}")]
     Io {
+        /// The path.
         path: String,
+        /// The step that failed.
         op: &'static str,
+        /// Its error.
         #[source]
         source: io::Error,
     },
