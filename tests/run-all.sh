@@ -3,8 +3,35 @@
 # black-box and CSI tests against the real binary with real loop devices
 # (root), the API fuzzer, the dashboard in headless Chromium, and the kernel
 # e2e suites in VMs (which run in the background, beside the host tests).
+#   tests/run-all.sh          everything: what CI runs (.ci/run)
+#   tests/run-all.sh --host   the fast tier for engineers: the same checks,
+#                             lints, unit, black-box and CSI tests, without the
+#                             VMs, the fuzzer or the browser (CONTRIBUTING.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage() {
+    cat >&2 <<'EOF'
+usage: tests/run-all.sh [--host]
+  (no flag)  every test, as CI runs it: the checks, lints, unit, black-box and
+             CSI tests, the kernel e2e tests in VMs, the API fuzzer and the
+             dashboard in headless Chromium
+  --host     the fast tier: the same checks, lints, unit, black-box and CSI
+             tests on this host only (no VMs, no fuzzer, no browser)
+EOF
+}
+tier=all
+case "$#:${1:-}" in
+    0:) ;;
+    1:--host) tier=host ;;
+    1:-h | 1:--help)
+        usage 2>&1
+        exit 0
+        ;;
+    *)
+        usage
+        exit 2
+        ;;
+esac
 deploy/install-deps.sh --test
 if [[ $EUID -ne 0 ]]; then
     echo "run-all: the tests drive real kernel devices and need root" >&2
@@ -47,6 +74,14 @@ step "shellcheck"
 mapfile -t scripts < <(git ls-files -- '*.sh' .ci/run)
 shellcheck "${scripts[@]}"
 
+# Links between the Markdown pages, and the repository paths they name.
+step "documentation links and paths (tests/doc-links.py)"
+"$venv/bin/python" tests/doc-links.py
+
+if [ "$tier" = all ]; then
+# (The steps up to the matching `fi` are not indented, so that their command
+# lines stay as they were.)
+
 # The VM kernel cache's resolve/download/rebuild logic, offline (stub apt):
 # the path a fresh machine takes and a warm cache never does.
 step "kernel cache (tests/vm/kernel-cache-test.sh, offline)"
@@ -56,8 +91,8 @@ tests/vm/kernel-cache-test.sh
 # Debian's own kernels (tests/vm/README.md), one CPU thread each, in two lanes
 # started now so that they overlap the host tests below. Each lane is one
 # kernel and runs the whole kernel suite on it (every test of the `vm` target:
-# ublk::, dm::, live::, faults::, soak::, snapshots::) and the CSI driver's node and expand
-# tests (on ublk volumes):
+# dm::, faults::, keepalloc::, live::, snapshots::, soak::, ublk::) and the CSI
+# driver's node and expand tests (on ublk volumes):
 #   lane 1: the newest trixie-backports kernel;
 #   lane 2: Debian's 6.12 LTS kernel.
 # Where a kernel lacks a feature (UPDATE_SIZE on 6.12), the tests check that
@@ -95,16 +130,32 @@ lane1=$!
 setsid bash -c 'lane lts' >target/vm-lane-2.log 2>&1 &
 lane2=$!
 trap 'kill -TERM -- "-$lane1" "-$lane2" 2>/dev/null || true' EXIT
+fi
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --locked --all-targets -- -D warnings
 # The kernel e2e target has `test = false`, so --all-targets leaves it out, and
 # naming it beside --all-targets does not lint it either: a call of its own.
 cargo clippy --locked --test vm -- -D warnings
+
+# Every test docs/guarantees.md names must exist: the lists come from the test
+# binaries themselves (the vm target's too, which has `test = false`).
+step "guarantees (tests/guarantees.py: every test docs/guarantees.md names exists)"
+cargo test --locked --workspace -- --list --format terse >target/test-list.txt 2>&1 \
+    || { cat target/test-list.txt >&2; exit 1; }
+cargo test --locked --test vm -- --list --format terse >target/test-list-vm.txt 2>&1 \
+    || { cat target/test-list-vm.txt >&2; exit 1; }
+"$venv/bin/python" tests/guarantees.py \
+    --workspace-list target/test-list.txt --vm-list target/test-list-vm.txt
+
 step "cargo test (unit, black-box and CSI tests on this host)"
 # Without CAP_SYS_RESOURCE (some sandboxes) ext4_grows_online can only print a
 # SKIP; the VM lane (latest expand::) runs it with the capability.
 BLOCKPLANE_ALLOW_SKIP=ext4_grows_online cargo test --locked --workspace
+if [ "$tier" = host ]; then
+    step "run-all --host: passed (not run: the kernel cache test, the VM lanes, the fuzzer, the dashboard)"
+    exit 0
+fi
 step "API fuzzing against openapi/openapi.json (schemathesis, both listeners)"
 tests/fuzz/run.sh 40
 
