@@ -398,7 +398,7 @@ impl Manager {
                 &v.name,
                 BackendError::Unavailable {
                     backend: v.backend.as_str(),
-                    reason: super::not_built_reason(v.backend),
+                    reason: super::host::not_built_reason(v.backend),
                 },
             )
         })?;
