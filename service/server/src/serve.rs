@@ -505,7 +505,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     shutdown_signal().await;
     let _ = stop_tx.send(true);
     // Their blocking fills would keep the runtime from ending.
-    allocating.stop_allocations();
+    allocating.stop_jobs();
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
         while servers.join_next().await.is_some() {}
     })

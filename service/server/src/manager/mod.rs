@@ -13,6 +13,7 @@ mod fault;
 mod holds;
 mod host;
 mod images;
+mod jobs;
 mod locks;
 mod metrics;
 mod names;
@@ -27,7 +28,6 @@ mod volumes;
 use std::sync::Arc;
 
 use tokio::sync::Mutex;
-use uuid::Uuid;
 
 use crate::backend::{BackendEvent, VolumeBackend};
 use crate::store::Store;
@@ -91,9 +91,9 @@ pub struct Manager {
     ublk_run_root: std::path::PathBuf,
     /// Each image's last allocate since the service started (in memory: a
     /// restart leaves the image as declared, to be allocated again).
-    allocations: std::sync::Mutex<std::collections::HashMap<Uuid, images::AllocateRun>>,
-    /// The background copies of snapshots and clones running now, by image.
-    copies: std::sync::Mutex<std::collections::HashMap<Uuid, copies::CopyRun>>,
+    allocations: jobs::Jobs<images::AllocateRun>,
+    /// The background copies of snapshots and clones, by the image made.
+    copies: jobs::Jobs<copies::CopyRun>,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -132,8 +132,8 @@ impl Manager {
             max_overcommit: cfg.max_overcommit,
             default_queues: cfg.default_queues,
             ublk_run_root: cfg.run_dir.join("ublk"),
-            allocations: std::sync::Mutex::default(),
-            copies: std::sync::Mutex::default(),
+            allocations: jobs::Jobs::default(),
+            copies: jobs::Jobs::default(),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)

@@ -268,7 +268,7 @@ impl Manager {
         if !users.is_empty() {
             return Err(Error::image_in_use(image.name, &users));
         }
-        self.refuse_while_allocating(&image, "get a volume")?;
+        self.allocations.refuse(&image, "get a volume")?;
         let image = self.image_row(&image.id.to_string()).await?;
         self.check_volume_image(&image, &req.name, req.read_only)?;
         let backend = self.choose_backend(req.backend)?;
