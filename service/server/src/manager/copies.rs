@@ -42,6 +42,15 @@ impl Job for CopyRun {
     }
 }
 
+/// How long a volume's I/O was held while its image's extents were shared,
+/// `how` naming what held it, in words (the tests read this text).
+fn held_text(volume: &str, how: &str, held: std::time::Duration) -> String {
+    format!(
+        "volume '{volume}' ({how}) held its I/O for {} µs",
+        held.as_micros()
+    )
+}
+
 /// Why a volume that went away meanwhile stops a snapshot.
 const VOLUME_CHANGED: &str =
     "the volume was detached or deleted while the snapshot waited for it; try again";
@@ -160,11 +169,7 @@ impl Manager {
                     .find(|(v, _)| !v.read_only)
                     .filter(|_| copy_from.is_none())
                     .map(|(v, _)| {
-                        format!(
-                            "volume '{}' (loop: the filesystem's lock on the file) held its I/O for {} µs",
-                            v.name,
-                            took.as_micros()
-                        )
+                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
                     });
                 (file, start, copy_from, held)
             }
@@ -356,29 +361,23 @@ impl Manager {
                 .await?
                 .map_err(|e| volume_error(&v.name, e))?;
             tracing::info!(volume = %v.name, held_us = held.as_micros(), "I/O held for a snapshot");
-            let (me, p) = (self.clone(), path.clone());
-            let file = blocking(move || -> Result<ImageFile> {
-                file.refresh()?;
-                me.grow_clone(&p, &mut file, grow)?;
-                Ok(file)
-            })
-            .await??;
-            Ok((
-                file,
-                format!(
-                    "volume '{}' ({} {}) held its I/O for {} µs",
-                    v.name,
-                    v.backend.as_str(),
-                    att.dispatch.as_str(),
-                    held.as_micros()
-                ),
-            ))
+            let file = blocking(move || file.refresh().map(|()| file)).await??;
+            let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
+            Ok::<_, Error>((file, held_text(&v.name, &how, held)))
         };
-        made.await.inspect_err(|_| {
+        let (mut file, held) = made.await.inspect_err(|_| {
             let _ = self
                 .roots
                 .remove_file(path, identity.0, identity.1, birth.as_deref());
+        })?;
+        // A failed grow removes the file itself.
+        let (me, p) = (self.clone(), path.clone());
+        let file = blocking(move || -> Result<ImageFile> {
+            me.grow_clone(&p, &mut file, grow)?;
+            Ok(file)
         })
+        .await??;
+        Ok((file, held))
     }
 
     /// Grows a clone whose extents are shared to `grow`'s size (its new
