@@ -67,9 +67,9 @@ tests/vm/kernel-cache-test.sh
 vm_tests=42   # tests/vm/e2e: every test
 csi_vm_tests=13   # tests/csi node:: and expand::
 step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
-cargo build --locked --bin blockplane
+cargo build --locked --features blockplane/test-faults --bin blockplane
 test_exe() {
-    cargo test --locked --no-run --test "$1" --message-format=json \
+    cargo test --locked --features blockplane/test-faults --no-run --test "$1" --message-format=json \
         | jq -r --arg t "$1" 'select(.reason == "compiler-artifact" and .target.name == $t and .executable != null) | .executable' \
         | tail -n1
 }
@@ -97,14 +97,15 @@ lane2=$!
 trap 'kill -TERM -- "-$lane1" "-$lane2" 2>/dev/null || true' EXIT
 
 step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --locked --all-targets --features blockplane/test-faults -- -D warnings
 cargo clippy --locked --all-targets -- -D warnings
 # The kernel e2e target has `test = false`, so --all-targets leaves it out, and
 # naming it beside --all-targets does not lint it either: a call of its own.
-cargo clippy --locked --test vm -- -D warnings
+cargo clippy --locked --test vm --features blockplane/test-faults -- -D warnings
 step "cargo test (unit, black-box and CSI tests on this host)"
 # Without CAP_SYS_RESOURCE (some sandboxes) ext4_grows_online can only print a
 # SKIP; the VM lane (latest expand::) runs it with the capability.
-BLOCKPLANE_ALLOW_SKIP=ext4_grows_online cargo test --locked --workspace
+BLOCKPLANE_ALLOW_SKIP=ext4_grows_online cargo test --locked --workspace --features blockplane/test-faults
 step "API fuzzing against openapi/openapi.json (schemathesis, both listeners)"
 tests/fuzz/run.sh 40
 

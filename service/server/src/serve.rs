@@ -22,7 +22,7 @@ use crate::backend::dm::DmBackend;
 use crate::backend::loopdev::LoopBackend;
 use crate::backend::ublk::{UblkBackend, UblkConfig};
 use crate::config::{Limits, ListenAddr, ServeConfig};
-use crate::manager::{Backends, Fault, Manager, ManagerConfig};
+use crate::manager::{Backends, Faults, Manager, ManagerConfig};
 use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 
@@ -65,6 +65,8 @@ pub enum ServeError {
     Store(#[from] crate::store::StoreError),
     #[error("reconciliation: {0}")]
     Reconcile(#[from] crate::manager::Error),
+    #[error(transparent)]
+    Faults(#[from] crate::manager::FaultError),
     #[error("listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -437,6 +439,7 @@ fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, Serv
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
+    let faults = Faults::from_env()?;
     private_data_dir(&cfg.data_dir)?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     let default_root = cfg.data_dir.join("images");
@@ -451,9 +454,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     private_database(&db)?;
     let store = Store::open(&db).await?;
-    let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
-        .ok()
-        .and_then(|s| Fault::parse(&s));
     let backends = kernel_backends(&cfg, store.instance().await?)?;
     let manager = Manager::new(
         store,
@@ -464,7 +464,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             default_queues: cfg.queues,
             max_volumes: cfg.limits.max_volumes,
             max_overcommit: cfg.limits.max_overcommit,
-            fault,
+            faults,
         },
     )
     .await?;

@@ -342,7 +342,7 @@ impl Manager {
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;
-                self.fault_point(super::After::Change)?;
+                self.faults.point(super::After::Change)?;
                 // An explicit `direct` cannot hold any more; `auto` still
                 // decides, now without direct.
                 let asked = match v.dispatch {
@@ -408,11 +408,7 @@ impl Manager {
         private: bool,
         grow: Option<(u64, Allocation)>,
     ) {
-        let pace = if self.fault == Some(super::Fault::SlowCopy) {
-            std::time::Duration::from_millis(100)
-        } else {
-            std::time::Duration::ZERO
-        };
+        let pace = self.faults.pace(super::Slow::Copy);
         let kind = CopyRun {
             source,
             name: row.name.clone(),

@@ -73,7 +73,7 @@ impl Manager {
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                if self.fault == Some(super::Fault::SlowImageCreate) {
+                if self.faults.slows(super::Slow::ImageCreate) {
                     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
                 }
                 (file, Some(spec.allocation))
@@ -468,11 +468,7 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        let pace = if self.fault == Some(super::Fault::SlowAllocate) {
-            std::time::Duration::from_millis(100)
-        } else {
-            std::time::Duration::ZERO
-        };
+        let pace = self.faults.pace(super::Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
         self.allocations
             .start(row.id, AllocateRun, pace, total, move |job| async move {
@@ -656,7 +652,7 @@ impl Manager {
             let id = v.id;
             let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
             if outcome.is_ok() {
-                self.fault_point(super::After::Change)?;
+                self.faults.point(super::After::Change)?;
             }
             let mut tx = self.store.begin().await?;
             match outcome {

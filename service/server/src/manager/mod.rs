@@ -34,8 +34,8 @@ use crate::store::Store;
 use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-use fault::After;
-pub use fault::Fault;
+use fault::{After, Slow};
+pub use fault::{FaultError, Faults};
 use locks::KeyedLocks;
 use names::validate_name;
 pub use ops::Operations;
@@ -59,8 +59,8 @@ pub struct ManagerConfig {
     pub max_volumes: usize,
     /// Provisioned bytes of an image root over its filesystem's size, at most.
     pub max_overcommit: Option<f64>,
-    /// A test fault to inject.
-    pub fault: Option<Fault>,
+    /// The test fault to inject (none outside tests).
+    pub faults: Faults,
 }
 
 /// The controller.
@@ -81,7 +81,7 @@ pub struct Manager {
     volumes_cache: std::sync::Mutex<Option<(u64, bytes::Bytes)>>,
     /// API request counts and durations.
     api_metrics: crate::metrics::ApiMetrics,
-    fault: Option<Fault>,
+    faults: Faults,
     max_volumes: usize,
     max_overcommit: Option<f64>,
     default_queues: u16,
@@ -127,7 +127,7 @@ impl Manager {
             sampler: sampler::Sampler::default(),
             volumes_cache: std::sync::Mutex::default(),
             api_metrics: crate::metrics::ApiMetrics::default(),
-            fault: cfg.fault,
+            faults: cfg.faults,
             max_volumes: cfg.max_volumes,
             max_overcommit: cfg.max_overcommit,
             default_queues: cfg.default_queues,

@@ -343,11 +343,11 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.fault_point(After::Insert)?;
+        self.faults.point(After::Insert)?;
 
         match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => {
-                let recorded = match self.fault_point(After::Attach) {
+                let recorded = match self.faults.point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
                     Err(e) => Err(e),
                 };
@@ -514,7 +514,7 @@ impl Manager {
             tx.commit().await?;
             return Err(e);
         }
-        self.fault_point(After::Detach)?;
+        self.faults.point(After::Detach)?;
         self.forget_volume(&v).await
     }
 
@@ -599,7 +599,7 @@ impl Manager {
                 }
             }
         }
-        self.fault_point(After::Change)?;
+        self.faults.point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
