@@ -29,24 +29,34 @@ use blockplane_system::image::ImageRoots;
 /// Why the service could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// The data dir, or a file in it, cannot be made, made private or opened.
     #[error("data dir {path}: {source}")]
     DataDir {
+        /// The dir or file.
         path: String,
+        /// Why not.
         #[source]
         source: io::Error,
     },
+    /// Another service holds the data dir's lock.
     #[error("another blockplane is serving data dir {0}")]
     Locked(String),
+    /// An image root cannot be opened.
     #[error("image roots: {0}")]
     Roots(#[source] io::Error),
+    /// An image root and the data dir overlap.
     #[error(
         "image root {root} {relation} the data dir {data_dir}: the registry and runtime files could be registered as images; use image roots apart from the data dir (or its own images/ directory)"
     )]
     RootHoldsDataDir {
+        /// The image root.
         root: String,
+        /// The data dir.
         data_dir: String,
+        /// How they overlap (`contains`, `lies inside`).
         relation: &'static str,
     },
+    /// The registry is new or empty while devices blockplane made serve.
     #[error(
         "the registry {db} is missing or empty, but the kernel serves {} device(s) that blockplane made and no live service owns: {devices}. \
          Starting would begin an empty registry (and a new instance id) while they keep serving. \
@@ -55,21 +65,31 @@ pub enum ServeError {
         count
     )]
     LostRegistry {
+        /// The registry file.
         db: String,
+        /// How many such devices serve.
         count: usize,
+        /// Which, in words.
         devices: String,
     },
+    /// The ublk backend cannot start.
     #[error("ublk backend: {0}")]
     Ublk(#[source] io::Error),
+    /// The registry cannot be opened or read.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// The registry and the kernel could not be brought in step at start.
     #[error("reconciliation: {0}")]
     Reconcile(#[from] crate::manager::Error),
+    /// `BLOCKPLANE_TEST_FAULT` is set, and this build cannot inject it.
     #[error(transparent)]
     Faults(#[from] crate::manager::FaultError),
+    /// A listen address cannot be bound.
     #[error("listen on {addr}: {source}")]
     Listen {
+        /// The address.
         addr: String,
+        /// Why not.
         #[source]
         source: io::Error,
     },

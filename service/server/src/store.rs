@@ -39,12 +39,20 @@ use blockplane_api::model::{
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// SQLite failed a statement (a full disk among others).
     #[error("database: {0}")]
     Sqlx(#[from] sqlx::Error),
+    /// The schema could not be brought up to date.
     #[error("database migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A value read back is not one the service writes.
     #[error("database holds a malformed {what}: {detail}")]
-    Corrupt { what: &'static str, detail: String },
+    Corrupt {
+        /// What kind of value.
+        what: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
 }
 
 /// SQLite's primary result code for a full disk.
