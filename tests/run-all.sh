@@ -102,9 +102,9 @@ tests/vm/kernel-cache-test.sh
 vm_tests=42   # tests/vm/e2e: every test
 csi_vm_tests=13   # tests/csi node:: and expand::
 step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
-cargo build --locked --bin blockplane
+cargo build --locked --features blockplane/test-faults --bin blockplane
 test_exe() {
-    cargo test --locked --no-run --test "$1" --message-format=json \
+    cargo test --locked --features blockplane/test-faults --no-run --test "$1" --message-format=json \
         | jq -r --arg t "$1" 'select(.reason == "compiler-artifact" and .target.name == $t and .executable != null) | .executable' \
         | tail -n1
 }
@@ -132,18 +132,19 @@ lane2=$!
 trap 'kill -TERM -- "-$lane1" "-$lane2" 2>/dev/null || true' EXIT
 fi
 
-step "cargo clippy --all-targets -- -D warnings"
+step "cargo clippy --all-targets -- -D warnings (with the test faults and without)"
+cargo clippy --locked --all-targets --features blockplane/test-faults -- -D warnings
 cargo clippy --locked --all-targets -- -D warnings
 # The kernel e2e target has `test = false`, so --all-targets leaves it out, and
 # naming it beside --all-targets does not lint it either: a call of its own.
-cargo clippy --locked --test vm -- -D warnings
+cargo clippy --locked --test vm --features blockplane/test-faults -- -D warnings
 
 # Every test docs/guarantees.md names must exist: the lists come from the test
 # binaries themselves (the vm target's too, which has `test = false`).
 step "guarantees (tests/guarantees.py: every test docs/guarantees.md names exists)"
-cargo test --locked --workspace -- --list --format terse >target/test-list.txt 2>&1 \
+cargo test --locked --workspace --features blockplane/test-faults -- --list --format terse >target/test-list.txt 2>&1 \
     || { cat target/test-list.txt >&2; exit 1; }
-cargo test --locked --test vm -- --list --format terse >target/test-list-vm.txt 2>&1 \
+cargo test --locked --test vm --features blockplane/test-faults -- --list --format terse >target/test-list-vm.txt 2>&1 \
     || { cat target/test-list-vm.txt >&2; exit 1; }
 "$venv/bin/python" tests/guarantees.py \
     --workspace-list target/test-list.txt --vm-list target/test-list-vm.txt
@@ -151,7 +152,7 @@ cargo test --locked --test vm -- --list --format terse >target/test-list-vm.txt 
 step "cargo test (unit, black-box and CSI tests on this host)"
 # Without CAP_SYS_RESOURCE (some sandboxes) ext4_grows_online can only print a
 # SKIP; the VM lane (latest expand::) runs it with the capability.
-BLOCKPLANE_ALLOW_SKIP=ext4_grows_online cargo test --locked --workspace
+BLOCKPLANE_ALLOW_SKIP=ext4_grows_online cargo test --locked --workspace --features blockplane/test-faults
 if [ "$tier" = host ]; then
     step "run-all --host: passed (not run: the kernel cache test, the VM lanes, the fuzzer, the dashboard)"
     exit 0

@@ -29,10 +29,10 @@ if [ -n "${BLOCKPLANE_VM_EXE:-}" ]; then
   # for cargo's lock while the host tests build).
   exe=$BLOCKPLANE_VM_EXE
 else
-  exe=$(cargo test --locked --test "$target" --no-run --message-format=json 2>/dev/null \
+  exe=$(cargo test --locked --features blockplane/test-faults --test "$target" --no-run --message-format=json 2>/dev/null \
     | jq -r --arg t "$target" 'select(.reason == "compiler-artifact" and .target.name == $t and .executable != null) | .executable' \
     | tail -n1)
-  cargo build --locked --bin blockplane >/dev/null
+  cargo build --locked --features blockplane/test-faults --bin blockplane >/dev/null
 fi
 [ -x "$exe" ] || { echo "run-suite: could not build the $target test binary" >&2; exit 1; }
 

@@ -12,18 +12,34 @@ use crate::logging::LogFormat;
 /// Configuration errors, reported before anything starts.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The config file cannot be read or parsed.
     #[error("config file {path}: {reason}")]
-    File { path: String, reason: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A listen address is neither `unix:/path` nor `HOST:PORT`.
     #[error("invalid listen address '{0}': use unix:/path/to.sock or HOST:PORT")]
     Listen(String),
+    /// A TCP listener without a token (and not `--insecure-tcp` on loopback).
     #[error(
         "refusing to listen on TCP {0} without a token: set --token/BLOCKPLANE_TOKEN, or --insecure-tcp on a loopback address"
     )]
     TcpWithoutToken(SocketAddr),
+    /// `--insecure-tcp` on an address other than loopback.
     #[error("--insecure-tcp only allows loopback addresses; {0} is not one")]
     InsecureNotLoopback(SocketAddr),
+    /// The token file cannot be read.
     #[error("token file {path}: {reason}")]
-    TokenFile { path: String, reason: String },
+    TokenFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The token given is empty.
     #[error("the token is empty")]
     EmptyToken,
 }
@@ -115,11 +131,17 @@ fn per_cpu_queues() -> u16 {
 /// Limits that protect the service from its clients.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
+    /// Largest request body (`--max-body-bytes`).
     pub max_body_bytes: usize,
+    /// Time a connection has to send a request's headers (`--header-timeout-secs`).
     pub header_timeout: std::time::Duration,
+    /// Time a request may take before it is answered 408 (`--request-timeout-secs`).
     pub request_timeout: std::time::Duration,
+    /// Requests handled at once (`--max-concurrent-requests`).
     pub max_concurrent_requests: usize,
+    /// Event streams open at once (`--max-event-streams`).
     pub max_event_streams: usize,
+    /// Volumes this host may have (`--max-volumes`).
     pub max_volumes: usize,
     /// Provisioned bytes of a root over its filesystem's size, at most.
     pub max_overcommit: Option<f64>,
@@ -161,7 +183,9 @@ struct FileConfig {
 /// A place to listen.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListenAddr {
+    /// A unix socket at this path (`unix:/path`).
     Unix(PathBuf),
+    /// A TCP address (`HOST:PORT`).
     Tcp(SocketAddr),
 }
 
@@ -192,15 +216,23 @@ impl std::fmt::Display for ListenAddr {
 /// The resolved configuration of a running service.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    /// The registry and runtime files.
     pub data_dir: PathBuf,
+    /// Where the API listens.
     pub listen: Vec<ListenAddr>,
+    /// The directories images may live under.
     pub image_roots: Vec<PathBuf>,
+    /// The bearer token every API request must carry, when set.
     pub token: Option<String>,
+    /// How the service logs.
     pub log_format: LogFormat,
+    /// Blocking io-wq workers of each ublk queue for the `threaded` policy.
     pub worker_threads: u16,
     /// Queues of a ublk volume created without a number.
     pub queues: u16,
+    /// Seconds between re-reads of direct-mapped images' extents.
     pub extent_check_secs: u32,
+    /// What protects the service from its clients.
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
     pub accept_new_registry: bool,

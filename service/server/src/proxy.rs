@@ -27,21 +27,29 @@ use blockplane_api::model::{ErrorBody, ErrorDetail};
 /// Why the forward could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// The listen address is not `HOST:PORT`.
     #[error("invalid listen address '{0}': use HOST:PORT, e.g. 127.0.0.1:8080")]
     Listen(String),
+    /// An address other than loopback without a token.
     #[error(
         "refusing to listen on {0} without a token: whoever reaches the API socket controls this host's volumes; listen on a loopback address (127.0.0.1, [::1]), or set --token/BLOCKPLANE_TOKEN so that every request must carry it"
     )]
     NotLoopback(SocketAddr),
+    /// The address cannot be listened on.
     #[error("listen on {addr}: {source}")]
     Bind {
+        /// The address.
         addr: SocketAddr,
+        /// Why not.
         #[source]
         source: std::io::Error,
     },
+    /// Accepting connections failed.
     #[error("serving on {addr}: {source}")]
     Serve {
+        /// The address.
         addr: SocketAddr,
+        /// How it failed.
         #[source]
         source: std::io::Error,
     },

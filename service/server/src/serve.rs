@@ -22,31 +22,41 @@ use crate::backend::dm::DmBackend;
 use crate::backend::loopdev::LoopBackend;
 use crate::backend::ublk::{UblkBackend, UblkConfig};
 use crate::config::{Limits, ListenAddr, ServeConfig};
-use crate::manager::{Backends, Fault, Manager, ManagerConfig};
+use crate::manager::{Backends, Faults, Manager, ManagerConfig};
 use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 
 /// Why the service could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// The data dir, or a file in it, cannot be made, made private or opened.
     #[error("data dir {path}: {source}")]
     DataDir {
+        /// The dir or file.
         path: String,
+        /// Why not.
         #[source]
         source: io::Error,
     },
+    /// Another service holds the data dir's lock.
     #[error("another blockplane is serving data dir {0}")]
     Locked(String),
+    /// An image root cannot be opened.
     #[error("image roots: {0}")]
     Roots(#[source] io::Error),
+    /// An image root and the data dir overlap.
     #[error(
         "image root {root} {relation} the data dir {data_dir}: the registry and runtime files could be registered as images; use image roots apart from the data dir (or its own images/ directory)"
     )]
     RootHoldsDataDir {
+        /// The image root.
         root: String,
+        /// The data dir.
         data_dir: String,
+        /// How they overlap (`contains`, `lies inside`).
         relation: &'static str,
     },
+    /// The registry is new or empty while devices blockplane made serve.
     #[error(
         "the registry {db} is missing or empty, but the kernel serves {} device(s) that blockplane made and no live service owns: {devices}. \
          Starting would begin an empty registry (and a new instance id) while they keep serving. \
@@ -55,19 +65,31 @@ pub enum ServeError {
         count
     )]
     LostRegistry {
+        /// The registry file.
         db: String,
+        /// How many such devices serve.
         count: usize,
+        /// Which, in words.
         devices: String,
     },
+    /// The ublk backend cannot start.
     #[error("ublk backend: {0}")]
     Ublk(#[source] io::Error),
+    /// The registry cannot be opened or read.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// The registry and the kernel could not be brought in step at start.
     #[error("reconciliation: {0}")]
     Reconcile(#[from] crate::manager::Error),
+    /// `BLOCKPLANE_TEST_FAULT` is set, and this build cannot inject it.
+    #[error(transparent)]
+    Faults(#[from] crate::manager::FaultError),
+    /// A listen address cannot be bound.
     #[error("listen on {addr}: {source}")]
     Listen {
+        /// The address.
         addr: String,
+        /// Why not.
         #[source]
         source: io::Error,
     },
@@ -437,6 +459,7 @@ fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, Serv
 /// Runs the service until SIGTERM or SIGINT; then finishes in-flight requests
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
+    let faults = Faults::from_env()?;
     private_data_dir(&cfg.data_dir)?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     let default_root = cfg.data_dir.join("images");
@@ -451,9 +474,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     private_database(&db)?;
     let store = Store::open(&db).await?;
-    let fault = std::env::var("BLOCKPLANE_TEST_FAULT")
-        .ok()
-        .and_then(|s| Fault::parse(&s));
     let backends = kernel_backends(&cfg, store.instance().await?)?;
     let manager = Manager::new(
         store,
@@ -464,7 +484,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             default_queues: cfg.queues,
             max_volumes: cfg.limits.max_volumes,
             max_overcommit: cfg.limits.max_overcommit,
-            fault,
+            faults,
         },
     )
     .await?;
@@ -505,7 +525,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     shutdown_signal().await;
     let _ = stop_tx.send(true);
     // Their blocking fills would keep the runtime from ending.
-    allocating.stop_allocations();
+    allocating.stop_jobs();
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
         while servers.join_next().await.is_some() {}
     })

@@ -39,12 +39,20 @@ use blockplane_api::model::{
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// SQLite failed a statement (a full disk among others).
     #[error("database: {0}")]
     Sqlx(#[from] sqlx::Error),
+    /// The schema could not be brought up to date.
     #[error("database migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A value read back is not one the service writes.
     #[error("database holds a malformed {what}: {detail}")]
-    Corrupt { what: &'static str, detail: String },
+    Corrupt {
+        /// What kind of value.
+        what: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
 }
 
 /// SQLite's primary result code for a full disk.
@@ -94,15 +102,6 @@ fn from_json<T: DeserializeOwned>(what: &'static str, s: &str) -> Result<T> {
         what,
         detail: e.to_string(),
     })
-}
-
-/// The volumes of one image, by name.
-const VOLUMES_OF_IMAGE: &str = "SELECT id, name FROM volumes WHERE image_id = ? ORDER BY name";
-
-fn id_name_pairs(rows: &[sqlx::sqlite::SqliteRow]) -> Result<Vec<(Uuid, String)>> {
-    rows.iter()
-        .map(|r| Ok((uuid("volume id", r.try_get("id")?)?, r.try_get("name")?)))
-        .collect()
 }
 
 fn uuid(what: &'static str, s: &str) -> Result<Uuid> {
@@ -472,13 +471,7 @@ impl Store {
 
     /// The image with this id or name.
     pub async fn image(&self, id_or_name: &str) -> Result<Option<ImageRow>> {
-        sqlx::query("SELECT * FROM images WHERE id = ?1 OR name = ?1")
-            .bind(id_or_name)
-            .fetch_optional(&self.readers)
-            .await?
-            .as_ref()
-            .map(ImageRow::from_row)
-            .transpose()
+        query::image(&self.readers, id_or_name).await
     }
 
     /// All volumes, by name.
@@ -493,30 +486,17 @@ impl Store {
 
     /// How many volumes there are.
     pub async fn volume_count(&self) -> Result<usize> {
-        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
-            .fetch_one(&self.readers)
-            .await?;
-        Ok(row.try_get::<i64, _>("n")? as usize)
+        query::volume_count(&self.readers).await
     }
 
     /// The volume with this id or name.
     pub async fn volume(&self, id_or_name: &str) -> Result<Option<VolumeRow>> {
-        sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
-            .bind(id_or_name)
-            .fetch_optional(&self.readers)
-            .await?
-            .as_ref()
-            .map(VolumeRow::from_row)
-            .transpose()
+        query::volume(&self.readers, id_or_name).await
     }
 
     /// Ids and names of the volumes using an image, by name.
     pub async fn volumes_of_image(&self, image_id: Uuid) -> Result<Vec<(Uuid, String)>> {
-        let rows = sqlx::query(VOLUMES_OF_IMAGE)
-            .bind(image_id.to_string())
-            .fetch_all(&self.readers)
-            .await?;
-        id_name_pairs(&rows)
+        query::volumes_of_image(&self.readers, image_id).await
     }
 
     /// Events, oldest first: the newest `limit` that match.
@@ -533,6 +513,74 @@ impl Store {
         .fetch_all(&self.readers)
         .await?;
         rows.iter().map(event_from_row).collect()
+    }
+}
+
+/// The reads that both the readers and a write transaction make, each written
+/// once over any executor: the pool, or the transaction's connection (which
+/// sees the transaction's own writes).
+mod query {
+    use sqlx::sqlite::SqliteRow;
+    use sqlx::{Executor, Row, Sqlite};
+    use uuid::Uuid;
+
+    use super::{ImageRow, Result, VolumeRow, uuid};
+
+    /// The image with this id or name.
+    pub async fn image<'c>(
+        db: impl Executor<'c, Database = Sqlite>,
+        id_or_name: &str,
+    ) -> Result<Option<ImageRow>> {
+        let sql = "SELECT * FROM images WHERE id = ?1 OR name = ?1";
+        by_id_or_name(db, sql, id_or_name, ImageRow::from_row).await
+    }
+
+    /// The volume with this id or name.
+    pub async fn volume<'c>(
+        db: impl Executor<'c, Database = Sqlite>,
+        id_or_name: &str,
+    ) -> Result<Option<VolumeRow>> {
+        let sql = "SELECT * FROM volumes WHERE id = ?1 OR name = ?1";
+        by_id_or_name(db, sql, id_or_name, VolumeRow::from_row).await
+    }
+
+    /// The row `sql` selects by its one parameter (an id or name, each
+    /// unique), if any.
+    async fn by_id_or_name<'c, T>(
+        db: impl Executor<'c, Database = Sqlite>,
+        sql: &'static str,
+        id_or_name: &str,
+        from_row: fn(&SqliteRow) -> Result<T>,
+    ) -> Result<Option<T>> {
+        sqlx::query(sql)
+            .bind(id_or_name)
+            .fetch_optional(db)
+            .await?
+            .as_ref()
+            .map(from_row)
+            .transpose()
+    }
+
+    /// How many volumes there are.
+    pub async fn volume_count<'c>(db: impl Executor<'c, Database = Sqlite>) -> Result<usize> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
+            .fetch_one(db)
+            .await?;
+        Ok(row.try_get::<i64, _>("n")? as usize)
+    }
+
+    /// Ids and names of the volumes using an image, by name.
+    pub async fn volumes_of_image<'c>(
+        db: impl Executor<'c, Database = Sqlite>,
+        image_id: Uuid,
+    ) -> Result<Vec<(Uuid, String)>> {
+        sqlx::query("SELECT id, name FROM volumes WHERE image_id = ? ORDER BY name")
+            .bind(image_id.to_string())
+            .fetch_all(db)
+            .await?
+            .iter()
+            .map(|r| Ok((uuid("volume id", r.try_get("id")?)?, r.try_get("name")?)))
+            .collect()
     }
 }
 
@@ -569,13 +617,7 @@ impl WriteTx {
 
     /// The image with this id or name, read inside the transaction.
     pub async fn image(&mut self, id_or_name: &str) -> Result<Option<ImageRow>> {
-        sqlx::query("SELECT * FROM images WHERE id = ?1 OR name = ?1")
-            .bind(id_or_name)
-            .fetch_optional(self.conn())
-            .await?
-            .as_ref()
-            .map(ImageRow::from_row)
-            .transpose()
+        query::image(self.conn(), id_or_name).await
     }
 
     /// The image registered for a file identity (a row without a birth
@@ -701,30 +743,12 @@ impl WriteTx {
 
     /// Ids and names of the volumes using an image, read inside the transaction.
     pub async fn volumes_of_image(&mut self, image_id: Uuid) -> Result<Vec<(Uuid, String)>> {
-        let rows = sqlx::query(VOLUMES_OF_IMAGE)
-            .bind(image_id.to_string())
-            .fetch_all(self.conn())
-            .await?;
-        id_name_pairs(&rows)
-    }
-
-    /// The volume with this id or name, read inside the transaction.
-    pub async fn volume(&mut self, id_or_name: &str) -> Result<Option<VolumeRow>> {
-        sqlx::query("SELECT * FROM volumes WHERE id = ?1 OR name = ?1")
-            .bind(id_or_name)
-            .fetch_optional(self.conn())
-            .await?
-            .as_ref()
-            .map(VolumeRow::from_row)
-            .transpose()
+        query::volumes_of_image(self.conn(), image_id).await
     }
 
     /// How many volumes there are, read inside the transaction.
     pub async fn volume_count(&mut self) -> Result<usize> {
-        let row = sqlx::query("SELECT COUNT(*) AS n FROM volumes")
-            .fetch_one(self.conn())
-            .await?;
-        Ok(row.try_get::<i64, _>("n")? as usize)
+        query::volume_count(self.conn()).await
     }
 
     /// Records a new volume.

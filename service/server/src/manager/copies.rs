@@ -1,7 +1,6 @@
 //! Snapshots and clones: images made from another image, sharing its extents
-//! (`FICLONE`) where the filesystem can, else copied in the background with
-//! the allocate's machinery ([`blockplane_system::image::AllocateJob`]: progress, pace,
-//! cancel).
+//! (`FICLONE`) where the filesystem can, else copied in the background, a
+//! job as an allocate is (`jobs`: progress, pace, cancel).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -9,6 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::jobs::{Ended, Job, JobState};
 use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::{Change, SnapshotDest, VolumeBackend};
@@ -19,12 +19,36 @@ use blockplane_api::model::{
 };
 use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
 
-/// A running copy: its job, and the image it reads (which must not change
-/// until it ends).
+/// A copy into a new image: it reads its source, which must not change
+/// until it ends.
 pub(super) struct CopyRun {
-    job: Arc<AllocateJob>,
     source: Uuid,
     name: String,
+}
+
+impl Job for CopyRun {
+    fn depends_on(&self, _own: Uuid, image: Uuid) -> bool {
+        image == self.source
+    }
+
+    /// 409 `copy_source_busy` while a copy reads the image: its bytes must
+    /// not change under it.
+    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
+        Error::CopySource {
+            name: image.name.clone(),
+            copy: self.name.clone(),
+            what: what.to_string(),
+        }
+    }
+}
+
+/// How long a volume's I/O was held while its image's extents were shared,
+/// `how` naming what held it, in words (the tests read this text).
+fn held_text(volume: &str, how: &str, held: std::time::Duration) -> String {
+    format!(
+        "volume '{volume}' ({how}) held its I/O for {} µs",
+        held.as_micros()
+    )
 }
 
 /// Why a volume that went away meanwhile stops a snapshot.
@@ -92,7 +116,7 @@ impl Manager {
             "be cloned"
         };
         self.refuse_unready(&src, what)?;
-        self.refuse_while_allocating(&src, what)?;
+        self.allocations.refuse(&src, what)?;
         let size = grow.as_ref().map_or(src.size_bytes, |g| g.size_bytes);
         if size < src.size_bytes {
             return Err(Error::Shrink {
@@ -145,11 +169,7 @@ impl Manager {
                     .find(|(v, _)| !v.read_only)
                     .filter(|_| copy_from.is_none())
                     .map(|(v, _)| {
-                        format!(
-                            "volume '{}' (loop: the filesystem's lock on the file) held its I/O for {} µs",
-                            v.name,
-                            took.as_micros()
-                        )
+                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
                     });
                 (file, start, copy_from, held)
             }
@@ -322,7 +342,7 @@ impl Manager {
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;
-                self.fault_point(super::After::Change)?;
+                self.faults.point(super::After::Change)?;
                 // An explicit `direct` cannot hold any more; `auto` still
                 // decides, now without direct.
                 let asked = match v.dispatch {
@@ -341,29 +361,23 @@ impl Manager {
                 .await?
                 .map_err(|e| volume_error(&v.name, e))?;
             tracing::info!(volume = %v.name, held_us = held.as_micros(), "I/O held for a snapshot");
-            let (me, p) = (self.clone(), path.clone());
-            let file = blocking(move || -> Result<ImageFile> {
-                file.refresh()?;
-                me.grow_clone(&p, &mut file, grow)?;
-                Ok(file)
-            })
-            .await??;
-            Ok((
-                file,
-                format!(
-                    "volume '{}' ({} {}) held its I/O for {} µs",
-                    v.name,
-                    v.backend.as_str(),
-                    att.dispatch.as_str(),
-                    held.as_micros()
-                ),
-            ))
+            let file = blocking(move || file.refresh().map(|()| file)).await??;
+            let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
+            Ok::<_, Error>((file, held_text(&v.name, &how, held)))
         };
-        made.await.inspect_err(|_| {
+        let (mut file, held) = made.await.inspect_err(|_| {
             let _ = self
                 .roots
                 .remove_file(path, identity.0, identity.1, birth.as_deref());
+        })?;
+        // A failed grow removes the file itself.
+        let (me, p) = (self.clone(), path.clone());
+        let file = blocking(move || -> Result<ImageFile> {
+            me.grow_clone(&p, &mut file, grow)?;
+            Ok(file)
         })
+        .await??;
+        Ok((file, held))
     }
 
     /// Grows a clone whose extents are shared to `grow`'s size (its new
@@ -394,38 +408,28 @@ impl Manager {
         private: bool,
         grow: Option<(u64, Allocation)>,
     ) {
-        let job = Arc::new(AllocateJob {
-            pace: if self.fault == Some(super::Fault::SlowCopy) {
-                std::time::Duration::from_millis(100)
-            } else {
-                std::time::Duration::ZERO
-            },
-            ..Default::default()
-        });
-        job.total_bytes.store(src.allocated(), Relaxed);
-        self.copies.lock().expect("copies poisoned").insert(
-            row.id,
-            CopyRun {
-                job: job.clone(),
-                source,
-                name: row.name.clone(),
-            },
-        );
+        let pace = self.faults.pace(super::Slow::Copy);
+        let kind = CopyRun {
+            source,
+            name: row.name.clone(),
+        };
         let (me, row) = (self.clone(), row.clone());
-        tokio::spawn(async move {
-            let started = std::time::Instant::now();
-            let j = job.clone();
-            let out = blocking(move || {
-                let done = file.copy_from(&src, &j, private)?;
-                if let (true, Some((size, alloc))) = (done, grow) {
-                    file.grow(size, alloc)?;
-                }
-                Ok((done, file.allocated()))
-            })
-            .await
-            .and_then(|r: Result<(bool, u64)>| r);
-            me.end_copy(&row, &job, started.elapsed(), out).await;
-        });
+        let total = src.allocated();
+        self.copies
+            .start(row.id, kind, pace, total, move |job| async move {
+                let started = std::time::Instant::now();
+                let j = job.clone();
+                let out = blocking(move || {
+                    let done = file.copy_from(&src, &j, private)?;
+                    if let (true, Some((size, alloc))) = (done, grow) {
+                        file.grow(size, alloc)?;
+                    }
+                    Ok((done, file.allocated()))
+                })
+                .await
+                .and_then(|r: Result<(bool, u64)>| r);
+                me.end_copy(&row, &job, started.elapsed(), out).await
+            });
     }
 
     /// Records how a copy ended: `ready` with an `image_copied` event; on a
@@ -438,7 +442,7 @@ impl Manager {
         job: &AllocateJob,
         took: std::time::Duration,
         out: Result<(bool, u64)>,
-    ) {
+    ) -> Ended {
         let done = job.done_bytes.load(Relaxed);
         let recorded = async {
             let mut tx = self.store.begin().await?;
@@ -482,35 +486,23 @@ impl Manager {
             tx.commit().await
         }
         .await;
-        if let Err(e) = recorded {
-            tracing::error!(image = %row.name, error = %e, "could not record the end of a copy");
-        }
-        self.copies.lock().expect("copies poisoned").remove(&row.id);
-    }
-
-    /// Stops the image's running copy, if any, and waits until it stopped.
-    pub(super) async fn stop_copy(&self, id: Uuid) {
-        let running = || {
-            self.copies
-                .lock()
-                .expect("copies poisoned")
-                .get(&id)
-                .map(|r| r.job.clone())
+        let state = match &out {
+            Ok((true, _)) => JobState::Done,
+            Ok((false, _)) => JobState::Cancelled,
+            Err(_) => JobState::Failed,
         };
-        let Some(job) = running() else { return };
-        job.cancel.store(true, Relaxed);
-        // One stretch, and the end being recorded.
-        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-        while running().is_some() && tokio::time::Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Asks every running copy to stop (the service is stopping: their
-    /// images are found `copying` at the next start and failed there).
-    pub(super) fn stop_copies(&self) {
-        for run in self.copies.lock().expect("copies poisoned").values() {
-            run.job.cancel.store(true, Relaxed);
+        match recorded {
+            Ok(()) => Ended {
+                state,
+                error: out.err().map(|e| e.to_string()),
+            },
+            Err(e) => {
+                tracing::error!(image = %row.name, error = %e, "could not record the end of a copy");
+                Ended {
+                    state: JobState::Failed,
+                    error: Some(format!("recording the end: {e}")),
+                }
+            }
         }
     }
 
@@ -553,32 +545,6 @@ impl Manager {
             &format!("image '{}': {reason}", row.name),
         )
         .await
-    }
-
-    /// Bytes copied so far and to copy, while the image's copy runs.
-    pub(super) fn copy_progress(&self, id: Uuid) -> Option<(u64, u64)> {
-        self.copies
-            .lock()
-            .expect("copies poisoned")
-            .get(&id)
-            .map(|r| {
-                let j = &r.job;
-                (j.done_bytes.load(Relaxed), j.total_bytes.load(Relaxed))
-            })
-    }
-
-    /// 409 `copy_source_busy` while a copy reads the image: its bytes must
-    /// not change under it.
-    pub(super) fn refuse_while_copied(&self, row: &ImageRow, what: &str) -> Result<()> {
-        let copies = self.copies.lock().expect("copies poisoned");
-        match copies.values().find(|r| r.source == row.id) {
-            Some(r) => Err(Error::CopySource {
-                name: row.name.clone(),
-                copy: r.name.clone(),
-                what: what.to_string(),
-            }),
-            None => Ok(()),
-        }
     }
 
     /// 409 `image_not_ready` unless the image's file is complete.
@@ -633,7 +599,8 @@ impl Manager {
         if read_only {
             return Ok(());
         }
-        self.refuse_while_copied(image, &format!("get writable volume '{volume}'"))?;
+        self.copies
+            .refuse(image, &format!("get writable volume '{volume}'"))?;
         self.refuse_read_only(
             image,
             &format!("volume '{volume}' on it must be created with \"read_only\": true"),

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::jobs::{Ended, Job, JobState};
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::store::ImageRow;
 use blockplane_api::model::{
@@ -13,12 +14,24 @@ use blockplane_api::model::{
 };
 use blockplane_system::image::Access;
 
-/// An image's last allocate (see [`Manager::allocate_image`]).
-pub(super) struct AllocateRun {
-    pub job: std::sync::Arc<blockplane_system::image::AllocateJob>,
-    pub state: AllocateState,
-    pub error: Option<String>,
-    pub started_at: OffsetDateTime,
+/// An allocate (see [`Manager::allocate_image`]): it writes its image.
+pub(super) struct AllocateRun;
+
+impl Job for AllocateRun {
+    fn depends_on(&self, own: Uuid, image: Uuid) -> bool {
+        own == image
+    }
+
+    /// 409 while an allocate runs on the image: it must not change under it.
+    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
+        Error::AllocateConflict {
+            name: image.name.clone(),
+            reason: format!(
+                "an allocate runs on it, so it cannot {what} now; wait for its end (GET /v1/images/{}) or stop it (DELETE /v1/images/{}/allocate)",
+                image.name, image.name
+            ),
+        }
+    }
 }
 
 impl Manager {
@@ -60,7 +73,7 @@ impl Manager {
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                if self.fault == Some(super::Fault::SlowImageCreate) {
+                if self.faults.slows(super::Slow::ImageCreate) {
                     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
                 }
                 (file, Some(spec.allocation))
@@ -246,7 +259,11 @@ impl Manager {
             .unwrap_or((row.size_bytes, row.allocated_bytes));
         // A copy's file grows to its size only once the copy starts.
         let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
-        let progress = self.copy_progress(row.id);
+        let progress = self
+            .copies
+            .progress(row.id)
+            .filter(|p| p.state == JobState::Running)
+            .map(|p| (p.done_bytes, p.total_bytes));
         Ok(Image {
             state: row.state,
             state_reason: row.state_reason,
@@ -294,10 +311,10 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.refuse_while_allocating(&row, "grow")?;
+        self.allocations.refuse(&row, "grow")?;
         self.refuse_unready(&row, "grow")?;
         self.refuse_read_only(&row, "it cannot grow")?;
-        self.refuse_while_copied(&row, "grow")?;
+        self.copies.refuse(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
@@ -402,10 +419,10 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.refuse_while_allocating(&row, "start another")?;
+        self.allocations.refuse(&row, "start another")?;
         self.refuse_unready(&row, "be allocated")?;
         self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
-        self.refuse_while_copied(&row, "be allocated")?;
+        self.copies.refuse(&row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
                 name: row.name,
@@ -439,15 +456,6 @@ impl Manager {
                     .map_err(|e| super::volumes::volume_error(&v.name, e))?;
             }
         }
-        let job = std::sync::Arc::new(blockplane_system::image::AllocateJob {
-            pace: if self.fault == Some(super::Fault::SlowAllocate) {
-                std::time::Duration::from_millis(100)
-            } else {
-                std::time::Duration::ZERO
-            },
-            ..Default::default()
-        });
-        job.total_bytes.store(total, Relaxed);
         let mut tx = self.store.begin().await?;
         tx.event(
             None,
@@ -460,24 +468,13 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
+        let pace = self.faults.pace(super::Slow::Allocate);
+        let (me, r) = (self.clone(), row.clone());
         self.allocations
-            .lock()
-            .expect("allocations poisoned")
-            .insert(
-                row.id,
-                AllocateRun {
-                    job: job.clone(),
-                    state: AllocateState::Running,
-                    error: None,
-                    started_at: OffsetDateTime::now_utc(),
-                },
-            );
-        let me = self.clone();
-        let r = row.clone();
-        tokio::spawn(async move {
-            let out = me.run_allocate(&r, attached, &job).await;
-            me.end_allocate(&r, &job, needed, out).await;
-        });
+            .start(row.id, AllocateRun, pace, total, move |job| async move {
+                let out = me.run_allocate(&r, attached, &job).await;
+                me.end_allocate(&r, &job, needed, out).await
+            });
         self.image(&row.id.to_string()).await
     }
 
@@ -532,7 +529,7 @@ impl Manager {
         job: &blockplane_system::image::AllocateJob,
         needed: u64,
         out: Result<bool>,
-    ) {
+    ) -> Ended {
         let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
         let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
         let recorded = async {
@@ -551,7 +548,7 @@ impl Manager {
                         row.name, size_text(needed), size_text(total)
                     ))
                     .await?;
-                    AllocateState::Done
+                    JobState::Done
                 }
                 Ok(false) => {
                     tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
@@ -559,7 +556,7 @@ impl Manager {
                         row.name, size_text(done), size_text(total)
                     ))
                     .await?;
-                    AllocateState::Cancelled
+                    JobState::Cancelled
                 }
                 Err(e) => {
                     tx.event(None, Some(row.id), "image_allocate_failed", &format!(
@@ -567,7 +564,7 @@ impl Manager {
                         row.name, size_text(done), size_text(total)
                     ))
                     .await?;
-                    AllocateState::Failed
+                    JobState::Failed
                 }
             };
             tx.commit().await?;
@@ -577,96 +574,38 @@ impl Manager {
         let (state, error) = match (recorded, out) {
             (Ok(state), Err(e)) => (state, Some(e.to_string())),
             (Ok(state), Ok(_)) => (state, None),
-            (Err(e), _) => (
-                AllocateState::Failed,
-                Some(format!("recording the end: {e}")),
-            ),
+            (Err(e), _) => (JobState::Failed, Some(format!("recording the end: {e}"))),
         };
-        if let Some(run) = self
-            .allocations
-            .lock()
-            .expect("allocations poisoned")
-            .get_mut(&row.id)
-        {
-            run.state = state;
-            run.error = error;
-        }
+        Ended { state, error }
     }
 
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
     pub(super) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
-        let running = |s: &Self| {
-            s.allocations
-                .lock()
-                .expect("allocations poisoned")
-                .get(&row.id)
-                .filter(|r| r.state == AllocateState::Running)
-                .map(|r| r.job.clone())
-        };
-        let Some(job) = running(self) else {
+        if !self.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
                 name: row.name,
                 reason: "no allocate runs on it (POST /v1/images/{id}/allocate starts one)".into(),
             });
-        };
-        job.cancel.store(true, Relaxed);
-        // One stretch, and a worker's next poll.
-        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-        while running(self).is_some() && tokio::time::Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         self.image(&row.id.to_string()).await
     }
 
-    /// Asks every running allocate to stop (the service is stopping: the
-    /// images stay as declared, to be allocated again).
-    pub fn stop_allocations(&self) {
-        self.stop_copies();
-        for run in self
-            .allocations
-            .lock()
-            .expect("allocations poisoned")
-            .values()
-        {
-            run.job.cancel.store(true, Relaxed);
-        }
-    }
-
-    /// 409 while an allocate runs on the image: it must not change under it.
-    pub(super) fn refuse_while_allocating(&self, row: &ImageRow, what: &str) -> Result<()> {
-        let running = self
-            .allocations
-            .lock()
-            .expect("allocations poisoned")
-            .get(&row.id)
-            .is_some_and(|r| r.state == AllocateState::Running);
-        if running {
-            return Err(Error::AllocateConflict {
-                name: row.name.clone(),
-                reason: format!(
-                    "an allocate runs on it, so it cannot {what} now; wait for its end (GET /v1/images/{}) or stop it (DELETE /v1/images/{}/allocate)",
-                    row.name, row.name
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// The image's last allocate as the API shows it.
     fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
-        self.allocations
-            .lock()
-            .expect("allocations poisoned")
-            .get(&id)
-            .map(|r| ImageAllocate {
-                state: r.state,
-                done_bytes: r.job.done_bytes.load(Relaxed),
-                total_bytes: r.job.total_bytes.load(Relaxed),
-                error: r.error.clone(),
-                started_at: r.started_at,
-            })
+        self.allocations.progress(id).map(|p| ImageAllocate {
+            state: match p.state {
+                JobState::Running => AllocateState::Running,
+                JobState::Done => AllocateState::Done,
+                JobState::Cancelled => AllocateState::Cancelled,
+                JobState::Failed => AllocateState::Failed,
+            },
+            done_bytes: p.done_bytes,
+            total_bytes: p.total_bytes,
+            error: p.error,
+            started_at: p.started_at,
+        })
     }
 
     /// The image's volumes that have a device, with their backends.
@@ -713,7 +652,7 @@ impl Manager {
             let id = v.id;
             let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
             if outcome.is_ok() {
-                self.fault_point(super::After::Change)?;
+                self.faults.point(super::After::Change)?;
             }
             let mut tx = self.store.begin().await?;
             match outcome {
@@ -780,14 +719,14 @@ impl Manager {
     ) -> Result<()> {
         let row = self.image_row(id_or_name).await?;
         // A copy stops first; its partial file goes with the image.
-        self.stop_copy(row.id).await;
+        self.copies.stop(row.id).await;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let mut tx = self.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
         let delete_file = delete_file || row.state != ImageState::Ready;
-        self.refuse_while_allocating(&row, "be forgotten")?;
+        self.allocations.refuse(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(row.name, &users));
@@ -816,10 +755,8 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.allocations
-            .lock()
-            .expect("allocations poisoned")
-            .remove(&row.id);
+        self.allocations.forget(row.id);
+        self.copies.forget(row.id);
         Ok(())
     }
 

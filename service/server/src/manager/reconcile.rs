@@ -102,7 +102,7 @@ impl Manager {
                 continue;
             };
             let Some(backend) = self.backend(v.backend) else {
-                let reason = super::not_built_reason(v.backend);
+                let reason = super::host::not_built_reason(v.backend);
                 self.record_error(&mut v, reason).await?;
                 report.failed += 1;
                 continue;

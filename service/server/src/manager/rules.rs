@@ -9,7 +9,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::fake::{Call, FakeBackend};
-use super::{Backends, Created, Error, Manager, ManagerConfig};
+use super::{Backends, Created, Error, Faults, Manager, ManagerConfig};
 use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy};
 use crate::store::{EventFilter, Store, VolumeRow};
 use blockplane_api::model::{
@@ -179,7 +179,7 @@ async fn manager(
             default_queues: 1,
             max_volumes,
             max_overcommit: None,
-            fault: None,
+            faults: Faults::default(),
         },
     )
     .await

@@ -268,7 +268,7 @@ impl Manager {
         if !users.is_empty() {
             return Err(Error::image_in_use(image.name, &users));
         }
-        self.refuse_while_allocating(&image, "get a volume")?;
+        self.allocations.refuse(&image, "get a volume")?;
         let image = self.image_row(&image.id.to_string()).await?;
         self.check_volume_image(&image, &req.name, req.read_only)?;
         let backend = self.choose_backend(req.backend)?;
@@ -343,11 +343,11 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.fault_point(After::Insert)?;
+        self.faults.point(After::Insert)?;
 
         match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => {
-                let recorded = match self.fault_point(After::Attach) {
+                let recorded = match self.faults.point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
                     Err(e) => Err(e),
                 };
@@ -398,7 +398,7 @@ impl Manager {
                 &v.name,
                 BackendError::Unavailable {
                     backend: v.backend.as_str(),
-                    reason: super::not_built_reason(v.backend),
+                    reason: super::host::not_built_reason(v.backend),
                 },
             )
         })?;
@@ -514,7 +514,7 @@ impl Manager {
             tx.commit().await?;
             return Err(e);
         }
-        self.fault_point(After::Detach)?;
+        self.faults.point(After::Detach)?;
         self.forget_volume(&v).await
     }
 
@@ -599,7 +599,7 @@ impl Manager {
                 }
             }
         }
-        self.fault_point(After::Change)?;
+        self.faults.point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }

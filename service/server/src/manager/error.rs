@@ -1,0 +1,143 @@
+//! Why the manager refused or failed an operation: one error type, which
+//! the API maps to HTTP statuses and codes (`http::error`).
+
+use uuid::Uuid;
+
+use crate::backend::BackendError;
+use crate::store::StoreError;
+use blockplane_system::image::ImageFileError;
+
+/// Why the manager refused or failed an operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {what} name '{name}': names match [a-z0-9][a-z0-9._-]{{0,62}}")]
+    InvalidName { what: &'static str, name: String },
+    #[error("invalid {field}: {reason}")]
+    InvalidField { field: &'static str, reason: String },
+    #[error("image '{0}' not found")]
+    ImageNotFound(String),
+    #[error("volume '{0}' not found")]
+    VolumeNotFound(String),
+    #[error("no orphan device '{0}' (orphans are listed in GET /v1/host)")]
+    OrphanNotFound(String),
+    #[error("volume '{name}' would exceed this host's cap of {max} volumes (--max-volumes)")]
+    VolumeLimit { name: String, max: usize },
+    #[error("image name '{name}' is taken by image {id}")]
+    ImageNameTaken { name: String, id: Uuid },
+    #[error("'{path}' is already registered as image '{name}' ({id})")]
+    AlreadyRegistered {
+        path: String,
+        name: String,
+        id: Uuid,
+    },
+    #[error("image '{name}' is used by volume(s) {volumes} (an image serves one volume at a time)")]
+    ImageInUse { name: String, volumes: String },
+    #[error(
+        "image '{name}' ({size} bytes) would bring the images of {root} to {provisioned} bytes, more than {ratio} times its filesystem's {fs_size} bytes (--max-overcommit)"
+    )]
+    Overcommit {
+        name: String,
+        size: u64,
+        root: String,
+        provisioned: u64,
+        ratio: f64,
+        fs_size: u64,
+    },
+    #[error("image '{name}' file changed: {reason}")]
+    ImageReplaced { name: String, reason: String },
+    #[error(
+        "image '{name}' ({path}) is locked by {holder}: another blockplane (another data dir) serves it; delete that volume first"
+    )]
+    ImageLocked {
+        name: String,
+        path: String,
+        holder: String,
+    },
+    #[error(
+        "image '{name}': {what} needs {needed} bytes and its filesystem has {free} free; nothing was changed"
+    )]
+    SpaceShort {
+        name: String,
+        what: &'static str,
+        needed: u64,
+        free: u64,
+    },
+    #[error("image '{name}' is a read-only snapshot of {source_id}: {reason}")]
+    ImageReadOnly {
+        name: String,
+        source_id: String,
+        reason: String,
+    },
+    #[error("image '{name}' is {state}: {reason}")]
+    ImageNotReady {
+        name: String,
+        state: &'static str,
+        reason: String,
+    },
+    #[error("image '{name}' is served by {backend} volume '{volume}': {reason}")]
+    SnapshotAttached {
+        name: String,
+        volume: String,
+        backend: &'static str,
+        reason: &'static str,
+    },
+    #[error(
+        "image '{name}': the copy to image '{copy}' reads it, so it cannot {what} until that copy is ready (or stopped by deleting '{copy}')"
+    )]
+    CopySource {
+        name: String,
+        copy: String,
+        what: String,
+    },
+    #[error("image '{name}' cannot be allocated: {reason}")]
+    NotAllocatable { name: String, reason: String },
+    #[error("image '{name}': {reason}")]
+    AllocateConflict { name: String, reason: String },
+    #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]
+    Shrink {
+        name: String,
+        current: u64,
+        asked: u64,
+    },
+    #[error("volume '{name}' already exists with a different spec ({differences})")]
+    VolumeExists { name: String, differences: String },
+    #[error("volume '{name}' is {state}: {reason}")]
+    VolumeState {
+        name: String,
+        state: &'static str,
+        reason: String,
+    },
+    #[error("volume '{name}': {source}")]
+    Volume {
+        name: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    ImageFile(#[from] ImageFileError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the registry cannot be written: {0}")]
+    StoreUnwritable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Result of the manager's operations.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An image refused because volumes use it, named by their names.
+    pub(super) fn image_in_use(image: String, users: &[(Uuid, String)]) -> Self {
+        Error::ImageInUse {
+            name: image,
+            volumes: users
+                .iter()
+                .map(|(_, name)| format!("'{name}'"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+}

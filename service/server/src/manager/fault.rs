@@ -1,0 +1,216 @@
+//! Test faults: a SIGKILL, a failure or a slowdown injected at a named
+//! point (env `BLOCKPLANE_TEST_FAULT`), so that the black-box and kernel
+//! tests can prove restart, cleanup, progress and cancel.
+//!
+//! Only a build with the `test-faults` feature has them (the test command
+//! enables it, release builds leave it out): a service must never kill
+//! itself because of its environment. A build without it that finds the
+//! variable set refuses to start, so that a test run built without faults
+//! fails instead of passing without its fault.
+
+use std::time::Duration;
+
+#[cfg(feature = "test-faults")]
+use super::Error;
+use super::Result;
+
+/// The variable that names the fault.
+const VAR: &str = "BLOCKPLANE_TEST_FAULT";
+
+/// The points of a volume's create, delete and live changes after which a
+/// test can kill the service or fail the operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum After {
+    /// The volume row is recorded, no device exists yet.
+    Insert,
+    /// The device exists, the row does not say so yet.
+    Attach,
+    /// The device is gone, the row is still there.
+    Detach,
+    /// A live change (a PATCH, or a volume following its image's resize) is
+    /// made on the device, the row does not say so yet.
+    Change,
+}
+
+/// What a test can slow down, to watch it whatever the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slow {
+    /// Every image create takes 3 s more once its file is made
+    /// (`slow_image_create`): a request that outlasts a timeout, holds a
+    /// concurrency slot or is in flight at SIGTERM.
+    ImageCreate,
+    /// Each 16 MiB stretch an allocate zeroes (in the service or a ublk
+    /// worker) takes 100 ms more (`slow_allocate`): its progress and cancel.
+    Allocate,
+    /// Each 16 MiB stretch a snapshot's or clone's background copy copies
+    /// takes 100 ms more (`slow_copy`): its progress, cancel and a crash
+    /// during it.
+    Copy,
+}
+
+/// One injected fault.
+#[cfg(feature = "test-faults")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGKILL the service at a point.
+    Kill(After),
+    /// Fail the operation at a point.
+    Fail(After),
+    Slow(Slow),
+}
+
+#[cfg(feature = "test-faults")]
+impl Fault {
+    /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
+    /// `kill_after_change`, `fail_after_<the same>`, `slow_image_create`,
+    /// `slow_allocate`, `slow_copy`.
+    fn parse(s: &str) -> Option<Self> {
+        let slow = match s {
+            "slow_image_create" => Some(Slow::ImageCreate),
+            "slow_allocate" => Some(Slow::Allocate),
+            "slow_copy" => Some(Slow::Copy),
+            _ => None,
+        };
+        if let Some(slow) = slow {
+            return Some(Fault::Slow(slow));
+        }
+        let (action, stage) = s.split_once("_after_")?;
+        let stage = match stage {
+            "insert" => After::Insert,
+            "attach" => After::Attach,
+            "detach" => After::Detach,
+            "change" => After::Change,
+            _ => return None,
+        };
+        match action {
+            "kill" => Some(Fault::Kill(stage)),
+            "fail" => Some(Fault::Fail(stage)),
+            _ => None,
+        }
+    }
+}
+
+/// Why the service refuses to start with the test fault it was given.
+#[derive(Debug, thiserror::Error)]
+pub enum FaultError {
+    /// This build has no test faults.
+    #[error(
+        "{VAR}={0} is set, but this build of blockplane has no test faults: the cargo feature `test-faults` of package blockplane adds them (--features blockplane/test-faults)"
+    )]
+    NotBuilt(String),
+    /// The variable names no fault.
+    #[error(
+        "{VAR}={0} names no test fault (kill_after_{{insert,attach,detach,change}}, fail_after_{{...}}, slow_image_create, slow_allocate, slow_copy)"
+    )]
+    Unknown(String),
+}
+
+/// The test fault a service injects: none in a build without `test-faults`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    #[cfg(feature = "test-faults")]
+    fault: Option<Fault>,
+}
+
+impl Faults {
+    /// The fault `BLOCKPLANE_TEST_FAULT` names (unset or empty: none).
+    pub fn from_env() -> std::result::Result<Self, FaultError> {
+        let value = std::env::var_os(VAR).map(|v| v.to_string_lossy().into_owned());
+        Self::named(value.as_deref().unwrap_or(""))
+    }
+
+    /// The fault `value` names; empty: none.
+    fn named(value: &str) -> std::result::Result<Self, FaultError> {
+        if value.is_empty() {
+            return Ok(Self::default());
+        }
+        #[cfg(feature = "test-faults")]
+        return match Fault::parse(value) {
+            Some(fault) => Ok(Self { fault: Some(fault) }),
+            None => Err(FaultError::Unknown(value.to_string())),
+        };
+        #[cfg(not(feature = "test-faults"))]
+        Err(FaultError::NotBuilt(value.to_string()))
+    }
+
+    /// Injects the fault of point `at`, if that is the one asked for: kills
+    /// the service, or fails the operation.
+    pub(super) fn point(&self, at: After) -> Result<()> {
+        #[cfg(feature = "test-faults")]
+        match self.fault {
+            Some(Fault::Kill(s)) if s == at => {
+                tracing::warn!(?at, "test fault: killing the service");
+                let _ = rustix::process::kill_process(
+                    rustix::process::getpid(),
+                    rustix::process::Signal::KILL,
+                );
+            }
+            Some(Fault::Fail(s)) if s == at => {
+                return Err(Error::Internal(format!("injected test fault at {at:?}")));
+            }
+            _ => {}
+        }
+        #[cfg(not(feature = "test-faults"))]
+        let _ = at;
+        Ok(())
+    }
+
+    /// Whether a test asked for `what` to be slow.
+    pub(super) fn slows(&self, what: Slow) -> bool {
+        #[cfg(feature = "test-faults")]
+        return self.fault == Some(Fault::Slow(what));
+        #[cfg(not(feature = "test-faults"))]
+        {
+            let _ = what;
+            false
+        }
+    }
+
+    /// The pause after each 16 MiB stretch of an allocate or a copy.
+    pub(super) fn pace(&self, what: Slow) -> Duration {
+        if self.slows(what) {
+            Duration::from_millis(100)
+        } else {
+            Duration::ZERO
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_fault_when_unset_or_empty() {
+        assert!(!Faults::named("").unwrap().slows(Slow::Copy));
+    }
+
+    #[cfg(feature = "test-faults")]
+    #[test]
+    fn every_fault_is_named_and_an_unknown_name_refused() {
+        for (name, fault) in [
+            ("kill_after_insert", Fault::Kill(After::Insert)),
+            ("kill_after_attach", Fault::Kill(After::Attach)),
+            ("kill_after_detach", Fault::Kill(After::Detach)),
+            ("kill_after_change", Fault::Kill(After::Change)),
+            ("fail_after_attach", Fault::Fail(After::Attach)),
+            ("slow_image_create", Fault::Slow(Slow::ImageCreate)),
+            ("slow_allocate", Fault::Slow(Slow::Allocate)),
+            ("slow_copy", Fault::Slow(Slow::Copy)),
+        ] {
+            assert_eq!(Faults::named(name).unwrap().fault, Some(fault), "{name}");
+        }
+        for bad in ["kill_after_lunch", "slow", "stop_after_attach"] {
+            let e = Faults::named(bad).unwrap_err();
+            assert!(matches!(e, FaultError::Unknown(_)), "{bad}: {e}");
+        }
+    }
+
+    #[cfg(not(feature = "test-faults"))]
+    #[test]
+    fn a_build_without_faults_refuses_one() {
+        let e = Faults::named("kill_after_attach").unwrap_err();
+        assert!(matches!(e, FaultError::NotBuilt(_)), "{e}");
+        assert!(e.to_string().contains("--features blockplane/test-faults"));
+    }
+}

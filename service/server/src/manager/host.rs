@@ -1,0 +1,89 @@
+//! `GET /v1/host`: what this host can run (its backends and dispatch
+//! policies), its image roots' capacity and the orphan devices.
+
+use std::sync::Arc;
+
+use super::{Manager, Result, blocking};
+use blockplane_api::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
+
+impl Manager {
+    /// Availability of a backend, including ones this build does not carry yet.
+    pub(super) fn capability(&self, kind: Backend) -> model::BackendCapability {
+        match self.backend(kind) {
+            Some(b) => b.capability(),
+            None => model::BackendCapability {
+                available: false,
+                reason: Some(not_built_reason(kind)),
+                features: None,
+                targets: None,
+                native_loop_target: None,
+            },
+        }
+    }
+
+    /// What this host can run, and the devices of this instance no volume owns.
+    pub(super) async fn host(self: &Arc<Self>) -> Result<Host> {
+        let me = self.clone();
+        let mut host = blocking(move || me.capabilities()).await?;
+        host.orphans = self.orphans().await?;
+        host.image_root_capacity = self.root_usage().await?;
+        Ok(host)
+    }
+
+    /// Backends and policies, without the orphans (blocking: probes the kernel).
+    fn capabilities(&self) -> Host {
+        let backends = HostBackends {
+            loop_: self.capability(Backend::Loop),
+            ublk: self.capability(Backend::Ublk),
+            dm: self.capability(Backend::Dm),
+        };
+        let needs = |which: &[&model::BackendCapability], what: &str| {
+            if which.iter().any(|c| c.available) {
+                Capability {
+                    available: true,
+                    reason: None,
+                }
+            } else {
+                let why: Vec<String> = which.iter().filter_map(|c| c.reason.clone()).collect();
+                Capability {
+                    available: false,
+                    reason: Some(format!("{what}: {}", why.join("; "))),
+                }
+            }
+        };
+        let policies = HostPolicies {
+            nowait: needs(&[&backends.ublk], "needs backend ublk"),
+            threaded: needs(&[&backends.ublk], "needs backend ublk"),
+            direct: needs(&[&backends.ublk, &backends.dm], "needs backend ublk or dm"),
+        };
+        let default_backend = Backend::PREFERENCE
+            .into_iter()
+            .find(|k| self.capability(*k).available);
+        Host {
+            kernel: rustix::system::uname()
+                .release()
+                .to_string_lossy()
+                .into_owned(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            backends,
+            policies,
+            image_roots: self.roots.paths(),
+            image_root_capacity: Vec::new(),
+            default_backend,
+            orphans: Vec::new(),
+        }
+    }
+}
+
+/// Why a backend this manager lacks is unavailable.
+pub(super) fn not_built_reason(kind: Backend) -> String {
+    match kind {
+        Backend::Ublk if !std::path::Path::new("/dev/ublk-control").exists() => {
+            "ublk_drv is not loaded (no /dev/ublk-control)".into()
+        }
+        Backend::Dm if !std::path::Path::new("/dev/mapper/control").exists() => {
+            "device-mapper is not available (no /dev/mapper/control)".into()
+        }
+        other => format!("this build of blockplane has no {} backend", other.as_str()),
+    }
+}

@@ -1,0 +1,56 @@
+//! `GET /metrics`: the registry's and the sampler's view of the volumes,
+//! images and image roots, rendered by `crate::metrics`.
+
+use super::{Manager, Result};
+use blockplane_api::model;
+
+impl Manager {
+    /// `GET /metrics`: the exposition text.
+    pub(super) async fn metrics(&self) -> Result<String> {
+        let latest = self.sampler.latest();
+        let rows = self.store.volumes().await?;
+        let mut states: Vec<(String, u64)> = [
+            model::VolumeState::Attaching,
+            model::VolumeState::Attached,
+            model::VolumeState::Degraded,
+            model::VolumeState::Detaching,
+            model::VolumeState::Error,
+        ]
+        .iter()
+        .map(|s| (s.as_str().to_string(), 0))
+        .collect();
+        let mut volumes = Vec::new();
+        for v in &rows {
+            if let Some(entry) = states.iter_mut().find(|(s, _)| s == v.state.as_str()) {
+                entry.1 += 1;
+            }
+            if let Some(stats) = latest.get(&v.id) {
+                volumes.push(crate::metrics::VolumeSample {
+                    name: v.name.clone(),
+                    backend: v.backend.as_str().to_string(),
+                    dispatch: stats.dispatch.as_str().to_string(),
+                    stats: stats.clone(),
+                });
+            }
+        }
+        let images = self
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| crate::metrics::ImageSample {
+                name: i.name,
+                size_bytes: i.size_bytes,
+                allocated_bytes: i.allocated_bytes,
+            })
+            .collect();
+        Ok(crate::metrics::render(
+            &self.api_metrics,
+            crate::metrics::Snapshot {
+                roots: self.root_usage().await?,
+                volumes,
+                images,
+                states,
+            },
+        ))
+    }
+}
