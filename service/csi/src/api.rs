@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use super::errors::CsiError;
 use blockplane_api::client::{Answer, Client, encode_segment};
 use blockplane_api::model::{
-    Allocation, CreateVolumeRequest, Host, Image, ResizeImageResponse, Volume,
+    Allocation, CreateVolumeRequest, ErrorCode, Host, Image, ResizeImageResponse, Volume,
 };
 
 /// A typed client of the blockplane API.
@@ -45,10 +45,7 @@ impl Api {
             volume: volume.to_string(),
             request,
             status: a.status,
-            code: a.body["error"]["code"]
-                .as_str()
-                .unwrap_or("unknown")
-                .to_string(),
+            code: ErrorCode::from_wire(a.body["error"]["code"].as_str().unwrap_or("unknown")),
             message: a.body["error"]["message"]
                 .as_str()
                 .map(str::to_string)
