@@ -9,7 +9,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use hyper::Method;
 use serde_json::{Value, json};
 
-use blockplane_api::client::{Client, Endpoint, encode_segment};
+use blockplane_api::client::{Endpoint, Transport, encode_segment};
 use blockplane_api::model::{human_size, parse_size};
 use blockplane_server::config::{ServeArgs, default_data_dir, default_socket};
 use blockplane_server::logging::{self, LogFormat};
@@ -562,7 +562,7 @@ async fn run_client(cli: Cli) -> ExitCode {
         .unwrap_or_else(|| cli.client.clone());
     let api = api_address(flags.api.api.as_deref());
     let client = match Endpoint::parse(&api) {
-        Ok(e) => Client::new(e, flags.api.token.clone()),
+        Ok(e) => Transport::new(e, flags.api.token.clone()),
         Err(e) => {
             eprintln!("blockplane: {e}");
             return ExitCode::from(2);
@@ -647,7 +647,7 @@ async fn run_client(cli: Cli) -> ExitCode {
 
 /// One API call; a failure is printed and becomes the exit code.
 async fn call(
-    client: &Client,
+    client: &Transport,
     method: Method,
     path: &str,
     body: Option<&Value>,
@@ -683,7 +683,7 @@ async fn call(
 /// service records it, one per line (one JSON object per line with --json),
 /// until interrupted or the service stops.
 async fn follow_events(
-    client: &Client,
+    client: &Transport,
     cmd: &Command,
     volume: Option<&str>,
     as_json: bool,
@@ -756,7 +756,7 @@ async fn follow_events(
 
 /// `volume rm` without --force: a volume in use is deleted only when the
 /// person at the terminal types its name; otherwise refused, saying why.
-async fn refuse_if_busy(client: &Client, volume: &str) -> Result<(), ExitCode> {
+async fn refuse_if_busy(client: &Transport, volume: &str) -> Result<(), ExitCode> {
     use std::io::IsTerminal;
     let path = format!("/v1/volumes/{}/usage", encode_segment(volume));
     let usage = call(client, Method::GET, &path, None).await?.body;
@@ -786,7 +786,7 @@ async fn refuse_if_busy(client: &Client, volume: &str) -> Result<(), ExitCode> {
 
 /// `volume top`: a screen a second from each attached volume's last point
 /// of history.
-async fn top(client: &Client, count: Option<u32>, as_json: bool) -> ExitCode {
+async fn top(client: &Transport, count: Option<u32>, as_json: bool) -> ExitCode {
     use std::io::IsTerminal;
     let clear = !as_json && std::io::stdout().is_terminal();
     let mut shown = 0;
@@ -885,7 +885,7 @@ fn top_screen(rows: &[(Value, Value)], clear: bool) -> String {
 
 /// Follows an image's allocate until it ends, its progress on stderr:
 /// the image when done, why not otherwise.
-async fn wait_allocate(client: &Client, image: &str, body: Value) -> Result<Value, String> {
+async fn wait_allocate(client: &Transport, image: &str, body: Value) -> Result<Value, String> {
     follow_image(client, image, body, |b| {
         let a = &b["allocate"];
         match a["state"].as_str() {
@@ -913,7 +913,7 @@ async fn wait_allocate(client: &Client, image: &str, body: Value) -> Result<Valu
 
 /// Follows a snapshot's or clone's copy until the image is ready, its
 /// progress on stderr: the image when ready, why not otherwise.
-async fn wait_copy(client: &Client, image: &str, body: Value) -> Result<Value, String> {
+async fn wait_copy(client: &Transport, image: &str, body: Value) -> Result<Value, String> {
     follow_image(client, image, body, |b| match b["state"].as_str() {
         Some("copying") => {
             eprintln!(
@@ -936,7 +936,7 @@ async fn wait_copy(client: &Client, image: &str, body: Value) -> Result<Value, S
 /// Reads an image once a second until `step` says it is done (`Some`):
 /// the image's last view, or `step`'s reason.
 async fn follow_image(
-    client: &Client,
+    client: &Transport,
     image: &str,
     mut body: Value,
     step: impl Fn(&Value) -> Option<Result<(), String>>,
@@ -1165,7 +1165,7 @@ struct Names {
 }
 
 impl Names {
-    async fn for_view(client: &Client, view: View) -> Self {
+    async fn for_view(client: &Transport, view: View) -> Self {
         let list = |path: &'static str| async move {
             match client.send(Method::GET, path, None).await {
                 Ok(a) if a.status.is_success() => a.body.as_array().cloned().unwrap_or_default(),

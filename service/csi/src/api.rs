@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::errors::CsiError;
-use blockplane_api::client::{Answer, Client, encode_segment};
+use blockplane_api::client::{Answer, Transport, encode_segment};
 use blockplane_api::model::{
     Allocation, CreateVolumeRequest, ErrorCode, Host, Image, ResizeImageResponse, Volume,
 };
@@ -15,12 +15,12 @@ use blockplane_api::model::{
 /// A typed client of the blockplane API.
 #[derive(Debug, Clone)]
 pub struct Api {
-    client: Client,
+    client: Transport,
 }
 
 impl Api {
     /// An API client.
-    pub fn new(client: Client) -> Self {
+    pub fn new(client: Transport) -> Self {
         Self { client }
     }
 

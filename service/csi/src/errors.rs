@@ -5,7 +5,7 @@
 use hyper::StatusCode;
 use tonic::Code;
 
-use blockplane_api::client::ClientError;
+use blockplane_api::client::Error as ClientError;
 use blockplane_api::model::ErrorCode;
 
 /// Why a CSI call failed. Each message names the volume (or path) and the
