@@ -5,7 +5,7 @@
 use hyper::StatusCode;
 use tonic::Code;
 
-use blockplane_api::client::Error as ClientError;
+use blockplane_api::client;
 use blockplane_api::model::ErrorCode;
 
 /// Why a CSI call failed. Each message names the volume (or path) and the
@@ -79,7 +79,7 @@ pub enum CsiError {
     Unreachable {
         volume: String,
         #[source]
-        source: ClientError,
+        source: client::Error,
     },
     /// A mount, unmount or file operation failed.
     #[error("volume '{volume}': {op} {path}: {source}")]

@@ -38,7 +38,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use api::Api;
-use blockplane_api::client::{Endpoint, Transport};
+use blockplane_api::client::{Client, Endpoint};
 use errors::CsiError;
 use inflight::InFlight;
 
@@ -180,7 +180,7 @@ pub async fn serve(args: CsiArgs, api: &str, token: Option<String>) -> Result<()
         return Err(ServeError::BadNodeId(args.node_id));
     }
     let path = socket_path(&args.endpoint)?;
-    let client = Transport::new(Endpoint::parse(api)?, token);
+    let client = Client::new(Endpoint::parse(api)?, token);
     let driver = Arc::new(Driver {
         name: args.driver_name,
         node_id: args.node_id,

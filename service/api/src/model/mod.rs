@@ -14,6 +14,7 @@ mod size;
 mod stats;
 mod usage;
 mod volume;
+mod wire;
 
 pub use backend::*;
 pub use error::*;
@@ -25,62 +26,4 @@ pub use size::*;
 pub use stats::*;
 pub use usage::*;
 pub use volume::*;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Each `as_str` agrees with serde: they are two spellings of one name.
-    #[test]
-    fn as_str_is_the_wire_spelling() {
-        fn check<T: serde::Serialize>(all: &[T], as_str: impl Fn(&T) -> &'static str) {
-            for v in all {
-                assert_eq!(serde_json::to_value(v).unwrap(), as_str(v));
-            }
-        }
-        use ActiveDispatch as A;
-        use DispatchPolicy as D;
-        check(&[Allocation::Sparse, Allocation::Full], |v| v.as_str());
-        check(&[CopyMethod::Reflink, CopyMethod::Copy], |v| v.as_str());
-        check(
-            &[ImageState::Ready, ImageState::Copying, ImageState::Failed],
-            |v| v.as_str(),
-        );
-        check(
-            &[
-                AllocateState::Running,
-                AllocateState::Done,
-                AllocateState::Failed,
-                AllocateState::Cancelled,
-            ],
-            |v| v.as_str(),
-        );
-        check(&[Backend::Loop, Backend::Ublk, Backend::Dm], |v| v.as_str());
-        check(
-            &[
-                BackendChoice::Auto,
-                BackendChoice::Loop,
-                BackendChoice::Ublk,
-                BackendChoice::Dm,
-            ],
-            |v| v.as_str(),
-        );
-        check(&[D::Auto, D::Nowait, D::Threaded, D::Direct], |v| {
-            v.as_str()
-        });
-        check(&[A::Nowait, A::Threaded, A::Direct, A::Kernel], |v| {
-            v.as_str()
-        });
-        check(&[CopyMode::Copy, CopyMode::ZeroCopy], |v| v.as_str());
-        check(
-            &[
-                VolumeState::Attaching,
-                VolumeState::Attached,
-                VolumeState::Degraded,
-                VolumeState::Detaching,
-                VolumeState::Error,
-            ],
-            |v| v.as_str(),
-        );
-    }
-}
+pub use wire::*;
