@@ -80,14 +80,4 @@ impl Error {
             },
         }
     }
-
-    /// The status of an error answer; `None` when there was none.
-    pub fn status(&self) -> Option<StatusCode> {
-        match self {
-            Error::Refused { status, .. }
-            | Error::NotJson { status, .. }
-            | Error::Unexpected { status, .. } => Some(*status),
-            _ => None,
-        }
-    }
 }

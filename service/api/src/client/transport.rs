@@ -63,13 +63,6 @@ impl Transport {
         Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
-    /// Sends one request; the answer's status and its body as it arrives
-    /// (an event stream).
-    pub async fn open(&self, method: Method, path: &str) -> Result<(StatusCode, Incoming), Error> {
-        let resp = self.request(method, path, None).await?;
-        Ok((resp.status(), resp.into_body()))
-    }
-
     /// Sends one request with a JSON `body`; the answer's status and whole body.
     pub(crate) async fn exchange(
         &self,
