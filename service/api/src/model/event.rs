@@ -10,13 +10,17 @@ use uuid::Uuid;
 pub struct Event {
     /// Increasing; usable as a cursor.
     pub id: i64,
+    /// When it was recorded.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub at: OffsetDateTime,
+    /// The volume it is about, if any.
     pub volume_id: Option<Uuid>,
+    /// The image it is about, if any.
     pub image_id: Option<Uuid>,
     /// e.g. `volume_attached`, `dispatch_changed`.
     pub kind: String,
+    /// What happened, naming the object and the reason; for people.
     pub message: String,
 }
 

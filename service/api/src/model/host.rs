@@ -10,6 +10,7 @@ use super::Backend;
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Capability {
+    /// Whether it can run here.
     pub available: bool,
     /// Why it is not available (`null` when it is).
     pub reason: Option<String>,
@@ -29,7 +30,9 @@ pub struct UblkFeatures {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BackendCapability {
+    /// Whether it can run here.
     pub available: bool,
+    /// Why it is not available (`null` when it is).
     pub reason: Option<String>,
     /// ublk only.
     pub features: Option<UblkFeatures>,
@@ -44,9 +47,12 @@ pub struct BackendCapability {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HostBackends {
+    /// The kernel loop driver.
     #[serde(rename = "loop")]
     pub loop_: BackendCapability,
+    /// ublk, served by blockplane's workers.
     pub ublk: BackendCapability,
+    /// device-mapper.
     pub dm: BackendCapability,
 }
 
@@ -54,8 +60,11 @@ pub struct HostBackends {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HostPolicies {
+    /// io_uring with `RWF_NOWAIT` (ublk).
     pub nowait: Capability,
+    /// Blocking worker threads (ublk).
     pub threaded: Capability,
+    /// The image's extent map, straight to the disk (ublk, dm).
     pub direct: Capability,
 }
 
@@ -67,7 +76,9 @@ pub struct Host {
     pub kernel: String,
     /// blockplane's version.
     pub version: String,
+    /// Each backend, and whether it can run here.
     pub backends: HostBackends,
+    /// Each dispatch policy, and whether it can run here.
     pub policies: HostPolicies,
     /// The directories images may live under.
     pub image_roots: Vec<String>,
@@ -84,7 +95,9 @@ pub struct Host {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RootCapacity {
+    /// The image root.
     pub path: String,
+    /// Size of its filesystem, bytes.
     pub size_bytes: u64,
     /// Bytes free to an unprivileged writer (`df`'s "Avail").
     pub free_bytes: u64,
@@ -103,9 +116,11 @@ pub struct RootCapacity {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Orphan {
+    /// The kind of device.
     pub backend: Backend,
     /// The volume id in its mark, if it carries one.
     pub volume_id: Option<Uuid>,
+    /// Its device node, e.g. `/dev/loop3`.
     pub device: String,
     /// The file it serves, when known (loop devices, ublk devices whose
     /// worker runs).

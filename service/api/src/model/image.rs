@@ -168,9 +168,13 @@ fn default_allocation() -> Allocation {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Image {
+    /// Stable id.
     pub id: Uuid,
+    /// Unique name: `[a-z0-9][a-z0-9._-]{0,62}`.
     pub name: String,
+    /// The file, an absolute path under an image root.
     pub path: String,
+    /// Size of the file, bytes.
     pub size_bytes: u64,
     /// Bytes the filesystem has allocated to the file (`st_blocks * 512`).
     pub allocated_bytes: u64,
@@ -178,6 +182,7 @@ pub struct Image {
     pub filesystem: String,
     /// How blockplane created the file; `null` for registered files.
     pub allocation: Option<Allocation>,
+    /// When it was registered or created.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,
@@ -224,6 +229,7 @@ pub struct Image {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ImageAllocate {
+    /// Where it is.
     pub state: AllocateState,
     /// Bytes of holes and unwritten extents written with zeros so far.
     pub done_bytes: u64,
@@ -231,6 +237,7 @@ pub struct ImageAllocate {
     pub total_bytes: u64,
     /// Why it failed (`failed` only).
     pub error: Option<String>,
+    /// When it started.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub started_at: OffsetDateTime,
@@ -283,6 +290,7 @@ pub struct ResizeImageRequest {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ResizeImageResponse {
+    /// The image, grown.
     pub image: Image,
     /// How each attached volume followed.
     pub volumes: Vec<VolumeResize>,
@@ -292,12 +300,15 @@ pub struct ResizeImageResponse {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeResize {
+    /// The volume's id.
     pub volume_id: Uuid,
+    /// The volume's name.
     pub name: String,
     /// The device's size now.
     pub size_bytes: u64,
     /// The device keeps its old size until the next attach.
     pub resize_pending: bool,
+    /// What became of the device, for people.
     pub message: String,
 }
 

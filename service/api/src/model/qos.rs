@@ -8,24 +8,28 @@ use serde::{Deserialize, Serialize};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Qos {
+    /// Requests a second.
     #[serde(default)]
     #[cfg_attr(
         feature = "openapi",
         schema(minimum = 1, maximum = 9007199254740991_u64)
     )]
     pub iops: Option<u64>,
+    /// Bytes a second.
     #[serde(default)]
     #[cfg_attr(
         feature = "openapi",
         schema(minimum = 1, maximum = 9007199254740991_u64)
     )]
     pub bytes_per_sec: Option<u64>,
+    /// Requests that may go at once after a quiet spell (default: `iops`).
     #[serde(default)]
     #[cfg_attr(
         feature = "openapi",
         schema(minimum = 1, maximum = 9007199254740991_u64)
     )]
     pub burst_iops: Option<u64>,
+    /// Bytes that may go at once after a quiet spell (default: `bytes_per_sec`).
     #[serde(default)]
     #[cfg_attr(
         feature = "openapi",

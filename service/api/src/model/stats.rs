@@ -11,7 +11,9 @@ use super::{ActiveDispatch, Backend};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OpStats {
+    /// Requests completed.
     pub ops: u64,
+    /// Bytes they moved.
     pub bytes: u64,
     /// `null` where the backend cannot count errors (the kernel's block statistics do not).
     pub errors: Option<u64>,
@@ -21,12 +23,19 @@ pub struct OpStats {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeStats {
+    /// The volume's id.
     pub volume_id: Uuid,
+    /// The volume's backend.
     pub backend: Backend,
+    /// The data path in effect now.
     pub dispatch: ActiveDispatch,
+    /// Reads.
     pub read: OpStats,
+    /// Writes.
     pub write: OpStats,
+    /// Flushes.
     pub flush: OpStats,
+    /// Discards.
     pub discard: OpStats,
     /// Requests issued to the device and not yet completed.
     pub in_flight: u64,
@@ -65,7 +74,9 @@ impl VolumeStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Rate {
+    /// Requests a second.
     pub iops: f64,
+    /// Bytes a second.
     pub bytes_per_sec: f64,
 }
 
@@ -73,9 +84,13 @@ pub struct Rate {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OpRates {
+    /// Reads.
     pub read: Rate,
+    /// Writes.
     pub write: Rate,
+    /// Flushes.
     pub flush: Rate,
+    /// Discards.
     pub discard: Rate,
     /// The window actually covered, seconds (shorter while the sampler warms up).
     pub window_secs: f64,
@@ -85,8 +100,11 @@ pub struct OpRates {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Rates {
+    /// Over the last second.
     pub last_1s: OpRates,
+    /// Over the last 10 seconds.
     pub last_10s: OpRates,
+    /// Over the last 60 seconds.
     pub last_60s: OpRates,
 }
 
@@ -109,7 +127,9 @@ pub struct StatsHistoryQuery {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OpPoint {
+    /// Requests a second.
     pub iops: f64,
+    /// Bytes a second.
     pub bytes_per_sec: f64,
     /// Mean time of the requests completed in the interval, microseconds:
     /// the worker's own timing (ublk) or the kernel's time in queue (loop,
@@ -127,9 +147,13 @@ pub struct HistoryPoint {
     pub at: OffsetDateTime,
     /// Length of the interval, seconds.
     pub secs: f64,
+    /// Reads.
     pub read: OpPoint,
+    /// Writes.
     pub write: OpPoint,
+    /// Flushes.
     pub flush: OpPoint,
+    /// Discards.
     pub discard: OpPoint,
     /// Requests in flight at the end of the interval.
     pub in_flight: u64,
@@ -140,7 +164,9 @@ pub struct HistoryPoint {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StatsHistory {
+    /// The volume's id.
     pub volume_id: Uuid,
+    /// The volume's name.
     pub name: String,
     /// Seconds the service keeps (the most `seconds` can ask for).
     pub kept_secs: u32,
@@ -152,10 +178,15 @@ pub struct StatsHistory {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Percentiles {
+    /// The median.
     pub p50: u64,
+    /// The 90th percentile.
     pub p90: u64,
+    /// The 99th percentile.
     pub p99: u64,
+    /// The 99.9th percentile.
     pub p999: u64,
+    /// The slowest.
     pub max: u64,
     /// Requests measured.
     pub count: u64,
@@ -165,9 +196,13 @@ pub struct Percentiles {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LatencyStats {
+    /// Reads.
     pub read: Percentiles,
+    /// Writes.
     pub write: Percentiles,
+    /// Flushes.
     pub flush: Percentiles,
+    /// Discards.
     pub discard: Percentiles,
 }
 
@@ -192,13 +227,19 @@ pub struct NowaitStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct KernelBlockStats {
+    /// Reads merged into a neighbour in the queue.
     pub read_merges: u64,
+    /// Writes merged into a neighbour in the queue.
     pub write_merges: u64,
+    /// Discards merged into a neighbour in the queue.
     pub discard_merges: u64,
-    /// Milliseconds spent by reads, writes, discards and flushes in the queue.
+    /// Milliseconds reads spent in the queue.
     pub read_ticks_ms: u64,
+    /// Milliseconds writes spent in the queue.
     pub write_ticks_ms: u64,
+    /// Milliseconds discards spent in the queue.
     pub discard_ticks_ms: u64,
+    /// Milliseconds flushes spent in the queue.
     pub flush_ticks_ms: u64,
     /// Milliseconds the device had I/O in flight.
     pub io_ticks_ms: u64,
@@ -216,7 +257,10 @@ pub const LATENCY_BOUNDS_US: [u64; 16] = [
 /// (the last entry counts everything above), sum in microseconds.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LatencyHistogram {
+    /// Requests per bucket of [`LATENCY_BOUNDS_US`], the last above them all.
     pub buckets: Vec<u64>,
+    /// Their latencies added up, microseconds.
     pub sum_us: f64,
+    /// Requests measured.
     pub count: u64,
 }

@@ -7,6 +7,7 @@ use uuid::Uuid;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeviceOpener {
+    /// The process id.
     pub pid: u32,
     /// The process's command name (`/proc/PID/comm`).
     pub command: String,
@@ -17,8 +18,11 @@ pub struct DeviceOpener {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeUsage {
+    /// The volume's id.
     pub volume_id: Uuid,
+    /// The volume's name.
     pub name: String,
+    /// Its device node; `null` while there is none.
     pub device: Option<String>,
     /// Open by a process, mounted, with requests in flight, or with I/O in
     /// the last `recent_secs` seconds.
@@ -30,7 +34,9 @@ pub struct VolumeUsage {
     pub mounts: Vec<String>,
     /// Seconds of history `iops` and `bytes_per_sec` are the mean of.
     pub recent_secs: u32,
+    /// Requests a second, over the last `recent_secs`.
     pub iops: f64,
+    /// Bytes a second, over the last `recent_secs`.
     pub bytes_per_sec: f64,
     /// Requests in flight at the last sample.
     pub in_flight: u64,

@@ -24,10 +24,13 @@ pub struct CreateVolumeRequest {
     pub name: String,
     /// Image id or name.
     pub image: String,
+    /// The backend to make the device with; `auto` picks the best this host has.
     #[serde(default = "default_backend")]
     pub backend: BackendChoice,
+    /// How a ublk or dm volume's I/O reaches its image.
     #[serde(default = "default_dispatch")]
     pub dispatch: DispatchPolicy,
+    /// Create the device read-only (it can never be made writable live).
     #[serde(default)]
     pub read_only: bool,
     /// Hardware queues of the block device, each served by its own thread.
@@ -45,6 +48,7 @@ pub struct CreateVolumeRequest {
     #[serde(default = "default_max_io_bytes")]
     #[cfg_attr(feature = "openapi", schema(schema_with = max_io_bytes_schema))]
     pub max_io_bytes: u32,
+    /// I/O limits (ublk); `null` for none.
     #[serde(default)]
     pub qos: Option<Qos>,
 }
@@ -136,9 +140,13 @@ impl VolumeState {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Volume {
+    /// Stable id.
     pub id: Uuid,
+    /// Unique name: `[a-z0-9][a-z0-9._-]{0,62}`.
     pub name: String,
+    /// The id of the image it serves.
     pub image_id: Uuid,
+    /// The backend its device is made with.
     pub backend: Backend,
     /// The data path in effect now.
     pub dispatch: ActiveDispatch,
@@ -146,16 +154,23 @@ pub struct Volume {
     pub requested_dispatch: DispatchPolicy,
     /// Why `dispatch` is what it is.
     pub dispatch_reason: String,
+    /// Its life-cycle state.
     pub state: VolumeState,
     /// Why the volume is in its state, when that needs saying (`degraded`, `error`).
     pub state_reason: Option<String>,
     /// Device node, e.g. `/dev/loop3`; `null` while there is none.
     pub device: Option<String>,
+    /// Size of the device, bytes.
     pub size_bytes: u64,
+    /// Whether the device refuses writes.
     pub read_only: bool,
+    /// Hardware queues of the device.
     pub queues: u16,
+    /// Depth of each queue.
     pub queue_depth: u16,
+    /// Largest request the device accepts, bytes.
     pub max_io_bytes: u32,
+    /// I/O limits; `null` for none.
     pub qos: Option<Qos>,
     /// Loop volumes: whether the kernel loop driver does direct I/O on the image.
     pub direct_io: Option<bool>,
@@ -171,9 +186,11 @@ pub struct Volume {
     /// The image grew, but the kernel could not resize the device live
     /// (ublk without UPDATE_SIZE): the new size applies at the next attach.
     pub resize_pending: bool,
+    /// When it was created.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: OffsetDateTime,
+    /// When it last changed.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub updated_at: OffsetDateTime,
@@ -184,6 +201,7 @@ pub struct Volume {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PatchVolumeRequest {
+    /// The dispatch policy to switch to (ublk and dm).
     #[serde(default)]
     pub dispatch: Option<DispatchPolicy>,
     /// An object sets limits, `null` removes them.
@@ -194,6 +212,7 @@ pub struct PatchVolumeRequest {
     )]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Qos>))]
     pub qos: Option<Option<Qos>>,
+    /// Refuse (`true`) or allow (`false`) writes (ublk and dm).
     #[serde(default)]
     pub read_only: Option<bool>,
 }
