@@ -34,7 +34,7 @@ impl Api {
 
     /// Every volume.
     pub async fn volumes(&self) -> Result<Vec<Volume>, CsiError> {
-        self.client.volumes().await.map_err(|e| failed(ANY, e))
+        self.client.volumes().await.named(ANY)
     }
 
     /// The image of that name; `None` when there is none.
@@ -45,18 +45,17 @@ impl Api {
     /// Every image.
     pub async fn images(&self) -> Result<Vec<Image>, CsiError> {
         let all = ListImagesQuery::default();
-        self.client.images(&all).await.map_err(|e| failed(ANY, e))
+        self.client.images(&all).await.named(ANY)
     }
 
     /// The host.
     pub async fn host(&self) -> Result<Host, CsiError> {
-        self.client.host().await.map_err(|e| failed(ANY, e))
+        self.client.host().await.named(ANY)
     }
 
     /// Creates image `req.name` (`ready`, or `copying` for a clone).
     pub async fn create_image(&self, req: &CreateImageRequest) -> Result<Image, CsiError> {
-        let r = self.client.create_image(req).await;
-        r.map_err(|e| failed(&req.name, e))
+        self.client.create_image(req).await.named(&req.name)
     }
 
     /// Snapshots image `source` as `req.name` (`ready`, or `copying`).
@@ -65,14 +64,15 @@ impl Api {
         source: &str,
         req: &CreateSnapshotRequest,
     ) -> Result<Image, CsiError> {
-        let r = self.client.snapshot_image(source, req).await;
-        r.map_err(|e| failed(&req.name, e))
+        self.client
+            .snapshot_image(source, req)
+            .await
+            .named(&req.name)
     }
 
     /// Creates volume `req.name` (idempotent by name in the API too).
     pub async fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
-        let r = self.client.create_volume(req).await;
-        r.map_err(|e| failed(&req.name, e))
+        self.client.create_volume(req).await.named(&req.name)
     }
 
     /// Deletes the volume of that name; `false` when there was none.
@@ -93,13 +93,23 @@ impl Api {
         name: &str,
         req: &ResizeImageRequest,
     ) -> Result<ResizeImageResponse, CsiError> {
-        let r = self.client.resize_image(name, req).await;
-        r.map_err(|e| failed(name, e))
+        self.client.resize_image(name, req).await.named(name)
     }
 
     /// Whether the service answers its health check.
     pub async fn healthy(&self) -> bool {
         self.client.health().await.is_ok()
+    }
+}
+
+/// Names the volume a call was for in its error.
+trait Named<T> {
+    fn named(self, volume: &str) -> Result<T, CsiError>;
+}
+
+impl<T> Named<T> for Result<T, client::Error> {
+    fn named(self, volume: &str) -> Result<T, CsiError> {
+        self.map_err(|e| failed(volume, e))
     }
 }
 

@@ -427,60 +427,22 @@ mod tests {
     /// Each value a flag lists reads as the API's value of that name.
     #[test]
     fn listed_values_are_api_spellings() {
-        let parse = |args: &[&str]| Cli::try_parse_from(args).map_err(|e| e.to_string());
+        let parse = |args: &str| Cli::try_parse_from(args.split(' ')).map_err(|e| e.to_string());
         for b in ["auto", "loop", "ublk", "dm"] {
-            let args = [
-                "bp",
-                "volume",
-                "create",
-                "v",
-                "--image",
-                "i",
-                "--backend",
-                b,
-            ];
-            assert!(parse(&args).is_ok(), "{b}");
+            let args = format!("bp volume create v --image i --backend {b}");
+            assert!(parse(&args).is_ok(), "{args}");
         }
         for d in DISPATCH {
-            assert!(
-                parse(&[
-                    "bp",
-                    "volume",
-                    "create",
-                    "v",
-                    "--image",
-                    "i",
-                    "--dispatch",
-                    d
-                ])
-                .is_ok()
-            );
-            assert!(parse(&["bp", "volume", "set", "v", "--dispatch", d]).is_ok());
+            let args = format!("bp volume create v --image i --dispatch {d}");
+            assert!(parse(&args).is_ok(), "{args}");
+            let args = format!("bp volume set v --dispatch {d}");
+            assert!(parse(&args).is_ok(), "{args}");
         }
         for a in ["sparse", "full"] {
-            let args = [
-                "bp",
-                "image",
-                "create",
-                "i",
-                "/p",
-                "--size",
-                "1M",
-                "--allocation",
-                a,
-            ];
-            assert!(parse(&args).is_ok(), "{a}");
+            let args = format!("bp image create i /p --size 1M --allocation {a}");
+            assert!(parse(&args).is_ok(), "{args}");
         }
-        let big = [
-            "bp",
-            "volume",
-            "create",
-            "v",
-            "--image",
-            "i",
-            "--max-io-bytes",
-            "8G",
-        ];
-        assert!(parse(&big).unwrap_err().contains("at most 1 MiB"));
+        let big = parse("bp volume create v --image i --max-io-bytes 8G").unwrap_err();
+        assert!(big.contains("at most 1 MiB"), "{big}");
     }
 }
