@@ -62,16 +62,16 @@ impl Client {
         self.exchange(method, path, None).await.map(drop)
     }
 
+    /// A request whose 2xx answer is a `T`.
     async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<T, Error> {
-        let request = format!("{method} {path}");
-        let (status, bytes) = self.exchange(method, path, body).await?;
+        let (status, bytes) = self.exchange(method.clone(), path, body).await?;
         serde_json::from_slice(&bytes).map_err(|source| Error::Unexpected {
-            request,
+            request: format!("{method} {path}"),
             status,
             source,
         })
@@ -84,12 +84,11 @@ impl Client {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<(StatusCode, Bytes), Error> {
-        let request = format!("{method} {path}");
-        let (status, bytes) = self.transport.exchange(method, path, body).await?;
+        let (status, bytes) = self.transport.exchange(method.clone(), path, body).await?;
         if status.is_success() {
             Ok((status, bytes))
         } else {
-            Err(Error::answer(request, status, &bytes))
+            Err(Error::answer(format!("{method} {path}"), status, &bytes))
         }
     }
 }
