@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use blockplane_api::client::{Client, Endpoint};
+use blockplane_api::client::{Endpoint, Transport};
 use hyper::{Method, StatusCode};
 
 use crate::harness::{BIN, Opts, Service, assert_error, check_against_openapi};
@@ -26,9 +26,9 @@ async fn with_a_token_everything_but_healthz_needs_it() {
     })
     .await;
     for endpoint in [Endpoint::Unix(s.sock.clone()), Endpoint::Tcp(addr.clone())] {
-        let anon = Client::new(endpoint.clone(), None);
-        let wrong = Client::new(endpoint.clone(), Some("wrong".into()));
-        let right = Client::new(endpoint.clone(), Some(token.into()));
+        let anon = Transport::new(endpoint.clone(), None);
+        let wrong = Transport::new(endpoint.clone(), Some("wrong".into()));
+        let right = Transport::new(endpoint.clone(), Some(token.into()));
         for path in [
             "/v1/host",
             "/v1/images",
@@ -93,7 +93,7 @@ async fn insecure_tcp_on_loopback_works_and_the_socket_is_private() {
         ..Default::default()
     })
     .await;
-    let a = Client::new(Endpoint::Tcp(addr), None)
+    let a = Transport::new(Endpoint::Tcp(addr), None)
         .send(Method::GET, "/v1/host", None)
         .await
         .unwrap();

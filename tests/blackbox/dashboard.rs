@@ -6,7 +6,7 @@ use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use blockplane_api::client::{Client, Endpoint};
+use blockplane_api::client::{Endpoint, Transport};
 use hyper::{Method, StatusCode};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -83,7 +83,7 @@ async fn the_dashboard_files_load_without_a_token_and_nothing_else_does() {
 
     // Everything else still needs the token: the API, other paths under
     // /dashboard/, and other methods on the files' paths.
-    let anon = Client::new(Endpoint::Unix(s.sock.clone()), None);
+    let anon = Transport::new(Endpoint::Unix(s.sock.clone()), None);
     for (method, path) in [
         (Method::GET, "/v1/volumes"),
         (Method::GET, "/v1/events/stream"),
@@ -176,11 +176,11 @@ async fn the_port_forward_carries_requests_and_streams_events() {
     let (status, _, html) = raw(f.conn().await, "GET", "/", &[]).await;
     assert_eq!(status, 200);
     assert!(html.contains("/dashboard/app.js"));
-    let anon = Client::new(Endpoint::Tcp(f.addr.clone()), None);
+    let anon = Transport::new(Endpoint::Tcp(f.addr.clone()), None);
     let a = anon.send(Method::GET, "/v1/host", None).await.unwrap();
     check_against_openapi(&Method::GET, "/v1/host", &a);
     assert_error(&a, 401, "unauthorized");
-    let c = Client::new(Endpoint::Tcp(f.addr.clone()), Some(TOKEN.into()));
+    let c = Transport::new(Endpoint::Tcp(f.addr.clone()), Some(TOKEN.into()));
     let a = c.send(Method::GET, "/v1/host", None).await.unwrap();
     check_against_openapi(&Method::GET, "/v1/host", &a);
     assert_eq!(a.status, StatusCode::OK);
@@ -258,18 +258,18 @@ async fn the_port_forward_guards_itself() {
     // With a token, the forward itself requires it (but not for the files).
     let s = Service::start().await;
     let f = Forward::start(&s, &[], Some("forward-token"));
-    let anon = Client::new(Endpoint::Tcp(f.addr.clone()), None);
+    let anon = Transport::new(Endpoint::Tcp(f.addr.clone()), None);
     let a = anon.send(Method::GET, "/v1/volumes", None).await.unwrap();
     assert_error(&a, 401, "unauthorized");
     let (status, _, _) = raw(f.conn().await, "GET", "/dashboard/app.js", &[]).await;
     assert_eq!(status, 200);
-    let c = Client::new(Endpoint::Tcp(f.addr.clone()), Some("forward-token".into()));
+    let c = Transport::new(Endpoint::Tcp(f.addr.clone()), Some("forward-token".into()));
     let a = c.send(Method::GET, "/v1/volumes", None).await.unwrap();
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
 
     // An API that is not there is a 502 that says where it looked.
     let f = Forward::start_to("unix:/nonexistent/blockplane.sock", &[], None);
-    let anon = Client::new(Endpoint::Tcp(f.addr.clone()), None);
+    let anon = Transport::new(Endpoint::Tcp(f.addr.clone()), None);
     let a = anon.send(Method::GET, "/v1/volumes", None).await.unwrap();
     assert_eq!(a.status, StatusCode::BAD_GATEWAY);
     assert_eq!(a.body["error"]["code"], "api_unreachable");

@@ -7,7 +7,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use blockplane_api::client::{Answer, Client, Endpoint};
+use blockplane_api::client::{Answer, Endpoint, Transport};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
@@ -278,8 +278,8 @@ impl Service {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn raw_client(&self) -> Client {
-        Client::new(Endpoint::Unix(self.sock.clone()), self.opts.token.clone())
+    fn raw_client(&self) -> Transport {
+        Transport::new(Endpoint::Unix(self.sock.clone()), self.opts.token.clone())
     }
 
     /// Sends a request, checks the answer against openapi.json, returns it.

@@ -27,7 +27,7 @@ async fn crash_during_create(point: &str) -> Service {
     s.wait_ready().await;
     let sock = s.sock.clone();
     let answer =
-        blockplane_api::client::Client::new(blockplane_api::client::Endpoint::Unix(sock), None)
+        blockplane_api::client::Transport::new(blockplane_api::client::Endpoint::Unix(sock), None)
             .send(
                 hyper::Method::POST,
                 "/v1/volumes",
@@ -84,7 +84,7 @@ async fn killed_between_device_removed_and_row_deleted() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_detach")]);
     s.wait_ready().await;
-    let r = blockplane_api::client::Client::new(
+    let r = blockplane_api::client::Transport::new(
         blockplane_api::client::Endpoint::Unix(s.sock.clone()),
         None,
     )
@@ -110,7 +110,7 @@ async fn killed_between_a_resize_and_its_record() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
     s.wait_ready().await;
-    let r = blockplane_api::client::Client::new(
+    let r = blockplane_api::client::Transport::new(
         blockplane_api::client::Endpoint::Unix(s.sock.clone()),
         None,
     )
@@ -198,7 +198,7 @@ async fn sigterm_drains_and_leaves_devices() {
     // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image.
     // Its file appearing means the service is in it.
     let slow = s.images.join("slow.img");
-    let client = blockplane_api::client::Client::new(
+    let client = blockplane_api::client::Transport::new(
         blockplane_api::client::Endpoint::Unix(s.sock.clone()),
         None,
     );

@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde_json::json;
 use tonic::{Request, Response, Status};
 
 use super::capability::{self, Access};
@@ -30,7 +29,9 @@ use super::proto::{
 };
 use super::snapshots::{self, Source};
 use super::{Driver, TOPOLOGY_KEY};
-use blockplane_api::model::{self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos};
+use blockplane_api::model::{
+    self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos, parse_wire,
+};
 use blockplane_system::mountinfo;
 
 /// The Controller service.
@@ -65,9 +66,6 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         volume: volume.to_string(),
         reason,
     };
-    fn api_value<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
-        serde_json::from_value(json!(v)).ok()
-    }
     let mut p = Params {
         backend: BackendChoice::Auto,
         dispatch: DispatchPolicy::Auto,
@@ -90,21 +88,21 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         };
         match k.as_str() {
             "backend" => {
-                p.backend = api_value(v).ok_or_else(|| {
+                p.backend = parse_wire(v).ok_or_else(|| {
                     invalid(format!(
                         "parameter backend='{v}' is not one of auto, loop, ublk, dm"
                     ))
                 })?
             }
             "dispatch" => {
-                p.dispatch = api_value(v).ok_or_else(|| {
+                p.dispatch = parse_wire(v).ok_or_else(|| {
                     invalid(format!(
                         "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct"
                     ))
                 })?
             }
             "allocation" => {
-                p.allocation = api_value(v).ok_or_else(|| {
+                p.allocation = parse_wire(v).ok_or_else(|| {
                     invalid(format!("parameter allocation='{v}' is not sparse or full"))
                 })?
             }
@@ -285,10 +283,17 @@ impl ControllerService {
         if !ready {
             let root = d.image_root(&req.name).await?;
             let path = root.join(format!("{name}.img")).display().to_string();
-            let clone_from = src.as_ref().map(|s| s.name.as_str());
             let image = d
                 .api
-                .create_image(&name, &path, size, params.allocation, clone_from)
+                .create_image(&model::CreateImageRequest {
+                    name: name.clone(),
+                    path,
+                    create: Some(model::CreateImageFile {
+                        size_bytes: size,
+                        allocation: params.allocation,
+                    }),
+                    clone_from: src.as_ref().map(|s| s.name.clone()),
+                })
                 .await?;
             if image.state == ImageState::Copying {
                 return Err(snapshots::pending(&req.name, &image));
@@ -724,7 +729,8 @@ impl Controller for ControllerService {
                 if v.size_bytes >= size {
                     return Ok(v.size_bytes);
                 }
-                let answer = d.api.resize_image(&name, size).await?;
+                let grow = model::ResizeImageRequest { size_bytes: size };
+                let answer = d.api.resize_image(&name, &grow).await?;
                 if let Some(r) = answer.volumes.iter().find(|r| r.volume_id == v.id)
                     && r.resize_pending
                 {

@@ -5,7 +5,8 @@
 use hyper::StatusCode;
 use tonic::Code;
 
-use blockplane_api::client::ClientError;
+use blockplane_api::client;
+use blockplane_api::model::ErrorCode;
 
 /// Why a CSI call failed. Each message names the volume (or path) and the
 /// rule that refused it.
@@ -70,7 +71,7 @@ pub enum CsiError {
         volume: String,
         request: String,
         status: StatusCode,
-        code: String,
+        code: ErrorCode,
         message: String,
     },
     /// The blockplane API could not be reached.
@@ -78,7 +79,7 @@ pub enum CsiError {
     Unreachable {
         volume: String,
         #[source]
-        source: ClientError,
+        source: client::Error,
     },
     /// A mount, unmount or file operation failed.
     #[error("volume '{volume}': {op} {path}: {source}")]
@@ -149,29 +150,33 @@ impl From<CsiError> for tonic::Status {
 }
 
 /// The gRPC code for an error answer of the blockplane API: its HTTP status
-/// and its stable `code` (see `api::error` in the service).
-pub fn api_code(status: StatusCode, code: &str) -> Code {
+/// and its stable `code`.
+pub fn api_code(status: StatusCode, code: &ErrorCode) -> Code {
+    use ErrorCode as C;
     match status.as_u16() {
         404 => Code::NotFound,
         // A conflict with something that exists by that name is ALREADY_EXISTS;
         // a conflict with the object's state (a device in use, an image that a
         // volume uses, a volume without a device) is a precondition.
         409 => match code {
-            "device_busy"
-            | "image_in_use"
-            | "volume_state"
-            | "image_replaced"
-            | "image_not_ready"
-            | "copy_source_busy"
-            | "volume_attached_snapshot_unsupported" => Code::FailedPrecondition,
+            C::DeviceBusy
+            | C::ImageInUse
+            | C::VolumeState
+            | C::ImageReplaced
+            | C::ImageNotReady
+            | C::CopySourceBusy
+            | C::VolumeAttachedSnapshotUnsupported => Code::FailedPrecondition,
             _ => Code::AlreadyExists,
         },
         // 422 is a request the API understood and cannot carry out: a field
         // out of its range is the caller's argument; a backend, policy or file
         // this host cannot use is the host's state.
         422 => match code {
-            "invalid_name" | "invalid_field" | "invalid_size" | "shrink_refused"
-            | "unsupported" => Code::InvalidArgument,
+            C::InvalidName
+            | C::InvalidField
+            | C::InvalidSize
+            | C::ShrinkRefused
+            | C::Unsupported => Code::InvalidArgument,
             _ => Code::FailedPrecondition,
         },
         503 => Code::Unavailable,
@@ -189,25 +194,29 @@ mod tests {
 
     #[test]
     fn api_answers_map_to_the_codes_the_spec_names() {
+        use ErrorCode as C;
         let s = |n| StatusCode::from_u16(n).unwrap();
-        assert_eq!(api_code(s(404), "volume_not_found"), Code::NotFound);
-        assert_eq!(api_code(s(409), "volume_exists"), Code::AlreadyExists);
-        assert_eq!(api_code(s(409), "name_taken"), Code::AlreadyExists);
-        assert_eq!(api_code(s(409), "device_busy"), Code::FailedPrecondition);
-        assert_eq!(api_code(s(409), "image_in_use"), Code::FailedPrecondition);
+        assert_eq!(api_code(s(404), &C::VolumeNotFound), Code::NotFound);
+        assert_eq!(api_code(s(409), &C::VolumeExists), Code::AlreadyExists);
+        assert_eq!(api_code(s(409), &C::NameTaken), Code::AlreadyExists);
+        assert_eq!(api_code(s(409), &C::DeviceBusy), Code::FailedPrecondition);
+        assert_eq!(api_code(s(409), &C::ImageInUse), Code::FailedPrecondition);
         assert_eq!(
-            api_code(s(409), "volume_attached_snapshot_unsupported"),
+            api_code(s(409), &C::VolumeAttachedSnapshotUnsupported),
             Code::FailedPrecondition
         );
-        assert_eq!(api_code(s(422), "invalid_field"), Code::InvalidArgument);
-        assert_eq!(api_code(s(422), "unsupported"), Code::InvalidArgument);
+        assert_eq!(api_code(s(422), &C::InvalidField), Code::InvalidArgument);
+        assert_eq!(api_code(s(422), &C::Unsupported), Code::InvalidArgument);
         assert_eq!(
-            api_code(s(422), "backend_unavailable"),
+            api_code(s(422), &C::BackendUnavailable),
             Code::FailedPrecondition
         );
-        assert_eq!(api_code(s(503), "unavailable"), Code::Unavailable);
-        assert_eq!(api_code(s(507), "no_space"), Code::ResourceExhausted);
-        assert_eq!(api_code(s(500), "internal"), Code::Internal);
-        assert_eq!(api_code(s(400), "invalid_json"), Code::Internal);
+        assert_eq!(api_code(s(503), &C::Overloaded), Code::Unavailable);
+        assert_eq!(api_code(s(507), &C::NoSpace), Code::ResourceExhausted);
+        assert_eq!(api_code(s(500), &C::Internal), Code::Internal);
+        assert_eq!(api_code(s(400), &C::InvalidBody), Code::Internal);
+        // A newer service's code is mapped by its status.
+        let newer = C::Unknown("from_the_future".into());
+        assert_eq!(api_code(s(409), &newer), Code::AlreadyExists);
     }
 }

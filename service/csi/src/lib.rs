@@ -7,14 +7,16 @@
 //! and each volume is accessible from its node alone (topology key
 //! [`TOPOLOGY_KEY`]). A CSI volume is a blockplane image file (under an image
 //! root) and a blockplane volume serving it, both named after the CSI name
-//! ([`naming`]).
+//! (module `naming`).
 //!
-//! Modules: [`identity`], [`controller`] and [`node`] are the three services;
-//! [`errors`] maps every failure, and the API's answers, to a gRPC code;
-//! [`mount`] holds the mount and filesystem helpers; [`api`] the typed API
-//! calls; [`capability`] reads volume capabilities; [`snapshots`] makes
-//! snapshots and clones; [`inflight`] allows one
-//! call per volume at a time.
+//! Modules: `identity`, `controller` and `node` are the three services;
+//! `errors` maps every failure, and the API's answers, to a gRPC code;
+//! [`mount`] holds the mount and filesystem helpers; `api` is the typed
+//! client with the volume named in its errors; `capability` reads volume
+//! capabilities; `snapshots` makes snapshots and clones; `inflight` allows
+//! one call per volume at a time.
+
+#![warn(missing_docs)]
 
 mod api;
 mod authority;
@@ -78,24 +80,32 @@ pub struct CsiArgs {
 /// What keeps `blockplane csi` from serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// No node id was given.
     #[error("--node-id is empty")]
     NoNodeId,
+    /// A node id that cannot be part of a volume id.
     #[error(
         "--node-id '{0}' is too long or contains '/': a node id has at most {max} bytes so that volume ids fit the CSI limit of {limit}",
         max = naming::MAX_NODE_ID,
         limit = naming::MAX_VOLUME_ID
     )]
     BadNodeId(String),
+    /// A CSI endpoint that is not a unix socket.
     #[error("--endpoint '{0}': only unix sockets are served (unix:///path/csi.sock)")]
     Endpoint(String),
+    /// An API address the client cannot use.
     #[error("API address: {0}")]
-    Api(#[from] blockplane_api::client::ClientError),
+    Api(#[from] blockplane_api::client::Error),
+    /// The CSI socket cannot be made.
     #[error("socket {path}: {source}")]
     Socket {
+        /// The socket's path.
         path: String,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
+    /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }

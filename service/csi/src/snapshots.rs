@@ -191,7 +191,8 @@ pub async fn create(
         tracing::info!(snapshot = %name, reason = ?existing.state_reason, "taking a failed snapshot again");
         d.api.delete_image(&name).await?;
     }
-    let image = d.api.snapshot_image(&source, &name).await?;
+    let req = model::CreateSnapshotRequest { name: name.clone() };
+    let image = d.api.snapshot_image(&source, &req).await?;
     tracing::info!(snapshot = %name, %source, method = ?image.method, state = ?image.state, "snapshot created");
     Ok(image)
 }

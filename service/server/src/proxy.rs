@@ -22,7 +22,7 @@ use hyper_util::rt::TokioIo;
 use subtle::ConstantTimeEq;
 
 use blockplane_api::client::Endpoint;
-use blockplane_api::model::{ErrorBody, ErrorDetail};
+use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
 
 /// Why the forward could not start.
 #[derive(Debug, thiserror::Error)]
@@ -145,12 +145,9 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
 }
 
-fn error(status: StatusCode, code: &str, message: String) -> Response {
+fn error(status: StatusCode, code: ErrorCode, message: String) -> Response {
     let body = ErrorBody {
-        error: ErrorDetail {
-            code: code.into(),
-            message,
-        },
+        error: ErrorDetail { code, message },
     };
     (status, axum::Json(body)).into_response()
 }
@@ -184,7 +181,7 @@ async fn forward(State(cfg): State<Arc<ProxyConfig>>, req: Request) -> Response 
         None if !loopback_host(req.headers()) => {
             return error(
                 StatusCode::FORBIDDEN,
-                "forbidden_host",
+                ErrorCode::ForbiddenHost,
                 "this port-forward answers only requests for localhost, 127.0.0.1 or [::1]; \
                  start it with --token to serve other names"
                     .into(),
@@ -193,7 +190,7 @@ async fn forward(State(cfg): State<Arc<ProxyConfig>>, req: Request) -> Response 
         Some(t) if !crate::http::is_public_asset(&req) && !token_ok(req.headers(), t) => {
             let mut r = error(
                 StatusCode::UNAUTHORIZED,
-                "unauthorized",
+                ErrorCode::Unauthorized,
                 "this request needs the header 'Authorization: Bearer <token>' with the token the dashboard port-forward was started with".into(),
             );
             r.headers_mut()
@@ -214,7 +211,7 @@ async fn forward(State(cfg): State<Arc<ProxyConfig>>, req: Request) -> Response 
     match send(&cfg.upstream, req).await {
         Ok(resp) => resp,
         Err(_) if local.is_some() => crate::dashboard::serve(local.expect("checked")),
-        Err(e) => error(StatusCode::BAD_GATEWAY, "api_unreachable", e),
+        Err(e) => error(StatusCode::BAD_GATEWAY, ErrorCode::ApiUnreachable, e),
     }
 }
 

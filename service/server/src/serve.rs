@@ -292,7 +292,7 @@ async fn serve_listener<L>(
 fn answer_header_timeout(socket: &OwnedFd, timeout: Duration) {
     let body = serde_json::to_string(&blockplane_api::model::ErrorBody {
         error: blockplane_api::model::ErrorDetail {
-            code: "request_timeout".into(),
+            code: blockplane_api::model::ErrorCode::RequestTimeout,
             message: format!(
                 "the request's headers did not arrive within {} s (--header-timeout-secs)",
                 timeout.as_secs()

@@ -311,7 +311,7 @@ impl Vm {
     /// Sends a request the service (started with a test fault) must die in
     /// the middle of; returns once it is dead.
     pub async fn dies_in(&mut self, method: hyper::Method, path: &str, body: Option<Value>) {
-        let client = blockplane_api::client::Client::new(
+        let client = blockplane_api::client::Transport::new(
             blockplane_api::client::Endpoint::Unix(self.s.sock.clone()),
             None,
         );

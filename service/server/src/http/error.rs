@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::backend::BackendError;
 use crate::manager::Error;
-use blockplane_api::model::{ErrorBody, ErrorDetail};
+use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
 use blockplane_system::image::ImageFileError;
 
 /// An error response.
@@ -19,7 +19,7 @@ pub enum ApiError {
     /// The request itself is malformed (body, query, content type).
     BadRequest {
         status: StatusCode,
-        code: &'static str,
+        code: ErrorCode,
         message: String,
     },
     /// Missing or wrong bearer token.
@@ -34,85 +34,88 @@ impl From<Error> for ApiError {
     }
 }
 
-fn backend(e: &BackendError) -> (StatusCode, &'static str) {
+fn backend(e: &BackendError) -> (StatusCode, ErrorCode) {
+    use ErrorCode as C;
     match e {
         BackendError::Unavailable { .. } => {
-            (StatusCode::UNPROCESSABLE_ENTITY, "backend_unavailable")
+            (StatusCode::UNPROCESSABLE_ENTITY, C::BackendUnavailable)
         }
-        BackendError::Unsupported { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "unsupported"),
-        BackendError::NotLive { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "not_live"),
-        BackendError::Refused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "refused"),
-        BackendError::Busy { .. } => (StatusCode::CONFLICT, "device_busy"),
-        BackendError::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "device_error"),
+        BackendError::Unsupported { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::Unsupported),
+        BackendError::NotLive { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::NotLive),
+        BackendError::Refused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::Refused),
+        BackendError::Busy { .. } => (StatusCode::CONFLICT, C::DeviceBusy),
+        BackendError::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
     }
 }
 
-fn image_file(e: &ImageFileError) -> (StatusCode, &'static str) {
+fn image_file(e: &ImageFileError) -> (StatusCode, ErrorCode) {
+    use ErrorCode as C;
     use ImageFileError as E;
     match e {
         E::NotAbsolute { .. } | E::OutsideRoots { .. } => {
-            (StatusCode::FORBIDDEN, "path_outside_roots")
+            (StatusCode::FORBIDDEN, C::PathOutsideRoots)
         }
-        E::DotDot { .. } => (StatusCode::FORBIDDEN, "path_parent_reference"),
-        E::Nul { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "path_contains_nul"),
-        E::NameTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "file_name_too_long"),
-        E::PathTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "path_too_long"),
-        E::Symlink { .. } => (StatusCode::FORBIDDEN, "path_symlink"),
-        E::OtherFilesystem { .. } => (StatusCode::FORBIDDEN, "path_crosses_mount"),
-        E::ForeignOwner { .. } => (StatusCode::FORBIDDEN, "foreign_owner"),
-        E::NotFound { .. } => (StatusCode::NOT_FOUND, "file_not_found"),
-        E::ParentMissing { .. } => (StatusCode::NOT_FOUND, "directory_not_found"),
-        E::NotRegular { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "not_regular_file"),
-        E::HardLinks { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "hard_links"),
-        E::LooseMode { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "loose_permissions"),
-        E::BadSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_size"),
-        E::TooLarge { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "too_large"),
-        E::Exists { .. } => (StatusCode::CONFLICT, "file_exists"),
-        E::Replaced { .. } => (StatusCode::CONFLICT, "image_replaced"),
-        E::NoSpace { .. } => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
-        E::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "io_error"),
+        E::DotDot { .. } => (StatusCode::FORBIDDEN, C::PathParentReference),
+        E::Nul { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::PathContainsNul),
+        E::NameTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::FileNameTooLong),
+        E::PathTooLong { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::PathTooLong),
+        E::Symlink { .. } => (StatusCode::FORBIDDEN, C::PathSymlink),
+        E::OtherFilesystem { .. } => (StatusCode::FORBIDDEN, C::PathCrossesMount),
+        E::ForeignOwner { .. } => (StatusCode::FORBIDDEN, C::ForeignOwner),
+        E::NotFound { .. } => (StatusCode::NOT_FOUND, C::FileNotFound),
+        E::ParentMissing { .. } => (StatusCode::NOT_FOUND, C::DirectoryNotFound),
+        E::NotRegular { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::NotRegularFile),
+        E::HardLinks { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::HardLinks),
+        E::LooseMode { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::LoosePermissions),
+        E::BadSize { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidSize),
+        E::TooLarge { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::TooLarge),
+        E::Exists { .. } => (StatusCode::CONFLICT, C::FileExists),
+        E::Replaced { .. } => (StatusCode::CONFLICT, C::ImageReplaced),
+        E::NoSpace { .. } => (StatusCode::INSUFFICIENT_STORAGE, C::NoSpace),
+        E::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::IoError),
     }
 }
 
 impl ApiError {
     /// The status and stable code of this error.
-    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+    pub fn status_and_code(&self) -> (StatusCode, ErrorCode) {
+        use ErrorCode as C;
         use StatusCode as S;
         match self {
-            ApiError::BadRequest { status, code, .. } => (*status, code),
-            ApiError::Unauthorized => (S::UNAUTHORIZED, "unauthorized"),
-            ApiError::NoRoute { status, .. } => (*status, "no_route"),
+            ApiError::BadRequest { status, code, .. } => (*status, code.clone()),
+            ApiError::Unauthorized => (S::UNAUTHORIZED, C::Unauthorized),
+            ApiError::NoRoute { status, .. } => (*status, C::NoRoute),
             ApiError::Manager(e) => match e {
-                Error::InvalidName { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_name"),
-                Error::InvalidField { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_field"),
-                Error::ImageNotFound(_) => (S::NOT_FOUND, "image_not_found"),
-                Error::VolumeNotFound(_) => (S::NOT_FOUND, "volume_not_found"),
-                Error::OrphanNotFound(_) => (S::NOT_FOUND, "orphan_not_found"),
-                Error::VolumeLimit { .. } => (S::UNPROCESSABLE_ENTITY, "volume_limit"),
-                Error::ImageNameTaken { .. } => (S::CONFLICT, "name_taken"),
-                Error::AlreadyRegistered { .. } => (S::UNPROCESSABLE_ENTITY, "already_registered"),
-                Error::ImageInUse { .. } => (S::CONFLICT, "image_in_use"),
-                Error::ImageReplaced { .. } => (S::CONFLICT, "image_replaced"),
-                Error::Overcommit { .. } => (S::INSUFFICIENT_STORAGE, "overcommit_refused"),
-                Error::ImageLocked { .. } => (S::CONFLICT, "image_locked"),
-                Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, "shrink_refused"),
-                Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, "no_space"),
-                Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, "not_allocatable"),
-                Error::AllocateConflict { .. } => (S::CONFLICT, "allocate_conflict"),
-                Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, "image_read_only"),
-                Error::ImageNotReady { .. } => (S::CONFLICT, "image_not_ready"),
-                Error::CopySource { .. } => (S::CONFLICT, "copy_source_busy"),
+                Error::InvalidName { .. } => (S::UNPROCESSABLE_ENTITY, C::InvalidName),
+                Error::InvalidField { .. } => (S::UNPROCESSABLE_ENTITY, C::InvalidField),
+                Error::ImageNotFound(_) => (S::NOT_FOUND, C::ImageNotFound),
+                Error::VolumeNotFound(_) => (S::NOT_FOUND, C::VolumeNotFound),
+                Error::OrphanNotFound(_) => (S::NOT_FOUND, C::OrphanNotFound),
+                Error::VolumeLimit { .. } => (S::UNPROCESSABLE_ENTITY, C::VolumeLimit),
+                Error::ImageNameTaken { .. } => (S::CONFLICT, C::NameTaken),
+                Error::AlreadyRegistered { .. } => (S::UNPROCESSABLE_ENTITY, C::AlreadyRegistered),
+                Error::ImageInUse { .. } => (S::CONFLICT, C::ImageInUse),
+                Error::ImageReplaced { .. } => (S::CONFLICT, C::ImageReplaced),
+                Error::Overcommit { .. } => (S::INSUFFICIENT_STORAGE, C::OvercommitRefused),
+                Error::ImageLocked { .. } => (S::CONFLICT, C::ImageLocked),
+                Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, C::ShrinkRefused),
+                Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, C::NoSpace),
+                Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, C::NotAllocatable),
+                Error::AllocateConflict { .. } => (S::CONFLICT, C::AllocateConflict),
+                Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, C::ImageReadOnly),
+                Error::ImageNotReady { .. } => (S::CONFLICT, C::ImageNotReady),
+                Error::CopySource { .. } => (S::CONFLICT, C::CopySourceBusy),
                 Error::SnapshotAttached { .. } => {
-                    (S::CONFLICT, "volume_attached_snapshot_unsupported")
+                    (S::CONFLICT, C::VolumeAttachedSnapshotUnsupported)
                 }
-                Error::VolumeExists { .. } => (S::CONFLICT, "volume_exists"),
-                Error::VolumeState { .. } => (S::CONFLICT, "volume_state"),
+                Error::VolumeExists { .. } => (S::CONFLICT, C::VolumeExists),
+                Error::VolumeState { .. } => (S::CONFLICT, C::VolumeState),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),
                 Error::ImageFile(e) => image_file(e),
-                Error::Store(e) if e.is_full() => (S::INSUFFICIENT_STORAGE, "storage_full"),
-                Error::Store(_) => (S::INTERNAL_SERVER_ERROR, "database_error"),
-                Error::StoreUnwritable(_) => (S::SERVICE_UNAVAILABLE, "store_unwritable"),
-                Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal"),
+                Error::Store(e) if e.is_full() => (S::INSUFFICIENT_STORAGE, C::StorageFull),
+                Error::Store(_) => (S::INTERNAL_SERVER_ERROR, C::DatabaseError),
+                Error::StoreUnwritable(_) => (S::SERVICE_UNAVAILABLE, C::StoreUnwritable),
+                Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, C::Internal),
             },
         }
     }
@@ -136,15 +139,12 @@ impl IntoResponse for ApiError {
         let (status, code) = self.status_and_code();
         let message = self.message();
         if status.is_server_error() {
-            tracing::error!(%status, code, %message, "request failed");
+            tracing::error!(%status, %code, %message, "request failed");
         } else {
-            tracing::debug!(%status, code, %message, "request refused");
+            tracing::debug!(%status, %code, %message, "request refused");
         }
         let body = ErrorBody {
-            error: ErrorDetail {
-                code: code.to_string(),
-                message,
-            },
+            error: ErrorDetail { code, message },
         };
         let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::UNAUTHORIZED {

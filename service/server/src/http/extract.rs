@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde::de::{DeserializeOwned, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 
 use super::error::ApiError;
+use blockplane_api::model::ErrorCode;
 
 /// A JSON body; malformed JSON, wrong types and unknown fields are 400.
 pub struct ApiJson<T>(pub T);
@@ -26,7 +27,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
         if !value.is_object() {
             return Err(ApiError::BadRequest {
                 status: StatusCode::BAD_REQUEST,
-                code: "invalid_body",
+                code: ErrorCode::InvalidBody,
                 message: "the request body must be a JSON object".into(),
             });
         }
@@ -34,7 +35,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             .map(ApiJson)
             .map_err(|e| ApiError::BadRequest {
                 status: StatusCode::BAD_REQUEST,
-                code: "invalid_body",
+                code: ErrorCode::InvalidBody,
                 message: format!("Failed to deserialize the JSON body into the target type: {e}"),
             })
     }
@@ -131,13 +132,14 @@ fn integral(v: f64) -> serde_json::Value {
 
 fn json_rejection(r: JsonRejection) -> ApiError {
     let (status, code) = match &r {
-        JsonRejection::MissingJsonContentType(_) => {
-            (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
-        }
+        JsonRejection::MissingJsonContentType(_) => (
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::UnsupportedMediaType,
+        ),
         JsonRejection::BytesRejection(_) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
+            (StatusCode::PAYLOAD_TOO_LARGE, ErrorCode::BodyTooLarge)
         }
-        _ => (StatusCode::BAD_REQUEST, "invalid_body"),
+        _ => (StatusCode::BAD_REQUEST, ErrorCode::InvalidBody),
     };
     ApiError::BadRequest {
         status,
@@ -163,7 +165,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
 fn query_rejection(r: QueryRejection) -> ApiError {
     ApiError::BadRequest {
         status: StatusCode::BAD_REQUEST,
-        code: "invalid_query",
+        code: ErrorCode::InvalidQuery,
         message: r.body_text(),
     }
 }

@@ -25,6 +25,8 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use blockplane_api::model::ErrorCode;
+
 use crate::config::Limits;
 use crate::manager::{self, Operations};
 use error::ApiError;
@@ -279,7 +281,7 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
     let overloaded = |what: &str| {
         ApiError::BadRequest {
             status: StatusCode::SERVICE_UNAVAILABLE,
-            code: "overloaded",
+            code: ErrorCode::Overloaded,
             message: format!("too many {what} at once; retry shortly"),
         }
         .into_response()
@@ -310,7 +312,7 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
     match tokio::time::timeout(a.timeout, next.run(req)).await {
         Ok(_) if timed_out.load(std::sync::atomic::Ordering::Relaxed) => ApiError::BadRequest {
             status: StatusCode::REQUEST_TIMEOUT,
-            code: "body_timeout",
+            code: ErrorCode::BodyTimeout,
             message: format!(
                 "the request body arrived slower than {MIN_BODY_BYTES_PER_SEC} bytes/s after the first {} s; nothing was done",
                 a.body_grace.as_secs()
@@ -320,7 +322,7 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
         Ok(resp) => resp,
         Err(_) => ApiError::BadRequest {
             status: StatusCode::REQUEST_TIMEOUT,
-            code: "request_timeout",
+            code: ErrorCode::RequestTimeout,
             message: format!(
                 "no answer within {} s; an operation started by this request still completes (see GET /v1/events)",
                 a.timeout.as_secs()

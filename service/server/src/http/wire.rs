@@ -11,19 +11,20 @@ use std::task::{Context, Poll};
 use axum::http::StatusCode;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use blockplane_api::model::{ErrorBody, ErrorDetail};
+use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
 
 /// The stable code of an error answer made outside the API's handlers.
-pub fn code_of(status: StatusCode) -> &'static str {
+pub fn code_of(status: StatusCode) -> ErrorCode {
+    use ErrorCode as C;
     match status.as_u16() {
-        400 => "invalid_request",
-        404 => "no_route",
-        405 => "method_not_allowed",
-        413 => "body_too_large",
-        414 => "uri_too_long",
-        431 => "headers_too_large",
-        s if s >= 500 => "internal",
-        _ => "http_error",
+        400 => C::InvalidRequest,
+        404 => C::NoRoute,
+        405 => C::MethodNotAllowed,
+        413 => C::BodyTooLarge,
+        414 => C::UriTooLong,
+        431 => C::HeadersTooLarge,
+        s if s >= 500 => C::Internal,
+        _ => C::HttpError,
     }
 }
 
@@ -62,7 +63,7 @@ fn automatic_answer(buf: &[u8]) -> Option<StatusCode> {
 fn with_json_body(head: &[u8], status: StatusCode) -> Vec<u8> {
     let body = serde_json::to_vec(&ErrorBody {
         error: ErrorDetail {
-            code: code_of(status).into(),
+            code: code_of(status),
             message: message_of(status),
         },
     })

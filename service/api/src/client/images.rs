@@ -1,0 +1,72 @@
+//! `/v1/images`: images, their growth, allocation, snapshots and clones.
+
+use hyper::Method;
+
+use super::path::{encode_segment, with_query};
+use super::{Client, Error};
+use crate::model::{
+    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image, ListImagesQuery,
+    ResizeImageRequest, ResizeImageResponse,
+};
+
+fn image_path(image: &str) -> String {
+    format!("/v1/images/{}", encode_segment(image))
+}
+
+impl Client {
+    /// `GET /v1/images`.
+    pub async fn images(&self, query: &ListImagesQuery) -> Result<Vec<Image>, Error> {
+        self.get(&with_query("/v1/images".into(), query)).await
+    }
+
+    /// `GET /v1/images/{id}`: the image of that id or name.
+    pub async fn image(&self, image: &str) -> Result<Image, Error> {
+        self.get(&image_path(image)).await
+    }
+
+    /// `POST /v1/images`: registers a file, creates one, or clones an image
+    /// (`ready`, or `copying` while a background copy fills it).
+    pub async fn create_image(&self, req: &CreateImageRequest) -> Result<Image, Error> {
+        self.send(Method::POST, "/v1/images", req).await
+    }
+
+    /// `DELETE /v1/images/{id}`.
+    pub async fn delete_image(&self, image: &str, query: &DeleteImageQuery) -> Result<(), Error> {
+        self.empty(Method::DELETE, &with_query(image_path(image), query))
+            .await
+    }
+
+    /// `POST /v1/images/{id}/resize`: grows the image; attached volumes follow.
+    pub async fn resize_image(
+        &self,
+        image: &str,
+        req: &ResizeImageRequest,
+    ) -> Result<ResizeImageResponse, Error> {
+        let path = format!("{}/resize", image_path(image));
+        self.send(Method::POST, &path, req).await
+    }
+
+    /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
+    /// holes; the image's `allocate` shows the progress.
+    pub async fn allocate_image(&self, image: &str) -> Result<Image, Error> {
+        let path = format!("{}/allocate", image_path(image));
+        self.call(Method::POST, &path, None).await
+    }
+
+    /// `DELETE /v1/images/{id}/allocate`: stops the image's running allocate.
+    pub async fn cancel_allocate(&self, image: &str) -> Result<Image, Error> {
+        let path = format!("{}/allocate", image_path(image));
+        self.call(Method::DELETE, &path, None).await
+    }
+
+    /// `POST /v1/images/{id}/snapshots`: a read-only snapshot of the image
+    /// (`ready`, or `copying` while a background copy fills it).
+    pub async fn snapshot_image(
+        &self,
+        image: &str,
+        req: &CreateSnapshotRequest,
+    ) -> Result<Image, Error> {
+        let path = format!("{}/snapshots", image_path(image));
+        self.send(Method::POST, &path, req).await
+    }
+}

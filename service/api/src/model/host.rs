@@ -1,0 +1,145 @@
+//! What this host can run, its image roots and orphan devices (`/v1/host`),
+//! and the service's liveness (`/healthz`).
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::Backend;
+
+/// Whether a backend or policy can run on this host, and why not.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Capability {
+    /// Whether it can run here.
+    pub available: bool,
+    /// Why it is not available (`null` when it is).
+    pub reason: Option<String>,
+}
+
+/// The ublk driver's features as the kernel reports them.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UblkFeatures {
+    /// The raw `UBLK_U_CMD_GET_FEATURES` bitmask.
+    pub mask: u64,
+    /// Names of the known bits that are set.
+    pub names: Vec<String>,
+}
+
+/// One backend's availability on this host.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BackendCapability {
+    /// Whether it can run here.
+    pub available: bool,
+    /// Why it is not available (`null` when it is).
+    pub reason: Option<String>,
+    /// ublk only.
+    pub features: Option<UblkFeatures>,
+    /// dm only: the target types the kernel has loaded (DM_LIST_VERSIONS).
+    pub targets: Option<Vec<String>>,
+    /// dm only: whether the kernel offers a native `loop` target (blockplane
+    /// still maps with `linear` tables).
+    pub native_loop_target: Option<bool>,
+}
+
+/// Backends on this host.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct HostBackends {
+    /// The kernel loop driver.
+    #[serde(rename = "loop")]
+    pub loop_: BackendCapability,
+    /// ublk, served by blockplane's workers.
+    pub ublk: BackendCapability,
+    /// device-mapper.
+    pub dm: BackendCapability,
+}
+
+/// Dispatch policies on this host.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct HostPolicies {
+    /// io_uring with `RWF_NOWAIT` (ublk).
+    pub nowait: Capability,
+    /// Blocking worker threads (ublk).
+    pub threaded: Capability,
+    /// The image's extent map, straight to the disk (ublk, dm).
+    pub direct: Capability,
+}
+
+/// `GET /v1/host`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Host {
+    /// `uname -r`.
+    pub kernel: String,
+    /// blockplane's version.
+    pub version: String,
+    /// Each backend, and whether it can run here.
+    pub backends: HostBackends,
+    /// Each dispatch policy, and whether it can run here.
+    pub policies: HostPolicies,
+    /// The directories images may live under.
+    pub image_roots: Vec<String>,
+    /// Each image root's filesystem: size and free space.
+    pub image_root_capacity: Vec<RootCapacity>,
+    /// The backend `backend: auto` picks here.
+    pub default_backend: Option<Backend>,
+    /// Devices of this service with no volume: left alone until
+    /// `DELETE /v1/host/orphans/{volume_id}`.
+    pub orphans: Vec<Orphan>,
+}
+
+/// Size and free space of an image root's filesystem.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RootCapacity {
+    /// The image root.
+    pub path: String,
+    /// Size of its filesystem, bytes.
+    pub size_bytes: u64,
+    /// Bytes free to an unprivileged writer (`df`'s "Avail").
+    pub free_bytes: u64,
+    /// Images registered under this root.
+    pub images: u64,
+    /// Their sizes added up: what their volumes may come to hold.
+    pub provisioned_bytes: u64,
+    /// What the filesystem allocated to them.
+    pub allocated_bytes: u64,
+    /// The service's limit on `provisioned_bytes / size_bytes`, if set
+    /// (`--max-overcommit`).
+    pub max_overcommit: Option<f64>,
+}
+
+/// A device blockplane made that belongs to no volume of this service.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Orphan {
+    /// The kind of device.
+    pub backend: Backend,
+    /// The volume id in its mark, if it carries one.
+    pub volume_id: Option<Uuid>,
+    /// Its device node, e.g. `/dev/loop3`.
+    pub device: String,
+    /// The file it serves, when known (loop devices, ublk devices whose
+    /// worker runs).
+    pub backing_file: Option<String>,
+    /// The blockplane instance in its mark, if it carries one.
+    pub instance: Option<String>,
+    /// The worker serving it (ublk), while it runs.
+    pub pid: Option<u32>,
+    /// Why it is an orphan.
+    pub reason: String,
+    /// Whether `DELETE /v1/host/orphans/{volume_id}` removes it: only devices
+    /// carrying this service's own mark; others are left to the operator.
+    pub removable: bool,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Health {
+    /// Always `ok` when the service answers.
+    pub status: String,
+}

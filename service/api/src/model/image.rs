@@ -1,0 +1,324 @@
+//! Images: the files volumes are served from, their creation, growth,
+//! allocation, snapshots and clones (`/v1/images`).
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// How the bytes of a newly created image file are laid out on disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Allocation {
+    /// `ftruncate` only: blocks are allocated on first write. Volumes on the
+    /// file paths (`nowait`, `threaded`) punch holes for DISCARD and zero
+    /// ranges for WRITE_ZEROES, giving the space back.
+    #[default]
+    Sparse,
+    /// `fallocate` plus zeros written, so no extent stays unwritten (direct-map
+    /// ready). Kept so under every policy: DISCARD leaves the blocks allocated
+    /// and WRITE_ZEROES writes zeros, so the image stays eligible for `direct`.
+    Full,
+}
+
+impl Allocation {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Allocation::Sparse => "sparse",
+            Allocation::Full => "full",
+        }
+    }
+}
+
+/// `POST /v1/images`: register an existing file, or create one when `create` is given.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateImageRequest {
+    /// `[a-z0-9][a-z0-9._-]{0,62}`
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+            min_length = 1,
+            max_length = 63
+        )
+    )]
+    pub name: String,
+    /// Absolute path under one of the service's image roots: no NUL, at most
+    /// 4095 bytes, each file name at most 255 bytes (UTF-8 bytes, where the
+    /// length bounds here count characters).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^/[^\\x00]*$", min_length = 1, max_length = 4095)
+    )]
+    pub path: String,
+    /// Create the file instead of registering an existing one.
+    #[serde(default)]
+    pub create: Option<CreateImageFile>,
+    /// Make the file a writable clone of this image (id or name): its
+    /// extents shared (`reflink`) where the filesystem can, else copied in
+    /// the background (202, state `copying`). With `create`, the clone is
+    /// then grown to its `size_bytes` (not below the source's size: 422
+    /// `shrink_refused`), the new range laid out as its `allocation`.
+    #[serde(default)]
+    pub clone_from: Option<String>,
+}
+
+/// `POST /v1/images/{id}/snapshots`: a read-only copy of an image, next to it.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshotRequest {
+    /// The snapshot's image name, also its file's name in the source's
+    /// directory: `[a-z0-9][a-z0-9._-]{0,62}`
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+            min_length = 1,
+            max_length = 63
+        )
+    )]
+    pub name: String,
+}
+
+/// `GET /v1/images` filters.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
+pub struct ListImagesQuery {
+    /// Only the snapshots of this image (id or name).
+    #[serde(default)]
+    pub snapshot_of: Option<String>,
+}
+
+/// How a snapshot's or clone's bytes were made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum CopyMethod {
+    /// `FICLONE`: the file shares the source's extents (xfs with reflink,
+    /// btrfs); instant, and the blocks are copied only when one side writes.
+    Reflink,
+    /// `copy_file_range` of the source's data, in the background.
+    Copy,
+}
+
+impl CopyMethod {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CopyMethod::Reflink => "reflink",
+            CopyMethod::Copy => "copy",
+        }
+    }
+}
+
+/// Whether an image's file is complete.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ImageState {
+    /// Complete: volumes may use it.
+    #[default]
+    Ready,
+    /// A background copy is filling it (`copied_bytes` of
+    /// `copy_total_bytes`); volumes are refused until it is `ready`.
+    Copying,
+    /// The copy did not finish (`state_reason` says why); the partial file
+    /// was removed. Delete the image and snapshot or clone again.
+    Failed,
+}
+
+impl ImageState {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImageState::Ready => "ready",
+            ImageState::Copying => "copying",
+            ImageState::Failed => "failed",
+        }
+    }
+}
+
+/// Size and layout of an image file to create.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateImageFile {
+    /// Size in bytes: a positive multiple of 512, at most 1 PiB.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(minimum = 512, maximum = 1125899906842624_u64, multiple_of = 512)
+    )]
+    pub size_bytes: u64,
+    /// Defaults to `sparse`.
+    #[serde(default = "default_allocation")]
+    pub allocation: Allocation,
+}
+
+fn default_allocation() -> Allocation {
+    Allocation::Sparse
+}
+
+/// An image: a regular file under an image root that volumes are served from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Image {
+    /// Stable id.
+    pub id: Uuid,
+    /// Unique name: `[a-z0-9][a-z0-9._-]{0,62}`.
+    pub name: String,
+    /// The file, an absolute path under an image root.
+    pub path: String,
+    /// Size of the file, bytes.
+    pub size_bytes: u64,
+    /// Bytes the filesystem has allocated to the file (`st_blocks * 512`).
+    pub allocated_bytes: u64,
+    /// The filesystem the file lives on, from `statfs` (e.g. `ext4`, `xfs`).
+    pub filesystem: String,
+    /// How blockplane created the file; `null` for registered files.
+    pub allocation: Option<Allocation>,
+    /// When it was registered or created.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub created_at: OffsetDateTime,
+    /// Ids of the volumes that use this image.
+    pub volumes: Vec<Uuid>,
+    /// The last `POST /v1/images/{id}/allocate` since the service started:
+    /// running with its progress, or how it ended; `null` when there was none.
+    #[serde(default)]
+    pub allocate: Option<ImageAllocate>,
+    /// `copying` while a background copy fills it, `failed` if that did
+    /// not finish; `ready` otherwise.
+    #[serde(default)]
+    pub state: ImageState,
+    /// Why it is `failed`.
+    #[serde(default)]
+    pub state_reason: Option<String>,
+    /// Id of the image this is a read-only snapshot of.
+    #[serde(default)]
+    pub snapshot_of: Option<Uuid>,
+    /// Id of the image this is a writable clone of.
+    #[serde(default)]
+    pub cloned_from: Option<Uuid>,
+    /// Volumes on it must be read-only (a snapshot); it cannot grow or be
+    /// allocated.
+    #[serde(default)]
+    pub read_only: bool,
+    /// How a snapshot's or clone's bytes were made; `null` for others.
+    #[serde(default)]
+    pub method: Option<CopyMethod>,
+    /// Bytes copied so far while `copying` (`null` otherwise).
+    #[serde(default)]
+    pub copied_bytes: Option<u64>,
+    /// Bytes of data the copy has to copy, while `copying`.
+    #[serde(default)]
+    pub copy_total_bytes: Option<u64>,
+    /// What the create or grow that answered this should make you check,
+    /// e.g. a sparse image larger than its root's free space (empty
+    /// otherwise).
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// An image's allocate (`POST /v1/images/{id}/allocate`), running or ended.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImageAllocate {
+    /// Where it is.
+    pub state: AllocateState,
+    /// Bytes of holes and unwritten extents written with zeros so far.
+    pub done_bytes: u64,
+    /// Bytes of holes and unwritten extents it found to write.
+    pub total_bytes: u64,
+    /// Why it failed (`failed` only).
+    pub error: Option<String>,
+    /// When it started.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub started_at: OffsetDateTime,
+}
+
+/// Where an allocate is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum AllocateState {
+    /// Writing zeros; `GET /v1/images/{id}` shows the progress.
+    Running,
+    /// Done: the image is `full` and passes direct-map rule 2.
+    Done,
+    /// Stopped by an error; the image keeps its allocation as declared
+    /// (allocate again).
+    Failed,
+    /// Stopped by `DELETE /v1/images/{id}/allocate` (or the service's stop);
+    /// the image keeps its allocation as declared (allocate again).
+    Cancelled,
+}
+
+impl AllocateState {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllocateState::Running => "running",
+            AllocateState::Done => "done",
+            AllocateState::Failed => "failed",
+            AllocateState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// `POST /v1/images/{id}/resize`: grow an image (attached volumes follow).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ResizeImageRequest {
+    /// New size in bytes: a multiple of 512, at most 1 PiB, not smaller than
+    /// the current size.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(minimum = 512, maximum = 1125899906842624_u64, multiple_of = 512)
+    )]
+    pub size_bytes: u64,
+}
+
+/// What `POST /v1/images/{id}/resize` did.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ResizeImageResponse {
+    /// The image, grown.
+    pub image: Image,
+    /// How each attached volume followed.
+    pub volumes: Vec<VolumeResize>,
+}
+
+/// How one attached volume followed an image's growth.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VolumeResize {
+    /// The volume's id.
+    pub volume_id: Uuid,
+    /// The volume's name.
+    pub name: String,
+    /// The device's size now.
+    pub size_bytes: u64,
+    /// The device keeps its old size until the next attach.
+    pub resize_pending: bool,
+    /// What became of the device, for people.
+    pub message: String,
+}
+
+/// Query of `DELETE /v1/images/{id}`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct DeleteImageQuery {
+    /// Also unlink the file (default false: only forget the registration).
+    #[serde(default)]
+    pub delete_file: bool,
+}

@@ -1,0 +1,29 @@
+//! The API's data model: request and response bodies of `/v1`, shared by the
+//! server, the CLI, the CSI driver and the tests. Nothing here does I/O.
+//!
+//! One module per concept; every type is re-exported here, so users name
+//! them `blockplane_api::model::X` whatever module they live in.
+
+mod backend;
+mod error;
+mod event;
+mod host;
+mod image;
+mod qos;
+mod size;
+mod stats;
+mod usage;
+mod volume;
+mod wire;
+
+pub use backend::*;
+pub use error::*;
+pub use event::*;
+pub use host::*;
+pub use image::*;
+pub use qos::*;
+pub use size::*;
+pub use stats::*;
+pub use usage::*;
+pub use volume::*;
+pub use wire::*;

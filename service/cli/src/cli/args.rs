@@ -1,0 +1,448 @@
+//! The command line's definition (clap): the commands, their flags and
+//! what each flag takes.
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{Parser, Subcommand};
+use serde::de::DeserializeOwned;
+
+use blockplane_api::model::{
+    Allocation, BackendChoice, DispatchPolicy, Qos, parse_size, parse_wire,
+};
+use blockplane_server::config::ServeArgs;
+use blockplane_server::logging::LogFormat;
+
+/// blockplane: image files as fast, safe block devices.
+///
+/// The client flags (--api, --token, --json) go before the command or with
+/// any client command; `serve` has flags of its own only.
+#[derive(Debug, Parser)]
+#[command(name = "blockplane", version, about)]
+pub struct Cli {
+    /// Given before the command (not global here: see [`super::main`]).
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How a client reaches the API. Global within each client command, so that
+/// they may follow its subcommands too.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ApiArgs {
+    /// API address: unix:/path.sock or http://host:port [default: the local service's socket].
+    #[arg(long, global = true, env = "BLOCKPLANE_API")]
+    pub api: Option<String>,
+    /// Bearer token for the API.
+    #[arg(long, global = true, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// The flags of the commands that print the API's answers.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ClientArgs {
+    #[command(flatten)]
+    pub api: ApiArgs,
+    /// Print the API's JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+impl ClientArgs {
+    /// These flags given with the command, over those given before it.
+    pub fn or(&self, before: &ClientArgs) -> ClientArgs {
+        ClientArgs {
+            api: self.api.or(&before.api),
+            json: self.json || before.json,
+        }
+    }
+}
+
+impl ApiArgs {
+    /// These flags given with the command, over those given before it.
+    pub fn or(&self, before: &ApiArgs) -> ApiArgs {
+        ApiArgs {
+            api: self.api.clone().or_else(|| before.api.clone()),
+            token: self.token.clone().or_else(|| before.token.clone()),
+        }
+    }
+}
+
+/// The ids of the client flags given before the command.
+pub const CLIENT_FLAGS: [&str; 3] = ["api", "token", "json"];
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the service.
+    Serve(ServeArgs),
+    /// What this host can run.
+    Host {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Backing image files.
+    Image {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: ImageCmd,
+    },
+    /// Block devices.
+    Volume {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// The event log.
+    Events {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Keep printing events as they happen, until interrupted (after
+        /// the newest --limit, or those --since).
+        #[arg(long)]
+        follow: bool,
+        /// Only this volume's events (id or name).
+        #[arg(long)]
+        volume: Option<String>,
+        /// Only events after this time (RFC 3339, e.g. 2026-11-30T21:00:00Z).
+        #[arg(long)]
+        since: Option<String>,
+        /// At most this many (newest).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Copy the registry to FILE (mode 0600; never overwrites), consistently,
+    /// while the service runs or not. To restore, stop the service and put the
+    /// copy in place as <data-dir>/blockplane.db, with no -wal or -shm file
+    /// beside it.
+    Backup {
+        /// The data dir whose registry to copy [default: as `serve`].
+        #[arg(long, env = "BLOCKPLANE_DATA_DIR")]
+        data_dir: Option<std::path::PathBuf>,
+        /// Where to write the copy (must not exist).
+        file: std::path::PathBuf,
+    },
+    /// Serve the CSI driver (Kubernetes) for this node's blockplane.
+    Csi {
+        #[command(flatten)]
+        args: blockplane_csi::CsiArgs,
+        /// Log format.
+        #[arg(
+            long,
+            env = "BLOCKPLANE_LOG_FORMAT",
+            value_enum,
+            default_value = "human"
+        )]
+        log_format: LogFormat,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+    /// Open the dashboard of a service that listens on its unix socket: forwards
+    /// a local TCP address to the API given by --api; then browse to it. With
+    /// --token/BLOCKPLANE_TOKEN the forward requires that token on every API
+    /// request (the browser sends it; the forward never adds it).
+    Dashboard {
+        /// Where browsers connect: a loopback HOST:PORT, or any address when a
+        /// token is set (every request must then carry it).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+    /// Print the OpenAPI document.
+    #[command(hide = true)]
+    Openapi,
+    /// Serve one volume's ublk device (started by the service, not by hand).
+    #[command(hide = true)]
+    Worker {
+        /// The worker spec, JSON.
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+/// `image` commands.
+#[derive(Debug, Subcommand)]
+pub enum ImageCmd {
+    /// Register an existing file.
+    Add {
+        /// The image's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// The file, under one of the service's image roots.
+        path: String,
+    },
+    /// Create a new file and register it.
+    Create {
+        /// The image's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// The file to make (must not exist), under one of the service's image roots.
+        path: String,
+        /// Size: bytes, or 512M, 1.5G, 4GiB (binary, 1024) or 500MB, 2GB (decimal, 1000).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+        size: u64,
+        /// sparse, or full (allocated and zero-written: direct-map ready).
+        #[arg(long, default_value = "sparse", value_parser = wire::<Allocation>(&["sparse", "full"]))]
+        allocation: Allocation,
+    },
+    /// List images.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one image.
+    Show {
+        /// Image id or name.
+        image: String,
+    },
+    /// Grow an image (attached volumes follow).
+    Resize {
+        /// Image id or name.
+        image: String,
+        /// The new size, larger than today's: bytes, or 1G, 1.5GiB (binary) or 2GB (decimal).
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+        size: u64,
+    },
+    /// Write zeros over an image's holes and unwritten extents and make it
+    /// `full`: eligible for `direct` again. Runs in the service; this waits
+    /// for its end, showing progress on stderr.
+    Allocate {
+        /// Image id or name.
+        image: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long, conflicts_with = "cancel")]
+        no_wait: bool,
+        /// Stop the image's running allocate instead.
+        #[arg(long)]
+        cancel: bool,
+    },
+    /// Snapshot an image: a read-only image NAME next to SRC's file,
+    /// extents shared where the filesystem can, else copied in the service
+    /// (this waits for the copy, showing progress on stderr).
+    Snapshot {
+        /// The image to snapshot (id or name).
+        src: String,
+        /// The snapshot's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Clone an image: a writable image NAME at PATH made from SRC (shared
+    /// extents, or a copy this waits for, showing progress on stderr).
+    Clone {
+        /// The image to clone (id or name).
+        src: String,
+        /// The clone's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// The clone's file (must not exist), under one of the service's image roots.
+        path: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Forget an image.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Image id or name.
+        image: String,
+        /// Also delete the file.
+        #[arg(long)]
+        delete_file: bool,
+    },
+}
+
+/// `volume` commands.
+#[derive(Debug, Subcommand)]
+pub enum VolumeCmd {
+    /// Create a volume (idempotent by name).
+    Create {
+        /// The volume's name (letters, digits, '.', '_', '-').
+        name: String,
+        /// Image id or name (one image serves one volume).
+        #[arg(long)]
+        image: String,
+        /// Kernel device kind: loop, ublk (our userspace server) or dm
+        /// (device-mapper); auto picks the best this host has.
+        #[arg(long, default_value = "auto", value_parser = wire::<BackendChoice>(&["auto", "loop", "ublk", "dm"]))]
+        backend: BackendChoice,
+        /// How a ublk or dm volume does its I/O: nowait (io_uring, NOWAIT
+        /// first), threaded (blocking workers), direct (straight to the disk
+        /// through the image's extent map); auto picks direct when the image
+        /// allows it. Switchable live with `volume set`.
+        #[arg(long, default_value = "auto", value_parser = wire::<DispatchPolicy>(&DISPATCH))]
+        dispatch: DispatchPolicy,
+        /// Create the device read-only (it can never be made writable live).
+        #[arg(long)]
+        read_only: bool,
+        /// Queues [default: the service's: one per CPU for ublk and dm, 1 for loop].
+        #[arg(long)]
+        queues: Option<u16>,
+        /// Requests each queue holds at once.
+        #[arg(long, default_value_t = 128)]
+        queue_depth: u16,
+        /// Largest request, bytes (power of two, 4K to 1M).
+        #[arg(long, value_parser = io_size, allow_hyphen_values = true)]
+        max_io_bytes: Option<u32>,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// List volumes.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one volume.
+    Show {
+        /// Volume id or name.
+        volume: String,
+    },
+    /// Change a volume live (at least one change).
+    #[command(group(clap::ArgGroup::new("change").required(true).multiple(true).args([
+        "dispatch", "read_only", "qos_iops", "qos_bytes_per_sec", "qos_burst_iops",
+        "qos_burst_bytes", "no_qos",
+    ])))]
+    Set {
+        /// Volume id or name.
+        volume: String,
+        /// The dispatch policy to switch to, live (ublk and dm).
+        #[arg(long, value_parser = wire::<DispatchPolicy>(&DISPATCH))]
+        dispatch: Option<DispatchPolicy>,
+        /// Refuse (true) or allow (false) writes, live (ublk and dm).
+        #[arg(long)]
+        read_only: Option<bool>,
+        #[command(flatten)]
+        qos: QosArgs,
+        /// Remove all QoS limits.
+        #[arg(long, conflicts_with_all = ["qos_iops", "qos_bytes_per_sec", "qos_burst_iops", "qos_burst_bytes"])]
+        no_qos: bool,
+    },
+    /// A volume's I/O counters.
+    Stats {
+        /// Volume id or name.
+        volume: String,
+    },
+    /// Every attached volume's last second, refreshed each second (like
+    /// `iostat -x 1`): IOPS, bandwidth, mean latency, requests in flight.
+    Top {
+        /// Stop after this many screens [default: run until interrupted].
+        #[arg(long)]
+        count: Option<u32>,
+    },
+    /// Delete a volume (its device goes away; the image stays). A volume
+    /// in use (open by a process, mounted, or with I/O in its last seconds)
+    /// is refused unless --force, or the volume's name typed at the prompt
+    /// when stdin is a terminal.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Volume id or name.
+        volume: String,
+        /// Delete even while in use (what uses it then sees I/O errors).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+impl Command {
+    /// The client flags given with this command, for the API's clients.
+    pub fn client(&self) -> Option<&ClientArgs> {
+        match self {
+            Command::Host { client }
+            | Command::Image { client, .. }
+            | Command::Volume { client, .. }
+            | Command::Events { client, .. } => Some(client),
+            _ => None,
+        }
+    }
+}
+
+/// QoS limits of a ublk volume (token buckets over reads and writes together).
+#[derive(Debug, clap::Args)]
+pub struct QosArgs {
+    /// IOPS limit.
+    #[arg(long)]
+    pub qos_iops: Option<u64>,
+    /// Bandwidth limit, bytes/s: bytes, or 100M, 1.5G (binary) or 100MB (decimal).
+    #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+    pub qos_bytes_per_sec: Option<u64>,
+    /// IOPS bucket: requests that may go at once after a quiet spell [default: the IOPS limit].
+    #[arg(long)]
+    pub qos_burst_iops: Option<u64>,
+    /// Bandwidth bucket: bytes that may go at once after a quiet spell [default: the bandwidth limit].
+    #[arg(long, value_parser = parse_size, allow_hyphen_values = true)]
+    pub qos_burst_bytes: Option<u64>,
+}
+
+impl QosArgs {
+    /// The limits, when any is given.
+    pub fn to_model(&self) -> Option<Qos> {
+        let qos = Qos {
+            iops: self.qos_iops,
+            bytes_per_sec: self.qos_bytes_per_sec,
+            burst_iops: self.qos_burst_iops,
+            burst_bytes: self.qos_burst_bytes,
+        };
+        (qos != Qos::default()).then_some(qos)
+    }
+}
+
+/// The values of a `--dispatch` flag.
+const DISPATCH: [&str; 4] = ["auto", "nowait", "threaded", "direct"];
+
+/// A flag that takes one of `names`, the API's spellings of values of `T`
+/// (listed in the help as they are).
+fn wire<T>(names: &'static [&'static str]) -> impl TypedValueParser<Value = T>
+where
+    T: DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    PossibleValuesParser::new(names.iter().copied())
+        .map(|name| parse_wire(&name).expect("each possible value is an API spelling"))
+}
+
+/// A request size: as [`parse_size`], within the API's field (`u32`).
+fn io_size(s: &str) -> Result<u32, String> {
+    u32::try_from(parse_size(s)?)
+        .map_err(|_| format!("'{s}' is larger than any request a device takes (at most 1 MiB)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag and positional argument of every command says what it is.
+    #[test]
+    fn every_argument_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                if a.get_help().is_none() && !matches!(a.get_id().as_str(), "help" | "version") {
+                    missing.push(format!("{path} {}", a.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "blockplane", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
+
+    /// Each value a flag lists reads as the API's value of that name.
+    #[test]
+    fn listed_values_are_api_spellings() {
+        let parse = |args: &str| Cli::try_parse_from(args.split(' ')).map_err(|e| e.to_string());
+        for b in ["auto", "loop", "ublk", "dm"] {
+            let args = format!("bp volume create v --image i --backend {b}");
+            assert!(parse(&args).is_ok(), "{args}");
+        }
+        for d in DISPATCH {
+            let args = format!("bp volume create v --image i --dispatch {d}");
+            assert!(parse(&args).is_ok(), "{args}");
+            let args = format!("bp volume set v --dispatch {d}");
+            assert!(parse(&args).is_ok(), "{args}");
+        }
+        for a in ["sparse", "full"] {
+            let args = format!("bp image create i /p --size 1M --allocation {a}");
+            assert!(parse(&args).is_ok(), "{args}");
+        }
+        let big = parse("bp volume create v --image i --max-io-bytes 8G").unwrap_err();
+        assert!(big.contains("at most 1 MiB"), "{big}");
+    }
+}

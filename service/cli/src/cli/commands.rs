@@ -1,0 +1,258 @@
+//! The client commands: each becomes calls of the typed client and its
+//! answer a [`View`] to print. A failure is printed, with the API's code and
+//! status when it answered one, and becomes the exit code.
+
+use std::process::ExitCode;
+
+use blockplane_api::client::{self, Client, Endpoint};
+use blockplane_api::model::{
+    CreateImageFile, CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest,
+    DEFAULT_MAX_IO_BYTES, DeleteImageQuery, EventQuery, ListImagesQuery, PatchVolumeRequest,
+    ResizeImageRequest,
+};
+use hyper::StatusCode;
+
+use super::args::{Cli, Command, ImageCmd, VolumeCmd};
+use super::busy::refuse_if_busy;
+use super::local::api_address;
+use super::progress::{wait_allocate, wait_copy};
+use super::render::View;
+use super::{events, top};
+
+/// Runs a client command.
+pub async fn run(cli: Cli) -> ExitCode {
+    let flags = cli
+        .command
+        .client()
+        .map(|c| c.or(&cli.client))
+        .unwrap_or_else(|| cli.client.clone());
+    let api = api_address(flags.api.api.as_deref());
+    let client = match Endpoint::parse(&api) {
+        Ok(e) => Client::new(e, flags.api.token.clone()),
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let as_json = flags.json;
+    let view = match &cli.command {
+        Command::Host { .. } => client.host().await.map(View::Host).map_err(|e| fail(&e)),
+        Command::Events {
+            follow,
+            volume,
+            since,
+            limit,
+            ..
+        } => {
+            let query = EventQuery {
+                volume: volume.clone(),
+                since: since.clone(),
+                limit: *limit,
+            };
+            if *follow {
+                return events::follow(&client, &query, as_json).await;
+            }
+            client
+                .events(&query)
+                .await
+                .map(View::Events)
+                .map_err(|e| fail(&e))
+        }
+        Command::Volume {
+            cmd: VolumeCmd::Top { count },
+            ..
+        } => return top::top(&client, *count, as_json).await,
+        Command::Image { cmd, .. } => image(&client, cmd).await,
+        Command::Volume { cmd, .. } => volume(&client, cmd).await,
+        Command::Serve(_)
+        | Command::Openapi
+        | Command::Worker { .. }
+        | Command::Csi { .. }
+        | Command::Backup { .. }
+        | Command::Dashboard { .. } => unreachable!("handled without the API"),
+    };
+    let view = match view {
+        Ok(view) => view,
+        Err(code) => return code,
+    };
+    let text = if as_json {
+        view.json()
+    } else {
+        view.text(&view.names(&client).await)
+    };
+    print(&text);
+    ExitCode::SUCCESS
+}
+
+/// An `image` command.
+async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    let waited = |msg: String| {
+        eprintln!("blockplane: {msg}");
+        ExitCode::FAILURE
+    };
+    let create = |name: &str, path: &str, create, clone_from: Option<&str>| CreateImageRequest {
+        name: name.into(),
+        path: path.into(),
+        create,
+        clone_from: clone_from.map(str::to_string),
+    };
+    Ok(match cmd {
+        ImageCmd::Add { name, path } => View::Image(
+            client
+                .create_image(&create(name, path, None, None))
+                .await
+                .map_err(api)?,
+        ),
+        ImageCmd::Create {
+            name,
+            path,
+            size,
+            allocation,
+        } => {
+            let file = CreateImageFile {
+                size_bytes: *size,
+                allocation: *allocation,
+            };
+            let req = create(name, path, Some(file), None);
+            View::Image(client.create_image(&req).await.map_err(api)?)
+        }
+        ImageCmd::Ls => View::Images(
+            client
+                .images(&ListImagesQuery::default())
+                .await
+                .map_err(api)?,
+        ),
+        ImageCmd::Show { image } => View::Image(client.image(image).await.map_err(api)?),
+        ImageCmd::Resize { image, size } => {
+            let req = ResizeImageRequest { size_bytes: *size };
+            View::Resize(client.resize_image(image, &req).await.map_err(api)?)
+        }
+        ImageCmd::Allocate {
+            image,
+            cancel: true,
+            ..
+        } => View::Image(client.cancel_allocate(image).await.map_err(api)?),
+        ImageCmd::Allocate { image, no_wait, .. } => {
+            let started = client.allocate_image(image).await.map_err(api)?;
+            if *no_wait {
+                View::Image(started)
+            } else {
+                View::Image(
+                    wait_allocate(client, image, started)
+                        .await
+                        .map_err(waited)?,
+                )
+            }
+        }
+        ImageCmd::Snapshot { src, name, no_wait } => {
+            let req = CreateSnapshotRequest { name: name.clone() };
+            let started = client.snapshot_image(src, &req).await.map_err(api)?;
+            if *no_wait {
+                View::Image(started)
+            } else {
+                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
+            }
+        }
+        ImageCmd::Clone {
+            src,
+            name,
+            path,
+            no_wait,
+        } => {
+            let req = create(name, path, None, Some(src));
+            let started = client.create_image(&req).await.map_err(api)?;
+            if *no_wait {
+                View::Image(started)
+            } else {
+                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
+            }
+        }
+        ImageCmd::Rm { image, delete_file } => {
+            let query = DeleteImageQuery {
+                delete_file: *delete_file,
+            };
+            client.delete_image(image, &query).await.map_err(api)?;
+            View::Done("image removed")
+        }
+    })
+}
+
+/// A `volume` command.
+async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    Ok(match cmd {
+        VolumeCmd::Create {
+            name,
+            image,
+            backend,
+            dispatch,
+            read_only,
+            queues,
+            queue_depth,
+            max_io_bytes,
+            qos,
+        } => {
+            let req = CreateVolumeRequest {
+                name: name.clone(),
+                image: image.clone(),
+                backend: *backend,
+                dispatch: *dispatch,
+                read_only: *read_only,
+                queues: *queues,
+                queue_depth: *queue_depth,
+                max_io_bytes: max_io_bytes.unwrap_or(DEFAULT_MAX_IO_BYTES),
+                qos: qos.to_model(),
+            };
+            View::Volume(client.create_volume(&req).await.map_err(api)?)
+        }
+        VolumeCmd::Ls => View::Volumes(client.volumes().await.map_err(api)?),
+        VolumeCmd::Show { volume } => View::Volume(client.volume(volume).await.map_err(api)?),
+        VolumeCmd::Set {
+            volume,
+            dispatch,
+            read_only,
+            qos,
+            no_qos,
+        } => {
+            let patch = PatchVolumeRequest {
+                dispatch: *dispatch,
+                qos: if *no_qos {
+                    Some(None)
+                } else {
+                    qos.to_model().map(Some)
+                },
+                read_only: *read_only,
+            };
+            View::Volume(client.patch_volume(volume, &patch).await.map_err(api)?)
+        }
+        VolumeCmd::Stats { volume } => View::Stats(client.volume_stats(volume).await.map_err(api)?),
+        VolumeCmd::Top { .. } => unreachable!("a loop of calls, see `top`"),
+        VolumeCmd::Rm { volume, force } => {
+            if !force {
+                refuse_if_busy(client, volume).await?;
+            }
+            client.delete_volume(volume).await.map_err(api)?;
+            View::Done("volume deleted")
+        }
+    })
+}
+
+/// Prints why a call failed; the exit code of the failure.
+pub fn fail(e: &client::Error) -> ExitCode {
+    let hint = match e {
+        client::Error::Refused {
+            status: StatusCode::UNAUTHORIZED,
+            ..
+        } => "; give the API's token with --token or BLOCKPLANE_TOKEN",
+        _ => "",
+    };
+    eprintln!("blockplane: {e}{hint}");
+    ExitCode::FAILURE
+}
+
+/// Writes `text` to stdout; `false` once stdout is closed (`| head`), which
+/// is no error of ours.
+pub fn print(text: &str) -> bool {
+    std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).is_ok()
+}

@@ -1,0 +1,89 @@
+//! The `blockplane` command line: `serve` runs the service; every other
+//! command is a client of its API (tables for people, `--json` for scripts,
+//! a non-zero exit with the API's message on error).
+//!
+//! [`args`] defines the commands and [`local`] runs those that are no client
+//! of the API. [`commands`] runs the others with the typed client and
+//! [`render`] prints their answers ([`table`] lays them out, [`names`] puts
+//! names in place of ids); `volume rm` checks for use first ([`busy`]),
+//! allocates and copies are waited for ([`progress`]), and `events --follow`
+//! ([`events`]) and `volume top` ([`top`]) run until interrupted.
+
+mod args;
+mod busy;
+mod commands;
+mod events;
+mod local;
+mod names;
+mod progress;
+mod render;
+mod table;
+mod top;
+
+use std::process::ExitCode;
+
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
+
+use args::{CLIENT_FLAGS, Cli, Command};
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    // Before the command the client flags are plain ones: global there, they
+    // would reach `serve` and the other commands that are no API client.
+    let mut cmd = Cli::command();
+    for id in CLIENT_FLAGS {
+        cmd = cmd.mut_arg(id, |a| a.global(false));
+    }
+    let matches = cmd.get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some((sub @ ("serve" | "worker" | "backup" | "openapi"), _)) = matches.subcommand()
+        && let Some(flag) = CLIENT_FLAGS
+            .iter()
+            .find(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+    {
+        eprintln!(
+            "blockplane: --{flag} is a flag of the API's clients; `{sub}` does not take it (see blockplane {sub} --help)"
+        );
+        return ExitCode::from(2);
+    }
+    match cli.command {
+        Command::Serve(args) => local::serve(args),
+        Command::Worker { spec } => blockplane_worker::main(&spec),
+        Command::Csi {
+            args,
+            log_format,
+            api,
+        } => local::csi(args, log_format, api.or(&cli.client.api)),
+        Command::Backup { data_dir, file } => local::backup(data_dir, &file),
+        Command::Dashboard { listen, api } => {
+            let a = api.or(&cli.client.api);
+            local::dashboard(a.api.as_deref(), a.token, &listen)
+        }
+        Command::Openapi => {
+            let _ = std::io::Write::write_all(
+                &mut std::io::stdout(),
+                blockplane_server::openapi_json().as_bytes(),
+            );
+            ExitCode::SUCCESS
+        }
+        _ => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            rt.block_on(commands::run(cli))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The names the client puts in paths reach the API as one segment each.
+    #[test]
+    fn path_segments_are_encoded() {
+        use blockplane_api::client::encode_segment;
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
+        assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
+    }
+}

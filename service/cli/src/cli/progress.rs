@@ -1,0 +1,71 @@
+//! Waiting for the service's background work on an image (an allocate, a
+//! snapshot's or clone's copy), its progress on stderr.
+
+use blockplane_api::client::Client;
+use blockplane_api::model::{AllocateState, Image, ImageState, human_size};
+
+use super::render::dash;
+
+/// Follows an image's allocate until it ends: the image when done, why
+/// not otherwise.
+pub async fn wait_allocate(client: &Client, image: &str, started: Image) -> Result<Image, String> {
+    follow_image(client, image, started, |i| match &i.allocate {
+        Some(a) if a.state == AllocateState::Running => {
+            eprintln!(
+                "allocating image '{image}': {} of {}",
+                human_size(a.done_bytes),
+                human_size(a.total_bytes)
+            );
+            None
+        }
+        Some(a) if a.state == AllocateState::Done => Some(Ok(())),
+        a => Some(Err(format!(
+            "the allocate of image '{image}' ended {}{}; the image stays as it was declared (allocate again)",
+            a.as_ref().map_or("unseen", |a| a.state.as_str()),
+            a.as_ref()
+                .and_then(|a| a.error.as_deref())
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default()
+        ))),
+    })
+    .await
+}
+
+/// Follows a snapshot's or clone's copy until the image is ready: the image
+/// when ready, why not otherwise.
+pub async fn wait_copy(client: &Client, image: &str, started: Image) -> Result<Image, String> {
+    follow_image(client, image, started, |i| match i.state {
+        ImageState::Copying => {
+            eprintln!(
+                "copying image '{image}': {} of {}",
+                dash(i.copied_bytes.map(human_size)),
+                dash(i.copy_total_bytes.map(human_size))
+            );
+            None
+        }
+        ImageState::Ready => Some(Ok(())),
+        ImageState::Failed => Some(Err(format!(
+            "the copy of image '{image}' ended {}: {}",
+            i.state.as_str(),
+            i.state_reason.as_deref().unwrap_or("no reason given")
+        ))),
+    })
+    .await
+}
+
+/// Reads an image once a second until `step` says it is done (`Some`): the
+/// image's last view, or `step`'s reason.
+async fn follow_image(
+    client: &Client,
+    image: &str,
+    mut last: Image,
+    step: impl Fn(&Image) -> Option<Result<(), String>>,
+) -> Result<Image, String> {
+    loop {
+        if let Some(end) = step(&last) {
+            return end.map(|()| last);
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        last = client.image(image).await.map_err(|e| e.to_string())?;
+    }
+}

@@ -1,0 +1,326 @@
+//! The answers of the client commands as printed: tables and fields for
+//! people, the API's JSON with `--json`.
+
+use std::fmt::Display;
+
+use blockplane_api::client::Client;
+use blockplane_api::model::{
+    Capability, Event, Host, Image, ResizeImageResponse, Volume, VolumeStats, human_size,
+};
+use serde::Serialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use super::names::Names;
+use super::table::{fields, table};
+
+/// What a client command answered.
+#[derive(Debug)]
+#[expect(clippy::large_enum_variant, reason = "one is made per command")]
+pub enum View {
+    Host(Host),
+    Image(Image),
+    Images(Vec<Image>),
+    Volume(Volume),
+    Volumes(Vec<Volume>),
+    Resize(ResizeImageResponse),
+    Stats(VolumeStats),
+    Events(Vec<Event>),
+    /// An answer without a body, and what to say of it.
+    Done(&'static str),
+}
+
+impl View {
+    /// The names this view shows in place of ids.
+    pub async fn names(&self, client: &Client) -> Names {
+        match self {
+            View::Volume(_) | View::Volumes(_) => Names::images(client).await,
+            View::Image(_) | View::Resize(_) | View::Stats(_) => Names::volumes(client).await,
+            _ => Names::default(),
+        }
+    }
+
+    /// The answer as the API's JSON, pretty; nothing for an empty answer.
+    pub fn json(&self) -> String {
+        match self {
+            View::Host(h) => json_pretty(h),
+            View::Image(i) => json_pretty(i),
+            View::Images(l) => json_pretty(l),
+            View::Volume(v) => json_pretty(v),
+            View::Volumes(l) => json_pretty(l),
+            View::Resize(r) => json_pretty(r),
+            View::Stats(s) => json_pretty(s),
+            View::Events(l) => json_pretty(l),
+            View::Done(_) => String::new(),
+        }
+    }
+
+    /// The answer for people.
+    pub fn text(&self, names: &Names) -> String {
+        match self {
+            View::Done(msg) => format!("{msg}\n"),
+            View::Host(h) => host(h),
+            View::Image(i) => image(i, names),
+            View::Resize(r) => {
+                let mut out = image(&r.image, names);
+                for v in &r.volumes {
+                    out += &format!("volume {}: {}\n", v.name, v.message);
+                }
+                out
+            }
+            View::Images(l) => images(l),
+            View::Volume(v) => volume(v, names),
+            View::Volumes(l) => volumes(l, names),
+            View::Stats(s) => stats(s, names),
+            View::Events(l) => table(
+                &["ID", "AT", "KIND", "MESSAGE"],
+                l.iter()
+                    .map(|e| {
+                        vec![
+                            e.id.to_string(),
+                            at(e.at),
+                            e.kind.clone(),
+                            e.message.clone(),
+                        ]
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// `value`, or `-` when there is none.
+pub fn dash<T: Display>(value: Option<T>) -> String {
+    value.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
+/// A time as the API writes it (RFC 3339).
+pub fn at(t: OffsetDateTime) -> String {
+    t.format(&Rfc3339).expect("the API's times are RFC 3339")
+}
+
+/// `value` as JSON on one line. Through serde_json's map, whose keys are
+/// in alphabetical order: the order the CLI has always printed.
+pub fn json_line<T: Serialize>(value: &T) -> String {
+    serde_json::to_value(value)
+        .expect("the model serializes to JSON")
+        .to_string()
+}
+
+/// `value` as pretty JSON, keys as in [`json_line`], and a newline.
+pub fn json_pretty<T: Serialize>(value: &T) -> String {
+    let value = serde_json::to_value(value).expect("the model serializes to JSON");
+    serde_json::to_string_pretty(&value).expect("JSON serializes") + "\n"
+}
+
+fn host(h: &Host) -> String {
+    let roots = h
+        .image_root_capacity
+        .iter()
+        .map(|r| {
+            format!(
+                "{} ({} free of {})",
+                r.path,
+                human_size(r.free_bytes),
+                human_size(r.size_bytes)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut out = fields(vec![
+        ("kernel", h.kernel.clone()),
+        ("version", h.version.clone()),
+        (
+            "default backend",
+            dash(h.default_backend.map(|b| b.as_str())),
+        ),
+        ("image roots", roots),
+    ]);
+    let cap = |available: bool, reason: &Option<String>| {
+        if available {
+            "yes".to_string()
+        } else {
+            format!("no: {}", dash(reason.as_ref()))
+        }
+    };
+    let policy = |c: &Capability| cap(c.available, &c.reason);
+    let b = &h.backends;
+    let p = &h.policies;
+    let rows = vec![
+        vec![
+            "backend loop".into(),
+            cap(b.loop_.available, &b.loop_.reason),
+        ],
+        vec!["backend ublk".into(), cap(b.ublk.available, &b.ublk.reason)],
+        vec!["backend dm".into(), cap(b.dm.available, &b.dm.reason)],
+        vec!["policy nowait".into(), policy(&p.nowait)],
+        vec!["policy threaded".into(), policy(&p.threaded)],
+        vec!["policy direct".into(), policy(&p.direct)],
+    ];
+    out += "\n";
+    out += &table(&["CAPABILITY", "AVAILABLE HERE"], rows);
+    out
+}
+
+fn image(i: &Image, names: &Names) -> String {
+    let mut out = fields(vec![
+        ("id", i.id.to_string()),
+        ("name", i.name.clone()),
+        ("path", i.path.clone()),
+        ("size", human_size(i.size_bytes)),
+        ("allocated", human_size(i.allocated_bytes)),
+        ("filesystem", i.filesystem.clone()),
+        ("allocation", dash(i.allocation.map(|a| a.as_str()))),
+        (
+            "state",
+            match &i.state_reason {
+                Some(why) => format!("{}: {why}", i.state.as_str()),
+                None => i.state.as_str().into(),
+            },
+        ),
+        ("read only", i.read_only.to_string()),
+        ("snapshot of", dash(i.snapshot_of)),
+        ("cloned from", dash(i.cloned_from)),
+        ("method", dash(i.method.map(|m| m.as_str()))),
+        (
+            "allocate",
+            match &i.allocate {
+                None => String::new(),
+                Some(a) => format!(
+                    "{}: {} of {}",
+                    a.state.as_str(),
+                    human_size(a.done_bytes),
+                    human_size(a.total_bytes)
+                ),
+            },
+        ),
+        (
+            "volumes",
+            i.volumes
+                .iter()
+                .map(|id| names.volume(*id))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+        ("created", at(i.created_at)),
+    ]);
+    for w in &i.warnings {
+        out += &format!("warning: {w}\n");
+    }
+    out
+}
+
+fn images(l: &[Image]) -> String {
+    table(
+        &["NAME", "SIZE", "ALLOCATED", "FS", "VOLUMES", "PATH"],
+        l.iter()
+            .map(|i| {
+                vec![
+                    i.name.clone(),
+                    human_size(i.size_bytes),
+                    human_size(i.allocated_bytes),
+                    i.filesystem.clone(),
+                    i.volumes.len().to_string(),
+                    i.path.clone(),
+                ]
+            })
+            .collect(),
+    )
+}
+
+fn volume(v: &Volume, names: &Names) -> String {
+    let queues = format!("{} x depth {}", v.queues, v.queue_depth);
+    fields(vec![
+        ("id", v.id.to_string()),
+        ("name", v.name.clone()),
+        ("image", names.image_of(v, true)),
+        ("backend", v.backend.as_str().into()),
+        (
+            "dispatch",
+            format!(
+                "{} (asked {}): {}",
+                v.dispatch.as_str(),
+                v.requested_dispatch.as_str(),
+                v.dispatch_reason
+            ),
+        ),
+        (
+            "state",
+            match &v.state_reason {
+                None => v.state.as_str().into(),
+                Some(r) => format!("{}: {r}", v.state.as_str()),
+            },
+        ),
+        ("device", dash(v.device.as_ref())),
+        ("size", human_size(v.size_bytes)),
+        ("read only", v.read_only.to_string()),
+        (
+            "queues",
+            match v.copy_mode {
+                None => queues,
+                Some(m) => format!("{queues}, {}", m.as_str()),
+            },
+        ),
+        ("qos", dash(v.qos.as_ref().map(json_line))),
+        ("direct io", dash(v.direct_io)),
+        ("created", at(v.created_at)),
+        ("updated", at(v.updated_at)),
+    ])
+}
+
+fn volumes(l: &[Volume], names: &Names) -> String {
+    table(
+        &[
+            "NAME", "IMAGE", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO",
+        ],
+        l.iter()
+            .map(|v| {
+                vec![
+                    v.name.clone(),
+                    names.image_of(v, false),
+                    v.backend.as_str().into(),
+                    v.dispatch.as_str().into(),
+                    v.state.as_str().into(),
+                    dash(v.device.as_ref()),
+                    human_size(v.size_bytes),
+                    v.read_only.to_string(),
+                ]
+            })
+            .collect(),
+    )
+}
+
+fn stats(s: &VolumeStats, names: &Names) -> String {
+    let mut out = fields(vec![
+        ("volume", names.volume(s.volume_id)),
+        ("dispatch", s.dispatch.as_str().into()),
+        ("in flight", s.in_flight.to_string()),
+        ("since", at(s.since)),
+    ]);
+    out += &table(
+        &["OP", "OPS", "BYTES", "ERRORS"],
+        ["read", "write", "flush", "discard"]
+            .iter()
+            .zip(s.ops())
+            .map(|(op, o)| {
+                vec![
+                    op.to_string(),
+                    o.ops.to_string(),
+                    human_size(o.bytes),
+                    dash(o.errors),
+                ]
+            })
+            .collect(),
+    );
+    // The nowait path, where the volume has one (ublk workers).
+    if let Some(n) = &s.nowait {
+        out += &fields(vec![
+            ("nowait submitted", n.submitted.to_string()),
+            ("nowait inline", n.completed_inline.to_string()),
+            ("nowait EAGAIN fallbacks", n.eagain_fallbacks.to_string()),
+            ("nowait pauses", n.pauses.to_string()),
+            ("nowait bypassed (paused)", n.bypassed.to_string()),
+        ]);
+    }
+    out
+}
