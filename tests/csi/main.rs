@@ -5,6 +5,9 @@
 //! with a tonic client generated from the same proto. Mounts, mkfs and
 //! filesystem growth are real too: these tests need root.
 
+// A test crate: its `pub` items serve its own modules, not readers of an API.
+#![allow(missing_docs)]
+
 #[path = "../blackbox/harness.rs"]
 #[allow(dead_code)]
 mod harness;

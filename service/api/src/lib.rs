@@ -3,7 +3,5 @@
 //! speaks them ([`client`]). The service serves these types; the CLI and the
 //! CSI driver call it with them.
 
-#![warn(missing_docs)]
-
 pub mod client;
 pub mod model;

@@ -16,8 +16,6 @@
 //! capabilities; `snapshots` makes snapshots and clones; `inflight` allows
 //! one call per volume at a time.
 
-#![warn(missing_docs)]
-
 mod api;
 mod authority;
 mod capability;

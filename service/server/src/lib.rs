@@ -7,8 +7,6 @@
 //! [`logging`] of every process, the dashboard's port-forward ([`proxy`]),
 //! [`backup_registry`] and the OpenAPI document ([`openapi_json`]).
 
-#![warn(missing_docs)]
-
 mod attachment;
 mod backend;
 pub mod config;

@@ -1,5 +1,3 @@
-#![warn(missing_docs)]
-
 //! What blockplane asks of the host's kernel, without a runtime or a
 //! database: image files under their roots ([`image`]), their extents and the
 //! direct-map rules ([`extent`]), the dispatch decision built on them

@@ -1,5 +1,3 @@
-#![warn(missing_docs)]
-
 //! The data plane: a worker process (`blockplane worker`, started by the
 //! control plane) that serves one volume's ublk device. It never touches
 //! SQLite: it gets its image as an open fd and its spec on the command line,

@@ -4,6 +4,9 @@
 //! filesystems come from `guest-setup.sh`: xfs and ext4 on linear dm devices,
 //! and ext4 directly on a disk.
 
+// A test crate: its `pub` items serve its own modules, not readers of an API.
+#![allow(missing_docs)]
+
 #[path = "../../blackbox/harness.rs"]
 #[allow(dead_code)]
 mod harness;
