@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use blockplane_api::client::Client;
 
-use super::commands::fail;
+use super::output::fail;
 
 /// Passes when `volume` is idle, or its name is typed at the terminal.
 pub async fn refuse_if_busy(client: &Client, volume: &str) -> Result<(), ExitCode> {

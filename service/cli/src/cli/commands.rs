@@ -10,11 +10,11 @@ use blockplane_api::model::{
     DEFAULT_MAX_IO_BYTES, DeleteImageQuery, EventQuery, ListImagesQuery, PatchVolumeRequest,
     ResizeImageRequest,
 };
-use hyper::StatusCode;
 
 use super::args::{Cli, Command, ImageCmd, VolumeCmd};
 use super::busy::refuse_if_busy;
 use super::local::api_address;
+use super::output::{fail, print};
 use super::progress::{wait_allocate, wait_copy};
 use super::render::View;
 use super::{events, top};
@@ -236,23 +236,4 @@ async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
             View::Done("volume deleted")
         }
     })
-}
-
-/// Prints why a call failed; the exit code of the failure.
-pub fn fail(e: &client::Error) -> ExitCode {
-    let hint = match e {
-        client::Error::Refused {
-            status: StatusCode::UNAUTHORIZED,
-            ..
-        } => "; give the API's token with --token or BLOCKPLANE_TOKEN",
-        _ => "",
-    };
-    eprintln!("blockplane: {e}{hint}");
-    ExitCode::FAILURE
-}
-
-/// Writes `text` to stdout; `false` once stdout is closed (`| head`), which
-/// is no error of ours.
-pub fn print(text: &str) -> bool {
-    std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).is_ok()
 }

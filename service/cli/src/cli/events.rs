@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use blockplane_api::client::{Client, Error};
 use blockplane_api::model::{Event, EventQuery, EventStreamQuery};
 
-use super::commands::{fail, print};
+use super::output::{fail, print};
 use super::render::{at, json_line};
 
 /// The events of `query`, then each new one, one per line (one JSON object

@@ -7,7 +7,8 @@
 //! [`render`] prints their answers ([`table`] lays them out, [`names`] puts
 //! names in place of ids); `volume rm` checks for use first ([`busy`]),
 //! allocates and copies are waited for ([`progress`]), and `events --follow`
-//! ([`events`]) and `volume top` ([`top`]) run until interrupted.
+//! ([`events`]) and `volume top` ([`top`]) run until interrupted; all of
+//! them print and fail through [`output`].
 
 mod args;
 mod busy;
@@ -15,6 +16,7 @@ mod commands;
 mod events;
 mod local;
 mod names;
+mod output;
 mod progress;
 mod render;
 mod table;

@@ -7,7 +7,7 @@ use blockplane_api::client::{Client, Error};
 use blockplane_api::model::{HistoryPoint, StatsHistoryQuery, Volume, VolumeState};
 use serde::Serialize;
 
-use super::commands::{fail, print};
+use super::output::{fail, print};
 use super::render::{dash, json_line};
 use super::table::table;
 
