@@ -55,7 +55,18 @@ echo "run-suite: $flavor kernel, $(basename "$exe") ${*:-(all tests)}: $expected
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 rc=0
-"$here/run.sh" "$flavor" "$here/suite-job.sh" -- "$exe" --test-threads=1 "$@" | tee "$log" || rc=$?
+# Each finished test's line gets the seconds since the one before (the first
+# one's include the boot): where a lane's time goes, run after run.
+timed() {
+  local last=$SECONDS line
+  while IFS= read -r line; do
+    case $line in
+      "test "*" ... "?*) printf '%s [%ds]\n' "$line" $((SECONDS - last)); last=$SECONDS ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done
+}
+"$here/run.sh" "$flavor" "$here/suite-job.sh" -- "$exe" --test-threads=1 "$@" | timed | tee "$log" || rc=$?
 [ "$rc" -eq 0 ] || exit "$rc"
 ran=$(sed -n 's/^test result: ok\. \([0-9]*\) passed; 0 failed.*/\1/p' "$log" | tail -n1)
 if [ "${ran:-0}" -ne "$expected" ]; then
