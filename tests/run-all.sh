@@ -37,7 +37,8 @@ if [[ $EUID -ne 0 ]]; then
     echo "run-all: the tests drive real kernel devices and need root" >&2
     exit 1
 fi
-step() { printf '\n==> %s\n' "$*" >&2; }
+# Each step says when it started (minutes:seconds into the run).
+step() { printf '\n==> [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 # Python tools the tests use (from PyPI), in a venv of their own.
 step "test tools (Python venv from tests/requirements.txt)"
@@ -89,18 +90,16 @@ tests/vm/kernel-cache-test.sh
 
 # Kernel e2e tests need ublk_drv and dm-mod: they run inside VMs booting
 # Debian's own kernels (tests/vm/README.md), one CPU thread each, in two lanes
-# started now so that they overlap the host tests below. Each lane is one
-# kernel and runs the whole kernel suite on it (every test of the `vm` target:
-# dm::, faults::, keepalloc::, live::, snapshots::, soak::, ublk::) and the CSI
-# driver's node and expand tests (on ublk volumes):
+# started now so that they overlap the host tests below:
 #   lane 1: the newest trixie-backports kernel;
 #   lane 2: Debian's 6.12 LTS kernel.
-# Where a kernel lacks a feature (UPDATE_SIZE on 6.12), the tests check that
-# blockplane says so. run-suite.sh fails a lane whose test count is not the one
-# below (a test that drops out of a lane must be noticed) or whose guest kernel
-# logged a warning or oops.
-vm_tests=42   # tests/vm/e2e: every test
-csi_vm_tests=13   # tests/csi node:: and expand::
+# tests/vm/lanes says which lane runs each test of the `vm` target and each
+# CSI node/expand test: a test whose outcome depends on the kernel runs on
+# both, every other one on one of them. Where a kernel lacks a feature
+# (UPDATE_SIZE on 6.12), the tests check that blockplane says so. The run
+# fails before a VM boots if a test has no line there (a new test must be
+# placed) or a line names no test (a renamed one must not drop out), and a
+# lane fails when its guest kernel logged a warning or oops.
 step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
 cargo build --locked --features blockplane/test-faults --bin blockplane
 test_exe() {
@@ -111,17 +110,22 @@ test_exe() {
 vm_exe=$(test_exe vm)
 csi_exe=$(test_exe csi)
 mkdir -p target
+"$vm_exe" --list --format terse >target/test-list-vm.txt
+"$csi_exe" --list --format terse >target/test-list-csi.txt
+python3 tests/vm/lanes.py check --vm-list target/test-list-vm.txt --csi-list target/test-list-csi.txt
 lane() {
-    local flavor=$1 rc=0
-    BLOCKPLANE_VM_EXE=$vm_exe BLOCKPLANE_VM_EXPECT=$vm_tests \
-        tests/vm/run-suite.sh "$flavor" || rc=1
-    BLOCKPLANE_VM_EXE=$csi_exe BLOCKPLANE_VM_EXPECT=$csi_vm_tests \
-        tests/vm/run-suite.sh "$flavor" node:: expand:: || rc=1
+    local flavor=$1 rc=0 tests
+    mapfile -t tests < <(python3 tests/vm/lanes.py tests vm "$flavor")
+    BLOCKPLANE_VM_EXE=$vm_exe BLOCKPLANE_VM_EXPECT=${#tests[@]} \
+        tests/vm/run-suite.sh "$flavor" --exact "${tests[@]}" || rc=1
+    mapfile -t tests < <(python3 tests/vm/lanes.py tests csi "$flavor")
+    BLOCKPLANE_VM_EXE=$csi_exe BLOCKPLANE_VM_EXPECT=${#tests[@]} \
+        tests/vm/run-suite.sh "$flavor" --exact "${tests[@]}" || rc=1
     return "$rc"
 }
 # Per VM boot, generous: the lanes share two cores with the host tests.
 export VM_TIMEOUT=${VM_TIMEOUT:-3600}
-export vm_exe csi_exe vm_tests csi_vm_tests
+export vm_exe csi_exe
 export -f lane
 # Each lane in a session of its own, so that a failing host step below can
 # stop its VMs on the way out.
@@ -148,6 +152,8 @@ cargo test --locked --test vm --features blockplane/test-faults -- --list --form
     || { cat target/test-list-vm.txt >&2; exit 1; }
 "$venv/bin/python" tests/guarantees.py \
     --workspace-list target/test-list.txt --vm-list target/test-list-vm.txt
+# Every VM test has its lane (the full tier checked it before the VMs booted).
+python3 tests/vm/lanes.py check --vm-list target/test-list-vm.txt --csi-list target/test-list.txt
 
 step "cargo test (unit, black-box and CSI tests on this host)"
 # Without CAP_SYS_RESOURCE (some sandboxes) ext4_grows_online can only print a
