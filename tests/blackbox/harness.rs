@@ -669,3 +669,66 @@ impl Drop for LoopFs {
         let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
     }
 }
+
+/// Polls `f` every 50 ms until it is true; panics naming `what` after `within`.
+pub async fn eventually(within: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A TCP port free on the loopback address now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The bytes the kernel holds unread in each established connection a
+/// listener on `port` accepted (its own side's receive queue, from
+/// `/proc/net/tcp`): 0 once the service read all a client sent.
+pub fn unread_on_accepted(port: u16) -> Vec<u64> {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            // 01: ESTABLISHED.
+            (local_port == port && f[3] == "01").then(|| {
+                let rx = f[4].split(':').nth(1).unwrap();
+                u64::from_str_radix(rx, 16).unwrap()
+            })
+        })
+        .collect()
+}
+
+/// Reads one HTTP/1.1 answer (head and `content-length` body) from `c`;
+/// what arrived before the connection closed if it closed first.
+pub async fn read_answer(c: &mut (impl tokio::io::AsyncRead + Unpin)) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                break;
+            }
+        }
+        match c.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}

@@ -7,7 +7,9 @@ use hyper::Method;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{Opts, Service, assert_error};
+use crate::harness::{
+    Opts, Service, assert_error, eventually, free_port, read_answer, unread_on_accepted,
+};
 
 fn with(args: &[&str]) -> Opts {
     Opts {
@@ -128,7 +130,15 @@ async fn past_the_concurrency_limit_requests_are_shed_with_503() {
         std::sync::Arc::new(Service::start_with(slow(&["--max-concurrent-requests", "1"])).await);
     let s2 = s.clone();
     let slow = tokio::spawn(async move { s2.post("/v1/images", slow_create(&s2, "busy")).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its file made, the create spends 3 s more in its handler, which holds
+    // the one place.
+    let file = s.images.join("busy.img");
+    eventually(
+        Duration::from_secs(60),
+        "the slow create to begin",
+        async || file.exists(),
+    )
+    .await;
     let a = s.get("/v1/volumes").await;
     assert_error(&a, 503, "overloaded");
     let done = slow.await.unwrap();
@@ -162,12 +172,12 @@ async fn event_streams_have_their_own_limit() {
     // Requests are not affected by open streams.
     assert_eq!(s.get("/v1/host").await.status.as_u16(), 200);
     drop(first);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_, head) = open().await;
-    assert!(
-        head.starts_with("HTTP/1.1 200"),
-        "the closed stream gave its place back: {head}"
-    );
+    eventually(
+        Duration::from_secs(30),
+        "the closed stream to give its place back",
+        async || open().await.1.starts_with("HTTP/1.1 200"),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
