@@ -371,3 +371,55 @@ async fn clients_trickling_their_bodies_hold_no_place_of_the_requests_served() {
     let images = s.get("/v1/images").await.body;
     assert_eq!(images.as_array().unwrap().len(), 1, "{images}");
 }
+
+/// Ten kept-alive connections, each answered once, then the service is
+/// stopped (SIGSTOP, as a frozen cgroup or a starved host would) for longer
+/// than the header timeout while each sends its next request: once the
+/// service runs again, every request waiting in its socket is read and
+/// answered, not dropped by the header timer that expired meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_sent_on_kept_alive_connections_during_a_stall_are_answered() {
+    use rustix::process::{Pid, Signal, kill_process};
+    let s = Service::start_with(with(&["--header-timeout-secs", "5"])).await;
+    let req = b"GET /v1/host HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut conns = Vec::new();
+    for _ in 0..10 {
+        let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+        c.write_all(req).await.unwrap();
+        let a = read_answer(&mut c).await;
+        assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+        conns.push(c);
+    }
+    let pid = Pid::from_raw(s.pid() as i32).unwrap();
+    kill_process(pid, Signal::STOP).unwrap();
+    let stat = format!("/proc/{}/stat", s.pid());
+    eventually(Duration::from_secs(10), "the service to stop", async || {
+        std::fs::read_to_string(&stat)
+            .is_ok_and(|st| st.rsplit(')').next().unwrap().trim_start().starts_with('T'))
+    })
+    .await;
+    for c in &mut conns {
+        c.write_all(req).await.unwrap();
+    }
+    // The stall is the fault: it outlasts the header timeout (5 s) that
+    // each connection's idle wait began before it.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    kill_process(pid, Signal::CONT).unwrap();
+    let mut answers = Vec::new();
+    for c in &mut conns {
+        let a = tokio::time::timeout(Duration::from_secs(20), read_answer(c))
+            .await
+            .unwrap_or_default();
+        answers.push(
+            a.lines()
+                .next()
+                .unwrap_or("(closed, no answer)")
+                .to_string(),
+        );
+    }
+    let ok = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 200"))
+        .count();
+    assert_eq!(ok, 10, "answered after the stall: {answers:?}");
+}
