@@ -148,7 +148,82 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
             }
         }
     }
+    add_links(&mut doc);
     (router, doc)
+}
+
+/// OpenAPI links from the answers that give an image's or a volume's id (its
+/// create, and the first of its list) to every operation on it, and from an
+/// image's create to a loop volume on it: a client, or a fuzzer's stateful
+/// phase, can follow them to ids that exist.
+fn add_links(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::link::LinkBuilder;
+    let ops_under = |doc: &utoipa::openapi::OpenApi, prefix: &str| -> Vec<String> {
+        doc.paths
+            .paths
+            .iter()
+            .filter(|(path, _)| path.starts_with(prefix))
+            .flat_map(|(_, item)| {
+                [&item.get, &item.post, &item.patch, &item.put, &item.delete]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|op| op.operation_id.clone())
+            })
+            .collect()
+    };
+    for collection in ["/v1/images", "/v1/volumes"] {
+        let targets = ops_under(doc, &format!("{collection}/{{id}}"));
+        let Some(item) = doc.paths.paths.get_mut(collection) else {
+            continue;
+        };
+        for (post, status, id) in [
+            (true, "201", "$response.body#/id"),
+            (true, "202", "$response.body#/id"),
+            (false, "200", "$response.body#/0/id"),
+        ] {
+            let op = if post { &mut item.post } else { &mut item.get };
+            let Some(RefOr::T(resp)) = op
+                .as_mut()
+                .and_then(|o| o.responses.responses.get_mut(status))
+            else {
+                continue;
+            };
+            for target in &targets {
+                resp.links.insert(
+                    target.clone(),
+                    RefOr::T(
+                        LinkBuilder::new()
+                            .operation_id(target.clone())
+                            .parameter("id", id)
+                            .build(),
+                    ),
+                );
+            }
+        }
+    }
+    if let Some(RefOr::T(resp)) = doc
+        .paths
+        .paths
+        .get_mut("/v1/images")
+        .and_then(|i| i.post.as_mut())
+        .and_then(|o| o.responses.responses.get_mut("201"))
+    {
+        resp.links.insert(
+            "create_volume".into(),
+            RefOr::T(
+                LinkBuilder::new()
+                    .operation_id("create_volume")
+                    .request_body(Some(serde_json::json!({
+                        "name": "linked",
+                        "image": "$response.body#/id",
+                        "backend": "loop"
+                    })))
+                    .description("A loop volume on the new image")
+                    .build(),
+            ),
+        );
+    }
 }
 
 /// The OpenAPI document of this API.
