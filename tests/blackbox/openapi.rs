@@ -2,7 +2,7 @@
 //! rewrite it), the service serves the same, and it states the rules the
 //! service enforces on a request.
 
-use hyper::StatusCode;
+use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use crate::harness::{BIN, Service, assert_error, openapi_path};
@@ -251,5 +251,55 @@ async fn the_schema_of_an_image_path_states_its_byte_limits() {
             path.len()
         );
         assert_error(&create(&path).await, 422, "path_too_long");
+    }
+}
+
+/// serde reads a struct from a JSON array too (`"qos": [null, null]` was a
+/// QoS of no limits, answered 200): the schema says object, so the service
+/// refuses an array anywhere in a body with 400 and changes nothing. No
+/// request body of the document holds an array, so none is ever valid.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_object_written_as_an_array_is_400() {
+    let s = Service::start().await;
+    let doc = s.get("/openapi.json").await.body;
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for name in [
+        "CreateImageRequest",
+        "CreateImageFile",
+        "ResizeImageRequest",
+        "CreateSnapshotRequest",
+        "CreateVolumeRequest",
+        "PatchVolumeRequest",
+        "Qos",
+    ] {
+        let text = schemas[name].to_string();
+        assert!(!text.contains("\"array\""), "{name} has an array: {text}");
+    }
+    s.loop_volume("v", 4).await;
+    s.image("free", 4).await;
+    let path = s.images.join("new.img");
+    let before = s.snapshot().await;
+    for (method, uri, body) in [
+        (Method::PATCH, "/v1/volumes/v", json!({"qos": [null, null]})),
+        (
+            Method::PATCH,
+            "/v1/volumes/v",
+            json!({"qos": [5, null, null, null]}),
+        ),
+        (
+            Method::POST,
+            "/v1/volumes",
+            json!({"name": "w", "image": "free", "qos": [null]}),
+        ),
+        (
+            Method::POST,
+            "/v1/images",
+            json!({"name": "n", "path": path, "create": [1048576]}),
+        ),
+        (Method::POST, "/v1/images/free/resize", json!([8388608])),
+    ] {
+        let a = s.call(method.clone(), uri, Some(body.clone())).await;
+        assert_error(&a, 400, "invalid_body");
+        assert_eq!(s.snapshot().await, before, "{method} {uri} {body}");
     }
 }
