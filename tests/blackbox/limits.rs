@@ -203,6 +203,20 @@ async fn the_volume_cap_refuses_one_more_and_changes_nothing() {
     assert_eq!(s.snapshot().await, before);
 }
 
+/// A connection to `port` that sent a POST's headers, announcing a body of
+/// `len` bytes, and its first byte.
+async fn body_begun(port: u16, len: usize) -> tokio::net::TcpStream {
+    let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    c.write_all(
+        format!("POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{").as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
+}
+
 /// 256 clients (the default concurrency limit) that send their headers and
 /// then one body byte every 500 ms: once the service read them all,
 /// `/healthz` and the API answer at once, and each trickler is cut off with
@@ -216,14 +230,7 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
     let started = Instant::now();
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
-        let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        c.write_all(
-            b"POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n{",
-        )
-        .await
-        .unwrap();
+        let mut c = body_begun(port, 4096).await;
         clients.push(tokio::spawn(async move {
             // Trickle until the service answers, then return what it said.
             let mut answer = Vec::new();
@@ -330,14 +337,7 @@ async fn clients_trickling_their_bodies_hold_no_place_of_the_requests_served() {
     let s = Service::start_with(on_tcp(port)).await;
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
-        let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        c.write_all(
-            b"POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
-        )
-        .await
-        .unwrap();
+        let c = body_begun(port, 100).await;
         clients.push(c);
     }
     all_read(port, CLIENTS).await;

@@ -12,6 +12,7 @@ use hyper::StatusCode;
 use serde_json::{Value, json};
 
 use crate::harness::{LoopFs, Opts, Service, assert_error, eventually};
+use crate::snapshots::loop_volume;
 
 const EXT4: &[&str] = &["mkfs.ext4", "-q", "-F"];
 
@@ -52,19 +53,6 @@ async fn image_on(s: &Service, fs: &LoopFs, name: &str) {
     image_of(s, fs, name, 64, 8).await;
 }
 
-async fn volume(
-    s: &Service,
-    name: &str,
-    image: &str,
-    read_only: bool,
-) -> blockplane_api::client::Answer {
-    s.post(
-        "/v1/volumes",
-        json!({"name": name, "image": image, "backend": "loop", "read_only": read_only}),
-    )
-    .await
-}
-
 fn message(a: &blockplane_api::client::Answer) -> String {
     a.body["error"]["message"].as_str().unwrap().to_string()
 }
@@ -89,7 +77,7 @@ async fn a_copy_refused_under_a_writable_loop_volume_names_only_remedies_that_wo
     let refused = async |n: u32| {
         let (image, vol) = (format!("src{n}"), format!("v{n}"));
         image_on(&s, &fs, &image).await;
-        let v = volume(&s, &vol, &image, false).await;
+        let v = loop_volume(&s, &vol, &image, false).await;
         assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
         let a = s
             .post(
@@ -127,7 +115,7 @@ async fn a_copy_refused_under_a_writable_loop_volume_names_only_remedies_that_wo
             let (image, vol, _) = refused(3).await;
             let d = s.delete(&format!("/v1/volumes/{vol}")).await;
             assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
-            let v = volume(&s, &vol, &image, true).await;
+            let v = loop_volume(&s, &vol, &image, true).await;
             assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
             snapshot_goes_through(&s, &image).await;
             applied += 1;
@@ -159,7 +147,7 @@ async fn an_allocate_refused_under_a_loop_volume_runs_after_its_remedy() {
     let fs = LoopFs::new(EXT4, 512 << 20);
     let s = service_on(&fs, None).await;
     image_on(&s, &fs, "sp").await;
-    let v = volume(&s, "av", "sp", false).await;
+    let v = loop_volume(&s, "av", "sp", false).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
     let a = s.post("/v1/images/sp/allocate", json!(null)).await;
     assert_error(&a, 409, "device_busy");
@@ -180,7 +168,7 @@ async fn an_allocate_refused_under_a_loop_volume_runs_after_its_remedy() {
     .await;
     let g = s.get("/v1/images/sp").await.body;
     assert_eq!(g["allocation"], "full", "{g}");
-    let v = volume(&s, "av", "sp", false).await;
+    let v = loop_volume(&s, "av", "sp", false).await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
 }
 
@@ -193,7 +181,7 @@ async fn a_read_only_change_refused_on_a_loop_volume_is_made_by_its_remedy() {
     for (created_ro, want_ro, code) in [(false, true, "not_live"), (true, false, "not_live")] {
         let image = format!("ro-{created_ro}");
         s.image(&image, 4).await;
-        let v = volume(&s, "rv", &image, created_ro).await;
+        let v = loop_volume(&s, "rv", &image, created_ro).await;
         assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
         let a = s
             .patch("/v1/volumes/rv", json!({"read_only": want_ro}))
@@ -208,7 +196,7 @@ async fn a_read_only_change_refused_on_a_loop_volume_is_made_by_its_remedy() {
             s.delete("/v1/volumes/rv").await.status,
             StatusCode::NO_CONTENT
         );
-        let v = volume(&s, "rv", &image, want_ro).await;
+        let v = loop_volume(&s, "rv", &image, want_ro).await;
         assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
         let dev = v.body["device"]
             .as_str()
