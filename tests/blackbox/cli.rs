@@ -197,17 +197,39 @@ async fn volume_top_shows_each_attached_volume_s_last_second() {
     let v = s.loop_volume("busy", 8).await;
     s.loop_volume("idle", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
+    // Writes until the screens are taken, however long that is.
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let w = writing.clone();
     let writer = std::thread::spawn(move || {
         use std::io::Write;
-        for _ in 0..40 {
+        while w.load(std::sync::atomic::Ordering::Relaxed) {
             let mut f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
             f.write_all(&vec![7u8; 1 << 20]).unwrap();
             f.sync_all().unwrap();
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    // `volume top` shows each volume's last second of history: wait until
+    // the sampler has one for both, busy's with its writes.
+    let last_write = async |name: &str| {
+        let h = s
+            .get(&format!("/v1/volumes/{name}/stats/history?seconds=2"))
+            .await;
+        h.body["points"]
+            .as_array()
+            .and_then(|p| p.last())
+            .map(|p| p["write"]["bytes_per_sec"].as_f64().unwrap_or(0.0))
+    };
+    crate::harness::eventually(
+        std::time::Duration::from_secs(30),
+        "a second of history for both volumes, busy's with writes",
+        async || {
+            last_write("busy").await.is_some_and(|w| w > 0.0) && last_write("idle").await.is_some()
+        },
+    )
+    .await;
     let out = ok(&s, &["volume", "top", "--count", "2"]);
+    writing.store(false, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
     let screens: Vec<&str> = out.split(" UTC ").collect();
     assert_eq!(

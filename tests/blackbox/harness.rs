@@ -577,49 +577,136 @@ pub fn assert_error(a: &Answer, status: u16, code: &str) {
     );
 }
 
-/// Everything a refusal must leave unchanged: images, volumes, events and
-/// this service's devices.
+/// Everything a refusal must leave unchanged: images, volumes, every event,
+/// this service's devices, every file under the image root and the data dir
+/// (kind, mode, size, mtime and content), and every row of the registry.
 #[derive(Debug, PartialEq)]
 pub struct Snapshot {
     images: Value,
     volumes: Value,
-    events: usize,
+    events: Value,
     devices: Vec<String>,
     files: Vec<String>,
+    registry: Vec<String>,
 }
+
+/// The data dir's files whose bytes are SQLite's, not the registry's: the
+/// WAL index is shared memory every connection writes on every read (read
+/// marks and locks, this test's own reads included), so its bytes change
+/// with no row changing. The registry is compared by its rows instead
+/// ([`registry_rows`]); the database file and its WAL are compared by bytes
+/// too, as SQLite writes them only on a commit.
+const SQLITE_SCRATCH: &[&str] = &["blockplane.db-shm"];
 
 impl Service {
     /// Records the state that refusals must not change.
     pub async fn snapshot(&self) -> Snapshot {
-        let mut files: Vec<String> = walk(&self.images);
-        files.sort();
+        let mut files = file_states(&self.images, &[]);
+        files.extend(file_states(&self.data, SQLITE_SCRATCH));
         Snapshot {
             images: self.get("/v1/images").await.body,
             volumes: self.get("/v1/volumes").await.body,
-            events: self
-                .get("/v1/events?limit=1000")
-                .await
-                .body
-                .as_array()
-                .unwrap()
-                .len(),
+            events: self.get("/v1/events?limit=1000").await.body,
             devices: self.my_loop_devices(),
             files,
+            registry: registry_rows(&self.data.join("blockplane.db")).await,
         }
     }
 }
 
-fn walk(dir: &Path) -> Vec<String> {
+fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
             let p = e.path();
-            out.push(p.display().to_string());
+            out.push(p.clone());
+            // Not through symlinks: an attack's link may lead anywhere.
             if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
                 out.extend(walk(&p));
             }
         }
     }
+    out
+}
+
+/// One line per entry under `dir` (but the names in `skip`), sorted: its
+/// kind, mode, owner and, for a regular file, size, mtime and a hash of its
+/// bytes. A directory's mtime is left out: it moves with names added and
+/// removed, which the list of entries shows. Only regular files are read
+/// (never a device, FIFO or socket an attack put there).
+fn file_states(dir: &Path, skip: &[&str]) -> Vec<String> {
+    use std::hash::Hasher;
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<String> = walk(dir)
+        .into_iter()
+        .filter(|p| !p.file_name().is_some_and(|n| skip.iter().any(|s| n == *s)))
+        .map(|p| {
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                return format!("{} gone", p.display());
+            };
+            let t = m.file_type();
+            let owner = format!("{:o} {}:{}", m.mode(), m.uid(), m.gid());
+            if !t.is_file() {
+                let kind = if t.is_dir() { "dir" } else { "other" };
+                return format!("{} {kind} {owner} rdev {}", p.display(), m.rdev());
+            }
+            let mut h = std::hash::DefaultHasher::new();
+            if let Ok(mut f) = std::fs::File::open(&p) {
+                let mut buf = vec![0u8; 1 << 20];
+                while let Ok(n) = f.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    h.write(&buf[..n]);
+                }
+            }
+            format!(
+                "{} file {owner} {} bytes mtime {}.{:09} content {:016x}",
+                p.display(),
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+                h.finish()
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every row of every table of the registry at `db`, one line each
+/// (`table: values`, SQL-quoted), read through a read-only connection.
+pub async fn registry_rows(db: &Path) -> Vec<String> {
+    use sqlx::{Connection, Row};
+    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display()))
+        .await
+        .unwrap_or_else(|e| panic!("open {} read-only: {e}", db.display()));
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+    let mut out = Vec::new();
+    for t in tables {
+        let columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info(?) ORDER BY cid")
+                .bind(&t)
+                .fetch_all(&mut c)
+                .await
+                .unwrap();
+        let values = columns
+            .iter()
+            .map(|col| format!("quote(\"{col}\")"))
+            .collect::<Vec<_>>()
+            .join(" || ', ' || ");
+        // Names from the database's own schema, quoted: nothing from outside.
+        let sql = sqlx::AssertSqlSafe(format!("SELECT {values} FROM \"{t}\" ORDER BY 1"));
+        for row in sqlx::query(sql).fetch_all(&mut c).await.unwrap() {
+            out.push(format!("{t}: {}", row.get::<String, _>(0)));
+        }
+    }
+    c.close().await.unwrap();
     out
 }
 
@@ -668,4 +755,67 @@ impl Drop for LoopFs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
     }
+}
+
+/// Polls `f` every 50 ms until it is true; panics naming `what` after `within`.
+pub async fn eventually(within: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A TCP port free on the loopback address now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The bytes the kernel holds unread in each established connection a
+/// listener on `port` accepted (its own side's receive queue, from
+/// `/proc/net/tcp`): 0 once the service read all a client sent.
+pub fn unread_on_accepted(port: u16) -> Vec<u64> {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok()?;
+            // 01: ESTABLISHED.
+            (local_port == port && f[3] == "01").then(|| {
+                let rx = f[4].split(':').nth(1).unwrap();
+                u64::from_str_radix(rx, 16).unwrap()
+            })
+        })
+        .collect()
+}
+
+/// Reads one HTTP/1.1 answer (head and `content-length` body) from `c`;
+/// what arrived before the connection closed if it closed first.
+pub async fn read_answer(c: &mut (impl tokio::io::AsyncRead + Unpin)) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                break;
+            }
+        }
+        match c.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
 }

@@ -822,3 +822,42 @@ async fn a_sparse_image_beyond_the_free_space_is_reported_and_overcommit_is_refu
         "{text}"
     );
 }
+
+/// A full grow that runs out of space part-way (ext4's fallocate may leave
+/// the file longer, with blocks allocated) is 507 `no_space` and leaves the
+/// file as it was (its size and data blocks) and the rest unchanged.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_grow_that_runs_out_of_space_changes_nothing() {
+    use std::os::unix::fs::MetadataExt;
+    let fs = crate::harness::LoopFs::new(&["mkfs.ext4", "-q", "-F"], 16 << 20);
+    let s = Service::start_with(crate::harness::Opts {
+        extra_roots: vec![fs.mnt.clone()],
+        ..Default::default()
+    })
+    .await;
+    let path = fs.mnt.join("full.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "full", "path": path, "create": {"size_bytes": 4 << 20, "allocation": "full"}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let file = |p: &std::path::Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (m.len(), m.blocks())
+    };
+    let (before, on_disk) = (s.snapshot().await, file(&path));
+    let a = s
+        .post("/v1/images/full/resize", json!({"size_bytes": 64 << 20}))
+        .await;
+    assert_error(&a, 507, "no_space");
+    let after = file(&path);
+    // Its size, and its blocks but for one of ext4's extent tree (4 KiB,
+    // metadata that truncating keeps).
+    assert!(
+        after.0 == on_disk.0 && after.1 <= on_disk.1 + 8,
+        "the refused grow changed the file: (size, 512-byte blocks) {after:?}, was {on_disk:?}"
+    );
+    assert_eq!(s.snapshot().await, before);
+}

@@ -7,7 +7,9 @@ use hyper::Method;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{Opts, Service, assert_error};
+use crate::harness::{
+    Opts, Service, assert_error, eventually, free_port, read_answer, unread_on_accepted,
+};
 
 fn with(args: &[&str]) -> Opts {
     Opts {
@@ -128,7 +130,15 @@ async fn past_the_concurrency_limit_requests_are_shed_with_503() {
         std::sync::Arc::new(Service::start_with(slow(&["--max-concurrent-requests", "1"])).await);
     let s2 = s.clone();
     let slow = tokio::spawn(async move { s2.post("/v1/images", slow_create(&s2, "busy")).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its file made, the create spends 3 s more in its handler, which holds
+    // the one place.
+    let file = s.images.join("busy.img");
+    eventually(
+        Duration::from_secs(60),
+        "the slow create to begin",
+        async || file.exists(),
+    )
+    .await;
     let a = s.get("/v1/volumes").await;
     assert_error(&a, 503, "overloaded");
     let done = slow.await.unwrap();
@@ -162,12 +172,12 @@ async fn event_streams_have_their_own_limit() {
     // Requests are not affected by open streams.
     assert_eq!(s.get("/v1/host").await.status.as_u16(), 200);
     drop(first);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_, head) = open().await;
-    assert!(
-        head.starts_with("HTTP/1.1 200"),
-        "the closed stream gave its place back: {head}"
-    );
+    eventually(
+        Duration::from_secs(30),
+        "the closed stream to give its place back",
+        async || open().await.1.starts_with("HTTP/1.1 200"),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -193,24 +203,34 @@ async fn the_volume_cap_refuses_one_more_and_changes_nothing() {
     assert_eq!(s.snapshot().await, before);
 }
 
+/// A connection to `port` that sent a POST's headers, announcing a body of
+/// `len` bytes, and its first byte.
+async fn body_begun(port: u16, len: usize) -> tokio::net::TcpStream {
+    let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    c.write_all(
+        format!("POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{").as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
+}
+
 /// 256 clients (the default concurrency limit) that send their headers and
-/// then one body byte every 500 ms: `/healthz` still answers at once, each
-/// trickler is cut off with 408 `body_timeout` after the grace period (the
-/// header timeout, 10 s by default), and the API answers again well before
-/// the 120 s request timeout.
+/// then one body byte every 500 ms: once the service read them all,
+/// `/healthz` and the API answer at once, and each trickler is cut off with
+/// 408 `body_timeout` after the grace period (the header timeout, 10 s by
+/// default), well before the 120 s request timeout.
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_bodies_time_out_and_healthz_never_queues() {
     const CLIENTS: usize = 256;
-    let s = Service::start().await;
+    let port = free_port();
+    let s = Service::start_with(on_tcp(port)).await;
     let started = Instant::now();
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
-        let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
-        c.write_all(
-            b"POST /v1/images HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n{",
-        )
-        .await
-        .unwrap();
+        let mut c = body_begun(port, 4096).await;
         clients.push(tokio::spawn(async move {
             // Trickle until the service answers, then return what it said.
             let mut answer = Vec::new();
@@ -246,8 +266,8 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
             (started.elapsed(), String::from_utf8_lossy(&answer).into_owned())
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    // Every permit is held by a trickler now; liveness must not care.
+    all_read(port, CLIENTS).await;
+    // Every trickler's request is in the service now; liveness must not care.
     let h = s.get("/healthz").await;
     assert_eq!(
         h.status.as_u16(),
@@ -255,20 +275,13 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
         "/healthz queued behind tricklers: {}",
         h.body
     );
-    // The API comes back once the tricklers are cut off, well before 120 s.
-    loop {
-        let a = s.get("/v1/volumes").await;
-        if a.status.as_u16() == 200 {
-            break;
-        }
-        assert_error(&a, 503, "overloaded");
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the API still answers 503 after {:?}",
-            started.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    let a = s.get("/v1/volumes").await;
+    assert_eq!(
+        a.status.as_u16(),
+        200,
+        "the API queued behind tricklers: {}",
+        a.body
+    );
     for c in clients {
         let (after, answer) = c.await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
@@ -286,4 +299,127 @@ async fn slow_bodies_time_out_and_healthz_never_queues() {
             .unwrap()
             .is_empty()
     );
+}
+
+/// A service that also listens on a loopback TCP port (without a token), so
+/// that a test can see what the kernel holds unread for it.
+fn on_tcp(port: u16) -> Opts {
+    Opts {
+        tcp: Some(format!("127.0.0.1:{port}")),
+        ..with(&["--insecure-tcp"])
+    }
+}
+
+/// Waits until the service has read everything `clients` connections to
+/// `port` sent it (their requests are in its hands, not the kernel's).
+async fn all_read(port: u16, clients: usize) {
+    eventually(
+        Duration::from_secs(60),
+        "the service to read every client's request",
+        async || {
+            let unread = unread_on_accepted(port);
+            unread.len() >= clients && unread.iter().all(|&n| n == 0)
+        },
+    )
+    .await;
+}
+
+/// 256 clients (the default concurrency limit) that each send one byte of a
+/// 100-byte body and wait: once the service has read them all, a request
+/// without a body and one with its whole body are both served at once (a
+/// client still sending its body holds no place of the requests being
+/// served), and each trickler is cut off with 408 `body_timeout` at its
+/// body's deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_trickling_their_bodies_hold_no_place_of_the_requests_served() {
+    const CLIENTS: usize = 256;
+    let port = free_port();
+    let s = Service::start_with(on_tcp(port)).await;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let c = body_begun(port, 100).await;
+        clients.push(c);
+    }
+    all_read(port, CLIENTS).await;
+    let a = s.get("/v1/volumes").await;
+    assert_eq!(
+        a.status.as_u16(),
+        200,
+        "a request without a body waited behind tricklers: {}",
+        a.body
+    );
+    let path = s.images.join("real.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "real", "path": path, "create": {"size_bytes": 1 << 20}}),
+        )
+        .await;
+    assert_eq!(
+        a.status.as_u16(),
+        201,
+        "a request with its body waited behind tricklers: {}",
+        a.body
+    );
+    for mut c in clients {
+        let answer = tokio::time::timeout(Duration::from_secs(60), read_answer(&mut c))
+            .await
+            .expect("a trickler was never cut off");
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("\"body_timeout\""), "{answer}");
+    }
+    let images = s.get("/v1/images").await.body;
+    assert_eq!(images.as_array().unwrap().len(), 1, "{images}");
+}
+
+/// Ten kept-alive connections, each answered once, then the service is
+/// stopped (SIGSTOP, as a frozen cgroup or a starved host would) for longer
+/// than the header timeout while each sends its next request: once the
+/// service runs again, every request waiting in its socket is read and
+/// answered, not dropped by the header timer that expired meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_sent_on_kept_alive_connections_during_a_stall_are_answered() {
+    use rustix::process::{Pid, Signal, kill_process};
+    let s = Service::start_with(with(&["--header-timeout-secs", "5"])).await;
+    let req = b"GET /v1/host HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut conns = Vec::new();
+    for _ in 0..10 {
+        let mut c = tokio::net::UnixStream::connect(&s.sock).await.unwrap();
+        c.write_all(req).await.unwrap();
+        let a = read_answer(&mut c).await;
+        assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+        conns.push(c);
+    }
+    let pid = Pid::from_raw(s.pid() as i32).unwrap();
+    kill_process(pid, Signal::STOP).unwrap();
+    let stat = format!("/proc/{}/stat", s.pid());
+    eventually(Duration::from_secs(10), "the service to stop", async || {
+        std::fs::read_to_string(&stat)
+            .is_ok_and(|st| st.rsplit(')').next().unwrap().trim_start().starts_with('T'))
+    })
+    .await;
+    for c in &mut conns {
+        c.write_all(req).await.unwrap();
+    }
+    // The stall is the fault: it outlasts the header timeout (5 s) that
+    // each connection's idle wait began before it.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    kill_process(pid, Signal::CONT).unwrap();
+    let mut answers = Vec::new();
+    for c in &mut conns {
+        let a = tokio::time::timeout(Duration::from_secs(20), read_answer(c))
+            .await
+            .unwrap_or_default();
+        answers.push(
+            a.lines()
+                .next()
+                .unwrap_or("(closed, no answer)")
+                .to_string(),
+        );
+    }
+    let ok = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 200"))
+        .count();
+    assert_eq!(ok, 10, "answered after the stall: {answers:?}");
 }

@@ -20,6 +20,7 @@ mod limits;
 mod metrics;
 mod openapi;
 mod registry;
+mod remedies;
 mod restart;
 mod snapshots;
 mod soak;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::Value;
 
-use crate::harness::{Service, repo};
+use crate::harness::{Service, eventually, repo};
 
 /// The Python with `prometheus_client` (tests/run-all.sh makes a venv).
 fn python() -> String {
@@ -87,15 +87,24 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
     let v = s.loop_volume("m", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
     std::fs::write(&dev, vec![7u8; 1 << 20]).unwrap();
-    // Let the sampler read the volume.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    let (text, first) = scrape(&s).await;
     let l = [
         ("volume", "m"),
         ("backend", "loop"),
         ("dispatch", "kernel"),
         ("op", "write"),
     ];
+    // The sampler reads the volume once a second: until it has read the
+    // write, its metrics are not there yet.
+    eventually(
+        Duration::from_secs(30),
+        "the sampler to read the write",
+        async || {
+            let (_, p) = scrape(&s).await;
+            sample(&p, "blockplane_volume_bytes_total", &l).is_some_and(|w| w >= (1 << 20) as f64)
+        },
+    )
+    .await;
+    let (text, first) = scrape(&s).await;
     let written =
         sample(&first, "blockplane_volume_bytes_total", &l).unwrap_or_else(|| panic!("{text}"));
     assert!(written >= (1 << 20) as f64, "{text}");
@@ -133,7 +142,15 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
     s.kill();
     std::fs::write(&dev, vec![8u8; 1 << 20]).unwrap();
     s.restart().await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    eventually(
+        Duration::from_secs(30),
+        "the restarted sampler to read the volume",
+        async || {
+            let (_, p) = scrape(&s).await;
+            sample(&p, "blockplane_volume_bytes_total", &l).is_some()
+        },
+    )
+    .await;
     let (text, second) = scrape(&s).await;
     let after =
         sample(&second, "blockplane_volume_bytes_total", &l).unwrap_or_else(|| panic!("{text}"));
@@ -148,12 +165,22 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
     );
 }
 
+/// Waits until the sampler has read volume `name` once: its stats carry
+/// rates from then on (ending at a reading made when asked).
+async fn sampled(s: &Service, name: &str) {
+    let path = format!("/v1/volumes/{name}/stats");
+    eventually(Duration::from_secs(30), "a first sample", async || {
+        s.get(&path).await.body["rates"].is_object()
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn stats_carry_rates_once_sampled() {
     let s = Service::start().await;
     let v = s.loop_volume("r", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sampled(&s, "r").await;
     std::fs::write(&dev, vec![1u8; 4 << 20]).unwrap();
     let st = s.get("/v1/volumes/r/stats").await;
     assert_eq!(st.status, StatusCode::OK);
@@ -172,7 +199,7 @@ async fn history_keeps_each_second_with_rates_and_the_kernels_latency() {
     let s = Service::start().await;
     let v = s.loop_volume("h", 8).await;
     let dev = v["device"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sampled(&s, "h").await;
     // The last close of the device writes its dirty pages back.
     std::fs::write(&dev, vec![1u8; 4 << 20]).unwrap();
     let mut found = Value::Null;

@@ -52,7 +52,7 @@ fn same_bytes(a: &Path, b: &Path) -> bool {
 }
 
 /// Asks for a loop volume `name` on `image`.
-async fn loop_volume(
+pub(crate) async fn loop_volume(
     s: &Service,
     name: &str,
     image: &str,

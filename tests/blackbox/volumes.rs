@@ -600,3 +600,71 @@ async fn host_reports_what_this_machine_runs() {
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
     assert_eq!(a.body["backend"], h["default_backend"]);
 }
+
+/// What a refusal must leave unchanged is all of it: the snapshot the
+/// refusal tests compare differs after each change a refusal could make
+/// with every name staying the same (a file's mode, size or bytes alone, a
+/// file in the data dir, a registry row the API does not show, an event's
+/// text).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_refusal_snapshot_sees_modes_sizes_contents_rows_and_events() {
+    use sqlx::Connection;
+    use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+    let s = Service::start().await;
+    s.loop_volume("v", 4).await;
+    let img = s.images.join("v-img.img");
+    let sql = async |q: &'static str| {
+        let db = s.data.join("blockplane.db");
+        let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
+            .await
+            .unwrap();
+        sqlx::query(q).execute(&mut c).await.unwrap();
+        c.close().await.unwrap();
+    };
+    let base = s.snapshot().await;
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o640)).unwrap();
+    assert_ne!(s.snapshot().await, base, "a file's mode changed");
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(s.snapshot().await, base, "the mode is back");
+
+    // One byte changed, the mtime set back: only the bytes differ.
+    let m = std::fs::metadata(&img).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    f.write_all_at(&[1], 4096).unwrap();
+    f.sync_all().unwrap();
+    let times = rustix::fs::Timestamps {
+        last_access: rustix::fs::Timespec {
+            tv_sec: m.atime(),
+            tv_nsec: m.atime_nsec() as _,
+        },
+        last_modification: rustix::fs::Timespec {
+            tv_sec: m.mtime(),
+            tv_nsec: m.mtime_nsec() as _,
+        },
+    };
+    rustix::fs::utimensat(rustix::fs::CWD, &img, &times, rustix::fs::AtFlags::empty()).unwrap();
+    assert_ne!(s.snapshot().await, base, "a file's bytes changed");
+    f.write_all_at(&[0], 4096).unwrap();
+    f.sync_all().unwrap();
+    rustix::fs::utimensat(rustix::fs::CWD, &img, &times, rustix::fs::AtFlags::empty()).unwrap();
+    assert_eq!(s.snapshot().await, base, "the bytes are back");
+
+    f.set_len(m.len() + 4096).unwrap();
+    assert_ne!(s.snapshot().await, base, "a file's size changed");
+    f.set_len(m.len()).unwrap();
+    let base = s.snapshot().await;
+
+    let stray = s.data.join("stray");
+    std::fs::write(&stray, b"x").unwrap();
+    assert_ne!(s.snapshot().await, base, "a file appeared in the data dir");
+    std::fs::remove_file(&stray).unwrap();
+    assert_eq!(s.snapshot().await, base);
+
+    sql("INSERT INTO meta (key, value) VALUES ('stray', 'x')").await;
+    let base = s.snapshot().await;
+    sql("UPDATE meta SET value = 'y' WHERE key = 'stray'").await;
+    let changed = s.snapshot().await;
+    assert_ne!(changed, base, "a registry row changed");
+    sql("UPDATE events SET message = message || '!' WHERE id = (SELECT max(id) FROM events)").await;
+    assert_ne!(s.snapshot().await, changed, "an event's text changed");
+}

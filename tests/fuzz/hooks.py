@@ -55,9 +55,8 @@ def state_unchanged_unless_2xx(ctx, response, case):
 
 
 # Codes a schema-valid request may be refused with (422 or 507): each depends
-# on something besides the request, which JSON Schema cannot state, or on a
-# length counted in bytes where JSON Schema counts characters. See
-# schemathesis.toml.
+# on something besides the request, which JSON Schema cannot state (an image
+# path's byte limits are in its pattern). See schemathesis.toml.
 STATE_CODES = {
     # The file on disk and its filesystem.
     "not_regular_file",
@@ -78,9 +77,6 @@ STATE_CODES = {
     "unsupported",
     "refused",
     "not_live",
-    # UTF-8 bytes, where the schema's maxLength counts characters.
-    "path_too_long",
-    "file_name_too_long",
 }
 
 

@@ -48,9 +48,15 @@ for _ in $(seq 100); do [ -S "$work/data/blockplane.sock" ] && break; sleep 0.1;
 socat "TCP-LISTEN:$proxy_port,bind=127.0.0.1,reuseaddr,fork" "UNIX-CONNECT:$work/data/blockplane.sock" &
 proxy=$!
 sleep 0.3
-# Something real for the fuzzer to find: an image and a loop volume.
-BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" image create seed "$work/images/seed.img" --size 4M >/dev/null
-BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" volume create seed --image seed --backend loop >/dev/null
+# Something real for the fuzzer to find: images and loop volumes, which the
+# document's links from GET /v1/images and GET /v1/volumes lead its stateful
+# phase to (a path it makes up is never under the image root, so its own
+# creates are refused). Several, as it deletes some early on.
+seed() {
+  BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" image create "$1" "$work/images/$1.img" --size 4M >/dev/null
+  [ -z "${2:-}" ] || BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" volume create "$1" --image "$1" --backend loop >/dev/null
+}
+for n in 1 2 3; do seed "seed$n" volume; seed "spare$n"; done
 
 run() {
   local name=$1 url=$2

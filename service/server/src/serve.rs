@@ -258,8 +258,13 @@ async fn serve_listener<L>(
         tokio::select! {
             (io, _addr) = listener.accept() => {
                 // hyper closes a connection whose headers are late without a
-                // word; a copy of the socket lets us answer 408 first.
-                let socket = rustix::io::fcntl_dupfd_cloexec(io.as_fd(), 0).ok();
+                // word; a copy of the socket lets us answer 408 first, and
+                // lets the header timer see bytes waiting unread.
+                let socket = rustix::io::fcntl_dupfd_cloexec(io.as_fd(), 0).ok().map(Arc::new);
+                let mut http = http.clone();
+                if let Some(socket) = &socket {
+                    http.timer(HeaderTimer(socket.clone()));
+                }
                 let io = Tracked::new(io);
                 let partial = io.partial.clone();
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
@@ -284,6 +289,58 @@ async fn serve_listener<L>(
     }
     graceful.shutdown().await;
 }
+
+/// The header timer of one connection: it ends a connection whose request
+/// headers are late only when nothing it sent waits unread in its socket.
+/// After the process could not run for a while (stopped, frozen, starved)
+/// the runtime may wake a connection for its expired timer before it has
+/// seen the socket readable, and hyper would then drop a request that
+/// arrived in time; looking at the socket itself (`FIONREAD`) lets such a
+/// request be read and answered.
+#[derive(Clone)]
+struct HeaderTimer(Arc<OwnedFd>);
+
+/// How long an expired header timer waits again for bytes it found unread.
+const UNREAD_RECHECK: Duration = Duration::from_millis(100);
+
+impl hyper::rt::Timer for HeaderTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        self.sleep_until(std::time::Instant::now() + duration)
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(HeaderSleep {
+            sleep: Box::pin(tokio::time::sleep_until(deadline.into())),
+            socket: self.0.clone(),
+        })
+    }
+}
+
+/// A [`HeaderTimer`]'s sleep.
+struct HeaderSleep {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    socket: Arc<OwnedFd>,
+}
+
+impl std::future::Future for HeaderSleep {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            std::task::ready!(self.sleep.as_mut().poll(cx));
+            let unread = rustix::io::ioctl_fionread(self.socket.as_fd()).unwrap_or(0);
+            if unread == 0 {
+                return Poll::Ready(());
+            }
+            // hyper reads the bytes once the runtime sees them; look again
+            // after that.
+            let again = tokio::time::Instant::now() + UNREAD_RECHECK;
+            self.sleep.as_mut().reset(again);
+        }
+    }
+}
+
+impl hyper::rt::Sleep for HeaderSleep {}
 
 /// Writes a 408 with the API's error body to a connection whose request
 /// headers did not arrive in time. Best effort: the answer is small and the

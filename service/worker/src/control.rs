@@ -197,7 +197,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             if !read_only && s.spec.read_only {
                 return error(
                     ErrorCode::Refused,
-                    "the volume was created read-only: its worker holds the image read-only; delete and re-create it writable",
+                    "the volume was created read-only: its worker holds the image read-only; delete it and create it again with \"read_only\": false",
                 );
             }
             match s.reconfigure(|c| c.read_only = read_only) {

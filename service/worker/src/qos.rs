@@ -79,10 +79,14 @@ impl Limiter {
 
     /// Takes tokens now, or says how long to wait for them.
     fn try_take(&self, len: u64) -> Duration {
+        self.try_take_at(len, Instant::now())
+    }
+
+    /// [`Self::try_take`] at the instant `now` (not before the last take).
+    fn try_take_at(&self, len: u64, now: Instant) -> Duration {
         let mut g = self.buckets.lock().expect("qos poisoned");
         let b = &mut *g;
-        let now = Instant::now();
-        let secs = now.duration_since(b.last).as_secs_f64();
+        let secs = now.saturating_duration_since(b.last).as_secs_f64();
         b.last = now;
         let mut wait = Duration::ZERO;
         for (bucket, cost) in [(&mut b.iops, 1.0), (&mut b.bytes, len as f64)] {
@@ -129,19 +133,27 @@ mod tests {
 
     #[test]
     fn buckets_admit_bursts_then_pace() {
+        // Taken at instants the test sets, not at the clock's: the waits are
+        // exact however slowly the test runs.
         let l = Limiter::for_limits(Some(Qos {
             iops: Some(100),
             burst_iops: Some(10),
             ..Default::default()
         }))
         .unwrap();
+        let t0 = Instant::now();
         for _ in 0..10 {
-            assert!(l.try_take(4096).is_zero());
+            assert!(l.try_take_at(4096, t0).is_zero());
         }
-        let w = l.try_take(4096);
+        assert_eq!(l.try_take_at(4096, t0), Duration::from_millis(10));
+        let half = l.try_take_at(4096, t0 + Duration::from_millis(5));
         assert!(
-            w > Duration::from_millis(5) && w <= Duration::from_millis(11),
-            "{w:?}"
+            half.abs_diff(Duration::from_millis(5)) < Duration::from_micros(1),
+            "{half:?}"
+        );
+        assert!(
+            l.try_take_at(4096, t0 + Duration::from_millis(20))
+                .is_zero()
         );
         assert!(
             Limiter::for_limits(Some(Qos::default())).is_none(),
@@ -152,8 +164,8 @@ mod tests {
             ..Default::default()
         }))
         .unwrap();
-        assert!(l.try_take(1 << 20).is_zero());
-        let w = l.try_take(512 << 10);
-        assert!(w >= Duration::from_millis(450), "{w:?}");
+        let t0 = Instant::now();
+        assert!(l.try_take_at(1 << 20, t0).is_zero());
+        assert_eq!(l.try_take_at(512 << 10, t0), Duration::from_millis(500));
     }
 }

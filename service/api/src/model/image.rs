@@ -47,11 +47,18 @@ pub struct CreateImageRequest {
     )]
     pub name: String,
     /// Absolute path under one of the service's image roots: no NUL, at most
-    /// 4095 bytes, each file name at most 255 bytes (UTF-8 bytes, where the
-    /// length bounds here count characters).
+    /// 4095 bytes, each file name at most 255 bytes (UTF-8). JSON Schema
+    /// counts characters, not bytes, so the pattern states the part of that
+    /// rule it can check exactly: an ASCII path (names of up to 255
+    /// characters), or a path of up to 16 names of up to 63 characters of
+    /// any kind. Every path it matches passes the byte limits.
     #[cfg_attr(
         feature = "openapi",
-        schema(pattern = "^/[^\\x00]*$", min_length = 1, max_length = 4095)
+        schema(
+            pattern = "^(?:(?:/[\\x01-\\x2e\\x30-\\x7f]{0,255})+|(?:/[^/\\x00]{0,63}){1,16})$",
+            min_length = 1,
+            max_length = 4095
+        )
     )]
     pub path: String,
     /// Create the file instead of registering an existing one.

@@ -480,21 +480,20 @@ impl VolumeBackend for LoopBackend {
             return Err(unsupported(
                 format!("queues {} x depth {}", spec.queues, spec.queue_depth),
                 format!(
-                    "the kernel loop driver has 1 queue of depth {depth} (module parameter hw_queue_depth); use backend ublk to choose"
+                    "the kernel loop driver has 1 queue of depth {depth} (module parameter hw_queue_depth)"
                 ),
             ));
         }
         if spec.max_io_bytes != blockplane_api::model::DEFAULT_MAX_IO_BYTES {
             return Err(unsupported(
                 format!("max_io_bytes {}", spec.max_io_bytes),
-                "the kernel loop driver sets its own request size; use backend ublk to choose"
-                    .into(),
+                "the kernel loop driver sets its own request size".into(),
             ));
         }
         if spec.qos.is_some() {
             return Err(unsupported(
                 "qos".into(),
-                "QoS needs backend: \"ublk\"".into(),
+                "the kernel loop driver has no QoS".into(),
             ));
         }
         Ok(None)
@@ -670,18 +669,18 @@ impl VolumeBackend for LoopBackend {
         let reason = match change {
             Change::ReadOnly(ro) if ro == att.read_only => return Ok(()),
             Change::Qos(None) | Change::Dispatch(DispatchPolicy::Auto) => return Ok(()),
-            Change::ReadOnly(_) => {
-                "the kernel loop driver cannot change read-only on a bound device (LOOP_SET_STATUS64 ignores LO_FLAGS_READ_ONLY); delete and re-create the volume"
-            }
-            Change::Qos(Some(_)) => "QoS needs backend: \"ublk\"",
+            Change::ReadOnly(ro) => format!(
+                "the kernel loop driver cannot change read-only on a bound device (LOOP_SET_STATUS64 ignores LO_FLAGS_READ_ONLY); delete the volume and create it again with \"read_only\": {ro}"
+            ),
+            Change::Qos(Some(_)) => "the kernel loop driver has no QoS".into(),
             Change::Dispatch(_) => {
-                "dispatch policies apply to backends ublk and dm; a loop volume uses the kernel loop driver"
+                "dispatch policies apply to backends ublk and dm; a loop volume uses the kernel loop driver".into()
             }
         };
         Err(BackendError::NotLive {
             backend: "loop",
             field: change.field(),
-            reason: reason.into(),
+            reason,
         })
     }
 

@@ -311,7 +311,7 @@ pub trait VolumeBackend: Send + Sync {
         Err(BackendError::Busy {
             device: att.device.clone(),
             reason: format!(
-                "the {} backend serves the image in the kernel, where blockplane cannot keep its writes out of the ranges it would zero; detach the volume, allocate, attach again",
+                "the {} backend serves the image in the kernel, where blockplane cannot keep its writes out of the ranges it would zero",
                 self.kind().as_str()
             ),
         })
@@ -360,12 +360,18 @@ pub trait VolumeBackend: Send + Sync {
         Err(self.cannot_snapshot(att))
     }
 
-    /// Why this backend refuses [`VolumeBackend::snapshot`].
+    /// Why this backend refuses [`VolumeBackend::snapshot`], with the ways
+    /// out it offers the volume (read-only only where it can switch live).
     fn cannot_snapshot(&self, att: &Attachment) -> BackendError {
+        let way = if self.check_change(att, Change::ReadOnly(true)).is_ok() {
+            "make the volume read-only (PATCH read_only) or delete it first"
+        } else {
+            "delete the volume first (its image stays)"
+        };
         BackendError::Busy {
             device: att.device.clone(),
             reason: format!(
-                "the {} backend cannot hold a volume's I/O for a snapshot; detach the volume or make it read-only first",
+                "the {} backend cannot hold a volume's I/O for a snapshot; {way}",
                 self.kind().as_str()
             ),
         }
@@ -448,7 +454,7 @@ impl SpecCheck {
 }
 
 /// Why a volume created read-only cannot be made writable.
-pub const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete and re-create it writable";
+pub const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete it and create it again with \"read_only\": false";
 
 /// Why a claimed device cannot be removed.
 pub(crate) const CLAIMED: &str = "it is mounted or held open exclusively; unmount it first";

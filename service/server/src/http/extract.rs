@@ -31,6 +31,17 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                 message: "the request body must be a JSON object".into(),
             });
         }
+        // Nor inside it (`"qos": [null, null]`): no request body holds an
+        // array, so one is always an object written as an array.
+        if let Some(at) = first_array(&value, String::new()) {
+            return Err(ApiError::BadRequest {
+                status: StatusCode::BAD_REQUEST,
+                code: ErrorCode::InvalidBody,
+                message: format!(
+                    "the request body holds an array at {at}; the API's bodies hold objects and plain values only"
+                ),
+            });
+        }
         serde_json::from_value(value)
             .map(ApiJson)
             .map_err(|e| ApiError::BadRequest {
@@ -38,6 +49,17 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                 code: ErrorCode::InvalidBody,
                 message: format!("Failed to deserialize the JSON body into the target type: {e}"),
             })
+    }
+}
+
+/// Where `v` holds an array, as a JSON pointer below `at`.
+fn first_array(v: &serde_json::Value, at: String) -> Option<String> {
+    match v {
+        serde_json::Value::Array(_) => Some(if at.is_empty() { "/".into() } else { at }),
+        serde_json::Value::Object(m) => m
+            .iter()
+            .find_map(|(k, v)| first_array(v, format!("{at}/{k}"))),
+        _ => None,
     }
 }
 

@@ -148,7 +148,82 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
             }
         }
     }
+    add_links(&mut doc);
     (router, doc)
+}
+
+/// OpenAPI links from the answers that give an image's or a volume's id (its
+/// create, and the first of its list) to every operation on it, and from an
+/// image's create to a loop volume on it: a client, or a fuzzer's stateful
+/// phase, can follow them to ids that exist.
+fn add_links(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::link::LinkBuilder;
+    let ops_under = |doc: &utoipa::openapi::OpenApi, prefix: &str| -> Vec<String> {
+        doc.paths
+            .paths
+            .iter()
+            .filter(|(path, _)| path.starts_with(prefix))
+            .flat_map(|(_, item)| {
+                [&item.get, &item.post, &item.patch, &item.put, &item.delete]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|op| op.operation_id.clone())
+            })
+            .collect()
+    };
+    for collection in ["/v1/images", "/v1/volumes"] {
+        let targets = ops_under(doc, &format!("{collection}/{{id}}"));
+        let Some(item) = doc.paths.paths.get_mut(collection) else {
+            continue;
+        };
+        for (post, status, id) in [
+            (true, "201", "$response.body#/id"),
+            (true, "202", "$response.body#/id"),
+            (false, "200", "$response.body#/0/id"),
+        ] {
+            let op = if post { &mut item.post } else { &mut item.get };
+            let Some(RefOr::T(resp)) = op
+                .as_mut()
+                .and_then(|o| o.responses.responses.get_mut(status))
+            else {
+                continue;
+            };
+            for target in &targets {
+                resp.links.insert(
+                    target.clone(),
+                    RefOr::T(
+                        LinkBuilder::new()
+                            .operation_id(target.clone())
+                            .parameter("id", id)
+                            .build(),
+                    ),
+                );
+            }
+        }
+    }
+    if let Some(RefOr::T(resp)) = doc
+        .paths
+        .paths
+        .get_mut("/v1/images")
+        .and_then(|i| i.post.as_mut())
+        .and_then(|o| o.responses.responses.get_mut("201"))
+    {
+        resp.links.insert(
+            "create_volume".into(),
+            RefOr::T(
+                LinkBuilder::new()
+                    .operation_id("create_volume")
+                    .request_body(Some(serde_json::json!({
+                        "name": "linked",
+                        "image": "$response.body#/id",
+                        "backend": "loop"
+                    })))
+                    .description("A loop volume on the new image")
+                    .build(),
+            ),
+        );
+    }
 }
 
 /// The OpenAPI document of this API.
@@ -187,12 +262,14 @@ pub fn router(
     .layer(axum::Extension(events::Stopping(stopping)))
     .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
     .layer(axum::middleware::from_fn_with_state(
-        Arc::new(token),
-        require_token,
-    ))
-    .layer(axum::middleware::from_fn_with_state(
         Arc::new(Admission::new(limits)),
         admit,
+    ))
+    // Before admission, which reads the body: a client without the token
+    // gets nothing read.
+    .layer(axum::middleware::from_fn_with_state(
+        Arc::new(token),
+        require_token,
     ))
     .layer(axum::middleware::from_fn_with_state(
         ops.clone(),
@@ -259,6 +336,8 @@ struct Admission {
     timeout: std::time::Duration,
     /// How long a request body may take before the minimum rate applies.
     body_grace: std::time::Duration,
+    /// The largest body read.
+    max_body_bytes: usize,
 }
 
 impl Admission {
@@ -268,15 +347,57 @@ impl Admission {
             streams: Arc::new(tokio::sync::Semaphore::new(limits.max_event_streams)),
             timeout: limits.request_timeout,
             body_grace: limits.header_timeout,
+            max_body_bytes: limits.max_body_bytes,
         }
+    }
+}
+
+/// Reads a request's whole body, which must arrive at the minimum rate
+/// after its grace period (408 `body_timeout`) and be at most
+/// `max_body_bytes` (413).
+async fn read_body(a: &Admission, body: axum::body::Body) -> Result<axum::body::Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let body = MinRateBody::new(body, a.body_grace, timed_out.clone());
+    match http_body_util::Limited::new(body, a.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(_) if timed_out.load(std::sync::atomic::Ordering::Relaxed) => {
+            Err(ApiError::BadRequest {
+                status: StatusCode::REQUEST_TIMEOUT,
+                code: ErrorCode::BodyTimeout,
+                message: format!(
+                    "the request body arrived slower than {MIN_BODY_BYTES_PER_SEC} bytes/s after the first {} s; nothing was done",
+                    a.body_grace.as_secs()
+                ),
+            })
+        }
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::BadRequest {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            code: ErrorCode::BodyTooLarge,
+            message: format!(
+                "the request body is larger than {} bytes (--max-body-bytes)",
+                a.max_body_bytes
+            ),
+        }),
+        Err(e) => Err(ApiError::BadRequest {
+            status: StatusCode::BAD_REQUEST,
+            code: ErrorCode::InvalidBody,
+            message: format!("the request body could not be read: {e}"),
+        }),
     }
 }
 
 /// Sheds load at once (503) past the concurrency limits, and answers 408
 /// when a request runs past the request timeout or its body trickles in
-/// below the minimum rate. `/healthz` is never counted nor shed. Event streams are long by
-/// nature: they count against their own limit and have no timeout. A timed
-/// out request's operation still finishes (operations run detached).
+/// below the minimum rate. A request's body is read whole before it is
+/// counted: a client still sending its body holds its connection, not a
+/// place meant for requests being served. `/healthz` is never counted nor
+/// shed. Event streams are long by nature: they count against their own
+/// limit and have no timeout. A timed out request's operation still
+/// finishes (operations run detached).
 async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Response {
     let overloaded = |what: &str| {
         ApiError::BadRequest {
@@ -302,23 +423,16 @@ async fn admit(State(a): State<Arc<Admission>>, req: Request, next: Next) -> Res
     if req.uri().path() == "/healthz" {
         return next.run(req).await;
     }
+    let (parts, body) = req.into_parts();
+    let body = match read_body(&a, body).await {
+        Ok(body) => body,
+        Err(refused) => return refused.into_response(),
+    };
     let Ok(_permit) = a.requests.clone().try_acquire_owned() else {
         return overloaded("requests");
     };
-    let (parts, body) = req.into_parts();
-    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let body = axum::body::Body::new(MinRateBody::new(body, a.body_grace, timed_out.clone()));
-    let req = Request::from_parts(parts, body);
+    let req = Request::from_parts(parts, axum::body::Body::from(body));
     match tokio::time::timeout(a.timeout, next.run(req)).await {
-        Ok(_) if timed_out.load(std::sync::atomic::Ordering::Relaxed) => ApiError::BadRequest {
-            status: StatusCode::REQUEST_TIMEOUT,
-            code: ErrorCode::BodyTimeout,
-            message: format!(
-                "the request body arrived slower than {MIN_BODY_BYTES_PER_SEC} bytes/s after the first {} s; nothing was done",
-                a.body_grace.as_secs()
-            ),
-        }
-        .into_response(),
         Ok(resp) => resp,
         Err(_) => ApiError::BadRequest {
             status: StatusCode::REQUEST_TIMEOUT,
@@ -337,8 +451,8 @@ pub const MIN_BODY_BYTES_PER_SEC: u64 = 1024;
 
 /// A request body that fails once it falls behind a minimum rate: all of it
 /// must have arrived by `grace + received / MIN_BODY_BYTES_PER_SEC` after the
-/// first poll, so a client trickling bytes cannot hold an admission permit
-/// for the whole request timeout.
+/// first poll, so a client trickling bytes cannot hold its connection for
+/// the whole request timeout.
 struct MinRateBody {
     inner: axum::body::Body,
     started: tokio::time::Instant,

@@ -55,8 +55,27 @@ fn held_text(volume: &str, how: &str, held: std::time::Duration) -> String {
 const VOLUME_CHANGED: &str =
     "the volume was detached or deleted while the snapshot waited for it; try again";
 
-/// Why a writable volume stops a copy.
-const COPY_UNDER_WRITES: &str = "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; detach the volume or make it read-only (PATCH read_only) first";
+/// Why writable volume `v` stops a copy, and the ways out its backend
+/// offers: read-only through a PATCH only where the volume can switch live.
+fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> String {
+    let live = v
+        .attachment
+        .as_ref()
+        .is_some_and(|att| backend.check_change(att, Change::ReadOnly(true)).is_ok());
+    let n = &v.name;
+    let way = if live {
+        format!(
+            "make volume '{n}' read-only (PATCH /v1/volumes/{n} {{\"read_only\": true}}) or delete it (DELETE /v1/volumes/{n}; its image stays), then try again"
+        )
+    } else {
+        format!(
+            "delete volume '{n}' (DELETE /v1/volumes/{n}; its image stays), and create it again with \"read_only\": true if it must go on serving, then try again"
+        )
+    };
+    format!(
+        "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; {way}"
+    )
+}
 
 impl Manager {
     /// `POST /v1/images/{id}/snapshots`: a read-only image made from
@@ -187,7 +206,7 @@ impl Manager {
                     name: src.name,
                     volume: v.name.clone(),
                     backend: b.kind().as_str(),
-                    reason: COPY_UNDER_WRITES,
+                    reason: copy_under_writes(v, b.as_ref()),
                 });
             }
             // The source's data, and a full grow's new range.
@@ -316,7 +335,7 @@ impl Manager {
         name: &str,
         grow: Option<(u64, Allocation)>,
     ) -> Result<(ImageFile, String)> {
-        let refused = |v: &VolumeRow, reason| Error::SnapshotAttached {
+        let refused = |v: &VolumeRow, reason: String| Error::SnapshotAttached {
             name: src.name.clone(),
             volume: v.name.clone(),
             backend: v.backend.as_str(),
@@ -325,11 +344,11 @@ impl Manager {
         let _volume = self.volume_locks.lock(&v.name).await;
         let v = match self.store.volume(&v.id.to_string()).await? {
             Some(now) if now.attachment.is_some() => now,
-            _ => return Err(refused(&v, VOLUME_CHANGED)),
+            _ => return Err(refused(&v, VOLUME_CHANGED.into())),
         };
         let (me, p) = (self.clone(), path.clone());
         let Some(mut file) = blocking(move || me.roots.create_for_reflink(&p)).await?? else {
-            return Err(refused(&v, COPY_UNDER_WRITES));
+            return Err(refused(&v, copy_under_writes(&v, backend.as_ref())));
         };
         let identity = file.identity();
         let birth = file.birth().map(str::to_string);

@@ -79,7 +79,7 @@ pub enum Error {
         name: String,
         volume: String,
         backend: &'static str,
-        reason: &'static str,
+        reason: String,
     },
     #[error(
         "image '{name}': the copy to image '{copy}' reads it, so it cannot {what} until that copy is ready (or stopped by deleting '{copy}')"

@@ -7,6 +7,7 @@ use uuid::Uuid;
 
 use super::jobs::{Ended, Job, JobState};
 use super::{Error, Manager, Result, blocking, validate_name};
+use crate::backend::BackendError;
 use crate::store::ImageRow;
 use blockplane_api::model::{
     AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
@@ -451,9 +452,20 @@ impl Manager {
         let attached = self.attached_volumes(row.id).await?;
         for (v, backend) in &attached {
             if let Some(att) = &v.attachment {
-                backend
-                    .check_allocate(att, v.id)
-                    .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+                backend.check_allocate(att, v.id).map_err(|e| {
+                    let e = match e {
+                        BackendError::Busy { device, reason } => BackendError::Busy {
+                            device,
+                            reason: format!(
+                                "{reason}; to allocate it, delete volume '{v}' (DELETE /v1/volumes/{v}; its image stays), allocate (POST /v1/images/{i}/allocate), then create the volume again",
+                                v = v.name,
+                                i = row.name
+                            ),
+                        },
+                        e => e,
+                    };
+                    super::volumes::volume_error(&v.name, e)
+                })?;
             }
         }
         let mut tx = self.store.begin().await?;
@@ -585,8 +597,11 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         if !self.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
+                reason: format!(
+                    "no allocate runs on it (POST /v1/images/{}/allocate starts one)",
+                    row.name
+                ),
                 name: row.name,
-                reason: "no allocate runs on it (POST /v1/images/{id}/allocate starts one)".into(),
             });
         }
         self.image(&row.id.to_string()).await

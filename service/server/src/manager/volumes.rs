@@ -80,6 +80,12 @@ fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
     Ok(())
 }
 
+/// QoS that sets no limit is no QoS: every backend takes it (`null` is
+/// what a refusal of a limit says to give for none).
+fn limits_of(qos: Option<Qos>) -> Option<Qos> {
+    qos.filter(|q| *q != Qos::default())
+}
+
 /// Names the fields in which two create requests differ.
 fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
     let (a, b) = (
@@ -238,6 +244,10 @@ impl Manager {
     ) -> Result<Created<Volume>> {
         validate_name("volume", &req.name)?;
         check_spec(&req)?;
+        let req = CreateVolumeRequest {
+            qos: limits_of(req.qos),
+            ..req
+        };
         let _volume = self.volume_locks.lock(&req.name).await;
         let image = self.image_row(&req.image).await?;
         let mut spec = CreateVolumeRequest {
@@ -298,7 +308,7 @@ impl Manager {
             })
             .await?
         };
-        let decision = decision.map_err(|e| volume_error(&req.name, e))?;
+        let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
 
         let now = OffsetDateTime::now_utc();
         let mut row = VolumeRow {
@@ -566,7 +576,7 @@ impl Manager {
         for change in &changes {
             backend
                 .check_change(&att, *change)
-                .map_err(|e| volume_error(&v.name, e))?;
+                .map_err(|e| volume_error(&v.name, self.offer_ublk(e)))?;
         }
         let mut att = att;
         let mut made = Vec::new();
@@ -671,6 +681,46 @@ impl Manager {
         Ok(())
     }
 
+    /// A loop volume's refusal of what backend ublk does, offering ublk
+    /// only where this host has it: a remedy given must work here.
+    fn offer_ublk(&self, e: BackendError) -> BackendError {
+        let offer = |reason: String, way: &str| {
+            let ublk = self.capability(Backend::Ublk);
+            if ublk.available {
+                format!("{reason}; {way}")
+            } else {
+                format!(
+                    "{reason}; backend ublk would, but it is not available on this host: {}",
+                    ublk.reason.unwrap_or_default()
+                )
+            }
+        };
+        match e {
+            BackendError::Unsupported {
+                backend: "loop",
+                what,
+                reason,
+            } => BackendError::Unsupported {
+                backend: "loop",
+                what,
+                reason: offer(reason, "backend ublk does (\"backend\": \"ublk\")"),
+            },
+            BackendError::NotLive {
+                backend: "loop",
+                field: field @ ("qos" | "dispatch"),
+                reason,
+            } => BackendError::NotLive {
+                backend: "loop",
+                field,
+                reason: offer(
+                    reason,
+                    "a volume created again with \"backend\": \"ublk\" can",
+                ),
+            },
+            e => e,
+        }
+    }
+
     fn not_live(&self, v: &VolumeRow) -> Error {
         Error::VolumeState {
             name: v.name.clone(),
@@ -737,7 +787,7 @@ fn changes(v: &VolumeRow, patch: &PatchVolumeRequest) -> Result<Vec<Change>> {
     if let Some(d) = patch.dispatch.filter(|d| *d != v.dispatch) {
         changes.push(Change::Dispatch(d));
     }
-    if let Some(q) = patch.qos.filter(|q| *q != v.qos) {
+    if let Some(q) = patch.qos.map(limits_of).filter(|q| *q != v.qos) {
         check_qos(&v.name, q.as_ref())?;
         changes.push(Change::Qos(q));
     }

@@ -340,16 +340,33 @@ pub fn grow_fd(
             io::Error::other(format!("new size {size} is below the current size {old}")),
         ));
     }
-    match alloc {
-        Allocation::Sparse => {
-            rustix::fs::ftruncate(fd, size).map_err(|e| ("ftruncate", e.into()))?
-        }
-        Allocation::Full => {
-            rustix::fs::fallocate(fd, FallocateFlags::empty(), old, size - old)
-                .map_err(|e| ("fallocate", e.into()))?;
-            write_zeros(fd, old, size).map_err(|e| ("write zeros", e))?;
-        }
+    let grown = match alloc {
+        Allocation::Sparse => rustix::fs::ftruncate(fd, size).map_err(|e| ("ftruncate", e.into())),
+        // What does not fit is refused before any block is taken (a failed
+        // fallocate's blocks of the extent tree would stay after the
+        // truncate below).
+        Allocation::Full => rustix::fs::fstatvfs(fd)
+            .map_err(|e| ("fstatvfs", e.into()))
+            .and_then(|v| {
+                if v.f_bavail.saturating_mul(v.f_frsize) < size - old {
+                    Err(("free space", io::Error::from_raw_os_error(libc::ENOSPC)))
+                } else {
+                    Ok(())
+                }
+            })
+            .and_then(|()| {
+                rustix::fs::fallocate(fd, FallocateFlags::empty(), old, size - old)
+                    .map_err(|e| ("fallocate", e.into()))
+            })
+            .and_then(|()| write_zeros(fd, old, size).map_err(|e| ("write zeros", e))),
+    };
+    if grown.is_err() {
+        // A fallocate that ran out of space part-way may leave the file
+        // longer, its blocks taken: a refused grow must change nothing, and
+        // nobody has seen the new size yet.
+        let _ = rustix::fs::ftruncate(fd, old);
     }
+    grown?;
     rustix::fs::fsync(fd).map_err(|e| ("fsync", e.into()))
 }
 
