@@ -2,7 +2,6 @@
 //! (`state.json`: what a control plane needs to take over after a crash of
 //! either side: the device id and the image's pin).
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -15,7 +14,7 @@ use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use serde::{Deserialize, Serialize};
 
-use super::protocol::{Answer, ErrorCode, Request, Status};
+use super::protocol::{self, Answer, ErrorCode, Request, Status};
 use super::{Policy, Refusal, Shared};
 use blockplane_system::extent::Pin;
 
@@ -33,13 +32,33 @@ pub struct StateFile {
 /// The running control thread.
 pub struct Control {
     shutdown: Arc<AtomicBool>,
+    handover: Arc<Handover>,
     run_dir: PathBuf,
+}
+
+/// A handover asked of this worker ([`Request::Handover`]).
+#[derive(Default)]
+struct Handover {
+    /// Set once the device is let go: the queues' end is no crash.
+    done: AtomicBool,
+    /// The test fault's pause before the worker exits, ms.
+    pace_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Control {
     /// Whether the control plane asked for the device to go.
     pub fn shutdown_requested(&self) -> bool {
         self.shutdown.load(Relaxed)
+    }
+
+    /// Whether the device was handed over to a successor; if so, after the
+    /// pause the test fault asked for.
+    pub fn handed_over(&self) -> bool {
+        let done = self.handover.done.load(Relaxed);
+        if done {
+            std::thread::sleep(Duration::from_millis(self.handover.pace_ms.load(Relaxed)));
+        }
+        done
     }
 
     /// Removes the socket and state file (the device is gone).
@@ -57,6 +76,7 @@ struct Ctx {
     features: u64,
     dev_flags: u64,
     shutdown: Arc<AtomicBool>,
+    handover: Arc<Handover>,
     resize_pending: AtomicBool,
 }
 
@@ -90,6 +110,7 @@ pub fn start(
     let listener = UnixListener::bind(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     let shutdown = Arc::new(AtomicBool::new(false));
+    let handover = Arc::new(Handover::default());
     let cx = Ctx {
         shared,
         ctrl,
@@ -97,6 +118,7 @@ pub fn start(
         features,
         dev_flags,
         shutdown: shutdown.clone(),
+        handover: handover.clone(),
         resize_pending: AtomicBool::new(false),
     };
     write_state(&cx);
@@ -120,20 +142,28 @@ pub fn start(
                 }
             }
         })?;
-    Ok(Control { shutdown, run_dir })
+    Ok(Control {
+        shutdown,
+        handover,
+        run_dir,
+    })
 }
 
 fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line)?;
-    let answer = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => handle(cx, req),
-        Err(e) => error(ErrorCode::BadRequest, format!("unreadable request: {e}")),
-    };
-    let mut out = serde_json::to_string(&answer).expect("answers serialize");
-    out.push('\n');
-    (&conn).write_all(out.as_bytes())
+    let served = protocol::serve_connection(&conn, |req| handle(cx, req));
+    if cx.handover.done.load(Relaxed) && cx.dev_flags & u64::from(sys::UBLK_F_QUIESCE) == 0 {
+        // Drained: the queues stay held; the kernel requeues what they hold
+        // when this process's char device closes, for the successor.
+        drop(conn);
+        std::thread::sleep(Duration::from_millis(cx.handover.pace_ms.load(Relaxed)));
+        tracing::info!(
+            dev_id = cx.dev_id,
+            "handed over (queues drained); worker exits"
+        );
+        std::process::exit(0);
+    }
+    served
 }
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Answer {
@@ -174,14 +204,17 @@ fn status(cx: &Ctx) -> Answer {
         degraded: st.degraded,
         resize_pending: cx.resize_pending.load(Relaxed),
         allocate: s.fill_state(),
+        build: Some(blockplane_system::build::current().to_string()),
     }))
 }
 
 fn handle(cx: &Ctx, req: Request) -> Answer {
     let s = &cx.shared;
     match req {
-        Request::Status => status(cx),
-        Request::Stats => Answer::Stats(Box::new(s.stats())),
+        // Answered by the connection itself (`protocol::serve_connection`).
+        Request::Hello(_) => error(ErrorCode::BadRequest, "a hello out of place"),
+        Request::Status {} => status(cx),
+        Request::Stats {} => Answer::Stats(Box::new(s.stats())),
         Request::SetDispatch { dispatch, reason } => {
             match s.switch(Policy::from_requested(dispatch), reason) {
                 Ok(()) => {
@@ -222,7 +255,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
-        Request::CancelAllocate => {
+        Request::CancelAllocate {} => {
             s.cancel_allocate();
             status(cx)
         }
@@ -232,7 +265,20 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             },
             Err(e) => refusal(e),
         },
-        Request::Shutdown => {
+        Request::Handover { pace_ms } => match s.hand_over(&cx.ctrl, cx.dev_flags) {
+            Ok(method) => {
+                cx.handover.pace_ms.store(pace_ms, Relaxed);
+                cx.handover.done.store(true, Relaxed);
+                tracing::info!(
+                    dev_id = cx.dev_id,
+                    method = method.as_str(),
+                    "device let go for a successor"
+                );
+                Answer::HandedOver { method }
+            }
+            Err(e) => refusal(e),
+        },
+        Request::Shutdown {} => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {
                 Ok(_) => status(cx),
