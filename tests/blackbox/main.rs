@@ -6,6 +6,7 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
+mod builds;
 mod harness;
 
 mod attacks;
@@ -23,4 +24,5 @@ mod registry;
 mod restart;
 mod snapshots;
 mod soak;
+mod versions;
 mod volumes;
