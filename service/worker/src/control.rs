@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::time::Duration;
 
 use libublk::ctrl::UblkCtrl;
@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::protocol::{self, Answer, ErrorCode, Request, Status};
 use super::{Policy, Refusal, Shared};
+use blockplane_api::model::HandoverMethod;
 use blockplane_system::extent::Pin;
 
 /// What `state.json` holds.
@@ -39,11 +40,26 @@ pub struct Control {
 /// A handover asked of this worker ([`Request::Handover`]).
 #[derive(Default)]
 struct Handover {
-    /// Set once the device is let go: the queues' end is no crash.
-    done: AtomicBool,
+    /// Set before the device is let go: the queues may end before the
+    /// control thread knows how the handover went.
+    asked: AtomicBool,
+    /// How it went (0 until it is known): [`QUIESCED`], [`DRAINED`] or
+    /// [`REFUSED`].
+    outcome: AtomicU8,
+    /// Set once the control plane has its answer: only then may the worker
+    /// exit, or the answer is lost with it.
+    answered: AtomicBool,
     /// The test fault's pause before the worker exits, ms.
     pace_ms: std::sync::atomic::AtomicU64,
 }
+
+const QUIESCED: u8 = 1;
+const DRAINED: u8 = 2;
+const REFUSED: u8 = 3;
+
+/// How long the queue side waits for the control thread to answer a
+/// handover whose QUIESCE ended the queues.
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
 
 impl Control {
     /// Whether the control plane asked for the device to go.
@@ -53,10 +69,23 @@ impl Control {
 
     /// Whether the device was handed over to a successor; if so, after the
     /// pause the test fault asked for.
+    /// A quiesce ends the queues before the QUIESCE command returns to the
+    /// control thread: this waits for its answer to be sent.
     pub fn handed_over(&self) -> bool {
-        let done = self.handover.done.load(Relaxed);
+        let h = &self.handover;
+        if !h.asked.load(SeqCst) {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + ANSWER_WAIT;
+        while !h.answered.load(SeqCst)
+            && h.outcome.load(SeqCst) != REFUSED
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let done = h.answered.load(SeqCst);
         if done {
-            std::thread::sleep(Duration::from_millis(self.handover.pace_ms.load(Relaxed)));
+            std::thread::sleep(Duration::from_millis(h.pace_ms.load(SeqCst)));
         }
         done
     }
@@ -152,7 +181,11 @@ pub fn start(
 fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
     let served = protocol::serve_connection(&conn, |req| handle(cx, req));
-    if cx.handover.done.load(Relaxed) && cx.dev_flags & u64::from(sys::UBLK_F_QUIESCE) == 0 {
+    let outcome = cx.handover.outcome.load(SeqCst);
+    if matches!(outcome, QUIESCED | DRAINED) {
+        cx.handover.answered.store(true, SeqCst);
+    }
+    if outcome == DRAINED {
         // Drained: the queues stay held; the kernel requeues what they hold
         // when this process's char device closes, for the successor.
         drop(conn);
@@ -265,19 +298,28 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             },
             Err(e) => refusal(e),
         },
-        Request::Handover { pace_ms } => match s.hand_over(&cx.ctrl, cx.dev_flags) {
-            Ok(method) => {
-                cx.handover.pace_ms.store(pace_ms, Relaxed);
-                cx.handover.done.store(true, Relaxed);
-                tracing::info!(
-                    dev_id = cx.dev_id,
-                    method = method.as_str(),
-                    "device let go for a successor"
-                );
-                Answer::HandedOver { method }
+        Request::Handover { pace_ms } => {
+            cx.handover.pace_ms.store(pace_ms, SeqCst);
+            cx.handover.asked.store(true, SeqCst);
+            let done = s.hand_over(&cx.ctrl, cx.dev_flags);
+            let outcome = match done {
+                Ok(HandoverMethod::Quiesce) => QUIESCED,
+                Ok(_) => DRAINED,
+                Err(_) => REFUSED,
+            };
+            cx.handover.outcome.store(outcome, SeqCst);
+            match done {
+                Ok(method) => {
+                    tracing::info!(
+                        dev_id = cx.dev_id,
+                        method = method.as_str(),
+                        "device let go for a successor"
+                    );
+                    Answer::HandedOver { method }
+                }
+                Err(e) => refusal(e),
             }
-            Err(e) => refusal(e),
-        },
+        }
         Request::Shutdown {} => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {
