@@ -6,17 +6,8 @@
 use std::process::Output;
 
 use crate::builds::{copy_as_build, install};
+use crate::cli::cli;
 use crate::harness::{BIN, Opts, Service, assert_error};
-
-fn cli(s: &Service, args: &[&str]) -> Output {
-    std::process::Command::new(BIN)
-        .arg("--api")
-        .arg(format!("unix:{}", s.sock.display()))
-        .args(args)
-        .env_remove("BLOCKPLANE_TOKEN")
-        .output()
-        .unwrap()
-}
 
 fn text(out: &Output) -> String {
     format!(

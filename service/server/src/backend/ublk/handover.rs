@@ -123,16 +123,7 @@ impl UblkBackend {
                     pid,
                     build: peer.build.clone(),
                 };
-                if let Some(w) = self
-                    .workers
-                    .lock()
-                    .expect("workers poisoned")
-                    .get_mut(&volume_id)
-                {
-                    w.pid = pid;
-                    w.spec = recorded;
-                    w.peer = peer;
-                }
+                self.serves_now(volume_id, pid, recorded, peer);
                 drop(handing);
                 Ok(HandedOver {
                     attachment: Some(self.attachment(&status)?),

@@ -259,6 +259,21 @@ impl UblkBackend {
         }
     }
 
+    /// Records worker `pid`, started from `spec`, as the one serving
+    /// `volume_id` now.
+    pub(super) fn serves_now(&self, volume_id: Uuid, pid: u32, spec: WorkerSpec, peer: Peer) {
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            w.pid = pid;
+            w.spec = spec;
+            w.peer = peer;
+        }
+    }
+
     /// `f` of the worker of `volume_id`, if there is one.
     pub(super) fn worker_of<T>(&self, volume_id: Uuid, f: impl FnOnce(&Worker) -> T) -> Option<T> {
         self.workers
@@ -292,16 +307,7 @@ impl UblkBackend {
             spec.pinned = state.and_then(|s| s.pinned);
             match self.start_worker(spec.clone(), &image, lock.as_ref(), None) {
                 Ok(Started { pid, status, peer }) => {
-                    if let Some(w) = self
-                        .workers
-                        .lock()
-                        .expect("workers poisoned")
-                        .get_mut(&volume_id)
-                    {
-                        w.pid = pid;
-                        w.spec = spec;
-                        w.peer = peer;
-                    }
+                    self.serves_now(volume_id, pid, spec, peer);
                     // A private device's volume is its dm device: leave that be.
                     let att = if private {
                         None
