@@ -242,7 +242,12 @@ async fn an_upgrade_hands_every_volume_to_the_new_build_under_fio_verify() {
         let (worst, runs) = load.finish();
         let stats = vm.s.get(&format!("/v1/volumes/{name}/stats")).await.body;
         for op in ["read", "write", "flush"] {
-            assert_eq!(stats[op]["errors"], 0, "{name}: {stats}");
+            // dm counts no errors of its own (null): fio's verify stands.
+            let errors = &stats[op]["errors"];
+            assert!(
+                *errors == 0 || (name.starts_with("d-") && errors.is_null()),
+                "{name}: {stats}"
+            );
         }
         assert!(
             stats["write"]["ops"].as_u64() > stats0["write"]["ops"].as_u64(),
