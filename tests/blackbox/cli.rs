@@ -4,7 +4,7 @@ use std::process::Output;
 
 use crate::harness::{BIN, Opts, Service};
 
-fn cli(s: &Service, args: &[&str]) -> Output {
+pub fn cli(s: &Service, args: &[&str]) -> Output {
     std::process::Command::new(BIN)
         .arg("--api")
         .arg(format!("unix:{}", s.sock.display()))

@@ -6,6 +6,7 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
+mod builds;
 mod harness;
 
 mod attacks;
@@ -24,4 +25,5 @@ mod remedies;
 mod restart;
 mod snapshots;
 mod soak;
+mod versions;
 mod volumes;

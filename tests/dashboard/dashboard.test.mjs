@@ -117,6 +117,9 @@ describe('dashboard', { concurrency: false }, () => {
       assert.match(await cell('dispatch'), new RegExp(v.dispatch));
       assert.ok((await cell('dispatch')).includes(v.dispatch_reason), 'the policy reason is shown');
       assert.equal(await cell('qos'), 'none');
+      // A loop volume has no worker, so no build to show.
+      assert.equal(v.worker_version, null);
+      assert.equal(await cell('worker'), '–');
     }
     await screenshot(page, 'volumes');
   });
@@ -394,7 +397,7 @@ describe('dashboard', { concurrency: false }, () => {
     await writes;
   });
 
-  test('the overview shows health, capacity per image root, volumes by state and the busiest volumes', async () => {
+  test('the overview shows health, build, older workers, capacity per image root, volumes by state and the busiest volumes', async () => {
     const [host, volumes] = [await svc.ok('GET', '/v1/host'), await svc.ok('GET', '/v1/volumes')];
     await go('#/overview');
     await until('healthy', async () => (await page.locator('[data-field=health]').innerText()) === 'healthy');
@@ -404,6 +407,8 @@ describe('dashboard', { concurrency: false }, () => {
     const text = await row.innerText();
     assert.match(text, new RegExp(`${root.images}$`), `images under the root: ${text}`);
     assert.ok(text.includes('×'), `provisioned against the filesystem's size: ${text}`);
+    assert.equal(await page.locator('[data-field=build]').innerText(), host.build.version);
+    assert.match(await page.locator('[data-field=older-workers]').innerText(), /^none/);
     for (const st of ['attached', 'error']) {
       const n = volumes.filter((v) => v.state === st).length;
       assert.equal((await page.locator(`tr[data-state=${st}] td`).innerText()).trim(), String(n), st);

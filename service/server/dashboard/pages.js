@@ -140,6 +140,15 @@ function dispatchText(v) {
   return `${v.dispatch}${asked}`;
 }
 
+/** The build of a volume's worker: '–' without one, and whether it is older than the service's. */
+function workerCell(v) {
+  if (v.worker_version === null) return '–';
+  return v.worker_older
+    ? h('span', { class: 'warn', title: v.worker_version }, 'older build',
+      h('div', { class: 'reason' }, 'blockplane upgrade moves it to the service\'s'))
+    : h('span', { title: v.worker_version }, 'current');
+}
+
 function stateCell(v) {
   return h(
     'span',
@@ -154,6 +163,7 @@ function stateCell(v) {
 /** Event kinds an operator should look at. */
 const WARNING_KINDS = new Set([
   'volume_io_errors', 'volume_degraded', 'volume_error', 'worker_restarted', 'worker_recovery_failed',
+  'worker_handover_failed',
   'volume_create_failed', 'volume_delete_failed', 'volume_resize_failed', 'image_overcommitted',
   'image_allocate_failed', 'orphan_found',
 ]);
@@ -212,6 +222,7 @@ export function overviewPage(ctx) {
     const figures = await liveFigures(volumes);
     const states = ['attached', 'degraded', 'attaching', 'detaching', 'error'];
     const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
+    const older = volumes.filter((v) => v.worker_older === true);
     const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);
     const figureRows = (list) => h('tbody', null, list.map((f) => h('tr', { 'data-volume': f.v.name },
       h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(f.v.id)}` }, f.v.name)),
@@ -226,8 +237,17 @@ export function overviewPage(ctx) {
         h('dt', null, 'Service'), h('dd', { 'data-field': 'health' }, health === 'ok'
           ? h('span', { class: 'yes' }, 'healthy') : h('span', { class: 'no' }, health)),
         h('dt', null, 'Kernel'), h('dd', null, host.kernel),
+        h('dt', null, 'Build'), h('dd', { 'data-field': 'build', class: 'mono' }, host.build.version,
+          host.build.executable_replaced
+            ? h('div', { class: 'reason warn' }, `${host.build.executable} now holds ${host.build.executable_version ?? 'nothing'}: a restart of the service runs it`)
+            : null),
         h('dt', null, 'Backends here'), h('dd', null,
-          ['loop', 'ublk', 'dm'].filter((b) => host.backends[b].available).join(', ') || 'none')),
+          ['loop', 'ublk', 'dm'].filter((b) => host.backends[b].available).join(', ') || 'none'),
+        h('dt', null, 'Older workers'), h('dd', { 'data-field': 'older-workers' }, older.length
+          ? [h('span', { class: 'no' }, `${count(older.length)} volume(s) served by an older build: `),
+            older.map((v, i) => [i ? ', ' : '', h('a', { href: `#/volumes/${seg(v.id)}` }, v.name)]),
+            h('div', { class: 'reason' }, 'blockplane upgrade hands them over, live')]
+          : h('span', { class: 'yes' }, 'none: every worker runs the service\'s build'))),
       table('Image roots', ['Root', 'Size', 'Free', 'Provisioned', 'Allocated', 'Images'],
         h('tbody', null, host.image_root_capacity.map((r) => {
           const ratio = r.size_bytes ? r.provisioned_bytes / r.size_bytes : 0;
@@ -320,7 +340,10 @@ export function hostPage(ctx) {
         'dl',
         { class: 'facts' },
         h('dt', null, 'Kernel'), h('dd', { 'data-field': 'kernel' }, host.kernel),
-        h('dt', null, 'blockplane'), h('dd', null, host.version),
+        h('dt', null, 'blockplane'), h('dd', { class: 'mono' }, host.build.version,
+          host.build.executable_replaced
+            ? h('div', { class: 'reason warn' }, `${host.build.executable} now holds ${host.build.executable_version ?? 'nothing'}: a restart of the service runs it`)
+            : null),
         h('dt', null, 'Default backend'), h('dd', null, host.default_backend ?? 'none'),
         h('dt', null, 'Image roots'), h('dd', { class: 'mono' }, host.image_roots.join(', ')),
       ),
@@ -872,6 +895,7 @@ export function volumesPage(ctx) {
       h('td', { 'data-field': 'size', class: 'num' }, bytes(v.size_bytes)),
       h('td', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('td', { 'data-field': 'qos' }, qos(v.qos)),
+      h('td', { 'data-field': 'worker' }, workerCell(v)),
       h('td', { 'data-field': 'iops', class: 'num' }, '–'),
       h('td', { 'data-field': 'latency', class: 'num' }, '–'),
       h('td', null, h('button', {
@@ -901,7 +925,7 @@ export function volumesPage(ctx) {
     }
     rebuild(list, volumes.length
       ? table('Volumes (IOPS and mean latency over the last 10 s)',
-        ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'IOPS', 'Latency', 'Action'],
+        ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Worker', 'IOPS', 'Latency', 'Action'],
         h('tbody', null, volumes.map(row)))
       : h('p', null, 'No volumes yet: create one below.'));
     shown = volumes;
@@ -1175,6 +1199,7 @@ export function volumePage(ctx, { id }) {
         v.copy_mode ? `, ${v.copy_mode === 'zero_copy' ? 'zero copy' : 'data copied'}` : ''),
       v.direct_io === null ? null : [h('dt', null, 'Direct I/O'), h('dd', null, yesNo(v.direct_io))],
       v.worker_pid === null ? null : [h('dt', null, 'Worker'), h('dd', null, `pid ${v.worker_pid}, buffers ${bytes(v.buffer_bytes)}`)],
+      v.worker_version === null ? null : [h('dt', null, 'Worker build'), h('dd', { 'data-field': 'worker', class: 'mono' }, v.worker_version, ' ', workerCell(v))],
       h('dt', null, 'Updated'), h('dd', null, when(v.updated_at)),
     );
     // Say up front what this backend cannot change live.

@@ -69,6 +69,17 @@ pub struct VolumeSample {
     pub stats: VolumeStats,
 }
 
+/// The worker serving one volume in a scrape.
+#[derive(Debug, Clone)]
+pub struct WorkerSample {
+    pub volume: String,
+    pub backend: String,
+    /// Its build (`unknown`: from before workers said).
+    pub version: String,
+    /// Another build than the service's.
+    pub older: bool,
+}
+
 /// One image in a scrape.
 #[derive(Debug, Clone)]
 pub struct ImageSample {
@@ -86,6 +97,10 @@ pub struct Snapshot {
     pub states: Vec<(String, u64)>,
     /// Each image root's filesystem.
     pub roots: Vec<RootCapacity>,
+    /// The service's build (`blockplane_system::build`).
+    pub build: String,
+    /// The worker of each volume that has one.
+    pub workers: Vec<WorkerSample>,
 }
 
 const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
@@ -326,6 +341,28 @@ impl Collector for Snapshot {
                 ConstGauge::new(get(r) as f64)
                     .encode(family.encode_family(&[("root", r.path.as_str())])?)?;
             }
+        }
+        let mut family = enc.encode_descriptor(
+            "blockplane_build_info",
+            "The build this service runs (version: crate version + build identity), always 1",
+            None,
+            G,
+        )?;
+        ConstGauge::new(1.0).encode(family.encode_family(&[("version", self.build.as_str())])?)?;
+        let mut family = enc.encode_descriptor(
+            "blockplane_worker_info",
+            "The build of the worker serving each ublk volume and dm volume on nowait/threaded, always 1; older=\"true\" when it is another build than the service's (blockplane upgrade moves it)",
+            None,
+            G,
+        )?;
+        for w in &self.workers {
+            let older = if w.older { "true" } else { "false" };
+            ConstGauge::new(1.0).encode(family.encode_family(&[
+                ("volume", w.volume.as_str()),
+                ("backend", w.backend.as_str()),
+                ("version", w.version.as_str()),
+                ("older", older),
+            ])?)?;
         }
         let mut family =
             enc.encode_descriptor("blockplane_volumes", "Volumes per state", None, G)?;

@@ -2,10 +2,12 @@
 //! database: image files under their roots ([`image`]), their extents and the
 //! direct-map rules ([`extent`]), the dispatch decision built on them
 //! ([`dispatch`]), device-mapper tables ([`dm`]), the mount table
-//! ([`mountinfo`]) and the kernel's per-device statistics ([`blockstat`]).
+//! ([`mountinfo`]), the kernel's per-device statistics ([`blockstat`]) and
+//! which build of blockplane an executable file is ([`build`]).
 //! The control plane and the worker both build on it.
 
 pub mod blockstat;
+pub mod build;
 pub mod dispatch;
 pub mod dm;
 pub mod extent;

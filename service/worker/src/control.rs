@@ -2,21 +2,21 @@
 //! (`state.json`: what a control plane needs to take over after a crash of
 //! either side: the device id and the image's pin).
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::time::Duration;
 
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use serde::{Deserialize, Serialize};
 
-use super::protocol::{Answer, ErrorCode, Request, Status};
+use super::protocol::{self, Answer, ErrorCode, Request, Status};
 use super::{Policy, Refusal, Shared};
+use blockplane_api::model::HandoverMethod;
 use blockplane_system::extent::Pin;
 
 /// What `state.json` holds.
@@ -33,13 +33,61 @@ pub struct StateFile {
 /// The running control thread.
 pub struct Control {
     shutdown: Arc<AtomicBool>,
+    handover: Arc<Handover>,
     run_dir: PathBuf,
 }
+
+/// A handover asked of this worker ([`Request::Handover`]).
+#[derive(Default)]
+struct Handover {
+    /// Set before the device is let go: the queues may end before the
+    /// control thread knows how the handover went.
+    asked: AtomicBool,
+    /// How it went (0 until it is known): [`QUIESCED`], [`DRAINED`] or
+    /// [`REFUSED`].
+    outcome: AtomicU8,
+    /// Set once the control plane has its answer: only then may the worker
+    /// exit, or the answer is lost with it.
+    answered: AtomicBool,
+    /// The test fault's pause before the worker exits, ms.
+    pace_ms: std::sync::atomic::AtomicU64,
+}
+
+const QUIESCED: u8 = 1;
+const DRAINED: u8 = 2;
+const REFUSED: u8 = 3;
+
+/// How long the queue side waits for the control thread to answer a
+/// handover whose QUIESCE ended the queues.
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
 
 impl Control {
     /// Whether the control plane asked for the device to go.
     pub fn shutdown_requested(&self) -> bool {
         self.shutdown.load(Relaxed)
+    }
+
+    /// Whether the device was handed over to a successor; if so, after the
+    /// pause the test fault asked for.
+    /// A quiesce ends the queues before the QUIESCE command returns to the
+    /// control thread: this waits for its answer to be sent.
+    pub fn handed_over(&self) -> bool {
+        let h = &self.handover;
+        if !h.asked.load(SeqCst) {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + ANSWER_WAIT;
+        while !h.answered.load(SeqCst)
+            && h.outcome.load(SeqCst) != REFUSED
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let done = h.answered.load(SeqCst);
+        if done {
+            std::thread::sleep(Duration::from_millis(h.pace_ms.load(SeqCst)));
+        }
+        done
     }
 
     /// Removes the socket and state file (the device is gone).
@@ -57,6 +105,7 @@ struct Ctx {
     features: u64,
     dev_flags: u64,
     shutdown: Arc<AtomicBool>,
+    handover: Arc<Handover>,
     resize_pending: AtomicBool,
 }
 
@@ -90,6 +139,7 @@ pub fn start(
     let listener = UnixListener::bind(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     let shutdown = Arc::new(AtomicBool::new(false));
+    let handover = Arc::new(Handover::default());
     let cx = Ctx {
         shared,
         ctrl,
@@ -97,6 +147,7 @@ pub fn start(
         features,
         dev_flags,
         shutdown: shutdown.clone(),
+        handover: handover.clone(),
         resize_pending: AtomicBool::new(false),
     };
     write_state(&cx);
@@ -120,20 +171,32 @@ pub fn start(
                 }
             }
         })?;
-    Ok(Control { shutdown, run_dir })
+    Ok(Control {
+        shutdown,
+        handover,
+        run_dir,
+    })
 }
 
 fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line)?;
-    let answer = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => handle(cx, req),
-        Err(e) => error(ErrorCode::BadRequest, format!("unreadable request: {e}")),
-    };
-    let mut out = serde_json::to_string(&answer).expect("answers serialize");
-    out.push('\n');
-    (&conn).write_all(out.as_bytes())
+    let served = protocol::serve_connection(&conn, |req| handle(cx, req));
+    let outcome = cx.handover.outcome.load(SeqCst);
+    if matches!(outcome, QUIESCED | DRAINED) {
+        cx.handover.answered.store(true, SeqCst);
+    }
+    if outcome == DRAINED {
+        // Drained: the queues stay held; the kernel requeues what they hold
+        // when this process's char device closes, for the successor.
+        drop(conn);
+        std::thread::sleep(Duration::from_millis(cx.handover.pace_ms.load(Relaxed)));
+        tracing::info!(
+            dev_id = cx.dev_id,
+            "handed over (queues drained); worker exits"
+        );
+        std::process::exit(0);
+    }
+    served
 }
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Answer {
@@ -174,14 +237,17 @@ fn status(cx: &Ctx) -> Answer {
         degraded: st.degraded,
         resize_pending: cx.resize_pending.load(Relaxed),
         allocate: s.fill_state(),
+        build: Some(blockplane_system::build::current().to_string()),
     }))
 }
 
 fn handle(cx: &Ctx, req: Request) -> Answer {
     let s = &cx.shared;
     match req {
-        Request::Status => status(cx),
-        Request::Stats => Answer::Stats(Box::new(s.stats())),
+        // Answered by the connection itself (`protocol::serve_connection`).
+        Request::Hello(_) => error(ErrorCode::BadRequest, "a hello out of place"),
+        Request::Status {} => status(cx),
+        Request::Stats {} => Answer::Stats(Box::new(s.stats())),
         Request::SetDispatch { dispatch, reason } => {
             match s.switch(Policy::from_requested(dispatch), reason) {
                 Ok(()) => {
@@ -222,7 +288,7 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             Ok(()) => status(cx),
             Err(e) => refusal(e),
         },
-        Request::CancelAllocate => {
+        Request::CancelAllocate {} => {
             s.cancel_allocate();
             status(cx)
         }
@@ -232,7 +298,29 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             },
             Err(e) => refusal(e),
         },
-        Request::Shutdown => {
+        Request::Handover { pace_ms } => {
+            cx.handover.pace_ms.store(pace_ms, SeqCst);
+            cx.handover.asked.store(true, SeqCst);
+            let done = s.hand_over(&cx.ctrl, cx.dev_flags);
+            let outcome = match done {
+                Ok(HandoverMethod::Quiesce) => QUIESCED,
+                Ok(_) => DRAINED,
+                Err(_) => REFUSED,
+            };
+            cx.handover.outcome.store(outcome, SeqCst);
+            match done {
+                Ok(method) => {
+                    tracing::info!(
+                        dev_id = cx.dev_id,
+                        method = method.as_str(),
+                        "device let go for a successor"
+                    );
+                    Answer::HandedOver { method }
+                }
+                Err(e) => refusal(e),
+            }
+        }
+        Request::Shutdown {} => {
             cx.shutdown.store(true, Relaxed);
             match cx.ctrl.kill_dev() {
                 Ok(_) => status(cx),

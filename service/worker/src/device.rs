@@ -81,10 +81,12 @@ fn ctrl_flags(features: u64) -> u64 {
     let mut f = u64::from(sys::UBLK_F_USER_RECOVERY);
     // AUTO_BUF_REG: zero copy, the request's pages registered on the queue's
     // ring for each request (kernel 6.16+); copy mode where it is missing.
+    // QUIESCE (6.16+): a handover lets the kernel drain the worker's queues.
     for opt in [
         sys::UBLK_F_USER_RECOVERY_REISSUE,
         sys::UBLK_F_UPDATE_SIZE,
         sys::UBLK_F_AUTO_BUF_REG,
+        sys::UBLK_F_QUIESCE,
     ] {
         if features & u64::from(opt) != 0 {
             f |= u64::from(opt);
@@ -232,7 +234,15 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     }
     let _ = ctrl.read_dev_info();
     let stopped = u32::from(ctrl.dev_info().state) == sys::UBLK_S_DEV_DEAD;
+    // Closes the char device: a quiesced device now waits for its successor.
     drop(dev);
+    if control.handed_over() {
+        // The image stays pinned and the stats file stays: both are the
+        // successor's now.
+        ctrl.disown();
+        tracing::info!(dev_id, "handed over (quiesced); worker exits");
+        return Ok(ExitCode::SUCCESS);
+    }
     if !stopped || !control.shutdown_requested() {
         // The queues ended without STOP_DEV from us: leave the device to a
         // successor (the control plane recovers it).

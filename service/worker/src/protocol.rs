@@ -1,6 +1,17 @@
 //! What the control plane and a worker say to each other: the worker's launch
 //! spec, and one JSON request / one JSON answer per line on the worker's
 //! control socket. Both sides use these types; nothing else crosses.
+//!
+//! **Versions.** A connection starts with a handshake: the service sends
+//! [`Request::Hello`] naming the protocol it speaks ([`PROTOCOL`]) and its
+//! build, the worker answers [`Answer::Hello`] with its own, then the one
+//! request and its answer follow on the same connection. A worker from
+//! before the handshake (protocol 1) answers the hello as an unreadable
+//! request: the service then asks again without it, and sends it only the
+//! requests protocol 1 has ([`Request::since`]). Requests and the spec deny
+//! fields they do not know, so a message of a newer version is refused with
+//! the reason, never half read; answers only ever gain fields, which an
+//! older reader may skip.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -10,8 +21,15 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use blockplane_api::model::{ActiveDispatch, Allocation, DispatchPolicy, OpStats, Qos};
+use blockplane_api::model::{
+    ActiveDispatch, Allocation, DispatchPolicy, HandoverMethod, OpStats, Qos,
+};
 use blockplane_system::extent::{ExtentMap, Pin};
+
+/// The control socket protocol this build speaks: 1 was the line protocol
+/// before versions (no handshake, no handover); 2 adds [`Request::Hello`]
+/// and [`Request::Handover`], and a worker's build in [`Status::build`].
+pub const PROTOCOL: u32 = 2;
 
 /// The file descriptor number the image is handed to a worker on.
 pub const IMAGE_FD: i32 = 3;
@@ -23,7 +41,10 @@ pub const IMAGE_FD: i32 = 3;
 pub const LOCK_FD: i32 = 4;
 
 /// How a worker is to serve its volume (passed as JSON on its command line).
+/// A field this build does not know is refused: the worker then exits with
+/// the reason rather than serving without it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkerSpec {
     /// The volume served.
     pub volume_id: Uuid,
@@ -76,6 +97,11 @@ pub struct WorkerSpec {
     /// of reading the map before the pin too. Only a first start has one.
     #[serde(default)]
     pub decided_map: bool,
+    /// With `recover_dev_id`: the device is taken over from a worker that
+    /// handed it over ([`Request::Handover`]), not from one that crashed,
+    /// so `worker_restarts` does not count it.
+    #[serde(default)]
+    pub handover: bool,
 }
 
 /// Why a worker of a volume created read-only cannot fill its image.
@@ -107,14 +133,23 @@ pub fn take_decided_map(run_dir: &Path) -> std::io::Result<ExtentMap> {
     Ok(map)
 }
 
-/// A request on the control socket.
+/// A request on the control socket. Fields a build does not know are
+/// refused ([`serve_connection`]): where a field's presence would change a
+/// request's meaning, an older worker must not act on the rest of it. (The
+/// requests without fields are struct variants all the same, `Status {}`:
+/// serde lets a unit variant ignore fields.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
+    /// The handshake, a connection's first line (protocol 2): the
+    /// protocol and build of the asking side. Answered [`Answer::Hello`];
+    /// the request follows on the same connection. The one request read
+    /// leniently: a later protocol may say more of itself here.
+    Hello(Peer),
     /// Identity and state.
-    Status,
+    Status {},
     /// Counters and latency percentiles.
-    Stats,
+    Stats {},
     /// Switch the dispatch policy while I/O runs.
     SetDispatch {
         /// The policy (never `Auto`).
@@ -153,7 +188,7 @@ pub enum Request {
     },
     /// Stop a running fill after its current range. The image goes back to
     /// being punched if it was before ([`FillState::Cancelled`]).
-    CancelAllocate,
+    CancelAllocate {},
     /// Share the image's extents with `dest` (`FICLONE`) at one moment of
     /// the volume's I/O: every queue held, no request inside, so the new
     /// file holds every write completed before and none after or in part.
@@ -171,7 +206,78 @@ pub enum Request {
     },
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
-    Shutdown,
+    Shutdown {},
+    /// Let go of the device for a successor, keeping it (protocol 2): with
+    /// `UBLK_F_QUIESCE` the kernel quiesces it (the requests inside finish,
+    /// new ones wait), else every queue is held until no request is inside
+    /// the data path and the worker exits, its held requests requeued by the
+    /// kernel (`USER_RECOVERY_REISSUE`). The image stays pinned if it is;
+    /// the stats file stays for the successor. Answers
+    /// [`Answer::HandedOver`], then the worker exits (0). A refusal
+    /// ([`ErrorCode::Refused`]: a fill runs, the device cannot be recovered
+    /// without failing requests) leaves it serving.
+    Handover {
+        /// A pause once the device is let go, before the worker exits, ms
+        /// (the service's test fault `slow_handover`; 0 otherwise).
+        #[serde(default)]
+        pace_ms: u64,
+    },
+}
+
+impl Request {
+    /// The first protocol version that has this request: a worker of an
+    /// older one is never sent it.
+    pub fn since(&self) -> u32 {
+        match self {
+            Request::Hello(_) | Request::Handover { .. } => 2,
+            _ => 1,
+        }
+    }
+
+    /// The request's `op`, for messages.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Request::Hello(_) => "hello",
+            Request::Status {} => "status",
+            Request::Stats {} => "stats",
+            Request::SetDispatch { .. } => "set_dispatch",
+            Request::SetReadOnly { .. } => "set_read_only",
+            Request::SetQos { .. } => "set_qos",
+            Request::Resize { .. } => "resize",
+            Request::Allocate { .. } => "allocate",
+            Request::CancelAllocate {} => "cancel_allocate",
+            Request::Snapshot { .. } => "snapshot",
+            Request::Shutdown {} => "shutdown",
+            Request::Handover { .. } => "handover",
+        }
+    }
+}
+
+/// What one side of the control socket says of itself in the handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peer {
+    /// The highest protocol it speaks.
+    pub protocol: u32,
+    /// Its build; `None` for a worker from before the handshake.
+    pub build: Option<String>,
+}
+
+impl Peer {
+    /// A worker from before the handshake: protocol 1, build unknown.
+    pub fn before_handshake() -> Self {
+        Self {
+            protocol: 1,
+            build: None,
+        }
+    }
+
+    /// This build.
+    pub fn this_build() -> Self {
+        Self {
+            protocol: PROTOCOL,
+            build: Some(blockplane_system::build::current().to_string()),
+        }
+    }
 }
 
 /// A worker's state as it reports it.
@@ -214,6 +320,9 @@ pub struct Status {
     /// The last fill started by [`Request::Allocate`] (none yet: `None`).
     #[serde(default)]
     pub allocate: Option<Fill>,
+    /// The worker's build (protocol 2; `None` from an older worker).
+    #[serde(default)]
+    pub build: Option<String>,
 }
 
 /// Where a worker's fill ([`Request::Allocate`]) is.
@@ -321,10 +430,18 @@ pub enum Answer {
     Status(Box<Status>),
     /// The answer to [`Request::Stats`].
     Stats(Box<WorkerStats>),
+    /// The answer to [`Request::Hello`]: the worker's protocol and build.
+    Hello(Peer),
     /// A [`Request::Snapshot`] made: how long the queues were held, µs.
     Snapshot {
         /// Microseconds the queues were held.
         held_us: u64,
+    },
+    /// A [`Request::Handover`] done: the device waits for its successor;
+    /// the worker exits.
+    HandedOver {
+        /// How it let go ([`HandoverMethod::Quiesce`] or `Drain`).
+        method: HandoverMethod,
     },
     /// Refused or failed; `message` names the rule.
     Error {
@@ -350,6 +467,20 @@ pub enum TalkError {
     /// The answer was not JSON of an [`Answer`].
     #[error("worker answered something unreadable: {0}")]
     Garbled(String),
+    /// The worker's protocol has no such request: it was not sent.
+    #[error(
+        "the worker speaks protocol {protocol} (build {build}), which has no request '{op}' (protocol {since} and later)"
+    )]
+    NotUnderstood {
+        /// The request's op.
+        op: &'static str,
+        /// The first protocol that has it.
+        since: u32,
+        /// The worker's protocol.
+        protocol: u32,
+        /// The worker's build.
+        build: String,
+    },
 }
 
 /// The `--spec` argument of process `pid`, if it is a blockplane worker (read
@@ -362,21 +493,139 @@ pub fn worker_spec(pid: u32) -> Option<serde_json::Value> {
     serde_json::from_slice(args.next()?).ok()
 }
 
-/// Sends one request and reads one answer (a fresh connection each time).
+/// One connection to a worker's control socket.
+struct Conn {
+    reader: BufReader<UnixStream>,
+    path: String,
+}
+
+impl Conn {
+    fn open(socket: &Path, timeout: Duration) -> Result<Self, TalkError> {
+        let path = socket.display().to_string();
+        let io = |source| TalkError::Io {
+            path: path.clone(),
+            source,
+        };
+        let s = UnixStream::connect(socket).map_err(io)?;
+        s.set_read_timeout(Some(timeout)).map_err(io)?;
+        s.set_write_timeout(Some(timeout)).map_err(io)?;
+        Ok(Self {
+            reader: BufReader::new(s),
+            path,
+        })
+    }
+
+    /// Sends `req`, reads one answer.
+    fn ask(&mut self, req: &Request) -> Result<Answer, TalkError> {
+        let io = |source| TalkError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let mut line = serde_json::to_string(req).expect("requests serialize");
+        line.push('\n');
+        self.reader
+            .get_mut()
+            .write_all(line.as_bytes())
+            .map_err(io)?;
+        let mut answer = String::new();
+        self.reader.read_line(&mut answer).map_err(io)?;
+        serde_json::from_str(&answer).map_err(|e| TalkError::Garbled(format!("{e}: {answer:?}")))
+    }
+}
+
+/// Refuses a request the worker's protocol does not have.
+fn understood(req: &Request, peer: &Peer) -> Result<(), TalkError> {
+    if req.since() > peer.protocol {
+        return Err(TalkError::NotUnderstood {
+            op: req.op(),
+            since: req.since(),
+            protocol: peer.protocol,
+            build: peer.build.clone().unwrap_or_else(|| "unknown".into()),
+        });
+    }
+    Ok(())
+}
+
+/// The handshake, then one request and its answer; what the worker said of
+/// itself with it. A worker from before the handshake is asked again on a
+/// fresh connection, with the request alone, if its protocol has it.
+pub fn converse(
+    socket: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<(Peer, Answer), TalkError> {
+    let mut conn = Conn::open(socket, timeout)?;
+    match conn.ask(&Request::Hello(Peer::this_build()))? {
+        Answer::Hello(peer) => {
+            understood(req, &peer)?;
+            Ok((peer, conn.ask(req)?))
+        }
+        // Protocol 1 reads the hello as a request it does not know.
+        Answer::Error {
+            code: ErrorCode::BadRequest,
+            ..
+        } => {
+            let peer = Peer::before_handshake();
+            understood(req, &peer)?;
+            Ok((peer, Conn::open(socket, timeout)?.ask(req)?))
+        }
+        other => Err(TalkError::Garbled(format!(
+            "the answer to the handshake was {other:?}"
+        ))),
+    }
+}
+
+/// [`converse`], without what the worker said of itself.
 pub fn talk(socket: &Path, req: &Request, timeout: Duration) -> Result<Answer, TalkError> {
-    let io = |source| TalkError::Io {
-        path: socket.display().to_string(),
-        source,
+    converse(socket, req, timeout).map(|(_, answer)| answer)
+}
+
+/// Reads one request line as this build's [`Request`], or the refusal to
+/// answer: a request of a newer protocol (an unknown op or field) is
+/// refused, never read in part.
+pub fn read_request(line: &str) -> Result<Request, Answer> {
+    serde_json::from_str(line).map_err(|e| Answer::Error {
+        code: ErrorCode::BadRequest,
+        message: format!(
+            "unreadable request (this worker speaks protocol {PROTOCOL}, build {}): {e}",
+            blockplane_system::build::current()
+        ),
+    })
+}
+
+/// Serves one connection of a control socket: the handshake if the client
+/// starts with one, then one request, answered by `handle` (a refusal of an
+/// unreadable line never reaches it).
+pub fn serve_connection(
+    conn: &UnixStream,
+    handle: impl FnOnce(Request) -> Answer,
+) -> std::io::Result<()> {
+    let mut reader = BufReader::new(conn);
+    let mut writer = conn;
+    let mut answer = |a: &Answer| {
+        let mut out = serde_json::to_string(a).expect("answers serialize");
+        out.push('\n');
+        writer.write_all(out.as_bytes())
     };
-    let mut s = UnixStream::connect(socket).map_err(io)?;
-    s.set_read_timeout(Some(timeout)).map_err(io)?;
-    s.set_write_timeout(Some(timeout)).map_err(io)?;
-    let mut line = serde_json::to_string(req).expect("requests serialize");
-    line.push('\n');
-    s.write_all(line.as_bytes()).map_err(io)?;
-    let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer).map_err(io)?;
-    serde_json::from_str(&answer).map_err(|e| TalkError::Garbled(format!("{e}: {answer:?}")))
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let mut req = read_request(&line);
+    if let Ok(Request::Hello(_)) = req {
+        answer(&Answer::Hello(Peer::this_build()))?;
+        line.clear();
+        if reader.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        req = read_request(&line);
+    }
+    match req {
+        Ok(Request::Hello(_)) => answer(&Answer::Error {
+            code: ErrorCode::BadRequest,
+            message: "a second hello on one connection".into(),
+        }),
+        Ok(req) => answer(&handle(req)),
+        Err(refused) => answer(&refused),
+    }
 }
 
 #[cfg(test)]
@@ -421,6 +670,186 @@ mod tests {
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
             Request::Allocate { pace_ms: 0 }
+        );
+    }
+
+    /// A worker of protocol 1 (before the handshake), as it answered: an
+    /// unknown op is an unreadable request, a known one is answered.
+    const V1_STATUS: &str = r#"{"status":{"pid":7,"dev_id":3,"device":"/dev/ublkb3","dispatch":"nowait","dispatch_reason":"asked","pinned":null,"size_bytes":4096,"read_only":false,"buffer_bytes":0,"queues":1,"zero_copy":false,"features":0,"dev_flags":0,"degraded":null,"resize_pending":false,"allocate":null}}"#;
+
+    fn v1_worker(dir: &Path, connections: usize) -> std::thread::JoinHandle<Vec<String>> {
+        let listener = std::os::unix::net::UnixListener::bind(dir.join("ctl.sock")).unwrap();
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for conn in listener.incoming().take(connections) {
+                let conn = conn.unwrap();
+                let mut line = String::new();
+                BufReader::new(&conn).read_line(&mut line).unwrap();
+                let op = serde_json::from_str::<serde_json::Value>(&line).unwrap()["op"]
+                    .as_str()
+                    .unwrap()
+                    .to_string();
+                let answer = match op.as_str() {
+                    "status" => V1_STATUS.to_string(),
+                    other => format!(
+                        r#"{{"error":{{"code":"bad_request","message":"unreadable request: unknown variant `{other}`"}}}}"#
+                    ),
+                };
+                seen.push(op);
+                (&conn).write_all(format!("{answer}\n").as_bytes()).unwrap();
+            }
+            seen
+        })
+    }
+
+    /// The service drives a worker from before the handshake: it is asked
+    /// again without the hello, only what protocol 1 has, and its answers
+    /// (without a build) read as this version's.
+    #[test]
+    fn a_worker_of_the_previous_protocol_is_still_driven() {
+        let dir = tempfile::tempdir().unwrap();
+        let worker = v1_worker(dir.path(), 3);
+        let socket = dir.path().join("ctl.sock");
+        let (peer, answer) =
+            converse(&socket, &Request::Status {}, Duration::from_secs(5)).unwrap();
+        assert_eq!(peer, Peer::before_handshake());
+        let Answer::Status(status) = answer else {
+            panic!("{answer:?}")
+        };
+        assert_eq!((status.dev_id, status.build), (3, None));
+        // A request protocol 1 lacks is not sent at all.
+        let e = converse(
+            &socket,
+            &Request::Handover { pace_ms: 0 },
+            Duration::from_secs(5),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("speaks protocol 1 (build unknown), which has no request 'handover'"),
+            "{e}"
+        );
+        assert_eq!(worker.join().unwrap(), ["hello", "status", "hello"]);
+    }
+
+    /// Lines written to a worker's side of a connection, and what it answered.
+    fn serve(lines: &[&str]) -> (Vec<Answer>, Vec<Request>) {
+        let (client, server) = UnixStream::pair().unwrap();
+        let mut input = lines.join("\n");
+        input.push('\n');
+        (&client).write_all(input.as_bytes()).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut handled = Vec::new();
+        serve_connection(&server, |req| {
+            handled.push(req);
+            Answer::Status(Box::new(
+                serde_json::from_str::<Answer>(V1_STATUS)
+                    .map(|a| match a {
+                        Answer::Status(s) => *s,
+                        _ => unreachable!(),
+                    })
+                    .unwrap(),
+            ))
+        })
+        .unwrap();
+        drop(server);
+        let answers = BufReader::new(&client)
+            .lines()
+            .map(|l| serde_json::from_str(&l.unwrap()).unwrap())
+            .collect();
+        (answers, handled)
+    }
+
+    #[test]
+    fn a_connection_starts_with_the_handshake_or_is_served_as_protocol_1() {
+        // Protocol 1: the request alone.
+        let (answers, handled) = serve(&[r#"{"op":"set_qos","qos":{"iops":10}}"#]);
+        assert_eq!(answers.len(), 1);
+        assert!(matches!(answers[0], Answer::Status(_)));
+        assert!(matches!(&handled[..], [Request::SetQos { qos: Some(q) }] if q.iops == Some(10)));
+        // Protocol 2: the hello is answered with this build, then the request.
+        let hello = serde_json::to_string(&Request::Hello(Peer::this_build())).unwrap();
+        let (answers, handled) = serve(&[&hello, r#"{"op":"status"}"#]);
+        assert_eq!(answers[0], Answer::Hello(Peer::this_build()));
+        assert!(matches!(answers[1], Answer::Status(_)));
+        assert_eq!(handled, [Request::Status {}]);
+        // A later protocol's hello says more of itself: still a hello.
+        let later = r#"{"op":"hello","protocol":3,"build":"0.2.0+x","features":["y"]}"#;
+        let (answers, _) = serve(&[later, r#"{"op":"status"}"#]);
+        assert_eq!(answers[0], Answer::Hello(Peer::this_build()));
+    }
+
+    /// A request of a newer version (an op, or a field, this build does not
+    /// know) is refused with the reason; the handler never sees it.
+    #[test]
+    fn an_unknown_newer_request_is_refused_not_misread() {
+        for (line, says) in [
+            (
+                r#"{"op":"set_read_only","read_only":true,"scope":"discards"}"#,
+                "unknown field `scope`",
+            ),
+            (
+                r#"{"op":"teleport","to":"elsewhere"}"#,
+                "unknown variant `teleport`",
+            ),
+            (
+                r#"{"op":"allocate","pace_ms":5,"zeroes":"fast"}"#,
+                "unknown field `zeroes`",
+            ),
+            (
+                r#"{"op":"status","verbose":true}"#,
+                "unknown field `verbose`",
+            ),
+        ] {
+            let (answers, handled) = serve(&[line]);
+            assert!(
+                handled.is_empty(),
+                "{line} reached the handler: {handled:?}"
+            );
+            let [Answer::Error { code, message }] = &answers[..] else {
+                panic!("{line}: {answers:?}")
+            };
+            assert_eq!(*code, ErrorCode::BadRequest, "{line}");
+            assert!(message.contains(says), "{line}: {message}");
+            assert!(message.contains("protocol 2"), "{line}: {message}");
+        }
+    }
+
+    /// A spec with a field this build does not know is refused, not half read.
+    #[test]
+    fn a_spec_with_an_unknown_field_is_refused() {
+        let spec = WorkerSpec {
+            volume_id: Uuid::nil(),
+            run_dir: "/run/x".into(),
+            image_path: "/i".into(),
+            size_bytes: 4096,
+            read_only: false,
+            refuse_writes: false,
+            dispatch: DispatchPolicy::Nowait,
+            dispatch_reason: "asked".into(),
+            queues: 1,
+            queue_depth: 1,
+            max_io_bytes: 4096,
+            threads: 1,
+            qos: None,
+            recover_dev_id: None,
+            pinned: None,
+            extent_check_secs: 1,
+            allocation: Allocation::Sparse,
+            image_lock: false,
+            decided_map: false,
+            handover: false,
+        };
+        let mut json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            serde_json::from_value::<WorkerSpec>(json.clone()).unwrap(),
+            spec
+        );
+        json["from_the_future"] = true.into();
+        let e = serde_json::from_value::<WorkerSpec>(json).unwrap_err();
+        assert!(
+            e.to_string().contains("unknown field `from_the_future`"),
+            "{e}"
         );
     }
 

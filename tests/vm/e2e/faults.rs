@@ -518,7 +518,7 @@ impl Held {
 fn worker_status(vm: &Vm, volume_id: &str) -> Value {
     use blockplane_worker::protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
-    match talk(&sock, &Request::Status, Duration::from_secs(10)) {
+    match talk(&sock, &Request::Status {}, Duration::from_secs(10)) {
         Ok(Answer::Status(s)) => serde_json::to_value(*s).unwrap(),
         other => panic!("worker of {volume_id}: {other:?}"),
     }

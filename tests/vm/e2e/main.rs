@@ -7,6 +7,8 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
+#[path = "../../blackbox/builds.rs"]
+mod builds;
 #[path = "../../blackbox/harness.rs"]
 #[allow(dead_code)]
 mod harness;
@@ -21,6 +23,7 @@ mod logwrites;
 mod snapshots;
 mod soak;
 mod ublk;
+mod upgrade;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -160,7 +163,21 @@ impl Vm {
         Self::start_with(Vec::new(), env).await
     }
 
+    /// As [`Vm::start`], with the service run from `bin` (a copy the test
+    /// can replace as a package upgrade does).
+    pub async fn start_from(bin: PathBuf) -> Self {
+        Self::start_opts(Vec::new(), Vec::new(), Some(bin)).await
+    }
+
     async fn start_with(more: Vec<PathBuf>, env: Vec<(String, String)>) -> Self {
+        Self::start_opts(more, env, None).await
+    }
+
+    async fn start_opts(
+        more: Vec<PathBuf>,
+        env: Vec<(String, String)>,
+        bin: Option<PathBuf>,
+    ) -> Self {
         in_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         let roots: Vec<(Scratch, PathBuf)> =
@@ -180,6 +197,7 @@ impl Vm {
                 .collect(),
             extra_args: vec!["--extent-check-secs".into(), "2".into()],
             env,
+            bin,
             ..Default::default()
         })
         .await;

@@ -5,8 +5,8 @@ use hyper::Method;
 use super::path::{encode_segment, with_query};
 use super::{Client, Error};
 use crate::model::{
-    CreateVolumeRequest, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume, VolumeStats,
-    VolumeUsage,
+    CreateVolumeRequest, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume,
+    VolumeStats, VolumeUsage,
 };
 
 fn volume_path(volume: &str) -> String {
@@ -42,6 +42,13 @@ impl Client {
     /// `DELETE /v1/volumes/{id}`.
     pub async fn delete_volume(&self, volume: &str) -> Result<(), Error> {
         self.empty(Method::DELETE, &volume_path(volume)).await
+    }
+
+    /// `POST /v1/volumes/{id}/handover`: a new worker of the service's build
+    /// takes the volume's device over.
+    pub async fn handover_volume(&self, volume: &str) -> Result<Handover, Error> {
+        let path = format!("{}/handover", volume_path(volume));
+        self.call(Method::POST, &path, None).await
     }
 
     /// `GET /v1/volumes/{id}/stats`.

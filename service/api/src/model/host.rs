@@ -74,8 +74,10 @@ pub struct HostPolicies {
 pub struct Host {
     /// `uname -r`.
     pub kernel: String,
-    /// blockplane's version.
+    /// blockplane's version (the crate's).
     pub version: String,
+    /// The service's build, and the file at its path now.
+    pub build: ServiceBuild,
     /// Each backend, and whether it can run here.
     pub backends: HostBackends,
     /// Each dispatch policy, and whether it can run here.
@@ -89,6 +91,26 @@ pub struct Host {
     /// Devices of this service with no volume: left alone until
     /// `DELETE /v1/host/orphans/{volume_id}`.
     pub orphans: Vec<Orphan>,
+}
+
+/// The build the service runs, and the file at the path it was started
+/// from: a package upgrade replaces that file while the service runs on.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ServiceBuild {
+    /// `<version>+<build>`: the crate version, then the git commit it was
+    /// built from (when built from a checkout) and the linker's build-id.
+    /// Workers of the same build report the same string.
+    pub version: String,
+    /// The path the service was started from.
+    pub executable: String,
+    /// The build of the file at that path now (`null`: none, or unreadable).
+    pub executable_version: Option<String>,
+    /// The file at the path is another build than the one running (or is
+    /// gone): a restart of the service runs what is there. New workers (replacements, handovers)
+    /// still run the service's own build, started from the file it started
+    /// from, which it keeps open.
+    pub executable_replaced: bool,
 }
 
 /// Size and free space of an image root's filesystem.

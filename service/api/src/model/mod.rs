@@ -7,6 +7,7 @@
 mod backend;
 mod error;
 mod event;
+mod handover;
 mod host;
 mod image;
 mod qos;
@@ -19,6 +20,7 @@ mod wire;
 pub use backend::*;
 pub use error::*;
 pub use event::*;
+pub use handover::*;
 pub use host::*;
 pub use image::*;
 pub use qos::*;

@@ -183,6 +183,15 @@ pub struct Volume {
     pub copy_mode: Option<CopyMode>,
     /// ublk volumes: the worker process serving the device.
     pub worker_pid: Option<u32>,
+    /// The build of the worker serving the device (ublk volumes, and dm
+    /// volumes on `nowait`/`threaded`, whose private ublk device has one):
+    /// `<version>+<build>` as in `GET /v1/host`, or `unknown` for a worker
+    /// from before workers said; `null` when no worker serves it.
+    pub worker_version: Option<String>,
+    /// Whether that worker is another build than the service's (`true` for
+    /// `unknown`): `POST /v1/volumes/{id}/handover` (`blockplane upgrade`)
+    /// moves it to the service's; `null` when no worker serves it.
+    pub worker_older: Option<bool>,
     /// The image grew, but the kernel could not resize the device live
     /// (ublk without UPDATE_SIZE): the new size applies at the next attach.
     pub resize_pending: bool,

@@ -94,6 +94,19 @@ pub enum Command {
         #[command(subcommand)]
         cmd: VolumeCmd,
     },
+    /// Hand volumes over to new workers of the service's build, live: the
+    /// devices stay, I/O goes on. Every volume whose worker is another build
+    /// (after the service itself was upgraded and restarted), one at a time;
+    /// stops at the first failure.
+    Upgrade {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Only these volumes (ids or names), whatever their worker's build.
+        volumes: Vec<String>,
+        /// Also the volumes whose worker already runs the service's build.
+        #[arg(long, conflicts_with = "volumes")]
+        all: bool,
+    },
     /// The event log.
     Events {
         #[command(flatten)]
@@ -346,6 +359,7 @@ impl Command {
             Command::Host { client }
             | Command::Image { client, .. }
             | Command::Volume { client, .. }
+            | Command::Upgrade { client, .. }
             | Command::Events { client, .. } => Some(client),
             _ => None,
         }

@@ -62,6 +62,9 @@ pub async fn run(cli: Cli) -> ExitCode {
             cmd: VolumeCmd::Top { count },
             ..
         } => return top::top(&client, *count, as_json).await,
+        Command::Upgrade { volumes, all, .. } => {
+            return super::upgrade::upgrade(&client, volumes, *all, as_json).await;
+        }
         Command::Image { cmd, .. } => image(&client, cmd).await,
         Command::Volume { cmd, .. } => volume(&client, cmd).await,
         Command::Serve(_)

@@ -7,8 +7,9 @@
 //! [`render`] prints their answers ([`table`] lays them out, [`names`] puts
 //! names in place of ids); `volume rm` checks for use first ([`busy`]),
 //! allocates and copies are waited for ([`progress`]), and `events --follow`
-//! ([`events`]) and `volume top` ([`top`]) run until interrupted; all of
-//! them print and fail through [`output`].
+//! ([`events`]) and `volume top` ([`top`]) run until interrupted,
+//! `upgrade` hands volumes over one at a time ([`upgrade`]); all of them
+//! print and fail through [`output`].
 
 mod args;
 mod busy;
@@ -21,6 +22,7 @@ mod progress;
 mod render;
 mod table;
 mod top;
+mod upgrade;
 
 use std::process::ExitCode;
 

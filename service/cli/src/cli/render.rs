@@ -129,13 +129,20 @@ fn host(h: &Host) -> String {
         .join(", ");
     let mut out = fields(vec![
         ("kernel", h.kernel.clone()),
-        ("version", h.version.clone()),
+        ("version", h.build.version.clone()),
         (
             "default backend",
             dash(h.default_backend.map(|b| b.as_str())),
         ),
         ("image roots", roots),
     ]);
+    if h.build.executable_replaced {
+        out += &format!(
+            "note: {} now holds build {}: a restart of the service runs it, then `blockplane upgrade` moves the volumes to it\n",
+            h.build.executable,
+            h.build.executable_version.as_deref().unwrap_or("(none)")
+        );
+    }
     let cap = |available: bool, reason: &Option<String>| {
         if available {
             "yes".to_string()
@@ -263,6 +270,21 @@ fn volume(v: &Volume, names: &Names) -> String {
         ),
         ("qos", dash(v.qos.as_ref().map(json_line))),
         ("direct io", dash(v.direct_io)),
+        (
+            "worker",
+            match (v.worker_pid, &v.worker_version) {
+                (_, None) => "-".into(),
+                (pid, Some(version)) => format!(
+                    "pid {}, build {version}{}",
+                    dash(pid),
+                    if v.worker_older == Some(true) {
+                        " (older than the service's: `blockplane upgrade` moves it)"
+                    } else {
+                        ""
+                    }
+                ),
+            },
+        ),
         ("created", at(v.created_at)),
         ("updated", at(v.updated_at)),
     ])
@@ -271,7 +293,7 @@ fn volume(v: &Volume, names: &Names) -> String {
 fn volumes(l: &[Volume], names: &Names) -> String {
     table(
         &[
-            "NAME", "IMAGE", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO",
+            "NAME", "IMAGE", "BACKEND", "DISPATCH", "STATE", "DEVICE", "SIZE", "RO", "WORKER",
         ],
         l.iter()
             .map(|v| {
@@ -284,6 +306,11 @@ fn volumes(l: &[Volume], names: &Names) -> String {
                     dash(v.device.as_ref()),
                     human_size(v.size_bytes),
                     v.read_only.to_string(),
+                    match v.worker_older {
+                        None => "-".into(),
+                        Some(false) => "current".into(),
+                        Some(true) => "OLDER".into(),
+                    },
                 ]
             })
             .collect(),

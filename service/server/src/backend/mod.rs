@@ -16,8 +16,8 @@ use uuid::Uuid;
 
 pub use crate::attachment::{Attachment, DeviceState, DmAttachment, UblkAttachment};
 use blockplane_api::model::{
-    Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, OpStats, Qos,
-    VolumeState, VolumeStats,
+    Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, HandoverMethod, OpStats,
+    Qos, VolumeState, VolumeStats,
 };
 pub use blockplane_system::dispatch::Decision;
 use blockplane_system::dispatch::{self, DispatchError};
@@ -236,6 +236,38 @@ pub struct SnapshotDest {
     pub identity: (u64, u64),
 }
 
+/// The worker process serving a volume's device (ublk), as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub pid: u32,
+    /// Its build (`blockplane_system::build`); `None` for a worker from
+    /// before workers said (protocol 1).
+    pub build: Option<String>,
+}
+
+/// A volume's device handed over to a new worker ([`VolumeBackend::handover`]).
+#[derive(Debug)]
+pub struct HandedOver {
+    /// The volume's device as it is now (`None`: its record is unchanged,
+    /// e.g. a dm device over a private ublk device).
+    pub attachment: Option<Attachment>,
+    pub previous: WorkerInfo,
+    pub current: WorkerInfo,
+    pub method: HandoverMethod,
+    /// From asking the old worker to let go to the new one serving.
+    pub took: std::time::Duration,
+}
+
+/// Test faults of a handover (none outside tests): the manager's
+/// `slow_handover` and `fail_handover_start`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HandoverFaults {
+    /// The old worker's pause once it let go, before it exits.
+    pub pace: std::time::Duration,
+    /// The new worker is started with a spec it refuses, so it exits at once.
+    pub new_worker_fails: bool,
+}
+
 /// One kernel mechanism for serving volumes.
 pub trait VolumeBackend: Send + Sync {
     /// Which backend this is.
@@ -377,6 +409,41 @@ pub trait VolumeBackend: Send + Sync {
         }
     }
 
+    /// The worker process serving the volume's device, if one does.
+    fn worker(&self, _volume_id: Uuid) -> Option<WorkerInfo> {
+        None
+    }
+
+    /// Refuses, without side effects, a handover of a volume whose device
+    /// has no worker to replace (the default: the kernel serves it).
+    fn check_handover(&self, _att: &Attachment, _volume_id: Uuid) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported {
+            backend: self.kind().as_str(),
+            what: "a handover to a new worker".into(),
+            reason: format!(
+                "the kernel serves a {} volume itself: there is no worker to replace",
+                self.kind().as_str()
+            ),
+        })
+    }
+
+    /// Replaces the worker serving the volume's device by one of the
+    /// service's own build while the device serves (`POST
+    /// /v1/volumes/{id}/handover`), after [`Self::check_handover`] passed.
+    /// An error after the old worker let go leaves the device served by a
+    /// restarted worker and says so in an event.
+    fn handover(
+        &self,
+        att: &Attachment,
+        volume_id: Uuid,
+        _faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError> {
+        self.check_handover(att, volume_id)?;
+        Err(BackendError::Refused {
+            reason: "this backend has no handover".into(),
+        })
+    }
+
     /// Refuses, without side effects, a live change this backend cannot make.
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError>;
 
@@ -422,6 +489,21 @@ pub trait PrivateDevices: Send + Sync {
 
     /// Stops the private device and its worker (none is not an error).
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError>;
+
+    /// The private device's worker, if one serves it.
+    fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo>;
+
+    /// Refuses a handover when no worker serves the private device.
+    fn check_handover(&self, volume_id: Uuid) -> Result<(), BackendError>;
+
+    /// Hands the private device over to a new worker
+    /// ([`VolumeBackend::handover`]); the attachment returned is the private
+    /// device's.
+    fn hand_over(
+        &self,
+        volume_id: Uuid,
+        faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError>;
 }
 
 /// The parts of a volume spec a backend checks before anything is recorded.

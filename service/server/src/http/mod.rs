@@ -79,6 +79,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(volumes::volume_stats))
         .routes(routes!(volumes::volume_history))
         .routes(routes!(volumes::volume_usage))
+        .routes(routes!(volumes::handover_volume))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

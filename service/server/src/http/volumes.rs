@@ -9,8 +9,8 @@ use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use crate::manager::Created;
 use blockplane_api::model::{
-    CreateVolumeRequest, ErrorBody, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume,
-    VolumeStats, VolumeUsage,
+    CreateVolumeRequest, ErrorBody, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery,
+    Volume, VolumeStats, VolumeUsage,
 };
 
 /// Create a volume: a block device for an image. Idempotent by name.
@@ -166,4 +166,33 @@ pub async fn volume_usage(
     Path(id): Path<String>,
 ) -> Result<Json<VolumeUsage>, ApiError> {
     Ok(Json(m.volume_usage(&id).await?))
+}
+
+/// Hand a volume over to a new worker of the service's build, live.
+///
+/// The device and its number stay, no request fails, its
+/// policy (and pinned direct map), read-only, QoS, queues and counters go
+/// on. With `UBLK_F_QUIESCE` (kernel 6.16+) the kernel quiesces the old
+/// worker; otherwise it drains its queues and exits, and the kernel
+/// requeues what it held for the new one. ublk volumes, and dm volumes on
+/// `nowait`/`threaded` (their private ublk device's worker). `blockplane
+/// upgrade` does it for every volume on an older build, one at a time.
+#[utoipa::path(
+    post, path = "/v1/volumes/{id}/handover", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    responses(
+        (status = 200, description = "Handed over: the volume on its new worker", body = Handover),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 409, description = "The volume has no device (`volume_state`), an allocate (`allocate_conflict`) or a copy (`copy_source_busy`) of its image runs", body = ErrorBody),
+        (status = 422, description = "No worker serves the volume (`unsupported`: loop, dm on direct), or its worker refused (`refused`)", body = ErrorBody),
+        (status = 500, description = "The handover failed after the old worker let go: the device is served by a restarted worker (the message and a `worker_handover_failed` event say which)", body = ErrorBody),
+    )
+)]
+pub async fn handover_volume(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Handover>, ApiError> {
+    Ok(Json(
+        detached(async move { m.handover_volume(&id).await }).await?,
+    ))
 }

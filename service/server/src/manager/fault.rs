@@ -46,6 +46,9 @@ pub enum Slow {
     /// takes 100 ms more (`slow_copy`): its progress, cancel and a crash
     /// during it.
     Copy,
+    /// A worker that hands its device over waits 3 s before it exits
+    /// (`slow_handover`): a kill of it during a handover.
+    Handover,
 }
 
 /// One injected fault.
@@ -57,18 +60,23 @@ enum Fault {
     /// Fail the operation at a point.
     Fail(After),
     Slow(Slow),
+    /// The new worker of a handover is started with a spec it refuses
+    /// (`fail_handover_start`), so it exits at once.
+    HandoverStartFails,
 }
 
 #[cfg(feature = "test-faults")]
 impl Fault {
     /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
     /// `kill_after_change`, `fail_after_<the same>`, `slow_image_create`,
-    /// `slow_allocate`, `slow_copy`.
+    /// `slow_allocate`, `slow_copy`, `slow_handover`, `fail_handover_start`.
     fn parse(s: &str) -> Option<Self> {
         let slow = match s {
             "slow_image_create" => Some(Slow::ImageCreate),
             "slow_allocate" => Some(Slow::Allocate),
             "slow_copy" => Some(Slow::Copy),
+            "slow_handover" => Some(Slow::Handover),
+            "fail_handover_start" => return Some(Fault::HandoverStartFails),
             _ => None,
         };
         if let Some(slow) = slow {
@@ -100,7 +108,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,attach,detach,change}}, fail_after_{{...}}, slow_image_create, slow_allocate, slow_copy)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,attach,detach,change}}, fail_after_{{...}}, slow_image_create, slow_allocate, slow_copy, slow_handover, fail_handover_start)"
     )]
     Unknown(String),
 }
@@ -166,6 +174,21 @@ impl Faults {
         }
     }
 
+    /// What a handover is to inject.
+    pub(super) fn handover(&self) -> crate::backend::HandoverFaults {
+        crate::backend::HandoverFaults {
+            pace: if self.slows(Slow::Handover) {
+                Duration::from_secs(3)
+            } else {
+                Duration::ZERO
+            },
+            #[cfg(feature = "test-faults")]
+            new_worker_fails: self.fault == Some(Fault::HandoverStartFails),
+            #[cfg(not(feature = "test-faults"))]
+            new_worker_fails: false,
+        }
+    }
+
     /// The pause after each 16 MiB stretch of an allocate or a copy.
     pub(super) fn pace(&self, what: Slow) -> Duration {
         if self.slows(what) {
@@ -197,6 +220,8 @@ mod tests {
             ("slow_image_create", Fault::Slow(Slow::ImageCreate)),
             ("slow_allocate", Fault::Slow(Slow::Allocate)),
             ("slow_copy", Fault::Slow(Slow::Copy)),
+            ("slow_handover", Fault::Slow(Slow::Handover)),
+            ("fail_handover_start", Fault::HandoverStartFails),
         ] {
             assert_eq!(Faults::named(name).unwrap().fault, Some(fault), "{name}");
         }

@@ -4,7 +4,10 @@
 use std::sync::Arc;
 
 use super::{Manager, Result, blocking};
-use blockplane_api::model::{self, Backend, Capability, Host, HostBackends, HostPolicies};
+use blockplane_api::model::{
+    self, Backend, Capability, Host, HostBackends, HostPolicies, ServiceBuild,
+};
+use blockplane_system::build;
 
 impl Manager {
     /// Availability of a backend, including ones this build does not carry yet.
@@ -65,6 +68,7 @@ impl Manager {
                 .to_string_lossy()
                 .into_owned(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            build: service_build(),
             backends,
             policies,
             image_roots: self.roots.paths(),
@@ -72,6 +76,23 @@ impl Manager {
             default_backend,
             orphans: Vec::new(),
         }
+    }
+}
+
+/// The build this process runs, and the one at the path it started from.
+fn service_build() -> ServiceBuild {
+    let version = build::current().to_string();
+    // After a package replaced the file, the link names the path it had,
+    // marked deleted.
+    let link = std::fs::read_link("/proc/self/exe").unwrap_or_default();
+    let link = link.to_string_lossy();
+    let path = link.strip_suffix(" (deleted)").unwrap_or(&link).to_string();
+    let at_path = build::of_file(std::path::Path::new(&path)).ok();
+    ServiceBuild {
+        executable_replaced: at_path.as_deref() != Some(version.as_str()),
+        executable: path,
+        executable_version: at_path,
+        version,
     }
 }
 

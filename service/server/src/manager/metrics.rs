@@ -20,7 +20,16 @@ impl Manager {
         .map(|s| (s.as_str().to_string(), 0))
         .collect();
         let mut volumes = Vec::new();
+        let mut workers = Vec::new();
         for v in &rows {
+            if let (Some(version), Some(older)) = self.worker_build(v) {
+                workers.push(crate::metrics::WorkerSample {
+                    volume: v.name.clone(),
+                    backend: v.backend.as_str().to_string(),
+                    version,
+                    older,
+                });
+            }
             if let Some(entry) = states.iter_mut().find(|(s, _)| s == v.state.as_str()) {
                 entry.1 += 1;
             }
@@ -47,6 +56,8 @@ impl Manager {
             &self.api_metrics,
             crate::metrics::Snapshot {
                 roots: self.root_usage().await?,
+                build: blockplane_system::build::current().to_string(),
+                workers,
                 volumes,
                 images,
                 states,

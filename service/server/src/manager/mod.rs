@@ -10,6 +10,7 @@ mod events;
 #[cfg(test)]
 mod fake;
 mod fault;
+mod handover;
 mod holds;
 mod host;
 mod images;

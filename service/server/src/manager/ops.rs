@@ -17,9 +17,9 @@ use super::events::EventFeed;
 use super::{Created, Manager, Result};
 use crate::metrics::ApiLabels;
 use blockplane_api::model::{
-    CreateImageRequest, CreateVolumeRequest, Event, EventQuery, EventStreamQuery, Host, Image,
-    PatchVolumeRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume, VolumeStats,
-    VolumeUsage,
+    CreateImageRequest, CreateVolumeRequest, Event, EventQuery, EventStreamQuery, Handover, Host,
+    Image, PatchVolumeRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume,
+    VolumeStats, VolumeUsage,
 };
 
 /// The service's operations, one per API route (`id` is an id or a name).
@@ -58,6 +58,9 @@ pub trait Operations: Send + Sync {
     async fn patch_volume(self: Arc<Self>, id: &str, patch: PatchVolumeRequest) -> Result<Volume>;
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     async fn delete_volume(self: Arc<Self>, id: &str) -> Result<()>;
+    /// `POST /v1/volumes/{id}/handover`: a new worker of the service's
+    /// build takes the device over.
+    async fn handover_volume(self: Arc<Self>, id: &str) -> Result<Handover>;
     /// `GET /v1/volumes/{id}/stats`.
     async fn volume_stats(&self, id: &str) -> Result<VolumeStats>;
     /// `GET /v1/volumes/{id}/stats/history`.
@@ -132,6 +135,9 @@ impl Operations for Manager {
     }
     async fn delete_volume(self: Arc<Self>, id: &str) -> Result<()> {
         Manager::delete_volume(&self, id).await
+    }
+    async fn handover_volume(self: Arc<Self>, id: &str) -> Result<Handover> {
+        Manager::handover_volume(&self, id).await
     }
     async fn volume_stats(&self, id: &str) -> Result<VolumeStats> {
         Manager::volume_stats(self, id).await

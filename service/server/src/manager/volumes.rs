@@ -110,6 +110,7 @@ fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
 impl Manager {
     fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
         let att = v.attachment.as_ref();
+        let (worker_version, worker_older) = self.worker_build(v);
         let idle_dispatch = match (v.backend, v.dispatch) {
             (Backend::Loop, _) => ActiveDispatch::Kernel,
             (_, DispatchPolicy::Threaded) => ActiveDispatch::Threaded,
@@ -147,13 +148,15 @@ impl Manager {
                 })
             }),
             worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
+            worker_version,
+            worker_older,
             resize_pending: att.is_some_and(|a| a.resize_pending),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
     }
 
-    async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
+    pub(super) async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
         let size = self
             .store
             .image(&v.image_id.to_string())
@@ -721,7 +724,7 @@ impl Manager {
         }
     }
 
-    fn not_live(&self, v: &VolumeRow) -> Error {
+    pub(super) fn not_live(&self, v: &VolumeRow) -> Error {
         Error::VolumeState {
             name: v.name.clone(),
             state: v.state.as_str(),

@@ -31,8 +31,9 @@ use uuid::Uuid;
 
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
-    DeviceState, DmAttachment, EventSink, Marked, OrphanPolicy, PrivateDevices, Probe,
-    ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
+    DeviceState, DmAttachment, EventSink, HandedOver, HandoverFaults, Marked, OrphanPolicy,
+    PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
+    WorkerInfo,
 };
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
@@ -803,6 +804,49 @@ impl VolumeBackend for DmBackend {
             });
         }
         self.ublk.snapshot_image(volume_id, dest)
+    }
+
+    fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
+        self.ublk.worker(volume_id)
+    }
+
+    fn check_handover(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        let private = self
+            .volumes
+            .lock()
+            .expect("dm volumes poisoned")
+            .get(&volume_id)
+            .map(|v| v.private_ublk.is_some());
+        match private {
+            Some(true) => self.ublk.check_handover(volume_id),
+            Some(false) => Err(BackendError::Unsupported {
+                backend: "dm",
+                what: "a handover to a new worker".into(),
+                reason:
+                    "on direct the kernel maps the volume straight to the disk: no worker serves it"
+                        .into(),
+            }),
+            None => Err(BackendError::io(
+                "hand over",
+                dm_name(volume_id),
+                io::Error::other("this service does not hold the volume"),
+            )),
+        }
+    }
+
+    fn handover(
+        &self,
+        att: &Attachment,
+        volume_id: Uuid,
+        faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError> {
+        self.check_handover(att, volume_id)?;
+        // The dm device and its table stay: the private device keeps its number.
+        let done = self.ublk.hand_over(volume_id, faults)?;
+        Ok(HandedOver {
+            attachment: None,
+            ..done
+        })
     }
 
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {

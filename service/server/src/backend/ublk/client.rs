@@ -17,7 +17,7 @@ use blockplane_api::model::{
     Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats,
 };
 use blockplane_worker::protocol::{
-    self, Answer, ErrorCode, FillState, Request, Status, WorkerSpec,
+    self, Answer, ErrorCode, FillState, Peer, Request, Status, TalkError, WorkerSpec,
 };
 
 impl UblkBackend {
@@ -76,29 +76,62 @@ impl UblkBackend {
         req: &Request,
         timeout: Duration,
     ) -> Result<Status, BackendError> {
-        match self.talk(volume_id, req, timeout)? {
-            Answer::Status(s) => Ok(*s),
-            other => Err(unexpected(volume_id, &other)),
+        self.ask_with_peer_within(volume_id, req, timeout)
+            .map(|(_, s)| s)
+    }
+
+    /// [`Self::ask`], and what the worker said of itself in the handshake.
+    pub(super) fn ask_with_peer(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+    ) -> Result<(Peer, Status), BackendError> {
+        self.ask_with_peer_within(volume_id, req, TALK_TIMEOUT)
+    }
+
+    fn ask_with_peer_within(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<(Peer, Status), BackendError> {
+        match self.converse(volume_id, req, timeout)? {
+            (peer, Answer::Status(s)) => Ok((peer, *s)),
+            (_, other) => Err(unexpected(volume_id, &other)),
         }
     }
 
     /// One request to a worker; a refusal or failure it answers, or a
     /// socket that does not answer, as the backend's error.
-    fn talk(
+    pub(super) fn talk(
         &self,
         volume_id: Uuid,
         req: &Request,
         timeout: Duration,
     ) -> Result<Answer, BackendError> {
+        self.converse(volume_id, req, timeout).map(|(_, a)| a)
+    }
+
+    /// [`Self::talk`], and what the worker said of itself in the handshake.
+    fn converse(
+        &self,
+        volume_id: Uuid,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<(Peer, Answer), BackendError> {
         let worker = || format!("volume {volume_id}");
-        match protocol::talk(&self.socket(volume_id), req, timeout) {
-            Ok(Answer::Error { code, message }) => Err(match code {
+        match protocol::converse(&self.socket(volume_id), req, timeout) {
+            Ok((_, Answer::Error { code, message })) => Err(match code {
                 ErrorCode::Refused => BackendError::Refused { reason: message },
                 ErrorCode::IoError | ErrorCode::BadRequest | ErrorCode::Unknown => {
                     io("worker", worker(), io::Error::other(message))
                 }
             }),
             Ok(answer) => Ok(answer),
+            // Never sent: the worker's version has no such request.
+            Err(e @ TalkError::NotUnderstood { .. }) => Err(BackendError::Refused {
+                reason: format!("volume {volume_id}: {e}"),
+            }),
             Err(e) => Err(io("worker", worker(), io::Error::other(e.to_string()))),
         }
     }
@@ -128,7 +161,7 @@ impl UblkBackend {
         volume_id: Uuid,
         att: &Attachment,
     ) -> Result<VolumeStats, BackendError> {
-        let ws = match self.talk(volume_id, &Request::Stats, TALK_TIMEOUT)? {
+        let ws = match self.talk(volume_id, &Request::Stats {}, TALK_TIMEOUT)? {
             Answer::Stats(s) => *s,
             other => return Err(unexpected(volume_id, &other)),
         };
@@ -185,12 +218,14 @@ impl UblkBackend {
             Request::SetReadOnly { read_only } => spec.refuse_writes = read_only,
             Request::SetQos { qos } => spec.qos = qos,
             Request::Resize { size_bytes, .. } => spec.size_bytes = size_bytes,
-            Request::Status
-            | Request::Stats
+            Request::Hello(_)
+            | Request::Status {}
+            | Request::Stats {}
             | Request::Allocate { .. }
-            | Request::CancelAllocate
+            | Request::CancelAllocate {}
             | Request::Snapshot { .. }
-            | Request::Shutdown => {}
+            | Request::Shutdown {}
+            | Request::Handover { .. } => {}
         });
         Ok(s)
     }
@@ -248,12 +283,12 @@ impl UblkBackend {
                 }
             }
             if job.cancel.load(Relaxed) && !cancel_sent {
-                status = self.ask(volume_id, &Request::CancelAllocate)?;
+                status = self.ask(volume_id, &Request::CancelAllocate {})?;
                 cancel_sent = true;
                 continue;
             }
             std::thread::sleep(ALLOCATE_POLL);
-            status = self.ask(volume_id, &Request::Status)?;
+            status = self.ask(volume_id, &Request::Status {})?;
         }
     }
 }

@@ -8,12 +8,13 @@
 //! of this one and stopped).
 
 mod client;
+mod handover;
 mod kernel;
 mod supervise;
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -23,8 +24,9 @@ use libublk::sys;
 use uuid::Uuid;
 
 use super::{
-    AllocateJob, AttachRequest, Attachment, BackendError, Change, Decision, EventSink, Marked,
-    PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend,
+    AllocateJob, AttachRequest, Attachment, BackendError, Change, Decision, EventSink, HandedOver,
+    HandoverFaults, Marked, PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck,
+    VolumeBackend, WorkerInfo,
 };
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, UblkFeatures,
@@ -32,7 +34,7 @@ use blockplane_api::model::{
 };
 use blockplane_system::dispatch;
 use blockplane_system::extent;
-use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request, WorkerSpec};
+use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec};
 pub use supervise::foreign_workers;
 use supervise::{is_our_worker, run_dir_instance};
 
@@ -71,12 +73,56 @@ pub(super) struct Worker {
     /// The private device of a dm volume: its events carry no attachment
     /// (the volume's device is the dm device).
     private: bool,
+    /// What the worker said of itself in its handshake (a worker from
+    /// before the handshake: protocol 1, build unknown).
+    peer: Peer,
+    /// Set while a handover replaces the worker: its end is no crash.
+    handing_over: Arc<AtomicBool>,
+}
+
+impl Worker {
+    /// The pid and build of this worker, for the API.
+    fn info(&self) -> WorkerInfo {
+        WorkerInfo {
+            pid: self.pid,
+            build: self.peer.build.clone(),
+        }
+    }
+}
+
+/// The file workers are started from: the service's own executable, opened
+/// when the service started, so that a package that replaces the file at
+/// its path (a new build) changes nothing until the service itself
+/// restarts: replacement workers and handovers run the service's build.
+pub(super) struct Executable {
+    /// The path the service was started from: the workers' `argv[0]`.
+    path: PathBuf,
+    /// The file, on a descriptor above the workers' fixed ones.
+    fd: OwnedFd,
+}
+
+impl Executable {
+    /// This process's executable file.
+    fn open() -> io::Result<Self> {
+        let path = std::env::current_exe()?;
+        let file = std::fs::File::open("/proc/self/exe")?;
+        // Above IMAGE_FD and LOCK_FD, which a worker's start dup2s over.
+        let fd = rustix::io::fcntl_dupfd_cloexec(&file, 10)?;
+        Ok(Self { path, fd })
+    }
+
+    /// What to execute: this descriptor, resolved by the kernel at exec
+    /// before close-on-exec closes it (in the child, `/proc/self` is the
+    /// child, which has it).
+    fn program(&self) -> String {
+        format!("/proc/self/fd/{}", self.fd.as_raw_fd())
+    }
 }
 
 /// The ublk backend.
 pub struct UblkBackend {
     cfg: UblkConfig,
-    exe: PathBuf,
+    exe: Arc<Executable>,
     workers: Arc<Mutex<HashMap<Uuid, Worker>>>,
     events: EventSink,
 }
@@ -92,10 +138,29 @@ impl UblkBackend {
     pub fn new(cfg: UblkConfig, events: EventSink) -> io::Result<Self> {
         Ok(Self {
             cfg,
-            exe: std::env::current_exe()?,
+            exe: Arc::new(Executable::open()?),
             workers: Arc::default(),
             events,
         })
+    }
+
+    /// The worker of `volume_id` (a ublk volume's, or a dm volume's private
+    /// one), if this service supervises one.
+    fn worker_info(&self, volume_id: Uuid) -> Option<WorkerInfo> {
+        let workers = self.workers.lock().expect("workers poisoned");
+        workers.get(&volume_id).map(Worker::info)
+    }
+
+    /// Refuses a handover of a volume no worker of this service serves.
+    fn check_worker(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        match self.worker_info(volume_id) {
+            Some(_) => Ok(()),
+            None => Err(io(
+                "hand over",
+                format!("volume {volume_id}"),
+                io::Error::other("no worker of this service serves it"),
+            )),
+        }
     }
 
     /// The dispatch decision's view of this backend.
@@ -181,7 +246,7 @@ impl VolumeBackend for UblkBackend {
             .map(|w| w.pid)
             .or(state.as_ref().map(|s| s.pid));
         // Ask the worker to stop the device: in-flight I/O ends with errors.
-        let asked = self.ask(volume_id, &Request::Shutdown).is_ok();
+        let asked = self.ask(volume_id, &Request::Shutdown {}).is_ok();
         if let Some(pid) = pid.filter(|p| is_our_worker(*p, volume_id)) {
             let deadline = Instant::now() + Duration::from_secs(if asked { 30 } else { 0 });
             while is_our_worker(pid, volume_id) && Instant::now() < deadline {
@@ -328,6 +393,27 @@ impl VolumeBackend for UblkBackend {
         self.snapshot_worker(volume_id, dest)
     }
 
+    fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
+        self.worker_info(volume_id)
+    }
+
+    fn check_handover(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {
+        self.check_worker(volume_id)
+    }
+
+    fn handover(
+        &self,
+        att: &Attachment,
+        volume_id: Uuid,
+        faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError> {
+        let mut done = self.replace_worker(volume_id, faults)?;
+        if let Some(new) = done.attachment.as_mut() {
+            new.attached_at = att.attached_at;
+        }
+        Ok(done)
+    }
+
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
         match change {
             Change::Dispatch(d @ (DispatchPolicy::Direct | DispatchPolicy::Auto)) => {
@@ -434,5 +520,21 @@ impl PrivateDevices for UblkBackend {
 
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError> {
         self.detach(volume_id, None)
+    }
+
+    fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
+        self.worker_info(volume_id)
+    }
+
+    fn check_handover(&self, volume_id: Uuid) -> Result<(), BackendError> {
+        self.check_worker(volume_id)
+    }
+
+    fn hand_over(
+        &self,
+        volume_id: Uuid,
+        faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError> {
+        self.replace_worker(volume_id, faults)
     }
 }

@@ -20,8 +20,17 @@ use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_system::dispatch;
 use blockplane_system::extent::ExtentMap;
 use blockplane_worker::protocol::{
-    self, Answer, IMAGE_FD, LOCK_FD, Request, Status, WorkerSpec, worker_spec,
+    self, Answer, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec, worker_spec,
 };
+
+/// A worker started and serving.
+pub(super) struct Started {
+    pub pid: u32,
+    /// Its first answer.
+    pub status: Status,
+    /// What it said of itself in the handshake.
+    pub peer: Peer,
+}
 
 impl UblkBackend {
     pub(super) fn run_dir(&self, volume_id: Uuid) -> PathBuf {
@@ -47,13 +56,26 @@ impl UblkBackend {
     /// Starts a worker and waits until its device serves; returns its status.
     /// `lock` (an image lock, when `spec.image_lock`) goes to the worker as
     /// [`LOCK_FD`].
-    fn start_worker(
+    pub(super) fn start_worker(
+        &self,
+        spec: WorkerSpec,
+        image: &OwnedFd,
+        lock: Option<&OwnedFd>,
+        decided: Option<&ExtentMap>,
+    ) -> Result<Started, BackendError> {
+        self.start_worker_as(spec, image, lock, decided, |_| {})
+    }
+
+    /// [`Self::start_worker`], with the spec's JSON changed by `edit` first
+    /// (a test fault's spec that a worker refuses).
+    pub(super) fn start_worker_as(
         &self,
         mut spec: WorkerSpec,
         image: &OwnedFd,
         lock: Option<&OwnedFd>,
         decided: Option<&ExtentMap>,
-    ) -> Result<(u32, Status), BackendError> {
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> Result<Started, BackendError> {
         let run_dir = &spec.run_dir.clone();
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -75,10 +97,14 @@ impl UblkBackend {
             .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
         let raw = image.as_raw_fd();
         let raw_lock = lock.map(|l| l.as_raw_fd());
-        let mut cmd = Command::new(&self.exe);
-        cmd.arg("worker")
+        let mut json = serde_json::to_value(&spec).expect("spec serializes");
+        edit(&mut json);
+        // The service's own file, whatever the path holds now.
+        let mut cmd = Command::new(self.exe.program());
+        cmd.arg0(&self.exe.path)
+            .arg("worker")
             .arg("--spec")
-            .arg(serde_json::to_string(&spec).expect("spec serializes"))
+            .arg(json.to_string())
             .stdin(Stdio::null())
             .stdout(out.try_clone().map_err(|e| io("dup", "worker output", e))?)
             .stderr(out);
@@ -105,15 +131,21 @@ impl UblkBackend {
         }
         let mut child = cmd
             .spawn()
-            .map_err(|e| io("start worker", self.exe.display().to_string(), e))?;
+            .map_err(|e| io("start worker", self.exe.path.display().to_string(), e))?;
         let pid = child.id();
         let socket = run_dir.join("ctl.sock");
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Ok(Answer::Status(s)) = protocol::talk(&socket, &Request::Status, TALK_TIMEOUT) {
+            if let Ok((peer, Answer::Status(s))) =
+                protocol::converse(&socket, &Request::Status {}, TALK_TIMEOUT)
+            {
                 // Reaped by a thread so the worker never lingers as a zombie.
                 std::thread::spawn(move || drop(child.wait()));
-                return Ok((pid, *s));
+                return Ok(Started {
+                    pid,
+                    status: *s,
+                    peer,
+                });
             }
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(BackendError::io(
@@ -142,15 +174,12 @@ impl UblkBackend {
     }
 
     /// Watches a worker: when it dies unasked, a new worker recovers its device.
-    fn supervise(&self, volume_id: Uuid) {
-        let workers = self.workers.clone();
-        let events = self.events.clone();
-        let exe = self.exe.clone();
+    pub(super) fn supervise(&self, volume_id: Uuid) {
         let backend = UblkBackend {
             cfg: self.cfg.clone(),
-            exe,
-            workers: workers.clone(),
-            events: events.clone(),
+            exe: self.exe.clone(),
+            workers: self.workers.clone(),
+            events: self.events.clone(),
         };
         let _ = std::thread::Builder::new()
             .name(format!("supervise-{}", &volume_id.to_string()[..8]))
@@ -193,7 +222,7 @@ impl UblkBackend {
                 if !private
                     && let Ok(Answer::Status(s)) = protocol::talk(
                         &self.socket(volume_id),
-                        &Request::Status,
+                        &Request::Status {},
                         Duration::from_secs(5),
                     )
                     && s.degraded != last_degraded
@@ -217,8 +246,41 @@ impl UblkBackend {
             if stopping.load(Relaxed) || forget.load(Relaxed) {
                 return;
             }
-            self.recover_after_crash(volume_id, pid);
+            // A handover ends its worker on purpose: it starts the next one,
+            // or, when it could not, leaves the dead one's device to us.
+            while self.worker_of(volume_id, |w| w.handing_over.load(Relaxed)) == Some(true) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            match self.worker_of(volume_id, |w| w.pid) {
+                None => return,
+                Some(now) if now != pid => continue,
+                Some(_) => self.recover_after_crash(volume_id, pid),
+            }
         }
+    }
+
+    /// Records worker `pid`, started from `spec`, as the one serving
+    /// `volume_id` now.
+    pub(super) fn serves_now(&self, volume_id: Uuid, pid: u32, spec: WorkerSpec, peer: Peer) {
+        if let Some(w) = self
+            .workers
+            .lock()
+            .expect("workers poisoned")
+            .get_mut(&volume_id)
+        {
+            w.pid = pid;
+            w.spec = spec;
+            w.peer = peer;
+        }
+    }
+
+    /// `f` of the worker of `volume_id`, if there is one.
+    pub(super) fn worker_of<T>(&self, volume_id: Uuid, f: impl FnOnce(&Worker) -> T) -> Option<T> {
+        self.workers
+            .lock()
+            .expect("workers poisoned")
+            .get(&volume_id)
+            .map(f)
     }
 
     /// Starts a replacement worker that recovers the device of a dead one.
@@ -244,16 +306,8 @@ impl UblkBackend {
             spec.recover_dev_id = Some(dev_id);
             spec.pinned = state.and_then(|s| s.pinned);
             match self.start_worker(spec.clone(), &image, lock.as_ref(), None) {
-                Ok((pid, status)) => {
-                    if let Some(w) = self
-                        .workers
-                        .lock()
-                        .expect("workers poisoned")
-                        .get_mut(&volume_id)
-                    {
-                        w.pid = pid;
-                        w.spec = spec;
-                    }
+                Ok(Started { pid, status, peer }) => {
+                    self.serves_now(volume_id, pid, spec, peer);
                     // A private device's volume is its dm device: leave that be.
                     let att = if private {
                         None
@@ -341,13 +395,14 @@ impl UblkBackend {
             allocation: req.params.allocation,
             image_lock: req.image_lock.is_some(),
             decided_map: false,
+            handover: false,
         };
         // Only the first start checks the decided map; a replacement
         // worker finds the image pinned and reads its map under that pin.
         let decided = decision
             .map
             .filter(|_| decision.dispatch == DispatchPolicy::Direct);
-        let (pid, status) = self.start_worker(
+        let Started { pid, status, peer } = self.start_worker(
             spec.clone(),
             &req.image_fd,
             req.image_lock.as_ref(),
@@ -365,6 +420,8 @@ impl UblkBackend {
                 stopping: Arc::default(),
                 forget: Arc::default(),
                 private,
+                peer,
+                handing_over: Arc::default(),
             },
         );
         self.supervise(req.volume_id);
@@ -384,7 +441,7 @@ impl UblkBackend {
             // Dead worker: attach recovers a quiesced device.
             return Ok(Probe::Gone);
         }
-        let status = self.ask(volume_id, &Request::Status)?;
+        let (peer, status) = self.ask_with_peer(volume_id, &Request::Status {})?;
         // A handle on the image, to recover the worker later: the manager's, or
         // a duplicate of the worker's own.
         let image = match req.image {
@@ -435,6 +492,7 @@ impl UblkBackend {
             allocation: p.allocation,
             image_lock: lock.is_some(),
             decided_map: false,
+            handover: false,
         };
         self.workers.lock().expect("workers poisoned").insert(
             volume_id,
@@ -447,6 +505,8 @@ impl UblkBackend {
                 stopping: Arc::default(),
                 forget: Arc::default(),
                 private,
+                peer,
+                handing_over: Arc::default(),
             },
         );
         self.supervise(volume_id);

@@ -1,0 +1,211 @@
+//! Handing a live ublk device over to a new worker of the service's own
+//! build (`POST /v1/volumes/{id}/handover`), the device and its number kept:
+//!
+//! 1. the old worker lets go ([`Request::Handover`]): with `UBLK_F_QUIESCE`
+//!    the kernel lets the requests inside finish and keeps new ones queued;
+//!    without it the worker holds its queues until no request is inside its
+//!    data path and exits, and the kernel requeues what it held
+//!    (`USER_RECOVERY_REISSUE`). A worker from before the handover
+//!    (protocol 1) is stopped with SIGKILL, as in a crash;
+//! 2. once it has exited, a new worker takes the device with
+//!    START/END_USER_RECOVERY, started from the spec the old one would be
+//!    replaced with after a crash (policy, pin, read-only, QoS, size, queues)
+//!    and the same stats file, so the counters go on;
+//! 3. if the new worker does not start, the supervisor recovers the device
+//!    as after a crash (a restarted worker) and an event says so.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use super::supervise::Started;
+use super::{TALK_TIMEOUT, UblkBackend, io};
+use crate::backend::{BackendError, BackendEvent, HandedOver, HandoverFaults, WorkerInfo};
+use blockplane_api::model::HandoverMethod;
+use blockplane_worker::protocol::{Answer, Request};
+
+/// How long an old worker has to exit once it let go (or a protocol-1 one
+/// once killed).
+const EXIT_WAIT: Duration = Duration::from_secs(30);
+
+/// How long a failed handover waits for the supervisor's recovery, to say
+/// in its answer what serves the device now.
+const RECOVERY_WAIT: Duration = Duration::from_secs(90);
+
+/// Clears a worker's `handing_over` flag when the handover ends, however.
+struct Handing(Arc<AtomicBool>);
+
+impl Drop for Handing {
+    fn drop(&mut self) {
+        self.0.store(false, Relaxed);
+    }
+}
+
+impl UblkBackend {
+    /// Replaces the worker of `volume_id` (a ublk volume's or a dm volume's
+    /// private one) by one of this service's build; see the module.
+    pub(super) fn replace_worker(
+        &self,
+        volume_id: Uuid,
+        faults: HandoverFaults,
+    ) -> Result<HandedOver, BackendError> {
+        let vol = || format!("volume {volume_id}");
+        let (previous, dev_id, protocol, mut spec, image, lock, flag) = {
+            let workers = self.workers.lock().expect("workers poisoned");
+            let w = workers.get(&volume_id).ok_or_else(|| {
+                io(
+                    "hand over",
+                    vol(),
+                    io::Error::other("no worker of this service serves it"),
+                )
+            })?;
+            let dup = |e| io("dup", "the image", e);
+            let lock = match &w.lock {
+                Some(l) => Some(l.try_clone().map_err(dup)?),
+                None => None,
+            };
+            (
+                w.info(),
+                w.dev_id,
+                w.peer.protocol,
+                w.spec.clone(),
+                w.image.try_clone().map_err(dup)?,
+                lock,
+                w.handing_over.clone(),
+            )
+        };
+        flag.store(true, Relaxed);
+        let handing = Handing(flag);
+        let started = Instant::now();
+        let method = if protocol >= 2 {
+            let req = Request::Handover {
+                pace_ms: faults.pace.as_millis() as u64,
+            };
+            match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30)) {
+                Ok(Answer::HandedOver { method }) => method,
+                // Nothing changed: the worker serves on.
+                Err(e @ BackendError::Refused { .. }) => return Err(e),
+                other => {
+                    // It died, or answered nonsense: stopped below like one
+                    // from before the handover.
+                    tracing::warn!(%volume_id, pid = previous.pid, answer = ?other, "the worker did not hand over; stopping it");
+                    HandoverMethod::Stop
+                }
+            }
+        } else {
+            HandoverMethod::Stop
+        };
+        let wait = match method {
+            HandoverMethod::Stop => Duration::ZERO,
+            HandoverMethod::Quiesce | HandoverMethod::Drain => EXIT_WAIT + faults.pace,
+        };
+        end_process(previous.pid, wait);
+        // As after a crash, from the spec it would be replaced with, but
+        // counted as a handover, not a restart.
+        let state = self.state_file(volume_id);
+        spec.recover_dev_id = Some(state.as_ref().map_or(dev_id, |s| s.dev_id));
+        spec.pinned = state.and_then(|s| s.pinned);
+        spec.decided_map = false;
+        // What a replacement of the new worker after a crash starts from.
+        let recorded = spec.clone();
+        spec.handover = true;
+        let edit = |json: &mut serde_json::Value| {
+            if faults.new_worker_fails {
+                // A spec this build refuses: the new worker exits at once.
+                json["injected_test_fault"] = true.into();
+            }
+        };
+        match self.start_worker_as(spec, &image, lock.as_ref(), None, edit) {
+            Ok(Started { pid, status, peer }) => {
+                let current = WorkerInfo {
+                    pid,
+                    build: peer.build.clone(),
+                };
+                self.serves_now(volume_id, pid, recorded, peer);
+                drop(handing);
+                Ok(HandedOver {
+                    attachment: Some(self.attachment(&status)?),
+                    previous,
+                    current,
+                    method,
+                    took: started.elapsed(),
+                })
+            }
+            Err(e) => {
+                // The device waits for a server: the supervisor recovers it.
+                drop(handing);
+                let now = self.recovered_after(volume_id, previous.pid);
+                let message = format!(
+                    "handover of /dev/ublkb{dev_id} from worker {} ({}) failed after it let go ({}): {e}; {now}",
+                    previous.pid,
+                    previous.build.as_deref().unwrap_or("unknown"),
+                    method.as_str(),
+                );
+                self.events.send(BackendEvent {
+                    volume_id,
+                    kind: "worker_handover_failed",
+                    message: message.clone(),
+                    attachment: None,
+                    state: None,
+                });
+                Err(io("hand over", vol(), io::Error::other(message)))
+            }
+        }
+    }
+
+    /// Waits for the supervisor to replace dead worker `old` of
+    /// `volume_id`; what serves the device then, in words.
+    fn recovered_after(&self, volume_id: Uuid, old: u32) -> String {
+        let deadline = Instant::now() + RECOVERY_WAIT;
+        loop {
+            match self.worker_of(volume_id, |w| w.info()) {
+                None => {
+                    return "its device could not be recovered (see the volume's events)".into();
+                }
+                Some(w) if w.pid != old => {
+                    return format!(
+                        "worker {} ({}) recovered the device, as after a crash",
+                        w.pid,
+                        w.build.as_deref().unwrap_or("unknown")
+                    );
+                }
+                Some(_) if Instant::now() > deadline => {
+                    return format!(
+                        "no worker recovered the device within {RECOVERY_WAIT:?} (see the volume's events)"
+                    );
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+}
+
+/// Waits up to `within` for process `pid` to exit, then kills it and waits
+/// for that.
+fn end_process(pid: u32, within: Duration) {
+    let Some(p) = rustix::process::Pid::from_raw(pid as i32) else {
+        return;
+    };
+    let Ok(pidfd) = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()) else {
+        return; // gone already
+    };
+    let exited = |t: Duration| {
+        let mut fds = [rustix::event::PollFd::new(
+            &pidfd,
+            rustix::event::PollFlags::IN,
+        )];
+        let t = rustix::event::Timespec {
+            tv_sec: t.as_secs() as i64,
+            tv_nsec: i64::from(t.subsec_nanos()),
+        };
+        matches!(rustix::event::poll(&mut fds, Some(&t)), Ok(n) if n > 0)
+    };
+    if exited(within) {
+        return;
+    }
+    tracing::warn!(pid, "the old worker did not exit; killing it");
+    let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+    let _ = exited(Duration::from_secs(10));
+}

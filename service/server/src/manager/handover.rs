@@ -1,0 +1,98 @@
+//! `POST /v1/volumes/{id}/handover`: a volume's worker replaced by one of
+//! the service's own build while the device serves (the backends do it:
+//! `backend/ublk/handover.rs`), and which build serves each volume.
+
+use std::sync::Arc;
+
+use time::OffsetDateTime;
+
+use super::volumes::volume_error;
+use super::{Manager, Result, blocking};
+use crate::backend::{DeviceState, WorkerInfo};
+use crate::store::VolumeRow;
+use blockplane_api::model::{Handover, VolumeState};
+
+/// How the API names a worker's build: `unknown` for one from before
+/// workers said.
+pub(super) fn version_of(w: &WorkerInfo) -> String {
+    w.build.clone().unwrap_or_else(|| "unknown".into())
+}
+
+impl Manager {
+    /// The worker serving `v`'s device, if one does.
+    pub(super) fn worker_of(&self, v: &VolumeRow) -> Option<WorkerInfo> {
+        self.backend(v.backend)?.worker(v.id)
+    }
+
+    /// `worker_version` and `worker_older` of a volume's view.
+    pub(super) fn worker_build(&self, v: &VolumeRow) -> (Option<String>, Option<bool>) {
+        match self.worker_of(v) {
+            Some(w) => {
+                let older = w.build.as_deref() != Some(blockplane_system::build::current());
+                (Some(version_of(&w)), Some(older))
+            }
+            None => (None, None),
+        }
+    }
+
+    /// `POST /v1/volumes/{id}/handover`.
+    pub(super) async fn handover_volume(self: &Arc<Self>, id_or_name: &str) -> Result<Handover> {
+        let v = self.volume_row(id_or_name).await?;
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let mut v = self.volume_row(&v.id.to_string()).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            return Err(self.not_live(&v));
+        };
+        if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+            return Err(self.not_live(&v));
+        }
+        backend
+            .check_handover(&att, v.id)
+            .map_err(|e| volume_error(&v.name, e))?;
+        let image = self.image_row(&v.image_id.to_string()).await?;
+        let what = format!("have volume '{}' handed over to a new worker", v.name);
+        self.allocations.refuse(&image, &what)?;
+        self.copies.refuse(&image, &what)?;
+        let (b, a, id, faults) = (backend.clone(), att.clone(), v.id, self.faults.handover());
+        let done = blocking(move || b.handover(&a, id, faults))
+            .await?
+            .map_err(|e| volume_error(&v.name, e))?;
+        let device = att.device.clone();
+        if let Some(mut now) = done.attachment {
+            // Drift seen by the old worker still stands.
+            if let (DeviceState::Ublk(new), DeviceState::Ublk(old)) = (&mut now.kind, &att.kind) {
+                new.degraded = old.degraded.clone();
+            }
+            v.attachment = Some(now);
+        }
+        v.updated_at = OffsetDateTime::now_utc();
+        let took_ms = u64::try_from(done.took.as_millis()).unwrap_or(u64::MAX);
+        let (from, to) = (version_of(&done.previous), version_of(&done.current));
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(&v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "worker_handed_over",
+            &format!(
+                "volume '{}': worker {} ({from}) handed {device} over to worker {} ({to}) by {} in {took_ms} ms",
+                v.name,
+                done.previous.pid,
+                done.current.pid,
+                done.method.as_str(),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(volume = %v.name, from = done.previous.pid, to = done.current.pid, method = done.method.as_str(), took_ms, "worker handed over");
+        Ok(Handover {
+            volume: self.volume_view(&v).await?,
+            previous_worker_pid: done.previous.pid,
+            previous_worker_version: from,
+            worker_pid: done.current.pid,
+            worker_version: to,
+            method: done.method,
+            took_ms,
+        })
+    }
+}
