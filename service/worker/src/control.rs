@@ -206,7 +206,16 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             }
         }
         Request::SetQos { qos } => {
-            match s.reconfigure(|c| c.qos = super::qos::Limiter::for_limits(qos)) {
+            let limiter = match super::qos::Limiter::for_limits(qos, usize::from(s.spec.queues)) {
+                Ok(l) => l,
+                Err(source) => {
+                    return refusal(Refusal::Io {
+                        op: "start the QoS thread",
+                        source,
+                    });
+                }
+            };
+            match s.reconfigure(|c| c.qos = limiter) {
                 Ok(()) => status(cx),
                 Err(e) => refusal(e),
             }
