@@ -460,8 +460,9 @@ async fn a_full_filesystem_is_enospc_not_a_hang() {
 }
 
 /// What the kernel holds for one service: its dm devices (by volume id), the
-/// ublk block devices, and its workers (volume id, pid), each set minus what
-/// was there before the test began.
+/// ublk devices (block and char: a device added and never started has only
+/// the char one), and its workers (volume id, pid), each set minus what was
+/// there before the test began.
 #[derive(Debug, Default, PartialEq)]
 struct Held {
     dm: BTreeSet<String>,
@@ -480,7 +481,7 @@ impl Held {
             .unwrap()
             .flatten()
             .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
-            .filter(|n| n.starts_with("/dev/ublkb"))
+            .filter(|n| n.starts_with("/dev/ublkb") || n.starts_with("/dev/ublkc"))
             .collect();
         // A worker's command line is `blockplane worker --spec JSON`, its
         // spec naming its run dir under the data dir.
@@ -505,6 +506,13 @@ impl Held {
         Self { dm, ublk, workers }
     }
 
+    /// Holds ublk device `dev` (`/dev/ublkbN`): its block and char nodes.
+    fn ublk(&mut self, dev: &str) {
+        self.ublk.insert(dev.to_string());
+        self.ublk
+            .insert(dev.replacen("/dev/ublkb", "/dev/ublkc", 1));
+    }
+
     fn minus(mut self, base: &Held) -> Self {
         self.dm.retain(|d| !base.dm.contains(d));
         self.ublk.retain(|d| !base.ublk.contains(d));
@@ -515,7 +523,7 @@ impl Held {
 
 /// The worker of a volume (a dm volume's private one too) as it describes
 /// itself on its control socket.
-fn worker_status(vm: &Vm, volume_id: &str) -> Value {
+pub(crate) fn worker_status(vm: &Vm, volume_id: &str) -> Value {
     use blockplane_worker::protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
     match talk(&sock, &Request::Status, Duration::from_secs(10)) {
@@ -551,7 +559,7 @@ async fn rows_and_kernel_agree(vm: &Vm, base: &Held, step: &str) -> Vec<Value> {
         let ro = sh("blockdev", &["--getro", dev]).trim() == "1";
         match v["backend"].as_str().unwrap() {
             "ublk" => {
-                want.ublk.insert(dev.to_string());
+                want.ublk(dev);
                 let pid = v["worker_pid"].as_u64().unwrap() as u32;
                 want.workers.insert((id.to_string(), pid));
                 let w = worker_status(vm, id);
@@ -580,7 +588,7 @@ async fn rows_and_kernel_agree(vm: &Vm, base: &Held, step: &str) -> Vec<Value> {
                     let w = worker_status(vm, id);
                     assert_eq!(v["dispatch"], w["dispatch"], "{step}: private worker {w}");
                     assert_eq!(v["read_only"], w["read_only"], "{step}: private worker {w}");
-                    want.ublk.insert(w["device"].as_str().unwrap().to_string());
+                    want.ublk(w["device"].as_str().unwrap());
                     want.workers
                         .insert((id.to_string(), w["pid"].as_u64().unwrap() as u32));
                 }
@@ -915,5 +923,132 @@ async fn a_worker_killed_after_each_live_change_serves_the_changed_state() {
         round_trip(dev, 0, &what);
         vm.delete(&name).await;
         eprintln!("{name}: every kill in {:?}", started.elapsed());
+    }
+}
+
+/// What a service killed inside an attach left (`left`, minus what was
+/// there before), if it is the half-made device of that step: a ublk device
+/// added, never started (its char node only, no worker), or a dm device
+/// with no table.
+fn half_made(left: &Held, backend: &str) -> Result<(), String> {
+    let ok = match backend {
+        "ublk" => {
+            left.workers.is_empty()
+                && left.ublk.len() == 1
+                && left.ublk.iter().all(|d| d.starts_with("/dev/ublkc"))
+        }
+        _ => {
+            left.dm.len() == 1
+                && left
+                    .dm
+                    .iter()
+                    .all(|id| dmsetup(&["table", &format!("blockplane-{id}")]).is_empty())
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("not a half-made {backend} device: {left:?}"))
+    }
+}
+
+/// Issue 26 item 5: the service is SIGKILLed inside an attach (a ublk
+/// device its worker added and did not start, the worker dying there too;
+/// a dm device created with no table yet, over its private worker or with
+/// its image pinned) and between the first and the second change of one
+/// PATCH; and a ublk worker alone dies after adding its device, which fails
+/// the create and must leave nothing.
+/// After each restart the rows and the kernel agree (no device, char device
+/// or worker left over: [`rows_and_kernel_agree`]). The create stands: its
+/// row was recorded before the device, so the volume is attached again and
+/// data round-trips. The PATCH is wholly undone: the client got no answer,
+/// the row recorded none of it, and the row is what the device is brought
+/// back to (a PATCH is recorded in one commit, after all its changes).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_killed_inside_an_attach_or_between_two_changes_is_reconciled_at_restart() {
+    let mut vm = Vm::start().await;
+    let base = Held::now(&vm.s.data);
+    for (backend, created_as, fault, change) in [
+        (
+            "ublk",
+            "nowait",
+            "kill_after_add",
+            json!({"dispatch": "threaded", "read_only": true, "qos": {"iops": 10}}),
+        ),
+        (
+            "dm",
+            "direct",
+            "kill_after_create",
+            json!({"dispatch": "nowait", "read_only": true}),
+        ),
+        (
+            "dm",
+            "nowait",
+            "kill_after_create",
+            json!({"dispatch": "threaded", "read_only": true}),
+        ),
+    ] {
+        let started = Instant::now();
+        let name = format!("mid-{backend}-{created_as}");
+        vm.image(&name, Scratch::Xfs, 16, "full").await;
+        let file = vm.root(Scratch::Xfs).join(format!("{name}.img"));
+        let spec = json!({"name": name, "image": name, "backend": backend, "dispatch": created_as});
+        let path = format!("/v1/volumes/{name}");
+        vm.s.kill();
+        if backend == "ublk" {
+            // The worker alone dies there: the create fails, leaving nothing.
+            vm.start_with_fault("fail_after_add").await;
+            let a = vm.s.post("/v1/volumes", spec.clone()).await;
+            assert_eq!(a.status.as_u16(), 500, "fail_after_add: {}", a.body);
+            none_left(
+                &vm,
+                &base,
+                &format!("{name}: its worker died after adding its device"),
+            )
+            .await;
+            vm.s.kill();
+        }
+        vm.start_with_fault(fault).await;
+        vm.dies_in(hyper::Method::POST, "/v1/volumes", Some(spec))
+            .await;
+        let what = format!("{name}, killed inside its attach ({fault})");
+        half_made(&Held::now(&vm.s.data).minus(&base), backend)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        vm.start_with_fault("kill_after_first_change").await;
+        created(&vm, &base, created_as, &what).await;
+        assert_eq!(
+            crate::is_immutable(&file),
+            created_as == "direct",
+            "{what}: the pin"
+        );
+
+        let before = vm.s.get(&path).await.body;
+        let dev = before["device"].as_str().unwrap().to_string();
+        let what = format!("{name}, killed between the changes of PATCH {change}");
+        vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
+            .await;
+        vm.s.restart().await;
+        let v = rows_and_kernel_agree(&vm, &base, &what).await.remove(0);
+        for f in [
+            "dispatch",
+            "requested_dispatch",
+            "read_only",
+            "qos",
+            "device",
+        ] {
+            assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
+        }
+        round_trip(&dev, 0, &what);
+        if backend == "ublk" {
+            assert_eq!(
+                throttled_by(&vm, &name, &dev).await,
+                0,
+                "{what}: the worker throttles"
+            );
+        }
+        vm.delete(&name).await;
+        none_left(&vm, &base, &format!("{name}: deleted")).await;
+        assert!(!crate::is_immutable(&file), "{name}: still pinned");
+        eprintln!("{name}: both kills in {:?}", started.elapsed());
     }
 }

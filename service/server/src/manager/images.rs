@@ -73,9 +73,7 @@ impl Manager {
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                if self.faults.slows(super::Slow::ImageCreate) {
-                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-                }
+                self.faults.pause(super::Slow::ImageCreate).await;
                 (file, Some(spec.allocation))
             }
             None => {

@@ -571,11 +571,21 @@ impl Manager {
         let mut att = att;
         let mut made = Vec::new();
         for change in &changes {
-            match self.reconfigure(&backend, &v, &att, *change).await {
+            let outcome = match self.reconfigure(&backend, &v, &att, *change).await {
                 Ok(a) => {
                     att = a;
                     made.push(*change);
+                    // Between two changes of one PATCH (a test fault).
+                    if made.len() == 1 && changes.len() > 1 {
+                        self.faults.point(After::FirstChange)
+                    } else {
+                        Ok(())
+                    }
                 }
+                Err(e) => Err(e),
+            };
+            match outcome {
+                Ok(()) => {}
                 Err(e) => {
                     // Undo, newest first, until an undo fails: what stays made
                     // is recorded, so the record matches the device.
