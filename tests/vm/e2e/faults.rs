@@ -222,6 +222,11 @@ fn describe(block: &[u8]) -> String {
 
 /// A write of `data` at `offset` MiB of `dev`, through a file (dd's flags say how).
 fn dd_write(dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
+    dd_write_on(None, dev, data, offset_mib, flags);
+}
+
+/// [`dd_write`] from a process pinned to CPU `cpu`, if given.
+fn dd_write_on(cpu: Option<usize>, dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
     let src = format!("/tmp/cut-{}.src", std::process::id());
     std::fs::write(&src, data).unwrap();
     let (input, output, seek) = (
@@ -229,26 +234,96 @@ fn dd_write(dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
         format!("of={dev}"),
         format!("seek={offset_mib}"),
     );
-    let mut args = vec![
+    let cpu = cpu.map(|c| c.to_string());
+    let mut args = match &cpu {
+        Some(c) => vec!["-c", c.as_str(), "dd"],
+        None => Vec::new(),
+    };
+    args.extend([
         input.as_str(),
         output.as_str(),
         "bs=1M",
         seek.as_str(),
         "status=none",
-    ];
+    ]);
     args.extend_from_slice(flags);
-    sh("dd", &args);
+    sh(if cpu.is_some() { "taskset" } else { "dd" }, &args);
     let _ = std::fs::remove_file(&src);
+}
+
+/// 4 KiB blocks of `data` found anywhere in `image`.
+fn blocks_found(image: &[u8], data: &[u8]) -> usize {
+    let want: std::collections::HashSet<&[u8]> = data.chunks(4096).collect();
+    image.chunks(4096).filter(|b| want.contains(b)).count()
+}
+
+/// Reads and writes, flushes each queue of a worker's volume completed so far.
+fn per_queue(vm: &Vm, volume_id: &str) -> Vec<[u64; 4]> {
+    let stats = vm.s.data.join(format!("run/ublk/{volume_id}/stats"));
+    blockplane_worker::completed_per_queue(&stats).unwrap()
+}
+
+/// Queue by queue, what a worker completed between `before` and `after`:
+/// (writes, flushes).
+fn queue_delta(before: &[[u64; 4]], after: &[[u64; 4]]) -> Vec<(u64, u64)> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| (a[1] - b[1], a[2] - b[2]))
+        .collect()
+}
+
+/// The queue of ublk device `dev` (`/dev/ublkbN`) that requests from CPU
+/// `cpu` enter (blk-mq's map, in sysfs).
+fn queue_of_cpu(dev: &str, cpu: usize) -> usize {
+    let name = dev.rsplit('/').next().unwrap();
+    let mq = format!("/sys/block/{name}/mq");
+    for q in std::fs::read_dir(&mq).unwrap().flatten() {
+        let cpus = std::fs::read_to_string(q.path().join("cpu_list")).unwrap();
+        let has = cpus.trim().split(',').any(|r| {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            (a.trim().parse().unwrap_or(usize::MAX)..=b.trim().parse().unwrap_or(0)).contains(&cpu)
+        });
+        if has {
+            return q.file_name().to_string_lossy().parse().unwrap();
+        }
+    }
+    panic!("no queue of {dev} maps CPU {cpu} ({mq})")
+}
+
+/// Flushes served by the volume's worker (the ublk one, or a dm volume's
+/// private one); `None` when no worker serves it.
+fn worker_flushes(vm: &Vm, volume_id: &str) -> Option<u64> {
+    use blockplane_worker::protocol::{Answer, Request, talk};
+    let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
+    match talk(&sock, &Request::Stats, Duration::from_secs(10)) {
+        Ok(Answer::Stats(s)) => Some(s.flush.ops),
+        _ => None,
+    }
 }
 
 /// Power cut, for real. The image filesystem sits on `dm-log-writes` (see
 /// `logwrites.rs`), whose log keeps only what reached stable storage. Per
-/// backend and policy, through the volume's device: a FUA write (O_DSYNC), then
-/// a write followed by fsync (a FLUSH), then a write never flushed, then a mark.
-/// Replaying the log to that mark is the disk a power cut then leaves: the FUA
-/// and flushed writes must be there, and the unflushed one must not (which
-/// shows the cut is real). The FUA write comes first so that its own flush, on
-/// a path that turns FUA into write + flush, cannot rescue the flushed write.
+/// backend and policy, through the volume's device, each followed by a mark
+/// (a replay to a mark is the disk a power cut then leaves):
+///
+/// 1. An `O_DSYNC` write (which the block layer sends as a FUA write and then
+///    a FLUSH), a write followed by fsync (a FLUSH), and a write never
+///    flushed: the first two must be there, the third must not (which shows
+///    the cut is real). The `O_DSYNC` write comes first so that its own flush
+///    cannot rescue the flushed write.
+/// 2. A FLUSH covers writes completed on other queues (issue 26 item 1): a
+///    write from a process pinned to CPU 0, then a flush from one pinned to
+///    CPU 1, then the other way round; where a worker serves, its per-queue
+///    counters show the write and the flush each on the queue blk-mq maps
+///    its CPU to (sysfs `mq/*/cpu_list`), and nowhere else (the write with
+///    no flush of its own).
+/// 3. A bare FUA write, nothing flushed after it (issue 26 item 1): ext4 on
+///    the volume, a file written and committed, then overwritten in place
+///    with `O_DIRECT | O_DSYNC`, which the filesystem sends as FUA writes
+///    alone (no FLUSH: the worker's flush count does not move). A data path
+///    that ignored FUA loses it. dm `direct` and loop sit on a loop device,
+///    which has no FUA: there the kernel sends a FLUSH after the write.
 #[tokio::test(flavor = "multi_thread")]
 async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
     let cases: [(&str, Option<&str>); 7] = [
@@ -260,15 +335,24 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
         ("dm", Some("threaded")),
         ("loop", None),
     ];
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert!(cpus >= 2, "two CPUs, so two queues, are needed: {cpus}");
     let mut disk = LoggedFs::new("cut", 160);
     let vm = Vm::start_with_roots(vec![disk.root()]).await;
     let nonce = uuid::Uuid::new_v4().simple().to_string();
-    let (fua, flushed, unflushed) = (
-        labelled("fua", 256, &nonce),
+    let (dsync, flushed, unflushed) = (
+        labelled("dsync", 256, &nonce),
         labelled("flushed", 512, &nonce),
         labelled("unflushed", 256, &nonce),
     );
+    let queue_writes = [
+        labelled("queue0", 64, &nonce),
+        labelled("queue1", 64, &nonce),
+    ];
+    let (before_fua, fua) = (labelled("pre-fua", 64, &nonce), labelled("fua", 64, &nonce));
+    let mut failures = Vec::new();
     for (i, (backend, policy)) in cases.iter().enumerate() {
+        let what = format!("{backend} {policy:?}");
         let name = format!("cut{i}");
         let img = disk.root().join(format!("{name}.img"));
         let a = vm
@@ -281,41 +365,102 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
             body["dispatch"] = json!(p);
         }
         let v = vm.volume(body).await;
-        let dev = v["device"].as_str().unwrap().to_string();
+        let (id, dev) = (
+            v["id"].as_str().unwrap().to_string(),
+            v["device"].as_str().unwrap().to_string(),
+        );
+        let worker = worker_flushes(&vm, &id).is_some();
         // The image and the volume are set up and stable: not what is tested.
         sh("sync", &["-f", disk.root().to_str().unwrap()]);
-        dd_write(&dev, &fua, 0, &["oflag=direct,dsync"]);
+        dd_write(&dev, &dsync, 0, &["oflag=direct,dsync"]);
         dd_write(&dev, &flushed, 1, &["oflag=direct", "conv=fsync"]);
         dd_write(&dev, &unflushed, 4, &["oflag=direct"]);
         disk.mark(&name);
+
+        // The ublk device the worker serves: the volume's, or a dm volume's private one.
+        let ublk = worker.then(|| match *backend {
+            "ublk" => dev.clone(),
+            _ => worker_status(&vm, &id)["device"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        });
+        for (round, data) in queue_writes.iter().enumerate() {
+            let (writer, flusher) = (round % 2, (round + 1) % 2);
+            let before = worker.then(|| per_queue(&vm, &id));
+            dd_write_on(
+                Some(writer),
+                &dev,
+                data,
+                5 + round as u64,
+                &["oflag=direct"],
+            );
+            let written = worker.then(|| per_queue(&vm, &id));
+            sh("taskset", &["-c", &flusher.to_string(), "sync", &dev]);
+            if let (Some(before), Some(written), Some(ublk)) = (before, written, &ublk) {
+                let (wq, fq) = (queue_of_cpu(ublk, writer), queue_of_cpu(ublk, flusher));
+                let write = queue_delta(&before, &written);
+                let flush = queue_delta(&written, &per_queue(&vm, &id));
+                let only = |d: &[(u64, u64)], q: usize, f: fn(&(u64, u64)) -> u64| {
+                    d.iter().enumerate().all(|(i, x)| (f(x) > 0) == (i == q))
+                };
+                let unflushed = write.iter().all(|x| x.1 == 0);
+                if wq == fq
+                    || !unflushed
+                    || !only(&write, wq, |x| x.0)
+                    || !only(&flush, fq, |x| x.1)
+                {
+                    failures.push(format!(
+                        "{what}: a write from CPU {writer} (queue {wq}) and a flush from CPU {flusher} (queue {fq}) did not land there alone: (writes, flushes) per queue for the write {write:?}, for the flush {flush:?}"
+                    ));
+                }
+            }
+            disk.mark(&format!("{name}-q{round}"));
+        }
+
+        let mnt = PathBuf::from(format!("/tmp/cut-fs-{i}"));
+        crate::logwrites::ext4_on(&dev, &mnt);
+        let file = mnt.join("fua");
+        std::fs::write(&file, &before_fua).unwrap();
+        sh("sync", &["-f", mnt.to_str().unwrap()]);
+        let flushes = worker_flushes(&vm, &id);
+        dd_into(&file, &fua, &["oflag=direct,dsync", "conv=notrunc"]);
+        if let (Some(a), Some(b)) = (flushes, worker_flushes(&vm, &id))
+            && a != b
+        {
+            failures.push(format!(
+                "{what}: the O_DSYNC overwrite reached the worker with {} flushes, not as FUA writes alone",
+                b - a
+            ));
+        }
+        disk.mark(&format!("{name}-fua"));
+        sh("umount", &[mnt.to_str().unwrap()]);
         vm.delete(&name).await;
     }
     drop(vm);
     disk.finish();
-    let mut failures = Vec::new();
     let marks = disk.replay(|mark, replayed| {
-        let Some(i) = mark
-            .strip_prefix("cut")
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some((i, step)) = mark.strip_prefix("cut").and_then(|m| {
+            let (n, step) = m.split_once('-').unwrap_or((m, ""));
+            Some((n.parse::<usize>().ok()?, step.to_string()))
+        }) else {
             return;
         };
         let (backend, policy) = cases[i];
+        let what = format!("{backend} {policy:?}");
         let image = disk.on_copy(replayed, |mnt| {
-            std::fs::read(mnt.join("images").join(format!("{mark}.img")))
+            std::fs::read(mnt.join("images").join(format!("cut{i}.img")))
         });
         let image = match image {
             Ok(b) => b,
             Err(e) => {
-                failures.push(format!(
-                    "{backend} {policy:?}: image gone after the cut: {e}"
-                ));
+                failures.push(format!("{what}: image gone after the cut at {mark}: {e}"));
                 return;
             }
         };
         let at = |mib: usize, len: usize| &image[mib << 20..(mib << 20) + len];
-        for (what, mib, data) in [("FUA write", 0, &fua), ("flushed write", 1, &flushed)] {
-            if at(mib, data.len()) != data.as_slice() {
+        let mut must_hold = |what_write: &str, mib: usize, data: &[u8]| {
+            if at(mib, data.len()) != data {
                 let bad = (0..data.len() / 4096)
                     .find(|b| {
                         at(mib, data.len())[b * 4096..(b + 1) * 4096]
@@ -323,20 +468,50 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
                     })
                     .unwrap();
                 failures.push(format!(
-                    "{backend} {policy:?}: {what} lost in the power cut (block {bad} holds {:?})",
+                    "{what}: {what_write} lost in the power cut at {mark} (block {bad} holds {:?})",
                     describe(&at(mib, data.len())[bad * 4096..(bad + 1) * 4096])
                 ));
             }
-        }
-        if at(4, unflushed.len()) == unflushed.as_slice() {
-            failures.push(format!(
-                "{backend} {policy:?}: a write never flushed survived: the cut is not real"
-            ));
+        };
+        match step.as_str() {
+            "" => {
+                must_hold("O_DSYNC write", 0, &dsync);
+                must_hold("flushed write", 1, &flushed);
+                if at(4, unflushed.len()) == unflushed.as_slice() {
+                    failures.push(format!(
+                        "{what}: a write never flushed survived: the cut is not real"
+                    ));
+                }
+            }
+            "q0" => must_hold("a write on queue 0 flushed from queue 1", 5, &queue_writes[0]),
+            "q1" => must_hold("a write on queue 1 flushed from queue 0", 6, &queue_writes[1]),
+            "fua" => {
+                let found = blocks_found(&image, &fua);
+                if found != fua.len() / 4096 {
+                    failures.push(format!(
+                        "{what}: a FUA write with no flush after it lost in the power cut: {found} of its {} blocks there, {} of the file's earlier ones",
+                        fua.len() / 4096,
+                        blocks_found(&image, &before_fua)
+                    ));
+                }
+            }
+            other => panic!("mark {mark}: step {other}"),
         }
     });
     let cuts = marks.iter().filter(|m| m.starts_with("cut")).count();
-    assert_eq!(cuts, cases.len(), "marks in the log: {marks:?}");
+    assert_eq!(cuts, 4 * cases.len(), "marks in the log: {marks:?}");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Writes `data` over the start of the existing file `file` with dd.
+fn dd_into(file: &std::path::Path, data: &[u8], flags: &[&str]) {
+    let src = format!("/tmp/cut-{}.fua", std::process::id());
+    std::fs::write(&src, data).unwrap();
+    let (input, output) = (format!("if={src}"), format!("of={}", file.display()));
+    let mut args = vec![input.as_str(), output.as_str(), "bs=64k", "status=none"];
+    args.extend_from_slice(flags);
+    sh("dd", &args);
+    let _ = std::fs::remove_file(&src);
 }
 
 /// Writes the volume's worker has completed so far.
