@@ -11,8 +11,11 @@
 //! any `t` however its requests spread over the queues. A grant is what the
 //! request needs or more: while tokens are plenty, a fair part of them (so a
 //! burst is spent in a few grants), while they are short, [`LEASE`] of the
-//! rate (so a throttled queue asks a few hundred times a second, not once a
-//! request). Tokens a queue was granted and did not spend before it went
+//! rate, or one request's cost if more. So the tokens move between the
+//! threads in periodic batches, off the per-request path: a queue asks at
+//! most once per `LEASE` (at most 50 times a second) however many requests
+//! it serves, or, under a limit below one request per `LEASE`, once per
+//! request the limit lets through. Tokens a queue was granted and did not spend before it went
 //! idle stay with it: the volume then admits a little less than its limit,
 //! never more.
 
@@ -25,8 +28,9 @@ use std::time::{Duration, Instant};
 use super::mailbox::{Mailbox, Msg};
 use blockplane_api::model::Qos;
 
-/// The share of a second's rate a grant covers while tokens are short.
-const LEASE: Duration = Duration::from_millis(2);
+/// The share of a second's rate a grant covers while tokens are short: the
+/// period at which a throttled queue asks for more.
+const LEASE: Duration = Duration::from_millis(20);
 
 #[derive(Debug, Clone, Copy)]
 struct Bucket {
@@ -358,15 +362,16 @@ mod tests {
             granted += g.ops;
         }
         assert!(granted > 9.0 && granted <= 10.0, "{granted}");
-        // Then the rate: a token each 10 ms (less the part of one left).
+        // Then the rate, in leases: 20 ms of it (two tokens, less the part
+        // of one left), however little is asked.
         let wait = b.grant(ops(1.0), 1, t0).unwrap_err();
         assert!(
-            wait > Duration::ZERO && wait <= Duration::from_millis(10),
+            wait > Duration::from_millis(10) && wait <= Duration::from_millis(20),
             "{wait:?}"
         );
         let later = t0 + wait + Duration::from_millis(1);
         let g = b.grant(ops(1.0), 1, later).unwrap();
-        assert!((g.ops - 1.0).abs() < 1e-9, "{g:?}");
+        assert!((g.ops - 2.0).abs() < 1e-9, "{g:?}");
 
         // Bytes: a request larger than the burst waits for a full bucket.
         let q = Qos {
