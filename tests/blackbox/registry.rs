@@ -37,11 +37,10 @@ fn mode(p: &Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_full_disk_is_507_and_unhealthy_and_writes_resume_when_space_returns() {
-    // Declared first so it is dropped last, after the service.
-    let mounted = Unmount(Mutex::new(None));
-    let s = Service::start_prepared(Opts::default(), |data| {
+/// A service started with `opts` whose data dir is a 4 MiB tmpfs, which
+/// `mounted` unmounts when dropped.
+async fn on_a_small_tmpfs(opts: Opts, mounted: &Unmount) -> Service {
+    Service::start_prepared(opts, |data| {
         std::fs::create_dir_all(data).unwrap();
         let ok = Command::new("mount")
             .args(["-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs"])
@@ -52,7 +51,14 @@ async fn a_full_disk_is_507_and_unhealthy_and_writes_resume_when_space_returns()
         assert!(ok, "mount a tmpfs on {}", data.display());
         *mounted.0.lock().unwrap() = Some(data.to_path_buf());
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_disk_is_507_and_unhealthy_and_writes_resume_when_space_returns() {
+    // Declared first so it is dropped last, after the service.
+    let mounted = Unmount(Mutex::new(None));
+    let s = on_a_small_tmpfs(Opts::default(), &mounted).await;
     let first = image_file(&s, "first.img", 1);
     let a = s
         .post("/v1/images", json!({"name": "first", "path": first}))
@@ -189,18 +195,7 @@ async fn a_full_registry_disk_leaves_no_device_without_its_row_nor_a_row_without
         env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_volume_change".into())],
         ..Default::default()
     };
-    let s = Service::start_prepared(opts, |data| {
-        std::fs::create_dir_all(data).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs"])
-            .arg(data)
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "mount a tmpfs on {}", data.display());
-        *mounted.0.lock().unwrap() = Some(data.to_path_buf());
-    })
-    .await;
+    let s = on_a_small_tmpfs(opts, &mounted).await;
     for name in ["kept", "fresh", "late"] {
         s.image(name, 1).await;
     }

@@ -866,6 +866,48 @@ async fn none_left(vm: &Vm, base: &Held, step: &str) {
     assert!(vols.is_empty(), "{step}: {vols:?}");
 }
 
+/// The service SIGKILLed in a PATCH of volume `name` (on `backend`) with
+/// `change`, then started again (with the test fault `fault`, if given): the
+/// row's settings stand and the device is back to them (the PATCH wholly
+/// undone), and it round-trips data. Returns the device.
+async fn a_dead_patch_is_undone(
+    vm: &mut Vm,
+    base: &Held,
+    (name, backend): (&str, &str),
+    change: &Value,
+    fault: Option<&str>,
+    what: &str,
+) -> String {
+    let path = format!("/v1/volumes/{name}");
+    let before = vm.s.get(&path).await.body;
+    let dev = before["device"].as_str().unwrap().to_string();
+    vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
+        .await;
+    match fault {
+        Some(f) => vm.start_with_fault(f).await,
+        None => vm.s.restart().await,
+    }
+    let v = rows_and_kernel_agree(vm, base, what).await.remove(0);
+    for f in [
+        "dispatch",
+        "requested_dispatch",
+        "read_only",
+        "qos",
+        "device",
+    ] {
+        assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
+    }
+    round_trip(&dev, 0, what);
+    if backend == "ublk" {
+        assert_eq!(
+            throttled_by(vm, name, &dev).await,
+            0,
+            "{what}: the worker still throttles"
+        );
+    }
+    dev
+}
+
 /// The service is SIGKILLed at each step of each state change of a ublk
 /// volume and of dm volumes (direct and over a private worker): between the
 /// row and the device of a create (and a create failing there), between the
@@ -949,30 +991,10 @@ async fn a_service_killed_at_any_step_of_a_ublk_or_dm_change_is_reconciled_at_re
 
         // A PATCH: the device has every change, the row none, the client got
         // no answer: the row's settings stand.
-        let before = vm.s.get(&path).await.body;
-        let dev = before["device"].as_str().unwrap().to_string();
         let what = step(&format!("after the changes of PATCH {change}"));
-        vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
-            .await;
-        vm.start_with_fault("kill_after_change").await;
-        let v = rows_and_kernel_agree(&vm, &base, &what).await.remove(0);
-        for f in [
-            "dispatch",
-            "requested_dispatch",
-            "read_only",
-            "qos",
-            "device",
-        ] {
-            assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
-        }
-        round_trip(&dev, 0, &what);
-        if backend == "ublk" {
-            assert_eq!(
-                throttled_by(&vm, &name, &dev).await,
-                0,
-                "{what}: the worker still throttles"
-            );
-        }
+        let restart = Some("kill_after_change");
+        let dev =
+            a_dead_patch_is_undone(&mut vm, &base, (&name, backend), &change, restart, &what).await;
 
         // Resize: the image and the device grew, neither row says so.
         let what = step("after a resize");
@@ -1168,7 +1190,6 @@ async fn a_service_killed_inside_an_attach_or_between_two_changes_is_reconciled_
         vm.image(&name, Scratch::Xfs, 16, "full").await;
         let file = vm.root(Scratch::Xfs).join(format!("{name}.img"));
         let spec = json!({"name": name, "image": name, "backend": backend, "dispatch": created_as});
-        let path = format!("/v1/volumes/{name}");
         vm.s.kill();
         if backend == "ublk" {
             // The worker alone dies there: the create fails, leaving nothing.
@@ -1197,30 +1218,8 @@ async fn a_service_killed_inside_an_attach_or_between_two_changes_is_reconciled_
             "{what}: the pin"
         );
 
-        let before = vm.s.get(&path).await.body;
-        let dev = before["device"].as_str().unwrap().to_string();
         let what = format!("{name}, killed between the changes of PATCH {change}");
-        vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
-            .await;
-        vm.s.restart().await;
-        let v = rows_and_kernel_agree(&vm, &base, &what).await.remove(0);
-        for f in [
-            "dispatch",
-            "requested_dispatch",
-            "read_only",
-            "qos",
-            "device",
-        ] {
-            assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
-        }
-        round_trip(&dev, 0, &what);
-        if backend == "ublk" {
-            assert_eq!(
-                throttled_by(&vm, &name, &dev).await,
-                0,
-                "{what}: the worker throttles"
-            );
-        }
+        a_dead_patch_is_undone(&mut vm, &base, (&name, backend), &change, None, &what).await;
         vm.delete(&name).await;
         none_left(&vm, &base, &format!("{name}: deleted")).await;
         assert!(!crate::is_immutable(&file), "{name}: still pinned");

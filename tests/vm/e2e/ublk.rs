@@ -836,6 +836,18 @@ async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> Stri
     msg
 }
 
+/// Service B: another blockplane (its own data dir) over image root `root`.
+/// Started before A makes its volumes: a service starting on an empty
+/// registry refuses while the kernel serves another instance's dm devices
+/// (issue 12 item 2).
+async fn second_instance(root: &std::path::Path) -> crate::harness::Service {
+    crate::harness::Service::start_with(crate::harness::Opts {
+        extra_roots: vec![root.to_path_buf()],
+        ..Default::default()
+    })
+    .await
+}
+
 /// Issue 12 item 4: a ublk worker owns its device and outlives its service,
 /// so it holds the image lock too (the same open file description as its
 /// service's). Service A serves `s.img` (ublk) and `d.img` (dm over a private
@@ -848,14 +860,8 @@ async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> Stri
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_crashes() {
     let mut vm = Vm::start().await;
-    // Started first: a service starting on an empty registry refuses while
-    // the kernel serves another instance's dm devices (issue 12 item 2).
     let root = vm.root(Scratch::Xfs);
-    let b = crate::harness::Service::start_with(crate::harness::Opts {
-        extra_roots: vec![root.clone()],
-        ..Default::default()
-    })
-    .await;
+    let b = second_instance(&root).await;
     let mut vols = Vec::new();
     for (name, backend) in [("s", "ublk"), ("d", "dm")] {
         vm.image(name, Scratch::Xfs, 16, "full").await;
@@ -959,13 +965,7 @@ async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_cras
 async fn a_second_instance_is_refused_a_direct_image_the_first_readopted() {
     let mut vm = Vm::start().await;
     let root = vm.root(Scratch::Xfs);
-    // Started first: a service starting on an empty registry refuses while
-    // the kernel serves another instance's dm devices (issue 12 item 2).
-    let b = crate::harness::Service::start_with(crate::harness::Opts {
-        extra_roots: vec![root.clone()],
-        ..Default::default()
-    })
-    .await;
+    let b = second_instance(&root).await;
     let mut devs = Vec::new();
     for (name, backend) in [("du", "ublk"), ("dd", "dm")] {
         vm.image(name, Scratch::Xfs, 16, "full").await;
