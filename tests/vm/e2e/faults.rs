@@ -345,9 +345,10 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
         labelled("flushed", 512, &nonce),
         labelled("unflushed", 256, &nonce),
     );
+    // Whole 1 MiB blocks of dd: a short last block makes dd fsync it.
     let queue_writes = [
-        labelled("queue0", 64, &nonce),
-        labelled("queue1", 64, &nonce),
+        labelled("queue0", 256, &nonce),
+        labelled("queue1", 256, &nonce),
     ];
     let (before_fua, fua) = (labelled("pre-fua", 64, &nonce), labelled("fua", 64, &nonce));
     let mut failures = Vec::new();
