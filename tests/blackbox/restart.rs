@@ -77,6 +77,29 @@ async fn killed_after_the_row_before_the_device() {
     );
 }
 
+/// Issue 26 item 5, on loop: killed inside the attach, with a free loop
+/// device taken and not yet bound to the image. Nothing of it is bound; at
+/// restart the recorded volume is attached again, once.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_inside_the_attach_before_the_device_is_bound() {
+    let mut s = crash_during_create("kill_after_add").await;
+    assert!(s.my_loop_devices().is_empty());
+    s.restart().await;
+    let v = s.get("/v1/volumes/v").await;
+    assert_eq!(v.body["state"], "attached", "{}", v.body);
+    assert_eq!(s.my_loop_devices().len(), 1);
+    assert_eq!(
+        s.my_loop_devices(),
+        vec![v.body["device"].as_str().unwrap().to_string()]
+    );
+    assert!(
+        kinds(&s.get("/v1/events?volume=v").await.body).contains(&"volume_reattached".to_string())
+    );
+    let d = s.delete("/v1/volumes/v").await;
+    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    assert!(s.my_loop_devices().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn killed_between_device_removed_and_row_deleted() {
     let mut s = Service::start().await;

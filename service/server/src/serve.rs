@@ -487,7 +487,11 @@ fn refuse_over_unowned_devices(
 /// The kernel's backends, marking their devices with `instance`: loop, ublk
 /// (workers run under `<data-dir>/run/ublk`) and dm (its nowait/threaded
 /// path a private ublk device), all reporting into one event sink.
-fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, ServeError> {
+fn kernel_backends(
+    cfg: &ServeConfig,
+    instance: String,
+    faults: Faults,
+) -> Result<Backends, ServeError> {
     let (events, receiver) = EventSink::channel();
     let ublk = Arc::new(
         UblkBackend::new(
@@ -496,6 +500,7 @@ fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, Serv
                 threads: cfg.worker_threads,
                 extent_check_secs: cfg.extent_check_secs,
                 instance: instance.clone(),
+                faults,
             },
             events.clone(),
         )
@@ -506,9 +511,14 @@ fn kernel_backends(cfg: &ServeConfig, instance: String) -> Result<Backends, Serv
         ublk.clone(),
         events,
         cfg.extent_check_secs,
+        faults,
     );
     Ok(Backends {
-        list: vec![Arc::new(LoopBackend::new(instance)), ublk, Arc::new(dm)],
+        list: vec![
+            Arc::new(LoopBackend::new(instance, faults)),
+            ublk,
+            Arc::new(dm),
+        ],
         events: receiver,
     })
 }
@@ -531,7 +541,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     }
     private_database(&db)?;
     let store = Store::open(&db).await?;
-    let backends = kernel_backends(&cfg, store.instance().await?)?;
+    let backends = kernel_backends(&cfg, store.instance().await?, faults)?;
     let manager = Manager::new(
         store,
         roots,

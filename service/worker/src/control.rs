@@ -111,12 +111,18 @@ struct Ctx {
 
 /// Writes `state.json` atomically.
 fn write_state(cx: &Ctx) {
+    write_state_file(&cx.shared, cx.dev_id);
+}
+
+/// Writes `state.json` atomically: this worker serves (or has just added)
+/// device `dev_id`.
+pub fn write_state_file(shared: &Shared, dev_id: u32) {
     let state = StateFile {
         pid: std::process::id(),
-        dev_id: cx.dev_id,
-        pinned: cx.shared.state.lock().expect("state poisoned").pinned,
+        dev_id,
+        pinned: shared.state.lock().expect("state poisoned").pinned,
     };
-    let dir = &cx.shared.spec.run_dir;
+    let dir = &shared.spec.run_dir;
     let tmp = dir.join("state.json.tmp");
     let ok = std::fs::write(&tmp, serde_json::to_vec(&state).expect("state serializes"))
         .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")));
@@ -272,7 +278,16 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             }
         }
         Request::SetQos { qos } => {
-            match s.reconfigure(|c| c.qos = super::qos::Limiter::for_limits(qos)) {
+            let limiter = match super::qos::Limiter::for_limits(qos, usize::from(s.spec.queues)) {
+                Ok(l) => l,
+                Err(source) => {
+                    return refusal(Refusal::Io {
+                        op: "start the QoS thread",
+                        source,
+                    });
+                }
+            };
+            match s.reconfigure(|c| c.qos = limiter) {
                 Ok(()) => status(cx),
                 Err(e) => refusal(e),
             }

@@ -137,6 +137,11 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
             .dev_flags(dev_flags)
             .build()?,
     );
+    // The device exists from here on: named in the run dir at once, so that a
+    // control plane finds it to delete should this worker die before it serves.
+    control::write_state_file(&shared, ctrl.dev_info().dev_id);
+    #[cfg(feature = "test-faults")]
+    die_after_add();
     let lbs_shift = logical_block_shift(&shared);
     let size = spec.size_bytes;
     let read_only = spec.read_only;
@@ -265,6 +270,20 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     control.remove_files();
     tracing::info!(dev_id, "device deleted; worker exits");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Test faults `kill_after_add` and `fail_after_add` (a build with test
+/// faults only): the worker dies between ADD_DEV and START_DEV (its control
+/// plane dies with it under the first).
+#[cfg(feature = "test-faults")]
+fn die_after_add() {
+    if std::env::var("BLOCKPLANE_TEST_FAULT")
+        .is_ok_and(|f| f == "kill_after_add" || f == "fail_after_add")
+    {
+        tracing::warn!("test fault: dying between ADD_DEV and START_DEV");
+        let _ =
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    }
 }
 
 /// Rule 5, periodically, while the volume is `direct`.

@@ -18,7 +18,7 @@
 //! | other | `-EINVAL` | `-EINVAL` |
 
 use std::alloc::Layout;
-use std::cell::{Cell, OnceCell, RefCell};
+use std::cell::{Cell, OnceCell, Ref, RefCell};
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use libublk::uring_async::UblkUringOpFuture;
 
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::stats::{Op, QueueCounters, QueueLatency, QueueReport, bump};
-use super::{DirectPath, Policy, Shared};
+use super::{DirectPath, Policy, Shared, qos};
 use blockplane_system::image::FALLOC_FL_WRITE_ZEROES;
 
 /// Registered-file slots of every queue's ring: libublk puts the ublk char
@@ -353,6 +353,8 @@ pub struct QueueCtx {
     drained: RefCell<Option<Sender<()>>>,
     waiters: RefCell<Vec<Waker>>,
     latency: RefCell<QueueLatency>,
+    /// This queue's QoS tokens, leased from the volume's QoS thread.
+    lease: RefCell<qos::Lease>,
     /// Read and write.
     nowait: [Cell<NowaitWindow>; 2],
     /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
@@ -380,6 +382,7 @@ impl QueueCtx {
             drained: RefCell::new(None),
             waiters: RefCell::default(),
             latency: RefCell::default(),
+            lease: RefCell::default(),
             nowait: Default::default(),
             nowait_unsupported: Cell::new(false),
             write_zeroes_unsupported: Cell::new(false),
@@ -397,10 +400,17 @@ impl QueueCtx {
     /// this thread's ring.
     fn install(&self, cfg: QueueConfig) {
         let raw_registered = cfg.direct.as_ref().is_some_and(|d| register_raw(d));
+        let limiter = |c: &QueueConfig| c.qos.as_ref().map(|l| l.id());
+        let new_limits = limiter(&self.local.borrow().cfg) != limiter(&cfg);
         *self.local.borrow_mut() = Rc::new(Local {
             cfg,
             raw_registered,
         });
+        if new_limits {
+            // Requests waiting for tokens of the old limits look again.
+            let waiting = self.lease.borrow_mut().void();
+            waiting.into_iter().for_each(Waker::wake);
+        }
     }
 
     /// Takes the control thread's messages (on this queue's thread).
@@ -429,6 +439,10 @@ impl QueueCtx {
                         in_flight: self.in_flight.get(),
                     });
                 }
+                Msg::Grant(g) => {
+                    let waiting = self.lease.borrow_mut().receive(g);
+                    waiting.into_iter().for_each(Waker::wake);
+                }
             }
         }
     }
@@ -452,9 +466,12 @@ impl QueueCtx {
             return -libc::EINVAL;
         };
         let started = Instant::now();
-        let qos = self.local.borrow().cfg.qos.clone();
-        if let Some(limiter) = qos {
-            limiter.admit(q, req.len, self.counters()).await;
+        if self.local.borrow().cfg.qos.is_some() {
+            // Looked up at each wake-up: the limits may change meanwhile.
+            let limiter = || Ref::filter_map(self.local.borrow(), |l| l.cfg.qos.as_deref()).ok();
+            if qos::admit(limiter, &self.lease, &self.mailbox, req.len).await {
+                bump(&self.counters().qos_throttled, 1);
+            }
         }
         self.admitted().await;
         let local = self.local.borrow().clone();

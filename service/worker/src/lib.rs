@@ -17,13 +17,14 @@ mod mailbox;
 pub mod protocol;
 mod qos;
 mod stats;
+mod watch;
 
 use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use blockplane_api::model::{ActiveDispatch, Allocation, DispatchPolicy, HandoverMethod};
@@ -35,6 +36,7 @@ use libublk::sys;
 use mailbox::{QueueConfig, Queues};
 use protocol::{Fill, FillState, IMAGE_FD, LOCK_FD, WorkerSpec};
 use stats::Stats;
+pub use stats::completed_per_queue;
 
 // Bytes zeroed at a time by a fill, the queues held meanwhile.
 use blockplane_system::image::ALLOCATE_STEP;
@@ -134,6 +136,11 @@ pub(crate) struct Shared {
     fill: Mutex<Option<Fill>>,
     /// Set to stop a running fill.
     fill_cancel: AtomicBool,
+    /// This, for the threads it starts.
+    me: Weak<Shared>,
+    /// Opens of the image by other processes, watched from the first time
+    /// the volume is `direct` (`None`: the kernel gives no such watch).
+    watch: OnceLock<Option<watch::Watch>>,
 }
 
 impl Shared {
@@ -449,7 +456,32 @@ impl Shared {
             }
         };
         self.state.lock().expect("state poisoned").pinned = Some(pin);
+        if let Some(w) = self.watch() {
+            w.mark(self.image.as_fd(), true);
+        }
         Ok(Arc::new(DirectPath { map, devices }))
+    }
+
+    /// The watch on opens of the image, started the first time it is asked for.
+    fn watch(&self) -> Option<&watch::Watch> {
+        self.watch
+            .get_or_init(|| self.me.upgrade().and_then(|me| watch::Watch::start(&me)))
+            .as_ref()
+    }
+
+    /// Another process is opening the image (the watch asks, before the open
+    /// goes on). On `direct`, with the pin cleared, its extents may move from
+    /// now on: the volume leaves the map first.
+    pub fn image_opened(&self, pid: i32) {
+        let unpinned = || !extent::is_immutable(self.image.as_fd()).unwrap_or(false);
+        if self.policy() != Policy::Direct || !unpinned() {
+            return;
+        }
+        let reason = format!(
+            "direct-map rule 5: the image's pin was cleared and {} opened it, so its extents may move; serving on nowait",
+            watch::describe(pid)
+        );
+        self.leave_map(reason, unpinned);
     }
 
     fn open_raw_devices(&self, map: &ExtentMap) -> Result<Vec<File>, Refusal> {
@@ -498,6 +530,9 @@ impl Shared {
                 source,
             })?;
         }
+        if let Some(Some(w)) = self.watch.get() {
+            w.mark(self.image.as_fd(), false);
+        }
         extent::drop_page_cache(self.image.as_fd()).map_err(|source| Refusal::Io {
             op: "drop page cache",
             source,
@@ -509,6 +544,11 @@ impl Shared {
     /// config, on which the held requests continue.
     pub fn switch(&self, to: Policy, reason: String) -> Result<(), Refusal> {
         let _one = self.changing.lock().expect("changing poisoned");
+        self.switch_held(to, reason)
+    }
+
+    /// [`Self::switch`], its caller holding `changing`.
+    fn switch_held(&self, to: Policy, reason: String) -> Result<(), Refusal> {
         let from = self.policy();
         if from == to {
             self.state.lock().expect("state poisoned").dispatch_reason = reason;
@@ -564,8 +604,8 @@ impl Shared {
         self.config().direct.clone()
     }
 
-    /// Rule 5: re-reads the map of a `direct` volume; on drift, leaves the
-    /// direct path at once for `nowait` and records why.
+    /// Rule 5: re-reads the map of a `direct` volume; on drift (or a pin
+    /// cleared), leaves the direct path at once for `nowait` and records why.
     pub fn check_drift(&self) {
         let Some(current) = self.direct_path() else {
             return;
@@ -576,12 +616,28 @@ impl Shared {
             Ok(m) => current.map.differences(&m),
             Err(e) => Some(e.to_string()),
         };
-        let Some(what) = drift else { return };
-        tracing::error!(%what, "extent map drifted: leaving the direct path");
-        let reason =
-            format!("direct-map rule 5: the image's extents changed ({what}); serving on nowait");
+        let reason = match drift {
+            Some(what) => format!(
+                "direct-map rule 5: the image's extents changed ({what}); serving on nowait"
+            ),
+            None if !extent::is_immutable(self.image.as_fd()).unwrap_or(true) => {
+                "direct-map rule 5: the image's pin (FS_IMMUTABLE_FL) was cleared, so its extents may move; serving on nowait".into()
+            }
+            None => return,
+        };
+        self.leave_map(reason, || true);
+    }
+
+    /// Leaves the direct path for `nowait` at once, recording `reason`,
+    /// unless a switch got there first or `still` no longer holds.
+    fn leave_map(&self, reason: String, still: impl Fn() -> bool) {
+        let _one = self.changing.lock().expect("changing poisoned");
+        if self.policy() != Policy::Direct || !still() {
+            return;
+        }
+        tracing::error!(%reason, "the direct map cannot be trusted: leaving the direct path");
         self.state.lock().expect("state poisoned").degraded = Some(reason.clone());
-        if let Err(e) = self.switch(Policy::Nowait, reason) {
+        if let Err(e) = self.switch_held(Policy::Nowait, reason) {
             tracing::error!(error = %e, "could not leave the direct path");
         }
     }
@@ -656,16 +712,18 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let data = data_fd(&image)?;
     let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
+    let limiter = qos::Limiter::for_limits(spec.qos, usize::from(spec.queues))?;
+    let zero = File::open("/dev/zero")?;
     // A handover is no crash: only a worker that replaces a dead one counts.
     if spec.recover_dev_id.is_some() && !spec.handover {
         stats.count_restart();
     }
-    let shared = Arc::new(Shared {
+    let shared = Arc::new_cyclic(|me| Shared {
         config: Mutex::new(QueueConfig {
             policy: Policy::Nowait,
             direct: None,
             read_only: spec.read_only || spec.refuse_writes,
-            qos: qos::Limiter::for_limits(spec.qos),
+            qos: limiter,
             keep_allocated: spec.allocation == Allocation::Full,
         }),
         changing: Mutex::new(()),
@@ -678,10 +736,12 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }),
         fill: Mutex::new(None),
         fill_cancel: AtomicBool::new(false),
+        me: me.clone(),
+        watch: OnceLock::new(),
         stats,
         image,
         data,
-        zero: File::open("/dev/zero")?,
+        zero,
         spec,
     });
     let start = Policy::from_requested(shared.spec.dispatch);

@@ -1,6 +1,7 @@
 //! How the control thread reaches a queue thread. A queue thread owns
 //! everything its requests touch (the policy and direct path in force,
-//! read-only, the QoS limiter, counters, histograms), so a request shares
+//! read-only, the QoS limiter and its lease of tokens, counters,
+//! histograms), so a request shares
 //! nothing with other threads. Changes arrive as messages in the queue's
 //! [`Mailbox`], and a write to the queue's eventfd ([`Kick`]) wakes the
 //! thread, which keeps a read armed on it, to take them.
@@ -59,6 +60,8 @@ pub enum Msg {
     Apply(QueueConfig, mpsc::Sender<()>),
     /// Hand over the queue's histograms and in-flight count.
     Report(mpsc::Sender<QueueReport>),
+    /// QoS tokens from the volume's QoS thread (see [`qos`]).
+    Grant(qos::Grant),
 }
 
 /// One queue's inbox.
@@ -186,6 +189,7 @@ mod tests {
                                 ..Default::default()
                             })
                             .unwrap(),
+                        Msg::Grant(_) => {}
                     }
                 }
                 if finish.try_recv().is_ok() {

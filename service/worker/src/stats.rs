@@ -218,6 +218,36 @@ impl Stats {
     }
 }
 
+/// Requests each queue completed so far (reads, writes, flushes, discards,
+/// in that order), read from a worker's stats file at `path`: which queues a
+/// load reached (the kernel tests pin writers to CPUs and check it).
+pub fn completed_per_queue(path: &Path) -> io::Result<Vec<[u64; 4]>> {
+    let bytes = std::fs::read(path)?;
+    let word = |at: usize| -> io::Result<u64> {
+        bytes
+            .get(at..at + 8)
+            .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+            .ok_or_else(|| io::Error::other(format!("{}: too short", path.display())))
+    };
+    if word(std::mem::offset_of!(Header, magic))? != MAGIC {
+        return Err(io::Error::other(format!(
+            "{}: not a stats file",
+            path.display()
+        )));
+    }
+    let queues = word(std::mem::offset_of!(Header, queues))? as usize;
+    (0..queues)
+        .map(|q| {
+            let block = size_of::<Header>() + q * size_of::<QueueCounters>();
+            let mut ops = [0; 4];
+            for (op, n) in ops.iter_mut().enumerate() {
+                *n = word(block + op * size_of::<OpCounters>())?;
+            }
+            Ok(ops)
+        })
+        .collect()
+}
+
 impl Drop for Stats {
     fn drop(&mut self) {
         // SAFETY: unmapping what open() mapped.
@@ -330,6 +360,11 @@ mod tests {
         // 100 us lands in the (50, 100] bucket, 300 in (250, 500], 900 in (500, 1000].
         assert_eq!((h.buckets[1], h.buckets[4]), (1, 1), "{h:?}");
         drop(s);
+        assert_eq!(
+            completed_per_queue(&path).unwrap(),
+            [[0, 1, 0, 0], [1, 1, 0, 0]],
+            "per queue: reads, writes, flushes, discards"
+        );
         // Another queue count is another layout: counting starts again.
         let s = Stats::open(&path, 3).unwrap();
         assert_eq!(s.snapshot(&[]).write.ops, 0);

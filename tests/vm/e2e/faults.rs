@@ -222,6 +222,11 @@ fn describe(block: &[u8]) -> String {
 
 /// A write of `data` at `offset` MiB of `dev`, through a file (dd's flags say how).
 fn dd_write(dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
+    dd_write_on(None, dev, data, offset_mib, flags);
+}
+
+/// [`dd_write`] from a process pinned to CPU `cpu`, if given.
+fn dd_write_on(cpu: Option<usize>, dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
     let src = format!("/tmp/cut-{}.src", std::process::id());
     std::fs::write(&src, data).unwrap();
     let (input, output, seek) = (
@@ -229,26 +234,96 @@ fn dd_write(dev: &str, data: &[u8], offset_mib: u64, flags: &[&str]) {
         format!("of={dev}"),
         format!("seek={offset_mib}"),
     );
-    let mut args = vec![
+    let cpu = cpu.map(|c| c.to_string());
+    let mut args = match &cpu {
+        Some(c) => vec!["-c", c.as_str(), "dd"],
+        None => Vec::new(),
+    };
+    args.extend([
         input.as_str(),
         output.as_str(),
         "bs=1M",
         seek.as_str(),
         "status=none",
-    ];
+    ]);
     args.extend_from_slice(flags);
-    sh("dd", &args);
+    sh(if cpu.is_some() { "taskset" } else { "dd" }, &args);
     let _ = std::fs::remove_file(&src);
+}
+
+/// 4 KiB blocks of `data` found anywhere in `image`.
+fn blocks_found(image: &[u8], data: &[u8]) -> usize {
+    let want: std::collections::HashSet<&[u8]> = data.chunks(4096).collect();
+    image.chunks(4096).filter(|b| want.contains(b)).count()
+}
+
+/// Reads and writes, flushes each queue of a worker's volume completed so far.
+fn per_queue(vm: &Vm, volume_id: &str) -> Vec<[u64; 4]> {
+    let stats = vm.s.data.join(format!("run/ublk/{volume_id}/stats"));
+    blockplane_worker::completed_per_queue(&stats).unwrap()
+}
+
+/// Queue by queue, what a worker completed between `before` and `after`:
+/// (writes, flushes).
+fn queue_delta(before: &[[u64; 4]], after: &[[u64; 4]]) -> Vec<(u64, u64)> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| (a[1] - b[1], a[2] - b[2]))
+        .collect()
+}
+
+/// The queue of ublk device `dev` (`/dev/ublkbN`) that requests from CPU
+/// `cpu` enter (blk-mq's map, in sysfs).
+fn queue_of_cpu(dev: &str, cpu: usize) -> usize {
+    let name = dev.rsplit('/').next().unwrap();
+    let mq = format!("/sys/block/{name}/mq");
+    for q in std::fs::read_dir(&mq).unwrap().flatten() {
+        let cpus = std::fs::read_to_string(q.path().join("cpu_list")).unwrap();
+        let has = cpus.trim().split(',').any(|r| {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            (a.trim().parse().unwrap_or(usize::MAX)..=b.trim().parse().unwrap_or(0)).contains(&cpu)
+        });
+        if has {
+            return q.file_name().to_string_lossy().parse().unwrap();
+        }
+    }
+    panic!("no queue of {dev} maps CPU {cpu} ({mq})")
+}
+
+/// Flushes served by the volume's worker (the ublk one, or a dm volume's
+/// private one); `None` when no worker serves it.
+fn worker_flushes(vm: &Vm, volume_id: &str) -> Option<u64> {
+    use blockplane_worker::protocol::{Answer, Request, talk};
+    let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
+    match talk(&sock, &Request::Stats, Duration::from_secs(10)) {
+        Ok(Answer::Stats(s)) => Some(s.flush.ops),
+        _ => None,
+    }
 }
 
 /// Power cut, for real. The image filesystem sits on `dm-log-writes` (see
 /// `logwrites.rs`), whose log keeps only what reached stable storage. Per
-/// backend and policy, through the volume's device: a FUA write (O_DSYNC), then
-/// a write followed by fsync (a FLUSH), then a write never flushed, then a mark.
-/// Replaying the log to that mark is the disk a power cut then leaves: the FUA
-/// and flushed writes must be there, and the unflushed one must not (which
-/// shows the cut is real). The FUA write comes first so that its own flush, on
-/// a path that turns FUA into write + flush, cannot rescue the flushed write.
+/// backend and policy, through the volume's device, each followed by a mark
+/// (a replay to a mark is the disk a power cut then leaves):
+///
+/// 1. An `O_DSYNC` write (which the block layer sends as a FUA write and then
+///    a FLUSH), a write followed by fsync (a FLUSH), and a write never
+///    flushed: the first two must be there, the third must not (which shows
+///    the cut is real). The `O_DSYNC` write comes first so that its own flush
+///    cannot rescue the flushed write.
+/// 2. A FLUSH covers writes completed on other queues (issue 26 item 1): a
+///    write from a process pinned to CPU 0, then a flush from one pinned to
+///    CPU 1, then the other way round; where a worker serves, its per-queue
+///    counters show the write and the flush each on the queue blk-mq maps
+///    its CPU to (sysfs `mq/*/cpu_list`), and nowhere else (the write with
+///    no flush of its own).
+/// 3. A bare FUA write, nothing flushed after it (issue 26 item 1): ext4 on
+///    the volume, a file written and committed, then overwritten in place
+///    with `O_DIRECT | O_DSYNC`, which the filesystem sends as FUA writes
+///    alone (no FLUSH: the worker's flush count does not move). A data path
+///    that ignored FUA loses it. dm `direct` and loop sit on a loop device,
+///    which has no FUA: there the kernel sends a FLUSH after the write.
 #[tokio::test(flavor = "multi_thread")]
 async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
     let cases: [(&str, Option<&str>); 7] = [
@@ -260,15 +335,25 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
         ("dm", Some("threaded")),
         ("loop", None),
     ];
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert!(cpus >= 2, "two CPUs, so two queues, are needed: {cpus}");
     let mut disk = LoggedFs::new("cut", 160);
     let vm = Vm::start_with_roots(vec![disk.root()]).await;
     let nonce = uuid::Uuid::new_v4().simple().to_string();
-    let (fua, flushed, unflushed) = (
-        labelled("fua", 256, &nonce),
+    let (dsync, flushed, unflushed) = (
+        labelled("dsync", 256, &nonce),
         labelled("flushed", 512, &nonce),
         labelled("unflushed", 256, &nonce),
     );
+    // Whole 1 MiB blocks of dd: a short last block makes dd fsync it.
+    let queue_writes = [
+        labelled("queue0", 256, &nonce),
+        labelled("queue1", 256, &nonce),
+    ];
+    let (before_fua, fua) = (labelled("pre-fua", 64, &nonce), labelled("fua", 64, &nonce));
+    let mut failures = Vec::new();
     for (i, (backend, policy)) in cases.iter().enumerate() {
+        let what = format!("{backend} {policy:?}");
         let name = format!("cut{i}");
         let img = disk.root().join(format!("{name}.img"));
         let a = vm
@@ -281,41 +366,102 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
             body["dispatch"] = json!(p);
         }
         let v = vm.volume(body).await;
-        let dev = v["device"].as_str().unwrap().to_string();
+        let (id, dev) = (
+            v["id"].as_str().unwrap().to_string(),
+            v["device"].as_str().unwrap().to_string(),
+        );
+        let worker = worker_flushes(&vm, &id).is_some();
         // The image and the volume are set up and stable: not what is tested.
         sh("sync", &["-f", disk.root().to_str().unwrap()]);
-        dd_write(&dev, &fua, 0, &["oflag=direct,dsync"]);
+        dd_write(&dev, &dsync, 0, &["oflag=direct,dsync"]);
         dd_write(&dev, &flushed, 1, &["oflag=direct", "conv=fsync"]);
         dd_write(&dev, &unflushed, 4, &["oflag=direct"]);
         disk.mark(&name);
+
+        // The ublk device the worker serves: the volume's, or a dm volume's private one.
+        let ublk = worker.then(|| match *backend {
+            "ublk" => dev.clone(),
+            _ => worker_status(&vm, &id)["device"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        });
+        for (round, data) in queue_writes.iter().enumerate() {
+            let (writer, flusher) = (round % 2, (round + 1) % 2);
+            let before = worker.then(|| per_queue(&vm, &id));
+            dd_write_on(
+                Some(writer),
+                &dev,
+                data,
+                5 + round as u64,
+                &["oflag=direct"],
+            );
+            let written = worker.then(|| per_queue(&vm, &id));
+            sh("taskset", &["-c", &flusher.to_string(), "sync", &dev]);
+            if let (Some(before), Some(written), Some(ublk)) = (before, written, &ublk) {
+                let (wq, fq) = (queue_of_cpu(ublk, writer), queue_of_cpu(ublk, flusher));
+                let write = queue_delta(&before, &written);
+                let flush = queue_delta(&written, &per_queue(&vm, &id));
+                let only = |d: &[(u64, u64)], q: usize, f: fn(&(u64, u64)) -> u64| {
+                    d.iter().enumerate().all(|(i, x)| (f(x) > 0) == (i == q))
+                };
+                let unflushed = write.iter().all(|x| x.1 == 0);
+                if wq == fq
+                    || !unflushed
+                    || !only(&write, wq, |x| x.0)
+                    || !only(&flush, fq, |x| x.1)
+                {
+                    failures.push(format!(
+                        "{what}: a write from CPU {writer} (queue {wq}) and a flush from CPU {flusher} (queue {fq}) did not land there alone: (writes, flushes) per queue for the write {write:?}, for the flush {flush:?}"
+                    ));
+                }
+            }
+            disk.mark(&format!("{name}-q{round}"));
+        }
+
+        let mnt = PathBuf::from(format!("/tmp/cut-fs-{i}"));
+        crate::logwrites::ext4_on(&dev, &mnt);
+        let file = mnt.join("fua");
+        std::fs::write(&file, &before_fua).unwrap();
+        sh("sync", &["-f", mnt.to_str().unwrap()]);
+        let flushes = worker_flushes(&vm, &id);
+        dd_into(&file, &fua, &["oflag=direct,dsync", "conv=notrunc"]);
+        if let (Some(a), Some(b)) = (flushes, worker_flushes(&vm, &id))
+            && a != b
+        {
+            failures.push(format!(
+                "{what}: the O_DSYNC overwrite reached the worker with {} flushes, not as FUA writes alone",
+                b - a
+            ));
+        }
+        disk.mark(&format!("{name}-fua"));
+        sh("umount", &[mnt.to_str().unwrap()]);
         vm.delete(&name).await;
     }
     drop(vm);
     disk.finish();
-    let mut failures = Vec::new();
     let marks = disk.replay(|mark, replayed| {
-        let Some(i) = mark
-            .strip_prefix("cut")
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some((i, step)) = mark.strip_prefix("cut").and_then(|m| {
+            let (n, step) = m.split_once('-').unwrap_or((m, ""));
+            Some((n.parse::<usize>().ok()?, step.to_string()))
+        }) else {
             return;
         };
         let (backend, policy) = cases[i];
+        let what = format!("{backend} {policy:?}");
         let image = disk.on_copy(replayed, |mnt| {
-            std::fs::read(mnt.join("images").join(format!("{mark}.img")))
+            std::fs::read(mnt.join("images").join(format!("cut{i}.img")))
         });
         let image = match image {
             Ok(b) => b,
             Err(e) => {
-                failures.push(format!(
-                    "{backend} {policy:?}: image gone after the cut: {e}"
-                ));
+                failures.push(format!("{what}: image gone after the cut at {mark}: {e}"));
                 return;
             }
         };
         let at = |mib: usize, len: usize| &image[mib << 20..(mib << 20) + len];
-        for (what, mib, data) in [("FUA write", 0, &fua), ("flushed write", 1, &flushed)] {
-            if at(mib, data.len()) != data.as_slice() {
+        let mut must_hold = |what_write: &str, mib: usize, data: &[u8]| {
+            if at(mib, data.len()) != data {
                 let bad = (0..data.len() / 4096)
                     .find(|b| {
                         at(mib, data.len())[b * 4096..(b + 1) * 4096]
@@ -323,20 +469,50 @@ async fn data_acknowledged_before_a_flush_survives_a_power_cut() {
                     })
                     .unwrap();
                 failures.push(format!(
-                    "{backend} {policy:?}: {what} lost in the power cut (block {bad} holds {:?})",
+                    "{what}: {what_write} lost in the power cut at {mark} (block {bad} holds {:?})",
                     describe(&at(mib, data.len())[bad * 4096..(bad + 1) * 4096])
                 ));
             }
-        }
-        if at(4, unflushed.len()) == unflushed.as_slice() {
-            failures.push(format!(
-                "{backend} {policy:?}: a write never flushed survived: the cut is not real"
-            ));
+        };
+        match step.as_str() {
+            "" => {
+                must_hold("O_DSYNC write", 0, &dsync);
+                must_hold("flushed write", 1, &flushed);
+                if at(4, unflushed.len()) == unflushed.as_slice() {
+                    failures.push(format!(
+                        "{what}: a write never flushed survived: the cut is not real"
+                    ));
+                }
+            }
+            "q0" => must_hold("a write on queue 0 flushed from queue 1", 5, &queue_writes[0]),
+            "q1" => must_hold("a write on queue 1 flushed from queue 0", 6, &queue_writes[1]),
+            "fua" => {
+                let found = blocks_found(&image, &fua);
+                if found != fua.len() / 4096 {
+                    failures.push(format!(
+                        "{what}: a FUA write with no flush after it lost in the power cut: {found} of its {} blocks there, {} of the file's earlier ones",
+                        fua.len() / 4096,
+                        blocks_found(&image, &before_fua)
+                    ));
+                }
+            }
+            other => panic!("mark {mark}: step {other}"),
         }
     });
     let cuts = marks.iter().filter(|m| m.starts_with("cut")).count();
-    assert_eq!(cuts, cases.len(), "marks in the log: {marks:?}");
+    assert_eq!(cuts, 4 * cases.len(), "marks in the log: {marks:?}");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Writes `data` over the start of the existing file `file` with dd.
+fn dd_into(file: &std::path::Path, data: &[u8], flags: &[&str]) {
+    let src = format!("/tmp/cut-{}.fua", std::process::id());
+    std::fs::write(&src, data).unwrap();
+    let (input, output) = (format!("if={src}"), format!("of={}", file.display()));
+    let mut args = vec![input.as_str(), output.as_str(), "bs=64k", "status=none"];
+    args.extend_from_slice(flags);
+    sh("dd", &args);
+    let _ = std::fs::remove_file(&src);
 }
 
 /// Writes the volume's worker has completed so far.
@@ -460,8 +636,9 @@ async fn a_full_filesystem_is_enospc_not_a_hang() {
 }
 
 /// What the kernel holds for one service: its dm devices (by volume id), the
-/// ublk block devices, and its workers (volume id, pid), each set minus what
-/// was there before the test began.
+/// ublk devices (block and char: a device added and never started has only
+/// the char one), and its workers (volume id, pid), each set minus what was
+/// there before the test began.
 #[derive(Debug, Default, PartialEq)]
 struct Held {
     dm: BTreeSet<String>,
@@ -480,7 +657,7 @@ impl Held {
             .unwrap()
             .flatten()
             .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
-            .filter(|n| n.starts_with("/dev/ublkb"))
+            .filter(|n| n.starts_with("/dev/ublkb") || n.starts_with("/dev/ublkc"))
             .collect();
         // A worker's command line is `blockplane worker --spec JSON`, its
         // spec naming its run dir under the data dir.
@@ -505,6 +682,13 @@ impl Held {
         Self { dm, ublk, workers }
     }
 
+    /// Holds ublk device `dev` (`/dev/ublkbN`): its block and char nodes.
+    fn ublk(&mut self, dev: &str) {
+        self.ublk.insert(dev.to_string());
+        self.ublk
+            .insert(dev.replacen("/dev/ublkb", "/dev/ublkc", 1));
+    }
+
     fn minus(mut self, base: &Held) -> Self {
         self.dm.retain(|d| !base.dm.contains(d));
         self.ublk.retain(|d| !base.ublk.contains(d));
@@ -515,7 +699,7 @@ impl Held {
 
 /// The worker of a volume (a dm volume's private one too) as it describes
 /// itself on its control socket.
-fn worker_status(vm: &Vm, volume_id: &str) -> Value {
+pub(crate) fn worker_status(vm: &Vm, volume_id: &str) -> Value {
     use blockplane_worker::protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
     match talk(&sock, &Request::Status {}, Duration::from_secs(10)) {
@@ -551,7 +735,7 @@ async fn rows_and_kernel_agree(vm: &Vm, base: &Held, step: &str) -> Vec<Value> {
         let ro = sh("blockdev", &["--getro", dev]).trim() == "1";
         match v["backend"].as_str().unwrap() {
             "ublk" => {
-                want.ublk.insert(dev.to_string());
+                want.ublk(dev);
                 let pid = v["worker_pid"].as_u64().unwrap() as u32;
                 want.workers.insert((id.to_string(), pid));
                 let w = worker_status(vm, id);
@@ -580,7 +764,7 @@ async fn rows_and_kernel_agree(vm: &Vm, base: &Held, step: &str) -> Vec<Value> {
                     let w = worker_status(vm, id);
                     assert_eq!(v["dispatch"], w["dispatch"], "{step}: private worker {w}");
                     assert_eq!(v["read_only"], w["read_only"], "{step}: private worker {w}");
-                    want.ublk.insert(w["device"].as_str().unwrap().to_string());
+                    want.ublk(w["device"].as_str().unwrap());
                     want.workers
                         .insert((id.to_string(), w["pid"].as_u64().unwrap() as u32));
                 }
@@ -683,6 +867,48 @@ async fn none_left(vm: &Vm, base: &Held, step: &str) {
     assert!(vols.is_empty(), "{step}: {vols:?}");
 }
 
+/// The service SIGKILLed in a PATCH of volume `name` (on `backend`) with
+/// `change`, then started again (with the test fault `fault`, if given): the
+/// row's settings stand and the device is back to them (the PATCH wholly
+/// undone), and it round-trips data. Returns the device.
+async fn a_dead_patch_is_undone(
+    vm: &mut Vm,
+    base: &Held,
+    (name, backend): (&str, &str),
+    change: &Value,
+    fault: Option<&str>,
+    what: &str,
+) -> String {
+    let path = format!("/v1/volumes/{name}");
+    let before = vm.s.get(&path).await.body;
+    let dev = before["device"].as_str().unwrap().to_string();
+    vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
+        .await;
+    match fault {
+        Some(f) => vm.start_with_fault(f).await,
+        None => vm.s.restart().await,
+    }
+    let v = rows_and_kernel_agree(vm, base, what).await.remove(0);
+    for f in [
+        "dispatch",
+        "requested_dispatch",
+        "read_only",
+        "qos",
+        "device",
+    ] {
+        assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
+    }
+    round_trip(&dev, 0, what);
+    if backend == "ublk" {
+        assert_eq!(
+            throttled_by(vm, name, &dev).await,
+            0,
+            "{what}: the worker still throttles"
+        );
+    }
+    dev
+}
+
 /// The service is SIGKILLed at each step of each state change of a ublk
 /// volume and of dm volumes (direct and over a private worker): between the
 /// row and the device of a create (and a create failing there), between the
@@ -766,30 +992,10 @@ async fn a_service_killed_at_any_step_of_a_ublk_or_dm_change_is_reconciled_at_re
 
         // A PATCH: the device has every change, the row none, the client got
         // no answer: the row's settings stand.
-        let before = vm.s.get(&path).await.body;
-        let dev = before["device"].as_str().unwrap().to_string();
         let what = step(&format!("after the changes of PATCH {change}"));
-        vm.dies_in(hyper::Method::PATCH, &path, Some(change.clone()))
-            .await;
-        vm.start_with_fault("kill_after_change").await;
-        let v = rows_and_kernel_agree(&vm, &base, &what).await.remove(0);
-        for f in [
-            "dispatch",
-            "requested_dispatch",
-            "read_only",
-            "qos",
-            "device",
-        ] {
-            assert_eq!(v[f], before[f], "{what}: {f} changed: {v}");
-        }
-        round_trip(&dev, 0, &what);
-        if backend == "ublk" {
-            assert_eq!(
-                throttled_by(&vm, &name, &dev).await,
-                0,
-                "{what}: the worker still throttles"
-            );
-        }
+        let restart = Some("kill_after_change");
+        let dev =
+            a_dead_patch_is_undone(&mut vm, &base, (&name, backend), &change, restart, &what).await;
 
         // Resize: the image and the device grew, neither row says so.
         let what = step("after a resize");
@@ -915,5 +1121,109 @@ async fn a_worker_killed_after_each_live_change_serves_the_changed_state() {
         round_trip(dev, 0, &what);
         vm.delete(&name).await;
         eprintln!("{name}: every kill in {:?}", started.elapsed());
+    }
+}
+
+/// What a service killed inside an attach left (`left`, minus what was
+/// there before), if it is the half-made device of that step: a ublk device
+/// added, never started (its char node only, no worker), or a dm device
+/// with no table.
+fn half_made(left: &Held, backend: &str) -> Result<(), String> {
+    let ok = match backend {
+        "ublk" => {
+            left.workers.is_empty()
+                && left.ublk.len() == 1
+                && left.ublk.iter().all(|d| d.starts_with("/dev/ublkc"))
+        }
+        _ => {
+            left.dm.len() == 1
+                && left
+                    .dm
+                    .iter()
+                    .all(|id| dmsetup(&["table", &format!("blockplane-{id}")]).is_empty())
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("not a half-made {backend} device: {left:?}"))
+    }
+}
+
+/// Issue 26 item 5: the service is SIGKILLed inside an attach (a ublk
+/// device its worker added and did not start, the worker dying there too;
+/// a dm device created with no table yet, over its private worker or with
+/// its image pinned) and between the first and the second change of one
+/// PATCH; and a ublk worker alone dies after adding its device, which fails
+/// the create and must leave nothing.
+/// After each restart the rows and the kernel agree (no device, char device
+/// or worker left over: [`rows_and_kernel_agree`]). The create stands: its
+/// row was recorded before the device, so the volume is attached again and
+/// data round-trips. The PATCH is wholly undone: the client got no answer,
+/// the row recorded none of it, and the row is what the device is brought
+/// back to (a PATCH is recorded in one commit, after all its changes).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_killed_inside_an_attach_or_between_two_changes_is_reconciled_at_restart() {
+    let mut vm = Vm::start().await;
+    let base = Held::now(&vm.s.data);
+    for (backend, created_as, fault, change) in [
+        (
+            "ublk",
+            "nowait",
+            "kill_after_add",
+            json!({"dispatch": "threaded", "read_only": true, "qos": {"iops": 10}}),
+        ),
+        (
+            "dm",
+            "direct",
+            "kill_after_create",
+            json!({"dispatch": "nowait", "read_only": true}),
+        ),
+        (
+            "dm",
+            "nowait",
+            "kill_after_create",
+            json!({"dispatch": "threaded", "read_only": true}),
+        ),
+    ] {
+        let started = Instant::now();
+        let name = format!("mid-{backend}-{created_as}");
+        vm.image(&name, Scratch::Xfs, 16, "full").await;
+        let file = vm.root(Scratch::Xfs).join(format!("{name}.img"));
+        let spec = json!({"name": name, "image": name, "backend": backend, "dispatch": created_as});
+        vm.s.kill();
+        if backend == "ublk" {
+            // The worker alone dies there: the create fails, leaving nothing.
+            vm.start_with_fault("fail_after_add").await;
+            let a = vm.s.post("/v1/volumes", spec.clone()).await;
+            assert_eq!(a.status.as_u16(), 500, "fail_after_add: {}", a.body);
+            none_left(
+                &vm,
+                &base,
+                &format!("{name}: its worker died after adding its device"),
+            )
+            .await;
+            vm.s.kill();
+        }
+        vm.start_with_fault(fault).await;
+        vm.dies_in(hyper::Method::POST, "/v1/volumes", Some(spec))
+            .await;
+        let what = format!("{name}, killed inside its attach ({fault})");
+        half_made(&Held::now(&vm.s.data).minus(&base), backend)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        vm.start_with_fault("kill_after_first_change").await;
+        created(&vm, &base, created_as, &what).await;
+        assert_eq!(
+            crate::is_immutable(&file),
+            created_as == "direct",
+            "{what}: the pin"
+        );
+
+        let what = format!("{name}, killed between the changes of PATCH {change}");
+        a_dead_patch_is_undone(&mut vm, &base, (&name, backend), &change, None, &what).await;
+        vm.delete(&name).await;
+        none_left(&vm, &base, &format!("{name}: deleted")).await;
+        assert!(!crate::is_immutable(&file), "{name}: still pinned");
+        eprintln!("{name}: both kills in {:?}", started.elapsed());
     }
 }

@@ -65,12 +65,15 @@ fn dm_node(name: &str) -> String {
 
 /// ext4 on `dev` without discards (the log would need them replayed) or lazy
 /// init (no background writes once mounted), mounted on `mnt`.
-fn ext4_on(dev: &str, mnt: &Path) {
+pub fn ext4_on(dev: &str, mnt: &Path) {
     sh(
         "mkfs.ext4",
         &[
             "-q",
             "-F",
+            // 4 KiB blocks, as a file's 4 KiB pieces are found in the disk.
+            "-b",
+            "4096",
             "-E",
             "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
             dev,

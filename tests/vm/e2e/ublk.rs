@@ -836,6 +836,18 @@ async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> Stri
     msg
 }
 
+/// Service B: another blockplane (its own data dir) over image root `root`.
+/// Started before A makes its volumes: a service starting on an empty
+/// registry refuses while the kernel serves another instance's dm devices
+/// (issue 12 item 2).
+async fn second_instance(root: &std::path::Path) -> crate::harness::Service {
+    crate::harness::Service::start_with(crate::harness::Opts {
+        extra_roots: vec![root.to_path_buf()],
+        ..Default::default()
+    })
+    .await
+}
+
 /// Issue 12 item 4: a ublk worker owns its device and outlives its service,
 /// so it holds the image lock too (the same open file description as its
 /// service's). Service A serves `s.img` (ublk) and `d.img` (dm over a private
@@ -848,14 +860,8 @@ async fn locked_for(b: &crate::harness::Service, name: &str, when: &str) -> Stri
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_crashes() {
     let mut vm = Vm::start().await;
-    // Started first: a service starting on an empty registry refuses while
-    // the kernel serves another instance's dm devices (issue 12 item 2).
     let root = vm.root(Scratch::Xfs);
-    let b = crate::harness::Service::start_with(crate::harness::Opts {
-        extra_roots: vec![root.clone()],
-        ..Default::default()
-    })
-    .await;
+    let b = second_instance(&root).await;
     let mut vols = Vec::new();
     for (name, backend) in [("s", "ublk"), ("d", "dm")] {
         vm.image(name, Scratch::Xfs, 16, "full").await;
@@ -945,4 +951,278 @@ async fn a_second_instance_is_refused_an_image_a_ublk_worker_serves_through_cras
         let d = b.delete(&format!("/v1/volumes/b-{name}")).await;
         assert_eq!(d.status.as_u16(), 204, "{}", d.body);
     }
+}
+
+/// Issue 26 item 2: a `direct` volume pins its image immutable, so the image
+/// opens read-only only, and a service re-adopting the volume at restart can
+/// hold only a shared lock on it, which a second instance's read-only lock
+/// would join. Service A serves two images `direct` (ublk, and dm, whose
+/// lock no worker keeps through A's restart); A is SIGKILLed and restarted
+/// and re-adopts both; service B, over the same image root, is then refused
+/// every attach (ublk, dm and loop, read-only and writable) with 409
+/// `image_locked`, and neither B's view nor the kernel nor A changes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_instance_is_refused_a_direct_image_the_first_readopted() {
+    let mut vm = Vm::start().await;
+    let root = vm.root(Scratch::Xfs);
+    let b = second_instance(&root).await;
+    let mut devs = Vec::new();
+    for (name, backend) in [("du", "ublk"), ("dd", "dm")] {
+        vm.image(name, Scratch::Xfs, 16, "full").await;
+        let v = vm
+            .volume(json!({"name": name, "image": name, "backend": backend, "dispatch": "direct"}))
+            .await;
+        assert_eq!(v["dispatch"], "direct", "{v}");
+        devs.push(v["device"].as_str().unwrap().to_string());
+        let path = root.join(format!("{name}.img"));
+        assert!(is_immutable(&path), "{name}: not pinned");
+        let r = b
+            .post("/v1/images", json!({"name": name, "path": path}))
+            .await;
+        assert_eq!(r.status.as_u16(), 201, "{}", r.body);
+    }
+    vm.s.kill();
+    vm.s.restart().await;
+    for (name, dev) in ["du", "dd"].iter().zip(&devs) {
+        let v = vm.s.get(&format!("/v1/volumes/{name}")).await.body;
+        assert_eq!(
+            (&v["state"], &v["dispatch"]),
+            (&json!("attached"), &json!("direct")),
+            "{name} after A's restart: {v}"
+        );
+        serves(dev);
+    }
+    let (kernel, b_view) = (vm.snapshot().await, b.snapshot().await);
+    let mut wrong = Vec::new();
+    for name in ["du", "dd"] {
+        for backend in ["ublk", "dm", "loop"] {
+            for read_only in [true, false] {
+                let a = b
+                    .post(
+                        "/v1/volumes",
+                        json!({"name": format!("b-{name}-{backend}"), "image": name,
+                               "backend": backend, "read_only": read_only}),
+                    )
+                    .await;
+                if a.status.as_u16() != 409 || a.body["error"]["code"] != "image_locked" {
+                    wrong.push(format!(
+                        "{name}.img on {backend}, read_only {read_only}: {} {}",
+                        a.status, a.body
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "service B was not refused with 409 image_locked:\n{}",
+        wrong.join("\n")
+    );
+    assert_eq!(b.snapshot().await, b_view, "the refusals changed B's view");
+    assert_eq!(
+        vm.snapshot().await,
+        kernel,
+        "the refusals changed something"
+    );
+    for (name, dev) in ["du", "dd"].iter().zip(&devs) {
+        serves(dev);
+        vm.delete(name).await;
+    }
+}
+
+/// `EXT4_IOC_MOVE_EXT`'s argument: blocks `[orig_start, orig_start + len)`
+/// of the file trade places with those of the donor file, data included.
+#[repr(C)]
+struct MoveExtent {
+    reserved: u32,
+    donor_fd: u32,
+    orig_start: u64,
+    donor_start: u64,
+    len: u64,
+    moved_len: u64,
+}
+
+/// `_IOWR('f', 15, struct move_extent)`.
+const EXT4_IOC_MOVE_EXT: libc::c_ulong = 0xC028_660F;
+
+/// Moves `len` bytes at `at` of the ext4 file `file` to new blocks, as
+/// ext4's online defragmenter does (`e4defrag`): the kernel copies them into
+/// blocks allocated to `donor` under both inodes' locks and swaps the
+/// extents, so the file keeps its data and `donor` gets its old blocks.
+fn move_extent(file: &std::path::Path, donor: &std::path::Path, at: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let orig = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    let d = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(donor)
+        .unwrap();
+    sh(
+        "fallocate",
+        &[
+            "--offset",
+            &at.to_string(),
+            "--length",
+            &len.to_string(),
+            donor.to_str().unwrap(),
+        ],
+    );
+    let mut arg = MoveExtent {
+        reserved: 0,
+        donor_fd: d.as_raw_fd() as u32,
+        orig_start: at / 4096,
+        donor_start: at / 4096,
+        len: len / 4096,
+        moved_len: 0,
+    };
+    // SAFETY: the ioctl reads and writes one move_extent through the pointer.
+    let r = unsafe {
+        libc::ioctl(
+            orig.as_raw_fd(),
+            EXT4_IOC_MOVE_EXT,
+            &mut arg as *mut MoveExtent,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "EXT4_IOC_MOVE_EXT: {}",
+        std::io::Error::last_os_error()
+    );
+    assert_eq!(arg.moved_len, len / 4096, "blocks moved");
+}
+
+/// Physical start of the extent holding byte `at` of `file` (filefrag).
+fn physical_at(file: &std::path::Path, at: u64) -> String {
+    let out = sh("filefrag", &["-v", "-b4096", file.to_str().unwrap()]);
+    let block = at / 4096;
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').map(str::trim).collect();
+            let (logical, physical) = (f.get(1)?, f.get(2)?);
+            let (from, to) = logical.split_once("..")?;
+            let (from, to): (u64, u64) = (from.trim().parse().ok()?, to.trim().parse().ok()?);
+            (from <= block && block <= to).then(|| physical.to_string())
+        })
+        .next()
+        .unwrap_or_else(|| {
+            panic!(
+                "no extent of {} holds block {block}:\n{out}",
+                file.display()
+            )
+        })
+}
+
+/// `sha256sum` of what `path` reads with `O_DIRECT` (what its blocks hold,
+/// not what a page cache remembers), from byte 0 for `mib` MiB.
+fn sha256(path: &std::path::Path, mib: u64) -> String {
+    sh(
+        "bash",
+        &[
+            "-c",
+            &format!(
+                "set -o pipefail; dd if={} bs=1M count={mib} iflag=direct status=none | sha256sum",
+                path.display()
+            ),
+        ],
+    )
+}
+
+/// Issue 26 item 3: drift of a ublk `direct` volume's image, the way it
+/// happens: the pin is cleared (`chattr -i`), then a middle extent of the
+/// image (not the first) moves to other blocks as ext4's online defragmenter
+/// moves it, while fio writes (for seconds after: paced) and then verifies
+/// what it wrote. The
+/// volume must be off the map before the move can start (the worker sees the
+/// mover's open: it is off the direct path by the time the open returns), so
+/// no write goes to the blocks the image gave up: fio verifies every block
+/// it wrote, the image read through its file is what the device reads, and
+/// the other files on the filesystem (the donor that took the old blocks,
+/// and a bystander) keep their contents.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moved_middle_extent_takes_a_ublk_direct_volume_off_the_map_before_any_stale_write() {
+    let vm = Vm::start().await;
+    let root = vm.root(Scratch::Ext4);
+    let bystander = root.join("bystander");
+    sh(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={}", bystander.display()),
+            "bs=1M",
+            "count=4",
+            "conv=fsync",
+            "status=none",
+        ],
+    );
+    let bystander_sum = sha256(&bystander, 4);
+    vm.image("mv", Scratch::Ext4, 32, "full").await;
+    let v = vm
+        .volume(json!({"name": "mv", "image": "mv", "backend": "ublk", "dispatch": "direct"}))
+        .await;
+    assert_eq!(v["dispatch"], "direct", "{v}");
+    let (id, dev) = (
+        v["id"].as_str().unwrap().to_string(),
+        v["device"].as_str().unwrap().to_string(),
+    );
+    let img = root.join("mv.img");
+    let donor = root.join("donor");
+    let (at, len) = (12 << 20, 4 << 20);
+    let was = physical_at(&img, at);
+
+    // Paced, so that its writes go on for seconds after the move: a stale
+    // map would have time to send some to the old blocks.
+    let fio = fio_verify(&dev, "16M", &["--rate_iops=400"]);
+    writes_flow(&dev, 1 << 20).await;
+    sh("chattr", &["-i", img.to_str().unwrap()]);
+    move_extent(&img, &donor, at, len);
+    let right_after = crate::faults::worker_status(&vm, &id);
+    // What the kernel copied is on disk: the donor's blocks hold it from now on.
+    sh("sync", &["-f", root.to_str().unwrap()]);
+    let donor_sum = sha256(&donor, 16);
+    assert_ne!(physical_at(&img, at), was, "the extent did not move");
+    eventually(
+        Duration::from_secs(30),
+        "the volume to go degraded",
+        async || vm.s.get("/v1/volumes/mv").await.body["state"] == "degraded",
+    )
+    .await;
+    let text = fio_ok(fio);
+    assert!(
+        text.contains("write: IOPS") && text.contains("read: IOPS"),
+        "fio did not write and read back:\n{text}"
+    );
+    assert_eq!(
+        sha256(&donor, 16),
+        donor_sum,
+        "a write reached the blocks the image gave up (now the donor's)"
+    );
+    assert_eq!(
+        sha256(&bystander, 4),
+        bystander_sum,
+        "the bystander changed"
+    );
+    assert_eq!(
+        sha256(std::path::Path::new(&dev), 32),
+        sha256(&img, 32),
+        "the image's file does not hold what its device reads"
+    );
+    assert_eq!(
+        right_after["dispatch"], "nowait",
+        "the worker was still on the direct map when the move's open returned: {right_after}"
+    );
+    let now = vm.s.get("/v1/volumes/mv").await.body;
+    assert!(
+        now["state_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("rule 5"),
+        "{now}"
+    );
+    vm.delete("mv").await;
 }

@@ -22,6 +22,7 @@ use super::{
     AttachRequest, Attachment, BackendError, Change, Decision, DeviceState, Marked, Probe,
     ProbeRequest, SpecCheck, VolumeBackend,
 };
+use crate::manager::{After, Faults};
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
@@ -335,12 +336,14 @@ impl LoopDev {
 pub struct LoopBackend {
     /// This service instance's id, part of every mark.
     instance: String,
+    faults: Faults,
 }
 
 impl LoopBackend {
-    /// A loop backend marking devices as `instance`'s.
-    pub fn new(instance: String) -> Self {
-        Self { instance }
+    /// A loop backend marking devices as `instance`'s (`faults`: the test
+    /// faults inside its attach).
+    pub fn new(instance: String, faults: Faults) -> Self {
+        Self { instance, faults }
     }
 
     fn unavailable() -> Option<String> {
@@ -520,6 +523,7 @@ impl VolumeBackend for LoopBackend {
                 Err(e) => return Err(BackendError::io("open", &node, e)),
             };
             let baseline = BlockStat::read(&dev.name()).ok();
+            self.faults.kill_point(After::Add);
             match self.configure(&f, &req, direct_io) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => continue,

@@ -18,11 +18,20 @@ use super::Result;
 const VAR: &str = "BLOCKPLANE_TEST_FAULT";
 
 /// The points of a volume's create, delete and live changes after which a
-/// test can kill the service or fail the operation.
+/// test can kill the service or fail the operation (inside a backend's
+/// attach: [`After::Create`] only kills; [`After::Add`] fails a ublk attach
+/// by killing its worker alone).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum After {
     /// The volume row is recorded, no device exists yet.
     Insert,
+    /// Inside an attach: the kernel has the volume's device, not yet bound
+    /// or started (a loop device not yet bound to the image; a ublk device
+    /// its worker added, not started: the worker dies there under this
+    /// fault, and the service with it, or for `fail_after_add` alone).
+    Add,
+    /// Inside a dm attach: the dm device is created, its table not loaded.
+    Create,
     /// The device exists, the row does not say so yet.
     Attach,
     /// The device is gone, the row is still there.
@@ -30,6 +39,9 @@ pub enum After {
     /// A live change (a PATCH, or a volume following its image's resize) is
     /// made on the device, the row does not say so yet.
     Change,
+    /// The first change of a PATCH of several is made on the device, the
+    /// next not yet.
+    FirstChange,
 }
 
 /// What a test can slow down, to watch it whatever the disk.
@@ -49,6 +61,10 @@ pub enum Slow {
     /// A worker that hands its device over waits 3 s before it exits
     /// (`slow_handover`): a kill of it during a handover.
     Handover,
+    /// Every volume create waits 3 s once its row is recorded, and every
+    /// delete once it is recorded `detaching` (`slow_volume_change`): the
+    /// registry's disk fills up between the records of one change.
+    VolumeChange,
 }
 
 /// One injected fault.
@@ -67,9 +83,11 @@ enum Fault {
 
 #[cfg(feature = "test-faults")]
 impl Fault {
-    /// Parses `kill_after_insert`, `kill_after_attach`, `kill_after_detach`,
-    /// `kill_after_change`, `fail_after_<the same>`, `slow_image_create`,
-    /// `slow_allocate`, `slow_copy`, `slow_handover`, `fail_handover_start`.
+    /// Parses `kill_after_insert`, `kill_after_add`, `kill_after_create`,
+    /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
+    /// `kill_after_first_change`, `fail_after_<the same but create>`,
+    /// `slow_image_create`, `slow_allocate`, `slow_copy`,
+    /// `slow_volume_change`, `slow_handover`, `fail_handover_start`.
     fn parse(s: &str) -> Option<Self> {
         let slow = match s {
             "slow_image_create" => Some(Slow::ImageCreate),
@@ -77,6 +95,7 @@ impl Fault {
             "slow_copy" => Some(Slow::Copy),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
+            "slow_volume_change" => Some(Slow::VolumeChange),
             _ => None,
         };
         if let Some(slow) = slow {
@@ -85,14 +104,18 @@ impl Fault {
         let (action, stage) = s.split_once("_after_")?;
         let stage = match stage {
             "insert" => After::Insert,
+            "add" => After::Add,
+            "create" => After::Create,
             "attach" => After::Attach,
             "detach" => After::Detach,
             "change" => After::Change,
+            "first_change" => After::FirstChange,
             _ => return None,
         };
         match action {
             "kill" => Some(Fault::Kill(stage)),
-            "fail" => Some(Fault::Fail(stage)),
+            // Inside a dm attach only a kill is injected.
+            "fail" if stage != After::Create => Some(Fault::Fail(stage)),
             _ => None,
         }
     }
@@ -108,7 +131,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,attach,detach,change}}, fail_after_{{...}}, slow_image_create, slow_allocate, slow_copy, slow_handover, fail_handover_start)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_volume_change, slow_handover, fail_handover_start)"
     )]
     Unknown(String),
 }
@@ -163,6 +186,26 @@ impl Faults {
         Ok(())
     }
 
+    /// Whether a test asked to kill the service at `at` (a backend's point,
+    /// which may have something to do first).
+    pub fn kills_at(&self, at: After) -> bool {
+        #[cfg(feature = "test-faults")]
+        return self.fault == Some(Fault::Kill(at));
+        #[cfg(not(feature = "test-faults"))]
+        {
+            let _ = at;
+            false
+        }
+    }
+
+    /// Kills the service if a test asked for it at `at` (a point inside a
+    /// backend's attach).
+    pub fn kill_point(&self, at: After) {
+        if self.kills_at(at) {
+            let _ = self.point(at);
+        }
+    }
+
     /// Whether a test asked for `what` to be slow.
     pub(super) fn slows(&self, what: Slow) -> bool {
         #[cfg(feature = "test-faults")]
@@ -186,6 +229,14 @@ impl Faults {
             new_worker_fails: self.fault == Some(Fault::HandoverStartFails),
             #[cfg(not(feature = "test-faults"))]
             new_worker_fails: false,
+        }
+    }
+
+    /// Waits 3 s if a test asked for `what` to be slow.
+    pub(super) async fn pause(&self, what: Slow) {
+        if self.slows(what) {
+            tracing::warn!(?what, "test fault: pausing 3 s");
+            tokio::time::sleep(Duration::from_secs(3)).await;
         }
     }
 
@@ -214,6 +265,11 @@ mod tests {
         for (name, fault) in [
             ("kill_after_insert", Fault::Kill(After::Insert)),
             ("kill_after_attach", Fault::Kill(After::Attach)),
+            ("kill_after_add", Fault::Kill(After::Add)),
+            ("kill_after_create", Fault::Kill(After::Create)),
+            ("kill_after_first_change", Fault::Kill(After::FirstChange)),
+            ("fail_after_first_change", Fault::Fail(After::FirstChange)),
+            ("fail_after_add", Fault::Fail(After::Add)),
             ("kill_after_detach", Fault::Kill(After::Detach)),
             ("kill_after_change", Fault::Kill(After::Change)),
             ("fail_after_attach", Fault::Fail(After::Attach)),
@@ -222,10 +278,16 @@ mod tests {
             ("slow_copy", Fault::Slow(Slow::Copy)),
             ("slow_handover", Fault::Slow(Slow::Handover)),
             ("fail_handover_start", Fault::HandoverStartFails),
+            ("slow_volume_change", Fault::Slow(Slow::VolumeChange)),
         ] {
             assert_eq!(Faults::named(name).unwrap().fault, Some(fault), "{name}");
         }
-        for bad in ["kill_after_lunch", "slow", "stop_after_attach"] {
+        for bad in [
+            "kill_after_lunch",
+            "slow",
+            "stop_after_attach",
+            "fail_after_create",
+        ] {
             let e = Faults::named(bad).unwrap_err();
             assert!(matches!(e, FaultError::Unknown(_)), "{bad}: {e}");
         }

@@ -4,10 +4,13 @@
 //!
 //! The lock is exclusive (`F_WRLCK`) on a descriptor opened for writing. An
 //! image pinned immutable (direct-mapped) cannot be opened for writing: it is
-//! then held shared (`F_RDLCK`), which still refuses every writable device
-//! elsewhere. OFD locks belong to the open file description, so they are
-//! released when this process ends or the descriptor is closed, and they
-//! conflict across processes whatever the processes' other descriptors.
+//! then held shared (`F_RDLCK`), which the kernel lets a second shared lock
+//! join; so a shared lock is kept only while no other open file description
+//! holds any lock on the file, which refuses a second instance's read-only
+//! device too (the second to lock sees the first and lets go). OFD locks
+//! belong to the open file description, so they are released when this
+//! process ends or the descriptor is closed, and they conflict across
+//! processes whatever the processes' other descriptors.
 //!
 //! A ublk worker owns its device and outlives this service, so it gets a
 //! duplicate of the locked descriptor (the same open file description) and
@@ -85,6 +88,20 @@ pub fn lock(file: &ImageFile) -> Result<OwnedFd, Held> {
         },
     };
     match set_ofd_lock(&fd, kind) {
+        Ok(()) if kind == libc::F_RDLCK => match other_lock(&fd) {
+            // Shared with another holder: not this service's to serve.
+            Some(true) => {
+                let (dev, ino) = file.identity();
+                Err(Held {
+                    pid: holder(dev, ino),
+                })
+            }
+            Some(false) => Ok(fd),
+            None => {
+                tracing::warn!(image = %file.path(), "cannot ask whether another process holds the image's lock");
+                Err(Held { pid: None })
+            }
+        },
         Ok(()) => Ok(fd),
         Err(e) => {
             if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
@@ -133,6 +150,38 @@ fn holder(dev: u64, ino: u64) -> Option<u32> {
     None
 }
 
+/// Whether an open file description other than `fd`'s holds a lock (shared
+/// or exclusive) on its file; `None` if the kernel would not say.
+fn other_lock(fd: &OwnedFd) -> Option<bool> {
+    // SAFETY: `flock` is plain data, for which all zeroes is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    // An exclusive lock conflicts with every lock but this description's own.
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: F_OFD_GETLK reads one `flock` through the pointer and writes the
+    // conflicting lock back into it; it points at `fl`, borrowed by nothing
+    // else for the call.
+    let r = unsafe {
+        libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_OFD_GETLK,
+            &mut fl as *mut libc::flock,
+        )
+    };
+    (r == 0).then_some(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Whether another process's open file description holds a lock on `file`
+/// (this service holds none on that descriptor); `Some` with its holder.
+pub fn locked_by_other(file: &ImageFile) -> Option<Held> {
+    (other_lock(file.fd()) == Some(true)).then(|| {
+        let (dev, ino) = file.identity();
+        Held {
+            pid: holder(dev, ino),
+        }
+    })
+}
+
 /// Whether another open file description holds a lock on the regular file at
 /// `path` (the OFD lock of a serving blockplane); `Some` with its holder if so.
 pub fn held_elsewhere(path: &std::path::Path) -> Option<Held> {
@@ -147,21 +196,7 @@ pub fn held_elsewhere(path: &std::path::Path) -> Option<Held> {
     if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
         return None;
     }
-    // SAFETY: `flock` is plain data, for which all zeroes is a valid value.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    // SAFETY: `fd` is open, and F_OFD_GETLK reads one `flock` through the
-    // pointer and writes the conflicting lock back into it; it points at
-    // `fl`, alive and borrowed by nothing else for the call.
-    let r = unsafe {
-        libc::fcntl(
-            fd.as_raw_fd(),
-            libc::F_OFD_GETLK,
-            &mut fl as *mut libc::flock,
-        )
-    };
-    (r == 0 && fl.l_type != libc::F_UNLCK as libc::c_short).then(|| Held {
+    (other_lock(&fd) == Some(true)).then(|| Held {
         pid: holder(st.st_dev, st.st_ino),
     })
 }
@@ -212,5 +247,24 @@ mod tests {
         drop(worker);
         assert!(held_elsewhere(&path).is_none());
         retake(&other).unwrap();
+    }
+
+    /// Two shared locks do not conflict in the kernel: a holder of one sees
+    /// the other, which is how a second read-only lock is refused (issue 26
+    /// item 2: a pinned image, held shared, and a second instance).
+    #[test]
+    fn a_shared_lock_sees_another_shared_lock_but_not_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let first = open(&path, false);
+        retake(&first).unwrap();
+        assert_eq!(other_lock(&first), Some(false));
+        let second = open(&path, false);
+        retake(&second).unwrap();
+        assert_eq!(other_lock(&second), Some(true));
+        assert_eq!(other_lock(&first), Some(true));
+        drop(first);
+        assert_eq!(other_lock(&second), Some(false));
     }
 }

@@ -74,9 +74,7 @@ impl Manager {
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                if self.faults.slows(super::Slow::ImageCreate) {
-                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-                }
+                self.faults.pause(super::Slow::ImageCreate).await;
                 (file, Some(spec.allocation))
             }
             None => {
@@ -782,9 +780,27 @@ impl Manager {
         row: &ImageRow,
         access: Access,
     ) -> Result<(blockplane_system::image::ImageFile, std::os::fd::OwnedFd)> {
-        let file = self.open_image(row, access)?;
+        let file = match self.open_image(row, access) {
+            Ok(file) => file,
+            // Another instance's direct volume pins the image immutable, so a
+            // writable open fails: the lock it holds is the reason to give.
+            Err(e) => {
+                return Err(self.locked_elsewhere(row).unwrap_or(e));
+            }
+        };
         let lock = self.lock_image(row, &file)?;
         Ok((file, lock))
+    }
+
+    /// 409 `image_locked` if another process holds the lock of the image.
+    fn locked_elsewhere(&self, row: &ImageRow) -> Option<Error> {
+        let file = self.open_image(row, Access::ReadOnly).ok()?;
+        let held = super::holds::locked_by_other(&file)?;
+        Some(Error::ImageLocked {
+            name: row.name.clone(),
+            path: row.path.clone(),
+            holder: held.holder(),
+        })
     }
 
     /// Takes the OFD lock on an opened image; 409 `image_locked` naming the

@@ -21,6 +21,7 @@ mod names;
 mod ops;
 mod orphans;
 mod reconcile;
+mod reserve;
 #[cfg(test)]
 mod rules;
 mod sampler;
@@ -35,8 +36,8 @@ use crate::store::Store;
 use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-use fault::{After, Slow};
-pub use fault::{FaultError, Faults};
+use fault::Slow;
+pub use fault::{After, FaultError, Faults};
 use locks::KeyedLocks;
 use names::validate_name;
 pub use ops::Operations;
@@ -95,6 +96,8 @@ pub struct Manager {
     allocations: jobs::Jobs<images::AllocateRun>,
     /// The background copies of snapshots and clones, by the image made.
     copies: jobs::Jobs<copies::CopyRun>,
+    /// Room for the writes that finish a device change on a full disk.
+    reserve: reserve::Reserve,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -135,6 +138,7 @@ impl Manager {
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: jobs::Jobs::default(),
             copies: jobs::Jobs::default(),
+            reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)
@@ -148,6 +152,19 @@ impl Manager {
     /// The database (the server checkpoints it at stop).
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Runs `write`, the record of what the kernel already has (a device
+    /// made, changed or removed): if the registry's filesystem is full, once
+    /// more after freeing the room kept for it ([`reserve`]).
+    async fn finishing<F: Future<Output = Result<()>>>(&self, write: impl Fn() -> F) -> Result<()> {
+        match write().await {
+            Err(Error::Store(e)) if e.is_full() && self.reserve.free() => {
+                tracing::warn!(error = %e, "the registry's filesystem is full: spending the room kept to record a device change");
+                write().await
+            }
+            other => other,
+        }
     }
 }
 

@@ -156,6 +156,7 @@ impl Operations for Manager {
         Manager::delete_orphan(self, volume_id).await
     }
     async fn check_writable(&self) -> Result<()> {
+        self.reserve.take();
         self.store
             .check_writable()
             .await

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{After, Created, Error, Manager, Result, blocking, validate_name};
+use super::{After, Created, Error, Manager, Result, Slow, blocking, validate_name};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
     VolumeBackend, VolumeParams,
@@ -277,6 +277,7 @@ impl Manager {
             });
         }
         let _image = self.image_locks.lock(&image.id.to_string()).await;
+        self.reserve.take();
         let users = self.store.volumes_of_image(image.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(image.name, &users));
@@ -357,6 +358,7 @@ impl Manager {
         .await?;
         tx.commit().await?;
         self.faults.point(After::Insert)?;
+        self.faults.pause(Slow::VolumeChange).await;
 
         match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => {
@@ -383,17 +385,20 @@ impl Manager {
 
     /// Deletes the row of a create that failed, recording why.
     async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
-        let mut tx = self.store.begin().await?;
-        tx.delete_volume(row.id).await?;
-        tx.event(
-            Some(row.id),
-            Some(row.image_id),
-            "volume_create_failed",
-            &format!("volume '{}' not created: {e}", row.name),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.delete_volume(row.id).await?;
+            tx.event(
+                Some(row.id),
+                Some(row.image_id),
+                "volume_create_failed",
+                &format!("volume '{}' not created: {e}", row.name),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Brings up the device of a recorded volume on an opened image, whose
@@ -461,11 +466,15 @@ impl Manager {
         v.state = VolumeState::Attached;
         v.state_reason = None;
         v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.store.begin().await?;
-        tx.update_volume(v).await?;
-        tx.event(Some(v.id), Some(v.image_id), kind, &msg).await?;
-        tx.commit().await?;
-        Ok(())
+        let (v, msg) = (&*v, &msg);
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(v).await?;
+            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Records a volume as having no working device, with the reason.
@@ -493,6 +502,7 @@ impl Manager {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
+        self.reserve.take();
         if let Some(backend) = self.backend(v.backend) {
             let (id, name) = (v.id, v.name.clone());
             blocking(move || backend.check_detach(id))
@@ -512,19 +522,25 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
+        self.faults.pause(Slow::VolumeChange).await;
         if let Err(e) = self.detach(&v).await {
             (v.state, v.state_reason) = before;
             v.updated_at = OffsetDateTime::now_utc();
-            let mut tx = self.store.begin().await?;
-            tx.update_volume(&v).await?;
-            tx.event(
-                Some(v.id),
-                Some(v.image_id),
-                "volume_delete_failed",
-                &format!("{e}"),
-            )
+            let (v, why) = (&v, &e);
+            self.finishing(move || async move {
+                let mut tx = self.store.begin().await?;
+                tx.update_volume(v).await?;
+                tx.event(
+                    Some(v.id),
+                    Some(v.image_id),
+                    "volume_delete_failed",
+                    &format!("{why}"),
+                )
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            })
             .await?;
-            tx.commit().await?;
             return Err(e);
         }
         self.faults.point(After::Detach)?;
@@ -534,23 +550,27 @@ impl Manager {
     /// Deletes a volume's row once its device is gone, and lets its image go.
     pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
         self.holds.release(v.id);
-        let mut tx = self.store.begin().await?;
-        tx.delete_volume(v.id).await?;
-        tx.event(
-            Some(v.id),
-            Some(v.image_id),
-            "volume_deleted",
-            &format!(
-                "volume '{}' deleted; device {} removed",
-                v.name,
-                v.attachment
-                    .as_ref()
-                    .map(|a| a.device.as_str())
-                    .unwrap_or("(none)")
-            ),
-        )
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.delete_volume(v.id).await?;
+            tx.event(
+                Some(v.id),
+                Some(v.image_id),
+                "volume_deleted",
+                &format!(
+                    "volume '{}' deleted; device {} removed",
+                    v.name,
+                    v.attachment
+                        .as_ref()
+                        .map(|a| a.device.as_str())
+                        .unwrap_or("(none)")
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
         .await?;
-        tx.commit().await?;
         tracing::info!(volume = %v.name, "volume deleted");
         Ok(())
     }
@@ -584,11 +604,21 @@ impl Manager {
         let mut att = att;
         let mut made = Vec::new();
         for change in &changes {
-            match self.reconfigure(&backend, &v, &att, *change).await {
+            let outcome = match self.reconfigure(&backend, &v, &att, *change).await {
                 Ok(a) => {
                     att = a;
                     made.push(*change);
+                    // Between two changes of one PATCH (a test fault).
+                    if made.len() == 1 && changes.len() > 1 {
+                        self.faults.point(After::FirstChange)
+                    } else {
+                        Ok(())
+                    }
                 }
+                Err(e) => Err(e),
+            };
+            match outcome {
+                Ok(()) => {}
                 Err(e) => {
                     // Undo, newest first, until an undo fails: what stays made
                     // is recorded, so the record matches the device.
@@ -675,13 +705,17 @@ impl Manager {
         }
         v.attachment = Some(att);
         v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.store.begin().await?;
-        tx.update_volume(v).await?;
-        for (kind, msg) in &events {
-            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
-        }
-        tx.commit().await?;
-        Ok(())
+        let (v, events) = (&*v, &events);
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(v).await?;
+            for (kind, msg) in events {
+                tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
     }
 
     /// A loop volume's refusal of what backend ublk does, offering ublk

@@ -35,6 +35,7 @@ use super::{
     PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
     WorkerInfo,
 };
+use crate::manager::{After, Faults};
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
     VolumeStats,
@@ -81,15 +82,18 @@ pub struct DmBackend {
     volumes: Arc<Mutex<HashMap<Uuid, DmVolume>>>,
     events: EventSink,
     check_secs: u32,
+    faults: Faults,
 }
 
 impl DmBackend {
-    /// A dm backend for this instance, with `ublk` serving its private devices.
+    /// A dm backend for this instance, with `ublk` serving its private
+    /// devices (`faults`: the test faults inside its attach).
     pub fn new(
         instance: String,
         ublk: Arc<dyn PrivateDevices>,
         events: EventSink,
         check_secs: u32,
+        faults: Faults,
     ) -> Self {
         Self {
             instance,
@@ -97,6 +101,7 @@ impl DmBackend {
             volumes: Arc::default(),
             events,
             check_secs,
+            faults,
         }
     }
     /// The dispatch decision's view of this backend.
@@ -151,6 +156,30 @@ impl DmBackend {
             }),
             resize_pending: v.resize_pending,
         })
+    }
+
+    /// Removes the device an attach created and died before loading a table
+    /// into (it serves nothing), and what that attach had made before: the
+    /// private worker, or the image's pin. A writable volume's image pinned
+    /// is this service's pin (rule 3 maps no image its owner made
+    /// immutable); a read-only one's may be the owner's, and stays.
+    fn remove_unloaded(
+        &self,
+        volume_id: Uuid,
+        params: &VolumeParams,
+        image: OwnedFd,
+    ) -> Result<(), BackendError> {
+        tracing::warn!(%volume_id, "removing a dm device whose attach never loaded its table");
+        ioctl::remove(volume_id)?;
+        let _ = self.ublk.stop(volume_id);
+        if !params.read_only && extent::is_immutable(image.as_fd()).unwrap_or(false) {
+            let ours = Pin {
+                was_immutable: false,
+            };
+            extent::unpin(image.as_fd(), ours)
+                .map_err(|e| BackendError::io("unpin", params.image_path.clone(), e))?;
+        }
+        Ok(())
     }
 
     /// Starts the private ublk device of a volume with `policy`; returns its number.
@@ -364,6 +393,7 @@ impl DmBackend {
             volumes: self.volumes.clone(),
             events: self.events.clone(),
             check_secs: self.check_secs,
+            faults: self.faults,
         };
         let every = Duration::from_secs(u64::from(self.check_secs.max(1)));
         let _ = std::thread::Builder::new()
@@ -492,7 +522,11 @@ impl VolumeBackend for DmBackend {
             volume_id,
             true,
             v.read_only,
-            || Ok(table),
+            || {
+                // The device exists, its table is not loaded (a test fault).
+                self.faults.kill_point(After::Create);
+                Ok(table)
+            },
             || Ok(()),
         );
         v.table = match created {
@@ -565,6 +599,10 @@ impl VolumeBackend for DmBackend {
         };
         let name_s = dm_name(volume_id);
         let (read_only, live) = ioctl::live_table(volume_id)?;
+        if live.is_empty() {
+            self.remove_unloaded(volume_id, &req.params, image)?;
+            return Ok(Probe::Gone);
+        }
         let stored = req.stored.as_ref().and_then(|a| a.dm().cloned());
         // The device serves the size its table covers: the image's row may be
         // older (the service died in a resize between growing the device and

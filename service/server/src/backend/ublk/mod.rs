@@ -54,6 +54,8 @@ pub struct UblkConfig {
     pub extent_check_secs: u32,
     /// This service's instance id, written into every run dir it makes.
     pub instance: String,
+    /// The test faults inside an attach.
+    pub faults: crate::manager::Faults,
 }
 
 /// A worker this control plane supervises.

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
 use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Probe, ProbeRequest};
+use crate::manager::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_system::dispatch;
 use blockplane_system::extent::ExtentMap;
@@ -147,7 +148,11 @@ impl UblkBackend {
                     peer,
                 });
             }
+
             if let Ok(Some(status)) = child.try_wait() {
+                // A worker that died after adding its device under the same
+                // test fault: the service dies with it, before cleaning up.
+                self.cfg.faults.kill_point(After::Add);
                 return Err(BackendError::io(
                     "start worker",
                     format!("volume {}", spec.volume_id),
@@ -402,12 +407,14 @@ impl UblkBackend {
         let decided = decision
             .map
             .filter(|_| decision.dispatch == DispatchPolicy::Direct);
-        let Started { pid, status, peer } = self.start_worker(
+        let started = self.start_worker(
             spec.clone(),
             &req.image_fd,
             req.image_lock.as_ref(),
             decided.as_ref(),
-        )?;
+        );
+        let Started { pid, status, peer } =
+            started.inspect_err(|_| self.remove_unstarted(req.volume_id))?;
         let att = self.attachment(&status)?;
         self.workers.lock().expect("workers poisoned").insert(
             req.volume_id,
@@ -426,6 +433,21 @@ impl UblkBackend {
         );
         self.supervise(req.volume_id);
         Ok(att)
+    }
+
+    /// After a start that failed: deletes the device its worker added but
+    /// never started (named in the run dir: the worker writes it there at
+    /// once), now that the worker is gone.
+    fn remove_unstarted(&self, volume_id: Uuid) {
+        let Some(s) = self.state_file(volume_id) else {
+            return;
+        };
+        if !is_our_worker(s.pid, volume_id)
+            && kernel::device_state(s.dev_id) == Some(sys::UBLK_S_DEV_DEAD)
+        {
+            tracing::warn!(%volume_id, dev_id = s.dev_id, "deleting the ublk device a failed worker added and never started");
+            kernel::delete_device(s.dev_id);
+        }
     }
 
     pub(super) fn probe_worker(
