@@ -149,6 +149,8 @@ pub struct Opts {
     pub env: Vec<(String, String)>,
     /// More image roots (e.g. on the VM's scratch filesystems).
     pub extra_roots: Vec<PathBuf>,
+    /// The executable to run instead of the one cargo built (an upgrade's).
+    pub bin: Option<PathBuf>,
 }
 
 /// A running `blockplane serve` on its own temp dirs.
@@ -202,7 +204,7 @@ impl Service {
 
     /// The command line the service is started with.
     pub fn command(&self) -> Command {
-        let mut c = Command::new(BIN);
+        let mut c = Command::new(self.opts.bin.as_deref().unwrap_or(Path::new(BIN)));
         c.arg("serve")
             .arg("--data-dir")
             .arg(&self.data)
