@@ -247,9 +247,11 @@ impl Service {
         self.child = Some(c.spawn().expect("start blockplane"));
     }
 
-    /// Waits until `/healthz` answers (panics with the log after 20 s).
+    /// Waits until `/healthz` answers (panics with the log after 60 s: a
+    /// start that adopts or recovers devices on a loaded emulator takes
+    /// tens of seconds).
     pub async fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(a) = self.raw_client().send(Method::GET, "/healthz", None).await
                 && a.status == StatusCode::OK
@@ -264,7 +266,7 @@ impl Service {
             }
             assert!(
                 Instant::now() < deadline,
-                "blockplane did not answer in 20 s:\n{}",
+                "blockplane did not answer in 60 s:\n{}",
                 self.log_text()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -56,22 +56,25 @@ pub enum ServeError {
         /// How they overlap (`contains`, `lies inside`).
         relation: &'static str,
     },
-    /// The registry is new or empty while devices blockplane made serve.
+    /// The registry is not the one the data dir served: it is new or empty
+    /// while devices blockplane made serve, or it lacks every row the
+    /// registry's mark counts.
     #[error(
-        "the registry {db} is missing or empty, but the kernel serves {} device(s) that blockplane made and no live service owns: {devices}. \
-         Starting would begin an empty registry (and a new instance id) while they keep serving. \
+        "the registry {db} {state}, but {lost}. Starting would serve a registry that knows nothing of them. \
          To recover, restore {db} (with its -wal file) from a backup and start again; \
-         or start once with --accept-new-registry to begin empty: the devices are left running and listed as orphans in GET /v1/host",
-        count
+         or start once with --accept-new-registry to begin on it as it is (empty if it is missing): devices are left running and listed as orphans in GET /v1/host"
     )]
     LostRegistry {
         /// The registry file.
         db: String,
-        /// How many such devices serve.
-        count: usize,
-        /// Which, in words.
-        devices: String,
+        /// What it is (`is missing or empty`, ...).
+        state: &'static str,
+        /// What it lacks, in words: the devices that serve, the rows the mark counts.
+        lost: String,
     },
+    /// The registry is a newer blockplane's, or its mark or copy failed.
+    #[error(transparent)]
+    Registry(#[from] crate::registry::RegistryError),
     /// The ublk backend cannot start.
     #[error("ublk backend: {0}")]
     Ublk(#[source] io::Error),
@@ -443,23 +446,56 @@ fn is_new_registry(db: &Path) -> bool {
     size(db) == 0 && size(Path::new(&wal)) == 0
 }
 
-/// Refuses to begin a new registry while devices blockplane made serve
-/// unowned (loop devices over files under the image roots run unheld, ublk
-/// workers of the data dir, blockplane's dm devices): they are what a lost
-/// registry leaves behind, and a new one would know nothing of them.
-fn refuse_over_unowned_devices(
+/// Refuses a registry that is not the one the data dir served: one that would
+/// be new while devices blockplane made serve unowned (loop devices with a
+/// blockplane mark over files under the image roots run unheld, ublk workers
+/// of the data dir, dm devices of instances no live service holds: what a
+/// lost registry leaves behind, which a new one would know nothing of), or
+/// one that lacks every row the registry's mark counts (emptied with no
+/// device attached).
+fn refuse_lost_registry(
     db: &Path,
-    run_dir: &Path,
+    data_dir: &Path,
+    found: &crate::registry::Found,
     roots: &ImageRoots,
 ) -> Result<(), ServeError> {
-    let found = crate::manager::unowned_devices(
+    let new = is_new_registry(db);
+    let rows = crate::registry::lost_rows(data_dir, found);
+    let devices = match new || rows.is_some() {
+        true => unowned_marked_devices(&data_dir.join("run"), roots),
+        false => None,
+    };
+    let lost: Vec<String> = devices.into_iter().chain(rows).collect();
+    if lost.is_empty() {
+        return Ok(());
+    }
+    Err(ServeError::LostRegistry {
+        db: db.display().to_string(),
+        state: if new {
+            "is missing or empty"
+        } else {
+            "is not the one this data dir served"
+        },
+        lost: lost.join("; and "),
+    })
+}
+
+/// The devices blockplane made (they carry its mark) that no live service
+/// owns, in words; `None` when there are none. A loop device someone else
+/// made over a file under an image root carries no mark: it is listed as an
+/// orphan once the service runs, but it is not what a lost registry leaves.
+fn unowned_marked_devices(run_dir: &Path, roots: &ImageRoots) -> Option<String> {
+    let found: Vec<_> = crate::manager::unowned_devices(
         &roots.paths(),
         &run_dir.join("ublk"),
         "",
         &std::collections::HashSet::new(),
-    );
+    )
+    .into_iter()
+    .filter(|o| o.backend != blockplane_api::model::Backend::Loop || o.instance.is_some())
+    .collect();
     if found.is_empty() {
-        return Ok(());
+        return None;
     }
     let devices = found
         .iter()
@@ -477,11 +513,10 @@ fn refuse_over_unowned_devices(
         })
         .collect::<Vec<_>>()
         .join(", ");
-    Err(ServeError::LostRegistry {
-        db: db.display().to_string(),
-        count: found.len(),
-        devices,
-    })
+    Some(format!(
+        "the kernel serves {} device(s) that blockplane made and no live service owns: {devices}",
+        found.len()
+    ))
 }
 
 /// The kernel's backends, marking their devices with `instance`: loop, ublk
@@ -536,12 +571,27 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
     check_roots_apart(&cfg.data_dir, &roots.paths())?;
     let db = cfg.data_dir.join("blockplane.db");
-    if !cfg.accept_new_registry && is_new_registry(&db) {
-        refuse_over_unowned_devices(&db, &cfg.data_dir.join("run"), &roots)?;
+    // Read before anything writes it: a newer blockplane's registry, or not
+    // the one this data dir served, is refused unchanged.
+    let found = crate::registry::look(&db).await?;
+    crate::registry::refuse_newer(&db, &found)?;
+    if !cfg.accept_new_registry {
+        refuse_lost_registry(&db, &cfg.data_dir, &found, &roots)?;
     }
     private_database(&db)?;
+    crate::registry::copy_before_migrating(&db, &found).await?;
     let store = Store::open(&db).await?;
-    let backends = kernel_backends(&cfg, store.instance().await?, faults)?;
+    let instance = store.instance().await?;
+    // Other services tell this instance's devices from a lost one's by it.
+    let _alive = match crate::liveness::claim(&instance) {
+        Ok(alive) => Some(alive),
+        Err(e) => {
+            tracing::warn!(%instance, error = %e, "another live service has this instance id (a copy of this registry in another data dir?): each takes the other's devices for its own");
+            None
+        }
+    };
+    crate::registry::keep_mark(&store, &cfg.data_dir).await?;
+    let backends = kernel_backends(&cfg, instance, faults)?;
     let manager = Manager::new(
         store,
         roots,

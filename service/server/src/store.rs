@@ -36,6 +36,40 @@ use blockplane_api::model::{
     VolumeState,
 };
 
+/// The schema migrations this build knows (`migrations/`), applied at open.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// How many images and volumes the registry holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rows {
+    pub images: u64,
+    pub volumes: u64,
+}
+
+impl Rows {
+    fn total(self) -> u64 {
+        self.images + self.volumes
+    }
+}
+
+/// Told the new [`Rows`] of every commit that adds or removes an image or
+/// a volume (blocking code: it runs on a blocking thread).
+pub type RowsHook = Arc<dyn Fn(Rows) + Send + Sync>;
+
+/// A [`RowsHook`] and the counts it was last told.
+struct RowsWatch {
+    hook: RowsHook,
+    last: std::sync::Mutex<Rows>,
+}
+
+impl std::fmt::Debug for RowsWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowsWatch")
+            .field("last", &self.last)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A storage failure.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -271,6 +305,9 @@ pub struct Store {
     write_failure: Arc<std::sync::Mutex<Option<String>>>,
     /// The directory of the database file.
     dir: Arc<std::path::PathBuf>,
+    /// Told of row count changes ([`Store::on_rows`]), with the last counts
+    /// it was told.
+    rows_hook: Arc<std::sync::OnceLock<RowsWatch>>,
 }
 
 /// Free space below which the database counts as unwritable: a commit
@@ -292,7 +329,7 @@ impl Store {
             .max_connections(1)
             .connect_with(options.clone())
             .await?;
-        sqlx::migrate!("../../migrations").run(&writer).await?;
+        MIGRATOR.run(&writer).await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options.read_only(true))
@@ -304,7 +341,42 @@ impl Store {
             generation: Arc::default(),
             write_failure: Arc::default(),
             dir: Arc::new(path.parent().unwrap_or(Path::new(".")).to_path_buf()),
+            rows_hook: Arc::default(),
         })
+    }
+
+    /// How many images and volumes there are.
+    pub async fn rows(&self) -> Result<Rows> {
+        query::rows(&self.readers).await
+    }
+
+    /// Calls `hook` with the new counts of every commit that adds or removes
+    /// an image or a volume, from now on (one hook per store).
+    pub async fn on_rows(&self, hook: RowsHook) -> Result<()> {
+        let now = self.rows().await?;
+        let _ = self.rows_hook.set(RowsWatch {
+            hook,
+            last: std::sync::Mutex::new(now),
+        });
+        Ok(())
+    }
+
+    /// The counts the rows hook was last told.
+    fn told_rows(&self) -> Option<Rows> {
+        let watch = self.rows_hook.get()?;
+        Some(*watch.last.lock().expect("rows lock poisoned"))
+    }
+
+    /// Tells the rows hook `rows`, on a blocking thread (it writes a file).
+    async fn tell_rows(&self, rows: Rows) {
+        let hooks = self.rows_hook.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(watch) = hooks.get() {
+                *watch.last.lock().expect("rows lock poisoned") = rows;
+                (watch.hook)(rows);
+            }
+        })
+        .await;
     }
 
     /// Folds the WAL into the database file and closes every connection, so
@@ -420,6 +492,7 @@ impl Store {
             conn: Some(conn),
             store: self.clone(),
             wrote_events: false,
+            wrote_rows: false,
         })
     }
 
@@ -524,7 +597,7 @@ mod query {
     use sqlx::{Executor, Row, Sqlite};
     use uuid::Uuid;
 
-    use super::{ImageRow, Result, VolumeRow, uuid};
+    use super::{ImageRow, Result, Rows, VolumeRow, uuid};
 
     /// The image with this id or name.
     pub async fn image<'c>(
@@ -569,6 +642,19 @@ mod query {
         Ok(row.try_get::<i64, _>("n")? as usize)
     }
 
+    /// How many images and volumes there are.
+    pub async fn rows<'c>(db: impl Executor<'c, Database = Sqlite>) -> Result<Rows> {
+        let row = sqlx::query(
+            "SELECT (SELECT COUNT(*) FROM images) AS images, (SELECT COUNT(*) FROM volumes) AS volumes",
+        )
+        .fetch_one(db)
+        .await?;
+        Ok(Rows {
+            images: row.try_get::<i64, _>("images")? as u64,
+            volumes: row.try_get::<i64, _>("volumes")? as u64,
+        })
+    }
+
     /// Ids and names of the volumes using an image, by name.
     pub async fn volumes_of_image<'c>(
         db: impl Executor<'c, Database = Sqlite>,
@@ -590,6 +676,8 @@ pub struct WriteTx {
     conn: Option<PoolConnection<Sqlite>>,
     store: Store,
     wrote_events: bool,
+    /// An image or a volume was added or removed.
+    wrote_rows: bool,
 }
 
 impl WriteTx {
@@ -599,12 +687,29 @@ impl WriteTx {
 
     /// Commits (and wakes event-stream readers if events were added).
     pub async fn commit(mut self) -> Result<()> {
+        let hooked = self.wrote_rows && self.store.rows_hook.get().is_some();
+        let rows = match hooked {
+            true => Some(query::rows(self.conn()).await?),
+            false => None,
+        };
+        // Growing counts are told before the commit, shrinking ones after:
+        // what the hook was told is never less than what the database holds.
+        let grows = rows
+            .zip(self.store.told_rows())
+            .is_some_and(|(now, last)| now.total() >= last.total());
         let mut conn = self.conn.take().expect("transaction is open");
+        // Told while the connection is held, so hooks see commits in order.
+        if let Some(now) = rows.filter(|_| grows) {
+            self.store.tell_rows(now).await;
+        }
         if let Err(e) = sqlx::query("COMMIT").execute(&mut *conn).await {
             // Closing the connection rolls back whatever SQLite still holds open.
             conn.close_on_drop();
             self.store.record_write(Err(&e));
             return Err(e.into());
+        }
+        if let Some(now) = rows.filter(|_| !grows) {
+            self.store.tell_rows(now).await;
         }
         drop(conn);
         self.store.record_write(Ok(()));
@@ -673,6 +778,7 @@ impl WriteTx {
         .bind(&i.state_reason)
         .execute(self.conn())
         .await?;
+        self.wrote_rows = true;
         Ok(())
     }
 
@@ -738,6 +844,7 @@ impl WriteTx {
             .bind(id.to_string())
             .execute(self.conn())
             .await?;
+        self.wrote_rows = true;
         Ok(())
     }
 
@@ -773,6 +880,7 @@ impl WriteTx {
         .bind(ts(v.updated_at))
         .execute(self.conn())
         .await?;
+        self.wrote_rows = true;
         Ok(())
     }
 
@@ -803,6 +911,7 @@ impl WriteTx {
             .bind(id.to_string())
             .execute(self.conn())
             .await?;
+        self.wrote_rows = true;
         Ok(())
     }
 

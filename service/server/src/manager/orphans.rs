@@ -91,7 +91,8 @@ impl Manager {
 /// service removes: what a lost registry, or a blockplane stopped for good,
 /// leaves behind. Loop devices (see [`unowned_loop_devices`]), ublk workers
 /// whose run dir under `ublk_run_root` another instance (or none) marked, and
-/// dm devices carrying another instance's uuid. `instance` empty: every one.
+/// dm devices carrying the uuid of another instance that no live service
+/// holds ([`crate::liveness`]). `instance` empty: every one.
 pub fn unowned_devices(
     roots: &[String],
     ublk_run_root: &std::path::Path,
@@ -125,11 +126,11 @@ pub fn unowned_devices(
             }),
     );
     match crate::backend::dm::foreign_devices(instance) {
-        Ok(found) => out.extend(found.into_iter().map(|d| model::Orphan {
+        Ok(found) => out.extend(found.into_iter().filter(|d| !crate::liveness::is_live(&d.instance)).map(|d| model::Orphan {
             backend: Backend::Dm,
             volume_id: Some(d.volume_id),
             reason: format!(
-                "dm device {} carries the DM uuid of blockplane instance {} (volume {}), not this one's: {lost}",
+                "dm device {} carries the DM uuid of blockplane instance {} (volume {}), not this one's, and no live service is that instance: {lost}",
                 d.name, d.instance, d.volume_id
             ),
             device: d.device,

@@ -13,7 +13,9 @@ use super::{Manager, Result, blocking};
 use crate::backend::{Attachment, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend};
 use crate::store::VolumeRow;
 use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState};
+use blockplane_system::extent;
 use blockplane_system::image::Access;
+use std::os::fd::AsFd;
 
 /// What reconciliation did, for the log.
 #[derive(Debug, Default)]
@@ -160,7 +162,21 @@ impl Manager {
                     let opened = {
                         let (me, image, a) =
                             (self.clone(), image.clone(), access(v.spec.read_only));
-                        blocking(move || me.open_image(&image, a)).await?
+                        let ublk = v.backend == Backend::Ublk;
+                        blocking(move || match me.open_image(&image, a) {
+                            // Pinned by the volume's direct worker, which died
+                            // while no service ran: the backend lifts that pin
+                            // (and reopens the image for writing) when it
+                            // recovers the device.
+                            Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
+                                Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => {
+                                    Ok(f)
+                                }
+                                _ => Err(e),
+                            },
+                            r => r,
+                        })
+                        .await?
                     };
                     let attached = match opened {
                         Ok(file) => {

@@ -218,6 +218,46 @@ impl DmBackend {
         })
     }
 
+    /// Serves a dm volume's private ublk device again after its worker died
+    /// while no service ran (a pod or a cgroup killed whole): the device
+    /// waits quiesced, its I/O held, and a new worker recovers it (the ublk
+    /// backend finds it in the volume's run dir). The table, over `target`
+    /// (its `major:minor offset`), stays; only if the recovered device is
+    /// another one is it loaded over that one.
+    fn recover_private(
+        &self,
+        volume_id: Uuid,
+        v: &mut DmVolume,
+        target: &str,
+        policy: DispatchPolicy,
+    ) -> Result<(), BackendError> {
+        let reason = v.reason.clone();
+        let dev = self.start_private(volume_id, v, policy, &reason)?;
+        if target.split_whitespace().next() != Some(dev.to_string().as_str()) {
+            let table = over(dev, v.params.size_bytes);
+            v.table = match self.reload(volume_id, v.read_only, table) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = self.ublk.stop(volume_id);
+                    return Err(e);
+                }
+            };
+        }
+        v.dispatch = policy;
+        v.private_ublk = Some(dev);
+        self.events.send(BackendEvent {
+            volume_id,
+            kind: "worker_restarted",
+            message: format!(
+                "its private ublk worker was gone at start; a new worker serves /dev/{} again",
+                kernel_name(dev)
+            ),
+            attachment: None,
+            state: None,
+        });
+        Ok(())
+    }
+
     /// Moves a volume to `to`, with the device suspended only around the table
     /// swap. On error the volume stays as it was.
     fn switch(
@@ -653,21 +693,31 @@ impl VolumeBackend for DmBackend {
                 stored: None,
                 image_lock: v.lock.as_ref().and_then(|l| l.try_clone().ok()),
             })?;
-            let Probe::Alive(worker) = probe else {
-                return Err(BackendError::Busy {
-                    device: name_s,
-                    reason: "its private ublk worker is gone; delete and re-create the volume"
-                        .into(),
-                });
-            };
-            v.dispatch = dispatch::policy_of(worker.dispatch);
-            v.private_ublk = Some(DevNum {
-                major: worker.major,
-                minor: worker.minor,
-            });
-            // The worker's lock, if it kept one through a service crash.
-            if v.lock.is_none() {
-                v.lock = self.ublk.held_lock(volume_id);
+            match probe {
+                Probe::Alive(worker) => {
+                    v.dispatch = dispatch::policy_of(worker.dispatch);
+                    v.private_ublk = Some(DevNum {
+                        major: worker.major,
+                        minor: worker.minor,
+                    });
+                    // The worker's lock, if it kept one through a service crash.
+                    if v.lock.is_none() {
+                        v.lock = self.ublk.held_lock(volume_id);
+                    }
+                }
+                Probe::Gone => {
+                    let policy = match req.stored.as_ref().map(|a| a.dispatch) {
+                        Some(ActiveDispatch::Threaded) => DispatchPolicy::Threaded,
+                        _ => DispatchPolicy::Nowait,
+                    };
+                    self.recover_private(volume_id, &mut v, &live[0].3, policy)
+                        .map_err(|e| BackendError::Busy {
+                            device: name_s.clone(),
+                            reason: format!(
+                                "its private ublk worker is gone and a new one could not serve its device: {e}"
+                            ),
+                        })?;
+                }
             }
         } else {
             // Direct: the live table must be the image's map as it is now.

@@ -2,7 +2,7 @@
 //! fixed fds), watching it through a pidfd, replacing it when it dies, and
 //! the run dirs that let a restarted service find it again.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -19,7 +19,7 @@ use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Prob
 use crate::manager::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_system::dispatch;
-use blockplane_system::extent::ExtentMap;
+use blockplane_system::extent::{self, ExtentMap};
 use blockplane_worker::protocol::{
     self, Answer, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec, worker_spec,
 };
@@ -360,22 +360,46 @@ impl UblkBackend {
         mut req: AttachRequest,
         private: bool,
     ) -> Result<Attachment, BackendError> {
-        let decision = req.take_decision(&self.path())?;
         let run_dir = self.run_dir(req.volume_id);
         // A device left by a dead worker of this volume: recover it, so the
         // data in flight when it died is reissued, not lost.
         let earlier = self.state_file(req.volume_id);
-        let recover = earlier
+        let dead = earlier
             .as_ref()
-            .filter(|s| !is_our_worker(s.pid, req.volume_id))
-            .and_then(|s| match kernel::device_state(s.dev_id) {
-                Some(st) if st == sys::UBLK_S_DEV_QUIESCED => Some(s.dev_id),
-                Some(_) => {
-                    kernel::delete_device(s.dev_id);
-                    None
-                }
-                None => None,
-            });
+            .filter(|s| !is_our_worker(s.pid, req.volume_id));
+        // Still LIVE is a server that died just now: the kernel quiesces its
+        // device soon after (on 6.12 its monitor looks every 5 s), and the
+        // new worker's START_USER_RECOVERY waits for that.
+        let recover = dead.and_then(|s| match kernel::device_state(s.dev_id) {
+            Some(sys::UBLK_S_DEV_QUIESCED | sys::UBLK_S_DEV_LIVE) => Some(s.dev_id),
+            Some(_) => {
+                kernel::delete_device(s.dev_id);
+                None
+            }
+            None => None,
+        });
+        let mut pinned = dead.and_then(|s| s.pinned);
+        if let Some(pin) = pinned.filter(|p| !p.was_immutable) {
+            // A direct worker that died with no service to replace it (its
+            // pod or cgroup killed whole) left its pin, which keeps the
+            // image from opening for writing and reads as the owner's flag
+            // to the decision. Nothing serves its device meanwhile (gone, or
+            // quiesced): lift the pin, decide afresh, and let the new worker
+            // map and pin again (under the decided map: nothing moved in
+            // between).
+            extent::unpin(req.image_fd.as_fd(), pin)
+                .map_err(|e| io("unpin", req.params.image_path.clone(), e))?;
+            pinned = None;
+            // Opened while pinned, the manager's handle is read-only.
+            if !req.params.read_only && is_read_only(&req.image_fd) {
+                req.image_fd = blockplane_system::image::reopen(&req.image_fd, true)
+                    .map_err(|e| io("reopen for writing", req.params.image_path.clone(), e))?;
+            }
+        }
+        // The owner's own flag (a read-only volume) stays, as the recovering
+        // worker's to keep.
+        let pinned = pinned.filter(|_| recover.is_some());
+        let decision = req.take_decision(&self.path())?;
         let spec = WorkerSpec {
             volume_id: req.volume_id,
             run_dir: run_dir.clone(),
@@ -391,11 +415,7 @@ impl UblkBackend {
             threads: self.cfg.threads,
             qos: req.params.qos,
             recover_dev_id: recover,
-            pinned: if recover.is_some() {
-                earlier.and_then(|s| s.pinned)
-            } else {
-                None
-            },
+            pinned,
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: req.params.allocation,
             image_lock: req.image_lock.is_some(),
@@ -464,11 +484,12 @@ impl UblkBackend {
             return Ok(Probe::Gone);
         }
         let (peer, status) = self.ask_with_peer(volume_id, &Request::Status {})?;
-        // A handle on the image, to recover the worker later: the manager's, or
-        // a duplicate of the worker's own.
-        let image = match req.image {
-            Some(fd) => fd,
-            None => worker_fd(state.pid, IMAGE_FD)?,
+        // A handle on the image, to recover the worker later: a duplicate of
+        // the worker's own, which is open for writing even when the image is
+        // pinned now (the manager's then is not), or else the manager's.
+        let image = match (worker_fd(state.pid, IMAGE_FD), req.image) {
+            (Ok(fd), _) | (Err(_), Some(fd)) => fd,
+            (Err(e), None) => return Err(e),
         };
         // Its image lock, which it kept while no service lived: a duplicate
         // to hold here (and hand to a replacement). A worker started without
@@ -615,6 +636,12 @@ fn worker_fd(pid: u32, fd: i32) -> Result<OwnedFd, BackendError> {
     .map_err(|e| io("pidfd_open", format!("worker {pid}"), e.into()))?;
     rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty())
         .map_err(|e| io("pidfd_getfd", format!("worker {pid}"), e.into()))
+}
+
+/// Whether `fd` is open for reading only.
+fn is_read_only(fd: &OwnedFd) -> bool {
+    rustix::fs::fcntl_getfl(fd)
+        .is_ok_and(|f| f & rustix::fs::OFlags::ACCMODE == rustix::fs::OFlags::RDONLY)
 }
 
 /// The image path in a worker's `--spec` argument.
