@@ -99,7 +99,7 @@ tests/vm/kernel-cache-test.sh
 # blockplane says so. run-suite.sh fails a lane whose test count is not the one
 # below (a test that drops out of a lane must be noticed) or whose guest kernel
 # logged a warning or oops.
-vm_tests=45   # tests/vm/e2e: every test
+vm_tests=44   # tests/vm/e2e: every test
 csi_vm_tests=13   # tests/csi node:: and expand::
 step "kernel e2e: building the binaries, starting two VM lanes (logs: target/vm-lane-*.log)"
 cargo build --locked --features blockplane/test-faults --bin blockplane
