@@ -296,7 +296,7 @@ fn queue_of_cpu(dev: &str, cpu: usize) -> usize {
 fn worker_flushes(vm: &Vm, volume_id: &str) -> Option<u64> {
     use blockplane_worker::protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
-    match talk(&sock, &Request::Stats, Duration::from_secs(10)) {
+    match talk(&sock, &Request::Stats {}, Duration::from_secs(10)) {
         Ok(Answer::Stats(s)) => Some(s.flush.ops),
         _ => None,
     }
