@@ -25,7 +25,9 @@ def _state():
     images = requests.get(f"{BASE}/v1/images", headers=HEADERS, timeout=30).json()
     volumes = requests.get(f"{BASE}/v1/volumes", headers=HEADERS, timeout=30).json()
     loops = subprocess.run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True).stdout
-    mine = sorted(line for line in loops.splitlines() if ROOT in line)
+    # Columns are padded to the longest name on the host (another test's
+    # /dev/loop10 widens them): compare the fields, not the padding.
+    mine = sorted(" ".join(line.split()) for line in loops.splitlines() if ROOT in line)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(ROOT) for f in fs)
     # Volatile fields (live sizes move with I/O) are left out.
     return (
