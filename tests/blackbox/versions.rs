@@ -72,13 +72,7 @@ async fn a_replaced_executable_is_seen_and_the_service_keeps_its_own_build() {
         ..Default::default()
     })
     .await;
-    let host = s.get("/v1/host").await.body;
-    assert_eq!(host["build"]["version"], old.as_str(), "{host}");
-    assert_eq!(
-        host["build"]["executable"],
-        path.to_str().unwrap(),
-        "{host}"
-    );
+    let host = own_build(&s, &old, &path).await;
     assert_eq!(host["build"]["executable_replaced"], false, "{host}");
     let staged = dir.path().join("blockplane.new");
     let new = copy_as_build(&path, &staged, Some("another-build"));
@@ -89,13 +83,7 @@ async fn a_replaced_executable_is_seen_and_the_service_keeps_its_own_build() {
         crate::builds::exe_of(u64::from(s.pid())),
         format!("{} (deleted)", path.display())
     );
-    let host = s.get("/v1/host").await.body;
-    assert_eq!(host["build"]["version"], old.as_str(), "{host}");
-    assert_eq!(
-        host["build"]["executable"],
-        path.to_str().unwrap(),
-        "{host}"
-    );
+    let host = own_build(&s, &old, &path).await;
     assert_eq!(host["build"]["executable_version"], new.as_str(), "{host}");
     assert_eq!(host["build"]["executable_replaced"], true, "{host}");
     let out = cli(&s, &["host"]);
@@ -150,4 +138,16 @@ async fn a_handover_where_no_worker_serves_is_refused_and_changes_nothing() {
         text(&out)
     );
     assert_eq!(s.snapshot().await, before);
+}
+
+/// `/v1/host` of `s`, checked to say the service runs build `old` from `path`.
+async fn own_build(s: &Service, old: &str, path: &std::path::Path) -> serde_json::Value {
+    let host = s.get("/v1/host").await.body;
+    assert_eq!(host["build"]["version"], old, "{host}");
+    assert_eq!(
+        host["build"]["executable"],
+        path.to_str().unwrap(),
+        "{host}"
+    );
+    host
 }
