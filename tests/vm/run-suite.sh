@@ -39,19 +39,18 @@ fi
 # The tests the filters select, listed on the host by the same binary.
 # Arguments that start with `-` are test binary flags (`--exact`, as the
 # lanes of tests/run-all.sh pass, or `--nocapture`) and go with every count.
-opts=()
+opts=() filters=()
 for f in "$@"; do
-  case $f in -*) opts+=("$f") ;; esac
+  case $f in -*) opts+=("$f") ;; *) filters+=("$f") ;; esac
 done
 count_tests() { "$exe" --list --format terse "${opts[@]}" "$@" | grep -c ': test$' || true; }
-for f in "$@"; do
-  case $f in -*) continue ;; esac
+for f in "${filters[@]}"; do
   if [ "$(count_tests "$f")" -eq 0 ]; then
     echo "run-suite: the filter '$f' matches no test in $(basename "$exe")" >&2
     exit 1
   fi
 done
-expected=$("$exe" --list --format terse "$@" | grep -c ': test$' || true)
+expected=$(count_tests "${filters[@]}")
 if [ -n "${BLOCKPLANE_VM_EXPECT:-}" ] && [ "$expected" -ne "$BLOCKPLANE_VM_EXPECT" ]; then
   echo "run-suite: the filters select $expected tests, the lane expects $BLOCKPLANE_VM_EXPECT:" >&2
   "$exe" --list --format terse "$@" >&2
