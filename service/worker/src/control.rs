@@ -191,15 +191,23 @@ fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {
     if matches!(outcome, QUIESCED | DRAINED) {
         cx.handover.answered.store(true, SeqCst);
     }
-    if outcome == DRAINED {
+    if matches!(outcome, QUIESCED | DRAINED) {
+        // The answer is out: exit now rather than when the queues end.
         // Drained: the queues stay held; the kernel requeues what they hold
         // when this process's char device closes, for the successor.
+        // Quiesced: no request is inside and new ones wait in the kernel,
+        // but a queue's last fetch command may stay un-aborted until this
+        // process's ring closes (the kernel skips a tag whose request is
+        // starting as it cancels), so its queue would end only when the
+        // service kills it, 30 s on.
         drop(conn);
         std::thread::sleep(Duration::from_millis(cx.handover.pace_ms.load(Relaxed)));
-        tracing::info!(
-            dev_id = cx.dev_id,
-            "handed over (queues drained); worker exits"
-        );
+        let how = if outcome == QUIESCED {
+            "quiesced"
+        } else {
+            "queues drained"
+        };
+        tracing::info!(dev_id = cx.dev_id, "handed over ({how}); worker exits");
         std::process::exit(0);
     }
     served

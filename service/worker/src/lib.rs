@@ -666,6 +666,12 @@ pub fn main(spec_json: &str) -> ExitCode {
         }
     };
     init_logging(&spec);
+    tracing::info!(
+        volume_id = %spec.volume_id,
+        recover_dev_id = spec.recover_dev_id,
+        handover = spec.handover,
+        "worker starting"
+    );
     match run(spec) {
         Ok(code) => code,
         Err(e) => {

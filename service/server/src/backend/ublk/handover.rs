@@ -101,7 +101,9 @@ impl UblkBackend {
             HandoverMethod::Stop => Duration::ZERO,
             HandoverMethod::Quiesce | HandoverMethod::Drain => EXIT_WAIT + faults.pace,
         };
+        let let_go = started.elapsed();
         end_process(previous.pid, wait);
+        let exited = started.elapsed();
         // As after a crash, from the spec it would be replaced with, but
         // counted as a handover, not a restart.
         let state = self.state_file(volume_id);
@@ -119,6 +121,15 @@ impl UblkBackend {
         };
         match self.start_worker_as(spec, &image, lock.as_ref(), None, edit) {
             Ok(Started { pid, status, peer }) => {
+                // Where a handover's stall goes: the old worker letting go,
+                // its exit, the new one's start.
+                tracing::info!(
+                    %volume_id,
+                    let_go_ms = let_go.as_millis() as u64,
+                    exited_ms = exited.as_millis() as u64,
+                    serving_ms = started.elapsed().as_millis() as u64,
+                    "handover steps"
+                );
                 let current = WorkerInfo {
                     pid,
                     build: peer.build.clone(),
