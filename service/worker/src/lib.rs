@@ -682,6 +682,18 @@ pub fn main(spec_json: &str) -> ExitCode {
     }
 }
 
+/// A handover's new worker, started: says so on [`protocol::GO_FD`] and
+/// waits until the old worker has let go. `false`: called off.
+fn await_go() -> std::io::Result<bool> {
+    use std::io::{Read, Write};
+    // SAFETY: the control plane passes a handover's socket on GO_FD;
+    // nothing else owns it.
+    let mut go = unsafe { std::os::unix::net::UnixStream::from_raw_fd(protocol::GO_FD) };
+    go.write_all(&[protocol::GO_READY])?;
+    let mut word = [0u8; 1];
+    Ok(go.read(&mut word)? == 1 && word[0] == protocol::GO_TAKE)
+}
+
 fn init_logging(spec: &WorkerSpec) {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -750,6 +762,10 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         zero,
         spec,
     });
+    if shared.spec.handover && !await_go()? {
+        tracing::info!("the handover was called off before this worker took the device; it exits");
+        return Ok(ExitCode::SUCCESS);
+    }
     let start = Policy::from_requested(shared.spec.dispatch);
     if start == Policy::Direct {
         let decided = match shared.spec.decided_map {

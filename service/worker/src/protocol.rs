@@ -40,6 +40,19 @@ pub const IMAGE_FD: i32 = 3;
 /// the lock lasts while either of them lives.
 pub const LOCK_FD: i32 = 4;
 
+/// The file descriptor number a handover's new worker gets a socket on
+/// (when [`WorkerSpec::handover`]): it writes [`GO_READY`] once it is
+/// started and waits for [`GO_TAKE`] before it touches the device, so the
+/// old worker lets go only when its successor is ready, and the device waits
+/// for no exec. End of file instead: the handover was called off.
+pub const GO_FD: i32 = 5;
+
+/// A handover's new worker is ready to take the device (on [`GO_FD`]).
+pub const GO_READY: u8 = b'r';
+
+/// The old worker let go: take the device (on [`GO_FD`]).
+pub const GO_TAKE: u8 = b'g';
+
 /// How a worker is to serve its volume (passed as JSON on its command line).
 /// A field this build does not know is refused: the worker then exits with
 /// the reason rather than serving without it.
@@ -99,7 +112,8 @@ pub struct WorkerSpec {
     pub decided_map: bool,
     /// With `recover_dev_id`: the device is taken over from a worker that
     /// handed it over ([`Request::Handover`]), not from one that crashed,
-    /// so `worker_restarts` does not count it.
+    /// so `worker_restarts` does not count it; the worker waits on
+    /// [`GO_FD`] for the word to take it.
     #[serde(default)]
     pub handover: bool,
 }

@@ -266,6 +266,9 @@ pub struct HandoverFaults {
     pub pace: std::time::Duration,
     /// The new worker is started with a spec it refuses, so it exits at once.
     pub new_worker_fails: bool,
+    /// The new worker is told to recover a device that does not exist, so
+    /// it fails once the old one has let go.
+    pub recovery_fails: bool,
 }
 
 /// One kernel mechanism for serving volumes.

@@ -79,6 +79,9 @@ enum Fault {
     /// The new worker of a handover is started with a spec it refuses
     /// (`fail_handover_start`), so it exits at once.
     HandoverStartFails,
+    /// The new worker of a handover fails once the old one let go
+    /// (`fail_handover_recovery`): told to recover a device that is not.
+    HandoverRecoveryFails,
 }
 
 #[cfg(feature = "test-faults")]
@@ -87,7 +90,8 @@ impl Fault {
     /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
     /// `slow_image_create`, `slow_allocate`, `slow_copy`,
-    /// `slow_volume_change`, `slow_handover`, `fail_handover_start`.
+    /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
+    /// `fail_handover_recovery`.
     fn parse(s: &str) -> Option<Self> {
         let slow = match s {
             "slow_image_create" => Some(Slow::ImageCreate),
@@ -95,6 +99,7 @@ impl Fault {
             "slow_copy" => Some(Slow::Copy),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
+            "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
             "slow_volume_change" => Some(Slow::VolumeChange),
             _ => None,
         };
@@ -131,7 +136,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_volume_change, slow_handover, fail_handover_start)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
     )]
     Unknown(String),
 }
@@ -229,6 +234,10 @@ impl Faults {
             new_worker_fails: self.fault == Some(Fault::HandoverStartFails),
             #[cfg(not(feature = "test-faults"))]
             new_worker_fails: false,
+            #[cfg(feature = "test-faults")]
+            recovery_fails: self.fault == Some(Fault::HandoverRecoveryFails),
+            #[cfg(not(feature = "test-faults"))]
+            recovery_fails: false,
         }
     }
 
@@ -278,6 +287,7 @@ mod tests {
             ("slow_copy", Fault::Slow(Slow::Copy)),
             ("slow_handover", Fault::Slow(Slow::Handover)),
             ("fail_handover_start", Fault::HandoverStartFails),
+            ("fail_handover_recovery", Fault::HandoverRecoveryFails),
             ("slow_volume_change", Fault::Slow(Slow::VolumeChange)),
         ] {
             assert_eq!(Faults::named(name).unwrap().fault, Some(fault), "{name}");

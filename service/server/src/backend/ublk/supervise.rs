@@ -21,8 +21,15 @@ use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_system::dispatch;
 use blockplane_system::extent::{self, ExtentMap};
 use blockplane_worker::protocol::{
-    self, Answer, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec, worker_spec,
+    self, Answer, GO_FD, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec, worker_spec,
 };
+
+/// A worker process started, its device not yet known to serve.
+pub(super) struct Spawned {
+    pub child: std::process::Child,
+    pub volume_id: Uuid,
+    pub run_dir: PathBuf,
+}
 
 /// A worker started and serving.
 pub(super) struct Started {
@@ -71,12 +78,28 @@ impl UblkBackend {
     /// (a test fault's spec that a worker refuses).
     pub(super) fn start_worker_as(
         &self,
-        mut spec: WorkerSpec,
+        spec: WorkerSpec,
         image: &OwnedFd,
         lock: Option<&OwnedFd>,
         decided: Option<&ExtentMap>,
         edit: impl FnOnce(&mut serde_json::Value),
     ) -> Result<Started, BackendError> {
+        let spawned = self.spawn_worker(spec, image, lock, decided, None, edit)?;
+        self.until_serving(spawned)
+    }
+
+    /// Starts a worker process, not waiting for it. `go` (a handover's, see
+    /// [`protocol::GO_FD`]) goes to it as `GO_FD`; with it the old worker's
+    /// control socket is left for the old worker, which still serves.
+    pub(super) fn spawn_worker(
+        &self,
+        mut spec: WorkerSpec,
+        image: &OwnedFd,
+        lock: Option<&OwnedFd>,
+        decided: Option<&ExtentMap>,
+        go: Option<&OwnedFd>,
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> Result<Spawned, BackendError> {
         let run_dir = &spec.run_dir.clone();
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -89,15 +112,20 @@ impl UblkBackend {
                 .map_err(|e| io("write the decided map", run_dir.display().to_string(), e))?;
         }
         spec.decided_map = decided.is_some();
-        let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
+        if go.is_none() {
+            let _ = std::fs::remove_file(run_dir.join("ctl.sock"));
+        }
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
             .open(run_dir.join("worker.out"))
             .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
-        let raw = image.as_raw_fd();
-        let raw_lock = lock.map(|l| l.as_raw_fd());
+        let passed = [
+            Some(image.as_raw_fd()),
+            lock.map(|l| l.as_raw_fd()),
+            go.map(|g| g.as_raw_fd()),
+        ];
         let mut json = serde_json::to_value(&spec).expect("spec serializes");
         edit(&mut json);
         // The service's own file, whatever the path holds now.
@@ -116,11 +144,11 @@ impl UblkBackend {
                 // reach it, and it outlives the control plane.
                 libc::setsid();
                 // Above the target numbers first (close-on-exec copies), so
-                // neither dup2 overwrites the other's source, and each target
+                // no dup2 overwrites another's source, and each target
                 // loses close-on-exec even where it was the source's number.
-                let moved = [Some(raw), raw_lock]
-                    .map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
-                for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD]) {
+                let moved =
+                    passed.map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
+                for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD, GO_FD]) {
                     if let Some(fd) = fd
                         && (fd < 0 || libc::dup2(fd, target) < 0)
                     {
@@ -130,9 +158,23 @@ impl UblkBackend {
                 Ok(())
             });
         }
-        let mut child = cmd
+        let child = cmd
             .spawn()
             .map_err(|e| io("start worker", self.exe.path.display().to_string(), e))?;
+        Ok(Spawned {
+            child,
+            volume_id: spec.volume_id,
+            run_dir: run_dir.clone(),
+        })
+    }
+
+    /// Waits until a spawned worker's device serves; its status.
+    pub(super) fn until_serving(&self, spawned: Spawned) -> Result<Started, BackendError> {
+        let Spawned {
+            mut child,
+            volume_id,
+            run_dir,
+        } = spawned;
         let pid = child.id();
         let socket = run_dir.join("ctl.sock");
         let deadline = Instant::now() + START_TIMEOUT;
@@ -155,10 +197,10 @@ impl UblkBackend {
                 self.cfg.faults.kill_point(After::Add);
                 return Err(BackendError::io(
                     "start worker",
-                    format!("volume {}", spec.volume_id),
+                    format!("volume {volume_id}"),
                     io::Error::other(format!(
                         "worker exited ({status}): {}",
-                        last_error_line(run_dir)
+                        last_error_line(&run_dir)
                     )),
                 ));
             }
@@ -167,10 +209,10 @@ impl UblkBackend {
                 let _ = child.wait();
                 return Err(BackendError::io(
                     "start worker",
-                    format!("volume {}", spec.volume_id),
+                    format!("volume {volume_id}"),
                     io::Error::other(format!(
                         "no answer within {START_TIMEOUT:?}: {}",
-                        last_error_line(run_dir)
+                        last_error_line(&run_dir)
                     )),
                 ));
             }
@@ -557,7 +599,7 @@ impl UblkBackend {
     }
 }
 
-fn last_error_line(run_dir: &Path) -> String {
+pub(super) fn last_error_line(run_dir: &Path) -> String {
     let text = std::fs::read_to_string(run_dir.join("worker.log")).unwrap_or_default()
         + &std::fs::read_to_string(run_dir.join("worker.out")).unwrap_or_default();
     text.lines()
