@@ -324,9 +324,11 @@ async fn a_replacement_worker_runs_the_services_build_not_the_file_at_its_path()
 }
 
 /// A handover whose old worker is SIGKILLed while it lets go still ends on a
-/// new worker; one whose new worker cannot start leaves the device served
-/// by a restarted worker and says so (500 and an event); the device, its
-/// data and fio verify come through both, with no I/O error.
+/// new worker; one whose new worker cannot start is called off with the old
+/// worker serving on; one whose new worker fails once the old one let go
+/// leaves the device served by a restarted worker. Both failures say so
+/// (500 and an event); the device, its data and fio verify come through all
+/// three, with no I/O error.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails() {
     let mut vm = Vm::start().await;
@@ -371,12 +373,40 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
     assert_eq!(devnum(&dev), num);
     writes_flow(&dev, 1 << 20).await;
 
-    // The new worker refuses its spec and exits: a restarted one serves.
+    // The new worker refuses its spec and exits: the old one serves on.
     vm.s.kill();
     vm.start_with_fault("fail_handover_start").await;
     let restarts = vm.s.get("/v1/volumes/hf/stats").await.body["worker_restarts"]
         .as_u64()
         .unwrap();
+    let a = vm.s.post("/v1/volumes/hf/handover", json!(null)).await;
+    assert_eq!(a.status.as_u16(), 500, "{}", a.body);
+    let msg = a.body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("called off")
+            && msg.contains(&format!("worker {now} ("))
+            && msg.contains("serves on"),
+        "{msg}"
+    );
+    eventually(
+        Duration::from_secs(30),
+        "a worker_handover_failed event",
+        async || {
+            vm.event_kinds(&id)
+                .await
+                .iter()
+                .any(|k| k == "worker_handover_failed")
+        },
+    )
+    .await;
+    assert_eq!(worker_pid(&vm, &id), now, "the old worker was replaced");
+    let stats = vm.s.get("/v1/volumes/hf/stats").await.body;
+    assert_eq!(stats["worker_restarts"], restarts, "{stats}");
+    writes_flow(&dev, 1 << 20).await;
+
+    // The new worker fails once the old one let go: a restarted one serves.
+    vm.s.kill();
+    vm.start_with_fault("fail_handover_recovery").await;
     let a = vm.s.post("/v1/volumes/hf/handover", json!(null)).await;
     assert_eq!(a.status.as_u16(), 500, "{}", a.body);
     let msg = a.body["error"]["message"].as_str().unwrap();
@@ -387,12 +417,14 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
     // Recorded once the volume's lock is free again.
     eventually(
         Duration::from_secs(30),
-        "a worker_handover_failed event",
+        "a second worker_handover_failed event",
         async || {
             vm.event_kinds(&id)
                 .await
                 .iter()
-                .any(|k| k == "worker_handover_failed")
+                .filter(|k| *k == "worker_handover_failed")
+                .count()
+                == 2
         },
     )
     .await;
