@@ -621,18 +621,13 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
         f.write_all(&vec![5u8; 1 << 20]).unwrap();
         f.sync_all().unwrap();
     }
-    // The sampler's next second sees the writes.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(4);
-    while s.get("/v1/volumes/held/usage").await.body["iops"] == 0.0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the writes show in the history: {}",
-            s.get("/v1/volumes/held/stats/history?seconds=10")
-                .await
-                .body
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    // The sampler's next second sees the writes (however late it runs).
+    crate::harness::eventually(
+        std::time::Duration::from_secs(30),
+        "the writes to show in the usage",
+        async || s.get("/v1/volumes/held/usage").await.body["iops"] != 0.0,
+    )
+    .await;
     let out = cli(&s, &["volume", "delete", "held"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -652,17 +647,19 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
         .as_str()
         .unwrap()
         .to_string();
-    for _ in 0..40 {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().write(true).open(&tdev).unwrap();
-        f.write_all(&vec![5u8; 1 << 20]).unwrap();
-        f.sync_all().unwrap();
-        drop(f);
-        if s.get("/v1/volumes/typed/usage").await.body["iops"] != 0.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    crate::harness::eventually(
+        std::time::Duration::from_secs(30),
+        "the writes to typed to show in its usage",
+        async || {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new().write(true).open(&tdev).unwrap();
+            f.write_all(&vec![5u8; 1 << 20]).unwrap();
+            f.sync_all().unwrap();
+            drop(f);
+            s.get("/v1/volumes/typed/usage").await.body["iops"] != 0.0
+        },
+    )
+    .await;
     let out = cli_at_terminal(&s, &["volume", "rm", "typed"], "typed\n");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");

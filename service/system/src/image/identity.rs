@@ -46,6 +46,12 @@ pub fn same_birth(recorded: Option<&str>, now: Option<&str>) -> bool {
     recorded.is_none() || recorded == now
 }
 
+/// Whether `fd` is open for reading only (an image opened while pinned
+/// immutable is: only [`reopen`] once unpinned gives one for writing).
+pub fn is_read_only(fd: &OwnedFd) -> bool {
+    rustix::fs::fcntl_getfl(fd).is_ok_and(|f| f & OFlags::ACCMODE == OFlags::RDONLY)
+}
+
 /// Opens the very inode behind `fd` again (through /proc/self/fd), for
 /// writing if asked.
 pub fn reopen(fd: &OwnedFd, write: bool) -> io::Result<OwnedFd> {

@@ -182,16 +182,17 @@ impl DmBackend {
         Ok(())
     }
 
-    /// Starts the private ublk device of a volume with `policy`; returns its number.
+    /// Starts the private ublk device of a volume with `policy`, serving
+    /// `image` (a handle on the volume's); returns its number.
     fn start_private(
         &self,
         volume_id: Uuid,
         v: &DmVolume,
+        image: &OwnedFd,
         policy: DispatchPolicy,
         reason: &str,
     ) -> Result<DevNum, BackendError> {
-        let image = v
-            .image
+        let image = image
             .try_clone()
             .map_err(|e| BackendError::io("dup", "image", e))?;
         let image_lock = match &v.lock {
@@ -232,7 +233,7 @@ impl DmBackend {
         policy: DispatchPolicy,
     ) -> Result<(), BackendError> {
         let reason = v.reason.clone();
-        let dev = self.start_private(volume_id, v, policy, &reason)?;
+        let dev = self.start_private(volume_id, v, &v.image, policy, &reason)?;
         if target.split_whitespace().next() != Some(dev.to_string().as_str()) {
             let table = over(dev, v.params.size_bytes);
             v.table = match self.reload(volume_id, v.read_only, table) {
@@ -279,13 +280,16 @@ impl DmBackend {
                     },
                 )?;
             }
+            (true, false) if !v.read_only && blockplane_system::image::is_read_only(&v.image) => {
+                self.leave_direct_reopened(volume_id, v, to, &reason)?;
+            }
             (true, false) => {
                 // Start the worker first (nothing reaches it until the table
                 // points at it); unpin only once the new table is loaded, while
                 // the device is still suspended: the worker cannot write
                 // through a pinned image, and the linear table must not serve
                 // an unpinned one.
-                let dev = self.start_private(volume_id, v, to, &reason)?;
+                let dev = self.start_private(volume_id, v, &v.image, to, &reason)?;
                 let pin = v.direct.as_ref().map(|(_, p)| *p);
                 let image = &v.image;
                 let swapped = ioctl::swap(
@@ -363,6 +367,65 @@ impl DmBackend {
         v.dispatch = to;
         v.reason = reason;
         Ok(())
+    }
+
+    /// Leaves `direct` for the private worker on `to` when the volume holds
+    /// its image read-only but is writable: adopted by a restarted service,
+    /// which could open the pinned image for reading only, and a worker on
+    /// that handle would fail every write. A writable handle exists only once
+    /// unpinned, and the linear table must not serve an unpinned image: so,
+    /// all under the suspend, unpin, reopen for writing, start the worker on
+    /// that handle and load the table over it. The volume keeps the writable
+    /// handle. On error it stays as it was, pinned again.
+    fn leave_direct_reopened(
+        &self,
+        volume_id: Uuid,
+        v: &mut DmVolume,
+        to: DispatchPolicy,
+        reason: &str,
+    ) -> Result<(), BackendError> {
+        let pin = v.direct.as_ref().map(|(_, p)| *p);
+        let mut started = None;
+        let swapped = ioctl::swap(
+            &self.instance,
+            volume_id,
+            false,
+            v.read_only,
+            || {
+                let image = &v.image;
+                if let Some(p) = pin {
+                    extent::unpin(image.as_fd(), p)
+                        .map_err(|e| BackendError::io("unpin", "image", e))?;
+                }
+                let writable = blockplane_system::image::reopen(image, true)
+                    .map_err(|e| BackendError::io("reopen for writing", "image", e))?;
+                extent::drop_page_cache(writable.as_fd())
+                    .map_err(|e| BackendError::io("drop page cache", "image", e))?;
+                let dev = self.start_private(volume_id, v, &writable, to, reason)?;
+                started = Some((dev, writable));
+                Ok(over(dev, v.params.size_bytes))
+            },
+            || Ok(()),
+        );
+        match swapped {
+            Ok(table) => {
+                let (dev, writable) = started.expect("a table loaded is over a started worker");
+                v.image = writable;
+                v.table = table;
+                v.direct = None;
+                v.private_ublk = Some(dev);
+                Ok(())
+            }
+            Err(e) => {
+                if started.is_some() {
+                    let _ = self.ublk.stop(volume_id);
+                }
+                if pin.is_some_and(|p| !p.was_immutable) {
+                    let _ = extent::pin(v.image.as_fd());
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Rule 5 for one volume: re-read the map; on drift leave `direct` at once.
@@ -553,7 +616,8 @@ impl VolumeBackend for DmBackend {
             v.direct = Some((map, pin));
             table
         } else {
-            let dev = self.start_private(volume_id, &v, decision.dispatch, &decision.reason)?;
+            let dev =
+                self.start_private(volume_id, &v, &v.image, decision.dispatch, &decision.reason)?;
             v.private_ublk = Some(dev);
             over(dev, v.params.size_bytes)
         };

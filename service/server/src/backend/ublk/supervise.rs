@@ -433,7 +433,7 @@ impl UblkBackend {
                 .map_err(|e| io("unpin", req.params.image_path.clone(), e))?;
             pinned = None;
             // Opened while pinned, the manager's handle is read-only.
-            if !req.params.read_only && is_read_only(&req.image_fd) {
+            if !req.params.read_only && blockplane_system::image::is_read_only(&req.image_fd) {
                 req.image_fd = blockplane_system::image::reopen(&req.image_fd, true)
                     .map_err(|e| io("reopen for writing", req.params.image_path.clone(), e))?;
             }
@@ -678,12 +678,6 @@ fn worker_fd(pid: u32, fd: i32) -> Result<OwnedFd, BackendError> {
     .map_err(|e| io("pidfd_open", format!("worker {pid}"), e.into()))?;
     rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty())
         .map_err(|e| io("pidfd_getfd", format!("worker {pid}"), e.into()))
-}
-
-/// Whether `fd` is open for reading only.
-fn is_read_only(fd: &OwnedFd) -> bool {
-    rustix::fs::fcntl_getfl(fd)
-        .is_ok_and(|f| f & rustix::fs::OFlags::ACCMODE == rustix::fs::OFlags::RDONLY)
 }
 
 /// The image path in a worker's `--spec` argument.
