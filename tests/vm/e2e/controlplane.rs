@@ -1,6 +1,7 @@
 //! The control plane replaced under I/O: a new binary started on the same
-//! data dir (an upgrade), on every backend; and what one live instance sees
-//! of another's devices.
+//! data dir (an upgrade), and the service killed together with every worker
+//! (a pod replaced, a cgroup killed), on every backend; and what one live
+//! instance sees of another's devices.
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::harness::{self, Service};
-use crate::{Scratch, Vm, fio_verify, sectors_written, sh, writes_flow};
+use crate::{Scratch, Vm, eventually, fio_verify, sectors_written, sh, writes_flow};
 
 /// One volume of each kind a host serves: its name, how it is served, its
 /// device, and its worker (the volume's own, or a dm volume's private one).
@@ -21,6 +22,14 @@ struct Served {
     device: String,
     /// The policy in force, as created.
     dispatch: Value,
+}
+
+/// What each volume's user saw of a replacement.
+struct Seen {
+    /// From the replacement until the device completed a write again.
+    resumed: Duration,
+    /// fio's longest I/O, read and write.
+    longest: Duration,
 }
 
 /// `(name, backend, dispatch)` of the volumes [`serve_each_kind`] makes: every
@@ -193,6 +202,21 @@ async fn delete_each(vm: &Vm, served: &[Served]) {
     }
 }
 
+fn report(how: &str, served: &[Served], seen: &[Seen]) {
+    let kernel = sh("uname", &["-r"]);
+    eprintln!("{how}, kernel {}:", kernel.trim());
+    eprintln!("| volume | served by | device writes again after | fio's longest I/O |");
+    for (s, x) in served.iter().zip(seen) {
+        eprintln!(
+            "| {} | {} | {:.3} s | {:.3} s |",
+            s.name,
+            s.kind,
+            x.resumed.as_secs_f64(),
+            x.longest.as_secs_f64()
+        );
+    }
+}
+
 /// The service's executable at another path, as a package upgrade installs
 /// a new one: a bind mount of the file (the test binary's 200 MB copy over
 /// the emulator's 9p share takes minutes), which `/proc/PID/exe` names by
@@ -276,6 +300,127 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
         assert_eq!(errors_of(&vm, s).await, (0, 0), "{} on nowait", s.name);
     }
     assert_eq!(io_errors_logged(&served), Vec::<String>::new());
+    delete_each(&vm, &served).await;
+}
+
+/// A cgroup v2 group of processes killed as one (`cgroup.kill`), as systemd
+/// stops a unit with `KillMode=control-group`, as a container runtime stops
+/// a pod, as the OOM killer kills a `memory.oom.group` cgroup.
+struct Pod(PathBuf);
+
+impl Pod {
+    fn new() -> Self {
+        let root = Path::new("/sys/fs/cgroup");
+        if !root.join("cgroup.controllers").exists() {
+            sh("mount", &["-t", "cgroup2", "none", "/sys/fs/cgroup"]);
+        }
+        let dir = root.join(format!("bp-pod-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        Self(dir)
+    }
+
+    /// Moves `pid` (with its threads) in: what it starts later is in too.
+    fn enter(&self, pid: u32) {
+        std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+
+    fn pids(&self) -> Vec<u64> {
+        std::fs::read_to_string(self.0.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// SIGKILLs every process in it at once and waits until none is left.
+    async fn kill(&self) {
+        std::fs::write(self.0.join("cgroup.kill"), "1").unwrap();
+        eventually(
+            Duration::from_secs(30),
+            "the pod's processes to die",
+            async || self.pids().is_empty(),
+        )
+        .await;
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The service and every worker SIGKILLed at once, under fio write-then-
+/// verify on a volume of every kind, then a new service started: each ublk
+/// device (and dm's private one) waits quiesced and the new service's
+/// workers recover it; loop and dm direct devices never stopped. Every
+/// volume ends attached on its device, fio verifies everything with no I/O
+/// error, and how long each device's writes stalled is printed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_killed_whole_recovers_every_device_under_fio_verify() {
+    let mut vm = Vm::start().await;
+    let pod = Pod::new();
+    pod.enter(vm.s.pid());
+    let served = serve_each_kind(&vm).await;
+    let workers: Vec<Option<u64>> = served.iter().map(|s| worker_of(&vm, s)).collect();
+    let in_pod = pod.pids();
+    for (s, w) in served.iter().zip(&workers) {
+        if let Some(pid) = w {
+            assert!(
+                in_pod.contains(pid),
+                "{}: worker {pid} not in the pod",
+                s.name
+            );
+        }
+    }
+    let fios = fio_on_each(&served).await;
+    let _reaper = Reaper::of(&fios);
+
+    let killed = Instant::now();
+    pod.kill().await;
+    assert!(!vm.s.wait_exit(Duration::from_secs(10)).success());
+    for s in &served {
+        assert!(
+            Path::new(&s.device).exists(),
+            "{}: {} is gone",
+            s.name,
+            s.device
+        );
+    }
+    vm.s.restart().await;
+    let ready = killed.elapsed();
+    let again = resumed(&served, killed).await;
+
+    let mut seen = Vec::new();
+    for ((s, fio), (worker, resumed)) in served.iter().zip(fios).zip(workers.iter().zip(again)) {
+        let v = vm.s.get(&format!("/v1/volumes/{}", s.name)).await.body;
+        assert_eq!(v["state"], "attached", "{}: {v}", s.name);
+        assert_eq!(v["device"], s.device.as_str(), "{}: {v}", s.name);
+        assert_eq!(v["dispatch"], s.dispatch, "{}: {v}", s.name);
+        if worker.is_some() {
+            let now = worker_of(&vm, s);
+            assert!(
+                now.is_some() && now != *worker,
+                "{}: no new worker ({worker:?}, now {now:?})",
+                s.name
+            );
+        }
+        let longest = fio_verified(s.name, fio);
+        assert_eq!(errors_of(&vm, s).await, (0, 0), "{}", s.name);
+        seen.push(Seen { resumed, longest });
+    }
+    assert_eq!(io_errors_logged(&served), Vec::<String>::new());
+    eprintln!(
+        "the new service answered {:.3} s after the kill",
+        ready.as_secs_f64()
+    );
+    report("service and workers SIGKILLed at once", &served, &seen);
     delete_each(&vm, &served).await;
 }
 
