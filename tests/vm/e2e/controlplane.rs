@@ -349,8 +349,14 @@ impl Pod {
 }
 
 impl Drop for Pod {
+    /// Moves what is left back to the parent group, alive: a test that
+    /// failed before the kill must not leave ublk devices without servers
+    /// under fio (the service's cleanup could then wait forever).
     fn drop(&mut self) {
-        let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+        let parent = self.0.parent().unwrap().join("cgroup.procs");
+        for pid in self.pids() {
+            let _ = std::fs::write(&parent, pid.to_string());
+        }
         for _ in 0..100 {
             if std::fs::remove_dir(&self.0).is_ok() {
                 return;
