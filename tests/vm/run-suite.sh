@@ -59,7 +59,30 @@ fi
 
 echo "run-suite: $flavor kernel, $(basename "$exe") ${*:-(all tests)}: $expected tests" >&2
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+# The binaries this run executes, frozen: the guest reads the checkout over
+# 9p with cache=loose, which takes files never to change. Any cargo command
+# on the host during a run can put another file at target/debug/blockplane
+# (a rebuild after an edit or a commit, which the build script watches; or
+# with nothing rebuilt: `cargo test` and `cargo build` each put their own
+# build of it there, their dependencies' features unified apart), and a
+# process the guest then starts from that path runs the old file's pages
+# it has cached mixed with the new file's others. A restarted service died
+# so on 7.3 ("traps: blockplane[N] trap int3" on the console, at a
+# function's entry).
+# A hard link keeps this run's file whatever cargo does next (the linker
+# writes a new file, cargo links that anew at the path); suite-job.sh
+# mounts each over its path in the guest.
+frozen=$(mktemp -d "$(realpath "$(dirname "$exe")/..")/vm-frozen.XXXXXX")
+trap 'rm -f "$log"; rm -rf "$frozen"' EXIT
+binds=()
+# The test binary, and the service binary it runs (CARGO_BIN_EXE_blockplane).
+for f in "$exe" "$(dirname "$exe")/../blockplane"; do
+  [ -e "$f" ] || continue
+  f=$(realpath "$f")
+  copy=$frozen/$(basename "$f")
+  ln "$f" "$copy" 2>/dev/null || cp "$f" "$copy"
+  binds+=(--bind "$copy" "$f")
+done
 rc=0
 # Each finished test's line gets the seconds since the one before (the first
 # one's include the boot): where a lane's time goes, run after run.
@@ -72,7 +95,7 @@ timed() {
     esac
   done
 }
-"$here/run.sh" "$flavor" "$here/suite-job.sh" -- "$exe" --test-threads=1 "$@" | timed | tee "$log" || rc=$?
+"$here/run.sh" "$flavor" "$here/suite-job.sh" -- "${binds[@]}" "$exe" --test-threads=1 "$@" | timed | tee "$log" || rc=$?
 [ "$rc" -eq 0 ] || exit "$rc"
 ran=$(sed -n 's/^test result: ok\. \([0-9]*\) passed; 0 failed.*/\1/p' "$log" | tail -n1)
 if [ "${ran:-0}" -ne "$expected" ]; then
