@@ -955,3 +955,45 @@ fn registered_allocation(
         ),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filesystem_without_fiemap_records_null_and_refuses_a_declared_full() {
+        let (allocation, why) =
+            registered_allocation("i", "/r/i.img", 1 << 20, "tmpfs", Written::Unknown, None)
+                .unwrap();
+        assert_eq!(allocation, None);
+        assert!(
+            why.contains("tmpfs") && why.contains("served as sparse"),
+            "{why}"
+        );
+        let e = registered_allocation(
+            "i",
+            "/r/i.img",
+            1 << 20,
+            "tmpfs",
+            Written::Unknown,
+            Some(Allocation::Full),
+        )
+        .unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::AllocationMismatch { .. }), "{m}");
+        assert!(
+            m.contains("image 'i' (/r/i.img)") && m.contains("FIEMAP"),
+            "{m}"
+        );
+        let (allocation, _) = registered_allocation(
+            "i",
+            "/r/i.img",
+            1 << 20,
+            "tmpfs",
+            Written::Unknown,
+            Some(Allocation::Sparse),
+        )
+        .unwrap();
+        assert_eq!(allocation, Some(Allocation::Sparse));
+    }
+}
