@@ -510,6 +510,24 @@ async fn registered_event(s: &Service) -> String {
         .unwrap_or_default()
 }
 
+/// Registers the file at `path` as `name`, declaring `allocation` if
+/// given; asserts the 201 and answers the recorded allocation and why.
+async fn register(
+    s: &Service,
+    name: &str,
+    path: &std::path::Path,
+    allocation: Option<&str>,
+) -> (Value, String) {
+    let mut body = json!({"name": name, "path": path});
+    if let Some(a) = allocation {
+        body["allocation"] = json!(a);
+    }
+    let a = s.post("/v1/images", body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    (a.body["allocation"].clone(), why.to_string())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_registered_file_is_full_only_when_fiemap_shows_every_byte_written() {
     use std::os::unix::fs::FileExt;
@@ -527,16 +545,11 @@ async fn a_registered_file_is_full_only_when_fiemap_shows_every_byte_written() {
     fallocated_file(&prealloc, 4);
 
     // Written (not yet synced: FIEMAP syncs first), so kept allocated.
-    let a = s
-        .post("/v1/images", json!({"name": "written", "path": written}))
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    assert_eq!(a.body["allocation"], "full", "{}", a.body);
-    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    let (allocation, why) = register(&s, "written", &written, None).await;
+    assert_eq!(allocation, "full", "{why}");
     assert!(
         why.contains("every byte") && why.contains("recorded full"),
-        "{}",
-        a.body
+        "{why}"
     );
     assert!(rule_two(&written).is_ok());
     let g = s.get("/v1/images/written").await;
@@ -546,31 +559,21 @@ async fn a_registered_file_is_full_only_when_fiemap_shows_every_byte_written() {
     assert!(ev.contains("allocation full: FIEMAP shows"), "{ev}");
 
     // A hole after the first MiB.
-    let a = s
-        .post("/v1/images", json!({"name": "holey", "path": holey}))
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    assert_eq!(a.body["allocation"], "sparse", "{}", a.body);
-    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    let (allocation, why) = register(&s, "holey", &holey, None).await;
+    assert_eq!(allocation, "sparse", "{why}");
     assert!(
         why.contains("a hole at bytes 1048576..4194304")
             && why.contains("/v1/images/holey/allocate"),
-        "{}",
-        a.body
+        "{why}"
     );
 
     // Allocated, never written: rule 2 refuses it, so it is no more `full`
     // than a hole is.
-    let a = s
-        .post("/v1/images", json!({"name": "prealloc", "path": prealloc}))
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    assert_eq!(a.body["allocation"], "sparse", "{}", a.body);
-    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    let (allocation, why) = register(&s, "prealloc", &prealloc, None).await;
+    assert_eq!(allocation, "sparse", "{why}");
     assert!(
         why.contains("unwritten extents (allocated, never written) at bytes 0..4194304"),
-        "{}",
-        a.body
+        "{why}"
     );
     assert!(rule_two(&prealloc).unwrap_err().contains("UNWRITTEN"));
 }
@@ -623,30 +626,15 @@ async fn a_declared_allocation_is_recorded_and_full_is_checked_first() {
     }
 
     // `sparse` on a fully written file: recorded as asked.
-    let a = s
-        .post(
-            "/v1/images",
-            json!({"name": "written", "path": written, "allocation": "sparse"}),
-        )
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    assert_eq!(a.body["allocation"], "sparse", "{}", a.body);
-    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
-    assert!(why.starts_with("declared sparse"), "{}", a.body);
+    let (allocation, why) = register(&s, "written", &written, Some("sparse")).await;
+    assert_eq!(allocation, "sparse", "{why}");
+    assert!(why.starts_with("declared sparse"), "{why}");
     // `full` on a fully written file: checked, recorded.
-    let a = s
-        .post(
-            "/v1/images",
-            json!({"name": "other", "path": other, "allocation": "full"}),
-        )
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-    assert_eq!(a.body["allocation"], "full", "{}", a.body);
-    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    let (allocation, why) = register(&s, "other", &other, Some("full")).await;
+    assert_eq!(allocation, "full", "{why}");
     assert!(
         why.starts_with("declared full, and FIEMAP shows every byte"),
-        "{}",
-        a.body
+        "{why}"
     );
     let l = s.get("/v1/images").await.body;
     let recorded: Vec<_> = l
