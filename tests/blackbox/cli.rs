@@ -701,32 +701,16 @@ async fn image_add_says_the_allocation_it_recorded_and_why_and_takes_a_declared_
         "{out}"
     );
     assert_eq!(json(&s, &["image", "show", "w"])["allocation"], "full");
-    let refused = cli(
-        &s,
-        &[
-            "image",
-            "add",
-            "h",
-            holey.to_str().unwrap(),
-            "--allocation",
-            "full",
-        ],
-    );
+    let add_h = |allocation| {
+        let h = holey.to_str().unwrap();
+        ["image", "add", "h", h, "--allocation", allocation]
+    };
+    let refused = cli(&s, &add_h("full"));
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(
         !refused.status.success() && err.contains("cannot be registered as full"),
         "{err}"
     );
-    let a = json(
-        &s,
-        &[
-            "image",
-            "add",
-            "h",
-            holey.to_str().unwrap(),
-            "--allocation",
-            "sparse",
-        ],
-    );
+    let a = json(&s, &add_h("sparse"));
     assert_eq!(a["allocation"], "sparse", "{a}");
 }
