@@ -677,3 +677,37 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
         "{quiet}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn image_add_says_the_allocation_it_recorded_and_why_and_takes_a_declared_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Service::start().await;
+    let written = s.images.join("w.img");
+    std::fs::write(&written, vec![1u8; 1 << 20]).unwrap();
+    let holey = s.images.join("h.img");
+    std::fs::File::create(&holey)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    for p in [&written, &holey] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let out = ok(&s, &["image", "add", "w", written.to_str().unwrap()]);
+    assert!(
+        out.contains("allocation reason: FIEMAP shows every byte"),
+        "{out}"
+    );
+    assert_eq!(json(&s, &["image", "show", "w"])["allocation"], "full");
+    let add_h = |allocation| {
+        let h = holey.to_str().unwrap();
+        ["image", "add", "h", h, "--allocation", allocation]
+    };
+    let refused = cli(&s, &add_h("full"));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains("cannot be registered as full"),
+        "{err}"
+    );
+    let a = json(&s, &add_h("sparse"));
+    assert_eq!(a["allocation"], "sparse", "{a}");
+}

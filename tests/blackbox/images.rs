@@ -26,7 +26,8 @@ async fn register_show_list_and_forget() {
     assert_eq!(a.body["size_bytes"], 8 << 20);
     assert_eq!(a.body["path"], path.display().to_string());
     assert_eq!(a.body["filesystem"], "ext4");
-    assert_eq!(a.body["allocation"], serde_json::Value::Null);
+    // `set_len` only: one hole, so FIEMAP makes it sparse.
+    assert_eq!(a.body["allocation"], "sparse", "{}", a.body);
     assert_eq!(a.body["volumes"], json!([]));
 
     for key in [id.as_str(), "a"] {
@@ -260,6 +261,28 @@ async fn registration_refusals_change_nothing() {
             400,
             "invalid_body",
         ),
+        (
+            json!({"name": "x", "path": p("exists.img"), "allocation": "thick"}),
+            400,
+            "invalid_body",
+        ),
+        (
+            json!({"name": "x", "path": p("new.img"), "allocation": "full",
+                   "create": {"size_bytes": 1048576, "allocation": "full"}}),
+            422,
+            "invalid_field",
+        ),
+        (
+            json!({"name": "x", "path": p("new.img"), "allocation": "sparse", "clone_from": "good"}),
+            422,
+            "invalid_field",
+        ),
+        // `set_len` only: a hole where `full` says there is none.
+        (
+            json!({"name": "x", "path": p("exists.img"), "allocation": "full"}),
+            422,
+            "allocation_mismatch",
+        ),
     ];
     let before = s.snapshot().await;
     for (body, status, code) in cases {
@@ -455,6 +478,179 @@ async fn a_new_file_on_a_renamed_over_images_inode_registers() {
         .post("/v1/images", json!({"name": "fresh", "path": fresh}))
         .await;
     assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+}
+
+/// A 0600 file of `mib` MiB under the root, all of it written with data.
+fn written_file(path: &std::path::Path, mib: usize) {
+    std::fs::write(path, vec![0x5a; mib << 20]).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// A 0600 file of `mib` MiB under the root, allocated by `fallocate` and
+/// never written: every extent UNWRITTEN.
+fn fallocated_file(path: &std::path::Path, mib: usize) {
+    make_file(path, 0);
+    let falloc = std::process::Command::new("fallocate")
+        .args(["--length", &format!("{mib}MiB")])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(falloc.success());
+}
+
+/// The message of the last `image_registered` event.
+async fn registered_event(s: &Service) -> String {
+    let ev = s.get("/v1/events?limit=1000").await.body;
+    ev.as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|e| e["kind"] == "image_registered")
+        .map(|e| e["message"].as_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
+/// Registers the file at `path` as `name`, declaring `allocation` if
+/// given; asserts the 201 and answers the recorded allocation and why.
+async fn register(
+    s: &Service,
+    name: &str,
+    path: &std::path::Path,
+    allocation: Option<&str>,
+) -> (Value, String) {
+    let mut body = json!({"name": name, "path": path});
+    if let Some(a) = allocation {
+        body["allocation"] = json!(a);
+    }
+    let a = s.post("/v1/images", body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let why = a.body["allocation_reason"].as_str().unwrap_or_default();
+    (a.body["allocation"].clone(), why.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registered_file_is_full_only_when_fiemap_shows_every_byte_written() {
+    use std::os::unix::fs::FileExt;
+    let s = Service::start().await;
+    let written = s.images.join("written.img");
+    written_file(&written, 4);
+    let holey = s.images.join("holey.img");
+    make_file(&holey, 4 << 20);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&holey)
+        .unwrap();
+    f.write_all_at(&[0xa5; 1 << 20], 0).unwrap();
+    let prealloc = s.images.join("prealloc.img");
+    fallocated_file(&prealloc, 4);
+
+    // Written (not yet synced: FIEMAP syncs first), so kept allocated.
+    let (allocation, why) = register(&s, "written", &written, None).await;
+    assert_eq!(allocation, "full", "{why}");
+    assert!(
+        why.contains("every byte") && why.contains("recorded full"),
+        "{why}"
+    );
+    assert!(rule_two(&written).is_ok());
+    let g = s.get("/v1/images/written").await;
+    assert_eq!(g.body["allocation"], "full", "{}", g.body);
+    assert_eq!(g.body["allocation_reason"], Value::Null, "{}", g.body);
+    let ev = registered_event(&s).await;
+    assert!(ev.contains("allocation full: FIEMAP shows"), "{ev}");
+
+    // A hole after the first MiB.
+    let (allocation, why) = register(&s, "holey", &holey, None).await;
+    assert_eq!(allocation, "sparse", "{why}");
+    assert!(
+        why.contains("a hole at bytes 1048576..4194304")
+            && why.contains("/v1/images/holey/allocate"),
+        "{why}"
+    );
+
+    // Allocated, never written: rule 2 refuses it, so it is no more `full`
+    // than a hole is.
+    let (allocation, why) = register(&s, "prealloc", &prealloc, None).await;
+    assert_eq!(allocation, "sparse", "{why}");
+    assert!(
+        why.contains("unwritten extents (allocated, never written) at bytes 0..4194304"),
+        "{why}"
+    );
+    assert!(rule_two(&prealloc).unwrap_err().contains("UNWRITTEN"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_declared_allocation_is_recorded_and_full_is_checked_first() {
+    let s = Service::start().await;
+    let holey = s.images.join("holey.img");
+    make_file(&holey, 4 << 20);
+    let prealloc = s.images.join("prealloc.img");
+    fallocated_file(&prealloc, 4);
+    let written = s.images.join("written.img");
+    written_file(&written, 4);
+    let other = s.images.join("other.img");
+    written_file(&other, 4);
+
+    // `full` on a file with a hole or unwritten extents: refused, naming the
+    // image, the file, the first such range and the remedies.
+    let before = s.snapshot().await;
+    for (name, path, what) in [
+        ("holey", &holey, "a hole at bytes 0..4194304"),
+        (
+            "prealloc",
+            &prealloc,
+            "unwritten extents (allocated, never written) at bytes 0..4194304",
+        ),
+    ] {
+        let a = s
+            .post(
+                "/v1/images",
+                json!({"name": name, "path": path, "allocation": "full"}),
+            )
+            .await;
+        assert_error(&a, 422, "allocation_mismatch");
+        crate::harness::check_against_openapi(&Method::POST, "/v1/images", &a);
+        let m = a.body["error"]["message"].as_str().unwrap();
+        for part in [
+            &format!("image '{name}' ({})", path.display()),
+            what,
+            &format!("POST /v1/images/{name}/allocate"),
+            "nothing was recorded",
+        ] {
+            assert!(m.contains(part), "{part:?} not in {m}");
+        }
+        assert_eq!(
+            s.snapshot().await,
+            before,
+            "refusal of {name} changed something"
+        );
+    }
+
+    // `sparse` on a fully written file: recorded as asked.
+    let (allocation, why) = register(&s, "written", &written, Some("sparse")).await;
+    assert_eq!(allocation, "sparse", "{why}");
+    assert!(why.starts_with("declared sparse"), "{why}");
+    // `full` on a fully written file: checked, recorded.
+    let (allocation, why) = register(&s, "other", &other, Some("full")).await;
+    assert_eq!(allocation, "full", "{why}");
+    assert!(
+        why.starts_with("declared full, and FIEMAP shows every byte"),
+        "{why}"
+    );
+    let l = s.get("/v1/images").await.body;
+    let recorded: Vec<_> = l
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap(),
+                i["allocation"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(recorded.len(), 2, "{l}");
+    assert!(recorded.contains(&("written", "sparse")), "{l}");
+    assert!(recorded.contains(&("other", "full")), "{l}");
 }
 
 /// Rule 2 as the direct path checks it, on the file at `path`.

@@ -293,6 +293,7 @@ impl ControllerService {
                         allocation: params.allocation,
                     }),
                     clone_from: src.as_ref().map(|s| s.name.clone()),
+                    allocation: None,
                 })
                 .await?;
             if image.state == ImageState::Copying {

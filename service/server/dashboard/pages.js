@@ -525,6 +525,7 @@ export function imagesPage(ctx) {
     }
     const r = await act(ctx, addOut, [addBtn], () => api('POST', '/v1/images', body),
       (img) => [`Image ${img.name} added: ${bytes(img.size_bytes)} on ${img.filesystem}.`,
+        ...(img.allocation_reason ? [` Allocation ${img.allocation ?? 'unknown'}: ${img.allocation_reason}.`] : []),
         ...(img.warnings ?? []).map((w) => h('span', { class: 'warning' }, ` Warning: ${w}`))]);
     if (r) {
       name.value = '';

@@ -110,6 +110,9 @@ error_codes! {
     ShrinkRefused = "shrink_refused",
     /// 422: the image cannot be allocated.
     NotAllocatable = "not_allocatable",
+    /// 422: a registration declared `full` and the file has a hole or an
+    /// unwritten extent (or its filesystem cannot say).
+    AllocationMismatch = "allocation_mismatch",
     /// 422: a write to a read-only image (a snapshot).
     ImageReadOnly = "image_read_only",
 

@@ -71,6 +71,17 @@ pub struct CreateImageRequest {
     /// `shrink_refused`), the new range laid out as its `allocation`.
     #[serde(default)]
     pub clone_from: Option<String>,
+    /// Registering only (neither `create` nor `clone_from`; 422
+    /// `invalid_field` with either): the allocation to record instead of
+    /// the one FIEMAP finds. `full` is checked against the file: a hole or
+    /// an unwritten extent is refused (422 `allocation_mismatch`, naming the
+    /// first one; nothing is recorded). `sparse` is recorded as asked, so
+    /// discards through `nowait`/`threaded` punch even a fully written file.
+    /// Without it, a file FIEMAP shows fully written is recorded `full`,
+    /// any other `sparse` (`null` where the filesystem has no FIEMAP);
+    /// `allocation_reason` in the answer says which and why.
+    #[serde(default)]
+    pub allocation: Option<Allocation>,
 }
 
 /// `POST /v1/images/{id}/snapshots`: a read-only copy of an image, next to it.
@@ -187,8 +198,17 @@ pub struct Image {
     pub allocated_bytes: u64,
     /// The filesystem the file lives on, from `statfs` (e.g. `ext4`, `xfs`).
     pub filesystem: String,
-    /// How blockplane created the file; `null` for registered files.
+    /// How blockplane created the file, or what it recorded when the file
+    /// was registered: `full` when FIEMAP showed every byte written (or it
+    /// was declared and checked so), `sparse` otherwise or when declared.
+    /// `null` for a file registered before registrations were checked, or
+    /// on a filesystem without FIEMAP; served as `sparse`.
     pub allocation: Option<Allocation>,
+    /// Why a registration recorded `allocation` as it did (what FIEMAP
+    /// showed, or that it was declared). In the registration's answer only
+    /// (and its `image_registered` event); `null` in every other answer.
+    #[serde(default)]
+    pub allocation_reason: Option<String>,
     /// When it was registered or created.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]

@@ -184,6 +184,11 @@ pub enum ImageCmd {
         name: String,
         /// The file, under one of the service's image roots.
         path: String,
+        /// Record this allocation instead of what FIEMAP shows: full (checked:
+        /// refused if the file has a hole or an unwritten extent) or sparse
+        /// (discards punch). Without it, a fully written file is full.
+        #[arg(long, value_parser = wire::<Allocation>(&["sparse", "full"]))]
+        allocation: Option<Allocation>,
     },
     /// Create a new file and register it.
     Create {

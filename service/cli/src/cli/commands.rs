@@ -99,14 +99,20 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
         path: path.into(),
         create,
         clone_from: clone_from.map(str::to_string),
+        allocation: None,
     };
     Ok(match cmd {
-        ImageCmd::Add { name, path } => View::Image(
-            client
-                .create_image(&create(name, path, None, None))
-                .await
-                .map_err(api)?,
-        ),
+        ImageCmd::Add {
+            name,
+            path,
+            allocation,
+        } => {
+            let req = CreateImageRequest {
+                allocation: *allocation,
+                ..create(name, path, None, None)
+            };
+            View::Image(client.create_image(&req).await.map_err(api)?)
+        }
         ImageCmd::Create {
             name,
             path,

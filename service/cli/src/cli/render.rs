@@ -211,6 +211,9 @@ fn image(i: &Image, names: &Names) -> String {
         ),
         ("created", at(i.created_at)),
     ]);
+    if let Some(why) = &i.allocation_reason {
+        out += &format!("allocation reason: {why}\n");
+    }
     for w in &i.warnings {
         out += &format!("warning: {w}\n");
     }

@@ -101,6 +101,9 @@ impl ApiError {
                 Error::Shrink { .. } => (S::UNPROCESSABLE_ENTITY, C::ShrinkRefused),
                 Error::SpaceShort { .. } => (S::INSUFFICIENT_STORAGE, C::NoSpace),
                 Error::NotAllocatable { .. } => (S::UNPROCESSABLE_ENTITY, C::NotAllocatable),
+                Error::AllocationMismatch { .. } => {
+                    (S::UNPROCESSABLE_ENTITY, C::AllocationMismatch)
+                }
                 Error::AllocateConflict { .. } => (S::CONFLICT, C::AllocateConflict),
                 Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, C::ImageReadOnly),
                 Error::ImageNotReady { .. } => (S::CONFLICT, C::ImageNotReady),

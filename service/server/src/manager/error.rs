@@ -91,6 +91,12 @@ pub enum Error {
     },
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
+    #[error("image '{name}' ({path}) cannot be registered as full: {reason}; nothing was recorded")]
+    AllocationMismatch {
+        name: String,
+        path: String,
+        reason: String,
+    },
     #[error("image '{name}': {reason}")]
     AllocateConflict { name: String, reason: String },
     #[error("image '{name}' is {current} bytes; resize only grows (asked {asked})")]

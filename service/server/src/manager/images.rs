@@ -13,7 +13,8 @@ use blockplane_api::model::{
     AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
     ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
 };
-use blockplane_system::image::Access;
+use blockplane_system::extent::Unwritten;
+use blockplane_system::image::{Access, Written};
 
 /// An allocate (see [`Manager::allocate_image`]): it writes its image.
 pub(super) struct AllocateRun;
@@ -41,6 +42,18 @@ impl Manager {
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
+        if let Some(declared) = req.allocation
+            && (req.create.is_some() || req.clone_from.is_some())
+        {
+            return Err(Error::InvalidField {
+                field: "allocation",
+                reason: format!(
+                    "image '{}': a top-level \"allocation\" ({}) is declared only when registering an existing file; with \"create\" give it as \"create\": {{\"allocation\"}}",
+                    req.name,
+                    declared.as_str()
+                ),
+            });
+        }
         if let Some(source) = &req.clone_from {
             return self
                 .clone_image(source, &req.name, &req.path, req.create)
@@ -68,21 +81,32 @@ impl Manager {
             None => Vec::new(),
         };
         let me = self.clone();
-        let (file, created) = match req.create.clone() {
+        let (file, created, allocation, reason) = match req.create.clone() {
             Some(spec) => {
                 let p = path.clone();
                 let file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
                 self.faults.pause(super::Slow::ImageCreate).await;
-                (file, Some(spec.allocation))
+                (file, Some(spec.allocation), Some(spec.allocation), None)
             }
             None => {
                 let p = path.clone();
-                (
-                    blocking(move || me.roots.open_file(&p, Access::ReadOnly)).await??,
-                    None,
-                )
+                let (file, written) = blocking(move || -> Result<_> {
+                    let file = me.roots.open_file(&p, Access::ReadOnly)?;
+                    let written = file.written()?;
+                    Ok((file, written))
+                })
+                .await??;
+                let (allocation, reason) = registered_allocation(
+                    &req.name,
+                    &path.display(),
+                    file.size(),
+                    &file.filesystem()?,
+                    written,
+                    req.allocation,
+                )?;
+                (file, None, allocation, Some(reason))
             }
         };
         let (dev, ino) = file.identity();
@@ -96,7 +120,7 @@ impl Manager {
             birth: birth.clone(),
             size_bytes: file.size(),
             allocated_bytes: file.allocated(),
-            allocation: created,
+            allocation,
             filesystem: file.filesystem()?,
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: None,
@@ -129,11 +153,18 @@ impl Manager {
                 Some(row.id),
                 &format!("image_{verb}"),
                 &format!(
-                    "image '{}' {verb}: {}, {}, on {}",
+                    "image '{}' {verb}: {}, {}, on {}{}",
                     row.name,
                     row.path,
                     size_text(row.size_bytes),
-                    row.filesystem
+                    row.filesystem,
+                    reason
+                        .as_ref()
+                        .map(|why| format!(
+                            "; allocation {}: {why}",
+                            row.allocation.map_or("null", Allocation::as_str)
+                        ))
+                        .unwrap_or_default()
                 ),
             )
             .await?;
@@ -159,6 +190,7 @@ impl Manager {
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
+        image.allocation_reason = reason;
         Ok(image)
     }
 
@@ -279,6 +311,7 @@ impl Manager {
             allocated_bytes,
             filesystem: row.filesystem,
             allocation: row.allocation,
+            allocation_reason: None,
             created_at: row.created_at,
             volumes,
             allocate,
@@ -840,5 +873,127 @@ impl Manager {
             });
         }
         Ok(file)
+    }
+}
+
+/// What registering a file records as its allocation, and why: `declared`
+/// (a `full` checked against the file first), else what FIEMAP shows
+/// (`written`): every byte written is `full`, so discards through
+/// `nowait`/`threaded` keep it as it is; anything else `sparse`. `None`
+/// when the filesystem cannot say.
+fn registered_allocation(
+    name: &str,
+    path: &str,
+    size: u64,
+    fs: &str,
+    written: Written,
+    declared: Option<Allocation>,
+) -> Result<(Option<Allocation>, String)> {
+    const KEPT: &str = "it is kept allocated: discards through nowait/threaded write zeros instead of punching, so they never cost it direct";
+    let all = || {
+        format!(
+            "FIEMAP shows every byte of its {} written (no hole, no unwritten extent)",
+            size_text(size)
+        )
+    };
+    let missing = |u: &Unwritten| {
+        format!(
+            "FIEMAP shows {} at bytes {}..{} ({} of its {} hold no written data)",
+            u.what(),
+            u.start,
+            u.end,
+            size_text(u.total),
+            size_text(size)
+        )
+    };
+    let no_fiemap = format!(
+        "its filesystem ({fs}) does not answer FIEMAP, so whether every byte is written cannot be told"
+    );
+    let mismatch = |reason: String| Error::AllocationMismatch {
+        name: name.to_string(),
+        path: path.to_string(),
+        reason,
+    };
+    Ok(match (declared, written) {
+        (Some(Allocation::Sparse), _) => (
+            Some(Allocation::Sparse),
+            "declared sparse: discards through nowait/threaded punch holes, giving the space back"
+                .into(),
+        ),
+        (Some(Allocation::Full), Written::All) => (
+            Some(Allocation::Full),
+            format!("declared full, and {}: {KEPT}", all()),
+        ),
+        (Some(Allocation::Full), Written::Not(u)) => {
+            return Err(mismatch(format!(
+                "{}; register it without \"allocation\" (it is recorded sparse) and run POST /v1/images/{name}/allocate (blockplane image allocate {name}), or write zeros over those bytes before registering (fallocate alone leaves them unwritten)",
+                missing(&u)
+            )));
+        }
+        (Some(Allocation::Full), Written::Unknown) => {
+            return Err(mismatch(format!(
+                "{no_fiemap}; register it without \"allocation\" (recorded null, served as sparse)"
+            )));
+        }
+        (None, Written::All) => (
+            Some(Allocation::Full),
+            format!(
+                "{}: recorded full, so {KEPT}; declare \"allocation\": \"sparse\" to have discards punch",
+                all()
+            ),
+        ),
+        (None, Written::Not(u)) => (
+            Some(Allocation::Sparse),
+            format!(
+                "{}: recorded sparse, so discards through nowait/threaded punch; POST /v1/images/{name}/allocate writes zeros over those bytes and makes it full",
+                missing(&u)
+            ),
+        ),
+        (None, Written::Unknown) => (
+            None,
+            format!("{no_fiemap}: recorded null, served as sparse (discards punch)"),
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filesystem_without_fiemap_records_null_and_refuses_a_declared_full() {
+        let (allocation, why) =
+            registered_allocation("i", "/r/i.img", 1 << 20, "tmpfs", Written::Unknown, None)
+                .unwrap();
+        assert_eq!(allocation, None);
+        assert!(
+            why.contains("tmpfs") && why.contains("served as sparse"),
+            "{why}"
+        );
+        let e = registered_allocation(
+            "i",
+            "/r/i.img",
+            1 << 20,
+            "tmpfs",
+            Written::Unknown,
+            Some(Allocation::Full),
+        )
+        .unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::AllocationMismatch { .. }), "{m}");
+        assert!(
+            m.contains("image 'i' (/r/i.img)") && m.contains("FIEMAP"),
+            "{m}"
+        );
+        let (allocation, _) = registered_allocation(
+            "i",
+            "/r/i.img",
+            1 << 20,
+            "tmpfs",
+            Written::Unknown,
+            Some(Allocation::Sparse),
+        )
+        .unwrap();
+        assert_eq!(allocation, Some(Allocation::Sparse));
     }
 }

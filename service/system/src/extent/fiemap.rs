@@ -128,6 +128,59 @@ pub fn unwritten_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Ve
     Ok(out)
 }
 
+/// The first stretch of a file that holds no written data (a hole, an
+/// UNWRITTEN extent, or both side by side), as [`first_unwritten`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unwritten {
+    /// Where it starts (bytes).
+    pub start: u64,
+    /// Where it ends.
+    pub end: u64,
+    /// Part of it has no extent.
+    pub hole: bool,
+    /// Part of it is UNWRITTEN extents.
+    pub unwritten: bool,
+    /// Bytes of the whole file that hold no written data.
+    pub total: u64,
+}
+
+impl Unwritten {
+    /// What the stretch is, for messages.
+    pub fn what(&self) -> &'static str {
+        match (self.hole, self.unwritten) {
+            (true, true) => "a hole and unwritten extents",
+            (false, true) => "unwritten extents (allocated, never written)",
+            _ => "a hole",
+        }
+    }
+}
+
+/// The first stretch of `[0, size)` that rule 2 refuses for want of written
+/// data ([`unwritten_ranges`]), with what it is; `None` when every byte is
+/// written.
+pub fn first_unwritten(fd: BorrowedFd<'_>, size: u64) -> io::Result<Option<Unwritten>> {
+    let ranges = unwritten_ranges(fd, 0, size)?;
+    let Some(&(start, end)) = ranges.first() else {
+        return Ok(None);
+    };
+    let mut in_extents = 0;
+    let mut unwritten = false;
+    for e in fiemap_range(fd, start, end, false)? {
+        let (a, b) = (e.logical.max(start), (e.logical + e.len).min(end));
+        if a < b {
+            in_extents += b - a;
+            unwritten |= e.flags & FIEMAP_EXTENT_UNWRITTEN != 0;
+        }
+    }
+    Ok(Some(Unwritten {
+        start,
+        end,
+        hole: in_extents < end - start,
+        unwritten,
+        total: ranges.iter().map(|(a, b)| b - a).sum(),
+    }))
+}
+
 /// Bytes of `[0, size)` that are holes: what allocating the image takes
 /// from its filesystem's free space.
 pub fn hole_bytes(fd: BorrowedFd<'_>, size: u64) -> io::Result<u64> {
@@ -180,6 +233,33 @@ mod tests {
                 all.iter()
                     .enumerate()
                     .all(|(i, &b)| data.contains(&i) || b == 0),
+                "{fs}"
+            );
+        }
+    }
+
+    #[test]
+    fn first_unwritten_names_the_first_stretch_without_data_and_what_it_is() {
+        use std::os::unix::fs::FileExt;
+        let k = 64 << 10;
+        let keep = rustix::fs::FallocateFlags::KEEP_SIZE;
+        for fs in ["ext4", "xfs"] {
+            let t = TestFs::new(fs);
+            let (_d, f, _) = temp_file_on(&t.mnt(), "first.img");
+            f.write_all_at(&vec![7u8; 4 * k as usize], 0).unwrap();
+            f.sync_all().unwrap();
+            assert_eq!(first_unwritten(f.as_fd(), 4 * k).unwrap(), None, "{fs}");
+            rustix::fs::fallocate(&f, keep, 4 * k, 2 * k).unwrap();
+            f.set_len(8 * k).unwrap();
+            let u = first_unwritten(f.as_fd(), 8 * k).unwrap().unwrap();
+            assert_eq!((u.start, u.end, u.total), (4 * k, 8 * k, 4 * k), "{fs}");
+            assert_eq!(u.what(), "a hole and unwritten extents", "{fs}");
+            let (_d2, g, _) = temp_file_on(&t.mnt(), "prealloc.img");
+            rustix::fs::fallocate(&g, rustix::fs::FallocateFlags::empty(), 0, 4 * k).unwrap();
+            let u = first_unwritten(g.as_fd(), 4 * k).unwrap().unwrap();
+            assert_eq!(
+                (u.start, u.end, u.hole, u.unwritten),
+                (0, 4 * k, false, true),
                 "{fs}"
             );
         }

@@ -30,7 +30,8 @@ mod stack;
 mod testfs;
 
 pub use fiemap::{
-    FIEMAP_EXTENT_UNWRITTEN, FsExtent, fiemap, fiemap_range, hole_bytes, unwritten_ranges,
+    FIEMAP_EXTENT_UNWRITTEN, FsExtent, Unwritten, fiemap, fiemap_range, first_unwritten,
+    hole_bytes, unwritten_ranges,
 };
 pub use map::{ExtentMap, Piece, Pieces, RawDevice, Segment};
 pub use pin::{Pin, drop_page_cache, is_immutable, map_and_pin, pin, unpin};

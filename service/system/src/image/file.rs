@@ -22,6 +22,17 @@ pub enum Access {
     ReadWrite,
 }
 
+/// Whether every byte of a file is written ([`ImageFile::written`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// No hole, no UNWRITTEN extent.
+    All,
+    /// The first stretch that holds no written data.
+    Not(crate::extent::Unwritten),
+    /// Its filesystem does not answer FIEMAP, so it cannot be told.
+    Unknown,
+}
+
 /// An open image file and what `fstat` said of it when opened.
 #[derive(Debug)]
 pub struct ImageFile {
@@ -106,6 +117,20 @@ impl ImageFile {
         let todo = crate::extent::unwritten_ranges(self.fd.as_fd(), 0, self.size())
             .map_err(|e| io_error(&self.path, "FS_IOC_FIEMAP", e))?;
         Ok(todo.iter().map(|(a, b)| b - a).sum())
+    }
+
+    /// Whether every byte of the file is written, from FIEMAP after a sync;
+    /// if not, its first stretch that holds no data (a hole or UNWRITTEN
+    /// extents: what direct-map rule 2 refuses).
+    pub fn written(&self) -> Result<Written> {
+        match crate::extent::first_unwritten(self.fd.as_fd(), self.size()) {
+            Ok(None) => Ok(Written::All),
+            Ok(Some(u)) => Ok(Written::Not(u)),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOTTY)) => {
+                Ok(Written::Unknown)
+            }
+            Err(e) => Err(io_error(&self.path, "FS_IOC_FIEMAP", e)),
+        }
     }
 
     /// Writes the file's dirty pages to disk, so a copy or reflink of it

@@ -22,7 +22,7 @@ mod roots;
 
 use std::io;
 
-pub use file::{Access, CloneStart, ImageFile, MAX_IMAGE_BYTES, cannot_share, grow_fd};
+pub use file::{Access, CloneStart, ImageFile, MAX_IMAGE_BYTES, Written, cannot_share, grow_fd};
 pub use fill::{ALLOCATE_STEP, AllocateJob, FALLOC_FL_WRITE_ZEROES, allocate_range};
 pub use identity::{birth_of, is_read_only, reopen, same_birth};
 pub use lock::{retake_lock, set_ofd_lock};
