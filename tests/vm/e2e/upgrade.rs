@@ -388,17 +388,7 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
             && msg.contains("serves on"),
         "{msg}"
     );
-    eventually(
-        Duration::from_secs(30),
-        "a worker_handover_failed event",
-        async || {
-            vm.event_kinds(&id)
-                .await
-                .iter()
-                .any(|k| k == "worker_handover_failed")
-        },
-    )
-    .await;
+    failed_handovers(&vm, &id, 1).await;
     assert_eq!(worker_pid(&vm, &id), now, "the old worker was replaced");
     let stats = vm.s.get("/v1/volumes/hf/stats").await.body;
     assert_eq!(stats["worker_restarts"], restarts, "{stats}");
@@ -414,20 +404,7 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
         msg.contains("failed after it let go") && msg.contains("recovered the device"),
         "{msg}"
     );
-    // Recorded once the volume's lock is free again.
-    eventually(
-        Duration::from_secs(30),
-        "a second worker_handover_failed event",
-        async || {
-            vm.event_kinds(&id)
-                .await
-                .iter()
-                .filter(|k| *k == "worker_handover_failed")
-                .count()
-                == 2
-        },
-    )
-    .await;
+    failed_handovers(&vm, &id, 2).await;
     let v = vm.s.get("/v1/volumes/hf").await.body;
     assert_eq!(v["state"], "attached", "{v}");
     assert_eq!(devnum(&dev), num);
@@ -439,6 +416,24 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
     assert_eq!(stats["read"]["errors"], 0, "{stats}");
     assert_eq!(stats["worker_restarts"], restarts + 1, "{stats}");
     eprintln!("killed and failed handovers: longest fio completion {worst:.0} ms over {runs} runs");
+}
+
+/// Waits until volume `id` has `n` `worker_handover_failed` events (each is
+/// recorded once the volume's lock is free again).
+async fn failed_handovers(vm: &Vm, id: &str, n: usize) {
+    eventually(
+        Duration::from_secs(30),
+        &format!("{n} worker_handover_failed event(s)"),
+        async || {
+            vm.event_kinds(id)
+                .await
+                .iter()
+                .filter(|k| *k == "worker_handover_failed")
+                .count()
+                == n
+        },
+    )
+    .await;
 }
 
 /// A handover waits for an allocate of the volume's image: 409, nothing
