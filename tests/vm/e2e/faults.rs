@@ -521,15 +521,18 @@ async fn write_ops(vm: &Vm, volume: &str) -> u64 {
     st["write"]["ops"].as_u64().unwrap_or(0)
 }
 
-/// Twenty SIGKILLs of the worker per policy, each while fio is writing (its
-/// write count moved in the last 300 ms). Each fio run writes with crc32c
-/// headers and then verifies everything it wrote, so every kill lands between
-/// writes and the verify that reads them back.
+/// Twenty SIGKILLs of one worker (on `nowait`), then five on each other
+/// policy, each while fio is writing (its write count moved in the last
+/// 300 ms). Each fio run writes with crc32c headers and then verifies
+/// everything it wrote, so every kill lands between writes and the verify
+/// that reads them back. Five per policy, not twenty, on the others: the
+/// recovery is the same code on each, and the storm's length is what the
+/// lanes' 45 minutes cannot spare.
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_worker_kills_under_fio_verify() {
     let vm = Vm::start().await;
     vm.image("storm", Scratch::Xfs, 64, "full").await;
-    for policy in ["nowait", "threaded", "direct"] {
+    for (policy, storm) in [("nowait", 20), ("threaded", 5), ("direct", 5)] {
         let v = vm
             .volume(
                 json!({"name": "storm", "image": "storm", "backend": "ublk", "dispatch": policy}),
@@ -538,10 +541,10 @@ async fn twenty_worker_kills_under_fio_verify() {
         let dev = v["device"].as_str().unwrap().to_string();
         let mut pid = v["worker_pid"].as_u64().unwrap();
         let (mut kills, mut runs) = (0, 0);
-        while kills < 20 {
+        while kills < storm {
             let mut fio = fio_verify(&dev, "24M", &[]);
             runs += 1;
-            while kills < 20 {
+            while kills < storm {
                 let before = write_ops(&vm, "storm").await;
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 if fio.try_wait().unwrap().is_some() {
@@ -576,10 +579,10 @@ async fn twenty_worker_kills_under_fio_verify() {
             );
         }
         let st = vm.s.get("/v1/volumes/storm/stats").await.body;
-        assert_eq!(st["worker_restarts"], 20, "{policy}: {st}");
+        assert_eq!(st["worker_restarts"], storm, "{policy}: {st}");
         assert_eq!(st["write"]["errors"], 0, "{policy}: {st}");
         assert_eq!(st["read"]["errors"], 0, "{policy}: {st}");
-        eprintln!("{policy}: 20 kills over {runs} verified fio runs");
+        eprintln!("{policy}: {storm} kills over {runs} verified fio runs");
         vm.delete("storm").await;
     }
 }
