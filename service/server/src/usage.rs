@@ -9,32 +9,11 @@ use blockplane_api::model::{DeviceOpener, HistoryPoint, Volume, VolumeUsage, hum
 pub const RECENT_SECS: u32 = 5;
 
 /// The processes with the block device `rdev` open, but those in `except`,
-/// by pid. Processes that end or hide meanwhile are skipped.
+/// by pid.
 pub fn openers(rdev: u64, except: &[u32]) -> Vec<DeviceOpener> {
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut out: Vec<DeviceOpener> = procs
-        .flatten()
-        .filter_map(|p| p.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| !except.contains(pid))
-        .filter(|pid| {
-            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
-                fds.flatten().any(|fd| {
-                    std::fs::metadata(fd.path())
-                        .is_ok_and(|m| m.file_type().is_block_device() && m.rdev() == rdev)
-                })
-            })
-        })
-        .map(|pid| DeviceOpener {
-            pid,
-            command: std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map(|c| c.trim().to_string())
-                .unwrap_or_default(),
-        })
-        .collect();
-    out.sort_by_key(|o| o.pid);
-    out
+    blockplane_system::holders::holding(except, |fd| {
+        std::fs::metadata(fd).is_ok_and(|m| m.file_type().is_block_device() && m.rdev() == rdev)
+    })
 }
 
 /// `v`'s usage now, from its device and its `recent` history points.
@@ -63,11 +42,10 @@ pub fn of(v: &Volume, recent: &[HistoryPoint]) -> VolumeUsage {
     let in_flight = recent.last().map(|p| p.in_flight).unwrap_or(0);
     let mut reasons = Vec::new();
     if !openers.is_empty() {
-        let who: Vec<String> = openers
-            .iter()
-            .map(|o| format!("{} (pid {})", o.command, o.pid))
-            .collect();
-        reasons.push(format!("open by {}", who.join(", ")));
+        reasons.push(format!(
+            "open by {}",
+            blockplane_system::holders::describe(&openers)
+        ));
     }
     if !mounts.is_empty() {
         reasons.push(format!("mounted at {}", mounts.join(", ")));

@@ -2,8 +2,10 @@
 //! database: image files under their roots ([`image`]), their extents and the
 //! direct-map rules ([`extent`]), the dispatch decision built on them
 //! ([`dispatch`]), device-mapper tables ([`dm`]), the mount table
-//! ([`mountinfo`]), the kernel's per-device statistics ([`blockstat`]) and
-//! which build of blockplane an executable file is ([`build`]).
+//! ([`mountinfo`]), the processes holding files open ([`holders`]), the
+//! kernel's per-device statistics ([`blockstat`]), the page cache a file or
+//! device holds ([`pagecache`]) and which build of blockplane an executable
+//! file is ([`build`]).
 //! The control plane and the worker both build on it.
 
 pub mod blockstat;
@@ -11,5 +13,7 @@ pub mod build;
 pub mod dispatch;
 pub mod dm;
 pub mod extent;
+pub mod holders;
 pub mod image;
 pub mod mountinfo;
+pub mod pagecache;

@@ -50,9 +50,7 @@ pub fn unpin(fd: BorrowedFd<'_>, pin: Pin) -> io::Result<()> {
 /// Rule 6: writes back and drops the image's cached pages, so nothing read
 /// through the page cache disagrees with the raw device.
 pub fn drop_page_cache(fd: BorrowedFd<'_>) -> io::Result<()> {
-    rustix::fs::fdatasync(fd)?;
-    rustix::fs::fadvise(fd, 0, None, rustix::fs::Advice::DontNeed)?;
-    Ok(())
+    crate::pagecache::drop_cached(fd)
 }
 
 /// Builds, pins and readies a map in the order the rules need: map and check
