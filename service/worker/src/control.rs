@@ -2,13 +2,13 @@
 //! (`state.json`: what a control plane needs to take over after a crash of
 //! either side: the device id and the image's pin).
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
@@ -28,6 +28,11 @@ pub struct StateFile {
     pub dev_id: u32,
     /// The image's pin for a direct map, which a replacement worker keeps.
     pub pinned: Option<Pin>,
+    /// Why the worker left the direct path on its own, while it serves so:
+    /// the file is rewritten when this changes, which is how the service
+    /// learns of it (it watches the run dir) without asking.
+    #[serde(default)]
+    pub degraded: Option<String>,
 }
 
 /// The running control thread.
@@ -117,10 +122,16 @@ fn write_state(cx: &Ctx) {
 /// Writes `state.json` atomically: this worker serves (or has just added)
 /// device `dev_id`.
 pub fn write_state_file(shared: &Shared, dev_id: u32) {
+    let _ = shared.dev_id.set(dev_id);
+    let (pinned, degraded) = {
+        let st = shared.state.lock().expect("state poisoned");
+        (st.pinned, st.degraded.clone())
+    };
     let state = StateFile {
         pid: std::process::id(),
         dev_id,
-        pinned: shared.state.lock().expect("state poisoned").pinned,
+        pinned,
+        degraded,
     };
     let dir = &shared.spec.run_dir;
     let tmp = dir.join("state.json.tmp");
@@ -131,14 +142,21 @@ pub fn write_state_file(shared: &Shared, dev_id: u32) {
     }
 }
 
-/// Binds the socket, writes the state file, and serves requests on a thread.
+/// The control loop, to run on the thread that calls [`Server::run`].
+pub struct Server {
+    cx: Ctx,
+    listener: UnixListener,
+}
+
+/// Binds the socket and writes the state file; the requests are served by
+/// [`Server::run`].
 pub fn start(
     shared: Arc<Shared>,
     ctrl: Arc<UblkCtrl>,
     dev_id: u32,
     features: u64,
     dev_flags: u64,
-) -> std::io::Result<Control> {
+) -> std::io::Result<(Control, Server)> {
     let run_dir = shared.spec.run_dir.clone();
     let path = run_dir.join("ctl.sock");
     let _ = std::fs::remove_file(&path);
@@ -157,31 +175,84 @@ pub fn start(
         resize_pending: AtomicBool::new(false),
     };
     write_state(&cx);
-    std::thread::Builder::new()
-        .name("control".into())
-        .spawn(move || {
-            // Control commands go through a per-thread ring libublk keeps.
-            if let Err(e) = libublk::ublk_init_ctrl_task_ring(|r| {
-                if r.is_none() {
-                    *r =
-                        Some(io_uring::IoUring::<io_uring::squeue::Entry128>::builder().build(16)?);
-                }
-                Ok(())
-            }) {
-                tracing::error!(error = %e, "control ring");
-                return;
+    Ok((
+        Control {
+            shutdown,
+            handover,
+            run_dir,
+        },
+        Server { cx, listener },
+    ))
+}
+
+impl Server {
+    /// Serves requests, and makes the periodic drift checks, until every
+    /// one of `queues` queue threads has written to `ended` (an eventfd).
+    /// The worker's main thread runs it: no thread of its own.
+    pub fn run(self, ended: &OwnedFd, queues: u64) {
+        let Self { cx, listener } = self;
+        // Control commands go through a per-thread ring libublk keeps.
+        if let Err(e) = libublk::ublk_init_ctrl_task_ring(|r| {
+            if r.is_none() {
+                *r = Some(io_uring::IoUring::<io_uring::squeue::Entry128>::builder().build(16)?);
             }
-            for conn in listener.incoming().flatten() {
-                if let Err(e) = serve_one(&cx, conn) {
-                    tracing::warn!(error = %e, "control connection");
+            Ok(())
+        }) {
+            tracing::error!(error = %e, "control ring");
+            return;
+        }
+        let every = Duration::from_secs(u64::from(cx.shared.spec.extent_check_secs.max(1)));
+        let mut next_check = Instant::now() + every;
+        let mut done = 0;
+        while done < queues {
+            // Rule 5, periodically, while the volume is `direct`: the wait
+            // for a connection ends at the next re-read. Off the direct path
+            // there is nothing to re-read, and the thread sleeps until asked
+            // (a switch to direct comes through here) or the queues end.
+            let direct = cx.shared.policy() == Policy::Direct;
+            let wait = direct.then(|| next_check.saturating_duration_since(Instant::now()));
+            let (conn, queue_ended) = readable(&listener, ended, wait);
+            if queue_ended {
+                let mut buf = [0u8; 8];
+                if rustix::io::read(ended, &mut buf).is_ok() {
+                    done += u64::from_ne_bytes(buf);
                 }
             }
-        })?;
-    Ok(Control {
-        shutdown,
-        handover,
-        run_dir,
-    })
+            if conn {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        if let Err(e) = serve_one(&cx, conn) {
+                            tracing::warn!(error = %e, "control connection");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "control accept"),
+                }
+            }
+            if Instant::now() >= next_check {
+                if cx.shared.policy() == Policy::Direct {
+                    cx.shared.check_drift();
+                }
+                next_check = Instant::now() + every;
+            }
+        }
+    }
+}
+
+/// Waits until a connection is waiting on `listener` or `ended` is
+/// readable, or `wait` (`None`: forever) passes; which were ready.
+fn readable(listener: &UnixListener, ended: &OwnedFd, wait: Option<Duration>) -> (bool, bool) {
+    let timeout = wait.map(|d| rustix::event::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: i64::from(d.subsec_nanos()),
+    });
+    let mut fds = [
+        rustix::event::PollFd::new(listener, rustix::event::PollFlags::IN),
+        rustix::event::PollFd::new(ended, rustix::event::PollFlags::IN),
+    ];
+    match rustix::event::poll(&mut fds, timeout.as_ref()) {
+        Ok(n) if n > 0 => (!fds[0].revents().is_empty(), !fds[1].revents().is_empty()),
+        _ => (false, false),
+    }
 }
 
 fn serve_one(cx: &Ctx, conn: UnixStream) -> std::io::Result<()> {

@@ -11,7 +11,6 @@ use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
 
 use blockplane_system::mountinfo;
 use io_uring::{opcode, types};
@@ -199,9 +198,15 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         return Err("the queues were set up twice".into());
     }
     let (tx, rx) = std::sync::mpsc::channel();
+    // Each queue thread says here that it ended: the control loop, on this
+    // thread, then returns.
+    let ended = Arc::new(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC,
+    )?);
     let mut queues = Vec::new();
     for (qid, mailbox) in (0..dev.dev_info.nr_hw_queues).zip(mailboxes) {
-        let (dev, tx, shared) = (dev.clone(), tx.clone(), shared.clone());
+        let (dev, tx, shared, ended) = (dev.clone(), tx.clone(), shared.clone(), ended.clone());
         queues.push(
             std::thread::Builder::new()
                 .name(format!("queue-{qid}"))
@@ -210,6 +215,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
                     if let Err(e) = queue(qid, &dev, shared, mailbox) {
                         tracing::error!(qid, error = %e, "queue ended with an error");
                     }
+                    let _ = rustix::io::write(&*ended, &1u64.to_ne_bytes());
                 })?,
         );
     }
@@ -219,7 +225,23 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         ctrl.configure_queue(&dev, qid, tid)?;
     }
     // SET_PARAMS and START_DEV, or END_USER_RECOVERY for a recovered device.
-    ctrl.start_dev(&dev)?;
+    // START_DEV waits for every queue's first fetch, so the kernel runs it
+    // on an io-wq worker of the issuing thread, which then stays as long as
+    // that thread: issued from a short-lived thread, it goes with it.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            libublk::ublk_init_ctrl_task_ring(|r| {
+                if r.is_none() {
+                    *r =
+                        Some(io_uring::IoUring::<io_uring::squeue::Entry128>::builder().build(16)?);
+                }
+                Ok(())
+            })?;
+            ctrl.start_dev(&dev)
+        })
+        .join()
+        .unwrap_or(Err(UblkError::OtherError(-libc::EIO)))
+    })?;
     let _ = ctrl.read_dev_info();
     let info = ctrl.dev_info();
     let dev_id = info.dev_id;
@@ -231,8 +253,11 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         policy = ?shared.policy(),
         "serving /dev/ublkb{dev_id}"
     );
-    let control = control::start(shared.clone(), ctrl.clone(), dev_id, features, info.flags)?;
-    drift_checks(shared.clone());
+    // The control loop (and the periodic drift checks) on this thread,
+    // until the queues end.
+    let (control, server) =
+        control::start(shared.clone(), ctrl.clone(), dev_id, features, info.flags)?;
+    server.run(&ended, u64::from(dev.dev_info.nr_hw_queues));
 
     for q in queues {
         let _ = q.join();
@@ -284,21 +309,6 @@ fn die_after_add() {
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
     }
-}
-
-/// Rule 5, periodically, while the volume is `direct`.
-fn drift_checks(shared: Arc<Shared>) {
-    let every = Duration::from_secs(u64::from(shared.spec.extent_check_secs.max(1)));
-    let _ = std::thread::Builder::new()
-        .name("drift".into())
-        .spawn(move || {
-            loop {
-                std::thread::sleep(every);
-                if shared.policy() == Policy::Direct {
-                    shared.check_drift();
-                }
-            }
-        });
 }
 
 /// One queue: a task per tag, plus one keeping a read armed on the mailbox's

@@ -36,7 +36,7 @@ use libublk::sys;
 use mailbox::{QueueConfig, Queues};
 use protocol::{Fill, FillState, IMAGE_FD, LOCK_FD, WorkerSpec};
 use stats::Stats;
-pub use stats::completed_per_queue;
+pub use stats::{STATS_FILE, completed_per_queue, read_counters};
 
 // Bytes zeroed at a time by a fill, the queues held meanwhile.
 use blockplane_system::image::ALLOCATE_STEP;
@@ -138,6 +138,8 @@ pub(crate) struct Shared {
     fill_cancel: AtomicBool,
     /// This, for the threads it starts.
     me: Weak<Shared>,
+    /// The device's id, once the state file first names it.
+    dev_id: OnceLock<u32>,
     /// Opens of the image by other processes, watched from the first time
     /// the volume is `direct` (`None`: the kernel gives no such watch).
     watch: OnceLock<Option<watch::Watch>>,
@@ -640,6 +642,10 @@ impl Shared {
         if let Err(e) = self.switch_held(Policy::Nowait, reason) {
             tracing::error!(error = %e, "could not leave the direct path");
         }
+        // The service learns of it from the state file.
+        if let Some(dev_id) = self.dev_id.get() {
+            control::write_state_file(self, *dev_id);
+        }
     }
 }
 
@@ -729,7 +735,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None
     };
     let data = data_fd(&image)?;
-    let stats = Stats::open(&spec.run_dir.join("stats"), spec.queues as usize)?;
+    let stats = Stats::open(&spec.run_dir.join(stats::STATS_FILE), spec.queues as usize)?;
     let limiter = qos::Limiter::for_limits(spec.qos, usize::from(spec.queues))?;
     let zero = File::open("/dev/zero")?;
     // A handover is no crash: only a worker that replaces a dead one counts.
@@ -755,6 +761,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         fill: Mutex::new(None),
         fill_cancel: AtomicBool::new(false),
         me: me.clone(),
+        dev_id: OnceLock::new(),
         watch: OnceLock::new(),
         stats,
         image,

@@ -21,6 +21,9 @@ use blockplane_api::model::{LATENCY_BOUNDS_US, LatencyHistogram};
 
 const MAGIC: u64 = 0x6270_7374_6174_7332; // "bpstats2": per-queue blocks
 
+/// The stats file's name in a worker's run dir.
+pub const STATS_FILE: &str = "stats";
+
 /// Kinds of requests counted apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -218,34 +221,97 @@ impl Stats {
     }
 }
 
+/// A worker's stats file as read by another process: its bytes, checked.
+///
+/// Read with `read(2)`, not mapped: a new worker with another queue count
+/// truncates the file, and a reader's mapping past the new end would fault
+/// (SIGBUS) instead of failing. The worker's own mapping and this read see
+/// the same page-cache pages, so the counters are current.
+struct FileImage {
+    bytes: Vec<u8>,
+    queues: usize,
+}
+
+impl FileImage {
+    fn read(path: &Path) -> io::Result<Self> {
+        let bytes = std::fs::read(path)?;
+        let mut me = Self { bytes, queues: 0 };
+        if me.word(std::mem::offset_of!(Header, magic))? != MAGIC {
+            return Err(io::Error::other(format!(
+                "{}: not a stats file",
+                path.display()
+            )));
+        }
+        let queues = me.word(std::mem::offset_of!(Header, queues))? as usize;
+        if size_of::<Header>() + queues * size_of::<QueueCounters>() > me.bytes.len() {
+            return Err(io::Error::other(format!("{}: too short", path.display())));
+        }
+        me.queues = queues;
+        Ok(me)
+    }
+
+    fn word(&self, at: usize) -> io::Result<u64> {
+        self.bytes
+            .get(at..at + 8)
+            .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+            .ok_or_else(|| io::Error::other("stats file too short"))
+    }
+
+    /// Field at `offset` of queue `q`'s block (within bounds: checked at read).
+    fn queue_word(&self, q: usize, offset: usize) -> u64 {
+        let at = size_of::<Header>() + q * size_of::<QueueCounters>() + offset;
+        self.word(at).expect("within the checked length")
+    }
+
+    /// Field at `offset` summed over the queues.
+    fn sum(&self, offset: usize) -> u64 {
+        (0..self.queues).map(|q| self.queue_word(q, offset)).sum()
+    }
+}
+
+/// Offset of field `field` of op `op`'s counters in a queue's block.
+fn op_offset(op: usize, field: usize) -> usize {
+    std::mem::offset_of!(QueueCounters, ops) + op * size_of::<OpCounters>() + field * 8
+}
+
 /// Requests each queue completed so far (reads, writes, flushes, discards,
 /// in that order), read from a worker's stats file at `path`: which queues a
 /// load reached (the kernel tests pin writers to CPUs and check it).
 pub fn completed_per_queue(path: &Path) -> io::Result<Vec<[u64; 4]>> {
-    let bytes = std::fs::read(path)?;
-    let word = |at: usize| -> io::Result<u64> {
-        bytes
-            .get(at..at + 8)
-            .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
-            .ok_or_else(|| io::Error::other(format!("{}: too short", path.display())))
+    let f = FileImage::read(path)?;
+    Ok((0..f.queues)
+        .map(|q| std::array::from_fn(|op| f.queue_word(q, op_offset(op, 0))))
+        .collect())
+}
+
+/// The counters in a worker's stats file at `path`, per-queue blocks
+/// merged, read without asking the worker (which may be idle, or dead: the
+/// file outlives it). No latency, histograms or in-flight gauge: those live
+/// with the queue threads and need a `Stats` request.
+pub fn read_counters(path: &Path) -> io::Result<WorkerStats> {
+    let f = FileImage::read(path)?;
+    let op = |i: usize| OpStats {
+        ops: f.sum(op_offset(i, 0)),
+        bytes: f.sum(op_offset(i, 1)),
+        errors: Some(f.sum(op_offset(i, 2))),
     };
-    if word(std::mem::offset_of!(Header, magic))? != MAGIC {
-        return Err(io::Error::other(format!(
-            "{}: not a stats file",
-            path.display()
-        )));
-    }
-    let queues = word(std::mem::offset_of!(Header, queues))? as usize;
-    (0..queues)
-        .map(|q| {
-            let block = size_of::<Header>() + q * size_of::<QueueCounters>();
-            let mut ops = [0; 4];
-            for (op, n) in ops.iter_mut().enumerate() {
-                *n = word(block + op * size_of::<OpCounters>())?;
-            }
-            Ok(ops)
-        })
-        .collect()
+    let field = |offset: usize| f.sum(offset);
+    use std::mem::offset_of;
+    Ok(WorkerStats {
+        read: op(0),
+        write: op(1),
+        flush: op(2),
+        discard: op(3),
+        since_ms: f.word(offset_of!(Header, since_ms))?,
+        worker_restarts: f.word(offset_of!(Header, worker_restarts))?,
+        nowait_submitted: field(offset_of!(QueueCounters, nowait_submitted)),
+        nowait_completed_inline: field(offset_of!(QueueCounters, nowait_completed_inline)),
+        nowait_eagain_fallbacks: field(offset_of!(QueueCounters, nowait_eagain_fallbacks)),
+        nowait_pauses: field(offset_of!(QueueCounters, nowait_pauses)),
+        nowait_bypassed: field(offset_of!(QueueCounters, nowait_bypassed)),
+        qos_throttled: field(offset_of!(QueueCounters, qos_throttled)),
+        ..WorkerStats::default()
+    })
 }
 
 impl Drop for Stats {
@@ -359,6 +425,29 @@ mod tests {
         assert_eq!(h.buckets.iter().sum::<u64>(), 3);
         // 100 us lands in the (50, 100] bucket, 300 in (250, 500], 900 in (500, 1000].
         assert_eq!((h.buckets[1], h.buckets[4]), (1, 1), "{h:?}");
+        s.queue(0).nowait_submitted.store(7, Relaxed);
+        s.queue(1).qos_throttled.store(3, Relaxed);
+        // Read from the file, without the queue threads: the same counters.
+        let from_file = read_counters(&path).unwrap();
+        let snap = s.snapshot(&[]);
+        assert_eq!(
+            (
+                from_file.read,
+                from_file.write,
+                from_file.flush,
+                from_file.discard
+            ),
+            (snap.read, snap.write, snap.flush, snap.discard)
+        );
+        assert_eq!(
+            (
+                from_file.since_ms,
+                from_file.worker_restarts,
+                from_file.nowait_submitted,
+                from_file.qos_throttled
+            ),
+            (since, 1, 7, 3)
+        );
         drop(s);
         assert_eq!(
             completed_per_queue(&path).unwrap(),
