@@ -22,7 +22,7 @@ use blockplane_api::model::{
 pub use blockplane_system::dispatch::Decision;
 use blockplane_system::dispatch::{self, DispatchError};
 pub use blockplane_system::image::AllocateJob;
-use blockplane_worker::protocol::Request;
+use blockplane_worker::protocol::{Request, WorkerStats};
 
 /// What went wrong in a backend.
 #[derive(Debug, thiserror::Error)]
@@ -314,6 +314,19 @@ pub trait VolumeBackend: Send + Sync {
     /// Current counters.
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError>;
 
+    /// Current counters for the stats sampler, which reads every volume once
+    /// a second: `previous` is its last reading. A backend whose full read
+    /// wakes a process (a ublk worker) answers from what it can read without
+    /// waking it when nothing moved since.
+    fn sample(
+        &self,
+        volume_id: Uuid,
+        att: &Attachment,
+        _previous: Option<&VolumeStats>,
+    ) -> Result<VolumeStats, BackendError> {
+        self.stats(volume_id, att)
+    }
+
     /// Whether this backend grows the image file itself (its worker holds the
     /// image, pinned when direct-mapped) rather than following a file the
     /// manager grew.
@@ -496,6 +509,10 @@ pub trait PrivateDevices: Send + Sync {
     /// The private device's worker, if one serves it.
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo>;
 
+    /// The counters of the private device's worker, from its stats file
+    /// (the worker is not woken); `None` when no worker serves it.
+    fn counters(&self, volume_id: Uuid) -> Option<WorkerStats>;
+
     /// Refuses a handover when no worker serves the private device.
     fn check_handover(&self, volume_id: Uuid) -> Result<(), BackendError>;
 
@@ -590,6 +607,7 @@ pub(crate) fn kernel_stats(
         qos_throttled: None,
         worker_restarts: None,
         rates: None,
+        page_cache: None,
         histograms: None,
     })
 }

@@ -1,11 +1,12 @@
 //! The stats sampler: once a second it reads every attached volume's
-//! counters (off the async threads) and keeps 15 minutes of samples: rates
+//! counters (off the async threads; a ublk worker's from its stats file,
+//! asking the worker only when they moved, so an idle one sleeps on) and keeps 15 minutes of samples: rates
 //! and the history charts and `volume top` show come from them, and the
 //! latest reading serves `/metrics`, so a scrape never waits on a device.
 //! About 150 KB per volume at most; history starts at attach or service
 //! start, whichever is later.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -104,7 +105,9 @@ impl Sample {
 #[derive(Debug, Default)]
 struct Series {
     samples: VecDeque<Sample>,
-    latest: Option<VolumeStats>,
+    /// Shared, so that a look at it (the next sampling, a scrape) copies
+    /// no counters or histograms.
+    latest: Option<Arc<VolumeStats>>,
     /// Errors counted but not yet reported, and when they last were.
     unreported_errors: [u64; 4],
     last_error_event: Option<Instant>,
@@ -136,12 +139,12 @@ impl Sampler {
         }
         // A volume's first reading counts from zero: errors that came
         // before the sampler first saw it (right after attach) are news too.
-        let before = s.latest.as_ref().map(errors).unwrap_or_default();
+        let before = s.latest.as_deref().map(errors).unwrap_or_default();
         let after = errors(&stats);
         for i in 0..4 {
             s.unreported_errors[i] += after[i].saturating_sub(before[i]);
         }
-        s.latest = Some(stats);
+        s.latest = Some(Arc::new(stats));
         let due = s
             .last_error_event
             .is_none_or(|t| now.duration_since(t) >= ERROR_EVENT_EVERY);
@@ -152,7 +155,7 @@ impl Sampler {
         None
     }
 
-    fn retain(&self, live: &[Uuid]) {
+    fn retain(&self, live: &HashSet<Uuid>) {
         self.series
             .lock()
             .expect("sampler poisoned")
@@ -160,13 +163,19 @@ impl Sampler {
     }
 
     /// The latest reading of every sampled volume.
-    pub fn latest(&self) -> HashMap<Uuid, VolumeStats> {
+    pub fn latest(&self) -> HashMap<Uuid, Arc<VolumeStats>> {
         self.series
             .lock()
             .expect("sampler poisoned")
             .iter()
             .filter_map(|(id, s)| s.latest.clone().map(|l| (*id, l)))
             .collect()
+    }
+
+    /// The latest reading of one volume.
+    fn latest_of(&self, id: Uuid) -> Option<Arc<VolumeStats>> {
+        let all = self.series.lock().expect("sampler poisoned");
+        all.get(&id)?.latest.clone()
     }
 
     /// Rates ending at `now_stats` (read just now) over 1, 10 and 60 s.
@@ -237,17 +246,28 @@ impl Manager {
     async fn sample_once(&self) -> super::Result<()> {
         let volumes = self.store.volumes().await?;
         let mut live = Vec::new();
-        for v in volumes {
+        for v in volumes.iter().cloned() {
             let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
                 continue;
             };
-            if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-                continue;
+            if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+                let previous = self.sampler.latest_of(v.id);
+                live.push((v, att, backend, previous));
             }
-            live.push(v.id);
-            let id = v.id;
-            if let Ok(stats) = blocking(move || backend.stats(id, &att)).await?
-                && let Some([r, w, f, d]) = self.sampler.record(id, stats)
+        }
+        // One blocking task reads every volume, not one task each: an idle
+        // host with a thousand volumes wakes once a second, not a thousand times.
+        let (live, read) = blocking(move || {
+            let read: Vec<_> = live
+                .iter()
+                .map(|(v, att, backend, previous)| backend.sample(v.id, att, previous.as_deref()))
+                .collect();
+            (live, read)
+        })
+        .await?;
+        for ((v, ..), stats) in live.iter().zip(read) {
+            if let Ok(stats) = stats
+                && let Some([r, w, f, d]) = self.sampler.record(v.id, stats)
             {
                 let mut tx = self.store.begin().await?;
                 tx.event(
@@ -263,7 +283,8 @@ impl Manager {
                 tx.commit().await?;
             }
         }
+        let live: HashSet<Uuid> = live.iter().map(|(v, ..)| v.id).collect();
         self.sampler.retain(&live);
-        Ok(())
+        self.watch_page_cache(&volumes).await
     }
 }

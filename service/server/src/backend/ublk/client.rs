@@ -191,18 +191,43 @@ impl UblkBackend {
                 flush: p(&ws.latency[2]),
                 discard: p(&ws.latency[3]),
             }),
-            nowait: Some(NowaitStats {
-                submitted: ws.nowait_submitted,
-                completed_inline: ws.nowait_completed_inline,
-                eagain_fallbacks: ws.nowait_eagain_fallbacks,
-                pauses: ws.nowait_pauses,
-                bypassed: ws.nowait_bypassed,
-            }),
+            nowait: Some(nowait_stats(&ws)),
             qos_throttled: Some(ws.qos_throttled),
             worker_restarts: Some(ws.worker_restarts),
             rates: None,
+            page_cache: None,
             histograms: Some(ws.histograms.clone()),
         })
+    }
+
+    /// The sampler's reading: the counters from the worker's stats file
+    /// (no request, so an idle worker is not woken); only when they moved
+    /// since `previous`, or requests are in flight (the kernel's count, or
+    /// the last reading's), the worker is asked for a full reading with its
+    /// latency histograms. Unmoved counters mean unchanged histograms:
+    /// those only change when a request completes, which counts.
+    pub(super) fn sample_worker(
+        &self,
+        volume_id: Uuid,
+        att: &Attachment,
+        previous: Option<&VolumeStats>,
+    ) -> Result<VolumeStats, BackendError> {
+        let file = blockplane_worker::read_counters(
+            &self.run_dir(volume_id).join(blockplane_worker::STATS_FILE),
+        );
+        let unmoved = match (previous, &file) {
+            (Some(p), Ok(f)) => {
+                p.in_flight == 0 && kernel_in_flight(&att.kernel_name) == 0 && same_counters(p, f)
+            }
+            _ => false,
+        };
+        match previous {
+            Some(p) if unmoved => Ok(VolumeStats {
+                dispatch: att.dispatch,
+                ..p.clone()
+            }),
+            _ => self.worker_stats(volume_id, att),
+        }
     }
 
     /// A live change for a worker: asked, then recorded in the spec a
@@ -300,4 +325,44 @@ fn unexpected(volume_id: Uuid, answer: &Answer) -> BackendError {
         format!("volume {volume_id}"),
         io::Error::other(format!("unexpected answer {answer:?}")),
     )
+}
+
+/// Requests the kernel has in flight on block device `name` (reads and
+/// writes in `/sys/block/<name>/inflight`); unknown counts as some.
+fn kernel_in_flight(name: &str) -> u64 {
+    std::fs::read_to_string(format!("/sys/block/{name}/inflight"))
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .map(|n| n.parse::<u64>().ok())
+                .sum::<Option<u64>>()
+        })
+        .unwrap_or(1)
+}
+
+/// What a worker's `nowait` path did, in the API's shape.
+pub(crate) fn nowait_stats(ws: &protocol::WorkerStats) -> NowaitStats {
+    NowaitStats {
+        submitted: ws.nowait_submitted,
+        completed_inline: ws.nowait_completed_inline,
+        eagain_fallbacks: ws.nowait_eagain_fallbacks,
+        pauses: ws.nowait_pauses,
+        bypassed: ws.nowait_bypassed,
+    }
+}
+
+/// The counters of a reading are those in the stats file.
+fn same_counters(s: &VolumeStats, f: &protocol::WorkerStats) -> bool {
+    let nowait = s.nowait.as_ref();
+    [s.read, s.write, s.flush, s.discard] == [f.read, f.write, f.flush, f.discard]
+        && s.worker_restarts == Some(f.worker_restarts)
+        && s.qos_throttled == Some(f.qos_throttled)
+        && nowait.map(|n| (n.submitted, n.eagain_fallbacks, n.pauses, n.bypassed))
+            == Some((
+                f.nowait_submitted,
+                f.nowait_eagain_fallbacks,
+                f.nowait_pauses,
+                f.nowait_bypassed,
+            ))
+        && nowait.map(|n| n.completed_inline) == Some(f.nowait_completed_inline)
 }

@@ -11,6 +11,7 @@ mod client;
 mod handover;
 mod kernel;
 mod supervise;
+mod supervisor;
 
 use std::collections::HashMap;
 use std::io;
@@ -34,7 +35,8 @@ use blockplane_api::model::{
 };
 use blockplane_system::dispatch;
 use blockplane_system::extent;
-use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec};
+use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec, WorkerStats};
+pub(crate) use client::nowait_stats;
 pub use supervise::foreign_workers;
 use supervise::{is_our_worker, run_dir_instance};
 
@@ -127,6 +129,7 @@ pub struct UblkBackend {
     exe: Arc<Executable>,
     workers: Arc<Mutex<HashMap<Uuid, Worker>>>,
     events: EventSink,
+    supervisor: Arc<supervisor::Supervisor>,
 }
 
 /// Refusals and failures that name what the kernel or the rules said
@@ -143,6 +146,7 @@ impl UblkBackend {
             exe: Arc::new(Executable::open()?),
             workers: Arc::default(),
             events,
+            supervisor: Arc::new(supervisor::Supervisor::new()?),
         })
     }
 
@@ -315,6 +319,15 @@ impl VolumeBackend for UblkBackend {
 
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
         self.worker_stats(volume_id, att)
+    }
+
+    fn sample(
+        &self,
+        volume_id: Uuid,
+        att: &Attachment,
+        previous: Option<&VolumeStats>,
+    ) -> Result<VolumeStats, BackendError> {
+        self.sample_worker(volume_id, att, previous)
     }
 
     fn grows_image(&self) -> bool {
@@ -526,6 +539,14 @@ impl PrivateDevices for UblkBackend {
 
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
         self.worker_info(volume_id)
+    }
+
+    fn counters(&self, volume_id: Uuid) -> Option<WorkerStats> {
+        self.worker_info(volume_id)?;
+        blockplane_worker::read_counters(
+            &self.run_dir(volume_id).join(blockplane_worker::STATS_FILE),
+        )
+        .ok()
     }
 
     fn check_handover(&self, volume_id: Uuid) -> Result<(), BackendError> {

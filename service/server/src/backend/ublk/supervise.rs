@@ -1,6 +1,6 @@
-//! Worker supervision: starting a worker (detached, its image and lock on
-//! fixed fds), watching it through a pidfd, replacing it when it dies, and
-//! the run dirs that let a restarted service find it again.
+//! Workers: starting one (detached, its image and lock on fixed fds),
+//! replacing one that died (the supervisor, [`super::supervisor`], notices),
+//! and the run dirs that let a restarted service find it again.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -8,7 +8,6 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use libublk::sys;
@@ -182,8 +181,9 @@ impl UblkBackend {
             if let Ok((peer, Answer::Status(s))) =
                 protocol::converse(&socket, &Request::Status {}, TALK_TIMEOUT)
             {
-                // Reaped by a thread so the worker never lingers as a zombie.
-                std::thread::spawn(move || drop(child.wait()));
+                // Reaped by the supervisor when it ends (no thread waits
+                // on it meanwhile).
+                drop(child);
                 return Ok(Started {
                     pid,
                     status: *s,
@@ -220,92 +220,6 @@ impl UblkBackend {
         }
     }
 
-    /// Watches a worker: when it dies unasked, a new worker recovers its device.
-    pub(super) fn supervise(&self, volume_id: Uuid) {
-        let backend = UblkBackend {
-            cfg: self.cfg.clone(),
-            exe: self.exe.clone(),
-            workers: self.workers.clone(),
-            events: self.events.clone(),
-        };
-        let _ = std::thread::Builder::new()
-            .name(format!("supervise-{}", &volume_id.to_string()[..8]))
-            .spawn(move || backend.supervise_loop(volume_id));
-    }
-
-    fn supervise_loop(&self, volume_id: Uuid) {
-        let mut last_degraded: Option<String> = None;
-        loop {
-            let (pid, stopping, forget, private) = {
-                let w = self.workers.lock().expect("workers poisoned");
-                let Some(w) = w.get(&volume_id) else { return };
-                (w.pid, w.stopping.clone(), w.forget.clone(), w.private)
-            };
-            let pidfd = rustix::process::pidfd_open(
-                rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
-                rustix::process::PidfdFlags::empty(),
-            )
-            .ok();
-            // Wait for the worker to end, looking at its status meanwhile.
-            loop {
-                if forget.load(Relaxed) {
-                    return;
-                }
-                let ended = match &pidfd {
-                    Some(fd) => {
-                        let mut fds =
-                            [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
-                        let t = rustix::event::Timespec {
-                            tv_sec: 2,
-                            tv_nsec: 0,
-                        };
-                        matches!(rustix::event::poll(&mut fds, Some(&t)), Ok(n) if n > 0)
-                    }
-                    None => true,
-                };
-                if ended {
-                    break;
-                }
-                if !private
-                    && let Ok(Answer::Status(s)) = protocol::talk(
-                        &self.socket(volume_id),
-                        &Request::Status {},
-                        Duration::from_secs(5),
-                    )
-                    && s.degraded != last_degraded
-                {
-                    last_degraded = s.degraded.clone();
-                    if s.degraded.is_some() {
-                        // A replacement worker starts where this one is now.
-                        self.record(volume_id, |spec| spec.dispatch = DispatchPolicy::Nowait);
-                    }
-                    if let (Some(reason), Ok(att)) = (&s.degraded, self.attachment(&s)) {
-                        self.events.send(BackendEvent {
-                            volume_id,
-                            kind: "volume_degraded",
-                            message: reason.clone(),
-                            attachment: Some(att),
-                            state: Some(VolumeState::Degraded),
-                        });
-                    }
-                }
-            }
-            if stopping.load(Relaxed) || forget.load(Relaxed) {
-                return;
-            }
-            // A handover ends its worker on purpose: it starts the next one,
-            // or, when it could not, leaves the dead one's device to us.
-            while self.worker_of(volume_id, |w| w.handing_over.load(Relaxed)) == Some(true) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            match self.worker_of(volume_id, |w| w.pid) {
-                None => return,
-                Some(now) if now != pid => continue,
-                Some(_) => self.recover_after_crash(volume_id, pid),
-            }
-        }
-    }
-
     /// Records worker `pid`, started from `spec`, as the one serving
     /// `volume_id` now.
     pub(super) fn serves_now(&self, volume_id: Uuid, pid: u32, spec: WorkerSpec, peer: Peer) {
@@ -319,6 +233,7 @@ impl UblkBackend {
             w.spec = spec;
             w.peer = peer;
         }
+        self.supervisor_poke();
     }
 
     /// `f` of the worker of `volume_id`, if there is one.
@@ -331,7 +246,7 @@ impl UblkBackend {
     }
 
     /// Starts a replacement worker that recovers the device of a dead one.
-    fn recover_after_crash(&self, volume_id: Uuid, old_pid: u32) {
+    pub(super) fn recover_after_crash(&self, volume_id: Uuid, old_pid: u32) {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -609,11 +524,14 @@ pub(super) fn last_error_line(run_dir: &Path) -> String {
         .to_string()
 }
 
+/// The worker's state file in its run dir.
+pub(super) const STATE_FILE: &str = "state.json";
+
 /// The file in a run dir naming the service instance that made it.
 const INSTANCE_FILE: &str = "instance";
 
 fn read_state(run_dir: &Path) -> Option<blockplane_worker::ControlState> {
-    serde_json::from_slice(&std::fs::read(run_dir.join("state.json")).ok()?).ok()
+    serde_json::from_slice(&std::fs::read(run_dir.join(STATE_FILE)).ok()?).ok()
 }
 
 /// The instance that made a run dir (`None`: unmarked, made before run dirs
