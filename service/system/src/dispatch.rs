@@ -209,6 +209,75 @@ pub fn decide_change(
     }
 }
 
+/// Whether `backend: auto` tries dm first: only for `dispatch: auto` with no
+/// QoS, where dm `direct` (a linear table, no userspace on the data path) is
+/// the fastest path blockplane has. A named policy keeps the backend it
+/// always had (ublk first): `direct` because ublk's has no rule 7, the
+/// others because ublk serves them without dm's extra layer.
+pub fn auto_tries_dm(asked: DispatchPolicy, qos: bool) -> bool {
+    asked == DispatchPolicy::Auto && !qos
+}
+
+/// What `backend: auto` makes of dm's decision: dm when it maps the image
+/// `direct`, with the reason saying the backend was chosen too; else why
+/// not (the rule that kept dm off `direct`).
+pub fn auto_on_dm(dm: Decision) -> Result<Decision, String> {
+    if dm.dispatch != DispatchPolicy::Direct {
+        let why = dm.reason.strip_prefix("auto chose nowait: ");
+        return Err(why.unwrap_or(&dm.reason).to_string());
+    }
+    Ok(Decision {
+        reason: "auto: backend dm, direct: the image passes every direct-map rule (linear table over its extents, the fastest path)".into(),
+        ..dm
+    })
+}
+
+/// The decision of the backend `backend: auto` took when dm did not map the
+/// image `direct` (`why_not_dm`), with that reason added; once, when the
+/// backend's own reason already gives the same rule (a hole keeps both off
+/// `direct`).
+pub fn auto_off_dm(d: Decision, backend: &str, why_not_dm: &str) -> Decision {
+    let why = if d.reason.contains(why_not_dm) {
+        "either, by the same rule".to_string()
+    } else {
+        format!("({why_not_dm})")
+    };
+    Decision {
+        reason: format!(
+            "{}; backend auto chose {backend}: dm would not map it direct {why}",
+            d.reason
+        ),
+        ..d
+    }
+}
+
+/// The reason of a dm volume under `auto` that runs `nowait` for its QoS
+/// limit (and goes back to `direct` when the last limit is removed).
+pub const QOS_NOWAIT: &str = "auto chose nowait: a QoS limit is set, which only a worker enforces (dm direct is a linear table, with none); back to direct when the last limit is removed";
+
+/// Why a dm volume whose user asked `direct` by name takes no QoS limit.
+pub const QOS_PINNED_DIRECT: &str = "QoS needs a worker to enforce it, and dm dispatch 'direct', asked by name, has none (a linear table sends each request straight to the disk); ask dispatch 'auto' (nowait while a limit is set) or 'nowait'";
+
+/// Where a dm volume's QoS limit is enforced, for a volume whose user asked
+/// `asked` and that runs `direct` (`on_direct`) or not: `Ok(None)` by the
+/// worker it has; `Ok(Some(nowait))` by a private worker it moves to (on
+/// `direct` under `auto`); refused on a `direct` asked by name, or where no
+/// private worker can be made.
+pub fn qos_on_dm(
+    asked: DispatchPolicy,
+    on_direct: bool,
+    path: &Path,
+) -> Result<Option<Decision>, DispatchError> {
+    if !on_direct {
+        return Ok(None);
+    }
+    if asked == DispatchPolicy::Direct {
+        return Err(DispatchError::Refused(QOS_PINNED_DIRECT.into()));
+    }
+    can_serve_off_direct("QoS on dm (enforced by a private ublk worker)", path)?;
+    Ok(Some(Decision::new(DispatchPolicy::Nowait, QOS_NOWAIT)))
+}
+
 /// Why a volume left `direct` for a snapshot or clone named `copy` of its
 /// image (the reason it then runs `nowait` with).
 pub fn left_direct_for_copy(copy: &str) -> String {
@@ -311,5 +380,84 @@ mod tests {
                 "asked: direct (the image passes every direct-map rule)"
             );
         }
+    }
+
+    #[test]
+    fn backend_auto_takes_dm_only_for_direct_under_auto_without_qos() {
+        assert!(auto_tries_dm(DispatchPolicy::Auto, false));
+        assert!(!auto_tries_dm(DispatchPolicy::Auto, true));
+        for named in [
+            DispatchPolicy::Direct,
+            DispatchPolicy::Nowait,
+            DispatchPolicy::Threaded,
+        ] {
+            assert!(!auto_tries_dm(named, false), "{named:?}");
+        }
+        let d = auto_on_dm(Decision::new(DispatchPolicy::Direct, "x")).unwrap();
+        assert_eq!(d.dispatch, DispatchPolicy::Direct);
+        assert!(
+            d.reason.starts_with("auto: backend dm, direct"),
+            "{}",
+            d.reason
+        );
+        let why = auto_on_dm(Decision::new(
+            DispatchPolicy::Nowait,
+            "auto chose nowait: direct-map rule 2: a hole",
+        ))
+        .unwrap_err();
+        assert_eq!(why, "direct-map rule 2: a hole");
+        let u = auto_off_dm(
+            Decision::new(DispatchPolicy::Nowait, "ublk's"),
+            "ublk",
+            &why,
+        );
+        assert_eq!(
+            u.reason,
+            "ublk's; backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
+        );
+        let same = auto_off_dm(
+            Decision::new(
+                DispatchPolicy::Nowait,
+                "auto chose nowait: direct-map rule 2: a hole",
+            ),
+            "ublk",
+            &why,
+        );
+        assert_eq!(
+            same.reason,
+            "auto chose nowait: direct-map rule 2: a hole; backend auto chose ublk: dm would not map it direct either, by the same rule"
+        );
+    }
+
+    #[test]
+    fn qos_on_dm_moves_auto_off_direct_and_refuses_a_named_direct() {
+        let dm = Path::Dm { ublk_missing: None };
+        // Off direct: the worker it has enforces it.
+        for asked in [
+            DispatchPolicy::Auto,
+            DispatchPolicy::Nowait,
+            DispatchPolicy::Threaded,
+        ] {
+            assert_eq!(qos_on_dm(asked, false, &dm).unwrap(), None, "{asked:?}");
+        }
+        // On direct under auto: to nowait, with the reason.
+        let d = qos_on_dm(DispatchPolicy::Auto, true, &dm).unwrap().unwrap();
+        assert_eq!(
+            (d.dispatch, d.reason.as_str()),
+            (DispatchPolicy::Nowait, QOS_NOWAIT)
+        );
+        // direct asked by name: refused, with the rule.
+        assert!(matches!(
+            qos_on_dm(DispatchPolicy::Direct, true, &dm),
+            Err(DispatchError::Refused(m)) if m == QOS_PINNED_DIRECT
+        ));
+        // No ublk: no worker to move to.
+        let no_ublk = Path::Dm {
+            ublk_missing: Some("no /dev/ublk-control".into()),
+        };
+        assert!(matches!(
+            qos_on_dm(DispatchPolicy::Auto, true, &no_ublk),
+            Err(DispatchError::NeedsUblk(m)) if m.starts_with("QoS on dm") && m.contains("no /dev/ublk-control")
+        ));
     }
 }

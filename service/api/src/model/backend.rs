@@ -35,7 +35,9 @@ impl Backend {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum BackendChoice {
-    /// The best backend this host supports.
+    /// The fastest path this host has for the volume: dm `direct` for an
+    /// image dm maps (with `dispatch: auto` and no QoS), else the first
+    /// available of ublk, dm, loop.
     Auto,
     /// [`Backend::Loop`].
     Loop,

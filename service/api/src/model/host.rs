@@ -86,7 +86,8 @@ pub struct Host {
     pub image_roots: Vec<String>,
     /// Each image root's filesystem: size and free space.
     pub image_root_capacity: Vec<RootCapacity>,
-    /// The backend `backend: auto` picks here.
+    /// The backend `backend: auto` picks here for an image dm does not map
+    /// `direct` (one it maps, with `dispatch: auto` and no QoS, gets dm).
     pub default_backend: Option<Backend>,
     /// Devices of this service with no volume: left alone until
     /// `DELETE /v1/host/orphans/{volume_id}`.

@@ -24,7 +24,8 @@ pub struct CreateVolumeRequest {
     pub name: String,
     /// Image id or name.
     pub image: String,
-    /// The backend to make the device with; `auto` picks the best this host has.
+    /// The backend to make the device with; `auto` picks the fastest path
+    /// this host has for the image (dm `direct` where dm maps it).
     #[serde(default = "default_backend")]
     pub backend: BackendChoice,
     /// How a ublk or dm volume's I/O reaches its image.
@@ -48,7 +49,9 @@ pub struct CreateVolumeRequest {
     #[serde(default = "default_max_io_bytes")]
     #[cfg_attr(feature = "openapi", schema(schema_with = max_io_bytes_schema))]
     pub max_io_bytes: u32,
-    /// I/O limits (ublk); `null` for none.
+    /// I/O limits, enforced by a worker: ublk's, or a dm volume's private
+    /// one (dm `direct` under `auto` starts on `nowait`; `direct` asked by
+    /// name refuses them, 422). `null` for none; `loop` refuses them.
     #[serde(default)]
     pub qos: Option<Qos>,
 }
@@ -195,6 +198,11 @@ pub struct Volume {
     /// The image grew, but the kernel could not resize the device live
     /// (ublk without UPDATE_SIZE): the new size applies at the next attach.
     pub resize_pending: bool,
+    /// What an operator should look at while the volume serves, e.g. page
+    /// cache held under a direct-I/O data path (empty otherwise; each also
+    /// came as an event).
+    #[serde(default)]
+    pub warnings: Vec<String>,
     /// When it was created.
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::fake::{Call, FakeBackend};
 use super::{Backends, Created, Error, Faults, Manager, ManagerConfig};
-use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy};
+use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy, VolumeBackend};
 use crate::store::{EventFilter, Store, VolumeRow};
 use blockplane_api::model::{
     Backend, CreateImageRequest, CreateVolumeRequest, DispatchPolicy, PatchVolumeRequest, Qos,
@@ -164,16 +164,23 @@ async fn manager(
     fake: &Arc<FakeBackend>,
     max_volumes: usize,
 ) -> Arc<Manager> {
+    manager_over(dir, store, vec![fake.clone()], max_volumes).await
+}
+
+/// A manager over the backends `list` (the host has those and no others).
+async fn manager_over(
+    dir: &tempfile::TempDir,
+    store: &Store,
+    list: Vec<Arc<dyn VolumeBackend>>,
+    max_volumes: usize,
+) -> Arc<Manager> {
     let roots = ImageRoots::open(&[dir.path().join("images")]).unwrap();
     // The sink goes at once: the fake notices nothing on its own.
     let (_, events) = EventSink::channel();
     Manager::new(
         store.clone(),
         roots,
-        Backends {
-            list: vec![fake.clone()],
-            events,
-        },
+        Backends { list, events },
         ManagerConfig {
             run_dir: dir.path().join("run"),
             default_queues: 1,
@@ -531,6 +538,34 @@ async fn reconcile_attaches_again_a_volume_whose_device_vanished() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_works_on_several_volumes_at_once() {
+    let (mut bed, first) = Bed::with_volume(json!({})).await;
+    bed.image("img2").await;
+    bed.create("v2", "img2", json!({})).await.unwrap();
+    bed.image("img3").await;
+    bed.create("v3", "img3", json!({})).await.unwrap();
+    let third = bed.row("v3").await.unwrap();
+    bed.fake.set_device(third.id, None);
+    // Each probe waits for the other two: one at a time, the most is 1.
+    bed.fake.probes_meet(3);
+    let report = bed.restart().await;
+    assert_eq!(
+        bed.fake.most_probing(),
+        3,
+        "the volumes were probed one at a time"
+    );
+    assert_eq!(
+        (report.adopted, report.reattached, report.failed),
+        (2, 1, 0)
+    );
+    for name in ["v", "v2", "v3"] {
+        assert_eq!(bed.row(name).await.unwrap().state, VolumeState::Attached);
+    }
+    assert!(bed.fake.device(first.id).is_some());
+    assert!(bed.fake.device(third.id).is_some(), "v3 attached again");
+}
+
 #[tokio::test]
 async fn reconcile_finishes_a_delete_caught_half_way() {
     let (mut bed, mut row) = Bed::with_volume(json!({})).await;
@@ -635,4 +670,103 @@ async fn a_snapshot_under_a_writable_volume_without_shared_extents_changes_nothi
     assert!(!bed.root().join("snap").exists());
     assert!(bed.store.image("snap").await.unwrap().is_none());
     bed.assert_unchanged(&before).await;
+}
+
+/// What `backend: auto` picks on a host with `kinds` (fakes; the dm fake
+/// decides `dm_auto` for `dispatch: auto`) for the spec `extra`: the
+/// backend, the policy and the reason the volume reports.
+async fn auto_picks(
+    kinds: &[Backend],
+    dm_auto: (DispatchPolicy, &str),
+    extra: serde_json::Value,
+) -> (Backend, String, String) {
+    let bed = Bed::new(OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    let fakes: Vec<Arc<FakeBackend>> = kinds
+        .iter()
+        .map(|k| Arc::new(FakeBackend::new(*k, OrphanPolicy::Remove)))
+        .collect();
+    for f in &fakes {
+        match f.kind() {
+            Backend::Dm => f.decide_auto(dm_auto.0, dm_auto.1),
+            Backend::Ublk => f.decide_auto(DispatchPolicy::Nowait, "auto chose nowait (ublk)"),
+            Backend::Loop => {}
+        }
+    }
+    let list = fakes
+        .iter()
+        .map(|f| f.clone() as Arc<dyn VolumeBackend>)
+        .collect();
+    let m = manager_over(&bed.dir, &bed.store, list, 8).await;
+    let mut req = json!({"name": "v", "image": "img", "backend": "auto"});
+    req.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let v = match m.create_volume(serde_json::from_value(req).unwrap()).await {
+        Ok(Created::New(v)) => v,
+        other => panic!("create: {other:?}"),
+    };
+    // Only the backend chosen made a device.
+    for f in &fakes {
+        assert_eq!(
+            f.calls().len(),
+            usize::from(f.kind() == v.backend),
+            "{:?}: {:?}",
+            f.kind(),
+            f.calls()
+        );
+    }
+    (
+        v.backend,
+        v.dispatch.as_str().to_string(),
+        v.dispatch_reason,
+    )
+}
+
+#[tokio::test]
+async fn auto_takes_dm_direct_where_dm_maps_the_image_and_ublk_otherwise() {
+    use Backend::{Dm, Loop, Ublk};
+    let all = [Ublk, Dm, Loop];
+    let maps = (DispatchPolicy::Direct, "auto: the image passes (dm)");
+    let hole = (
+        DispatchPolicy::Nowait,
+        "auto chose nowait: direct-map rule 2: a hole",
+    );
+    // A full image that dm maps: dm direct, and the reason says so.
+    let (b, d, why) = auto_picks(&all, maps, json!({})).await;
+    assert_eq!((b, d.as_str()), (Dm, "direct"), "{why}");
+    assert!(why.starts_with("auto: backend dm, direct: "), "{why}");
+    // dm would not map it: ublk's own choice, with dm's rule.
+    let (b, d, why) = auto_picks(&all, hole, json!({})).await;
+    assert_eq!((b, d.as_str()), (Ublk, "nowait"), "{why}");
+    assert_eq!(
+        why,
+        "auto chose nowait (ublk); backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
+    );
+    // A named policy, QoS, or a named backend keeps what it always got.
+    for extra in [
+        json!({"dispatch": "nowait"}),
+        json!({"dispatch": "direct"}),
+        json!({"dispatch": "threaded"}),
+        json!({"qos": {"iops": 100}}),
+        json!({"backend": "ublk"}),
+    ] {
+        let (b, _, why) = auto_picks(&all, maps, extra.clone()).await;
+        assert_eq!(b, Ublk, "{extra}: {why}");
+        assert!(!why.contains("backend"), "{extra}: {why}");
+    }
+    let (b, _, _) = auto_picks(&all, hole, json!({"backend": "dm"})).await;
+    assert_eq!(b, Dm);
+    // No dm: ublk as before; no ublk and no dm: loop.
+    let (b, d, why) = auto_picks(&[Ublk, Loop], maps, json!({})).await;
+    assert_eq!(
+        (b, d.as_str(), why.as_str()),
+        (Ublk, "nowait", "auto chose nowait (ublk)")
+    );
+    let (b, _, _) = auto_picks(&[Loop], maps, json!({})).await;
+    assert_eq!(b, Loop);
+    // dm and no ublk: dm decides alone, as before.
+    let (b, d, why) = auto_picks(&[Dm, Loop], maps, json!({})).await;
+    assert_eq!((b, d.as_str()), (Dm, "direct"), "{why}");
+    assert_eq!(why, "auto: the image passes (dm)");
 }

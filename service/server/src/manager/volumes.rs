@@ -17,6 +17,7 @@ use blockplane_api::model::{
     HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
     StatsHistoryQuery, Volume, VolumeState, VolumeStats, VolumeUsage,
 };
+use blockplane_system::dispatch;
 use blockplane_system::image::{Access, ImageFile};
 
 pub use crate::config::MAX_QUEUES;
@@ -151,6 +152,7 @@ impl Manager {
             worker_version,
             worker_older,
             resize_pending: att.is_some_and(|a| a.resize_pending),
+            warnings: self.page_cache_watch.warnings(v.id),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
@@ -191,10 +193,14 @@ impl Manager {
             .collect())
     }
 
-    /// `GET /v1/volumes` as JSON, cached until the next commit: the list is
-    /// what dashboards and orchestrators poll.
+    /// `GET /v1/volumes` as JSON, cached until the next commit or change of
+    /// a volume's warnings: the list is what dashboards and orchestrators
+    /// poll.
     pub(super) async fn volumes_json(&self) -> Result<bytes::Bytes> {
-        let generation = self.store.generation();
+        let generation = (
+            self.store.generation(),
+            self.page_cache_watch.warnings_generation(),
+        );
         if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
             && *g == generation
         {
@@ -203,8 +209,8 @@ impl Manager {
         let json = bytes::Bytes::from(
             serde_json::to_vec(&self.volumes().await?).expect("volumes serialize"),
         );
-        // Stamped with the generation read before the query: a commit since
-        // makes the next reader rebuild it.
+        // Stamped with the generations read before the query: a commit (or
+        // a warning) since makes the next reader rebuild it.
         *self.volumes_cache.lock().expect("cache poisoned") = Some((generation, json.clone()));
         Ok(json)
     }
@@ -238,6 +244,21 @@ impl Manager {
             }
             .into()),
         }
+    }
+
+    /// dm, when `backend: auto` should try it before `preferred` (the first
+    /// available backend): dm is here, is not `preferred`, and the spec is
+    /// one `auto` serves on dm `direct` (see [`dispatch::auto_tries_dm`]).
+    fn auto_tries_dm(
+        &self,
+        req: &CreateVolumeRequest,
+        preferred: &Arc<dyn VolumeBackend>,
+    ) -> Option<Arc<dyn VolumeBackend>> {
+        let tries = req.backend == BackendChoice::Auto
+            && preferred.kind() != Backend::Dm
+            && dispatch::auto_tries_dm(req.dispatch, req.qos.is_some())
+            && self.capability(Backend::Dm).available;
+        tries.then(|| self.backend(Backend::Dm)).flatten()
     }
 
     /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
@@ -304,14 +325,12 @@ impl Manager {
             qos: req.qos,
             read_only: req.read_only,
         };
-        let (file, decision) = {
-            let b = backend.clone();
-            blocking(move || {
-                let d = b.validate(&check, file.fd(), file.size());
-                (file, d)
-            })
-            .await?
-        };
+        let dm = self.auto_tries_dm(&req, &backend);
+        let (file, backend, decision) = blocking(move || {
+            let (backend, d) = choose_path(backend, dm, &check, &file);
+            (file, backend, d)
+        })
+        .await?;
         let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
 
         let now = OffsetDateTime::now_utc();
@@ -462,6 +481,9 @@ impl Manager {
             att.dispatch.as_str(),
             att.dispatch_reason
         );
+        // A new device may hold pages already (a probe of it, an earlier
+        // user of the image): start clean.
+        self.drop_page_cache(v, &att).await;
         v.attachment = Some(att);
         v.state = VolumeState::Attached;
         v.state_reason = None;
@@ -703,6 +725,27 @@ impl Manager {
             };
             events.push((kind, format!("volume '{}': {msg}", v.name)));
         }
+        // A limit set or removed may move a dm volume between direct and
+        // nowait (auto): that move has its own event.
+        let before = v.attachment.as_ref().map(|a| a.dispatch);
+        let by_dispatch = made.iter().any(|c| matches!(c, Change::Dispatch(_)));
+        let moved = before.filter(|d| *d != att.dispatch);
+        if let Some(old) = moved.filter(|_| !by_dispatch) {
+            events.push((
+                "dispatch_moved",
+                format!(
+                    "volume '{}': {} -> {} for its QoS change ({})",
+                    v.name,
+                    old.as_str(),
+                    att.dispatch.as_str(),
+                    att.dispatch_reason
+                ),
+            ));
+        }
+        // Every switch of the data path starts it clean, whatever the backend.
+        if by_dispatch || moved.is_some() {
+            self.drop_page_cache(v, &att).await;
+        }
         v.attachment = Some(att);
         v.updated_at = OffsetDateTime::now_utc();
         let (v, events) = (&*v, &events);
@@ -780,6 +823,7 @@ impl Manager {
             .await?
             .map_err(|e| volume_error(&name, e))?;
         stats.rates = self.sampler.rates(v.id, &stats);
+        stats.page_cache = self.page_cache(&v).await?;
         Ok(stats)
     }
 
@@ -884,6 +928,42 @@ pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
         name: name.to_string(),
         source,
     }
+}
+
+/// The backend and decision for a spec: dm when `backend: auto` tried it
+/// (`dm`) and it maps the image `direct`, else `preferred`'s own decision
+/// (with why dm did not, when it was tried).
+fn choose_path(
+    preferred: Arc<dyn VolumeBackend>,
+    dm: Option<Arc<dyn VolumeBackend>>,
+    check: &SpecCheck,
+    file: &ImageFile,
+) -> (
+    Arc<dyn VolumeBackend>,
+    std::result::Result<Option<Decision>, BackendError>,
+) {
+    let mut why_not_dm = None;
+    if let Some(dm) = dm {
+        let tried = match dm.validate(check, file.fd(), file.size()) {
+            Ok(Some(d)) => dispatch::auto_on_dm(d),
+            Ok(None) => Err("it decided no policy".into()),
+            Err(e) => Err(e.to_string()),
+        };
+        match tried {
+            Ok(d) => return (dm, Ok(Some(d))),
+            Err(why) => why_not_dm = Some(why),
+        }
+    }
+    let d = preferred.validate(check, file.fd(), file.size());
+    let d = match (d, why_not_dm) {
+        (Ok(Some(d)), Some(why)) => Ok(Some(dispatch::auto_off_dm(
+            d,
+            preferred.kind().as_str(),
+            &why,
+        ))),
+        (d, _) => d,
+    };
+    (preferred, d)
 }
 
 #[cfg(test)]

@@ -18,6 +18,11 @@ pub(super) fn dm_name(volume_id: Uuid) -> String {
     format!("blockplane-{volume_id}")
 }
 
+/// The volume a device named by [`dm_name`] belongs to.
+pub(super) fn volume_of_name(name: &str) -> Option<Uuid> {
+    Uuid::parse_str(name.strip_prefix("blockplane-")?).ok()
+}
+
 pub(super) fn dm_uuid(instance: &str, volume_id: Uuid) -> String {
     format!("blockplane-{instance}-{volume_id}")
 }
@@ -242,4 +247,17 @@ pub(super) fn devnum(volume_id: Uuid) -> Option<DevNum> {
 pub(super) fn live_table(volume_id: Uuid) -> Result<(bool, Vec<Target>), BackendError> {
     let live = blockplane_system::dm::table(&dm_name(volume_id)).map_err(call_error)?;
     Ok((live.read_only, live.targets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_name_gives_its_volume_back() {
+        let id = Uuid::new_v4();
+        assert_eq!(volume_of_name(&dm_name(id)), Some(id));
+        assert_eq!(volume_of_name("blockplane-not-a-uuid"), None);
+        assert_eq!(volume_of_name(&id.to_string()), None);
+    }
 }

@@ -37,7 +37,7 @@ use super::{
 };
 use crate::manager::{After, Faults};
 use blockplane_api::model::{
-    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeState,
+    ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, Qos, VolumeState,
     VolumeStats,
 };
 use blockplane_system::blockstat::BlockStat;
@@ -45,7 +45,7 @@ use blockplane_system::dispatch;
 use blockplane_system::extent::{self, DevNum, ExtentMap, Pin};
 use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request};
 pub use ioctl::foreign_devices;
-use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name};
+use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name, volume_of_name};
 pub use table::Target;
 use table::{direct_table, over};
 
@@ -73,6 +73,22 @@ struct DmVolume {
     attached_at: OffsetDateTime,
     baseline: Option<BlockStat>,
     stop_checks: Arc<AtomicBool>,
+}
+
+/// Why `direct` is refused while a QoS limit is set.
+const QOS_NEEDS_WORKER: &str = "the volume has a QoS limit, which only a worker enforces, and dm direct (a linear table) has none; remove the limit first (\"qos\": null)";
+
+/// How the reason of a volume back on `direct` after its last limit starts.
+const LAST_LIMIT_REMOVED: &str = "auto: the last QoS limit was removed, and ";
+
+/// A QoS limit refused live, in the answer's terms.
+fn qos_not_live(e: dispatch::DispatchError) -> BackendError {
+    let (dispatch::DispatchError::Refused(reason) | dispatch::DispatchError::NeedsUblk(reason)) = e;
+    BackendError::NotLive {
+        backend: "dm",
+        field: "qos",
+        reason,
+    }
 }
 
 /// The dm backend.
@@ -369,6 +385,80 @@ impl DmBackend {
         Ok(())
     }
 
+    /// Sets a volume's QoS limit, enforced by its private worker: on
+    /// `direct` under `auto` a limit moves it to `nowait` (the worker starts
+    /// with the limit); removing the last limit of a volume that moved for
+    /// one brings it back to `direct` when the image still qualifies. On
+    /// error the volume keeps its limit and path.
+    fn set_qos(
+        &self,
+        volume_id: Uuid,
+        v: &mut DmVolume,
+        qos: Option<Qos>,
+    ) -> Result<(), BackendError> {
+        let on_direct = v.dispatch == DispatchPolicy::Direct;
+        let old = v.params.qos;
+        let moved_for_qos = old.is_some() || v.reason == dispatch::QOS_NOWAIT;
+        if qos.is_some() {
+            let moved = dispatch::qos_on_dm(v.params.dispatch, on_direct, &self.path())
+                .map_err(qos_not_live)?;
+            v.params.qos = qos;
+            let done = match moved {
+                Some(d) => self.switch(volume_id, v, d.dispatch, d.reason),
+                None => self
+                    .ublk
+                    .change(volume_id, Request::SetQos { qos })
+                    .map(|_| ()),
+            };
+            if done.is_err() {
+                v.params.qos = old;
+            }
+            return done;
+        }
+        if on_direct {
+            v.params.qos = None;
+            return Ok(());
+        }
+        self.ublk.change(volume_id, Request::SetQos { qos: None })?;
+        v.params.qos = None;
+        if !(moved_for_qos && v.params.dispatch == DispatchPolicy::Auto) {
+            return Ok(());
+        }
+        let back = dispatch::decide(
+            v.image.as_fd(),
+            v.params.size_bytes,
+            DispatchPolicy::Auto,
+            v.read_only,
+            &self.path(),
+        )?;
+        if back.dispatch != DispatchPolicy::Direct {
+            // Stays on the worker: say why, no longer the limit.
+            return self.switch(volume_id, v, back.dispatch, back.reason);
+        }
+        let reason = format!(
+            "{LAST_LIMIT_REMOVED}{}",
+            back.reason.trim_start_matches("auto: ")
+        );
+        if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Direct, reason) {
+            // The pin refused it (the map moved since): serve on, saying so.
+            tracing::warn!(volume = %volume_id, error = %e, "could not go back to direct after the last QoS limit");
+            let why = format!("auto chose nowait: back to direct refused: {e}");
+            self.switch(volume_id, v, v.dispatch, why)?;
+        }
+        Ok(())
+    }
+
+    /// What the user of the volume `att` belongs to asked: its policy and
+    /// its limit (`None`: not a volume of this service).
+    fn asked(&self, att: &Attachment) -> Option<(DispatchPolicy, Option<Qos>)> {
+        let DeviceState::Dm(dm) = &att.kind else {
+            return None;
+        };
+        let v = self.volumes.lock().expect("dm volumes poisoned");
+        v.get(&volume_of_name(&dm.name)?)
+            .map(|v| (v.params.dispatch, v.params.qos))
+    }
+
     /// Leaves `direct` for the private worker on `to` when the volume holds
     /// its image read-only but is writable: adopted by a restarted service,
     /// which could open the pinned image for reading only, and a worker on
@@ -575,11 +665,21 @@ impl VolumeBackend for DmBackend {
             });
         }
         if spec.qos.is_some() {
-            return Err(BackendError::Unsupported {
-                backend: "dm",
-                what: "qos".into(),
-                reason: "QoS needs backend: \"ublk\"".into(),
-            });
+            // A limit is enforced by the private worker: `auto` starts there.
+            let on_direct = matches!(spec.dispatch, DispatchPolicy::Direct | DispatchPolicy::Auto);
+            let moved = dispatch::qos_on_dm(spec.dispatch, on_direct, &self.path()).map_err(
+                |e| match e {
+                    dispatch::DispatchError::Refused(reason) => BackendError::Unsupported {
+                        backend: "dm",
+                        what: "qos".into(),
+                        reason,
+                    },
+                    e => e.into(),
+                },
+            )?;
+            if let Some(d) = moved {
+                return Ok(Some(d));
+            }
         }
         spec.decide(image, size, &self.path()).map(Some)
     }
@@ -760,6 +860,9 @@ impl VolumeBackend for DmBackend {
             match probe {
                 Probe::Alive(worker) => {
                     v.dispatch = dispatch::policy_of(worker.dispatch);
+                    // The worker's, which a crash mid-change may leave newer
+                    // than the stored one (the QoS move reads it).
+                    v.reason = worker.dispatch_reason.clone();
                     v.private_ublk = Some(DevNum {
                         major: worker.major,
                         minor: worker.minor,
@@ -821,8 +924,19 @@ impl VolumeBackend for DmBackend {
             .collect())
     }
 
+    /// The dm device's counters (the kernel's); off `direct`, with what its
+    /// private worker counts that the kernel cannot: the `nowait` path,
+    /// QoS delays and worker restarts (since that worker started).
     fn stats(&self, volume_id: Uuid, att: &Attachment) -> Result<VolumeStats, BackendError> {
-        super::kernel_stats(volume_id, Backend::Dm, att)
+        let mut stats = super::kernel_stats(volume_id, Backend::Dm, att)?;
+        if att.dispatch != ActiveDispatch::Direct
+            && let Some(w) = self.ublk.counters(volume_id)
+        {
+            stats.nowait = Some(super::ublk::nowait_stats(&w));
+            stats.qos_throttled = Some(w.qos_throttled);
+            stats.worker_restarts = Some(w.worker_restarts);
+        }
+        Ok(stats)
     }
 
     fn grows_image(&self) -> bool {
@@ -1003,11 +1117,21 @@ impl VolumeBackend for DmBackend {
 
     fn check_change(&self, att: &Attachment, change: Change) -> Result<(), BackendError> {
         match change {
-            Change::Qos(Some(_)) => Err(BackendError::NotLive {
-                backend: "dm",
-                field: "qos",
-                reason: "QoS needs backend: \"ublk\"".into(),
-            }),
+            Change::Qos(Some(_)) => {
+                let asked = self.asked(att).map_or(DispatchPolicy::Auto, |a| a.0);
+                dispatch::qos_on_dm(asked, att.dispatch == ActiveDispatch::Direct, &self.path())
+                    .map(|_| ())
+                    .map_err(qos_not_live)
+            }
+            Change::Dispatch(DispatchPolicy::Direct)
+                if self.asked(att).is_some_and(|a| a.1.is_some()) =>
+            {
+                Err(BackendError::NotLive {
+                    backend: "dm",
+                    field: "dispatch",
+                    reason: QOS_NEEDS_WORKER.into(),
+                })
+            }
             Change::Dispatch(to @ (DispatchPolicy::Nowait | DispatchPolicy::Threaded))
                 if att.dispatch == ActiveDispatch::Direct =>
             {
@@ -1029,7 +1153,14 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    let d = dispatch::decide_change(
+                    if asked == DispatchPolicy::Direct && v.params.qos.is_some() {
+                        return Err(BackendError::NotLive {
+                            backend: "dm",
+                            field: "dispatch",
+                            reason: QOS_NEEDS_WORKER.into(),
+                        });
+                    }
+                    let mut d = dispatch::decide_change(
                         v.image.as_fd(),
                         v.params.size_bytes,
                         asked,
@@ -1038,7 +1169,12 @@ impl VolumeBackend for DmBackend {
                         v.dispatch == DispatchPolicy::Direct,
                         &v.reason,
                     )?;
+                    // A limit stays enforced: `auto` keeps its worker.
+                    if v.params.qos.is_some() && d.dispatch == DispatchPolicy::Direct {
+                        d = Decision::new(DispatchPolicy::Nowait, dispatch::QOS_NOWAIT);
+                    }
                     self.switch(volume_id, v, d.dispatch, d.reason)?;
+                    v.params.dispatch = asked;
                     v.degraded = None;
                 }
                 Change::ReadOnly(ro) => {
@@ -1059,8 +1195,7 @@ impl VolumeBackend for DmBackend {
                     v.table = self.reload(volume_id, ro, table)?;
                     v.read_only = ro;
                 }
-                Change::Qos(None) => {}
-                Change::Qos(Some(_)) => unreachable!("refused by check_change"),
+                Change::Qos(qos) => self.set_qos(volume_id, v, qos)?,
             }
             self.describe(volume_id, v)
         })
