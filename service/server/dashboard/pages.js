@@ -155,6 +155,7 @@ function stateCell(v) {
     { class: `state state-${v.state}` },
     v.state,
     v.state_reason ? h('span', { class: 'reason' }, `: ${v.state_reason}`) : null,
+    v.warnings?.length ? h('span', { class: 'reason', 'data-field': 'warnings' }, ` (warning: ${v.warnings.join('; ')})`) : null,
   );
 }
 
@@ -1162,12 +1163,13 @@ export function volumePage(ctx, { id }) {
   }
   const nowTable = h('div');
   const latTable = h('div');
+  const cacheLine = h('p', { class: 'hint', 'data-field': 'page-cache' });
   const ublkNote = h('p', { class: 'hint', hidden: true });
   const statsOut = outcome();
   const chartsEl = h('section', { 'aria-labelledby': 'charts-h' },
     h('h2', { id: 'charts-h' }, 'I/O'), statsOut,
     h('div', { class: 'charts' }, charts.iops.el, charts.bandwidth.el, charts.mean.el, charts.latency.el, charts.events.el),
-    ublkNote, nowTable, latTable);
+    ublkNote, nowTable, latTable, cacheLine);
 
   const events = h('ol', { class: 'events', reversed: true });
   const eventsEl = h('section', { 'aria-labelledby': 'events-h' }, h('h2', { id: 'events-h' }, 'Events'), events);
@@ -1305,6 +1307,8 @@ export function volumePage(ctx, { id }) {
     } else {
       fill(latTable);
     }
+    const pc = stats.page_cache;
+    fill(cacheLine, pc ? `Page cache: ${pc.device_bytes !== null ? bytes(pc.device_bytes) : 'unknown'} of the device, ${pc.image_bytes !== null ? bytes(pc.image_bytes) : 'unknown'} of the image (a direct-I/O volume should hold none).` : null);
   }
 
   // With the service out of reach, what the page last knew is no longer

@@ -21,7 +21,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use blockplane_api::model::{LATENCY_BOUNDS_US, RootCapacity, VolumeStats};
+use blockplane_api::model::{LATENCY_BOUNDS_US, PageCache, RootCapacity, VolumeStats};
 
 /// Labels of the API request metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -66,7 +66,12 @@ pub struct VolumeSample {
     pub name: String,
     pub backend: String,
     pub dispatch: String,
-    pub stats: VolumeStats,
+    /// The sampler's latest reading, shared (a scrape copies none).
+    pub stats: std::sync::Arc<VolumeStats>,
+    /// What the page cache holds of its device and image, looked at now.
+    pub page_cache: Option<PageCache>,
+    /// The page-cache warning is in force (see `manager::pagecache`).
+    pub page_cache_warned: bool,
 }
 
 /// The worker serving one volume in a scrape.
@@ -279,6 +284,27 @@ impl Collector for Snapshot {
             "Requests delayed by QoS",
             C,
             |v| v.stats.qos_throttled.map(|n| n as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_page_cache_device_bytes",
+            "Bytes of the volume's block device held in the page cache (at the sampler's last look, every 10 s)",
+            G,
+            |v| v.page_cache?.device_bytes.map(|n| n as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_page_cache_image_bytes",
+            "Bytes of the volume's image file held in the page cache (at the sampler's last look, every 10 s)",
+            G,
+            |v| v.page_cache?.image_bytes.map(|n| n as f64),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_page_cache_warning",
+            "1 while a direct-I/O volume holds page cache above the warning threshold (the volume_page_cache event), else 0",
+            G,
+            |v| Some(if v.page_cache_warned { 1.0 } else { 0.0 }),
         )?;
         self.per_volume(
             &mut enc,

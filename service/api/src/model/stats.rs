@@ -48,15 +48,20 @@ pub struct VolumeStats {
     /// ublk volumes: latency per op, from the worker's histograms (since the
     /// worker started).
     pub latency_us: Option<LatencyStats>,
-    /// ublk volumes: what the `nowait` path did.
+    /// ublk volumes, and dm volumes off `direct` (from their private
+    /// worker, since it started): what the `nowait` path did.
     pub nowait: Option<NowaitStats>,
-    /// ublk volumes: requests delayed by QoS.
+    /// ublk volumes, and dm volumes off `direct`: requests delayed by QoS.
     pub qos_throttled: Option<u64>,
-    /// ublk volumes: workers replaced after a crash.
+    /// ublk volumes, and dm volumes off `direct`: workers replaced after a
+    /// crash.
     pub worker_restarts: Option<u64>,
     /// Rates over the last 1, 10 and 60 seconds (from the service's 1 s
     /// sampler; `null` until it has two samples of the volume).
     pub rates: Option<Rates>,
+    /// What the host's page cache holds of the volume's device and image,
+    /// read when these stats were (`null` from a service before it said).
+    pub page_cache: Option<PageCache>,
     /// ublk volumes: latency histograms for `/metrics` (not part of the API).
     #[serde(skip)]
     pub histograms: Option<Vec<LatencyHistogram>>,
@@ -68,6 +73,22 @@ impl VolumeStats {
     pub fn ops(&self) -> [&OpStats; 4] {
         [&self.read, &self.write, &self.flush, &self.discard]
     }
+}
+
+/// Bytes of a volume's block device and of its image file held in the
+/// host's page cache (`cachestat(2)`, or `mincore(2)` for the image on a
+/// kernel before 6.5). Pages cached under a volume whose data path does
+/// direct I/O make each direct write invalidate them, and a filesystem may
+/// write back and wait on each request: see the `volume_page_cache` event.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PageCache {
+    /// Bytes of the block device node (e.g. `/dev/ublkb0`) cached, as a
+    /// buffered read of the device (`blkid`, `dd`) leaves them; `null` where
+    /// the kernel cannot say (no `cachestat(2)`, before 6.5).
+    pub device_bytes: Option<u64>,
+    /// Bytes of the image file cached; `null` when it could not be read.
+    pub image_bytes: Option<u64>,
 }
 
 /// Requests and bytes per second of one op.

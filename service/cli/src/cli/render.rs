@@ -352,5 +352,13 @@ fn stats(s: &VolumeStats, names: &Names) -> String {
             ("nowait bypassed (paused)", n.bypassed.to_string()),
         ]);
     }
+    // Pages cached under a direct-I/O path slow every direct write.
+    if let Some(p) = &s.page_cache {
+        let size = |b: Option<u64>| b.map_or_else(|| "-".to_string(), human_size);
+        out += &fields(vec![
+            ("page cache, device", size(p.device_bytes)),
+            ("page cache, image", size(p.image_bytes)),
+        ]);
+    }
     out
 }

@@ -36,6 +36,10 @@ impl Manager {
         if let Some(mut att) = ev.attachment.clone() {
             if let Some(old) = &v.attachment {
                 att.attached_at = old.attached_at;
+                // A switch the backend made itself: as after one asked for.
+                if old.dispatch != att.dispatch {
+                    self.drop_page_cache(&v, &att).await;
+                }
             }
             v.attachment = Some(att);
         }

@@ -9,6 +9,7 @@ impl Manager {
     pub(super) async fn metrics(&self) -> Result<String> {
         let latest = self.sampler.latest();
         let rows = self.store.volumes().await?;
+        let caches = self.page_cache_watch.latest_or_now(self, &rows).await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -39,6 +40,8 @@ impl Manager {
                     backend: v.backend.as_str().to_string(),
                     dispatch: stats.dispatch.as_str().to_string(),
                     stats: stats.clone(),
+                    page_cache: caches.get(&v.id).copied(),
+                    page_cache_warned: !self.page_cache_watch.warnings(v.id).is_empty(),
                 });
             }
         }

@@ -20,6 +20,7 @@ mod metrics;
 mod names;
 mod ops;
 mod orphans;
+mod pagecache;
 mod reconcile;
 mod reserve;
 #[cfg(test)]
@@ -79,8 +80,11 @@ pub struct Manager {
     volume_locks: KeyedLocks,
     /// Once-a-second readings of every attached volume.
     sampler: sampler::Sampler,
-    /// `GET /v1/volumes` as JSON, with the store generation it was made at.
-    volumes_cache: std::sync::Mutex<Option<(u64, bytes::Bytes)>>,
+    /// The page cache of each volume at the sampler's last look.
+    page_cache_watch: pagecache::Watch,
+    /// `GET /v1/volumes` as JSON, with the store and warnings generations it
+    /// was made at.
+    volumes_cache: std::sync::Mutex<Option<((u64, u64), bytes::Bytes)>>,
     /// API request counts and durations.
     api_metrics: crate::metrics::ApiMetrics,
     faults: Faults,
@@ -129,6 +133,7 @@ impl Manager {
             holds: holds::ImageHolds::default(),
             volume_locks: KeyedLocks::default(),
             sampler: sampler::Sampler::default(),
+            page_cache_watch: pagecache::Watch::default(),
             volumes_cache: std::sync::Mutex::default(),
             api_metrics: crate::metrics::ApiMetrics::default(),
             faults: cfg.faults,
