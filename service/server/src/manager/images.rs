@@ -1,5 +1,6 @@
 //! Image operations: register, create, list, grow, forget.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 
 use time::OffsetDateTime;
@@ -268,6 +269,18 @@ impl Manager {
     }
 
     pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let volumes = self
+            .store
+            .volumes_of_image(row.id)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        self.image_view_of(row, volumes).await
+    }
+
+    /// [`Self::image_view`] with the image's volumes (ids, by name) already read.
+    async fn image_view_of(&self, row: ImageRow, volumes: Vec<Uuid>) -> Result<Image> {
         let allocate = self.allocate_view(row.id);
         // A done allocate recorded `full` before it said so; the row may be
         // from before that: read it again, so `done` always comes with `full`.
@@ -277,13 +290,6 @@ impl Manager {
             }
             _ => row,
         };
-        let volumes = self
-            .store
-            .volumes_of_image(row.id)
-            .await?
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
         let (size_bytes, allocated_bytes) = self
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
@@ -321,9 +327,17 @@ impl Manager {
 
     /// `GET /v1/images`.
     pub(super) async fn images(&self) -> Result<Vec<Image>> {
+        // One query for every image's volumes, not one per image: /metrics
+        // and the dashboard list every image, and a host has a thousand.
+        // The rows come by name, as each image's volumes are listed.
+        let mut users: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+        for v in self.store.volumes().await? {
+            users.entry(v.image_id).or_default().push(v.id);
+        }
         let mut out = Vec::new();
         for row in self.store.images().await? {
-            out.push(self.image_view(row).await?);
+            let volumes = users.remove(&row.id).unwrap_or_default();
+            out.push(self.image_view_of(row, volumes).await?);
         }
         Ok(out)
     }
