@@ -5,7 +5,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::fd::OwnedFd;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -32,6 +33,8 @@ pub struct FakeBackend {
     kind: Backend,
     policy: OrphanPolicy,
     state: Mutex<State>,
+    /// Signalled when a probe starts, for [`FakeBackend::probes_meet`].
+    probed: Condvar,
 }
 
 #[derive(Default)]
@@ -44,7 +47,15 @@ struct State {
     failing: HashSet<&'static str>,
     /// Policies `validate` refuses.
     unsupported: Vec<DispatchPolicy>,
+    /// What `validate` decides for `dispatch: auto`, and why (`None`: it
+    /// decides nothing).
+    auto: Option<(DispatchPolicy, String)>,
     next_minor: u32,
+    /// Probes running now, and the most that ever ran at once.
+    probing: usize,
+    most_probing: usize,
+    /// Each probe waits until this many run at once (0: none waits).
+    probes_meet: usize,
 }
 
 impl FakeBackend {
@@ -54,7 +65,20 @@ impl FakeBackend {
             kind,
             policy,
             state: Mutex::default(),
+            probed: Condvar::new(),
         }
+    }
+
+    /// The next probes wait until `n` of them run at once (for 10 s at most:
+    /// a caller that probes one at a time is then only slow, and
+    /// [`FakeBackend::most_probing`] says so); later ones do not wait.
+    pub fn probes_meet(&self, n: usize) {
+        self.state().probes_meet = n;
+    }
+
+    /// The most probes that ever ran at once.
+    pub fn most_probing(&self) -> usize {
+        self.state().most_probing
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -93,6 +117,11 @@ impl FakeBackend {
     /// `validate` refuses `dispatch` from now on.
     pub fn refuse_policy(&self, dispatch: DispatchPolicy) {
         self.state().unsupported.push(dispatch);
+    }
+
+    /// `validate` decides `dispatch` for `auto` from now on, for `reason`.
+    pub fn decide_auto(&self, dispatch: DispatchPolicy, reason: &str) {
+        self.state().auto = Some((dispatch, reason.into()));
     }
 
     /// A device as this fake makes one.
@@ -191,12 +220,20 @@ impl VolumeBackend for FakeBackend {
                 reason: "the fake refuses it".into(),
             });
         }
-        Ok(None)
+        Ok(match (&self.state().auto, spec.dispatch) {
+            (Some((d, why)), DispatchPolicy::Auto) => Some(Decision::new(*d, why.clone())),
+            _ => None,
+        })
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
         let p = &req.params;
-        let att = self.attachment(p.size_bytes, p.dispatch, p.refuse_writes);
+        let mut att = self.attachment(p.size_bytes, p.dispatch, p.refuse_writes);
+        // A decision made at validate is the one the device goes by.
+        if let Some(d) = &req.decision {
+            att.dispatch = active(self.kind, d.dispatch);
+            att.dispatch_reason = d.reason.clone();
+        }
         let mut s = self.state();
         s.calls.push(Call::Attach(req.volume_id));
         s.devices.insert(req.volume_id, att.clone());
@@ -215,7 +252,27 @@ impl VolumeBackend for FakeBackend {
     }
 
     fn probe(&self, req: ProbeRequest) -> Result<Probe, BackendError> {
-        Ok(match self.device(req.volume_id) {
+        let mut s = self.state();
+        s.probing += 1;
+        s.most_probing = s.most_probing.max(s.probing);
+        self.probed.notify_all();
+        let until = Instant::now() + Duration::from_secs(10);
+        while s.probing < s.probes_meet && Instant::now() < until {
+            let left = until.saturating_duration_since(Instant::now());
+            s = self
+                .probed
+                .wait_timeout(s, left)
+                .expect("fake backend poisoned")
+                .0;
+        }
+        // Met, or given up: the ones still waiting go on (the last to come
+        // leaves at once, and must not leave the others short of it), and
+        // later probes (a re-attach's) do not wait.
+        s.probes_meet = 0;
+        self.probed.notify_all();
+        let found = s.devices.get(&req.volume_id).cloned();
+        s.probing -= 1;
+        Ok(match found {
             Some(att) => Probe::Alive(Box::new(att)),
             None => Probe::Gone,
         })

@@ -8,6 +8,8 @@
 
 use std::collections::HashSet;
 
+use futures_util::StreamExt;
+
 use super::volumes::{access, params};
 use super::{Manager, Result, blocking};
 use crate::backend::{Attachment, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend};
@@ -16,6 +18,19 @@ use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState
 use blockplane_system::extent;
 use blockplane_system::image::Access;
 use std::os::fd::AsFd;
+
+/// How many volumes reconciliation works on at once.
+const RECONCILE_AT_ONCE: usize = 8;
+
+/// What reconciliation did with one volume.
+enum Outcome {
+    Adopted,
+    Reattached,
+    Failed,
+    FinishedDelete,
+    /// Deleted meanwhile, or a delete that could not be finished yet.
+    Gone,
+}
 
 /// What reconciliation did, for the log.
 #[derive(Debug, Default)]
@@ -54,8 +69,10 @@ impl Manager {
         if att.read_only != v.read_only {
             changes.push(Change::ReadOnly(v.read_only));
         }
-        // A worker does not report its limits: send the row's.
-        if v.backend == Backend::Ublk {
+        // A worker does not report its limits: send the row's (a dm
+        // volume's too: its private worker holds them, and a limit set or
+        // removed moves it between direct and nowait under auto).
+        if matches!(v.backend, Backend::Ublk | Backend::Dm) {
             changes.push(Change::Qos(v.qos));
         }
         for change in changes {
@@ -79,148 +96,165 @@ impl Manager {
     /// Reconciles every volume, then removes orphan devices.
     pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
         self.fail_interrupted_copies().await?;
+        // Several volumes at once: after a pod is killed, each ublk device
+        // stalls its users until its new worker recovers it, so the last
+        // one's wait must not be the sum of all the others'. Every volume's
+        // outcome is awaited before an error is returned: none is left half
+        // done by a sibling's failure.
+        let outcomes: Vec<Result<Outcome>> =
+            futures_util::stream::iter(self.store.volumes().await?)
+                .map(|v| self.reconcile_volume(v))
+                .buffer_unordered(RECONCILE_AT_ONCE)
+                .collect()
+                .await;
         let mut report = Report::default();
-        for v in self.store.volumes().await? {
-            let _volume = self.volume_locks.lock(&v.name).await;
-            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
-                continue;
-            };
-            if v.state == VolumeState::Detaching {
-                match self.detach(&v).await {
-                    Ok(()) => {
-                        self.forget_volume(&v).await?;
-                        report.finished_deletes += 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
-                    }
-                }
-                continue;
-            }
-            let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
-                let reason = format!("its image {} is not registered", v.image_id);
-                self.record_error(&mut v, reason).await?;
-                report.failed += 1;
-                continue;
-            };
-            let Some(backend) = self.backend(v.backend) else {
-                let reason = super::host::not_built_reason(v.backend);
-                self.record_error(&mut v, reason).await?;
-                report.failed += 1;
-                continue;
-            };
-            // A direct-mapped image is pinned: it opens read-only only.
-            let opened = {
-                let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
-                blocking(move || {
-                    me.open_image(&image, a)
-                        .or_else(|_| me.open_image(&image, Access::ReadOnly))
-                })
-                .await?
-            };
-            // The lock a serving volume holds on its image, taken again. Held
-            // elsewhere, it is either another blockplane's or the one this
-            // volume's ublk worker kept while no service lived (the backend
-            // finds that one when it probes the worker).
-            let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
-            let req = ProbeRequest {
-                volume_id: v.id,
-                identity: (image.dev, image.ino),
-                params: params(&v, &image, image.size_bytes),
-                image: opened.ok().map(|f| f.into_fd()),
-                stored: v.attachment.clone(),
-                image_lock: match &image_lock {
-                    Some(Ok(fd)) => fd.try_clone().ok(),
-                    _ => None,
-                },
-            };
-            let prober = backend.clone();
-            let probe = blocking(move || prober.probe(req)).await?;
-            match probe {
-                Ok(Probe::Alive(att)) => {
-                    let mut att = self.reapply_settings(&backend, &v, *att).await;
-                    // Same device as recorded: keep when and from what its counters count.
-                    if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
-                        att.attached_at = old.attached_at;
-                        att.baseline = old.baseline;
-                    }
-                    let unchanged =
-                        v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
-                    if !unchanged {
-                        self.record_attached(&mut v, att, "volume_adopted").await?;
-                    }
-                    match (image_lock, backend.image_lock(v.id)) {
-                        (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
-                        (Some(Err(e)), None) => {
-                            tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
-                        }
-                        (None, None) => {}
-                    }
-                    report.adopted += 1;
-                }
-                Ok(Probe::Gone) => {
-                    let opened = {
-                        let (me, image, a) =
-                            (self.clone(), image.clone(), access(v.spec.read_only));
-                        let ublk = v.backend == Backend::Ublk;
-                        blocking(move || match me.open_image(&image, a) {
-                            // Pinned by the volume's direct worker, which died
-                            // while no service ran: the backend lifts that pin
-                            // (and reopens the image for writing) when it
-                            // recovers the device.
-                            Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
-                                Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => {
-                                    Ok(f)
-                                }
-                                _ => Err(e),
-                            },
-                            r => r,
-                        })
-                        .await?
-                    };
-                    let attached = match opened {
-                        Ok(file) => {
-                            // Taken again if it failed: the probe may have
-                            // stopped its holder (a dm volume's stray worker).
-                            let lock = match image_lock {
-                                Some(Ok(lock)) => Ok(lock),
-                                _ => self.lock_image(&image, &file),
-                            };
-                            match lock {
-                                Ok(lock) => self
-                                    .attach(&v, &image, file, &lock, None)
-                                    .await
-                                    .map(|att| (att, lock)),
-                                Err(e) => Err(e),
-                            }
-                        }
-                        Err(e) => Err(e),
-                    };
-                    match attached {
-                        Ok((att, lock)) => {
-                            self.holds.keep(v.id, lock);
-                            self.record_attached(&mut v, att, "volume_reattached")
-                                .await?;
-                            report.reattached += 1;
-                        }
-                        Err(e) => {
-                            self.record_error(
-                                &mut v,
-                                format!("its device vanished and could not be re-attached: {e}"),
-                            )
-                            .await?;
-                            report.failed += 1;
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.record_error(&mut v, e.to_string()).await?;
-                    report.failed += 1;
-                }
+        for outcome in outcomes {
+            match outcome? {
+                Outcome::Adopted => report.adopted += 1,
+                Outcome::Reattached => report.reattached += 1,
+                Outcome::Failed => report.failed += 1,
+                Outcome::FinishedDelete => report.finished_deletes += 1,
+                Outcome::Gone => {}
             }
         }
         report.orphans_removed = self.remove_orphans().await?;
         Ok(report)
+    }
+
+    /// Matches one volume's row with the kernel, under the volume's lock.
+    async fn reconcile_volume(self: &std::sync::Arc<Self>, v: VolumeRow) -> Result<Outcome> {
+        let _volume = self.volume_locks.lock(&v.name).await;
+        let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+            return Ok(Outcome::Gone);
+        };
+        if v.state == VolumeState::Detaching {
+            match self.detach(&v).await {
+                Ok(()) => {
+                    self.forget_volume(&v).await?;
+                    return Ok(Outcome::FinishedDelete);
+                }
+                Err(e) => {
+                    tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
+                    return Ok(Outcome::Gone);
+                }
+            }
+        }
+        let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
+            let reason = format!("its image {} is not registered", v.image_id);
+            self.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        let Some(backend) = self.backend(v.backend) else {
+            let reason = super::host::not_built_reason(v.backend);
+            self.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        // A direct-mapped image is pinned: it opens read-only only.
+        let opened = {
+            let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+            blocking(move || {
+                me.open_image(&image, a)
+                    .or_else(|_| me.open_image(&image, Access::ReadOnly))
+            })
+            .await?
+        };
+        // The lock a serving volume holds on its image, taken again. Held
+        // elsewhere, it is either another blockplane's or the one this
+        // volume's ublk worker kept while no service lived (the backend
+        // finds that one when it probes the worker).
+        let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
+        let req = ProbeRequest {
+            volume_id: v.id,
+            identity: (image.dev, image.ino),
+            params: params(&v, &image, image.size_bytes),
+            image: opened.ok().map(|f| f.into_fd()),
+            stored: v.attachment.clone(),
+            image_lock: match &image_lock {
+                Some(Ok(fd)) => fd.try_clone().ok(),
+                _ => None,
+            },
+        };
+        let prober = backend.clone();
+        let probe = blocking(move || prober.probe(req)).await?;
+        match probe {
+            Ok(Probe::Alive(att)) => {
+                let mut att = self.reapply_settings(&backend, &v, *att).await;
+                // Same device as recorded: keep when and from what its counters count.
+                if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
+                    att.attached_at = old.attached_at;
+                    att.baseline = old.baseline;
+                }
+                let unchanged =
+                    v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
+                if !unchanged {
+                    self.record_attached(&mut v, att, "volume_adopted").await?;
+                }
+                match (image_lock, backend.image_lock(v.id)) {
+                    (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
+                    (Some(Err(e)), None) => {
+                        tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
+                    }
+                    (None, None) => {}
+                }
+                Ok(Outcome::Adopted)
+            }
+            Ok(Probe::Gone) => {
+                let opened = {
+                    let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+                    let ublk = v.backend == Backend::Ublk;
+                    blocking(move || match me.open_image(&image, a) {
+                        // Pinned by the volume's direct worker, which died
+                        // while no service ran: the backend lifts that pin
+                        // (and reopens the image for writing) when it
+                        // recovers the device.
+                        Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
+                            Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
+                            _ => Err(e),
+                        },
+                        r => r,
+                    })
+                    .await?
+                };
+                let attached = match opened {
+                    Ok(file) => {
+                        // Taken again if it failed: the probe may have
+                        // stopped its holder (a dm volume's stray worker).
+                        let lock = match image_lock {
+                            Some(Ok(lock)) => Ok(lock),
+                            _ => self.lock_image(&image, &file),
+                        };
+                        match lock {
+                            Ok(lock) => self
+                                .attach(&v, &image, file, &lock, None)
+                                .await
+                                .map(|att| (att, lock)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                    Err(e) => Err(e),
+                };
+                match attached {
+                    Ok((att, lock)) => {
+                        self.holds.keep(v.id, lock);
+                        self.record_attached(&mut v, att, "volume_reattached")
+                            .await?;
+                        Ok(Outcome::Reattached)
+                    }
+                    Err(e) => {
+                        self.record_error(
+                            &mut v,
+                            format!("its device vanished and could not be re-attached: {e}"),
+                        )
+                        .await?;
+                        Ok(Outcome::Failed)
+                    }
+                }
+            }
+            Err(e) => {
+                self.record_error(&mut v, e.to_string()).await?;
+                Ok(Outcome::Failed)
+            }
+        }
     }
 
     /// Removes devices that carry this instance's mark but belong to no volume
