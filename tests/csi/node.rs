@@ -124,6 +124,15 @@ async fn a_mount_volume_lives_its_whole_life_and_keeps_its_data() {
     );
     let cond = st.volume_condition.unwrap();
     assert!(!cond.abnormal, "{cond:?}");
+    // A file held open under the target keeps it published, and the
+    // refusal names who holds it; let go, and unpublish goes on.
+    let held = std::fs::File::open(target.join("hello.txt")).unwrap();
+    let s = assert_code(csi.unpublish(id, &target).await, Code::FailedPrecondition);
+    let me = format!("(pid {})", std::process::id());
+    assert!(s.message().contains("still in use"), "{}", s.message());
+    assert!(s.message().contains(&me), "{}", s.message());
+    assert!(mount_at(&target).is_some(), "a refused unpublish unmounted");
+    drop(held);
     // Unpublish removes the target; twice is fine.
     csi.unpublish(id, &target).await.unwrap();
     assert!(!target.exists());
@@ -402,6 +411,17 @@ async fn overlapping_calls_for_one_volume_are_aborted() {
     let pid = rustix::process::Pid::from_raw(csi.service_pid()).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
     let frozen = Frozen(pid);
+    // kill() returns before every thread has stopped; on a loaded host one
+    // that was running can still answer a request (CI saw the first stage
+    // get its device and finish, and the second then hang on the API).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !all_stopped(csi.service_pid()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the service did not stop in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let first = {
         let (mut node, id, staging) = (csi.node.clone(), v.volume_id.clone(), staging.clone());
         tokio::spawn(async move {
@@ -428,6 +448,12 @@ async fn overlapping_calls_for_one_volume_are_aborted() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !csi.driver_log()
+            .contains("creating a filesystem volume=\"test-node/csi-busy\""),
+        "the first stage went past the frozen API:\n{}",
+        csi.driver_log()
+    );
     let mut second = tonic::Request::new(NodeStageVolumeRequest {
         volume_id: v.volume_id.clone(),
         staging_target_path: staging.display().to_string(),
@@ -453,6 +479,19 @@ async fn overlapping_calls_for_one_volume_are_aborted() {
     csi.stage(&v.volume_id, &staging, mount("ext4", &[]))
         .await
         .unwrap();
+}
+
+/// Whether every thread of process `pid` is stopped (state `T`).
+fn all_stopped(pid: i32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .all(|t| {
+            std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+                st.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+            })
+        })
 }
 
 /// Resumes a stopped process when dropped, also when a test fails.

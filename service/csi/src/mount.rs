@@ -9,6 +9,7 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use rustix::mount::{MountFlags, UnmountFlags};
 
@@ -143,19 +144,56 @@ pub fn bind(volume: &str, source: &Path, target: &Path, flags: MountFlags) -> Re
     Ok(())
 }
 
+/// How long an unmount refused as busy is retried: a process that only
+/// looks (a stats scan, a probe, a fork between its open and its exec)
+/// lets go within it; one that uses the volume does not, and is named.
+const BUSY_RETRY: Duration = Duration::from_secs(2);
+
 /// Unmounts `target` until nothing is mounted there; `Ok` when nothing was.
+/// Busy (EBUSY) is retried for [`BUSY_RETRY`], then refused with the
+/// processes holding files under `target`.
 pub fn unmount_all(volume: &str, target: &Path) -> Result<(), CsiError> {
+    let mut busy_since: Option<Instant> = None;
     while mount_at(target)
         .map_err(|e| io_err(volume, "read the mount table for", target, e))?
         .is_some()
     {
         match rustix::mount::unmount(target, UnmountFlags::empty()) {
-            Ok(()) => {}
+            Ok(()) => busy_since = None,
             Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(rustix::io::Errno::BUSY) => {
+                let since = *busy_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= BUSY_RETRY {
+                    return Err(busy(volume, target));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
             Err(e) => return Err(io_err(volume, "unmount", target, e.into())),
         }
     }
     Ok(())
+}
+
+/// The refusal of an unmount of `target` that stayed busy.
+fn busy(volume: &str, target: &Path) -> CsiError {
+    let holders = blockplane_system::holders::holding(&[], |link| {
+        std::fs::read_link(link).is_ok_and(|p| p.starts_with(target))
+    });
+    let who = if holders.is_empty() {
+        "no process of this node's namespace holds a file under it (a mount \
+         below it, or a holder in another mount namespace?)"
+            .to_string()
+    } else {
+        format!("held by {}", blockplane_system::holders::describe(&holders))
+    };
+    CsiError::Precondition {
+        volume: volume.into(),
+        reason: format!(
+            "{} is still in use after {} s of retried unmounts: {who}",
+            target.display(),
+            BUSY_RETRY.as_secs()
+        ),
+    }
 }
 
 /// What a block device holds.
