@@ -111,7 +111,14 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
     std::fs::write(&dev, vec![1u8; 65536]).unwrap();
     let stats = json(&s, &["volume", "stats", "cvol"]);
     assert!(stats["write"]["bytes"].as_u64().unwrap() >= 65536);
-    assert!(ok(&s, &["volume", "stats", "cvol"]).contains("write"));
+    let text = ok(&s, &["volume", "stats", "cvol"]);
+    assert!(text.contains("write"), "{text}");
+    // What the page cache holds of the device and the image is shown.
+    assert!(stats["page_cache"].is_object(), "{stats}");
+    assert!(
+        text.contains("page cache, device") && text.contains("page cache, image"),
+        "{text}"
+    );
 
     let grown = json(&s, &["image", "resize", "cimg", "--size", "32M"]);
     assert_eq!(grown["image"]["size_bytes"], 32 << 20);

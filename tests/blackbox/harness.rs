@@ -398,7 +398,8 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        // Unless an owner already cleaned up (and printed them).
+        if std::thread::panicking() && self.child.is_some() {
             self.print_logs();
         }
         self.stop_and_clean();
@@ -502,17 +503,24 @@ fn remove_dm_holders(dev: &str) {
         return;
     };
     for h in holders.flatten() {
-        let dm = h.file_name().to_string_lossy().into_owned();
-        let Ok(name) = std::fs::read_to_string(format!("/sys/block/{dm}/dm/name")) else {
-            continue;
-        };
-        if name.trim().starts_with("blockplane-") {
-            let _ = Command::new("dmsetup")
-                .args(["remove", "--force", name.trim()])
-                .env("DM_DISABLE_UDEV", "1")
-                .status();
-        }
+        remove_blockplane_dm(&h.file_name().to_string_lossy());
     }
+}
+
+/// Removes the dm device `dm` (its kernel name, `dm-N`) if blockplane made
+/// it (named `blockplane-*`), in use or not (`--force` fails what is in
+/// flight); returns its dm name if it did.
+pub fn remove_blockplane_dm(dm: &str) -> Option<String> {
+    let name = std::fs::read_to_string(format!("/sys/block/{dm}/dm/name")).ok()?;
+    let name = name.trim();
+    if !name.starts_with("blockplane-") {
+        return None;
+    }
+    let _ = Command::new("dmsetup")
+        .args(["remove", "--force", name])
+        .env("DM_DISABLE_UDEV", "1")
+        .status();
+    Some(name.to_string())
 }
 
 /// `(device, backing file)` of every bound loop device.
@@ -643,7 +651,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 fn file_states(dir: &Path, skip: &[&str]) -> Vec<String> {
     use std::hash::Hasher;
     use std::io::Read;
-    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let mut out: Vec<String> = walk(dir)
         .into_iter()
         .filter(|p| !p.file_name().is_some_and(|n| skip.iter().any(|s| n == *s)))
@@ -658,13 +666,31 @@ fn file_states(dir: &Path, skip: &[&str]) -> Vec<String> {
                 return format!("{} {kind} {owner} rdev {}", p.display(), m.rdev());
             }
             let mut h = std::hash::DefaultHasher::new();
-            if let Ok(mut f) = std::fs::File::open(&p) {
-                let mut buf = vec![0u8; 1 << 20];
-                while let Ok(n) = f.read(&mut buf) {
+            // Read with O_DIRECT where the filesystem has it: a direct-I/O
+            // volume's image with cached pages is what the service warns
+            // about (an event), and pages read buffered and dropped after
+            // can be seen by its look in between.
+            let direct = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&p);
+            let (file, buffered) = match direct {
+                Ok(f) => (Ok(f), false),
+                Err(_) => (std::fs::File::open(&p), true),
+            };
+            if let Ok(mut f) = file {
+                // O_DIRECT wants an aligned buffer.
+                let mut raw = vec![0u8; (1 << 20) + 4096];
+                let skip = raw.as_ptr().align_offset(4096);
+                let buf = &mut raw[skip..skip + (1 << 20)];
+                while let Ok(n) = f.read(buf) {
                     if n == 0 {
                         break;
                     }
                     h.write(&buf[..n]);
+                }
+                if buffered {
+                    let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
                 }
             }
             format!(

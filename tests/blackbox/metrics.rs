@@ -331,3 +331,107 @@ async fn the_grafana_dashboard_and_the_alerts_name_only_metrics_the_service_expo
         );
     }
 }
+
+/// Reads `len` bytes of `path` through the page cache, as `blkid` or a
+/// buffered `dd` of a device does.
+fn buffered_read(path: &str, len: usize) {
+    use std::io::Read;
+    let mut buf = vec![0u8; len];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact(&mut buf)
+        .unwrap();
+}
+
+fn page_cache(st: &Value, what: &str) -> u64 {
+    st["page_cache"][what]
+        .as_u64()
+        .unwrap_or_else(|| panic!("page_cache.{what}: {st}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn page_cache_of_a_direct_io_volume_is_shown_warned_and_dropped_at_attach() {
+    let s = Service::start().await;
+    let v = s.loop_volume("pc", 32).await;
+    assert_eq!(
+        v["direct_io"], true,
+        "a loop volume on the test's filesystem does direct I/O: {v}"
+    );
+    let dev = v["device"].as_str().unwrap().to_string();
+    let img = s.get("/v1/images/pc-img").await.body;
+    let path = img["path"].as_str().unwrap().to_string();
+    let st = s.get("/v1/volumes/pc/stats").await.body;
+    assert!(
+        page_cache(&st, "device_bytes") < 1 << 20,
+        "clean after attach: {st}"
+    );
+    // The kernel drops a device's cache when its last opener closes it: a
+    // user that keeps it open (a VM, a long fio run) is what lets a probe's
+    // or an operator's buffered reads stay behind.
+    let holder = std::fs::File::open(&dev).unwrap();
+    // An operator's buffered reads of the device and of the image.
+    buffered_read(&dev, 16 << 20);
+    buffered_read(&path, 16 << 20);
+    let st = s.get("/v1/volumes/pc/stats").await.body;
+    assert!(page_cache(&st, "device_bytes") >= 15 << 20, "{st}");
+    assert!(page_cache(&st, "image_bytes") >= 15 << 20, "{st}");
+    // The sampler's check (every 10 s): the warning, one event, the gauges.
+    eventually(
+        Duration::from_secs(40),
+        "the page-cache warning",
+        async || {
+            let v = s.get("/v1/volumes/pc").await.body;
+            v["warnings"].as_array().is_some_and(|w| {
+                w.iter()
+                    .any(|w| w.as_str().unwrap().contains("page cache holds"))
+            })
+        },
+    )
+    .await;
+    let id = v["id"].as_str().unwrap();
+    let events = s.get(&format!("/v1/events?volume={id}")).await.body;
+    let warned: Vec<&Value> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "volume_page_cache")
+        .collect();
+    assert_eq!(warned.len(), 1, "{events}");
+    let msg = warned[0]["message"].as_str().unwrap();
+    assert!(msg.contains("volume 'pc'") && msg.contains(&dev), "{msg}");
+    let (text, p) = scrape(&s).await;
+    let l = [("volume", "pc")];
+    assert!(
+        sample(&p, "blockplane_volume_page_cache_device_bytes", &l)
+            .is_some_and(|b| b >= (15 << 20) as f64),
+        "{text}"
+    );
+    assert!(
+        sample(&p, "blockplane_volume_page_cache_image_bytes", &l)
+            .is_some_and(|b| b >= (15 << 20) as f64),
+        "{text}"
+    );
+
+    // A new attach of the image drops what an earlier user left of it.
+    drop(holder);
+    assert_eq!(s.delete("/v1/volumes/pc").await.status.as_u16(), 204);
+    buffered_read(&path, 16 << 20);
+    let a = s
+        .post(
+            "/v1/volumes",
+            serde_json::json!({"name": "pc", "image": "pc-img", "backend": "loop"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let st = s.get("/v1/volumes/pc/stats").await.body;
+    assert!(
+        page_cache(&st, "image_bytes") < 1 << 20,
+        "dropped at attach: {st}"
+    );
+    assert!(page_cache(&st, "device_bytes") < 1 << 20, "{st}");
+    assert!(
+        a.body["warnings"].as_array().unwrap().is_empty(),
+        "{}",
+        a.body
+    );
+}

@@ -16,7 +16,8 @@ fn rdev(dev: &str) -> u64 {
     std::fs::metadata(dev).unwrap().rdev()
 }
 
-fn table(dev: &str) -> String {
+/// The live table of the dm device `dev` (`dmsetup table`).
+pub(crate) fn table(dev: &str) -> String {
     let m = std::fs::metadata(dev).unwrap();
     let (major, minor) = (rustix::fs::major(m.rdev()), rustix::fs::minor(m.rdev()));
     String::from_utf8_lossy(
@@ -31,7 +32,7 @@ fn table(dev: &str) -> String {
 }
 
 /// Whether a table is one linear target over a ublk device.
-fn over_ublk(table: &str) -> bool {
+pub(crate) fn over_ublk(table: &str) -> bool {
     let lines: Vec<&str> = table.lines().collect();
     lines.len() == 1
         && lines[0].split_whitespace().nth(3).is_some_and(|d| {
@@ -127,28 +128,34 @@ async fn dm_refusals_name_their_rule_and_change_nothing() {
     vm.image("onplain", Scratch::Plain, 16, "full").await;
     vm.image("orig", Scratch::Xfs, 16, "full").await;
     vm.reflinked_copy("orig").await;
+    vm.image("q", Scratch::Xfs, 16, "full").await;
     let before = vm.snapshot().await;
-    for (image, needle) in [
-        ("sparse", "rule 2"),
-        ("ontmpfs", "rule 1"),
-        ("copy", "SHARED"),
-        ("onplain", "mounted directly"),
+    for (image, qos, code, needles) in [
+        ("sparse", None, "refused", &["rule 2"][..]),
+        ("ontmpfs", None, "refused", &["rule 1"]),
+        ("copy", None, "refused", &["SHARED"]),
+        (
+            "onplain",
+            None,
+            "refused",
+            &["mounted directly", "linear wrapper", "\"ublk\""],
+        ),
+        // QoS needs a worker: dm direct asked by name has none.
+        (
+            "q",
+            Some(json!({"iops": 100})),
+            "unsupported",
+            &["volume 'x'", "'direct', asked by name, has none"],
+        ),
     ] {
-        let a =
-            vm.s.post(
-                "/v1/volumes",
-                json!({"name": "x", "image": image, "backend": "dm", "dispatch": "direct"}),
-            )
-            .await;
-        assert_error(&a, 422, "refused");
-        let msg = a.body["error"]["message"].as_str().unwrap();
-        assert!(msg.contains(needle), "{msg}");
-        if image == "onplain" {
-            assert!(
-                msg.contains("linear wrapper") && msg.contains("\"ublk\""),
-                "{msg}"
-            );
+        let mut body = json!({"name": "x", "image": image, "backend": "dm", "dispatch": "direct"});
+        if let Some(qos) = qos {
+            body["qos"] = qos;
         }
+        let a = vm.s.post("/v1/volumes", body).await;
+        assert_error(&a, 422, code);
+        let msg = a.body["error"]["message"].as_str().unwrap();
+        assert!(needles.iter().all(|n| msg.contains(n)), "{msg}");
         assert_eq!(
             vm.snapshot().await,
             before,
@@ -157,21 +164,6 @@ async fn dm_refusals_name_their_rule_and_change_nothing() {
         assert!(!is_immutable(&vm.root(Scratch::Xfs).join("orig.img")));
         assert!(!is_immutable(&vm.root(Scratch::Plain).join("onplain.img")));
     }
-    // QoS is a ublk feature.
-    vm.image("q", Scratch::Xfs, 16, "full").await;
-    let a =
-        vm.s.post(
-            "/v1/volumes",
-            json!({"name": "x", "image": "q", "backend": "dm", "qos": {"iops": 100}}),
-        )
-        .await;
-    assert_error(&a, 422, "unsupported");
-    assert!(
-        a.body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("ublk")
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -3,9 +3,11 @@
 //! `direct`; a `sparse` one still gives space back; `allocate` makes a
 //! punched image eligible again while its volume serves.
 
+use std::time::Duration;
+
 use serde_json::json;
 
-use crate::{Scratch, Vm, fio_ok, fio_verify, run, sh};
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, run, sh, writes_flow};
 
 /// `len` bytes of `dev` at `off`, read O_DIRECT.
 fn read_at(dev: &str, off_mib: u64, len_mib: u64) -> Vec<u8> {
@@ -131,10 +133,11 @@ async fn a_full_image_stays_direct_eligible_through_discards_under_every_policy(
             "{backend} {policy}: {img}"
         );
         // Live to direct while fio verify writes and reads across the
-        // switch: no hole, no unwritten extent.
-        let fio = fio_verify(&dev, "24M", &[]);
+        // switch: no hole, no unwritten extent (12 MiB: the switch comes
+        // after the first MiB, and verify reads all of it back).
+        let fio = fio_verify(&dev, "12M", &[]);
         if policy != "direct" {
-            std::thread::sleep(std::time::Duration::from_secs(1));
+            writes_flow(&dev, 1 << 20).await;
             let a =
                 vm.s.patch(
                     &format!("/v1/volumes/{name}"),
@@ -152,7 +155,7 @@ async fn a_full_image_stays_direct_eligible_through_discards_under_every_policy(
         .volume(json!({"name": "keep-auto", "image": "keep", "backend": "ublk"}))
         .await;
     assert_eq!(v["dispatch"], "direct", "{v}");
-    fio_ok(fio_verify(v["device"].as_str().unwrap(), "16M", &[]));
+    fio_ok(fio_verify(v["device"].as_str().unwrap(), "8M", &[]));
     vm.delete("keep-auto").await;
 }
 
@@ -213,8 +216,8 @@ async fn a_sparse_image_gives_space_back_and_allocate_runs_under_io_cancels_and_
 
     // Allocate while fio verify writes and reads it; the worker's control
     // socket keeps answering (stats, a policy switch) while it fills.
-    let fio = fio_verify(&dev, "48M", &[]);
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    let fio = fio_verify(&dev, "32M", &[]);
+    writes_flow(&dev, 1 << 20).await;
     let a = vm.s.post("/v1/images/thin/allocate", json!(null)).await;
     assert_eq!(a.status.as_u16(), 202, "{}", a.body);
     assert_eq!(a.body["allocate"]["state"], "running", "{}", a.body);
@@ -251,7 +254,15 @@ async fn a_sparse_image_gives_space_back_and_allocate_runs_under_io_cancels_and_
     // is still as declared, and an allocate re-run takes up the worker's fill.
     let a = vm.s.post("/v1/images/thin/allocate", json!(null)).await;
     assert_eq!(a.status.as_u16(), 202, "{}", a.body);
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    eventually(
+        Duration::from_secs(60),
+        "the allocate's first bytes",
+        async || {
+            let g = vm.s.get("/v1/images/thin").await.body;
+            g["allocate"]["done_bytes"].as_u64().unwrap_or(0) > 0
+        },
+    )
+    .await;
     vm.s.kill();
     vm.s.restart().await;
     let g = vm.s.get("/v1/images/thin").await.body;
@@ -267,7 +278,7 @@ async fn a_sparse_image_gives_space_back_and_allocate_runs_under_io_cancels_and_
     // it goes direct live while fio verify runs.
     sh("blkdiscard", &[&dev]);
     let fio = fio_verify(&dev, "24M", &[]);
-    std::thread::sleep(std::time::Duration::from_secs(1));
+    writes_flow(&dev, 1 << 20).await;
     let a =
         vm.s.patch("/v1/volumes/thin", json!({"dispatch": "direct"}))
             .await;

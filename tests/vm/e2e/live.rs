@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::{Scratch, Vm, direct_write, direct_write_ok, fio_ok, sh};
+use crate::{Scratch, Vm, direct_write, direct_write_ok, fio_ok, fio_verify, sh, writes_flow};
 
 /// fio 4k random reads at iodepth 16 for `secs` seconds.
 fn fio_reads(dev: &str, secs: u32) -> Child {
@@ -112,11 +112,15 @@ fn finish((child, log): (Child, String)) -> FioRun {
     FioRun { json, per_second }
 }
 
-/// Sets a volume's QoS; panics unless 200.
+/// Sets a volume's QoS; panics unless 200 (or no answer in 120 s).
 async fn set_qos(vm: &Vm, name: &str, qos: Value) {
-    let a =
-        vm.s.patch(&format!("/v1/volumes/{name}"), json!({"qos": qos}))
-            .await;
+    eprintln!("qos: {name}: set {qos}");
+    let a = tokio::time::timeout(
+        Duration::from_secs(120),
+        vm.s.patch(&format!("/v1/volumes/{name}"), json!({"qos": qos})),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{name}: no answer to the QoS change {qos} in 120 s"));
     assert_eq!(a.status.as_u16(), 200, "{}", a.body);
 }
 
@@ -174,6 +178,102 @@ async fn qos_holds_iops_and_changes_live_without_failing_io() {
     let a = vm.s.patch("/v1/volumes/q", json!({"qos": null})).await;
     assert_eq!(a.body["qos"], Value::Null);
     vm.delete("q").await;
+}
+
+/// Issue 27: QoS on a dm volume is enforced by its worker. A volume made
+/// with every default on a full image is dm `direct`; a limit moves it live
+/// to `nowait` (same node, fio --verify running across both moves), where
+/// the worker holds the limit as on ublk; removing it brings it back to
+/// `direct`. A `direct` asked by name refuses a limit. (fio: a 24 MiB
+/// verify, then 8 s under the limit.)
+#[tokio::test(flavor = "multi_thread")]
+async fn qos_on_dm_moves_auto_from_direct_to_nowait_and_back() {
+    let vm = Vm::start().await;
+    vm.image("dq", Scratch::Xfs, 64, "full").await;
+    vm.image("pd", Scratch::Xfs, 16, "full").await;
+    let v = vm.volume(json!({"name": "dq", "image": "dq"})).await;
+    assert_eq!(
+        (&v["backend"], &v["dispatch"]),
+        (&json!("dm"), &json!("direct")),
+        "{v}"
+    );
+    let dev = v["device"].as_str().unwrap().to_string();
+    // On `to` for the reason `why`, the node unchanged, the table over the
+    // worker off direct.
+    let moved = |v: &Value, to: &str, why: &str| {
+        assert_eq!(v["dispatch"], to, "{v}");
+        assert_eq!(v["device"], dev.as_str(), "the node never changes: {v}");
+        let reason = v["dispatch_reason"].as_str().unwrap();
+        assert!(reason.starts_with(why), "{reason}");
+        let t = crate::dm::table(&dev);
+        assert_eq!(crate::dm::over_ublk(&t), to != "direct", "{to}: {t}");
+    };
+    const LIMITED: &str = "auto chose nowait: a QoS limit is set";
+    const UNLIMITED: &str = "auto: the last QoS limit was removed";
+    // Across both moves, fio writes and verifies.
+    let fio = fio_verify(&dev, "24M", &[]);
+    writes_flow(&dev, 1 << 20).await;
+    set_qos(&vm, "dq", json!({"iops": 1_000_000})).await;
+    moved(&vm.s.get("/v1/volumes/dq").await.body, "nowait", LIMITED);
+    writes_flow(&dev, 1 << 20).await;
+    set_qos(&vm, "dq", Value::Null).await;
+    moved(&vm.s.get("/v1/volumes/dq").await.body, "direct", UNLIMITED);
+    writes_flow(&dev, 1 << 20).await;
+    fio_ok(fio);
+    let ev = vm.s.get("/v1/events?volume=dq&limit=1000").await.body;
+    let moves = ev
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "dispatch_moved")
+        .count();
+    assert_eq!(moves, 2, "{ev}");
+
+    // The worker holds the limit, as a ublk volume's does.
+    let limit = 100;
+    set_qos(&vm, "dq", json!({"iops": limit})).await;
+    moved(&vm.s.get("/v1/volumes/dq").await.body, "nowait", LIMITED);
+    let run = finish(fio_json(&dev, "4k", 8, 0, "dm"));
+    within_limit(
+        "iops on dm under auto",
+        run.iops_between(3, 8),
+        limit as f64,
+    );
+    // Its stats count what the worker delayed, and what its nowait path did.
+    let st = vm.s.get("/v1/volumes/dq/stats").await.body;
+    assert!(st["qos_throttled"].as_u64().unwrap_or(0) > 0, "{st}");
+    assert!(st["nowait"]["submitted"].as_u64().unwrap_or(0) > 0, "{st}");
+    set_qos(&vm, "dq", Value::Null).await;
+    moved(&vm.s.get("/v1/volumes/dq").await.body, "direct", UNLIMITED);
+    // On direct no worker counts: the kernel's counters only.
+    let st = vm.s.get("/v1/volumes/dq/stats").await.body;
+    assert_eq!(
+        (&st["qos_throttled"], &st["nowait"]),
+        (&Value::Null, &Value::Null),
+        "{st}"
+    );
+    vm.delete("dq").await;
+
+    // direct asked by name: refused, naming the volume and the rule.
+    vm.volume(json!({"name": "pd", "image": "pd", "backend": "dm", "dispatch": "direct"}))
+        .await;
+    let a =
+        vm.s.patch("/v1/volumes/pd", json!({"qos": {"iops": limit}}))
+            .await;
+    assert_eq!(a.status.as_u16(), 422, "{}", a.body);
+    assert_eq!(a.body["error"]["code"], "not_live", "{}", a.body);
+    let msg = a.body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("volume 'pd'") && msg.contains("'direct', asked by name, has none"),
+        "{msg}"
+    );
+    let v = vm.s.get("/v1/volumes/pd").await.body;
+    assert_eq!(
+        (&v["dispatch"], &v["qos"]),
+        (&json!("direct"), &Value::Null),
+        "{v}"
+    );
+    vm.delete("pd").await;
 }
 
 /// 4k random reads and writes on `dev` for `secs` s (stats from `ramp` s

@@ -196,6 +196,44 @@ async fn auto_picks_direct_or_nowait_and_says_why() {
     assert!(why.contains("rule 2") && why.contains("hole"), "{why}");
     vm.delete("a1").await;
     vm.delete("a2").await;
+
+    // Nothing named: the full image (xfs over a linear dm device) gets dm
+    // direct; the sparse one ublk nowait, and says why not dm; a full image
+    // on a filesystem mounted on a raw disk (dm's rule 7) ublk direct.
+    vm.image("plain", Scratch::Plain, 16, "full").await;
+    for (name, image, backend, dispatch, why_has) in [
+        ("d1", "full", "dm", "direct", "auto: backend dm, direct: "),
+        (
+            "d2",
+            "sparse",
+            "ublk",
+            "nowait",
+            "auto chose nowait: direct-map rule 2: the image has a hole at bytes 0..",
+        ),
+        ("d3", "plain", "ublk", "direct", "(direct-map rule 7"),
+    ] {
+        let v = vm.volume(json!({"name": name, "image": image})).await;
+        assert_eq!(v["backend"], backend, "{v}");
+        assert_eq!(v["dispatch"], dispatch, "{v}");
+        let why = v["dispatch_reason"].as_str().unwrap();
+        assert!(why.contains(why_has), "{why}");
+        if name == "d2" {
+            // The rule that kept both off direct, said once.
+            assert!(
+                why.ends_with(
+                    "; backend auto chose ublk: dm would not map it direct either, by the same rule"
+                ),
+                "{why}"
+            );
+            assert_eq!(why.matches("rule 2").count(), 1, "{why}");
+        }
+        if backend == "dm" {
+            fio_ok(fio_verify(v["device"].as_str().unwrap(), "8M", &[]));
+        }
+    }
+    for name in ["d1", "d2", "d3"] {
+        vm.delete(name).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1225,4 +1263,161 @@ async fn a_moved_middle_extent_takes_a_ublk_direct_volume_off_the_map_before_any
         "{now}"
     );
     vm.delete("mv").await;
+}
+
+/// The names of a process's threads, sorted.
+fn thread_names(pid: u32) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Voluntary context switches of every thread of a process, summed: how
+/// often its threads went to sleep, so (near enough) how often they woke.
+fn voluntary_switches(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Samples the stats sampler has taken of a volume (one a second).
+async fn samples_of(vm: &Vm, volume: &str) -> usize {
+    let h =
+        vm.s.get(&format!("/v1/volumes/{volume}/stats/history?seconds=900"))
+            .await;
+    h.body["points"].as_array().map_or(0, Vec::len)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_ublk_volumes_add_no_service_threads_and_their_workers_sleep() {
+    let vm = Vm::start().await;
+    let service = vm.s.pid();
+    let attach = |name: String| {
+        let vm = &vm;
+        async move {
+            vm.image(&name, Scratch::Xfs, 16, "sparse").await;
+            vm.volume(json!({"name": name, "image": name, "backend": "ublk", "dispatch": "nowait"}))
+                .await
+        }
+    };
+    let first = attach("idle0".into()).await;
+    // Settled: the sampler has read the volume a few times.
+    eventually(
+        Duration::from_secs(60),
+        "three samples of idle0",
+        async || samples_of(&vm, "idle0").await >= 3,
+    )
+    .await;
+    // An idle worker: one thread per queue plus one, and asleep while the
+    // sampler reads it (and the supervisor watches it) five times over.
+    let pid = worker_pid(&first);
+    let queues = first["queues"].as_u64().unwrap() as usize;
+    let names = thread_names(pid);
+    let before = (voluntary_switches(pid), samples_of(&vm, "idle0").await);
+    eventually(
+        Duration::from_secs(60),
+        "five more samples of idle0",
+        async || samples_of(&vm, "idle0").await >= before.1 + 5,
+    )
+    .await;
+    let woke = voluntary_switches(pid) - before.0;
+    eprintln!("idle worker: threads {names:?}; woke {woke} times over five samples");
+    // The kernel's io-wq workers (`iou-wrk-*`) are not the worker's own: the
+    // kernel starts them for a request it cannot issue without blocking, and
+    // keeps the last one of each ring.
+    let own: Vec<&String> = names
+        .iter()
+        .filter(|n| !n.starts_with("iou-wrk-"))
+        .collect();
+    assert_eq!(own.len(), queues + 1, "worker threads: {names:?}");
+    // Less than once a sample: what is left is the queues' 20 s idle wait
+    // and the kernel's io-wq worker's 5 s one.
+    assert!(
+        woke < 5,
+        "an idle worker woke {woke} times over five samples (threads {names:?})"
+    );
+    // Threads of bounded pools (tokio's workers and blocking pool, sqlx's
+    // connections, the kernel's io-wq workers) grow with load up to their
+    // caps, not with volumes; every other thread is one the service keeps.
+    let kept = |names: Vec<String>| -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| {
+                !["tokio-", "sqlx-", "iou-wrk-"]
+                    .iter()
+                    .any(|p| n.starts_with(p))
+            })
+            .collect()
+    };
+    let one = kept(thread_names(service));
+    let mut later = Vec::new();
+    for i in 1..8 {
+        later.push(attach(format!("idle{i}")).await);
+    }
+    let settled = async || kept(thread_names(service)).len() <= one.len();
+    if tokio::time::timeout(Duration::from_secs(60), async {
+        while !settled().await {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .is_err()
+    {
+        panic!(
+            "the service's own threads with 8 volumes: {:?}; with 1: {one:?}",
+            kept(thread_names(service))
+        );
+    }
+    // A figure for the record, not an assert: wake-ups and CPU of the
+    // service and the 8 idle workers over ten samples.
+    let mut workers = vec![worker_pid(&first)];
+    workers.extend(later.iter().map(worker_pid));
+    let load = || {
+        let w: u64 = workers.iter().map(|p| voluntary_switches(*p)).sum();
+        (
+            w,
+            voluntary_switches(service),
+            cpu_ticks(service),
+            std::time::Instant::now(),
+        )
+    };
+    let (w0, s0, c0, t0) = load();
+    let n0 = samples_of(&vm, "idle0").await;
+    eventually(
+        Duration::from_secs(60),
+        "ten more samples of idle0",
+        async || samples_of(&vm, "idle0").await >= n0 + 10,
+    )
+    .await;
+    let (w1, s1, c1, t1) = load();
+    let secs = (t1 - t0).as_secs_f64();
+    eprintln!(
+        "8 idle ublk volumes over {secs:.1} s: {:.2} worker wake-ups/s per volume, service {:.1} wake-ups/s and {:.1}% of a CPU",
+        (w1 - w0) as f64 / secs / 8.0,
+        (s1 - s0) as f64 / secs,
+        (c1 - c0) as f64 / 100.0 / secs * 100.0
+    );
+    for i in 0..8 {
+        vm.delete(&format!("idle{i}")).await;
+    }
+}
+
+/// utime+stime of a process, in clock ticks (100 a second).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
 }
