@@ -8,27 +8,14 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 n=${1:-100} secs=${2:-10} conns=${3:-32}
 cd "$repo"
-cargo build --locked --release --bin blockplane >/dev/null 2>&1
-bin=$repo/target/release/blockplane
+# shellcheck source=lib.sh
+. "$here/lib.sh"
+bin=$(bench_bin)
 work=$(mktemp -d /tmp/bp-load.XXXXXX)
-sock=$work/data/blockplane.sock
 token=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 export BLOCKPLANE_TOKEN=$token
-cleanup() {
-  for id in $("$bin" --api "unix:$sock" --json volume ls 2>/dev/null | jq -r '.[].id'); do
-    "$bin" --api "unix:$sock" volume rm "$id" >/dev/null 2>&1 || true
-  done
-  kill "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  rm -rf "$work"
-}
-mkdir -p "$work/images"
-"$bin" serve --data-dir "$work/data" --image-root "$work/images" \
-  --listen "unix:$sock" --listen "127.0.0.1:$port" --max-concurrent-requests 1024 >"$work/serve.log" 2>&1 &
-pid=$!
-trap cleanup EXIT
-for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+bench_serve "$bin" "$work" --listen "unix:$work/data/blockplane.sock" --listen "127.0.0.1:$port"
 echo "creating $n loop volumes..." >&2
 for i in $(seq "$n"); do
   "$bin" --api "unix:$sock" image create "img$i" "$work/images/img$i.raw" --size 1M >/dev/null

@@ -7,23 +7,11 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 n=${1:-100} scrapes=${2:-50}
 cd "$repo"
-cargo build --locked --release --bin blockplane >/dev/null
-bin=$repo/target/release/blockplane
+# shellcheck source=lib.sh
+. "$here/lib.sh"
+bin=$(bench_bin)
 work=$(mktemp -d /tmp/bp-scrape.XXXXXX)
-sock=$work/data/blockplane.sock
-cleanup() {
-  for id in $("$bin" --api "unix:$sock" --json volume ls 2>/dev/null | jq -r '.[].id'); do
-    "$bin" --api "unix:$sock" volume rm "$id" >/dev/null 2>&1 || true
-  done
-  kill "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  rm -rf "$work"
-}
-mkdir -p "$work/images"
-"$bin" serve --data-dir "$work/data" --image-root "$work/images" >"$work/serve.log" 2>&1 &
-pid=$!
-trap cleanup EXIT
-for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+bench_serve "$bin" "$work"
 cli() { "$bin" --api "unix:$sock" "$@" >/dev/null; }
 echo "creating $n loop volumes..." >&2
 for i in $(seq "$n"); do

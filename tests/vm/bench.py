@@ -6,8 +6,10 @@ xfs (on a linear dm device over the virtio disk): the raw image file, the
 kernel loop driver (direct I/O), the peer rublk (a ublk loop server from
 crates.io) in copy and in zero-copy mode with blockplane's queue count and
 depth, blockplane ublk volumes `nowait`/`threaded`/`direct` and dm volumes
-`direct`/`nowait`. The blockplane volumes are made with the service's
-defaults: only backend and dispatch are given.
+`direct`/`nowait`, and "every default": a volume made with no options at all
+(backend and dispatch the service's choice) on a full and on a sparse image.
+The blockplane volumes are made with the service's defaults: only backend
+and dispatch are given.
 
 fio 4k randrw, 2 jobs, --direct=1, once with psync and once with io_uring at
 iodepth 16. All targets exist for the whole run; after one short unmeasured
@@ -39,6 +41,7 @@ blockplane key, e.g. ublk-nowait-alt) from a second service running that
 binary, so that two builds (a release profile, a change) compare in one boot.
 """
 
+import ctypes
 import http.client
 import json
 import os
@@ -83,10 +86,21 @@ TARGETS = {
     "ublk-direct": ("blockplane ublk direct", "ublk", ("ublk", "direct")),
     "dm-direct": ("blockplane dm direct", "dm", ("dm", "direct")),
     "dm-nowait": ("blockplane dm nowait", "dm", ("dm", "nowait")),
+    # The volume a user gets with no options at all: its backend and policy
+    # are the service's choice (kind "default": read from the volume).
+    "default-full": ("blockplane, every default (full image)", "default", (None, None)),
+    "default-sparse": ("blockplane, every default (sparse image)", "default", (None, None)),
+    # A dm volume under `auto` given a QoS limit far above what the guest
+    # reaches: it moves live off `direct` to its worker (`nowait`), so the
+    # row is the worker path's cost on dm.
+    "dm-qos": ("blockplane dm auto + QoS", "dm", ("dm", None)),
     # Not in the default set (BENCH_TARGETS adds it).
     "dm-threaded": ("blockplane dm threaded", "dm", ("dm", "threaded")),
 }
 DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded"]
+# What a target's image and volume get beyond the defaults (by key).
+ALLOCATION = {"default-sparse": "sparse"}
+QOS = {"dm-qos": {"iops": 100_000_000, "bytes_per_sec": 1 << 40}}
 
 
 def target_of(key):
@@ -96,7 +110,7 @@ def target_of(key):
         label, kind, how = TARGETS[key]
         return label, kind, how, SOCK
     base = key[: -len(ALT)] if key.endswith(ALT) else None
-    if ALT_BIN and base in TARGETS and TARGETS[base][1] in ("ublk", "dm"):
+    if ALT_BIN and base in TARGETS and TARGETS[base][1] in ("ublk", "dm", "default"):
         label, kind, how = TARGETS[base]
         return f"{label} (alt)", kind, how, ALT_SOCK
     return None
@@ -252,6 +266,57 @@ def fio(path, mode_args, size, runtime=RUNTIME):
     return job["read"]["iops"] + job["write"]["iops"], job["read"]["total_ios"] + job["write"]["total_ios"]
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def cached_bytes(path):
+    """Bytes of the file or device at `path` in the page cache: cachestat(2)
+    (syscall 451, kernel 6.5+), the call the service makes; None without it.
+    Opening reads nothing (the kernel drops a device's cache at its last
+    close, so a device nobody holds open shows 0)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        rng, out = _CachestatRange(0, 0), _Cachestat()
+        if _libc.syscall(451, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+            return None
+        return out.nr_cache * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.close(fd)
+
+
+def page_cache(t):
+    """(device, image) bytes cached of a target (the raw target's device is its image)."""
+    dev = cached_bytes(t["path"]) if t["path"] != t["image"] else None
+    return dev, cached_bytes(t["image"])
+
+
+def bimodal(iops):
+    """Whether the rounds split into two clusters: sorted, the largest gap
+    between neighbours is over 20% of the median and over twice the range
+    of either side, with at least two rounds on each side (so 4 rounds or
+    more)."""
+    s = sorted(iops)
+    if len(s) < 4 or not median(s):
+        return False
+    gap, i = max((s[k + 1] - s[k], k + 1) for k in range(len(s) - 1))
+    low, high = s[:i], s[i:]
+    if len(low) < 2 or len(high) < 2:
+        return False
+    return gap > 0.20 * median(s) and gap > 2 * max(low[-1] - low[0], high[-1] - high[0])
+
+
 def run_cell(t, mode, args, size):
     """One fio run on a target, with the server's costs around it."""
     pid = t.get("pid")
@@ -344,19 +409,27 @@ def setup(keys, size):
         t = {"key": key, "label": label, "kind": kind, "how": how, "image": os.path.join(ROOT, f"{key}.img"),
              "sock": sock, "runs": {m: [] for m, _ in MODES}}
         started = time.time()
+        allocation = ALLOCATION.get(key.removesuffix(ALT), "full")
         api("POST", "/v1/images", {"name": f"img-{key}", "path": t["image"],
-                                   "create": {"size_bytes": size, "allocation": "full"}}, sock)
-        print(f"  image {t['image']}: {size >> 20} MiB, fully allocated in {time.time() - started:.0f} s", flush=True)
+                                   "create": {"size_bytes": size, "allocation": allocation}}, sock)
+        print(f"  image {t['image']}: {size >> 20} MiB, {allocation} in {time.time() - started:.0f} s", flush=True)
         if kind == "raw":
             t["path"] = t["image"]
         elif kind != "rublk":
             backend, dispatch = how
-            body = {"name": key, "image": f"img-{key}", "backend": backend}
+            body = {"name": key, "image": f"img-{key}"}
+            if backend:
+                body["backend"] = backend
             if dispatch:
                 body["dispatch"] = dispatch
             vol = api("POST", "/v1/volumes", body, sock)
+            if key.removesuffix(ALT) in QOS:
+                api("PATCH", f"/v1/volumes/{vol['id']}", {"qos": QOS[key.removesuffix(ALT)]}, sock)
             vol = api("GET", f"/v1/volumes/{vol['id']}", sock=sock)
-            assert vol["backend"] == backend, vol
+            if kind == "default":
+                # Checked and measured as what the service chose.
+                t["kind"] = kind = vol["backend"]
+            assert backend is None or vol["backend"] == backend, vol
             assert dispatch is None or vol["dispatch"] == dispatch, vol
             t.update(volume=vol, volume_id=vol["id"], path=vol["device"])
             # Every ublk volume has a worker; a dm volume only off the direct path.
@@ -437,6 +510,8 @@ def main():
             for _, args in MODES:
                 fio(t["path"], args, size, WARMUP)
         print(f"warm-up: {WARMUP} s per cell, not measured", flush=True)
+    for t in live:
+        t["cache_before"] = page_cache(t)
     started = time.time()
     for r in range(REPEAT):
         order = live[r % len(live):] + live[:r % len(live)]
@@ -447,6 +522,8 @@ def main():
             print(f"  {t['label']}: " + ", ".join(f"{m} {t['runs'][m][-1]['iops']:.0f}" for m, _ in MODES),
                   flush=True)
     print(f"rounds took {time.time() - started:.0f} s", flush=True)
+    for t in live:
+        t["cache_after"] = page_cache(t)
 
     for t in live:
         if t["key"] in profiled:
@@ -478,6 +555,7 @@ def summarize(t):
         iops = [r["iops"] for r in runs]
         m = {"iops": median(iops), "runs": iops}
         m["spread"] = (max(iops) - min(iops)) / m["iops"] if iops and m["iops"] else None
+        m["bimodal"] = bimodal(iops)
         for k in ("cpu_us_per_req", "ctx_per_req"):
             vals = [r[k] for r in runs if k in r]
             m[k] = median(vals) if vals else None
@@ -513,16 +591,25 @@ def report(header, targets):
         return pair([s[m]["iops"] / base[m] if base.get(m) else None for m in modes], "{:.2f}")
 
     lines = header + ["", "| target | IOPS psync, qd16 | × raw | × kernel loop | × best rublk | spread "
-                      "| server CPU µs/req | ctx switches/req | NOWAIT fallback | server VmRSS MiB |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| server CPU µs/req | ctx switches/req | NOWAIT fallback | server VmRSS MiB "
+                      "| page cache device KiB | page cache image KiB |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cache_cell(t, i):
+        b, a = (t.get(k, (None, None))[i] for k in ("cache_before", "cache_after"))
+        return "–" if b is None and a is None else " → ".join(
+            "–" if x is None else f"{x >> 10}" for x in (b, a))
+
     for t in targets:
         if t.get("refused"):
-            lines.append(f"| {t['label']} | refused: {t['refused']} | | | | | | | | |")
+            lines.append(f"| {t['label']} | refused: {t['refused']} | | | | | | | | | | |")
             continue
         s = t["summary"]
         spread = pair([s[m]["spread"] for m in modes], "{:.0%}")
         if any((s[m]["spread"] or 0) > 0.10 for m in modes):
             spread += " (>10%)"
+        if any(s[m]["bimodal"] for m in modes):
+            spread += " BIMODAL (" + ", ".join(m for m in modes if s[m]["bimodal"]) + ")"
         nowait = "–"
         if any(s[m]["nowait_submitted"] is not None for m in modes):
             nowait = pair([s[m]["nowait_fallback_share"] for m in modes], "{:.1%}")
@@ -534,14 +621,19 @@ def report(header, targets):
             f"| {ratios(s, {m: best[m][1] for m in best})} | {spread} "
             f"| {pair([s[m]['cpu_us_per_req'] for m in modes], '{:.0f}') if t.get('pid') else '–'} "
             f"| {pair([s[m]['ctx_per_req'] for m in modes], '{:.2f}') if t.get('pid') else '–'} "
-            f"| {nowait} | {f'{rss / 1024:.1f}' if rss else '–'} |")
+            f"| {nowait} | {f'{rss / 1024:.1f}' if rss else '–'} "
+            f"| {cache_cell(t, 0)} | {cache_cell(t, 1)} |")
     lines.append("")
     lines.append("Pairs are psync, iodepth 16. IOPS: median of the rounds; spread: (max-min)/median. "
                  "Best rublk: " + (", ".join(f"{m} {best[m][0]}" for m in best) or "none") + ". "
                  "Server CPU and context switches: medians over the runs of the server process's "
                  "delta per request fio completed; NOWAIT fallback: EAGAIN fallbacks / NOWAIT submissions "
                  "(– where the volume's stats have no such counters: dm volumes report kernel block stats); "
-                 "VmRSS: largest after a run.")
+                 "VmRSS: largest after a run. Page cache: KiB of the target's device and image cached "
+                 "(cachestat(2)) before its first round → after its last (– where not read; a device nobody "
+                 "holds open shows 0: the kernel drops its cache at the last close). "
+                 "BIMODAL: the rounds split into two clusters (sorted, the largest gap between neighbours "
+                 "is over 20% of the median and over twice either side's range, two rounds or more a side).")
     lines.append("")
     for t in targets:
         lines.append(f"- {t['label']}: {t.get('path', '-')}{describe(t) if not t.get('refused') else ''}")

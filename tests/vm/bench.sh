@@ -7,7 +7,8 @@
 # also written to target/bench/bench.txt, every run to target/bench/bench.json.
 #   BENCH_RUNTIME=5 (s per fio run)  BENCH_REPEAT=5 (rounds)  BENCH_WARMUP=2 (s per cell, unmeasured)
 #   BENCH_IMAGE_SIZE=512M
-#   BENCH_TARGETS=raw,loop,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait
+#   BENCH_TARGETS=raw,loop,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait,dm-qos,
+#     default-full,default-sparse (the volume a user gets with no options: full, sparse image)
 #   BENCH_RUBLK_QUEUES=N (default: the queue count of blockplane's default ublk volume)
 #   BENCH_RUBLK_VERSION=0.2.15  BENCH_KERNEL=latest  VM_SMP=2  VM_TCG_THREAD=multi
 #   BENCH_PROFILE=1 (perf profiles of every target under psync: target/bench/profile-*.txt;
@@ -39,12 +40,12 @@ env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BE
 [ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
 [ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
 [ -z "${BENCH_ALT_BIN:-}" ] || env_vars+=" BENCH_ALT_BIN=$(realpath "$BENCH_ALT_BIN")"
-# Nine fully allocated images live on the xfs scratch disk (vda); the others stay small.
+# Eleven fully allocated images and a sparse one live on the xfs scratch disk (vda); the others stay small.
 # The host's load says how far to trust the spreads (other VMs share these cores).
 echo "bench: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 rc=0
 BLOCKPLANE_VM_ENV="$env_vars" VM_OUT=target/bench VM_TIMEOUT=${VM_TIMEOUT:-3600} \
-  VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_DISK_SIZES=${VM_DISK_SIZES:-"6G 1G 1G"} \
+  VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_DISK_SIZES=${VM_DISK_SIZES:-"7G 1G 1G"} \
   "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane" "$rublk" \
   || rc=$?
 echo "bench: host load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
