@@ -40,6 +40,20 @@ fi
 # Each step says when it started (minutes:seconds into the run).
 step() { printf '\n==> [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
+# The two VM kernels are fetched and built now, beside the steps up to the
+# lanes' start (mostly the first cargo build): a lane's own kernel.sh then
+# finds its build ready, or waits on the build's lock; a fetch that failed
+# here is tried again there.
+prefetch=()
+if [ "$tier" = all ]; then
+    mkdir -p target
+    for flavor in latest lts; do
+        setsid tests/vm/kernel.sh "$flavor" >"target/vm-kernel-$flavor.log" 2>&1 &
+        prefetch+=("$!")
+    done
+    trap 'kill -TERM -- "${prefetch[@]/#/-}" 2>/dev/null || true' EXIT
+fi
+
 # Python tools the tests use (from PyPI), in a venv of their own.
 step "test tools (Python venv from tests/requirements.txt)"
 venv=target/test-venv
@@ -133,7 +147,7 @@ setsid bash -c 'lane latest' >target/vm-lane-1.log 2>&1 &
 lane1=$!
 setsid bash -c 'lane lts' >target/vm-lane-2.log 2>&1 &
 lane2=$!
-trap 'kill -TERM -- "-$lane1" "-$lane2" 2>/dev/null || true' EXIT
+trap 'kill -TERM -- "-$lane1" "-$lane2" "${prefetch[@]/#/-}" 2>/dev/null || true' EXIT
 fi
 
 step "cargo clippy --all-targets -- -D warnings (with the test faults and without)"
@@ -184,6 +198,8 @@ step "kernel e2e: waiting for the VM lanes"
 rc1=0 rc2=0
 wait "$lane1" || rc1=$?
 wait "$lane2" || rc2=$?
+step "kernel e2e: the kernels fetched at the start"
+cat target/vm-kernel-latest.log target/vm-kernel-lts.log
 for lane in 1 2; do
     step "kernel e2e, lane $lane: log"
     cat "target/vm-lane-$lane.log"
