@@ -7,20 +7,27 @@
 //! half-deleted is finished off. Marked devices with no row are removed.
 
 use std::collections::HashSet;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 
 use futures_util::StreamExt;
 
 use super::volumes::{access, params};
 use super::{Manager, Result, blocking};
-use crate::backend::{Attachment, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend};
-use crate::store::VolumeRow;
+use crate::backend::{
+    Attachment, BackendError, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend,
+};
+use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState};
 use blockplane_system::extent;
 use blockplane_system::image::Access;
-use std::os::fd::AsFd;
 
 /// How many volumes reconciliation works on at once.
 const RECONCILE_AT_ONCE: usize = 8;
+
+/// The lock on a volume's image, taken again at reconciliation: `None` when
+/// the image could not be opened, an error when another process holds it.
+type ImageLock = Option<Result<OwnedFd>>;
 
 /// What reconciliation did with one volume.
 enum Outcome {
@@ -49,7 +56,7 @@ impl Manager {
     /// be: its live settings are applied again.
     async fn reapply_settings(
         &self,
-        backend: &std::sync::Arc<dyn VolumeBackend>,
+        backend: &Arc<dyn VolumeBackend>,
         v: &VolumeRow,
         mut att: Attachment,
     ) -> Attachment {
@@ -94,7 +101,7 @@ impl Manager {
     }
 
     /// Reconciles every volume, then removes orphan devices.
-    pub async fn reconcile(self: &std::sync::Arc<Self>) -> Result<Report> {
+    pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
         self.fail_interrupted_copies().await?;
         // Several volumes at once: after a pod is killed, each ublk device
         // stalls its users until its new worker recovers it, so the last
@@ -122,22 +129,13 @@ impl Manager {
     }
 
     /// Matches one volume's row with the kernel, under the volume's lock.
-    async fn reconcile_volume(self: &std::sync::Arc<Self>, v: VolumeRow) -> Result<Outcome> {
+    async fn reconcile_volume(self: &Arc<Self>, v: VolumeRow) -> Result<Outcome> {
         let _volume = self.volume_locks.lock(&v.name).await;
         let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
             return Ok(Outcome::Gone);
         };
         if v.state == VolumeState::Detaching {
-            match self.detach(&v).await {
-                Ok(()) => {
-                    self.forget_volume(&v).await?;
-                    return Ok(Outcome::FinishedDelete);
-                }
-                Err(e) => {
-                    tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
-                    return Ok(Outcome::Gone);
-                }
-            }
+            return self.finish_delete(&v).await;
         }
         let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
             let reason = format!("its image {} is not registered", v.image_id);
@@ -149,6 +147,40 @@ impl Manager {
             self.record_error(&mut v, reason).await?;
             return Ok(Outcome::Failed);
         };
+        let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
+        match probe {
+            Ok(Probe::Alive(att)) => self.adopt(&mut v, &backend, *att, image_lock).await,
+            Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,
+            Err(e) => {
+                self.record_error(&mut v, e.to_string()).await?;
+                Ok(Outcome::Failed)
+            }
+        }
+    }
+
+    /// A volume caught half-deleted: its device is detached and its row
+    /// forgotten, or, if the detach fails, left for a `DELETE` to retry.
+    async fn finish_delete(&self, v: &VolumeRow) -> Result<Outcome> {
+        match self.detach(v).await {
+            Ok(()) => {
+                self.forget_volume(v).await?;
+                Ok(Outcome::FinishedDelete)
+            }
+            Err(e) => {
+                tracing::warn!(volume = %v.name, error = %e, "could not finish a delete; retry with DELETE");
+                Ok(Outcome::Gone)
+            }
+        }
+    }
+
+    /// Asks the backend whether the volume's device still serves, with the
+    /// image opened and its lock taken again.
+    async fn probe_volume(
+        self: &Arc<Self>,
+        v: &VolumeRow,
+        image: &ImageRow,
+        backend: &Arc<dyn VolumeBackend>,
+    ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
         // A direct-mapped image is pinned: it opens read-only only.
         let opened = {
             let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
@@ -162,11 +194,11 @@ impl Manager {
         // elsewhere, it is either another blockplane's or the one this
         // volume's ublk worker kept while no service lived (the backend
         // finds that one when it probes the worker).
-        let image_lock = opened.as_ref().ok().map(|f| self.lock_image(&image, f));
+        let image_lock = opened.as_ref().ok().map(|f| self.lock_image(image, f));
         let req = ProbeRequest {
             volume_id: v.id,
             identity: (image.dev, image.ino),
-            params: params(&v, &image, image.size_bytes),
+            params: params(v, image, image.size_bytes),
             image: opened.ok().map(|f| f.into_fd()),
             stored: v.attachment.clone(),
             image_lock: match &image_lock {
@@ -176,82 +208,91 @@ impl Manager {
         };
         let prober = backend.clone();
         let probe = blocking(move || prober.probe(req)).await?;
-        match probe {
-            Ok(Probe::Alive(att)) => {
-                let mut att = self.reapply_settings(&backend, &v, *att).await;
-                // Same device as recorded: keep when and from what its counters count.
-                if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
-                    att.attached_at = old.attached_at;
-                    att.baseline = old.baseline;
-                }
-                let unchanged =
-                    v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
-                if !unchanged {
-                    self.record_attached(&mut v, att, "volume_adopted").await?;
-                }
-                match (image_lock, backend.image_lock(v.id)) {
-                    (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
-                    (Some(Err(e)), None) => {
-                        tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
-                    }
-                    (None, None) => {}
-                }
-                Ok(Outcome::Adopted)
+        Ok((probe, image_lock))
+    }
+
+    /// The device serves: it is recorded as attached (its recorded live
+    /// settings applied again) and its image lock kept.
+    async fn adopt(
+        &self,
+        v: &mut VolumeRow,
+        backend: &Arc<dyn VolumeBackend>,
+        att: Attachment,
+        image_lock: ImageLock,
+    ) -> Result<Outcome> {
+        let mut att = self.reapply_settings(backend, v, att).await;
+        // Same device as recorded: keep when and from what its counters count.
+        if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {
+            att.attached_at = old.attached_at;
+            att.baseline = old.baseline;
+        }
+        let unchanged = v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
+        if !unchanged {
+            self.record_attached(v, att, "volume_adopted").await?;
+        }
+        match (image_lock, backend.image_lock(v.id)) {
+            (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
+            (Some(Err(e)), None) => {
+                tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
             }
-            Ok(Probe::Gone) => {
-                let opened = {
-                    let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
-                    let ublk = v.backend == Backend::Ublk;
-                    blocking(move || match me.open_image(&image, a) {
-                        // Pinned by the volume's direct worker, which died
-                        // while no service ran: the backend lifts that pin
-                        // (and reopens the image for writing) when it
-                        // recovers the device.
-                        Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
-                            Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
-                            _ => Err(e),
-                        },
-                        r => r,
-                    })
-                    .await?
+            (None, None) => {}
+        }
+        Ok(Outcome::Adopted)
+    }
+
+    /// The device vanished: the volume is attached again, or goes `error`
+    /// with the reason.
+    async fn reattach(
+        self: &Arc<Self>,
+        v: &mut VolumeRow,
+        image: &ImageRow,
+        image_lock: ImageLock,
+    ) -> Result<Outcome> {
+        let opened = {
+            let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+            let ublk = v.backend == Backend::Ublk;
+            blocking(move || match me.open_image(&image, a) {
+                // Pinned by the volume's direct worker, which died while no
+                // service ran: the backend lifts that pin (and reopens the
+                // image for writing) when it recovers the device.
+                Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
+                    Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
+                    _ => Err(e),
+                },
+                r => r,
+            })
+            .await?
+        };
+        let attached = match opened {
+            Ok(file) => {
+                // Taken again if it failed: the probe may have stopped its
+                // holder (a dm volume's stray worker).
+                let lock = match image_lock {
+                    Some(Ok(lock)) => Ok(lock),
+                    _ => self.lock_image(image, &file),
                 };
-                let attached = match opened {
-                    Ok(file) => {
-                        // Taken again if it failed: the probe may have
-                        // stopped its holder (a dm volume's stray worker).
-                        let lock = match image_lock {
-                            Some(Ok(lock)) => Ok(lock),
-                            _ => self.lock_image(&image, &file),
-                        };
-                        match lock {
-                            Ok(lock) => self
-                                .attach(&v, &image, file, &lock, None)
-                                .await
-                                .map(|att| (att, lock)),
-                            Err(e) => Err(e),
-                        }
-                    }
+                match lock {
+                    Ok(lock) => self
+                        .attach(v, image, file, &lock, None)
+                        .await
+                        .map(|att| (att, lock)),
                     Err(e) => Err(e),
-                };
-                match attached {
-                    Ok((att, lock)) => {
-                        self.holds.keep(v.id, lock);
-                        self.record_attached(&mut v, att, "volume_reattached")
-                            .await?;
-                        Ok(Outcome::Reattached)
-                    }
-                    Err(e) => {
-                        self.record_error(
-                            &mut v,
-                            format!("its device vanished and could not be re-attached: {e}"),
-                        )
-                        .await?;
-                        Ok(Outcome::Failed)
-                    }
                 }
+            }
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok((att, lock)) => {
+                self.holds.keep(v.id, lock);
+                self.record_attached(v, att, "volume_reattached").await?;
+                Ok(Outcome::Reattached)
             }
             Err(e) => {
-                self.record_error(&mut v, e.to_string()).await?;
+                self.record_error(
+                    v,
+                    format!("its device vanished and could not be re-attached: {e}"),
+                )
+                .await?;
                 Ok(Outcome::Failed)
             }
         }
