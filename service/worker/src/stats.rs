@@ -295,7 +295,6 @@ pub fn read_counters(path: &Path) -> io::Result<WorkerStats> {
         bytes: f.sum(op_offset(i, 1)),
         errors: Some(f.sum(op_offset(i, 2))),
     };
-    let field = |offset: usize| f.sum(offset);
     use std::mem::offset_of;
     Ok(WorkerStats {
         read: op(0),
@@ -304,12 +303,12 @@ pub fn read_counters(path: &Path) -> io::Result<WorkerStats> {
         discard: op(3),
         since_ms: f.word(offset_of!(Header, since_ms))?,
         worker_restarts: f.word(offset_of!(Header, worker_restarts))?,
-        nowait_submitted: field(offset_of!(QueueCounters, nowait_submitted)),
-        nowait_completed_inline: field(offset_of!(QueueCounters, nowait_completed_inline)),
-        nowait_eagain_fallbacks: field(offset_of!(QueueCounters, nowait_eagain_fallbacks)),
-        nowait_pauses: field(offset_of!(QueueCounters, nowait_pauses)),
-        nowait_bypassed: field(offset_of!(QueueCounters, nowait_bypassed)),
-        qos_throttled: field(offset_of!(QueueCounters, qos_throttled)),
+        nowait_submitted: f.sum(offset_of!(QueueCounters, nowait_submitted)),
+        nowait_completed_inline: f.sum(offset_of!(QueueCounters, nowait_completed_inline)),
+        nowait_eagain_fallbacks: f.sum(offset_of!(QueueCounters, nowait_eagain_fallbacks)),
+        nowait_pauses: f.sum(offset_of!(QueueCounters, nowait_pauses)),
+        nowait_bypassed: f.sum(offset_of!(QueueCounters, nowait_bypassed)),
+        qos_throttled: f.sum(offset_of!(QueueCounters, qos_throttled)),
         ..WorkerStats::default()
     })
 }

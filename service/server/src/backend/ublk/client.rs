@@ -16,6 +16,7 @@ use crate::backend::{
 use blockplane_api::model::{
     Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats,
 };
+use blockplane_system::blockstat::BlockStat;
 use blockplane_worker::protocol::{
     self, Answer, ErrorCode, FillState, Peer, Request, Status, TalkError, WorkerSpec,
 };
@@ -217,7 +218,7 @@ impl UblkBackend {
         );
         let unmoved = match (previous, &file) {
             (Some(p), Ok(f)) => {
-                p.in_flight == 0 && kernel_in_flight(&att.kernel_name) == 0 && same_counters(p, f)
+                p.in_flight == 0 && kernel_idle(&att.kernel_name) && same_counters(p, f)
             }
             _ => false,
         };
@@ -327,17 +328,10 @@ fn unexpected(volume_id: Uuid, answer: &Answer) -> BackendError {
     )
 }
 
-/// Requests the kernel has in flight on block device `name` (reads and
-/// writes in `/sys/block/<name>/inflight`); unknown counts as some.
-fn kernel_in_flight(name: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/block/{name}/inflight"))
-        .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .map(|n| n.parse::<u64>().ok())
-                .sum::<Option<u64>>()
-        })
-        .unwrap_or(1)
+/// Whether the kernel has no request in flight on block device `name`
+/// (unknown counts as busy).
+fn kernel_idle(name: &str) -> bool {
+    BlockStat::read(name).is_ok_and(|s| s.in_flight == 0)
 }
 
 /// What a worker's `nowait` path did, in the API's shape.
