@@ -97,7 +97,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
             "dispatch" => {
                 p.dispatch = parse_wire(v).ok_or_else(|| {
                     invalid(format!(
-                        "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct"
+                        "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct, kernel"
                     ))
                 })?
             }

@@ -818,8 +818,8 @@ export function volumesPage(ctx) {
   );
   const [backendF, backend] = field('Backend', select(backendOpts, 'auto'), 'see Host for why a backend is missing');
   const [dispatchF, dispatch] = field('Dispatch policy', select(
-    ['auto', 'nowait', 'threaded', 'direct'].map((p) => [p, p]), 'auto',
-  ), 'ublk and dm only');
+    ['auto', 'nowait', 'threaded', 'direct', 'kernel'].map((p) => [p, p]), 'auto',
+  ), 'ublk and dm only; kernel is dm only');
   const ro = h('input', { type: 'checkbox', id: uid('ro') });
   const roNote = h('p', { class: 'hint', id: uid('ro-note'), hidden: true });
   ro.setAttribute('aria-describedby', roNote.id);
@@ -1005,7 +1005,7 @@ export function volumePage(ctx, { id }) {
 
   // Live changes.
   const [dispF, disp] = field('Dispatch policy', select(
-    ['auto', 'nowait', 'threaded', 'direct'].map((p) => [p, p]), 'auto',
+    ['auto', 'nowait', 'threaded', 'direct', 'kernel'].map((p) => [p, p]), 'auto',
   ));
   const dispBtn = h('button', { type: 'submit' }, 'Apply policy');
   const dispOut = outcome();

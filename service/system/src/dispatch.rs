@@ -1,7 +1,8 @@
 //! The dispatch decision: which data path a volume takes, and why.
 //!
 //! One place for the choice (`auto` is `direct` when the image passes every
-//! direct-map rule, else `nowait`), its reason, the "auto keeps direct"
+//! direct-map rule; else `kernel` on dm, a private loop device under its
+//! table, and `nowait` on ublk), its reason, the "auto keeps direct"
 //! shortcut of a live change, and the rule-3 check (an image the owner made
 //! immutable is refused). The backends (ublk, dm) and the ublk worker all
 //! import it, so it sits below both, next to [`crate::extent`], which it
@@ -51,11 +52,14 @@ pub enum Path {
         /// Threads of the `threaded` policy.
         threads: u16,
     },
-    /// A dm device: `direct` is a linear table (rule 7 applies); the other
-    /// policies need a private ublk device.
+    /// A dm device: `direct` is a linear table (rule 7 applies); `kernel` a
+    /// linear table over a private loop device; the other policies need a
+    /// private ublk device.
     Dm {
         /// Why ublk cannot serve here (`None`: it can).
         ublk_missing: Option<String>,
+        /// Why the kernel loop driver cannot serve here (`None`: it can).
+        loop_missing: Option<String>,
     },
 }
 
@@ -110,6 +114,45 @@ fn direct_map(
     Ok(map)
 }
 
+/// How dm's `kernel` path serves, in its reasons.
+pub const KERNEL_HOW: &str =
+    "a linear table over a private loop device with direct I/O: no worker on the data path";
+
+/// Why a ublk volume has no `kernel` path.
+pub const KERNEL_ON_UBLK: &str = "dispatch 'kernel' is dm's (a private loop device under its table); a ublk volume's worker serves every request: ask backend 'dm'";
+
+/// Why `kernel` cannot serve `image` on `path`, if it cannot: ublk has no
+/// such path; dm needs the loop driver, and direct I/O on the image's
+/// filesystem (buffered, every write would land in the page cache twice).
+pub fn kernel_missing(image: BorrowedFd<'_>, path: &Path) -> Option<String> {
+    match path {
+        Path::Ublk { .. } => Some(KERNEL_ON_UBLK.into()),
+        Path::Dm {
+            loop_missing: Some(why),
+            ..
+        } => Some(format!(
+            "dispatch 'kernel' needs the kernel loop driver: {why}"
+        )),
+        Path::Dm { .. } if !direct_io_capable(image) => Some(
+            "dispatch 'kernel' needs direct I/O on the image, and its filesystem refuses O_DIRECT"
+                .into(),
+        ),
+        Path::Dm { .. } => None,
+    }
+}
+
+/// Whether the image's filesystem serves direct I/O: the same inode opened
+/// again with `O_DIRECT` (a filesystem without it refuses the open).
+pub fn direct_io_capable(image: BorrowedFd<'_>) -> bool {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(format!("/proc/self/fd/{}", image.as_raw_fd()))
+        .is_ok()
+}
+
 /// Why `direct`, when asked, in the words of `path`.
 fn asked_direct(path: &Path) -> &'static str {
     match path {
@@ -124,6 +167,7 @@ pub fn can_serve_off_direct(what: &str, path: &Path) -> Result<(), DispatchError
     match path {
         Path::Dm {
             ublk_missing: Some(why),
+            ..
         } => Err(DispatchError::NeedsUblk(format!(
             "{what} needs a private ublk device, and ublk is not available: {why}; only dispatch 'direct' works here"
         ))),
@@ -165,9 +209,22 @@ pub fn decide(
                 map,
             ),
             Err(e) => {
+                if let (Path::Dm { .. }, None) = (path, kernel_missing(image, path)) {
+                    return Ok(Decision::new(
+                        DispatchPolicy::Kernel,
+                        format!("auto chose kernel: {e} ({KERNEL_HOW})"),
+                    ));
+                }
                 can_serve_off_direct(&format!("auto fell back to nowait ({e}), which"), path)?;
                 Decision::new(DispatchPolicy::Nowait, format!("auto chose nowait: {e}"))
             }
+        },
+        DispatchPolicy::Kernel => match kernel_missing(image, path) {
+            Some(why) => return Err(DispatchError::Refused(why)),
+            None => Decision::new(
+                DispatchPolicy::Kernel,
+                format!("asked: kernel ({KERNEL_HOW})"),
+            ),
         },
         other => {
             can_serve_off_direct(&format!("dispatch '{}'", other.as_str()), path)?;
@@ -209,27 +266,46 @@ pub fn decide_change(
     }
 }
 
-/// Whether `backend: auto` tries dm first: only for `dispatch: auto` with no
+/// Whether `backend: auto` tries dm first: for `dispatch: auto` with no
 /// QoS, where dm `direct` (a linear table, no userspace on the data path) is
-/// the fastest path blockplane has. A named policy keeps the backend it
+/// the fastest path blockplane has, and `kernel` the fastest for an image it
+/// cannot map; and for `kernel` by name, which only dm has. A named policy keeps the backend it
 /// always had (ublk first): `direct` because ublk's has no rule 7, the
 /// others because ublk serves them without dm's extra layer.
 pub fn auto_tries_dm(asked: DispatchPolicy, qos: bool) -> bool {
-    asked == DispatchPolicy::Auto && !qos
+    asked == DispatchPolicy::Kernel || (asked == DispatchPolicy::Auto && !qos)
 }
 
 /// What `backend: auto` makes of dm's decision: dm when it maps the image
-/// `direct`, with the reason saying the backend was chosen too; else why
-/// not (the rule that kept dm off `direct`).
+/// `direct`, or serves it on `kernel` (no worker either: faster than ublk's
+/// worker on an image that cannot be mapped, by the bench), with the reason
+/// saying the backend was chosen too; else why not (the rule that kept dm
+/// off both).
 pub fn auto_on_dm(dm: Decision) -> Result<Decision, String> {
-    if dm.dispatch != DispatchPolicy::Direct {
-        let why = dm.reason.strip_prefix("auto chose nowait: ");
-        return Err(why.unwrap_or(&dm.reason).to_string());
+    let reason = match (dm.dispatch, why_not_direct(&dm)) {
+        (DispatchPolicy::Direct, _) => "auto: backend dm, direct: the image passes every direct-map rule (linear table over its extents, the fastest path)".to_string(),
+        (DispatchPolicy::Kernel, Some(why)) => format!(
+            "auto: backend dm, kernel: {why} ({KERNEL_HOW}; the fastest path for an image no backend maps direct)"
+        ),
+        (DispatchPolicy::Kernel, None) => {
+            format!("{}; backend auto chose dm, the one backend with it", dm.reason)
+        }
+        (_, why) => return Err(why.unwrap_or(&dm.reason).to_string()),
+    };
+    Ok(Decision { reason, ..dm })
+}
+
+/// The rule that kept an `auto` decision off `direct` (`None`: it is
+/// `direct`, or a policy asked by name).
+pub fn why_not_direct(d: &Decision) -> Option<&str> {
+    match d.reason.strip_prefix("auto chose kernel: ") {
+        Some(r) => r
+            .strip_suffix(')')
+            .and_then(|r| r.strip_suffix(KERNEL_HOW))
+            .and_then(|r| r.strip_suffix(" ("))
+            .or(Some(r)),
+        None => d.reason.strip_prefix("auto chose nowait: "),
     }
-    Ok(Decision {
-        reason: "auto: backend dm, direct: the image passes every direct-map rule (linear table over its extents, the fastest path)".into(),
-        ..dm
-    })
 }
 
 /// The decision of the backend `backend: auto` took when dm did not map the
@@ -252,27 +328,33 @@ pub fn auto_off_dm(d: Decision, backend: &str, why_not_dm: &str) -> Decision {
 }
 
 /// The reason of a dm volume under `auto` that runs `nowait` for its QoS
-/// limit (and goes back to `direct` when the last limit is removed).
-pub const QOS_NOWAIT: &str = "auto chose nowait: a QoS limit is set, which only a worker enforces (dm direct is a linear table, with none); back to direct when the last limit is removed";
+/// limit (and goes back to `direct` or `kernel` when the last limit is
+/// removed).
+pub const QOS_NOWAIT: &str = "auto chose nowait: a QoS limit is set, which only a worker enforces (dm direct and kernel have none); back to the kernel's path when the last limit is removed";
 
 /// Why a dm volume whose user asked `direct` by name takes no QoS limit.
 pub const QOS_PINNED_DIRECT: &str = "QoS needs a worker to enforce it, and dm dispatch 'direct', asked by name, has none (a linear table sends each request straight to the disk); ask dispatch 'auto' (nowait while a limit is set) or 'nowait'";
 
+/// Why a dm volume whose user asked `kernel` by name takes no QoS limit.
+pub const QOS_PINNED_KERNEL: &str = "QoS needs a worker to enforce it, and dm dispatch 'kernel', asked by name, has none (the loop driver serves each request); ask dispatch 'auto' (nowait while a limit is set) or 'nowait'";
+
 /// Where a dm volume's QoS limit is enforced, for a volume whose user asked
-/// `asked` and that runs `direct` (`on_direct`) or not: `Ok(None)` by the
-/// worker it has; `Ok(Some(nowait))` by a private worker it moves to (on
-/// `direct` under `auto`); refused on a `direct` asked by name, or where no
-/// private worker can be made.
+/// `asked` and that runs without a worker (`direct` or `kernel`:
+/// `no_worker`) or not: `Ok(None)` by the worker it has; `Ok(Some(nowait))`
+/// by a private worker it moves to (under `auto`); refused on a `direct` or
+/// `kernel` asked by name, or where no private worker can be made.
 pub fn qos_on_dm(
     asked: DispatchPolicy,
-    on_direct: bool,
+    no_worker: bool,
     path: &Path,
 ) -> Result<Option<Decision>, DispatchError> {
-    if !on_direct {
+    if !no_worker {
         return Ok(None);
     }
-    if asked == DispatchPolicy::Direct {
-        return Err(DispatchError::Refused(QOS_PINNED_DIRECT.into()));
+    match asked {
+        DispatchPolicy::Direct => return Err(DispatchError::Refused(QOS_PINNED_DIRECT.into())),
+        DispatchPolicy::Kernel => return Err(DispatchError::Refused(QOS_PINNED_KERNEL.into())),
+        _ => {}
     }
     can_serve_off_direct("QoS on dm (enforced by a private ublk worker)", path)?;
     Ok(Some(Decision::new(DispatchPolicy::Nowait, QOS_NOWAIT)))
@@ -286,13 +368,25 @@ pub fn left_direct_for_copy(copy: &str) -> String {
     )
 }
 
+/// The path a named policy runs (`None` for `auto`, which decides it).
+pub fn active_of(asked: DispatchPolicy) -> Option<ActiveDispatch> {
+    match asked {
+        DispatchPolicy::Auto => None,
+        DispatchPolicy::Nowait => Some(ActiveDispatch::Nowait),
+        DispatchPolicy::Threaded => Some(ActiveDispatch::Threaded),
+        DispatchPolicy::Direct => Some(ActiveDispatch::Direct),
+        DispatchPolicy::Kernel => Some(ActiveDispatch::Kernel),
+    }
+}
+
 /// The policy a volume runs, as a policy to ask for (what a replacement
 /// worker or an adopted device is recorded with).
 pub fn policy_of(active: ActiveDispatch) -> DispatchPolicy {
     match active {
         ActiveDispatch::Direct => DispatchPolicy::Direct,
         ActiveDispatch::Threaded => DispatchPolicy::Threaded,
-        _ => DispatchPolicy::Nowait,
+        ActiveDispatch::Kernel => DispatchPolicy::Kernel,
+        ActiveDispatch::Nowait => DispatchPolicy::Nowait,
     }
 }
 
@@ -327,15 +421,37 @@ mod tests {
             t.reason,
             "asked: threaded (io-wq, at most 4 blocking workers per queue)"
         );
-        // dm: off direct needs ublk.
+        // dm: off direct, kernel when the loop driver serves, else ublk.
         let dm = Path::Dm {
             ublk_missing: Some("no ublk_drv".into()),
+            loop_missing: None,
+        };
+        let k = decide(fd, 1 << 20, DispatchPolicy::Auto, false, &dm).unwrap();
+        if direct_io_capable(fd) {
+            assert_eq!(k.dispatch, DispatchPolicy::Kernel, "{}", k.reason);
+            assert!(k.reason.starts_with("auto chose kernel: "), "{}", k.reason);
+        } else {
+            assert!(matches!(
+                decide(fd, 1 << 20, DispatchPolicy::Kernel, false, &dm),
+                Err(DispatchError::Refused(m)) if m.contains("O_DIRECT")
+            ));
+        }
+        assert!(matches!(
+            decide(fd, 1 << 20, DispatchPolicy::Kernel, false, &ublk),
+            Err(DispatchError::Refused(m)) if m == KERNEL_ON_UBLK
+        ));
+        let dm = Path::Dm {
+            ublk_missing: Some("no ublk_drv".into()),
+            loop_missing: Some("no /dev/loop-control".into()),
         };
         assert!(matches!(
             decide(fd, 1 << 20, DispatchPolicy::Auto, false, &dm),
             Err(DispatchError::NeedsUblk(m)) if m.contains("no ublk_drv")
         ));
-        let dm = Path::Dm { ublk_missing: None };
+        let dm = Path::Dm {
+            ublk_missing: None,
+            loop_missing: None,
+        };
         let n = decide(fd, 1 << 20, DispatchPolicy::Nowait, false, &dm).unwrap();
         assert_eq!(
             n.reason,
@@ -400,6 +516,23 @@ mod tests {
             "{}",
             d.reason
         );
+        // kernel: dm too, under auto or by name (no other backend has it).
+        assert!(auto_tries_dm(DispatchPolicy::Kernel, false));
+        let raw = Decision::new(
+            DispatchPolicy::Kernel,
+            format!("auto chose kernel: direct-map rule 2: a hole (how) ({KERNEL_HOW})"),
+        );
+        assert_eq!(
+            why_not_direct(&raw),
+            Some("direct-map rule 2: a hole (how)")
+        );
+        let k = auto_on_dm(raw).unwrap();
+        assert_eq!(
+            k.reason,
+            format!(
+                "auto: backend dm, kernel: direct-map rule 2: a hole (how) ({KERNEL_HOW}; the fastest path for an image no backend maps direct)"
+            )
+        );
         let why = auto_on_dm(Decision::new(
             DispatchPolicy::Nowait,
             "auto chose nowait: direct-map rule 2: a hole",
@@ -431,7 +564,10 @@ mod tests {
 
     #[test]
     fn qos_on_dm_moves_auto_off_direct_and_refuses_a_named_direct() {
-        let dm = Path::Dm { ublk_missing: None };
+        let dm = Path::Dm {
+            ublk_missing: None,
+            loop_missing: None,
+        };
         // Off direct: the worker it has enforces it.
         for asked in [
             DispatchPolicy::Auto,
@@ -454,6 +590,7 @@ mod tests {
         // No ublk: no worker to move to.
         let no_ublk = Path::Dm {
             ublk_missing: Some("no /dev/ublk-control".into()),
+            loop_missing: None,
         };
         assert!(matches!(
             qos_on_dm(DispatchPolicy::Auto, true, &no_ublk),

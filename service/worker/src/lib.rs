@@ -52,12 +52,15 @@ pub(crate) enum Policy {
 
 impl Policy {
     /// The policy for a requested one (`Auto` is decided by the control plane
-    /// before a worker starts; here it means `Nowait`).
+    /// before a worker starts; here it means `Nowait`, as does `Kernel`, which
+    /// the control plane never gives a worker: it has none).
     pub fn from_requested(d: DispatchPolicy) -> Self {
         match d {
             DispatchPolicy::Threaded => Policy::Threaded,
             DispatchPolicy::Direct => Policy::Direct,
-            DispatchPolicy::Nowait | DispatchPolicy::Auto => Policy::Nowait,
+            DispatchPolicy::Nowait | DispatchPolicy::Auto | DispatchPolicy::Kernel => {
+                Policy::Nowait
+            }
         }
     }
 

@@ -72,6 +72,10 @@ pub enum DispatchPolicy {
     Threaded,
     /// The image's extent map, straight to the underlying disk.
     Direct,
+    /// dm only: a linear table over a private kernel loop device with direct
+    /// I/O, so no worker is on the data path; what `auto` takes on dm for an
+    /// image that cannot be mapped `direct` (a sparse one).
+    Kernel,
 }
 
 impl DispatchPolicy {
@@ -82,6 +86,7 @@ impl DispatchPolicy {
             DispatchPolicy::Nowait => "nowait",
             DispatchPolicy::Threaded => "threaded",
             DispatchPolicy::Direct => "direct",
+            DispatchPolicy::Kernel => "kernel",
         }
     }
 }
@@ -97,7 +102,8 @@ pub enum ActiveDispatch {
     Threaded,
     /// [`DispatchPolicy::Direct`].
     Direct,
-    /// The kernel's own path (loop volumes): see `direct_io`.
+    /// The kernel's own path: loop volumes (see `direct_io`) and dm volumes
+    /// on [`DispatchPolicy::Kernel`].
     Kernel,
 }
 

@@ -284,8 +284,9 @@ pub enum VolumeCmd {
         backend: BackendChoice,
         /// How a ublk or dm volume does its I/O: nowait (io_uring, NOWAIT
         /// first), threaded (blocking workers), direct (straight to the disk
-        /// through the image's extent map); auto picks direct when the image
-        /// allows it. Switchable live with `volume set`.
+        /// through the image's extent map), kernel (dm only: a private loop
+        /// device); auto picks direct when the image allows it, else kernel
+        /// on dm. Switchable live with `volume set`.
         #[arg(long, default_value = "auto", value_parser = wire::<DispatchPolicy>(&DISPATCH))]
         dispatch: DispatchPolicy,
         /// Create the device read-only (it can never be made writable live).
@@ -402,7 +403,7 @@ impl QosArgs {
 }
 
 /// The values of a `--dispatch` flag.
-const DISPATCH: [&str; 4] = ["auto", "nowait", "threaded", "direct"];
+const DISPATCH: [&str; 5] = ["auto", "nowait", "threaded", "direct", "kernel"];
 
 /// A flag that takes one of `names`, the API's spellings of values of `T`
 /// (listed in the help as they are).

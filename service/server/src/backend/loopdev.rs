@@ -7,10 +7,14 @@
 //! service on the host has another instance id). (The `loopdev-3` crate binds with
 //! `LOOP_SET_FD` + `LOOP_SET_STATUS64` and cannot set that field, hence the few
 //! ioctls below.)
+//!
+//! [`PrivateLoop`] is the same driver under a dm volume's table (its
+//! `kernel` path): bound by the same call, with the volume's mark, autoclear
+//! and direct I/O.
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -27,6 +31,8 @@ use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
 use blockplane_system::blockstat::BlockStat;
+use blockplane_system::dispatch;
+use blockplane_system::extent::DevNum;
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
@@ -368,7 +374,8 @@ impl LoopBackend {
             .unwrap_or(128)
     }
 
-    fn configure(&self, dev: &File, req: &AttachRequest, direct_io: bool) -> io::Result<()> {
+    /// What a loop volume's device is bound with.
+    fn info(&self, req: &AttachRequest, direct_io: bool) -> LoopInfo64 {
         let mut info = LoopInfo64::zeroed();
         info.lo_sizelimit = req.params.size_bytes;
         info.lo_file_name = mark(&self.instance, req.volume_id);
@@ -378,15 +385,7 @@ impl LoopBackend {
         if direct_io {
             info.lo_flags |= LO_FLAGS_DIRECT_IO;
         }
-        let mut config = LoopConfig {
-            fd: req.image_fd.as_raw_fd() as u32,
-            block_size: 0,
-            info,
-            reserved: [0; 8],
-        };
-        // SAFETY: LOOP_CONFIGURE reads a loop_config.
-        unsafe { ioctl(dev, LOOP_CONFIGURE, &mut config as *mut LoopConfig as usize)? };
-        Ok(())
+        info
     }
 
     /// LOOP_CLR_FD on a device others hold open only sets autoclear; clear it
@@ -430,13 +429,168 @@ impl LoopBackend {
     }
 }
 
-fn image_fd_is_direct_capable(fd: &OwnedFd) -> bool {
-    // Re-open the same inode with O_DIRECT: filesystems without direct I/O refuse.
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-        .open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .is_ok()
+/// Binds a free loop device over `image` with `info`; `opened` sees the
+/// device once it is open and before it is bound. Returns the device and the
+/// handle it was bound through: one bound with autoclear unbinds when its
+/// last opener closes, so keep the handle until another opener holds it.
+fn bind(
+    image: &OwnedFd,
+    info: LoopInfo64,
+    mut opened: impl FnMut(&LoopDev),
+) -> Result<(LoopDev, File), BackendError> {
+    let ctl = open_control()?;
+    // LOOP_CTL_GET_FREE only names a free index; another process may bind it
+    // first (EBUSY), so take the next one.
+    for _ in 0..64 {
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns an index.
+        let index = unsafe { ioctl(&ctl, LOOP_CTL_GET_FREE, 0) }
+            .map_err(|e| BackendError::io("LOOP_CTL_GET_FREE", CONTROL, e))?
+            as u32;
+        let dev = LoopDev { index };
+        let node = dev.node();
+        let f = match dev.open(true, false) {
+            Ok(f) => f,
+            // Removed by another detach between GET_FREE and the open.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) => {
+                continue;
+            }
+            Err(e) => return Err(BackendError::io("open", &node, e)),
+        };
+        opened(&dev);
+        let mut config = LoopConfig {
+            fd: image.as_raw_fd() as u32,
+            block_size: 0,
+            info,
+            reserved: [0; 8],
+        };
+        // SAFETY: LOOP_CONFIGURE reads a loop_config.
+        match unsafe { ioctl(&f, LOOP_CONFIGURE, &mut config as *mut LoopConfig as usize) } {
+            Ok(_) => return Ok((dev, f)),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => continue,
+            Err(e) => return Err(BackendError::io("LOOP_CONFIGURE", node, e)),
+        }
+    }
+    Err(BackendError::Busy {
+        device: CONTROL.into(),
+        reason: "every free loop device was taken by another process before it could be bound"
+            .into(),
+    })
+}
+
+/// Sets a bound device's size limit to `size_bytes`: the kernel recomputes
+/// its capacity from it (as LOOP_SET_CAPACITY would) and tells the disk.
+/// Returns the size the device now has.
+fn set_size(dev: &LoopDev, size_bytes: u64) -> Result<u64, BackendError> {
+    let node = dev.node();
+    let f = dev
+        .open(true, false)
+        .map_err(|e| BackendError::io("open", &node, e))?;
+    let mut info = get_status(&f).map_err(|e| BackendError::io("LOOP_GET_STATUS64", &node, e))?;
+    info.lo_sizelimit = size_bytes;
+    // SAFETY: LOOP_SET_STATUS64 reads a loop_info64.
+    unsafe { ioctl(&f, LOOP_SET_STATUS64, &mut info as *mut LoopInfo64 as usize) }
+        .map_err(|e| BackendError::io("LOOP_SET_STATUS64", &node, e))?;
+    Ok(dev
+        .sys("size")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(|s| s * 512)
+        .unwrap_or(size_bytes))
+}
+
+/// Why the loop driver cannot serve here, if it cannot.
+pub fn unavailable() -> Option<String> {
+    LoopBackend::unavailable()
+}
+
+/// A dm volume's private loop device (its `kernel` path): bound with direct
+/// I/O and autoclear, so it unbinds itself when dm, its only opener, lets it
+/// go; marked as the volume's, so the loop backend's orphan scan counts it
+/// as a known volume's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrivateLoop {
+    index: u32,
+    /// Its device number, which the dm table names.
+    pub dev: DevNum,
+}
+
+impl PrivateLoop {
+    /// Binds one over `image` (`size_bytes` of it) for `volume_id`. The handle
+    /// returned keeps it bound: drop it once a loaded table holds the device.
+    pub fn bind(
+        instance: &str,
+        volume_id: Uuid,
+        image: &OwnedFd,
+        size_bytes: u64,
+        read_only: bool,
+    ) -> Result<(Self, File), BackendError> {
+        let mut info = LoopInfo64::zeroed();
+        info.lo_sizelimit = size_bytes;
+        info.lo_file_name = mark(instance, volume_id);
+        info.lo_flags = LO_FLAGS_DIRECT_IO | LO_FLAGS_AUTOCLEAR;
+        if read_only {
+            info.lo_flags |= LO_FLAGS_READ_ONLY;
+        }
+        let (dev, f) = bind(image, info, |_| {})?;
+        let node = dev.node();
+        // The driver falls back to buffered I/O when it cannot do direct I/O
+        // on the file; `kernel` promises no page cache: refuse instead (the
+        // handle dropped unbinds the device).
+        if dev.sys("loop/dio").ok().as_deref() != Some("1") {
+            return Err(BackendError::Refused {
+                reason: format!(
+                    "dispatch 'kernel': the loop driver would not do direct I/O on the image through {node} (its filesystem or block size); ask dispatch 'nowait'"
+                ),
+            });
+        }
+        let (major, minor) = dev
+            .major_minor()
+            .map_err(|e| BackendError::io("read sysfs of", &node, e))?;
+        Ok((
+            Self {
+                index: dev.index,
+                dev: DevNum { major, minor },
+            },
+            f,
+        ))
+    }
+
+    /// The private loop device `volume_id` of `instance` has at `dev`, the
+    /// `major:minor` its table names (`None`: not a loop device, or not
+    /// that volume's).
+    pub fn find(instance: &str, volume_id: Uuid, dev: &str) -> Option<Self> {
+        let link = std::fs::read_link(format!("/sys/dev/block/{dev}")).ok()?;
+        let index = link
+            .file_name()?
+            .to_str()?
+            .strip_prefix("loop")?
+            .parse()
+            .ok()?;
+        let ld = LoopDev { index };
+        let info = ld.status().ok()??;
+        if info.volume_id(instance) != Some(volume_id) {
+            return None;
+        }
+        let (major, minor) = ld.major_minor().ok()?;
+        Some(Self {
+            index,
+            dev: DevNum { major, minor },
+        })
+    }
+
+    /// Grows (or shrinks) the device to `size_bytes`.
+    pub fn set_size(&self, size_bytes: u64) -> Result<u64, BackendError> {
+        set_size(&LoopDev { index: self.index }, size_bytes)
+    }
+
+    /// Lets the device go once no table holds it: dm closing it unbound it
+    /// (autoclear), and its node is removed so volumes leave no trail.
+    pub fn release(self) {
+        let dev = LoopDev { index: self.index };
+        if !dev.is_bound() {
+            remove_unbound(&dev);
+        }
+    }
 }
 
 impl VolumeBackend for LoopBackend {
@@ -503,49 +657,23 @@ impl VolumeBackend for LoopBackend {
     }
 
     fn attach(&self, req: AttachRequest) -> Result<Attachment, BackendError> {
-        let ctl = open_control()?;
-        let direct_io = image_fd_is_direct_capable(&req.image_fd);
-        // LOOP_CTL_GET_FREE only names a free index; another process may bind it
-        // first (EBUSY), so take the next one.
-        for _ in 0..64 {
-            // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns an index.
-            let index = unsafe { ioctl(&ctl, LOOP_CTL_GET_FREE, 0) }
-                .map_err(|e| BackendError::io("LOOP_CTL_GET_FREE", CONTROL, e))?
-                as u32;
-            let dev = LoopDev { index };
-            let node = dev.node();
-            let f = match dev.open(true, false) {
-                Ok(f) => f,
-                // Removed by another detach between GET_FREE and the open.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) => {
-                    continue;
-                }
-                Err(e) => return Err(BackendError::io("open", &node, e)),
-            };
-            let baseline = BlockStat::read(&dev.name()).ok();
+        let direct_io = dispatch::direct_io_capable(req.image_fd.as_fd());
+        let mut baseline = None;
+        let (dev, f) = bind(&req.image_fd, self.info(&req, direct_io), |dev| {
+            baseline = BlockStat::read(&dev.name()).ok();
             self.faults.kill_point(After::Add);
-            match self.configure(&f, &req, direct_io) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => continue,
-                Err(e) => return Err(BackendError::io("LOOP_CONFIGURE", node, e)),
+        })?;
+        match dev.describe() {
+            Ok(mut att) => {
+                att.baseline = baseline;
+                Ok(att)
             }
-            return match dev.describe() {
-                Ok(mut att) => {
-                    att.baseline = baseline;
-                    Ok(att)
-                }
-                Err(e) => {
-                    // SAFETY: LOOP_CLR_FD takes no argument.
-                    let _ = unsafe { ioctl(&f, LOOP_CLR_FD, 0) };
-                    Err(BackendError::io("read sysfs of", node, e))
-                }
-            };
+            Err(e) => {
+                // SAFETY: LOOP_CLR_FD takes no argument.
+                let _ = unsafe { ioctl(&f, LOOP_CLR_FD, 0) };
+                Err(BackendError::io("read sysfs of", dev.node(), e))
+            }
         }
-        Err(BackendError::Busy {
-            device: CONTROL.into(),
-            reason: "every free loop device was taken by another process before it could be bound"
-                .into(),
-        })
     }
 
     fn check_detach(&self, volume_id: Uuid) -> Result<(), BackendError> {
@@ -647,25 +775,8 @@ impl VolumeBackend for LoopBackend {
                     io::Error::other("not a loop device name"),
                 )
             })?;
-        let dev = LoopDev { index };
-        let f = dev
-            .open(true, false)
-            .map_err(|e| BackendError::io("open", &att.device, e))?;
-        let mut info =
-            get_status(&f).map_err(|e| BackendError::io("LOOP_GET_STATUS64", &att.device, e))?;
-        // The size limit is what bounds the device; changing it makes the kernel
-        // recompute the capacity (as LOOP_SET_CAPACITY would) and tell the disk.
-        info.lo_sizelimit = size_bytes;
-        // SAFETY: LOOP_SET_STATUS64 reads a loop_info64.
-        unsafe { ioctl(&f, LOOP_SET_STATUS64, &mut info as *mut LoopInfo64 as usize) }
-            .map_err(|e| BackendError::io("LOOP_SET_STATUS64", &att.device, e))?;
         let mut out = att.clone();
-        out.size_bytes = dev
-            .sys("size")
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .map(|s| s * 512)
-            .unwrap_or(size_bytes);
+        out.size_bytes = set_size(&LoopDev { index }, size_bytes)?;
         Ok(out)
     }
 

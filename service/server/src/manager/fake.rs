@@ -19,6 +19,7 @@ use crate::backend::{
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
+use blockplane_system::dispatch;
 
 /// A call that changes a device, as the fake recorded it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,11 +179,9 @@ fn device_state(kind: Backend, minor: u32) -> DeviceState {
 }
 
 fn active(kind: Backend, d: DispatchPolicy) -> ActiveDispatch {
-    match (kind, d) {
-        (Backend::Loop, _) => ActiveDispatch::Kernel,
-        (_, DispatchPolicy::Threaded) => ActiveDispatch::Threaded,
-        (_, DispatchPolicy::Direct) => ActiveDispatch::Direct,
-        (_, DispatchPolicy::Nowait | DispatchPolicy::Auto) => ActiveDispatch::Nowait,
+    match kind {
+        Backend::Loop => ActiveDispatch::Kernel,
+        _ => dispatch::active_of(d).unwrap_or(ActiveDispatch::Nowait),
     }
 }
 

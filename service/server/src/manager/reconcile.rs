@@ -18,7 +18,7 @@ use crate::backend::{
     Attachment, BackendError, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend,
 };
 use crate::store::{ImageRow, VolumeRow};
-use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy, VolumeState};
+use blockplane_api::model::{Backend, VolumeState};
 use blockplane_system::extent;
 use blockplane_system::image::Access;
 
@@ -63,12 +63,7 @@ impl Manager {
         if v.backend == Backend::Loop {
             return att;
         }
-        let asked = match v.dispatch {
-            DispatchPolicy::Auto => None,
-            DispatchPolicy::Nowait => Some(ActiveDispatch::Nowait),
-            DispatchPolicy::Threaded => Some(ActiveDispatch::Threaded),
-            DispatchPolicy::Direct => Some(ActiveDispatch::Direct),
-        };
+        let asked = blockplane_system::dispatch::active_of(v.dispatch);
         let mut changes = Vec::new();
         if asked.is_some_and(|d| d != att.dispatch) {
             changes.push(Change::Dispatch(v.dispatch));

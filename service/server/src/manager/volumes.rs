@@ -112,11 +112,9 @@ impl Manager {
     fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
         let att = v.attachment.as_ref();
         let (worker_version, worker_older) = self.worker_build(v);
-        let idle_dispatch = match (v.backend, v.dispatch) {
-            (Backend::Loop, _) => ActiveDispatch::Kernel,
-            (_, DispatchPolicy::Threaded) => ActiveDispatch::Threaded,
-            (_, DispatchPolicy::Direct) => ActiveDispatch::Direct,
-            (_, DispatchPolicy::Nowait | DispatchPolicy::Auto) => ActiveDispatch::Nowait,
+        let idle_dispatch = match v.backend {
+            Backend::Loop => ActiveDispatch::Kernel,
+            _ => dispatch::active_of(v.dispatch).unwrap_or(ActiveDispatch::Nowait),
         };
         Volume {
             id: v.id,
@@ -931,8 +929,9 @@ pub(super) fn volume_error(name: &str, source: BackendError) -> Error {
 }
 
 /// The backend and decision for a spec: dm when `backend: auto` tried it
-/// (`dm`) and it maps the image `direct`, else `preferred`'s own decision
-/// (with why dm did not, when it was tried).
+/// (`dm`) and it maps the image `direct`, or serves it on `kernel` where
+/// `preferred` cannot map it `direct` either; else `preferred`'s own
+/// decision (with why dm did not, when it was tried).
 fn choose_path(
     preferred: Arc<dyn VolumeBackend>,
     dm: Option<Arc<dyn VolumeBackend>>,
@@ -943,18 +942,33 @@ fn choose_path(
     std::result::Result<Option<Decision>, BackendError>,
 ) {
     let mut why_not_dm = None;
+    let mut kernel = None;
     if let Some(dm) = dm {
-        let tried = match dm.validate(check, file.fd(), file.size()) {
-            Ok(Some(d)) => dispatch::auto_on_dm(d),
-            Ok(None) => Err("it decided no policy".into()),
-            Err(e) => Err(e.to_string()),
-        };
-        match tried {
-            Ok(d) => return (dm, Ok(Some(d))),
-            Err(why) => why_not_dm = Some(why),
+        match dm.validate(check, file.fd(), file.size()) {
+            // Off direct under auto: kernel, unless `preferred` maps the
+            // image direct after all (ublk has no rule 7).
+            Ok(Some(d))
+                if d.dispatch == DispatchPolicy::Kernel
+                    && check.dispatch == DispatchPolicy::Auto =>
+            {
+                why_not_dm = dispatch::why_not_direct(&d).map(str::to_string);
+                kernel = Some((dm, d));
+            }
+            Ok(Some(d)) => match dispatch::auto_on_dm(d) {
+                Ok(d) => return (dm, Ok(Some(d))),
+                Err(why) => why_not_dm = Some(why),
+            },
+            Ok(None) => why_not_dm = Some("it decided no policy".into()),
+            Err(e) => why_not_dm = Some(e.to_string()),
         }
     }
     let d = preferred.validate(check, file.fd(), file.size());
+    if let Some((dm, k)) = kernel
+        && !matches!(&d, Ok(Some(p)) if p.dispatch == DispatchPolicy::Direct)
+    {
+        let k = dispatch::auto_on_dm(k).expect("dm's kernel decision is dm's to take");
+        return (dm, Ok(Some(k)));
+    }
     let d = match (d, why_not_dm) {
         (Ok(Some(d)), Some(why)) => Ok(Some(dispatch::auto_off_dm(
             d,

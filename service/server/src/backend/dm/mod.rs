@@ -6,11 +6,14 @@
 //!   path), under the direct-map rules: the image is pinned while mapped and
 //!   its map is re-read periodically (rule 5): on drift the device is
 //!   suspended and resumed on the `nowait` path at once.
+//! * `kernel`: one `linear` target over a private loop device with direct
+//!   I/O (kernel only, like `direct`, for an image that cannot be mapped:
+//!   what `auto` takes for a sparse image).
 //! * `nowait` / `threaded`: one `linear` target over a private ublk device
 //!   served by a blockplane worker with that policy.
 //!
-//! Switching is suspend, load, resume (starting or stopping the private ublk
-//! worker around it). Names derive from the volume id (`blockplane-<uuid>`),
+//! Switching is suspend, load, resume (starting or stopping the private loop
+//! device or ublk worker around it). Names derive from the volume id (`blockplane-<uuid>`),
 //! the DM uuid also names this service instance, so a restart finds its
 //! devices and never mistakes another instance's for its own. DM ioctls go
 //! through the `devicemapper` crate; nothing depends on udev.
@@ -29,6 +32,7 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::loopdev::{self, PrivateLoop};
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
     DeviceState, DmAttachment, EventSink, HandedOver, HandoverFaults, Marked, OrphanPolicy,
@@ -66,6 +70,8 @@ struct DmVolume {
     direct: Option<(ExtentMap, Pin)>,
     /// The private ublk device while `nowait`/`threaded`.
     private_ublk: Option<DevNum>,
+    /// The private loop device while `kernel`.
+    private_loop: Option<PrivateLoop>,
     table: Vec<Target>,
     degraded: Option<String>,
     /// The image grew but the private ublk device could not (no UPDATE_SIZE).
@@ -75,8 +81,36 @@ struct DmVolume {
     stop_checks: Arc<AtomicBool>,
 }
 
-/// Why `direct` is refused while a QoS limit is set.
-const QOS_NEEDS_WORKER: &str = "the volume has a QoS limit, which only a worker enforces, and dm direct (a linear table) has none; remove the limit first (\"qos\": null)";
+/// Why `direct` or `kernel` is refused while a QoS limit is set.
+fn qos_needs_worker(asked: DispatchPolicy) -> BackendError {
+    BackendError::NotLive {
+        backend: "dm",
+        field: "dispatch",
+        reason: format!(
+            "the volume has a QoS limit, which only a worker enforces, and dm {} has none; remove the limit first (\"qos\": null)",
+            match asked {
+                DispatchPolicy::Kernel => "kernel (the loop driver)",
+                _ => "direct (a linear table)",
+            }
+        ),
+    }
+}
+
+/// The reason a `kernel` volume runs `nowait` with while its worker fills
+/// the image's holes (the loop driver cannot fill them under live I/O).
+const FILL_ON_WORKER: &str = "auto chose nowait: the image's holes are being filled, which a worker does while it serves (the loop driver cannot)";
+
+/// The reason a `kernel` volume runs `nowait` with while its image is copied
+/// (the worker holds its queues for the copy's moment).
+const COPY_ON_WORKER: &str = "auto chose nowait: the image is being copied, which a worker holds still for (the loop driver cannot); back to kernel after the copy";
+
+/// What serves a volume off `direct`, just started: its number (the table's
+/// target) and, for `kernel`, the loop device with the handle that keeps it
+/// bound until a table holds it.
+struct Lower {
+    dev: DevNum,
+    private_loop: Option<(PrivateLoop, std::fs::File)>,
+}
 
 /// How the reason of a volume back on `direct` after its last limit starts.
 const LAST_LIMIT_REMOVED: &str = "auto: the last QoS limit was removed, and ";
@@ -124,7 +158,108 @@ impl DmBackend {
     fn path(&self) -> dispatch::Path {
         dispatch::Path::Dm {
             ublk_missing: self.ublk.missing(),
+            loop_missing: loopdev::unavailable(),
         }
+    }
+
+    /// Starts what serves `policy` off `direct` for a volume, over `image`
+    /// (a handle on the volume's): its private loop device for `kernel`, its
+    /// private worker otherwise. Nothing reaches it until a table names it.
+    fn start_lower(
+        &self,
+        volume_id: Uuid,
+        v: &DmVolume,
+        image: &OwnedFd,
+        policy: DispatchPolicy,
+        reason: &str,
+    ) -> Result<Lower, BackendError> {
+        if policy != DispatchPolicy::Kernel {
+            let image = image
+                .try_clone()
+                .map_err(|e| BackendError::io("dup", "image", e))?;
+            let image_lock = match &v.lock {
+                Some(l) => Some(
+                    l.try_clone()
+                        .map_err(|e| BackendError::io("dup", "image lock", e))?,
+                ),
+                None => None,
+            };
+            let att = self.ublk.start(AttachRequest {
+                volume_id,
+                image_fd: image,
+                image_lock,
+                params: VolumeParams {
+                    dispatch: policy,
+                    refuse_writes: v.read_only,
+                    ..v.params.clone()
+                },
+                decision: Some(Decision::new(policy, reason)),
+            })?;
+            return Ok(Lower {
+                dev: DevNum {
+                    major: att.major,
+                    minor: att.minor,
+                },
+                private_loop: None,
+            });
+        }
+        extent::drop_page_cache(image.as_fd())
+            .map_err(|e| BackendError::io("drop page cache", "image", e))?;
+        let (lo, handle) = PrivateLoop::bind(
+            &self.instance,
+            volume_id,
+            image,
+            v.params.size_bytes,
+            v.read_only,
+        )?;
+        Ok(Lower {
+            dev: lo.dev,
+            private_loop: Some((lo, handle)),
+        })
+    }
+
+    /// Records `lower` as what serves the volume, now that its table is
+    /// loaded (dm holds the loop device: its handle can go).
+    fn keep_lower(v: &mut DmVolume, lower: Lower) {
+        match lower.private_loop {
+            Some((lo, handle)) => {
+                drop(handle);
+                v.private_loop = Some(lo);
+                v.private_ublk = None;
+            }
+            None => {
+                v.private_ublk = Some(lower.dev);
+                v.private_loop = None;
+            }
+        }
+    }
+
+    /// Undoes a lower started for a table that never loaded.
+    fn undo_lower(&self, volume_id: Uuid, lower: Lower) {
+        match lower.private_loop {
+            // Its handle was its only opener: closing it unbinds it.
+            Some((lo, handle)) => {
+                drop(handle);
+                lo.release();
+            }
+            None => drop(self.ublk.stop(volume_id)),
+        }
+    }
+
+    /// Lets go of the lower the loaded table no longer names.
+    fn stop_lower(
+        &self,
+        volume_id: Uuid,
+        ublk: Option<DevNum>,
+        lo: Option<PrivateLoop>,
+    ) -> Result<(), BackendError> {
+        if let Some(lo) = lo {
+            lo.release();
+        }
+        if ublk.is_some() {
+            self.ublk.stop(volume_id)?;
+        }
+        Ok(())
     }
     fn describe(&self, volume_id: Uuid, v: &DmVolume) -> Result<Attachment, BackendError> {
         let dev = ioctl::devnum(volume_id).ok_or_else(|| {
@@ -152,11 +287,7 @@ impl DmBackend {
             kernel_name,
             major: dev.major,
             minor: dev.minor,
-            dispatch: match v.dispatch {
-                DispatchPolicy::Direct => ActiveDispatch::Direct,
-                DispatchPolicy::Threaded => ActiveDispatch::Threaded,
-                _ => ActiveDispatch::Nowait,
-            },
+            dispatch: dispatch::active_of(v.dispatch).unwrap_or(ActiveDispatch::Nowait),
             dispatch_reason: v.reason.clone(),
             size_bytes,
             read_only: v.read_only,
@@ -198,43 +329,6 @@ impl DmBackend {
         Ok(())
     }
 
-    /// Starts the private ublk device of a volume with `policy`, serving
-    /// `image` (a handle on the volume's); returns its number.
-    fn start_private(
-        &self,
-        volume_id: Uuid,
-        v: &DmVolume,
-        image: &OwnedFd,
-        policy: DispatchPolicy,
-        reason: &str,
-    ) -> Result<DevNum, BackendError> {
-        let image = image
-            .try_clone()
-            .map_err(|e| BackendError::io("dup", "image", e))?;
-        let image_lock = match &v.lock {
-            Some(l) => Some(
-                l.try_clone()
-                    .map_err(|e| BackendError::io("dup", "image lock", e))?,
-            ),
-            None => None,
-        };
-        let att = self.ublk.start(AttachRequest {
-            volume_id,
-            image_fd: image,
-            image_lock,
-            params: VolumeParams {
-                dispatch: policy,
-                refuse_writes: v.read_only,
-                ..v.params.clone()
-            },
-            decision: Some(Decision::new(policy, reason)),
-        })?;
-        Ok(DevNum {
-            major: att.major,
-            minor: att.minor,
-        })
-    }
-
     /// Serves a dm volume's private ublk device again after its worker died
     /// while no service ran (a pod or a cgroup killed whole): the device
     /// waits quiesced, its I/O held, and a new worker recovers it (the ublk
@@ -249,7 +343,9 @@ impl DmBackend {
         policy: DispatchPolicy,
     ) -> Result<(), BackendError> {
         let reason = v.reason.clone();
-        let dev = self.start_private(volume_id, v, &v.image, policy, &reason)?;
+        let dev = self
+            .start_lower(volume_id, v, &v.image, policy, &reason)?
+            .dev;
         if target.split_whitespace().next() != Some(dev.to_string().as_str()) {
             let table = over(dev, v.params.size_bytes);
             v.table = match self.reload(volume_id, v.read_only, table) {
@@ -285,8 +381,11 @@ impl DmBackend {
         reason: String,
     ) -> Result<(), BackendError> {
         let from = v.dispatch;
+        let on_worker = |p| matches!(p, DispatchPolicy::Nowait | DispatchPolicy::Threaded);
         match (from == DispatchPolicy::Direct, to == DispatchPolicy::Direct) {
-            (false, false) => {
+            // Nothing moves (a worker is told, below: it reports the reason).
+            _ if from == to && !on_worker(from) => {}
+            (false, false) if on_worker(from) && on_worker(to) => {
                 // Both on the private worker: it switches by itself.
                 self.ublk.change(
                     volume_id,
@@ -296,18 +395,37 @@ impl DmBackend {
                     },
                 )?;
             }
+            (false, false) => {
+                // Between the loop device and the worker: start the new one,
+                // swap tables, let the old one go.
+                let lower = self.start_lower(volume_id, v, &v.image, to, &reason)?;
+                let table = over(lower.dev, v.params.size_bytes);
+                match self.reload(volume_id, v.read_only, table) {
+                    Ok(table) => {
+                        v.table = table;
+                        let old = (v.private_ublk.take(), v.private_loop.take());
+                        Self::keep_lower(v, lower);
+                        self.stop_lower(volume_id, old.0, old.1)?;
+                    }
+                    Err(e) => {
+                        self.undo_lower(volume_id, lower);
+                        return Err(e);
+                    }
+                }
+            }
             (true, false) if !v.read_only && blockplane_system::image::is_read_only(&v.image) => {
                 self.leave_direct_reopened(volume_id, v, to, &reason)?;
             }
             (true, false) => {
-                // Start the worker first (nothing reaches it until the table
+                // Start the lower first (nothing reaches it until the table
                 // points at it); unpin only once the new table is loaded, while
-                // the device is still suspended: the worker cannot write
-                // through a pinned image, and the linear table must not serve
-                // an unpinned one.
-                let dev = self.start_private(volume_id, v, &v.image, to, &reason)?;
+                // the device is still suspended: neither can write through a
+                // pinned image, and the linear table must not serve an
+                // unpinned one.
+                let lower = self.start_lower(volume_id, v, &v.image, to, &reason)?;
                 let pin = v.direct.as_ref().map(|(_, p)| *p);
                 let image = &v.image;
+                let dev = lower.dev;
                 let swapped = ioctl::swap(
                     &self.instance,
                     volume_id,
@@ -327,10 +445,10 @@ impl DmBackend {
                     Ok(table) => {
                         v.table = table;
                         v.direct = None;
-                        v.private_ublk = Some(dev);
+                        Self::keep_lower(v, lower);
                     }
                     Err(e) => {
-                        let _ = self.ublk.stop(volume_id);
+                        self.undo_lower(volume_id, lower);
                         return Err(e);
                     }
                 }
@@ -366,9 +484,9 @@ impl DmBackend {
                     Ok(table) => {
                         v.direct = mapped;
                         v.table = table;
-                        v.private_ublk = None;
-                        // Nothing references the private device any more.
-                        self.ublk.stop(volume_id)?;
+                        // Nothing references the lower any more.
+                        let old = (v.private_ublk.take(), v.private_loop.take());
+                        self.stop_lower(volume_id, old.0, old.1)?;
                     }
                     Err(e) => {
                         if let Some((_, pin)) = mapped {
@@ -378,7 +496,7 @@ impl DmBackend {
                     }
                 }
             }
-            (true, true) => {}
+            (true, true) => unreachable!("direct to direct is the first arm"),
         }
         v.dispatch = to;
         v.reason = reason;
@@ -396,11 +514,11 @@ impl DmBackend {
         v: &mut DmVolume,
         qos: Option<Qos>,
     ) -> Result<(), BackendError> {
-        let on_direct = v.dispatch == DispatchPolicy::Direct;
+        let no_worker = matches!(v.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel);
         let old = v.params.qos;
         let moved_for_qos = old.is_some() || v.reason == dispatch::QOS_NOWAIT;
         if qos.is_some() {
-            let moved = dispatch::qos_on_dm(v.params.dispatch, on_direct, &self.path())
+            let moved = dispatch::qos_on_dm(v.params.dispatch, no_worker, &self.path())
                 .map_err(qos_not_live)?;
             v.params.qos = qos;
             let done = match moved {
@@ -415,7 +533,7 @@ impl DmBackend {
             }
             return done;
         }
-        if on_direct {
+        if no_worker {
             v.params.qos = None;
             return Ok(());
         }
@@ -431,18 +549,20 @@ impl DmBackend {
             v.read_only,
             &self.path(),
         )?;
-        if back.dispatch != DispatchPolicy::Direct {
+        let reason = match back.dispatch {
+            DispatchPolicy::Direct => back.reason.trim_start_matches("auto: ").to_string(),
+            DispatchPolicy::Kernel => format!(
+                "kernel serves it: {}",
+                back.reason.trim_start_matches("auto chose kernel: ")
+            ),
             // Stays on the worker: say why, no longer the limit.
-            return self.switch(volume_id, v, back.dispatch, back.reason);
-        }
-        let reason = format!(
-            "{LAST_LIMIT_REMOVED}{}",
-            back.reason.trim_start_matches("auto: ")
-        );
-        if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Direct, reason) {
-            // The pin refused it (the map moved since): serve on, saying so.
-            tracing::warn!(volume = %volume_id, error = %e, "could not go back to direct after the last QoS limit");
-            let why = format!("auto chose nowait: back to direct refused: {e}");
+            _ => return self.switch(volume_id, v, back.dispatch, back.reason),
+        };
+        let to = back.dispatch;
+        if let Err(e) = self.switch(volume_id, v, to, format!("{LAST_LIMIT_REMOVED}{reason}")) {
+            // The pin (or the loop driver) refused it: serve on, saying so.
+            tracing::warn!(volume = %volume_id, error = %e, "could not leave the worker after the last QoS limit");
+            let why = format!("auto chose nowait: back to {} refused: {e}", to.as_str());
             self.switch(volume_id, v, v.dispatch, why)?;
         }
         Ok(())
@@ -491,24 +611,25 @@ impl DmBackend {
                     .map_err(|e| BackendError::io("reopen for writing", "image", e))?;
                 extent::drop_page_cache(writable.as_fd())
                     .map_err(|e| BackendError::io("drop page cache", "image", e))?;
-                let dev = self.start_private(volume_id, v, &writable, to, reason)?;
-                started = Some((dev, writable));
-                Ok(over(dev, v.params.size_bytes))
+                let lower = self.start_lower(volume_id, v, &writable, to, reason)?;
+                let table = over(lower.dev, v.params.size_bytes);
+                started = Some((lower, writable));
+                Ok(table)
             },
             || Ok(()),
         );
         match swapped {
             Ok(table) => {
-                let (dev, writable) = started.expect("a table loaded is over a started worker");
+                let (lower, writable) = started.expect("a table loaded is over a started lower");
                 v.image = writable;
                 v.table = table;
                 v.direct = None;
-                v.private_ublk = Some(dev);
+                Self::keep_lower(v, lower);
                 Ok(())
             }
             Err(e) => {
-                if started.is_some() {
-                    let _ = self.ublk.stop(volume_id);
+                if let Some((lower, _)) = started {
+                    self.undo_lower(volume_id, lower);
                 }
                 if pin.is_some_and(|p| !p.was_immutable) {
                     let _ = extent::pin(v.image.as_fd());
@@ -666,8 +787,11 @@ impl VolumeBackend for DmBackend {
         }
         if spec.qos.is_some() {
             // A limit is enforced by the private worker: `auto` starts there.
-            let on_direct = matches!(spec.dispatch, DispatchPolicy::Direct | DispatchPolicy::Auto);
-            let moved = dispatch::qos_on_dm(spec.dispatch, on_direct, &self.path()).map_err(
+            let no_worker = matches!(
+                spec.dispatch,
+                DispatchPolicy::Direct | DispatchPolicy::Kernel | DispatchPolicy::Auto
+            );
+            let moved = dispatch::qos_on_dm(spec.dispatch, no_worker, &self.path()).map_err(
                 |e| match e {
                     dispatch::DispatchError::Refused(reason) => BackendError::Unsupported {
                         backend: "dm",
@@ -695,6 +819,7 @@ impl VolumeBackend for DmBackend {
             read_only: req.params.refuse_writes,
             direct: None,
             private_ublk: None,
+            private_loop: None,
             table: Vec::new(),
             degraded: None,
             resize_pending: false,
@@ -705,6 +830,7 @@ impl VolumeBackend for DmBackend {
         let volume_id = req.volume_id;
         // A device left by a crash of this service mid-create: start clean.
         let _ = ioctl::remove(volume_id);
+        let mut lower = None;
         let table = if decision.dispatch == DispatchPolicy::Direct {
             let (map, pin) =
                 extent::map_and_pin(v.image.as_fd(), v.params.size_bytes, decision.map).map_err(
@@ -716,10 +842,11 @@ impl VolumeBackend for DmBackend {
             v.direct = Some((map, pin));
             table
         } else {
-            let dev =
-                self.start_private(volume_id, &v, &v.image, decision.dispatch, &decision.reason)?;
-            v.private_ublk = Some(dev);
-            over(dev, v.params.size_bytes)
+            let started =
+                self.start_lower(volume_id, &v, &v.image, decision.dispatch, &decision.reason)?;
+            let table = over(started.dev, v.params.size_bytes);
+            lower = Some(started);
+            table
         };
         let created = ioctl::swap(
             &self.instance,
@@ -737,13 +864,18 @@ impl VolumeBackend for DmBackend {
             Ok(t) => t,
             Err(e) => {
                 // Nothing of the volume is left: no pin, no private device.
-                match &v.direct {
-                    Some((_, pin)) => drop(extent::unpin(v.image.as_fd(), *pin)),
-                    None => drop(self.ublk.stop(volume_id)),
+                if let Some((_, pin)) = &v.direct {
+                    drop(extent::unpin(v.image.as_fd(), *pin));
+                }
+                if let Some(lower) = lower {
+                    self.undo_lower(volume_id, lower);
                 }
                 return Err(e);
             }
         };
+        if let Some(lower) = lower {
+            Self::keep_lower(&mut v, lower);
+        }
         if let Some(dev) = ioctl::devnum(volume_id) {
             v.baseline = BlockStat::read(&kernel_name(dev)).ok();
         }
@@ -769,6 +901,9 @@ impl VolumeBackend for DmBackend {
         match v {
             Some(v) => {
                 v.stop_checks.store(true, Relaxed);
+                if let Some(lo) = v.private_loop {
+                    lo.release();
+                }
                 if let Some((_, pin)) = v.direct {
                     extent::unpin(v.image.as_fd(), pin)
                         .map_err(|e| BackendError::io("unpin", "image", e))?;
@@ -830,6 +965,7 @@ impl VolumeBackend for DmBackend {
             read_only,
             direct: None,
             private_ublk: None,
+            private_loop: None,
             table: live.clone(),
             degraded: stored.as_ref().and_then(|d| d.degraded.clone()),
             resize_pending: grown || req.stored.as_ref().is_some_and(|a| a.resize_pending),
@@ -848,7 +984,19 @@ impl VolumeBackend for DmBackend {
                         .is_some_and(|n| n.to_string_lossy().starts_with("ublkb"))
                 })
             });
-        if over_ublk {
+        let over_loop = match &live[..] {
+            [(_, _, _, target)] => target
+                .split_whitespace()
+                .next()
+                .and_then(|dev| PrivateLoop::find(&self.instance, volume_id, dev)),
+            _ => None,
+        };
+        if let Some(lo) = over_loop {
+            // Kernel: the loop device, bound to the image, carries the
+            // volume's mark; it needs nothing but to be known again.
+            v.dispatch = DispatchPolicy::Kernel;
+            v.private_loop = Some(lo);
+        } else if over_ublk {
             let probe = self.ublk.adopt(ProbeRequest {
                 volume_id,
                 identity: req.identity,
@@ -962,7 +1110,14 @@ impl VolumeBackend for DmBackend {
         volume_id: Uuid,
         job: &AllocateJob,
     ) -> Result<bool, BackendError> {
-        let direct = self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))?;
+        let direct = self.with_volume(volume_id, |v| match v.dispatch {
+            DispatchPolicy::Direct => Ok(true),
+            // The worker fills while it serves; the loop driver cannot.
+            DispatchPolicy::Kernel => self
+                .switch(volume_id, v, DispatchPolicy::Nowait, FILL_ON_WORKER.into())
+                .map(|()| false),
+            _ => Ok(false),
+        })?;
         // A direct table maps only a written image: nothing to fill. Otherwise
         // the private worker does it, outside the volumes' lock.
         let done = direct || self.ublk.fill(volume_id, job)?;
@@ -1012,6 +1167,14 @@ impl VolumeBackend for DmBackend {
                 let table = direct_table(&map);
                 v.table = self.reload(volume_id, v.read_only, table)?;
                 v.direct = Some((map, pin));
+            } else if let Some(lo) = v.private_loop {
+                // Grow the file, then the loop device over it, then the table.
+                let writable = blockplane_system::image::reopen(&v.image, true)
+                    .map_err(|e| BackendError::io("reopen", "image", e))?;
+                blockplane_system::image::grow_fd(&writable, size_bytes, allocation)
+                    .map_err(|(op, e)| BackendError::io(op, "image", e))?;
+                lo.set_size(size_bytes)?;
+                v.table = self.reload(volume_id, v.read_only, over(lo.dev, size_bytes))?;
             } else {
                 let att = self.ublk.change(
                     volume_id,
@@ -1063,13 +1226,31 @@ impl VolumeBackend for DmBackend {
         dest: &SnapshotDest,
     ) -> Result<Duration, BackendError> {
         // The linear table passes bios through to the private device: holding
-        // its worker's queues holds the volume's I/O.
-        if self.with_volume(volume_id, |v| Ok(v.dispatch == DispatchPolicy::Direct))? {
-            return Err(BackendError::Refused {
+        // its worker's queues holds the volume's I/O. On `kernel` a worker
+        // takes over for the copy (the loop driver cannot hold still).
+        let kernel = self.with_volume(volume_id, |v| match v.dispatch {
+            DispatchPolicy::Direct => Err(BackendError::Refused {
                 reason: blockplane_worker::protocol::SNAPSHOT_OF_DIRECT.into(),
-            });
+            }),
+            DispatchPolicy::Kernel => {
+                let reason = v.reason.clone();
+                self.switch(volume_id, v, DispatchPolicy::Nowait, COPY_ON_WORKER.into())?;
+                Ok(Some(reason))
+            }
+            _ => Ok(None),
+        })?;
+        let copied = self.ublk.snapshot_image(volume_id, dest);
+        if let Some(reason) = kernel {
+            self.with_volume(volume_id, |v| {
+                if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Kernel, reason) {
+                    // Serves on, on the worker, saying so.
+                    tracing::warn!(volume = %volume_id, error = %e, "could not go back to kernel after a copy");
+                    v.reason = format!("auto chose nowait: back to kernel after a copy refused: {e}");
+                }
+                Ok(())
+            })?;
         }
-        self.ublk.snapshot_image(volume_id, dest)
+        copied
     }
 
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
@@ -1082,15 +1263,17 @@ impl VolumeBackend for DmBackend {
             .lock()
             .expect("dm volumes poisoned")
             .get(&volume_id)
-            .map(|v| v.private_ublk.is_some());
+            .map(|v| (v.private_ublk.is_some(), v.dispatch));
         match private {
-            Some(true) => self.ublk.check_handover(volume_id),
-            Some(false) => Err(BackendError::Unsupported {
+            Some((true, _)) => self.ublk.check_handover(volume_id),
+            Some((false, on)) => Err(BackendError::Unsupported {
                 backend: "dm",
                 what: "a handover to a new worker".into(),
-                reason:
-                    "on direct the kernel maps the volume straight to the disk: no worker serves it"
-                        .into(),
+                reason: match on {
+                    DispatchPolicy::Kernel => "on kernel the loop driver serves the volume: no worker serves it",
+                    _ => "on direct the kernel maps the volume straight to the disk: no worker serves it",
+                }
+                .into(),
             }),
             None => Err(BackendError::io(
                 "hand over",
@@ -1119,21 +1302,42 @@ impl VolumeBackend for DmBackend {
         match change {
             Change::Qos(Some(_)) => {
                 let asked = self.asked(att).map_or(DispatchPolicy::Auto, |a| a.0);
-                dispatch::qos_on_dm(asked, att.dispatch == ActiveDispatch::Direct, &self.path())
+                let no_worker = matches!(
+                    att.dispatch,
+                    ActiveDispatch::Direct | ActiveDispatch::Kernel
+                );
+                dispatch::qos_on_dm(asked, no_worker, &self.path())
                     .map(|_| ())
                     .map_err(qos_not_live)
             }
-            Change::Dispatch(DispatchPolicy::Direct)
+            Change::Dispatch(to @ (DispatchPolicy::Direct | DispatchPolicy::Kernel))
                 if self.asked(att).is_some_and(|a| a.1.is_some()) =>
             {
-                Err(BackendError::NotLive {
-                    backend: "dm",
-                    field: "dispatch",
-                    reason: QOS_NEEDS_WORKER.into(),
+                Err(qos_needs_worker(to))
+            }
+            Change::Dispatch(DispatchPolicy::Kernel) => {
+                let DeviceState::Dm(dm) = &att.kind else {
+                    return Ok(());
+                };
+                let Some(id) = volume_of_name(&dm.name) else {
+                    return Ok(());
+                };
+                self.with_volume(id, |v| {
+                    match dispatch::kernel_missing(v.image.as_fd(), &self.path()) {
+                        Some(reason) => Err(BackendError::NotLive {
+                            backend: "dm",
+                            field: "dispatch",
+                            reason,
+                        }),
+                        None => Ok(()),
+                    }
                 })
             }
             Change::Dispatch(to @ (DispatchPolicy::Nowait | DispatchPolicy::Threaded))
-                if att.dispatch == ActiveDispatch::Direct =>
+                if matches!(
+                    att.dispatch,
+                    ActiveDispatch::Direct | ActiveDispatch::Kernel
+                ) =>
             {
                 Ok(dispatch::can_serve_off_direct(
                     &format!("dispatch '{}'", to.as_str()),
@@ -1153,12 +1357,10 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    if asked == DispatchPolicy::Direct && v.params.qos.is_some() {
-                        return Err(BackendError::NotLive {
-                            backend: "dm",
-                            field: "dispatch",
-                            reason: QOS_NEEDS_WORKER.into(),
-                        });
+                    if matches!(asked, DispatchPolicy::Direct | DispatchPolicy::Kernel)
+                        && v.params.qos.is_some()
+                    {
+                        return Err(qos_needs_worker(asked));
                     }
                     let mut d = dispatch::decide_change(
                         v.image.as_fd(),
@@ -1170,7 +1372,9 @@ impl VolumeBackend for DmBackend {
                         &v.reason,
                     )?;
                     // A limit stays enforced: `auto` keeps its worker.
-                    if v.params.qos.is_some() && d.dispatch == DispatchPolicy::Direct {
+                    if v.params.qos.is_some()
+                        && matches!(d.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel)
+                    {
                         d = Decision::new(DispatchPolicy::Nowait, dispatch::QOS_NOWAIT);
                     }
                     self.switch(volume_id, v, d.dispatch, d.reason)?;

@@ -450,6 +450,11 @@ impl VolumeBackend for UblkBackend {
                 }
                 Ok(())
             }
+            Change::Dispatch(DispatchPolicy::Kernel) => Err(BackendError::NotLive {
+                backend: "ublk",
+                field: "dispatch",
+                reason: dispatch::KERNEL_ON_UBLK.into(),
+            }),
             _ => Ok(()),
         }
     }
