@@ -125,16 +125,17 @@ impl Csi {
     }
 
     /// Creates a volume with `required` bytes (panics on error).
-    /// Without parameters a volume gets the host's best backend: ublk in the
-    /// test VM, loop on a host kernel without ublk_drv; checked here, so that
-    /// the VM lane really tests the driver over ublk.
+    /// Without parameters a volume gets the host's best path for its sparse
+    /// image: dm `kernel` (a table over a private loop device) in the test
+    /// VM, loop on a host kernel without dm; checked here, so that the VM
+    /// lane really tests the driver over what a user gets by default.
     pub async fn create(&self, name: &str, required: i64, cap: VolumeCapability) -> Volume {
         let v = self
             .create_with(name, required, cap, &[])
             .await
             .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}\n{}", self.driver_log()));
         let (backend, node) = if in_vm() {
-            ("ublk", "/dev/ublkb")
+            ("dm", "/dev/dm-")
         } else {
             ("loop", "/dev/loop")
         };

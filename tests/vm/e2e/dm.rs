@@ -41,6 +41,167 @@ pub(crate) fn over_ublk(table: &str) -> bool {
         })
 }
 
+/// Whether a table is one linear target over a loop device.
+fn over_loop(table: &str) -> bool {
+    let lines: Vec<&str> = table.lines().collect();
+    lines.len() == 1
+        && lines[0].split_whitespace().nth(3).is_some_and(|d| {
+            std::fs::read_link(format!("/sys/dev/block/{d}")).is_ok_and(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("loop"))
+            })
+        })
+}
+
+/// Bound loop devices whose backing file is `image`.
+fn loops_over(image: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let backing = std::fs::read_to_string(e.path().join("loop/backing_file"));
+        if backing.is_ok_and(|b| std::path::Path::new(b.trim()) == image) {
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// The default on an image dm cannot map (a sparse one): dm `kernel`, a
+/// table over a private loop device with direct I/O. It moves to a worker
+/// and back live (a QoS limit, a named policy, a copy), grows, is adopted
+/// by a restarted service, and leaves no loop device behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sparse_image_is_served_by_the_kernel_and_moves_live_to_a_worker_and_back() {
+    let mut vm = Vm::start().await;
+    let src = vm.image("ks", Scratch::Xfs, 32, "sparse").await;
+    let img = vm.root(Scratch::Xfs).join("ks.img");
+    let v = vm.volume(json!({"name": "ks", "image": "ks"})).await;
+    assert_eq!(
+        (&v["backend"], &v["dispatch"]),
+        (&json!("dm"), &json!("kernel")),
+        "{v}"
+    );
+    let why = v["dispatch_reason"].as_str().unwrap();
+    assert!(
+        why.starts_with("auto: backend dm, kernel: direct-map rule 2: the image has a hole"),
+        "{why}"
+    );
+    let dev = v["device"].as_str().unwrap().to_string();
+    let node = rdev(&dev);
+    assert!(over_loop(&table(&dev)), "{}", table(&dev));
+    assert_eq!(
+        sh(
+            "cat",
+            &[&format!("/sys/block/{}/loop/dio", loops_over(&img)[0])]
+        )
+        .trim(),
+        "1"
+    );
+
+    let fio = fio_verify(&dev, "24M", &[]);
+    for (patch, want) in [
+        (json!({"qos": {"iops": 1_000_000}}), "nowait"),
+        (json!({"qos": null}), "kernel"),
+        (json!({"dispatch": "threaded"}), "threaded"),
+        (json!({"dispatch": "auto"}), "kernel"),
+    ] {
+        // Each change lands while fio is writing.
+        writes_flow(&dev, 1 << 20).await;
+        let a = vm.s.patch("/v1/volumes/ks", patch.clone()).await;
+        assert_eq!(a.status.as_u16(), 200, "{patch}: {}", a.body);
+        assert_eq!(a.body["dispatch"], want, "{patch}: {}", a.body);
+        assert_eq!(rdev(&dev), node, "the node never changes");
+        let t = table(&dev);
+        assert_eq!(over_loop(&t), want == "kernel", "{patch}: {t}");
+        assert_eq!(over_ublk(&t), want != "kernel", "{patch}: {t}");
+        if patch == json!({"qos": null}) {
+            let why = a.body["dispatch_reason"].as_str().unwrap();
+            assert!(
+                why.starts_with(
+                    "auto: the last QoS limit was removed, and kernel serves it: direct-map rule 2"
+                ),
+                "{why}"
+            );
+        }
+    }
+    writes_flow(&dev, 1 << 20).await;
+    fio_ok(fio);
+    // One loop device, the current one: each move let the last one go.
+    assert_eq!(loops_over(&img).len(), 1, "{:?}", loops_over(&img));
+
+    // A named kernel with a limit, and kernel on ublk: refused, nothing changed.
+    let a =
+        vm.s.patch(
+            "/v1/volumes/ks",
+            json!({"dispatch": "kernel", "qos": {"iops": 100}}),
+        )
+        .await;
+    assert_error(&a, 422, "not_live");
+    vm.image("ku", Scratch::Xfs, 16, "sparse").await;
+    let a =
+        vm.s.post(
+            "/v1/volumes",
+            json!({"name": "ku", "image": "ku", "backend": "ublk", "dispatch": "kernel"}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 422, "{}", a.body);
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("dispatch 'kernel' is dm's"),
+        "{}",
+        a.body
+    );
+    let now = vm.s.get("/v1/volumes/ks").await.body;
+    assert_eq!(
+        (&now["dispatch"], &now["qos"]),
+        (&json!("kernel"), &json!(null)),
+        "{now}"
+    );
+
+    // Grows: the file, the loop device under the table, the table.
+    let a =
+        vm.s.post("/v1/images/ks/resize", json!({"size_bytes": 48 << 20}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    let size: u64 = sh("blockdev", &["--getsize64", &dev])
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(size, 48 << 20, "blockdev sees the new size");
+
+    // A copy: a worker holds the volume still for its moment, then the
+    // kernel serves it again.
+    let a =
+        vm.s.post(
+            &format!("/v1/images/{}/snapshots", src["id"].as_str().unwrap()),
+            json!({"name": "ks-snap"}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+    let now = vm.s.get("/v1/volumes/ks").await.body;
+    assert_eq!(now["dispatch"], "kernel", "{now}");
+    assert!(over_loop(&table(&dev)), "{}", table(&dev));
+
+    // A restarted service adopts it as it is.
+    vm.s.kill();
+    vm.s.restart().await;
+    let now = vm.s.get("/v1/volumes/ks").await.body;
+    assert_eq!(
+        (&now["state"], &now["dispatch"]),
+        (&json!("attached"), &json!("kernel")),
+        "{now}"
+    );
+    assert_eq!(now["device"], dev.as_str());
+    fio_ok(fio_verify(&dev, "8M", &[]));
+    let kinds = vm.event_kinds(v["id"].as_str().unwrap()).await;
+    assert!(!kinds.contains(&"volume_error".to_string()), "{kinds:?}");
+
+    vm.delete("ks").await;
+    assert!(loops_over(&img).is_empty(), "{:?}", loops_over(&img));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fio_verify_on_direct_and_nowait_over_xfs_and_ext4_images() {
     let vm = Vm::start().await;
