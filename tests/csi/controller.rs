@@ -22,7 +22,7 @@ fn topology(node: &str) -> Topology {
 }
 
 #[tokio::test]
-async fn capabilities_are_create_delete_list_capacity_expand_snapshot_clone() {
+async fn capabilities_are_create_delete_list_capacity_expand_snapshot_clone_modify_condition() {
     let csi = Csi::start().await;
     let caps = csi
         .controller
@@ -49,7 +49,10 @@ async fn capabilities_are_create_delete_list_capacity_expand_snapshot_clone() {
             rpc::Type::ListSnapshots as i32,
             rpc::Type::CloneVolume as i32,
             rpc::Type::ExpandVolume as i32,
+            rpc::Type::VolumeCondition as i32,
+            rpc::Type::GetVolume as i32,
             rpc::Type::SingleNodeMultiWriter as i32,
+            rpc::Type::ModifyVolume as i32,
         ]
     );
 }

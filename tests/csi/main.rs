@@ -15,6 +15,7 @@ mod harness;
 mod controller;
 mod expand;
 mod identity;
+mod modify;
 mod node;
 mod snapshots;
 
@@ -404,6 +405,6 @@ pub fn mount_at(path: &Path) -> Option<blockplane_system::mountinfo::MountEntry>
 }
 
 /// Whether this runs inside the test VM (its kernel command line says so).
-fn in_vm() -> bool {
+pub(crate) fn in_vm() -> bool {
     std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.contains("blockplane_vm=1"))
 }

@@ -2,7 +2,7 @@
 """Reads tests/vm/lanes: which kernel lane runs each VM test.
 
   lanes.py check --vm-list FILE --csi-list FILE
-      fails unless every `vm` test and every csi `node::`/`expand::` test
+      fails unless every `vm` test and every csi `node::`/`expand::`/`modify::` test
       (from `TEST_BINARY --list --format terse`) has exactly one line, and
       every line names a test that exists
   lanes.py tests TARGET {latest|lts}
@@ -17,7 +17,7 @@ LANES = pathlib.Path(__file__).with_name("lanes")
 NAME = "tests/vm/lanes"  # in messages
 KERNELS = ("both", "latest", "lts")
 # The csi target's tests that need a kernel with ublk; the rest run on the host.
-CSI_VM_MODULES = ("node::", "expand::")
+CSI_VM_MODULES = ("node::", "expand::", "modify::")
 
 
 def read():

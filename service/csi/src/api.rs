@@ -9,7 +9,7 @@ use super::errors::CsiError;
 use blockplane_api::client::{self, Client};
 use blockplane_api::model::{
     CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Host, Image,
-    ListImagesQuery, ResizeImageRequest, ResizeImageResponse, Volume,
+    ListImagesQuery, PatchVolumeRequest, ResizeImageRequest, ResizeImageResponse, Volume,
 };
 
 /// The blockplane API, its errors naming the volume they are for.
@@ -73,6 +73,16 @@ impl Api {
     /// Creates volume `req.name` (idempotent by name in the API too).
     pub async fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
         self.client.create_volume(req).await.named(&req.name)
+    }
+
+    /// Changes the live volume of that name (every change checked before
+    /// any is made).
+    pub async fn patch_volume(
+        &self,
+        name: &str,
+        req: &PatchVolumeRequest,
+    ) -> Result<Volume, CsiError> {
+        self.client.patch_volume(name, req).await.named(name)
     }
 
     /// Deletes the volume of that name; `false` when there was none.

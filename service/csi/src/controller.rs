@@ -14,18 +14,21 @@ use super::errors::{CsiError, require};
 use super::listing::page;
 use super::mount;
 use super::naming::{self, VolumeId};
+use super::proto::controller_get_volume_response::VolumeStatus;
 use super::proto::controller_server::Controller;
 use super::proto::controller_service_capability::{self, rpc};
-use super::proto::list_volumes_response::Entry;
+use super::proto::list_volumes_response::{Entry, VolumeStatus as ListVolumeStatus};
 use super::proto::validate_volume_capabilities_response::Confirmed;
 use super::proto::{
     CapacityRange, ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
     ControllerGetCapabilitiesRequest, ControllerGetCapabilitiesResponse,
-    ControllerServiceCapability, CreateSnapshotRequest, CreateSnapshotResponse,
-    CreateVolumeRequest, CreateVolumeResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
-    DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse,
-    ListSnapshotsRequest, ListSnapshotsResponse, ListVolumesRequest, ListVolumesResponse, Topology,
-    ValidateVolumeCapabilitiesRequest, ValidateVolumeCapabilitiesResponse, Volume,
+    ControllerGetVolumeRequest, ControllerGetVolumeResponse, ControllerModifyVolumeRequest,
+    ControllerModifyVolumeResponse, ControllerServiceCapability, CreateSnapshotRequest,
+    CreateSnapshotResponse, CreateVolumeRequest, CreateVolumeResponse, DeleteSnapshotRequest,
+    DeleteSnapshotResponse, DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest,
+    GetCapacityResponse, ListSnapshotsRequest, ListSnapshotsResponse, ListVolumesRequest,
+    ListVolumesResponse, Topology, ValidateVolumeCapabilitiesRequest,
+    ValidateVolumeCapabilitiesResponse, Volume, VolumeCondition,
 };
 use super::snapshots::{self, Source};
 use super::{Driver, TOPOLOGY_KEY};
@@ -94,13 +97,11 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
                     ))
                 })?
             }
-            "dispatch" => {
-                p.dispatch = parse_wire(v).ok_or_else(|| {
-                    invalid(format!(
-                        "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct, kernel"
-                    ))
-                })?
-            }
+            "dispatch" => p.dispatch = parse_wire(v).ok_or_else(|| {
+                invalid(format!(
+                    "parameter dispatch='{v}' is not one of auto, nowait, threaded, direct, kernel"
+                ))
+            })?,
             "allocation" => {
                 p.allocation = parse_wire(v).ok_or_else(|| {
                     invalid(format!("parameter allocation='{v}' is not sparse or full"))
@@ -122,6 +123,112 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         p.qos = Some(qos);
     }
     Ok(p)
+}
+
+/// What a VolumeAttributesClass may change on a live volume
+/// (ControllerModifyVolume's `mutable_parameters`, and CreateVolume's, applied
+/// at creation): the dispatch policy and each QoS limit, `0` lifting one. A
+/// key left out changes nothing (the CSI spec: no change from an absent key).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mutable {
+    pub dispatch: Option<DispatchPolicy>,
+    /// Per limit, `Some(0)` lifts it.
+    pub iops: Option<u64>,
+    pub bytes_per_sec: Option<u64>,
+    pub burst_iops: Option<u64>,
+    pub burst_bytes: Option<u64>,
+}
+
+/// The keys [`parse_mutable`] takes.
+pub const MUTABLE_KEYS: &str =
+    "dispatch, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes";
+
+/// Parses mutable parameters; refuses an unknown key, one that cannot change
+/// on a live volume (`backend`, `allocation`) and a bad value, naming it.
+pub fn parse_mutable(volume: &str, params: &HashMap<String, String>) -> Result<Mutable, CsiError> {
+    let invalid = |reason: String| CsiError::Invalid {
+        volume: volume.to_string(),
+        reason,
+    };
+    let mut m = Mutable::default();
+    let mut keys: Vec<&String> = params.keys().collect();
+    keys.sort();
+    for k in keys {
+        let v = params[k].trim();
+        let limit = |bytes: bool| -> Result<Option<u64>, CsiError> {
+            let n = if bytes {
+                blockplane_api::model::parse_size(v).ok()
+            } else {
+                v.parse().ok()
+            };
+            n.map(Some).ok_or_else(|| {
+                invalid(format!(
+                    "mutable parameter {k}='{v}' is not a number (0 lifts the limit)"
+                ))
+            })
+        };
+        match k.as_str() {
+            "dispatch" => {
+                m.dispatch = Some(parse_wire(v).ok_or_else(|| {
+                    invalid(format!(
+                        "mutable parameter dispatch='{v}' is not one of auto, nowait, threaded, direct, kernel"
+                    ))
+                })?)
+            }
+            "qos.iops" => m.iops = limit(false)?,
+            "qos.bytes_per_sec" => m.bytes_per_sec = limit(true)?,
+            "qos.burst_iops" => m.burst_iops = limit(false)?,
+            "qos.burst_bytes" => m.burst_bytes = limit(true)?,
+            "backend" | "allocation" => {
+                return Err(invalid(format!(
+                    "parameter {k} cannot change on a live volume (it decides the device, or the image file, made at creation): set it in the StorageClass"
+                )));
+            }
+            other => {
+                return Err(invalid(format!(
+                    "unknown mutable parameter '{other}' (known: {MUTABLE_KEYS})"
+                )));
+            }
+        }
+    }
+    Ok(m)
+}
+
+impl Mutable {
+    /// `now` with this call's limits applied (`0` lifts one), or `None` when
+    /// no limit is left; `now` itself when the call names none.
+    pub fn qos_over(&self, now: Option<Qos>) -> Option<Qos> {
+        let mut q = now.unwrap_or_default();
+        let set = |field: &mut Option<u64>, to: Option<u64>| {
+            if let Some(n) = to {
+                *field = (n > 0).then_some(n);
+            }
+        };
+        set(&mut q.iops, self.iops);
+        set(&mut q.bytes_per_sec, self.bytes_per_sec);
+        set(&mut q.burst_iops, self.burst_iops);
+        set(&mut q.burst_bytes, self.burst_bytes);
+        (q != Qos::default()).then_some(q)
+    }
+
+    /// The PATCH that brings `v` to these values: empty when it has them
+    /// already (a repeated call changes nothing).
+    pub fn patch(&self, v: &model::Volume) -> model::PatchVolumeRequest {
+        let qos = self.qos_over(v.qos);
+        model::PatchVolumeRequest {
+            dispatch: self.dispatch.filter(|d| *d != v.requested_dispatch),
+            qos: (qos != v.qos).then_some(qos),
+            read_only: None,
+        }
+    }
+
+    /// Applies these values to a StorageClass's, for CreateVolume.
+    pub fn apply(&self, p: &mut Params) {
+        if let Some(d) = self.dispatch {
+            p.dispatch = d;
+        }
+        p.qos = self.qos_over(p.qos);
+    }
 }
 
 fn rpc_cap(t: rpc::Type) -> ControllerServiceCapability {
@@ -367,9 +474,6 @@ impl Controller for ControllerService {
             .as_ref()
             .map(|cs| snapshots::parse_source(&self.d.node_id, &csi_name, cs))
             .transpose()?;
-        if !req.mutable_parameters.is_empty() {
-            return Err(invalid("mutable_parameters are not supported".into()).into());
-        }
         if let Some(t) = &req.accessibility_requirements
             && !t.requisite.is_empty()
             && !t.requisite.iter().any(|t| is_node(t, &self.d.node_id))
@@ -383,7 +487,8 @@ impl Controller for ControllerService {
             }
             .into());
         }
-        let params = parse_params(&csi_name, &req.parameters)?;
+        let mut params = parse_params(&csi_name, &req.parameters)?;
+        parse_mutable(&csi_name, &req.mutable_parameters)?.apply(&mut params);
         let size = size_for(&csi_name, req.capacity_range.as_ref())?;
         let name = naming::blockplane_name(&csi_name);
         tracing::info!(csi_name = %csi_name, volume = %name, size, ?params, "CreateVolume");
@@ -530,7 +635,11 @@ impl Controller for ControllerService {
                 .iter()
                 .map(|v| Entry {
                     volume: Some(self.csi_volume(v)),
-                    status: None,
+                    // VOLUME_CONDITION: each entry says its condition.
+                    status: Some(ListVolumeStatus {
+                        published_node_ids: Vec::new(),
+                        volume_condition: Some(condition(v)),
+                    }),
                 })
                 .collect(),
             next_token,
@@ -595,6 +704,9 @@ impl Controller for ControllerService {
                 rpc::Type::CreateDeleteSnapshot,
                 rpc::Type::ListSnapshots,
                 rpc::Type::CloneVolume,
+                rpc::Type::ModifyVolume,
+                rpc::Type::GetVolume,
+                rpc::Type::VolumeCondition,
             ]
             .into_iter()
             .map(rpc_cap)
@@ -745,6 +857,108 @@ impl Controller for ControllerService {
             node_expansion_required,
         }))
     }
+
+    async fn controller_get_volume(
+        &self,
+        req: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        let req = req.into_inner();
+        require("ControllerGetVolume", "volume_id", req.volume_id.is_empty())?;
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        let id = self.own_id(&req.volume_id, false)?.ok_or_else(not_found)?;
+        let v = self.d.api.volume(&id.name).await?.ok_or_else(not_found)?;
+        Ok(Response::new(ControllerGetVolumeResponse {
+            volume: Some(self.csi_volume(&v)),
+            status: Some(VolumeStatus {
+                // No ControllerPublish: nothing is published by this service.
+                published_node_ids: Vec::new(),
+                volume_condition: Some(condition(&v)),
+            }),
+        }))
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        req: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        let req = req.into_inner();
+        require(
+            "ControllerModifyVolume",
+            "volume_id",
+            req.volume_id.is_empty(),
+        )?;
+        let not_found = || CsiError::NotFound {
+            volume: req.volume_id.clone(),
+            reason: "no such volume".into(),
+        };
+        // Another node's volume: ABORTED, as for an expansion, so that its
+        // own node's resizer makes the change.
+        let id = self.own_id(&req.volume_id, true)?.ok_or_else(not_found)?;
+        let wanted = parse_mutable(&req.volume_id, &req.mutable_parameters)?;
+        tracing::info!(volume = %id.name, ?wanted, "ControllerModifyVolume");
+        let d = self.d.clone();
+        let name = id.name.clone();
+        self.d
+            .controller_calls
+            .run(&id.name, async move {
+                let v = d
+                    .api
+                    .volume(&name)
+                    .await?
+                    .ok_or_else(|| CsiError::NotFound {
+                        volume: name.clone(),
+                        reason: "no such volume".into(),
+                    })?;
+                let patch = wanted.patch(&v);
+                if patch.dispatch.is_none() && patch.qos.is_none() {
+                    return Ok(());
+                }
+                // The API checks every change before it makes one: a refusal
+                // (QoS on loop, a policy the backend lacks) changes nothing,
+                // and is the spec's INVALID_ARGUMENT (parameters the volume
+                // cannot support), not the host's state.
+                d.api
+                    .patch_volume(&name, &patch)
+                    .await
+                    .map(drop)
+                    .map_err(|e| match e {
+                        CsiError::Api {
+                            status: hyper::StatusCode::UNPROCESSABLE_ENTITY,
+                            message,
+                            ..
+                        } => CsiError::Invalid {
+                            volume: name.clone(),
+                            reason: message,
+                        },
+                        e => e,
+                    })
+            })
+            .await?;
+        Ok(Response::new(ControllerModifyVolumeResponse {}))
+    }
+}
+
+/// A volume's health for the CO: abnormal while `degraded` or `error`, or
+/// while its worker is being replaced over and over, with the reason.
+fn condition(v: &model::Volume) -> VolumeCondition {
+    match v.state {
+        model::VolumeState::Degraded | model::VolumeState::Error => VolumeCondition {
+            abnormal: true,
+            message: format!(
+                "blockplane volume '{}' is {}: {}",
+                v.name,
+                v.state.as_str(),
+                v.state_reason.as_deref().unwrap_or("no reason recorded")
+            ),
+        },
+        _ => VolumeCondition {
+            abnormal: false,
+            message: format!("blockplane volume '{}' is {}", v.name, v.state.as_str()),
+        },
+    }
 }
 
 #[cfg(test)]
@@ -786,6 +1000,42 @@ mod tests {
             let e = parse_params("v", &m(&[bad])).unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}");
             assert!(e.to_string().contains(bad.0), "{e}");
+        }
+    }
+
+    #[test]
+    fn mutable_parameters_merge_into_the_limits_and_zero_lifts_one() {
+        let m = |kv: &[(&str, &str)]| {
+            let p: HashMap<String, String> = kv
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            parse_mutable("v", &p)
+        };
+        let now = Some(Qos {
+            iops: Some(100),
+            bytes_per_sec: Some(1 << 20),
+            ..Qos::default()
+        });
+        // An absent key changes nothing; a present one sets or lifts.
+        assert_eq!(m(&[]).unwrap().qos_over(now), now);
+        let q = m(&[("qos.iops", "0")]).unwrap().qos_over(now).unwrap();
+        assert_eq!((q.iops, q.bytes_per_sec), (None, Some(1 << 20)));
+        let none = m(&[("qos.iops", "0"), ("qos.bytes_per_sec", "0")]).unwrap();
+        assert_eq!(none.qos_over(now), None);
+        let q = m(&[("qos.burst_bytes", "4M")])
+            .unwrap()
+            .qos_over(None)
+            .unwrap();
+        assert_eq!(q.burst_bytes, Some(4 << 20));
+        assert_eq!(
+            m(&[("dispatch", "kernel")]).unwrap().dispatch,
+            Some(DispatchPolicy::Kernel)
+        );
+        for bad in ["backend", "allocation", "qos.iopz"] {
+            let e = m(&[(bad, "1")]).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}");
+            assert!(e.to_string().contains(bad), "{e}");
         }
     }
 }

@@ -1,0 +1,223 @@
+//! ControllerModifyVolume (a VolumeAttributesClass's parameters) and
+//! ControllerGetVolume (the volume's condition), over a real service: loop
+//! volumes on the host, dm `kernel` ones (the default in the VM) moved live
+//! to a worker for a QoS limit and back.
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use blockplane_csi::proto::{
+    ControllerGetVolumeRequest, ControllerGetVolumeResponse, ControllerModifyVolumeRequest,
+};
+use serde_json::{Value, json};
+use tonic::Code;
+
+use crate::{Csi, MIB, assert_code, block, create_req, in_vm};
+
+async fn modify(csi: &Csi, id: &str, params: &[(&str, &str)]) -> Result<(), tonic::Status> {
+    csi.controller
+        .clone()
+        .controller_modify_volume(ControllerModifyVolumeRequest {
+            volume_id: id.into(),
+            secrets: HashMap::new(),
+            mutable_parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        })
+        .await
+        .map(drop)
+}
+
+async fn get(csi: &Csi, id: &str) -> Result<ControllerGetVolumeResponse, tonic::Status> {
+    csi.controller
+        .clone()
+        .controller_get_volume(ControllerGetVolumeRequest {
+            volume_id: id.into(),
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// What a refused call must leave as it was.
+fn live(v: &Value) -> Value {
+    json!([v["dispatch"], v["requested_dispatch"], v["qos"], v["state"]])
+}
+
+/// Reads at most `secs` seconds of 4 KiB direct random reads; their IOPS.
+fn read_iops(dev: &str, secs: u32) -> f64 {
+    let out = Command::new("fio")
+        .args([
+            "--name=r",
+            &format!("--filename={dev}"),
+            "--rw=randread",
+            "--bs=4k",
+            "--direct=1",
+            "--ioengine=psync",
+            "--time_based",
+            &format!("--runtime={secs}"),
+            "--output-format=json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    j["jobs"][0]["read"]["iops"].as_f64().unwrap()
+}
+
+#[tokio::test]
+async fn bad_mutable_parameters_are_refused_by_name_and_change_nothing() {
+    let csi = Csi::start().await;
+    let v = csi.create("m", 8 * MIB, block()).await;
+    let before = live(&csi.bp_volume(&v.volume_id).await);
+    for (params, names) in [
+        (
+            vec![("qos.iopz", "10")],
+            "unknown mutable parameter 'qos.iopz'",
+        ),
+        (
+            vec![("qos.iops", "many")],
+            "qos.iops='many' is not a number",
+        ),
+        (vec![("dispatch", "fast")], "dispatch='fast' is not one of"),
+        (
+            vec![("backend", "ublk")],
+            "parameter backend cannot change on a live volume",
+        ),
+        (
+            vec![("allocation", "full")],
+            "parameter allocation cannot change",
+        ),
+        // A good key beside a bad one: nothing of it is applied either.
+        (
+            vec![("qos.iops", "100"), ("nope", "1")],
+            "unknown mutable parameter 'nope'",
+        ),
+    ] {
+        let s = assert_code(
+            modify(&csi, &v.volume_id, &params).await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains(names), "{params:?}: {}", s.message());
+        assert_eq!(
+            live(&csi.bp_volume(&v.volume_id).await),
+            before,
+            "{params:?}"
+        );
+    }
+    // A limit the backend cannot take (loop has no QoS): INVALID_ARGUMENT
+    // with the reason, nothing changed.
+    if !in_vm() {
+        let s = assert_code(
+            modify(&csi, &v.volume_id, &[("qos.iops", "100")]).await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains("no QoS"), "{}", s.message());
+        assert_eq!(live(&csi.bp_volume(&v.volume_id).await), before);
+    }
+    // What the volume has already, and no keys at all: nothing to do, OK.
+    modify(
+        &csi,
+        &v.volume_id,
+        &[("dispatch", "auto"), ("qos.iops", "0")],
+    )
+    .await
+    .unwrap();
+    modify(&csi, &v.volume_id, &[]).await.unwrap();
+    assert_eq!(live(&csi.bp_volume(&v.volume_id).await), before);
+    // No such volume; another node's volume (its own node makes the change).
+    let (node, name) = v.volume_id.rsplit_once('/').unwrap();
+    let missing = format!("{node}/csi-gone");
+    assert_code(modify(&csi, &missing, &[]).await, Code::NotFound);
+    assert_code(get(&csi, &missing).await, Code::NotFound);
+    let elsewhere = format!("node-b/{name}");
+    assert_code(modify(&csi, &elsewhere, &[]).await, Code::Aborted);
+    let s = assert_code(modify(&csi, "", &[]).await, Code::InvalidArgument);
+    assert!(s.message().contains("volume_id"), "{}", s.message());
+
+    // The condition of a serving volume: normal, saying its state.
+    let g = get(&csi, &v.volume_id).await.unwrap();
+    assert_eq!(g.volume.unwrap().volume_id, v.volume_id);
+    let c = g.status.unwrap().volume_condition.unwrap();
+    assert!(!c.abnormal, "{c:?}");
+    assert!(c.message.contains("is attached"), "{c:?}");
+}
+
+/// The VM's default volume (dm `kernel`) takes a limit live (to `nowait`,
+/// same device), which fio's reads then keep under; the call repeated
+/// changes nothing; lifting it brings the volume back to the kernel's path.
+/// A create with mutable parameters starts with them. (fio: 3 s of reads
+/// under a 100 IOPS limit.)
+#[tokio::test]
+async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
+    let csi = Csi::start().await;
+    if !in_vm() {
+        // Loop volumes take no limit: the refusal is the test above's.
+        let s = assert_code(
+            csi.controller
+                .clone()
+                .create_volume({
+                    let mut r = create_req("mq", 8 * MIB, block(), &[]);
+                    r.mutable_parameters = [("qos.iops".to_string(), "100".to_string())].into();
+                    r
+                })
+                .await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains("no QoS"), "{}", s.message());
+        return;
+    }
+    let v = csi.create("q", 64 * MIB, block()).await;
+    let dev = csi.device(&v.volume_id).await;
+    let bp = csi.bp_volume(&v.volume_id).await;
+    assert_eq!(bp["dispatch"], "kernel", "{bp}");
+    for _ in 0..2 {
+        modify(&csi, &v.volume_id, &[("qos.iops", "100")])
+            .await
+            .unwrap();
+        let bp = csi.bp_volume(&v.volume_id).await;
+        assert_eq!(
+            (&bp["dispatch"], &bp["qos"]["iops"]),
+            (&json!("nowait"), &json!(100)),
+            "{bp}"
+        );
+        assert_eq!(bp["device"], dev.as_str(), "the device stays");
+    }
+    let iops = read_iops(&dev, 3);
+    // The bucket starts full (a burst of 100), then refills at 100/s.
+    assert!(
+        iops <= 100.0 * 4.0 / 3.0 + 5.0,
+        "{iops} IOPS under a 100 IOPS limit"
+    );
+    modify(&csi, &v.volume_id, &[("qos.iops", "0")])
+        .await
+        .unwrap();
+    let bp = csi.bp_volume(&v.volume_id).await;
+    assert_eq!(
+        (&bp["dispatch"], &bp["qos"]),
+        (&json!("kernel"), &json!(null)),
+        "{bp}"
+    );
+
+    let mut r = create_req("mq", 8 * MIB, block(), &[]);
+    r.mutable_parameters = [
+        ("qos.iops".to_string(), "500".to_string()),
+        ("qos.bytes_per_sec".to_string(), "8M".to_string()),
+    ]
+    .into();
+    let made = csi
+        .controller
+        .clone()
+        .create_volume(r)
+        .await
+        .unwrap()
+        .into_inner();
+    let bp = csi.bp_volume(&made.volume.unwrap().volume_id).await;
+    assert_eq!(bp["qos"]["iops"], 500, "{bp}");
+    assert_eq!(bp["qos"]["bytes_per_sec"], 8 << 20, "{bp}");
+    assert_eq!(bp["dispatch"], "nowait", "{bp}");
+}
