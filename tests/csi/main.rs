@@ -283,6 +283,21 @@ impl Drop for Csi {
             let _ = d.wait();
         }
         unmount_under(&self.dir);
+        self.svc.stop_and_clean();
+        if in_vm() {
+            // The guest runs one test at a time: a dm device left now is
+            // this test's, and would stop the next one's service.
+            for e in std::fs::read_dir("/sys/block")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if let Some(name) = harness::remove_blockplane_dm(&e.file_name().to_string_lossy())
+                {
+                    eprintln!("removed {name}, left by the test");
+                }
+            }
+        }
     }
 }
 
@@ -296,7 +311,13 @@ pub fn unmount_under(dir: &Path) {
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     for p in points {
-        let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
+        // A plain unmount lets the device go at once; a lazy one only when
+        // the kernel gets to it, and the volume's removal after it would
+        // find its device still claimed (a dm device then outlives the
+        // test and the next test's service refuses to start beside it).
+        if rustix::mount::unmount(&p, rustix::mount::UnmountFlags::empty()).is_err() {
+            let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
+        }
     }
 }
 
