@@ -79,6 +79,9 @@ RUBLK_DEV_BASE = 900
 TARGETS = {
     "raw": ("raw file", "raw", None),
     "loop": ("kernel loop (dio)", "loop", ("loop", None)),
+    # The same driver on a sparse image: what "every default (sparse
+    # image)" compares with (a dm table over a loop device is its path).
+    "loop-sparse": ("kernel loop (dio), sparse image", "loop", ("loop", None)),
     "rublk": ("rublk copy", "rublk", "copy"),
     "rublk-zc": ("rublk zero-copy", "rublk", "zero-copy"),
     "ublk-nowait": ("blockplane ublk nowait", "ublk", ("ublk", "nowait")),
@@ -99,7 +102,7 @@ TARGETS = {
 }
 DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded"]
 # What a target's image and volume get beyond the defaults (by key).
-ALLOCATION = {"default-sparse": "sparse"}
+ALLOCATION = {"default-sparse": "sparse", "loop-sparse": "sparse"}
 QOS = {"dm-qos": {"iops": 100_000_000, "bytes_per_sec": 1 << 40}}
 
 
@@ -432,8 +435,9 @@ def setup(keys, size):
             assert backend is None or vol["backend"] == backend, vol
             assert dispatch is None or vol["dispatch"] == dispatch, vol
             t.update(volume=vol, volume_id=vol["id"], path=vol["device"])
-            # Every ublk volume has a worker; a dm volume only off the direct path.
-            if kind == "ublk" or (kind == "dm" and vol["dispatch"] != "direct"):
+            # Every ublk volume has a worker; a dm volume only on a worker's
+            # path (not direct, not kernel).
+            if kind == "ublk" or (kind == "dm" and vol["dispatch"] not in ("direct", "kernel")):
                 t["pid"] = worker_pid_of(vol)
                 assert t["pid"], f"no worker process found for volume {key}"
         targets.append(t)
