@@ -5,14 +5,16 @@
 
 use std::collections::HashMap;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use blockplane_csi::proto::{
     ControllerGetVolumeRequest, ControllerGetVolumeResponse, ControllerModifyVolumeRequest,
+    ListVolumesRequest,
 };
 use serde_json::{Value, json};
 use tonic::Code;
 
+use crate::harness::eventually;
 use crate::{Csi, MIB, assert_code, block, create_req, in_vm};
 
 async fn modify(csi: &Csi, id: &str, params: &[(&str, &str)]) -> Result<(), tonic::Status> {
@@ -256,4 +258,74 @@ async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
     assert_eq!(bp["qos"]["iops"], 500, "{bp}");
     assert_eq!(bp["qos"]["bytes_per_sec"], 8 << 20, "{bp}");
     assert_eq!(bp["dispatch"], "nowait", "{bp}");
+}
+
+/// The condition ControllerGetVolume and ListVolumes give an unhealthy
+/// volume: on the host, a volume in `error` (its device and image gone while
+/// the service was down); in the VM, a ublk volume whose worker was killed
+/// three times (a restart loop). Each is abnormal with the reason.
+#[tokio::test]
+async fn an_unhealthy_volume_is_abnormal_with_the_reason() {
+    let mut csi = Csi::start().await;
+    let (v, why) = if in_vm() {
+        let v = csi
+            .create_with("r", 16 * MIB, block(), &[("backend", "ublk")])
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            let pid = csi.bp_volume(&v.volume_id).await["worker_pid"]
+                .as_u64()
+                .unwrap();
+            rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid as i32).unwrap(),
+                rustix::process::Signal::KILL,
+            )
+            .unwrap();
+            eventually(Duration::from_secs(60), "a new worker", async || {
+                let now = csi.bp_volume(&v.volume_id).await;
+                now["state"] == "attached" && now["worker_pid"].as_u64().is_some_and(|p| p != pid)
+            })
+            .await;
+        }
+        (v, "its worker was replaced 3 times in the last 10 minutes")
+    } else {
+        let v = csi.create("e", 8 * MIB, block()).await;
+        let bp = csi.bp_volume(&v.volume_id).await;
+        let image = csi
+            .svc
+            .get(&format!("/v1/images/{}", bp["image_id"].as_str().unwrap()))
+            .await;
+        csi.svc.kill();
+        let detached = Command::new("losetup")
+            .args(["-d", bp["device"].as_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(detached.success());
+        std::fs::remove_file(image.body["path"].as_str().unwrap()).unwrap();
+        csi.svc.restart().await;
+        (v, "is error: ")
+    };
+    let g = get(&csi, &v.volume_id).await.unwrap();
+    let c = g.status.unwrap().volume_condition.unwrap();
+    assert!(c.abnormal && c.message.contains(why), "{c:?}");
+    let listed = csi
+        .controller
+        .clone()
+        .list_volumes(ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let entry = listed
+        .entries
+        .iter()
+        .find(|e| e.volume.as_ref().unwrap().volume_id == v.volume_id)
+        .unwrap();
+    let c = entry
+        .status
+        .as_ref()
+        .unwrap()
+        .volume_condition
+        .as_ref()
+        .unwrap();
+    assert!(c.abnormal && c.message.contains(why), "{c:?}");
 }

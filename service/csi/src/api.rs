@@ -8,9 +8,12 @@ use hyper::StatusCode;
 use super::errors::CsiError;
 use blockplane_api::client::{self, Client};
 use blockplane_api::model::{
-    CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Host, Image,
-    ListImagesQuery, PatchVolumeRequest, ResizeImageRequest, ResizeImageResponse, Volume,
+    CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Event,
+    EventQuery, Host, Image, ListImagesQuery, PatchVolumeRequest, ResizeImageRequest,
+    ResizeImageResponse, Volume,
 };
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 
 /// The blockplane API, its errors naming the volume they are for.
 #[derive(Debug, Clone)]
@@ -104,6 +107,27 @@ impl Api {
         req: &ResizeImageRequest,
     ) -> Result<ResizeImageResponse, CsiError> {
         self.client.resize_image(name, req).await.named(name)
+    }
+
+    /// The events of the last `window` (at most the newest 1000), of the
+    /// volume of that name or of every volume.
+    pub async fn recent_events(
+        &self,
+        volume: Option<&str>,
+        window: std::time::Duration,
+    ) -> Result<Vec<Event>, CsiError> {
+        let since = (OffsetDateTime::now_utc() - window)
+            .format(&Rfc3339)
+            .expect("an RFC 3339 time formats");
+        let query = EventQuery {
+            volume: volume.map(str::to_string),
+            since: Some(since),
+            limit: Some(1000),
+        };
+        self.client
+            .events(&query)
+            .await
+            .named(volume.unwrap_or(ANY))
     }
 
     /// Whether the service answers its health check.

@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use super::capability::{self, Access};
 use super::capacity::{fits, size_for};
 use super::errors::{CsiError, require};
+use super::health;
 use super::listing::page;
 use super::mount;
 use super::naming::{self, VolumeId};
@@ -28,7 +29,7 @@ use super::proto::{
     DeleteSnapshotResponse, DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest,
     GetCapacityResponse, ListSnapshotsRequest, ListSnapshotsResponse, ListVolumesRequest,
     ListVolumesResponse, Topology, ValidateVolumeCapabilitiesRequest,
-    ValidateVolumeCapabilitiesResponse, Volume, VolumeCondition,
+    ValidateVolumeCapabilitiesResponse, Volume,
 };
 use super::snapshots::{self, Source};
 use super::{Driver, TOPOLOGY_KEY};
@@ -623,6 +624,13 @@ impl Controller for ControllerService {
             .into_iter()
             .filter(|v| naming::is_driver_name(&v.name))
             .collect();
+        // One read of the recent events for every entry's restart count.
+        let events = self
+            .d
+            .api
+            .recent_events(None, health::RESTART_WINDOW)
+            .await?;
+        let restarts = health::restarts(&events);
         let (volumes, next_token) = page(
             "ListVolumes",
             volumes,
@@ -638,7 +646,10 @@ impl Controller for ControllerService {
                     // VOLUME_CONDITION: each entry says its condition.
                     status: Some(ListVolumeStatus {
                         published_node_ids: Vec::new(),
-                        volume_condition: Some(condition(v)),
+                        volume_condition: Some(health::of_volume(
+                            v,
+                            restarts.get(&v.id.to_string()).map_or(&[], Vec::as_slice),
+                        )),
                     }),
                 })
                 .collect(),
@@ -870,12 +881,21 @@ impl Controller for ControllerService {
         };
         let id = self.own_id(&req.volume_id, false)?.ok_or_else(not_found)?;
         let v = self.d.api.volume(&id.name).await?.ok_or_else(not_found)?;
+        let events = self
+            .d
+            .api
+            .recent_events(Some(&id.name), health::RESTART_WINDOW)
+            .await?;
+        let restarts = health::restarts(&events);
+        let mine = restarts
+            .get(&v.id.to_string())
+            .map_or(&[][..], Vec::as_slice);
         Ok(Response::new(ControllerGetVolumeResponse {
             volume: Some(self.csi_volume(&v)),
             status: Some(VolumeStatus {
                 // No ControllerPublish: nothing is published by this service.
                 published_node_ids: Vec::new(),
-                volume_condition: Some(condition(&v)),
+                volume_condition: Some(health::of_volume(&v, mine)),
             }),
         }))
     }
@@ -938,26 +958,6 @@ impl Controller for ControllerService {
             })
             .await?;
         Ok(Response::new(ControllerModifyVolumeResponse {}))
-    }
-}
-
-/// A volume's health for the CO: abnormal while `degraded` or `error`, or
-/// while its worker is being replaced over and over, with the reason.
-fn condition(v: &model::Volume) -> VolumeCondition {
-    match v.state {
-        model::VolumeState::Degraded | model::VolumeState::Error => VolumeCondition {
-            abnormal: true,
-            message: format!(
-                "blockplane volume '{}' is {}: {}",
-                v.name,
-                v.state.as_str(),
-                v.state_reason.as_deref().unwrap_or("no reason recorded")
-            ),
-        },
-        _ => VolumeCondition {
-            abnormal: false,
-            message: format!("blockplane volume '{}' is {}", v.name, v.state.as_str()),
-        },
     }
 }
 

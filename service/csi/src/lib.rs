@@ -14,7 +14,7 @@
 //! [`mount`] holds the mount and filesystem helpers; `api` is the typed
 //! client with the volume named in its errors; `capability` reads volume
 //! capabilities; `snapshots` makes snapshots and clones; `inflight` allows
-//! one call per volume at a time.
+//! one call per volume at a time; `health` says a volume's condition.
 
 mod api;
 mod authority;
@@ -22,6 +22,7 @@ mod capability;
 mod capacity;
 mod controller;
 mod errors;
+mod health;
 mod identity;
 mod inflight;
 mod listing;

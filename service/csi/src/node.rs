@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 use super::Driver;
 use super::capability::{self, Access, Capability};
 use super::errors::{CsiError, require};
+use super::health;
 use super::mount::{self, Contents, MountOptions};
 use super::naming::VolumeId;
 use super::proto::node_server::Node;
@@ -30,9 +31,9 @@ use super::proto::{
     NodeGetVolumeStatsRequest, NodeGetVolumeStatsResponse, NodePublishVolumeRequest,
     NodePublishVolumeResponse, NodeServiceCapability, NodeStageVolumeRequest,
     NodeStageVolumeResponse, NodeUnpublishVolumeRequest, NodeUnpublishVolumeResponse,
-    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, VolumeCondition, VolumeUsage,
+    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, VolumeUsage,
 };
-use blockplane_api::model::{self, VolumeState};
+use blockplane_api::model;
 use blockplane_system::mountinfo;
 
 /// The Node service.
@@ -417,16 +418,6 @@ fn volume_at(volume: &str, path: &Path, rdev: u64) -> Result<AtPath, CsiError> {
     }
 }
 
-fn condition(v: &model::Volume) -> VolumeCondition {
-    let abnormal =
-        v.device.is_none() || !matches!(v.state, VolumeState::Attached | VolumeState::Degraded);
-    let message = match &v.state_reason {
-        Some(r) => format!("{}: {r}", v.state.as_str()),
-        None => v.state.as_str().to_string(),
-    };
-    VolumeCondition { abnormal, message }
-}
-
 fn rpc_cap(t: rpc::Type) -> NodeServiceCapability {
     NodeServiceCapability {
         r#type: Some(node_service_capability::Type::Rpc(
@@ -587,7 +578,7 @@ impl Node for NodeService {
                 volume: id.to_string(),
                 reason: "no such volume".into(),
             })?;
-        let cond = condition(&v);
+        let cond = health::of_device(&v);
         let Some(dev) = v.device.clone() else {
             return Ok(Response::new(NodeGetVolumeStatsResponse {
                 usage: vec![],
