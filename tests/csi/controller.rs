@@ -436,6 +436,40 @@ async fn validate_confirms_what_the_driver_serves() {
         "{}",
         no.message
     );
+    // A VolumeAttributesClass's keys are confirmed; an unknown one named.
+    let with_mutable = |pairs: &[(&str, &str)]| ValidateVolumeCapabilitiesRequest {
+        volume_id: v.volume_id.clone(),
+        volume_capabilities: vec![block()],
+        mutable_parameters: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let ok = csi
+        .controller
+        .clone()
+        .validate_volume_capabilities(with_mutable(&[("qos.iops", "500")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        ok.confirmed.unwrap().mutable_parameters,
+        HashMap::from([("qos.iops".to_string(), "500".to_string())])
+    );
+    let no = csi
+        .controller
+        .clone()
+        .validate_volume_capabilities(with_mutable(&[("qos.iopz", "500")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(no.confirmed.is_none());
+    assert!(
+        no.message.contains("unknown mutable parameter 'qos.iopz'"),
+        "{}",
+        no.message
+    );
     assert_code(validate(&v.volume_id, vec![]).await, Code::InvalidArgument);
     assert_code(validate("", vec![block()]).await, Code::InvalidArgument);
     assert_code(

@@ -589,8 +589,10 @@ impl Controller for ControllerService {
         if let Err(e) = parse_params(&id.name, &req.parameters) {
             refusals.push(e.to_string());
         }
-        if !req.mutable_parameters.is_empty() {
-            refusals.push("mutable_parameters are not supported".into());
+        // The keys a VolumeAttributesClass may carry, read as
+        // ControllerModifyVolume reads them.
+        if let Err(e) = parse_mutable(&id.name, &req.mutable_parameters) {
+            refusals.push(e.to_string());
         }
         let resp = if refusals.is_empty() {
             ValidateVolumeCapabilitiesResponse {
@@ -598,7 +600,7 @@ impl Controller for ControllerService {
                     volume_context: req.volume_context,
                     volume_capabilities: req.volume_capabilities,
                     parameters: req.parameters,
-                    mutable_parameters: Default::default(),
+                    mutable_parameters: req.mutable_parameters,
                 }),
                 message: String::new(),
             }
