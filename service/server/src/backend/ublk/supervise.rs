@@ -408,7 +408,7 @@ impl UblkBackend {
                 handing_over: Arc::default(),
             },
         );
-        self.supervise(req.volume_id);
+        self.supervise();
         Ok(att)
     }
 
@@ -509,7 +509,7 @@ impl UblkBackend {
                 handing_over: Arc::default(),
             },
         );
-        self.supervise(volume_id);
+        self.supervise();
         Ok(Probe::Alive(Box::new(att)))
     }
 }

@@ -132,9 +132,11 @@ impl UblkBackend {
         self.supervisor.poke();
     }
 
-    /// Watches the worker of `volume_id` (just recorded in the workers map):
-    /// when it dies unasked, a new worker recovers its device.
-    pub(super) fn supervise(&self, _volume_id: Uuid) {
+    /// Watches a worker just recorded in the workers map: starts the one
+    /// supervisor thread of every worker on first use, then makes it look
+    /// at the map again. A worker that dies unasked is replaced by a new
+    /// one that recovers its device.
+    pub(super) fn supervise(&self) {
         self.supervisor.started.call_once(|| {
             let backend = self.handle();
             let _ = std::thread::Builder::new()
