@@ -111,6 +111,15 @@ async fn data_written_through_the_device_lands_in_the_image() {
             "volume_deleted"
         ]
     );
+    let attached = s
+        .get(&format!(
+            "/v1/events?volume={}&kind=volume_attached",
+            v["id"].as_str().unwrap()
+        ))
+        .await;
+    let attached = attached.body.as_array().unwrap();
+    assert_eq!(attached.len(), 1, "one event of that kind: {attached:?}");
+    assert_eq!(attached[0]["kind"], "volume_attached");
 }
 
 /// A heap buffer aligned for O_DIRECT.

@@ -288,6 +288,7 @@ fn event_from_row(r: &SqliteRow) -> Result<Event> {
 pub struct EventFilter {
     pub volume_id: Option<Uuid>,
     pub since: Option<OffsetDateTime>,
+    pub kind: Option<String>,
     pub limit: u32,
 }
 
@@ -594,11 +595,13 @@ impl Store {
         let rows = sqlx::query(
             "SELECT * FROM (SELECT * FROM events
                WHERE (?1 IS NULL OR volume_id = ?1) AND (?2 IS NULL OR at > ?2)
-               ORDER BY id DESC LIMIT ?3)
+                 AND (?3 IS NULL OR kind = ?3)
+               ORDER BY id DESC LIMIT ?4)
              ORDER BY id",
         )
         .bind(f.volume_id.map(|v| v.to_string()))
         .bind(f.since.map(ts))
+        .bind(f.kind.as_deref())
         .bind(f.limit as i64)
         .fetch_all(&self.readers)
         .await?;

@@ -37,11 +37,12 @@ mod tests {
         let q = EventQuery {
             volume: Some("v 1".into()),
             since: None,
+            kind: Some("worker_restarted".into()),
             limit: Some(3),
         };
         assert_eq!(
             with_query("/v1/events".into(), &q),
-            "/v1/events?volume=v+1&limit=3"
+            "/v1/events?volume=v+1&kind=worker_restarted&limit=3"
         );
         assert_eq!(
             with_query("/v1/events".into(), &EventQuery::default()),

@@ -35,6 +35,8 @@ pub struct EventQuery {
     /// Only events after this time (RFC 3339).
     #[cfg_attr(feature = "openapi", param(format = DateTime))]
     pub since: Option<String>,
+    /// Only events of this kind (e.g. `worker_restarted`).
+    pub kind: Option<String>,
     /// At most this many, the newest (default 100, at most 1000), oldest first.
     #[cfg_attr(feature = "openapi", param(minimum = 1, maximum = 1000))]
     pub limit: Option<u32>,

@@ -47,6 +47,7 @@ pub async fn run(cli: Cli) -> ExitCode {
             let query = EventQuery {
                 volume: volume.clone(),
                 since: since.clone(),
+                kind: None,
                 limit: *limit,
             };
             if *follow {

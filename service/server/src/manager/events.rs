@@ -109,6 +109,7 @@ impl Manager {
             .events(&EventFilter {
                 volume_id,
                 since,
+                kind: q.kind,
                 limit,
             })
             .await?)

@@ -137,6 +137,7 @@ impl Bed {
             .events(&EventFilter {
                 volume_id: Some(volume),
                 since: None,
+                kind: None,
                 limit: 1000,
             })
             .await
