@@ -109,11 +109,12 @@ impl Api {
         self.client.resize_image(name, req).await.named(name)
     }
 
-    /// The events of the last `window` (at most the newest 1000), of the
-    /// volume of that name or of every volume.
+    /// The events of `kind` in the last `window` (at most the newest 1000),
+    /// of the volume of that name or of every volume.
     pub async fn recent_events(
         &self,
         volume: Option<&str>,
+        kind: &str,
         window: std::time::Duration,
     ) -> Result<Vec<Event>, CsiError> {
         let since = (OffsetDateTime::now_utc() - window)
@@ -122,6 +123,7 @@ impl Api {
         let query = EventQuery {
             volume: volume.map(str::to_string),
             since: Some(since),
+            kind: Some(kind.to_string()),
             limit: Some(1000),
         };
         self.client

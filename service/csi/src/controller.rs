@@ -626,11 +626,11 @@ impl Controller for ControllerService {
             .into_iter()
             .filter(|v| naming::is_driver_name(&v.name))
             .collect();
-        // One read of the recent events for every entry's restart count.
+        // One read of the recent replacements for every entry's count.
         let events = self
             .d
             .api
-            .recent_events(None, health::RESTART_WINDOW)
+            .recent_events(None, health::RESTARTED, health::RESTART_WINDOW)
             .await?;
         let restarts = health::restarts(&events);
         let (volumes, next_token) = page(
@@ -650,7 +650,7 @@ impl Controller for ControllerService {
                         published_node_ids: Vec::new(),
                         volume_condition: Some(health::of_volume(
                             v,
-                            restarts.get(&v.id.to_string()).map_or(&[], Vec::as_slice),
+                            restarts.get(&v.id).map_or(&[], Vec::as_slice),
                         )),
                     }),
                 })
@@ -886,12 +886,10 @@ impl Controller for ControllerService {
         let events = self
             .d
             .api
-            .recent_events(Some(&id.name), health::RESTART_WINDOW)
+            .recent_events(Some(&id.name), health::RESTARTED, health::RESTART_WINDOW)
             .await?;
         let restarts = health::restarts(&events);
-        let mine = restarts
-            .get(&v.id.to_string())
-            .map_or(&[][..], Vec::as_slice);
+        let mine = restarts.get(&v.id).map_or(&[][..], Vec::as_slice);
         Ok(Response::new(ControllerGetVolumeResponse {
             volume: Some(self.csi_volume(&v)),
             status: Some(VolumeStatus {

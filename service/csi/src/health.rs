@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use super::proto::VolumeCondition;
 use blockplane_api::model::{self, Event, VolumeState};
+use uuid::Uuid;
 
 /// How far back worker replacements count toward a restart loop.
 pub const RESTART_WINDOW: Duration = Duration::from_secs(600);
@@ -18,15 +19,15 @@ pub const RESTART_WINDOW: Duration = Duration::from_secs(600);
 pub const RESTART_LOOP: usize = 3;
 
 /// The event kind of a worker replaced after it died.
-const RESTARTED: &str = "worker_restarted";
+pub const RESTARTED: &str = "worker_restarted";
 
 /// The worker replacements among `events` (those of [`RESTART_WINDOW`]),
 /// by volume id.
-pub fn restarts(events: &[Event]) -> HashMap<String, Vec<&Event>> {
-    let mut by: HashMap<String, Vec<&Event>> = HashMap::new();
+pub fn restarts(events: &[Event]) -> HashMap<Uuid, Vec<&Event>> {
+    let mut by: HashMap<Uuid, Vec<&Event>> = HashMap::new();
     for e in events.iter().filter(|e| e.kind == RESTARTED) {
         if let Some(id) = e.volume_id {
-            by.entry(id.to_string()).or_default().push(e);
+            by.entry(id).or_default().push(e);
         }
     }
     by
