@@ -406,11 +406,15 @@ async fn delete_is_idempotent_and_refuses_volumes_in_use() {
 async fn validate_confirms_what_the_driver_serves() {
     let csi = Csi::start().await;
     let v = csi.create("val", MIB, block()).await;
-    let validate = |id: &str, caps| {
+    let validate = |id: &str, caps, mutable: &[(&str, &str)]| {
         let mut c = csi.controller.clone();
         let req = ValidateVolumeCapabilitiesRequest {
             volume_id: id.into(),
             volume_capabilities: caps,
+            mutable_parameters: mutable
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             ..Default::default()
         };
         async move {
@@ -419,7 +423,7 @@ async fn validate_confirms_what_the_driver_serves() {
                 .map(|r| r.into_inner())
         }
     };
-    let ok = validate(&v.volume_id, vec![block(), mount("xfs", &["noatime"])])
+    let ok = validate(&v.volume_id, vec![block(), mount("xfs", &["noatime"])], &[])
         .await
         .unwrap();
     let confirmed = ok.confirmed.unwrap();
@@ -427,6 +431,7 @@ async fn validate_confirms_what_the_driver_serves() {
     let no = validate(
         &v.volume_id,
         vec![block(), with_mode(block(), Mode::MultiNodeReaderOnly)],
+        &[],
     )
     .await
     .unwrap();
@@ -437,46 +442,35 @@ async fn validate_confirms_what_the_driver_serves() {
         no.message
     );
     // A VolumeAttributesClass's keys are confirmed; an unknown one named.
-    let with_mutable = |pairs: &[(&str, &str)]| ValidateVolumeCapabilitiesRequest {
-        volume_id: v.volume_id.clone(),
-        volume_capabilities: vec![block()],
-        mutable_parameters: pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        ..Default::default()
-    };
-    let ok = csi
-        .controller
-        .clone()
-        .validate_volume_capabilities(with_mutable(&[("qos.iops", "500")]))
+    let ok = validate(&v.volume_id, vec![block()], &[("qos.iops", "500")])
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(
         ok.confirmed.unwrap().mutable_parameters,
         HashMap::from([("qos.iops".to_string(), "500".to_string())])
     );
-    let no = csi
-        .controller
-        .clone()
-        .validate_volume_capabilities(with_mutable(&[("qos.iopz", "500")]))
+    let no = validate(&v.volume_id, vec![block()], &[("qos.iopz", "500")])
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(no.confirmed.is_none());
     assert!(
         no.message.contains("unknown mutable parameter 'qos.iopz'"),
         "{}",
         no.message
     );
-    assert_code(validate(&v.volume_id, vec![]).await, Code::InvalidArgument);
-    assert_code(validate("", vec![block()]).await, Code::InvalidArgument);
     assert_code(
-        validate(&format!("{NODE}/csi-nope"), vec![block()]).await,
+        validate(&v.volume_id, vec![], &[]).await,
+        Code::InvalidArgument,
+    );
+    assert_code(
+        validate("", vec![block()], &[]).await,
+        Code::InvalidArgument,
+    );
+    assert_code(
+        validate(&format!("{NODE}/csi-nope"), vec![block()], &[]).await,
         Code::NotFound,
     );
-    assert_code(validate("nope", vec![block()]).await, Code::NotFound);
+    assert_code(validate("nope", vec![block()], &[]).await, Code::NotFound);
 }
 
 #[tokio::test]

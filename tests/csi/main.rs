@@ -30,9 +30,9 @@ use blockplane_csi::proto::node_client::NodeClient;
 use blockplane_csi::proto::volume_capability::access_mode::Mode;
 use blockplane_csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use blockplane_csi::proto::{
-    CapacityRange, CreateVolumeRequest, DeleteVolumeRequest, NodePublishVolumeRequest,
-    NodeStageVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, Volume,
-    VolumeCapability,
+    CapacityRange, CreateVolumeRequest, DeleteVolumeRequest, ListVolumesRequest,
+    ListVolumesResponse, NodePublishVolumeRequest, NodeStageVolumeRequest,
+    NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, Volume, VolumeCapability,
 };
 use harness::{Opts, Service};
 use tonic::Code;
@@ -178,6 +178,16 @@ impl Csi {
             })
             .await
             .map(drop)
+    }
+
+    /// ListVolumes, one page of every entry.
+    pub async fn list_volumes(&self) -> ListVolumesResponse {
+        self.controller
+            .clone()
+            .list_volumes(ListVolumesRequest::default())
+            .await
+            .expect("ListVolumes")
+            .into_inner()
     }
 
     /// NodeStageVolume.

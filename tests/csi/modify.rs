@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use blockplane_csi::proto::{
     ControllerGetVolumeRequest, ControllerGetVolumeResponse, ControllerModifyVolumeRequest,
-    ListVolumesRequest,
 };
 use serde_json::{Value, json};
 use tonic::Code;
@@ -308,13 +307,7 @@ async fn an_unhealthy_volume_is_abnormal_with_the_reason() {
     let g = get(&csi, &v.volume_id).await.unwrap();
     let c = g.status.unwrap().volume_condition.unwrap();
     assert!(c.abnormal && c.message.contains(why), "{c:?}");
-    let listed = csi
-        .controller
-        .clone()
-        .list_volumes(ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = csi.list_volumes().await;
     let entry = listed
         .entries
         .iter()

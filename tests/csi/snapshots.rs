@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use blockplane_csi::proto::volume_content_source::{SnapshotSource, Type, VolumeSource};
 use blockplane_csi::proto::{
     CapacityRange, CreateSnapshotRequest, DeleteSnapshotRequest, ListSnapshotsRequest,
-    ListSnapshotsResponse, ListVolumesRequest, Snapshot, Volume, VolumeContentSource,
+    ListSnapshotsResponse, Snapshot, Volume, VolumeContentSource,
 };
 use tonic::Code;
 
@@ -254,13 +254,7 @@ async fn snapshots_are_idempotent_by_name_listed_and_deleted() {
         .await;
     assert_code(bad, Code::Aborted);
     // Snapshots are not volumes.
-    let volumes = csi
-        .controller
-        .clone()
-        .list_volumes(ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let volumes = csi.list_volumes().await;
     assert_eq!(volumes.entries.len(), 2);
 
     // Delete: idempotent, and a volume's id deletes no volume.
