@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use crate::drift::move_first_blocks;
 use crate::harness::assert_error;
 use crate::{
     Scratch, Vm, direct_write, direct_write_ok, eventually, fio_ok, fio_verify, is_immutable, run,
@@ -508,54 +509,9 @@ async fn extent_drift_is_caught_and_the_volume_keeps_serving_on_nowait() {
             "status=none",
         ],
     );
-    // Someone unpins the image and moves its first blocks: punch them, let
-    // other files take the freed space, write the data back elsewhere (the
-    // allocator may hand the same blocks back: try until they moved).
+    // Someone unpins the image and moves its first blocks.
     let img = vm.root(Scratch::Xfs).join("drift.img");
-    let p = img.to_str().unwrap();
-    let first_block = || {
-        sh(
-            "sh",
-            &[
-                "-c",
-                &format!("filefrag -v {p} | awk '$1 == \"0:\" {{print $4}}'"),
-            ],
-        )
-    };
-    let before = first_block();
-    sh("chattr", &["-i", p]);
-    sh(
-        "dd",
-        &[
-            &format!("if={p}"),
-            "of=/tmp/drift.head",
-            "bs=1M",
-            "count=4",
-            "status=none",
-        ],
-    );
-    for attempt in 0..4 {
-        let filler = vm.root(Scratch::Xfs).join(format!("filler{attempt}"));
-        sh(
-            "fallocate",
-            &["--punch-hole", "--offset", "0", "--length", "4194304", p],
-        );
-        sh("fallocate", &["-l", "4194304", filler.to_str().unwrap()]);
-        sh(
-            "dd",
-            &[
-                "if=/tmp/drift.head",
-                &format!("of={p}"),
-                "bs=1M",
-                "conv=notrunc,fsync",
-                "status=none",
-            ],
-        );
-        if first_block() != before {
-            break;
-        }
-    }
-    assert_ne!(first_block(), before, "could not move the image's blocks");
+    move_first_blocks(&img, 4 << 20, &vm.root(Scratch::Xfs));
     eventually(
         Duration::from_secs(30),
         "the volume to go degraded",

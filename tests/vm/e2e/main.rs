@@ -17,6 +17,7 @@ mod leaks;
 
 mod controlplane;
 mod dm;
+mod drift;
 mod faults;
 mod keepalloc;
 mod live;
