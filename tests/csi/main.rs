@@ -13,6 +13,8 @@
 mod harness;
 
 mod controller;
+#[path = "../vm/e2e/drift.rs"]
+mod drift;
 mod expand;
 mod identity;
 mod modify;
@@ -56,6 +58,8 @@ pub struct Csi {
     pub dir: PathBuf,
     pub sock: PathBuf,
     driver: Option<Child>,
+    /// The driver's extra arguments, for a restart.
+    extra: Vec<String>,
     log: PathBuf,
     /// Declared last: dropped after the driver and the mounts are gone.
     pub svc: Service,
@@ -74,25 +78,8 @@ impl Csi {
         std::fs::create_dir_all(&dir).unwrap();
         let sock = dir.join("csi.sock");
         let log = svc.dir.path().join("driver.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(harness::BIN);
-        cmd.arg("--api")
-            .arg(format!("unix:{}", svc.sock.display()))
-            .arg("csi")
-            .arg("--endpoint")
-            .arg(format!("unix://{}", sock.display()))
-            .arg("--node-id")
-            .arg(NODE)
-            .args(extra)
-            .env_remove("BLOCKPLANE_TOKEN")
-            .env("BLOCKPLANE_LOG", "info,blockplane=debug")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out);
-        if let Some(t) = &svc.opts.token {
-            cmd.env("BLOCKPLANE_TOKEN", t);
-        }
-        let mut driver = cmd.spawn().expect("start blockplane csi");
+        let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
+        let mut driver = spawn_driver(&svc, &sock, &log, &extra);
         let channel = connect(&sock, &mut driver, &log).await;
         Self {
             identity: IdentityClient::new(channel.clone()),
@@ -101,9 +88,28 @@ impl Csi {
             dir,
             sock,
             driver: Some(driver),
+            extra,
             log,
             svc,
         }
+    }
+
+    /// Kills the driver (SIGKILL: it keeps no state to save) and starts a
+    /// new one with the same arguments, as a DaemonSet's restarted pod
+    /// would; the clients then talk to the new one.
+    pub async fn restart_driver(&mut self) {
+        if let Some(mut d) = self.driver.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        // The old socket file would look like a listening driver.
+        let _ = std::fs::remove_file(&self.sock);
+        let mut driver = spawn_driver(&self.svc, &self.sock, &self.log, &self.extra);
+        let channel = connect(&self.sock, &mut driver, &self.log).await;
+        self.identity = IdentityClient::new(channel.clone());
+        self.controller = ControllerClient::new(channel.clone());
+        self.node = NodeClient::new(channel);
+        self.driver = Some(driver);
     }
 
     /// The driver's log so far.
@@ -329,6 +335,34 @@ pub fn unmount_under(dir: &Path) {
             let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
         }
     }
+}
+
+/// Starts `blockplane csi` for node [`NODE`] against `svc`, listening on
+/// `sock`, its output appended to `log`.
+fn spawn_driver(svc: &Service, sock: &Path, log: &Path, extra: &[String]) -> Child {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    let mut cmd = Command::new(harness::BIN);
+    cmd.arg("--api")
+        .arg(format!("unix:{}", svc.sock.display()))
+        .arg("csi")
+        .arg("--endpoint")
+        .arg(format!("unix://{}", sock.display()))
+        .arg("--node-id")
+        .arg(NODE)
+        .args(extra)
+        .env_remove("BLOCKPLANE_TOKEN")
+        .env("BLOCKPLANE_LOG", "info,blockplane=debug")
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out);
+    if let Some(t) = &svc.opts.token {
+        cmd.env("BLOCKPLANE_TOKEN", t);
+    }
+    cmd.spawn().expect("start blockplane csi")
 }
 
 async fn connect(sock: &Path, driver: &mut Child, log: &Path) -> Channel {

@@ -4,6 +4,7 @@
 //! to a worker for a QoS limit and back.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,8 @@ use blockplane_csi::proto::{
 use serde_json::{Value, json};
 use tonic::Code;
 
-use crate::harness::eventually;
+use crate::drift::move_first_blocks;
+use crate::harness::{Opts, eventually};
 use crate::{Csi, MIB, assert_code, block, create_req, in_vm};
 
 async fn modify(csi: &Csi, id: &str, params: &[(&str, &str)]) -> Result<(), tonic::Status> {
@@ -154,24 +156,55 @@ async fn bad_mutable_parameters_are_refused_by_name_and_change_nothing() {
     assert!(c.message.contains("is attached"), "{c:?}");
 }
 
-/// Measures `id`'s reads without a limit, gives it a 100 IOPS limit twice
-/// (the repeat changes nothing), checks it then serves under `dispatch` on
-/// the same device, and that fio's reads keep under the limit. Returns the
-/// IOPS without and with the limit.
-async fn takes_a_limit_live(csi: &Csi, id: &str, dispatch: &str) -> (f64, f64) {
+/// The volume's live-change events (`qos_changed`, `dispatch_changed`) as
+/// the API lists them: what a repeated modify must not add to. (Other
+/// events, such as the sampler's page-cache warnings, may come at any time.)
+async fn change_events(csi: &Csi, bp: &Value) -> Vec<Value> {
+    let a = csi
+        .svc
+        .get(&format!(
+            "/v1/events?volume={}&limit=1000",
+            bp["id"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    a.body
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e["kind"].as_str(), Some("qos_changed" | "dispatch_changed")))
+        .cloned()
+        .collect()
+}
+
+/// Measures `id`'s reads without a limit, gives it a 100 IOPS limit, kills
+/// and restarts the driver and gives the same limit again (as a
+/// resizer that lost its answer repeats it: nothing changes, no event),
+/// checks it then serves under `dispatch` on the same device, and that fio's
+/// reads keep under the limit. Returns the IOPS without and with the limit.
+async fn takes_a_limit_live(csi: &mut Csi, id: &str, dispatch: &str) -> (f64, f64) {
     let dev = csi.device(id).await;
     let (n, wall) = reads(&dev, 2);
     let free = n / wall;
-    for _ in 0..2 {
-        modify(csi, id, &[("qos.iops", "100")]).await.unwrap();
-        let bp = csi.bp_volume(id).await;
-        assert_eq!(
-            (&bp["dispatch"], &bp["qos"]["iops"]),
-            (&json!(dispatch), &json!(100)),
-            "{bp}"
-        );
-        assert_eq!(bp["device"], dev.as_str(), "the device stays");
-    }
+    modify(csi, id, &[("qos.iops", "100")]).await.unwrap();
+    let first = csi.bp_volume(id).await;
+    let events = change_events(csi, &first).await;
+    csi.restart_driver().await;
+    modify(csi, id, &[("qos.iops", "100")]).await.unwrap();
+    let bp = csi.bp_volume(id).await;
+    assert_eq!(
+        (&bp["dispatch"], &bp["qos"]["iops"]),
+        (&json!(dispatch), &json!(100)),
+        "{bp}"
+    );
+    assert_eq!(bp["device"], dev.as_str(), "the device stays");
+    assert_eq!(live(&bp), live(&first), "the repeat changed the volume");
+    assert!(!events.is_empty(), "the first call made no event: {first}");
+    assert_eq!(
+        change_events(csi, &bp).await,
+        events,
+        "the repeat after a driver restart made events"
+    );
     // The bucket starts full (a burst of 100), then refills at 100/s: in
     // `wall` seconds at most 100 + 100 × wall reads, however slow the host.
     let (n, wall) = reads(&dev, 3);
@@ -194,7 +227,7 @@ async fn takes_a_limit_live(csi: &Csi, id: &str, dispatch: &str) -> (f64, f64) {
 /// limit, then 3 s under a 100 IOPS limit.)
 #[tokio::test]
 async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
-    let csi = Csi::start().await;
+    let mut csi = Csi::start().await;
     if !in_vm() {
         // Loop volumes take no limit: the refusal is the test above's.
         let s = assert_code(
@@ -213,7 +246,7 @@ async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
     }
     let v = csi.create("q", 64 * MIB, block()).await;
     assert_eq!(csi.bp_volume(&v.volume_id).await["dispatch"], "kernel");
-    takes_a_limit_live(&csi, &v.volume_id, "nowait").await;
+    takes_a_limit_live(&mut csi, &v.volume_id, "nowait").await;
     modify(&csi, &v.volume_id, &[("qos.iops", "0")])
         .await
         .unwrap();
@@ -234,7 +267,7 @@ async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
         (&json!("ublk"), &json!("nowait")),
         "{bp}"
     );
-    takes_a_limit_live(&csi, &u.volume_id, "nowait").await;
+    takes_a_limit_live(&mut csi, &u.volume_id, "nowait").await;
     modify(&csi, &u.volume_id, &[("qos.iops", "0")])
         .await
         .unwrap();
@@ -259,35 +292,63 @@ async fn a_live_volume_takes_a_limit_from_its_class_and_gives_it_back() {
     assert_eq!(bp["dispatch"], "nowait", "{bp}");
 }
 
+/// Asserts that ControllerGetVolume and ListVolumes both give `id` an
+/// abnormal condition whose message contains `why`.
+async fn assert_abnormal(csi: &Csi, id: &str, why: &str) {
+    let g = get(csi, id).await.unwrap();
+    let c = g.status.unwrap().volume_condition.unwrap();
+    assert!(c.abnormal && c.message.contains(why), "{c:?}");
+    let listed = csi.list_volumes().await;
+    let entry = listed
+        .entries
+        .iter()
+        .find(|e| e.volume.as_ref().unwrap().volume_id == id)
+        .unwrap();
+    let c = entry
+        .status
+        .as_ref()
+        .unwrap()
+        .volume_condition
+        .as_ref()
+        .unwrap();
+    assert!(c.abnormal && c.message.contains(why), "{c:?}");
+}
+
+/// An image root of the test's own on the VM's scratch xfs (a real disk
+/// filesystem, which a direct map needs; the guest's tmpfs is not one),
+/// removed with what the test left in it.
+struct XfsRoot(PathBuf);
+
+impl XfsRoot {
+    fn new() -> Self {
+        let base = std::env::var("SCRATCH_XFS").expect("SCRATCH_XFS: is guest-setup.sh sourced?");
+        let p = PathBuf::from(base).join(format!("csi-{}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for XfsRoot {
+    fn drop(&mut self) {
+        // A pin left by a failed test would keep its file.
+        let _ = Command::new("chattr")
+            .args(["-R", "-i"])
+            .arg(&self.0)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// The condition ControllerGetVolume and ListVolumes give an unhealthy
-/// volume: on the host, a volume in `error` (its device and image gone while
-/// the service was down); in the VM, a ublk volume whose worker was killed
-/// three times (a restart loop). Each is abnormal with the reason.
+/// volume, abnormal with the reason: on the host, a volume in `error` (its
+/// device and image gone while the service was down); in the VM, a ublk
+/// volume whose worker was killed three times (a restart loop), and a dm
+/// `direct` volume whose image's blocks were moved under it (`degraded`,
+/// served on `nowait`, by the drift check of direct-map rule 5).
 #[tokio::test]
 async fn an_unhealthy_volume_is_abnormal_with_the_reason() {
-    let mut csi = Csi::start().await;
-    let (v, why) = if in_vm() {
-        let v = csi
-            .create_with("r", 16 * MIB, block(), &[("backend", "ublk")])
-            .await
-            .unwrap();
-        for _ in 0..3 {
-            let pid = csi.bp_volume(&v.volume_id).await["worker_pid"]
-                .as_u64()
-                .unwrap();
-            rustix::process::kill_process(
-                rustix::process::Pid::from_raw(pid as i32).unwrap(),
-                rustix::process::Signal::KILL,
-            )
-            .unwrap();
-            eventually(Duration::from_secs(60), "a new worker", async || {
-                let now = csi.bp_volume(&v.volume_id).await;
-                now["state"] == "attached" && now["worker_pid"].as_u64().is_some_and(|p| p != pid)
-            })
-            .await;
-        }
-        (v, "its worker was replaced 3 times in the last 10 minutes")
-    } else {
+    if !in_vm() {
+        let mut csi = Csi::start().await;
         let v = csi.create("e", 8 * MIB, block()).await;
         let bp = csi.bp_volume(&v.volume_id).await;
         let image = csi
@@ -302,23 +363,70 @@ async fn an_unhealthy_volume_is_abnormal_with_the_reason() {
         assert!(detached.success());
         std::fs::remove_file(image.body["path"].as_str().unwrap()).unwrap();
         csi.svc.restart().await;
-        (v, "is error: ")
+        assert_abnormal(&csi, &v.volume_id, "is error: ").await;
+        return;
+    }
+    // Declared first: removed after the service and its volumes are gone.
+    let root = XfsRoot::new();
+    let opts = Opts {
+        extra_roots: vec![root.0.clone()],
+        extra_args: vec!["--extent-check-secs".into(), "2".into()],
+        ..Default::default()
     };
-    let g = get(&csi, &v.volume_id).await.unwrap();
-    let c = g.status.unwrap().volume_condition.unwrap();
-    assert!(c.abnormal && c.message.contains(why), "{c:?}");
-    let listed = csi.list_volumes().await;
-    let entry = listed
-        .entries
-        .iter()
-        .find(|e| e.volume.as_ref().unwrap().volume_id == v.volume_id)
+    let csi = Csi::start_with(opts, &["--image-root", root.0.to_str().unwrap()]).await;
+
+    let v = csi
+        .create_with("r", 16 * MIB, block(), &[("backend", "ublk")])
+        .await
         .unwrap();
-    let c = entry
-        .status
-        .as_ref()
-        .unwrap()
-        .volume_condition
-        .as_ref()
+    for _ in 0..3 {
+        let pid = csi.bp_volume(&v.volume_id).await["worker_pid"]
+            .as_u64()
+            .unwrap();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid as i32).unwrap(),
+            rustix::process::Signal::KILL,
+        )
         .unwrap();
-    assert!(c.abnormal && c.message.contains(why), "{c:?}");
+        eventually(Duration::from_secs(60), "a new worker", async || {
+            let now = csi.bp_volume(&v.volume_id).await;
+            now["state"] == "attached" && now["worker_pid"].as_u64().is_some_and(|p| p != pid)
+        })
+        .await;
+    }
+    assert_abnormal(
+        &csi,
+        &v.volume_id,
+        "its worker was replaced 3 times in the last 10 minutes",
+    )
+    .await;
+
+    let d = csi
+        .create_with(
+            "d",
+            16 * MIB,
+            block(),
+            &[
+                ("backend", "dm"),
+                ("dispatch", "direct"),
+                ("allocation", "full"),
+            ],
+        )
+        .await
+        .unwrap();
+    let bp = csi.bp_volume(&d.volume_id).await;
+    assert_eq!(bp["dispatch"], "direct", "{bp}");
+    let image = csi
+        .svc
+        .get(&format!("/v1/images/{}", bp["image_id"].as_str().unwrap()))
+        .await;
+    let path = PathBuf::from(image.body["path"].as_str().unwrap());
+    move_first_blocks(&path, 4 << 20, &root.0);
+    eventually(
+        Duration::from_secs(60),
+        "the volume to go degraded",
+        async || csi.bp_volume(&d.volume_id).await["state"] == "degraded",
+    )
+    .await;
+    assert_abnormal(&csi, &d.volume_id, "is degraded: direct-map rule 5").await;
 }
