@@ -152,6 +152,9 @@ pub struct Opts {
     /// The executable to run the service from (default: [`BIN`]), e.g. a
     /// copy that a test replaces as a package upgrade does.
     pub bin: Option<PathBuf>,
+    /// The soft limit on open files the service starts with (the hard one
+    /// stays the test's), as a shell or a service manager may give it.
+    pub open_files: Option<u64>,
 }
 
 /// A running `blockplane serve` on its own temp dirs.
@@ -228,6 +231,20 @@ impl Service {
         }
         for (k, v) in &self.opts.env {
             c.env(k, v);
+        }
+        if let Some(soft) = self.opts.open_files {
+            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+            use std::os::unix::process::CommandExt;
+            let hard = getrlimit(Resource::Nofile).maximum;
+            let limit = Rlimit {
+                current: Some(soft),
+                maximum: hard,
+            };
+            // SAFETY: only setrlimit, which allocates nothing, between fork
+            // and exec.
+            unsafe {
+                c.pre_exec(move || setrlimit(Resource::Nofile, limit).map_err(Into::into));
+            }
         }
         c
     }

@@ -203,6 +203,26 @@ async fn the_volume_cap_refuses_one_more_and_changes_nothing() {
     assert_eq!(s.snapshot().await, before);
 }
 
+/// A service started with a soft limit of 256 open files (a shell's or a
+/// service manager's default is 1,024) raises it to the hard limit, so that
+/// `--max-volumes` (1,024) volumes, a descriptor or two each, fit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_low_open_files_limit_is_raised_to_the_hard_one() {
+    let s = Service::start_with(Opts {
+        open_files: Some(256),
+        ..Default::default()
+    })
+    .await;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", s.pid())).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let nums: Vec<&str> = line.split_whitespace().skip(3).take(2).collect();
+    assert_eq!(nums[0], nums[1], "soft limit not raised: {line}");
+    assert_ne!(nums[0], "256", "{line}");
+}
+
 /// A connection to `port` that sent a POST's headers, announcing a body of
 /// `len` bytes, and its first byte.
 async fn body_begun(port: u16, len: usize) -> tokio::net::TcpStream {

@@ -190,6 +190,38 @@ fn lock_data_dir(dir: &Path) -> Result<OwnedFd, ServeError> {
     Ok(fd)
 }
 
+/// Raises the soft limit on open files to the hard one, and warns when even
+/// that may not hold `max_volumes` volumes. The service keeps descriptors per
+/// volume (a worker's pidfd, a dm or loop volume's image) and may serve
+/// `--max-volumes` of them (1,024 by default), while a shell or a service
+/// manager starts it with a soft limit of 1,024 (systemd's hard limit is
+/// 524,288; the kernel's own default 4,096). Workers inherit the new limit.
+fn raise_open_files_limit(max_volumes: usize) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let raised = rustix::process::Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => limit.current = limit.maximum,
+            Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
+        }
+    }
+    // Two descriptors a volume and a margin for clients, SQLite and the
+    // listeners: a rough bound, for a warning only.
+    let want = (max_volumes as u64).saturating_mul(2) + 256;
+    match limit.current {
+        Some(n) if n < want => tracing::warn!(
+            open_files = n,
+            max_volumes,
+            "the open-files limit (RLIMIT_NOFILE, hard limit included) may not hold --max-volumes volumes: raise it (LimitNOFILE= in the unit) or lower --max-volumes"
+        ),
+        n => tracing::info!(open_files = ?n, "open-files limit"),
+    }
+}
+
 enum Bound {
     Unix(UnixListener),
     Tcp(TcpListener),
@@ -562,6 +594,7 @@ fn kernel_backends(
 /// and returns. Devices are left as they are.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let faults = Faults::from_env()?;
+    raise_open_files_limit(cfg.limits.max_volumes);
     private_data_dir(&cfg.data_dir)?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     let default_root = cfg.data_dir.join("images");
