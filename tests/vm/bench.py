@@ -27,7 +27,11 @@ fio run and divided by the requests fio completed in it (no ramp time, so the
 two windows match); the NOWAIT fallback share (EAGAIN fallbacks / NOWAIT
 submissions, from the volume's stats); the server's largest VmRSS.
 
-Absolute numbers under TCG mean nothing; the ratios inside one run do.
+Absolute numbers under TCG mean nothing; the ratios inside one run do. A
+second table pairs them by round: each round's IOPS over the kernel loop's and
+the best rublk row's in the same round, the median of those ratios and their
+spread. The emulator's speed drifts over a run, which widens every row's own
+spread alike; a ratio taken within one round cancels most of that drift.
 
 BENCH_PROFILE=1 also profiles every target but the raw file under the psync
 load after the rounds (BENCH_PROFILE=key,key... only those targets):
@@ -572,6 +576,39 @@ def summarize(t):
     return out
 
 
+def paired(t, base, mode):
+    """Per round, t's IOPS over base's in the same round: (median, spread).
+    Every round visits every target once, so the emulator's drift between
+    rounds, which widens each row's own spread, cancels in the ratio."""
+    ratios = [r["iops"] / b["iops"] for r, b in zip(t["runs"][mode], base["runs"][mode]) if b["iops"]]
+    m = median(ratios)
+    return (m, (max(ratios) - min(ratios)) / m) if m else (None, None)
+
+
+def paired_table(live, modes, best):
+    """The ratios to the kernel loop and to the best rublk row taken round
+    by round, with their spread."""
+    loop = next(t for t in live if t["key"] == "loop")
+    rublk = {m: next((t for t in live if t["label"] == best[m][0]), None) for m in best}
+    lines = ["Paired by round (each round's IOPS over the same round's base, median and "
+             "(max-min)/median of the rounds' ratios):", "",
+             "| target | × kernel loop psync, qd16 | × best rublk psync, qd16 |", "|---|---|---|"]
+
+    def cell(t, base_of):
+        out = []
+        for m in modes:
+            base = base_of(m)
+            r, spread = paired(t, base, m) if base else (None, None)
+            out.append("–" if r is None else f"{r:.2f} ({spread:.0%})")
+        return ", ".join(out)
+
+    for t in live:
+        if t["key"] == "raw":
+            continue
+        lines.append(f"| {t['label']} | {cell(t, lambda m: loop)} | {cell(t, lambda m: rublk.get(m))} |")
+    return lines
+
+
 def pair(values, fmt):
     return ", ".join("–" if v is None else fmt.format(v) for v in values)
 
@@ -638,6 +675,8 @@ def report(header, targets):
                  "holds open shows 0: the kernel drops its cache at the last close). "
                  "BIMODAL: the rounds split into two clusters (sorted, the largest gap between neighbours "
                  "is over 20% of the median and over twice either side's range, two rounds or more a side).")
+    lines.append("")
+    lines += paired_table(live, modes, best)
     lines.append("")
     for t in targets:
         lines.append(f"- {t['label']}: {t.get('path', '-')}{describe(t) if not t.get('refused') else ''}")
