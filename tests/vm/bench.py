@@ -396,9 +396,15 @@ def profile(t, size):
         # The server alone (all its threads, io-wq's included), in shares of
         # its own samples: where its CPU time per request goes.
         reports.append(("comm,dso,sym", ["--pid", str(t["pid"]), "--percentage", "relative"]))
+        # Its own code alone, down to small symbols: what it adds to the
+        # kernel's work per request.
+        exe = os.path.basename(os.readlink(f"/proc/{t['pid']}/exe"))
+        reports.append(("sym", ["--pid", str(t["pid"]), "--percentage", "relative", "--dsos", exe,
+                                "--percent-limit", "0.05"]))
     for sort, only in reports if rec.returncode == 0 else []:
+        limit = [] if "--percent-limit" in only else ["--percent-limit", "0.5"]
         out = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-g", "none",
-                              "--percent-limit", "0.5", "--sort", sort, *only], capture_output=True, text=True)
+                              *limit, "--sort", sort, *only], capture_output=True, text=True)
         failed = f"perf report failed ({out.returncode}): {out.stderr[-2000:]}\n" if out.returncode else ""
         parts.append(f"### perf report --sort {sort} {' '.join(only)}\n{failed}{out.stdout}")
     if os.path.exists(data):
