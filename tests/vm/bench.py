@@ -30,8 +30,8 @@ submissions, from the volume's stats); the server's largest VmRSS.
 Absolute numbers under TCG mean nothing; the ratios inside one run do. A
 second table pairs them by round: each round's IOPS over the kernel loop's and
 the best rublk row's in the same round, the median of those ratios and their
-spread. The emulator's speed drifts over a run, which widens every row's own
-spread alike; a ratio taken within one round cancels most of that drift.
+spread. That cancels drift between rounds, not noise within one: on
+2026-12-05 the paired spreads (13-160%) were no narrower than the rows' own.
 
 BENCH_PROFILE=1 also profiles every target but the raw file under the psync
 load after the rounds (BENCH_PROFILE=key,key... only those targets):
@@ -584,8 +584,8 @@ def summarize(t):
 
 def paired(t, base, mode):
     """Per round, t's IOPS over base's in the same round: (median, spread).
-    Every round visits every target once, so the emulator's drift between
-    rounds, which widens each row's own spread, cancels in the ratio."""
+    Every round visits every target once, so drift between rounds cancels in
+    the ratio (noise within a round does not)."""
     ratios = [r["iops"] / b["iops"] for r, b in zip(t["runs"][mode], base["runs"][mode]) if b["iops"]]
     m = median(ratios)
     return (m, (max(ratios) - min(ratios)) / m) if m else (None, None)
