@@ -245,3 +245,43 @@ async fn unknown_routes_and_methods_answer_json() {
     let a = s.call(Method::PUT, "/v1/images", None).await;
     assert_error(&a, 405, "no_route");
 }
+
+/// An answer given before the request's body is read (401 here: nothing is
+/// read for a client without the token) reaches a client that sends its
+/// body after the headers, as HTTP clients and proxies do: the service stops
+/// writing but reads on until the client is done, so the body's write
+/// neither fails nor resets the connection over the answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refusal_before_the_body_reaches_a_client_still_sending_it() {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    use std::io::{Read, Write};
+    let s = Service::start_with(Opts {
+        token: Some("s3cret-token-value".into()),
+        ..Default::default()
+    })
+    .await;
+    let body = br#"{"dispatch": null, "qos": null, "read_only": null}"#;
+    let mut c = std::os::unix::net::UnixStream::connect(&s.sock).unwrap();
+    write!(
+        c,
+        "PATCH /v1/volumes/x HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    // The service has answered and ended its side of the connection.
+    let mut fds = [PollFd::new(&c, PollFlags::RDHUP)];
+    let limit = Timespec {
+        tv_sec: 60,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&limit)).unwrap();
+    assert!(
+        fds[0].revents().contains(PollFlags::RDHUP),
+        "the service never ended the refused connection"
+    );
+    c.write_all(body)
+        .expect("the body's write failed: the service closed the socket with the answer unread");
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 401 "), "{answer}");
+}

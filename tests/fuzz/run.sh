@@ -86,4 +86,7 @@ run_covered unix-socket "http://127.0.0.1:$proxy_port" || rc=1
 if grep -q "panicked" "$work/serve.log"; then
   echo "fuzz: the service panicked:" >&2; grep -B2 -A8 panicked "$work/serve.log" >&2; rc=1
 fi
+if [ $rc != 0 ]; then
+  echo "fuzz: the service's log (last 60 lines):" >&2; tail -n 60 "$work/serve.log" >&2
+fi
 exit $rc

@@ -312,10 +312,13 @@ async fn serve_listener<L>(
                         tracing::debug!(error = %e, "connection ended with an error");
                         if e.is_timeout()
                             && partial.load(Ordering::Relaxed)
-                            && let Some(socket) = socket
+                            && let Some(socket) = &socket
                         {
-                            answer_header_timeout(&socket, timeout);
+                            answer_header_timeout(socket, timeout);
                         }
+                    }
+                    if let Some(socket) = socket {
+                        linger_close(socket).await;
                     }
                 });
             }
@@ -397,6 +400,49 @@ fn answer_header_timeout(socket: &OwnedFd, timeout: Duration) {
         body.len()
     );
     let _ = rustix::io::write(socket, answer.as_bytes());
+}
+
+/// How long a closing connection waits for more of what its client sends.
+const LINGER_WAIT: Duration = Duration::from_secs(2);
+
+/// The most a closing connection reads and discards.
+const LINGER_MAX_BYTES: usize = 1 << 20;
+
+/// Closes a connection so that its client can read the last answer. An
+/// answer given before the request's body was read (401 without the token,
+/// 413, 408) ends the connection with the body's bytes still arriving;
+/// closing a socket with bytes unread resets it, and the reset can destroy
+/// the answer before the client reads it (a proxy whose write of the body
+/// fails drops the answer too). So: stop writing, then read and discard
+/// until the client closes, is silent for [`LINGER_WAIT`], or has sent
+/// [`LINGER_MAX_BYTES`] (nginx's lingering close).
+async fn linger_close(socket: Arc<OwnedFd>) {
+    let _ = rustix::net::shutdown(&*socket, rustix::net::Shutdown::Write);
+    let Ok(fd) =
+        Arc::try_unwrap(socket).or_else(|shared| rustix::io::fcntl_dupfd_cloexec(&*shared, 0))
+    else {
+        return;
+    };
+    // SAFETY: the AsyncFd owns the OwnedFd, which stays open and the same
+    // descriptor until the AsyncFd is dropped.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    };
+    let Ok(fd) = registered else {
+        return;
+    };
+    let mut buf = vec![0u8; 64 << 10];
+    let mut discarded = 0;
+    while discarded < LINGER_MAX_BYTES {
+        let Ok(Ok(mut ready)) = tokio::time::timeout(LINGER_WAIT, fd.readable()).await else {
+            return;
+        };
+        match ready.try_io(|fd| rustix::io::read(fd.get_ref(), &mut buf).map_err(io::Error::from)) {
+            Ok(Ok(0) | Err(_)) => return,
+            Ok(Ok(n)) => discarded += n,
+            Err(_would_block) => {}
+        }
+    }
 }
 
 /// A connection that notes whether a request has begun arriving: set when
