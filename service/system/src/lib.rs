@@ -3,13 +3,15 @@
 //! direct-map rules ([`extent`]), the dispatch decision built on them
 //! ([`dispatch`]), device-mapper tables ([`dm`]), the mount table
 //! ([`mountinfo`]), the processes holding files open ([`holders`]), the
-//! kernel's per-device statistics ([`blockstat`]), the page cache a file or
+//! kernel's per-device statistics ([`blockstat`]), LUKS2 encryption of
+//! images ([`crypt`]), the page cache a file or
 //! device holds ([`pagecache`]) and which build of blockplane an executable
 //! file is ([`build`]).
 //! The control plane and the worker both build on it.
 
 pub mod blockstat;
 pub mod build;
+pub mod crypt;
 pub mod dispatch;
 pub mod dm;
 pub mod extent;
