@@ -6,7 +6,8 @@
 # Only missing packages are installed; an apt index refresh happens only then.
 set -euo pipefail
 
-build=(pkg-config libclang-dev libdevmapper-dev)
+# cryptsetup-bin: encrypted images (LUKS2) are formatted and opened with it.
+build=(pkg-config libclang-dev libdevmapper-dev cryptsetup-bin)
 test=(qemu-system-x86 busybox-static kmod cpio xz-utils zstd fio xfsprogs e2fsprogs
       dmsetup util-linux sqlite3 jq python3 python3-venv python3-pip socat curl chromium shellcheck)
 

@@ -343,6 +343,11 @@ impl Service {
         self.call(Method::DELETE, path, None).await
     }
 
+    /// A DELETE with a JSON body.
+    pub async fn delete_with(&self, path: &str, body: Value) -> Answer {
+        self.call(Method::DELETE, path, Some(body)).await
+    }
+
     /// Sends the signal and waits for the process to end.
     pub fn signal(&mut self, sig: rustix::process::Signal) -> ExitStatus {
         let mut child = self.child.take().expect("service is running");

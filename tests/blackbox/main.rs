@@ -13,6 +13,7 @@ mod attacks;
 mod auth;
 mod cli;
 mod dashboard;
+mod encryption;
 mod events;
 mod images;
 mod instances;

@@ -95,7 +95,10 @@ impl Api {
 
     /// Deletes the image of that name and its file; `false` when there was none.
     pub async fn delete_image(&self, name: &str) -> Result<bool, CsiError> {
-        let query = DeleteImageQuery { delete_file: true };
+        let query = DeleteImageQuery {
+            delete_file: true,
+            erase: false,
+        };
         let r = self.client.delete_image(name, &query).await;
         found(name, r).map(|d| d.is_some())
     }

@@ -399,6 +399,7 @@ impl ControllerService {
                     create: Some(model::CreateImageFile {
                         size_bytes: size,
                         allocation: params.allocation,
+                        encryption: None,
                     }),
                     clone_from: src.as_ref().map(|s| s.name.clone()),
                     allocation: None,
@@ -418,6 +419,7 @@ impl ControllerService {
             queue_depth: model::DEFAULT_QUEUE_DEPTH,
             max_io_bytes: model::DEFAULT_MAX_IO_BYTES,
             qos: params.qos,
+            key: None,
         };
         match d.api.create_volume(&vreq).await {
             Ok(v) => {

@@ -85,6 +85,11 @@ pub struct ServeArgs {
     /// Seconds between re-reads of direct-mapped images' extents [default: 60].
     #[arg(long, env = "BLOCKPLANE_EXTENT_CHECK_SECS")]
     pub extent_check_secs: Option<u32>,
+    /// Milliseconds one unlock of an encrypted image's key slot should take
+    /// on this host (cryptsetup's --iter-time, sizing argon2id): longer makes
+    /// a key harder to guess by trying, and every attach slower [default: 2000].
+    #[arg(long, env = "BLOCKPLANE_KEY_UNLOCK_MS")]
+    pub key_unlock_ms: Option<u32>,
     /// Largest request body, bytes [default: 65536].
     #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -171,6 +176,7 @@ struct FileConfig {
     worker_threads: Option<u16>,
     queues: Option<u16>,
     extent_check_secs: Option<u32>,
+    key_unlock_ms: Option<u32>,
     max_body_bytes: Option<usize>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -232,6 +238,8 @@ pub struct ServeConfig {
     pub queues: u16,
     /// Seconds between re-reads of direct-mapped images' extents.
     pub extent_check_secs: u32,
+    /// Milliseconds one unlock of a key slot takes (`--key-unlock-ms`).
+    pub key_unlock_ms: u32,
     /// What protects the service from its clients.
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
@@ -357,6 +365,11 @@ impl ServeArgs {
                 .or(file.extent_check_secs)
                 .unwrap_or(60)
                 .max(1),
+            key_unlock_ms: self
+                .key_unlock_ms
+                .or(file.key_unlock_ms)
+                .unwrap_or(2000)
+                .clamp(1, 60_000),
             limits: Limits {
                 max_body_bytes: self
                     .max_body_bytes

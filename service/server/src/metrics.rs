@@ -72,6 +72,8 @@ pub struct VolumeSample {
     pub page_cache: Option<PageCache>,
     /// The page-cache warning is in force (see `manager::pagecache`).
     pub page_cache_warned: bool,
+    /// It serves an encrypted image through dm-crypt.
+    pub encrypted: bool,
 }
 
 /// The worker serving one volume in a scrape.
@@ -305,6 +307,13 @@ impl Collector for Snapshot {
             "1 while a direct-I/O volume holds page cache above the warning threshold (the volume_page_cache event), else 0",
             G,
             |v| Some(if v.page_cache_warned { 1.0 } else { 0.0 }),
+        )?;
+        self.per_volume(
+            &mut enc,
+            "blockplane_volume_encrypted",
+            "1 when the volume serves an encrypted image (LUKS2) through dm-crypt, else 0",
+            G,
+            |v| Some(if v.encrypted { 1.0 } else { 0.0 }),
         )?;
         self.per_volume(
             &mut enc,

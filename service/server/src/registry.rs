@@ -429,6 +429,7 @@ mod tests {
             method: None,
             state: blockplane_api::model::ImageState::Ready,
             state_reason: None,
+            encryption: None,
         };
         let mut tx = store.begin().await.unwrap();
         tx.insert_image(&image).await.unwrap();

@@ -680,6 +680,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             default_queues: cfg.queues,
             max_volumes: cfg.limits.max_volumes,
             max_overcommit: cfg.limits.max_overcommit,
+            kdf: blockplane_system::crypt::Kdf {
+                unlock_ms: cfg.key_unlock_ms,
+            },
             faults,
         },
     )

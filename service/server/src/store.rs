@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use serde::{Serialize, de::DeserializeOwned};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -32,8 +32,8 @@ use uuid::Uuid;
 
 use crate::attachment::Attachment;
 use blockplane_api::model::{
-    Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageState, Qos,
-    VolumeState,
+    Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageEncryption,
+    ImageState, Qos, VolumeState,
 };
 
 /// The schema migrations this build knows (`migrations/`), applied at open.
@@ -192,6 +192,8 @@ pub struct ImageRow {
     pub method: Option<CopyMethod>,
     pub state: ImageState,
     pub state_reason: Option<String>,
+    /// Its LUKS2 header as last read; `None` for a plain image.
+    pub encryption: Option<ImageEncryption>,
 }
 
 impl ImageRow {
@@ -220,8 +222,23 @@ impl ImageRow {
                 .transpose()?,
             state: enum_from_str("image state", r.try_get("state")?)?,
             state_reason: r.try_get("state_reason")?,
+            encryption: r
+                .try_get::<Option<String>, _>("encryption")?
+                .map(|e| from_json("image encryption", &e))
+                .transpose()?,
         })
     }
+}
+
+/// The dm-crypt layer of a volume on an encrypted image: the device its
+/// plaintext is served as, over the backend's device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CryptLayer {
+    /// The dm name (`/dev/mapper/<name>`).
+    pub name: String,
+    /// Bytes of the image before the payload: the plaintext device is the
+    /// backend's device less these.
+    pub header_bytes: u64,
 }
 
 /// A volume as stored: how it was created, its live settings, and what was
@@ -240,6 +257,8 @@ pub struct VolumeRow {
     pub state: VolumeState,
     pub state_reason: Option<String>,
     pub attachment: Option<Attachment>,
+    /// Its dm-crypt layer, on an encrypted image.
+    pub crypt: Option<CryptLayer>,
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
 }
@@ -261,6 +280,10 @@ impl VolumeRow {
             state_reason: r.try_get("state_reason")?,
             attachment: attachment
                 .map(|a| from_json("attachment", &a))
+                .transpose()?,
+            crypt: r
+                .try_get::<Option<String>, _>("crypt")?
+                .map(|c| from_json("volume crypt", &c))
                 .transpose()?,
             created_at: parse_ts(r.try_get("created_at")?)?,
             updated_at: parse_ts(r.try_get("updated_at")?)?,
@@ -775,8 +798,8 @@ impl WriteTx {
             "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
                                  allocation, filesystem, created_at, updated_at,
                                  snapshot_of, cloned_from, read_only, method, state,
-                                 state_reason)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 state_reason, encryption)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
@@ -796,6 +819,7 @@ impl WriteTx {
         .bind(i.method.map(enum_str))
         .bind(enum_str(i.state))
         .bind(&i.state_reason)
+        .bind(i.encryption.as_ref().map(json))
         .execute(self.conn())
         .await?;
         self.wrote_rows = true;
@@ -858,6 +882,21 @@ impl WriteTx {
         Ok(())
     }
 
+    /// Records an image's LUKS2 header as read now (`None`: plain).
+    pub async fn set_image_encryption(
+        &mut self,
+        id: Uuid,
+        encryption: Option<&ImageEncryption>,
+    ) -> Result<()> {
+        sqlx::query("UPDATE images SET encryption = ?, updated_at = ? WHERE id = ?")
+            .bind(encryption.map(json))
+            .bind(ts(OffsetDateTime::now_utc()))
+            .bind(id.to_string())
+            .execute(self.conn())
+            .await?;
+        Ok(())
+    }
+
     /// Forgets an image.
     pub async fn delete_image(&mut self, id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM images WHERE id = ?")
@@ -882,13 +921,18 @@ impl WriteTx {
     pub async fn insert_volume(&mut self, v: &VolumeRow) -> Result<()> {
         sqlx::query(
             "INSERT INTO volumes (id, name, image_id, spec, backend, dispatch, read_only, qos,
-                                  state, state_reason, attachment, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                  state, state_reason, attachment, created_at, updated_at,
+                                  crypt)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(v.id.to_string())
         .bind(&v.name)
         .bind(v.image_id.to_string())
-        .bind(json(&v.spec))
+        // A key is never recorded, whoever left it in the spec.
+        .bind(json(&CreateVolumeRequest {
+            key: None,
+            ..v.spec.clone()
+        }))
         .bind(v.backend.as_str())
         .bind(v.dispatch.as_str())
         .bind(v.read_only)
@@ -898,6 +942,7 @@ impl WriteTx {
         .bind(v.attachment.as_ref().map(json))
         .bind(ts(v.created_at))
         .bind(ts(v.updated_at))
+        .bind(v.crypt.as_ref().map(json))
         .execute(self.conn())
         .await?;
         self.wrote_rows = true;

@@ -5,8 +5,8 @@ use hyper::Method;
 use super::path::{encode_segment, with_query};
 use super::{Client, Error};
 use crate::model::{
-    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image, ListImagesQuery,
-    ResizeImageRequest, ResizeImageResponse,
+    AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image,
+    KeySlotAdded, ListImagesQuery, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
 };
 
 fn image_path(image: &str) -> String {
@@ -34,6 +34,27 @@ impl Client {
     pub async fn delete_image(&self, image: &str, query: &DeleteImageQuery) -> Result<(), Error> {
         self.empty(Method::DELETE, &with_query(image_path(image), query))
             .await
+    }
+
+    /// `POST /v1/images/{id}/keys`: a new key slot of an encrypted image.
+    pub async fn add_image_key(
+        &self,
+        image: &str,
+        req: &AddKeyRequest,
+    ) -> Result<KeySlotAdded, Error> {
+        let path = format!("{}/keys", image_path(image));
+        self.send(Method::POST, &path, req).await
+    }
+
+    /// `DELETE /v1/images/{id}/keys/{slot}`: a key slot removed.
+    pub async fn remove_image_key(
+        &self,
+        image: &str,
+        slot: u32,
+        req: &RemoveKeyRequest,
+    ) -> Result<Image, Error> {
+        let path = format!("{}/keys/{slot}", image_path(image));
+        self.send(Method::DELETE, &path, req).await
     }
 
     /// `POST /v1/images/{id}/resize`: grows the image; attached volumes follow.

@@ -5,8 +5,8 @@ use hyper::Method;
 use super::path::{encode_segment, with_query};
 use super::{Client, Error};
 use crate::model::{
-    CreateVolumeRequest, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery, Volume,
-    VolumeStats, VolumeUsage,
+    CreateVolumeRequest, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery,
+    UnlockVolumeRequest, Volume, VolumeStats, VolumeUsage,
 };
 
 fn volume_path(volume: &str) -> String {
@@ -42,6 +42,17 @@ impl Client {
     /// `DELETE /v1/volumes/{id}`.
     pub async fn delete_volume(&self, volume: &str) -> Result<(), Error> {
         self.empty(Method::DELETE, &volume_path(volume)).await
+    }
+
+    /// `POST /v1/volumes/{id}/unlock`: a `locked` volume's plaintext device
+    /// opened again with its image's key.
+    pub async fn unlock_volume(
+        &self,
+        volume: &str,
+        req: &UnlockVolumeRequest,
+    ) -> Result<Volume, Error> {
+        let path = format!("{}/unlock", volume_path(volume));
+        self.send(Method::POST, &path, req).await
     }
 
     /// `POST /v1/volumes/{id}/handover`: a new worker of the service's build

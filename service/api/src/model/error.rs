@@ -115,6 +115,15 @@ error_codes! {
     AllocationMismatch = "allocation_mismatch",
     /// 422: a write to a read-only image (a snapshot).
     ImageReadOnly = "image_read_only",
+    /// 422: a volume on an encrypted image was asked without its key.
+    KeyRequired = "key_required",
+    /// 422: an encryption operation on a plain image.
+    NotEncrypted = "not_encrypted",
+    /// 422: the image cannot be encrypted or opened here (cryptsetup or
+    /// dm-crypt missing, or too small for a LUKS2 header).
+    EncryptionUnavailable = "encryption_unavailable",
+    /// 403: no key slot of the encrypted image opens with the key given.
+    KeyRejected = "key_rejected",
 
     // What the request names does not exist.
     /// 404: no image of that id or name.
@@ -127,6 +136,8 @@ error_codes! {
     FileNotFound = "file_not_found",
     /// 404: no directory to create the image's file in.
     DirectoryNotFound = "directory_not_found",
+    /// 404: the encrypted image has no key slot of that number.
+    KeySlotNotFound = "key_slot_not_found",
 
     // Conflicts with what exists.
     /// 409: another image has that name.
@@ -154,6 +165,9 @@ error_codes! {
     DeviceBusy = "device_busy",
     /// 409: a file exists where the image's file is to be created.
     FileExists = "file_exists",
+    /// 409: the image's last key slot, which cannot be removed (crypto-erase
+    /// it with `DELETE /v1/images/{id}?erase=true` instead).
+    LastKeySlot = "last_key_slot",
 
     // Backends and dispatch.
     /// 422: the backend cannot run on this host.
@@ -205,6 +219,8 @@ error_codes! {
     IoError = "io_error",
     /// 500: the registry failed.
     DatabaseError = "database_error",
+    /// 500: cryptsetup failed on an encrypted image.
+    CryptFailed = "crypt_failed",
     /// 503: the registry cannot be written.
     StoreUnwritable = "store_unwritable",
     /// 500: the service's own failure.

@@ -176,6 +176,12 @@ pub struct CreateImageFile {
     /// Defaults to `sparse`.
     #[serde(default = "default_allocation")]
     pub allocation: Allocation,
+    /// Format the file as LUKS2 (dm-crypt) with this key: every volume on it
+    /// then needs a key (`key` of `POST /v1/volumes`) and serves the
+    /// plaintext, `image.encryption.header_bytes` smaller than the file.
+    /// `null`: plain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<super::CreateEncryption>,
 }
 
 fn default_allocation() -> Allocation {
@@ -245,6 +251,10 @@ pub struct Image {
     /// Bytes of data the copy has to copy, while `copying`.
     #[serde(default)]
     pub copy_total_bytes: Option<u64>,
+    /// Its LUKS2 header, when it is encrypted (created with
+    /// `create.encryption`, or a LUKS2 file registered); `null` when plain.
+    #[serde(default)]
+    pub encryption: Option<super::ImageEncryption>,
     /// What the create or grow that answered this should make you check,
     /// e.g. a sparse image larger than its root's free space (empty
     /// otherwise).
@@ -348,4 +358,10 @@ pub struct DeleteImageQuery {
     /// Also unlink the file (default false: only forget the registration).
     #[serde(default)]
     pub delete_file: bool,
+    /// Crypto-erase an encrypted image first: destroy every key slot of its
+    /// header, so no key opens the file or any copy of its blocks that
+    /// survives (422 `not_encrypted` on a plain image). The file is kept
+    /// unless `delete_file`.
+    #[serde(default)]
+    pub erase: bool,
 }

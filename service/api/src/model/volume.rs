@@ -54,6 +54,13 @@ pub struct CreateVolumeRequest {
     /// name refuses them, 422). `null` for none; `loop` refuses them.
     #[serde(default)]
     pub qos: Option<Qos>,
+    /// The key of an encrypted image (one that opens a key slot of it):
+    /// the volume serves its plaintext through dm-crypt. Required for an
+    /// encrypted image (422 `key_required`), refused for a plain one (422
+    /// `not_encrypted`); a key no slot opens is 403 `key_rejected` and
+    /// changes nothing. Never stored: not part of the recorded spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<super::Key>,
 }
 
 impl CreateVolumeRequest {
@@ -124,6 +131,11 @@ pub enum VolumeState {
     Detaching,
     /// No device; `state_reason` says why.
     Error,
+    /// On an encrypted image: the backend's device serves the ciphertext,
+    /// but the plaintext device is gone (the host rebooted, or it was closed
+    /// behind the service's back) until the key is given again
+    /// (`POST /v1/volumes/{id}/unlock`).
+    Locked,
 }
 
 impl VolumeState {
@@ -135,6 +147,7 @@ impl VolumeState {
             VolumeState::Degraded => "degraded",
             VolumeState::Detaching => "detaching",
             VolumeState::Error => "error",
+            VolumeState::Locked => "locked",
         }
     }
 }
@@ -161,8 +174,16 @@ pub struct Volume {
     pub state: VolumeState,
     /// Why the volume is in its state, when that needs saying (`degraded`, `error`).
     pub state_reason: Option<String>,
-    /// Device node, e.g. `/dev/loop3`; `null` while there is none.
+    /// Device node, e.g. `/dev/loop3`; `null` while there is none. On an
+    /// encrypted image, the plaintext: `/dev/mapper/blockplane-crypt-<id>`.
     pub device: Option<String>,
+    /// Whether it serves an encrypted image through dm-crypt.
+    #[serde(default)]
+    pub encrypted: bool,
+    /// On an encrypted image, the backend's device under the plaintext one
+    /// (it serves the ciphertext: the image file as it is); `null` otherwise.
+    #[serde(default)]
+    pub backing_device: Option<String>,
     /// Size of the device, bytes.
     pub size_bytes: u64,
     /// Whether the device refuses writes.

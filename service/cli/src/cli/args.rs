@@ -202,6 +202,37 @@ pub enum ImageCmd {
         /// sparse, or full (allocated and zero-written: direct-map ready).
         #[arg(long, default_value = "sparse", value_parser = wire::<Allocation>(&["sparse", "full"]))]
         allocation: Allocation,
+        /// Encrypt it (LUKS2), with the key read from --key-file: volumes on
+        /// it then need that key. Its first 16 MiB hold the header.
+        #[arg(long, requires = "key_file")]
+        encrypt: bool,
+        /// A file holding the key (its bytes, a trailing newline dropped);
+        /// `-` reads standard input. Never give a key as an argument: any
+        /// user of the host can read a process's arguments.
+        #[arg(long, requires = "encrypt")]
+        key_file: Option<std::path::PathBuf>,
+    },
+    /// Add a key slot to an encrypted image (rotation: add the new key,
+    /// then remove the old one's slot with `image key-rm`).
+    KeyAdd {
+        /// Image id or name.
+        image: String,
+        /// A file holding a key that opens a slot now (`-`: standard input).
+        #[arg(long)]
+        key_file: std::path::PathBuf,
+        /// A file holding the new slot's key.
+        #[arg(long)]
+        new_key_file: std::path::PathBuf,
+    },
+    /// Remove a key slot of an encrypted image (never its last).
+    KeyRm {
+        /// Image id or name.
+        image: String,
+        /// The slot (`image show` lists them).
+        slot: u32,
+        /// A file holding a key that opens a slot now (`-`: standard input).
+        #[arg(long)]
+        key_file: std::path::PathBuf,
     },
     /// List images.
     #[command(visible_alias = "list")]
@@ -265,6 +296,10 @@ pub enum ImageCmd {
         /// Also delete the file.
         #[arg(long)]
         delete_file: bool,
+        /// Crypto-erase an encrypted image first: destroy its key slots, so
+        /// no key opens the file or any copy of its blocks again.
+        #[arg(long)]
+        erase: bool,
     },
 }
 
@@ -303,6 +338,10 @@ pub enum VolumeCmd {
         max_io_bytes: Option<u32>,
         #[command(flatten)]
         qos: QosArgs,
+        /// On an encrypted image: a file holding its key (its bytes, a
+        /// trailing newline dropped); `-` reads standard input.
+        #[arg(long)]
+        key_file: Option<std::path::PathBuf>,
     },
     /// List volumes.
     #[command(visible_alias = "list")]
@@ -343,6 +382,16 @@ pub enum VolumeCmd {
         /// Stop after this many screens [default: run until interrupted].
         #[arg(long)]
         count: Option<u32>,
+    },
+    /// Open a locked encrypted volume's plaintext device again (after the
+    /// host restarted) with its image's key.
+    Unlock {
+        /// Volume id or name.
+        volume: String,
+        /// A file holding the key (its bytes, a trailing newline dropped);
+        /// `-` reads standard input.
+        #[arg(long)]
+        key_file: std::path::PathBuf,
     },
     /// Delete a volume (its device goes away; the image stays). A volume
     /// in use (open by a process, mounted, or with I/O in its last seconds)

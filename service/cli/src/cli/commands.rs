@@ -119,13 +119,50 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             path,
             size,
             allocation,
+            encrypt: _,
+            key_file,
         } => {
+            let encryption = match key_file {
+                Some(path) => Some(blockplane_api::model::CreateEncryption {
+                    key: read_key(path)?,
+                }),
+                None => None,
+            };
             let file = CreateImageFile {
                 size_bytes: *size,
                 allocation: *allocation,
+                encryption,
             };
             let req = create(name, path, Some(file), None);
             View::Image(client.create_image(&req).await.map_err(api)?)
+        }
+        ImageCmd::KeyAdd {
+            image,
+            key_file,
+            new_key_file,
+        } => {
+            let req = blockplane_api::model::AddKeyRequest {
+                key: read_key(key_file)?,
+                new_key: read_key(new_key_file)?,
+            };
+            let added = client.add_image_key(image, &req).await.map_err(api)?;
+            eprintln!("key slot {} added", added.slot);
+            View::Image(added.image)
+        }
+        ImageCmd::KeyRm {
+            image,
+            slot,
+            key_file,
+        } => {
+            let req = blockplane_api::model::RemoveKeyRequest {
+                key: read_key(key_file)?,
+            };
+            View::Image(
+                client
+                    .remove_image_key(image, *slot, &req)
+                    .await
+                    .map_err(api)?,
+            )
         }
         ImageCmd::Ls => View::Images(
             client
@@ -178,14 +215,41 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
                 View::Image(wait_copy(client, name, started).await.map_err(waited)?)
             }
         }
-        ImageCmd::Rm { image, delete_file } => {
+        ImageCmd::Rm {
+            image,
+            delete_file,
+            erase,
+        } => {
             let query = DeleteImageQuery {
                 delete_file: *delete_file,
+                erase: *erase,
             };
             client.delete_image(image, &query).await.map_err(api)?;
             View::Done("image removed")
         }
     })
+}
+
+/// A key from `path` (`-`: standard input), one trailing newline dropped
+/// (what `echo` and editors add).
+fn read_key(path: &std::path::Path) -> Result<blockplane_api::model::Key, ExitCode> {
+    let read = if path == std::path::Path::new("-") {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
+    } else {
+        std::fs::read_to_string(path)
+    };
+    let text = read.map_err(|e| {
+        eprintln!(
+            "blockplane: cannot read the key file {}: {e}",
+            path.display()
+        );
+        ExitCode::from(2)
+    })?;
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    Ok(blockplane_api::model::Key::new(
+        text.strip_suffix('\r').unwrap_or(text),
+    ))
 }
 
 /// A `volume` command.
@@ -202,7 +266,12 @@ async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
             queue_depth,
             max_io_bytes,
             qos,
+            key_file,
         } => {
+            let key = match key_file {
+                Some(path) => Some(read_key(path)?),
+                None => None,
+            };
             let req = CreateVolumeRequest {
                 name: name.clone(),
                 image: image.clone(),
@@ -213,6 +282,7 @@ async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
                 queue_depth: *queue_depth,
                 max_io_bytes: max_io_bytes.unwrap_or(DEFAULT_MAX_IO_BYTES),
                 qos: qos.to_model(),
+                key,
             };
             View::Volume(client.create_volume(&req).await.map_err(api)?)
         }
@@ -238,6 +308,12 @@ async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
         }
         VolumeCmd::Stats { volume } => View::Stats(client.volume_stats(volume).await.map_err(api)?),
         VolumeCmd::Top { .. } => unreachable!("a loop of calls, see `top`"),
+        VolumeCmd::Unlock { volume, key_file } => {
+            let req = blockplane_api::model::UnlockVolumeRequest {
+                key: read_key(key_file)?,
+            };
+            View::Volume(client.unlock_volume(volume, &req).await.map_err(api)?)
+        }
         VolumeCmd::Rm { volume, force } => {
             if !force {
                 refuse_if_busy(client, volume).await?;

@@ -190,6 +190,22 @@ fn image(i: &Image, names: &Names) -> String {
         ("cloned from", dash(i.cloned_from)),
         ("method", dash(i.method.map(|m| m.as_str()))),
         (
+            "encryption",
+            match &i.encryption {
+                None => "-".into(),
+                Some(e) => format!(
+                    "{} {}, key slots {}",
+                    e.format,
+                    e.cipher,
+                    e.key_slots
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            },
+        ),
+        (
             "allocate",
             match &i.allocate {
                 None => String::new(),
@@ -261,7 +277,14 @@ fn volume(v: &Volume, names: &Names) -> String {
                 Some(r) => format!("{}: {r}", v.state.as_str()),
             },
         ),
-        ("device", dash(v.device.as_ref())),
+        (
+            "device",
+            match &v.backing_device {
+                Some(under) => format!("{} (dm-crypt over {under})", dash(v.device.as_ref())),
+                None => dash(v.device.as_ref()),
+            },
+        ),
+        ("encrypted", v.encrypted.to_string()),
         ("size", human_size(v.size_bytes)),
         ("read only", v.read_only.to_string()),
         (

@@ -111,6 +111,15 @@ impl ApiError {
                 Error::SnapshotAttached { .. } => {
                     (S::CONFLICT, C::VolumeAttachedSnapshotUnsupported)
                 }
+                Error::KeyRequired { .. } => (S::UNPROCESSABLE_ENTITY, C::KeyRequired),
+                Error::KeyRejected { .. } => (S::FORBIDDEN, C::KeyRejected),
+                Error::NotEncrypted { .. } => (S::UNPROCESSABLE_ENTITY, C::NotEncrypted),
+                Error::KeySlotNotFound { .. } => (S::NOT_FOUND, C::KeySlotNotFound),
+                Error::LastKeySlot { .. } => (S::CONFLICT, C::LastKeySlot),
+                Error::EncryptionUnavailable { .. } => {
+                    (S::UNPROCESSABLE_ENTITY, C::EncryptionUnavailable)
+                }
+                Error::Crypt { .. } => (S::INTERNAL_SERVER_ERROR, C::CryptFailed),
                 Error::VolumeExists { .. } => (S::CONFLICT, C::VolumeExists),
                 Error::VolumeState { .. } => (S::CONFLICT, C::VolumeState),
                 Error::Volume { source, .. } | Error::Backend(source) => backend(source),

@@ -8,8 +8,9 @@ use super::error::ApiError;
 use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use blockplane_api::model::{
-    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image, ImageState,
-    ListImagesQuery, ResizeImageRequest, ResizeImageResponse,
+    AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image,
+    ImageState, KeySlotAdded, ListImagesQuery, RemoveKeyRequest, ResizeImageRequest,
+    ResizeImageResponse,
 };
 
 /// 201 for an image that is ready, 202 for one whose copy runs.
@@ -130,6 +131,8 @@ pub async fn get_image(
         (status = 400, description = "Malformed query", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
         (status = 409, description = "A volume uses the image", body = ErrorBody),
+        (status = 422, description = "`erase` of a plain image", body = ErrorBody),
+        (status = 500, description = "cryptsetup failed to erase", body = ErrorBody),
     )
 )]
 pub async fn delete_image(
@@ -137,7 +140,7 @@ pub async fn delete_image(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<DeleteImageQuery>,
 ) -> Result<StatusCode, ApiError> {
-    detached(async move { m.delete_image(&id, q.delete_file).await }).await?;
+    detached(async move { m.delete_image(&id, q).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -218,5 +221,64 @@ pub async fn cancel_allocate(
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(
         detached(async move { m.cancel_allocate(&id).await }).await?,
+    ))
+}
+
+/// Add a key slot to an encrypted image (key rotation: add the new key,
+/// then remove the old one's slot).
+///
+/// Authorized by a key that opens a slot now. While a volume serves the
+/// image, the header is written through the backend's device (a
+/// direct-mapped file is pinned), so the volume keeps serving. Neither key
+/// is stored.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/keys", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    request_body = AddKeyRequest,
+    responses(
+        (status = 201, description = "Added: the slot, and the image with its header read again", body = KeySlotAdded),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "No key slot opens with `key` (`key_rejected`)", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "A read-only volume serves it (`volume_state`)", body = ErrorBody),
+        (status = 422, description = "A plain image (`not_encrypted`), a snapshot (`image_read_only`), or an invalid key", body = ErrorBody),
+        (status = 500, description = "cryptsetup failed (`crypt_failed`)", body = ErrorBody),
+    )
+)]
+pub async fn add_image_key(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<AddKeyRequest>,
+) -> Result<(StatusCode, Json<KeySlotAdded>), ApiError> {
+    let added = detached(async move { m.add_image_key(&id, req).await }).await?;
+    Ok((StatusCode::CREATED, Json(added)))
+}
+
+/// Remove a key slot of an encrypted image: its key opens the image no
+/// more. The last slot is never removed (crypto-erase the image instead).
+#[utoipa::path(
+    delete, path = "/v1/images/{id}/keys/{slot}", tag = "images",
+    params(
+        ("id" = String, Path, description = "Image id or name"),
+        ("slot" = u32, Path, description = "The key slot (`image.encryption.key_slots`)", maximum = 31),
+    ),
+    request_body = RemoveKeyRequest,
+    responses(
+        (status = 200, description = "Removed: the image with its header read again", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "No key slot opens with `key` (`key_rejected`)", body = ErrorBody),
+        (status = 404, description = "No such image, or no such slot (`key_slot_not_found`)", body = ErrorBody),
+        (status = 409, description = "Its last slot (`last_key_slot`), or a read-only volume serves it (`volume_state`)", body = ErrorBody),
+        (status = 422, description = "A plain image (`not_encrypted`), a snapshot (`image_read_only`), or an invalid key", body = ErrorBody),
+        (status = 500, description = "cryptsetup failed (`crypt_failed`)", body = ErrorBody),
+    )
+)]
+pub async fn remove_image_key(
+    State(m): State<AppState>,
+    Path((id, slot)): Path<(String, u32)>,
+    ApiJson(req): ApiJson<RemoveKeyRequest>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.remove_image_key(&id, slot, req).await }).await?,
     ))
 }

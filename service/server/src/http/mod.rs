@@ -104,6 +104,8 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::resize_image))
         .routes(routes!(images::allocate_image, images::cancel_allocate))
         .routes(routes!(images::snapshot_image))
+        .routes(routes!(images::add_image_key))
+        .routes(routes!(images::remove_image_key))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,
@@ -114,6 +116,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(volumes::volume_history))
         .routes(routes!(volumes::volume_usage))
         .routes(routes!(volumes::handover_volume))
+        .routes(routes!(volumes::unlock_volume))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

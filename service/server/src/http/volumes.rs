@@ -10,7 +10,7 @@ use super::{AppState, detached};
 use crate::manager::Created;
 use blockplane_api::model::{
     CreateVolumeRequest, ErrorBody, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery,
-    Volume, VolumeStats, VolumeUsage,
+    UnlockVolumeRequest, Volume, VolumeStats, VolumeUsage,
 };
 
 /// Create a volume: a block device for an image. Idempotent by name.
@@ -21,10 +21,11 @@ use blockplane_api::model::{
         (status = 201, description = "Created; the device exists", body = Volume),
         (status = 200, description = "A volume of this name and spec exists already", body = Volume),
         (status = 400, description = "Malformed request", body = ErrorBody),
-        (status = 403, description = "The image's file is no longer acceptable", body = ErrorBody),
+        (status = 403, description = "The image's file is no longer acceptable, or no key slot of an encrypted image opens with the key given (`key_rejected`)", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
         (status = 409, description = "Same name with another spec, the image is in use, its copy runs or failed (`image_not_ready`), or a copy reads it and the volume is writable (`copy_source_busy`)", body = ErrorBody),
-        (status = 422, description = "A backend, policy or setting this host cannot run, an invalid field, or a writable volume on a read-only snapshot (`image_read_only`)", body = ErrorBody),
+        (status = 422, description = "A backend, policy or setting this host cannot run, an invalid field, a writable volume on a read-only snapshot (`image_read_only`), an encrypted image without a key (`key_required`), a key for a plain one (`not_encrypted`), or no dm-crypt here (`encryption_unavailable`)", body = ErrorBody),
+        (status = 500, description = "cryptsetup failed to open the plaintext device (`crypt_failed`)", body = ErrorBody),
     )
 )]
 pub async fn create_volume(
@@ -194,5 +195,34 @@ pub async fn handover_volume(
 ) -> Result<Json<Handover>, ApiError> {
     Ok(Json(
         detached(async move { m.handover_volume(&id).await }).await?,
+    ))
+}
+
+/// Unlock a `locked` volume: open its plaintext device again with its
+/// image's key (after the host restarted, the kernel holds no key).
+///
+/// On a volume that serves its plaintext already, the key is checked and
+/// nothing else is done. The key is never stored.
+#[utoipa::path(
+    post, path = "/v1/volumes/{id}/unlock", tag = "volumes",
+    params(("id" = String, Path, description = "Volume id or name")),
+    request_body = UnlockVolumeRequest,
+    responses(
+        (status = 200, description = "Its plaintext device serves", body = Volume),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 403, description = "No key slot of its image opens with the key (`key_rejected`), or its image's file is no longer acceptable", body = ErrorBody),
+        (status = 404, description = "No such volume", body = ErrorBody),
+        (status = 409, description = "Its device does not serve (`volume_state`: delete and create it again with the key)", body = ErrorBody),
+        (status = 422, description = "A plain volume (`not_encrypted`), an invalid key, or no dm-crypt here (`encryption_unavailable`)", body = ErrorBody),
+        (status = 500, description = "cryptsetup failed to open the plaintext device (`crypt_failed`)", body = ErrorBody),
+    )
+)]
+pub async fn unlock_volume(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<UnlockVolumeRequest>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(
+        detached(async move { m.unlock_volume(&id, req.key).await }).await?,
     ))
 }

@@ -258,6 +258,8 @@ impl Manager {
                 ImageState::Copying
             },
             state_reason: None,
+            // The same bytes, so the same header and keys.
+            encryption: src.encryption.clone(),
         };
         let kind = if snapshot {
             "a read-only snapshot"

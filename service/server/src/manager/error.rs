@@ -105,6 +105,32 @@ pub enum Error {
         current: u64,
         asked: u64,
     },
+    #[error(
+        "image '{image}' is encrypted (LUKS2): a volume on it needs its \"key\"; nothing was changed"
+    )]
+    KeyRequired { image: String },
+    #[error("image '{image}': no key slot opens with the key given; nothing was changed")]
+    KeyRejected { image: String },
+    #[error("image '{image}' has no key slot {slot} (its slots: {slots})")]
+    KeySlotNotFound {
+        image: String,
+        slot: u32,
+        slots: String,
+    },
+    #[error(
+        "image '{image}': key slot {slot} is its last; removing it would leave no key that opens the image (crypto-erase it with DELETE /v1/images/{image}?erase=true instead)"
+    )]
+    LastKeySlot { image: String, slot: u32 },
+    #[error("image '{image}' is not encrypted: {what}")]
+    NotEncrypted { image: String, what: String },
+    #[error("image '{image}': encryption is not available: {reason}")]
+    EncryptionUnavailable { image: String, reason: String },
+    #[error("image '{image}': {source}")]
+    Crypt {
+        image: String,
+        #[source]
+        source: blockplane_system::crypt::CryptError,
+    },
     #[error("volume '{name}' already exists with a different spec ({differences})")]
     VolumeExists { name: String, differences: String },
     #[error("volume '{name}' is {state}: {reason}")]

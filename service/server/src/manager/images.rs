@@ -11,8 +11,8 @@ use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::BackendError;
 use crate::store::ImageRow;
 use blockplane_api::model::{
-    AllocateState, Allocation, CreateImageRequest, Image, ImageAllocate, ImageState,
-    ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
+    AllocateState, Allocation, CreateImageRequest, DeleteImageQuery, Image, ImageAllocate,
+    ImageState, ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
 };
 use blockplane_system::extent::Unwritten;
 use blockplane_system::image::{Access, Written};
@@ -69,6 +69,16 @@ impl Manager {
                 id: existing.id,
             });
         }
+        if let Some(encryption) = req.create.as_ref().and_then(|c| c.encryption.as_ref()) {
+            if let Some(reason) = encryption.key.refusal() {
+                return Err(Error::InvalidField {
+                    field: "create.encryption.key",
+                    reason,
+                });
+            }
+            let size = req.create.as_ref().map_or(0, |c| c.size_bytes);
+            self.check_encrypted_size(&req.name, size)?;
+        }
         let warnings = match &req.create {
             Some(spec) => {
                 self.check_provisioning(
@@ -82,23 +92,48 @@ impl Manager {
             None => Vec::new(),
         };
         let me = self.clone();
+        let mut encryption = None;
         let (file, created, allocation, reason) = match req.create.clone() {
             Some(spec) => {
                 let p = path.clone();
-                let file =
+                let mut file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
                 self.faults.pause(super::Slow::ImageCreate).await;
+                if let Some(e) = &spec.encryption {
+                    let (dev, ino) = file.identity();
+                    let birth = file.birth().map(str::to_string);
+                    let formatted = async {
+                        let fd = file.fd().try_clone().map_err(|e| {
+                            Error::Internal(format!("image '{}': dup: {e}", req.name))
+                        })?;
+                        let (_, encryption) = self.format_image(&req.name, fd, &e.key).await?;
+                        file.refresh()?;
+                        Ok::<_, Error>(encryption)
+                    }
+                    .await;
+                    match formatted {
+                        Ok(e) => encryption = Some(e),
+                        Err(e) => {
+                            // Nothing may be left behind by a refused create.
+                            let _ = self.roots.remove_file(&path, dev, ino, birth.as_deref());
+                            return Err(e);
+                        }
+                    }
+                }
                 (file, Some(spec.allocation), Some(spec.allocation), None)
             }
             None => {
                 let p = path.clone();
-                let (file, written) = blocking(move || -> Result<_> {
+                let name = req.name.clone();
+                let (file, written, found) = blocking(move || -> Result<_> {
                     let file = me.roots.open_file(&p, Access::ReadOnly)?;
                     let written = file.written()?;
-                    Ok((file, written))
+                    let found = super::encryption::encryption_of(&name, file.fd())?;
+                    Ok((file, written, found))
                 })
                 .await??;
+                encryption = found;
                 let (allocation, reason) = registered_allocation(
                     &req.name,
                     &path.display(),
@@ -130,6 +165,7 @@ impl Manager {
             method: None,
             state: ImageState::Ready,
             state_reason: None,
+            encryption,
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
@@ -154,11 +190,15 @@ impl Manager {
                 Some(row.id),
                 &format!("image_{verb}"),
                 &format!(
-                    "image '{}' {verb}: {}, {}, on {}{}",
+                    "image '{}' {verb}: {}, {}, on {}{}{}",
                     row.name,
                     row.path,
                     size_text(row.size_bytes),
                     row.filesystem,
+                    row.encryption
+                        .as_ref()
+                        .map(|e| format!(", encrypted (LUKS2, {})", e.cipher))
+                        .unwrap_or_default(),
                     reason
                         .as_ref()
                         .map(|why| format!(
@@ -321,6 +361,7 @@ impl Manager {
             created_at: row.created_at,
             volumes,
             allocate,
+            encryption: row.encryption,
             warnings: Vec::new(),
         })
     }
@@ -711,6 +752,23 @@ impl Manager {
             let grows = backend.grows_image();
             let id = v.id;
             let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
+            // The plaintext device follows the backend's (LUKS2's payload
+            // runs to the end of the device).
+            let outcome = match (outcome, &v.crypt) {
+                (Ok(att), Some(layer))
+                    if !att.resize_pending && blockplane_system::crypt::is_open(&layer.name) =>
+                {
+                    let name = layer.name.clone();
+                    blocking(move || blockplane_system::crypt::resize(&name))
+                        .await?
+                        .map(|()| att)
+                        .map_err(|e| crate::backend::BackendError::Refused {
+                            reason: format!("its plaintext device did not follow: {e}"),
+                        })
+                }
+                (outcome, _) => outcome,
+            };
+            let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
                 self.faults.point(super::After::Change)?;
             }
@@ -728,14 +786,14 @@ impl Manager {
                         format!(
                             "volume '{}' now {} on {}",
                             v.name,
-                            size_text(att.size_bytes),
+                            size_text(att.size_bytes - header),
                             att.device
                         )
                     };
                     out.push(VolumeResize {
                         volume_id: v.id,
                         name: v.name.clone(),
-                        size_bytes: att.size_bytes,
+                        size_bytes: att.size_bytes - header,
                         resize_pending: pending,
                         message: msg.clone(),
                     });
@@ -775,8 +833,9 @@ impl Manager {
     pub(super) async fn delete_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
-        delete_file: bool,
+        q: DeleteImageQuery,
     ) -> Result<()> {
+        let DeleteImageQuery { delete_file, erase } = q;
         let row = self.image_row(id_or_name).await?;
         // A copy stops first; its partial file goes with the image.
         self.copies.stop(row.id).await;
@@ -790,6 +849,27 @@ impl Manager {
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(row.name, &users));
+        }
+        if erase {
+            if row.encryption.is_none() {
+                return Err(Error::NotEncrypted {
+                    image: row.name,
+                    what: "there are no key slots to erase; delete it without \"erase\"".into(),
+                });
+            }
+            // Before the row goes: a failed erase leaves the image listed.
+            let erased = self.erase_image(&row).await?;
+            tx.set_image_encryption(row.id, Some(&erased)).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_erased",
+                &format!(
+                    "image '{}' crypto-erased: every key slot of its LUKS2 header destroyed; no key opens {} again",
+                    row.name, row.path
+                ),
+            )
+            .await?;
         }
         if delete_file {
             let path = self.roots.resolve(&row.path)?;

@@ -42,6 +42,7 @@ impl Manager {
                     stats: stats.clone(),
                     page_cache: caches.get(&v.id).copied(),
                     page_cache_warned: !self.page_cache_watch.warnings(v.id).is_empty(),
+                    encrypted: v.crypt.is_some(),
                 });
             }
         }

@@ -5,6 +5,7 @@
 
 mod backend_events;
 mod copies;
+mod encryption;
 mod error;
 mod events;
 #[cfg(test)]
@@ -62,6 +63,8 @@ pub struct ManagerConfig {
     pub max_volumes: usize,
     /// Provisioned bytes of an image root over its filesystem's size, at most.
     pub max_overcommit: Option<f64>,
+    /// How hard new key slots are to guess (`--key-unlock-ms`).
+    pub kdf: blockplane_system::crypt::Kdf,
     /// The test fault to inject (none outside tests).
     pub faults: Faults,
 }
@@ -90,6 +93,7 @@ pub struct Manager {
     faults: Faults,
     max_volumes: usize,
     max_overcommit: Option<f64>,
+    kdf: blockplane_system::crypt::Kdf,
     default_queues: u16,
     /// This service's instance id, in the marks it puts on devices.
     instance: String,
@@ -139,6 +143,7 @@ impl Manager {
             faults: cfg.faults,
             max_volumes: cfg.max_volumes,
             max_overcommit: cfg.max_overcommit,
+            kdf: cfg.kdf,
             default_queues: cfg.default_queues,
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: jobs::Jobs::default(),

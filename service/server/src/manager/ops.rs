@@ -17,9 +17,10 @@ use super::events::EventFeed;
 use super::{Created, Manager, Result};
 use crate::metrics::ApiLabels;
 use blockplane_api::model::{
-    CreateImageRequest, CreateVolumeRequest, Event, EventQuery, EventStreamQuery, Handover, Host,
-    Image, PatchVolumeRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume,
-    VolumeStats, VolumeUsage,
+    AddKeyRequest, CreateImageRequest, CreateVolumeRequest, DeleteImageQuery, Event, EventQuery,
+    EventStreamQuery, Handover, Host, Image, Key, KeySlotAdded, PatchVolumeRequest,
+    RemoveKeyRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume, VolumeStats,
+    VolumeUsage,
 };
 
 /// The service's operations, one per API route (`id` is an id or a name).
@@ -46,7 +47,16 @@ pub trait Operations: Send + Sync {
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate.
     async fn cancel_allocate(&self, id: &str) -> Result<Image>;
     /// `DELETE /v1/images/{id}`: forgets the image, and its file if asked.
-    async fn delete_image(self: Arc<Self>, id: &str, delete_file: bool) -> Result<()>;
+    async fn delete_image(self: Arc<Self>, id: &str, q: DeleteImageQuery) -> Result<()>;
+    /// `POST /v1/images/{id}/keys`: a new key slot of an encrypted image.
+    async fn add_image_key(self: Arc<Self>, id: &str, req: AddKeyRequest) -> Result<KeySlotAdded>;
+    /// `DELETE /v1/images/{id}/keys/{slot}`: a key slot removed.
+    async fn remove_image_key(
+        self: Arc<Self>,
+        id: &str,
+        slot: u32,
+        req: RemoveKeyRequest,
+    ) -> Result<Image>;
 
     /// `POST /v1/volumes`: idempotent by name and spec.
     async fn create_volume(self: Arc<Self>, req: CreateVolumeRequest) -> Result<Created<Volume>>;
@@ -61,6 +71,9 @@ pub trait Operations: Send + Sync {
     /// `POST /v1/volumes/{id}/handover`: a new worker of the service's
     /// build takes the device over.
     async fn handover_volume(self: Arc<Self>, id: &str) -> Result<Handover>;
+    /// `POST /v1/volumes/{id}/unlock`: a `locked` volume's plaintext device
+    /// opened again with its image's key.
+    async fn unlock_volume(self: Arc<Self>, id: &str, key: Key) -> Result<Volume>;
     /// `GET /v1/volumes/{id}/stats`.
     async fn volume_stats(&self, id: &str) -> Result<VolumeStats>;
     /// `GET /v1/volumes/{id}/stats/history`.
@@ -117,8 +130,19 @@ impl Operations for Manager {
     async fn cancel_allocate(&self, id: &str) -> Result<Image> {
         Manager::cancel_allocate(self, id).await
     }
-    async fn delete_image(self: Arc<Self>, id: &str, delete_file: bool) -> Result<()> {
-        Manager::delete_image(&self, id, delete_file).await
+    async fn delete_image(self: Arc<Self>, id: &str, q: DeleteImageQuery) -> Result<()> {
+        Manager::delete_image(&self, id, q).await
+    }
+    async fn add_image_key(self: Arc<Self>, id: &str, req: AddKeyRequest) -> Result<KeySlotAdded> {
+        Manager::add_image_key(&self, id, req).await
+    }
+    async fn remove_image_key(
+        self: Arc<Self>,
+        id: &str,
+        slot: u32,
+        req: RemoveKeyRequest,
+    ) -> Result<Image> {
+        Manager::remove_image_key(&self, id, slot, req).await
     }
 
     async fn create_volume(self: Arc<Self>, req: CreateVolumeRequest) -> Result<Created<Volume>> {
@@ -138,6 +162,9 @@ impl Operations for Manager {
     }
     async fn handover_volume(self: Arc<Self>, id: &str) -> Result<Handover> {
         Manager::handover_volume(&self, id).await
+    }
+    async fn unlock_volume(self: Arc<Self>, id: &str, key: Key) -> Result<Volume> {
+        Manager::unlock_volume(&self, id, key).await
     }
     async fn volume_stats(&self, id: &str) -> Result<VolumeStats> {
         Manager::volume_stats(self, id).await

@@ -221,7 +221,11 @@ impl Manager {
             att.attached_at = old.attached_at;
             att.baseline = old.baseline;
         }
-        let unchanged = v.state == VolumeState::Attached && v.attachment.as_ref() == Some(&att);
+        let unchanged = v.state == VolumeState::Attached
+            && v.attachment.as_ref() == Some(&att)
+            && v.crypt
+                .as_ref()
+                .is_none_or(|l| blockplane_system::crypt::is_open(&l.name));
         if !unchanged {
             self.record_attached(v, att, "volume_adopted").await?;
         }

@@ -187,6 +187,7 @@ async fn manager_over(
             default_queues: 1,
             max_volumes,
             max_overcommit: None,
+            kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
             faults: Faults::default(),
         },
     )

@@ -17,8 +17,8 @@ use blockplane_api::model::{
     HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
     StatsHistoryQuery, Volume, VolumeState, VolumeStats, VolumeUsage,
 };
-use blockplane_system::dispatch;
 use blockplane_system::image::{Access, ImageFile};
+use blockplane_system::{crypt, dispatch};
 
 pub use crate::config::MAX_QUEUES;
 /// Largest queue depth a volume may ask for (the ublk driver's limit).
@@ -128,8 +128,18 @@ impl Manager {
                 .unwrap_or_else(|| "no device".into()),
             state: v.state,
             state_reason: v.state_reason.clone(),
-            device: att.map(|a| a.device.clone()),
-            size_bytes: att.map(|a| a.size_bytes).unwrap_or(image_size),
+            device: match (&v.crypt, att) {
+                (_, None) => None,
+                (Some(_), Some(_)) if v.state == VolumeState::Locked => None,
+                (Some(layer), Some(_)) => Some(super::encryption::plaintext_device(layer)),
+                (None, Some(a)) => Some(a.device.clone()),
+            },
+            encrypted: v.crypt.is_some(),
+            backing_device: att.filter(|_| v.crypt.is_some()).map(|a| a.device.clone()),
+            size_bytes: att
+                .map(|a| a.size_bytes)
+                .unwrap_or(image_size)
+                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
             read_only: v.read_only,
             // The device's count where known: the kernel caps it at its CPUs.
             queues: att
@@ -262,8 +272,10 @@ impl Manager {
     /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
     pub(super) async fn create_volume(
         self: &Arc<Self>,
-        req: CreateVolumeRequest,
+        mut req: CreateVolumeRequest,
     ) -> Result<Created<Volume>> {
+        // The key opens the image now; it is no part of the recorded spec.
+        let key = req.key.take();
         validate_name("volume", &req.name)?;
         check_spec(&req)?;
         let req = CreateVolumeRequest {
@@ -309,6 +321,12 @@ impl Manager {
             let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
             blocking(move || me.open_and_lock(&image, access)).await??
         };
+        let id = Uuid::new_v4();
+        let fd = file
+            .fd()
+            .try_clone()
+            .map_err(|e| Error::Internal(format!("volume '{}': dup: {e}", req.name)))?;
+        let crypt = self.crypt_layer_for(&image, fd, key.as_ref(), id).await?;
         // Loop has one queue; the others get one per CPU unless asked.
         let queues = req.queues.unwrap_or(match backend.kind() {
             Backend::Loop => 1,
@@ -333,7 +351,7 @@ impl Manager {
 
         let now = OffsetDateTime::now_utc();
         let mut row = VolumeRow {
-            id: Uuid::new_v4(),
+            id,
             name: req.name.clone(),
             image_id: image.id,
             spec,
@@ -344,6 +362,7 @@ impl Manager {
             state: VolumeState::Attaching,
             state_reason: None,
             attachment: None,
+            crypt,
             created_at: now,
             updated_at: now,
         };
@@ -377,7 +396,22 @@ impl Manager {
         self.faults.point(After::Insert)?;
         self.faults.pause(Slow::VolumeChange).await;
 
-        match self.attach(&row, &image, file, &image_lock, decision).await {
+        let attached = match self.attach(&row, &image, file, &image_lock, decision).await {
+            Ok(att) => match (&row.crypt, &key) {
+                (Some(layer), Some(key)) => {
+                    match self.open_crypt(layer, &image.name, &att, key).await {
+                        Ok(()) => Ok(att),
+                        Err(e) => {
+                            let _ = self.detach(&row).await;
+                            Err(e)
+                        }
+                    }
+                }
+                _ => Ok(att),
+            },
+            Err(e) => Err(e),
+        };
+        match attached {
             Ok(att) => {
                 let recorded = match self.faults.point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
@@ -453,8 +487,10 @@ impl Manager {
             .map_err(|e| volume_error(&name, e))
     }
 
-    /// Removes a volume's device, if any.
+    /// Removes a volume's device, if any: its plaintext device first, on an
+    /// encrypted image.
     pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
+        self.close_crypt(v).await?;
         let Some(backend) = self.backend(v.backend) else {
             return Ok(());
         };
@@ -482,9 +518,26 @@ impl Manager {
         // A new device may hold pages already (a probe of it, an earlier
         // user of the image): start clean.
         self.drop_page_cache(v, &att).await;
+        let locked = v.crypt.as_ref().filter(|l| !crypt::is_open(&l.name));
+        let msg = match locked {
+            None => msg,
+            Some(l) => format!(
+                "{msg}; locked: its plaintext device {} is not open",
+                super::encryption::plaintext_device(l)
+            ),
+        };
+        v.state_reason = locked.map(|l| {
+            format!(
+                "its plaintext device {} is not open (the host restarted, or it was closed): unlock it with its image's key (POST /v1/volumes/{}/unlock)",
+                super::encryption::plaintext_device(l),
+                v.name
+            )
+        });
+        v.state = match locked {
+            Some(_) => VolumeState::Locked,
+            None => VolumeState::Attached,
+        };
         v.attachment = Some(att);
-        v.state = VolumeState::Attached;
-        v.state_reason = None;
         v.updated_at = OffsetDateTime::now_utc();
         let (v, msg) = (&*v, &msg);
         self.finishing(move || async move {
@@ -523,7 +576,14 @@ impl Manager {
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
         self.reserve.take();
-        if let Some(backend) = self.backend(v.backend) {
+        if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
+            // dm-crypt holds the backend's device; the plaintext is what
+            // users mount or open.
+            let (device, name) = (crypt::device_of(&layer.name), v.name.clone());
+            blocking(move || check_not_in_use(&device))
+                .await?
+                .map_err(|e| volume_error(&name, e))?;
+        } else if let Some(backend) = self.backend(v.backend) {
             let (id, name) = (v.id, v.name.clone());
             blocking(move || backend.check_detach(id))
                 .await?
@@ -675,10 +735,34 @@ impl Manager {
         att: &Attachment,
         change: Change,
     ) -> Result<Attachment> {
+        // The plaintext device above refuses writes first, and takes them
+        // again last.
+        let plaintext = v.crypt.as_ref().map(|l| l.name.clone());
+        let set_plaintext = |read_only: bool| {
+            let name = plaintext.clone();
+            async move {
+                let Some(name) = name.filter(|n| crypt::is_open(n)) else {
+                    return Ok(());
+                };
+                let device = crypt::device_of(&name).display().to_string();
+                blocking(move || crypt::set_read_only(&name, read_only))
+                    .await?
+                    .map_err(|e| volume_error(&v.name, BackendError::io("BLKROSET", device, e)))
+            }
+        };
+        if change == Change::ReadOnly(true) {
+            set_plaintext(true).await?;
+        }
         let (b, a, id) = (backend.clone(), att.clone(), v.id);
-        blocking(move || b.reconfigure(&a, change, id))
+        let made = blocking(move || b.reconfigure(&a, change, id))
             .await?
-            .map_err(|e| volume_error(&v.name, e))
+            .map_err(|e| volume_error(&v.name, e));
+        match (&made, change) {
+            (Err(_), Change::ReadOnly(true)) => set_plaintext(false).await?,
+            (Ok(_), Change::ReadOnly(false)) => set_plaintext(false).await?,
+            _ => {}
+        }
+        made
     }
 
     /// Records changes made on the device, with an event each, in one commit.
@@ -896,6 +980,24 @@ fn undo(v: &VolumeRow, change: Change) -> Change {
 }
 
 /// A volume's spec as backends take it.
+/// Refuses a device that is mounted or held open exclusively: it cannot be
+/// opened `O_EXCL` then.
+fn check_not_in_use(device: &std::path::Path) -> std::result::Result<(), BackendError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(device)
+        .map(drop)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::EBUSY) => BackendError::Busy {
+                device: device.display().to_string(),
+                reason: "it is mounted or held open; unmount or close it first".into(),
+            },
+            _ => BackendError::io("open", device.display().to_string(), e),
+        })
+}
+
 pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> VolumeParams {
     VolumeParams {
         image_path: image.path.clone(),

@@ -1,0 +1,366 @@
+//! Encrypted images on this host (no device-mapper here, so no dm-crypt: the
+//! VM tests open their plaintext): LUKS2 created in the file, keys checked
+//! and refused, crypto-erase, and the key kept out of every record — the
+//! registry, the event log, the service's log, and the arguments and
+//! environment of every process the service starts.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::{Opts, Service, assert_error};
+
+/// A key no other text of the run contains.
+fn unique_key() -> String {
+    format!("key-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Whether `key` opens a key slot of the LUKS2 file `path`, as cryptsetup
+/// itself says (the key on its standard input).
+fn opens(path: &std::path::Path, key: &str) -> bool {
+    let mut c = Command::new("cryptsetup")
+        .args(["open", "--test-passphrase", "--key-file=-"])
+        .arg(path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("cryptsetup runs");
+    c.stdin.take().unwrap().write_all(key.as_bytes()).unwrap();
+    c.wait().unwrap().success()
+}
+
+/// Every process whose parent is `pid`, with its command line and
+/// environment as /proc shows them.
+fn children_of(pid: u32) -> Vec<(String, Vec<u8>, Vec<u8>)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let dir = e.path();
+        let Ok(stat) = std::fs::read_to_string(dir.join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: comm may hold spaces, so from its end.
+        let Some(after) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let ppid: u32 = after
+            .1
+            .split(' ')
+            .nth(1)
+            .unwrap_or("0")
+            .parse()
+            .unwrap_or(0);
+        if ppid != pid {
+            continue;
+        }
+        let comm = after
+            .0
+            .rsplit_once(" (")
+            .map(|c| c.1.to_string())
+            .unwrap_or_default();
+        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(dir.join("environ")).unwrap_or_default();
+        out.push((comm, cmdline, environ));
+    }
+    out
+}
+
+fn contains(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_encrypted_image_takes_only_its_key_and_no_record_keeps_it() {
+    let s = Service::start_with(Opts {
+        // Each key check takes about half a second here: long enough for
+        // the scan of the service's children to see it.
+        extra_args: vec!["--key-unlock-ms".into(), "500".into()],
+        ..Default::default()
+    })
+    .await;
+    let key = unique_key();
+    let path = s.images.join("secret.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "secret", "path": path,
+                   "create": {"size_bytes": 64u64 << 20, "encryption": {"key": key}}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let e = &a.body["encryption"];
+    assert_eq!(e["format"], "luks2", "{}", a.body);
+    assert_eq!(e["header_bytes"], 16u64 << 20, "{}", a.body);
+    assert_eq!(e["key_slots"], json!([0]), "{}", a.body);
+    assert!(
+        opens(&path, &key),
+        "cryptsetup does not open the file with its key"
+    );
+    assert!(!opens(&path, "another key"));
+
+    // Refusals, each naming the image and changing nothing.
+    let plain = s.image("plain", 4).await;
+    let before = s.snapshot().await;
+    let v = |extra: serde_json::Value| {
+        let mut body = json!({"name": "v", "image": "secret", "backend": "loop"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let a = s.post("/v1/volumes", v(json!({}))).await;
+    assert_error(&a, 422, "key_required");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'secret'")
+    );
+    // Watch the service's children while it checks a wrong key.
+    let pid = s.pid();
+    let watch = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        for _ in 0..2000 {
+            for (comm, cmdline, environ) in children_of(pid) {
+                if comm == "cryptsetup" {
+                    seen.push((cmdline, environ));
+                }
+            }
+            if !seen.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        seen
+    });
+    let a = s
+        .post("/v1/volumes", v(json!({"key": "a wrong key"})))
+        .await;
+    assert_error(&a, 403, "key_rejected");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'secret'")
+    );
+    let seen = watch.await.unwrap();
+    assert!(
+        !seen.is_empty(),
+        "no cryptsetup child was seen while a key was checked"
+    );
+    for (cmdline, environ) in &seen {
+        assert!(
+            !contains(cmdline, "a wrong key"),
+            "the key is in cryptsetup's arguments"
+        );
+        assert!(
+            !contains(environ, "a wrong key"),
+            "the key is in cryptsetup's environment"
+        );
+    }
+    let a = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "v", "image": plain["id"], "backend": "loop", "key": key}),
+        )
+        .await;
+    assert_error(&a, 422, "not_encrypted");
+    let a = s
+        .delete(&format!(
+            "/v1/images/{}?erase=true",
+            plain["id"].as_str().unwrap()
+        ))
+        .await;
+    assert_error(&a, 422, "not_encrypted");
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+
+    // The right key: this host has no device-mapper, so dm-crypt cannot
+    // open the plaintext; the refusal says so and leaves no device.
+    let a = s.post("/v1/volumes", v(json!({"key": key}))).await;
+    if a.status == 201 {
+        let device = a.body["device"].as_str().unwrap();
+        assert!(
+            device.starts_with("/dev/mapper/blockplane-crypt-"),
+            "{}",
+            a.body
+        );
+        assert_eq!(a.body["encrypted"], true);
+        assert_eq!(s.delete("/v1/volumes/v").await.status, 204);
+    } else {
+        assert_error(&a, 422, "encryption_unavailable");
+        assert!(s.my_loop_devices().is_empty(), "{:?}", s.my_loop_devices());
+    }
+
+    // No record keeps the key.
+    for file in ["blockplane.db", "blockplane.db-wal"] {
+        let bytes = std::fs::read(s.data.join(file)).unwrap_or_default();
+        assert!(!contains(&bytes, &key), "the key is in {file}");
+    }
+    let events = s.get("/v1/events?limit=1000").await.body.to_string();
+    assert!(!events.contains(&key), "the key is in the event log");
+    assert!(
+        !s.log_text().contains(&key),
+        "the key is in the service's log"
+    );
+    assert!(
+        !s.log_text().contains("a wrong key"),
+        "a key is in the service's log"
+    );
+
+    // Crypto-erase: the file stays, and no key opens it.
+    assert_eq!(s.delete("/v1/images/secret?erase=true").await.status, 204);
+    assert!(path.exists());
+    assert!(
+        !opens(&path, &key),
+        "the erased file still opens with its key"
+    );
+    let events = s.get("/v1/events?limit=1000").await.body;
+    assert!(
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "image_erased"),
+        "{events}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_luks2_file_registers_as_encrypted_and_a_too_small_one_is_refused() {
+    let s = Service::start_with(Opts {
+        extra_args: vec!["--key-unlock-ms".into(), "100".into()],
+        ..Default::default()
+    })
+    .await;
+    let path = s.images.join("made-elsewhere.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(32 << 20).unwrap();
+    drop(f);
+    let mut c = Command::new("cryptsetup")
+        .args([
+            "luksFormat",
+            "--type",
+            "luks2",
+            "--batch-mode",
+            "--iter-time",
+            "100",
+        ])
+        .args(["--key-file=-"])
+        .arg(&path)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(b"elsewhere").unwrap();
+    assert!(c.wait().unwrap().success());
+    let a = s
+        .post("/v1/images", json!({"name": "elsewhere", "path": path}))
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(a.body["encryption"]["format"], "luks2", "{}", a.body);
+    assert_eq!(a.body["encryption"]["key_slots"], json!([0]), "{}", a.body);
+
+    let before = s.snapshot().await;
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "tiny", "path": s.images.join("tiny.img"),
+                   "create": {"size_bytes": 8u64 << 20, "encryption": {"key": "k"}}}),
+        )
+        .await;
+    assert_error(&a, 422, "invalid_field");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("header"),
+        "{}",
+        a.body
+    );
+    assert_eq!(s.snapshot().await, before);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keys_rotate_in_the_file_and_the_last_slot_stays() {
+    let s = Service::start_with(Opts {
+        extra_args: vec!["--key-unlock-ms".into(), "100".into()],
+        ..Default::default()
+    })
+    .await;
+    let path = s.images.join("rot.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "rot", "path": path,
+                   "create": {"size_bytes": 24u64 << 20, "encryption": {"key": "old"}}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    s.image("plain", 4).await;
+
+    let before = s.snapshot().await;
+    let a = s
+        .post(
+            "/v1/images/rot/keys",
+            json!({"key": "wrong", "new_key": "new"}),
+        )
+        .await;
+    assert_error(&a, 403, "key_rejected");
+    let a = s
+        .post(
+            "/v1/images/plain/keys",
+            json!({"key": "old", "new_key": "new"}),
+        )
+        .await;
+    assert_error(&a, 422, "not_encrypted");
+    let a = s
+        .delete_with("/v1/images/rot/keys/3", json!({"key": "old"}))
+        .await;
+    assert_error(&a, 404, "key_slot_not_found");
+    let a = s
+        .delete_with("/v1/images/rot/keys/0", json!({"key": "old"}))
+        .await;
+    assert_error(&a, 409, "last_key_slot");
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+
+    let a = s
+        .post(
+            "/v1/images/rot/keys",
+            json!({"key": "old", "new_key": "new"}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(a.body["slot"], 1);
+    assert_eq!(a.body["image"]["encryption"]["key_slots"], json!([0, 1]));
+    assert!(opens(&path, "new") && opens(&path, "old"));
+    // A wrong key removes nothing.
+    let a = s
+        .delete_with("/v1/images/rot/keys/0", json!({"key": "wrong"}))
+        .await;
+    assert_error(&a, 403, "key_rejected");
+    let a = s
+        .delete_with("/v1/images/rot/keys/0", json!({"key": "new"}))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.body["encryption"]["key_slots"], json!([1]));
+    assert!(opens(&path, "new"), "the new key does not open the image");
+    assert!(
+        !opens(&path, "old"),
+        "the removed key still opens the image"
+    );
+    let kinds: Vec<String> = s
+        .get("/v1/events?limit=1000")
+        .await
+        .body
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_string())
+        .collect();
+    assert!(kinds.contains(&"image_key_added".to_string()), "{kinds:?}");
+    assert!(
+        kinds.contains(&"image_key_removed".to_string()),
+        "{kinds:?}"
+    );
+}
