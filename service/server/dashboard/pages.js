@@ -221,7 +221,7 @@ export function overviewPage(ctx) {
     ctx.host = host;
     const health = await api('GET', '/healthz').then(() => 'ok', (e) => `${e.code}: ${e.message}`);
     const figures = await liveFigures(volumes);
-    const states = ['attached', 'degraded', 'attaching', 'detaching', 'error'];
+    const states = ['attached', 'degraded', 'locked', 'attaching', 'detaching', 'error'];
     const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
     const older = volumes.filter((v) => v.worker_older === true);
     const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);
@@ -496,6 +496,10 @@ export function imagesPage(ctx) {
     ['sparse', 'sparse (allocated on write)'],
     ['full', 'full (direct-map ready)'],
   ], 'sparse'));
+  // A key typed here goes in the request and nowhere else: cleared once
+  // sent, whatever the answer, and never kept by the page.
+  const [keyF, key] = field('Encryption key', h('input', { type: 'password', autocomplete: 'off', 'data-field': 'image-key' }),
+    'optional: encrypts the new file (LUKS2; its first 16 MiB hold the header); volumes on it need this key');
   const mode = h('fieldset', { class: 'mode' }, h('legend', null, 'File'),
     h('div', null, createR, h('label', { for: createR.id }, 'Create a new file')),
     h('div', null, registerR, h('label', { for: registerR.id }, 'Register an existing file')));
@@ -503,6 +507,7 @@ export function imagesPage(ctx) {
     const creating = createR.checked;
     size.disabled = !creating;
     alloc.disabled = !creating;
+    key.disabled = !creating;
   };
   createR.addEventListener('change', syncMode);
   registerR.addEventListener('change', syncMode);
@@ -510,7 +515,7 @@ export function imagesPage(ctx) {
   const addOut = outcome();
   const addForm = h('form', { class: 'card', 'aria-labelledby': 'add-image-h' },
     h('h2', { id: 'add-image-h' }, 'Add an image'),
-    h('div', { class: 'fields' }, nameF, pathF, mode, sizeF, allocF),
+    h('div', { class: 'fields' }, nameF, pathF, mode, sizeF, allocF, keyF),
     h('div', { class: 'buttons' }, addBtn), addOut);
   addForm.addEventListener('submit', async (ev) => {
     ev.preventDefault();
@@ -523,7 +528,9 @@ export function imagesPage(ctx) {
         return;
       }
       body.create = { size_bytes: n, allocation: alloc.value };
+      if (key.value) body.create.encryption = { key: key.value };
     }
+    key.value = '';
     const r = await act(ctx, addOut, [addBtn], () => api('POST', '/v1/images', body),
       (img) => [`Image ${img.name} added: ${bytes(img.size_bytes)} on ${img.filesystem}.`,
         ...(img.allocation_reason ? [` Allocation ${img.allocation ?? 'unknown'}: ${img.allocation_reason}.`] : []),
@@ -678,9 +685,11 @@ export function imagesPage(ctx) {
       img.snapshot_of ? h('div', null, 'snapshot of ', h('strong', null, nameOf(img.snapshot_of))) : null,
       img.cloned_from ? h('div', null, 'clone of ', h('strong', null, nameOf(img.cloned_from))) : null,
       img.read_only ? h('div', { class: 'badge' }, 'read-only') : null,
+      img.encryption ? h('div', { class: 'badge', 'data-field': 'encrypted', title: `${img.encryption.cipher}, key slots ${img.encryption.key_slots.join(', ')}` },
+        'encrypted') : null,
       img.method ? h('div', { class: 'reason' }, img.method === 'reflink' ? 'shared extents (reflink)' : 'copied') : null,
       snaps.length ? h('div', { 'data-field': 'snapshots' }, `snapshots: ${snaps.map((i) => i.name).join(', ')}`) : null,
-      img.snapshot_of || img.cloned_from || snaps.length ? null : '–',
+      img.snapshot_of || img.cloned_from || snaps.length || img.encryption ? null : '–',
     ];
   }
 
@@ -835,7 +844,11 @@ export function volumesPage(ctx) {
     ro.checked = forced || roWanted;
     roNote.hidden = !forced;
     fill(roNote, forced ? `${img.name} is a read-only snapshot: volumes on it are read-only.` : '');
+    volKeyF.hidden = !img?.encryption;
   }
+  // Shown for an encrypted image; cleared once sent, never kept by the page.
+  const [volKeyF, volKey] = field('Key', h('input', { type: 'password', autocomplete: 'off', 'data-field': 'volume-key' }),
+    'the encrypted image\'s key');
   const [iopsF, iops] = field('QoS IOPS limit', h('input', { type: 'number', min: 1, inputmode: 'numeric' }), 'optional; ublk');
   const [bwF, bw] = field('QoS bandwidth limit', h('input', { type: 'text', autocomplete: 'off' }), 'optional, bytes/s, e.g. 100M');
   // Dispatch and QoS need ublk or dm: on a loop-only host they are off.
@@ -847,7 +860,7 @@ export function volumesPage(ctx) {
   const createOut = outcome();
   const form = h('form', { class: 'card', 'aria-labelledby': 'create-volume-h' },
     h('h2', { id: 'create-volume-h' }, 'Create a volume'),
-    h('div', { class: 'fields' }, nameF, imageF, backendF, dispatchF, iopsF, bwF, roF),
+    h('div', { class: 'fields' }, nameF, imageF, volKeyF, backendF, dispatchF, iopsF, bwF, roF),
     h('div', { class: 'buttons' }, createBtn), createOut);
   form.addEventListener('submit', async (ev) => {
     ev.preventDefault();
@@ -870,6 +883,8 @@ export function volumesPage(ctx) {
       limits.bytes_per_sec = n;
     }
     if (Object.keys(limits).length) body.qos = limits;
+    if (!volKeyF.hidden && volKey.value) body.key = volKey.value;
+    volKey.value = '';
     const r = await act(ctx, createOut, [createBtn], () => api('POST', '/v1/volumes', body),
       (v) => `Volume ${v.name} is ${v.state}: ${v.device ?? 'no device'} (${v.backend}).`);
     if (r) {
@@ -893,14 +908,15 @@ export function volumesPage(ctx) {
       h('td', { 'data-field': 'backend' }, v.backend),
       h('td', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
       h('td', { 'data-field': 'state' }, stateCell(v)),
-      h('td', { 'data-field': 'device', class: 'mono' }, v.device ?? '–'),
+      h('td', { 'data-field': 'device', class: 'mono' }, v.device ?? '–',
+        v.encrypted ? h('div', { class: 'badge', 'data-field': 'encrypted' }, 'encrypted') : null),
       h('td', { 'data-field': 'size', class: 'num' }, bytes(v.size_bytes)),
       h('td', { 'data-field': 'read_only' }, yesNo(v.read_only)),
       h('td', { 'data-field': 'qos' }, qos(v.qos)),
       h('td', { 'data-field': 'worker' }, workerCell(v)),
       h('td', { 'data-field': 'iops', class: 'num' }, '–'),
       h('td', { 'data-field': 'latency', class: 'num' }, '–'),
-      h('td', null, h('button', {
+      h('td', null, v.state === 'locked' ? unlockForm(v) : null, h('button', {
         type: 'button',
         class: 'danger',
         'data-key': `delete-${v.id}`,
@@ -914,6 +930,22 @@ export function volumesPage(ctx) {
         },
       }, 'Delete…')),
     );
+  }
+
+  /** A locked volume's key prompt: the key goes in the request only. */
+  function unlockForm(v) {
+    const input = h('input', { type: 'password', autocomplete: 'off', 'aria-label': `Key of ${v.name}`, 'data-key': `unlock-key-${v.id}` });
+    const btn = h('button', { type: 'submit' }, 'Unlock');
+    const f = h('form', { class: 'inline', 'data-key': `unlock-${v.id}` }, input, btn);
+    f.addEventListener('submit', async (ev) => {
+      ev.preventDefault();
+      const body = { key: input.value };
+      input.value = '';
+      const r = await act(ctx, listOut, [btn], () => api('POST', `/v1/volumes/${seg(v.id)}/unlock`, body),
+        (u) => `Volume ${u.name} unlocked: ${u.device}.`);
+      if (r) load();
+    });
+    return f;
   }
 
   async function load() {
@@ -944,7 +976,7 @@ export function volumesPage(ctx) {
         const users = (i.volumes ?? []).map((id) => names.get(id) ?? id);
         const why = notReady(i);
         return h('option', { value: i.name, selected: i.name === chosen, disabled: users.length > 0 || Boolean(why) },
-          `${i.name} (${bytes(i.size_bytes)})${i.read_only ? ', read-only snapshot' : ''}${users.length ? `, in use by ${users.join(', ')}` : ''}${why ? `, ${why}` : ''}`);
+          `${i.name} (${bytes(i.size_bytes)})${i.encryption ? ', encrypted' : ''}${i.read_only ? ', read-only snapshot' : ''}${users.length ? `, in use by ${users.join(', ')}` : ''}${why ? `, ${why}` : ''}`);
       })
       : h('option', { value: '' }, 'no images: add one on the Images page'));
     syncReadOnly();
@@ -1189,7 +1221,9 @@ export function volumePage(ctx, { id }) {
     fill(
       facts,
       h('dt', null, 'State'), h('dd', { 'data-field': 'state' }, stateCell(v)),
-      h('dt', null, 'Device'), h('dd', { 'data-field': 'device', class: 'mono' }, v.device ?? '–'),
+      h('dt', null, 'Device'), h('dd', { 'data-field': 'device', class: 'mono' }, v.device ?? '–',
+        v.encrypted ? h('div', { class: 'reason' }, `plaintext (dm-crypt) over ${v.backing_device ?? 'its backend\'s device'}`) : null),
+      h('dt', null, 'Encrypted'), h('dd', { 'data-field': 'encrypted' }, yesNo(v.encrypted)),
       h('dt', null, 'Backend'), h('dd', { 'data-field': 'backend' }, v.backend),
       h('dt', null, 'Dispatch'), h('dd', { 'data-field': 'dispatch' }, dispatchText(v), h('div', { class: 'reason' }, v.dispatch_reason)),
       h('dt', null, 'Size'), h('dd', { 'data-field': 'size' }, bytes(v.size_bytes), v.resize_pending ? ' (resize pending: applies at the next attach)' : ''),
