@@ -199,6 +199,13 @@ dm-flakey required
 dm-log-writes required
 dm-delay required
 dm-snapshot required
+dm-crypt required
+xts optional
+aes_generic optional
+aesni_intel optional
+af_alg optional
+algif_skcipher optional
+algif_hash optional
 loop required
 xfs required
 ext4 required

@@ -18,6 +18,7 @@ mod leaks;
 mod controlplane;
 mod dm;
 mod drift;
+mod encryption;
 mod faults;
 mod keepalloc;
 mod live;
@@ -196,17 +197,23 @@ impl Vm {
     /// As [`Vm::start`], with the service run from `bin` (a copy the test
     /// can replace as a package upgrade does).
     pub async fn start_from(bin: PathBuf) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), Some(bin)).await
+        Self::start_opts(Vec::new(), Vec::new(), Some(bin), &[]).await
     }
 
     async fn start_with(more: Vec<PathBuf>, env: Vec<(String, String)>) -> Self {
-        Self::start_opts(more, env, None).await
+        Self::start_opts(more, env, None, &[]).await
+    }
+
+    /// As [`Vm::start`], with more arguments to `serve`.
+    pub async fn start_with_args(args: &[&str]) -> Self {
+        Self::start_opts(Vec::new(), Vec::new(), None, args).await
     }
 
     async fn start_opts(
         more: Vec<PathBuf>,
         env: Vec<(String, String)>,
         bin: Option<PathBuf>,
+        args: &[&str],
     ) -> Self {
         in_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
@@ -225,7 +232,11 @@ impl Vm {
                 .map(|(_, p)| p.clone())
                 .chain(more.iter().cloned())
                 .collect(),
-            extra_args: vec!["--extent-check-secs".into(), "2".into()],
+            extra_args: ["--extent-check-secs", "2"]
+                .iter()
+                .chain(args)
+                .map(|a| a.to_string())
+                .collect(),
             env,
             bin,
             ..Default::default()
