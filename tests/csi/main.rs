@@ -174,6 +174,25 @@ impl Csi {
             })
     }
 
+    /// CreateVolume with StorageClass parameters and the provisioner's
+    /// secret entries.
+    pub async fn create_with_secrets(
+        &self,
+        name: &str,
+        required: i64,
+        cap: VolumeCapability,
+        params: &[(&str, &str)],
+        secrets: &[(&str, &str)],
+    ) -> Result<Volume, tonic::Status> {
+        let mut req = create_req(name, required, cap, params);
+        req.secrets = to_map(secrets);
+        self.controller.clone().create_volume(req).await.map(|r| {
+            r.into_inner()
+                .volume
+                .expect("CreateVolume answered no volume")
+        })
+    }
+
     /// DeleteVolume.
     pub async fn delete(&self, volume_id: &str) -> Result<(), tonic::Status> {
         self.controller
@@ -209,6 +228,27 @@ impl Csi {
                 volume_id: volume_id.into(),
                 staging_target_path: staging.display().to_string(),
                 volume_capability: Some(cap),
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    /// NodeStageVolume with the node-stage secret's entries.
+    pub async fn stage_with_secrets(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        cap: VolumeCapability,
+        secrets: &[(&str, &str)],
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .clone()
+            .node_stage_volume(NodeStageVolumeRequest {
+                volume_id: volume_id.into(),
+                staging_target_path: staging.display().to_string(),
+                volume_capability: Some(cap),
+                secrets: to_map(secrets),
                 ..Default::default()
             })
             .await
@@ -400,6 +440,14 @@ async fn connect(sock: &Path, driver: &mut Child, log: &Path) -> Channel {
 }
 
 /// A CreateVolume request.
+/// Pairs as the map a CSI request carries.
+fn to_map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 pub fn create_req(
     name: &str,
     required: i64,
@@ -413,10 +461,7 @@ pub fn create_req(
             limit_bytes: 0,
         }),
         volume_capabilities: vec![cap],
-        parameters: params
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
+        parameters: to_map(params),
         ..Default::default()
     }
 }

@@ -550,3 +550,66 @@ async fn a_single_writer_volume_is_published_once() {
             .unwrap();
     }
 }
+
+/// An encrypted StorageClass (`encrypted: "true"`): the key comes from the
+/// provisioner secret at create and the node-stage secret at stage (as
+/// Longhorn's does); either missing is FAILED_PRECONDITION naming the
+/// StorageClass key that sets it, a wrong key PERMISSION_DENIED. A host
+/// without dm-crypt refuses the create with the service's reason.
+#[tokio::test]
+async fn an_encrypted_volume_is_made_and_staged_only_with_its_secrets() {
+    let csi = Csi::start().await;
+    let cap = mount("ext4", &[]);
+    let params = [("encrypted", "true")];
+    let s = assert_code(
+        csi.create_with("sealed", 32 * MIB, cap.clone(), &params)
+            .await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message().contains("provisioner-secret-name"),
+        "{}",
+        s.message()
+    );
+    let secrets = [("key", "csi-secret-key")];
+    let created = csi
+        .create_with_secrets("sealed", 32 * MIB, cap.clone(), &params, &secrets)
+        .await;
+    if !crate::in_vm() {
+        let s = assert_code(created, Code::FailedPrecondition);
+        assert!(s.message().contains("dm-crypt"), "{}", s.message());
+        assert!(csi.svc.my_loop_devices().is_empty());
+        return;
+    }
+    let v = created.unwrap_or_else(|e| panic!("{e:?}\n{}", csi.driver_log()));
+    assert_eq!(v.capacity_bytes, 32 * MIB, "the header comes on top");
+    let bp = csi.bp_volume(&v.volume_id).await;
+    assert_eq!(bp["encrypted"], true, "{bp}");
+    let dev = bp["device"].as_str().unwrap().to_string();
+    assert!(dev.starts_with("/dev/mapper/blockplane-crypt-"), "{bp}");
+    let id = &v.volume_id;
+    let staging = csi.staging("sealed");
+    let s = assert_code(
+        csi.stage(id, &staging, cap.clone()).await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message().contains("node-stage-secret-name"),
+        "{}",
+        s.message()
+    );
+    assert_code(
+        csi.stage_with_secrets(id, &staging, cap.clone(), &[("key", "wrong")])
+            .await,
+        Code::PermissionDenied,
+    );
+    assert!(mount_at(&staging).is_none(), "a refused stage mounted");
+    csi.stage_with_secrets(id, &staging, cap.clone(), &secrets)
+        .await
+        .unwrap();
+    let m = mount_at(&staging).expect("staged");
+    assert_eq!(m.fstype, "ext4");
+    assert_eq!(m.source, dev, "the plaintext device is what is mounted");
+    csi.unstage(id, &staging).await.unwrap();
+    csi.delete(id).await.unwrap();
+}

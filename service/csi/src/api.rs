@@ -10,7 +10,7 @@ use blockplane_api::client::{self, Client};
 use blockplane_api::model::{
     CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Event,
     EventQuery, Host, Image, ListImagesQuery, PatchVolumeRequest, ResizeImageRequest,
-    ResizeImageResponse, Volume,
+    ResizeImageResponse, UnlockVolumeRequest, Volume,
 };
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -76,6 +76,16 @@ impl Api {
     /// Creates volume `req.name` (idempotent by name in the API too).
     pub async fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, CsiError> {
         self.client.create_volume(req).await.named(&req.name)
+    }
+
+    /// Opens a locked encrypted volume's plaintext device with its key (on
+    /// a volume serving it already, checks the key).
+    pub async fn unlock_volume(
+        &self,
+        name: &str,
+        req: &UnlockVolumeRequest,
+    ) -> Result<Volume, CsiError> {
+        self.client.unlock_volume(name, req).await.named(name)
     }
 
     /// Changes the live volume of that name (every change checked before

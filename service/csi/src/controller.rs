@@ -58,7 +58,18 @@ pub struct Params {
     pub dispatch: DispatchPolicy,
     pub allocation: Allocation,
     pub qos: Option<Qos>,
+    /// `encrypted: "true"`: LUKS2, with the key from the request's secret
+    /// [`KEY_SECRET`].
+    pub encrypted: bool,
 }
+
+/// The entry of a Secret (provisioner and node-stage) that holds an
+/// encrypted volume's key.
+pub const KEY_SECRET: &str = "key";
+
+/// The LUKS2 header the service puts before an encrypted image's data: an
+/// encrypted volume's image is this much larger than the capacity asked.
+const ENCRYPTION_HEADER_BYTES: u64 = 16 << 20;
 
 /// Parses StorageClass parameters: `backend`, `dispatch`, `allocation`
 /// (the API's values) and `qos.iops`, `qos.bytes_per_sec`, `qos.burst_iops`,
@@ -75,6 +86,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         dispatch: DispatchPolicy::Auto,
         allocation: Allocation::Sparse,
         qos: None,
+        encrypted: false,
     };
     let mut qos = Qos::default();
     let mut keys: Vec<&String> = params.keys().collect();
@@ -108,6 +120,17 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
                     invalid(format!("parameter allocation='{v}' is not sparse or full"))
                 })?
             }
+            "encrypted" => {
+                p.encrypted = match v {
+                    "true" => true,
+                    "false" => false,
+                    _ => {
+                        return Err(invalid(format!(
+                            "parameter encrypted='{v}' is not true or false"
+                        )));
+                    }
+                }
+            }
             "qos.iops" => qos.iops = Some(number(false)?),
             "qos.bytes_per_sec" => qos.bytes_per_sec = Some(number(true)?),
             "qos.burst_iops" => qos.burst_iops = Some(number(false)?),
@@ -115,7 +138,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
             k if k.starts_with("csi.storage.k8s.io/") => {}
             other => {
                 return Err(invalid(format!(
-                    "unknown parameter '{other}' (known: backend, dispatch, allocation, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
+                    "unknown parameter '{other}' (known: backend, dispatch, allocation, encrypted, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
                 )));
             }
         }
@@ -287,7 +310,14 @@ impl ControllerService {
         source: Option<&model::Image>,
     ) -> Result<(), CsiError> {
         let image = d.api.image(&v.name).await?;
-        let size = image.as_ref().map_or(v.size_bytes, |i| i.size_bytes);
+        // An encrypted volume is its image less the header.
+        let header = image
+            .as_ref()
+            .and_then(|i| i.encryption.as_ref())
+            .map_or(0, |e| e.header_bytes);
+        let size = image
+            .as_ref()
+            .map_or(v.size_bytes, |i| i.size_bytes - header);
         let mut diffs = Vec::new();
         if !fits(size, range) {
             diffs.push(format!(
@@ -318,6 +348,13 @@ impl ControllerService {
         }
         if v.qos != p.qos {
             diffs.push(format!("its QoS is {:?}, asked {:?}", v.qos, p.qos));
+        }
+        if v.encrypted != p.encrypted {
+            diffs.push(format!(
+                "it is {}encrypted, asked {}encrypted",
+                if v.encrypted { "" } else { "not " },
+                if p.encrypted { "" } else { "not " }
+            ));
         }
         let made_from = image.as_ref().and_then(|i| i.cloned_from);
         if made_from != source.map(|s| s.id) {
@@ -350,6 +387,15 @@ impl ControllerService {
         source: Option<Source>,
     ) -> Result<model::Volume, CsiError> {
         let range = req.capacity_range.as_ref();
+        let key = req.secrets.get(KEY_SECRET).map(model::Key::new);
+        if params.encrypted && key.is_none() {
+            return Err(CsiError::Precondition {
+                volume: req.name.clone(),
+                reason: format!(
+                    "its StorageClass asks for encryption (encrypted: \"true\") and CreateVolume got no secret entry '{KEY_SECRET}': name a Secret holding it in the StorageClass's csi.storage.k8s.io/provisioner-secret-name and -namespace"
+                ),
+            });
+        }
         let src = match &source {
             Some(s) => Some(snapshots::source_image(&d, &req.name, s).await?),
             None => None,
@@ -397,9 +443,18 @@ impl ControllerService {
                     name: name.clone(),
                     path,
                     create: Some(model::CreateImageFile {
-                        size_bytes: size,
+                        // The header comes on top: the volume gets the capacity asked.
+                        size_bytes: size
+                            + if params.encrypted {
+                                ENCRYPTION_HEADER_BYTES
+                            } else {
+                                0
+                            },
                         allocation: params.allocation,
-                        encryption: None,
+                        encryption: key
+                            .clone()
+                            .filter(|_| params.encrypted)
+                            .map(|key| model::CreateEncryption { key }),
                     }),
                     clone_from: src.as_ref().map(|s| s.name.clone()),
                     allocation: None,
@@ -419,7 +474,10 @@ impl ControllerService {
             queue_depth: model::DEFAULT_QUEUE_DEPTH,
             max_io_bytes: model::DEFAULT_MAX_IO_BYTES,
             qos: params.qos,
-            key: None,
+            // A clone of an encrypted volume is encrypted too, with its keys.
+            key: key.filter(|_| {
+                params.encrypted || src.as_ref().is_some_and(|s| s.encryption.is_some())
+            }),
         };
         match d.api.create_volume(&vreq).await {
             Ok(v) => {
@@ -857,14 +915,22 @@ impl Controller for ControllerService {
                 if v.size_bytes >= size {
                     return Ok(v.size_bytes);
                 }
-                let grow = model::ResizeImageRequest { size_bytes: size };
+                let header = d
+                    .api
+                    .image(&name)
+                    .await?
+                    .and_then(|i| i.encryption)
+                    .map_or(0, |e| e.header_bytes);
+                let grow = model::ResizeImageRequest {
+                    size_bytes: size + header,
+                };
                 let answer = d.api.resize_image(&name, &grow).await?;
                 if let Some(r) = answer.volumes.iter().find(|r| r.volume_id == v.id)
                     && r.resize_pending
                 {
                     return Err(pending(r.message.clone()));
                 }
-                Ok(answer.image.size_bytes)
+                Ok(answer.image.size_bytes - header)
             })
             .await?;
         Ok(Response::new(ControllerExpandVolumeResponse {

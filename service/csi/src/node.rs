@@ -112,6 +112,31 @@ async fn device(d: &Driver, id: &VolumeId) -> Result<(model::Volume, PathBuf), C
     Ok((v, PathBuf::from(dev)))
 }
 
+/// Gives an encrypted volume its key from the node-stage secret: opens its
+/// plaintext device again if it is locked (after the node restarted), and
+/// checks the key otherwise. A plain volume needs none.
+async fn unlock(d: &Driver, id: &VolumeId, key: Option<model::Key>) -> Result<(), CsiError> {
+    let Some(v) = d.api.volume(&id.name).await? else {
+        return Ok(());
+    };
+    if !v.encrypted {
+        return Ok(());
+    }
+    let Some(key) = key else {
+        return Err(CsiError::Precondition {
+            volume: id.to_string(),
+            reason: format!(
+                "it is encrypted and NodeStageVolume got no secret entry '{}': name a Secret holding its key in the StorageClass's csi.storage.k8s.io/node-stage-secret-name and -namespace",
+                super::controller::KEY_SECRET
+            ),
+        });
+    };
+    d.api
+        .unlock_volume(&id.name, &model::UnlockVolumeRequest { key })
+        .await?;
+    Ok(())
+}
+
 /// Runs blocking work (mounts, filesystem tools) off the async threads.
 async fn blocking<T: Send + 'static>(
     volume: &str,
@@ -457,9 +482,14 @@ impl Node for NodeService {
         tracing::info!(volume = %id.name, staging = %req.staging_target_path, ?cap, "NodeStageVolume");
         let d = self.d.clone();
         let staging = PathBuf::from(req.staging_target_path);
+        let key = req
+            .secrets
+            .get(super::controller::KEY_SECRET)
+            .map(model::Key::new);
         self.d
             .node_calls
             .run(&req.volume_id, async move {
+                unlock(&d, &id, key).await?;
                 let (_, dev) = device(&d, &id).await?;
                 match cap.access {
                     // Nothing to prepare: publishing binds the device node.
