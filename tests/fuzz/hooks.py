@@ -68,6 +68,8 @@ STATE_CODES = {
     "too_large",
     "no_space",
     "storage_full",
+    # What the file holds: a registration declared full over a hole.
+    "allocation_mismatch",
     # The registry: the file is registered, the image's size, the cap.
     "already_registered",
     "shrink_refused",
@@ -79,6 +81,10 @@ STATE_CODES = {
     "unsupported",
     "refused",
     "not_live",
+    # Whether the image is encrypted, and whether this host has dm-crypt.
+    "not_encrypted",
+    "key_required",
+    "encryption_unavailable",
 }
 
 
