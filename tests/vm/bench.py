@@ -40,6 +40,13 @@ report` by command, by DSO and by symbol, and for a userspace server by DSO
 and symbol of its own process, into /results/profile-<target>.txt. A profile
 that fails is noted in its file; the table still comes.
 
+The encrypted targets (loop-enc, ublk-nowait-enc, dm-direct-enc; not in the
+default set) serve a LUKS2 image through dm-crypt over that path; an
+Encryption table gives each over its plain twin: IOPS, IOPS paired by round,
+and the whole system's CPU per request (/proc/stat busy ticks over fio's
+requests: fio, the server and the kernel's crypto workers alike), with the
+guest CPU's AES support and the xts(aes) driver the kernel picked.
+
 BENCH_ALT_BIN=/path/to/blockplane serves the targets named `<key>-alt` (any
 blockplane key, e.g. ublk-nowait-alt) from a second service running that
 binary, so that two builds (a release profile, a change) compare in one boot.
@@ -103,8 +110,18 @@ TARGETS = {
     "dm-qos": ("blockplane dm auto + QoS", "dm", ("dm", None)),
     # Not in the default set (BENCH_TARGETS adds it).
     "dm-threaded": ("blockplane dm threaded", "dm", ("dm", "threaded")),
+    # Encrypted (LUKS2, dm-crypt over the path): each against its plain
+    # twin in the Encryption table. Not in the default set.
+    "loop-enc": ("blockplane loop, encrypted", "loop", ("loop", None)),
+    "ublk-nowait-enc": ("blockplane ublk nowait, encrypted", "ublk", ("ublk", "nowait")),
+    "dm-direct-enc": ("blockplane dm direct, encrypted", "dm", ("dm", "direct")),
 }
-DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded"]
+ENCRYPTED = {"loop-enc": "loop", "ublk-nowait-enc": "ublk-nowait", "dm-direct-enc": "dm-direct"}
+DEFAULT_TARGETS = [k for k in TARGETS if k != "dm-threaded" and k not in ENCRYPTED]
+# The encrypted targets' key, and their images' LUKS2 header (on top of the
+# image size, so that every device is the same size).
+KEY = "bench-key"
+HEADER = 16 << 20
 # What a target's image and volume get beyond the defaults (by key).
 ALLOCATION = {"default-sparse": "sparse", "loop-sparse": "sparse"}
 QOS = {"dm-qos": {"iops": 100_000_000, "bytes_per_sec": 1 << 40}}
@@ -201,6 +218,42 @@ def check_target(kind, path, image):
                                capture_output=True, text=True, env={**os.environ, "DM_DISABLE_UDEV": "1"}).stdout
         return f"dm major {major}: {table.splitlines()[0] if table else '?'}"
     raise AssertionError(kind)
+
+
+def check_crypt(path):
+    """What a plaintext device is: a dm `crypt` table, and its cipher."""
+    st = os.stat(path)
+    table = subprocess.run(["dmsetup", "table", "-j", str(os.major(st.st_rdev)), "-m", str(os.minor(st.st_rdev))],
+                           capture_output=True, text=True, env={**os.environ, "DM_DISABLE_UDEV": "1"}).stdout.split()
+    assert len(table) > 3 and table[2] == "crypt", f"{path} is not a dm-crypt device: {table[:3]}"
+    return f"dm-crypt {table[3]}"
+
+
+def aes_support():
+    """Whether the guest CPU has AES instructions, and which xts(aes) the
+    kernel's crypto API uses for dm-crypt (the highest priority)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    best, prio, name = None, -1, None
+    with open("/proc/crypto") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "name":
+                name = value
+            elif key == "driver" and name == "xts(aes)":
+                driver = value
+            elif key == "priority" and name == "xts(aes)" and int(value) > prio:
+                best, prio = driver, int(value)
+    return f"CPU aes flag {'yes' if 'aes' in flags else 'no'}; xts(aes) by {best or 'not loaded yet'}"
+
+
+def system_busy_ticks():
+    """CPU ticks every CPU spent busy (not idle, not waiting for I/O): the
+    whole cost of a request, the kernel's crypto workers included."""
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    return sum(cpu) - cpu[3] - cpu[4]
 
 
 def worker_pid_of(vol):
@@ -329,8 +382,10 @@ def run_cell(t, mode, args, size):
     pid = t.get("pid")
     before = proc_sample(pid) if pid else None
     nw_before = nowait_counters(t)
+    busy_before = system_busy_ticks()
     iops, reqs = fio(t["path"], args, size)
-    run = {"iops": iops, "requests": reqs}
+    run = {"iops": iops, "requests": reqs,
+           "system_cpu_us_per_req": (system_busy_ticks() - busy_before) * 1e6 / CLK_TCK / max(reqs, 1)}
     if pid:
         after = proc_sample(pid)
         run["cpu_us_per_req"] = (after["ticks"] - before["ticks"]) * 1e6 / CLK_TCK / max(reqs, 1)
@@ -423,8 +478,11 @@ def setup(keys, size):
              "sock": sock, "runs": {m: [] for m, _ in MODES}}
         started = time.time()
         allocation = ALLOCATION.get(key.removesuffix(ALT), "full")
-        api("POST", "/v1/images", {"name": f"img-{key}", "path": t["image"],
-                                   "create": {"size_bytes": size, "allocation": allocation}}, sock)
+        create = {"size_bytes": size, "allocation": allocation}
+        encrypted = key.removesuffix(ALT) in ENCRYPTED
+        if encrypted:
+            create.update(size_bytes=size + HEADER, encryption={"key": KEY})
+        api("POST", "/v1/images", {"name": f"img-{key}", "path": t["image"], "create": create}, sock)
         print(f"  image {t['image']}: {size >> 20} MiB, {allocation} in {time.time() - started:.0f} s", flush=True)
         if kind == "raw":
             t["path"] = t["image"]
@@ -435,6 +493,8 @@ def setup(keys, size):
                 body["backend"] = backend
             if dispatch:
                 body["dispatch"] = dispatch
+            if encrypted:
+                body["key"] = KEY
             vol = api("POST", "/v1/volumes", body, sock)
             if key.removesuffix(ALT) in QOS:
                 api("PATCH", f"/v1/volumes/{vol['id']}", {"qos": QOS[key.removesuffix(ALT)]}, sock)
@@ -463,7 +523,12 @@ def setup(keys, size):
         if t.get("refused"):
             print(f"  {t['label']}: REFUSED: {t['refused']}", flush=True)
             continue
-        what = check_target("ublk" if t["kind"] == "rublk" else t["kind"], t["path"], t["image"])
+        if t.get("volume", {}).get("encrypted"):
+            # The plaintext is a crypt table over the path the row names.
+            what = check_target(t["kind"], t["volume"]["backing_device"], t["image"])
+            what += "; under " + check_crypt(t["path"])
+        else:
+            what = check_target("ublk" if t["kind"] == "rublk" else t["kind"], t["path"], t["image"])
         print(f"  {t['label']}: {t['path']} ({what}){describe(t)}", flush=True)
     return targets
 
@@ -570,7 +635,7 @@ def summarize(t):
         m = {"iops": median(iops), "runs": iops}
         m["spread"] = (max(iops) - min(iops)) / m["iops"] if iops and m["iops"] else None
         m["bimodal"] = bimodal(iops)
-        for k in ("cpu_us_per_req", "ctx_per_req"):
+        for k in ("cpu_us_per_req", "ctx_per_req", "system_cpu_us_per_req"):
             vals = [r[k] for r in runs if k in r]
             m[k] = median(vals) if vals else None
         sub = sum(r.get("nowait_submitted", 0) for r in runs)
@@ -613,6 +678,29 @@ def paired_table(live, modes, best):
             continue
         lines.append(f"| {t['label']} | {cell(t, lambda m: loop)} | {cell(t, lambda m: rublk.get(m))} |")
     return lines
+
+
+def encryption_table(live, modes):
+    """Each encrypted target over its plain twin: IOPS (and paired by
+    round), and the whole system's CPU per request (fio, the server and the
+    kernel's crypto workers alike)."""
+    rows = [(t, next((b for b in live if b["key"] == ENCRYPTED[t["key"]]), None))
+            for t in live if t["key"] in ENCRYPTED]
+    rows = [(t, b) for t, b in rows if b]
+    if not rows:
+        return []
+    lines = [f"Encryption ({aes_support()}): encrypted ÷ plain, psync, qd16:", "",
+             "| path | IOPS | IOPS paired by round | system CPU µs/req (plain → encrypted) | system CPU |",
+             "|---|---|---|---|---|"]
+    for t, b in rows:
+        s, p = t["summary"], b["summary"]
+        iops = pair([s[m]["iops"] / p[m]["iops"] if p[m]["iops"] else None for m in modes], "{:.2f}")
+        paired_r = pair([paired(t, b, m)[0] for m in modes], "{:.2f}")
+        cpu = ", ".join(f"{p[m]['system_cpu_us_per_req']:.0f} → {s[m]['system_cpu_us_per_req']:.0f}" for m in modes)
+        cpu_r = pair([s[m]["system_cpu_us_per_req"] / p[m]["system_cpu_us_per_req"]
+                      if p[m]["system_cpu_us_per_req"] else None for m in modes], "{:.2f}")
+        lines.append(f"| {b['label']} | {iops} | {paired_r} | {cpu} | {cpu_r} |")
+    return lines + [""]
 
 
 def pair(values, fmt):
@@ -684,6 +772,7 @@ def report(header, targets):
     lines.append("")
     lines += paired_table(live, modes, best)
     lines.append("")
+    lines += encryption_table(live, modes)
     for t in targets:
         lines.append(f"- {t['label']}: {t.get('path', '-')}{describe(t) if not t.get('refused') else ''}")
     text = "\n".join(lines)

@@ -8,7 +8,9 @@
 #   BENCH_RUNTIME=5 (s per fio run)  BENCH_REPEAT=5 (rounds)  BENCH_WARMUP=2 (s per cell, unmeasured)
 #   BENCH_IMAGE_SIZE=512M
 #   BENCH_TARGETS=raw,loop,loop-sparse,rublk,rublk-zc,ublk-nowait,ublk-threaded,ublk-direct,dm-direct,dm-nowait,dm-qos,
-#     default-full,default-sparse (the volume a user gets with no options: full, sparse image)
+#     default-full,default-sparse (the volume a user gets with no options: full, sparse image);
+#     not by default: dm-threaded, and loop-enc,ublk-nowait-enc,dm-direct-enc (LUKS2 over
+#     that path; the Encryption table sets each against its plain twin)
 #   BENCH_RUBLK_QUEUES=N (default: the queue count of blockplane's default ublk volume)
 #   BENCH_RUBLK_VERSION=0.2.15  BENCH_KERNEL=latest  VM_SMP=2  VM_TCG_THREAD=multi
 #   BENCH_PROFILE=1 (perf profiles of every target under psync: target/bench/profile-*.txt;

@@ -507,25 +507,31 @@ impl Manager {
         att: Attachment,
         kind: &str,
     ) -> Result<()> {
+        let locked = v.crypt.as_ref().filter(|l| !crypt::is_open(&l.name));
+        let device = match (&v.crypt, locked) {
+            (Some(l), None) => format!(
+                "{} (dm-crypt over {})",
+                super::encryption::plaintext_device(l),
+                att.device
+            ),
+            (Some(l), Some(_)) => format!(
+                "{}, locked: its plaintext device {} is not open",
+                att.device,
+                super::encryption::plaintext_device(l)
+            ),
+            (None, _) => att.device.clone(),
+        };
         let msg = format!(
-            "volume '{}' attached as {} ({} bytes, dispatch {}: {})",
+            "volume '{}' attached as {device} ({} bytes, dispatch {}: {})",
             v.name,
-            att.device,
-            att.size_bytes,
+            att.size_bytes
+                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
             att.dispatch.as_str(),
             att.dispatch_reason
         );
         // A new device may hold pages already (a probe of it, an earlier
         // user of the image): start clean.
         self.drop_page_cache(v, &att).await;
-        let locked = v.crypt.as_ref().filter(|l| !crypt::is_open(&l.name));
-        let msg = match locked {
-            None => msg,
-            Some(l) => format!(
-                "{msg}; locked: its plaintext device {} is not open",
-                super::encryption::plaintext_device(l)
-            ),
-        };
         v.state_reason = locked.map(|l| {
             format!(
                 "its plaintext device {} is not open (the host restarted, or it was closed): unlock it with its image's key (POST /v1/volumes/{}/unlock)",
