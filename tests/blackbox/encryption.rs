@@ -228,7 +228,7 @@ async fn an_encrypted_image_takes_only_its_key_and_no_record_keeps_it() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_luks2_file_registers_as_encrypted_and_a_too_small_one_is_refused() {
+async fn a_luks2_file_registers_as_encrypted_and_a_too_small_or_cloned_one_is_refused() {
     let s = Service::start_with(Opts {
         extra_args: vec!["--key-unlock-ms".into(), "100".into()],
         ..Default::default()
@@ -275,6 +275,23 @@ async fn a_luks2_file_registers_as_encrypted_and_a_too_small_one_is_refused() {
             .as_str()
             .unwrap()
             .contains("header"),
+        "{}",
+        a.body
+    );
+    // A clone keeps its source's header: encryption is for a new file only.
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "copy", "path": s.images.join("copy.img"), "clone_from": "elsewhere",
+                   "create": {"size_bytes": 32u64 << 20, "encryption": {"key": "k"}}}),
+        )
+        .await;
+    assert_error(&a, 422, "invalid_field");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("clone"),
         "{}",
         a.body
     );

@@ -63,14 +63,17 @@ impl Modify for BearerAuth {
     }
 }
 
-/// States in `CreateImageRequest`'s schema the one rule between its fields
+/// States in `CreateImageRequest`'s schema the rules between its fields
 /// that utoipa's derive cannot: a top-level `allocation` is declared only
-/// when registering, so it never comes with a `create` or a `clone_from`
-/// (`null` is absent, as serde reads it). Without it a client, or the fuzzer,
-/// sends a schema-valid request that is refused by a rule it could not see.
-struct RegisterOnlyAllocation;
+/// when registering, so it never comes with a `create` or a `clone_from`;
+/// `create.encryption` is for a new file, never a clone (which keeps its
+/// source's header); and an encrypted file holds its LUKS2 header before its
+/// data, so its `create.size_bytes` is at least header + 1 MiB (`null` is
+/// absent, as serde reads it). Without them a client, or the fuzzer, sends a
+/// schema-valid request that is refused by a rule it could not see.
+struct CrossFieldRules;
 
-impl Modify for RegisterOnlyAllocation {
+impl Modify for CrossFieldRules {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         use utoipa::openapi::{RefOr, Schema};
         let schemas = openapi
@@ -90,10 +93,40 @@ impl Modify for RegisterOnlyAllocation {
                 },
             })
         };
-        request.extensions.get_or_insert_with(Default::default).insert(
-            "not".to_string(),
-            serde_json::json!({"anyOf": [both("create", "object"), both("clone_from", "string")]}),
-        );
+        let encrypted_create = |size: serde_json::Value| {
+            serde_json::json!({
+                "type": "object",
+                "required": ["encryption"],
+                "properties": {"encryption": {"type": "object"}, "size_bytes": size},
+            })
+        };
+        let encrypted_clone = serde_json::json!({
+            "required": ["clone_from", "create"],
+            "properties": {
+                "clone_from": {"type": "string"},
+                "create": encrypted_create(serde_json::json!({})),
+            },
+        });
+        let encrypted_too_small = serde_json::json!({
+            "required": ["create"],
+            "properties": {
+                "create": encrypted_create(
+                    serde_json::json!({"exclusiveMaximum": crate::manager::MIN_ENCRYPTED_BYTES})
+                ),
+            },
+        });
+        request
+            .extensions
+            .get_or_insert_with(Default::default)
+            .insert(
+                "not".to_string(),
+                serde_json::json!({"anyOf": [
+                    both("create", "object"),
+                    both("clone_from", "string"),
+                    encrypted_clone,
+                    encrypted_too_small,
+                ]}),
+            );
     }
 }
 
@@ -130,7 +163,7 @@ fn routes() -> OpenApiRouter<AppState> {
 fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let (router, mut doc) = routes().split_for_parts();
     // After the routes: their schemas are in the document only now.
-    RegisterOnlyAllocation.modify(&mut doc);
+    CrossFieldRules.modify(&mut doc);
     for (path, item) in doc.paths.paths.iter_mut() {
         for (writes, op) in [
             (false, &mut item.get),

@@ -26,6 +26,10 @@ pub(super) const HEADER_BYTES: u64 = 16 << 20;
 /// The least payload an encrypted image may have.
 const MIN_PAYLOAD_BYTES: u64 = 1 << 20;
 
+/// The least size of an encrypted image: its header and the least payload
+/// (also stated in the API's schema).
+pub(crate) const MIN_ENCRYPTED_BYTES: u64 = HEADER_BYTES + MIN_PAYLOAD_BYTES;
+
 /// The dm name of a volume's plaintext device.
 pub(super) fn crypt_name(volume_id: Uuid) -> String {
     format!("blockplane-crypt-{volume_id}")
@@ -68,12 +72,12 @@ impl Manager {
     /// Refuses, before anything is made, an encrypted create of `size`
     /// bytes that leaves no room for a payload after the header.
     pub(super) fn check_encrypted_size(&self, image: &str, size: u64) -> Result<()> {
-        if size < HEADER_BYTES + MIN_PAYLOAD_BYTES {
+        if size < MIN_ENCRYPTED_BYTES {
             return Err(Error::InvalidField {
                 field: "create.size_bytes",
                 reason: format!(
                     "image '{image}': an encrypted image holds its {HEADER_BYTES}-byte LUKS2 header before its data, so it needs at least {} bytes (asked {size})",
-                    HEADER_BYTES + MIN_PAYLOAD_BYTES
+                    MIN_ENCRYPTED_BYTES
                 ),
             });
         }
@@ -255,7 +259,8 @@ impl Manager {
                 .map_err(|e| crypt_error(&name, e))
         })
         .await??;
-        if v.state == VolumeState::Locked {
+        // Locked, or closed behind the service's back since it last looked.
+        if !crypt::is_open(&layer.name) {
             self.open_crypt(&layer, &image.name, &att, &key).await?;
             self.record_attached(&mut v, att, "volume_unlocked").await?;
             tracing::info!(volume = %v.name, "volume unlocked");

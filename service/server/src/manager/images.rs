@@ -55,6 +55,18 @@ impl Manager {
                 ),
             });
         }
+        if req.clone_from.is_some()
+            && let Some(c) = &req.create
+            && c.encryption.is_some()
+        {
+            return Err(Error::InvalidField {
+                field: "create.encryption",
+                reason: format!(
+                    "image '{}': a clone holds its source's bytes, header and keys included (encrypted when its source is); encryption is given only for a new file",
+                    req.name
+                ),
+            });
+        }
         if let Some(source) = &req.clone_from {
             return self
                 .clone_image(source, &req.name, &req.path, req.create)

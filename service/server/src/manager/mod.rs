@@ -6,6 +6,7 @@
 mod backend_events;
 mod copies;
 mod encryption;
+pub(crate) use encryption::MIN_ENCRYPTED_BYTES;
 mod error;
 mod events;
 #[cfg(test)]
