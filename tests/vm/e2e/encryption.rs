@@ -3,7 +3,7 @@
 //! read-only toggle under it; a restart that keeps it, and a lost
 //! plaintext device (as a reboot leaves it) locked until its key unlocks it.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use serde_json::{Value, json};
 
@@ -61,15 +61,31 @@ fn holds_pattern(path: &str, whole: bool) -> bool {
     if !whole {
         args.push("count=1".into());
     }
-    let out = Command::new("dd").args(&args).output().unwrap();
+    // dd reads past the page cache; grep searches (a debug build's own
+    // search of a whole image took most of a minute under the emulator).
+    let mut dd = Command::new("dd")
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let found = Command::new("grep")
+        .args(["-q", "-a", "-F", PATTERN])
+        .stdin(dd.stdout.take().unwrap())
+        .status()
+        .unwrap();
+    // grep -q stops at the first match: dd may then end on a closed pipe.
+    let read = dd.wait_with_output().unwrap();
+    if found.success() {
+        return true;
+    }
     assert!(
-        out.status.success(),
+        read.status.success(),
         "{}",
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&read.stderr)
     );
-    out.stdout
-        .windows(PATTERN.len())
-        .any(|w| w == PATTERN.as_bytes())
+    assert_eq!(found.code(), Some(1), "grep failed on {path}");
+    false
 }
 
 /// Whether `key` opens a key slot of the LUKS2 header on `dev`.
