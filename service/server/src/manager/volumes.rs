@@ -585,8 +585,9 @@ impl Manager {
         if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
             // dm-crypt holds the backend's device; the plaintext is what
             // users mount or open.
-            let (device, name) = (crypt::device_of(&layer.name), v.name.clone());
-            blocking(move || check_not_in_use(&device))
+            let device = crypt::device_of(&layer.name).display().to_string();
+            let name = v.name.clone();
+            blocking(move || crate::backend::refuse_if_claimed(device))
                 .await?
                 .map_err(|e| volume_error(&name, e))?;
         } else if let Some(backend) = self.backend(v.backend) {
@@ -986,24 +987,6 @@ fn undo(v: &VolumeRow, change: Change) -> Change {
 }
 
 /// A volume's spec as backends take it.
-/// Refuses a device that is mounted or held open exclusively: it cannot be
-/// opened `O_EXCL` then.
-fn check_not_in_use(device: &std::path::Path) -> std::result::Result<(), BackendError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_EXCL)
-        .open(device)
-        .map(drop)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::EBUSY) => BackendError::Busy {
-                device: device.display().to_string(),
-                reason: "it is mounted or held open; unmount or close it first".into(),
-            },
-            _ => BackendError::io("open", device.display().to_string(), e),
-        })
-}
-
 pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> VolumeParams {
     VolumeParams {
         image_path: image.path.clone(),
