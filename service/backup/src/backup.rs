@@ -1,0 +1,400 @@
+//! Taking a backup: the lease, the data ranges of the image read a chunk at
+//! a time, the chunks the target lacks uploaded, the manifest written last.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use blockplane_system::image::AllocateJob;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use tokio::sync::oneshot;
+use tokio::task::{JoinHandle, JoinSet};
+use uuid::Uuid;
+
+use crate::manifest::{self, ChunkRef, FORMAT, ImageMeta, Manifest, SourceMeta};
+use crate::{BackupRef, CHUNK_SIZE, Error, LEASE_REFRESH, LEASE_STALE, Result, Target, joined};
+
+/// Chunk uploads in flight at once; with the chunk being read, the memory a
+/// backup holds is at most this many chunks plus one.
+pub const UPLOAD_CONCURRENCY: usize = 4;
+
+/// What a backup is of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupMeta {
+    /// The new backup's id (its manifest's name).
+    pub id: Uuid,
+    /// The backup's name.
+    pub name: String,
+    /// The image.
+    pub image: ImageMeta,
+    /// Where it is taken; `source.service` owns the lease.
+    pub source: SourceMeta,
+    /// The moment the data is of.
+    pub created_at: OffsetDateTime,
+}
+
+/// The counts of a backup, readable while it runs (its progress in bytes
+/// is the job's `done_bytes` and `total_bytes`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Bytes put to the target.
+    pub uploaded_bytes: AtomicU64,
+    /// Bytes of chunks found stored already.
+    pub deduplicated_bytes: AtomicU64,
+}
+
+/// A running backup's lease, `leases/<id>.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    /// The backup's id.
+    pub backup: Uuid,
+    /// The service instance running it.
+    pub owner: String,
+    /// When it started, before it listed the manifests it deduplicates against.
+    #[serde(with = "time::serde::rfc3339")]
+    pub started_at: OffsetDateTime,
+}
+
+/// Backs `file` up: an open image, read with pread; its size is
+/// `meta.image.size_bytes`.
+///
+/// Puts the lease, reads the manifests it deduplicates against, reads the
+/// data ranges only (`SEEK_DATA`/`SEEK_HOLE`; a chunk partly in a hole reads
+/// zeros there; a chunk of all zeros is skipped like a hole), hashes each
+/// chunk with BLAKE3, uploads those the target lacks (at most
+/// [`UPLOAD_CONCURRENCY`] at once), then writes the manifest, then deletes
+/// the lease.
+///
+/// `job.total_bytes` is the bytes of the chunks holding data, `done_bytes`
+/// advances per chunk; `job.pace` is slept after each chunk; `job.cancel` is
+/// checked before each chunk: cancelled → the lease deleted, no manifest,
+/// `Ok(None)`. On error: the lease deleted (best effort), no manifest, `Err`.
+pub async fn backup(
+    target: &Target,
+    meta: BackupMeta,
+    file: File,
+    job: Arc<AllocateJob>,
+    counters: Arc<Counters>,
+) -> Result<Option<Manifest>> {
+    let lease_path = target.lease_path(meta.id);
+    if target.head(&target.manifest_path(meta.id)).await?.is_some() {
+        return Err(Error::BackupExists(meta.id));
+    }
+    let lease = Lease {
+        backup: meta.id,
+        owner: meta.source.service.clone(),
+        started_at: OffsetDateTime::now_utc(),
+    };
+    let lease_bytes = Bytes::from(serde_json::to_vec(&lease).expect("a lease always serializes"));
+    target.put(&lease_path, lease_bytes.clone()).await?;
+    let refresher = Refresher::start(target.clone(), lease_path.clone(), lease_bytes);
+    let result = run(target, &meta, file, &job, &counters, &refresher).await;
+    refresher.stop().await;
+    if let Err(e) = target.delete(&lease_path).await {
+        // A lease left behind only delays gc: it goes stale, and the
+        // service deletes its own at its next start.
+        tracing::warn!(backup = %meta.id, target = target.describe(), error = %e, "the lease of a finished backup could not be deleted");
+    }
+    match &result {
+        Ok(Some(m)) => tracing::info!(
+            backup = %m.id, target = target.describe(), stored = m.stored_bytes,
+            uploaded = m.uploaded_bytes, deduplicated = m.deduplicated_bytes, "backup finished"
+        ),
+        Ok(None) => {
+            tracing::info!(backup = %meta.id, target = target.describe(), "backup cancelled")
+        }
+        Err(e) => {
+            tracing::warn!(backup = %meta.id, target = target.describe(), error = %e, "backup failed")
+        }
+    }
+    result
+}
+
+async fn run(
+    target: &Target,
+    meta: &BackupMeta,
+    file: File,
+    job: &Arc<AllocateJob>,
+    counters: &Arc<Counters>,
+    refresher: &Refresher,
+) -> Result<Option<Manifest>> {
+    let bref = BackupRef {
+        id: meta.id,
+        name: meta.name.clone(),
+    };
+    let size = meta.image.size_bytes;
+    let image_err = |action: String| {
+        let bref = bref.clone();
+        move |source| Error::Image {
+            backup: bref,
+            action,
+            source,
+        }
+    };
+
+    // Only chunks a manifest listed now references are safe to leave out:
+    // gc keeps those for as long as this lease is live (see the crate doc).
+    let mut known = referenced_by_manifests(target).await?;
+
+    let file = Arc::new(file);
+    let f = Arc::clone(&file);
+    let indexes = joined(tokio::task::spawn_blocking(move || data_chunks(&f, size)).await)
+        .map_err(image_err("finding the image's data ranges".to_string()))?;
+    let total: u64 = indexes.iter().map(|&i| chunk_len(size, i)).sum();
+    job.total_bytes.store(total, Relaxed);
+    job.done_bytes.store(0, Relaxed);
+
+    let uploaded = Arc::new(AtomicU64::new(0));
+    let mut deduplicated = 0u64;
+    let mut chunks = Vec::new();
+    let mut uploads = JoinSet::new();
+    for index in indexes {
+        if job.cancel.load(Relaxed) {
+            return Ok(None);
+        }
+        refresher.check(&bref, target)?;
+        while uploads.len() >= UPLOAD_CONCURRENCY {
+            if let Some(r) = uploads.join_next().await {
+                joined(r)?;
+            }
+        }
+        let len = chunk_len(size, index);
+        let f = Arc::clone(&file);
+        let read = joined(
+            tokio::task::spawn_blocking(move || read_chunk(&f, index * CHUNK_SIZE, len)).await,
+        )
+        .map_err(image_err(format!(
+            "reading chunk {index} of the image at offset {}",
+            index * CHUNK_SIZE
+        )))?;
+        match read {
+            None => {
+                job.done_bytes.fetch_add(len, Relaxed);
+            }
+            Some((hash, data)) => {
+                chunks.push(ChunkRef {
+                    index,
+                    hash: hash.clone(),
+                    bytes: len,
+                });
+                if known.contains(&hash) {
+                    deduplicated += len;
+                    counters.deduplicated_bytes.fetch_add(len, Relaxed);
+                    job.done_bytes.fetch_add(len, Relaxed);
+                } else {
+                    // Known from now on: a later chunk of the same bytes is
+                    // covered by this upload, which must succeed before the
+                    // manifest is written anyway.
+                    known.insert(hash.clone());
+                    let (target, job, counters, uploaded) = (
+                        target.clone(),
+                        Arc::clone(job),
+                        Arc::clone(counters),
+                        Arc::clone(&uploaded),
+                    );
+                    uploads.spawn(async move {
+                        target.put(&target.chunk_path(&hash), data).await?;
+                        uploaded.fetch_add(len, Relaxed);
+                        counters.uploaded_bytes.fetch_add(len, Relaxed);
+                        job.done_bytes.fetch_add(len, Relaxed);
+                        Ok::<_, Error>(())
+                    });
+                }
+            }
+        }
+        if !job.pace.is_zero() {
+            tokio::time::sleep(job.pace).await;
+        }
+    }
+    while let Some(r) = uploads.join_next().await {
+        joined(r)?;
+    }
+    if job.cancel.load(Relaxed) {
+        return Ok(None);
+    }
+    refresher.check(&bref, target)?;
+
+    let mut manifest = Manifest {
+        format: FORMAT,
+        id: meta.id,
+        name: meta.name.clone(),
+        image: meta.image.clone(),
+        source: meta.source.clone(),
+        created_at: meta.created_at,
+        finished_at: OffsetDateTime::now_utc(),
+        blockplane_version: blockplane_system::build::current().to_string(),
+        chunk_size: CHUNK_SIZE,
+        stored_bytes: chunks.iter().map(|c| c.bytes).sum(),
+        chunks,
+        uploaded_bytes: uploaded.load(Relaxed),
+        deduplicated_bytes: deduplicated,
+        checksum: String::new(),
+    };
+    manifest.seal();
+    target
+        .put(&target.manifest_path(meta.id), manifest.to_bytes())
+        .await?;
+    Ok(Some(manifest))
+}
+
+/// The hashes of every chunk the finished backups on the target reference.
+/// A manifest that fails its checks is left out: its chunks are uploaded
+/// again rather than trusted.
+async fn referenced_by_manifests(target: &Target) -> Result<HashSet<String>> {
+    let mut set = HashSet::new();
+    for m in manifest::list_all(target).await? {
+        match m {
+            Ok(m) => set.extend(m.chunks.into_iter().map(|c| c.hash)),
+            Err(e) => {
+                tracing::warn!(target = target.describe(), error = %e, "a backup is not deduplicated against");
+            }
+        }
+    }
+    Ok(set)
+}
+
+/// The length of chunk `index` of an image of `size` bytes.
+pub(crate) fn chunk_len(size: u64, index: u64) -> u64 {
+    (size - index * CHUNK_SIZE).min(CHUNK_SIZE)
+}
+
+/// The indexes of the chunks of `[0, size)` that hold any data range.
+fn data_chunks(file: &File, size: u64) -> std::io::Result<Vec<u64>> {
+    use rustix::fs::SeekFrom;
+    use rustix::io::Errno;
+    let len = file.metadata()?.len();
+    if len < size {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the image file has {len} bytes, fewer than the image's size of {size}"),
+        ));
+    }
+    let mut out: Vec<u64> = Vec::new();
+    let mut off = 0;
+    while off < size {
+        let data = match rustix::fs::seek(file, SeekFrom::Data(off)) {
+            Ok(d) => d,
+            // No data at or after `off`.
+            Err(Errno::NXIO) => break,
+            // A filesystem without SEEK_DATA: all of it is data.
+            Err(Errno::INVAL | Errno::OPNOTSUPP) => {
+                return Ok((0..size.div_ceil(CHUNK_SIZE)).collect());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if data >= size {
+            break;
+        }
+        let hole = match rustix::fs::seek(file, SeekFrom::Hole(data)) {
+            Ok(h) => h.min(size),
+            Err(Errno::NXIO) => size,
+            Err(e) => return Err(e.into()),
+        };
+        for i in data / CHUNK_SIZE..=(hole - 1) / CHUNK_SIZE {
+            if out.last().is_none_or(|&l| l < i) {
+                out.push(i);
+            }
+        }
+        off = hole;
+    }
+    Ok(out)
+}
+
+/// Reads a chunk; `None` when it is all zeros, else its BLAKE3 hash and bytes.
+fn read_chunk(file: &File, offset: u64, len: u64) -> std::io::Result<Option<(String, Bytes)>> {
+    let mut buf = vec![0u8; len as usize];
+    file.read_exact_at(&mut buf, offset)?;
+    // Or-ing a block without an early exit lets the compiler vectorize it.
+    if buf
+        .chunks(4096)
+        .all(|b| b.iter().fold(0, |a, &x| a | x) == 0)
+    {
+        return Ok(None);
+    }
+    let hash = blake3::hash(&buf).to_hex().to_string();
+    Ok(Some((hash, Bytes::from(buf))))
+}
+
+/// Re-puts the lease every [`LEASE_REFRESH`] until stopped, and remembers
+/// when it last did.
+struct Refresher {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+    last_ok: Arc<Mutex<Instant>>,
+}
+
+impl Refresher {
+    fn start(target: Target, path: object_store::path::Path, lease: Bytes) -> Refresher {
+        let (stop, mut stopped) = oneshot::channel();
+        let last_ok = Arc::new(Mutex::new(Instant::now()));
+        let last = Arc::clone(&last_ok);
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tokio::time::sleep(LEASE_REFRESH) => {
+                        // Past this a gc may have taken the lease for stale;
+                        // it must not come back (the backup fails on `check`).
+                        if last.lock().unwrap_or_else(|e| e.into_inner()).elapsed() > LEASE_STALE / 2 {
+                            break;
+                        }
+                        // Not raced against the stop: a put still under way
+                        // when the lease is deleted would bring it back.
+                        match target.put(&path, lease.clone()).await {
+                            Ok(()) => *last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now(),
+                            Err(e) => tracing::warn!(target = target.describe(), error = %e, "a backup's lease could not be refreshed"),
+                        }
+                    }
+                }
+            }
+        });
+        Refresher {
+            stop: Some(stop),
+            task: Some(task),
+            last_ok,
+        }
+    }
+
+    /// Fails once the lease has gone unrefreshed for half of
+    /// [`LEASE_STALE`]: well before a gc may take it for a crashed backup's.
+    fn check(&self, backup: &BackupRef, target: &Target) -> Result<()> {
+        let since = self
+            .last_ok
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed();
+        if since > LEASE_STALE / 2 {
+            return Err(Error::LeaseLost {
+                backup: backup.clone(),
+                target: target.describe().to_string(),
+                secs: since.as_secs(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Stops refreshing, after a refresh under way has finished.
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for Refresher {
+    /// A backup dropped mid-way (its task aborted) stops refreshing too; its
+    /// lease goes stale.
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! An opened target: the object store, the prefix everything lives under,
+//! and the few operations the rest of the crate does on it, with errors
+//! that name the target and the object.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload};
+use time::OffsetDateTime;
+
+use crate::config::TargetConfig;
+use crate::{Error, Result};
+
+/// A request to S3 that takes longer than this fails (and is retried):
+/// long enough for a 4 MiB chunk on a slow link, where the library's
+/// default of 30 s is not.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// An opened target.
+#[derive(Clone)]
+pub struct Target {
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    description: Arc<str>,
+    /// The directory of a `Dir` target: listing a vanished mount point finds
+    /// nothing rather than failing, so `check` looks at it itself.
+    root: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("description", &self.description)
+            .finish()
+    }
+}
+
+/// An object listed on the target: its name under the listed folder and
+/// when it was last written (by the target's clock).
+#[derive(Debug, Clone)]
+pub(crate) struct Listed {
+    pub name: String,
+    pub path: Path,
+    pub size: u64,
+    pub last_modified: OffsetDateTime,
+    pub e_tag: Option<String>,
+}
+
+impl Target {
+    /// Opens a target: a `Dir` must be an existing directory; an `S3` target
+    /// is only configured here (use [`Target::check`] to reach it).
+    pub fn open(cfg: &TargetConfig) -> Result<Target> {
+        let description: Arc<str> = cfg.describe().into();
+        match cfg {
+            TargetConfig::Dir { path } => {
+                if !path.is_absolute() {
+                    return Err(Error::Config(format!(
+                        "{description}: a directory target must be an absolute path"
+                    )));
+                }
+                match std::fs::metadata(path) {
+                    Ok(m) if m.is_dir() => {}
+                    Ok(_) => {
+                        return Err(Error::Config(format!("{description} is not a directory")));
+                    }
+                    Err(e) => {
+                        return Err(Error::Config(format!(
+                            "{description}: the directory must exist (create it, or mount the share, first): {e}"
+                        )));
+                    }
+                }
+                // fsync: a manifest is written after its chunks and must
+                // never survive a crash that they did not.
+                let store = LocalFileSystem::new_with_prefix(path)
+                    .map_err(|e| Error::Config(format!("{description}: {e}")))?
+                    .with_fsync(true);
+                Ok(Target {
+                    store: Arc::new(store),
+                    prefix: String::new(),
+                    description,
+                    root: Some(path.clone()),
+                })
+            }
+            TargetConfig::S3 {
+                bucket,
+                prefix,
+                endpoint,
+                region,
+                credentials,
+            } => {
+                install_tls_provider();
+                let mut b = AmazonS3Builder::new()
+                    .with_bucket_name(bucket)
+                    .with_region(region)
+                    .with_access_key_id(&credentials.access_key_id)
+                    .with_secret_access_key(&credentials.secret_access_key)
+                    // Path-style requests (`endpoint/bucket/key`) work with
+                    // every S3-compatible server and an IP endpoint.
+                    .with_virtual_hosted_style_request(false)
+                    .with_client_options(ClientOptions::new().with_timeout(REQUEST_TIMEOUT));
+                if let Some(token) = &credentials.session_token {
+                    b = b.with_token(token);
+                }
+                if let Some(e) = endpoint {
+                    b = b.with_endpoint(e).with_allow_http(e.starts_with("http://"));
+                }
+                // The builder's error names options, never their values.
+                let store = b
+                    .build()
+                    .map_err(|e| Error::Config(format!("{description}: {e}")))?;
+                Ok(Target {
+                    store: Arc::new(store),
+                    prefix: prefix.clone(),
+                    description,
+                    root: None,
+                })
+            }
+        }
+    }
+
+    /// Where it is: `dir:/path` or `s3://bucket/prefix (endpoint …)`; never credentials.
+    pub fn describe(&self) -> &str {
+        &self.description
+    }
+
+    /// A cheap reachability check: the first object under `backups/` is
+    /// listed (one request). Errors say the target is unreachable and why.
+    pub async fn check(&self) -> Result<()> {
+        let unreachable = |reason: String| Error::Unreachable {
+            target: self.description.to_string(),
+            reason,
+        };
+        if let Some(root) = &self.root {
+            let root = root.clone();
+            let m = tokio::task::spawn_blocking(move || std::fs::metadata(root))
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            match m {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => return Err(unreachable("it is no longer a directory".to_string())),
+                Err(e) => return Err(unreachable(e.to_string())),
+            }
+        }
+        let mut list = self.store.list(Some(&self.path("backups")));
+        match list.next().await {
+            None | Some(Ok(_)) => Ok(()),
+            Some(Err(object_store::Error::NotFound { .. })) => Ok(()),
+            Some(Err(e)) => Err(unreachable(crate::error::chain(&e))),
+        }
+    }
+
+    /// The object path of `rel` (`chunks/ab/abcd…`) under the prefix.
+    pub(crate) fn path(&self, rel: &str) -> Path {
+        if self.prefix.is_empty() {
+            Path::from(rel)
+        } else {
+            Path::from(format!("{}/{rel}", self.prefix))
+        }
+    }
+
+    fn err(&self, action: String, error: object_store::Error) -> Error {
+        Error::Target {
+            target: self.description.to_string(),
+            action,
+            error,
+        }
+    }
+
+    /// Puts an object, replacing any.
+    pub(crate) async fn put(&self, path: &Path, data: Bytes) -> Result<()> {
+        self.store
+            .put(path, PutPayload::from(data))
+            .await
+            .map(|_| ())
+            .map_err(|e| self.err(format!("writing {path}"), e))
+    }
+
+    /// Reads an object; `None` when absent.
+    pub(crate) async fn get(&self, path: &Path) -> Result<Option<Bytes>> {
+        let r = match self.store.get(path).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(self.err(format!("reading {path}"), e)),
+        };
+        match r.bytes().await {
+            Ok(b) => Ok(Some(b)),
+            // Deleted between the request and its body (a directory target).
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err(format!("reading {path}"), e)),
+        }
+    }
+
+    /// An object's metadata; `None` when absent.
+    pub(crate) async fn head(&self, path: &Path) -> Result<Option<Listed>> {
+        match self.store.head(path).await {
+            Ok(m) => Ok(Some(listed(m))),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err(format!("reading the metadata of {path}"), e)),
+        }
+    }
+
+    /// Deletes an object; deleting an absent one is no error.
+    pub(crate) async fn delete(&self, path: &Path) -> Result<()> {
+        match self.store.delete(path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.err(format!("deleting {path}"), e)),
+        }
+    }
+
+    /// Every object under `folder` (`chunks`, `backups`, …), recursively.
+    pub(crate) async fn list(&self, folder: &str) -> Result<Vec<Listed>> {
+        let mut out = Vec::new();
+        let mut s = self.store.list(Some(&self.path(folder)));
+        while let Some(m) = s.next().await {
+            match m {
+                Ok(m) => out.push(listed(m)),
+                // A directory target without the folder yet.
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err(format!("listing {folder}/"), e)),
+            }
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn chunk_path(&self, hash: &str) -> Path {
+        self.path(&format!("chunks/{}/{hash}", &hash[..2]))
+    }
+
+    pub(crate) fn manifest_path(&self, id: uuid::Uuid) -> Path {
+        self.path(&format!("backups/{id}.json"))
+    }
+
+    pub(crate) fn tombstone_path(&self, id: uuid::Uuid) -> Path {
+        self.path(&format!("deleted/{id}.json"))
+    }
+
+    pub(crate) fn lease_path(&self, id: uuid::Uuid) -> Path {
+        self.path(&format!("leases/{id}.json"))
+    }
+}
+
+fn listed(m: ObjectMeta) -> Listed {
+    let lm = &m.last_modified;
+    let nanos =
+        i128::from(lm.timestamp()) * 1_000_000_000 + i128::from(lm.timestamp_subsec_nanos());
+    Listed {
+        name: m.location.filename().unwrap_or_default().to_string(),
+        size: m.size,
+        last_modified: OffsetDateTime::from_unix_timestamp_nanos(nanos)
+            .unwrap_or(OffsetDateTime::UNIX_EPOCH),
+        e_tag: m.e_tag,
+        path: m.location,
+    }
+}
+
+/// rustls has no crypto built in here (ring is picked over the aws-lc-rs
+/// default, a large C build); it must be named once per process. Another
+/// part of the process may have named one already: that one stays.
+// rustls 0.23.48 deprecates ring's provider for its lack of post-quantum
+// key exchange; the TLS it does (classical ECDHE) is still sound.
+#[allow(deprecated)]
+fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
