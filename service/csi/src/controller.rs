@@ -457,6 +457,7 @@ impl ControllerService {
                             .map(|key| model::CreateEncryption { key }),
                     }),
                     clone_from: src.as_ref().map(|s| s.name.clone()),
+                    restore_from: None,
                     allocation: None,
                 })
                 .await?;

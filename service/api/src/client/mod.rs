@@ -7,6 +7,7 @@
 //! The operations live in one module per part of the API: images, volumes,
 //! events, and the rest (host, orphans, health, metrics).
 
+mod backups;
 mod endpoint;
 mod error;
 mod events;

@@ -138,6 +138,8 @@ error_codes! {
     DirectoryNotFound = "directory_not_found",
     /// 404: the encrypted image has no key slot of that number.
     KeySlotNotFound = "key_slot_not_found",
+    /// 404: no backup of that id or name on the backup target.
+    BackupNotFound = "backup_not_found",
 
     // Conflicts with what exists.
     /// 409: another image has that name.
@@ -168,6 +170,16 @@ error_codes! {
     /// 409: the image's last key slot, which cannot be removed (crypto-erase
     /// it with `DELETE /v1/images/{id}?erase=true` instead).
     LastKeySlot = "last_key_slot",
+    /// 409: the service has no backup target (`--backup-target`).
+    NoBackupTarget = "no_backup_target",
+    /// 409: a backup reads the image's own file; its writers wait for its end.
+    BackupSourceBusy = "backup_source_busy",
+    /// 409: a backup of the image runs already.
+    BackupRunning = "backup_running",
+    /// 409: the backup has no manifest (running, failed or cancelled).
+    BackupNotDone = "backup_not_done",
+    /// 409: more than one backup has that name: give its id.
+    BackupAmbiguous = "backup_ambiguous",
 
     // Backends and dispatch.
     /// 422: the backend cannot run on this host.
@@ -221,6 +233,11 @@ error_codes! {
     DatabaseError = "database_error",
     /// 500: cryptsetup failed on an encrypted image.
     CryptFailed = "crypt_failed",
+    /// 503: the backup target cannot be reached, or refused the request.
+    BackupTargetUnavailable = "backup_target_unavailable",
+    /// 502: what the backup target holds is damaged (a manifest that fails
+    /// its checksum).
+    BackupCorrupt = "backup_corrupt",
     /// 503: the registry cannot be written.
     StoreUnwritable = "store_unwritable",
     /// 500: the service's own failure.

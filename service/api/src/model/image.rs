@@ -71,6 +71,15 @@ pub struct CreateImageRequest {
     /// `shrink_refused`), the new range laid out as its `allocation`.
     #[serde(default)]
     pub clone_from: Option<String>,
+    /// Make the file from this backup (id, or name when one backup has it)
+    /// on the service's backup target: 202 with state `copying` while its
+    /// chunks are fetched and each one's hash is checked, then `ready`; a
+    /// chunk missing or corrupt fails it (`failed`, naming the chunk) and
+    /// removes the file, so it is never served half made. The file is sparse
+    /// where the backup had holes. Not with `create`, `clone_from` or
+    /// `allocation` (422 `invalid_field`).
+    #[serde(default)]
+    pub restore_from: Option<String>,
     /// Registering only (neither `create` nor `clone_from`; 422
     /// `invalid_field` with either): the allocation to record instead of
     /// the one FIEMAP finds. `full` is checked against the file: a hole or
@@ -123,6 +132,8 @@ pub enum CopyMethod {
     Reflink,
     /// `copy_file_range` of the source's data, in the background.
     Copy,
+    /// Fetched from a backup's chunks (`restored_from`), in the background.
+    Restore,
 }
 
 impl CopyMethod {
@@ -131,6 +142,7 @@ impl CopyMethod {
         match self {
             CopyMethod::Reflink => "reflink",
             CopyMethod::Copy => "copy",
+            CopyMethod::Restore => "restore",
         }
     }
 }
@@ -242,9 +254,13 @@ pub struct Image {
     /// allocated.
     #[serde(default)]
     pub read_only: bool,
-    /// How a snapshot's or clone's bytes were made; `null` for others.
+    /// How a snapshot's, clone's or restore's bytes were made; `null` for
+    /// others.
     #[serde(default)]
     pub method: Option<CopyMethod>,
+    /// Id of the backup this image was restored from.
+    #[serde(default)]
+    pub restored_from: Option<Uuid>,
     /// Bytes copied so far while `copying` (`null` otherwise).
     #[serde(default)]
     pub copied_bytes: Option<u64>,

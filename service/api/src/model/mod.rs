@@ -5,6 +5,7 @@
 //! them `blockplane_api::model::X` whatever module they live in.
 
 mod backend;
+mod backup;
 mod error;
 mod event;
 mod handover;
@@ -19,6 +20,7 @@ mod volume;
 mod wire;
 
 pub use backend::*;
+pub use backup::*;
 pub use error::*;
 pub use event::*;
 pub use handover::*;

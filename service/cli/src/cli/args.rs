@@ -129,12 +129,19 @@ pub enum Command {
     /// while the service runs or not. To restore, stop the service and put the
     /// copy in place as <data-dir>/blockplane.db, with no -wal or -shm file
     /// beside it.
+    ///
+    /// With a subcommand instead: the backups of images on the service's
+    /// backup target.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Backup {
         /// The data dir whose registry to copy [default: as `serve`].
         #[arg(long, env = "BLOCKPLANE_DATA_DIR")]
         data_dir: Option<std::path::PathBuf>,
         /// Where to write the copy (must not exist).
-        file: std::path::PathBuf,
+        #[arg(required = true)]
+        file: Option<std::path::PathBuf>,
+        #[command(subcommand)]
+        cmd: Option<BackupCmd>,
     },
     /// Serve the CSI driver (Kubernetes) for this node's blockplane.
     Csi {
@@ -288,6 +295,32 @@ pub enum ImageCmd {
         #[arg(long)]
         no_wait: bool,
     },
+    /// Back an image up to the service's backup target: its bytes at this
+    /// moment, only the chunks the target lacks uploaded (this waits for the
+    /// end, showing progress on stderr).
+    Backup {
+        /// Image id or name.
+        image: String,
+        /// The backup's name, unique among the image's backups.
+        name: String,
+        /// Answer once started (follow it with `backup show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Restore a backup into a new image NAME at PATH (every chunk's hash
+    /// checked; this waits for the end, showing progress on stderr).
+    Restore {
+        /// The new image's name.
+        name: String,
+        /// Its file (must not exist), under one of the service's image roots.
+        path: String,
+        /// The backup (id, or name when one backup has it): `backup ls`.
+        #[arg(long)]
+        from: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Forget an image.
     #[command(visible_alias = "delete")]
     Rm {
@@ -301,6 +334,38 @@ pub enum ImageCmd {
         #[arg(long)]
         erase: bool,
     },
+}
+
+/// `backup` commands: images' backups on the service's backup target.
+#[derive(Debug, Subcommand)]
+pub enum BackupCmd {
+    /// List backups (any service's on the target, and this one's running).
+    #[command(visible_alias = "list")]
+    Ls {
+        /// Only this image's (id or name).
+        #[arg(long)]
+        image: Option<String>,
+    },
+    /// Show one backup.
+    Show {
+        /// Backup id, or name when one backup has it.
+        backup: String,
+    },
+    /// Delete a backup from the target (or cancel a running one); its
+    /// chunks go unless another backup uses them.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Backup id, or name when one backup has it.
+        backup: String,
+    },
+    /// Read every chunk of a backup back and check its hash, restoring
+    /// nothing; exits 1 when one is missing or corrupt.
+    Verify {
+        /// Backup id, or name when one backup has it.
+        backup: String,
+    },
+    /// Remove the target's chunks no backup needs.
+    Gc,
 }
 
 /// `volume` commands.

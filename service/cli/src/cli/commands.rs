@@ -11,11 +11,11 @@ use blockplane_api::model::{
     ResizeImageRequest,
 };
 
-use super::args::{Cli, Command, ImageCmd, VolumeCmd};
+use super::args::{BackupCmd, Cli, Command, ImageCmd, VolumeCmd};
 use super::busy::refuse_if_busy;
 use super::local::api_address;
 use super::output::{fail, print};
-use super::progress::{wait_allocate, wait_copy};
+use super::progress::{wait_allocate, wait_backup, wait_copy};
 use super::render::View;
 use super::{events, top};
 
@@ -67,6 +67,7 @@ pub async fn run(cli: Cli) -> ExitCode {
             return super::upgrade::upgrade(&client, volumes, *all, as_json).await;
         }
         Command::Image { cmd, .. } => image(&client, cmd).await,
+        Command::Backup { cmd: Some(cmd), .. } => backup(&client, cmd).await,
         Command::Volume { cmd, .. } => volume(&client, cmd).await,
         Command::Serve(_)
         | Command::Openapi
@@ -100,6 +101,7 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
         path: path.into(),
         create,
         clone_from: clone_from.map(str::to_string),
+        restore_from: None,
         allocation: None,
     };
     Ok(match cmd {
@@ -215,6 +217,37 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
                 View::Image(wait_copy(client, name, started).await.map_err(waited)?)
             }
         }
+        ImageCmd::Backup {
+            image,
+            name,
+            no_wait,
+        } => {
+            let req = blockplane_api::model::CreateBackupRequest { name: name.clone() };
+            let started = client.backup_image(image, &req).await.map_err(api)?;
+            if *no_wait {
+                View::Backup(started)
+            } else {
+                let id = started.id.to_string();
+                View::Backup(wait_backup(client, &id, started).await.map_err(waited)?)
+            }
+        }
+        ImageCmd::Restore {
+            name,
+            path,
+            from,
+            no_wait,
+        } => {
+            let req = CreateImageRequest {
+                restore_from: Some(from.clone()),
+                ..create(name, path, None, None)
+            };
+            let started = client.create_image(&req).await.map_err(api)?;
+            if *no_wait {
+                View::Image(started)
+            } else {
+                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
+            }
+        }
         ImageCmd::Rm {
             image,
             delete_file,
@@ -227,6 +260,34 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             client.delete_image(image, &query).await.map_err(api)?;
             View::Done("image removed")
         }
+    })
+}
+
+/// A `backup` command.
+async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    Ok(match cmd {
+        BackupCmd::Ls { image } => {
+            let query = blockplane_api::model::ListBackupsQuery {
+                image: image.clone(),
+            };
+            View::Backups(client.backups(&query).await.map_err(api)?)
+        }
+        BackupCmd::Show { backup } => View::Backup(client.backup(backup).await.map_err(api)?),
+        BackupCmd::Rm { backup } => {
+            client.delete_backup(backup).await.map_err(api)?;
+            View::Done("backup removed")
+        }
+        BackupCmd::Verify { backup } => {
+            let report = client.verify_backup(backup).await.map_err(api)?;
+            if !report.ok {
+                let view = View::Verify(report);
+                print(&view.text(&Default::default()));
+                return Err(ExitCode::FAILURE);
+            }
+            View::Verify(report)
+        }
+        BackupCmd::Gc => View::Gc(client.collect_backups().await.map_err(api)?),
     })
 }
 

@@ -41,7 +41,14 @@ pub fn main() -> ExitCode {
     }
     let matches = cmd.get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    if let Some((sub @ ("serve" | "worker" | "backup" | "openapi"), _)) = matches.subcommand()
+    // `backup FILE` copies the registry itself; `backup ls` and the others
+    // are clients.
+    let local = match matches.subcommand() {
+        Some(("backup", m)) => m.subcommand().is_none().then_some("backup"),
+        Some((sub @ ("serve" | "worker" | "openapi"), _)) => Some(sub),
+        _ => None,
+    };
+    if let Some(sub) = local
         && let Some(flag) = CLIENT_FLAGS
             .iter()
             .find(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
@@ -59,7 +66,11 @@ pub fn main() -> ExitCode {
             log_format,
             api,
         } => local::csi(args, log_format, api.or(&cli.client.api)),
-        Command::Backup { data_dir, file } => local::backup(data_dir, &file),
+        Command::Backup {
+            data_dir,
+            file: Some(file),
+            cmd: None,
+        } => local::backup(data_dir, &file),
         Command::Dashboard { listen, api } => {
             let a = api.or(&cli.client.api);
             local::dashboard(a.api.as_deref(), a.token, &listen)

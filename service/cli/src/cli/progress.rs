@@ -1,8 +1,8 @@
 //! Waiting for the service's background work on an image (an allocate, a
-//! snapshot's or clone's copy), its progress on stderr.
+//! snapshot's, clone's or restore's copy, a backup), its progress on stderr.
 
 use blockplane_api::client::Client;
-use blockplane_api::model::{AllocateState, Image, ImageState, human_size};
+use blockplane_api::model::{AllocateState, Backup, BackupState, Image, ImageState, human_size};
 
 use super::render::dash;
 
@@ -67,5 +67,32 @@ async fn follow_image(
         }
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         last = client.image(image).await.map_err(|e| e.to_string())?;
+    }
+}
+
+/// Follows a backup until it ends: the backup when done, why not otherwise.
+pub async fn wait_backup(client: &Client, id: &str, mut last: Backup) -> Result<Backup, String> {
+    loop {
+        match last.state {
+            BackupState::Running => eprintln!(
+                "backing image '{}' up as '{}': {} of {}",
+                last.image_name,
+                last.name,
+                dash(last.done_bytes.map(human_size)),
+                dash(last.total_bytes.map(human_size))
+            ),
+            BackupState::Done => return Ok(last),
+            state => {
+                return Err(format!(
+                    "backup '{}' of image '{}' ended {}: {}",
+                    last.name,
+                    last.image_name,
+                    state.as_str(),
+                    last.error.as_deref().unwrap_or("no reason given")
+                ));
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        last = client.backup(id).await.map_err(|e| e.to_string())?;
     }
 }

@@ -5,7 +5,8 @@ use std::fmt::Display;
 
 use blockplane_api::client::Client;
 use blockplane_api::model::{
-    Capability, Event, Host, Image, ResizeImageResponse, Volume, VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, Event, Host, Image, ResizeImageResponse, Volume,
+    VolumeStats, human_size,
 };
 use serde::Serialize;
 use time::OffsetDateTime;
@@ -26,6 +27,10 @@ pub enum View {
     Resize(ResizeImageResponse),
     Stats(VolumeStats),
     Events(Vec<Event>),
+    Backup(Backup),
+    Backups(Vec<Backup>),
+    Verify(BackupVerify),
+    Gc(BackupGc),
     /// An answer without a body, and what to say of it.
     Done(&'static str),
 }
@@ -51,6 +56,10 @@ impl View {
             View::Resize(r) => json_pretty(r),
             View::Stats(s) => json_pretty(s),
             View::Events(l) => json_pretty(l),
+            View::Backup(b) => json_pretty(b),
+            View::Backups(l) => json_pretty(l),
+            View::Verify(v) => json_pretty(v),
+            View::Gc(g) => json_pretty(g),
             View::Done(_) => String::new(),
         }
     }
@@ -72,6 +81,15 @@ impl View {
             View::Volume(v) => volume(v, names),
             View::Volumes(l) => volumes(l, names),
             View::Stats(s) => stats(s, names),
+            View::Backup(b) => backup(b),
+            View::Backups(l) => backups(l),
+            View::Verify(v) => verify(v),
+            View::Gc(g) => fields(vec![
+                ("chunks deleted", g.chunks_deleted.to_string()),
+                ("bytes deleted", human_size(g.bytes_deleted)),
+                ("chunks kept", g.chunks_kept.to_string()),
+                ("backups running", g.running_backups.to_string()),
+            ]),
             View::Events(l) => table(
                 &["ID", "AT", "KIND", "MESSAGE"],
                 l.iter()
@@ -232,6 +250,75 @@ fn image(i: &Image, names: &Names) -> String {
     }
     for w in &i.warnings {
         out += &format!("warning: {w}\n");
+    }
+    out
+}
+
+fn backup(b: &Backup) -> String {
+    let progress = match (b.done_bytes, b.total_bytes) {
+        (Some(done), Some(total)) => format!(" ({} of {})", human_size(done), human_size(total)),
+        _ => String::new(),
+    };
+    let mut f = vec![
+        ("id", b.id.to_string()),
+        ("name", b.name.clone()),
+        ("state", format!("{}{progress}", b.state.as_str())),
+        ("image", format!("{} ({})", b.image_name, b.image_id)),
+        ("size", human_size(b.size_bytes)),
+        ("encrypted", b.encrypted.to_string()),
+        ("moment", at(b.created_at)),
+        ("finished", dash(b.finished_at.map(at))),
+        ("chunks", b.chunks.to_string()),
+        ("stored", human_size(b.stored_bytes)),
+        ("uploaded", human_size(b.uploaded_bytes)),
+        ("deduplicated", human_size(b.deduplicated_bytes)),
+        (
+            "from",
+            format!("{} (blockplane {})", b.source_host, b.blockplane_version),
+        ),
+    ];
+    if let Some(e) = &b.error {
+        f.push(("error", e.clone()));
+    }
+    fields(f)
+}
+
+fn backups(l: &[Backup]) -> String {
+    table(
+        &[
+            "ID", "NAME", "IMAGE", "STATE", "MOMENT", "SIZE", "STORED", "UPLOADED",
+        ],
+        l.iter()
+            .map(|b| {
+                vec![
+                    b.id.to_string(),
+                    b.name.clone(),
+                    b.image_name.clone(),
+                    b.state.as_str().to_string(),
+                    at(b.created_at),
+                    human_size(b.size_bytes),
+                    human_size(b.stored_bytes),
+                    human_size(b.uploaded_bytes),
+                ]
+            })
+            .collect(),
+    )
+}
+
+fn verify(v: &BackupVerify) -> String {
+    let mut out = fields(vec![
+        ("backup", v.backup_id.to_string()),
+        ("ok", v.ok.to_string()),
+        ("chunks", v.chunks.to_string()),
+        ("bytes", human_size(v.bytes)),
+    ]);
+    for (what, list) in [("missing", &v.missing), ("corrupt", &v.corrupt)] {
+        for c in list {
+            out += &format!(
+                "{what}: chunk {} at offset {} (blake3 {})\n",
+                c.index, c.offset, c.hash
+            );
+        }
     }
     out
 }
