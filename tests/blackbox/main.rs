@@ -11,6 +11,7 @@ mod harness;
 
 mod attacks;
 mod auth;
+mod backups;
 mod cli;
 mod dashboard;
 mod encryption;

@@ -291,8 +291,19 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_grafana_dashboard_and_the_alerts_name_only_metrics_the_service_exports() {
-    let s = Service::start().await;
+    // With a backup target and a backup done: the backup metrics too.
+    let target = tempfile::tempdir().unwrap();
+    let s = Service::start_with(crate::harness::Opts {
+        extra_args: vec![
+            "--backup-target".into(),
+            target.path().display().to_string(),
+        ],
+        ..Default::default()
+    })
+    .await;
     s.loop_volume("g", 8).await;
+    s.image("bk", 4).await;
+    crate::backups::backup(&s, "bk", "one").await;
     let text = s.get_text("/metrics").await;
     let exported: BTreeSet<String> = parse(&text)
         .as_array()

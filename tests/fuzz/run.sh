@@ -41,8 +41,9 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+mkdir "$work/backups"
 BLOCKPLANE_TOKEN=$token "$bin" serve --data-dir "$work/data" --image-root "$work/images" \
-  --listen "unix:$work/data/blockplane.sock" --listen "127.0.0.1:$port" >"$work/serve.log" 2>&1 &
+  --backup-target "$work/backups" --listen "unix:$work/data/blockplane.sock" --listen "127.0.0.1:$port" >"$work/serve.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do [ -S "$work/data/blockplane.sock" ] && break; sleep 0.1; done
 socat "TCP-LISTEN:$proxy_port,bind=127.0.0.1,reuseaddr,fork" "UNIX-CONNECT:$work/data/blockplane.sock" &
@@ -57,6 +58,8 @@ seed() {
   [ -z "${2:-}" ] || BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" volume create "$1" --image "$1" --backend loop >/dev/null
 }
 for n in 1 2 3; do seed "seed$n" volume; seed "spare$n"; done
+# A backup on the target, for the backup operations to find.
+BLOCKPLANE_TOKEN=$token "$bin" --api "unix:$work/data/blockplane.sock" image backup spare1 first >/dev/null
 
 run() {
   local name=$1 url=$2

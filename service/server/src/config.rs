@@ -42,6 +42,9 @@ pub enum ConfigError {
     /// The token given is empty.
     #[error("the token is empty")]
     EmptyToken,
+    /// `--backup-target` or its credentials cannot be used.
+    #[error("--backup-target: {0}")]
+    BackupTarget(#[from] blockplane_backup::Error),
 }
 
 /// Flags of `blockplane serve`.
@@ -90,6 +93,18 @@ pub struct ServeArgs {
     /// a key harder to guess by trying, and every attach slower [default: 2000].
     #[arg(long, env = "BLOCKPLANE_KEY_UNLOCK_MS")]
     pub key_unlock_ms: Option<u32>,
+    /// Where backups go: a directory (an absolute path, or `file:///path`:
+    /// a local disk or an NFS mount), or S3-compatible storage
+    /// (`s3://BUCKET/PREFIX?endpoint=URL&region=REGION`) [default: none,
+    /// backups are refused].
+    #[arg(long, env = "BLOCKPLANE_BACKUP_TARGET")]
+    pub backup_target: Option<String>,
+    /// A file with the S3 target's credentials (`access_key_id = …`,
+    /// `secret_access_key = …`, optional `session_token = …`), readable by
+    /// the service's user only [default: AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN from the environment].
+    #[arg(long, env = "BLOCKPLANE_BACKUP_CREDENTIALS")]
+    pub backup_credentials: Option<PathBuf>,
     /// Largest request body, bytes [default: 65536].
     #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -177,6 +192,8 @@ struct FileConfig {
     queues: Option<u16>,
     extent_check_secs: Option<u32>,
     key_unlock_ms: Option<u32>,
+    backup_target: Option<String>,
+    backup_credentials: Option<PathBuf>,
     max_body_bytes: Option<usize>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -240,6 +257,8 @@ pub struct ServeConfig {
     pub extent_check_secs: u32,
     /// Milliseconds one unlock of a key slot takes (`--key-unlock-ms`).
     pub key_unlock_ms: u32,
+    /// Where backups go (`--backup-target`); `None`: backups are refused.
+    pub backup_target: Option<blockplane_backup::TargetConfig>,
     /// What protects the service from its clients.
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
@@ -365,6 +384,15 @@ impl ServeArgs {
                 .or(file.extent_check_secs)
                 .unwrap_or(60)
                 .max(1),
+            backup_target: match self.backup_target.or(file.backup_target) {
+                Some(spec) => Some(blockplane_backup::TargetConfig::parse(
+                    &spec,
+                    self.backup_credentials
+                        .or(file.backup_credentials)
+                        .as_deref(),
+                )?),
+                None => None,
+            },
             key_unlock_ms: self
                 .key_unlock_ms
                 .or(file.key_unlock_ms)

@@ -108,6 +108,19 @@ pub struct Snapshot {
     pub build: String,
     /// The worker of each volume that has one.
     pub workers: Vec<WorkerSample>,
+    /// Backups, when the service has a backup target.
+    pub backups: Option<BackupSample>,
+}
+
+/// What a scrape shows of backups.
+#[derive(Debug, Default)]
+pub struct BackupSample {
+    /// Seconds since each image's last backup with a manifest, by image.
+    pub ages: Vec<(String, f64)>,
+    /// Bytes this service's backups put on the target.
+    pub uploaded_bytes: u64,
+    /// Bytes of chunks they found on the target already.
+    pub deduplicated_bytes: u64,
 }
 
 const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
@@ -398,6 +411,32 @@ impl Collector for Snapshot {
                 ("version", w.version.as_str()),
                 ("older", older),
             ])?)?;
+        }
+        if let Some(b) = &self.backups {
+            let mut family = enc.encode_descriptor(
+                "blockplane_image_last_backup_age_seconds",
+                "Seconds since the image's last backup with a manifest on the backup target (images never backed up are absent)",
+                None,
+                G,
+            )?;
+            for (image, age) in &b.ages {
+                ConstGauge::new(*age)
+                    .encode(family.encode_family(&[("image", image.as_str())])?)?;
+            }
+            for (name, help, x) in [
+                (
+                    "blockplane_backup_uploaded_bytes",
+                    "Bytes this service's backups put on the backup target (since it started)",
+                    b.uploaded_bytes,
+                ),
+                (
+                    "blockplane_backup_deduplicated_bytes",
+                    "Bytes of chunks this service's backups found on the target already, not put again (since it started)",
+                    b.deduplicated_bytes,
+                ),
+            ] {
+                ConstCounter::new(x).encode(enc.encode_descriptor(name, help, None, C)?)?;
+            }
         }
         let mut family =
             enc.encode_descriptor("blockplane_volumes", "Volumes per state", None, G)?;

@@ -425,6 +425,7 @@ mod tests {
             created_at: time::OffsetDateTime::now_utc(),
             snapshot_of: None,
             cloned_from: None,
+            restored_from: None,
             read_only: false,
             method: None,
             state: blockplane_api::model::ImageState::Ready,

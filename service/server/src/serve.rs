@@ -84,6 +84,9 @@ pub enum ServeError {
     /// The registry and the kernel could not be brought in step at start.
     #[error("reconciliation: {0}")]
     Reconcile(#[from] crate::manager::Error),
+    /// The backup target cannot be opened.
+    #[error("backup target: {0}")]
+    BackupTarget(#[from] blockplane_backup::Error),
     /// `BLOCKPLANE_TEST_FAULT` is set, and this build cannot inject it.
     #[error(transparent)]
     Faults(#[from] crate::manager::FaultError),
@@ -682,6 +685,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             max_overcommit: cfg.limits.max_overcommit,
             kdf: blockplane_system::crypt::Kdf {
                 unlock_ms: cfg.key_unlock_ms,
+            },
+            backup_target: match &cfg.backup_target {
+                Some(t) => Some(blockplane_backup::Target::open(t)?),
+                None => None,
             },
             faults,
         },

@@ -187,6 +187,8 @@ pub struct ImageRow {
     /// The source of a snapshot, and of a clone.
     pub snapshot_of: Option<Uuid>,
     pub cloned_from: Option<Uuid>,
+    /// The backup it was restored from.
+    pub restored_from: Option<Uuid>,
     /// Volumes on it must be read-only (a snapshot).
     pub read_only: bool,
     pub method: Option<CopyMethod>,
@@ -215,6 +217,7 @@ impl ImageRow {
             created_at: parse_ts(r.try_get("created_at")?)?,
             snapshot_of: opt_uuid("snapshot_of", r.try_get("snapshot_of")?)?,
             cloned_from: opt_uuid("cloned_from", r.try_get("cloned_from")?)?,
+            restored_from: opt_uuid("restored_from", r.try_get("restored_from")?)?,
             read_only: r.try_get("read_only")?,
             method: r
                 .try_get::<Option<String>, _>("method")?
@@ -798,8 +801,8 @@ impl WriteTx {
             "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
                                  allocation, filesystem, created_at, updated_at,
                                  snapshot_of, cloned_from, read_only, method, state,
-                                 state_reason, encryption)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 state_reason, encryption, restored_from)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
@@ -820,6 +823,7 @@ impl WriteTx {
         .bind(enum_str(i.state))
         .bind(&i.state_reason)
         .bind(i.encryption.as_ref().map(json))
+        .bind(i.restored_from.map(|u| u.to_string()))
         .execute(self.conn())
         .await?;
         self.wrote_rows = true;

@@ -48,6 +48,24 @@ fn backend(e: &BackendError) -> (StatusCode, ErrorCode) {
     }
 }
 
+/// A backup target's answer: what it lacks is 404, what it holds damaged
+/// 502, the target away or refusing 503; the image's own file 500.
+fn backup(e: &blockplane_backup::Error) -> (StatusCode, ErrorCode) {
+    use blockplane_backup::Error as E;
+    match e {
+        E::BackupNotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::BackupNotFound),
+        E::BackupExists(_) => (StatusCode::CONFLICT, ErrorCode::NameTaken),
+        E::ManifestCorrupt { .. } | E::ChunkMissing { .. } | E::ChunkCorrupt { .. } => {
+            (StatusCode::BAD_GATEWAY, ErrorCode::BackupCorrupt)
+        }
+        E::Unreachable { .. } | E::Target { .. } | E::LeaseLost { .. } | E::GcRefused { .. } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::BackupTargetUnavailable,
+        ),
+        E::Config(_) | E::Image { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::IoError),
+    }
+}
+
 fn image_file(e: &ImageFileError) -> (StatusCode, ErrorCode) {
     use ErrorCode as C;
     use ImageFileError as E;
@@ -108,6 +126,14 @@ impl ApiError {
                 Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, C::ImageReadOnly),
                 Error::ImageNotReady { .. } => (S::CONFLICT, C::ImageNotReady),
                 Error::CopySource { .. } => (S::CONFLICT, C::CopySourceBusy),
+                Error::BackupSource { .. } => (S::CONFLICT, C::BackupSourceBusy),
+                Error::NoBackupTarget(_) => (S::CONFLICT, C::NoBackupTarget),
+                Error::BackupRunning { .. } => (S::CONFLICT, C::BackupRunning),
+                Error::BackupNameTaken { .. } => (S::CONFLICT, C::NameTaken),
+                Error::BackupNotFound(_) => (S::NOT_FOUND, C::BackupNotFound),
+                Error::BackupAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
+                Error::BackupNotDone { .. } => (S::CONFLICT, C::BackupNotDone),
+                Error::Backup(e) => backup(e),
                 Error::SnapshotAttached { .. } => {
                     (S::CONFLICT, C::VolumeAttachedSnapshotUnsupported)
                 }

@@ -3,6 +3,7 @@
 //! response. Routes and the OpenAPI document come from the same
 //! `#[utoipa::path]` annotations (utoipa-axum), so they cannot drift apart.
 
+mod backups;
 pub mod error;
 mod events;
 mod extract;
@@ -44,6 +45,7 @@ pub type AppState = Arc<dyn Operations>;
     tags(
         (name = "images", description = "Backing image files"),
         (name = "volumes", description = "Block devices serving images"),
+        (name = "backups", description = "Images backed up off the host, and restored"),
         (name = "system", description = "Host, events, health"),
     ),
     modifiers(&BearerAuth),
@@ -65,8 +67,9 @@ impl Modify for BearerAuth {
 
 /// States in `CreateImageRequest`'s schema the rules between its fields
 /// that utoipa's derive cannot: a top-level `allocation` is declared only
-/// when registering, so it never comes with a `create` or a `clone_from`;
-/// `create.encryption` is for a new file, never a clone (which keeps its
+/// when registering, so it never comes with a `create`, a `clone_from` or a
+/// `restore_from`; a `restore_from` makes the file from its backup alone, so
+/// it never comes with a `create` or a `clone_from`; `create.encryption` is for a new file, never a clone (which keeps its
 /// source's header); and an encrypted file holds its LUKS2 header before its
 /// data, so its `create.size_bytes` is at least header + 1 MiB (`null` is
 /// absent, as serde reads it). Without them a client, or the fuzzer, sends a
@@ -115,6 +118,16 @@ impl Modify for CrossFieldRules {
                 ),
             },
         });
+        // A restore makes its file from the backup alone.
+        let restore_with = |other: &str, kind: &str| {
+            serde_json::json!({
+                "required": ["restore_from", other],
+                "properties": {
+                    "restore_from": {"type": "string"},
+                    other: {"type": kind},
+                },
+            })
+        };
         request
             .extensions
             .get_or_insert_with(Default::default)
@@ -123,8 +136,11 @@ impl Modify for CrossFieldRules {
                 serde_json::json!({"anyOf": [
                     both("create", "object"),
                     both("clone_from", "string"),
+                    both("restore_from", "string"),
                     encrypted_clone,
                     encrypted_too_small,
+                    restore_with("create", "object"),
+                    restore_with("clone_from", "string"),
                 ]}),
             );
     }
@@ -139,6 +155,11 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::snapshot_image))
         .routes(routes!(images::add_image_key))
         .routes(routes!(images::remove_image_key))
+        .routes(routes!(backups::backup_image))
+        .routes(routes!(backups::list_backups))
+        .routes(routes!(backups::get_backup, backups::delete_backup))
+        .routes(routes!(backups::verify_backup))
+        .routes(routes!(backups::collect_backups))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,

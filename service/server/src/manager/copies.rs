@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::jobs::{Ended, Job, JobState};
+use super::jobs::{Ended, Job};
 use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::{Change, SnapshotDest, VolumeBackend};
@@ -24,6 +24,16 @@ use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, Image
 pub(super) struct CopyRun {
     source: Uuid,
     name: String,
+}
+
+impl CopyRun {
+    /// A restore into image `name`: it reads no image of this service.
+    pub(super) fn restore(name: String) -> Self {
+        Self {
+            source: Uuid::nil(),
+            name,
+        }
+    }
 }
 
 impl Job for CopyRun {
@@ -44,7 +54,7 @@ impl Job for CopyRun {
 
 /// How long a volume's I/O was held while its image's extents were shared,
 /// `how` naming what held it, in words (the tests read this text).
-fn held_text(volume: &str, how: &str, held: std::time::Duration) -> String {
+pub(super) fn held_text(volume: &str, how: &str, held: std::time::Duration) -> String {
     format!(
         "volume '{volume}' ({how}) held its I/O for {} µs",
         held.as_micros()
@@ -57,7 +67,7 @@ const VOLUME_CHANGED: &str =
 
 /// Why writable volume `v` stops a copy, and the ways out its backend
 /// offers: read-only through a PATCH only where the volume can switch live.
-fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> String {
+pub(super) fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> String {
     let live = v
         .attachment
         .as_ref()
@@ -246,6 +256,7 @@ impl Manager {
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: snapshot.then_some(src.id),
             cloned_from: (!snapshot).then_some(src.id),
+            restored_from: None,
             read_only: snapshot,
             method: Some(if reflinked {
                 CopyMethod::Reflink
@@ -328,7 +339,7 @@ impl Manager {
     /// where the filesystem cannot share extents: a copy would take time
     /// while the volume writes. Returns the file and, in words, how long the
     /// volume's I/O was held.
-    async fn share_with_serving(
+    pub(super) async fn share_with_serving(
         self: &Arc<Self>,
         src: &ImageRow,
         path: &ImagePath,
@@ -507,24 +518,7 @@ impl Manager {
             tx.commit().await
         }
         .await;
-        let state = match &out {
-            Ok((true, _)) => JobState::Done,
-            Ok((false, _)) => JobState::Cancelled,
-            Err(_) => JobState::Failed,
-        };
-        match recorded {
-            Ok(()) => Ended {
-                state,
-                error: out.err().map(|e| e.to_string()),
-            },
-            Err(e) => {
-                tracing::error!(image = %row.name, error = %e, "could not record the end of a copy");
-                Ended {
-                    state: JobState::Failed,
-                    error: Some(format!("recording the end: {e}")),
-                }
-            }
-        }
+        Ended::of(out, |(done, _)| *done, recorded, "a copy", &row.name)
     }
 
     /// At start, before anything is served: an image still `copying` was
@@ -546,7 +540,7 @@ impl Manager {
 
     /// Removes an unfinished copy's file (if it is still that file) and
     /// records the image `failed` for `reason`, with an event.
-    async fn fail_copy(
+    pub(super) async fn fail_copy(
         &self,
         tx: &mut crate::store::WriteTx,
         row: &ImageRow,
@@ -621,6 +615,9 @@ impl Manager {
             return Ok(());
         }
         self.copies
+            .refuse(image, &format!("get writable volume '{volume}'"))?;
+        self.backups
+            .jobs
             .refuse(image, &format!("get writable volume '{volume}'"))?;
         self.refuse_read_only(
             image,

@@ -89,6 +89,38 @@ pub enum Error {
         copy: String,
         what: String,
     },
+    #[error(
+        "image '{name}': backup '{backup}' reads its file, so it cannot {what} until that backup ends (or is cancelled with DELETE /v1/backups/{backup})"
+    )]
+    BackupSource {
+        name: String,
+        backup: String,
+        what: String,
+    },
+    #[error(
+        "this service has no backup target, so it cannot {0}: start it with --backup-target DIR or s3://BUCKET/PREFIX (docs/operations.md, Backups)"
+    )]
+    NoBackupTarget(String),
+    #[error(
+        "image '{name}': backup {backup} of it runs already; wait for its end (GET /v1/backups/{backup}) or cancel it (DELETE /v1/backups/{backup})"
+    )]
+    BackupRunning { name: String, backup: Uuid },
+    #[error("backup name '{name}' is taken by backup {id} of image '{image}'")]
+    BackupNameTaken {
+        name: String,
+        image: String,
+        id: Uuid,
+    },
+    #[error("backup '{0}' not found on the backup target")]
+    BackupNotFound(String),
+    #[error("backup name '{name}' is that of several backups ({ids}): give its id")]
+    BackupAmbiguous { name: String, ids: String },
+    #[error(
+        "backup '{name}' is {state}: only a done backup (with its manifest) can be restored or verified"
+    )]
+    BackupNotDone { name: String, state: &'static str },
+    #[error(transparent)]
+    Backup(#[from] blockplane_backup::Error),
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
     #[error("image '{name}' ({path}) cannot be registered as full: {reason}; nothing was recorded")]

@@ -65,6 +65,9 @@ pub enum Slow {
     /// delete once it is recorded `detaching` (`slow_volume_change`): the
     /// registry's disk fills up between the records of one change.
     VolumeChange,
+    /// Each chunk a backup stores takes 100 ms more (`slow_backup`): its
+    /// progress, cancel, a gc and a crash during it.
+    Backup,
 }
 
 /// One injected fault.
@@ -89,7 +92,7 @@ impl Fault {
     /// Parses `kill_after_insert`, `kill_after_add`, `kill_after_create`,
     /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
-    /// `slow_image_create`, `slow_allocate`, `slow_copy`,
+    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`,
     /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
     /// `fail_handover_recovery`.
     fn parse(s: &str) -> Option<Self> {
@@ -97,6 +100,7 @@ impl Fault {
             "slow_image_create" => Some(Slow::ImageCreate),
             "slow_allocate" => Some(Slow::Allocate),
             "slow_copy" => Some(Slow::Copy),
+            "slow_backup" => Some(Slow::Backup),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
             "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
@@ -136,7 +140,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
     )]
     Unknown(String),
 }

@@ -53,6 +53,7 @@ impl Manager {
         let what = format!("have volume '{}' handed over to a new worker", v.name);
         self.allocations.refuse(&image, &what)?;
         self.copies.refuse(&image, &what)?;
+        self.backups.jobs.refuse(&image, &what)?;
         let (b, a, id, faults) = (backend.clone(), att.clone(), v.id, self.faults.handover());
         let done = blocking(move || b.handover(&a, id, faults))
             .await?

@@ -44,7 +44,7 @@ impl Manager {
         req: CreateImageRequest,
     ) -> Result<Image> {
         if let Some(declared) = req.allocation
-            && (req.create.is_some() || req.clone_from.is_some())
+            && (req.create.is_some() || req.clone_from.is_some() || req.restore_from.is_some())
         {
             return Err(Error::InvalidField {
                 field: "allocation",
@@ -66,6 +66,18 @@ impl Manager {
                     req.name
                 ),
             });
+        }
+        if let Some(backup) = &req.restore_from {
+            if req.create.is_some() || req.clone_from.is_some() {
+                return Err(Error::InvalidField {
+                    field: "restore_from",
+                    reason: format!(
+                        "image '{}': a restore makes its file from the backup (its size and bytes); \"create\" and \"clone_from\" are not given with it",
+                        req.name
+                    ),
+                });
+            }
+            return self.restore_image(backup, &req.name, &req.path).await;
         }
         if let Some(source) = &req.clone_from {
             return self
@@ -173,6 +185,7 @@ impl Manager {
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: None,
             cloned_from: None,
+            restored_from: None,
             read_only: false,
             method: None,
             state: ImageState::Ready,
@@ -359,7 +372,10 @@ impl Manager {
             snapshot_of: row.snapshot_of,
             cloned_from: row.cloned_from,
             read_only: row.read_only,
-            method: row.method,
+            method: row.method.or(row
+                .restored_from
+                .map(|_| blockplane_api::model::CopyMethod::Restore)),
+            restored_from: row.restored_from,
             copied_bytes: progress.map(|(done, _)| done),
             copy_total_bytes: progress.map(|(_, total)| total),
             id: row.id,
@@ -414,6 +430,7 @@ impl Manager {
         self.refuse_unready(&row, "grow")?;
         self.refuse_read_only(&row, "it cannot grow")?;
         self.copies.refuse(&row, "grow")?;
+        self.backups.jobs.refuse(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
@@ -522,6 +539,7 @@ impl Manager {
         self.refuse_unready(&row, "be allocated")?;
         self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
         self.copies.refuse(&row, "be allocated")?;
+        self.backups.jobs.refuse(&row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
                 name: row.name,
@@ -858,6 +876,7 @@ impl Manager {
         };
         let delete_file = delete_file || row.state != ImageState::Ready;
         self.allocations.refuse(&row, "be forgotten")?;
+        self.backups.jobs.refuse(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(row.name, &users));

@@ -42,6 +42,39 @@ pub(super) struct Ended {
     pub error: Option<String>,
 }
 
+impl Ended {
+    /// How a job whose work gave `out` ended: done when `finished` says its
+    /// work completed, cancelled when it stopped early, failed on an error
+    /// or when its end could not be `recorded` (`what` of image `name`, for
+    /// the log).
+    pub fn of<T>(
+        out: Result<T>,
+        finished: impl FnOnce(&T) -> bool,
+        recorded: std::result::Result<(), crate::store::StoreError>,
+        what: &str,
+        name: &str,
+    ) -> Ended {
+        let state = match &out {
+            Ok(v) if finished(v) => JobState::Done,
+            Ok(_) => JobState::Cancelled,
+            Err(_) => JobState::Failed,
+        };
+        match recorded {
+            Ok(()) => Ended {
+                state,
+                error: out.err().map(|e| e.to_string()),
+            },
+            Err(e) => {
+                tracing::error!(image = %name, error = %e, "could not record the end of {what}");
+                Ended {
+                    state: JobState::Failed,
+                    error: Some(format!("recording the end: {e}")),
+                }
+            }
+        }
+    }
+}
+
 /// An image's last job, as the API shows it.
 pub(super) struct Progress {
     pub state: JobState,
@@ -57,6 +90,16 @@ struct Run<J> {
     state: JobState,
     error: Option<String>,
     started_at: OffsetDateTime,
+}
+
+fn progress_of<J>(r: &Run<J>) -> Progress {
+    Progress {
+        state: r.state,
+        done_bytes: r.job.done_bytes.load(Relaxed),
+        total_bytes: r.job.total_bytes.load(Relaxed),
+        error: r.error.clone(),
+        started_at: r.started_at,
+    }
 }
 
 type Runs<J> = Arc<Mutex<HashMap<Uuid, Run<J>>>>;
@@ -161,13 +204,16 @@ impl<J: Job> Jobs<J> {
 
     /// Image `id`'s last job.
     pub fn progress(&self, id: Uuid) -> Option<Progress> {
-        lock(&self.runs).get(&id).map(|r| Progress {
-            state: r.state,
-            done_bytes: r.job.done_bytes.load(Relaxed),
-            total_bytes: r.job.total_bytes.load(Relaxed),
-            error: r.error.clone(),
-            started_at: r.started_at,
-        })
+        lock(&self.runs).get(&id).map(progress_of)
+    }
+
+    /// Every job, running or ended, as `view` makes it of its kind and
+    /// progress (for listings of jobs that are not images' own).
+    pub fn list<T>(&self, view: impl Fn(Uuid, &J, Progress) -> T) -> Vec<T> {
+        lock(&self.runs)
+            .iter()
+            .map(|(id, r)| view(*id, &r.kind, progress_of(r)))
+            .collect()
     }
 
     /// Forgets image `id`'s last job (the image is gone), unless it still runs.
@@ -186,5 +232,6 @@ impl Manager {
     pub fn stop_jobs(&self) {
         self.allocations.stop_all();
         self.copies.stop_all();
+        self.backups.jobs.stop_all();
     }
 }

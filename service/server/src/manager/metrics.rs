@@ -1,6 +1,8 @@
 //! `GET /metrics`: the registry's and the sampler's view of the volumes,
 //! images and image roots, rendered by `crate::metrics`.
 
+use std::sync::atomic::Ordering::Relaxed;
+
 use super::{Manager, Result};
 use blockplane_api::model;
 
@@ -65,6 +67,14 @@ impl Manager {
                 volumes,
                 images,
                 states,
+                backups: match self.backups.target {
+                    Some(_) => Some(crate::metrics::BackupSample {
+                        ages: self.backup_ages().await?,
+                        uploaded_bytes: self.backups.uploaded_bytes.load(Relaxed),
+                        deduplicated_bytes: self.backups.deduplicated_bytes.load(Relaxed),
+                    }),
+                    None => None,
+                },
             },
         ))
     }

@@ -4,6 +4,7 @@
 //! image or volume at a time, with every change recorded as an event.
 
 mod backend_events;
+mod backups;
 mod copies;
 mod encryption;
 pub(crate) use encryption::MIN_ENCRYPTED_BYTES;
@@ -66,6 +67,9 @@ pub struct ManagerConfig {
     pub max_overcommit: Option<f64>,
     /// How hard new key slots are to guess (`--key-unlock-ms`).
     pub kdf: blockplane_system::crypt::Kdf,
+    /// Where backups go (`--backup-target`), opened; `None`: backups are
+    /// refused.
+    pub backup_target: Option<blockplane_backup::Target>,
     /// The test fault to inject (none outside tests).
     pub faults: Faults,
 }
@@ -107,6 +111,8 @@ pub struct Manager {
     copies: jobs::Jobs<copies::CopyRun>,
     /// Room for the writes that finish a device change on a full disk.
     reserve: reserve::Reserve,
+    /// The backup target and this service's backups.
+    backups: backups::Backups,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -150,6 +156,7 @@ impl Manager {
             allocations: jobs::Jobs::default(),
             copies: jobs::Jobs::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
+            backups: backups::Backups::new(cfg.backup_target),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)

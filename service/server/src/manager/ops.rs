@@ -17,10 +17,10 @@ use super::events::EventFeed;
 use super::{Created, Manager, Result};
 use crate::metrics::ApiLabels;
 use blockplane_api::model::{
-    AddKeyRequest, CreateImageRequest, CreateVolumeRequest, DeleteImageQuery, Event, EventQuery,
-    EventStreamQuery, Handover, Host, Image, Key, KeySlotAdded, PatchVolumeRequest,
-    RemoveKeyRequest, ResizeImageResponse, StatsHistory, StatsHistoryQuery, Volume, VolumeStats,
-    VolumeUsage,
+    AddKeyRequest, Backup, BackupGc, BackupVerify, CreateImageRequest, CreateVolumeRequest,
+    DeleteImageQuery, Event, EventQuery, EventStreamQuery, Handover, Host, Image, Key,
+    KeySlotAdded, PatchVolumeRequest, RemoveKeyRequest, ResizeImageResponse, StatsHistory,
+    StatsHistoryQuery, Volume, VolumeStats, VolumeUsage,
 };
 
 /// The service's operations, one per API route (`id` is an id or a name).
@@ -80,6 +80,20 @@ pub trait Operations: Send + Sync {
     async fn volume_history(&self, id: &str, q: StatsHistoryQuery) -> Result<StatsHistory>;
     /// `GET /v1/volumes/{id}/usage`: whether the volume is in use now.
     async fn volume_usage(&self, id: &str) -> Result<VolumeUsage>;
+
+    /// `POST /v1/images/{id}/backups`: starts a backup of the image now.
+    async fn backup_image(self: Arc<Self>, id: &str, name: &str) -> Result<Backup>;
+    /// `GET /v1/backups`: the target's backups and this service's running
+    /// ones, of one image when `image` is given.
+    async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>>;
+    /// `GET /v1/backups/{id}`.
+    async fn backup(&self, id: &str) -> Result<Backup>;
+    /// `DELETE /v1/backups/{id}`: cancels or deletes a backup.
+    async fn delete_backup(self: Arc<Self>, id: &str) -> Result<()>;
+    /// `POST /v1/backups/{id}/verify`: checks every chunk of a backup.
+    async fn verify_backup(&self, id: &str) -> Result<BackupVerify>;
+    /// `POST /v1/backups/gc`: removes chunks no backup needs.
+    async fn collect_backups(&self) -> Result<BackupGc>;
 
     /// `GET /v1/host`: capabilities and orphans.
     async fn host(self: Arc<Self>) -> Result<Host>;
@@ -191,6 +205,24 @@ impl Operations for Manager {
     }
     async fn metrics(&self) -> Result<String> {
         Manager::metrics(self).await
+    }
+    async fn backup_image(self: Arc<Self>, id: &str, name: &str) -> Result<Backup> {
+        Manager::backup_image(&self, id, name).await
+    }
+    async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>> {
+        Manager::backups(self, image).await
+    }
+    async fn backup(&self, id: &str) -> Result<Backup> {
+        Manager::backup(self, id).await
+    }
+    async fn delete_backup(self: Arc<Self>, id: &str) -> Result<()> {
+        Manager::delete_backup(&self, id).await
+    }
+    async fn verify_backup(&self, id: &str) -> Result<BackupVerify> {
+        Manager::verify_backup(self, id).await
+    }
+    async fn collect_backups(&self) -> Result<BackupGc> {
+        Manager::collect_backups(self).await
     }
     fn record_request(&self, labels: ApiLabels, took: Duration) {
         self.api_metrics.record(labels, took);

@@ -98,6 +98,9 @@ impl Manager {
     /// Reconciles every volume, then removes orphan devices.
     pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
         self.fail_interrupted_copies().await?;
+        self.remove_backup_moments().await?;
+        let me = self.clone();
+        tokio::spawn(async move { me.recover_backup_target().await });
         // Several volumes at once: after a pod is killed, each ublk device
         // stalls its users until its new worker recovers it, so the last
         // one's wait must not be the sum of all the others'. Every volume's

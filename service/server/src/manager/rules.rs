@@ -188,6 +188,7 @@ async fn manager_over(
             max_volumes,
             max_overcommit: None,
             kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
+            backup_target: None,
             faults: Faults::default(),
         },
     )

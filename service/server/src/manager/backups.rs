@@ -1,0 +1,829 @@
+//! Backups off the host: an image's bytes at one moment, stored on the
+//! service's backup target by `blockplane_backup` (chunks and a manifest),
+//! listed from the target so every service pointed at it sees the same, and
+//! restored into a new image in the background, a job as a copy is.
+//!
+//! The moment: an image no writable volume serves is read as it is, its
+//! writers refused until the backup ends (a writable volume, a grow, an
+//! allocate); an image a writable volume serves is first shared into a
+//! hidden file by the volume's backend at one moment of its I/O (as a
+//! snapshot is), which needs a filesystem that shares extents, else the
+//! backup is refused with the remedy a snapshot gets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::jobs::{Ended, Job, JobState, Jobs};
+use super::{Error, Manager, Result, blocking, validate_name};
+use crate::store::ImageRow;
+use blockplane_api::model::{
+    self, Backend, Backup, BackupGc, BackupState, BackupVerify, BadChunk, Image, ImageState,
+};
+use blockplane_backup::{BackupMeta, Counters, Manifest, Target};
+use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
+
+/// A running (or ended) backup of this service: what the list shows of it
+/// before it has a manifest, or when it never got one.
+pub(super) struct BackupRun {
+    meta: BackupMeta,
+    counters: Arc<Counters>,
+    /// It reads the image's own file: its writers wait for its end.
+    reads_image: bool,
+}
+
+impl Job for BackupRun {
+    fn depends_on(&self, _own: Uuid, image: Uuid) -> bool {
+        self.reads_image && image == self.meta.image.id
+    }
+
+    /// 409 `backup_source_busy` while a backup reads the image itself.
+    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
+        Error::BackupSource {
+            name: image.name.clone(),
+            backup: self.meta.name.clone(),
+            what: what.to_string(),
+        }
+    }
+}
+
+/// The service's backup target and its backups.
+#[derive(Default)]
+pub(super) struct Backups {
+    /// `--backup-target`, opened; `None`: backups are refused.
+    pub(super) target: Option<Target>,
+    /// This service's backups since it started, by backup id.
+    pub(super) jobs: Jobs<BackupRun>,
+    /// Each image's last backup with a manifest, by image id (filled from
+    /// the target at start, then by this service's backups): `/metrics`
+    /// reports its age.
+    last_done: std::sync::Mutex<HashMap<Uuid, OffsetDateTime>>,
+    /// Bytes this service's backups put on the target, and found there.
+    pub(super) uploaded_bytes: std::sync::atomic::AtomicU64,
+    pub(super) deduplicated_bytes: std::sync::atomic::AtomicU64,
+    /// One gc at a time: two at once could each keep what the other's
+    /// listing missed (`blockplane_backup::gc`).
+    gc: tokio::sync::Mutex<()>,
+}
+
+impl Backups {
+    /// Backups to `target`, when the service has one.
+    pub(super) fn new(target: Option<Target>) -> Self {
+        Self {
+            target,
+            ..Default::default()
+        }
+    }
+}
+
+/// The hidden file that holds a backup's moment of an image a writable
+/// volume serves, next to the image (removed when the backup ends, and at
+/// the next start if the service died first).
+fn moment_path(image: &ImageRow, backup: Uuid) -> std::path::PathBuf {
+    let file = std::path::Path::new(&image.path);
+    file.with_file_name(format!("{MOMENT_PREFIX}{backup}"))
+}
+
+/// The name a moment file starts with.
+const MOMENT_PREFIX: &str = ".blockplane-backup-";
+
+/// A backup as the API shows it, from its manifest.
+fn done_view(m: &Manifest) -> Backup {
+    Backup {
+        id: m.id,
+        name: m.name.clone(),
+        state: BackupState::Done,
+        image_id: m.image.id,
+        image_name: m.image.name.clone(),
+        size_bytes: m.image.size_bytes,
+        encrypted: m.image.encrypted,
+        created_at: m.created_at,
+        finished_at: Some(m.finished_at),
+        chunks: m.chunks.len() as u64,
+        stored_bytes: m.stored_bytes,
+        uploaded_bytes: m.uploaded_bytes,
+        deduplicated_bytes: m.deduplicated_bytes,
+        done_bytes: None,
+        total_bytes: None,
+        error: None,
+        source_host: m.source.host.clone(),
+        blockplane_version: m.blockplane_version.clone(),
+    }
+}
+
+/// A chunk as the API names it.
+fn bad_chunk(m: &Manifest, c: &blockplane_backup::ChunkRef) -> BadChunk {
+    BadChunk {
+        index: c.index,
+        offset: c.index * m.chunk_size,
+        hash: c.hash.clone(),
+    }
+}
+
+/// This host's name, for the manifests it writes.
+fn host_name() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+impl Manager {
+    /// The backup target, or 409 `no_backup_target` naming the flag that
+    /// sets one.
+    fn backup_target(&self, what: &str) -> Result<Target> {
+        self.backups
+            .target
+            .clone()
+            .ok_or_else(|| Error::NoBackupTarget(what.to_string()))
+    }
+
+    /// At start, before any backup: removes the moment files that backups
+    /// left next to their images when the service died during them.
+    pub(super) async fn remove_backup_moments(&self) -> Result<()> {
+        for row in self.store.images().await? {
+            let Some(dir) = std::path::Path::new(&row.path).parent() else {
+                continue;
+            };
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let ours = e.file_name().to_string_lossy().starts_with(MOMENT_PREFIX);
+                // unlink does not follow a symlink: only the name goes.
+                if ours && e.file_type().is_ok_and(|t| t.is_file()) {
+                    let _ = std::fs::remove_file(e.path());
+                    tracing::warn!(file = %e.path().display(), "removed a backup's moment left by a service that stopped during it");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// At start, in the background: releases the leases of backups this
+    /// service ran when it died (they wrote no manifest: they did not
+    /// happen; the next gc collects their chunks), and learns each image's
+    /// last backup. A target that is away only logs: backups then fail as
+    /// they start, with its reason.
+    pub(super) async fn recover_backup_target(&self) {
+        let Some(target) = &self.backups.target else {
+            return;
+        };
+        match blockplane_backup::release_leases(target, &self.instance).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                leases = n,
+                target = target.describe(),
+                "released the leases of backups this service ran when it stopped; their chunks are collected by the next gc"
+            ),
+            Err(e) => tracing::warn!(error = %e, "the backup target is not reachable at start"),
+        }
+        if let Ok(list) = blockplane_backup::list(target).await {
+            let mut last = self.backups.last_done.lock().expect("poisoned");
+            for m in list {
+                let at = last.entry(m.image.id).or_insert(m.finished_at);
+                *at = (*at).max(m.finished_at);
+            }
+        }
+    }
+
+    /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
+    /// at this moment; 202 with it `running`.
+    pub(super) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
+        validate_name("backup", name)?;
+        let target = self.backup_target("back an image up")?;
+        let src = self.image_row(image).await?;
+        let _image = self.image_locks.lock(&src.id.to_string()).await;
+        let src = self.image_row(&src.id.to_string()).await?;
+        self.refuse_unready(&src, "be backed up")?;
+        self.allocations.refuse(&src, "be backed up")?;
+        self.copies.refuse(&src, "be backed up")?;
+        let running = self.backups.jobs.list(|id, run, p| {
+            (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
+        });
+        if let Some(Some(id)) = running.into_iter().find(Option::is_some) {
+            return Err(Error::BackupRunning {
+                name: src.name.clone(),
+                backup: id,
+            });
+        }
+        let taken = blockplane_backup::list(&target)
+            .await?
+            .into_iter()
+            .find(|m| m.image.id == src.id && m.name == name);
+        if let Some(m) = taken {
+            return Err(Error::BackupNameTaken {
+                name: name.to_string(),
+                image: src.name.clone(),
+                id: m.id,
+            });
+        }
+        let id = Uuid::new_v4();
+        let writable = self
+            .attached_volumes(src.id)
+            .await?
+            .into_iter()
+            .find(|(v, _)| !v.read_only);
+        let (file, moment, held) = match writable {
+            Some((v, backend)) => {
+                let path = self
+                    .roots
+                    .resolve(&moment_path(&src, id).display().to_string())?;
+                let (file, held) = if backend.kind() == Backend::Loop {
+                    self.share_loop_moment(&src, &path, &v).await?
+                } else {
+                    self.share_with_serving(&src, &path, v, backend, name, None)
+                        .await?
+                };
+                (file, Some(path), Some(held))
+            }
+            None => {
+                let (me, s) = (self.clone(), src.clone());
+                let file = blocking(move || me.open_image(&s, Access::ReadOnly)).await??;
+                (file, None, None)
+            }
+        };
+        let meta = BackupMeta {
+            id,
+            name: name.to_string(),
+            image: blockplane_backup::ImageMeta {
+                id: src.id,
+                name: src.name.clone(),
+                size_bytes: file.size(),
+                encrypted: src.encryption.is_some(),
+            },
+            source: blockplane_backup::SourceMeta {
+                host: host_name(),
+                path: src.path.clone(),
+                service: self.instance.clone(),
+            },
+            created_at: OffsetDateTime::now_utc(),
+        };
+        let how = match &held {
+            Some(held) => format!("its moment shared into a hidden file (reflink); {held}"),
+            None => {
+                "read from its file; writable volumes, grows and allocates of it wait for its end"
+                    .to_string()
+            }
+        };
+        let mut tx = self.store.begin().await?;
+        tx.event(
+            None,
+            Some(src.id),
+            "backup_started",
+            &format!(
+                "image '{}': backup '{name}' ({id}) to {} started: {how}",
+                src.name,
+                target.describe()
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        let reads_image = moment.is_none();
+        self.start_backup(target, meta, file, moment, reads_image);
+        self.backup(&id.to_string()).await
+    }
+
+    /// Shares a loop volume's image into `path` at one moment: the loop
+    /// driver's writes wait on the file's lock while `FICLONE` runs.
+    /// Refused where the filesystem cannot share extents.
+    async fn share_loop_moment(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        v: &crate::store::VolumeRow,
+    ) -> Result<(ImageFile, String)> {
+        let (me, s, p) = (self.clone(), src.clone(), path.clone());
+        let (file, start, took) = blocking(move || -> Result<_> {
+            let src_file = me.open_image(&s, Access::ReadOnly)?;
+            src_file.sync()?;
+            let started = std::time::Instant::now();
+            let (file, start) = me.roots.create_clone(&p, &src_file)?;
+            Ok((file, start, started.elapsed()))
+        })
+        .await??;
+        if start != CloneStart::Reflinked {
+            let (dev, ino) = file.identity();
+            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            let backend = self.backend(Backend::Loop).expect("the volume's backend");
+            return Err(Error::SnapshotAttached {
+                name: src.name.clone(),
+                volume: v.name.clone(),
+                backend: "loop",
+                reason: super::copies::copy_under_writes(v, backend.as_ref()),
+            });
+        }
+        let held =
+            super::copies::held_text(&v.name, "loop: the filesystem's lock on the file", took);
+        Ok((file, held))
+    }
+
+    /// Runs the backup on the runtime, then records its end.
+    fn start_backup(
+        self: &Arc<Self>,
+        target: Target,
+        meta: BackupMeta,
+        file: ImageFile,
+        moment: Option<ImagePath>,
+        reads_image: bool,
+    ) {
+        let counters = Arc::new(Counters::default());
+        let run = BackupRun {
+            meta: meta.clone(),
+            counters: counters.clone(),
+            reads_image,
+        };
+        let pace = self.faults.pace(super::Slow::Backup);
+        let me = self.clone();
+        let moment_identity = (file.identity(), file.birth().map(str::to_string));
+        let fd: std::fs::File = file.into_fd().into();
+        self.backups
+            .jobs
+            .start(meta.id, run, pace, 0, move |job| async move {
+                let started = std::time::Instant::now();
+                let out = blockplane_backup::backup(
+                    &target,
+                    meta.clone(),
+                    fd,
+                    job.clone(),
+                    counters.clone(),
+                )
+                .await;
+                if let Some(path) = &moment {
+                    let ((dev, ino), birth) = &moment_identity;
+                    let _ = me.roots.remove_file(path, *dev, *ino, birth.as_deref());
+                }
+                me.end_backup(&target, &meta, &job, &counters, started.elapsed(), out)
+                    .await
+            });
+    }
+
+    /// Records how a backup ended: an event, the counters, and the image's
+    /// last backup.
+    async fn end_backup(
+        &self,
+        target: &Target,
+        meta: &BackupMeta,
+        job: &AllocateJob,
+        counters: &Counters,
+        took: std::time::Duration,
+        out: blockplane_backup::Result<Option<Manifest>>,
+    ) -> Ended {
+        let (uploaded, deduped) = (
+            counters.uploaded_bytes.load(Relaxed),
+            counters.deduplicated_bytes.load(Relaxed),
+        );
+        self.backups.uploaded_bytes.fetch_add(uploaded, Relaxed);
+        self.backups.deduplicated_bytes.fetch_add(deduped, Relaxed);
+        let who = format!(
+            "image '{}': backup '{}' ({})",
+            meta.image.name, meta.name, meta.id
+        );
+        let (state, kind, text, error) = match &out {
+            Ok(Some(m)) => {
+                self.backups
+                    .last_done
+                    .lock()
+                    .expect("poisoned")
+                    .insert(meta.image.id, m.finished_at);
+                (
+                    JobState::Done,
+                    "backup_done",
+                    format!(
+                        "{who} done in {:.1} s: {} chunks, {} stored, {} uploaded, {} already on {}",
+                        took.as_secs_f64(),
+                        m.chunks.len(),
+                        model::size_text(m.stored_bytes),
+                        model::size_text(uploaded),
+                        model::size_text(deduped),
+                        target.describe()
+                    ),
+                    None,
+                )
+            }
+            Ok(None) => (
+                JobState::Cancelled,
+                "backup_cancelled",
+                format!(
+                    "{who} cancelled after {}; no manifest was written",
+                    model::size_text(job.done_bytes.load(Relaxed))
+                ),
+                None,
+            ),
+            Err(e) => (
+                JobState::Failed,
+                "backup_failed",
+                format!("{who} failed: {e}; no manifest was written, the image is as it was"),
+                Some(e.to_string()),
+            ),
+        };
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            tx.event(None, Some(meta.image.id), kind, &text).await?;
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            tracing::error!(backup = %meta.id, error = %e, "could not record the end of a backup");
+        }
+        tracing::info!(backup = %meta.id, state = ?state, "{text}");
+        Ended { state, error }
+    }
+
+    /// This service's backups without a manifest (running, failed,
+    /// cancelled), as the API shows them.
+    fn local_backups(&self) -> Vec<Backup> {
+        self.backups.jobs.list(|id, run, p| {
+            let m = &run.meta;
+            Backup {
+                id,
+                name: m.name.clone(),
+                state: match p.state {
+                    JobState::Running => BackupState::Running,
+                    JobState::Done => BackupState::Done,
+                    JobState::Cancelled => BackupState::Cancelled,
+                    JobState::Failed => BackupState::Failed,
+                },
+                image_id: m.image.id,
+                image_name: m.image.name.clone(),
+                size_bytes: m.image.size_bytes,
+                encrypted: m.image.encrypted,
+                created_at: m.created_at,
+                finished_at: None,
+                chunks: 0,
+                stored_bytes: 0,
+                uploaded_bytes: run.counters.uploaded_bytes.load(Relaxed),
+                deduplicated_bytes: run.counters.deduplicated_bytes.load(Relaxed),
+                done_bytes: (p.state == JobState::Running).then_some(p.done_bytes),
+                total_bytes: (p.state == JobState::Running).then_some(p.total_bytes),
+                error: p.error,
+                source_host: m.source.host.clone(),
+                blockplane_version: env!("CARGO_PKG_VERSION").to_string(),
+            }
+        })
+    }
+
+    /// `GET /v1/backups`: the target's backups (any service's) and this
+    /// service's without a manifest, oldest first; `image` by id, or by
+    /// name (a registered image's id, else the name it was backed up as).
+    pub(super) async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>> {
+        let target = self.backup_target("list backups")?;
+        let mut out: Vec<Backup> = blockplane_backup::list(&target)
+            .await?
+            .iter()
+            .map(done_view)
+            .collect();
+        let listed: std::collections::HashSet<Uuid> = out.iter().map(|b| b.id).collect();
+        out.extend(
+            self.local_backups()
+                .into_iter()
+                .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
+        );
+        if let Some(image) = image {
+            let id = match self.store.image(image).await? {
+                Some(row) => Some(row.id),
+                None => Uuid::parse_str(image).ok(),
+            };
+            out.retain(|b| Some(b.image_id) == id || (id.is_none() && b.image_name == image));
+        }
+        out.sort_by_key(|b| b.created_at);
+        Ok(out)
+    }
+
+    /// `GET /v1/backups/{id}`: by id, or by name when one backup has it.
+    /// This service's own backup without a manifest is found by id without
+    /// the target: a backup that failed for want of it still shows why.
+    pub(super) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
+        if let Ok(id) = Uuid::parse_str(id_or_name)
+            && let Some(local) = self
+                .local_backups()
+                .into_iter()
+                .find(|b| b.id == id && b.state != BackupState::Done)
+        {
+            return Ok(local);
+        }
+        let all = self.backups(None).await?;
+        let by_id = Uuid::parse_str(id_or_name).ok();
+        let mut found = all
+            .into_iter()
+            .filter(|b| Some(b.id) == by_id || b.name == id_or_name);
+        match (found.next(), found.next()) {
+            (Some(b), None) => Ok(b),
+            (None, _) => Err(Error::BackupNotFound(id_or_name.to_string())),
+            (Some(a), Some(b)) => Err(Error::BackupAmbiguous {
+                name: id_or_name.to_string(),
+                ids: format!("{} ({}), {} ({})", a.id, a.image_name, b.id, b.image_name),
+            }),
+        }
+    }
+
+    /// A finished backup's manifest, by id or name.
+    async fn manifest(&self, target: &Target, id_or_name: &str) -> Result<Manifest> {
+        let b = self.backup(id_or_name).await?;
+        if b.state != BackupState::Done {
+            return Err(Error::BackupNotDone {
+                name: b.name,
+                state: b.state.as_str(),
+            });
+        }
+        Ok(blockplane_backup::manifest(target, b.id).await?)
+    }
+
+    /// `DELETE /v1/backups/{id}`: cancels a running backup of this service,
+    /// or deletes a finished one from the target (its chunks are collected
+    /// by the gc that follows, unless another backup uses them).
+    pub(super) async fn delete_backup(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+        let target = self.backup_target("delete a backup")?;
+        let b = self.backup(id_or_name).await?;
+        match b.state {
+            BackupState::Running => {
+                self.backups.jobs.stop(b.id).await;
+            }
+            BackupState::Done => {
+                blockplane_backup::delete(&target, b.id).await?;
+                let mut tx = self.store.begin().await?;
+                tx.event(
+                    None,
+                    Some(b.image_id),
+                    "backup_deleted",
+                    &format!(
+                        "image '{}': backup '{}' ({}) deleted from {}",
+                        b.image_name,
+                        b.name,
+                        b.id,
+                        target.describe()
+                    ),
+                )
+                .await?;
+                tx.commit().await?;
+                let me = self.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = me.collect_backups().await {
+                        tracing::warn!(error = %e, "the gc after a backup's delete failed");
+                    }
+                });
+            }
+            BackupState::Failed | BackupState::Cancelled => {}
+        }
+        self.backups.jobs.forget(b.id);
+        Ok(())
+    }
+
+    /// `POST /v1/backups/gc`: removes the chunks no manifest references,
+    /// keeping those a backup running on any service may need.
+    pub(super) async fn collect_backups(&self) -> Result<BackupGc> {
+        let target = self.backup_target("collect chunks")?;
+        let _one = self.backups.gc.lock().await;
+        let r = blockplane_backup::gc(&target).await?;
+        tracing::info!(
+            deleted = r.chunks_deleted,
+            kept = r.chunks_kept,
+            running = r.running_backups,
+            "backup target collected"
+        );
+        Ok(BackupGc {
+            chunks_kept: r.chunks_kept,
+            chunks_deleted: r.chunks_deleted,
+            bytes_deleted: r.bytes_deleted,
+            running_backups: r.running_backups,
+        })
+    }
+
+    /// `POST /v1/backups/{id}/verify`: reads every chunk of a backup back
+    /// and checks its hash, writing nothing.
+    pub(super) async fn verify_backup(&self, id_or_name: &str) -> Result<BackupVerify> {
+        let target = self.backup_target("verify a backup")?;
+        let m = self.manifest(&target, id_or_name).await?;
+        let job = Arc::new(AllocateJob::default());
+        let r = blockplane_backup::verify(&target, &m, job).await?;
+        Ok(BackupVerify {
+            backup_id: m.id,
+            ok: r.ok(),
+            chunks: r.chunks,
+            bytes: r.bytes,
+            missing: r.missing.iter().map(|c| bad_chunk(&m, c)).collect(),
+            corrupt: r.corrupt.iter().map(|c| bad_chunk(&m, c)).collect(),
+        })
+    }
+
+    /// `POST /v1/images` with `restore_from`: a new image at `path` made
+    /// from a backup's chunks in the background (202, `copying`).
+    pub(super) async fn restore_image(
+        self: &Arc<Self>,
+        backup: &str,
+        name: &str,
+        path: &str,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let target = self.backup_target("restore a backup")?;
+        let path = self.roots.resolve(path)?;
+        let _registering = self.image_registration.lock().await;
+        if let Some(existing) = self.store.image(name).await? {
+            return Err(Error::ImageNameTaken {
+                name: name.to_string(),
+                id: existing.id,
+            });
+        }
+        let m = self.manifest(&target, backup).await?;
+        let size = m.image.size_bytes;
+        let warnings = self
+            .check_provisioning(name, &path.display(), size, true)
+            .await?;
+        let (me, p) = (self.clone(), path.clone());
+        let file = blocking(move || {
+            me.roots
+                .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
+        })
+        .await??;
+        let remove = |file: &ImageFile| {
+            let _ =
+                self.roots
+                    .remove_file(&path, file.identity().0, file.identity().1, file.birth());
+        };
+        let free = file.free_bytes()?;
+        if m.stored_bytes > free {
+            remove(&file);
+            return Err(Error::SpaceShort {
+                name: name.to_string(),
+                what: "restoring its backup's data",
+                needed: m.stored_bytes,
+                free,
+            });
+        }
+        let (dev, ino) = file.identity();
+        let row = ImageRow {
+            id: Uuid::new_v4(),
+            name: name.to_string(),
+            path: path.display(),
+            dev,
+            ino,
+            birth: file.birth().map(str::to_string),
+            size_bytes: size,
+            allocated_bytes: 0,
+            allocation: Some(blockplane_api::model::Allocation::Sparse),
+            filesystem: file.filesystem()?,
+            created_at: OffsetDateTime::now_utc(),
+            snapshot_of: None,
+            cloned_from: None,
+            restored_from: Some(m.id),
+            read_only: false,
+            method: None,
+            state: ImageState::Copying,
+            state_reason: None,
+            encryption: None,
+        };
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            tx.insert_image(&row).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_restore_started",
+                &format!(
+                    "image '{name}' ({}) is being restored from backup '{}' ({}) of image '{}' at {}: {} of data from {}; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
+                    row.path,
+                    m.name,
+                    m.id,
+                    m.image.name,
+                    m.created_at,
+                    model::size_text(m.stored_bytes),
+                    target.describe()
+                ),
+            )
+            .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w).await?;
+            }
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            remove(&file);
+            return Err(e.into());
+        }
+        self.start_restore(&row, target, m, file);
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// Runs a restore into `file`, then records its end: `ready` (with its
+    /// LUKS2 header read, when it has one), or `failed` with the file removed.
+    fn start_restore(
+        self: &Arc<Self>,
+        row: &ImageRow,
+        target: Target,
+        m: Manifest,
+        file: ImageFile,
+    ) {
+        let pace = self.faults.pace(super::Slow::Copy);
+        let kind = super::copies::CopyRun::restore(row.name.clone());
+        let (me, row) = (self.clone(), row.clone());
+        let total = m.stored_bytes;
+        let fd: std::fs::File = match file.fd().try_clone() {
+            Ok(fd) => fd.into(),
+            Err(e) => {
+                tracing::error!(image = %row.name, error = %e, "dup of a restore's file");
+                return;
+            }
+        };
+        self.copies
+            .start(row.id, kind, pace, total, move |job| async move {
+                let started = std::time::Instant::now();
+                let out = blockplane_backup::restore(&target, &m, fd, job.clone())
+                    .await
+                    .map_err(Error::from);
+                let out = match out {
+                    Ok(true) => {
+                        let name = row.name.clone();
+                        blocking(move || -> Result<_> {
+                            let mut file = file;
+                            file.refresh()?;
+                            let encryption = super::encryption::encryption_of(&name, file.fd())?;
+                            Ok((true, file.allocated(), encryption))
+                        })
+                        .await
+                        .and_then(|r| r)
+                    }
+                    Ok(false) => Ok((false, 0, None)),
+                    Err(e) => Err(e),
+                };
+                me.end_restore(&row, &m, &job, started.elapsed(), out).await
+            });
+    }
+
+    /// Records a restore's end as [`Self::end_copy`] does a copy's.
+    async fn end_restore(
+        &self,
+        row: &ImageRow,
+        m: &Manifest,
+        job: &AllocateJob,
+        took: std::time::Duration,
+        out: Result<(bool, u64, Option<model::ImageEncryption>)>,
+    ) -> Ended {
+        let done = job.done_bytes.load(Relaxed);
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            match &out {
+                Ok((true, allocated, encryption)) => {
+                    tx.set_image_encryption(row.id, encryption.as_ref()).await?;
+                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
+                        .await?;
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_restored",
+                        &format!(
+                            "image '{}': restored from backup '{}' ({}), {} checked and written in {:.1} s; ready",
+                            row.name,
+                            m.name,
+                            m.id,
+                            model::size_text(done),
+                            took.as_secs_f64()
+                        ),
+                    )
+                    .await?;
+                }
+                Ok((false, ..)) => {
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copy_cancelled",
+                        &format!("image '{}': restore stopped after {}", row.name, model::size_text(done)),
+                    )
+                    .await?;
+                }
+                Err(e) => {
+                    let reason = format!(
+                        "the restore from backup '{}' ({}) failed after {done} bytes: {e}; its partial file was removed",
+                        m.name, m.id
+                    );
+                    self.fail_copy(&mut tx, row, &reason).await?;
+                }
+            }
+            tx.commit().await
+        }
+        .await;
+        Ended::of(out, |(done, ..)| *done, recorded, "a restore", &row.name)
+    }
+
+    /// Seconds since each image's last backup with a manifest, by image
+    /// name (images registered here only), for `/metrics`.
+    pub(super) async fn backup_ages(&self) -> Result<Vec<(String, f64)>> {
+        let last = self.backups.last_done.lock().expect("poisoned").clone();
+        let now = OffsetDateTime::now_utc();
+        Ok(self
+            .store
+            .images()
+            .await?
+            .into_iter()
+            .filter_map(|row| {
+                last.get(&row.id)
+                    .map(|at| (row.name, (now - *at).as_seconds_f64().max(0.0)))
+            })
+            .collect())
+    }
+}

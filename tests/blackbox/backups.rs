@@ -1,0 +1,666 @@
+//! Backups off the host: to a directory and to a real S3-compatible server
+//! (moto's, from PyPI: a whole S3 HTTP API in one process, started on
+//! loopback by the test), incremental and deduplicated, restored byte-equal
+//! by this service or another, and what a corrupt chunk, a kill, a target
+//! that goes away and a gc during a backup leave.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper::StatusCode;
+use serde_json::{Value, json};
+
+use crate::harness::{Opts, Service, assert_error, eventually, free_port};
+
+const MIB: u64 = 1 << 20;
+const CHUNK: u64 = 4 * MIB;
+/// Long enough for a slow (`slow_backup`) backup of a hundred chunks on a
+/// loaded machine; a condition ends every wait long before.
+const WAIT: Duration = Duration::from_secs(300);
+
+/// A service whose backup target is `target`, with `env` set.
+async fn service_to(target: &str, env: &[(&str, &str)]) -> Service {
+    Service::start_with(Opts {
+        extra_args: vec!["--backup-target".into(), target.into()],
+        env: env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    })
+    .await
+}
+
+/// A directory target beside the service's dirs.
+fn dir_target() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bp-target")
+        .tempdir_in("/tmp")
+        .unwrap()
+}
+
+/// Creates a sparse image `name` of `size` bytes with `seed`'s pattern
+/// written over `data` (byte ranges); returns its path.
+async fn image_with(s: &Service, name: &str, size: u64, data: &[(u64, u64)], seed: u8) -> PathBuf {
+    let path = s.images.join(format!("{name}.img"));
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": name, "path": path, "create": {"size_bytes": size}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    write_pattern(&path, data, seed);
+    path
+}
+
+/// Writes `seed`'s pattern over each `(offset, len)` of the file.
+fn write_pattern(path: &Path, data: &[(u64, u64)], seed: u8) {
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    for &(off, len) in data {
+        let bytes: Vec<u8> = (0..len)
+            .map(|i| ((off + i) % 251) as u8 ^ seed | 1)
+            .collect();
+        f.write_all_at(&bytes, off).unwrap();
+    }
+    f.sync_all().unwrap();
+}
+
+/// Starts a backup of `image` named `name`: the 202's backup.
+async fn start_backup(s: &Service, image: &str, name: &str) -> Value {
+    let a = s
+        .post(
+            &format!("/v1/images/{image}/backups"),
+            json!({"name": name}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    assert_eq!(a.body["state"], "running", "{}", a.body);
+    a.body
+}
+
+/// Waits until backup `id` is no longer running: its last view.
+async fn backup_end(s: &Service, id: &str) -> Value {
+    let mut last = Value::Null;
+    eventually(WAIT, &format!("backup {id} to end"), async || {
+        last = s.get(&format!("/v1/backups/{id}")).await.body;
+        last["state"] != "running"
+    })
+    .await;
+    last
+}
+
+/// A backup of `image` named `name`, done.
+pub(crate) async fn backup(s: &Service, image: &str, name: &str) -> Value {
+    let id = start_backup(s, image, name).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b = backup_end(s, &id).await;
+    assert_eq!(b["state"], "done", "{b}\n{}", s.log_text());
+    b
+}
+
+/// Starts a restore of `backup` into image `name`: the 202's image.
+async fn start_restore(s: &Service, backup: &str, name: &str) -> (Value, PathBuf) {
+    let path = s.images.join(format!("{name}.img"));
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": name, "path": path, "restore_from": backup}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.body);
+    assert_eq!(a.body["state"], "copying", "{}", a.body);
+    assert_eq!(a.body["method"], "restore", "{}", a.body);
+    (a.body, path)
+}
+
+/// Waits until image `name` is no longer copying: its last view.
+async fn image_end(s: &Service, name: &str) -> Value {
+    let mut last = Value::Null;
+    eventually(WAIT, &format!("image {name} to be restored"), async || {
+        last = s.get(&format!("/v1/images/{name}")).await.body;
+        last["state"] != "copying"
+    })
+    .await;
+    last
+}
+
+/// A restore of `backup` into image `name`, ready: its file.
+async fn restore(s: &Service, backup: &str, name: &str) -> PathBuf {
+    let (_, path) = start_restore(s, backup, name).await;
+    let i = image_end(s, name).await;
+    assert_eq!(i["state"], "ready", "{i}\n{}", s.log_text());
+    path
+}
+
+/// The chunk files a directory target holds.
+fn chunk_files(target: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(dirs) = std::fs::read_dir(target.join("chunks")) else {
+        return out;
+    };
+    for d in dirs.flatten() {
+        // A name with '#' is a file being written (the target's staging name).
+        for f in std::fs::read_dir(d.path()).unwrap().flatten() {
+            if !f.file_name().to_string_lossy().contains('#') {
+                out.push(f.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Kinds of the service's events, oldest first.
+async fn event_kinds(s: &Service) -> Vec<String> {
+    let a = s.get("/v1/events?limit=1000").await;
+    a.body
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn backups_are_incremental_deduplicated_and_restore_byte_equal_from_a_directory() {
+    let t = dir_target();
+    let s = service_to(t.path().to_str().unwrap(), &[]).await;
+    // Five chunks of data (the fifth in part), a chunk of zeros written
+    // (stored as nothing), and holes.
+    let size = 40 * MIB;
+    let data = [(MIB, 18 * MIB)];
+    let a_path = image_with(&s, "a", size, &data, 7).await;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&a_path)
+        .unwrap();
+    f.write_all_at(&vec![0u8; CHUNK as usize], 6 * CHUNK)
+        .unwrap();
+    f.sync_all().unwrap();
+    let moment_one = std::fs::read(&a_path).unwrap();
+
+    let one = backup(&s, "a", "one").await;
+    assert_eq!(one["chunks"], 5, "{one}");
+    assert_eq!(one["stored_bytes"], 5 * CHUNK, "{one}");
+    assert_eq!(one["uploaded_bytes"], 5 * CHUNK, "{one}");
+    assert_eq!(one["deduplicated_bytes"], 0, "{one}");
+    assert_eq!(one["size_bytes"], size, "{one}");
+    assert_eq!(chunk_files(t.path()).len(), 5);
+
+    // 4 KiB changed in one chunk: that chunk is all the second backup puts.
+    write_pattern(&a_path, &[(2 * CHUNK + 4096, 4096)], 99);
+    let two = backup(&s, "a", "two").await;
+    assert_eq!(two["uploaded_bytes"], CHUNK, "{two}");
+    assert_eq!(two["deduplicated_bytes"], 4 * CHUNK, "{two}");
+    assert_eq!(chunk_files(t.path()).len(), 6);
+
+    // Another image with the first one's bytes: nothing to put.
+    let b_path = s.images.join("b.img");
+    std::fs::write(&b_path, &moment_one).unwrap();
+    let a = s
+        .post("/v1/images", json!({"name": "b", "path": b_path}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let b = backup(&s, "b", "one").await;
+    assert_eq!(b["uploaded_bytes"], 0, "{b}");
+    assert_eq!(b["deduplicated_bytes"], 5 * CHUNK, "{b}");
+
+    // The name is the image's: taken for a, free for b.
+    let again = s.post("/v1/images/a/backups", json!({"name": "one"})).await;
+    assert_error(&again, 409, "name_taken");
+
+    // The first moment comes back whole, holes as holes.
+    let id = one["id"].as_str().unwrap();
+    let r_path = restore(&s, id, "r").await;
+    assert!(
+        std::fs::read(&r_path).unwrap() == moment_one,
+        "restored bytes differ"
+    );
+    let r = s.get("/v1/images/r").await.body;
+    assert_eq!(r["restored_from"], one["id"], "{r}");
+    assert!(
+        r["allocated_bytes"].as_u64().unwrap() <= 6 * CHUNK,
+        "the restore is not sparse: {r}"
+    );
+    // A restored image serves: a volume on it.
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "rv", "image": "r", "backend": "loop"}),
+        )
+        .await;
+    assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
+
+    let list = s.get("/v1/backups?image=a").await.body;
+    let names: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["one", "two"], "{list}");
+    let kinds = event_kinds(&s).await;
+    for k in [
+        "backup_started",
+        "backup_done",
+        "image_restore_started",
+        "image_restored",
+    ] {
+        assert!(kinds.iter().any(|e| e == k), "no {k} event in {kinds:?}");
+    }
+    let metrics = s.get_text("/metrics").await;
+    assert!(
+        metrics.contains(&format!(
+            "blockplane_backup_uploaded_bytes_total {}",
+            6 * CHUNK
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!(
+            "blockplane_backup_deduplicated_bytes_total {}",
+            9 * CHUNK
+        )),
+        "{metrics}"
+    );
+    for image in ["a", "b"] {
+        assert!(
+            metrics.contains(&format!(
+                "blockplane_image_last_backup_age_seconds{{image=\"{image}\"}}"
+            )),
+            "no backup age of {image}: {metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_corrupt_or_missing_chunk_is_named_and_no_half_restore_is_served() {
+    let t = dir_target();
+    let s = service_to(t.path().to_str().unwrap(), &[]).await;
+    image_with(&s, "a", 16 * MIB, &[(0, 12 * MIB)], 3).await;
+    let one = backup(&s, "a", "one").await;
+    let id = one["id"].as_str().unwrap();
+    let v = s.post(&format!("/v1/backups/{id}/verify"), json!({})).await;
+    assert_eq!(v.status, StatusCode::OK, "{}", v.body);
+    assert_eq!(v.body["ok"], true, "{}", v.body);
+
+    // One byte of the second chunk flipped.
+    let chunks = chunk_files(t.path());
+    let bad = chunks[1].clone();
+    let hash = bad.file_name().unwrap().to_str().unwrap().to_string();
+    let mut bytes = std::fs::read(&bad).unwrap();
+    bytes[1000] ^= 0xff;
+    std::fs::write(&bad, &bytes).unwrap();
+    let v = s.post(&format!("/v1/backups/{id}/verify"), json!({})).await;
+    assert_eq!(v.body["ok"], false, "{}", v.body);
+    let corrupt = v.body["corrupt"].as_array().unwrap();
+    assert_eq!(corrupt.len(), 1, "{}", v.body);
+    assert_eq!(corrupt[0]["hash"], hash.as_str(), "{}", v.body);
+
+    // The restore fails naming it, and leaves no file and nothing to serve.
+    let (_, path) = start_restore(&s, id, "r").await;
+    let r = image_end(&s, "r").await;
+    assert_eq!(r["state"], "failed", "{r}");
+    let reason = r["state_reason"].as_str().unwrap();
+    assert!(
+        reason.contains(&hash[..12]),
+        "the reason names no chunk: {reason}"
+    );
+    assert!(!path.exists(), "the half-restored file stays");
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "rv", "image": "r", "backend": "loop"}),
+        )
+        .await;
+    assert_error(&v, 409, "image_not_ready");
+
+    // A chunk gone is named missing.
+    std::fs::remove_file(&bad).unwrap();
+    let v = s.post(&format!("/v1/backups/{id}/verify"), json!({})).await;
+    assert_eq!(v.body["missing"][0]["hash"], hash.as_str(), "{}", v.body);
+    let index = v.body["missing"][0]["index"].as_u64().unwrap();
+    let out = std::process::Command::new(crate::harness::BIN)
+        .args([
+            "--api",
+            &format!("unix:{}", s.sock.display()),
+            "backup",
+            "verify",
+            id,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!(
+            "missing: chunk {index} at offset {}",
+            index * CHUNK
+        )),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_gc_during_a_backup_keeps_the_chunks_it_uses_and_collects_the_rest() {
+    let t = dir_target();
+    let s = service_to(
+        t.path().to_str().unwrap(),
+        &[("BLOCKPLANE_TEST_FAULT", "slow_backup")],
+    )
+    .await;
+    // b holds a's bytes and more: its backup deduplicates a's chunks.
+    let a_path = image_with(&s, "a", 24 * MIB, &[(0, 20 * MIB)], 5).await;
+    image_with(&s, "old", 8 * MIB, &[(0, 8 * MIB)], 77).await;
+    let a1 = backup(&s, "a", "one").await;
+    let old1 = backup(&s, "old", "one").await;
+    let b_path = s.images.join("b.img");
+    let mut bytes = std::fs::read(&a_path).unwrap();
+    bytes.resize((200 * MIB) as usize, 0);
+    std::fs::write(&b_path, &bytes).unwrap();
+    write_pattern(&b_path, &[(24 * MIB, 170 * MIB)], 11);
+    let a = s
+        .post("/v1/images", json!({"name": "b", "path": b_path}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let moment = std::fs::read(&b_path).unwrap();
+    let b1 = start_backup(&s, "b", "one").await;
+    let b_id = b1["id"].as_str().unwrap();
+    // Once it stores chunks, it has read the manifests it deduplicates against.
+    eventually(WAIT, "b's backup to start storing", async || {
+        s.get(&format!("/v1/backups/{b_id}")).await.body["done_bytes"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    // Both earlier backups deleted while b's runs: a's chunks are then
+    // referenced by no manifest, only by the running backup.
+    for id in [&a1["id"], &old1["id"]] {
+        let d = s
+            .delete(&format!("/v1/backups/{}", id.as_str().unwrap()))
+            .await;
+        assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
+    }
+    let gc = s.post("/v1/backups/gc", json!({})).await;
+    assert_eq!(gc.status, StatusCode::OK, "{}", gc.body);
+    let still = s.get(&format!("/v1/backups/{b_id}")).await.body;
+    if still["state"] == "running" {
+        assert_eq!(gc.body["running_backups"], 1, "{}", gc.body);
+    }
+    let b = backup_end(&s, b_id).await;
+    assert_eq!(b["state"], "done", "{b}");
+    assert_eq!(b["deduplicated_bytes"], 5 * CHUNK, "{b}");
+    let v = s
+        .post(&format!("/v1/backups/{b_id}/verify"), json!({}))
+        .await;
+    assert_eq!(
+        v.body["ok"], true,
+        "a gc took a chunk the backup uses: {}",
+        v.body
+    );
+    let r = restore(&s, b_id, "r").await;
+    assert!(
+        std::fs::read(&r).unwrap() == moment,
+        "restored bytes differ"
+    );
+    // With no backup running, old's chunks (no manifest) go; b's stay.
+    let gc = s.post("/v1/backups/gc", json!({})).await;
+    assert_eq!(gc.body["running_backups"], 0, "{}", gc.body);
+    assert_eq!(
+        chunk_files(t.path()).len() as u64,
+        b["chunks"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn a_kill_during_a_backup_or_a_restore_leaves_no_manifest_and_no_ready_image() {
+    let t = dir_target();
+    let mut s = service_to(t.path().to_str().unwrap(), &[]).await;
+    let a_path = image_with(&s, "a", 48 * MIB, &[(0, 40 * MIB)], 9).await;
+    let one = backup(&s, "a", "one").await;
+    let moment = std::fs::read(&a_path).unwrap();
+    write_pattern(&a_path, &[(0, 40 * MIB)], 10);
+    let before = chunk_files(t.path());
+
+    // A backup killed after its first chunks: no manifest, and its chunks
+    // go at the next gc once the restarted service released its lease.
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "slow_backup")]);
+    s.wait_ready().await;
+    let id = start_backup(&s, "a", "two").await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    eventually(WAIT, "the backup to store a chunk", async || {
+        chunk_files(t.path()).len() > before.len()
+    })
+    .await;
+    s.kill();
+    s.spawn(&[]);
+    s.wait_ready().await;
+    let got = s.get(&format!("/v1/backups/{id}")).await;
+    assert_error(&got, 404, "backup_not_found");
+    assert!(!t.path().join(format!("backups/{id}.json")).exists());
+    eventually(WAIT, "the dead backup's lease to be released", async || {
+        std::fs::read_dir(t.path().join("leases")).map_or(true, |d| d.count() == 0)
+    })
+    .await;
+    let gc = s.post("/v1/backups/gc", json!({})).await;
+    assert!(
+        gc.body["chunks_deleted"].as_u64().unwrap() >= 1,
+        "{}",
+        gc.body
+    );
+    assert_eq!(chunk_files(t.path()), before, "{}", gc.body);
+    let kinds = event_kinds(&s).await;
+    assert!(kinds.iter().any(|k| k == "backup_started"), "{kinds:?}");
+
+    // A restore killed mid-way: its image is failed and its file gone.
+    s.kill();
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "slow_copy")]);
+    s.wait_ready().await;
+    let (_, path) = start_restore(&s, one["id"].as_str().unwrap(), "r").await;
+    eventually(WAIT, "the restore to write", async || {
+        s.get("/v1/images/r").await.body["copied_bytes"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    s.kill();
+    s.spawn(&[]);
+    s.wait_ready().await;
+    let r = s.get("/v1/images/r").await.body;
+    assert_eq!(r["state"], "failed", "{r}");
+    assert!(!path.exists(), "the half-restored file stays");
+    // Deleted and restored again, it is whole.
+    let d = s.delete("/v1/images/r").await;
+    assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
+    let r = restore(&s, one["id"].as_str().unwrap(), "r").await;
+    assert!(
+        std::fs::read(&r).unwrap() == moment,
+        "restored bytes differ"
+    );
+}
+
+#[tokio::test]
+async fn a_target_that_goes_away_fails_the_backup_and_leaves_the_image_as_it_was() {
+    let t = dir_target();
+    let root = t.path().join("mnt");
+    std::fs::create_dir(&root).unwrap();
+    let s = service_to(
+        root.to_str().unwrap(),
+        &[("BLOCKPLANE_TEST_FAULT", "slow_backup")],
+    )
+    .await;
+    image_with(&s, "a", 64 * MIB, &[(0, 60 * MIB)], 21).await;
+    let id = start_backup(&s, "a", "one").await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    eventually(WAIT, "the backup to store a chunk", async || {
+        !chunk_files(&root).is_empty()
+    })
+    .await;
+    // The mount is gone: its path is now a plain file.
+    std::fs::rename(&root, t.path().join("gone")).unwrap();
+    std::fs::write(&root, b"not a directory").unwrap();
+    let b = backup_end(&s, &id).await;
+    assert_eq!(b["state"], "failed", "{b}");
+    let error = b["error"].as_str().unwrap();
+    assert!(
+        error.contains(root.to_str().unwrap()),
+        "the error names no target: {error}"
+    );
+    // The image is free again: a writable volume on it.
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "av", "image": "a", "backend": "loop"}),
+        )
+        .await;
+    assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
+    let kinds = event_kinds(&s).await;
+    assert!(kinds.iter().any(|k| k == "backup_failed"), "{kinds:?}");
+}
+
+#[tokio::test]
+async fn a_second_service_on_another_data_dir_lists_and_restores_the_backups() {
+    let t = dir_target();
+    let target = t.path().to_str().unwrap();
+    let s1 = service_to(target, &[]).await;
+    let a_path = image_with(&s1, "a", 16 * MIB, &[(4096, 9 * MIB)], 13).await;
+    let one = backup(&s1, "a", "one").await;
+    let s2 = service_to(target, &[]).await;
+    let list = s2.get("/v1/backups").await;
+    assert_eq!(list.status, StatusCode::OK, "{}", list.body);
+    assert_eq!(list.body[0]["id"], one["id"], "{}", list.body);
+    // By name: the image is not registered here, the backup's name is unique.
+    let got = s2.get("/v1/backups?image=a").await.body;
+    assert_eq!(got.as_array().unwrap().len(), 1, "{got}");
+    let r = restore(&s2, "one", "a").await;
+    assert!(
+        std::fs::read(&r).unwrap() == std::fs::read(&a_path).unwrap(),
+        "restored bytes differ"
+    );
+}
+
+#[tokio::test]
+async fn without_a_target_backups_are_refused_naming_the_flag() {
+    let s = Service::start().await;
+    s.image("a", 4).await;
+    let a = s.post("/v1/images/a/backups", json!({"name": "one"})).await;
+    assert_error(&a, 409, "no_backup_target");
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--backup-target"),
+        "{}",
+        a.body
+    );
+    assert_error(&s.get("/v1/backups").await, 409, "no_backup_target");
+}
+
+/// A moto S3 server on a free loopback port, with bucket `bucket`; killed
+/// when dropped.
+struct S3 {
+    child: std::process::Child,
+    endpoint: String,
+}
+
+impl S3 {
+    fn start() -> S3 {
+        let python = std::env::var("BLOCKPLANE_TEST_PYTHON")
+            .expect("BLOCKPLANE_TEST_PYTHON: the test venv's python, with moto[server] (tests/requirements.txt)");
+        let bin = Path::new(&python).parent().unwrap().join("moto_server");
+        let port = free_port();
+        let child = std::process::Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+        let endpoint = format!("http://127.0.0.1:{port}");
+        // Its bucket, made through its own API once it answers.
+        let make = format!(
+            "import boto3,time\n\
+             for _ in range(600):\n\
+             \x20   try:\n\
+             \x20       boto3.client('s3', endpoint_url='{endpoint}', region_name='us-east-1', aws_access_key_id='test', aws_secret_access_key='test').create_bucket(Bucket='bucket'); break\n\
+             \x20   except Exception: time.sleep(0.1)\n\
+             else: raise SystemExit('moto did not answer')\n"
+        );
+        let st = std::process::Command::new(&python)
+            .args(["-c", &make])
+            .status()
+            .unwrap();
+        assert!(st.success(), "could not make the bucket");
+        S3 { child, endpoint }
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn backups_go_to_s3_compatible_storage_and_come_back() {
+    let s3 = S3::start();
+    let target = format!("s3://bucket/host-a?endpoint={}", s3.endpoint);
+    let creds = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        creds.path(),
+        "access_key_id = test\nsecret_access_key = test\n",
+    )
+    .unwrap();
+    let s = Service::start_with(Opts {
+        extra_args: vec![
+            "--backup-target".into(),
+            target.clone(),
+            "--backup-credentials".into(),
+            creds.path().display().to_string(),
+        ],
+        ..Default::default()
+    })
+    .await;
+    let a_path = image_with(&s, "a", 24 * MIB, &[(0, 16 * MIB)], 31).await;
+    let moment = std::fs::read(&a_path).unwrap();
+    let one = backup(&s, "a", "one").await;
+    assert_eq!(one["uploaded_bytes"], 4 * CHUNK, "{one}");
+    write_pattern(&a_path, &[(CHUNK, 512)], 1);
+    let two = backup(&s, "a", "two").await;
+    assert_eq!(two["uploaded_bytes"], CHUNK, "{two}");
+    let r = restore(&s, one["id"].as_str().unwrap(), "r").await;
+    assert!(
+        std::fs::read(&r).unwrap() == moment,
+        "restored bytes differ"
+    );
+    // Deleted, and its own chunk collected.
+    let d = s
+        .delete(&format!("/v1/backups/{}", two["id"].as_str().unwrap()))
+        .await;
+    assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
+    // S3 keeps times to the second: a tombstone of the same second as a
+    // gc's start still protects its chunks, so a later gc collects them.
+    eventually(
+        WAIT,
+        "a gc to collect the deleted backup's own chunk",
+        async || {
+            let gc = s.post("/v1/backups/gc", json!({})).await;
+            assert_eq!(gc.status, StatusCode::OK, "{}", gc.body);
+            gc.body["chunks_kept"] == 4
+        },
+    )
+    .await;
+    // The credentials are nowhere in what the service says of its target.
+    assert!(!s.log_text().contains("secret_access_key = test"));
+}
