@@ -530,6 +530,44 @@ async fn a_target_that_goes_away_fails_the_backup_and_leaves_the_image_as_it_was
 }
 
 #[tokio::test]
+async fn a_full_target_fails_the_backup_clearly_and_the_volume_keeps_serving() {
+    // A 32 MiB filesystem for 48 MiB of data.
+    let full = crate::harness::LoopFs::new(&["mkfs.ext4", "-q", "-F"], 32 * MIB);
+    let s = service_to(full.mnt.to_str().unwrap(), &[]).await;
+    image_with(&s, "a", 64 * MIB, &[(0, 48 * MIB)], 41).await;
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "av", "image": "a", "backend": "loop", "read_only": true}),
+        )
+        .await;
+    assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
+    let id = start_backup(&s, "a", "one").await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b = backup_end(&s, &id).await;
+    assert_eq!(b["state"], "failed", "{b}");
+    let error = b["error"].as_str().unwrap();
+    assert!(error.contains("No space left on device"), "{error}");
+    assert!(
+        error.contains(full.mnt.to_str().unwrap()),
+        "the error names no target: {error}"
+    );
+    // The volume reads on, and no manifest was written.
+    let dev = v.body["device"].as_str().unwrap();
+    let mut buf = vec![0u8; 4096];
+    std::fs::File::open(dev)
+        .unwrap()
+        .read_exact_at(&mut buf, 8 * MIB)
+        .unwrap();
+    assert!(buf.iter().any(|&b| b != 0), "the volume reads its data");
+    assert!(std::fs::read_dir(full.mnt.join("backups")).map_or(true, |mut d| d.next().is_none()));
+    let got = s.get("/v1/volumes/av").await.body;
+    assert_eq!(got["state"], "attached", "{got}");
+}
+
+#[tokio::test]
 async fn a_second_service_on_another_data_dir_lists_and_restores_the_backups() {
     let t = dir_target();
     let target = t.path().to_str().unwrap();

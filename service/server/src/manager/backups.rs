@@ -45,6 +45,7 @@ impl Job for BackupRun {
         Error::BackupSource {
             name: image.name.clone(),
             backup: self.meta.name.clone(),
+            id: self.meta.id,
             what: what.to_string(),
         }
     }

@@ -90,11 +90,12 @@ pub enum Error {
         what: String,
     },
     #[error(
-        "image '{name}': backup '{backup}' reads its file, so it cannot {what} until that backup ends (or is cancelled with DELETE /v1/backups/{backup})"
+        "image '{name}': backup '{backup}' ({id}) reads its file, so it cannot {what} until that backup ends (or is cancelled with DELETE /v1/backups/{id})"
     )]
     BackupSource {
         name: String,
         backup: String,
+        id: Uuid,
         what: String,
     },
     #[error(
