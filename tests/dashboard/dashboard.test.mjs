@@ -9,7 +9,9 @@
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import { once } from 'node:events';
-import { closeSync, existsSync, openSync, readFileSync, rmSync } from 'node:fs';
+import {
+  closeSync, existsSync, mkdtempSync, openSync, readFileSync, rmSync,
+} from 'node:fs';
 import { after, before, describe, test } from 'node:test';
 
 import {
@@ -933,5 +935,77 @@ describe('encrypted images', { concurrency: false }, () => {
       assert.ok(!requests.some((r) => r.url.includes(k)), 'a key went into a URL');
     }
     await screenshot(tab, 'encrypted-volume-refused');
+  });
+});
+
+describe('backups', { concurrency: false }, () => {
+  let bk;
+  let tab;
+  let target;
+
+  before(async () => {
+    target = mkdtempSync('/tmp/bpdash-target');
+    bk = await Service.start({ token: null, env: { BLOCKPLANE_TEST_FAULT: 'slow_backup', BLOCKPLANE_BACKUP_TARGET: target } });
+    tab = await br.context.newPage();
+    tab.on('pageerror', (e) => pageErrors.push(e.message));
+    // 64 chunks of data: a backup paced at 100 ms a chunk runs for seconds.
+    await bk.imageWithData('gold', 256, 256);
+    await tab.goto(`${bk.url}#/backups`);
+    await tab.locator('#live[data-state=live]').waitFor();
+  });
+
+  after(async () => {
+    if (tab) await tab.close();
+    if (bk) await bk.stop();
+    if (target) rmSync(target, { recursive: true, force: true });
+  });
+
+  test('an image is backed up with its progress shown, then restored from the list and verified', async () => {
+    assert.match(await tab.locator('[data-field=backup-target]').innerText(), new RegExp(`Target: dir:${target}`));
+    const form = tab.getByRole('form', { name: 'Back an image up' });
+    await form.getByLabel('Image').selectOption((await bk.ok('GET', '/v1/images/gold')).id);
+    const name = await form.getByLabel('Backup name').inputValue();
+    assert.match(name, /^gold-\d{8}-\d{6}$/, 'the default name: image, then the time');
+    await form.getByRole('button', { name: 'Back up' }).click();
+    await form.locator('.ok[role=status]').waitFor();
+    const row = tab.locator(`tr[data-backup="${name}"]`);
+    // The progress bar while it runs, then done.
+    await until('a progress bar', async () => (await row.locator('progress').count()) === 1);
+    await screenshot(tab, 'backup-running');
+    await until('the backup done', async () => /^done/.test(await row.locator('[data-field=state]').innerText()), 60000);
+    const b = (await bk.ok('GET', '/v1/backups?image=gold'))[0];
+    assert.equal(b.name, name);
+    assert.match(await row.locator('[data-field=stored]').innerText(), /^256\.0 MiB/);
+    // The image's 1 MiB pattern repeats: one chunk is uploaded, the others are found.
+    assert.match(await row.locator('[data-field=uploaded]').innerText(), /^4(\.00?)? MiB\n252(\.0)? MiB already there/);
+
+    await row.getByRole('button', { name: `Verify backup ${name} of gold` }).click();
+    await until('the verify', async () => /all 64 chunks/.test(await tab.locator('main .outcome .ok').first().innerText()));
+
+    await row.getByRole('button', { name: `Restore backup ${name} of gold` }).click();
+    const rs = tab.getByRole('form', { name: 'Restore a backup' });
+    assert.equal(await rs.getByLabel('Backup').inputValue(), b.id, 'the row chose its backup');
+    await rs.getByLabel('New image name').fill('gold-back');
+    assert.equal(await rs.getByLabel('New image path').inputValue(), `${bk.images}/gold-back.img`);
+    await rs.getByRole('button', { name: 'Restore' }).click();
+    await rs.locator('.ok[role=status]').waitFor();
+    await until('the restore ready', async () => (await bk.ok('GET', '/v1/images/gold-back')).state === 'ready', 60000);
+    assert.ok(readFileSync(`${bk.images}/gold-back.img`).equals(readFileSync(`${bk.images}/gold.img`)), 'the restore holds the image\'s bytes');
+    await tab.evaluate(() => { location.hash = '#/images'; });
+    const origin = tab.locator('tr[data-image="gold-back"] [data-field=origin]');
+    await until('the origin', async () => /restored from backup/.test(await origin.innerText()));
+    await screenshot(tab, 'backup-restored');
+  });
+
+  test('a service without a backup target says how to give it one', async () => {
+    const none = await Service.start({ token: null });
+    try {
+      const t = await br.context.newPage();
+      await t.goto(`${none.url}#/backups`);
+      assert.match(await t.locator('[data-field=backup-target]').innerText(), /no backup target: start it with --backup-target/);
+      await t.close();
+    } finally {
+      await none.stop();
+    }
   });
 });

@@ -5,7 +5,7 @@
 import { api, eventStream, setToken, token } from './api.js';
 import { fill, h } from './format.js';
 import {
-  hostPage, imagesPage, overviewPage, volumePage, volumesPage,
+  backupsPage, hostPage, imagesPage, overviewPage, volumePage, volumesPage,
 } from './pages.js';
 
 const $ = (id) => document.getElementById(id);
@@ -30,6 +30,7 @@ const ROUTES = [
   [/^#\/overview$/, () => overviewPage(ctx), 'overview'],
   [/^#\/host$/, () => hostPage(ctx), 'host'],
   [/^#\/images$/, () => imagesPage(ctx), 'images'],
+  [/^#\/backups$/, () => backupsPage(ctx), 'backups'],
   [/^#\/volumes$/, () => volumesPage(ctx), 'volumes'],
   [/^#\/volumes\/([^/]+)$/, (m) => volumePage(ctx, { id: decodeURIComponent(m[1]) }), 'volumes'],
 ];

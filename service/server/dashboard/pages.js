@@ -684,12 +684,13 @@ export function imagesPage(ctx) {
     return [
       img.snapshot_of ? h('div', null, 'snapshot of ', h('strong', null, nameOf(img.snapshot_of))) : null,
       img.cloned_from ? h('div', null, 'clone of ', h('strong', null, nameOf(img.cloned_from))) : null,
+      img.restored_from ? h('div', { 'data-field': 'restored-from' }, 'restored from backup ', h('span', { class: 'mono' }, img.restored_from)) : null,
       img.read_only ? h('div', { class: 'badge' }, 'read-only') : null,
       img.encryption ? h('div', { class: 'badge', 'data-field': 'encrypted', title: `${img.encryption.cipher}, key slots ${img.encryption.key_slots.join(', ')}` },
         'encrypted') : null,
-      img.method ? h('div', { class: 'reason' }, img.method === 'reflink' ? 'shared extents (reflink)' : 'copied') : null,
+      img.method ? h('div', { class: 'reason' }, { reflink: 'shared extents (reflink)', copy: 'copied', restore: 'restored' }[img.method] ?? img.method) : null,
       snaps.length ? h('div', { 'data-field': 'snapshots' }, `snapshots: ${snaps.map((i) => i.name).join(', ')}`) : null,
-      img.snapshot_of || img.cloned_from || snaps.length || img.encryption ? null : '–',
+      img.snapshot_of || img.cloned_from || img.restored_from || snaps.length || img.encryption ? null : '–',
     ];
   }
 
@@ -806,6 +807,218 @@ export function imagesPage(ctx) {
       stopped = true;
       clearInterval(timer);
       clearTimeout(copyTimer);
+    },
+  };
+}
+
+// ---------------------------------------------------------------- backups
+
+/** A default backup name: `<image>-<yyyymmdd-hhmmss>` (local time). */
+function backupName(img) {
+  const d = new Date();
+  const p = (n) => String(n).padStart(2, '0');
+  return `${img.name}-${d.getFullYear()}${p(d.getMonth() + 1)}${p(d.getDate())}-${p(d.getHours())}${p(d.getMinutes())}${p(d.getSeconds())}`;
+}
+
+/** A backup's state: done, a running one's progress bar, or why it failed. */
+function backupStateCell(b) {
+  if (b.state === 'running') {
+    const pct = b.total_bytes ? Math.floor((100 * (b.done_bytes ?? 0)) / b.total_bytes) : 0;
+    return h('span', { class: 'state state-copying' }, 'running',
+      h('progress', { max: 100, value: pct, 'aria-label': `Backup ${b.name} of ${b.image_name}` }),
+      h('span', { class: 'reason', 'data-field': 'progress' },
+        ` ${pct}% (${bytes(b.done_bytes ?? 0)} of ${bytes(b.total_bytes ?? 0)})`));
+  }
+  const ok = b.state === 'done';
+  return h('span', { class: `state state-${ok ? 'ready' : 'error'}` }, b.state,
+    b.error ? h('span', { class: 'reason' }, `: ${b.error}`) : null);
+}
+
+/**
+ * Backups on the service's target: the list (of every image, or of one),
+ * a backup of an image, a restore into a new image, verify and delete.
+ */
+export function backupsPage(ctx) {
+  const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const listOut = outcome();
+  const target = ctx.host?.backup_target ?? null;
+  let images = [];
+  let backups = [];
+
+  const [filterF, filter] = field('Show the backups of', h('select', { 'data-field': 'backup-filter' }));
+  filter.addEventListener('change', () => load());
+
+  // Back an image up now, named after it and the time by default.
+  const [bkImgF, bkImg] = field('Image', h('select', null));
+  const [bkNameF, bkName] = field('Backup name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -; unique among the image\'s backups');
+  bkImg.addEventListener('change', () => {
+    const img = images.find((i) => i.id === bkImg.value);
+    if (img) bkName.value = backupName(img);
+  });
+  const bkBtn = h('button', { type: 'submit' }, 'Back up');
+  const bkOut = outcome();
+  const bkForm = h('form', { class: 'card', 'aria-labelledby': 'backup-h' },
+    h('h2', { id: 'backup-h' }, 'Back an image up'),
+    h('p', { class: 'hint' }, 'Its bytes at this moment, to the backup target; only the chunks the target lacks are uploaded.'),
+    h('div', { class: 'fields' }, bkImgF, bkNameF),
+    h('div', { class: 'buttons' }, bkBtn), bkOut);
+  bkForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const img = images.find((i) => i.id === bkImg.value);
+    if (!img) {
+      showError(bkOut, invalid('choose an image to back up'));
+      return;
+    }
+    const r = await act(ctx, bkOut, [bkBtn],
+      () => api('POST', `/v1/images/${seg(img.id)}/backups`, { name: bkName.value.trim() }),
+      (b) => `Backup ${b.name} of ${b.image_name} started; its progress shows in the list.`);
+    if (r) {
+      bkName.value = backupName(img);
+      load();
+    }
+  });
+
+  // Restore a backup into a new image, next to the first image root by default.
+  const root = ctx.host?.image_roots?.[0] ?? '';
+  const [rsFromF, rsFrom] = field('Backup', h('select', { 'data-field': 'restore-from' }));
+  const [rsNameF, rsName] = field('New image name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, . _ -');
+  const [rsPathF, rsPath] = field('New image path', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false', class: 'mono' }),
+    root ? `under ${ctx.host.image_roots.join(' or ')}` : null);
+  let rsPathEdited = false;
+  rsPath.addEventListener('input', () => { rsPathEdited = true; });
+  rsName.addEventListener('input', () => {
+    if (!rsPathEdited && root) rsPath.value = rsName.value ? `${root}/${rsName.value}.img` : '';
+  });
+  const rsBtn = h('button', { type: 'submit' }, 'Restore');
+  const rsOut = outcome();
+  const rsForm = h('form', { class: 'card', 'aria-labelledby': 'restore-h' },
+    h('h2', { id: 'restore-h' }, 'Restore a backup'),
+    h('p', { class: 'hint' }, 'A new image, each chunk\'s hash checked; it is ready only once whole (its progress shows on the Images page).'),
+    h('div', { class: 'fields' }, rsFromF, rsNameF, rsPathF),
+    h('div', { class: 'buttons' }, rsBtn), rsOut);
+  rsForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const b = backups.find((x) => x.id === rsFrom.value);
+    if (!b) {
+      showError(rsOut, invalid('choose a done backup to restore'));
+      return;
+    }
+    const r = await act(ctx, rsOut, [rsBtn],
+      () => api('POST', '/v1/images', { name: rsName.value.trim(), path: rsPath.value.trim(), restore_from: b.id }),
+      (img) => [`Image ${img.name} is being restored from ${b.name} (${bytes(b.stored_bytes)} of data). `,
+        h('a', { href: '#/images' }, 'Open Images')]);
+    if (r) {
+      rsName.value = '';
+      rsPath.value = '';
+      rsPathEdited = false;
+    }
+  });
+
+  /** A row's Restore button: chooses the backup in the restore form. */
+  function startRestore(b) {
+    rsFrom.value = b.id;
+    rsForm.scrollIntoView({ block: 'nearest' });
+    rsName.focus();
+  }
+
+  function backupRow(b) {
+    const done = b.state === 'done';
+    return h('tr', { 'data-backup': b.name, 'data-image': b.image_name },
+      h('th', { scope: 'row' }, b.name, h('div', { class: 'mono reason' }, b.id)),
+      h('td', null, b.image_name, b.encrypted ? h('div', { class: 'badge' }, 'encrypted') : null),
+      h('td', { 'data-field': 'state' }, backupStateCell(b)),
+      h('td', null, when(b.created_at)),
+      h('td', { class: 'num' }, bytes(b.size_bytes)),
+      h('td', { class: 'num', 'data-field': 'stored' }, bytes(b.stored_bytes)),
+      h('td', { class: 'num', 'data-field': 'uploaded' }, bytes(b.uploaded_bytes),
+        h('div', { class: 'reason' }, `${bytes(b.deduplicated_bytes)} already there`)),
+      h('td', null, b.source_host),
+      h('td', { class: 'actions' }, done ? [h('button', {
+        type: 'button',
+        class: 'secondary',
+        'data-key': `restore-${b.id}`,
+        'aria-label': `Restore backup ${b.name} of ${b.image_name}`,
+        onclick: () => startRestore(b),
+      }, 'Restore'), ' ', h('button', {
+        type: 'button',
+        class: 'secondary',
+        'data-key': `verify-${b.id}`,
+        'aria-label': `Verify backup ${b.name} of ${b.image_name}`,
+        onclick: async (ev) => {
+          await act(ctx, listOut, [ev.currentTarget],
+            () => api('POST', `/v1/backups/${seg(b.id)}/verify`),
+            (v) => (v.ok
+              ? `Backup ${b.name}: all ${v.chunks} chunks (${bytes(v.bytes)}) are there and hash right.`
+              : `Backup ${b.name} is damaged: ${[...v.missing.map((c) => `chunk ${c.index} missing`), ...v.corrupt.map((c) => `chunk ${c.index} corrupt`)].join(', ')}.`));
+        },
+      }, 'Verify'), ' '] : null, h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `delete-backup-${b.id}`,
+        'aria-label': `${b.state === 'running' ? 'Cancel' : 'Delete'} backup ${b.name} of ${b.image_name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          const running = b.state === 'running';
+          const ok = await ctx.confirm({
+            title: `${running ? 'Cancel' : 'Delete'} backup ${b.name} of ${b.image_name}?`,
+            text: running
+              ? 'The backup stops and writes no manifest; what it stored is collected later.'
+              : 'It is deleted from the target; its chunks go unless another backup uses them.',
+            action: running ? 'Cancel backup' : 'Delete backup',
+          });
+          if (!ok.ok) return;
+          const r = await act(ctx, listOut, [btn], () => api('DELETE', `/v1/backups/${seg(b.id)}`).then(() => true),
+            `Backup ${b.name} ${running ? 'cancelled' : 'deleted'}.`);
+          if (r !== undefined) load();
+        },
+      }, b.state === 'running' ? 'Cancel…' : 'Delete…')));
+  }
+
+  let runTimer = null;
+  let stopped = false;
+  async function load() {
+    if (stopped || !target) return;
+    const chosen = filter.value;
+    try {
+      [images, backups] = await Promise.all([api('GET', '/v1/images'),
+        api('GET', `/v1/backups${chosen ? `?image=${seg(chosen)}` : ''}`)]);
+    } catch (e) {
+      showError(listOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      return;
+    }
+    rebuild(list, backups.length
+      ? table('Backups', ['Name', 'Image', 'State', 'Moment', 'Size', 'Stored', 'Uploaded', 'From host', 'Action'],
+        h('tbody', null, backups.map(backupRow)))
+      : h('p', null, chosen ? 'No backups of this image.' : 'No backups yet: back an image up below.'));
+    fill(filter, h('option', { value: '', selected: !chosen }, 'every image'),
+      images.map((i) => h('option', { value: i.id, selected: i.id === chosen }, i.name)));
+    const bkBefore = bkImg.value;
+    fill(bkImg, images.filter((i) => i.state === 'ready').map((i) => h('option', { value: i.id, selected: i.id === bkBefore }, `${i.name} (${bytes(i.size_bytes)})`)));
+    if (bkImg.value !== bkBefore || !bkName.value) bkImg.dispatchEvent(new Event('change'));
+    const rsBefore = rsFrom.value;
+    fill(rsFrom, backups.filter((b) => b.state === 'done').map((b) => h('option', { value: b.id, selected: b.id === rsBefore },
+      `${b.image_name} / ${b.name} (${when(b.created_at)})`)));
+    clearTimeout(runTimer);
+    if (backups.some((b) => b.state === 'running')) runTimer = setTimeout(load, 1000);
+  }
+  load();
+  const reload = debounce(load, 300);
+  const el = target
+    ? h('section', null, h('h1', { tabindex: -1 }, 'Backups'),
+      h('p', { class: 'hint', 'data-field': 'backup-target' }, `Target: ${target}`),
+      h('div', { class: 'fields' }, filterF), listOut, list,
+      h('div', { class: 'cards' }, bkForm, rsForm))
+    : h('section', null, h('h1', { tabindex: -1 }, 'Backups'),
+      h('p', { 'data-field': 'backup-target' }, 'This service has no backup target: start it with --backup-target DIR or s3://BUCKET/PREFIX to back images up off the host.'));
+  return {
+    el,
+    onEvent: reload,
+    dispose() {
+      stopped = true;
+      clearTimeout(runTimer);
     },
   };
 }

@@ -92,6 +92,10 @@ pub struct Host {
     /// Devices of this service with no volume: left alone until
     /// `DELETE /v1/host/orphans/{volume_id}`.
     pub orphans: Vec<Orphan>,
+    /// Where backups go (`--backup-target`), without credentials: `dir:PATH`
+    /// or `s3://BUCKET/PREFIX …`; `null`: backups are refused.
+    #[serde(default)]
+    pub backup_target: Option<String>,
 }
 
 /// The build the service runs, and the file at the path it was started

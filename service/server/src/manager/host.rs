@@ -75,6 +75,11 @@ impl Manager {
             image_root_capacity: Vec::new(),
             default_backend,
             orphans: Vec::new(),
+            backup_target: self
+                .backups
+                .target
+                .as_ref()
+                .map(|t| t.describe().to_string()),
         }
     }
 }
