@@ -15,6 +15,7 @@ mod harness;
 #[path = "../../blackbox/leaks.rs"]
 mod leaks;
 
+mod backups;
 mod controlplane;
 mod dm;
 mod drift;

@@ -18,18 +18,18 @@ use serde_json::{Value, json};
 use crate::harness::assert_error;
 use crate::{Scratch, Vm, fio_ok, fio_verify, sh, writes_flow};
 
-const BLOCK: usize = 4096;
+pub(crate) const BLOCK: usize = 4096;
 /// The sequence writer's blocks start with this.
 const MAGIC: &[u8; 8] = b"BPSEQ-01";
 /// The sequence writer keeps to the lower half of a 1 GiB device, fio to
 /// `[FIO_AT, FIO_AT + FIO_SPAN)`.
-const HALF: u64 = 512 << 20;
-const FIO_AT: u64 = HALF;
-const FIO_SPAN: u64 = 256 << 20;
+pub(crate) const HALF: u64 = 512 << 20;
+pub(crate) const FIO_AT: u64 = HALF;
+pub(crate) const FIO_SPAN: u64 = 256 << 20;
 
 /// Block `i` of the sequence writer: magic, `i`, then words derived from `i`,
 /// so a block that is neither all of it nor zeros is torn.
-fn fill_block(buf: &mut [u8], i: u64) {
+pub(crate) fn fill_block(buf: &mut [u8], i: u64) {
     buf[..8].copy_from_slice(MAGIC);
     buf[8..16].copy_from_slice(&i.to_le_bytes());
     for (k, w) in buf[16..].chunks_exact_mut(8).enumerate() {
@@ -39,7 +39,7 @@ fn fill_block(buf: &mut [u8], i: u64) {
 
 /// What a block of a snapshot holds.
 #[derive(Debug, PartialEq)]
-enum Held {
+pub(crate) enum Held {
     /// Exactly the writer's block `i`.
     Written,
     /// Zeros: never written when the snapshot was taken.
@@ -48,7 +48,7 @@ enum Held {
     Torn,
 }
 
-fn classify(buf: &[u8], i: u64) -> Held {
+pub(crate) fn classify(buf: &[u8], i: u64) -> Held {
     let mut want = vec![0u8; BLOCK];
     fill_block(&mut want, i);
     if buf == want.as_slice() {
@@ -62,7 +62,7 @@ fn classify(buf: &[u8], i: u64) -> Held {
 
 /// A writer thread that counts what it completed; stopped when dropped, so
 /// a failed test stops it too.
-struct Writer<T> {
+pub(crate) struct Writer<T> {
     done: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<T>>,
@@ -97,16 +97,16 @@ impl<T: Send + 'static> Writer<T> {
     }
 
     /// Writes completed so far.
-    fn completed(&self) -> u64 {
+    pub(crate) fn completed(&self) -> u64 {
         self.done.load(Ordering::Acquire)
     }
 
-    fn running(&self) -> bool {
+    pub(crate) fn running(&self) -> bool {
         !self.thread.as_ref().unwrap().is_finished()
     }
 
     /// Waits until at least `n` writes completed.
-    async fn wait_for(&self, n: u64) {
+    pub(crate) async fn wait_for(&self, n: u64) {
         let started = Instant::now();
         while self.completed() < n {
             assert!(
@@ -126,7 +126,7 @@ impl<T: Send + 'static> Writer<T> {
     }
 
     /// Stops the writer; what it returned.
-    fn finish(mut self) -> T {
+    pub(crate) fn finish(mut self) -> T {
         self.stop.store(true, Ordering::Relaxed);
         let thread = self.thread.take().unwrap();
         thread
@@ -138,7 +138,7 @@ impl<T: Send + 'static> Writer<T> {
 /// Writes block `i` with sequence number `i`, i = 0, 1, 2, ..., one
 /// `O_DIRECT` pwrite at a time, recording when each started and ended
 /// (block `completed() - 1` is the last done).
-fn seq_writer(dev: &str) -> Writer<Vec<(Instant, Instant)>> {
+pub(crate) fn seq_writer(dev: &str) -> Writer<Vec<(Instant, Instant)>> {
     let f = std::fs::OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_DIRECT)
@@ -169,7 +169,7 @@ fn seq_writer(dev: &str) -> Writer<Vec<(Instant, Instant)>> {
 /// `len` bytes of `path` from `at`, read with `O_DIRECT`: from the disk,
 /// not from pages cached by an earlier read (a write through a stale map
 /// changes the disk under them).
-fn read_range(path: &str, at: u64, len: u64) -> Vec<u8> {
+pub(crate) fn read_range(path: &str, at: u64, len: u64) -> Vec<u8> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -190,7 +190,12 @@ fn read_range(path: &str, at: u64, len: u64) -> Vec<u8> {
 /// answered (`answered`) holds zeros (the snapshot existed by then: a write
 /// through a map of its shared extents would show here); the others hold
 /// theirs or zeros; none is torn. Returns how many of the others made it in.
-fn check_sequence(path: &str, last: u64, times: &[(Instant, Instant)], answered: Instant) -> u64 {
+pub(crate) fn check_sequence(
+    path: &str,
+    last: u64,
+    times: &[(Instant, Instant)],
+    answered: Instant,
+) -> u64 {
     let data = read_range(path, 0, times.len() as u64 * BLOCK as u64);
     let mut later = 0;
     for ((i, b), &(started, _)) in (0u64..).zip(data.chunks_exact(BLOCK)).zip(times) {
@@ -215,7 +220,11 @@ fn check_sequence(path: &str, last: u64, times: &[(Instant, Instant)], answered:
 
 /// The longest write among those in flight during `[t0, t1]`, and among
 /// the others.
-fn longest_writes(times: &[(Instant, Instant)], t0: Instant, t1: Instant) -> (Duration, Duration) {
+pub(crate) fn longest_writes(
+    times: &[(Instant, Instant)],
+    t0: Instant,
+    t1: Instant,
+) -> (Duration, Duration) {
     let (mut during, mut outside) = (Duration::ZERO, Duration::ZERO);
     for &(a, b) in times {
         let took = b - a;
@@ -230,7 +239,7 @@ fn longest_writes(times: &[(Instant, Instant)], t0: Instant, t1: Instant) -> (Du
 
 /// The µs the worker held the volume's I/O, from the message of the event
 /// `kind` of the new image or its source (`... held its I/O for N µs`).
-async fn held_us(vm: &Vm, made: &Value, source: &Value, kind: &str) -> u64 {
+pub(crate) async fn held_us(vm: &Vm, made: &Value, source: &Value, kind: &str) -> u64 {
     let events = vm.s.get("/v1/events?limit=1000").await.body;
     let e = events
         .as_array()
@@ -412,9 +421,9 @@ async fn every_backend_and_policy_under_writes() {
 }
 
 /// Files of `FILE_BYTES` bytes, file `j`'s words derived from `j`.
-const FILE_BYTES: usize = 64 << 10;
+pub(crate) const FILE_BYTES: usize = 64 << 10;
 
-fn file_data(j: u64) -> Vec<u8> {
+pub(crate) fn file_data(j: u64) -> Vec<u8> {
     (0..FILE_BYTES as u64 / 8)
         .flat_map(|k| (j.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k).to_le_bytes())
         .collect()
@@ -422,7 +431,7 @@ fn file_data(j: u64) -> Vec<u8> {
 
 /// Makes files `f0`, `f1`, ... in `dir`, each fsynced with its directory
 /// before it counts as done.
-fn file_writer(dir: &Path) -> Writer<()> {
+pub(crate) fn file_writer(dir: &Path) -> Writer<()> {
     let dir = dir.to_path_buf();
     Writer::spawn("file writer", move |d, s| {
         let parent = File::open(&dir).unwrap();
@@ -441,13 +450,13 @@ fn file_writer(dir: &Path) -> Writer<()> {
 
 /// A mount undone when dropped, so a failed test leaves nothing mounted for
 /// the service's cleanup to trip on.
-struct Mounted {
+pub(crate) struct Mounted {
     dir: String,
     done: bool,
 }
 
 impl Mounted {
-    fn new(dev: &str, dir: &Path, opts: &[&str]) -> Self {
+    pub(crate) fn new(dev: &str, dir: &Path, opts: &[&str]) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let dir = dir.to_str().unwrap().to_string();
         let mut args = opts.to_vec();
@@ -457,7 +466,7 @@ impl Mounted {
     }
 
     /// Unmounts; panics unless that works.
-    fn unmount(mut self) {
+    pub(crate) fn unmount(mut self) {
         self.done = true;
         sh("umount", &[&self.dir]);
     }
@@ -472,10 +481,10 @@ impl Drop for Mounted {
 }
 
 /// A loop device over a file, detached when dropped.
-struct LoopDev(String);
+pub(crate) struct LoopDev(pub(crate) String);
 
 impl LoopDev {
-    fn new(file: &Path) -> Self {
+    pub(crate) fn new(file: &Path) -> Self {
         let lo = sh("losetup", &["-f", "--show", file.to_str().unwrap()]);
         Self(lo.trim().to_string())
     }
