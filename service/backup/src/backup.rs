@@ -198,7 +198,7 @@ async fn run(
                         Arc::clone(&uploaded),
                     );
                     uploads.spawn(async move {
-                        target.put(&target.chunk_path(&hash), data).await?;
+                        target.put_chunk(&target.chunk_path(&hash), data).await?;
                         uploaded.fetch_add(len, Relaxed);
                         counters.uploaded_bytes.fetch_add(len, Relaxed);
                         job.done_bytes.fetch_add(len, Relaxed);
@@ -218,6 +218,8 @@ async fn run(
         return Ok(None);
     }
     refresher.check(&bref, target)?;
+    // The manifest must never outlive a chunk it names.
+    target.settle().await?;
 
     let mut manifest = Manifest {
         format: FORMAT,

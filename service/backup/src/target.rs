@@ -25,6 +25,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Clone)]
 pub struct Target {
     store: Arc<dyn ObjectStore>,
+    /// A `Dir` target's store without an fsync per file, for chunks: a
+    /// backup syncs their filesystem once ([`Target::settle`]) before its
+    /// manifest, instead of once per 4 MiB.
+    unsynced: Option<Arc<dyn ObjectStore>>,
     prefix: String,
     description: Arc<str>,
     /// The directory of a `Dir` target: listing a vanished mount point finds
@@ -79,8 +83,11 @@ impl Target {
                 let store = LocalFileSystem::new_with_prefix(path)
                     .map_err(|e| Error::Config(format!("{description}: {e}")))?
                     .with_fsync(true);
+                let unsynced = LocalFileSystem::new_with_prefix(path)
+                    .map_err(|e| Error::Config(format!("{description}: {e}")))?;
                 Ok(Target {
                     store: Arc::new(store),
+                    unsynced: Some(Arc::new(unsynced)),
                     prefix: String::new(),
                     description,
                     root: Some(path.clone()),
@@ -115,6 +122,7 @@ impl Target {
                     .map_err(|e| Error::Config(format!("{description}: {e}")))?;
                 Ok(Target {
                     store: Arc::new(store),
+                    unsynced: None,
                     prefix: prefix.clone(),
                     description,
                     root: None,
@@ -178,6 +186,39 @@ impl Target {
             .await
             .map(|_| ())
             .map_err(|e| self.err(format!("writing {path}"), e))
+    }
+
+    /// Puts a chunk, replacing any; on a `Dir` target not yet durable: call
+    /// [`Target::settle`] before anything that relies on it is written.
+    pub(crate) async fn put_chunk(&self, path: &Path, data: Bytes) -> Result<()> {
+        self.unsynced
+            .as_ref()
+            .unwrap_or(&self.store)
+            .put(path, PutPayload::from(data))
+            .await
+            .map(|_| ())
+            .map_err(|e| self.err(format!("writing {path}"), e))
+    }
+
+    /// Makes every chunk put so far durable: one `syncfs` of a `Dir`
+    /// target's filesystem (an S3 put is durable when it is answered).
+    pub(crate) async fn settle(&self) -> Result<()> {
+        let Some(root) = self.root.clone() else {
+            return Ok(());
+        };
+        let synced = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            let dir = std::fs::File::open(&root)?;
+            rustix::fs::syncfs(&dir)?;
+            Ok(())
+        })
+        .await;
+        crate::joined(synced).map_err(|e| {
+            let error = object_store::Error::Generic {
+                store: "LocalFileSystem",
+                source: Box::new(e),
+            };
+            self.err("syncing the chunks written".to_string(), error)
+        })
     }
 
     /// Reads an object; `None` when absent.
