@@ -718,3 +718,83 @@ async fn image_add_says_the_allocation_it_recorded_and_why_and_takes_a_declared_
     let a = json(&s, &add_h("sparse"));
     assert_eq!(a["allocation"], "sparse", "{a}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backups_from_the_command_line_wait_showing_progress() {
+    let target = tempfile::tempdir().unwrap();
+    let s = Service::start_with(Opts {
+        extra_args: vec![
+            "--backup-target".into(),
+            target.path().display().to_string(),
+        ],
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_backup".into())],
+        ..Default::default()
+    })
+    .await;
+    let base = s.images.join("base.img");
+    ok(
+        &s,
+        &[
+            "image",
+            "create",
+            "base",
+            base.to_str().unwrap(),
+            "--size",
+            "64M",
+        ],
+    );
+    let f = std::fs::OpenOptions::new().write(true).open(&base).unwrap();
+    let data: Vec<u8> = (0..48u32 << 20).map(|i| (i % 253) as u8 | 1).collect();
+    std::os::unix::fs::FileExt::write_all_at(&f, &data, 0).unwrap();
+    f.sync_all().unwrap();
+
+    let out = cli(&s, &["--json", "image", "backup", "base", "one"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("backing image 'base' up as 'one': "), "{err}");
+    let b: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(b["state"], "done", "{b}");
+    assert_eq!(b["stored_bytes"], 48 << 20, "{b}");
+    let listed = ok(&s, &["backup", "ls", "--image", "base"]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.contains("one") && l.contains("done")),
+        "{listed}"
+    );
+    let shown = ok(&s, &["backup", "show", "one"]);
+    assert!(
+        shown.contains("uploaded") && shown.contains("48.0 MiB"),
+        "{shown}"
+    );
+
+    let rpath = s.images.join("r.img");
+    let out = cli(
+        &s,
+        &[
+            "--json",
+            "image",
+            "restore",
+            "r",
+            rpath.to_str().unwrap(),
+            "--from",
+            "one",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["state"], "ready", "{r}");
+    assert_eq!(r["method"], "restore", "{r}");
+    assert!(std::fs::read(&rpath).unwrap() == std::fs::read(&base).unwrap());
+
+    let verified = ok(&s, &["backup", "verify", "one"]);
+    assert!(
+        verified.contains("ok") && verified.contains("true"),
+        "{verified}"
+    );
+    assert!(ok(&s, &["backup", "rm", "one"]).contains("backup removed"));
+    let gc = ok(&s, &["backup", "gc"]);
+    assert!(gc.contains("chunks deleted"), "{gc}");
+    assert!(!ok(&s, &["backup", "ls"]).contains("one"));
+}
