@@ -159,8 +159,8 @@ async fn run(
         }
         refresher.check(&bref, target)?;
         while uploads.len() >= UPLOAD_CONCURRENCY {
-            if let Some(r) = uploads.join_next().await {
-                joined(r)?;
+            if !next_upload(&mut uploads, job).await? {
+                return Ok(None);
             }
         }
         let len = chunk_len(size, index);
@@ -210,16 +210,24 @@ async fn run(
         if !job.pace.is_zero() {
             tokio::time::sleep(job.pace).await;
         }
+        while job.gate.as_deref().is_some_and(std::path::Path::exists) && !job.cancel.load(Relaxed)
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
-    while let Some(r) = uploads.join_next().await {
-        joined(r)?;
+    while !uploads.is_empty() {
+        if !next_upload(&mut uploads, job).await? {
+            return Ok(None);
+        }
     }
+    // The manifest must never outlive a chunk it names.
+    target.settle().await?;
+    // Checked last before the manifest: a cancel or a lost lease after this
+    // is too late, and a delete of the backup is what undoes it.
     if job.cancel.load(Relaxed) {
         return Ok(None);
     }
     refresher.check(&bref, target)?;
-    // The manifest must never outlive a chunk it names.
-    target.settle().await?;
 
     let mut manifest = Manifest {
         format: FORMAT,
@@ -242,6 +250,26 @@ async fn run(
         .put(&target.manifest_path(meta.id), manifest.to_bytes())
         .await?;
     Ok(Some(manifest))
+}
+
+/// Waits for one upload to end, or for a cancel (looked at every 50 ms: an
+/// upload to a slow target must not keep a cancelled backup waiting).
+/// `false` when cancelled; the uploads left are aborted when dropped.
+async fn next_upload(uploads: &mut JoinSet<Result<()>>, job: &AllocateJob) -> Result<bool> {
+    loop {
+        if job.cancel.load(Relaxed) {
+            return Ok(false);
+        }
+        tokio::select! {
+            r = uploads.join_next() => {
+                if let Some(r) = r {
+                    joined(r)?;
+                }
+                return Ok(true);
+            }
+            () = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+        }
+    }
 }
 
 /// The hashes of every chunk the finished backups on the target reference.

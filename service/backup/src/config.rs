@@ -267,9 +267,9 @@ fn read_credentials_file(file: &Path) -> Result<Credentials> {
     let meta = std::fs::metadata(file)
         .map_err(|e| Error::Config(format!("credentials file {shown}: {e}")))?;
     let mode = meta.permissions().mode();
-    if mode & 0o004 != 0 {
+    if mode & 0o077 != 0 {
         return Err(Error::Config(format!(
-            "credentials file {shown} is readable by every user (mode {:04o}); make it private first: chmod 600 {shown}",
+            "credentials file {shown} is open to other users (mode {:04o}); make it the service user's only first: chmod 600 {shown}",
             mode & 0o7777
         )));
     }
@@ -277,8 +277,9 @@ fn read_credentials_file(file: &Path) -> Result<Credentials> {
         .map_err(|e| Error::Config(format!("credentials file {shown}: {e}")))?;
     let (mut id, mut secret, mut token) = (None, None, None);
     for (n, line) in text.lines().enumerate() {
-        let line = line.split('#').next().unwrap_or("").trim();
-        if line.is_empty() {
+        // A comment is a whole line: a `#` inside a secret is the secret's.
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
             continue;
         }
         // Values are never quoted in a message: a malformed line may hold a secret.
@@ -293,9 +294,11 @@ fn read_credentials_file(file: &Path) -> Result<Credentials> {
             "access_key_id" | "aws_access_key_id" => id = value,
             "secret_access_key" | "aws_secret_access_key" => secret = value,
             "session_token" | "aws_session_token" => token = value,
-            other => {
+            // The key is not quoted either: `SECRET=` pasted alone would be
+            // shown.
+            _ => {
                 return Err(Error::Config(format!(
-                    "credentials file {shown}, line {}: unknown key '{other}' (known: access_key_id, secret_access_key, session_token)",
+                    "credentials file {shown}, line {}: unknown key (known: access_key_id, secret_access_key, session_token)",
                     n + 1
                 )));
             }

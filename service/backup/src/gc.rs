@@ -149,13 +149,23 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
     Ok(report)
 }
 
-/// Deletes the leases `owner` holds; their number. Called at service start:
-/// a restarted service runs no backup, so its old leases are from a crash.
-pub async fn release_leases(target: &Target, owner: &str) -> Result<u64> {
+/// Deletes the leases `owner` put before `started_before`; their number.
+/// Called at service start with the process's start: a restarted service
+/// ran no backup before it started, so those leases are from a crash, and
+/// a backup it started since keeps its own.
+pub async fn release_leases(
+    target: &Target,
+    owner: &str,
+    started_before: OffsetDateTime,
+) -> Result<u64> {
     let leases = read_leases(target).await?;
     let mine = leases
         .iter()
-        .filter(|l| l.lease.as_ref().is_some_and(|lease| lease.owner == owner))
+        .filter(|l| {
+            l.lease
+                .as_ref()
+                .is_some_and(|lease| lease.owner == owner && lease.started_at < started_before)
+        })
         .map(|l| l.listed.path.clone())
         .collect();
     delete_all(target, mine).await

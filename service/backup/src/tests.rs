@@ -559,7 +559,12 @@ async fn gc_keeps_what_a_running_backup_may_reference() {
     assert!(!env.root.join(format!("leases/{crashed}.json")).exists());
 
     // The backup ends without referencing them: all goes.
-    assert_eq!(release_leases(t, "svc-2").await.unwrap(), 1);
+    assert_eq!(
+        release_leases(t, "svc-2", OffsetDateTime::now_utc())
+            .await
+            .unwrap(),
+        1
+    );
     tick().await;
     let r = gc(t).await.unwrap();
     assert_eq!(
@@ -818,17 +823,19 @@ fn s3_credentials_come_from_a_private_file_or_the_environment() {
     let file = dir.path().join("creds");
     std::fs::write(
         &file,
-        "# backups\naccess_key_id = AKIDFILE\nsecret_access_key = s3cr3t # trailing\nsession_token = tok\n",
+        "# backups\naccess_key_id = AKIDFILE\nsecret_access_key = s3cr#3t\nsession_token = tok\n",
     )
     .unwrap();
-    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let err = parse_with_env("s3://bucket", Some(&file), creds_env).unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("readable by every user (mode 0644)"),
-        "{err}"
-    );
-    assert!(err.to_string().contains("chmod 600"), "{err}");
+    for mode in [0o644, 0o640] {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        let err = parse_with_env("s3://bucket", Some(&file), creds_env).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("open to other users (mode {mode:04o})")),
+            "{err}"
+        );
+        assert!(err.to_string().contains("chmod 600"), "{err}");
+    }
 
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let cfg = parse_with_env("s3://bucket", Some(&file), creds_env).unwrap();
@@ -839,13 +846,13 @@ fn s3_credentials_come_from_a_private_file_or_the_environment() {
         credentials,
         &Credentials {
             access_key_id: "AKIDFILE".to_string(),
-            secret_access_key: "s3cr3t".to_string(),
+            secret_access_key: "s3cr#3t".to_string(),
             session_token: Some("tok".to_string()),
         }
     );
     let shown = format!("{credentials:?}");
     assert!(
-        !shown.contains("s3cr3t") && !shown.contains("tok\"") && shown.contains("AKIDFILE"),
+        !shown.contains("s3cr#3t") && !shown.contains("tok\"") && shown.contains("AKIDFILE"),
         "{shown}"
     );
 
@@ -983,7 +990,7 @@ async fn every_operation_can_be_spawned() {
         .unwrap()
         .unwrap();
     let t2 = t.clone();
-    tokio::spawn(async move { release_leases(&t2, "svc-1").await })
+    tokio::spawn(async move { release_leases(&t2, "svc-1", OffsetDateTime::now_utc()).await })
         .await
         .unwrap()
         .unwrap();

@@ -32,6 +32,10 @@ pub struct AllocateJob {
     /// A pause after each stretch (the test fault `slow_allocate`: progress
     /// and cancel observable on any disk).
     pub pace: std::time::Duration,
+    /// While this file exists the job waits after each stretch (the test
+    /// fault `gate_backup`: a job held mid-way for as long as a test needs,
+    /// until a condition rather than for a time).
+    pub gate: Option<std::path::PathBuf>,
 }
 
 /// Makes `[from, to)` of an open image written zeros wherever it is a hole
