@@ -236,7 +236,7 @@ error_codes! {
     /// 503: the backup target cannot be reached, or refused the request.
     BackupTargetUnavailable = "backup_target_unavailable",
     /// 502: what the backup target holds is damaged (a manifest that fails
-    /// its checksum).
+    /// its checksum, or one gc cannot read and so will not collect past).
     BackupCorrupt = "backup_corrupt",
     /// 503: the registry cannot be written.
     StoreUnwritable = "store_unwritable",

@@ -49,7 +49,8 @@ pub async fn backup_image(
 
 /// List backups: every backup on the target with a manifest (made by any
 /// service pointed at it), and this service's running, failed or cancelled
-/// ones since it started; oldest first.
+/// ones since it started; oldest first. A manifest that fails its checksum
+/// is left out (the service's log names it; `verify` of it answers 502).
 #[utoipa::path(
     get, path = "/v1/backups", tag = "backups",
     params(ListBackupsQuery),
@@ -57,7 +58,6 @@ pub async fn backup_image(
         (status = 200, description = "The backups", body = Vec<Backup>),
         (status = 400, description = "Malformed query", body = ErrorBody),
         (status = 409, description = "No backup target (`no_backup_target`)", body = ErrorBody),
-        (status = 502, description = "A manifest on the target fails its checksum (`backup_corrupt`)", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
     )
 )]
@@ -93,9 +93,9 @@ pub async fn get_backup(
     delete, path = "/v1/backups/{id}", tag = "backups",
     params(("id" = String, Path, description = "Backup id, or name when one backup has it")),
     responses(
-        (status = 204, description = "Deleted, or cancelled"),
+        (status = 204, description = "Deleted, or cancelled (a backup that wrote its manifest before the cancel landed is deleted)"),
         (status = 404, description = "No such backup (`backup_not_found`)", body = ErrorBody),
-        (status = 409, description = "No backup target, or several backups have that name (`backup_ambiguous`)", body = ErrorBody),
+        (status = 409, description = "No backup target, several backups have that name (`backup_ambiguous`), or a cancelled backup has not stopped yet within a minute (`backup_running`: ask again)", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
     )
 )]
@@ -137,6 +137,7 @@ pub async fn verify_backup(
     responses(
         (status = 200, description = "What was removed and kept", body = BackupGc),
         (status = 409, description = "No backup target (`no_backup_target`)", body = ErrorBody),
+        (status = 502, description = "A manifest on the target cannot be read, so gc will not guess what it references (`backup_corrupt`)", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
     )
 )]

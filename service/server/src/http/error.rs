@@ -55,10 +55,11 @@ fn backup(e: &blockplane_backup::Error) -> (StatusCode, ErrorCode) {
     match e {
         E::BackupNotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::BackupNotFound),
         E::BackupExists(_) => (StatusCode::CONFLICT, ErrorCode::NameTaken),
-        E::ManifestCorrupt { .. } | E::ChunkMissing { .. } | E::ChunkCorrupt { .. } => {
-            (StatusCode::BAD_GATEWAY, ErrorCode::BackupCorrupt)
-        }
-        E::Unreachable { .. } | E::Target { .. } | E::LeaseLost { .. } | E::GcRefused { .. } => (
+        E::ManifestCorrupt { .. }
+        | E::ChunkMissing { .. }
+        | E::ChunkCorrupt { .. }
+        | E::GcRefused { .. } => (StatusCode::BAD_GATEWAY, ErrorCode::BackupCorrupt),
+        E::Unreachable { .. } | E::Target { .. } | E::LeaseLost { .. } => (
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::BackupTargetUnavailable,
         ),

@@ -34,13 +34,15 @@ fn created(image: Image) -> (StatusCode, Json<Image>) {
     request_body = CreateImageRequest,
     responses(
         (status = 201, description = "Image recorded", body = Image),
-        (status = 202, description = "Clone recorded, its copy runs in the background (`state` `copying`)", body = Image),
+        (status = 202, description = "Clone or restore recorded, its copy runs in the background (`state` `copying`)", body = Image),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
-        (status = 404, description = "No such file (or directory to create it in)", body = ErrorBody),
-        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 404, description = "No such file (or directory to create it in), or no backup `restore_from` names (`backup_not_found`)", body = ErrorBody),
+        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`); for a restore: no backup target (`no_backup_target`), a backup without a manifest (`backup_not_done`) or a name several backups have (`backup_ambiguous`)", body = ErrorBody),
         (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or a clone's `create.size_bytes` below its source's size (`shrink_refused`)", body = ErrorBody),
-        (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy (refused before it starts)", body = ErrorBody),
+        (status = 502, description = "The backup's manifest fails its checksum (`backup_corrupt`)", body = ErrorBody),
+        (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
+        (status = 507, description = "The image root's filesystem is full, or too small for a clone's copy or a restore's data (refused before it starts)", body = ErrorBody),
     )
 )]
 pub async fn create_image(

@@ -52,7 +52,6 @@ impl Job for BackupRun {
 }
 
 /// The service's backup target and its backups.
-#[derive(Default)]
 pub(super) struct Backups {
     /// `--backup-target`, opened; `None`: backups are refused.
     pub(super) target: Option<Target>,
@@ -68,14 +67,26 @@ pub(super) struct Backups {
     /// One gc at a time: two at once could each keep what the other's
     /// listing missed (`blockplane_backup::gc`).
     gc: tokio::sync::Mutex<()>,
+    /// When this process started: its leases from before are a crash's.
+    started: OffsetDateTime,
+    /// The file a backup waits at while it exists (the test fault
+    /// `gate_backup`).
+    gate: std::path::PathBuf,
 }
 
 impl Backups {
-    /// Backups to `target`, when the service has one.
-    pub(super) fn new(target: Option<Target>) -> Self {
+    /// Backups to `target`, when the service has one; `run_dir` holds the
+    /// test fault's gate.
+    pub(super) fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
         Self {
             target,
-            ..Default::default()
+            gate: run_dir.join("backup-gate"),
+            started: OffsetDateTime::now_utc(),
+            jobs: Jobs::default(),
+            last_done: std::sync::Mutex::default(),
+            uploaded_bytes: std::sync::atomic::AtomicU64::default(),
+            deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
+            gc: tokio::sync::Mutex::default(),
         }
     }
 }
@@ -143,21 +154,45 @@ impl Manager {
     }
 
     /// At start, before any backup: removes the moment files that backups
-    /// left next to their images when the service died during them.
+    /// left next to their images when the service died during them. Only a
+    /// regular file named exactly as a moment (the prefix and a uuid), under
+    /// the image roots and through no symlink, registered as no image.
     pub(super) async fn remove_backup_moments(&self) -> Result<()> {
-        for row in self.store.images().await? {
-            let Some(dir) = std::path::Path::new(&row.path).parent() else {
-                continue;
-            };
+        use std::os::unix::fs::MetadataExt;
+        let rows = self.store.images().await?;
+        let registered: std::collections::HashSet<&str> =
+            rows.iter().map(|r| r.path.as_str()).collect();
+        let dirs: std::collections::BTreeSet<&std::path::Path> = rows
+            .iter()
+            .filter_map(|r| std::path::Path::new(&r.path).parent())
+            .collect();
+        for dir in dirs {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
             for e in entries.flatten() {
-                let ours = e.file_name().to_string_lossy().starts_with(MOMENT_PREFIX);
-                // unlink does not follow a symlink: only the name goes.
-                if ours && e.file_type().is_ok_and(|t| t.is_file()) {
-                    let _ = std::fs::remove_file(e.path());
-                    tracing::warn!(file = %e.path().display(), "removed a backup's moment left by a service that stopped during it");
+                let name = e.file_name();
+                let is_moment = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(MOMENT_PREFIX))
+                    .is_some_and(|id| Uuid::parse_str(id).is_ok());
+                let full = e.path().display().to_string();
+                if !is_moment || registered.contains(full.as_str()) {
+                    continue;
+                }
+                // `file_type` does not follow a symlink; `resolve` refuses one
+                // anywhere in the path, and `remove_file` removes only the
+                // file seen here.
+                let (Ok(meta), Ok(path)) = (e.metadata(), self.roots.resolve(&full)) else {
+                    continue;
+                };
+                if e.file_type().is_ok_and(|t| t.is_file())
+                    && self
+                        .roots
+                        .remove_file(&path, meta.dev(), meta.ino(), None)
+                        .is_ok()
+                {
+                    tracing::warn!(file = %full, "removed a backup's moment left by a service that stopped during it");
                 }
             }
         }
@@ -167,28 +202,57 @@ impl Manager {
     /// At start, in the background: releases the leases of backups this
     /// service ran when it died (they wrote no manifest: they did not
     /// happen; the next gc collects their chunks), and learns each image's
-    /// last backup. A target that is away only logs: backups then fail as
-    /// they start, with its reason.
+    /// last backup; again every 30 s until the target answers both. A
+    /// target that is away meanwhile only logs: backups fail as they start,
+    /// with its reason.
     pub(super) async fn recover_backup_target(&self) {
         let Some(target) = &self.backups.target else {
             return;
         };
-        match blockplane_backup::release_leases(target, &self.instance).await {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(
-                leases = n,
-                target = target.describe(),
-                "released the leases of backups this service ran when it stopped; their chunks are collected by the next gc"
-            ),
-            Err(e) => tracing::warn!(error = %e, "the backup target is not reachable at start"),
-        }
-        if let Ok(list) = blockplane_backup::list(target).await {
-            let mut last = self.backups.last_done.lock().expect("poisoned");
-            for m in list {
-                let at = last.entry(m.image.id).or_insert(m.finished_at);
-                *at = (*at).max(m.finished_at);
+        let owner = self.lease_owner();
+        let mut released = false;
+        loop {
+            if !released {
+                match blockplane_backup::release_leases(target, &owner, self.backups.started).await
+                {
+                    Ok(n) => {
+                        released = true;
+                        if n > 0 {
+                            tracing::warn!(
+                                leases = n,
+                                target = target.describe(),
+                                "released the leases of backups this service ran when it stopped; their chunks are collected by the next gc"
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the backup target is not reachable; trying again in 30 s")
+                    }
+                }
             }
+            if released && self.learn_last_backups(target).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
         }
+    }
+
+    /// Each image's last backup with a manifest, read from the target.
+    async fn learn_last_backups(&self, target: &Target) -> Result<()> {
+        let list = blockplane_backup::list(target).await?;
+        let mut last = HashMap::new();
+        for m in list {
+            let at = last.entry(m.image.id).or_insert(m.finished_at);
+            *at = (*at).max(m.finished_at);
+        }
+        *self.backups.last_done.lock().expect("poisoned") = last;
+        Ok(())
+    }
+
+    /// Who holds this service's leases: its instance and host (a copy of
+    /// its registry elsewhere has the same instance).
+    fn lease_owner(&self) -> String {
+        format!("{}@{}", self.instance, host_name())
     }
 
     /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
@@ -197,6 +261,19 @@ impl Manager {
         validate_name("backup", name)?;
         let target = self.backup_target("back an image up")?;
         let src = self.image_row(image).await?;
+        // The target is asked before any lock is taken: a slow one delays
+        // this request only.
+        let taken = blockplane_backup::list(&target)
+            .await?
+            .into_iter()
+            .find(|m| m.image.id == src.id && m.name == name);
+        if let Some(m) = taken {
+            return Err(Error::BackupNameTaken {
+                name: name.to_string(),
+                image: src.name.clone(),
+                id: m.id,
+            });
+        }
         let _image = self.image_locks.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
         self.refuse_unready(&src, "be backed up")?;
@@ -211,23 +288,23 @@ impl Manager {
                 backup: id,
             });
         }
-        let taken = blockplane_backup::list(&target)
-            .await?
-            .into_iter()
-            .find(|m| m.image.id == src.id && m.name == name);
-        if let Some(m) = taken {
-            return Err(Error::BackupNameTaken {
-                name: name.to_string(),
-                image: src.name.clone(),
-                id: m.id,
-            });
-        }
         let id = Uuid::new_v4();
+        // Read-only volumes are held until the job refuses their return to
+        // writable (their PATCH and unlock take the same lock), so the image
+        // has no writer from the check to the end of the backup.
+        let mut held_volumes = Vec::new();
+        for (_, volume) in self.store.volumes_of_image(src.id).await? {
+            held_volumes.push(self.volume_locks.lock(&volume).await);
+        }
         let writable = self
             .attached_volumes(src.id)
             .await?
             .into_iter()
             .find(|(v, _)| !v.read_only);
+        if writable.is_some() {
+            // The snapshot path takes the volume's lock itself.
+            held_volumes.clear();
+        }
         let (file, moment, held) = match writable {
             Some((v, backend)) => {
                 let path = self
@@ -259,7 +336,7 @@ impl Manager {
             source: blockplane_backup::SourceMeta {
                 host: host_name(),
                 path: src.path.clone(),
-                service: self.instance.clone(),
+                service: self.lease_owner(),
             },
             created_at: OffsetDateTime::now_utc(),
         };
@@ -270,21 +347,32 @@ impl Manager {
                     .to_string()
             }
         };
-        let mut tx = self.store.begin().await?;
-        tx.event(
-            None,
-            Some(src.id),
-            "backup_started",
-            &format!(
-                "image '{}': backup '{name}' ({id}) to {} started: {how}",
-                src.name,
-                target.describe()
-            ),
-        )
-        .await?;
-        tx.commit().await?;
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            tx.event(
+                None,
+                Some(src.id),
+                "backup_started",
+                &format!(
+                    "image '{}': backup '{name}' ({id}) to {} started: {how}",
+                    src.name,
+                    target.describe()
+                ),
+            )
+            .await?;
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            if let Some(path) = &moment {
+                let (dev, ino) = file.identity();
+                let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            }
+            return Err(e.into());
+        }
         let reads_image = moment.is_none();
         self.start_backup(target, meta, file, moment, reads_image);
+        drop(held_volumes);
         self.backup(&id.to_string()).await
     }
 
@@ -338,12 +426,16 @@ impl Manager {
             reads_image,
         };
         let pace = self.faults.pace(super::Slow::Backup);
+        let gate = self
+            .faults
+            .slows(super::Slow::BackupGate)
+            .then(|| self.backups.gate.clone());
         let me = self.clone();
         let moment_identity = (file.identity(), file.birth().map(str::to_string));
         let fd: std::fs::File = file.into_fd().into();
         self.backups
             .jobs
-            .start(meta.id, run, pace, 0, move |job| async move {
+            .start(meta.id, run, (pace, gate), 0, move |job| async move {
                 let started = std::time::Instant::now();
                 let out = blockplane_backup::backup(
                     &target,
@@ -539,35 +631,52 @@ impl Manager {
     pub(super) async fn delete_backup(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let target = self.backup_target("delete a backup")?;
         let b = self.backup(id_or_name).await?;
-        match b.state {
+        let done = match b.state {
             BackupState::Running => {
                 self.backups.jobs.stop(b.id).await;
-            }
-            BackupState::Done => {
-                blockplane_backup::delete(&target, b.id).await?;
-                let mut tx = self.store.begin().await?;
-                tx.event(
-                    None,
-                    Some(b.image_id),
-                    "backup_deleted",
-                    &format!(
-                        "image '{}': backup '{}' ({}) deleted from {}",
-                        b.image_name,
-                        b.name,
-                        b.id,
-                        target.describe()
-                    ),
-                )
-                .await?;
-                tx.commit().await?;
-                let me = self.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = me.collect_backups().await {
-                        tracing::warn!(error = %e, "the gc after a backup's delete failed");
+                match self.backups.jobs.progress(b.id).map(|p| p.state) {
+                    // It wrote its manifest before the cancel landed: a
+                    // cancel asked is a delete then.
+                    Some(JobState::Done) => true,
+                    Some(JobState::Running) => {
+                        return Err(Error::BackupRunning {
+                            name: b.image_name.clone(),
+                            backup: b.id,
+                        });
                     }
-                });
+                    _ => false,
+                }
             }
-            BackupState::Failed | BackupState::Cancelled => {}
+            BackupState::Done => true,
+            BackupState::Failed | BackupState::Cancelled => false,
+        };
+        if done {
+            blockplane_backup::delete(&target, b.id).await?;
+            let mut tx = self.store.begin().await?;
+            tx.event(
+                None,
+                Some(b.image_id),
+                "backup_deleted",
+                &format!(
+                    "image '{}': backup '{}' ({}) deleted from {}",
+                    b.image_name,
+                    b.name,
+                    b.id,
+                    target.describe()
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            // Its chunks go, and the image's last backup may be an older one.
+            let me = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = me.collect_backups().await {
+                    tracing::warn!(error = %e, "the gc after a backup's delete failed");
+                }
+                if let Err(e) = me.learn_last_backups(&target).await {
+                    tracing::warn!(error = %e, "the last backups could not be read again");
+                }
+            });
         }
         self.backups.jobs.forget(b.id);
         Ok(())
@@ -621,6 +730,9 @@ impl Manager {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
         let path = self.roots.resolve(path)?;
+        // The target is read before the registration lock, which every
+        // image create on the host takes.
+        let m = self.manifest(&target, backup).await?;
         let _registering = self.image_registration.lock().await;
         if let Some(existing) = self.store.image(name).await? {
             return Err(Error::ImageNameTaken {
@@ -628,7 +740,6 @@ impl Manager {
                 id: existing.id,
             });
         }
-        let m = self.manifest(&target, backup).await?;
         let size = m.image.size_bytes;
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
@@ -644,7 +755,18 @@ impl Manager {
                 self.roots
                     .remove_file(&path, file.identity().0, file.identity().1, file.birth());
         };
-        let free = file.free_bytes()?;
+        let (free, filesystem, fd) = match (|| -> Result<_> {
+            let fd = file.fd().try_clone().map_err(|e| {
+                Error::Internal(format!("image '{name}': dup of its new file: {e}"))
+            })?;
+            Ok((file.free_bytes()?, file.filesystem()?, fd))
+        })() {
+            Ok(got) => got,
+            Err(e) => {
+                remove(&file);
+                return Err(e);
+            }
+        };
         if m.stored_bytes > free {
             remove(&file);
             return Err(Error::SpaceShort {
@@ -665,7 +787,7 @@ impl Manager {
             size_bytes: size,
             allocated_bytes: 0,
             allocation: Some(blockplane_api::model::Allocation::Sparse),
-            filesystem: file.filesystem()?,
+            filesystem,
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: None,
             cloned_from: None,
@@ -705,13 +827,13 @@ impl Manager {
             remove(&file);
             return Err(e.into());
         }
-        self.start_restore(&row, target, m, file);
+        self.start_restore(&row, target, m, file, fd.into());
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
         Ok(image)
     }
 
-    /// Runs a restore into `file`, then records its end: `ready` (with its
+    /// Runs a restore into `fd` (`file`'s, read again at the end), then records its end: `ready` (with its
     /// LUKS2 header read, when it has one), or `failed` with the file removed.
     fn start_restore(
         self: &Arc<Self>,
@@ -719,20 +841,14 @@ impl Manager {
         target: Target,
         m: Manifest,
         file: ImageFile,
+        fd: std::fs::File,
     ) {
         let pace = self.faults.pace(super::Slow::Copy);
         let kind = super::copies::CopyRun::restore(row.name.clone());
         let (me, row) = (self.clone(), row.clone());
         let total = m.stored_bytes;
-        let fd: std::fs::File = match file.fd().try_clone() {
-            Ok(fd) => fd.into(),
-            Err(e) => {
-                tracing::error!(image = %row.name, error = %e, "dup of a restore's file");
-                return;
-            }
-        };
         self.copies
-            .start(row.id, kind, pace, total, move |job| async move {
+            .start(row.id, kind, (pace, None), total, move |job| async move {
                 let started = std::time::Instant::now();
                 let out = blockplane_backup::restore(&target, &m, fd, job.clone())
                     .await

@@ -448,7 +448,7 @@ impl Manager {
         let (me, row) = (self.clone(), row.clone());
         let total = src.allocated();
         self.copies
-            .start(row.id, kind, pace, total, move |job| async move {
+            .start(row.id, kind, (pace, None), total, move |job| async move {
                 let started = std::time::Instant::now();
                 let j = job.clone();
                 let out = blocking(move || {

@@ -239,6 +239,13 @@ impl Manager {
                 reason,
             });
         }
+        // A writable volume unlocked writes again: not while a backup reads
+        // its image (decided under this volume's lock).
+        if v.state == VolumeState::Locked && !v.read_only {
+            self.backups
+                .jobs
+                .refuse(&image, &format!("unlock writable volume '{}'", v.name))?;
+        }
         let att = match (&v.attachment, v.state) {
             (Some(att), VolumeState::Locked | VolumeState::Attached | VolumeState::Degraded) => {
                 att.clone()
@@ -314,6 +321,7 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.image_locks.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
+        self.backups.jobs.refuse(&row, "change its key slots")?;
         let Some(encryption) = &row.encryption else {
             return Err(Error::NotEncrypted {
                 image: row.name.clone(),

@@ -68,6 +68,9 @@ pub enum Slow {
     /// Each chunk a backup stores takes 100 ms more (`slow_backup`): its
     /// progress, cancel, a gc and a crash during it.
     Backup,
+    /// A backup waits after each chunk while `<run dir>/backup-gate` exists
+    /// (`gate_backup`): a test holds it mid-way as long as it needs.
+    BackupGate,
 }
 
 /// One injected fault.
@@ -92,7 +95,7 @@ impl Fault {
     /// Parses `kill_after_insert`, `kill_after_add`, `kill_after_create`,
     /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
-    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`,
+    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`,
     /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
     /// `fail_handover_recovery`.
     fn parse(s: &str) -> Option<Self> {
@@ -101,6 +104,7 @@ impl Fault {
             "slow_allocate" => Some(Slow::Allocate),
             "slow_copy" => Some(Slow::Copy),
             "slow_backup" => Some(Slow::Backup),
+            "gate_backup" => Some(Slow::BackupGate),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
             "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
@@ -140,7 +144,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
     )]
     Unknown(String),
 }

@@ -598,11 +598,16 @@ impl Manager {
         tx.commit().await?;
         let pace = self.faults.pace(super::Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
-        self.allocations
-            .start(row.id, AllocateRun, pace, total, move |job| async move {
+        self.allocations.start(
+            row.id,
+            AllocateRun,
+            (pace, None),
+            total,
+            move |job| async move {
                 let out = me.run_allocate(&r, attached, &job).await;
                 me.end_allocate(&r, &job, needed, out).await
-            });
+            },
+        );
         self.image(&row.id.to_string()).await
     }
 

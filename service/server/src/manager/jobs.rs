@@ -127,12 +127,13 @@ fn lock<J>(runs: &Runs<J>) -> MutexGuard<'_, HashMap<Uuid, Run<J>>> {
 
 impl<J: Job> Jobs<J> {
     /// Runs `work` in the background as image `id`'s job, with `total` bytes
-    /// to do and `pace` after each stretch; it ends as `work` says.
+    /// to do, `pace` after each stretch and a `gate` to wait at (test
+    /// faults); it ends as `work` says.
     pub fn start<Fut>(
         &self,
         id: Uuid,
         kind: J,
-        pace: Duration,
+        (pace, gate): (Duration, Option<std::path::PathBuf>),
         total: u64,
         work: impl FnOnce(Arc<AllocateJob>) -> Fut,
     ) where
@@ -140,6 +141,7 @@ impl<J: Job> Jobs<J> {
     {
         let job = Arc::new(AllocateJob {
             pace,
+            gate,
             ..Default::default()
         });
         job.total_bytes.store(total, Relaxed);

@@ -156,7 +156,7 @@ impl Manager {
             allocations: jobs::Jobs::default(),
             copies: jobs::Jobs::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
-            backups: backups::Backups::new(cfg.backup_target),
+            backups: backups::Backups::new(cfg.backup_target, &cfg.run_dir),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)

@@ -677,6 +677,13 @@ impl Manager {
         if changes.is_empty() {
             return self.volume_view(&v).await;
         }
+        // A backup reading the image decided so under this volume's lock.
+        if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
+            let image = self.image_row(&v.image_id.to_string()).await?;
+            self.backups
+                .jobs
+                .refuse(&image, &format!("make volume '{}' writable", v.name))?;
+        }
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
             return Err(self.not_live(&v));
         };
