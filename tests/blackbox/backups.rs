@@ -348,11 +348,13 @@ async fn a_corrupt_or_missing_chunk_is_named_and_no_half_restore_is_served() {
 #[tokio::test]
 async fn a_gc_during_a_backup_keeps_the_chunks_it_uses_and_collects_the_rest() {
     let t = dir_target();
+    // A backup waits after each chunk while the gate file exists.
     let s = service_to(
         t.path().to_str().unwrap(),
-        &[("BLOCKPLANE_TEST_FAULT", "slow_backup")],
+        &[("BLOCKPLANE_TEST_FAULT", "gate_backup")],
     )
     .await;
+    let gate = s.data.join("run/backup-gate");
     // b holds a's bytes and more: its backup deduplicates a's chunks.
     let a_path = image_with(&s, "a", 24 * MIB, &[(0, 20 * MIB)], 5).await;
     image_with(&s, "old", 8 * MIB, &[(0, 8 * MIB)], 77).await;
@@ -368,6 +370,8 @@ async fn a_gc_during_a_backup_keeps_the_chunks_it_uses_and_collects_the_rest() {
         .await;
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
     let moment = std::fs::read(&b_path).unwrap();
+    std::fs::create_dir_all(gate.parent().unwrap()).unwrap();
+    std::fs::write(&gate, b"").unwrap();
     let b1 = start_backup(&s, "b", "one").await;
     let b_id = b1["id"].as_str().unwrap();
     // Once it stores chunks, it has read the manifests it deduplicates against.
@@ -388,10 +392,20 @@ async fn a_gc_during_a_backup_keeps_the_chunks_it_uses_and_collects_the_rest() {
     }
     let gc = s.post("/v1/backups/gc", json!({})).await;
     assert_eq!(gc.status, StatusCode::OK, "{}", gc.body);
+    assert_eq!(gc.body["running_backups"], 1, "{}", gc.body);
     let still = s.get(&format!("/v1/backups/{b_id}")).await.body;
-    if still["state"] == "running" {
-        assert_eq!(gc.body["running_backups"], 1, "{}", gc.body);
-    }
+    assert_eq!(still["state"], "running", "the gate holds it: {still}");
+    // Meanwhile the image it reads takes no writer.
+    let v = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "bv", "image": "b", "backend": "loop"}),
+        )
+        .await;
+    assert_error(&v, 409, "backup_source_busy");
+    let msg = v.body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(b_id), "the refusal names the backup: {msg}");
+    std::fs::remove_file(&gate).unwrap();
     let b = backup_end(&s, b_id).await;
     assert_eq!(b["state"], "done", "{b}");
     assert_eq!(b["deduplicated_bytes"], 5 * CHUNK, "{b}");

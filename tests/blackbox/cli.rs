@@ -790,11 +790,23 @@ async fn backups_from_the_command_line_wait_showing_progress() {
 
     let verified = ok(&s, &["backup", "verify", "one"]);
     assert!(
-        verified.contains("ok") && verified.contains("true"),
+        verified
+            .lines()
+            .any(|l| l.split_whitespace().eq(["ok", "true"]))
+            && verified
+                .lines()
+                .any(|l| l.split_whitespace().eq(["chunks", "12"])),
         "{verified}"
     );
     assert!(ok(&s, &["backup", "rm", "one"]).contains("backup removed"));
+    // The delete's own gc or this one removed the backup's 12 chunks.
     let gc = ok(&s, &["backup", "gc"]);
-    assert!(gc.contains("chunks deleted"), "{gc}");
+    assert!(gc.contains("chunks kept"), "{gc}");
+    let left = std::fs::read_dir(target.path().join("chunks"))
+        .unwrap()
+        .flatten()
+        .map(|d| std::fs::read_dir(d.path()).unwrap().count())
+        .sum::<usize>();
+    assert_eq!(left, 0, "{gc}");
     assert!(!ok(&s, &["backup", "ls"]).contains("one"));
 }
