@@ -983,7 +983,7 @@ export function backupsPage(ctx) {
     const chosen = filter.value;
     try {
       [images, backups] = await Promise.all([api('GET', '/v1/images'),
-        api('GET', `/v1/backups${chosen ? `?image=${seg(chosen)}` : ''}`)]);
+        api('GET', `/v1/backups?${chosen ? `image=${seg(chosen)}` : ''}`)]);
     } catch (e) {
       showError(listOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
