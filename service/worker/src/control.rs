@@ -322,6 +322,7 @@ fn status(cx: &Ctx) -> Answer {
         degraded: st.degraded,
         resize_pending: cx.resize_pending.load(Relaxed),
         allocate: s.fill_state(),
+        copy: s.copy_state(),
         build: Some(blockplane_system::build::current().to_string()),
     }))
 }
@@ -392,6 +393,26 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             },
             Err(e) => refusal(e),
         },
+        Request::CopyMoment {
+            dest,
+            dev,
+            ino,
+            pace_ms,
+            gate,
+        } => {
+            let started = open_dest(&dest, (dev, ino))
+                .and_then(|f| s.start_copy(f, Duration::from_millis(pace_ms), gate));
+            match started {
+                Ok(held) => Answer::Snapshot {
+                    held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
+                },
+                Err(e) => refusal(e),
+            }
+        }
+        Request::CancelCopy {} => {
+            s.cancel_copy();
+            status(cx)
+        }
         Request::Handover { pace_ms } => {
             cx.handover.pace_ms.store(pace_ms, SeqCst);
             cx.handover.asked.store(true, SeqCst);
@@ -431,6 +452,12 @@ fn snapshot_into(
     dest: &std::path::Path,
     identity: (u64, u64),
 ) -> Result<Duration, Refusal> {
+    s.snapshot(&open_dest(dest, identity)?)
+}
+
+/// Opens a snapshot's file for writing (never through a symlink) and checks
+/// it is the empty file `identity` the control plane made.
+fn open_dest(dest: &std::path::Path, identity: (u64, u64)) -> Result<std::fs::File, Refusal> {
     use rustix::fs::{Mode, OFlags};
     let file = rustix::fs::open(
         dest,
@@ -451,7 +478,7 @@ fn snapshot_into(
             dest.display()
         )));
     }
-    s.snapshot(&std::fs::File::from(file))
+    Ok(std::fs::File::from(file))
 }
 
 /// Grows the image and the device. For a direct volume the pin is lifted,

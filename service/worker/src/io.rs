@@ -2,7 +2,9 @@
 //! io_uring with `RWF_NOWAIT`, an `EAGAIN` resubmitted to io-wq), `threaded`
 //! (io_uring's blocking io-wq workers, `IOSQE_ASYNC`) or `direct` (the extent
 //! map, straight to the raw device). Nothing here is shared with another
-//! thread: see [`QueueCtx`].
+//! thread (see [`QueueCtx`]), but for the chunk states of a snapshot's
+//! copy-before-write while one runs ([`super::moment`]): a write keeps the
+//! moment's chunks it touches before it goes on.
 //!
 //! What each op does:
 //!
@@ -32,6 +34,7 @@ use libublk::sys;
 use libublk::uring_async::UblkUringOpFuture;
 
 use super::mailbox::{Mailbox, Msg, QueueConfig};
+use super::moment::ChunkBuf;
 use super::stats::{Op, QueueCounters, QueueLatency, QueueReport, bump};
 use super::{DirectPath, Policy, Shared, qos};
 use blockplane_system::image::FALLOC_FL_WRITE_ZEROES;
@@ -364,6 +367,9 @@ pub struct QueueCtx {
     /// [`Self::zeros`] from then on.
     write_zeroes_unsupported: Cell<bool>,
     zeros: OnceCell<Zeros>,
+    /// Where this queue's writes keep a moment's chunks (allocated when the
+    /// first moment is put in force, for the queue's life).
+    moment_buf: RefCell<Option<ChunkBuf>>,
 }
 
 impl QueueCtx {
@@ -387,6 +393,7 @@ impl QueueCtx {
             nowait_unsupported: Cell::new(false),
             write_zeroes_unsupported: Cell::new(false),
             zeros: OnceCell::new(),
+            moment_buf: RefCell::default(),
         };
         me.install(cfg);
         me
@@ -400,6 +407,11 @@ impl QueueCtx {
     /// this thread's ring.
     fn install(&self, cfg: QueueConfig) {
         let raw_registered = cfg.direct.as_ref().is_some_and(|d| register_raw(d));
+        if cfg.moment.is_some() {
+            self.moment_buf
+                .borrow_mut()
+                .get_or_insert_with(ChunkBuf::new);
+        }
         let limiter = |c: &QueueConfig| c.qos.as_ref().map(|l| l.id());
         let new_limits = limiter(&self.local.borrow().cfg) != limiter(&cfg);
         *self.local.borrow_mut() = Rc::new(Local {
@@ -479,6 +491,14 @@ impl QueueCtx {
         let res = if req.writes() && local.cfg.read_only {
             -libc::EROFS
         } else {
+            if let Some(m) = local.cfg.moment.as_deref().filter(|_| req.writes()) {
+                let mut buf = self.moment_buf.borrow_mut();
+                m.keep(
+                    req.off,
+                    u64::from(req.len),
+                    buf.get_or_insert_with(ChunkBuf::new),
+                );
+            }
             match (local.cfg.policy, &local.cfg.direct) {
                 (Policy::Nowait, _) => {
                     let mode = FileMode::Nowait;

@@ -14,6 +14,7 @@ mod control;
 mod device;
 mod io;
 mod mailbox;
+mod moment;
 pub mod protocol;
 mod qos;
 mod stats;
@@ -118,7 +119,9 @@ impl Refusal {
 
 /// What the control thread and the queue threads share. Queue threads read
 /// the spec, the stats mapping and the data fd; the rest is the control
-/// thread's, sent to the queues as a [`QueueConfig`].
+/// thread's, sent to the queues as a [`QueueConfig`] (which, while a
+/// snapshot's copy runs, holds its [`moment::Moment`], whose chunk states
+/// the queues and the copy's thread share).
 pub(crate) struct Shared {
     pub spec: WorkerSpec,
     pub stats: Stats,
@@ -139,6 +142,8 @@ pub(crate) struct Shared {
     fill: Mutex<Option<Fill>>,
     /// Set to stop a running fill.
     fill_cancel: AtomicBool,
+    /// The last copy of one moment ([`Shared::start_copy`]).
+    copy: Mutex<Option<Fill>>,
     /// This, for the threads it starts.
     me: Weak<Shared>,
     /// The device's id, once the state file first names it.
@@ -228,6 +233,9 @@ impl Shared {
                     .into(),
             ));
         }
+        if self.copy_running() {
+            return Err(Refusal::Rule(protocol::COPY_RUNS_HANDOVER.into()));
+        }
         if dev_flags & u64::from(sys::UBLK_F_QUIESCE) != 0 {
             match ctrl.quiesce_dev(30_000) {
                 Ok(_) => {
@@ -288,6 +296,110 @@ impl Shared {
         Ok(held.elapsed())
     }
 
+    /// Begins a copy of one moment of the volume into `dest` where the
+    /// filesystem cannot share extents ([`protocol::Request::CopyMoment`]):
+    /// the queues are held once, with no request inside, while writes start
+    /// keeping their chunks' old bytes (see [`moment`]); a thread of its own
+    /// copies the rest, its progress in [`Self::copy_state`]. Returns how
+    /// long the queues were held.
+    pub fn start_copy(
+        self: &Arc<Self>,
+        dest: File,
+        pace: Duration,
+        gate: Option<std::path::PathBuf>,
+    ) -> Result<Duration, Refusal> {
+        if self.copy_running() {
+            return Err(Refusal::Rule(
+                "a copy of one moment already runs in this worker: one at a time".into(),
+            ));
+        }
+        // A fill writes zeros without keeping chunks.
+        if self
+            .fill_state()
+            .is_some_and(|f| f.state == FillState::Running)
+        {
+            return Err(Refusal::Rule(
+                "an allocate runs in this worker: a copy of one moment waits for its end".into(),
+            ));
+        }
+        let io = |op| move |source| Refusal::Io { op, source };
+        let size = self.state.lock().expect("state poisoned").size_bytes;
+        dest.set_len(size).map_err(io("size the moment's file"))?;
+        let src = self.data.try_clone().map_err(io("dup"))?;
+        let moment = Arc::new(moment::Moment::new(src, dest, size));
+        let held = Instant::now();
+        self.with_queues_held(|| {
+            if self.config().policy == Policy::Direct {
+                return Err(Refusal::Rule(protocol::SNAPSHOT_OF_DIRECT.into()));
+            }
+            self.config().moment = Some(moment.clone());
+            Ok(())
+        })?;
+        let held = held.elapsed();
+        *self.copy.lock().expect("copy poisoned") = Some(Fill {
+            state: FillState::Running,
+            done_bytes: 0,
+            total_bytes: size,
+            error: None,
+        });
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("moment-copy".into())
+            .spawn(move || {
+                // As the queue threads: it writes while the device it serves
+                // may be what writeback waits on.
+                if let Err(e) = rustix::process::configure_io_flusher_behavior(true) {
+                    tracing::warn!(error = %e, "PR_SET_IO_FLUSHER refused for the copy's thread");
+                }
+                let out = moment.run(pace, gate.as_ref(), |done| {
+                    if let Some(c) = me.copy.lock().expect("copy poisoned").as_mut() {
+                        c.done_bytes = done;
+                    }
+                });
+                me.end_copy(out);
+            });
+        if let Err(source) = spawned {
+            self.end_copy(Err(format!("start the copy's thread: {source}")));
+            return Err(io("start the copy's thread")(source));
+        }
+        Ok(held)
+    }
+
+    /// Whether a copy of one moment runs.
+    fn copy_running(&self) -> bool {
+        self.copy_state()
+            .is_some_and(|c| c.state == FillState::Running)
+    }
+
+    /// Asks a running copy to stop; writes stop keeping chunks at once.
+    pub fn cancel_copy(&self) {
+        if let Some(m) = &self.config().moment {
+            m.cancel();
+        }
+    }
+
+    /// The last copy of one moment: running, or how it ended.
+    pub fn copy_state(&self) -> Option<Fill> {
+        self.copy.lock().expect("copy poisoned").clone()
+    }
+
+    /// Takes the moment off the queues, then records how its copy ended.
+    fn end_copy(&self, out: Result<bool, String>) {
+        if let Err(e) = self.reconfigure(|c| c.moment = None) {
+            tracing::error!(error = %e, "the queues kept a finished moment");
+        }
+        let (state, error) = match out {
+            Ok(true) => (FillState::Done, None),
+            Ok(false) => (FillState::Cancelled, None),
+            Err(e) => (FillState::Failed, Some(e)),
+        };
+        tracing::info!(?state, ?error, "copy of one moment ended");
+        if let Some(c) = self.copy.lock().expect("copy poisoned").as_mut() {
+            c.state = state;
+            c.error = error;
+        }
+    }
+
     /// Starts making the image `full`: the file paths stop punching it, then
     /// a thread of its own writes zeros over its holes and unwritten extents
     /// (see [`Self::fill`]), so the control socket keeps answering meanwhile.
@@ -301,6 +413,12 @@ impl Shared {
             .is_some_and(|f| f.state == FillState::Running)
         {
             return Ok(());
+        }
+        if self.copy_running() {
+            return Err(Refusal::Rule(
+                "a snapshot's copy of one moment runs in this worker: an allocate waits for its end"
+                    .into(),
+            ));
         }
         let size = self.state.lock().expect("state poisoned").size_bytes;
         let todo = extent::unwritten_ranges(self.image.as_fd(), 0, size).map_err(|source| {
@@ -560,6 +678,9 @@ impl Shared {
             return Ok(());
         }
         if to == Policy::Direct {
+            if self.config().moment.is_some() {
+                return Err(Refusal::Rule(protocol::COPY_RUNS_DIRECT.into()));
+            }
             // Refuse early, before holding any I/O.
             self.refuse_rule_3()?;
         }
@@ -752,6 +873,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
             read_only: spec.read_only || spec.refuse_writes,
             qos: limiter,
             keep_allocated: spec.allocation == Allocation::Full,
+            moment: None,
         }),
         changing: Mutex::new(()),
         queues: OnceLock::new(),
@@ -763,6 +885,7 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }),
         fill: Mutex::new(None),
         fill_cancel: AtomicBool::new(false),
+        copy: Mutex::new(None),
         me: me.clone(),
         dev_id: OnceLock::new(),
         watch: OnceLock::new(),

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::stats::QueueReport;
-use super::{DirectPath, Policy, qos};
+use super::{DirectPath, Policy, moment, qos};
 
 /// A queue thread's eventfd.
 #[derive(Debug)]
@@ -50,6 +50,9 @@ pub struct QueueConfig {
     /// The image is `full`: the file paths never punch it (DISCARD does
     /// nothing, WRITE_ZEROES writes zeros).
     pub keep_allocated: bool,
+    /// A moment being copied (see [`moment`]): a write keeps the old bytes
+    /// of its chunks first.
+    pub moment: Option<Arc<moment::Moment>>,
 }
 
 /// A message for a queue thread. Each carries where to answer.
@@ -225,6 +228,7 @@ mod tests {
             read_only: false,
             qos: None,
             keep_allocated: false,
+            moment: None,
         };
         assert!(queues.apply(&cfg));
         assert_eq!(busy.join().unwrap(), vec![Policy::Direct]);

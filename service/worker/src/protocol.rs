@@ -28,8 +28,9 @@ use blockplane_system::extent::{ExtentMap, Pin};
 
 /// The control socket protocol this build speaks: 1 was the line protocol
 /// before versions (no handshake, no handover); 2 adds [`Request::Hello`]
-/// and [`Request::Handover`], and a worker's build in [`Status::build`].
-pub const PROTOCOL: u32 = 2;
+/// and [`Request::Handover`], and a worker's build in [`Status::build`]; 3
+/// adds [`Request::CopyMoment`] and [`Request::CancelCopy`].
+pub const PROTOCOL: u32 = 3;
 
 /// The file descriptor number the image is handed to a worker on.
 pub const IMAGE_FD: i32 = 3;
@@ -120,6 +121,12 @@ pub struct WorkerSpec {
 
 /// Why a worker of a volume created read-only cannot fill its image.
 pub const CANNOT_FILL_READ_ONLY: &str = "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first";
+
+/// Why a worker refuses a handover while it copies one moment.
+pub const COPY_RUNS_HANDOVER: &str = "a snapshot's copy of one moment runs in this worker: its writes keep the moment's chunks, so a handover waits for the copy's end (or its cancel)";
+
+/// Why a worker refuses `direct` while it copies one moment.
+pub const COPY_RUNS_DIRECT: &str = "a snapshot's copy of one moment runs on this volume: its writes keep the moment's chunks on the file path, so direct waits for the copy's end";
 
 /// Why a worker on `direct` refuses a snapshot.
 pub const SNAPSHOT_OF_DIRECT: &str = "a direct volume's image must own its extents alone (direct-map rule: no SHARED extents): move the volume off direct before sharing them with a snapshot";
@@ -218,6 +225,33 @@ pub enum Request {
         /// Its `st_ino`, checked before the clone.
         ino: u64,
     },
+    /// Copy one moment of the volume into `dest` where the image's
+    /// filesystem cannot share extents (protocol 3): every queue held once,
+    /// no request inside, while writes start keeping the old bytes of each
+    /// chunk they touch first (copy-before-write); a thread of the worker's
+    /// own copies the rest. `dest` must be the empty file `(dev, ino)` the
+    /// control plane made. Answers [`Answer::Snapshot`] once the moment is
+    /// taken; the copy's progress and end are in [`Status::copy`]. Refused
+    /// on `direct`, and while another copy runs.
+    CopyMoment {
+        /// The empty file to copy the moment into.
+        dest: PathBuf,
+        /// Its `st_dev`, checked before the copy.
+        dev: u64,
+        /// Its `st_ino`, checked before the copy.
+        ino: u64,
+        /// A pause after each chunk, ms (the service's test fault
+        /// `slow_copy`; 0 otherwise).
+        #[serde(default)]
+        pace_ms: u64,
+        /// While this file exists the copy waits (the service's test fault
+        /// `gate_copy`).
+        #[serde(default)]
+        gate: Option<PathBuf>,
+    },
+    /// Stop a running copy of one moment (protocol 3): it ends
+    /// [`FillState::Cancelled`] and writes stop keeping chunks.
+    CancelCopy {},
     /// Stop and delete the device (in-flight I/O ends with errors), unpin the
     /// image, exit.
     Shutdown {},
@@ -244,6 +278,7 @@ impl Request {
     pub fn since(&self) -> u32 {
         match self {
             Request::Hello(_) | Request::Handover { .. } => 2,
+            Request::CopyMoment { .. } | Request::CancelCopy {} => 3,
             _ => 1,
         }
     }
@@ -261,6 +296,8 @@ impl Request {
             Request::Allocate { .. } => "allocate",
             Request::CancelAllocate {} => "cancel_allocate",
             Request::Snapshot { .. } => "snapshot",
+            Request::CopyMoment { .. } => "copy_moment",
+            Request::CancelCopy {} => "cancel_copy",
             Request::Shutdown {} => "shutdown",
             Request::Handover { .. } => "handover",
         }
@@ -334,12 +371,17 @@ pub struct Status {
     /// The last fill started by [`Request::Allocate`] (none yet: `None`).
     #[serde(default)]
     pub allocate: Option<Fill>,
+    /// The last copy started by [`Request::CopyMoment`] (protocol 3; none
+    /// yet: `None`).
+    #[serde(default)]
+    pub copy: Option<Fill>,
     /// The worker's build (protocol 2; `None` from an older worker).
     #[serde(default)]
     pub build: Option<String>,
 }
 
-/// Where a worker's fill ([`Request::Allocate`]) is.
+/// Where a worker's fill ([`Request::Allocate`]) or copy of one moment
+/// ([`Request::CopyMoment`]) is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Fill {
     /// Running, or how it ended.
@@ -352,17 +394,18 @@ pub struct Fill {
     pub error: Option<String>,
 }
 
-/// A fill's state.
+/// A fill's or a copy's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FillState {
-    /// Writing zeros now.
+    /// Writing zeros, or copying, now.
     Running,
-    /// Every hole and unwritten extent is written: the image is `full`.
+    /// A fill: every hole and unwritten extent is written, the image is
+    /// `full`. A copy: the file holds the moment, flushed.
     Done,
     /// Stopped by an error ([`Fill::error`]).
     Failed,
-    /// Stopped by [`Request::CancelAllocate`].
+    /// Stopped by [`Request::CancelAllocate`] or [`Request::CancelCopy`].
     Cancelled,
 }
 
@@ -746,6 +789,32 @@ mod tests {
         assert_eq!(worker.join().unwrap(), ["hello", "status", "hello"]);
     }
 
+    /// A worker of protocol 2 (a build from before copy-before-write, still
+    /// serving after an upgrade without a handover) is never asked to copy
+    /// a moment: the refusal names the request and the worker's protocol.
+    #[test]
+    fn a_protocol_2_worker_is_never_sent_a_copy_of_one_moment() {
+        let old = Peer {
+            protocol: 2,
+            build: Some("0.1.0 (older)".into()),
+        };
+        let copy = Request::CopyMoment {
+            dest: "/d".into(),
+            dev: 1,
+            ino: 2,
+            pace_ms: 0,
+            gate: None,
+        };
+        for req in [copy, Request::CancelCopy {}] {
+            let e = understood(&req, &old).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("which has no request '{}'", req.op())),
+                "{e}"
+            );
+        }
+        assert!(understood(&Request::Handover { pace_ms: 0 }, &old).is_ok());
+    }
+
     /// Lines written to a worker's side of a connection, and what it answered.
     fn serve(lines: &[&str]) -> (Vec<Answer>, Vec<Request>) {
         let (client, server) = UnixStream::pair().unwrap();
@@ -825,7 +894,10 @@ mod tests {
             };
             assert_eq!(*code, ErrorCode::BadRequest, "{line}");
             assert!(message.contains(says), "{line}: {message}");
-            assert!(message.contains("protocol 2"), "{line}: {message}");
+            assert!(
+                message.contains(&format!("protocol {PROTOCOL}")),
+                "{line}: {message}"
+            );
         }
     }
 
