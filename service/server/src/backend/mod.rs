@@ -228,12 +228,24 @@ impl Change {
 }
 
 /// Where a snapshot of a serving volume's image goes: the empty file the
-/// manager made ([`blockplane_system::image::ImageRoots::create_for_reflink`]), by path
+/// manager made ([`blockplane_system::image::ImageRoots::create_for_moment`]), by path
 /// and `(dev, ino)`, which whoever opens it checks.
 #[derive(Debug, Clone)]
 pub struct SnapshotDest {
     pub path: std::path::PathBuf,
     pub identity: (u64, u64),
+}
+
+/// A copy of one moment ([`VolumeBackend::copy_moment`]): where it goes,
+/// and the test faults that pace or hold it (`slow_copy`, `gate_copy`;
+/// none outside tests).
+#[derive(Debug, Clone)]
+pub struct MomentCopy {
+    pub dest: SnapshotDest,
+    /// A pause after each chunk.
+    pub pace: std::time::Duration,
+    /// The copy waits while this file exists.
+    pub gate: Option<std::path::PathBuf>,
 }
 
 /// The worker process serving a volume's device (ublk), as the API shows it.
@@ -408,6 +420,34 @@ pub trait VolumeBackend: Send + Sync {
         Err(self.cannot_snapshot(att))
     }
 
+    /// Begins a copy of one moment of the volume's I/O into the empty file
+    /// `dest`, where the image's filesystem cannot share extents: held once,
+    /// with no request inside, while writes start keeping the old bytes of
+    /// what they overwrite (copy-before-write); the rest is copied in the
+    /// background ([`VolumeBackend::follow_copy`]). Returns how long I/O was
+    /// held. Refused on `direct`, and by a backend whose writes no worker sees
+    /// (the default).
+    fn copy_moment(
+        &self,
+        att: &Attachment,
+        _volume_id: Uuid,
+        _copy: &MomentCopy,
+    ) -> Result<std::time::Duration, BackendError> {
+        Err(self.cannot_snapshot(att))
+    }
+
+    /// Follows a copy [`VolumeBackend::copy_moment`] began until it ends,
+    /// reporting progress into `job` and cancelling it when `job.cancel` is
+    /// set: `Ok(true)` the file holds the moment, `Ok(false)` cancelled.
+    fn follow_copy(
+        &self,
+        att: &Attachment,
+        _volume_id: Uuid,
+        _job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        Err(self.cannot_snapshot(att))
+    }
+
     /// Why this backend refuses [`VolumeBackend::snapshot`], with the ways
     /// out it offers the volume (read-only only where it can switch live).
     fn cannot_snapshot(&self, att: &Attachment) -> BackendError {
@@ -502,6 +542,17 @@ pub trait PrivateDevices: Send + Sync {
         volume_id: Uuid,
         dest: &SnapshotDest,
     ) -> Result<std::time::Duration, BackendError>;
+
+    /// Makes the private worker begin a copy of one moment
+    /// ([`VolumeBackend::copy_moment`]).
+    fn copy_image(
+        &self,
+        volume_id: Uuid,
+        copy: &MomentCopy,
+    ) -> Result<std::time::Duration, BackendError>;
+
+    /// Follows the private worker's copy ([`VolumeBackend::follow_copy`]).
+    fn follow_copy(&self, volume_id: Uuid, job: &AllocateJob) -> Result<bool, BackendError>;
 
     /// Stops the private device and its worker (none is not an error).
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError>;

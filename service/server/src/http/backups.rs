@@ -19,8 +19,9 @@ use blockplane_api::model::{
 /// The moment: an image no writable volume serves is read as it is, and its
 /// writers (a writable volume, a grow, an allocate) are refused until the
 /// backup ends (`backup_source_busy`); an image a writable volume serves is
-/// shared into a hidden file at one moment of the volume's I/O, as a
-/// snapshot is, which needs a filesystem that shares extents (else 409
+/// put in a hidden file at one moment of the volume's I/O, as a snapshot
+/// is (a reflink, or the worker's copy-before-write where the filesystem
+/// cannot share extents; a writable loop volume there is refused, 409
 /// `volume_attached_snapshot_unsupported` with the remedy). 202 with the
 /// backup `running`; `GET /v1/backups/{id}` shows its progress; events
 /// `backup_started`, then `backup_done`, `backup_failed` or
@@ -33,7 +34,7 @@ use blockplane_api::model::{
         (status = 202, description = "Backup started (`state` `running`)", body = Backup),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "No backup target (`no_backup_target`), the name is taken among the image's backups (`name_taken`), a backup of it runs (`backup_running`), it is not ready, an allocate or a copy runs on it, or a writable volume serves it on a filesystem that cannot share extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "No backup target (`no_backup_target`), the name is taken among the image's backups (`name_taken`), a backup of it runs (`backup_running`), it is not ready, an allocate or a copy runs on it, or a writable loop volume serves it on a filesystem that cannot share extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Invalid name", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
     )

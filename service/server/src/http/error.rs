@@ -126,7 +126,9 @@ impl ApiError {
                 Error::AllocateConflict { .. } => (S::CONFLICT, C::AllocateConflict),
                 Error::ImageReadOnly { .. } => (S::UNPROCESSABLE_ENTITY, C::ImageReadOnly),
                 Error::ImageNotReady { .. } => (S::CONFLICT, C::ImageNotReady),
-                Error::CopySource { .. } => (S::CONFLICT, C::CopySourceBusy),
+                Error::CopySource { .. } | Error::MomentCopyRunning { .. } => {
+                    (S::CONFLICT, C::CopySourceBusy)
+                }
                 Error::BackupSource { .. } => (S::CONFLICT, C::BackupSourceBusy),
                 Error::NoBackupTarget(_) => (S::CONFLICT, C::NoBackupTarget),
                 Error::BackupRunning { .. } => (S::CONFLICT, C::BackupRunning),

@@ -38,7 +38,7 @@ fn created(image: Image) -> (StatusCode, Json<Image>) {
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "Path outside the image roots, through a symlink, with '..', or owned by another user", body = ErrorBody),
         (status = 404, description = "No such file (or directory to create it in), or no backup `restore_from` names (`backup_not_found`)", body = ErrorBody),
-        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`); for a restore: no backup target (`no_backup_target`), a backup without a manifest (`backup_not_done`) or a name several backups have (`backup_ambiguous`)", body = ErrorBody),
+        (status = 409, description = "Name taken, file to create exists, the clone's source is not ready, a writable loop volume serves it and it must be copied: no shared extents, and no worker sees the loop driver's writes (`volume_attached_snapshot_unsupported`); for a restore: no backup target (`no_backup_target`), a backup without a manifest (`backup_not_done`) or a name several backups have (`backup_ambiguous`)", body = ErrorBody),
         (status = 422, description = "Not a usable image file (type, size, links, mode), invalid name, registered already, or a clone's `create.size_bytes` below its source's size (`shrink_refused`)", body = ErrorBody),
         (status = 502, description = "The backup's manifest fails its checksum (`backup_corrupt`)", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
@@ -61,8 +61,10 @@ pub async fn create_image(
 /// to `nowait` first, for good). Extents shared (`method`
 /// `reflink`, 201) where the filesystem can and the source is not pinned by
 /// a direct map (a pinned image is always copied); else copied in the
-/// background (`copy`, 202, as a clone's copy). Volumes on it must be
-/// read-only; it cannot grow or be allocated.
+/// background (`copy`, 202, as a clone's copy): under a writable ublk or dm
+/// volume, by its worker, which holds the volume's I/O once and then copies
+/// each chunk before a write changes it (copy-before-write). Volumes on it
+/// must be read-only; it cannot grow or be allocated.
 #[utoipa::path(
     post, path = "/v1/images/{id}/snapshots", tag = "images",
     params(("id" = String, Path, description = "Source image id or name")),
@@ -72,7 +74,7 @@ pub async fn create_image(
         (status = 202, description = "Snapshot recorded, its copy runs in the background (`state` `copying`)", body = Image),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
-        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a writable volume serves it and it must be copied: no shared extents (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
+        (status = 409, description = "Name taken, a file of that name exists next to the source, the source is not ready or an allocate runs on it, or a writable loop volume serves it and it must be copied: no shared extents, and no worker sees the loop driver's writes (`volume_attached_snapshot_unsupported`)", body = ErrorBody),
         (status = 422, description = "Invalid name", body = ErrorBody),
         (status = 507, description = "The filesystem lacks the space for the copy (refused before it starts), or the overcommit ratio would be passed", body = ErrorBody),
     )

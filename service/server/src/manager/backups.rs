@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::copies::{Copier, SharedMoment};
 use super::jobs::{Ended, Job, JobState, Jobs};
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::store::ImageRow;
@@ -305,23 +306,23 @@ impl Manager {
             // The snapshot path takes the volume's lock itself.
             held_volumes.clear();
         }
-        let (file, moment, held) = match writable {
+        let (file, moment, held, copier) = match writable {
             Some((v, backend)) => {
                 let path = self
                     .roots
                     .resolve(&moment_path(&src, id).display().to_string())?;
-                let (file, held) = if backend.kind() == Backend::Loop {
+                let m = if backend.kind() == Backend::Loop {
                     self.share_loop_moment(&src, &path, &v).await?
                 } else {
                     self.share_with_serving(&src, &path, v, backend, name, None)
                         .await?
                 };
-                (file, Some(path), Some(held))
+                (m.file, Some(path), Some(m.held), m.copier)
             }
             None => {
                 let (me, s) = (self.clone(), src.clone());
                 let file = blocking(move || me.open_image(&s, Access::ReadOnly)).await??;
-                (file, None, None)
+                (file, None, None, None)
             }
         };
         let meta = BackupMeta {
@@ -340,9 +341,12 @@ impl Manager {
             },
             created_at: OffsetDateTime::now_utc(),
         };
-        let how = match &held {
-            Some(held) => format!("its moment shared into a hidden file (reflink); {held}"),
-            None => {
+        let how = match (&held, &copier) {
+            (Some(held), Some(_)) => format!(
+                "its moment copied into a hidden file first, each chunk a write reaches copied before it (this filesystem cannot share extents); {held}"
+            ),
+            (Some(held), None) => format!("its moment shared into a hidden file (reflink); {held}"),
+            (None, _) => {
                 "read from its file; writable volumes, grows and allocates of it wait for its end"
                     .to_string()
             }
@@ -364,6 +368,9 @@ impl Manager {
         }
         .await;
         if let Err(e) = recorded {
+            if let Some(c) = &copier {
+                c.stop().await;
+            }
             if let Some(path) = &moment {
                 let (dev, ino) = file.identity();
                 let _ = self.roots.remove_file(path, dev, ino, file.birth());
@@ -371,7 +378,7 @@ impl Manager {
             return Err(e.into());
         }
         let reads_image = moment.is_none();
-        self.start_backup(target, meta, file, moment, reads_image);
+        self.start_backup(target, meta, file, moment, reads_image, copier);
         drop(held_volumes);
         self.backup(&id.to_string()).await
     }
@@ -384,16 +391,8 @@ impl Manager {
         src: &ImageRow,
         path: &ImagePath,
         v: &crate::store::VolumeRow,
-    ) -> Result<(ImageFile, String)> {
-        let (me, s, p) = (self.clone(), src.clone(), path.clone());
-        let (file, start, took) = blocking(move || -> Result<_> {
-            let src_file = me.open_image(&s, Access::ReadOnly)?;
-            src_file.sync()?;
-            let started = std::time::Instant::now();
-            let (file, start) = me.roots.create_clone(&p, &src_file)?;
-            Ok((file, start, started.elapsed()))
-        })
-        .await??;
+    ) -> Result<SharedMoment> {
+        let (file, start, _, took) = self.clone_file(src, path, None).await?;
         if start != CloneStart::Reflinked {
             let (dev, ino) = file.identity();
             let _ = self.roots.remove_file(path, dev, ino, file.birth());
@@ -407,7 +406,11 @@ impl Manager {
         }
         let held =
             super::copies::held_text(&v.name, "loop: the filesystem's lock on the file", took);
-        Ok((file, held))
+        Ok(SharedMoment {
+            file,
+            held,
+            copier: None,
+        })
     }
 
     /// Runs the backup on the runtime, then records its end.
@@ -418,6 +421,7 @@ impl Manager {
         file: ImageFile,
         moment: Option<ImagePath>,
         reads_image: bool,
+        copier: Option<Copier>,
     ) {
         let counters = Arc::new(Counters::default());
         let run = BackupRun {
@@ -437,14 +441,37 @@ impl Manager {
             .jobs
             .start(meta.id, run, (pace, gate), 0, move |job| async move {
                 let started = std::time::Instant::now();
-                let out = blockplane_backup::backup(
-                    &target,
-                    meta.clone(),
-                    fd,
-                    job.clone(),
-                    counters.clone(),
-                )
-                .await;
+                // A copied moment is complete first; its progress is the job's
+                // until the backup's own begins. The copier goes once it
+                // ends: the volume may copy another moment meanwhile.
+                let copied =
+                    match copier {
+                        Some(c) => c.follow(job.clone()).await.map_err(|e| {
+                            blockplane_backup::Error::Image {
+                                backup: blockplane_backup::BackupRef {
+                                    id: meta.id,
+                                    name: meta.name.clone(),
+                                },
+                                action: format!("copy one moment of volume '{}'", c.volume()),
+                                source: std::io::Error::other(e.to_string()),
+                            }
+                        }),
+                        None => Ok(true),
+                    };
+                let out = match copied {
+                    Ok(true) => {
+                        blockplane_backup::backup(
+                            &target,
+                            meta.clone(),
+                            fd,
+                            job.clone(),
+                            counters.clone(),
+                        )
+                        .await
+                    }
+                    Ok(false) => Ok(None),
+                    Err(e) => Err(e),
+                };
                 if let Some(path) = &moment {
                     let ((dev, ino), birth) = &moment_identity;
                     let _ = me.roots.remove_file(path, *dev, *ino, birth.as_deref());

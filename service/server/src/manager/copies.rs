@@ -11,7 +11,7 @@ use uuid::Uuid;
 use super::jobs::{Ended, Job};
 use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
-use crate::backend::{Change, SnapshotDest, VolumeBackend};
+use crate::backend::{Change, MomentCopy, SnapshotDest, VolumeBackend};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     self, ActiveDispatch, Allocation, Backend, CopyMethod, CreateImageFile, DispatchPolicy, Image,
@@ -49,6 +49,114 @@ impl Job for CopyRun {
             copy: self.name.clone(),
             what: what.to_string(),
         }
+    }
+}
+
+/// One moment of a serving volume's image, in a new file
+/// ([`Manager::share_with_serving`]).
+pub(super) struct SharedMoment {
+    pub file: ImageFile,
+    /// How long the volume's I/O was held, in words.
+    pub held: String,
+    /// The volume whose worker copies the moment into the file, which is
+    /// complete once [`Copier::follow`] says so; `None`: the file shares
+    /// the moment's extents and is complete.
+    pub copier: Option<Copier>,
+}
+
+/// A volume's worker copying one moment into a new file (copy-before-write).
+pub(super) struct Copier {
+    volume: VolumeRow,
+    attachment: crate::backend::Attachment,
+    backend: Arc<dyn VolumeBackend>,
+    /// The volume's place in [`MomentCopies`], given back when the copier
+    /// is dropped.
+    _claim: CopyClaim,
+}
+
+/// Asks volume `v`'s worker to stop the copy of one moment it runs, and
+/// waits for its end; a worker that cannot be asked is only logged.
+async fn stop_copy(
+    backend: &Arc<dyn VolumeBackend>,
+    att: &crate::backend::Attachment,
+    v: &VolumeRow,
+) {
+    let job = Arc::new(AllocateJob::default());
+    job.cancel.store(true, Relaxed);
+    let (b, a, id) = (backend.clone(), att.clone(), v.id);
+    if let Ok(Err(e)) = blocking(move || b.follow_copy(&a, id, &job)).await {
+        tracing::warn!(volume = %v.name, error = %e, "a copy of one moment did not stop cleanly");
+    }
+}
+
+/// The volumes whose worker copies one moment now, and into what.
+#[derive(Default, Clone)]
+pub(super) struct MomentCopies(Arc<std::sync::Mutex<std::collections::HashMap<Uuid, String>>>);
+
+impl MomentCopies {
+    /// Claims volume `v` for a copy into `into`; 409 while another runs.
+    fn claim(&self, src: &ImageRow, v: &VolumeRow, into: &str) -> Result<CopyClaim> {
+        let mut running = self.0.lock().expect("moment copies poisoned");
+        if let Some(other) = running.get(&v.id) {
+            return Err(Error::MomentCopyRunning {
+                name: src.name.clone(),
+                volume: v.name.clone(),
+                into: other.clone(),
+            });
+        }
+        running.insert(v.id, into.to_string());
+        Ok(CopyClaim {
+            copies: self.clone(),
+            volume: v.id,
+        })
+    }
+}
+
+/// A volume claimed in [`MomentCopies`] until dropped.
+struct CopyClaim {
+    copies: MomentCopies,
+    volume: Uuid,
+}
+
+impl Drop for CopyClaim {
+    fn drop(&mut self) {
+        self.copies
+            .0
+            .lock()
+            .expect("moment copies poisoned")
+            .remove(&self.volume);
+    }
+}
+
+impl Copier {
+    /// Waits for the copy's end, its progress in `job` (whose cancel stops
+    /// it): `Ok(true)` the file holds the moment.
+    pub(super) async fn follow(&self, job: Arc<AllocateJob>) -> Result<bool> {
+        let (b, a, id) = (
+            self.backend.clone(),
+            self.attachment.clone(),
+            self.volume.id,
+        );
+        let out = blocking(move || b.follow_copy(&a, id, &job))
+            .await
+            .and_then(|r| r.map_err(|e| volume_error(&self.volume.name, e)));
+        if out.is_err() {
+            // Lost track of it (a worker that did not answer in time): it
+            // must not go on copying for nothing.
+            self.stop().await;
+        }
+        out
+    }
+
+    /// Asks the worker to stop the copy and waits for its end (nothing will
+    /// use its file).
+    pub(super) async fn stop(&self) {
+        stop_copy(&self.backend, &self.attachment, &self.volume).await
+    }
+
+    /// The volume, for messages.
+    pub(super) fn volume(&self) -> &str {
+        &self.volume.name
     }
 }
 
@@ -168,28 +276,17 @@ impl Manager {
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
             .await?;
-        // `copy_from`: the open source, when a copy must fill the new file.
-        let (file, start, copy_from, held) = match serving {
+        // `copy_from`: the open source, when a copy must fill the new file;
+        // `copier`: the serving volume's worker, when it copies one moment.
+        let (file, start, copy_from, held, copier) = match serving {
             Some((v, backend)) => {
-                let (file, held) = self
+                let m = self
                     .share_with_serving(&src, &path, v, backend, name, grow)
                     .await?;
-                (file, CloneStart::Reflinked, None, Some(held))
+                (m.file, CloneStart::Reflinked, None, Some(m.held), m.copier)
             }
             None => {
-                let (me, s, p) = (self.clone(), src.clone(), path.clone());
-                let (file, start, src_file, took) = blocking(move || -> Result<_> {
-                    let src_file = me.open_image(&s, Access::ReadOnly)?;
-                    src_file.sync()?;
-                    let started = std::time::Instant::now();
-                    let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
-                    let took = started.elapsed();
-                    if start == CloneStart::Reflinked {
-                        me.grow_clone(&p, &mut file, grow)?;
-                    }
-                    Ok((file, start, src_file, took))
-                })
-                .await??;
+                let (file, start, src_file, took) = self.clone_file(&src, &path, grow).await?;
                 let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
                 // A loop volume's writes wait on the file's lock while the
                 // reflink runs: that is its pause.
@@ -200,10 +297,10 @@ impl Manager {
                     .map(|(v, _)| {
                         held_text(&v.name, "loop: the filesystem's lock on the file", took)
                     });
-                (file, start, copy_from, held)
+                (file, start, copy_from, held, None)
             }
         };
-        let reflinked = copy_from.is_none();
+        let reflinked = copy_from.is_none() && copier.is_none();
         let remove = |file: &ImageFile| {
             let _ =
                 self.roots
@@ -277,8 +374,8 @@ impl Manager {
         } else {
             "a writable clone"
         };
-        let (event, how) = match &copy_from {
-            None => (
+        let (event, how) = match (&copy_from, &copier) {
+            (None, None) => (
                 if snapshot {
                     "image_snapshotted"
                 } else {
@@ -289,7 +386,15 @@ impl Manager {
                     None => "extents shared (reflink)".to_string(),
                 },
             ),
-            Some(src_file) => (
+            (_, Some(c)) => (
+                "image_copy_started",
+                format!(
+                    "one moment of volume '{}' copied in the background, each chunk a write reaches copied before the write (this filesystem cannot share extents); GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it; {}",
+                    c.volume(),
+                    held.as_deref().unwrap_or_default()
+                ),
+            ),
+            (Some(src_file), None) => (
                 "image_copy_started",
                 format!(
                     "copying {} bytes of data in the background; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
@@ -318,11 +423,16 @@ impl Manager {
         }
         .await;
         if let Err(e) = recorded {
+            if let Some(c) = &copier {
+                c.stop().await;
+            }
             remove(&file);
             return Err(e.into());
         }
         tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
-        if let Some(src_file) = copy_from {
+        if let Some(c) = copier {
+            self.start_moment_copy(&row, src.id, file, c, grow);
+        } else if let Some(src_file) = copy_from {
             let private = start == CloneStart::Copy { private: true };
             self.start_copy(&row, src.id, file, src_file, private, grow);
         }
@@ -331,14 +441,16 @@ impl Manager {
         Ok(image)
     }
 
-    /// Makes a new file at `path` share the extents of `src`, which writable
-    /// volume `v` serves, at one moment of its I/O: its backend holds it
-    /// while the extents are shared. A volume on `direct` is moved to
-    /// `nowait` first, for good (its map must own its extents alone),
-    /// recorded with a `dispatch_changed` event. Refused, changing nothing,
-    /// where the filesystem cannot share extents: a copy would take time
-    /// while the volume writes. Returns the file and, in words, how long the
-    /// volume's I/O was held.
+    /// Puts one moment of `src`, which writable volume `v` serves, in a new
+    /// file at `path`: every write completed before the request, none begun
+    /// after the answer. Where the filesystem shares extents, the backend
+    /// holds the volume's I/O while they are shared, and the file is
+    /// complete; where it cannot, the backend holds it once while the
+    /// volume's worker begins a copy-before-write, and the file fills in the
+    /// background ([`SharedMoment::copier`]). A volume on `direct` is moved
+    /// to `nowait` first, for good (its map must own its extents alone),
+    /// recorded with a `dispatch_changed` event. A grow (a clone's) applies
+    /// once the file is complete.
     pub(super) async fn share_with_serving(
         self: &Arc<Self>,
         src: &ImageRow,
@@ -347,7 +459,7 @@ impl Manager {
         backend: Arc<dyn VolumeBackend>,
         name: &str,
         grow: Option<(u64, Allocation)>,
-    ) -> Result<(ImageFile, String)> {
+    ) -> Result<SharedMoment> {
         let refused = |v: &VolumeRow, reason: String| Error::SnapshotAttached {
             name: src.name.clone(),
             volume: v.name.clone(),
@@ -360,11 +472,25 @@ impl Manager {
             _ => return Err(refused(&v, VOLUME_CHANGED.into())),
         };
         let (me, p) = (self.clone(), path.clone());
-        let Some(mut file) = blocking(move || me.roots.create_for_reflink(&p)).await?? else {
-            return Err(refused(&v, copy_under_writes(&v, backend.as_ref())));
-        };
+        let (file, shares) = blocking(move || me.roots.create_for_moment(&p)).await??;
         let identity = file.identity();
         let birth = file.birth().map(str::to_string);
+        let remove = || {
+            let _ = self
+                .roots
+                .remove_file(path, identity.0, identity.1, birth.as_deref());
+        };
+        let claim = match shares {
+            true => None,
+            false => {
+                let checked = self.check_moment_room(src, &file, name, grow).await;
+                let claim = checked.and_then(|()| {
+                    self.moment_copies
+                        .claim(src, &v, &path.display().to_string())
+                });
+                Some(claim.inspect_err(|_| remove())?)
+            }
+        };
         let made = async {
             let mut v = v;
             let mut att = v.attachment.clone().expect("checked above");
@@ -389,27 +515,121 @@ impl Manager {
                 identity,
             };
             let (b, a, id) = (backend.clone(), att.clone(), v.id);
-            let held = blocking(move || b.snapshot(&a, id, &dest))
-                .await?
-                .map_err(|e| volume_error(&v.name, e))?;
-            tracing::info!(volume = %v.name, held_us = held.as_micros(), "I/O held for a snapshot");
-            let file = blocking(move || file.refresh().map(|()| file)).await??;
+            let held = if shares {
+                blocking(move || b.snapshot(&a, id, &dest)).await?
+            } else {
+                let copy = MomentCopy {
+                    dest,
+                    pace: self.faults.pace(super::Slow::Copy),
+                    gate: self
+                        .faults
+                        .slows(super::Slow::CopyGate)
+                        .then(|| self.copy_gate()),
+                };
+                let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
+                if out.is_err() {
+                    // It may have begun before the answer was lost.
+                    stop_copy(&backend, &att, &v).await;
+                }
+                out
+            }
+            .map_err(|e| volume_error(&v.name, e))?;
+            tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
             let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
-            Ok::<_, Error>((file, held_text(&v.name, &how, held)))
+            let held = held_text(&v.name, &how, held);
+            Ok::<_, Error>((v, att, held))
         };
-        let (mut file, held) = made.await.inspect_err(|_| {
-            let _ = self
-                .roots
-                .remove_file(path, identity.0, identity.1, birth.as_deref());
-        })?;
-        // A failed grow removes the file itself.
+        let (v, att, held) = made.await.inspect_err(|_| remove())?;
+        let copier = claim.map(|claim| Copier {
+            volume: v,
+            attachment: att,
+            backend,
+            _claim: claim,
+        });
+        // The worker sized the file (a copy) or shared its extents.
         let (me, p) = (self.clone(), path.clone());
         let file = blocking(move || -> Result<ImageFile> {
-            me.grow_clone(&p, &mut file, grow)?;
+            let mut file = file;
+            file.refresh()?;
+            if shares {
+                me.grow_clone(&p, &mut file, grow)?;
+            }
             Ok(file)
         })
-        .await??;
-        Ok((file, held))
+        .await
+        .and_then(|r| r);
+        match file {
+            Ok(file) => Ok(SharedMoment { file, held, copier }),
+            Err(e) => {
+                if let Some(c) = &copier {
+                    c.stop().await;
+                }
+                remove();
+                Err(e)
+            }
+        }
+    }
+
+    /// Syncs `src` and makes a new file at `path` from it: its extents
+    /// shared where the filesystem can (then grown to `grow`), else empty
+    /// for a copy. Returns the new file, how it started, the open source,
+    /// and how long the clone took (a loop volume's writes wait on the
+    /// file's lock meanwhile: that is its pause).
+    pub(super) async fn clone_file(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<(ImageFile, CloneStart, ImageFile, std::time::Duration)> {
+        let (me, s, p) = (self.clone(), src.clone(), path.clone());
+        blocking(move || -> Result<_> {
+            let src_file = me.open_image(&s, Access::ReadOnly)?;
+            src_file.sync()?;
+            let started = std::time::Instant::now();
+            let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+            let took = started.elapsed();
+            if start == CloneStart::Reflinked {
+                me.grow_clone(&p, &mut file, grow)?;
+            }
+            Ok((file, start, src_file, took))
+        })
+        .await?
+    }
+
+    /// 507 unless the new file's filesystem has room for the source's data
+    /// (and a full grow's new range): a copy of one moment writes it there.
+    async fn check_moment_room(
+        &self,
+        src: &ImageRow,
+        file: &ImageFile,
+        name: &str,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<()> {
+        let path = src.path.clone();
+        let data = blocking(move || rustix::fs::lstat(path.as_str()))
+            .await?
+            .map(|st| st.st_blocks as u64 * 512)
+            .unwrap_or(src.allocated_bytes);
+        let grown = match grow {
+            Some((size, Allocation::Full)) => size.saturating_sub(src.size_bytes),
+            _ => 0,
+        };
+        let (needed, free) = (data + grown, file.free_bytes()?);
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: name.to_string(),
+                what: "copying one moment of its source's data",
+                needed,
+                free,
+            });
+        }
+        Ok(())
+    }
+
+    /// The file a copy of one moment waits at while it exists (the test
+    /// fault `gate_copy`): `copy-gate` in the service's run dir.
+    fn copy_gate(&self) -> std::path::PathBuf {
+        self.ublk_run_root.with_file_name("copy-gate")
     }
 
     /// Grows a clone whose extents are shared to `grow`'s size (its new
@@ -462,6 +682,46 @@ impl Manager {
                 .and_then(|r: Result<(bool, u64)>| r);
                 me.end_copy(&row, &job, started.elapsed(), out).await
             });
+    }
+
+    /// Follows a serving volume's copy of one moment into `file` as a job,
+    /// grows the file when it is complete, then records its end.
+    fn start_moment_copy(
+        self: &Arc<Self>,
+        row: &ImageRow,
+        source: Uuid,
+        mut file: ImageFile,
+        copier: Copier,
+        grow: Option<(u64, Allocation)>,
+    ) {
+        let kind = CopyRun {
+            source,
+            name: row.name.clone(),
+        };
+        let (me, row) = (self.clone(), row.clone());
+        let total = row.size_bytes;
+        self.copies.start(
+            row.id,
+            kind,
+            (std::time::Duration::ZERO, None),
+            total,
+            move |job| async move {
+                let started = std::time::Instant::now();
+                let out = async {
+                    let done = copier.follow(job.clone()).await?;
+                    blocking(move || {
+                        file.refresh()?;
+                        if let (true, Some((size, alloc))) = (done, grow) {
+                            file.grow(size, alloc)?;
+                        }
+                        Ok((done, file.allocated()))
+                    })
+                    .await?
+                }
+                .await;
+                me.end_copy(&row, &job, started.elapsed(), out).await
+            },
+        );
     }
 
     /// Records how a copy ended: `ready` with an `image_copied` event; on a
@@ -519,6 +779,28 @@ impl Manager {
         }
         .await;
         Ended::of(out, |(done, _)| *done, recorded, "a copy", &row.name)
+    }
+
+    /// At adoption: a copy of one moment that an adopted worker still runs
+    /// was begun by a service that died (its image is failed and its file
+    /// removed at start), so nothing will use it; it is stopped, so the
+    /// volume's writes stop paying for it and its next snapshot may begin.
+    pub(super) async fn stop_orphan_copy(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &crate::backend::Attachment,
+    ) {
+        if !matches!(v.backend, Backend::Ublk | Backend::Dm) {
+            return;
+        }
+        let job = Arc::new(AllocateJob::default());
+        job.cancel.store(true, Relaxed);
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        // No copy (an error: none to follow) or one that ended: nothing to do.
+        if let Ok(Ok(false)) = blocking(move || b.follow_copy(&a, id, &job)).await {
+            tracing::warn!(volume = %v.name, "stopped a copy of one moment its service began before it died");
+        }
     }
 
     /// At start, before anything is served: an image still `copying` was

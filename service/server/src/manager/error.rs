@@ -90,6 +90,14 @@ pub enum Error {
         what: String,
     },
     #[error(
+        "image '{name}': volume '{volume}' is copying one moment of it into '{into}' (copy-before-write), and copies one at a time; try again once that copy ends"
+    )]
+    MomentCopyRunning {
+        name: String,
+        volume: String,
+        into: String,
+    },
+    #[error(
         "image '{name}': backup '{backup}' ({id}) reads its file, so it cannot {what} until that backup ends (or is cancelled with DELETE /v1/backups/{id})"
     )]
     BackupSource {

@@ -71,6 +71,10 @@ pub enum Slow {
     /// A backup waits after each chunk while `<run dir>/backup-gate` exists
     /// (`gate_backup`): a test holds it mid-way as long as it needs.
     BackupGate,
+    /// A copy of one moment of a serving volume (copy-before-write) waits
+    /// after each chunk while `<run dir>/copy-gate` exists (`gate_copy`):
+    /// a test writes to chunks it has not copied yet.
+    CopyGate,
 }
 
 /// One injected fault.
@@ -95,7 +99,7 @@ impl Fault {
     /// Parses `kill_after_insert`, `kill_after_add`, `kill_after_create`,
     /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
-    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`,
+    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`, `gate_copy`,
     /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
     /// `fail_handover_recovery`.
     fn parse(s: &str) -> Option<Self> {
@@ -105,6 +109,7 @@ impl Fault {
             "slow_copy" => Some(Slow::Copy),
             "slow_backup" => Some(Slow::Backup),
             "gate_backup" => Some(Slow::BackupGate),
+            "gate_copy" => Some(Slow::CopyGate),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
             "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
@@ -144,7 +149,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
     )]
     Unknown(String),
 }

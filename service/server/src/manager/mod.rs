@@ -109,6 +109,9 @@ pub struct Manager {
     allocations: jobs::Jobs<images::AllocateRun>,
     /// The background copies of snapshots and clones, by the image made.
     copies: jobs::Jobs<copies::CopyRun>,
+    /// The volumes whose worker copies one moment now, and into what: one
+    /// copy at a time each, so a job follows only its own.
+    moment_copies: copies::MomentCopies,
     /// Room for the writes that finish a device change on a full disk.
     reserve: reserve::Reserve,
     /// The backup target and this service's backups.
@@ -155,6 +158,7 @@ impl Manager {
             ublk_run_root: cfg.run_dir.join("ublk"),
             allocations: jobs::Jobs::default(),
             copies: jobs::Jobs::default(),
+            moment_copies: copies::MomentCopies::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
             backups: backups::Backups::new(cfg.backup_target, &cfg.run_dir),
         });

@@ -218,6 +218,7 @@ impl Manager {
         att: Attachment,
         image_lock: ImageLock,
     ) -> Result<Outcome> {
+        self.stop_orphan_copy(backend, v, &att).await;
         let mut att = self.reapply_settings(backend, v, att).await;
         // Same device as recorded: keep when and from what its counters count.
         if let Some(old) = v.attachment.as_ref().filter(|o| o.device == att.device) {

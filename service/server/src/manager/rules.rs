@@ -658,18 +658,15 @@ async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
     assert!(matches!(&e, Some(Error::VolumeNotFound(n)) if n == "gone"));
 }
 
-/// A writable ublk volume's image on a filesystem that cannot share extents
-/// (this test's ext4 or tmpfs): a snapshot would be a copy taking time while
-/// the volume writes, so it is refused before the volume is asked anything,
-/// and no file or row is left.
+/// A writable volume's image on a filesystem that cannot share extents
+/// (this test's ext4 or tmpfs): its moment must be copied by the volume's
+/// worker; a backend that refuses that (this fake, as the loop driver
+/// would) leaves no file or row, and the refusal names the volume.
 #[tokio::test]
-async fn a_snapshot_under_a_writable_volume_without_shared_extents_changes_nothing() {
+async fn a_moment_copy_the_backend_refuses_changes_nothing() {
     let (bed, before) = Bed::with_volume(json!({})).await;
     let e = bed.m.snapshot_image("img", "snap").await.unwrap_err();
-    assert!(
-        matches!(&e, Error::SnapshotAttached { volume, .. } if volume == "v"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("'v'"), "{e}");
     assert!(!bed.root().join("snap").exists());
     assert!(bed.store.image("snap").await.unwrap().is_none());
     bed.assert_unchanged(&before).await;

@@ -243,12 +243,13 @@ impl ImageRoots {
     }
 
     /// Creates an empty image file at `path` for a serving volume's worker
-    /// to share its image's extents with (`FICLONE` with its queues held:
-    /// the server's `VolumeBackend::snapshot`), or `None`, making
-    /// nothing, where the filesystem cannot share extents: a probe clones
-    /// one empty unnamed file into another in the same directory first, so
-    /// the volume is never touched for a snapshot that cannot be made.
-    pub fn create_for_reflink(&self, path: &ImagePath) -> Result<Option<ImageFile>> {
+    /// to put one moment of its image in, and says whether the filesystem
+    /// shares extents: `true`, the worker shares them (`FICLONE` with its
+    /// queues held: the server's `VolumeBackend::snapshot`); `false`, it
+    /// copies the moment (`VolumeBackend::copy_moment`). A probe clones one
+    /// empty unnamed file into another in the same directory to find out,
+    /// so the volume is never touched for a clone that cannot be made.
+    pub fn create_for_moment(&self, path: &ImagePath) -> Result<(ImageFile, bool)> {
         let (parent, _) = self.open_parent(path)?;
         let unnamed = || {
             rustix::fs::openat(
@@ -263,10 +264,7 @@ impl ImageRoots {
             // No unnamed files here: no way to know, so no.
             _ => false,
         };
-        if !shares {
-            return Ok(None);
-        }
-        self.create_then(path, |_| Ok(())).map(Some)
+        self.create_then(path, |_| Ok(())).map(|f| (f, shares))
     }
 
     /// Creates `path` (`O_EXCL`, mode 0600) and runs `fill` on it; removes

@@ -35,9 +35,9 @@ use uuid::Uuid;
 use super::loopdev::{self, PrivateLoop};
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
-    DeviceState, DmAttachment, EventSink, HandedOver, HandoverFaults, Marked, OrphanPolicy,
-    PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
-    WorkerInfo,
+    DeviceState, DmAttachment, EventSink, HandedOver, HandoverFaults, Marked, MomentCopy,
+    OrphanPolicy, PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend,
+    VolumeParams, WorkerInfo,
 };
 use crate::manager::{After, Faults};
 use blockplane_api::model::{
@@ -79,6 +79,10 @@ struct DmVolume {
     attached_at: OffsetDateTime,
     baseline: Option<BlockStat>,
     stop_checks: Arc<AtomicBool>,
+    /// A copy of one moment runs on the private worker: the volume stays on
+    /// it until the copy ends (`Some`), and goes back to `kernel` then
+    /// with this reason when it was there before (`Some(Some(_))`).
+    copying: Option<Option<String>>,
 }
 
 /// Why `direct` or `kernel` is refused while a QoS limit is set.
@@ -100,8 +104,16 @@ fn qos_needs_worker(asked: DispatchPolicy) -> BackendError {
 /// the image's holes (the loop driver cannot fill them under live I/O).
 const FILL_ON_WORKER: &str = "auto chose nowait: the image's holes are being filled, which a worker does while it serves (the loop driver cannot)";
 
+/// Why a dm volume keeps its path while a copy of one moment runs.
+const COPY_HOLDS_PATH: &str = "a snapshot's copy of one moment runs on this volume's private worker, whose writes keep the moment's chunks: a change of path waits for the copy's end (GET /v1/images shows its progress)";
+
+/// The reason a volume goes back to `kernel` with after a copy whose start
+/// a restarted service did not see (its reason before is not known).
+const KERNEL_AFTER_COPY: &str =
+    "auto chose kernel: back on the loop driver after a copy of one moment";
+
 /// The reason a `kernel` volume runs `nowait` with while its image is copied
-/// (the worker holds its queues for the copy's moment).
+/// (the worker holds its queues for the copy's moment, and keeps its chunks).
 const COPY_ON_WORKER: &str = "auto chose nowait: the image is being copied, which a worker holds still for (the loop driver cannot); back to kernel after the copy";
 
 /// What serves a volume off `direct`, just started: its number (the table's
@@ -373,6 +385,43 @@ impl DmBackend {
 
     /// Moves a volume to `to`, with the device suspended only around the table
     /// swap. On error the volume stays as it was.
+    /// Puts a volume on its private worker for a snapshot, whose I/O only a
+    /// worker can hold (the loop driver cannot hold still); the reason to
+    /// go back to `kernel` with after it, when it was there.
+    fn onto_worker(&self, volume_id: Uuid) -> Result<Option<String>, BackendError> {
+        self.with_volume(volume_id, |v| match v.dispatch {
+            DispatchPolicy::Direct => Err(BackendError::Refused {
+                reason: blockplane_worker::protocol::SNAPSHOT_OF_DIRECT.into(),
+            }),
+            DispatchPolicy::Kernel => {
+                let reason = v.reason.clone();
+                self.switch(volume_id, v, DispatchPolicy::Nowait, COPY_ON_WORKER.into())?;
+                Ok(Some(reason))
+            }
+            _ => Ok(None),
+        })
+    }
+
+    /// After a snapshot: back to `kernel` when [`Self::onto_worker`] moved
+    /// the volume off it; on a refusal it serves on, on the worker, saying so.
+    fn back_to_kernel(&self, volume_id: Uuid, kernel: Option<String>) -> Result<(), BackendError> {
+        let Some(reason) = kernel else {
+            return Ok(());
+        };
+        self.with_volume(volume_id, |v| {
+            // A limit set meanwhile needs the worker, which enforces it.
+            if v.params.qos.is_some() {
+                v.reason = dispatch::QOS_NOWAIT.into();
+                return Ok(());
+            }
+            if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Kernel, reason) {
+                tracing::warn!(volume = %volume_id, error = %e, "could not go back to kernel after a copy");
+                v.reason = format!("auto chose nowait: back to kernel after a copy refused: {e}");
+            }
+            Ok(())
+        })
+    }
+
     fn switch(
         &self,
         volume_id: Uuid,
@@ -381,6 +430,11 @@ impl DmBackend {
         reason: String,
     ) -> Result<(), BackendError> {
         let from = v.dispatch;
+        if v.copying.is_some() && from != to {
+            return Err(BackendError::Refused {
+                reason: COPY_HOLDS_PATH.into(),
+            });
+        }
         let on_worker = |p| matches!(p, DispatchPolicy::Nowait | DispatchPolicy::Threaded);
         match (from == DispatchPolicy::Direct, to == DispatchPolicy::Direct) {
             // Nothing moves (a worker is told, below: it reports the reason).
@@ -826,6 +880,7 @@ impl VolumeBackend for DmBackend {
             attached_at: OffsetDateTime::now_utc(),
             baseline: None,
             stop_checks: Arc::default(),
+            copying: None,
         };
         let volume_id = req.volume_id;
         // A device left by a crash of this service mid-create: start clean.
@@ -976,6 +1031,7 @@ impl VolumeBackend for DmBackend {
                 .unwrap_or_else(OffsetDateTime::now_utc),
             baseline: req.stored.as_ref().and_then(|a| a.baseline),
             stop_checks: Arc::default(),
+            copying: None,
         };
         let over_ublk = live.len() == 1
             && live[0].3.split_whitespace().next().is_some_and(|d| {
@@ -1226,31 +1282,60 @@ impl VolumeBackend for DmBackend {
         dest: &SnapshotDest,
     ) -> Result<Duration, BackendError> {
         // The linear table passes bios through to the private device: holding
-        // its worker's queues holds the volume's I/O. On `kernel` a worker
-        // takes over for the copy (the loop driver cannot hold still).
-        let kernel = self.with_volume(volume_id, |v| match v.dispatch {
-            DispatchPolicy::Direct => Err(BackendError::Refused {
-                reason: blockplane_worker::protocol::SNAPSHOT_OF_DIRECT.into(),
-            }),
-            DispatchPolicy::Kernel => {
-                let reason = v.reason.clone();
-                self.switch(volume_id, v, DispatchPolicy::Nowait, COPY_ON_WORKER.into())?;
-                Ok(Some(reason))
-            }
-            _ => Ok(None),
-        })?;
+        // its worker's queues holds the volume's I/O.
+        let kernel = self.onto_worker(volume_id)?;
         let copied = self.ublk.snapshot_image(volume_id, dest);
-        if let Some(reason) = kernel {
-            self.with_volume(volume_id, |v| {
-                if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Kernel, reason) {
-                    // Serves on, on the worker, saying so.
-                    tracing::warn!(volume = %volume_id, error = %e, "could not go back to kernel after a copy");
-                    v.reason = format!("auto chose nowait: back to kernel after a copy refused: {e}");
-                }
-                Ok(())
-            })?;
-        }
+        self.back_to_kernel(volume_id, kernel)?;
         copied
+    }
+
+    fn copy_moment(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        copy: &MomentCopy,
+    ) -> Result<Duration, BackendError> {
+        // Every write passes through the private worker, which keeps the
+        // moment's chunks; the volume stays on it until the copy ends.
+        self.with_volume(volume_id, |v| match v.copying {
+            Some(_) => Err(BackendError::Refused {
+                reason: COPY_HOLDS_PATH.into(),
+            }),
+            None => Ok(()),
+        })?;
+        let kernel = self.onto_worker(volume_id)?;
+        match self.ublk.copy_image(volume_id, copy) {
+            Ok(held) => {
+                self.with_volume(volume_id, |v| {
+                    v.copying = Some(kernel);
+                    Ok(())
+                })?;
+                Ok(held)
+            }
+            Err(e) => {
+                self.back_to_kernel(volume_id, kernel)?;
+                Err(e)
+            }
+        }
+    }
+
+    fn follow_copy(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let out = self.ublk.follow_copy(volume_id, job);
+        // After a restart the copy's start is known only by the reason
+        // it left `kernel` with.
+        let kernel = self.with_volume(volume_id, |v| {
+            let recorded = v.copying.take().flatten();
+            Ok(recorded.or_else(|| (v.reason == COPY_ON_WORKER).then(|| KERNEL_AFTER_COPY.into())))
+        });
+        let back = kernel.and_then(|k| self.back_to_kernel(volume_id, k));
+        // The copy's own error first.
+        let done = out?;
+        back.map(|()| done)
     }
 
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {

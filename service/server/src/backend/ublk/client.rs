@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{ALLOCATE_POLL, TALK_TIMEOUT, UblkBackend, io};
 use crate::backend::{
-    AllocateJob, Attachment, BackendError, DeviceState, SnapshotDest, UblkAttachment,
+    AllocateJob, Attachment, BackendError, DeviceState, MomentCopy, SnapshotDest, UblkAttachment,
 };
 use blockplane_api::model::{
     Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats,
@@ -156,6 +156,37 @@ impl UblkBackend {
         }
     }
 
+    /// Asks a worker to begin copying one moment into `dest`
+    /// ([`Request::CopyMoment`]); how long its queues were held.
+    pub(super) fn begin_copy(
+        &self,
+        volume_id: Uuid,
+        copy: &MomentCopy,
+    ) -> Result<Duration, BackendError> {
+        let req = Request::CopyMoment {
+            dest: copy.dest.path.clone(),
+            dev: copy.dest.identity.0,
+            ino: copy.dest.identity.1,
+            pace_ms: copy.pace.as_millis() as u64,
+            gate: copy.gate.clone(),
+        };
+        match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30))? {
+            Answer::Snapshot { held_us } => Ok(Duration::from_micros(held_us)),
+            other => Err(unexpected(volume_id, &other)),
+        }
+    }
+
+    /// Follows a worker's copy of one moment until it ends
+    /// ([`Status::copy`]): see [`Self::follow`].
+    pub(super) fn follow_worker_copy(
+        &self,
+        volume_id: Uuid,
+        job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        let status = self.ask(volume_id, &Request::Status {})?;
+        self.follow(volume_id, job, status, Background::Copy)
+    }
+
     /// The worker's counters and latencies in the API's shape.
     pub(super) fn worker_stats(
         &self,
@@ -250,6 +281,8 @@ impl UblkBackend {
             | Request::Allocate { .. }
             | Request::CancelAllocate {}
             | Request::Snapshot { .. }
+            | Request::CopyMoment { .. }
+            | Request::CancelCopy {}
             | Request::Shutdown {}
             | Request::Handover { .. } => {}
         });
@@ -279,42 +312,96 @@ impl UblkBackend {
         volume_id: Uuid,
         job: &AllocateJob,
     ) -> Result<bool, BackendError> {
+        let pace_ms = job.pace.as_millis() as u64;
+        let status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
+        let done = self.follow(volume_id, job, status, Background::Fill)?;
+        if done {
+            self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+        }
+        Ok(done)
+    }
+
+    /// Follows a worker's fill or copy from `status` until it ends,
+    /// reporting progress into `job` and asking the worker to stop when
+    /// `job.cancel` is set: `Ok(true)` done, `Ok(false)` cancelled.
+    fn follow(
+        &self,
+        volume_id: Uuid,
+        job: &AllocateJob,
+        mut status: Status,
+        what: Background,
+    ) -> Result<bool, BackendError> {
         let failed = |why: String| {
             io(
-                "allocate",
+                what.op(),
                 format!("volume {volume_id}"),
                 io::Error::other(why),
             )
         };
-        let pace_ms = job.pace.as_millis() as u64;
-        let mut status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
         let mut cancel_sent = false;
         loop {
-            let Some(fill) = status.allocate else {
-                return Err(failed(
-                    "the worker was replaced while it filled the image; allocate again".into(),
-                ));
+            let Some(p) = what.of(status) else {
+                return Err(failed(what.replaced().into()));
             };
-            job.done_bytes.store(fill.done_bytes, Relaxed);
-            job.total_bytes.store(fill.total_bytes, Relaxed);
-            match fill.state {
+            job.done_bytes.store(p.done_bytes, Relaxed);
+            job.total_bytes.store(p.total_bytes, Relaxed);
+            match p.state {
                 FillState::Running => {}
-                FillState::Done => {
-                    self.record(volume_id, |spec| spec.allocation = Allocation::Full);
-                    return Ok(true);
-                }
+                FillState::Done => return Ok(true),
                 FillState::Cancelled => return Ok(false),
                 FillState::Failed => {
-                    return Err(failed(fill.error.unwrap_or_else(|| "unknown".into())));
+                    return Err(failed(p.error.unwrap_or_else(|| "unknown".into())));
                 }
             }
             if job.cancel.load(Relaxed) && !cancel_sent {
-                status = self.ask(volume_id, &Request::CancelAllocate {})?;
+                status = self.ask(volume_id, &what.cancel())?;
                 cancel_sent = true;
                 continue;
             }
             std::thread::sleep(ALLOCATE_POLL);
             status = self.ask(volume_id, &Request::Status {})?;
+        }
+    }
+}
+
+/// A worker's job that runs on a thread of its own, followed by its status.
+#[derive(Clone, Copy)]
+enum Background {
+    /// [`Request::Allocate`].
+    Fill,
+    /// [`Request::CopyMoment`].
+    Copy,
+}
+
+impl Background {
+    fn op(self) -> &'static str {
+        match self {
+            Background::Fill => "allocate",
+            Background::Copy => "copy",
+        }
+    }
+
+    fn of(self, status: Status) -> Option<protocol::Fill> {
+        match self {
+            Background::Fill => status.allocate,
+            Background::Copy => status.copy,
+        }
+    }
+
+    fn cancel(self) -> Request {
+        match self {
+            Background::Fill => Request::CancelAllocate {},
+            Background::Copy => Request::CancelCopy {},
+        }
+    }
+
+    /// Why its status is gone: another worker answers.
+    fn replaced(self) -> &'static str {
+        match self {
+            Background::Fill => "the worker was replaced while it filled the image; allocate again",
+            Background::Copy => {
+                "the worker was replaced while it copied the moment, so its writes no longer keep it; snapshot again"
+            }
         }
     }
 }

@@ -26,8 +26,8 @@ use uuid::Uuid;
 
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, Change, Decision, EventSink, HandedOver,
-    HandoverFaults, Marked, PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck,
-    VolumeBackend, WorkerInfo,
+    HandoverFaults, Marked, MomentCopy, PrivateDevices, Probe, ProbeRequest, SnapshotDest,
+    SpecCheck, VolumeBackend, WorkerInfo,
 };
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, UblkFeatures,
@@ -408,6 +408,24 @@ impl VolumeBackend for UblkBackend {
         self.snapshot_worker(volume_id, dest)
     }
 
+    fn copy_moment(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        copy: &MomentCopy,
+    ) -> Result<Duration, BackendError> {
+        self.begin_copy(volume_id, copy)
+    }
+
+    fn follow_copy(
+        &self,
+        _att: &Attachment,
+        volume_id: Uuid,
+        job: &AllocateJob,
+    ) -> Result<bool, BackendError> {
+        self.follow_worker_copy(volume_id, job)
+    }
+
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
         self.worker_info(volume_id)
     }
@@ -536,6 +554,14 @@ impl PrivateDevices for UblkBackend {
         dest: &SnapshotDest,
     ) -> Result<Duration, BackendError> {
         self.snapshot_worker(volume_id, dest)
+    }
+
+    fn copy_image(&self, volume_id: Uuid, copy: &MomentCopy) -> Result<Duration, BackendError> {
+        self.begin_copy(volume_id, copy)
+    }
+
+    fn follow_copy(&self, volume_id: Uuid, job: &AllocateJob) -> Result<bool, BackendError> {
+        self.follow_worker_copy(volume_id, job)
     }
 
     fn stop(&self, volume_id: Uuid) -> Result<(), BackendError> {
