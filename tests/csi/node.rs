@@ -613,3 +613,164 @@ async fn an_encrypted_volume_is_made_and_staged_only_with_its_secrets() {
     csi.unstage(id, &staging).await.unwrap();
     csi.delete(id).await.unwrap();
 }
+
+/// Kubernetes' VolumeSnapshot of a claim in use on a node whose image root
+/// is ext4, which cannot share extents: the snapshot is one moment all the
+/// same (the volume's worker copies it, each chunk a write reaches copied
+/// before the write), ready once copied, while a pod goes on writing files.
+/// A claim restored from it mounts after its journal is replayed and holds
+/// every file fsynced before CreateSnapshot. On the host, whose claims are
+/// loop volumes, the snapshot is refused with a remedy instead.
+#[tokio::test]
+async fn a_snapshot_of_an_in_use_claim_on_ext4_is_one_moment_and_restores() {
+    use blockplane_csi::proto::volume_content_source::{SnapshotSource, Type};
+    use blockplane_csi::proto::{CreateSnapshotRequest, VolumeContentSource};
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let fs = crate::harness::LoopFs::new(&["mkfs.ext4", "-q", "-F"], 512 << 20);
+    let root = fs.mnt.display().to_string();
+    let csi = Csi::start_with(
+        crate::harness::Opts {
+            extra_roots: vec![fs.mnt.clone()],
+            ..Default::default()
+        },
+        &["--image-root", &root],
+    )
+    .await;
+    let cap = mount("ext4", &[]);
+    let v = csi.create("claim", 64 * MIB, cap.clone()).await;
+    let id = v.volume_id.clone();
+    let (staging, target) = (csi.staging("claim"), csi.target("claim"));
+    csi.stage(&id, &staging, cap.clone()).await.unwrap();
+    csi.publish(&id, &staging, &target, cap.clone(), false)
+        .await
+        .unwrap();
+    // The pod: files of 64 KiB, each fsynced with its directory before it
+    // counts.
+    let data = |j: u64| -> Vec<u8> {
+        (0..8192u64)
+            .flat_map(|k| (j.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k).to_le_bytes())
+            .collect()
+    };
+    let (done, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let pod = {
+        let (done, stop, dir) = (done.clone(), stop.clone(), target.clone());
+        std::thread::spawn(move || {
+            let parent = std::fs::File::open(&dir).unwrap();
+            let mut j = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let f = std::fs::File::create(dir.join(format!("f{j}"))).unwrap();
+                f.write_all_at(&data(j), 0).unwrap();
+                f.sync_all().unwrap();
+                parent.sync_all().unwrap();
+                j += 1;
+                done.store(j, Ordering::Release);
+            }
+        })
+    };
+    let wait_for = async |n: u64| {
+        crate::harness::eventually(Duration::from_secs(120), "the pod's writes", async || {
+            done.load(Ordering::Acquire) >= n
+        })
+        .await
+    };
+    wait_for(8).await;
+    let synced = done.load(Ordering::Acquire);
+    let create_snapshot = async || {
+        csi.controller
+            .clone()
+            .create_snapshot(CreateSnapshotRequest {
+                source_volume_id: id.clone(),
+                name: "snap".into(),
+                secrets: Default::default(),
+                parameters: Default::default(),
+            })
+            .await
+    };
+    let snapshot = async || {
+        create_snapshot()
+            .await
+            .unwrap_or_else(|e| panic!("CreateSnapshot: {e:?}\n{}", csi.driver_log()))
+            .into_inner()
+            .snapshot
+            .unwrap()
+    };
+    if !crate::in_vm() {
+        // Here the claim is a loop volume: no worker sees its writes, so the
+        // snapshot is refused, naming the claim's volume and a way out.
+        let s = assert_code(create_snapshot().await, Code::FailedPrecondition);
+        assert!(
+            s.message().contains("cannot share extents"),
+            "{}",
+            s.message()
+        );
+        stop.store(true, Ordering::Relaxed);
+        pod.join().unwrap();
+        csi.unpublish(&id, &target).await.unwrap();
+        csi.unstage(&id, &staging).await.unwrap();
+        return;
+    }
+    let first = snapshot().await;
+    wait_for(synced + 8).await;
+    // The external-snapshotter asks again until the snapshot is ready.
+    crate::harness::eventually(
+        Duration::from_secs(300),
+        "the snapshot to be ready",
+        async || snapshot().await.ready_to_use,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    pod.join().unwrap();
+    let events = csi.svc.get("/v1/events?limit=1000").await.body;
+    assert!(
+        events
+            .to_string()
+            .contains("each chunk a write reaches copied before the write"),
+        "the snapshot was no copy-before-write: {first:?} {events}"
+    );
+    // A claim from the snapshot: ABORTED while its own copy runs.
+    let mut req = crate::create_req("restored", 64 * MIB, cap.clone(), &[]);
+    req.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(Type::Snapshot(SnapshotSource {
+            snapshot_id: first.snapshot_id.clone(),
+        })),
+    });
+    let mut restored = None;
+    crate::harness::eventually(
+        Duration::from_secs(300),
+        "the restored claim",
+        async || match csi.controller.clone().create_volume(req.clone()).await {
+            Ok(r) => {
+                restored = r.into_inner().volume;
+                true
+            }
+            Err(e) if e.code() == Code::Aborted => false,
+            Err(e) => panic!("CreateVolume from the snapshot: {e:?}"),
+        },
+    )
+    .await;
+    let rid = restored.unwrap().volume_id;
+    let (rstaging, rtarget) = (csi.staging("restored"), csi.target("restored"));
+    csi.stage(&rid, &rstaging, cap.clone()).await.unwrap();
+    csi.publish(&rid, &rstaging, &rtarget, cap.clone(), false)
+        .await
+        .unwrap();
+    for j in 0..synced {
+        let got = std::fs::read(rtarget.join(format!("f{j}")))
+            .unwrap_or_else(|e| panic!("file f{j}, fsynced before the snapshot: {e}"));
+        assert!(
+            got == data(j),
+            "file f{j}, fsynced before the snapshot, differs"
+        );
+    }
+    for (vid, st, t) in [(&rid, &rstaging, &rtarget), (&id, &staging, &target)] {
+        csi.unpublish(vid, t).await.unwrap();
+        csi.unstage(vid, st).await.unwrap();
+    }
+    csi.delete(&rid).await.unwrap();
+}

@@ -364,6 +364,25 @@ impl Vm {
         self.dies_in(method, path, body).await;
     }
 
+    /// Waits while the object at `path` (an image, a backup) is in state
+    /// `running`; panics unless it then is `want`. Its last view. Only a
+    /// hung job ends this by time: its end is the condition.
+    pub async fn ended(&self, path: &str, running: &str, want: &str) -> Value {
+        let started = Instant::now();
+        loop {
+            let now = self.s.get(path).await.body;
+            if now["state"] != running {
+                assert_eq!(now["state"], want, "{path}: {now}\n{}", self.s.log_text());
+                return now;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(900),
+                "{path} is still {running}: {now}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Starts the stopped service (which reconciles what it finds) with test
     /// fault `fault` armed.
     pub async fn start_with_fault(&mut self, fault: &str) {
