@@ -954,20 +954,19 @@ impl Manager {
         Ended::of(out, |(done, ..)| *done, recorded, "a restore", &row.name)
     }
 
-    /// Seconds since each image's last backup with a manifest, by image
-    /// name (images registered here only), for `/metrics`.
-    pub(super) async fn backup_ages(&self) -> Result<Vec<(String, f64)>> {
-        let last = self.backups.last_done.lock().expect("poisoned").clone();
+    /// Seconds since each of `images`' last backup with a manifest, by
+    /// image name, for `/metrics`.
+    pub(super) fn backup_ages<'a>(
+        &self,
+        images: impl Iterator<Item = (Uuid, &'a str)>,
+    ) -> Vec<(String, f64)> {
+        let last = self.backups.last_done.lock().expect("poisoned");
         let now = OffsetDateTime::now_utc();
-        Ok(self
-            .store
-            .images()
-            .await?
-            .into_iter()
-            .filter_map(|row| {
-                last.get(&row.id)
-                    .map(|at| (row.name, (now - *at).as_seconds_f64().max(0.0)))
+        images
+            .filter_map(|(id, name)| {
+                last.get(&id)
+                    .map(|at| (name.to_string(), (now - *at).as_seconds_f64().max(0.0)))
             })
-            .collect())
+            .collect()
     }
 }

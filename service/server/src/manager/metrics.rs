@@ -48,9 +48,9 @@ impl Manager {
                 });
             }
         }
-        let images = self
-            .images()
-            .await?
+        let images = self.images().await?;
+        let ages = self.backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));
+        let images = images
             .into_iter()
             .map(|i| crate::metrics::ImageSample {
                 name: i.name,
@@ -67,14 +67,15 @@ impl Manager {
                 volumes,
                 images,
                 states,
-                backups: match self.backups.target {
-                    Some(_) => Some(crate::metrics::BackupSample {
-                        ages: self.backup_ages().await?,
+                backups: self
+                    .backups
+                    .target
+                    .as_ref()
+                    .map(|_| crate::metrics::BackupSample {
+                        ages,
                         uploaded_bytes: self.backups.uploaded_bytes.load(Relaxed),
                         deduplicated_bytes: self.backups.deduplicated_bytes.load(Relaxed),
                     }),
-                    None => None,
-                },
             },
         ))
     }
