@@ -15,6 +15,7 @@
 //! | FLUSH | `fdatasync(image)` | `fsync(raw device)`: a cache flush |
 //! | DISCARD, `sparse` image | punch a hole (`KEEP_SIZE`) | accepted, nothing done: the image's block map must not change, and discard promises nothing of the data |
 //! | DISCARD, `full` image | accepted, nothing done: the blocks stay allocated and written, so the image stays eligible for `direct` | same |
+//! | DISCARD while a snapshot's moment is copied | accepted, nothing done: the blocks stay (no chunk need be copied first) | — (no copy on `direct`) |
 //! | WRITE_ZEROES, `sparse` image | zero range (`KEEP_SIZE`) | zeroes written on the raw device (`fallocate(ZERO_RANGE)` of the block device) |
 //! | WRITE_ZEROES, `full` image | `fallocate(FALLOC_FL_WRITE_ZEROES)` (Linux 6.17+, where the filesystem has it), else zeroes written from the queue's zero buffer: extents stay written | same |
 //! | other | `-EINVAL` | `-EINVAL` |
@@ -488,10 +489,16 @@ impl QueueCtx {
         self.admitted().await;
         let local = self.local.borrow().clone();
         self.in_flight.set(self.in_flight.get() + 1);
+        let moment = local.cfg.moment.as_deref().filter(|_| req.writes());
         let res = if req.writes() && local.cfg.read_only {
             -libc::EROFS
+        } else if moment.is_some() && req.op == sys::UBLK_IO_OP_DISCARD {
+            // Discard promises nothing of the data: while a moment is copied
+            // the blocks stay, so a large one never waits for the copy of
+            // every chunk it spans.
+            0
         } else {
-            if let Some(m) = local.cfg.moment.as_deref().filter(|_| req.writes()) {
+            if let Some(m) = moment {
                 let mut buf = self.moment_buf.borrow_mut();
                 m.keep(
                     req.off,

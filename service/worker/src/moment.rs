@@ -11,8 +11,9 @@
 //! queues share nothing (the moment is `None` in their config). The copy of
 //! a chunk runs on the queue's thread, so the first write to a chunk, and
 //! every request of its queue behind it, waits for that chunk's read and
-//! write; a request over k chunks not yet copied (a large DISCARD) waits
-//! for k. That is the cost to writes while the copy runs.
+//! write; a request over k chunks not yet copied (a large WRITE_ZEROES)
+//! waits for k. That is the cost to writes while the copy runs. A DISCARD
+//! changes nothing then (`io`): it promises nothing of the data.
 //!
 //! A chunk that cannot be kept (the new file's disk full, an I/O error)
 //! abandons the moment rather than fail the volume's write: the copy ends

@@ -26,6 +26,9 @@ const MAGIC: &[u8; 8] = b"BPSEQ-01";
 pub(crate) const HALF: u64 = 512 << 20;
 pub(crate) const FIO_AT: u64 = HALF;
 pub(crate) const FIO_SPAN: u64 = 256 << 20;
+/// A MiB the copy-before-write test writes before its request and discards
+/// during the copy: past the sequence writer, below fio.
+const MARK_AT: u64 = 256 << 20;
 
 /// Block `i` of the sequence writer: magic, `i`, then words derived from `i`,
 /// so a block that is neither all of it nor zeros is torn.
@@ -206,6 +209,22 @@ pub(crate) fn read_range(path: &str, at: u64, len: u64) -> Vec<u8> {
     raw.drain(..off);
     raw.truncate(len as usize);
     raw
+}
+
+/// Writes `data` (whole blocks) at `at` of `path` with `O_DIRECT`, then
+/// fsyncs.
+pub(crate) fn write_range(path: &str, at: u64, data: &[u8]) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {path} O_DIRECT: {e}"));
+    let mut raw = vec![0u8; data.len() + BLOCK];
+    let off = raw.as_ptr().align_offset(BLOCK);
+    raw[off..off + data.len()].copy_from_slice(data);
+    f.write_all_at(&raw[off..off + data.len()], at)
+        .unwrap_or_else(|e| panic!("write {path} at {at}: {e}"));
+    f.sync_all().unwrap();
 }
 
 /// Checks the snapshot file against the writer's `times`: every block up
@@ -642,7 +661,8 @@ async fn copy_done(vm: &Vm, name: &str) -> Value {
 /// and fio have written well past the request, so their writes reach chunks
 /// it has not copied. The snapshot holds every write completed before the
 /// request, none begun after the answer, nothing torn; fio `--verify`
-/// passes; `direct` moves to `nowait` first. fio writes over 64 MiB for a
+/// passes, and a discard during the copy changes nothing of the moment;
+/// `direct` moves to `nowait` first. fio writes over 64 MiB for a
 /// paced 16 MiB: only the verify is asserted, not the length. Then the
 /// service is killed during a copy.
 #[tokio::test(flavor = "multi_thread")]
@@ -663,6 +683,8 @@ async fn a_writable_volume_on_ext4_snapshots_one_moment_by_copy_before_write() {
             .await;
         let dev = v["device"].as_str().unwrap().to_string();
         let (mut fio, writer) = writes_under(&dev, 64 << 20).await;
+        let mark = vec![0x5au8; 1 << 20];
+        write_range(&dev, MARK_AT, &mark);
         std::fs::write(&gate, b"").unwrap();
         let last = writer.completed() - 1;
         let t0 = Instant::now();
@@ -674,6 +696,12 @@ async fn a_writable_volume_on_ext4_snapshots_one_moment_by_copy_before_write() {
         );
         // 2 MiB more of the sequence: chunks the held copy has not reached.
         writer.wait_for(writer.completed() + 512).await;
+        // A discard of a MiB written before the request, which the held
+        // copy has not reached: the moment keeps it all the same.
+        sh(
+            "blkdiscard",
+            &["-o", &MARK_AT.to_string(), "-l", "1MiB", &dev],
+        );
         let copying = vm.s.get(&format!("/v1/images/{name}-snap")).await.body;
         assert_eq!(
             copying["state"], "copying",
@@ -687,6 +715,10 @@ async fn a_writable_volume_on_ext4_snapshots_one_moment_by_copy_before_write() {
         fio_ok(fio);
         let snap_path = ready["path"].as_str().unwrap().to_string();
         let later = check_sequence(&snap_path, last, &times, t1);
+        assert!(
+            read_range(&snap_path, MARK_AT, mark.len() as u64) == mark,
+            "{name}: a MiB written before the request and discarded during the copy is not in the snapshot"
+        );
         let held = held_us(&vm, &snap, &src, "image_copy_started").await;
         if dispatch == "direct" {
             let v = vm.s.get(&format!("/v1/volumes/{name}")).await.body;
