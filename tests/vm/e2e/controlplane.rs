@@ -75,10 +75,22 @@ fn worker_of(vm: &Vm, s: &Served) -> Option<u64> {
 
 /// fio write-then-verify of `size(volume)` on every volume, as JSON; returns
 /// once each device completes writes, so that what follows happens under I/O.
-async fn fio_on_each(served: &[Served], size: impl Fn(&Served) -> &'static str) -> Vec<Child> {
+/// `fio(volume)` gives its size, and whether its writes are paced (at most
+/// 300 a second).
+async fn fio_on_each(
+    served: &[Served],
+    fio: impl Fn(&Served) -> (&'static str, bool),
+) -> Vec<Child> {
     let fios: Vec<Child> = served
         .iter()
-        .map(|s| fio_verify(&s.device, size(s), &["--output-format=json"]))
+        .map(|s| {
+            let (size, paced) = fio(s);
+            let mut extra = vec!["--output-format=json"];
+            if paced {
+                extra.push("--rate_iops=,300");
+            }
+            fio_verify(&s.device, size, &extra)
+        })
         .collect();
     for s in served {
         writes_flow(&s.device, 1 << 20).await;
@@ -256,7 +268,7 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
     let mut vm = Vm::start().await;
     let served = serve_each_kind(&vm).await;
     let workers: Vec<Option<u64>> = served.iter().map(|s| worker_of(&vm, s)).collect();
-    let fios = fio_on_each(&served, |_| "32M").await;
+    let fios = fio_on_each(&served, |_| ("32M", false)).await;
     let _reaper = Reaper::of(&fios);
 
     let next = NewBinary::at(&vm.s.dir.path().join("blockplane-next"));
@@ -394,13 +406,16 @@ async fn a_pod_killed_whole_recovers_every_device_under_fio_verify() {
             );
         }
     }
-    // Short: a fio over a ublk device (dm nowait's too) waits through the
-    // gap whatever its size, and what it has left to write and verify after
-    // it is the test's tail. Loop and dm direct never stop, so theirs need
+    // A fio over a ublk device (dm nowait's too) waits through the gap, and
+    // must still be writing when the pod dies: writes completed after the
+    // kill are what shows it recovered. Paced (16 MiB at most 300 writes/s:
+    // 13 s or more), its write phase outlasts the few seconds from its start
+    // to the kill however fast the device is (an unpaced 8M on ublk direct
+    // once finished first). Loop and dm direct never stop, so theirs need
     // only still be writing when the pod dies.
     let fios = fio_on_each(&served, |s| match s.name {
-        "loop" | "d-direct" => "16M",
-        _ => "8M",
+        "loop" | "d-direct" => ("16M", false),
+        _ => ("16M", true),
     })
     .await;
     let _reaper = Reaper::of(&fios);
