@@ -383,8 +383,6 @@ impl DmBackend {
         Ok(())
     }
 
-    /// Moves a volume to `to`, with the device suspended only around the table
-    /// swap. On error the volume stays as it was.
     /// Puts a volume on its private worker for a snapshot, whose I/O only a
     /// worker can hold (the loop driver cannot hold still); the reason to
     /// go back to `kernel` with after it, when it was there.
@@ -422,6 +420,8 @@ impl DmBackend {
         })
     }
 
+    /// Moves a volume to `to`, with the device suspended only around the table
+    /// swap. On error the volume stays as it was.
     fn switch(
         &self,
         volume_id: Uuid,
