@@ -4,20 +4,20 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use blockplane_system::image::AllocateJob;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use tokio::sync::oneshot;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::lease::Held;
 use crate::manifest::{self, ChunkRef, FORMAT, ImageMeta, Manifest, SourceMeta};
-use crate::{BackupRef, CHUNK_SIZE, Error, LEASE_REFRESH, LEASE_STALE, Result, Target, joined};
+use crate::target::Holding;
+use crate::{BackupRef, CHUNK_SIZE, Error, LEASE_STALE, Result, Target, joined};
 
 /// Chunk uploads in flight at once; with the chunk being read, the memory a
 /// backup holds is at most this many chunks plus one.
@@ -55,9 +55,20 @@ pub struct Lease {
     pub backup: Uuid,
     /// The service instance running it.
     pub owner: String,
-    /// When it started, before it listed the manifests it deduplicates against.
+    /// When it started by its host's clock, before it listed the manifests
+    /// it deduplicates against: for people and for [`crate::release_leases`]
+    /// (the same host's clock); gc does not trust it.
     #[serde(with = "time::serde::rfc3339")]
     pub started_at: OffsetDateTime,
+    /// When its first put reached the target, by the target's clock: what
+    /// gc keeps chunks from. `None` in the lease's first put (gc then takes
+    /// that put's own time) and in leases of blockplane before 0.24.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub started_on_target: Option<OffsetDateTime>,
 }
 
 /// Backs `file` up: an open image, read with pread; its size is
@@ -85,16 +96,27 @@ pub async fn backup(
     if target.head(&target.manifest_path(meta.id)).await?.is_some() {
         return Err(Error::BackupExists(meta.id));
     }
-    let lease = Lease {
+    let mut lease = Lease {
         backup: meta.id,
         owner: meta.source.service.clone(),
         started_at: OffsetDateTime::now_utc(),
+        started_on_target: None,
     };
-    let lease_bytes = Bytes::from(serde_json::to_vec(&lease).expect("a lease always serializes"));
-    target.put(&lease_path, lease_bytes.clone()).await?;
-    let refresher = Refresher::start(target.clone(), lease_path.clone(), lease_bytes);
-    let result = run(target, &meta, file, &job, &counters, &refresher).await;
-    refresher.stop().await;
+    let body = |l: &Lease| Bytes::from(serde_json::to_vec(l).expect("a lease always serializes"));
+    // The second put names the first's time on the target's clock, before
+    // anything is listed: gc keeps what this backup puts from then on,
+    // however this host's clock runs.
+    let (held, began) = Held::take(target, &lease_path, body(&lease), LEASE_STALE).await?;
+    lease.started_on_target = Some(began);
+    let held = match held.replace(target, &lease_path, body(&lease)).await {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = target.delete(&lease_path).await;
+            return Err(e);
+        }
+    };
+    let result = run(target, &meta, file, &job, &counters, &held).await;
+    held.stop().await;
     if let Err(e) = target.delete(&lease_path).await {
         // A lease left behind only delays gc: it goes stale, and the
         // service deletes its own at its next start.
@@ -121,7 +143,7 @@ async fn run(
     file: File,
     job: &Arc<AllocateJob>,
     counters: &Arc<Counters>,
-    refresher: &Refresher,
+    lease: &Held,
 ) -> Result<Option<Manifest>> {
     let bref = BackupRef {
         id: meta.id,
@@ -137,9 +159,12 @@ async fn run(
         }
     };
 
-    // Only chunks a manifest listed now references are safe to leave out:
-    // gc keeps those for as long as this lease is live (see the crate doc).
-    let mut known = referenced_by_manifests(target).await?;
+    // Only chunks a manifest listed now references may be left out: gc
+    // keeps those for as long as this lease is live (see the crate doc).
+    // Each is still looked at on the target once before it is trusted.
+    let referenced = referenced_by_manifests(target).await?;
+    // The chunks this run stored, found intact, or has a task for.
+    let mut covered = HashSet::new();
 
     let file = Arc::new(file);
     let f = Arc::clone(&file);
@@ -150,14 +175,14 @@ async fn run(
     job.done_bytes.store(0, Relaxed);
 
     let uploaded = Arc::new(AtomicU64::new(0));
-    let mut deduplicated = 0u64;
+    let deduplicated = Arc::new(AtomicU64::new(0));
     let mut chunks = Vec::new();
     let mut uploads = JoinSet::new();
     for index in indexes {
         if job.cancel.load(Relaxed) {
             return Ok(None);
         }
-        refresher.check(&bref, target)?;
+        check_lease(lease, &bref, target)?;
         while uploads.len() >= UPLOAD_CONCURRENCY {
             if !next_upload(&mut uploads, job).await? {
                 return Ok(None);
@@ -182,28 +207,22 @@ async fn run(
                     hash: hash.clone(),
                     bytes: len,
                 });
-                if known.contains(&hash) {
-                    deduplicated += len;
+                if !covered.insert(hash.clone()) {
+                    // Covered by this run's own task for the same bytes,
+                    // which must succeed before the manifest is written.
+                    deduplicated.fetch_add(len, Relaxed);
                     counters.deduplicated_bytes.fetch_add(len, Relaxed);
                     job.done_bytes.fetch_add(len, Relaxed);
                 } else {
-                    // Known from now on: a later chunk of the same bytes is
-                    // covered by this upload, which must succeed before the
-                    // manifest is written anyway.
-                    known.insert(hash.clone());
-                    let (target, job, counters, uploaded) = (
-                        target.clone(),
-                        Arc::clone(job),
-                        Arc::clone(counters),
-                        Arc::clone(&uploaded),
-                    );
-                    uploads.spawn(async move {
-                        target.put_chunk(&target.chunk_path(&hash), data).await?;
-                        uploaded.fetch_add(len, Relaxed);
-                        counters.uploaded_bytes.fetch_add(len, Relaxed);
-                        job.done_bytes.fetch_add(len, Relaxed);
-                        Ok::<_, Error>(())
-                    });
+                    let store = Store {
+                        target: target.clone(),
+                        job: Arc::clone(job),
+                        counters: Arc::clone(counters),
+                        uploaded: Arc::clone(&uploaded),
+                        deduplicated: Arc::clone(&deduplicated),
+                    };
+                    let reused = referenced.contains(&hash);
+                    uploads.spawn(async move { store.chunk(hash, data, reused).await });
                 }
             }
         }
@@ -227,7 +246,7 @@ async fn run(
     if job.cancel.load(Relaxed) {
         return Ok(None);
     }
-    refresher.check(&bref, target)?;
+    check_lease(lease, &bref, target)?;
 
     let mut manifest = Manifest {
         format: FORMAT,
@@ -242,7 +261,7 @@ async fn run(
         stored_bytes: chunks.iter().map(|c| c.bytes).sum(),
         chunks,
         uploaded_bytes: uploaded.load(Relaxed),
-        deduplicated_bytes: deduplicated,
+        deduplicated_bytes: deduplicated.load(Relaxed),
         checksum: String::new(),
     };
     manifest.seal();
@@ -250,6 +269,46 @@ async fn run(
         .put(&target.manifest_path(meta.id), manifest.to_bytes())
         .await?;
     Ok(Some(manifest))
+}
+
+/// What a chunk's task needs: where it goes and what it counts.
+struct Store {
+    target: Target,
+    job: Arc<AllocateJob>,
+    counters: Arc<Counters>,
+    uploaded: Arc<AtomicU64>,
+    deduplicated: Arc<AtomicU64>,
+}
+
+impl Store {
+    /// Makes the chunk `hash` of `data` stored on the target: a chunk
+    /// earlier backups name (`reused`) is left as it is when the target
+    /// holds it intact ([`Target::holds_chunk`]), and put again when it is
+    /// missing or damaged, which mends those backups too; any other chunk
+    /// is put.
+    async fn chunk(self, hash: String, data: Bytes, reused: bool) -> Result<()> {
+        let len = data.len() as u64;
+        let path = self.target.chunk_path(&hash);
+        if reused {
+            match self.target.holds_chunk(&path, &data).await? {
+                Holding::Intact => {
+                    self.deduplicated.fetch_add(len, Relaxed);
+                    self.counters.deduplicated_bytes.fetch_add(len, Relaxed);
+                    self.job.done_bytes.fetch_add(len, Relaxed);
+                    return Ok(());
+                }
+                lost => tracing::warn!(
+                    target = self.target.describe(), chunk = %path, found = ?lost,
+                    "a chunk earlier backups name is not intact on the target: it is stored again"
+                ),
+            }
+        }
+        self.target.put_chunk(&path, data).await?;
+        self.uploaded.fetch_add(len, Relaxed);
+        self.counters.uploaded_bytes.fetch_add(len, Relaxed);
+        self.job.done_bytes.fetch_add(len, Relaxed);
+        Ok(())
+    }
 }
 
 /// Waits for one upload to end, or for a cancel (looked at every 50 ms: an
@@ -350,81 +409,15 @@ fn read_chunk(file: &File, offset: u64, len: u64) -> std::io::Result<Option<(Str
     Ok(Some((hash, Bytes::from(buf))))
 }
 
-/// Re-puts the lease every [`LEASE_REFRESH`] until stopped, and remembers
-/// when it last did.
-struct Refresher {
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<()>>,
-    last_ok: Arc<Mutex<Instant>>,
-}
-
-impl Refresher {
-    fn start(target: Target, path: object_store::path::Path, lease: Bytes) -> Refresher {
-        let (stop, mut stopped) = oneshot::channel();
-        let last_ok = Arc::new(Mutex::new(Instant::now()));
-        let last = Arc::clone(&last_ok);
-        let task = tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = &mut stopped => break,
-                    _ = tokio::time::sleep(LEASE_REFRESH) => {
-                        // Past this a gc may have taken the lease for stale;
-                        // it must not come back (the backup fails on `check`).
-                        if last.lock().unwrap_or_else(|e| e.into_inner()).elapsed() > LEASE_STALE / 2 {
-                            break;
-                        }
-                        // Not raced against the stop: a put still under way
-                        // when the lease is deleted would bring it back.
-                        match target.put(&path, lease.clone()).await {
-                            Ok(()) => *last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now(),
-                            Err(e) => tracing::warn!(target = target.describe(), error = %e, "a backup's lease could not be refreshed"),
-                        }
-                    }
-                }
-            }
-        });
-        Refresher {
-            stop: Some(stop),
-            task: Some(task),
-            last_ok,
-        }
-    }
-
-    /// Fails once the lease has gone unrefreshed for half of
-    /// [`LEASE_STALE`]: well before a gc may take it for a crashed backup's.
-    fn check(&self, backup: &BackupRef, target: &Target) -> Result<()> {
-        let since = self
-            .last_ok
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .elapsed();
-        if since > LEASE_STALE / 2 {
-            return Err(Error::LeaseLost {
-                backup: backup.clone(),
-                target: target.describe().to_string(),
-                secs: since.as_secs(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Stops refreshing, after a refresh under way has finished.
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            let _ = t.await;
-        }
-    }
-}
-
-impl Drop for Refresher {
-    /// A backup dropped mid-way (its task aborted) stops refreshing too; its
-    /// lease goes stale.
-    fn drop(&mut self) {
-        if let Some(t) = &self.task {
-            t.abort();
-        }
+/// Fails once the lease has gone unrefreshed for half of [`LEASE_STALE`]:
+/// well before a gc may take it for a crashed backup's.
+fn check_lease(lease: &Held, backup: &BackupRef, target: &Target) -> Result<()> {
+    match lease.lost() {
+        Some(secs) => Err(Error::LeaseLost {
+            backup: backup.clone(),
+            target: target.describe().to_string(),
+            secs,
+        }),
+        None => Ok(()),
     }
 }

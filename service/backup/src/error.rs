@@ -49,6 +49,20 @@ pub enum Error {
         /// (the library's top error alone says "error sending request").
         error: object_store::Error,
     },
+    /// An operation on the target went unanswered past the timeout: the
+    /// target is hung (a directory on a mount that no longer answers, an S3
+    /// endpoint that takes connections and never answers).
+    #[error(
+        "backup target {target}: {action}: no answer in {secs} s, the target is hung (the operation is abandoned; on a directory a thread stays blocked in it until the mount answers)"
+    )]
+    Hung {
+        /// The target, as [`crate::Target::describe`] says.
+        target: String,
+        /// What was being done, naming the object.
+        action: String,
+        /// The timeout, in seconds.
+        secs: u64,
+    },
     /// No manifest for the id: no finished backup of that id is on the target.
     #[error("backup {0} is not on the target (no finished backup has that id)")]
     BackupNotFound(Uuid),
@@ -127,6 +141,16 @@ pub enum Error {
         target: String,
         /// Why, naming the object.
         reason: String,
+    },
+    /// Another gc holds the target's gc lock.
+    #[error(
+        "gc on {target} refused: another gc is running there ({holder}); try again when it ends"
+    )]
+    GcBusy {
+        /// The target.
+        target: String,
+        /// Who holds the lock, and since when.
+        holder: String,
     },
 }
 

@@ -10,10 +10,13 @@ use object_store::path::Path;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use serde::{Deserialize, Serialize};
+
 use crate::backup::Lease;
+use crate::lease::Held;
 use crate::manifest::{Manifest, id_of, is_hash};
 use crate::target::Listed;
-use crate::{CLOCK_MARGIN, Error, LEASE_STALE, Result, Target};
+use crate::{CLOCK_MARGIN, Error, GC_LOCK_STALE, LEASE_STALE, Result, Target};
 
 /// Objects read or deleted at once.
 const CONCURRENCY: usize = 16;
@@ -41,11 +44,38 @@ struct LeaseSeen {
     lease: Option<Lease>,
 }
 
+/// Where a test holds a gc (after it read the manifests, before it lists
+/// the tombstones): told when it gets there, it waits to be let go.
+pub(crate) struct Pause {
+    pub reached: tokio::sync::oneshot::Sender<()>,
+    pub resume: tokio::sync::oneshot::Receiver<()>,
+}
+
 /// Deletes chunks no manifest references, safe against backups running at
 /// the same time (the crate doc has the rules). Also deletes tombstones no
-/// longer needed and stale leases.
-pub async fn gc(target: &Target) -> Result<GcReport> {
-    let now = target_now(target).await?;
+/// longer needed and stale leases. One gc runs on a target at a time: while
+/// another service's (or this one's) holds the target's gc lock, this one
+/// is refused ([`Error::GcBusy`]) and deletes nothing. `owner` names this
+/// service in the lock, as in a backup's lease.
+pub async fn gc(target: &Target, owner: &str) -> Result<GcReport> {
+    collect(target, owner, None).await
+}
+
+/// [`gc`], held at `pause` when one is given.
+pub(crate) async fn collect(
+    target: &Target,
+    owner: &str,
+    pause: Option<Pause>,
+) -> Result<GcReport> {
+    let lock = GcLock::take(target, owner).await?;
+    let result = run(target, &lock, pause).await;
+    lock.release(target).await;
+    result
+}
+
+async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcReport> {
+    // G: the target's clock as the gc began.
+    let now = lock.began;
 
     // The order matters (crate doc): chunks, leases, manifests, tombstones.
     let chunks: Vec<Listed> = target
@@ -56,6 +86,10 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
         .collect();
     let leases = read_leases(target).await?;
     let referenced = read_manifests(target).await?;
+    if let Some(p) = pause {
+        let _ = p.reached.send(());
+        let _ = p.resume.await;
+    }
     let tombstones: Vec<(Uuid, Listed)> = target
         .list("deleted")
         .await?
@@ -74,16 +108,8 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
     let (live, stale): (Vec<&LeaseSeen>, Vec<&LeaseSeen>) = leases
         .iter()
         .partition(|l| l.listed.last_modified >= reference - LEASE_STALE);
-    // L: the earliest start of a running backup, less the margin for its
-    // clock against the target's. A live lease that does not parse could
-    // be of any start: everything is protected.
-    let since = live
-        .iter()
-        .map(|l| match &l.lease {
-            Some(lease) => lease.started_at - CLOCK_MARGIN,
-            None => OffsetDateTime::UNIX_EPOCH,
-        })
-        .min();
+    // L: the earliest start of a running backup, on the target's clock.
+    let since = live.iter().map(|l| started(l)).min();
     // A backup that started after the leases were listed is unseen, but it
     // started after `now`: tombstones from then on are kept for it.
     let tombstones_since = since.map_or(now, |s| s.min(now));
@@ -108,18 +134,25 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
         running_backups: live.len() as u64,
         ..GcReport::default()
     };
+    // A chunk of G's own second or later is left to the next gc: S3 tells
+    // a chunk's time to the second at the delete, so only a time before
+    // G's second shows that it was not written again since it was listed.
     let doomed: Vec<Listed> = chunks
         .iter()
         .filter(|c| {
             let keep = referenced.contains(&c.name)
                 || protected.contains(&c.name)
-                || since.is_some_and(|s| c.last_modified >= s);
+                || since.is_some_and(|s| c.last_modified >= s)
+                || c.last_modified >= now;
             !keep
         })
         .cloned()
         .collect();
     let deleted = futures_util::stream::iter(doomed)
-        .map(|c| async move { delete_chunk(target, &c).await })
+        .map(|c| async move {
+            lock.check(target)?;
+            delete_chunk(target, &c, now).await
+        })
         .buffer_unordered(CONCURRENCY)
         .try_collect::<Vec<_>>()
         .await?;
@@ -134,6 +167,7 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
         .filter(|(_, t)| t.last_modified < tombstones_since)
         .map(|(_, t)| t.path.clone())
         .collect();
+    lock.check(target)?;
     report.tombstones_deleted = delete_all(target, old_tombstones).await?;
     let stale = stale.iter().map(|l| l.listed.path.clone()).collect();
     report.leases_deleted = delete_all(target, stale).await?;
@@ -149,7 +183,8 @@ pub async fn gc(target: &Target) -> Result<GcReport> {
     Ok(report)
 }
 
-/// Deletes the leases `owner` put before `started_before`; their number.
+/// Deletes the leases and gc locks `owner` put before `started_before`;
+/// their number.
 /// Called at service start with the process's start: a restarted service
 /// ran no backup before it started, so those leases are from a crash, and
 /// a backup it started since keeps its own.
@@ -159,7 +194,7 @@ pub async fn release_leases(
     started_before: OffsetDateTime,
 ) -> Result<u64> {
     let leases = read_leases(target).await?;
-    let mine = leases
+    let mine: Vec<Path> = leases
         .iter()
         .filter(|l| {
             l.lease
@@ -168,24 +203,32 @@ pub async fn release_leases(
         })
         .map(|l| l.listed.path.clone())
         .collect();
-    delete_all(target, mine).await
+    let gcs: Vec<Path> = read_gc_locks(target)
+        .await?
+        .into_iter()
+        .filter(|(_, lock)| {
+            lock.as_ref()
+                .is_some_and(|l| l.owner == owner && l.started_at < started_before)
+        })
+        .map(|(listed, _)| listed.path)
+        .collect();
+    let n = delete_all(target, mine).await?;
+    Ok(n + delete_all(target, gcs).await?)
 }
 
-/// The target's clock: the time it gives an object put now. A target that
-/// cannot be written to cannot be collected either.
-async fn target_now(target: &Target) -> Result<OffsetDateTime> {
-    let marker = target.path(&format!("gc/{}", Uuid::new_v4()));
-    target.put(&marker, Bytes::from_static(b"gc\n")).await?;
-    let head = target.head(&marker).await;
-    if let Err(e) = target.delete(&marker).await {
-        tracing::warn!(target = target.describe(), error = %e, "gc's clock marker could not be deleted");
-    }
-    match head? {
-        Some(m) => Ok(m.last_modified),
-        None => Err(Error::GcRefused {
-            target: target.describe().to_string(),
-            reason: format!("{marker}, just written to read the target's clock, is not there"),
-        }),
+/// When a running backup began, on the target's clock: what its lease
+/// says (put there before the backup listed anything), else (its first put,
+/// or a lease of blockplane before 0.24) its time by its host's clock less
+/// [`CLOCK_MARGIN`], or the lease's own time if earlier. A live lease that
+/// does not parse could be of any start: everything is protected.
+fn started(l: &LeaseSeen) -> OffsetDateTime {
+    match &l.lease {
+        Some(Lease {
+            started_on_target: Some(t),
+            ..
+        }) => *t,
+        Some(lease) => (lease.started_at - CLOCK_MARGIN).min(l.listed.last_modified),
+        None => OffsetDateTime::UNIX_EPOCH,
     }
 }
 
@@ -250,17 +293,24 @@ async fn read_chunks_of(target: &Target, id: Uuid, path: &Path) -> Result<Vec<St
     }
 }
 
-/// Deletes a chunk unless it was written again since it was listed (a
+/// Deletes a chunk listed with a time before `began` (G, gc's start on the
+/// target's clock) unless it was written again since it was listed (a
 /// backup that started after the leases were listed re-put it); the bytes
 /// deleted.
-pub(crate) async fn delete_chunk(target: &Target, c: &Listed) -> Result<Option<u64>> {
+pub(crate) async fn delete_chunk(
+    target: &Target,
+    c: &Listed,
+    began: OffsetDateTime,
+) -> Result<Option<u64>> {
     let Some(now) = target.head(&c.path).await? else {
         return Ok(None);
     };
-    // S3 gives a listing's times in milliseconds and a HEAD's in seconds:
-    // compare whole seconds, and the entity tag, which a local directory
-    // derives from the inode and mtime.
-    let rewritten = now.last_modified.unix_timestamp() > c.last_modified.unix_timestamp()
+    // A put since the listing came after G. S3 gives a HEAD's time in whole
+    // seconds, truncated, and G is one too: such a put reads as G's second
+    // or later even within it, where its entity tag (the MD5 of the same
+    // bytes) and a time compared to the second would not tell it apart. A
+    // directory's entity tag (inode and mtime) tells it too.
+    let rewritten = now.last_modified >= began
         || (c.e_tag.is_some() && now.e_tag.is_some() && c.e_tag != now.e_tag);
     if rewritten {
         return Ok(None);
@@ -276,4 +326,119 @@ async fn delete_all(target: &Target, paths: Vec<Path>) -> Result<u64> {
         .try_fold(0u64, |n, ()| async move { Ok(n + 1) })
         .await?;
     Ok(n)
+}
+
+/// A gc lock, `gc/lock-<uuid>.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct GcLockBody {
+    /// The gc's own id (the object's name).
+    gc: Uuid,
+    /// The service instance running it.
+    owner: String,
+    /// When it started by its host's clock (for people, and for
+    /// [`release_leases`] on the same host).
+    #[serde(with = "time::serde::rfc3339")]
+    started_at: OffsetDateTime,
+}
+
+/// The target's gc lock, held: one object per gc, put again while it runs.
+/// A gc that finds another's live lock beside its own takes its own back
+/// and is refused; two that start together may both be refused, never both
+/// run. The lock needs no conditional put, which not every S3-compatible
+/// server has.
+struct GcLock {
+    held: Held,
+    path: Path,
+    /// G: when the lock was put, on the target's clock.
+    began: OffsetDateTime,
+}
+
+impl GcLock {
+    async fn take(target: &Target, owner: &str) -> Result<GcLock> {
+        let id = Uuid::new_v4();
+        let path = target.path(&format!("gc/{LOCK_PREFIX}{id}.json"));
+        let body = GcLockBody {
+            gc: id,
+            owner: owner.to_string(),
+            started_at: OffsetDateTime::now_utc(),
+        };
+        let body = Bytes::from(serde_json::to_vec(&body).expect("a gc lock always serializes"));
+        let (held, began) = Held::take(target, &path, body, GC_LOCK_STALE).await?;
+        let lock = GcLock { held, path, began };
+        let others = match read_gc_locks(target).await {
+            Ok(all) => all,
+            Err(e) => {
+                lock.release(target).await;
+                return Err(e);
+            }
+        };
+        let (live, stale): (Vec<_>, Vec<_>) = others
+            .into_iter()
+            .filter(|(l, _)| l.path != lock.path)
+            .partition(|(l, _)| l.last_modified >= began - GC_LOCK_STALE);
+        if let Some((l, body)) = live.first() {
+            lock.release(target).await;
+            let who = body
+                .as_ref()
+                .map_or("a service".to_string(), |b| format!("service {}", b.owner));
+            return Err(Error::GcBusy {
+                target: target.describe().to_string(),
+                holder: format!("{who}, its lock {} last put at {}", l.path, l.last_modified),
+            });
+        }
+        // A crashed gc's: it stopped itself before it went stale.
+        let stale = stale.into_iter().map(|(l, _)| l.path).collect();
+        if let Err(e) = delete_all(target, stale).await {
+            tracing::warn!(target = target.describe(), error = %e, "a stale gc lock could not be deleted");
+        }
+        Ok(lock)
+    }
+
+    /// Fails once the lock has gone unrefreshed for half of
+    /// [`GC_LOCK_STALE`], before another gc may take it for a crashed one's.
+    fn check(&self, target: &Target) -> Result<()> {
+        match self.held.lost() {
+            Some(secs) => Err(Error::GcRefused {
+                target: target.describe().to_string(),
+                reason: format!(
+                    "its lock {} was last put {secs} s ago, and another gc may take it for stale after {} s: it stops",
+                    self.path,
+                    GC_LOCK_STALE.as_secs()
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    async fn release(self, target: &Target) {
+        self.held.stop().await;
+        if let Err(e) = target.delete(&self.path).await {
+            // It goes stale, and its service deletes it at its next start.
+            tracing::warn!(target = target.describe(), lock = %self.path, error = %e, "a gc lock could not be deleted");
+        }
+    }
+}
+
+/// The name every gc lock's begins with, under `gc/`.
+const LOCK_PREFIX: &str = "lock-";
+
+/// Every gc lock, with its contents when they parse.
+async fn read_gc_locks(target: &Target) -> Result<Vec<(Listed, Option<GcLockBody>)>> {
+    let listed: Vec<Listed> = target
+        .list("gc")
+        .await?
+        .into_iter()
+        .filter(|l| l.name.starts_with(LOCK_PREFIX))
+        .collect();
+    futures_util::stream::iter(listed)
+        .map(|l| async move {
+            let body = target
+                .get(&l.path)
+                .await?
+                .and_then(|b| serde_json::from_slice::<GcLockBody>(&b).ok());
+            Ok::<_, Error>((l, body))
+        })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect()
+        .await
 }

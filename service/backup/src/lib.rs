@@ -12,13 +12,17 @@
 //!   only once every chunk it names is stored: an incomplete backup never
 //!   has one.
 //! - `leases/<uuid>.json`: a running backup's lease
-//!   `{ "backup": uuid, "owner": string, "started_at": rfc3339 }`: put at
-//!   its start, put again every [`LEASE_REFRESH`] while it runs, deleted at
-//!   its end (success, failure or cancel).
+//!   `{ "backup": uuid, "owner": string, "started_at": rfc3339,
+//!   "started_on_target": rfc3339 }`: put at its start, read back for the
+//!   time the target gave it, put again naming that time
+//!   (`started_on_target`), put again every [`LEASE_REFRESH`] while it
+//!   runs, deleted at its end (success, failure or cancel).
 //! - `deleted/<uuid>.json`: a tombstone, the manifest of a deleted backup.
 //!   Deleting puts the tombstone, then deletes the manifest.
-//! - `gc/<uuid>`: for a moment during a gc, an object whose time is the
-//!   target's clock.
+//! - `gc/lock-<uuid>.json`: a running gc's lock
+//!   `{ "gc": uuid, "owner": string, "started_at": rfc3339 }`, put again
+//!   every [`GC_LOCK_STALE`]/20 while it runs; its first time on the
+//!   target is the gc's clock, G.
 //!
 //! An image is cut into [`CHUNK_SIZE`] chunks. A manifest lists the chunks
 //! holding data by ascending index; an index it leaves out is all zeros (a
@@ -33,10 +37,27 @@
 //! (an orphan from a cancelled or deleted backup): putting it again is
 //! idempotent and makes its `last_modified` new.
 //!
-//! [`gc`] reads the target's clock, G (it puts `gc/<uuid>` and reads the
-//! object's `last_modified` back), then lists, in this order: (1) the
-//! chunks, with their `last_modified`; (2) the leases; (3) the manifests,
-//! then the tombstones. Then:
+//! A referenced chunk is not taken on trust: once per backup it is looked
+//! at on the target (`Target::holds_chunk`). On S3, one HEAD: its size, and
+//! its entity tag against the MD5 of the bytes in hand (a single-part put's
+//! tag is the MD5 of its bytes; a tag of another form, multipart or
+//! SSE-KMS, is not, and then presence and size decide): 256 HEAD requests
+//! per GiB of unchanged data, and no GET. On a directory, whose entity tag
+//! is of the inode and time, the file is read back and compared: one local
+//! (or NFS) read of what is reused. A chunk missing, of another length or
+//! of other bytes is put again, which mends every earlier backup that
+//! names it; the backup is never `done` over a hole.
+//!
+//! One gc runs on a target at a time. [`gc`] puts its lock, reads the
+//! time the target gave it, G, and lists the other locks: a live one (put
+//! within [`GC_LOCK_STALE`] of G) means another gc runs, and this one takes
+//! its lock back and is refused ([`Error::GcBusy`]); stale ones are a
+//! crashed gc's and are deleted. (Two gcs that start together may both be
+//! refused; never both run. No conditional put is needed.) A gc that cannot
+//! put its lock again for half of [`GC_LOCK_STALE`] stops before its next
+//! delete. Then it lists, in this order: (1) the chunks, with their
+//! `last_modified`; (2) the leases; (3) the manifests, then the
+//! tombstones. Then:
 //!
 //! - A lease is *live* when its `last_modified` is within [`LEASE_STALE`]
 //!   of the newest `last_modified` in the chunk and lease listings, or of
@@ -45,15 +66,22 @@
 //!   backup's lease that is the newest object stays live until something
 //!   newer is written or its service restarts and releases it: gc then
 //!   deletes less, never more.)
-//! - L is the earliest `started_at` of the live leases less
-//!   [`CLOCK_MARGIN`] (for the backup's clock against the target's); with
-//!   no live lease there is no L. A live lease that does not parse gives
-//!   the earliest L possible.
+//! - L is the earliest start of the live leases, on the target's clock:
+//!   a lease's `started_on_target`, else (its first put, or a lease of
+//!   blockplane before 0.24) the earlier of its own `last_modified` and its
+//!   `started_at` less [`CLOCK_MARGIN`]; with no live lease there is no L.
+//!   A live lease that does not parse gives the earliest L possible. Every
+//!   time gc compares is the target's: a backing-up host's clock, however
+//!   far off, changes nothing.
 //! - A chunk is kept when a manifest references it; or when L exists and
 //!   its `last_modified` ≥ L; or when a tombstone whose `last_modified` ≥
-//!   min(L, G) (G alone without L) references it. Every other chunk is
-//!   deleted — unless it was written again since it was listed (its time
-//!   or entity tag changed), which is checked just before each delete.
+//!   min(L, G) (G alone without L) references it; or when its
+//!   `last_modified` ≥ G (the next gc decides). Every other chunk is
+//!   deleted — unless a HEAD just before the delete finds it written
+//!   again since it was listed: a time ≥ G, or another entity tag. (S3's
+//!   HEAD gives whole seconds, truncated, as does G: a chunk put again
+//!   within G's own second still reads ≥ G, where the MD5 entity tag of
+//!   the same bytes would not tell it apart.)
 //! - Tombstones whose `last_modified` < min(L, G) are deleted (those older
 //!   than G when there is no L).
 //!
@@ -76,8 +104,9 @@
 //!   manifest, where the same reasoning applies again.
 //!
 //! What is left is the moment between the check and the delete of an
-//! orphan chunk, in which a backup would have to put that chunk again. A
-//! gc run at the same time as another gc is not covered: run one at a time.
+//! orphan chunk, in which a backup would have to put that chunk again. Two
+//! gcs at once are not covered by this reasoning (one may delete a
+//! tombstone the other has yet to read), which is why the lock allows one.
 //!
 //! A backup that cannot refresh its lease for half of [`LEASE_STALE`]
 //! stops refreshing and fails ([`Error::LeaseLost`]) before it writes a
@@ -89,6 +118,7 @@ mod backup;
 mod config;
 mod error;
 mod gc;
+mod lease;
 mod manifest;
 mod restore;
 mod target;
@@ -106,7 +136,7 @@ pub use manifest::{
     ChunkRef, FORMAT, ImageMeta, Manifest, SourceMeta, delete, list, list_all, manifest,
 };
 pub use restore::{FETCH_CONCURRENCY, VerifyReport, restore, verify};
-pub use target::Target;
+pub use target::{DEFAULT_TIMEOUT, Target};
 
 /// The bytes of a chunk (all but possibly an image's last).
 pub const CHUNK_SIZE: u64 = 4 << 20;
@@ -115,10 +145,14 @@ pub const CHUNK_SIZE: u64 = 4 << 20;
 pub const LEASE_STALE: Duration = Duration::from_secs(10 * 60);
 
 /// How often a running backup puts its lease again.
-pub const LEASE_REFRESH: Duration = Duration::from_secs(30);
+pub const LEASE_REFRESH: Duration = lease::refresh_of(LEASE_STALE);
 
-/// How far a backup's clock may be off the target's: gc keeps chunks
-/// from this long before a running backup's start.
+/// A gc lock not written for this long is a crashed gc's.
+pub const GC_LOCK_STALE: Duration = Duration::from_secs(2 * 60);
+
+/// How far the clock of a backup of blockplane before 0.24 may be off the
+/// target's: gc keeps chunks from this long before such a backup's start.
+/// A newer backup's lease names its start on the target's clock.
 pub const CLOCK_MARGIN: Duration = Duration::from_secs(2 * 60);
 
 /// A task's result; a panic in it is raised again here, since only a bug

@@ -10,16 +10,21 @@ use futures_util::StreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{
+    ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+};
 use time::OffsetDateTime;
 
 use crate::config::TargetConfig;
 use crate::{Error, Result};
 
-/// A request to S3 that takes longer than this fails (and is retried):
-/// long enough for a 4 MiB chunk on a slow link, where the library's
-/// default of 30 s is not.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long one operation on a target may go unanswered before the target
+/// is taken for hung ([`Error::Hung`]), unless the service says otherwise
+/// (`--backup-timeout-secs`): long enough for a 4 MiB chunk on a slow link.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A connection to S3 not made in this long is tried again.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// An opened target.
 #[derive(Clone)]
@@ -34,6 +39,8 @@ pub struct Target {
     /// The directory of a `Dir` target: listing a vanished mount point finds
     /// nothing rather than failing, so `check` looks at it itself.
     root: Option<std::path::PathBuf>,
+    /// An operation unanswered for this long fails as [`Error::Hung`].
+    hang_after: Duration,
 }
 
 impl std::fmt::Debug for Target {
@@ -58,7 +65,15 @@ pub(crate) struct Listed {
 impl Target {
     /// Opens a target: a `Dir` must be an existing directory; an `S3` target
     /// is only configured here (use [`Target::check`] to reach it).
-    pub fn open(cfg: &TargetConfig) -> Result<Target> {
+    ///
+    /// `timeout` bounds every operation. On S3 it is each request's timeout
+    /// and the window in which a request that failed (a 5xx such as 503
+    /// SlowDown, a 429, a broken connection) is tried again with
+    /// exponential backoff; an operation still unanswered after twice it
+    /// fails. On a directory, whose calls block in the kernel (a hung NFS
+    /// mount never returns), the call is abandoned after it: it fails, and
+    /// the thread blocked in it stays until the mount answers.
+    pub fn open(cfg: &TargetConfig, timeout: Duration) -> Result<Target> {
         let description: Arc<str> = cfg.describe().into();
         match cfg {
             TargetConfig::Dir { path } => {
@@ -91,6 +106,7 @@ impl Target {
                     prefix: String::new(),
                     description,
                     root: Some(path.clone()),
+                    hang_after: timeout,
                 })
             }
             TargetConfig::S3 {
@@ -109,7 +125,15 @@ impl Target {
                     // Path-style requests (`endpoint/bucket/key`) work with
                     // every S3-compatible server and an IP endpoint.
                     .with_virtual_hosted_style_request(false)
-                    .with_client_options(ClientOptions::new().with_timeout(REQUEST_TIMEOUT));
+                    .with_client_options(
+                        ClientOptions::new()
+                            .with_timeout(timeout)
+                            .with_connect_timeout(timeout.min(CONNECT_TIMEOUT)),
+                    )
+                    .with_retry(RetryConfig {
+                        retry_timeout: timeout,
+                        ..RetryConfig::default()
+                    });
                 if let Some(token) = &credentials.session_token {
                     b = b.with_token(token);
                 }
@@ -126,6 +150,9 @@ impl Target {
                     prefix: prefix.clone(),
                     description,
                     root: None,
+                    // A retry begun just inside the window may take a whole
+                    // timeout more.
+                    hang_after: timeout * 2,
                 })
             }
         }
@@ -143,22 +170,41 @@ impl Target {
             target: self.description.to_string(),
             reason,
         };
-        if let Some(root) = &self.root {
-            let root = root.clone();
-            let m = tokio::task::spawn_blocking(move || std::fs::metadata(root))
-                .await
-                .map_err(|e| unreachable(e.to_string()))?;
-            match m {
-                Ok(m) if m.is_dir() => {}
-                Ok(_) => return Err(unreachable("it is no longer a directory".to_string())),
-                Err(e) => return Err(unreachable(e.to_string())),
+        self.bounded(|| "looking at it".to_string(), async {
+            if let Some(root) = &self.root {
+                let root = root.clone();
+                let m = tokio::task::spawn_blocking(move || std::fs::metadata(root))
+                    .await
+                    .map_err(|e| unreachable(e.to_string()))?;
+                match m {
+                    Ok(m) if m.is_dir() => {}
+                    Ok(_) => return Err(unreachable("it is no longer a directory".to_string())),
+                    Err(e) => return Err(unreachable(e.to_string())),
+                }
             }
-        }
-        let mut list = self.store.list(Some(&self.path("backups")));
-        match list.next().await {
-            None | Some(Ok(_)) => Ok(()),
-            Some(Err(object_store::Error::NotFound { .. })) => Ok(()),
-            Some(Err(e)) => Err(unreachable(crate::error::chain(&e))),
+            let mut list = self.store.list(Some(&self.path("backups")));
+            match list.next().await {
+                None | Some(Ok(_)) => Ok(()),
+                Some(Err(object_store::Error::NotFound { .. })) => Ok(()),
+                Some(Err(e)) => Err(unreachable(crate::error::chain(&e))),
+            }
+        })
+        .await
+    }
+
+    /// `op`, failed as [`Error::Hung`] when unanswered for `hang_after`.
+    async fn bounded<T>(
+        &self,
+        action: impl FnOnce() -> String,
+        op: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.hang_after, op).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Hung {
+                target: self.description.to_string(),
+                action: action(),
+                secs: self.hang_after.as_secs(),
+            }),
         }
     }
 
@@ -181,23 +227,29 @@ impl Target {
 
     /// Puts an object, replacing any.
     pub(crate) async fn put(&self, path: &Path, data: Bytes) -> Result<()> {
-        self.store
-            .put(path, PutPayload::from(data))
-            .await
-            .map(|_| ())
-            .map_err(|e| self.err(format!("writing {path}"), e))
+        self.bounded(|| format!("writing {path}"), async {
+            self.store
+                .put(path, PutPayload::from(data))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.err(format!("writing {path}"), e))
+        })
+        .await
     }
 
     /// Puts a chunk, replacing any; on a `Dir` target not yet durable: call
     /// [`Target::settle`] before anything that relies on it is written.
     pub(crate) async fn put_chunk(&self, path: &Path, data: Bytes) -> Result<()> {
-        self.unsynced
-            .as_ref()
-            .unwrap_or(&self.store)
-            .put(path, PutPayload::from(data))
-            .await
-            .map(|_| ())
-            .map_err(|e| self.err(format!("writing {path}"), e))
+        self.bounded(|| format!("writing {path}"), async {
+            self.unsynced
+                .as_ref()
+                .unwrap_or(&self.store)
+                .put(path, PutPayload::from(data))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.err(format!("writing {path}"), e))
+        })
+        .await
     }
 
     /// Makes every chunk put so far durable: one `syncfs` of a `Dir`
@@ -206,66 +258,117 @@ impl Target {
         let Some(root) = self.root.clone() else {
             return Ok(());
         };
-        let synced = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            let dir = std::fs::File::open(&root)?;
-            rustix::fs::syncfs(&dir)?;
-            Ok(())
+        self.bounded(|| "syncing the chunks written".to_string(), async {
+            let synced = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                let dir = std::fs::File::open(&root)?;
+                rustix::fs::syncfs(&dir)?;
+                Ok(())
+            })
+            .await;
+            crate::joined(synced).map_err(|e| {
+                let error = object_store::Error::Generic {
+                    store: "LocalFileSystem",
+                    source: Box::new(e),
+                };
+                self.err("syncing the chunks written".to_string(), error)
+            })
         })
-        .await;
-        crate::joined(synced).map_err(|e| {
-            let error = object_store::Error::Generic {
-                store: "LocalFileSystem",
-                source: Box::new(e),
-            };
-            self.err("syncing the chunks written".to_string(), error)
+        .await
+    }
+
+    /// Whether the target holds `data` intact at `path`, looked at as
+    /// cheaply as the target allows: on S3 one HEAD, its size and its
+    /// entity tag against the MD5 of `data` (a single-part put's tag is the
+    /// MD5 of its bytes; a tag of another form, multipart or encrypted
+    /// with a KMS key, is not, and then size and presence decide); on a
+    /// directory, whose entity tag is of the inode and time, the file is
+    /// read back and compared.
+    pub(crate) async fn holds_chunk(&self, path: &Path, data: &Bytes) -> Result<Holding> {
+        let Some(meta) = self.head(path).await? else {
+            return Ok(Holding::Missing);
+        };
+        if meta.size != data.len() as u64 {
+            return Ok(Holding::Damaged);
+        }
+        if self.root.is_some() {
+            return Ok(match self.get(path).await? {
+                None => Holding::Missing,
+                Some(stored) if stored == *data => Holding::Intact,
+                Some(_) => Holding::Damaged,
+            });
+        }
+        let Some(tag) = meta.e_tag.as_deref().map(|t| t.trim_matches('"')) else {
+            return Ok(Holding::Intact);
+        };
+        if tag.len() != 32 || !tag.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(Holding::Intact);
+        }
+        let data = data.clone();
+        let md5 = crate::joined(tokio::task::spawn_blocking(move || md5_hex(&data)).await);
+        Ok(if tag.eq_ignore_ascii_case(&md5) {
+            Holding::Intact
+        } else {
+            Holding::Damaged
         })
     }
 
     /// Reads an object; `None` when absent.
     pub(crate) async fn get(&self, path: &Path) -> Result<Option<Bytes>> {
-        let r = match self.store.get(path).await {
-            Ok(r) => r,
-            Err(object_store::Error::NotFound { .. }) => return Ok(None),
-            Err(e) => return Err(self.err(format!("reading {path}"), e)),
-        };
-        match r.bytes().await {
-            Ok(b) => Ok(Some(b)),
-            // Deleted between the request and its body (a directory target).
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.err(format!("reading {path}"), e)),
-        }
+        self.bounded(|| format!("reading {path}"), async {
+            let r = match self.store.get(path).await {
+                Ok(r) => r,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(self.err(format!("reading {path}"), e)),
+            };
+            match r.bytes().await {
+                Ok(b) => Ok(Some(b)),
+                // Deleted between the request and its body (a directory target).
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(self.err(format!("reading {path}"), e)),
+            }
+        })
+        .await
     }
 
     /// An object's metadata; `None` when absent.
     pub(crate) async fn head(&self, path: &Path) -> Result<Option<Listed>> {
-        match self.store.head(path).await {
-            Ok(m) => Ok(Some(listed(m))),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.err(format!("reading the metadata of {path}"), e)),
-        }
+        self.bounded(|| format!("reading the metadata of {path}"), async {
+            match self.store.head(path).await {
+                Ok(m) => Ok(Some(listed(m))),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(self.err(format!("reading the metadata of {path}"), e)),
+            }
+        })
+        .await
     }
 
     /// Deletes an object; deleting an absent one is no error.
     pub(crate) async fn delete(&self, path: &Path) -> Result<()> {
-        match self.store.delete(path).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(self.err(format!("deleting {path}"), e)),
-        }
+        self.bounded(|| format!("deleting {path}"), async {
+            match self.store.delete(path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(self.err(format!("deleting {path}"), e)),
+            }
+        })
+        .await
     }
 
     /// Every object under `folder` (`chunks`, `backups`, …), recursively.
     pub(crate) async fn list(&self, folder: &str) -> Result<Vec<Listed>> {
-        let mut out = Vec::new();
-        let mut s = self.store.list(Some(&self.path(folder)));
-        while let Some(m) = s.next().await {
-            match m {
-                Ok(m) => out.push(listed(m)),
-                // A directory target without the folder yet.
-                Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(self.err(format!("listing {folder}/"), e)),
+        self.bounded(|| format!("listing {folder}/"), async {
+            let mut out = Vec::new();
+            let mut s = self.store.list(Some(&self.path(folder)));
+            while let Some(m) = s.next().await {
+                match m {
+                    Ok(m) => out.push(listed(m)),
+                    // A directory target without the folder yet.
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(self.err(format!("listing {folder}/"), e)),
+                }
             }
-        }
-        Ok(out)
+            Ok(out)
+        })
+        .await
     }
 
     pub(crate) fn chunk_path(&self, hash: &str) -> Path {
@@ -283,6 +386,25 @@ impl Target {
     pub(crate) fn lease_path(&self, id: uuid::Uuid) -> Path {
         self.path(&format!("leases/{id}.json"))
     }
+}
+
+/// What the target holds of a chunk ([`Target::holds_chunk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holding {
+    /// Its bytes, as far as the target lets them be checked.
+    Intact,
+    /// Nothing.
+    Missing,
+    /// Other bytes, or another length.
+    Damaged,
+}
+
+fn md5_hex(data: &[u8]) -> String {
+    use md5::Digest;
+    md5::Md5::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn listed(m: ObjectMeta) -> Listed {
