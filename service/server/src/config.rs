@@ -105,6 +105,13 @@ pub struct ServeArgs {
     /// AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN from the environment].
     #[arg(long, env = "BLOCKPLANE_BACKUP_CREDENTIALS")]
     pub backup_credentials: Option<PathBuf>,
+    /// Seconds one operation on the backup target may go unanswered before
+    /// the target is taken for hung and the backup, restore, verify or gc
+    /// fails naming it; on S3 also the window in which a failed request
+    /// (503 SlowDown, a lost connection) is tried again with backoff
+    /// [default: 300].
+    #[arg(long, env = "BLOCKPLANE_BACKUP_TIMEOUT_SECS")]
+    pub backup_timeout_secs: Option<u64>,
     /// Largest request body, bytes [default: 65536].
     #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -194,6 +201,7 @@ struct FileConfig {
     key_unlock_ms: Option<u32>,
     backup_target: Option<String>,
     backup_credentials: Option<PathBuf>,
+    backup_timeout_secs: Option<u64>,
     max_body_bytes: Option<usize>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -259,6 +267,9 @@ pub struct ServeConfig {
     pub key_unlock_ms: u32,
     /// Where backups go (`--backup-target`); `None`: backups are refused.
     pub backup_target: Option<blockplane_backup::TargetConfig>,
+    /// How long an operation on the backup target may go unanswered
+    /// (`--backup-timeout-secs`).
+    pub backup_timeout: std::time::Duration,
     /// What protects the service from its clients.
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
@@ -393,6 +404,12 @@ impl ServeArgs {
                 )?),
                 None => None,
             },
+            backup_timeout: self
+                .backup_timeout_secs
+                .or(file.backup_timeout_secs)
+                .map_or(blockplane_backup::DEFAULT_TIMEOUT, |s| {
+                    std::time::Duration::from_secs(s.clamp(1, 3600))
+                }),
             key_unlock_ms: self
                 .key_unlock_ms
                 .or(file.key_unlock_ms)

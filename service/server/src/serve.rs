@@ -687,7 +687,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
                 unlock_ms: cfg.key_unlock_ms,
             },
             backup_target: match &cfg.backup_target {
-                Some(t) => Some(blockplane_backup::Target::open(t)?),
+                Some(t) => Some(blockplane_backup::Target::open(t, cfg.backup_timeout)?),
                 None => None,
             },
             faults,

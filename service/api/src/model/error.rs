@@ -178,6 +178,9 @@ error_codes! {
     BackupRunning = "backup_running",
     /// 409: the backup has no manifest (running, failed or cancelled).
     BackupNotDone = "backup_not_done",
+    /// 409: another gc (of this service or another) is collecting the
+    /// backup target; one runs there at a time.
+    BackupGcBusy = "backup_gc_busy",
     /// 409: more than one backup has that name: give its id.
     BackupAmbiguous = "backup_ambiguous",
 

@@ -132,12 +132,13 @@ pub async fn verify_backup(
 
 /// Collect the target's garbage: chunks no manifest references (of deleted,
 /// failed or cancelled backups). Safe while backups run, on this service or
-/// another: chunks a running backup may reference are kept.
+/// another: chunks a running backup may reference are kept. One gc runs on
+/// a target at a time, whichever service runs it.
 #[utoipa::path(
     post, path = "/v1/backups/gc", tag = "backups",
     responses(
         (status = 200, description = "What was removed and kept", body = BackupGc),
-        (status = 409, description = "No backup target (`no_backup_target`)", body = ErrorBody),
+        (status = 409, description = "No backup target (`no_backup_target`), or another gc is collecting it (`backup_gc_busy`)", body = ErrorBody),
         (status = 502, description = "A manifest on the target cannot be read, so gc will not guess what it references (`backup_corrupt`)", body = ErrorBody),
         (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
     )

@@ -55,11 +55,12 @@ fn backup(e: &blockplane_backup::Error) -> (StatusCode, ErrorCode) {
     match e {
         E::BackupNotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::BackupNotFound),
         E::BackupExists(_) => (StatusCode::CONFLICT, ErrorCode::NameTaken),
+        E::GcBusy { .. } => (StatusCode::CONFLICT, ErrorCode::BackupGcBusy),
         E::ManifestCorrupt { .. }
         | E::ChunkMissing { .. }
         | E::ChunkCorrupt { .. }
         | E::GcRefused { .. } => (StatusCode::BAD_GATEWAY, ErrorCode::BackupCorrupt),
-        E::Unreachable { .. } | E::Target { .. } | E::LeaseLost { .. } => (
+        E::Unreachable { .. } | E::Target { .. } | E::Hung { .. } | E::LeaseLost { .. } => (
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::BackupTargetUnavailable,
         ),

@@ -697,8 +697,14 @@ impl Manager {
             // Its chunks go, and the image's last backup may be an older one.
             let me = self.clone();
             tokio::spawn(async move {
-                if let Err(e) = me.collect_backups().await {
-                    tracing::warn!(error = %e, "the gc after a backup's delete failed");
+                match me.collect_backups().await {
+                    Ok(_) => {}
+                    // That gc collects what it can see; what this delete
+                    // left, the next gc.
+                    Err(Error::Backup(e @ blockplane_backup::Error::GcBusy { .. })) => {
+                        tracing::info!(error = %e, "the gc after a backup's delete is left to the next gc");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "the gc after a backup's delete failed"),
                 }
                 if let Err(e) = me.learn_last_backups(&target).await {
                     tracing::warn!(error = %e, "the last backups could not be read again");
@@ -714,7 +720,7 @@ impl Manager {
     pub(super) async fn collect_backups(&self) -> Result<BackupGc> {
         let target = self.backup_target("collect chunks")?;
         let _one = self.backups.gc.lock().await;
-        let r = blockplane_backup::gc(&target).await?;
+        let r = blockplane_backup::gc(&target, &self.lease_owner()).await?;
         tracing::info!(
             deleted = r.chunks_deleted,
             kept = r.chunks_kept,
