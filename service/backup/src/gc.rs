@@ -383,7 +383,13 @@ impl GcLock {
                 .map_or("a service".to_string(), |b| format!("service {}", b.owner));
             return Err(Error::GcBusy {
                 target: target.describe().to_string(),
-                holder: format!("{who}, its lock {} last put at {}", l.path, l.last_modified),
+                holder: format!(
+                    "{who}, its lock {} last put at {}",
+                    l.path,
+                    l.last_modified
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default()
+                ),
             });
         }
         // A crashed gc's: it stopped itself before it went stale.
