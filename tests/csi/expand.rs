@@ -76,7 +76,9 @@ async fn fs_bytes(csi: &Csi, id: &str, path: &Path) -> i64 {
 /// device on a kernel without UPDATE_SIZE (6.12) cannot; then
 /// ControllerExpandVolume must grow the image all the same and answer
 /// FAILED_PRECONDITION saying the device keeps its size until the next attach,
-/// which [`expand_or_pending`] checks.
+/// which [`expand_or_pending`] checks. [`Csi::create`]'s volumes are dm or
+/// loop, which grow on any kernel: only a class asking for `backend: ublk`
+/// gets here ([`a_ublk_volume_grows_online_or_names_the_missing_update_size`]).
 async fn grows_live(csi: &Csi, id: &str) -> bool {
     if csi.bp_volume(id).await["backend"] != "ublk" {
         return true;
@@ -107,7 +109,8 @@ async fn expand_or_pending(
     );
     assert!(
         s.message()
-            .contains("keeps its old size until the volume is attached again"),
+            .contains("keeps its old size until the volume is attached again")
+            && s.message().contains("UPDATE_SIZE"),
         "{}",
         s.message()
     );
@@ -197,6 +200,112 @@ async fn ext4_grows_online() {
         std::fs::read(target.join("keep")).unwrap(),
         b"before the resize"
     );
+}
+
+/// A volume whose StorageClass asks for ublk (`backend: ublk`; without it the
+/// VM's volumes are dm `kernel`, whose private loop device grows on any
+/// kernel, so no other expand test reaches ublk). With UPDATE_SIZE (7.x)
+/// ControllerExpandVolume grows the device and NodeExpandVolume the mounted
+/// ext4; without it (6.12) the controller grows the image and answers
+/// FAILED_PRECONDITION naming UPDATE_SIZE, again when asked again, the node
+/// answers FAILED_PRECONDITION too, and the device, the filesystem and its
+/// data stay as they were. On a host without ublk the class is refused
+/// (FAILED_PRECONDITION, `backend_unavailable`); in the VM, whose kernels
+/// have ublk, that refusal fails the test.
+#[tokio::test]
+async fn a_ublk_volume_grows_online_or_names_the_missing_update_size() {
+    let csi = Csi::start().await;
+    let cap = mount("ext4", &[]);
+    let made = csi
+        .create_with("growu", 32 * MIB, cap.clone(), &[("backend", "ublk")])
+        .await;
+    let host = csi.svc.get("/v1/host").await.body;
+    let ublk = &host["backends"]["ublk"];
+    if ublk["available"] != json!(true) {
+        assert!(!crate::in_vm(), "the VM's kernel has no ublk: {ublk}");
+        let s = assert_code(made, Code::FailedPrecondition);
+        assert!(
+            s.message().contains("backend_unavailable"),
+            "{}",
+            s.message()
+        );
+        eprintln!("no ublk on this host: the refusal was checked; the VM lanes grow one");
+        return;
+    }
+    let v = made.unwrap();
+    let id = &v.volume_id;
+    let bp = csi.bp_volume(id).await;
+    assert_eq!(bp["backend"], "ublk", "{bp}");
+    let dev = csi.device(id).await;
+    assert!(dev.starts_with("/dev/ublkb"), "{bp}");
+    let target = in_use(&csi, id, "growu", &cap).await;
+    std::fs::write(target.join("keep"), b"before the resize").unwrap();
+    let before = fs_bytes(&csi, id, &target).await;
+    let s = assert_code(
+        node_expand(&csi, id, &target, 64 * MIB, cap.clone()).await,
+        Code::FailedPrecondition,
+    );
+    assert!(
+        s.message().contains("ControllerExpandVolume first"),
+        "{}",
+        s.message()
+    );
+    let update_size = grows_live(&csi, id).await;
+    let grown = expand_or_pending(&csi, id, "csi-growu", 64 * MIB, Some(cap.clone())).await;
+    assert_eq!(grown.is_some(), update_size, "{grown:?}");
+    if let Some(r) = grown {
+        assert_eq!(r.capacity_bytes, 64 * MIB);
+        assert!(r.node_expansion_required);
+        assert_eq!(crate::harness::device_size(&dev), 64 << 20);
+        assert_eq!(csi.bp_volume(id).await["resize_pending"], false);
+        if !blockplane_csi::mount::has_capability(blockplane_csi::mount::CAP_SYS_RESOURCE) {
+            skip(
+                "a_ublk_volume_grows_online_or_names_the_missing_update_size",
+                "no CAP_SYS_RESOURCE here: online ext4 growth was not tried",
+            );
+            return;
+        }
+        assert_eq!(
+            node_expand(&csi, id, &target, 64 * MIB, cap.clone())
+                .await
+                .unwrap(),
+            64 * MIB
+        );
+        let after = fs_bytes(&csi, id, &target).await;
+        assert!(
+            after > before + 28 * MIB,
+            "filesystem {before} -> {after} bytes"
+        );
+    } else {
+        // The external resizer retries: the same refusal, nothing else changes.
+        let s = assert_code(
+            controller_expand(&csi, id, 64 * MIB, Some(cap.clone())).await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message()
+                .contains("keeps its old size until the volume is attached again"),
+            "{}",
+            s.message()
+        );
+        assert_eq!(crate::harness::device_size(&dev), 32 << 20);
+        let s = assert_code(
+            node_expand(&csi, id, &target, 64 * MIB, cap.clone()).await,
+            Code::FailedPrecondition,
+        );
+        assert!(
+            s.message()
+                .contains(&format!("the device is {} bytes", 32 << 20)),
+            "{}",
+            s.message()
+        );
+        assert_eq!(fs_bytes(&csi, id, &target).await, before);
+    }
+    assert_eq!(
+        std::fs::read(target.join("keep")).unwrap(),
+        b"before the resize"
+    );
+    std::fs::write(target.join("after"), b"after the resize").unwrap();
 }
 
 #[tokio::test]

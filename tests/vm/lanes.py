@@ -16,7 +16,8 @@ import sys
 LANES = pathlib.Path(__file__).with_name("lanes")
 NAME = "tests/vm/lanes"  # in messages
 KERNELS = ("both", "latest", "lts")
-# The csi target's tests that need a kernel with ublk; the rest run on the host.
+# The csi target's tests that need the VM's kernel (dm, ublk); the rest run on
+# the host.
 CSI_VM_MODULES = ("node::", "expand::", "modify::")
 
 

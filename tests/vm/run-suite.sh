@@ -4,7 +4,8 @@
 #   run-suite.sh {lts|latest} [TEST_FILTER...]
 # BLOCKPLANE_VM_TESTS names the cargo test target to run (default `vm`, the
 # kernel e2e tests; `csi` runs the CSI driver tests, whose volumes then get
-# the guest's best backend, ublk). BLOCKPLANE_VM_EXE names a test binary
+# what a class without `backend` gets in the guest, dm `kernel`, unless a
+# test's class asks for ublk). BLOCKPLANE_VM_EXE names a test binary
 # built already (then nothing is built).
 # Every test runs (one at a time: the VM has one CPU thread of TCG) unless
 # filters are given; cargo's test filter syntax applies.
