@@ -668,6 +668,35 @@ impl S3 {
         assert!(r.status.success(), "{url}: {r:?}");
     }
 
+    /// A service whose target is `prefix` of the bucket, with `secret` as
+    /// its secret key, and `extra` arguments and `env`.
+    async fn service(
+        &self,
+        prefix: &str,
+        secret: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> (Service, tempfile::NamedTempFile) {
+        let creds = self.credentials(secret);
+        let mut extra_args = vec![
+            "--backup-target".to_string(),
+            format!("s3://bucket/{prefix}?endpoint={}", self.endpoint),
+            "--backup-credentials".to_string(),
+            creds.path().display().to_string(),
+        ];
+        extra_args.extend(extra.iter().map(|a| a.to_string()));
+        let s = Service::start_with(Opts {
+            extra_args,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        })
+        .await;
+        (s, creds)
+    }
+
     /// A credentials file with the server's key and `secret`.
     fn credentials(&self, secret: &str) -> tempfile::NamedTempFile {
         let f = tempfile::NamedTempFile::new().unwrap();
@@ -727,18 +756,7 @@ async fn assert_nowhere(s: &Service, secret: &str) {
 #[tokio::test]
 async fn backups_go_to_s3_compatible_storage_and_come_back() {
     let s3 = S3::start();
-    let target = format!("s3://bucket/host-a?endpoint={}", s3.endpoint);
-    let creds = s3.credentials(&s3.secret_access_key);
-    let s = Service::start_with(Opts {
-        extra_args: vec![
-            "--backup-target".into(),
-            target.clone(),
-            "--backup-credentials".into(),
-            creds.path().display().to_string(),
-        ],
-        ..Default::default()
-    })
-    .await;
+    let (s, _creds) = s3.service("host-a", &s3.secret_access_key, &[], &[]).await;
     let a_path = image_with(&s, "a", 24 * MIB, &[(0, 16 * MIB)], 31).await;
     let moment = std::fs::read(&a_path).unwrap();
     let one = backup(&s, "a", "one").await;
@@ -848,18 +866,9 @@ async fn two_services_deleting_and_collecting_at_once_leave_every_backup_restora
 #[tokio::test]
 async fn a_wrong_s3_secret_is_refused_naming_the_target() {
     let s3 = S3::start();
-    let target = format!("s3://bucket/host-w?endpoint={}", s3.endpoint);
-    let creds = s3.credentials("not-the-secret-at-all");
-    let s = Service::start_with(Opts {
-        extra_args: vec![
-            "--backup-target".into(),
-            target.clone(),
-            "--backup-credentials".into(),
-            creds.path().display().to_string(),
-        ],
-        ..Default::default()
-    })
-    .await;
+    let (s, _creds) = s3
+        .service("host-w", "not-the-secret-at-all", &[], &[])
+        .await;
     s.image("w", 4).await;
     let a = s.post("/v1/images/w/backups", json!({"name": "one"})).await;
     assert_error(&a, 503, "backup_target_unavailable");
@@ -877,21 +886,14 @@ async fn a_wrong_s3_secret_is_refused_naming_the_target() {
 #[tokio::test]
 async fn a_hung_target_fails_the_backup_after_the_timeout_and_frees_the_image() {
     let s3 = S3::start();
-    let target = format!("s3://bucket/host-h?endpoint={}", s3.endpoint);
-    let creds = s3.credentials(&s3.secret_access_key);
-    let s = Service::start_with(Opts {
-        extra_args: vec![
-            "--backup-target".into(),
-            target,
-            "--backup-credentials".into(),
-            creds.path().display().to_string(),
-            "--backup-timeout-secs".into(),
-            "2".into(),
-        ],
-        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "slow_backup".into())],
-        ..Default::default()
-    })
-    .await;
+    let (s, _creds) = s3
+        .service(
+            "host-h",
+            &s3.secret_access_key,
+            &["--backup-timeout-secs", "2"],
+            &[("BLOCKPLANE_TEST_FAULT", "slow_backup")],
+        )
+        .await;
     image_with(&s, "a", 64 * MIB, &[(0, 60 * MIB)], 23).await;
     let id = start_backup(&s, "a", "one").await["id"]
         .as_str()

@@ -42,6 +42,53 @@ fn distinct_image(env: &Env, name: &str, seed: u8, n: u64) -> PathBuf {
     image(env, name, n * C, &writes)
 }
 
+/// A backup of `src` running in a task, held after each chunk while its
+/// gate file exists: the task, its job and the gate.
+fn gated_backup(
+    env: &Env,
+    name: &str,
+    src: &Path,
+    size: u64,
+) -> (
+    tokio::task::JoinHandle<Result<Option<Manifest>>>,
+    Arc<AllocateJob>,
+    PathBuf,
+    Uuid,
+) {
+    let gate = env.images.join(format!("gate-{name}"));
+    std::fs::write(&gate, b"").unwrap();
+    let job = Arc::new(AllocateJob {
+        gate: Some(gate.clone()),
+        ..AllocateJob::default()
+    });
+    let md = meta(name, size);
+    let id = md.id;
+    let run = tokio::spawn({
+        let (t, job) = (env.target.clone(), Arc::clone(&job));
+        let file = File::open(src).unwrap();
+        async move { backup(&t, md, file, job, Arc::new(Counters::default())).await }
+    });
+    (run, job, gate, id)
+}
+
+/// A gc of service `svc-b` running in a task, held (once it has read the
+/// manifests) until the sender is used: the task and the sender.
+async fn held_gc(
+    t: &Target,
+) -> (
+    tokio::task::JoinHandle<Result<GcReport>>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (reached, at) = tokio::sync::oneshot::channel();
+    let (go, resume) = tokio::sync::oneshot::channel();
+    let collecting = tokio::spawn({
+        let t = t.clone();
+        async move { collect(&t, "svc-b", Some(Pause { reached, resume })).await }
+    });
+    at.await.unwrap();
+    (collecting, go)
+}
+
 /// Item 1: a chunk that earlier backups name but the target lost (deleted
 /// by hand, or overwritten with other bytes of the same length) is stored
 /// again by the next backup of the same bytes, never taken on trust; and
@@ -88,19 +135,7 @@ async fn a_backup_stores_again_a_chunk_the_s3_target_lost() {
 async fn a_fast_clock_does_not_expose_a_running_backup(env: &Env) {
     let t = &env.target;
     let src = distinct_image(env, "src", 60, 3);
-    let gate = env.images.join("gate");
-    std::fs::write(&gate, b"").unwrap();
-    let job = Arc::new(AllocateJob {
-        gate: Some(gate.clone()),
-        ..AllocateJob::default()
-    });
-    let md = meta("ahead", 3 * C);
-    let id = md.id;
-    let run = tokio::spawn({
-        let (t, job) = (t.clone(), Arc::clone(&job));
-        let file = File::open(&src).unwrap();
-        async move { backup(&t, md, file, job, Arc::new(Counters::default())).await }
-    });
+    let (run, job, gate, id) = gated_backup(env, "ahead", &src, 3 * C);
     until("the backup's first chunk stored", async || {
         job.done_bytes.load(Relaxed) >= C
     })
@@ -156,13 +191,7 @@ async fn a_chunk_put_again_during_gc_stays(env: &Env) {
     })
     .await;
     let src = image(env, "src", C, &[(0, bytes.clone())]);
-    let (reached, at) = tokio::sync::oneshot::channel();
-    let (go, resume) = tokio::sync::oneshot::channel();
-    let collecting = tokio::spawn({
-        let t = t.clone();
-        async move { collect(&t, "svc-b", Some(Pause { reached, resume })).await }
-    });
-    at.await.unwrap();
+    let (collecting, go) = held_gc(t).await;
     let m = take(env, "again", &src).await;
     go.send(()).unwrap();
     collecting.await.unwrap().unwrap();
@@ -204,31 +233,14 @@ async fn two_gcs_at_once(env: &Env) {
         2 * C,
         &[(0, shared.clone()), (C, pattern(121, C as usize))],
     );
-    let gate = env.images.join("gate-x");
-    std::fs::write(&gate, b"").unwrap();
-    let job = Arc::new(AllocateJob {
-        gate: Some(gate.clone()),
-        ..AllocateJob::default()
-    });
-    let x = tokio::spawn({
-        let (t, job) = (t.clone(), Arc::clone(&job));
-        let file = File::open(&x_src).unwrap();
-        let md = meta("x", 2 * C);
-        async move { backup(&t, md, file, job, Arc::new(Counters::default())).await }
-    });
+    let (x, job, gate, _) = gated_backup(env, "x", &x_src, 2 * C);
     until("X to have taken its first chunk", async || {
         job.done_bytes.load(Relaxed) >= C
     })
     .await;
     delete(t, m.id).await.unwrap();
 
-    let (reached, at) = tokio::sync::oneshot::channel();
-    let (go, resume) = tokio::sync::oneshot::channel();
-    let b = tokio::spawn({
-        let t = t.clone();
-        async move { collect(&t, "svc-b", Some(Pause { reached, resume })).await }
-    });
-    at.await.unwrap();
+    let (b, go) = held_gc(t).await;
     std::fs::remove_file(&gate).unwrap();
     let mx = x.await.unwrap().unwrap().expect("not cancelled");
 
