@@ -14,6 +14,12 @@
 //! `/proc/PID/cmdline` or `/proc/PID/environ`. Images reach it as an open
 //! descriptor (`/dev/fd/3`), so the path the caller opened under its image
 //! roots is the file it works on.
+//!
+//! Whether a file is LUKS at all is read from its magic here, not asked of
+//! the program: a host without cryptsetup still tells an encrypted file
+//! from a plain one, and no failure of the program (a LUKS1 header, damaged
+//! metadata, a program that cannot run) can make a LUKS file pass for
+//! plain, whose volume would serve its ciphertext as data to write over.
 
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -31,6 +37,28 @@ const NEW_KEY_FD: i32 = 4;
 
 /// cryptsetup's exit status for "no key available with this passphrase".
 const EXIT_NO_PERMISSION: i32 = 2;
+
+/// The magic of a LUKS header at the start of the file (LUKS1 and LUKS2's
+/// primary header): "LUKS" 0xba 0xbe, then the version, u16 big-endian.
+const MAGIC: &[u8; 6] = b"LUKS\xba\xbe";
+
+/// The magic of LUKS2's secondary header: "SKUL" 0xba 0xbe.
+const MAGIC_SECONDARY: &[u8; 6] = b"SKUL\xba\xbe";
+
+/// Where LUKS2 puts its secondary header: right after the primary, whose
+/// size (binary header and JSON area) is one of these, 16 KiB to 4 MiB
+/// (the LUKS2 on-disk format; cryptsetup and blkid look at the same).
+const SECONDARY_OFFSETS: [u64; 9] = [
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    2 << 20,
+    4 << 20,
+];
 
 /// The most bytes of a key: cryptsetup's own limit for a key read from a
 /// file is 8 MiB; the API's is far lower.
@@ -60,6 +88,53 @@ pub enum CryptError {
         op: &'static str,
         /// What was wrong with it.
         message: String,
+    },
+    /// The image's first bytes could not be read to look for a header.
+    #[error("cannot read its first bytes to look for a LUKS header: {0}")]
+    Read(#[source] io::Error),
+    /// A LUKS header of a version other than 2 (LUKS1, or one this build
+    /// does not know).
+    #[error("it has a {} header (its magic at byte {offset}), and only LUKS2 is opened here", version_name(*.version))]
+    Unsupported {
+        /// The header's version.
+        version: u16,
+        /// Where its magic is.
+        offset: u64,
+    },
+    /// A LUKS2 magic whose header cryptsetup cannot read (both copies of its
+    /// metadata damaged, say).
+    #[error(
+        "it has a LUKS2 header (its magic at byte {offset}) that cryptsetup cannot read: {message}"
+    )]
+    Unreadable {
+        /// Where its magic is: 0 for the primary header, else the
+        /// secondary's offset.
+        offset: u64,
+        /// cryptsetup's own words.
+        message: String,
+    },
+}
+
+/// `LUKS1`, `LUKS2`, or `LUKS version N` for one no release has.
+pub fn version_name(version: u16) -> String {
+    match version {
+        1 | 2 => format!("LUKS{version}"),
+        v => format!("LUKS version {v}"),
+    }
+}
+
+/// What an image's first bytes say it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Magic {
+    /// No LUKS magic where LUKS puts one.
+    Plain,
+    /// A LUKS header.
+    Luks {
+        /// Its version (1, 2, ...), as its magic gives it.
+        version: u16,
+        /// Where its magic is: 0 for the primary header, else the offset of
+        /// a LUKS2 secondary header (the primary's magic is gone).
+        offset: u64,
     },
 }
 
@@ -239,16 +314,139 @@ pub fn format(
         .run()
 }
 
-/// Whether `image` starts with a LUKS2 header.
+/// What `image`'s magic says it is, read from the file itself (no
+/// cryptsetup): a LUKS magic at 0, or LUKS2's secondary magic at one of its
+/// offsets, whether or not the rest of the header can be read.
+///
+/// Read with `O_DIRECT` where the file's filesystem or device has it, so
+/// that the look leaves no page of the image in the page cache (an
+/// unwritten extent with cached pages reads as data to `SEEK_DATA`, and a
+/// direct-mapped volume's image is to hold none); elsewhere buffered, the
+/// pages read dropped after.
+pub fn magic(image: BorrowedFd<'_>) -> Result<Magic, CryptError> {
+    read_magic(HeadReader::open(image))
+}
+
+fn read_magic(mut reader: HeadReader<'_>) -> Result<Magic, CryptError> {
+    let found = (|| {
+        if let Some((m, version)) = reader.at(0)?
+            && &m == MAGIC
+        {
+            return Ok(Magic::Luks { version, offset: 0 });
+        }
+        for offset in SECONDARY_OFFSETS {
+            if let Some((m, version)) = reader.at(offset)?
+                && &m == MAGIC_SECONDARY
+            {
+                return Ok(Magic::Luks { version, offset });
+            }
+        }
+        Ok(Magic::Plain)
+    })();
+    reader.forget();
+    found
+}
+
+/// One page, aligned as `O_DIRECT` wants its buffers.
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+
+/// Reads the 8 bytes of a magic and its version at page-aligned offsets of
+/// an image, through the page cache or around it.
+struct HeadReader<'a> {
+    image: BorrowedFd<'a>,
+    /// The same file opened again with `O_DIRECT`, where it has it.
+    direct: Option<std::fs::File>,
+    page: Box<Page>,
+    /// Offsets read through the page cache, to drop after.
+    buffered: Vec<u64>,
+}
+
+impl<'a> HeadReader<'a> {
+    fn open(image: BorrowedFd<'a>) -> Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        // The same inode, whatever its path has become since it was opened.
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(format!("/proc/self/fd/{}", image.as_raw_fd()))
+            .ok();
+        Self {
+            direct,
+            ..Self::buffered(image)
+        }
+    }
+
+    /// A reader through the page cache only.
+    fn buffered(image: BorrowedFd<'a>) -> Self {
+        Self {
+            image,
+            direct: None,
+            page: Box::new(Page([0; 4096])),
+            buffered: Vec::new(),
+        }
+    }
+
+    /// The magic and version at `offset` (page-aligned), or `None` past the
+    /// end of the file.
+    fn at(&mut self, offset: u64) -> Result<Option<([u8; 6], u16)>, CryptError> {
+        let buf = &mut self.page.0;
+        let read = |fd: BorrowedFd<'_>, buf: &mut [u8]| loop {
+            match rustix::io::pread(fd, &mut *buf, offset) {
+                Err(rustix::io::Errno::INTR) => continue,
+                r => break r,
+            }
+        };
+        let got = match &self.direct {
+            Some(f) => read(f.as_fd(), buf),
+            None => {
+                self.buffered.push(offset);
+                read(self.image, buf)
+            }
+        }
+        .map_err(|e| CryptError::Read(e.into()))?;
+        // One read of a page-aligned page returns all of it up to the end
+        // of the file; fewer than 8 bytes is a file that ends there.
+        if got < 8 {
+            return Ok(None);
+        }
+        let mut magic = [0u8; 6];
+        magic.copy_from_slice(&buf[..6]);
+        Ok(Some((magic, u16::from_be_bytes([buf[6], buf[7]]))))
+    }
+
+    /// Drops the clean pages a buffered read cached (a filesystem without
+    /// `O_DIRECT`); best effort, as the look itself needs none of it.
+    fn forget(&self) {
+        for &offset in &self.buffered {
+            let len = std::num::NonZeroU64::new(self.page.0.len() as u64);
+            let _ = rustix::fs::fadvise(self.image, offset, len, rustix::fs::Advice::DontNeed);
+        }
+    }
+}
+
+/// Whether `image` has a LUKS header of any version, readable or not (by
+/// its magic: see [`magic`]).
 pub fn is_luks(image: BorrowedFd<'_>) -> Result<bool, CryptError> {
-    match Run::new("isLuks")
-        .args(&["--type", "luks2"])
-        .image(image)
-        .run()
-    {
-        Ok(()) => Ok(true),
-        Err(CryptError::Failed { .. }) => Ok(false),
-        Err(e) => Err(e),
+    Ok(magic(image)? != Magic::Plain)
+}
+
+/// The LUKS2 layout of `image`, or `None` when it has no LUKS header at
+/// all. A LUKS header of another version is [`CryptError::Unsupported`]; a
+/// LUKS2 one cryptsetup cannot read is [`CryptError::Unreadable`]; a host
+/// whose cryptsetup cannot run says [`CryptError::Missing`] for a LUKS2
+/// file only (a plain file needs no program).
+pub fn header(image: BorrowedFd<'_>) -> Result<Option<Layout>, CryptError> {
+    match magic(image)? {
+        Magic::Plain => Ok(None),
+        Magic::Luks { version: 2, offset } => match layout(image) {
+            Ok(l) => Ok(Some(l)),
+            Err(CryptError::Failed { message, .. } | CryptError::Output { message, .. }) => {
+                Err(CryptError::Unreadable { offset, message })
+            }
+            Err(e) => Err(e),
+        },
+        Magic::Luks { version, offset } => Err(CryptError::Unsupported { version, offset }),
     }
 }
 
@@ -439,6 +637,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = image(&dir, 32 << 20);
         assert!(!is_luks(f.as_fd()).unwrap());
+        assert!(header(f.as_fd()).unwrap().is_none());
         format(f.as_fd(), b"first key", 16 << 20, FAST).unwrap();
         assert!(is_luks(f.as_fd()).unwrap());
         let l = layout(f.as_fd()).unwrap();
@@ -471,6 +670,174 @@ mod tests {
             check_key(f.as_fd(), b"second key"),
             Err(CryptError::WrongKey)
         ));
+    }
+
+    /// A file of 8 MiB of zeros with `magic` and `version` (big-endian) at
+    /// each of `offsets`.
+    fn with_magic(
+        dir: &tempfile::TempDir,
+        magic: &[u8],
+        version: u16,
+        offsets: &[u64],
+    ) -> std::fs::File {
+        use std::os::unix::fs::FileExt;
+        let f = image(dir, 8 << 20);
+        for &off in offsets {
+            f.write_all_at(magic, off).unwrap();
+            f.write_all_at(&version.to_be_bytes(), off + 6).unwrap();
+        }
+        f
+    }
+
+    #[test]
+    fn a_luks_header_is_known_by_its_magic_alone() {
+        // Bytes alone, no header cryptsetup could read: what they are is
+        // still LUKS, never plain.
+        for (magic, version, offsets) in [
+            (&b"LUKS\xba\xbe"[..], 1, &[0u64][..]),
+            (b"LUKS\xba\xbe", 2, &[0]),
+            (b"SKUL\xba\xbe", 2, &[16 << 10]),
+            (b"SKUL\xba\xbe", 2, &[4 << 20]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let f = with_magic(&dir, magic, version, offsets);
+            let name = String::from_utf8_lossy(magic);
+            assert!(
+                is_luks(f.as_fd()).unwrap(),
+                "{name} v{version} at {offsets:?} was taken for plain"
+            );
+            // Which header it is comes from the magic too, before any
+            // program reads it.
+            let want = Magic::Luks {
+                version,
+                offset: offsets[0],
+            };
+            assert_eq!(magic_of(&f), want, "{name} at {offsets:?}");
+        }
+        // Not LUKS: zeros, a magic off the standard offsets, a secondary
+        // magic at 0.
+        for (magic, version, offsets) in [
+            (&b"LUKS\xba\xbe"[..], 2, &[][..]),
+            (b"SKUL\xba\xbe", 2, &[12 << 10]),
+            (b"SKUL\xba\xbe", 2, &[0]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let f = with_magic(&dir, magic, version, offsets);
+            let name = String::from_utf8_lossy(magic);
+            assert!(!is_luks(f.as_fd()).unwrap(), "{name} at {offsets:?}");
+            assert!(
+                matches!(header(f.as_fd()), Ok(None)),
+                "{name} at {offsets:?}"
+            );
+        }
+        // A LUKS1 magic is refused by its version, with no program asked.
+        let dir = tempfile::tempdir().unwrap();
+        let f = with_magic(&dir, MAGIC, 1, &[0]);
+        assert!(matches!(
+            header(f.as_fd()),
+            Err(CryptError::Unsupported {
+                version: 1,
+                offset: 0
+            })
+        ));
+        // A file shorter than a magic is plain.
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 3);
+        assert_eq!(magic_of(&f), Magic::Plain);
+    }
+
+    #[test]
+    fn a_magic_is_read_through_the_page_cache_where_direct_io_is_not() {
+        let buffered = |f: &std::fs::File| read_magic(HeadReader::buffered(f.as_fd())).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = with_magic(&dir, MAGIC_SECONDARY, 2, &[64 << 10]);
+        let want = Magic::Luks {
+            version: 2,
+            offset: 64 << 10,
+        };
+        assert_eq!(buffered(&f), want);
+        assert_eq!(magic_of(&f), want);
+        let dir = tempfile::tempdir().unwrap();
+        let f = with_magic(&dir, MAGIC, 1, &[0]);
+        let want = Magic::Luks {
+            version: 1,
+            offset: 0,
+        };
+        assert_eq!(buffered(&f), want);
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 100);
+        assert_eq!(buffered(&f), Magic::Plain);
+        assert_eq!(magic_of(&f), Magic::Plain);
+    }
+
+    fn magic_of(f: &std::fs::File) -> Magic {
+        magic(f.as_fd()).unwrap()
+    }
+
+    /// Formats `f` with cryptsetup itself as `version` (`luks1`, `luks2`).
+    fn luks_format(f: &std::fs::File, version: &str) {
+        let fd = f.as_fd();
+        Run::new("luksFormat")
+            .args(&["--type", version, "--batch-mode", "--pbkdf", "pbkdf2"])
+            .args(&["--pbkdf-force-iterations", "1000"])
+            .key(b"k")
+            .image(fd)
+            .run()
+            .unwrap();
+    }
+
+    #[test]
+    fn a_luks1_or_damaged_luks2_header_is_luks() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 32 << 20);
+        luks_format(&f, "luks1");
+        assert!(
+            is_luks(f.as_fd()).unwrap(),
+            "a LUKS1 file was taken for plain"
+        );
+        let e = header(f.as_fd()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CryptError::Unsupported {
+                    version: 1,
+                    offset: 0
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("LUKS1"), "{e}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 32 << 20);
+        luks_format(&f, "luks2");
+        // Both JSON areas (after each 4 KiB binary header of the default
+        // 16 KiB headers) damaged.
+        f.write_all_at(&[b'x'; 12 << 10], 4 << 10).unwrap();
+        f.write_all_at(&[b'x'; 12 << 10], 20 << 10).unwrap();
+        assert!(
+            is_luks(f.as_fd()).unwrap(),
+            "a damaged LUKS2 file was taken for plain"
+        );
+        let e = header(f.as_fd()).unwrap_err();
+        assert!(matches!(e, CryptError::Unreadable { offset: 0, .. }), "{e}");
+
+        // Only the primary header gone, magic and all: the secondary's magic
+        // says LUKS2, and cryptsetup reads that copy.
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 32 << 20);
+        luks_format(&f, "luks2");
+        f.write_all_at(&[0; 16 << 10], 0).unwrap();
+        assert_eq!(
+            magic_of(&f),
+            Magic::Luks {
+                version: 2,
+                offset: 16 << 10
+            }
+        );
+        let l = header(f.as_fd()).unwrap().expect("a LUKS2 layout");
+        assert_eq!(l.key_slots, vec![0]);
     }
 
     #[test]
