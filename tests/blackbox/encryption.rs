@@ -381,3 +381,149 @@ async fn keys_rotate_in_the_file_and_the_last_slot_stays() {
         "{kinds:?}"
     );
 }
+
+/// Formats the file `path` (made `size` bytes first) as LUKS `version`
+/// (`luks1` or `luks2`) with cryptsetup itself, opened by `key`.
+fn luks_format(path: &std::path::Path, size: u64, version: &str, key: &str) {
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    drop(f);
+    let mut c = Command::new("cryptsetup")
+        .args(["luksFormat", "--type", version, "--batch-mode"])
+        .args(["--pbkdf-force-iterations", "1000", "--pbkdf", "pbkdf2"])
+        .args(["--key-file=-"])
+        .arg(path)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(key.as_bytes()).unwrap();
+    assert!(c.wait().unwrap().success(), "cryptsetup luksFormat failed");
+}
+
+/// Overwrites `len` bytes of `path` at `offset` with a pattern.
+fn scribble(path: &std::path::Path, offset: u64, len: usize, byte: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(&vec![byte; len], offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn message(a: &blockplane_api::client::Answer) -> String {
+    a.body["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_luks1_file_is_refused_by_its_own_code_and_nothing_is_registered() {
+    let s = Service::start().await;
+    let path = s.images.join("old.img");
+    luks_format(&path, 32 << 20, "luks1", "old key");
+    let before = s.snapshot().await;
+    let a = s
+        .post("/v1/images", json!({"name": "old", "path": path}))
+        .await;
+    assert_error(&a, 422, "luks_version_unsupported");
+    let m = message(&a);
+    assert!(m.contains("'old'") && m.contains("LUKS1"), "{m}");
+    assert!(m.contains("LUKS2"), "the rule is not named: {m}");
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+    assert_eq!(s.get("/v1/images").await.body, json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_luks2_file_with_both_json_areas_damaged_is_refused_and_one_with_a_copy_left_registers() {
+    let s = Service::start().await;
+    // cryptsetup's default LUKS2 header: 16 KiB each, the primary at 0
+    // and the secondary after it; each a 4 KiB binary header and its JSON.
+    let path = s.images.join("broken.img");
+    luks_format(&path, 32 << 20, "luks2", "k");
+    scribble(&path, 4096, 12 << 10, b'x');
+    scribble(&path, (16 << 10) + 4096, 12 << 10, b'x');
+    let before = s.snapshot().await;
+    let a = s
+        .post("/v1/images", json!({"name": "broken", "path": path}))
+        .await;
+    assert_error(&a, 422, "luks_header_unreadable");
+    let m = message(&a);
+    assert!(m.contains("'broken'"), "{m}");
+    assert!(
+        m.contains("never served as plain"),
+        "the rule is not named: {m}"
+    );
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+
+    // The primary header destroyed, magic and all: the secondary copy says
+    // what it is, and cryptsetup reads it.
+    let path = s.images.join("half.img");
+    luks_format(&path, 32 << 20, "luks2", "k");
+    scribble(&path, 0, 16 << 10, 0);
+    let a = s
+        .post("/v1/images", json!({"name": "half", "path": path}))
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(a.body["encryption"]["format"], "luks2", "{}", a.body);
+}
+
+/// A service started in a mount namespace of its own where cryptsetup
+/// cannot run (`/dev/null` bound over it): a host without the program.
+async fn service_without_cryptsetup(dir: &std::path::Path) -> Service {
+    use std::os::unix::fs::PermissionsExt;
+    let wrapper = dir.join("no-cryptsetup");
+    // `unshare` and `sh` exec, so the service keeps this process's id.
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec unshare --mount --propagation private /bin/sh -c 'mount --bind /dev/null /usr/sbin/cryptsetup && exec \"$0\" \"$@\"' {} \"$@\"\n",
+            crate::harness::BIN
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    Service::start_with(Opts {
+        bin: Some(wrapper),
+        ..Default::default()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_without_cryptsetup_registers_plain_files_and_refuses_encrypted_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = service_without_cryptsetup(tmp.path()).await;
+    let plain = s.images.join("plain.img");
+    std::fs::File::create(&plain)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let a = s
+        .post("/v1/images", json!({"name": "plain", "path": plain}))
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(a.body["encryption"], serde_json::Value::Null, "{}", a.body);
+
+    // Made here by the test, which sees the host's cryptsetup.
+    let luks = s.images.join("sealed.img");
+    luks_format(&luks, 32 << 20, "luks2", "k");
+    let before = s.snapshot().await;
+    let a = s
+        .post("/v1/images", json!({"name": "sealed", "path": luks}))
+        .await;
+    assert_error(&a, 422, "encryption_unavailable");
+    let m = message(&a);
+    assert!(
+        m.contains("'sealed'") && m.contains("cryptsetup-bin"),
+        "{m}"
+    );
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "new", "path": s.images.join("new.img"),
+                   "create": {"size_bytes": 32u64 << 20, "encryption": {"key": "k"}}}),
+        )
+        .await;
+    assert_error(&a, 422, "encryption_unavailable");
+    assert!(message(&a).contains("cryptsetup-bin"), "{}", a.body);
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+}

@@ -81,10 +81,13 @@ STATE_CODES = {
     "unsupported",
     "refused",
     "not_live",
-    # Whether the image is encrypted, and whether this host has dm-crypt.
+    # Whether the image is encrypted, and whether this host has dm-crypt;
+    # a file's LUKS header that is not LUKS2, or not readable.
     "not_encrypted",
     "key_required",
     "encryption_unavailable",
+    "luks_version_unsupported",
+    "luks_header_unreadable",
 }
 
 

@@ -124,6 +124,12 @@ error_codes! {
     EncryptionUnavailable = "encryption_unavailable",
     /// 403: no key slot of the encrypted image opens with the key given.
     KeyRejected = "key_rejected",
+    /// 422: the file has a LUKS header of a version other than LUKS2
+    /// (LUKS1): refused, never served as plain data.
+    LuksVersionUnsupported = "luks_version_unsupported",
+    /// 422: the file has a LUKS2 header cryptsetup cannot read (its metadata
+    /// damaged in both copies): refused, never served as plain data.
+    LuksHeaderUnreadable = "luks_header_unreadable",
 
     // What the request names does not exist.
     /// 404: no image of that id or name.

@@ -149,6 +149,10 @@ impl ApiError {
                 Error::EncryptionUnavailable { .. } => {
                     (S::UNPROCESSABLE_ENTITY, C::EncryptionUnavailable)
                 }
+                Error::LuksUnsupported { .. } => {
+                    (S::UNPROCESSABLE_ENTITY, C::LuksVersionUnsupported)
+                }
+                Error::LuksUnreadable { .. } => (S::UNPROCESSABLE_ENTITY, C::LuksHeaderUnreadable),
                 Error::Crypt { .. } => (S::INTERNAL_SERVER_ERROR, C::CryptFailed),
                 Error::VolumeExists { .. } => (S::CONFLICT, C::VolumeExists),
                 Error::VolumeState { .. } => (S::CONFLICT, C::VolumeState),

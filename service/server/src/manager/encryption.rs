@@ -45,6 +45,16 @@ pub(super) fn crypt_error(image: &str, e: CryptError) -> Error {
             image: image.to_string(),
             reason: format!("cryptsetup cannot run here ({e}); install Debian's cryptsetup-bin"),
         },
+        CryptError::Unsupported { version, offset } => Error::LuksUnsupported {
+            image: image.to_string(),
+            what: crypt::version_name(version),
+            offset,
+        },
+        CryptError::Unreadable { offset, message } => Error::LuksUnreadable {
+            image: image.to_string(),
+            offset,
+            reason: message,
+        },
         e => Error::Crypt {
             image: image.to_string(),
             source: e,
@@ -53,13 +63,15 @@ pub(super) fn crypt_error(image: &str, e: CryptError) -> Error {
 }
 
 /// The header of the LUKS2 file `fd` as the API shows it, or `None` when it
-/// is not one.
+/// has no LUKS magic. Fails closed: a LUKS1 header, a LUKS2 one cryptsetup
+/// cannot read, or a LUKS2 file on a host whose cryptsetup cannot run is an
+/// error, never `None`, since a volume on an image without encryption
+/// serves the file's bytes (here its ciphertext) as writable data.
 pub(super) fn encryption_of(image: &str, fd: &OwnedFd) -> Result<Option<ImageEncryption>> {
     use std::os::fd::AsFd;
-    if !crypt::is_luks(fd.as_fd()).map_err(|e| crypt_error(image, e))? {
+    let Some(layout) = crypt::header(fd.as_fd()).map_err(|e| crypt_error(image, e))? else {
         return Ok(None);
-    }
-    let layout = crypt::layout(fd.as_fd()).map_err(|e| crypt_error(image, e))?;
+    };
     Ok(Some(ImageEncryption {
         format: "luks2".into(),
         cipher: layout.cipher,

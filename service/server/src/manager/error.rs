@@ -166,6 +166,25 @@ pub enum Error {
     NotEncrypted { image: String, what: String },
     #[error("image '{image}': encryption is not available: {reason}")]
     EncryptionUnavailable { image: String, reason: String },
+    /// A LUKS header of a version other than 2: served as plain, its
+    /// ciphertext would pass for data.
+    #[error(
+        "image '{image}' has a {what} header (its magic at byte {offset}): blockplane opens LUKS2 only and never serves a file with a LUKS header as plain data; convert it with `cryptsetup convert --type luks2` while nothing uses it, then register it again"
+    )]
+    LuksUnsupported {
+        image: String,
+        what: String,
+        offset: u64,
+    },
+    /// A LUKS2 magic whose header cryptsetup cannot read.
+    #[error(
+        "image '{image}' has a LUKS2 header (its magic at byte {offset}) that cryptsetup cannot read ({reason}): a file with a LUKS header is never served as plain data; restore its header (`cryptsetup luksHeaderRestore` from a header backup), then register it again"
+    )]
+    LuksUnreadable {
+        image: String,
+        offset: u64,
+        reason: String,
+    },
     #[error("image '{image}': {source}")]
     Crypt {
         image: String,
