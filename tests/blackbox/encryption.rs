@@ -527,3 +527,115 @@ async fn a_host_without_cryptsetup_registers_plain_files_and_refuses_encrypted_o
     assert!(message(&a).contains("cryptsetup-bin"), "{}", a.body);
     assert_eq!(s.snapshot().await, before, "a refusal changed something");
 }
+
+/// Backs up `image` to the service's target and restores it as `name`:
+/// the restored image's last view once it is no longer copying.
+async fn backup_and_restore(s: &Service, image: &str, name: &str) -> serde_json::Value {
+    let a = s
+        .post(
+            &format!("/v1/images/{image}/backups"),
+            json!({"name": format!("{image}-b")}),
+        )
+        .await;
+    assert_eq!(a.status, 202, "{}", a.body);
+    let id = a.body["id"].as_str().unwrap().to_string();
+    let mut b = serde_json::Value::Null;
+    crate::harness::eventually(Duration::from_secs(120), "the backup", async || {
+        b = s.get(&format!("/v1/backups/{id}")).await.body;
+        b["state"] != "running"
+    })
+    .await;
+    assert_eq!(b["state"], "done", "{b}");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": name, "path": s.images.join(format!("{name}.img")), "restore_from": id}),
+        )
+        .await;
+    assert_eq!(a.status, 202, "{}", a.body);
+    let mut i = serde_json::Value::Null;
+    crate::harness::eventually(Duration::from_secs(120), "the restore", async || {
+        i = s.get(&format!("/v1/images/{name}")).await.body;
+        i["state"] != "copying"
+    })
+    .await;
+    i
+}
+
+/// A service whose backup target is a new directory (kept with it).
+async fn service_with_target() -> (Service, tempfile::TempDir) {
+    let target = tempfile::Builder::new()
+        .prefix("bp-target")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let s = Service::start_with(Opts {
+        extra_args: vec![
+            "--backup-target".into(),
+            target.path().to_str().unwrap().into(),
+            "--key-unlock-ms".into(),
+            "100".into(),
+        ],
+        ..Default::default()
+    })
+    .await;
+    (s, target)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_of_an_encrypted_backup_without_its_header_fails_and_leaves_no_file() {
+    let (s, _target) = service_with_target().await;
+    // Backed up encrypted, its header lost since: restored, it would be
+    // ciphertext served as plain.
+    let sealed = s.images.join("sealed.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "sealed", "path": sealed,
+                   "create": {"size_bytes": 24u64 << 20, "encryption": {"key": "k"}}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    scribble(&sealed, 16 << 20, 1 << 20, 0x5a);
+    scribble(&sealed, 0, 16 << 20, 0);
+    let i = backup_and_restore(&s, "sealed", "sealed-back").await;
+    assert_eq!(i["state"], "failed", "{i}");
+    let reason = i["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("encrypted") && reason.contains("no LUKS header"),
+        "{reason}"
+    );
+    assert!(!s.images.join("sealed-back.img").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_of_a_plain_backup_that_holds_a_luks_header_fails_and_leaves_no_file() {
+    let (s, _target) = service_with_target().await;
+    // Backed up plain, a LUKS2 header written in it since (by whatever used
+    // its device): restored, it would need a key its source never did.
+    let open = s.images.join("open.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "open", "path": open, "create": {"size_bytes": 24u64 << 20}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let made = elsewhere.path().join("luks.img");
+    luks_format(&made, 24 << 20, "luks2", "k");
+    let header = std::fs::read(&made).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&open).unwrap();
+        f.write_all_at(&header[..16 << 20], 0).unwrap();
+        f.sync_all().unwrap();
+    }
+    let i = backup_and_restore(&s, "open", "open-back").await;
+    assert_eq!(i["state"], "failed", "{i}");
+    let reason = i["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("not encrypted") && reason.contains("LUKS header"),
+        "{reason}"
+    );
+    assert!(!s.images.join("open-back.img").exists());
+}

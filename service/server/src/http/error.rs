@@ -153,6 +153,8 @@ impl ApiError {
                     (S::UNPROCESSABLE_ENTITY, C::LuksVersionUnsupported)
                 }
                 Error::LuksUnreadable { .. } => (S::UNPROCESSABLE_ENTITY, C::LuksHeaderUnreadable),
+                // The backup's bytes disagree with its own manifest.
+                Error::RestoredEncryption { .. } => (S::BAD_GATEWAY, C::BackupCorrupt),
                 Error::Crypt { .. } => (S::INTERNAL_SERVER_ERROR, C::CryptFailed),
                 Error::VolumeExists { .. } => (S::CONFLICT, C::VolumeExists),
                 Error::VolumeState { .. } => (S::CONFLICT, C::VolumeState),

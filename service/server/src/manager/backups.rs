@@ -867,7 +867,9 @@ impl Manager {
     }
 
     /// Runs a restore into `fd` (`file`'s, read again at the end), then records its end: `ready` (with its
-    /// LUKS2 header read, when it has one), or `failed` with the file removed.
+    /// LUKS2 header read, when it has one), or `failed` with the file removed
+    /// (also when its bytes have a LUKS header and the manifest says the
+    /// image was not encrypted, or the other way round).
     fn start_restore(
         self: &Arc<Self>,
         row: &ImageRow,
@@ -888,10 +890,37 @@ impl Manager {
                     .map_err(Error::from);
                 let out = match out {
                     Ok(true) => {
-                        let name = row.name.clone();
+                        let (name, backup) = (row.name.clone(), m.name.clone());
+                        let (backup_id, encrypted) = (m.id, m.image.encrypted);
                         blocking(move || -> Result<_> {
+                            use std::os::fd::AsFd;
                             let mut file = file;
                             file.refresh()?;
+                            // The restored image takes its encryption from
+                            // its bytes, as a registration does; bytes that
+                            // disagree with the manifest would turn an
+                            // encrypted image's ciphertext into a plain
+                            // volume's data, or lock a plain one behind a
+                            // key its source never had.
+                            let luks = blockplane_system::crypt::is_luks(file.fd().as_fd())
+                                .map_err(|e| super::encryption::crypt_error(&name, e))?;
+                            if luks != encrypted {
+                                return Err(Error::RestoredEncryption {
+                                    image: name,
+                                    backup,
+                                    backup_id,
+                                    expected: if encrypted {
+                                        "an encrypted image"
+                                    } else {
+                                        "an image that is not encrypted"
+                                    },
+                                    found: if luks {
+                                        "hold a LUKS header (registered as it is, the image would need a key its source never did)"
+                                    } else {
+                                        "hold no LUKS header (served, its ciphertext would pass for plain data)"
+                                    },
+                                });
+                            }
                             let encryption = super::encryption::encryption_of(&name, file.fd())?;
                             Ok((true, file.allocated(), encryption))
                         })

@@ -185,6 +185,18 @@ pub enum Error {
         offset: u64,
         reason: String,
     },
+    /// A restore whose bytes disagree with its backup's manifest about
+    /// being encrypted.
+    #[error(
+        "image '{image}': backup '{backup}' ({backup_id}) is of {expected}, but the restored bytes {found}; a restore keeps its source's encryption, so it was not made ready"
+    )]
+    RestoredEncryption {
+        image: String,
+        backup: String,
+        backup_id: Uuid,
+        expected: &'static str,
+        found: &'static str,
+    },
     #[error("image '{image}': {source}")]
     Crypt {
         image: String,
