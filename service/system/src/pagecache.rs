@@ -209,8 +209,8 @@ mod tests {
     /// counts them, but neither a sync nor `POSIX_FADV_DONTNEED` can drop
     /// them, so a test of the drop cannot run there.
     /// (libc names no `RAMFS_MAGIC`: include/uapi/linux/magic.h's value.)
-    const NO_DROPPABLE_CACHE: [(i64, &str); 2] =
-        [(libc::TMPFS_MAGIC as i64, "tmpfs"), (0x8584_58f6, "ramfs")];
+    const NO_DROPPABLE_CACHE: [(libc::c_long, &str); 2] =
+        [(libc::TMPFS_MAGIC, "tmpfs"), (0x8584_58f6, "ramfs")];
 
     /// A directory on a filesystem with a page cache whose clean pages can be
     /// dropped: the temp dir, else `/var/tmp`, else the directory of the test
@@ -229,7 +229,7 @@ mod tests {
         let mut tried = Vec::new();
         for dir in candidates.into_iter().flatten() {
             let fstype = match rustix::fs::statfs(&dir) {
-                Ok(st) => st.f_type as i64,
+                Ok(st) => st.f_type,
                 Err(e) => {
                     tried.push(format!("{}: {e}", dir.display()));
                     continue;

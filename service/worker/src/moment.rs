@@ -315,7 +315,7 @@ mod tests {
             got == want,
             "the moment's file differs from the image before the writes"
         );
-        let blocks = rustix::fs::stat(&dir.path().join("moment"))
+        let blocks = rustix::fs::stat(dir.path().join("moment"))
             .unwrap()
             .st_blocks as u64
             * 512;
