@@ -156,9 +156,9 @@ lane2=$!
 trap 'kill -TERM -- "-$lane1" "-$lane2" "${prefetch[@]/#/-}" 2>/dev/null || true' EXIT
 fi
 
-step "cargo clippy --all-targets -- -D warnings (with the test faults and without)"
-cargo clippy --locked --all-targets --features blockplane/test-faults -- -D warnings
-cargo clippy --locked --all-targets -- -D warnings
+step "cargo clippy --workspace --all-targets -- -D warnings (with the test faults and without)"
+cargo clippy --locked --workspace --all-targets --features blockplane/test-faults -- -D warnings
+cargo clippy --locked --workspace --all-targets -- -D warnings
 # The kernel e2e target has `test = false`, so --all-targets leaves it out, and
 # naming it beside --all-targets does not lint it either: a call of its own.
 cargo clippy --locked --test vm --features blockplane/test-faults -- -D warnings
