@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use super::{UblkBackend, supervise::STATE_FILE};
 use crate::backend::BackendEvent;
+use crate::manager::SupervisorFault;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_worker::protocol::{self, Answer, Request};
 
@@ -127,6 +128,17 @@ impl UblkBackend {
         }
     }
 
+    /// Whether a test asked the supervisor to suffer `what` now (its
+    /// fault armed, and `<data dir>/run/supervisor-gate` present).
+    fn injects(&self, what: SupervisorFault) -> bool {
+        let on = self.cfg.faults.supervisor(what)
+            && self.cfg.run_root.with_file_name("supervisor-gate").exists();
+        if on {
+            tracing::warn!(?what, "test fault: the worker supervisor fails");
+        }
+        on
+    }
+
     /// Makes the supervisor look at the workers map again.
     pub(super) fn supervisor_poke(&self) {
         self.supervisor.poke();
@@ -139,6 +151,9 @@ impl UblkBackend {
     pub(super) fn supervise(&self) {
         self.supervisor.started.call_once(|| {
             let backend = self.handle();
+            if self.injects(SupervisorFault::Start) {
+                return;
+            }
             let _ = std::thread::Builder::new()
                 .name("supervise".into())
                 .spawn(move || {
@@ -173,13 +188,21 @@ impl UblkBackend {
         )?;
         let mut events = Vec::with_capacity(64);
         loop {
+            if self.injects(SupervisorFault::Panic) {
+                panic!("test fault: the worker supervisor panics");
+            }
             self.sync(&mut set);
             events.clear();
-            match epoll::wait(
-                &set.epoll,
-                rustix::buffer::spare_capacity(&mut events),
-                None,
-            ) {
+            let waited = if self.injects(SupervisorFault::Wait) {
+                Err(rustix::io::Errno::IO)
+            } else {
+                epoll::wait(
+                    &set.epoll,
+                    rustix::buffer::spare_capacity(&mut events),
+                    None,
+                )
+            };
+            match waited {
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -242,10 +265,14 @@ impl UblkBackend {
             };
             let key = set.next_key;
             set.next_key += 1;
-            let pidfd = rustix::process::pidfd_open(
-                rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
-                rustix::process::PidfdFlags::empty(),
-            )
+            let pidfd = if self.injects(SupervisorFault::PidfdOpen) {
+                Err(rustix::io::Errno::MFILE)
+            } else {
+                rustix::process::pidfd_open(
+                    rustix::process::Pid::from_raw(pid as i32).expect("pid > 0"),
+                    rustix::process::PidfdFlags::empty(),
+                )
+            }
             .ok();
             if let Some(fd) = &pidfd
                 && epoll::add(
@@ -293,6 +320,9 @@ impl UblkBackend {
         }
         let pid = w.pid;
         let backend = self.handle();
+        if self.injects(SupervisorFault::RecoverySpawn) {
+            return;
+        }
         let _ = std::thread::Builder::new()
             .name(format!("recover-{}", &volume_id.to_string()[..8]))
             .spawn(move || {
