@@ -346,9 +346,18 @@ mod tests {
                 "fail_supervisor_start",
                 Fault::Supervisor(SupervisorFault::Start),
             ),
-            ("fail_supervisor_wait", Fault::Supervisor(SupervisorFault::Wait)),
-            ("panic_supervisor", Fault::Supervisor(SupervisorFault::Panic)),
-            ("emfile_pidfd", Fault::Supervisor(SupervisorFault::PidfdOpen)),
+            (
+                "fail_supervisor_wait",
+                Fault::Supervisor(SupervisorFault::Wait),
+            ),
+            (
+                "panic_supervisor",
+                Fault::Supervisor(SupervisorFault::Panic),
+            ),
+            (
+                "emfile_pidfd",
+                Fault::Supervisor(SupervisorFault::PidfdOpen),
+            ),
             (
                 "fail_recovery_spawn",
                 Fault::Supervisor(SupervisorFault::RecoverySpawn),
