@@ -43,7 +43,12 @@ impl Armed {
     async fn start(fault: &str) -> Self {
         let vm = Vm::start_with_env(&[("BLOCKPLANE_TEST_FAULT", fault)]).await;
         let gate = vm.s.data.join("run").join("supervisor-gate");
+        std::fs::create_dir_all(gate.parent().unwrap()).unwrap();
         std::fs::write(&gate, b"").unwrap();
+        Self::with_volume(vm, gate).await
+    }
+
+    async fn with_volume(vm: Vm, gate: PathBuf) -> Self {
         vm.image("s", Scratch::Xfs, 16, "full").await;
         let volume = vm
             .volume(json!({"name": "s", "image": "s", "backend": "ublk", "dispatch": "nowait"}))
@@ -168,18 +173,18 @@ impl Armed {
         }
     }
 
-    fn done(self, fault: &str) {
+    async fn done(self, fault: &str) {
         assert!(
             self.findings.is_empty(),
             "under {fault}:\n- {}",
             self.findings.join("\n- ")
         );
+        self.vm.delete("s").await;
     }
 }
 
-/// A supervisor that fails to start (or whose wait fails, or that panics)
-/// says so while it cannot run, tries again, and once it runs a killed
-/// worker is recovered.
+/// A supervisor whose wait fails (or that panics) says so while it cannot
+/// run, restarts itself, and once it runs a killed worker is recovered.
 async fn the_supervisor_comes_back(fault: &str, why: &str) {
     let mut a = Armed::start(fault).await;
     let pid = a.pid();
@@ -192,12 +197,31 @@ async fn the_supervisor_comes_back(fault: &str, why: &str) {
             "after the fault, /metrics did not say blockplane_worker_supervisor_running 1".into(),
         );
     }
-    a.done(fault);
+    a.done(fault).await;
 }
 
+/// The supervisor starts with the service (and, before, with its first
+/// worker): a service restarted while its thread cannot start adopts its
+/// workers unsupervised, says so, and starts it once it can.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_supervisor_that_cannot_start_says_so_and_starts_later() {
-    the_supervisor_comes_back("fail_supervisor_start", "could not start").await;
+    let vm = Vm::start().await;
+    let gate = vm.s.data.join("run").join("supervisor-gate");
+    let mut a = Armed::with_volume(vm, gate).await;
+    let pid = a.pid();
+    a.vm.s.kill();
+    std::fs::write(&a.gate, b"").unwrap();
+    a.vm.start_with_fault("fail_supervisor_start").await;
+    let now = a.now().await;
+    if now["worker_pid"].as_u64() != Some(pid) {
+        a.findings.push(format!(
+            "the restarted service did not adopt worker {pid}: {now}"
+        ));
+    }
+    a.says_why_while_gated(true, "could not start").await;
+    a.ungate().await;
+    a.recovers(pid, true).await;
+    a.done("fail_supervisor_start").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -228,6 +252,14 @@ async fn a_worker_that_cannot_be_watched_is_not_taken_for_dead() {
             now["worker_pid"], now["state"], now["state_reason"]
         ));
     }
+    // Taken for dead, it would be "recovered": a new worker asked to
+    // recover a device its live worker still serves, refused (EBUSY) and
+    // tried again, ten times, then the volume marked `error`.
+    let log = a.vm.s.log_text();
+    if let Some(line) = log.lines().find(|l| l.contains("recovery failed")) {
+        a.findings
+            .push(format!("the live worker {pid} was taken for dead: {line}"));
+    }
     let kinds = a.vm.event_kinds(a.volume["id"].as_str().unwrap()).await;
     for bad in ["worker_restarted", "worker_recovery_failed"] {
         if kinds.contains(&bad.to_string()) {
@@ -237,7 +269,7 @@ async fn a_worker_that_cannot_be_watched_is_not_taken_for_dead() {
     }
     a.ungate().await;
     a.recovers(pid, true).await;
-    a.done("emfile_pidfd");
+    a.done("emfile_pidfd").await;
 }
 
 /// A recovery thread that cannot start is started again: the dead worker's
@@ -247,10 +279,11 @@ async fn a_recovery_that_cannot_start_is_started_again() {
     let mut a = Armed::start("fail_recovery_spawn").await;
     let pid = a.pid();
     sh("kill", &["-9", &pid.to_string()]);
-    a.says_why_while_gated(false, "recovery could not start").await;
+    a.says_why_while_gated(false, "recovery could not start")
+        .await;
     a.ungate_only();
     a.recovers(pid, false).await;
-    a.done("fail_recovery_spawn");
+    a.done("fail_recovery_spawn").await;
 }
 
 impl Armed {
