@@ -252,13 +252,21 @@ async fn a_worker_that_cannot_be_watched_is_not_taken_for_dead() {
             now["worker_pid"], now["state"], now["state_reason"]
         ));
     }
-    // Taken for dead, it would be "recovered": a new worker asked to
-    // recover a device its live worker still serves, refused (EBUSY) and
-    // tried again, ten times, then the volume marked `error`.
-    let log = a.vm.s.log_text();
-    if let Some(line) = log.lines().find(|l| l.contains("recovery failed")) {
-        a.findings
-            .push(format!("the live worker {pid} was taken for dead: {line}"));
+    // Taken for dead, it would be "recovered" at once: a new worker asked
+    // to recover the device its live worker still serves, refused (EBUSY,
+    // after 30 s on 6.12) and tried again, ten times, then the volume
+    // marked `error`.
+    let log =
+        a.vm.s
+            .data
+            .join("run/ublk")
+            .join(a.volume["id"].as_str().unwrap())
+            .join("worker.log");
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    if let Some(line) = log.lines().find(|l| l.contains("recover_dev_id")) {
+        a.findings.push(format!(
+            "the live worker {pid} was taken for dead: a worker was started to recover its device: {line}"
+        ));
     }
     let kinds = a.vm.event_kinds(a.volume["id"].as_str().unwrap()).await;
     for bad in ["worker_restarted", "worker_recovery_failed"] {
