@@ -446,3 +446,88 @@ async fn page_cache_of_a_direct_io_volume_is_shown_warned_and_dropped_at_attach(
         a.body
     );
 }
+
+/// The supervisor of ublk workers runs from the start, and when it cannot
+/// (its thread fails to start, under test fault `fail_supervisor_start`
+/// while `<data dir>/run/supervisor-gate` exists) `GET /v1/host` and
+/// `/metrics` say so and why, and it is started again once it can. No
+/// ublk is needed: the supervisor starts with the service.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_host_and_metrics_say_whether_the_worker_supervisor_runs() {
+    use std::os::unix::fs::DirBuilderExt;
+    let s = Service::start_with(Default::default()).await;
+    let host = s.get("/v1/host").await.body;
+    assert_eq!(host["supervision"]["state"], "running", "{host}");
+    assert_eq!(host["supervision"]["reason"], Value::Null, "{host}");
+    let (_, parsed) = scrape(&s).await;
+    assert_eq!(
+        sample(&parsed, "blockplane_worker_supervisor_running", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&parsed, "blockplane_workers_unsupervised", &[]),
+        Some(0.0)
+    );
+    drop(s);
+
+    let mut gate = None;
+    let s = Service::start_prepared(
+        crate::harness::Opts {
+            env: vec![(
+                "BLOCKPLANE_TEST_FAULT".into(),
+                "fail_supervisor_start".into(),
+            )],
+            ..Default::default()
+        },
+        |data| {
+            let run = data.join("run");
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&run)
+                .unwrap();
+            let g = run.join("supervisor-gate");
+            std::fs::write(&g, b"").unwrap();
+            gate = Some(g);
+        },
+    )
+    .await;
+    let host = s.get("/v1/host").await.body;
+    let sup = &host["supervision"];
+    assert_eq!(sup["state"], "restarting", "{host}");
+    assert!(
+        sup["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("could not start")),
+        "{host}"
+    );
+    let (text, parsed) = scrape(&s).await;
+    assert_eq!(
+        sample(&parsed, "blockplane_worker_supervisor_running", &[]),
+        Some(0.0),
+        "{text}"
+    );
+    eventually(Duration::from_secs(20), "a start tried again", async || {
+        let (_, parsed) = scrape(&s).await;
+        sample(&parsed, "blockplane_worker_supervisor_restarts_total", &[])
+            .is_some_and(|n| n >= 2.0)
+    })
+    .await;
+    assert!(
+        s.log_text()
+            .contains("the worker supervisor could not start"),
+        "{}",
+        s.log_text()
+    );
+    std::fs::remove_file(gate.unwrap()).unwrap();
+    eventually(Duration::from_secs(20), "the supervisor runs", async || {
+        s.get("/v1/host").await.body["supervision"]["state"] == "running"
+    })
+    .await;
+    let (text, parsed) = scrape(&s).await;
+    assert_eq!(
+        sample(&parsed, "blockplane_worker_supervisor_running", &[]),
+        Some(1.0),
+        "{text}"
+    );
+}

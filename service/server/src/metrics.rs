@@ -110,6 +110,19 @@ pub struct Snapshot {
     pub workers: Vec<WorkerSample>,
     /// Backups, when the service has a backup target.
     pub backups: Option<BackupSample>,
+    /// The ublk worker supervisor, when the service has the ublk backend.
+    pub supervisor: Option<SupervisorSample>,
+}
+
+/// What a scrape shows of the ublk worker supervisor.
+#[derive(Debug, Default)]
+pub struct SupervisorSample {
+    /// It runs (watches every worker).
+    pub running: bool,
+    /// Times it stopped or could not start since the service started.
+    pub restarts: u64,
+    /// Workers it does not watch now although it runs.
+    pub unsupervised: u64,
 }
 
 /// What a scrape shows of backups.
@@ -437,6 +450,26 @@ impl Collector for Snapshot {
             ] {
                 ConstCounter::new(x).encode(enc.encode_descriptor(name, help, None, C)?)?;
             }
+        }
+        if let Some(sup) = &self.supervisor {
+            ConstGauge::new(if sup.running { 1.0 } else { 0.0 }).encode(enc.encode_descriptor(
+                "blockplane_worker_supervisor_running",
+                "Whether the supervisor of ublk workers runs (1) or is restarting (0): while it does not, a worker that dies is not recovered (GET /v1/host says why)",
+                None,
+                G,
+            )?)?;
+            ConstCounter::new(sup.restarts).encode(enc.encode_descriptor(
+                "blockplane_worker_supervisor_restarts",
+                "Times the supervisor of ublk workers stopped or could not start (since this service process started)",
+                None,
+                C,
+            )?)?;
+            ConstGauge::new(sup.unsupervised as f64).encode(enc.encode_descriptor(
+                "blockplane_workers_unsupervised",
+                "ublk workers the running supervisor does not watch now (a pidfd it could not open, a recovery that could not start: each retried; the volume's state_reason says why)",
+                None,
+                G,
+            )?)?;
         }
         let mut family =
             enc.encode_descriptor("blockplane_volumes", "Volumes per state", None, G)?;

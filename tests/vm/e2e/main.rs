@@ -27,6 +27,7 @@ mod logwrites;
 mod pagecache;
 mod snapshots;
 mod soak;
+mod supervision;
 mod ublk;
 mod upgrade;
 

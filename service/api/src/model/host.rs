@@ -2,6 +2,7 @@
 //! and the service's liveness (`/healthz`).
 
 use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::Backend;
@@ -96,6 +97,44 @@ pub struct Host {
     /// or `s3://BUCKET/PREFIX …`; `null`: backups are refused.
     #[serde(default)]
     pub backup_target: Option<String>,
+    /// Whether the supervisor of ublk workers runs: the thread that
+    /// recovers a worker that dies (`null`: this build has no ublk backend).
+    #[serde(default)]
+    pub supervision: Option<Supervision>,
+}
+
+/// Whether the supervisor of ublk workers runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum SupervisionState {
+    /// Not started yet: the service is starting.
+    Starting,
+    /// It watches every worker: one that dies is recovered.
+    Running,
+    /// It stopped or could not start (`reason`), and is started again after
+    /// a backoff; meanwhile a worker that dies is not recovered.
+    Restarting,
+}
+
+/// The supervisor of ublk workers (`GET /v1/host`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Supervision {
+    /// Whether it runs.
+    pub state: SupervisionState,
+    /// Why it does not run (`null` while it runs).
+    pub reason: Option<String>,
+    /// Since when it is in this state.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub since: OffsetDateTime,
+    /// Times it stopped or could not start since the service started.
+    pub restarts: u64,
+    /// Workers it does not watch now although it runs (a pidfd it could not
+    /// open, a recovery that could not start: both tried again); each such
+    /// volume says why in its `state_reason`.
+    pub unsupervised_workers: u64,
 }
 
 /// The build the service runs, and the file at the path it was started

@@ -216,6 +216,11 @@ pub struct Volume {
     /// `unknown`): `POST /v1/volumes/{id}/handover` (`blockplane upgrade`)
     /// moves it to the service's; `null` when no worker serves it.
     pub worker_older: Option<bool>,
+    /// Whether the service watches that worker, to recover its device if it
+    /// dies (`null` when no worker serves it). When `false` the volume is
+    /// `degraded` and `state_reason` says why.
+    #[serde(default)]
+    pub worker_supervised: Option<bool>,
     /// The image grew, but the kernel could not resize the device live
     /// (ublk without UPDATE_SIZE): the new size applies at the next attach.
     pub resize_pending: bool,

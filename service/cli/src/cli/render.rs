@@ -5,8 +5,8 @@ use std::fmt::Display;
 
 use blockplane_api::client::Client;
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, Event, Host, Image, ResizeImageResponse, Volume,
-    VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, Event, Host, Image, ResizeImageResponse,
+    SupervisionState, Volume, VolumeStats, human_size,
 };
 use serde::Serialize;
 use time::OffsetDateTime;
@@ -17,7 +17,6 @@ use super::table::{fields, table};
 
 /// What a client command answered.
 #[derive(Debug)]
-#[expect(clippy::large_enum_variant, reason = "one is made per command")]
 pub enum View {
     Host(Host),
     Image(Image),
@@ -153,6 +152,24 @@ fn host(h: &Host) -> String {
             dash(h.default_backend.map(|b| b.as_str())),
         ),
         ("image roots", roots),
+        (
+            "worker supervisor",
+            match &h.supervision {
+                None => "-".to_string(),
+                Some(s) => match (&s.state, &s.reason) {
+                    (SupervisionState::Running, _) if s.unsupervised_workers > 0 => format!(
+                        "running; {} worker(s) not watched (their volumes say why)",
+                        s.unsupervised_workers
+                    ),
+                    (SupervisionState::Running, _) => "running".to_string(),
+                    (SupervisionState::Starting, _) => "starting".to_string(),
+                    (SupervisionState::Restarting, reason) => format!(
+                        "NOT RUNNING, restarting: {}; a worker that dies meanwhile is not recovered",
+                        dash(reason.as_ref())
+                    ),
+                },
+            },
+        ),
     ]);
     if h.build.executable_replaced {
         out += &format!(

@@ -255,6 +255,86 @@ pub struct WorkerInfo {
     /// Its build (`blockplane_system::build`); `None` for a worker from
     /// before workers said (protocol 1).
     pub build: Option<String>,
+    /// Why a crash of it would not be recovered now (`None`: it would).
+    pub unsupervised: Option<Unsupervised>,
+}
+
+/// Why the ublk worker supervisor stopped, or could not start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stopped {
+    /// Its thread could not be started.
+    StartFailed(String),
+    /// It failed (its epoll set, or its wait).
+    Failed(String),
+    /// It panicked.
+    Panicked(String),
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stopped::StartFailed(e) => write!(f, "its thread could not start: {e}"),
+            Stopped::Failed(e) => write!(f, "it failed: {e}"),
+            Stopped::Panicked(e) => write!(f, "it panicked: {e}"),
+        }
+    }
+}
+
+/// Whether the supervisor of ublk workers runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SupervisorState {
+    /// Not started yet (the service is starting).
+    Starting { since: std::time::SystemTime },
+    /// It watches every worker.
+    Running { since: std::time::SystemTime },
+    /// It stopped or could not start, and is tried again.
+    Restarting {
+        since: std::time::SystemTime,
+        reason: Stopped,
+    },
+}
+
+/// The supervisor's state for `GET /v1/host` and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct SupervisorStatus {
+    pub state: SupervisorState,
+    /// Times it stopped or failed to start since the service started.
+    pub restarts: u64,
+    /// Workers it does not watch now, the supervisor running.
+    pub unsupervised: u64,
+}
+
+/// Why one worker is not supervised: a crash of it would not be recovered
+/// now. Each is tried again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unsupervised {
+    /// The supervisor itself does not run.
+    SupervisorDown(Stopped),
+    /// Its pidfd could not be opened or watched, for a reason that says
+    /// nothing of the process (EMFILE, ENFILE, ENOMEM...).
+    CannotWatch { pid: u32, error: String },
+    /// It died, and the thread that recovers it could not start: its I/O
+    /// waits.
+    RecoveryNotStarted { pid: u32, error: String },
+}
+
+impl std::fmt::Display for Unsupervised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unsupervised::SupervisorDown(why) => write!(
+                f,
+                "the worker supervisor does not run ({why}); it is restarted, and a crash of the worker meanwhile is recovered only once it runs"
+            ),
+            Unsupervised::CannotWatch { pid, error } => write!(
+                f,
+                "worker {pid} cannot be watched ({error}); it serves on, and is watched again soon"
+            ),
+            Unsupervised::RecoveryNotStarted { pid, error } => write!(
+                f,
+                "worker {pid} died and its recovery could not start ({error}); its I/O waits, and the recovery is started again soon"
+            ),
+        }
+    }
 }
 
 /// A volume's device handed over to a new worker ([`VolumeBackend::handover`]).
@@ -467,6 +547,12 @@ pub trait VolumeBackend: Send + Sync {
 
     /// The worker process serving the volume's device, if one does.
     fn worker(&self, _volume_id: Uuid) -> Option<WorkerInfo> {
+        None
+    }
+
+    /// Whether the supervisor of this backend's workers runs (`None`: it
+    /// has no workers); starts it first if it should run and does not.
+    fn supervision(&self) -> Option<SupervisorStatus> {
         None
     }
 

@@ -77,6 +77,24 @@ pub enum Slow {
     CopyGate,
 }
 
+/// What the ublk worker supervisor suffers while `<data dir>/run/supervisor-gate`
+/// exists (a test removes the file to end it): each failure it must log,
+/// retry and show (`GET /v1/host`, `/metrics`, the volume's state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SupervisorFault {
+    /// Starting the supervisor thread fails (`fail_supervisor_start`).
+    Start,
+    /// The supervisor's wait for events fails with EIO (`fail_supervisor_wait`).
+    Wait,
+    /// The supervisor thread panics (`panic_supervisor`).
+    Panic,
+    /// `pidfd_open` of a worker fails with EMFILE (`emfile_pidfd`).
+    PidfdOpen,
+    /// Starting the thread that recovers a dead worker fails
+    /// (`fail_recovery_spawn`).
+    RecoverySpawn,
+}
+
 /// One injected fault.
 #[cfg(feature = "test-faults")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +110,8 @@ enum Fault {
     /// The new worker of a handover fails once the old one let go
     /// (`fail_handover_recovery`): told to recover a device that is not.
     HandoverRecoveryFails,
+    /// The ublk worker supervisor fails while its gate file exists.
+    Supervisor(SupervisorFault),
 }
 
 #[cfg(feature = "test-faults")]
@@ -101,7 +121,8 @@ impl Fault {
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
     /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`, `gate_copy`,
     /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
-    /// `fail_handover_recovery`.
+    /// `fail_handover_recovery`, `fail_supervisor_start`, `fail_supervisor_wait`,
+    /// `panic_supervisor`, `emfile_pidfd`, `fail_recovery_spawn`.
     fn parse(s: &str) -> Option<Self> {
         let slow = match s {
             "slow_image_create" => Some(Slow::ImageCreate),
@@ -114,6 +135,13 @@ impl Fault {
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
             "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
             "slow_volume_change" => Some(Slow::VolumeChange),
+            "fail_supervisor_start" => return Some(Fault::Supervisor(SupervisorFault::Start)),
+            "fail_supervisor_wait" => return Some(Fault::Supervisor(SupervisorFault::Wait)),
+            "panic_supervisor" => return Some(Fault::Supervisor(SupervisorFault::Panic)),
+            "emfile_pidfd" => return Some(Fault::Supervisor(SupervisorFault::PidfdOpen)),
+            "fail_recovery_spawn" => {
+                return Some(Fault::Supervisor(SupervisorFault::RecoverySpawn));
+            }
             _ => None,
         };
         if let Some(slow) = slow {
@@ -149,7 +177,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery, fail_supervisor_start, fail_supervisor_wait, panic_supervisor, emfile_pidfd, fail_recovery_spawn)"
     )]
     Unknown(String),
 }
@@ -221,6 +249,18 @@ impl Faults {
     pub fn kill_point(&self, at: After) {
         if self.kills_at(at) {
             let _ = self.point(at);
+        }
+    }
+
+    /// Whether a test asked the ublk supervisor to suffer `what` (while its
+    /// gate file exists: the caller looks).
+    pub fn supervisor(&self, what: SupervisorFault) -> bool {
+        #[cfg(feature = "test-faults")]
+        return self.fault == Some(Fault::Supervisor(what));
+        #[cfg(not(feature = "test-faults"))]
+        {
+            let _ = what;
+            false
         }
     }
 
@@ -302,6 +342,26 @@ mod tests {
             ("fail_handover_start", Fault::HandoverStartFails),
             ("fail_handover_recovery", Fault::HandoverRecoveryFails),
             ("slow_volume_change", Fault::Slow(Slow::VolumeChange)),
+            (
+                "fail_supervisor_start",
+                Fault::Supervisor(SupervisorFault::Start),
+            ),
+            (
+                "fail_supervisor_wait",
+                Fault::Supervisor(SupervisorFault::Wait),
+            ),
+            (
+                "panic_supervisor",
+                Fault::Supervisor(SupervisorFault::Panic),
+            ),
+            (
+                "emfile_pidfd",
+                Fault::Supervisor(SupervisorFault::PidfdOpen),
+            ),
+            (
+                "fail_recovery_spawn",
+                Fault::Supervisor(SupervisorFault::RecoverySpawn),
+            ),
         ] {
             assert_eq!(Faults::named(name).unwrap().fault, Some(fault), "{name}");
         }

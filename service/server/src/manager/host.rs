@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::{Manager, Result, blocking};
+use crate::backend::{SupervisorState, SupervisorStatus};
 use blockplane_api::model::{
     self, Backend, Capability, Host, HostBackends, HostPolicies, ServiceBuild,
 };
@@ -80,7 +81,31 @@ impl Manager {
                 .target
                 .as_ref()
                 .map(|t| t.describe().to_string()),
+            supervision: self
+                .backend(Backend::Ublk)
+                .and_then(|b| b.supervision())
+                .map(|s| supervision(&s)),
         }
+    }
+}
+
+/// The API's view of the worker supervisor's status.
+pub(super) fn supervision(s: &SupervisorStatus) -> model::Supervision {
+    let (state, since, reason) = match &s.state {
+        SupervisorState::Starting { since } => (model::SupervisionState::Starting, since, None),
+        SupervisorState::Running { since } => (model::SupervisionState::Running, since, None),
+        SupervisorState::Restarting { since, reason } => (
+            model::SupervisionState::Restarting,
+            since,
+            Some(reason.to_string()),
+        ),
+    };
+    model::Supervision {
+        state,
+        reason,
+        since: time::OffsetDateTime::from(*since),
+        restarts: s.restarts,
+        unsupervised_workers: s.unsupervised,
     }
 }
 

@@ -67,6 +67,14 @@ impl Manager {
                 volumes,
                 images,
                 states,
+                supervisor: self
+                    .backend(model::Backend::Ublk)
+                    .and_then(|b| b.supervision())
+                    .map(|s| crate::metrics::SupervisorSample {
+                        running: matches!(s.state, crate::backend::SupervisorState::Running { .. }),
+                        restarts: s.restarts,
+                        unsupervised: s.unsupervised,
+                    }),
                 backups: self
                     .backups
                     .target

@@ -41,7 +41,7 @@ use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
 use fault::Slow;
-pub use fault::{After, FaultError, Faults};
+pub use fault::{After, FaultError, Faults, SupervisorFault};
 use locks::KeyedLocks;
 use names::validate_name;
 pub use ops::Operations;

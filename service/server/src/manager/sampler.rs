@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::{Manager, blocking};
 use blockplane_api::model::{
-    HISTORY_SECS, HistoryPoint, OpPoint, OpRates, Rate, Rates, VolumeState, VolumeStats,
+    Backend, HISTORY_SECS, HistoryPoint, OpPoint, OpRates, Rate, Rates, VolumeState, VolumeStats,
 };
 
 /// Samples kept per volume: the history, plus the one its first interval
@@ -257,7 +257,13 @@ impl Manager {
         }
         // One blocking task reads every volume, not one task each: an idle
         // host with a thousand volumes wakes once a second, not a thousand times.
+        let ublk = self.backend(Backend::Ublk);
         let (live, read) = blocking(move || {
+            // A supervisor that could not start is tried again (after its
+            // backoff) at least once a second.
+            if let Some(b) = ublk {
+                b.supervision();
+            }
             let read: Vec<_> = live
                 .iter()
                 .map(|(v, att, backend, previous)| backend.sample(v.id, att, previous.as_deref()))

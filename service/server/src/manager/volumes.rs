@@ -112,6 +112,18 @@ impl Manager {
     fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
         let att = v.attachment.as_ref();
         let (worker_version, worker_older) = self.worker_build(v);
+        let unsupervised = self.worker_of(v).map(|w| w.unsupervised);
+        // A worker no one would recover if it died: the volume says so.
+        let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
+            Some(why) if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) => (
+                VolumeState::Degraded,
+                Some(match &v.state_reason {
+                    Some(r) => format!("its worker is not supervised: {why}; {r}"),
+                    None => format!("its worker is not supervised: {why}"),
+                }),
+            ),
+            _ => (v.state, v.state_reason.clone()),
+        };
         let idle_dispatch = match v.backend {
             Backend::Loop => ActiveDispatch::Kernel,
             _ => dispatch::active_of(v.dispatch).unwrap_or(ActiveDispatch::Nowait),
@@ -126,8 +138,8 @@ impl Manager {
             dispatch_reason: att
                 .map(|a| a.dispatch_reason.clone())
                 .unwrap_or_else(|| "no device".into()),
-            state: v.state,
-            state_reason: v.state_reason.clone(),
+            state,
+            state_reason,
             device: match (&v.crypt, att) {
                 (_, None) => None,
                 (Some(_), Some(_)) if v.state == VolumeState::Locked => None,
@@ -159,6 +171,7 @@ impl Manager {
             worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
             worker_version,
             worker_older,
+            worker_supervised: unsupervised.map(|u| u.is_none()),
             resize_pending: att.is_some_and(|a| a.resize_pending),
             warnings: self.page_cache_watch.warnings(v.id),
             created_at: v.created_at,

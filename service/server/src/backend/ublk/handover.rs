@@ -186,6 +186,7 @@ impl UblkBackend {
                 let current = WorkerInfo {
                     pid,
                     build: peer.build.clone(),
+                    unsupervised: None,
                 };
                 self.serves_now(volume_id, pid, recorded, peer);
                 drop(handing);

@@ -85,11 +85,13 @@ pub(super) struct Worker {
 }
 
 impl Worker {
-    /// The pid and build of this worker, for the API.
+    /// The pid and build of this worker, for the API (its supervision
+    /// filled in by [`UblkBackend::worker_info`]).
     fn info(&self) -> WorkerInfo {
         WorkerInfo {
             pid: self.pid,
             build: self.peer.build.clone(),
+            unsupervised: None,
         }
     }
 }
@@ -141,20 +143,30 @@ fn io(op: &'static str, dev: impl Into<String>, e: io::Error) -> BackendError {
 impl UblkBackend {
     /// A backend that runs workers from this executable.
     pub fn new(cfg: UblkConfig, events: EventSink) -> io::Result<Self> {
-        Ok(Self {
+        let backend = Self {
             cfg,
             exe: Arc::new(Executable::open()?),
             workers: Arc::default(),
             events,
             supervisor: Arc::new(supervisor::Supervisor::new()?),
-        })
+        };
+        // Started now, so that `GET /v1/host` says at once whether it runs
+        // (a start that fails is tried again).
+        backend.ensure_supervisor();
+        Ok(backend)
     }
 
     /// The worker of `volume_id` (a ublk volume's, or a dm volume's private
     /// one), if this service supervises one.
     fn worker_info(&self, volume_id: Uuid) -> Option<WorkerInfo> {
-        let workers = self.workers.lock().expect("workers poisoned");
-        workers.get(&volume_id).map(Worker::info)
+        let info = {
+            let workers = self.workers.lock().expect("workers poisoned");
+            workers.get(&volume_id).map(Worker::info)
+        };
+        info.map(|mut i| {
+            i.unsupervised = self.unsupervised(volume_id);
+            i
+        })
     }
 
     /// Refuses a handover of a volume no worker of this service serves.
@@ -428,6 +440,10 @@ impl VolumeBackend for UblkBackend {
 
     fn worker(&self, volume_id: Uuid) -> Option<WorkerInfo> {
         self.worker_info(volume_id)
+    }
+
+    fn supervision(&self) -> Option<super::SupervisorStatus> {
+        Some(self.supervisor_status())
     }
 
     fn check_handover(&self, _att: &Attachment, volume_id: Uuid) -> Result<(), BackendError> {

@@ -250,25 +250,35 @@ impl UblkBackend {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut spec, image, lock, private) = {
+            // Duplicates of its image and lock for the new worker: one that
+            // fails (EMFILE...) fails this attempt, as a start would.
+            let held = {
                 let w = self.workers.lock().expect("workers poisoned");
                 let Some(w) = w.get(&volume_id) else { return };
-                let Ok(image) = w.image.try_clone() else {
-                    return;
-                };
-                let lock = match w.lock.as_ref().map(OwnedFd::try_clone) {
-                    Some(Ok(l)) => Some(l),
-                    Some(Err(_)) => return,
-                    None => None,
-                };
-                (w.spec.clone(), image, lock, w.private)
+                w.image
+                    .try_clone()
+                    .and_then(|image| {
+                        let lock = w.lock.as_ref().map(OwnedFd::try_clone).transpose()?;
+                        Ok((w.spec.clone(), image, lock, w.private))
+                    })
+                    .map_err(|e| {
+                        io(
+                            "dup the image and its lock of",
+                            format!("volume {volume_id}"),
+                            e,
+                        )
+                    })
             };
-            let state = self.state_file(volume_id);
-            let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
-            spec.recover_dev_id = Some(dev_id);
-            spec.pinned = state.and_then(|s| s.pinned);
-            match self.start_worker(spec.clone(), &image, lock.as_ref(), None) {
-                Ok(Started { pid, status, peer }) => {
+            let started = held.and_then(|(mut spec, image, lock, private)| {
+                let state = self.state_file(volume_id);
+                let dev_id = state.as_ref().map(|s| s.dev_id).unwrap_or(u32::MAX);
+                spec.recover_dev_id = Some(dev_id);
+                spec.pinned = state.and_then(|s| s.pinned);
+                self.start_worker(spec.clone(), &image, lock.as_ref(), None)
+                    .map(|started| (started, spec, private))
+            });
+            match started {
+                Ok((Started { pid, status, peer }, spec, private)) => {
                     self.serves_now(volume_id, pid, spec, peer);
                     // A private device's volume is its dm device: leave that be.
                     let att = if private {
