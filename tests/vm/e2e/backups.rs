@@ -268,6 +268,25 @@ async fn refused_while_backed_up(
         },
     )
     .await;
+    // The backup reads the image through the page cache, which the
+    // service's sampler then reports on a direct-I/O volume (a warning that
+    // comes and goes with the sampler's clock, not with the refusal): drop
+    // it, and wait until no volume warns, before the state is taken.
+    sh("sysctl", &["-q", "vm.drop_caches=1"]);
+    crate::eventually(
+        std::time::Duration::from_secs(120),
+        "no page-cache warning on a volume",
+        async || {
+            vm.s.get("/v1/volumes")
+                .await
+                .body
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|v| v["warnings"].as_array().is_none_or(|w| w.is_empty()))
+        },
+    )
+    .await;
     let before = vm.snapshot().await;
     let a = writer().await;
     assert_error(&a, 409, "backup_source_busy");
