@@ -431,6 +431,139 @@ async fn a_gc_during_a_backup_keeps_the_chunks_it_uses_and_collects_the_rest() {
     );
 }
 
+/// A service holding a backup: its backups wait after each chunk while the
+/// gate file exists (`gate_backup`); keys are made fast for the tests that
+/// encrypt.
+async fn gated_service(t: &tempfile::TempDir) -> Service {
+    Service::start_with(Opts {
+        extra_args: vec![
+            "--backup-target".into(),
+            t.path().to_str().unwrap().into(),
+            "--key-unlock-ms".into(),
+            "100".into(),
+        ],
+        env: vec![("BLOCKPLANE_TEST_FAULT".into(), "gate_backup".into())],
+        ..Default::default()
+    })
+    .await
+}
+
+/// Holds a backup of `image` mid-way (the gate shut after its first chunk),
+/// sends `writer` (`what` it is), and asserts it is 409
+/// `backup_source_busy` naming the backup with nothing changed: images,
+/// volumes, events, devices, files and the registry as before. Then lets
+/// the backup end, `done`.
+async fn refused_while_backed_up(
+    s: &Service,
+    image: &str,
+    what: &str,
+    writer: impl AsyncFnOnce() -> blockplane_api::client::Answer,
+) {
+    let gate = s.data.join("run/backup-gate");
+    std::fs::create_dir_all(gate.parent().unwrap()).unwrap();
+    std::fs::write(&gate, b"").unwrap();
+    let id = start_backup(s, image, "held").await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    eventually(WAIT, "the backup to read its first chunk", async || {
+        s.get(&format!("/v1/backups/{id}")).await.body["done_bytes"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    let before = s.snapshot().await;
+    let a = writer().await;
+    assert_error(&a, 409, "backup_source_busy");
+    let msg = a.body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&id),
+        "{what}: the refusal names the backup: {msg}"
+    );
+    assert_eq!(
+        s.snapshot().await,
+        before,
+        "{what} was refused but changed something"
+    );
+    let still = s.get(&format!("/v1/backups/{id}")).await.body;
+    assert_eq!(still["state"], "running", "the gate holds it: {still}");
+    std::fs::remove_file(&gate).unwrap();
+    let b = backup_end(s, &id).await;
+    assert_eq!(b["state"], "done", "{b}");
+}
+
+/// An image of three chunks (12 MiB, data in each) for a backup to hold.
+async fn held_image(s: &Service) {
+    image_with(s, "a", 3 * CHUNK, &[(0, 3 * CHUNK)], 31).await;
+}
+
+#[tokio::test]
+async fn a_backup_refuses_a_writable_volume_and_nothing_changes() {
+    let t = dir_target();
+    let s = gated_service(&t).await;
+    held_image(&s).await;
+    refused_while_backed_up(&s, "a", "a writable volume", async || {
+        s.post(
+            "/v1/volumes",
+            json!({"name": "av", "image": "a", "backend": "loop"}),
+        )
+        .await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_backup_refuses_a_grow_and_nothing_changes() {
+    let t = dir_target();
+    let s = gated_service(&t).await;
+    held_image(&s).await;
+    refused_while_backed_up(&s, "a", "a grow", async || {
+        s.post("/v1/images/a/resize", json!({"size_bytes": 4 * CHUNK}))
+            .await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_backup_refuses_an_allocate_and_nothing_changes() {
+    let t = dir_target();
+    let s = gated_service(&t).await;
+    held_image(&s).await;
+    refused_while_backed_up(&s, "a", "an allocate", async || {
+        s.post("/v1/images/a/allocate", json!(null)).await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_backup_refuses_a_forget_and_nothing_changes() {
+    let t = dir_target();
+    let s = gated_service(&t).await;
+    held_image(&s).await;
+    refused_while_backed_up(&s, "a", "a forget", async || s.delete("/v1/images/a").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_refuses_a_key_slot_change_and_nothing_changes() {
+    let t = dir_target();
+    let s = gated_service(&t).await;
+    let path = s.images.join("a.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "a", "path": path,
+                   "create": {"size_bytes": 24 * MIB, "encryption": {"key": "old"}}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    refused_while_backed_up(&s, "a", "a key slot added", async || {
+        s.post("/v1/images/a/keys", json!({"key": "old", "new_key": "new"}))
+            .await
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_kill_during_a_backup_or_a_restore_leaves_no_manifest_and_no_ready_image() {
     let t = dir_target();

@@ -430,3 +430,56 @@ async fn an_unhealthy_volume_is_abnormal_with_the_reason() {
     .await;
     assert_abnormal(&csi, &d.volume_id, "is degraded: direct-map rule 5").await;
 }
+
+/// A VolumeAttributesClass's `dispatch` changes a live volume's path: a dm
+/// volume served by the kernel (`kernel`, the VM's default) moves to its
+/// private worker (`nowait`) and back (`auto`), on the same device node, each move a
+/// `dispatch_changed` event, and data written before a move reads back
+/// after it. On the host a loop volume has no dispatch to change: the
+/// modify is INVALID_ARGUMENT and changes nothing.
+#[tokio::test]
+async fn a_modify_changes_the_dispatch_of_a_live_volume() {
+    let csi = Csi::start().await;
+    let v = csi.create("md", 16 * MIB, block()).await;
+    let before = csi.bp_volume(&v.volume_id).await;
+    if !in_vm() {
+        let s = assert_code(
+            modify(&csi, &v.volume_id, &[("dispatch", "nowait")]).await,
+            Code::InvalidArgument,
+        );
+        assert!(s.message().contains("dispatch"), "{}", s.message());
+        assert_eq!(live(&csi.bp_volume(&v.volume_id).await), live(&before));
+        return;
+    }
+    assert_eq!(before["dispatch"], "kernel", "{before}");
+    let dev = csi.device(&v.volume_id).await;
+    let mark = vec![0xa5u8; 1 << 20];
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        f.write_all(&mark).unwrap();
+        f.sync_all().unwrap();
+    }
+    // Back by `auto`, which picks `kernel` for this image again. (`kernel`
+    // asked by name is not yet taken: the registry's CHECK on a volume's
+    // requested dispatch lacks it, so such a PATCH answers 500 after the
+    // device moved. Left for its own fix.)
+    for (asked, to, n) in [("nowait", "nowait", 1), ("auto", "kernel", 2)] {
+        modify(&csi, &v.volume_id, &[("dispatch", asked)])
+            .await
+            .unwrap_or_else(|e| panic!("dispatch {asked}: {e:?}\n{}", csi.driver_log()));
+        let bp = csi.bp_volume(&v.volume_id).await;
+        assert_eq!(bp["dispatch"], to, "{bp}");
+        assert_eq!(bp["requested_dispatch"], asked, "{bp}");
+        assert_eq!(bp["device"], before["device"], "{bp}");
+        assert_eq!(bp["state"], "attached", "{bp}");
+        let moves = change_events(&csi, &bp)
+            .await
+            .into_iter()
+            .filter(|e| e["kind"] == "dispatch_changed")
+            .count();
+        assert_eq!(moves, n, "one dispatch_changed per move");
+        let back = std::fs::read(&dev).unwrap();
+        assert!(back[..mark.len()] == mark[..], "{to}: the data moved");
+    }
+}

@@ -219,3 +219,170 @@ async fn a_writable_loop_volume_on_ext4_is_refused_a_backup_with_the_remedy_and_
     backup_done(&vm, &b).await;
     vm.delete(name).await;
 }
+
+/// A VM whose service backs up to a directory held mid-way: each backup
+/// waits after each chunk while the gate file exists (`gate_backup`).
+async fn vm_with_gated_target() -> (Vm, tempfile::TempDir) {
+    let plain = std::env::var("SCRATCH_PLAIN").expect("SCRATCH_PLAIN: run in the VM");
+    let target = tempfile::Builder::new()
+        .prefix("bp-target")
+        .tempdir_in(plain)
+        .unwrap();
+    let vm = Vm::start_with_env_and_args(
+        &[("BLOCKPLANE_TEST_FAULT", "gate_backup")],
+        &[
+            "--backup-target",
+            target.path().to_str().unwrap(),
+            "--key-unlock-ms",
+            "200",
+        ],
+    )
+    .await;
+    (vm, target)
+}
+
+/// Holds a backup of `image` after its first chunk (no writable volume
+/// serves it: it reads the image's file), sends `writer` (`what` it is), and
+/// asserts 409 `backup_source_busy` naming the backup with nothing changed
+/// (the service's state, devices, dm tables and files). Then lets the
+/// backup end, `done`.
+async fn refused_while_backed_up(
+    vm: &Vm,
+    image: &Value,
+    what: &str,
+    writer: impl AsyncFnOnce() -> blockplane_api::client::Answer,
+) {
+    let gate = vm.s.data.join("run/backup-gate");
+    std::fs::create_dir_all(gate.parent().unwrap()).unwrap();
+    std::fs::write(&gate, b"").unwrap();
+    let b = start_backup(vm, image, "held").await;
+    let id = b["id"].as_str().unwrap().to_string();
+    crate::eventually(
+        std::time::Duration::from_secs(120),
+        "the backup to read its first chunk",
+        async || {
+            vm.s.get(&format!("/v1/backups/{id}")).await.body["done_bytes"]
+                .as_u64()
+                .unwrap_or(0)
+                > 0
+        },
+    )
+    .await;
+    // The backup reads the image through the page cache, which the
+    // service's sampler then reports on a direct-I/O volume (a warning that
+    // comes and goes with the sampler's clock, not with the refusal): drop
+    // it, and wait until no volume warns, before the state is taken.
+    sh("sysctl", &["-q", "vm.drop_caches=1"]);
+    crate::eventually(
+        std::time::Duration::from_secs(120),
+        "no page-cache warning on a volume",
+        async || {
+            vm.s.get("/v1/volumes")
+                .await
+                .body
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|v| v["warnings"].as_array().is_none_or(|w| w.is_empty()))
+        },
+    )
+    .await;
+    let before = vm.snapshot().await;
+    let a = writer().await;
+    assert_error(&a, 409, "backup_source_busy");
+    let msg = a.body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&id),
+        "{what}: the refusal names the backup: {msg}"
+    );
+    assert_eq!(
+        vm.snapshot().await,
+        before,
+        "{what} was refused but changed something"
+    );
+    std::fs::remove_file(&gate).unwrap();
+    backup_done(vm, &b).await;
+}
+
+/// A 16 MiB image `name` on xfs with data in each of its four chunks (a
+/// backup skips holes: an empty image would end at once).
+async fn image_with_data(vm: &Vm, name: &str) -> Value {
+    let img = vm.image(name, Scratch::Xfs, 16, "sparse").await;
+    crate::snapshots::write_range(img["path"].as_str().unwrap(), 0, &vec![0x5au8; 16 << 20]);
+    img
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_refuses_a_handover_of_a_read_only_volume_and_nothing_changes() {
+    let (vm, _target) = vm_with_gated_target().await;
+    let img = image_with_data(&vm, "bh").await;
+    vm.volume(json!({"name": "bh", "image": "bh", "backend": "ublk", "read_only": true}))
+        .await;
+    refused_while_backed_up(&vm, &img, "a handover", async || {
+        vm.s.post("/v1/volumes/bh/handover", json!({})).await
+    })
+    .await;
+    vm.delete("bh").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_refuses_a_patch_to_writable_and_nothing_changes() {
+    let (vm, _target) = vm_with_gated_target().await;
+    let img = image_with_data(&vm, "bw").await;
+    // Made read-only live (one created read-only never turns writable).
+    vm.volume(json!({"name": "bw", "image": "bw", "backend": "ublk"}))
+        .await;
+    let a =
+        vm.s.patch("/v1/volumes/bw", json!({"read_only": true}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "{}", a.body);
+    refused_while_backed_up(&vm, &img, "PATCH read_only false", async || {
+        vm.s.patch("/v1/volumes/bw", json!({"read_only": false}))
+            .await
+    })
+    .await;
+    let a =
+        vm.s.patch("/v1/volumes/bw", json!({"read_only": false}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "after the backup: {}", a.body);
+    vm.delete("bw").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_refuses_an_unlock_of_a_writable_volume_and_nothing_changes() {
+    let (mut vm, _target) = vm_with_gated_target().await;
+    let path = vm.root(Scratch::Xfs).join("bu.img");
+    let a =
+        vm.s.post(
+            "/v1/images",
+            json!({"name": "bu", "path": path,
+                   "create": {"size_bytes": 24u64 << 20, "encryption": {"key": "bu-key"}}}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 201, "{}", a.body);
+    let img = a.body;
+    let v = vm
+        .volume(json!({"name": "bu", "image": "bu", "backend": "ublk", "key": "bu-key"}))
+        .await;
+    // Its plaintext device gone behind the service's back, as after a
+    // reboot: the writable volume is locked.
+    assert!(vm.s.signal(rustix::process::Signal::TERM).success());
+    let dev = v["device"].as_str().unwrap();
+    sh(
+        "cryptsetup",
+        &["close", dev.trim_start_matches("/dev/mapper/")],
+    );
+    vm.s.restart().await;
+    let locked = vm.s.get("/v1/volumes/bu").await.body;
+    assert_eq!(locked["state"], "locked", "{locked}");
+    refused_while_backed_up(&vm, &img, "an unlock", async || {
+        vm.s.post("/v1/volumes/bu/unlock", json!({"key": "bu-key"}))
+            .await
+    })
+    .await;
+    let a =
+        vm.s.post("/v1/volumes/bu/unlock", json!({"key": "bu-key"}))
+            .await;
+    assert_eq!(a.status.as_u16(), 200, "after the backup: {}", a.body);
+    vm.delete("bu").await;
+}

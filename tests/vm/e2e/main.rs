@@ -211,6 +211,16 @@ impl Vm {
         Self::start_opts(Vec::new(), Vec::new(), None, args).await
     }
 
+    /// As [`Vm::start`], with the service's environment extended and more
+    /// arguments to `serve`.
+    pub async fn start_with_env_and_args(env: &[(&str, &str)], args: &[&str]) -> Self {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::start_opts(Vec::new(), env, None, args).await
+    }
+
     async fn start_opts(
         more: Vec<PathBuf>,
         env: Vec<(String, String)>,

@@ -776,3 +776,105 @@ async fn killed_during_a_copy(vm: &mut Vm, gate: &Path) {
         delete_image(vm, image).await;
     }
 }
+
+/// While a worker copies one moment (held at the `gate_copy` gate), what
+/// would let a write reach the image past the copy's chunk tracking is
+/// refused and changes nothing: a handover (the new worker would not know
+/// the copy), a switch to `direct` (writes past the worker), a dm volume's
+/// change of path (the kernel's table instead of its private worker), and a
+/// second copy of the same volume. Each is checked on its own and every
+/// failure reported. Then the worker is killed mid-copy: the snapshot ends
+/// `failed` (never `ready` over a copy no worker finished), the volume
+/// serves on, and the next snapshot copies.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moment_copy_refuses_what_would_lose_its_chunks_and_a_killed_worker_fails_it() {
+    let vm = Vm::start_with_env(&[("BLOCKPLANE_TEST_FAULT", "gate_copy")]).await;
+    let gate = vm.s.data.join("run/copy-gate");
+    // `full`: direct is eligible but for the copy.
+    let u = vm.image("ci-u", Scratch::Ext4, 64, "full").await;
+    let d = vm.image("ci-d", Scratch::Ext4, 64, "full").await;
+    let uv = vm
+        .volume(json!({"name": "ci-u", "image": "ci-u", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    vm.volume(json!({"name": "ci-d", "image": "ci-d", "backend": "dm", "dispatch": "nowait"}))
+        .await;
+    std::fs::write(&gate, b"").unwrap();
+    copying_snapshot_of(&vm, &u, "ci-u-snap").await;
+    copying_snapshot_of(&vm, &d, "ci-d-snap").await;
+    let before = vm.snapshot().await;
+    let u_id = u["id"].as_str().unwrap();
+    let refusals: [(&str, hyper::Method, String, Value, u16, &str); 5] = [
+        (
+            "a handover",
+            hyper::Method::POST,
+            "/v1/volumes/ci-u/handover".into(),
+            json!({}),
+            409,
+            "copy_source_busy",
+        ),
+        (
+            "a switch to direct",
+            hyper::Method::PATCH,
+            "/v1/volumes/ci-u".into(),
+            json!({"dispatch": "direct"}),
+            422,
+            "refused",
+        ),
+        (
+            "a dm path change to the kernel",
+            hyper::Method::PATCH,
+            "/v1/volumes/ci-d".into(),
+            json!({"dispatch": "kernel"}),
+            422,
+            "refused",
+        ),
+        (
+            "a dm path change to direct",
+            hyper::Method::PATCH,
+            "/v1/volumes/ci-d".into(),
+            json!({"dispatch": "direct"}),
+            422,
+            "refused",
+        ),
+        (
+            "a second copy",
+            hyper::Method::POST,
+            format!("/v1/images/{u_id}/snapshots"),
+            json!({"name": "ci-u-snap-2"}),
+            409,
+            "copy_source_busy",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, method, path, body, status, code) in refusals {
+        let a = vm.s.call(method, &path, Some(body)).await;
+        let msg = a.body["error"]["message"].as_str().unwrap_or("");
+        if a.status.as_u16() != status || a.body["error"]["code"] != code || !msg.contains("cop") {
+            failures.push(format!(
+                "{what} during a moment's copy: expected {status} {code} naming the copy, got {} {}",
+                a.status, a.body
+            ));
+        } else if vm.snapshot().await != before {
+            failures.push(format!(
+                "{what} during a moment's copy was refused but changed something"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // The worker killed mid-copy: its replacement has no copy to finish.
+    crate::live::kill_worker(&vm, uv["id"].as_str().unwrap()).await;
+    let failed = vm.ended("/v1/images/ci-u-snap", "copying", "failed").await;
+    assert!(failed["state_reason"].is_string(), "{failed}");
+    std::fs::remove_file(&gate).unwrap();
+    crate::direct_write_ok(uv["device"].as_str().unwrap());
+    copying_snapshot_of(&vm, &u, "ci-u-snap-3").await;
+    let u3 = copy_done(&vm, "ci-u-snap-3").await;
+    let d1 = copy_done(&vm, "ci-d-snap").await;
+    for v in ["ci-u", "ci-d"] {
+        vm.delete(v).await;
+    }
+    for image in [&u3, &d1, &failed, &u, &d] {
+        delete_image(&vm, image).await;
+    }
+}
