@@ -174,8 +174,13 @@ async fn run(
     job.total_bytes.store(total, Relaxed);
     job.done_bytes.store(0, Relaxed);
 
-    let uploaded = Arc::new(AtomicU64::new(0));
-    let deduplicated = Arc::new(AtomicU64::new(0));
+    let store = Store {
+        target: target.clone(),
+        job: Arc::clone(job),
+        counters: Arc::clone(counters),
+        uploaded: Arc::new(AtomicU64::new(0)),
+        deduplicated: Arc::new(AtomicU64::new(0)),
+    };
     let mut chunks = Vec::new();
     let mut uploads = JoinSet::new();
     for index in indexes {
@@ -210,18 +215,9 @@ async fn run(
                 if !covered.insert(hash.clone()) {
                     // Covered by this run's own task for the same bytes,
                     // which must succeed before the manifest is written.
-                    deduplicated.fetch_add(len, Relaxed);
-                    counters.deduplicated_bytes.fetch_add(len, Relaxed);
-                    job.done_bytes.fetch_add(len, Relaxed);
+                    store.reused(len);
                 } else {
-                    let store = Store {
-                        target: target.clone(),
-                        job: Arc::clone(job),
-                        counters: Arc::clone(counters),
-                        uploaded: Arc::clone(&uploaded),
-                        deduplicated: Arc::clone(&deduplicated),
-                    };
-                    let reused = referenced.contains(&hash);
+                    let (store, reused) = (store.clone(), referenced.contains(&hash));
                     uploads.spawn(async move { store.chunk(hash, data, reused).await });
                 }
             }
@@ -260,8 +256,8 @@ async fn run(
         chunk_size: CHUNK_SIZE,
         stored_bytes: chunks.iter().map(|c| c.bytes).sum(),
         chunks,
-        uploaded_bytes: uploaded.load(Relaxed),
-        deduplicated_bytes: deduplicated.load(Relaxed),
+        uploaded_bytes: store.uploaded.load(Relaxed),
+        deduplicated_bytes: store.deduplicated.load(Relaxed),
         checksum: String::new(),
     };
     manifest.seal();
@@ -272,6 +268,7 @@ async fn run(
 }
 
 /// What a chunk's task needs: where it goes and what it counts.
+#[derive(Clone)]
 struct Store {
     target: Target,
     job: Arc<AllocateJob>,
@@ -292,9 +289,7 @@ impl Store {
         if reused {
             match self.target.holds_chunk(&path, &data).await? {
                 Holding::Intact => {
-                    self.deduplicated.fetch_add(len, Relaxed);
-                    self.counters.deduplicated_bytes.fetch_add(len, Relaxed);
-                    self.job.done_bytes.fetch_add(len, Relaxed);
+                    self.reused(len);
                     return Ok(());
                 }
                 lost => tracing::warn!(
@@ -308,6 +303,13 @@ impl Store {
         self.counters.uploaded_bytes.fetch_add(len, Relaxed);
         self.job.done_bytes.fetch_add(len, Relaxed);
         Ok(())
+    }
+
+    /// Counts `len` bytes left out as stored already.
+    fn reused(&self, len: u64) {
+        self.deduplicated.fetch_add(len, Relaxed);
+        self.counters.deduplicated_bytes.fetch_add(len, Relaxed);
+        self.job.done_bytes.fetch_add(len, Relaxed);
     }
 }
 
