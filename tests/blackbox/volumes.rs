@@ -6,7 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use crate::harness::{Service, assert_error, backing_file, serves_from};
+use crate::harness::{Service, assert_error, backing_file, eventually, serves_from};
 
 /// A 1 MiB pattern that differs at every 4 KiB.
 fn pattern(seed: u8) -> Vec<u8> {
@@ -547,6 +547,9 @@ async fn thirty_two_concurrent_creates_of_different_names() {
     assert!(s.my_loop_devices().is_empty());
 }
 
+/// How long a test waits for a transient holder of a device to let go.
+const WAIT_FREE: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_mounted_volume_is_not_deleted_under_its_user() {
     let s = Service::start().await;
@@ -579,6 +582,17 @@ async fn a_mounted_volume_is_not_deleted_under_its_user() {
         serves_from(&dev, s.dir.path()),
         "closing the last opener must not unbind it (autoclear undone)"
     );
+    // Others on the host may hold the device for a moment (a udev probe,
+    // another test's service looking at loop devices): the delete is
+    // asked once nobody holds it, as a user would after unmounting.
+    eventually(WAIT_FREE, "nobody to hold the device", async || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_EXCL)
+            .open(&dev)
+            .is_ok()
+    })
+    .await;
     assert_eq!(
         s.delete("/v1/volumes/busy").await.status,
         StatusCode::NO_CONTENT
