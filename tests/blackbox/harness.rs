@@ -264,31 +264,57 @@ impl Service {
         self.child = Some(c.spawn().expect("start blockplane"));
     }
 
-    /// Waits until `/healthz` answers (panics with the log after 180 s: a
-    /// start that adopts or recovers devices on a loaded emulator takes
-    /// tens of seconds; recovering the three ublk devices of a killed pod
-    /// took 105 s on 6.12).
+    /// Waits until `/healthz` answers, then until the start has reconciled
+    /// every volume (volumes, then orphan devices): what a test that restarts the
+    /// service and looks at its volumes means by ready. Panics with the log
+    /// after 180 s: a start that recovers devices on a loaded emulator
+    /// takes tens of seconds (the three ublk devices of a killed pod took
+    /// 105 s on 6.12 before volumes recovered side by side).
     pub async fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(180);
+        self.wait_answers_until(deadline).await;
+        loop {
+            let host = self.get("/v1/host").await;
+            // A build before `reconciled` reconciled before it answered.
+            if host.status != StatusCode::OK || host.body["reconciled"] != false {
+                return;
+            }
+            self.still_starting(deadline);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until `/healthz` answers, reconciled or not.
+    pub async fn wait_answers(&mut self) {
+        self.wait_answers_until(Instant::now() + Duration::from_secs(180))
+            .await;
+    }
+
+    async fn wait_answers_until(&mut self, deadline: Instant) {
         loop {
             if let Ok(a) = self.raw_client().send(Method::GET, "/healthz", None).await
                 && a.status == StatusCode::OK
             {
                 return;
             }
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
-                panic!(
-                    "blockplane exited with {status} before answering:\n{}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "blockplane did not answer in 180 s:\n{}",
-                self.log_text()
-            );
+            self.still_starting(deadline);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Panics with the log if the service exited or `deadline` passed.
+    fn still_starting(&mut self, deadline: Instant) {
+        if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+            panic!(
+                "blockplane exited with {status} before it was ready:\n{}",
+                self.log_text()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "blockplane was not ready in 180 s:\n{}",
+            self.log_text()
+        );
     }
 
     /// The running service's process id.

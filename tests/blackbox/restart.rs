@@ -443,3 +443,90 @@ async fn a_lost_registry_is_refused_then_reported_as_orphans() {
         1
     );
 }
+
+/// A start answers its API before it has reconciled its volumes, however
+/// many there are: while reconciliation has not reached a volume (held
+/// here by the test fault `gate_reconcile`), `GET /v1/host` says so and
+/// the volume shows `recovering` with the reason; a change to it (a loop
+/// volume's one live change: none) waits for its reconciliation; a new
+/// volume can be made meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_answers_while_volumes_recover_and_their_changes_wait() {
+    let mut s = Service::start().await;
+    let a = s.loop_volume("a", 8).await;
+    s.loop_volume("b", 8).await;
+    s.kill();
+    let gate = s.data.join("run/reconcile-gate");
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+        .recursive(true)
+        .create(gate.parent().unwrap())
+        .unwrap();
+    std::fs::write(&gate, b"").unwrap();
+    s.spawn(&[("BLOCKPLANE_TEST_FAULT", "gate_reconcile")]);
+    s.wait_answers().await;
+
+    let host = s.get("/v1/host").await.body;
+    assert_eq!(host["reconciled"], false, "{host}");
+    assert_eq!(host["recovering_volumes"], 2, "{host}");
+    let v = s.get("/v1/volumes/a").await.body;
+    assert_eq!(v["state"], "recovering", "{v}");
+    assert!(
+        v["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("matching it with the kernel"),
+        "{v}"
+    );
+    let listed = s.get("/v1/volumes").await.body;
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["state"] == "recovering"),
+        "{listed}"
+    );
+    // Made beside the reconciliation: it holds no other volume's lock.
+    s.image("c", 8).await;
+    let c = s
+        .post(
+            "/v1/volumes",
+            json!({"name": "c", "image": "c", "backend": "loop"}),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::CREATED, "{}", c.body);
+    assert_eq!(c.body["state"], "attached", "{}", c.body);
+
+    let client = blockplane_api::client::Transport::new(
+        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
+        None,
+    );
+    let change = tokio::spawn(async move {
+        client
+            .send(
+                hyper::Method::PATCH,
+                "/v1/volumes/a",
+                Some(&json!({"read_only": false})),
+            )
+            .await
+            .unwrap()
+    });
+    std::fs::remove_file(&gate).unwrap();
+    let changed = change.await.unwrap();
+    assert_eq!(changed.status, StatusCode::OK, "{}", changed.body);
+    // Answered after the volume's reconciliation, not before it.
+    assert_eq!(changed.body["state"], "attached", "{}", changed.body);
+    assert_eq!(
+        changed.body["device"], a["device"],
+        "the device was adopted"
+    );
+
+    s.wait_ready().await;
+    let host = s.get("/v1/host").await.body;
+    assert_eq!(host["reconciled"], true, "{host}");
+    assert_eq!(host["recovering_volumes"], 0, "{host}");
+    for name in ["a", "b", "c"] {
+        let v = s.get(&format!("/v1/volumes/{name}")).await.body;
+        assert_eq!(v["state"], "attached", "{v}");
+    }
+}

@@ -1,4 +1,5 @@
-//! `blockplane serve`: open the data dir, reconcile, listen, drain on SIGTERM.
+//! `blockplane serve`: open the data dir, listen while reconciling, drain
+//! on SIGTERM.
 //!
 //! Stopping the service never touches devices: volumes keep serving I/O and
 //! the next start re-adopts them.
@@ -695,17 +696,28 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     )
     .await?;
 
-    let report = manager.reconcile().await?;
-    tracing::info!(
-        adopted = report.adopted,
-        reattached = report.reattached,
-        failed = report.failed,
-        finished_deletes = report.finished_deletes,
-        orphans_removed = report.orphans_removed,
-        "reconciled with the kernel"
-    );
+    // Every volume locked and marked `recovering` before the API serves;
+    // reconciled beside it, so that the API answers at once however many
+    // volumes the host has.
+    let recovery = manager.recovery().await?;
+    tracing::info!(volumes = recovery.volumes(), "reconciling with the kernel");
+    let reconciling = {
+        let manager = manager.clone();
+        tokio::spawn(async move {
+            let report = recovery.run().await?;
+            tracing::info!(
+                adopted = report.adopted,
+                reattached = report.reattached,
+                failed = report.failed,
+                finished_deletes = report.finished_deletes,
+                orphans_removed = report.orphans_removed,
+                "reconciled with the kernel"
+            );
+            manager.start_sampler();
+            Ok::<(), crate::manager::Error>(())
+        })
+    };
 
-    manager.start_sampler();
     let store = manager.store().clone();
     let allocating = manager.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -728,7 +740,25 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             }
         });
     }
-    shutdown_signal().await;
+    // A reconciliation that fails (the registry cannot be read or written)
+    // ends the service as a failed start did: it serves nothing it could
+    // not match with the kernel.
+    let failed = async {
+        match reconciling.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(crate::manager::Error::Internal(format!(
+                "reconciliation ended: {e}"
+            ))),
+        }
+    };
+    let failure = tokio::select! {
+        _ = shutdown_signal() => None,
+        Some(e) = failed => {
+            tracing::error!(error = %e, "reconciliation failed; stopping");
+            Some(e)
+        }
+    };
     let _ = stop_tx.send(true);
     // Their blocking fills would keep the runtime from ending.
     allocating.stop_jobs();
@@ -752,5 +782,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
     }
     tracing::info!("stopped; devices left running");
-    Ok(())
+    match failure {
+        Some(e) => Err(ServeError::Reconcile(e)),
+        None => Ok(()),
+    }
 }

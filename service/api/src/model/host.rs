@@ -101,6 +101,20 @@ pub struct Host {
     /// recovers a worker that dies (`null`: this build has no ublk backend).
     #[serde(default)]
     pub supervision: Option<Supervision>,
+    /// Whether the service's start has matched the registry with the
+    /// kernel: every volume (until then, those not reached show
+    /// `recovering`), then the orphan devices. The API answers meanwhile.
+    #[serde(default = "reconciled_before_answering")]
+    pub reconciled: bool,
+    /// Volumes the service has not matched with the kernel since it started
+    /// (each shows `recovering`).
+    #[serde(default)]
+    pub recovering_volumes: usize,
+}
+
+/// A service before `reconciled` answered only once it had reconciled.
+fn reconciled_before_answering() -> bool {
+    true
 }
 
 /// Whether the supervisor of ublk workers runs.

@@ -136,6 +136,10 @@ pub enum VolumeState {
     /// behind the service's back) until the key is given again
     /// (`POST /v1/volumes/{id}/unlock`).
     Locked,
+    /// The service started and has not matched the volume with the kernel
+    /// yet: its device, if a worker served it, waits for a new one. Never
+    /// stored; changes to the volume wait until it is done.
+    Recovering,
 }
 
 impl VolumeState {
@@ -148,6 +152,7 @@ impl VolumeState {
             VolumeState::Detaching => "detaching",
             VolumeState::Error => "error",
             VolumeState::Locked => "locked",
+            VolumeState::Recovering => "recovering",
         }
     }
 }

@@ -75,6 +75,10 @@ pub enum Slow {
     /// after each chunk while `<run dir>/copy-gate` exists (`gate_copy`):
     /// a test writes to chunks it has not copied yet.
     CopyGate,
+    /// A start's reconciliation waits before each volume while
+    /// `<run dir>/reconcile-gate` exists (`gate_reconcile`): a test looks at
+    /// the API while volumes are `recovering`.
+    ReconcileGate,
 }
 
 /// What the ublk worker supervisor suffers while `<data dir>/run/supervisor-gate`
@@ -119,7 +123,7 @@ impl Fault {
     /// Parses `kill_after_insert`, `kill_after_add`, `kill_after_create`,
     /// `kill_after_attach`, `kill_after_detach`, `kill_after_change`,
     /// `kill_after_first_change`, `fail_after_<the same but create>`,
-    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`, `gate_copy`,
+    /// `slow_image_create`, `slow_allocate`, `slow_copy`, `slow_backup`, `gate_backup`, `gate_copy`, `gate_reconcile`,
     /// `slow_volume_change`, `slow_handover`, `fail_handover_start`,
     /// `fail_handover_recovery`, `fail_supervisor_start`, `fail_supervisor_wait`,
     /// `panic_supervisor`, `emfile_pidfd`, `fail_recovery_spawn`.
@@ -131,6 +135,7 @@ impl Fault {
             "slow_backup" => Some(Slow::Backup),
             "gate_backup" => Some(Slow::BackupGate),
             "gate_copy" => Some(Slow::CopyGate),
+            "gate_reconcile" => Some(Slow::ReconcileGate),
             "slow_handover" => Some(Slow::Handover),
             "fail_handover_start" => return Some(Fault::HandoverStartFails),
             "fail_handover_recovery" => return Some(Fault::HandoverRecoveryFails),
@@ -177,7 +182,7 @@ pub enum FaultError {
     NotBuilt(String),
     /// The variable names no fault.
     #[error(
-        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery, fail_supervisor_start, fail_supervisor_wait, panic_supervisor, emfile_pidfd, fail_recovery_spawn)"
+        "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, gate_reconcile, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery, fail_supervisor_start, fail_supervisor_wait, panic_supervisor, emfile_pidfd, fail_recovery_spawn)"
     )]
     Unknown(String),
 }

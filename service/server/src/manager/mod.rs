@@ -25,6 +25,7 @@ mod ops;
 mod orphans;
 mod pagecache;
 mod reconcile;
+mod recovery;
 mod reserve;
 #[cfg(test)]
 mod rules;
@@ -74,6 +75,10 @@ pub struct ManagerConfig {
     pub faults: Faults,
 }
 
+/// The store's, the page-cache warnings' and the recovery's generations: a
+/// view made at them is current while none has moved.
+type Generations = (u64, u64, u64);
+
 /// The controller.
 pub struct Manager {
     store: Store,
@@ -90,9 +95,9 @@ pub struct Manager {
     sampler: sampler::Sampler,
     /// The page cache of each volume at the sampler's last look.
     page_cache_watch: pagecache::Watch,
-    /// `GET /v1/volumes` as JSON, with the store and warnings generations it
-    /// was made at.
-    volumes_cache: std::sync::Mutex<Option<((u64, u64), bytes::Bytes)>>,
+    /// `GET /v1/volumes` as JSON, with the store, warnings and recovery
+    /// generations it was made at.
+    volumes_cache: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
     /// API request counts and durations.
     api_metrics: crate::metrics::ApiMetrics,
     faults: Faults,
@@ -116,6 +121,8 @@ pub struct Manager {
     reserve: reserve::Reserve,
     /// The backup target and this service's backups.
     backups: backups::Backups,
+    /// The volumes a start has not reconciled yet.
+    recovering: recovery::Recovering,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -161,6 +168,7 @@ impl Manager {
             moment_copies: copies::MomentCopies::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
             backups: backups::Backups::new(cfg.backup_target, &cfg.run_dir),
+            recovering: recovery::Recovering::default(),
         });
         me.clone().record_backend_events(backends.events);
         Ok(me)

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 
+use super::recovery::{Held, Recovery};
 use super::volumes::{access, params};
 use super::{Manager, Result, blocking};
 use crate::backend::{
@@ -24,6 +25,23 @@ use blockplane_system::image::Access;
 
 /// How many volumes reconciliation works on at once.
 const RECONCILE_AT_ONCE: usize = 8;
+
+/// Whether the volume's device, as recorded, is served by a worker (a ublk
+/// volume's, or a dm volume's private one): after a pod is killed, such a
+/// device holds its users' I/O until a new worker recovers it.
+fn waits_for_a_worker(v: &VolumeRow) -> bool {
+    match v.backend {
+        Backend::Ublk => true,
+        Backend::Dm => v.attachment.as_ref().is_some_and(|a| {
+            !matches!(
+                a.dispatch,
+                blockplane_api::model::ActiveDispatch::Kernel
+                    | blockplane_api::model::ActiveDispatch::Direct
+            )
+        }),
+        Backend::Loop => false,
+    }
+}
 
 /// The lock on a volume's image, taken again at reconciliation: `None` when
 /// the image could not be opened, an error when another process holds it.
@@ -95,41 +113,49 @@ impl Manager {
         att
     }
 
-    /// Reconciles every volume, then removes orphan devices.
-    pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
+    /// What a start owes before the API serves: copies a crash interrupted
+    /// failed, stale backup moments removed, and every volume locked and
+    /// marked `recovering`. The volumes themselves are reconciled by
+    /// [`Recovery::run`], beside the API.
+    pub async fn recovery(self: &Arc<Self>) -> Result<Recovery> {
         self.fail_interrupted_copies().await?;
         self.remove_backup_moments().await?;
         let me = self.clone();
         tokio::spawn(async move { me.recover_backup_target().await });
-        // Several volumes at once: after a pod is killed, each ublk device
-        // stalls its users until its new worker recovers it, so the last
-        // one's wait must not be the sum of all the others'. Every volume's
-        // outcome is awaited before an error is returned: none is left half
-        // done by a sibling's failure.
-        let outcomes: Vec<Result<Outcome>> =
-            futures_util::stream::iter(self.store.volumes().await?)
-                .map(|v| self.reconcile_volume(v))
-                .buffer_unordered(RECONCILE_AT_ONCE)
-                .collect()
-                .await;
-        let mut report = Report::default();
-        for outcome in outcomes {
-            match outcome? {
-                Outcome::Adopted => report.adopted += 1,
-                Outcome::Reattached => report.reattached += 1,
-                Outcome::Failed => report.failed += 1,
-                Outcome::FinishedDelete => report.finished_deletes += 1,
-                Outcome::Gone => {}
-            }
+        let mut held = Vec::new();
+        for row in self.store.volumes().await? {
+            let lock = self.volume_locks.lock(&row.name).await;
+            held.push(Held { row, lock });
         }
-        report.orphans_removed = self.remove_orphans().await?;
-        Ok(report)
+        // A device waiting for a worker stalls its users until it is
+        // recovered; one that never stopped (loop, dm kernel or direct) can
+        // wait its turn.
+        held.sort_by_key(|h| !waits_for_a_worker(&h.row));
+        self.recovering.begin(held.iter().map(|h| h.row.id));
+        Ok(Recovery {
+            manager: self.clone(),
+            held,
+        })
     }
 
-    /// Matches one volume's row with the kernel, under the volume's lock.
-    async fn reconcile_volume(self: &Arc<Self>, v: VolumeRow) -> Result<Outcome> {
-        let _volume = self.volume_locks.lock(&v.name).await;
-        let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+    /// Reconciles every volume, then removes orphan devices: a start's
+    /// [`Manager::recovery`] and [`Recovery::run`] at once.
+    #[cfg(test)]
+    pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
+        self.recovery().await?.run().await
+    }
+
+    /// Matches one volume's row with the kernel, under the volume's lock
+    /// (taken when the start began).
+    async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
+        let _volume = held.lock;
+        if self.faults.slows(super::Slow::ReconcileGate) {
+            let gate = self.ublk_run_root.with_file_name("reconcile-gate");
+            while gate.exists() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+        let Some(mut v) = self.store.volume(&held.row.id.to_string()).await? else {
             return Ok(Outcome::Gone);
         };
         if v.state == VolumeState::Detaching {
@@ -352,5 +378,45 @@ impl Manager {
             }
         }
         Ok(removed)
+    }
+}
+
+impl Recovery {
+    /// Reconciles every volume it holds, several at once, then removes
+    /// orphan devices. Each volume stops being `recovering`, and its lock
+    /// is released, as soon as it is done.
+    pub async fn run(self) -> Result<Report> {
+        let manager = self.manager;
+        // Several volumes at once: after a pod is killed, each ublk device
+        // stalls its users until its new worker recovers it, so the last
+        // one's wait must not be the sum of all the others'. Every volume's
+        // outcome is awaited before an error is returned: none is left half
+        // done by a sibling's failure.
+        let outcomes: Vec<Result<Outcome>> = futures_util::stream::iter(self.held)
+            .map(|held| {
+                let manager = manager.clone();
+                async move {
+                    let id = held.row.id;
+                    let outcome = manager.reconcile_volume(held).await;
+                    manager.recovering.done(id);
+                    outcome
+                }
+            })
+            .buffer_unordered(RECONCILE_AT_ONCE)
+            .collect()
+            .await;
+        let mut report = Report::default();
+        for outcome in outcomes {
+            match outcome? {
+                Outcome::Adopted => report.adopted += 1,
+                Outcome::Reattached => report.reattached += 1,
+                Outcome::Failed => report.failed += 1,
+                Outcome::FinishedDelete => report.finished_deletes += 1,
+                Outcome::Gone => {}
+            }
+        }
+        report.orphans_removed = manager.remove_orphans().await?;
+        manager.recovering.finish();
+        Ok(report)
     }
 }

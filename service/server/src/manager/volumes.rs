@@ -115,6 +115,10 @@ impl Manager {
         let unsupervised = self.worker_of(v).map(|w| w.unsupervised);
         // A worker no one would recover if it died: the volume says so.
         let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
+            _ if self.recovering.contains(v.id) => (
+                VolumeState::Recovering,
+                Some("the service started and is matching it with the kernel: a device that a worker served waits for a new one".into()),
+            ),
             Some(why) if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) => (
                 VolumeState::Degraded,
                 Some(match &v.state_reason {
@@ -221,6 +225,7 @@ impl Manager {
         let generation = (
             self.store.generation(),
             self.page_cache_watch.warnings_generation(),
+            self.recovering.generation(),
         );
         if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
             && *g == generation
