@@ -461,9 +461,9 @@ async fn a_modify_changes_the_dispatch_of_a_live_volume() {
         f.sync_all().unwrap();
     }
     // Back by `auto`, which picks `kernel` for this image again. (`kernel`
-    // asked by name is not yet taken: the registry's CHECK on a volume's
-    // requested dispatch lacks it, so such a PATCH answers 500 after the
-    // device moved. Left for its own fix.)
+    // asked by name, which the registry refused before migration 0006, is
+    // checked without a VM: unit blockplane-server
+    // manager::rules::a_dm_volume_asks_for_kernel_by_name_and_its_row_says_so.)
     for (asked, to, n) in [("nowait", "nowait", 1), ("auto", "kernel", 2)] {
         modify(&csi, &v.volume_id, &[("dispatch", asked)])
             .await

@@ -1067,4 +1067,226 @@ mod tests {
         assert_eq!(events.len(), 32);
         assert!(events.windows(2).all(|w| w[0].id < w[1].id));
     }
+
+    /// Every dispatch policy the API takes, spelled as it is stored. The
+    /// match fails to compile when a policy is added, until it is listed
+    /// here (and the registry's CHECK takes it: a new migration).
+    fn every_policy() -> Vec<DispatchPolicy> {
+        use DispatchPolicy as D;
+        let all = vec![D::Auto, D::Nowait, D::Threaded, D::Direct, D::Kernel];
+        for d in &all {
+            match d {
+                D::Auto | D::Nowait | D::Threaded | D::Direct | D::Kernel => {}
+            }
+        }
+        all
+    }
+
+    fn image_row(name: &str) -> ImageRow {
+        ImageRow {
+            id: Uuid::new_v4(),
+            name: name.into(),
+            path: format!("/images/{name}.img"),
+            dev: 1,
+            ino: 2,
+            birth: None,
+            size_bytes: 4096,
+            allocated_bytes: 4096,
+            allocation: None,
+            filesystem: "ext4".into(),
+            created_at: OffsetDateTime::now_utc(),
+            snapshot_of: None,
+            cloned_from: None,
+            restored_from: None,
+            read_only: false,
+            method: None,
+            state: ImageState::Ready,
+            state_reason: None,
+            encryption: None,
+        }
+    }
+
+    fn volume_row(name: &str, image: &ImageRow, backend: Backend, d: DispatchPolicy) -> VolumeRow {
+        let spec = serde_json::json!({
+            "name": name,
+            "image": image.id.to_string(),
+            "backend": backend.as_str(),
+            "dispatch": d.as_str(),
+        });
+        // Whole microseconds: as stored.
+        let now = time::macros::datetime!(2026-12-06 07:30:00.123456 UTC);
+        VolumeRow {
+            id: Uuid::new_v4(),
+            name: name.into(),
+            image_id: image.id,
+            spec: serde_json::from_value(spec).unwrap(),
+            backend,
+            dispatch: d,
+            read_only: false,
+            qos: None,
+            state: VolumeState::Attached,
+            state_reason: None,
+            attachment: None,
+            crypt: None,
+            created_at: now,
+            updated_at: now,
+        }
+    }
+
+    /// A volume asks for any policy the API takes, `kernel` included, at
+    /// create (insert) and by PATCH (update), and reads back as asked: the
+    /// registry refuses none of them.
+    #[tokio::test]
+    async fn every_dispatch_policy_is_recorded_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("blockplane.db"))
+            .await
+            .unwrap();
+        let image = image_row("img");
+        let mut tx = store.begin().await.unwrap();
+        tx.insert_image(&image).await.unwrap();
+        tx.commit().await.unwrap();
+        for asked in every_policy() {
+            let name = format!("created-{}", asked.as_str());
+            let v = volume_row(&name, &image, Backend::Dm, asked);
+            let mut tx = store.begin().await.unwrap();
+            tx.insert_volume(&v)
+                .await
+                .unwrap_or_else(|e| panic!("insert dispatch {}: {e}", asked.as_str()));
+            tx.commit().await.unwrap();
+            let read = store.volume(&name).await.unwrap().unwrap();
+            assert_eq!(read.dispatch, asked);
+            assert_eq!(read.spec.dispatch, asked);
+        }
+        let mut v = volume_row("patched", &image, Backend::Dm, DispatchPolicy::Nowait);
+        let mut tx = store.begin().await.unwrap();
+        tx.insert_volume(&v).await.unwrap();
+        tx.commit().await.unwrap();
+        for asked in every_policy() {
+            v.dispatch = asked;
+            let mut tx = store.begin().await.unwrap();
+            tx.update_volume(&v)
+                .await
+                .unwrap_or_else(|e| panic!("update to dispatch {}: {e}", asked.as_str()));
+            tx.commit().await.unwrap();
+            let read = store.volume("patched").await.unwrap().unwrap();
+            assert_eq!(read.dispatch, asked);
+        }
+    }
+
+    /// A registry of the schema before this build's newest migrations (up
+    /// to 0005), holding a volume that uses every column (a dm-crypt layer,
+    /// `locked`): the volumes table is rebuilt around it, and the row reads
+    /// back as it was, its image's foreign key, its index and the table's
+    /// other CHECKs kept; then it may ask for `kernel`.
+    #[tokio::test]
+    async fn a_volume_row_keeps_every_column_across_the_rebuild_of_its_table() {
+        use sqlx::{ConnectOptions, Connection};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("blockplane.db");
+        let image = image_row("img");
+        let mut old = volume_row("v", &image, Backend::Dm, DispatchPolicy::Direct);
+        old.read_only = true;
+        old.qos = Some(Qos {
+            iops: Some(100),
+            ..Default::default()
+        });
+        old.state = VolumeState::Locked;
+        old.state_reason = Some("its key is needed".into());
+        old.crypt = Some(CryptLayer {
+            name: "blockplane-crypt-v".into(),
+            header_bytes: 16 << 20,
+        });
+        {
+            let mut c = SqliteConnectOptions::from_str("sqlite://")
+                .unwrap()
+                .filename(&db)
+                .create_if_missing(true)
+                .foreign_keys(true)
+                .connect()
+                .await
+                .unwrap();
+            MIGRATOR.run_to(5, &mut c).await.unwrap();
+            sqlx::query(
+                "INSERT INTO images (id, name, path, dev, ino, size_bytes, allocated_bytes,
+                                     filesystem, created_at, updated_at)
+                 VALUES (?, 'img', '/images/img.img', 1, 2, 4096, 4096, 'ext4', ?, ?)",
+            )
+            .bind(image.id.to_string())
+            .bind(ts(old.created_at))
+            .bind(ts(old.created_at))
+            .execute(&mut c)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO volumes (id, name, image_id, spec, backend, dispatch, read_only,
+                                      qos, state, state_reason, attachment, created_at,
+                                      updated_at, crypt)
+                 VALUES (?, 'v', ?, ?, 'dm', 'direct', 1, ?, 'locked', ?, NULL, ?, ?, ?)",
+            )
+            .bind(old.id.to_string())
+            .bind(image.id.to_string())
+            .bind(json(&old.spec))
+            .bind(old.qos.as_ref().map(json))
+            .bind(&old.state_reason)
+            .bind(ts(old.created_at))
+            .bind(ts(old.updated_at))
+            .bind(old.crypt.as_ref().map(json))
+            .execute(&mut c)
+            .await
+            .unwrap();
+            c.close().await.unwrap();
+        }
+        let store = Store::open(&db).await.unwrap();
+        let read = store.volume("v").await.unwrap().unwrap();
+        assert_eq!(
+            format!("{read:?}"),
+            format!("{old:?}"),
+            "the row after the rebuild"
+        );
+        let mut c = store.writer.acquire().await.unwrap();
+        let broken: Vec<(String,)> =
+            sqlx::query_as("SELECT \"table\" FROM pragma_foreign_key_check")
+                .fetch_all(&mut *c)
+                .await
+                .unwrap();
+        assert!(broken.is_empty(), "{broken:?}");
+        let fks: Vec<(String, String)> =
+            sqlx::query_as("SELECT \"table\", \"from\" FROM pragma_foreign_key_list('volumes')")
+                .fetch_all(&mut *c)
+                .await
+                .unwrap();
+        assert_eq!(fks, [("images".to_string(), "image_id".to_string())]);
+        let indexes: Vec<(String,)> = sqlx::query_as(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'volumes'
+             AND name NOT LIKE 'sqlite_autoindex_%'",
+        )
+        .fetch_all(&mut *c)
+        .await
+        .unwrap();
+        assert_eq!(indexes, [("volumes_image".to_string(),)]);
+        // The image is still kept while a volume uses it.
+        let e = sqlx::query("DELETE FROM images WHERE id = ?")
+            .bind(image.id.to_string())
+            .execute(&mut *c)
+            .await;
+        assert!(e.is_err(), "an image with a volume was deleted");
+        // The other CHECKs still refuse what the service never writes.
+        for update in [
+            "UPDATE volumes SET dispatch = 'bogus'",
+            "UPDATE volumes SET backend = 'nbd'",
+            "UPDATE volumes SET state = 'lost'",
+        ] {
+            let e = sqlx::query(update).execute(&mut *c).await;
+            assert!(e.is_err(), "{update}: taken");
+        }
+        drop(c);
+        let mut v = read;
+        v.dispatch = DispatchPolicy::Kernel;
+        let mut tx = store.begin().await.unwrap();
+        tx.update_volume(&v).await.unwrap();
+        tx.commit().await.unwrap();
+        let read = store.volume("v").await.unwrap().unwrap();
+        assert_eq!(read.dispatch, DispatchPolicy::Kernel);
+    }
 }

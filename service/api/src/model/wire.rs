@@ -56,9 +56,10 @@ mod tests {
             ],
             |v| v.as_str(),
         );
-        check(&[D::Auto, D::Nowait, D::Threaded, D::Direct], |v| {
-            v.as_str()
-        });
+        check(
+            &[D::Auto, D::Nowait, D::Threaded, D::Direct, D::Kernel],
+            |v| v.as_str(),
+        );
         check(&[A::Nowait, A::Threaded, A::Direct, A::Kernel], |v| {
             v.as_str()
         });

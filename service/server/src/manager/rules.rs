@@ -28,12 +28,17 @@ struct Bed {
 
 impl Bed {
     async fn new(policy: OrphanPolicy) -> Self {
+        Self::of(Backend::Ublk, policy).await
+    }
+
+    /// A bed whose one fake backend is `kind`.
+    async fn of(kind: Backend, policy: OrphanPolicy) -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("images")).unwrap();
         let store = Store::open(&dir.path().join("blockplane.db"))
             .await
             .unwrap();
-        let fake = Arc::new(FakeBackend::new(Backend::Ublk, policy));
+        let fake = Arc::new(FakeBackend::new(kind, policy));
         let m = manager(&dir, &store, &fake, 8).await;
         Self {
             dir,
@@ -443,6 +448,92 @@ async fn a_patch_makes_every_change_and_records_each() {
         .await
         .unwrap();
     assert_eq!(bed.calls(row.id).len(), 3);
+}
+
+/// A dm volume asks for `kernel` by name, by PATCH and at create: the
+/// answer, the row and the device agree on it (the device had moved before
+/// the row was written, so a refused row left them apart); a restarted
+/// service adopts it with nothing to change back, and moves it back to the
+/// kernel when the device is elsewhere.
+#[tokio::test]
+async fn a_dm_volume_asks_for_kernel_by_name_and_its_row_says_so() {
+    use blockplane_api::model::ActiveDispatch;
+    let mut bed = Bed::of(Backend::Dm, OrphanPolicy::Remove).await;
+    bed.image("img").await;
+    bed.create("v", "img", json!({"backend": "dm", "dispatch": "nowait"}))
+        .await
+        .unwrap();
+    let v = bed.patch("v", json!({"dispatch": "kernel"})).await.unwrap();
+    assert_eq!(v.requested_dispatch, DispatchPolicy::Kernel);
+    assert_eq!(v.dispatch, ActiveDispatch::Kernel);
+    let row = bed.row("v").await.unwrap();
+    assert_eq!(row.dispatch, DispatchPolicy::Kernel);
+    assert_eq!(bed.fake.device(row.id), row.attachment);
+    assert_eq!(
+        bed.events(row.id).await,
+        ["volume_created", "volume_attached", "dispatch_changed"]
+    );
+
+    bed.image("img2").await;
+    let Created::New(w) = bed
+        .create("w", "img2", json!({"backend": "dm", "dispatch": "kernel"}))
+        .await
+        .unwrap()
+    else {
+        panic!("the create made nothing new")
+    };
+    assert_eq!(w.requested_dispatch, DispatchPolicy::Kernel);
+    assert_eq!(w.dispatch, ActiveDispatch::Kernel);
+    assert_eq!(bed.row("w").await.unwrap().dispatch, DispatchPolicy::Kernel);
+
+    let report = bed.restart().await;
+    assert_eq!(
+        (report.adopted, report.reattached, report.failed),
+        (2, 0, 0)
+    );
+    for name in ["v", "w"] {
+        let after = bed.row(name).await.unwrap();
+        assert_eq!(after.dispatch, DispatchPolicy::Kernel, "{name}");
+        assert_eq!(
+            after.attachment.as_ref().map(|a| a.dispatch),
+            Some(ActiveDispatch::Kernel),
+            "{name}"
+        );
+    }
+    // Adopted as they are: only the limits are sent again (a dm volume's
+    // private worker would hold them), no dispatch.
+    let (v, w) = (row.id, w.id);
+    assert_eq!(
+        bed.calls(v),
+        [
+            Call::Attach(v),
+            Call::Reconfigure(v, Change::Dispatch(DispatchPolicy::Kernel)),
+            Call::Reconfigure(v, Change::Qos(None)),
+        ]
+    );
+    assert_eq!(
+        bed.calls(w),
+        [Call::Attach(w), Call::Reconfigure(w, Change::Qos(None))]
+    );
+
+    // The service died between moving `v` to a worker and recording it:
+    // the next start moves it back to the kernel, as its row asks.
+    let mut moved = bed.fake.device(v).unwrap();
+    moved.dispatch = ActiveDispatch::Nowait;
+    bed.fake.set_device(v, Some(moved));
+    bed.restart().await;
+    assert_eq!(
+        bed.calls(v)[3..],
+        [
+            Call::Reconfigure(v, Change::Dispatch(DispatchPolicy::Kernel)),
+            Call::Reconfigure(v, Change::Qos(None))
+        ]
+    );
+    let device = bed.fake.device(v).unwrap();
+    assert_eq!(device.dispatch, ActiveDispatch::Kernel);
+    let row = bed.row("v").await.unwrap();
+    assert_eq!(row.dispatch, DispatchPolicy::Kernel);
+    assert_eq!(row.attachment, Some(device));
 }
 
 #[tokio::test]
