@@ -701,27 +701,15 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     // volumes the host has.
     let recovery = manager.recovery().await?;
     tracing::info!(volumes = recovery.volumes(), "reconciling with the kernel");
-    let reconciling = {
-        let manager = manager.clone();
-        tokio::spawn(async move {
-            let report = recovery.run().await?;
-            tracing::info!(
-                adopted = report.adopted,
-                reattached = report.reattached,
-                failed = report.failed,
-                finished_deletes = report.finished_deletes,
-                orphans_removed = report.orphans_removed,
-                "reconciled with the kernel"
-            );
-            manager.start_sampler();
-            Ok::<(), crate::manager::Error>(())
-        })
-    };
-
     let store = manager.store().clone();
     let allocating = manager.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
-    let app = crate::http::router(manager, cfg.token.clone(), cfg.limits, stop_rx.clone());
+    let app = crate::http::router(
+        manager.clone(),
+        cfg.token.clone(),
+        cfg.limits,
+        stop_rx.clone(),
+    );
     // Bind everything before serving anything: answering on one listener means
     // all are up.
     let mut bound = Vec::new();
@@ -740,6 +728,24 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             }
         });
     }
+    // Only once the API serves: the workers' starts must not delay it.
+    let reconciling = {
+        let manager = manager.clone();
+        tokio::spawn(async move {
+            let report = recovery.run().await?;
+            tracing::info!(
+                adopted = report.adopted,
+                reattached = report.reattached,
+                failed = report.failed,
+                finished_deletes = report.finished_deletes,
+                orphans_removed = report.orphans_removed,
+                "reconciled with the kernel"
+            );
+            manager.start_sampler();
+            Ok::<(), crate::manager::Error>(())
+        })
+    };
+
     // A reconciliation that fails (the registry cannot be read or written)
     // ends the service as a failed start did: it serves nothing it could
     // not match with the kernel.

@@ -23,8 +23,15 @@ use blockplane_api::model::{Backend, VolumeState};
 use blockplane_system::extent;
 use blockplane_system::image::Access;
 
-/// How many volumes reconciliation works on at once.
-const RECONCILE_AT_ONCE: usize = 8;
+/// How many volumes reconciliation works on at once. After a pod is killed,
+/// every device a worker served waits for its new worker, and a recovery
+/// waiting for a slot adds a whole recovery to its device's stall (with 8
+/// at once, 36 such devices recover in five turns, the last device waiting
+/// through all five). So every volume of a host of up to this many goes at once;
+/// beyond, recoveries queue in turn. The bound keeps a host of thousands
+/// from starting as many workers in the same instant (each holds a blocking
+/// thread while it starts, and the runtime has 512).
+const RECONCILE_AT_ONCE: usize = 64;
 
 /// Whether the volume's device, as recorded, is served by a worker (a ublk
 /// volume's, or a dm volume's private one): after a pod is killed, such a
