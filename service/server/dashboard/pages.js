@@ -221,7 +221,7 @@ export function overviewPage(ctx) {
     ctx.host = host;
     const health = await api('GET', '/healthz').then(() => 'ok', (e) => `${e.code}: ${e.message}`);
     const figures = await liveFigures(volumes);
-    const states = ['attached', 'degraded', 'locked', 'attaching', 'detaching', 'error'];
+    const states = ['attached', 'degraded', 'locked', 'recovering', 'attaching', 'detaching', 'error'];
     const troubled = volumes.filter((v) => v.state === 'degraded' || v.state === 'error');
     const older = volumes.filter((v) => v.worker_older === true);
     const top = (key) => figures.filter((f) => f[key] !== null).sort((a, b) => b[key] - a[key]).slice(0, 5);

@@ -71,6 +71,8 @@ mod tests {
                 VolumeState::Degraded,
                 VolumeState::Detaching,
                 VolumeState::Error,
+                VolumeState::Locked,
+                VolumeState::Recovering,
             ],
             |v| v.as_str(),
         );

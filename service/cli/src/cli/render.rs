@@ -171,6 +171,12 @@ fn host(h: &Host) -> String {
             },
         ),
     ]);
+    if !h.reconciled {
+        out += &format!(
+            "note: the service started and is still matching the kernel's devices: {} volume(s) recovering\n",
+            h.recovering_volumes
+        );
+    }
     if h.build.executable_replaced {
         out += &format!(
             "note: {} now holds build {}: a restart of the service runs it, then `blockplane upgrade` moves the volumes to it\n",
