@@ -15,7 +15,8 @@ import sys
 
 LANES = pathlib.Path(__file__).with_name("lanes")
 NAME = "tests/vm/lanes"  # in messages
-KERNELS = ("both", "latest", "lts")
+# `bench`: a benchmark (an ignored test), run by its own script, never by a lane.
+KERNELS = ("both", "latest", "lts", "bench")
 # The csi target's tests that need the VM's kernel (dm, ublk); the rest run on
 # the host.
 CSI_VM_MODULES = ("node::", "expand::", "modify::")
@@ -30,7 +31,7 @@ def read():
             continue
         fields = line.split()
         if len(fields) != 3 or fields[0] not in ("vm", "csi") or fields[2] not in KERNELS:
-            sys.exit(f"{NAME}:{n}: want `vm|csi TEST both|latest|lts`, got {line!r}")
+            sys.exit(f"{NAME}:{n}: want `vm|csi TEST both|latest|lts|bench`, got {line!r}")
         rows.append((fields[0], fields[1], fields[2], n))
     return rows
 

@@ -125,6 +125,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         }
         None => (-1, UblkFlags::UBLK_DEV_F_ADD_DEV),
     };
+    tracing::debug!("start: device claimed");
     let ctrl = Arc::new(
         UblkCtrlBuilder::default()
             .name("blockplane")
@@ -191,6 +192,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         Ok(())
     };
     let dev = Arc::new(UblkDev::new(ctrl.get_name(), tgt_init, &ctrl)?);
+    tracing::debug!("start: device set up");
     let mailboxes = (0..dev.dev_info.nr_hw_queues)
         .map(|_| Mailbox::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()?;
@@ -224,6 +226,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         ctrl.set_thread_affinity(qid, tid);
         ctrl.configure_queue(&dev, qid, tid)?;
     }
+    tracing::debug!("start: queues ready");
     // SET_PARAMS and START_DEV, or END_USER_RECOVERY for a recovered device.
     // START_DEV waits for every queue's first fetch, so the kernel runs it
     // on an io-wq worker of the issuing thread, which then stays as long as

@@ -842,6 +842,7 @@ fn init_logging(spec: &WorkerSpec) {
 
 fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
     device::private_mount_namespace()?;
+    tracing::debug!("start: mount namespace private");
     // SAFETY: the control plane hands the image over on this fd; nothing else owns it.
     let image = unsafe { File::from_raw_fd(IMAGE_FD) };
     // Held until the worker ends: the device serves only while it is held.
@@ -913,5 +914,6 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         shared.state.lock().expect("state poisoned").pinned = None;
     }
     shared.config().policy = start;
+    tracing::debug!("start: policy entered");
     device::serve(shared)
 }

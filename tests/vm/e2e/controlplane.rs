@@ -15,7 +15,7 @@ use crate::{Scratch, Vm, eventually, fio_verify, sectors_written, sh, writes_flo
 /// One volume of each kind a host serves: its name, how it is served, its
 /// device, and its worker (the volume's own, or a dm volume's private one).
 struct Served {
-    name: &'static str,
+    name: String,
     /// `ublk nowait`, ...
     kind: String,
     id: String,
@@ -28,7 +28,8 @@ struct Served {
 struct Seen {
     /// From the replacement until the device completed a write again.
     resumed: Duration,
-    /// fio's longest I/O, read and write.
+    /// fio's longest I/O, read and write; or a [`PacedWriter`]'s longest
+    /// gap between two completed writes.
     longest: Duration,
 }
 
@@ -52,7 +53,7 @@ async fn serve_each_kind(vm: &Vm) -> Vec<Served> {
             .volume(json!({"name": name, "image": name, "backend": backend, "dispatch": dispatch}))
             .await;
         out.push(Served {
-            name,
+            name: name.to_string(),
             kind: match backend {
                 "loop" => "loop".to_string(),
                 _ => format!("{backend} {dispatch}"),
@@ -211,7 +212,7 @@ fn io_errors_logged(served: &[Served]) -> Vec<String> {
 /// registry beside one would be refused).
 async fn delete_each(vm: &Vm, served: &[Served]) {
     for s in served {
-        vm.delete(s.name).await;
+        vm.delete(&s.name).await;
         assert!(
             !Path::new(&s.device).exists(),
             "{} is left after its delete",
@@ -299,7 +300,7 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
             assert_eq!(old, Path::new(harness::BIN), "{}: worker {pid}", s.name);
         }
         eprintln!("upgrade: waiting for fio on {}", s.name);
-        let longest = fio_verified(s.name, fio);
+        let longest = fio_verified(&s.name, fio);
         assert_eq!(errors_of(&vm, s).await, (0, 0), "{}", s.name);
         eprintln!(
             "{}: writes again {:.3} s after the stop, longest I/O {:.3} s",
@@ -312,9 +313,9 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
     // held read-only) still leaves direct and writes on the file.
     for s in served.iter().filter(|s| s.kind.ends_with(" direct")) {
         eprintln!("upgrade: {} leaves direct", s.name);
-        vm.set_dispatch(s.name, "nowait").await;
+        vm.set_dispatch(&s.name, "nowait").await;
         let fio = fio_verify(&s.device, "8M", &["--output-format=json"]);
-        fio_verified(s.name, fio);
+        fio_verified(&s.name, fio);
         assert_eq!(errors_of(&vm, s).await, (0, 0), "{} on nowait", s.name);
     }
     assert_eq!(io_errors_logged(&served), Vec::<String>::new());
@@ -413,7 +414,7 @@ async fn a_pod_killed_whole_recovers_every_device_under_fio_verify() {
     // to the kill however fast the device is (an unpaced 8M on ublk direct
     // once finished first). Loop and dm direct never stop, so theirs need
     // only still be writing when the pod dies.
-    let fios = fio_on_each(&served, |s| match s.name {
+    let fios = fio_on_each(&served, |s| match s.name.as_str() {
         "loop" | "d-direct" => ("16M", false),
         _ => ("16M", true),
     })
@@ -457,7 +458,7 @@ async fn a_pod_killed_whole_recovers_every_device_under_fio_verify() {
                 s.name
             );
         }
-        let longest = fio_verified(s.name, fio);
+        let longest = fio_verified(&s.name, fio);
         at(&format!("fio verified {}", s.name));
         assert_eq!(errors_of(&vm, s).await, (0, 0), "{}", s.name);
         seen.push(Seen { resumed, longest });
@@ -519,4 +520,453 @@ async fn a_live_instances_dm_device_blocks_no_start_and_is_no_orphan() {
     assert_eq!(a.s.get("/v1/volumes/live").await.body["state"], "attached");
     a.delete("live").await;
     assert!(!Path::new(&dev).exists(), "{dev} is left after its delete");
+}
+
+/// A volume's backend and policy, as a create asks for them.
+type BackendAndPolicy = (&'static str, &'static str);
+
+/// The kinds of a many-volume host, as an operator mixes them: the
+/// workers' two policies, dm over a private worker, and the default (no
+/// backend or policy asked: dm `kernel` on a sparse image), with the
+/// allocation each needs.
+const MIXED: [(&str, Option<BackendAndPolicy>, &str); 4] = [
+    ("un", Some(("ublk", "nowait")), "sparse"),
+    ("ud", Some(("ublk", "direct")), "full"),
+    ("dn", Some(("dm", "nowait")), "sparse"),
+    ("df", None, "sparse"),
+];
+
+/// `count` volumes on 8 MiB xfs images, split evenly between [`MIXED`].
+async fn serve_mixed(vm: &Vm, count: usize) -> Vec<Served> {
+    let mut out = Vec::new();
+    for i in 0..count {
+        let (kind, asked, allocation) = MIXED[i % MIXED.len()];
+        let name = format!("{kind}{i}");
+        vm.image(&name, Scratch::Xfs, 8, allocation).await;
+        let mut body = json!({"name": name, "image": name});
+        if let Some((backend, dispatch)) = asked {
+            body["backend"] = json!(backend);
+            body["dispatch"] = json!(dispatch);
+        }
+        let v = vm.volume(body).await;
+        out.push(Served {
+            kind: format!(
+                "{} {}",
+                v["backend"].as_str().unwrap(),
+                v["dispatch"].as_str().unwrap()
+            ),
+            name,
+            id: v["id"].as_str().unwrap().to_string(),
+            device: v["device"].as_str().unwrap().to_string(),
+            dispatch: v["dispatch"].clone(),
+        });
+    }
+    out
+}
+
+/// A paced O_DIRECT writer on one device, as an application's steady
+/// trickle: a thread writing one 4 KiB block every 100 ms (10 a second)
+/// round the device's first 1 MiB, each block stamped with its number and
+/// the write's sequence number, noting when each write completed. A thread
+/// of the test, not a process: dozens of fio processes load the emulator
+/// more than the recoveries they measure.
+struct PacedWriter {
+    device: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Result<Paced, String>>,
+}
+
+/// What a [`PacedWriter`] did.
+struct Paced {
+    /// When each write completed.
+    completed: Vec<Instant>,
+    /// The sequence number last written to each block (0: never).
+    last: Vec<u64>,
+}
+
+/// How often a [`PacedWriter`] writes: often enough to see a stall to a
+/// tenth of a second, seldom enough that four dozen of them leave the
+/// emulator's two CPUs to the recoveries they measure.
+const PACED_EVERY: Duration = Duration::from_millis(100);
+
+/// The block size, and how many blocks a [`PacedWriter`] goes round.
+const PACED_BLOCK: usize = 4096;
+const PACED_BLOCKS: usize = 256;
+
+/// A 4 KiB buffer aligned for O_DIRECT.
+struct Aligned(*mut u8);
+
+// SAFETY: the buffer is owned by one thread at a time.
+unsafe impl Send for Aligned {}
+
+impl Aligned {
+    const LAYOUT: std::alloc::Layout =
+        match std::alloc::Layout::from_size_align(PACED_BLOCK, PACED_BLOCK) {
+            Ok(l) => l,
+            Err(_) => panic!("a valid layout"),
+        };
+
+    fn new() -> Self {
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(Self::LAYOUT) };
+        assert!(!p.is_null(), "out of memory");
+        Self(p)
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: allocated with LAYOUT's size, owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.0, PACED_BLOCK) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new` with the same layout.
+        unsafe { std::alloc::dealloc(self.0, Self::LAYOUT) }
+    }
+}
+
+fn open_direct(device: &str) -> std::fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(device)
+        .unwrap_or_else(|e| panic!("open {device} O_DIRECT: {e}"))
+}
+
+impl PacedWriter {
+    fn start(device: &str) -> Self {
+        use std::os::unix::fs::FileExt;
+        let file = open_direct(device);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = stop.clone();
+        let name = device.to_string();
+        let thread = std::thread::spawn(move || {
+            let mut buf = Aligned::new();
+            let mut done = Paced {
+                completed: Vec::new(),
+                last: vec![0; PACED_BLOCKS],
+            };
+            let mut next = Instant::now();
+            let mut seq = 0u64;
+            while !stopping.load(std::sync::atomic::Ordering::Relaxed) {
+                seq += 1;
+                let block = (seq as usize) % PACED_BLOCKS;
+                let b = buf.bytes();
+                b[..8].copy_from_slice(&(block as u64).to_le_bytes());
+                b[8..16].copy_from_slice(&seq.to_le_bytes());
+                file.write_all_at(b, (block * PACED_BLOCK) as u64)
+                    .map_err(|e| format!("{name}: write {seq} to block {block}: {e}"))?;
+                done.completed.push(Instant::now());
+                done.last[block] = seq;
+                // The pace of the workload, not a wait for a condition.
+                next += PACED_EVERY;
+                if let Some(ahead) = next.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(ahead);
+                }
+            }
+            Ok(done)
+        });
+        Self {
+            device: device.to_string(),
+            stop,
+            thread,
+        }
+    }
+
+    /// Stops it; what it did, after each block read back holds the last
+    /// write it completed there.
+    fn finish(self) -> Paced {
+        use std::os::unix::fs::FileExt;
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let done = self
+            .thread
+            .join()
+            .expect("the writer thread")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let file = open_direct(&self.device);
+        let mut buf = Aligned::new();
+        for (block, seq) in done.last.iter().enumerate() {
+            let b = buf.bytes();
+            file.read_exact_at(b, (block * PACED_BLOCK) as u64)
+                .unwrap_or_else(|e| panic!("{}: read block {block}: {e}", self.device));
+            if *seq > 0 {
+                let found = (
+                    u64::from_le_bytes(b[..8].try_into().unwrap()),
+                    u64::from_le_bytes(b[8..16].try_into().unwrap()),
+                );
+                assert_eq!(
+                    found,
+                    (block as u64, *seq),
+                    "{}: block {block} does not hold its last completed write",
+                    self.device
+                );
+            }
+        }
+        done
+    }
+}
+
+impl Paced {
+    /// When writes came back after the kill, from `killed`: the end of
+    /// the gap between two completed writes that spans `dead`, when every
+    /// process of the pod was gone (a device goes on writing for a moment
+    /// after the kill is asked, until its worker is dead).
+    fn resumed(&self, killed: Instant, dead: Instant) -> Duration {
+        self.completed
+            .windows(2)
+            .find(|w| w[0] <= dead && dead < w[1])
+            .map(|w| w[1] - killed)
+            .expect("writes completed after the pod died")
+    }
+
+    /// The longest time between two completed writes.
+    fn longest_gap(&self) -> Duration {
+        self.completed
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or_default()
+    }
+}
+
+/// What a pod kill of a host with many volumes showed.
+struct PodKill {
+    served: Vec<Served>,
+    /// Whether each volume's device waited for a new worker.
+    waited: Vec<bool>,
+    /// From the kill, and from the new service's start, until its
+    /// `/healthz` answered.
+    answered: (Duration, Duration),
+    /// The volumes its first `GET /v1/volumes`, asked then, showed
+    /// `recovering`.
+    recovering: usize,
+    /// Per volume: when its writes came back after the kill, from the kill,
+    /// and its writer's longest gap between two completed writes.
+    seen: Vec<Seen>,
+    /// The new service's log, and each new worker's start from its own.
+    log: String,
+}
+
+impl PodKill {
+    /// When the devices that waited for a worker wrote again, first and
+    /// last, from the kill.
+    fn first_and_last(&self) -> (Duration, Duration) {
+        let waited = || {
+            self.seen
+                .iter()
+                .zip(&self.waited)
+                .filter(|(_, w)| **w)
+                .map(|(s, _)| s.resumed)
+        };
+        (waited().min().unwrap(), waited().max().unwrap())
+    }
+
+    /// Deletes its volumes, so that no device is left to the next test.
+    async fn delete(&self, vm: &Vm) {
+        delete_each(vm, &self.served).await;
+    }
+
+    /// The figures, one line per kind, and the new service's steps from its
+    /// log, with their times.
+    fn report(&self, build: &str) {
+        for line in self.log.lines().filter(|l| {
+            [
+                "listening",
+                "reconciling",
+                "reconciled",
+                "worker_restarted",
+                "open-files",
+                "recovered=true",
+                "worker starting",
+                "start: ",
+            ]
+            .iter()
+            .any(|w| l.contains(w))
+        }) {
+            eprintln!("log: {line}");
+        }
+        let kernel = sh("uname", &["-r"]);
+        eprintln!(
+            "pod kill, {} volumes, {build} build, kernel {}: the API answered {:.2} s after the kill ({:.2} s after the new service's start), {} volumes recovering then",
+            self.served.len(),
+            kernel.trim(),
+            self.answered.0.as_secs_f64(),
+            self.answered.1.as_secs_f64(),
+            self.recovering
+        );
+        eprintln!(
+            "| served by | volumes | writes again after the kill (min–max) | longest gap between two writes (max) |"
+        );
+        let mut kinds: Vec<&str> = self.served.iter().map(|s| s.kind.as_str()).collect();
+        kinds.sort();
+        kinds.dedup();
+        for kind in kinds {
+            let of = || {
+                self.served
+                    .iter()
+                    .zip(&self.seen)
+                    .filter(move |(s, _)| s.kind == kind)
+                    .map(|(_, x)| x)
+            };
+            eprintln!(
+                "| {kind} | {} | {:.2}–{:.2} s | {:.2} s |",
+                of().count(),
+                of().map(|x| x.resumed).min().unwrap().as_secs_f64(),
+                of().map(|x| x.resumed).max().unwrap().as_secs_f64(),
+                of().map(|x| x.longest).max().unwrap().as_secs_f64()
+            );
+        }
+    }
+}
+
+/// Waits until every device has written `bytes` more, all side by side.
+async fn all_write(served: &[Served], bytes: u64) {
+    let flows: Vec<_> = served
+        .iter()
+        .map(|s| {
+            let device = s.device.clone();
+            tokio::spawn(async move { writes_flow(&device, bytes).await })
+        })
+        .collect();
+    for f in flows {
+        f.await.unwrap();
+    }
+}
+
+/// `count` volumes of [`MIXED`] under a [`PacedWriter`] each, the pod (the
+/// service and every worker) killed with `cgroup.kill`, a new service
+/// started from `bin`. Asserts what holds on any build and load: every
+/// device writes again and ends attached on its node, no write fails, each
+/// block holds the last write completed to it, no I/O error is logged.
+/// The caller deletes the volumes ([`PodKill::delete`]).
+async fn kill_a_mixed_pod(count: usize, bin: Option<PathBuf>) -> (PodKill, Vm) {
+    let began = Instant::now();
+    let at = |what: &str| eprintln!("many: {what} at {:.1} s", began.elapsed().as_secs_f64());
+    let mut vm = match bin {
+        Some(bin) => Vm::start_from(bin).await,
+        None => Vm::start().await,
+    };
+    let pod = Pod::new();
+    pod.enter(vm.s.pid());
+    let served = serve_mixed(&vm, count).await;
+    let waited: Vec<bool> = served.iter().map(|s| worker_of(&vm, s).is_some()).collect();
+    at("volumes made");
+    let writers: Vec<PacedWriter> = served
+        .iter()
+        .map(|s| PacedWriter::start(&s.device))
+        .collect();
+    all_write(&served, 64 << 10).await;
+
+    at("every volume writes; killing the pod");
+    let killed = Instant::now();
+    pod.kill().await;
+    let dead = Instant::now();
+    assert!(!vm.s.wait_exit(Duration::from_secs(10)).success());
+    let log_from = vm.s.log_text().len();
+    at("the pod is dead; starting a new service");
+    let spawned = Instant::now();
+    vm.s.spawn(&[]);
+    vm.s.wait_answers().await;
+    let answered = (killed.elapsed(), spawned.elapsed());
+    at("/healthz answers");
+    let listed = vm.s.get("/v1/volumes").await;
+    assert_eq!(listed.status.as_u16(), 200, "{}", listed.body);
+    let recovering = listed
+        .body
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["state"] == "recovering")
+        .count();
+    vm.s.wait_ready().await;
+    at("reconciled");
+    // Two seconds more of writes on every device.
+    all_write(&served, 80 << 10).await;
+
+    let mut seen = Vec::new();
+    for (s, writer) in served.iter().zip(writers) {
+        let v = vm.s.get(&format!("/v1/volumes/{}", s.name)).await.body;
+        assert_eq!(v["state"], "attached", "{}: {v}", s.name);
+        assert_eq!(v["device"], s.device.as_str(), "{}: {v}", s.name);
+        let done = writer.finish();
+        assert_eq!(errors_of(&vm, s).await, (0, 0), "{}", s.name);
+        seen.push(Seen {
+            resumed: done.resumed(killed, dead),
+            longest: done.longest_gap(),
+        });
+    }
+    at("every volume verified");
+    assert_eq!(io_errors_logged(&served), Vec::<String>::new());
+    let mut log = vm.s.log_text()[log_from..].to_string();
+    for s in &served {
+        let worker_log = vm.s.data.join(format!("run/ublk/{}/worker.log", s.id));
+        let text = std::fs::read_to_string(worker_log).unwrap_or_default();
+        // The last start's steps (its debug ones under BLOCKPLANE_LOG).
+        let last_start = text.rfind("worker starting").unwrap_or(0);
+        let last_start = text[..last_start].rfind('\n').map_or(0, |i| i + 1);
+        for line in text[last_start..].lines().filter(|l| {
+            l.contains("worker starting") || l.contains("start: ") || l.contains("recovered=true")
+        }) {
+            log.push_str(&format!("{}: {line}\n", s.name));
+        }
+    }
+    let k = PodKill {
+        served,
+        waited,
+        answered,
+        recovering,
+        seen,
+        log,
+    };
+    (k, vm)
+}
+
+/// A pod killed on a host of 12 volumes (3 of each of [`MIXED`]): its
+/// interruption does not grow with the count. The new service answers its
+/// API before the last device has recovered, with the volumes not yet done
+/// saying `recovering`; the devices recover side by side, not one after
+/// another: the last to write again does so within twice the first's wait
+/// (with 8 recoveries at once, the ninth waits a whole turn more). No
+/// write fails, every block holds its last completed write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_kill_stalls_many_volumes_side_by_side_with_the_api_answering() {
+    let (k, vm) = kill_a_mixed_pod(12, None).await;
+    k.report("debug");
+    k.delete(&vm).await;
+    let (first, last) = k.first_and_last();
+    assert!(
+        k.answered.0 < last,
+        "the API answered {:.2} s after the kill, after the last device wrote again ({:.2} s)",
+        k.answered.0.as_secs_f64(),
+        last.as_secs_f64()
+    );
+    assert!(
+        k.recovering > 0,
+        "the API's first listing showed no volume recovering"
+    );
+    assert!(
+        last <= first * 2,
+        "recoveries queued: the first device waiting for a worker wrote again {:.2} s after the kill, the last {:.2} s",
+        first.as_secs_f64(),
+        last.as_secs_f64()
+    );
+}
+
+/// The pod-kill benchmark (not a test: `tests/vm/stall.sh`): the mix of
+/// [`MIXED`] at `BLOCKPLANE_STALL_VOLUMES` (16), from the binary at
+/// `BLOCKPLANE_STALL_BIN` (a release build), printing the figures.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a benchmark: tests/vm/stall.sh"]
+async fn pod_kill_stall_benchmark() {
+    let count = std::env::var("BLOCKPLANE_STALL_VOLUMES")
+        .map(|n| n.parse().expect("BLOCKPLANE_STALL_VOLUMES is a number"))
+        .unwrap_or(16);
+    let bin = std::env::var_os("BLOCKPLANE_STALL_BIN").map(PathBuf::from);
+    let build = if bin.is_some() { "release" } else { "debug" };
+    let (k, vm) = kill_a_mixed_pod(count, bin).await;
+    k.report(build);
+    k.delete(&vm).await;
 }
