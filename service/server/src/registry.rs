@@ -411,27 +411,7 @@ mod tests {
         tx.event(None, None, "test", "no row").await.unwrap();
         tx.commit().await.unwrap();
         assert_eq!(Mark::read(dir.path()).unwrap(), mark);
-        let image = crate::store::ImageRow {
-            id: uuid::Uuid::new_v4(),
-            name: "one".into(),
-            path: "/images/one.img".into(),
-            dev: 1,
-            ino: 2,
-            birth: None,
-            size_bytes: 4096,
-            allocated_bytes: 4096,
-            allocation: None,
-            filesystem: "ext4".into(),
-            created_at: time::OffsetDateTime::now_utc(),
-            snapshot_of: None,
-            cloned_from: None,
-            restored_from: None,
-            read_only: false,
-            method: None,
-            state: blockplane_api::model::ImageState::Ready,
-            state_reason: None,
-            encryption: None,
-        };
+        let image = crate::store::tests::image_row("one");
         let mut tx = store.begin().await.unwrap();
         tx.insert_image(&image).await.unwrap();
         tx.commit().await.unwrap();

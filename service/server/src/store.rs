@@ -1028,7 +1028,7 @@ impl Drop for WriteTx {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -1082,7 +1082,8 @@ mod tests {
         all
     }
 
-    fn image_row(name: &str) -> ImageRow {
+    /// A registered image's row, as a test inserts it: `/images/NAME.img`.
+    pub(crate) fn image_row(name: &str) -> ImageRow {
         ImageRow {
             id: Uuid::new_v4(),
             name: name.into(),
