@@ -31,8 +31,27 @@ use clap::{CommandFactory, FromArgMatches};
 
 use args::{CLIENT_FLAGS, Cli, Command};
 
+/// The spec of `worker --spec JSON`, exactly as the service starts a worker.
+/// A worker's start is on a recovering volume's path, and building the
+/// whole command line's parser first costs as much as the rest of the
+/// process's start under emulation (a pod kill starts one per volume at
+/// once); any other form goes through the parser.
+fn worker_spec(mut args: impl Iterator<Item = std::ffi::OsString>) -> Option<String> {
+    let (Some(sub), Some(flag), Some(spec), None) =
+        (args.next(), args.next(), args.next(), args.next())
+    else {
+        return None;
+    };
+    (sub == "worker" && flag == "--spec")
+        .then(|| spec.into_string().ok())
+        .flatten()
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    if let Some(spec) = worker_spec(std::env::args_os().skip(1)) {
+        return blockplane_worker::main(&spec);
+    }
     // Before the command the client flags are plain ones: global there, they
     // would reach `serve` and the other commands that are no API client.
     let mut cmd = Cli::command();
@@ -100,5 +119,25 @@ mod tests {
         use blockplane_api::client::encode_segment;
         assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
         assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
+    }
+
+    fn args(a: &[&str]) -> impl Iterator<Item = std::ffi::OsString> {
+        a.iter()
+            .map(std::ffi::OsString::from)
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    #[test]
+    fn only_the_services_own_worker_command_skips_the_parser() {
+        use super::worker_spec;
+        assert_eq!(
+            worker_spec(args(&["worker", "--spec", "{}"])),
+            Some("{}".into())
+        );
+        assert_eq!(worker_spec(args(&["worker", "--help"])), None);
+        assert_eq!(worker_spec(args(&["worker", "--spec={}"])), None);
+        assert_eq!(worker_spec(args(&["worker", "--spec", "{}", "x"])), None);
+        assert_eq!(worker_spec(args(&["serve", "--spec", "{}"])), None);
     }
 }
