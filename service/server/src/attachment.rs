@@ -194,12 +194,13 @@ impl From<Attachment> for Row {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Rows as the service stored them before `DeviceState` (one per
-    /// backend, from a run of the previous version).
-    const OLD_ROWS: [&str; 3] = [
+    /// backend, from a run of the previous version): loop, ublk, dm on a
+    /// private ublk device.
+    pub(crate) const OLD_ROWS: [&str; 3] = [
         r#"{"device":"/dev/loop3","kernel_name":"loop3","major":7,"minor":3,"dispatch":"kernel","dispatch_reason":"loop: the kernel's loop driver","direct_io":true,"size_bytes":1048576,"read_only":false,"attached_at":"2026-11-30T10:00:00Z","baseline":null,"ublk":null,"dm":null,"resize_pending":false}"#,
         r#"{"device":"/dev/ublkb0","kernel_name":"ublkb0","major":259,"minor":0,"dispatch":"direct","dispatch_reason":"auto: the image passes every direct-map rule","direct_io":null,"size_bytes":1048576,"read_only":false,"attached_at":"2026-11-30T10:00:00Z","baseline":null,"ublk":{"dev_id":0,"pid":4242,"pinned":{"was_immutable":false},"buffer_bytes":0,"queues":2,"zero_copy":true,"degraded":null},"dm":null,"resize_pending":true}"#,
         r#"{"device":"/dev/dm-4","kernel_name":"dm-4","major":253,"minor":4,"dispatch":"nowait","dispatch_reason":"asked: nowait","direct_io":null,"size_bytes":1048576,"read_only":true,"attached_at":"2026-11-30T10:00:00Z","baseline":null,"ublk":null,"dm":{"name":"blockplane-x","uuid":"blockplane-i-x","table":[[0,2048,"linear","259:1 0"]],"pinned":null,"private_ublk":"259:1","degraded":null},"resize_pending":false}"#,

@@ -1107,7 +1107,12 @@ pub(crate) mod tests {
         }
     }
 
-    fn volume_row(name: &str, image: &ImageRow, backend: Backend, d: DispatchPolicy) -> VolumeRow {
+    pub(crate) fn volume_row(
+        name: &str,
+        image: &ImageRow,
+        backend: Backend,
+        d: DispatchPolicy,
+    ) -> VolumeRow {
         let spec = serde_json::json!({
             "name": name,
             "image": image.id.to_string(),

@@ -37,17 +37,9 @@ const RECONCILE_AT_ONCE: usize = 64;
 /// volume's, or a dm volume's private one): after a pod is killed, such a
 /// device holds its users' I/O until a new worker recovers it.
 fn waits_for_a_worker(v: &VolumeRow) -> bool {
-    match v.backend {
-        Backend::Ublk => true,
-        Backend::Dm => v.attachment.as_ref().is_some_and(|a| {
-            !matches!(
-                a.dispatch,
-                blockplane_api::model::ActiveDispatch::Kernel
-                    | blockplane_api::model::ActiveDispatch::Direct
-            )
-        }),
-        Backend::Loop => false,
-    }
+    v.attachment
+        .as_ref()
+        .is_some_and(|a| a.ublk().is_some() || a.dm().is_some_and(|d| d.private_ublk.is_some()))
 }
 
 /// The lock on a volume's image, taken again at reconciliation: `None` when
@@ -425,5 +417,44 @@ impl Recovery {
         report.orphans_removed = manager.remove_orphans().await?;
         manager.recovering.finish();
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::waits_for_a_worker;
+    use crate::attachment::{Attachment, DeviceState, tests::OLD_ROWS};
+    use crate::store::tests::{image_row, volume_row};
+    use blockplane_api::model::{Backend, DispatchPolicy};
+
+    /// The recorded device decides, not the policy asked: a worker's own
+    /// ublk device or a dm table over a private one waits for a new worker
+    /// after a pod kill; the loop driver, a direct map and a volume with no
+    /// device do not.
+    #[test]
+    fn a_volume_waits_for_a_worker_when_its_recorded_device_has_one() {
+        let image = image_row("img");
+        let [lp, ub, dm] = OLD_ROWS.map(|r| serde_json::from_str::<Attachment>(r).unwrap());
+        let mut direct = dm.clone();
+        if let DeviceState::Dm(d) = &mut direct.kind {
+            d.private_ublk = None;
+        }
+        let cases = [
+            (Backend::Loop, Some(lp), false),
+            (Backend::Ublk, Some(ub), true),
+            (Backend::Dm, Some(dm), true),
+            (Backend::Dm, Some(direct), false),
+            (Backend::Ublk, None, false),
+        ];
+        for (backend, attachment, waits) in cases {
+            let mut v = volume_row("v", &image, backend, DispatchPolicy::Nowait);
+            v.attachment = attachment;
+            assert_eq!(
+                waits_for_a_worker(&v),
+                waits,
+                "{backend:?}: {:?}",
+                v.attachment
+            );
+        }
     }
 }
