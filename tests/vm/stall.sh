@@ -8,6 +8,11 @@
 # (the stall a writer saw).
 #   tests/vm/stall.sh {latest|lts} [COUNT...]   (default: 16 48)
 #   VM_MEM=MiB (default 6144)
+#   BLOCKPLANE_VM_ENV="BLOCKPLANE_STALL_PERF=1": also a `perf record` of every guest CPU from the
+#     kill until the new service has reconciled, reported per process and per call (where the
+#     recovery's CPU goes); perf's own load lengthens the stall it measures.
+#   BLOCKPLANE_VM_ENV="BLOCKPLANE_LOG=info,blockplane_worker=debug,blockplane_server=debug":
+#     each volume's steps (probed, worker started, each worker's start steps) in the output.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -20,6 +25,9 @@ shift
 [ $# -gt 0 ] || set -- 16 48
 cd "$repo"
 deploy/install-deps.sh --test
+if [[ "${BLOCKPLANE_VM_ENV:-}" == *BLOCKPLANE_STALL_PERF=* ]] && ! command -v perf >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends linux-perf
+fi
 cargo build --locked --release --bin blockplane
 # A copy no later build changes under the guest (it reads the checkout over 9p).
 frozen=$(mktemp -d "$repo/target/stall-bin.XXXXXX")

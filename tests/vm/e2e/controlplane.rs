@@ -782,6 +782,9 @@ impl PodKill {
                 "recovered=true",
                 "worker starting",
                 "start: ",
+                "reconcile: ",
+                "a worker",
+                "worker started",
             ]
             .iter()
             .any(|w| l.contains(w))
@@ -818,6 +821,91 @@ impl PodKill {
                 of().map(|x| x.resumed).max().unwrap().as_secs_f64(),
                 of().map(|x| x.longest).max().unwrap().as_secs_f64()
             );
+        }
+    }
+}
+
+/// With `BLOCKPLANE_STALL_PERF` set, a `perf record` of every CPU from the
+/// kill until the new service has reconciled: where a recovery's time goes.
+struct Profile {
+    perf: Child,
+    data: PathBuf,
+}
+
+impl Profile {
+    async fn start(vm: &Vm) -> Option<Profile> {
+        std::env::var_os("BLOCKPLANE_STALL_PERF")?;
+        let data = vm.s.data.join("stall.perf");
+        let perf = std::process::Command::new("perf")
+            .args(["record", "-a", "-g", "-e", "cpu-clock", "-F", "499", "-o"])
+            .arg(&data)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("perf runs");
+        // perf has opened its events once it has written its header.
+        eventually(Duration::from_secs(30), "perf to start", async || {
+            std::fs::metadata(&data).is_ok_and(|m| m.len() > 0)
+        })
+        .await;
+        Some(Profile { perf, data })
+    }
+
+    fn report(mut self) {
+        let pid = self.perf.id().to_string();
+        sh("kill", &["-INT", &pid]);
+        let _ = self.perf.wait();
+        let data = self.data.to_str().unwrap();
+        let by_comm = sh(
+            "perf",
+            &[
+                "report",
+                "--stdio",
+                "--no-children",
+                "-g",
+                "none",
+                "--percent-limit",
+                "1",
+                "--sort",
+                "comm",
+                "-i",
+                data,
+            ],
+        );
+        let comms: Vec<String> = by_comm
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .inspect(|l| eprintln!("perf: {l}"))
+            .filter_map(|l| l.split_whitespace().nth(1).map(str::to_string))
+            .take(8)
+            .collect();
+        // Inclusive of callees: which calls a process's time went under.
+        for comm in comms {
+            let text = sh(
+                "perf",
+                &[
+                    "report",
+                    "--stdio",
+                    "--children",
+                    "-g",
+                    "none",
+                    "--percent-limit",
+                    "0.7",
+                    "--comms",
+                    &comm,
+                    "--sort",
+                    "dso,sym",
+                    "-i",
+                    data,
+                ],
+            );
+            for line in text
+                .lines()
+                .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+                .take(45)
+            {
+                eprintln!("perf[{comm}]: {line}");
+            }
         }
     }
 }
@@ -861,6 +949,7 @@ async fn kill_a_mixed_pod(count: usize, bin: Option<PathBuf>) -> (PodKill, Vm) {
     all_write(&served, 64 << 10).await;
 
     at("every volume writes; killing the pod");
+    let profile = Profile::start(&vm).await;
     let killed = Instant::now();
     pod.kill().await;
     let dead = Instant::now();
@@ -883,6 +972,9 @@ async fn kill_a_mixed_pod(count: usize, bin: Option<PathBuf>) -> (PodKill, Vm) {
         .count();
     vm.s.wait_ready().await;
     at("reconciled");
+    if let Some(p) = profile {
+        p.report();
+    }
     // Two seconds more of writes on every device.
     all_write(&served, 80 << 10).await;
 

@@ -170,7 +170,9 @@ impl Manager {
             self.record_error(&mut v, reason).await?;
             return Ok(Outcome::Failed);
         };
+        tracing::debug!(volume = %v.name, "reconcile: probing its device");
         let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
+        tracing::debug!(volume = %v.name, alive = matches!(probe, Ok(Probe::Alive(_))), "reconcile: probed");
         match probe {
             Ok(Probe::Alive(att)) => self.adopt(&mut v, &backend, *att, image_lock).await,
             Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,

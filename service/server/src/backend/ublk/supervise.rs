@@ -157,9 +157,11 @@ impl UblkBackend {
                 Ok(())
             });
         }
+        tracing::debug!(volume_id = %spec.volume_id, "starting a worker");
         let child = cmd
             .spawn()
             .map_err(|e| io("start worker", self.exe.path.display().to_string(), e))?;
+        tracing::debug!(volume_id = %spec.volume_id, pid = child.id(), "worker started");
         Ok(Spawned {
             child,
             volume_id: spec.volume_id,
