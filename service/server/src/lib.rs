@@ -11,6 +11,7 @@ mod attachment;
 mod backend;
 pub mod config;
 mod dashboard;
+mod fault;
 mod http;
 mod liveness;
 pub mod logging;

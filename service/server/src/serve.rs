@@ -23,7 +23,8 @@ use crate::backend::dm::DmBackend;
 use crate::backend::loopdev::LoopBackend;
 use crate::backend::ublk::{UblkBackend, UblkConfig};
 use crate::config::{Limits, ListenAddr, ServeConfig};
-use crate::manager::{Backends, Faults, Manager, ManagerConfig};
+use crate::fault::Faults;
+use crate::manager::{Backends, Manager, ManagerConfig};
 use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 
@@ -90,7 +91,7 @@ pub enum ServeError {
     BackupTarget(#[from] blockplane_backup::Error),
     /// `BLOCKPLANE_TEST_FAULT` is set, and this build cannot inject it.
     #[error(transparent)]
-    Faults(#[from] crate::manager::FaultError),
+    Faults(#[from] crate::fault::FaultError),
     /// A listen address cannot be bound.
     #[error("listen on {addr}: {source}")]
     Listen {

@@ -26,7 +26,7 @@ use super::{
     AttachRequest, Attachment, BackendError, Change, Decision, DeviceState, Marked, Probe,
     ProbeRequest, SpecCheck, VolumeBackend,
 };
-use crate::manager::{After, Faults};
+use crate::fault::{After, Faults};
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };

@@ -24,6 +24,8 @@ use blockplane_system::dispatch::{self, DispatchError};
 pub use blockplane_system::image::AllocateJob;
 use blockplane_worker::protocol::{Request, WorkerStats};
 
+use crate::fault::HandoverFaults;
+
 /// What went wrong in a backend.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -348,19 +350,6 @@ pub struct HandedOver {
     pub method: HandoverMethod,
     /// From asking the old worker to let go to the new one serving.
     pub took: std::time::Duration,
-}
-
-/// Test faults of a handover (none outside tests): the manager's
-/// `slow_handover` and `fail_handover_start`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HandoverFaults {
-    /// The old worker's pause once it let go, before it exits.
-    pub pace: std::time::Duration,
-    /// The new worker is started with a spec it refuses, so it exits at once.
-    pub new_worker_fails: bool,
-    /// The new worker is told to recover a device that does not exist, so
-    /// it fails once the old one has let go.
-    pub recovery_fails: bool,
 }
 
 /// One kernel mechanism for serving volumes.

@@ -10,6 +10,7 @@
 //! snapshot is), which needs a filesystem that shares extents, else the
 //! backup is refused with the remedy a snapshot gets.
 
+use crate::fault::Slow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -429,10 +430,10 @@ impl Manager {
             counters: counters.clone(),
             reads_image,
         };
-        let pace = self.faults.pace(super::Slow::Backup);
+        let pace = self.faults.pace(Slow::Backup);
         let gate = self
             .faults
-            .slows(super::Slow::BackupGate)
+            .slows(Slow::BackupGate)
             .then(|| self.backups.gate.clone());
         let me = self.clone();
         let moment_identity = (file.identity(), file.birth().map(str::to_string));
@@ -878,7 +879,7 @@ impl Manager {
         file: ImageFile,
         fd: std::fs::File,
     ) {
-        let pace = self.faults.pace(super::Slow::Copy);
+        let pace = self.faults.pace(Slow::Copy);
         let kind = super::copies::CopyRun::restore(row.name.clone());
         let (me, row) = (self.clone(), row.clone());
         let total = m.stored_bytes;

@@ -2,6 +2,7 @@
 //! (`FICLONE`) where the filesystem can, else copied in the background, a
 //! job as an allocate is (`jobs`: progress, pace, cancel).
 
+use crate::fault::{After, Slow};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -500,7 +501,7 @@ impl Manager {
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;
-                self.faults.point(super::After::Change)?;
+                self.faults.point(After::Change)?;
                 // An explicit `direct` cannot hold any more; `auto` still
                 // decides, now without direct.
                 let asked = match v.dispatch {
@@ -520,11 +521,8 @@ impl Manager {
             } else {
                 let copy = MomentCopy {
                     dest,
-                    pace: self.faults.pace(super::Slow::Copy),
-                    gate: self
-                        .faults
-                        .slows(super::Slow::CopyGate)
-                        .then(|| self.copy_gate()),
+                    pace: self.faults.pace(Slow::Copy),
+                    gate: self.faults.slows(Slow::CopyGate).then(|| self.copy_gate()),
                 };
                 let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
                 if out.is_err() {
@@ -660,7 +658,7 @@ impl Manager {
         private: bool,
         grow: Option<(u64, Allocation)>,
     ) {
-        let pace = self.faults.pace(super::Slow::Copy);
+        let pace = self.faults.pace(Slow::Copy);
         let kind = CopyRun {
             source,
             name: row.name.clone(),

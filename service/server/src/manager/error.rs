@@ -229,6 +229,13 @@ pub enum Error {
     Internal(String),
 }
 
+/// A failure a test injected fails the operation as an internal error.
+impl From<crate::fault::Injected> for Error {
+    fn from(e: crate::fault::Injected) -> Self {
+        Error::Internal(e.to_string())
+    }
+}
+
 /// Result of the manager's operations.
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -1,5 +1,6 @@
 //! Image operations: register, create, list, grow, forget.
 
+use crate::fault::{After, Slow};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -123,7 +124,7 @@ impl Manager {
                 let mut file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                self.faults.pause(super::Slow::ImageCreate).await;
+                self.faults.pause(Slow::ImageCreate).await;
                 if let Some(e) = &spec.encryption {
                     let (dev, ino) = file.identity();
                     let birth = file.birth().map(str::to_string);
@@ -596,7 +597,7 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        let pace = self.faults.pace(super::Slow::Allocate);
+        let pace = self.faults.pace(Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
         self.allocations.start(
             row.id,
@@ -805,7 +806,7 @@ impl Manager {
             };
             let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
-                self.faults.point(super::After::Change)?;
+                self.faults.point(After::Change)?;
             }
             let mut tx = self.store.begin().await?;
             match outcome {

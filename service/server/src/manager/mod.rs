@@ -12,7 +12,6 @@ mod error;
 mod events;
 #[cfg(test)]
 mod fake;
-mod fault;
 mod handover;
 mod holds;
 mod host;
@@ -37,12 +36,11 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 
 use crate::backend::{BackendEvent, VolumeBackend};
+use crate::fault::Faults;
 use crate::store::Store;
 use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-use fault::Slow;
-pub use fault::{After, FaultError, Faults, SupervisorFault};
 use locks::KeyedLocks;
 use names::validate_name;
 pub use ops::Operations;

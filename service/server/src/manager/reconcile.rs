@@ -6,6 +6,7 @@
 //! re-attached, or the volume goes `error` with the reason; a volume caught
 //! half-deleted is finished off. Marked devices with no row are removed.
 
+use crate::fault::Slow;
 use std::collections::HashSet;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -148,7 +149,7 @@ impl Manager {
     /// (taken when the start began).
     async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
         let _volume = held.lock;
-        if self.faults.slows(super::Slow::ReconcileGate) {
+        if self.faults.slows(Slow::ReconcileGate) {
             let gate = self.ublk_run_root.with_file_name("reconcile-gate");
             while gate.exists() {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;

@@ -9,8 +9,9 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::fake::{Call, FakeBackend};
-use super::{Backends, Created, Error, Faults, Manager, ManagerConfig};
+use super::{Backends, Created, Error, Manager, ManagerConfig};
 use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy, VolumeBackend};
+use crate::fault::Faults;
 use crate::store::{EventFilter, Store, VolumeRow};
 use blockplane_api::model::{
     Backend, CreateImageRequest, CreateVolumeRequest, DispatchPolicy, PatchVolumeRequest, Qos,

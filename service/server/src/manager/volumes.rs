@@ -6,11 +6,12 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{After, Created, Error, Manager, Result, Slow, blocking, validate_name};
+use super::{Created, Error, Manager, Result, blocking, validate_name};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
     VolumeBackend, VolumeParams,
 };
+use crate::fault::{After, Slow};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
@@ -433,7 +434,7 @@ impl Manager {
             Ok(att) => {
                 let recorded = match self.faults.point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
-                    Err(e) => Err(e),
+                    Err(e) => Err(e.into()),
                 };
                 if let Err(e) = recorded {
                     // Half-way: remove the device and the row, keep the reason.
@@ -722,7 +723,7 @@ impl Manager {
                     made.push(*change);
                     // Between two changes of one PATCH (a test fault).
                     if made.len() == 1 && changes.len() > 1 {
-                        self.faults.point(After::FirstChange)
+                        self.faults.point(After::FirstChange).map_err(Error::from)
                     } else {
                         Ok(())
                     }

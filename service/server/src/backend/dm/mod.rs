@@ -35,11 +35,11 @@ use uuid::Uuid;
 use super::loopdev::{self, PrivateLoop};
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, BackendEvent, Change, Decision,
-    DeviceState, DmAttachment, EventSink, HandedOver, HandoverFaults, Marked, MomentCopy,
-    OrphanPolicy, PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend,
-    VolumeParams, WorkerInfo,
+    DeviceState, DmAttachment, EventSink, HandedOver, Marked, MomentCopy, OrphanPolicy,
+    PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
+    WorkerInfo,
 };
-use crate::manager::{After, Faults};
+use crate::fault::{After, Faults, HandoverFaults};
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, Qos, VolumeState,
     VolumeStats,

@@ -28,7 +28,8 @@ use uuid::Uuid;
 
 use super::supervise::Started;
 use super::{TALK_TIMEOUT, UblkBackend, io};
-use crate::backend::{BackendError, BackendEvent, HandedOver, HandoverFaults, WorkerInfo};
+use crate::backend::{BackendError, BackendEvent, HandedOver, WorkerInfo};
+use crate::fault::HandoverFaults;
 use blockplane_api::model::HandoverMethod;
 use blockplane_worker::protocol::{Answer, GO_READY, GO_TAKE, Request};
 

@@ -26,8 +26,8 @@ use uuid::Uuid;
 
 use super::{
     AllocateJob, AttachRequest, Attachment, BackendError, Change, Decision, EventSink, HandedOver,
-    HandoverFaults, Marked, MomentCopy, PrivateDevices, Probe, ProbeRequest, SnapshotDest,
-    SpecCheck, VolumeBackend, WorkerInfo,
+    Marked, MomentCopy, PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck,
+    VolumeBackend, WorkerInfo,
 };
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, UblkFeatures,
@@ -36,6 +36,8 @@ use blockplane_api::model::{
 use blockplane_system::dispatch;
 use blockplane_system::extent;
 use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec, WorkerStats};
+
+use crate::fault::HandoverFaults;
 pub(crate) use client::nowait_stats;
 pub use supervise::foreign_workers;
 use supervise::{is_our_worker, run_dir_instance};
@@ -57,7 +59,7 @@ pub struct UblkConfig {
     /// This service's instance id, written into every run dir it makes.
     pub instance: String,
     /// The test faults inside an attach.
-    pub faults: crate::manager::Faults,
+    pub faults: crate::fault::Faults,
 }
 
 /// A worker this control plane supervises.

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
 use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Probe, ProbeRequest};
-use crate::manager::After;
+use crate::fault::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_system::dispatch;
 use blockplane_system::extent::{self, ExtentMap};

@@ -29,7 +29,7 @@ use uuid::Uuid;
 
 use super::{UblkBackend, supervise::STATE_FILE};
 use crate::backend::{BackendEvent, Stopped, SupervisorState, SupervisorStatus, Unsupervised};
-use crate::manager::SupervisorFault;
+use crate::fault::SupervisorFault;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_worker::protocol::{self, Answer, Request};
 

@@ -10,10 +10,6 @@
 
 use std::time::Duration;
 
-#[cfg(feature = "test-faults")]
-use super::Error;
-use super::Result;
-
 /// The variable that names the fault.
 const VAR: &str = "BLOCKPLANE_TEST_FAULT";
 
@@ -187,6 +183,24 @@ pub enum FaultError {
     Unknown(String),
 }
 
+/// An operation failed at point `.0` because a test asked it to.
+#[derive(Debug, thiserror::Error)]
+#[error("injected test fault at {0:?}")]
+pub struct Injected(pub After);
+
+/// Test faults of a handover (none outside tests): `slow_handover`,
+/// `fail_handover_start` and `fail_handover_recovery`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HandoverFaults {
+    /// The old worker's pause once it let go, before it exits.
+    pub pace: Duration,
+    /// The new worker is started with a spec it refuses, so it exits at once.
+    pub new_worker_fails: bool,
+    /// The new worker is told to recover a device that does not exist, so
+    /// it fails once the old one has let go.
+    pub recovery_fails: bool,
+}
+
 /// The test fault a service injects: none in a build without `test-faults`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Faults {
@@ -217,7 +231,7 @@ impl Faults {
 
     /// Injects the fault of point `at`, if that is the one asked for: kills
     /// the service, or fails the operation.
-    pub(super) fn point(&self, at: After) -> Result<()> {
+    pub fn point(&self, at: After) -> Result<(), Injected> {
         #[cfg(feature = "test-faults")]
         match self.fault {
             Some(Fault::Kill(s)) if s == at => {
@@ -228,7 +242,7 @@ impl Faults {
                 );
             }
             Some(Fault::Fail(s)) if s == at => {
-                return Err(Error::Internal(format!("injected test fault at {at:?}")));
+                return Err(Injected(at));
             }
             _ => {}
         }
@@ -270,7 +284,7 @@ impl Faults {
     }
 
     /// Whether a test asked for `what` to be slow.
-    pub(super) fn slows(&self, what: Slow) -> bool {
+    pub fn slows(&self, what: Slow) -> bool {
         #[cfg(feature = "test-faults")]
         return self.fault == Some(Fault::Slow(what));
         #[cfg(not(feature = "test-faults"))]
@@ -281,8 +295,8 @@ impl Faults {
     }
 
     /// What a handover is to inject.
-    pub(super) fn handover(&self) -> crate::backend::HandoverFaults {
-        crate::backend::HandoverFaults {
+    pub fn handover(&self) -> HandoverFaults {
+        HandoverFaults {
             pace: if self.slows(Slow::Handover) {
                 Duration::from_secs(3)
             } else {
@@ -300,7 +314,7 @@ impl Faults {
     }
 
     /// Waits 3 s if a test asked for `what` to be slow.
-    pub(super) async fn pause(&self, what: Slow) {
+    pub async fn pause(&self, what: Slow) {
         if self.slows(what) {
             tracing::warn!(?what, "test fault: pausing 3 s");
             tokio::time::sleep(Duration::from_secs(3)).await;
@@ -308,7 +322,7 @@ impl Faults {
     }
 
     /// The pause after each 16 MiB stretch of an allocate or a copy.
-    pub(super) fn pace(&self, what: Slow) -> Duration {
+    pub fn pace(&self, what: Slow) -> Duration {
         if self.slows(what) {
             Duration::from_millis(100)
         } else {
