@@ -12,9 +12,9 @@ use blockplane_api::model::{
     AddKeyRequest, Image, ImageEncryption, Key, KeySlotAdded, RemoveKeyRequest, Volume, VolumeState,
 };
 use blockplane_system::crypt::{self, CryptError};
+use blockplane_system::image::Access;
 use uuid::Uuid;
 
-use super::volumes::access;
 use super::{Error, Manager, Result, blocking};
 use crate::attachment::Attachment;
 use crate::store::{CryptLayer, ImageRow, VolumeRow};
@@ -270,7 +270,7 @@ impl Manager {
                 });
             }
         };
-        let file = self.open_image(&image, access(true))?;
+        let file = self.open_image(&image, Access::ReadOnly)?;
         let (name, checked_key) = (image.name.clone(), key.clone());
         blocking(move || {
             use std::os::fd::AsFd;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 
 use super::recovery::{Held, Recovery};
-use super::volumes::{access, params};
+use super::volumes::params;
 use super::{Manager, Result, blocking};
 use crate::backend::{
     Attachment, BackendError, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend,
@@ -209,7 +209,11 @@ impl Manager {
     ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
         // A direct-mapped image is pinned: it opens read-only only.
         let opened = {
-            let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
             blocking(move || {
                 me.open_image(&image, a)
                     .or_else(|_| me.open_image(&image, Access::ReadOnly))
@@ -280,7 +284,11 @@ impl Manager {
         image_lock: ImageLock,
     ) -> Result<Outcome> {
         let opened = {
-            let (me, image, a) = (self.clone(), image.clone(), access(v.spec.read_only));
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
             let ublk = v.backend == Backend::Ublk;
             blocking(move || match me.open_image(&image, a) {
                 // Pinned by the volume's direct worker, which died while no

@@ -337,7 +337,11 @@ impl Manager {
         self.check_volume_image(&image, &req.name, req.read_only)?;
         let backend = self.choose_backend(req.backend)?;
         let (file, image_lock) = {
-            let (me, image, access) = (self.clone(), image.clone(), access(req.read_only));
+            let (me, image, access) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(req.read_only),
+            );
             blocking(move || me.open_and_lock(&image, access)).await??
         };
         let id = Uuid::new_v4();
@@ -1025,15 +1029,6 @@ pub(super) fn params(v: &VolumeRow, image: &ImageRow, size_bytes: u64) -> Volume
         max_io_bytes: v.spec.max_io_bytes,
         qos: v.qos,
         allocation: image.allocation.unwrap_or_default(),
-    }
-}
-
-/// How a volume's image is opened.
-pub(super) fn access(read_only: bool) -> Access {
-    if read_only {
-        Access::ReadOnly
-    } else {
-        Access::ReadWrite
     }
 }
 

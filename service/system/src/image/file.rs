@@ -22,6 +22,18 @@ pub enum Access {
     ReadWrite,
 }
 
+impl Access {
+    /// Read-only when `read_only`, else read-write: how a volume's image
+    /// is opened.
+    pub fn read_only_if(read_only: bool) -> Self {
+        if read_only {
+            Access::ReadOnly
+        } else {
+            Access::ReadWrite
+        }
+    }
+}
+
 /// Whether every byte of a file is written ([`ImageFile::written`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Written {
