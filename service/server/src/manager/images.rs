@@ -362,10 +362,12 @@ impl Manager {
             .unwrap_or((row.size_bytes, row.allocated_bytes));
         // A copy's file grows to its size only once the copy starts.
         let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
+        // The row and the job are read one after the other: a copy that
+        // ends in between still shows its count while the row says copying.
         let progress = self
             .copies
             .progress(row.id)
-            .filter(|p| p.state == JobState::Running)
+            .filter(|p| p.state == JobState::Running || row.state == ImageState::Copying)
             .map(|p| (p.done_bytes, p.total_bytes));
         Ok(Image {
             state: row.state,
