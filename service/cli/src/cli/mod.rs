@@ -32,10 +32,10 @@ use clap::{CommandFactory, FromArgMatches};
 use args::{CLIENT_FLAGS, Cli, Command};
 
 /// The spec of `worker --spec JSON`, exactly as the service starts a worker.
-/// A worker's start is on a recovering volume's path, and building the
-/// whole command line's parser first costs as much as the rest of the
-/// process's start under emulation (a pod kill starts one per volume at
-/// once); any other form goes through the parser.
+/// A worker's start is on a recovering volume's path (a pod kill starts one
+/// per volume at once), and building the whole command line's parser was
+/// about a tenth of a worker's main thread there; any other form goes
+/// through the parser.
 fn worker_spec(mut args: impl Iterator<Item = std::ffi::OsString>) -> Option<String> {
     let (Some(sub), Some(flag), Some(spec), None) =
         (args.next(), args.next(), args.next(), args.next())
