@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use blockplane_api::client::{Endpoint, Transport};
+use blockplane_client::{Endpoint, Transport};
 use hyper::{Method, StatusCode};
 
 use crate::harness::{

@@ -457,7 +457,7 @@ async fn refused_while_backed_up(
     s: &Service,
     image: &str,
     what: &str,
-    writer: impl AsyncFnOnce() -> blockplane_api::client::Answer,
+    writer: impl AsyncFnOnce() -> blockplane_client::Answer,
 ) {
     let gate = s.data.join("run/backup-gate");
     std::fs::create_dir_all(gate.parent().unwrap()).unwrap();

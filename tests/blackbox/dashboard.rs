@@ -6,7 +6,7 @@ use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use blockplane_api::client::{Endpoint, Transport};
+use blockplane_client::{Endpoint, Transport};
 use hyper::{Method, StatusCode};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};

@@ -408,7 +408,7 @@ fn scribble(path: &std::path::Path, offset: u64, len: usize, byte: u8) {
     f.sync_all().unwrap();
 }
 
-fn message(a: &blockplane_api::client::Answer) -> String {
+fn message(a: &blockplane_client::Answer) -> String {
     a.body["error"]["message"]
         .as_str()
         .unwrap_or_default()

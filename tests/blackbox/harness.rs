@@ -7,7 +7,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use blockplane_api::client::{Answer, Endpoint, Transport};
+use blockplane_client::{Answer, Endpoint, Transport};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 

@@ -316,7 +316,7 @@ async fn registration_refusals_change_nothing() {
                 .unwrap();
             let status = resp.status();
             let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-            blockplane_api::client::Answer {
+            blockplane_client::Answer {
                 status,
                 body: serde_json::from_slice(&bytes).unwrap(),
             }

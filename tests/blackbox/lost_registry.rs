@@ -17,10 +17,8 @@ use crate::harness::{BIN, Opts, Service, serves_from};
 pub async fn refusal(s: &mut Service, started: &str) -> String {
     let before = s.log_text().len();
     s.spawn(&[]);
-    let client = blockplane_api::client::Transport::new(
-        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    );
+    let client =
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(s.sock.clone()), None);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !s.log_text()[before..].contains("blockplane: ") {
         if let Ok(a) = client.send(Method::GET, "/v1/images", None).await

@@ -53,7 +53,7 @@ async fn image_on(s: &Service, fs: &LoopFs, name: &str) {
     image_of(s, fs, name, 64, 8).await;
 }
 
-fn message(a: &blockplane_api::client::Answer) -> String {
+fn message(a: &blockplane_client::Answer) -> String {
     a.body["error"]["message"].as_str().unwrap().to_string()
 }
 

@@ -26,14 +26,13 @@ async fn crash_during_create(point: &str) -> Service {
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", point)]);
     s.wait_ready().await;
     let sock = s.sock.clone();
-    let answer =
-        blockplane_api::client::Transport::new(blockplane_api::client::Endpoint::Unix(sock), None)
-            .send(
-                hyper::Method::POST,
-                "/v1/volumes",
-                Some(&json!({"name": "v", "image": "img", "backend": "loop"})),
-            )
-            .await;
+    let answer = blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(sock), None)
+        .send(
+            hyper::Method::POST,
+            "/v1/volumes",
+            Some(&json!({"name": "v", "image": "img", "backend": "loop"})),
+        )
+        .await;
     assert!(
         answer.is_err(),
         "the service should have died mid-request: {answer:?}"
@@ -107,12 +106,10 @@ async fn killed_between_device_removed_and_row_deleted() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_detach")]);
     s.wait_ready().await;
-    let r = blockplane_api::client::Transport::new(
-        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    )
-    .send(hyper::Method::DELETE, "/v1/volumes/v", None)
-    .await;
+    let r =
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(s.sock.clone()), None)
+            .send(hyper::Method::DELETE, "/v1/volumes/v", None)
+            .await;
     assert!(r.is_err());
     s.wait_exit(Duration::from_secs(10));
     assert!(s.my_loop_devices().is_empty());
@@ -133,16 +130,14 @@ async fn killed_between_a_resize_and_its_record() {
     s.kill();
     s.spawn(&[("BLOCKPLANE_TEST_FAULT", "kill_after_change")]);
     s.wait_ready().await;
-    let r = blockplane_api::client::Transport::new(
-        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    )
-    .send(
-        hyper::Method::POST,
-        "/v1/images/g-img/resize",
-        Some(&json!({"size_bytes": 16 << 20})),
-    )
-    .await;
+    let r =
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(s.sock.clone()), None)
+            .send(
+                hyper::Method::POST,
+                "/v1/images/g-img/resize",
+                Some(&json!({"size_bytes": 16 << 20})),
+            )
+            .await;
     assert!(r.is_err(), "the service should have died mid-resize: {r:?}");
     s.wait_exit(Duration::from_secs(10));
     assert_eq!(
@@ -221,10 +216,8 @@ async fn sigterm_drains_and_leaves_devices() {
     // A request in flight when SIGTERM arrives: a fully allocated 1 GiB image.
     // Its file appearing means the service is in it.
     let slow = s.images.join("slow.img");
-    let client = blockplane_api::client::Transport::new(
-        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    );
+    let client =
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(s.sock.clone()), None);
     let body = json!({"name": "slow", "path": slow,
                       "create": {"size_bytes": 1u64 << 30, "allocation": "full"}});
     let in_flight = tokio::spawn(async move {
@@ -497,10 +490,8 @@ async fn the_api_answers_while_volumes_recover_and_their_changes_wait() {
     assert_eq!(c.status, StatusCode::CREATED, "{}", c.body);
     assert_eq!(c.body["state"], "attached", "{}", c.body);
 
-    let client = blockplane_api::client::Transport::new(
-        blockplane_api::client::Endpoint::Unix(s.sock.clone()),
-        None,
-    );
+    let client =
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(s.sock.clone()), None);
     let change = tokio::spawn(async move {
         client
             .send(

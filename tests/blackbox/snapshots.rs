@@ -57,7 +57,7 @@ pub(crate) async fn loop_volume(
     name: &str,
     image: &str,
     read_only: bool,
-) -> blockplane_api::client::Answer {
+) -> blockplane_client::Answer {
     s.post(
         "/v1/volumes",
         json!({"name": name, "image": image, "backend": "loop", "read_only": read_only}),

@@ -6,12 +6,12 @@
 use hyper::StatusCode;
 
 use super::errors::CsiError;
-use blockplane_api::client::{self, Client};
 use blockplane_api::model::{
     CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Event,
     EventQuery, Host, Image, ListImagesQuery, PatchVolumeRequest, ResizeImageRequest,
     ResizeImageResponse, UnlockVolumeRequest, Volume,
 };
+use blockplane_client::{self as client, Client};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 

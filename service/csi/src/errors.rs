@@ -5,8 +5,8 @@
 use hyper::StatusCode;
 use tonic::Code;
 
-use blockplane_api::client;
 use blockplane_api::model::ErrorCode;
+use blockplane_client as client;
 
 /// Why a CSI call failed. Each message names the volume (or path) and the
 /// rule that refused it.

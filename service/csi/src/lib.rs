@@ -39,7 +39,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use api::Api;
-use blockplane_api::client::{Client, Endpoint};
+use blockplane_client::{Client, Endpoint};
 use errors::CsiError;
 use inflight::InFlight;
 
@@ -94,7 +94,7 @@ pub enum ServeError {
     Endpoint(String),
     /// An API address the client cannot use.
     #[error("API address: {0}")]
-    Api(#[from] blockplane_api::client::Error),
+    Api(#[from] blockplane_client::Error),
     /// The CSI socket cannot be made.
     #[error("socket {path}: {source}")]
     Socket {

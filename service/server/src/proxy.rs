@@ -21,8 +21,8 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 use subtle::ConstantTimeEq;
 
-use blockplane_api::client::Endpoint;
 use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
+use blockplane_client::Endpoint;
 
 /// Why the forward could not start.
 #[derive(Debug, thiserror::Error)]

@@ -250,7 +250,7 @@ async fn refused_while_backed_up(
     vm: &Vm,
     image: &Value,
     what: &str,
-    writer: impl AsyncFnOnce() -> blockplane_api::client::Answer,
+    writer: impl AsyncFnOnce() -> blockplane_client::Answer,
 ) {
     let gate = vm.s.data.join("run/backup-gate");
     std::fs::create_dir_all(gate.parent().unwrap()).unwrap();

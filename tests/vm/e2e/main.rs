@@ -404,8 +404,8 @@ impl Vm {
     /// Sends a request the service (started with a test fault) must die in
     /// the middle of; returns once it is dead.
     pub async fn dies_in(&mut self, method: hyper::Method, path: &str, body: Option<Value>) {
-        let client = blockplane_api::client::Transport::new(
-            blockplane_api::client::Endpoint::Unix(self.s.sock.clone()),
+        let client = blockplane_client::Transport::new(
+            blockplane_client::Endpoint::Unix(self.s.sock.clone()),
             None,
         );
         let answer = client.send(method.clone(), path, body.as_ref()).await;

@@ -351,7 +351,7 @@ async fn a_handover_survives_its_old_worker_killed_and_a_new_worker_that_fails()
     let log = vm.s.data.join(format!("run/ublk/{id}/worker.log"));
     let sock = vm.s.sock.clone();
     let asked = tokio::spawn(async move {
-        blockplane_api::client::Transport::new(blockplane_api::client::Endpoint::Unix(sock), None)
+        blockplane_client::Transport::new(blockplane_client::Endpoint::Unix(sock), None)
             .send(hyper::Method::POST, "/v1/volumes/hf/handover", None)
             .await
             .unwrap()

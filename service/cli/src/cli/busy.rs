@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use blockplane_api::client::Client;
+use blockplane_client::Client;
 
 use super::output::fail;
 

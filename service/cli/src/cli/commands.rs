@@ -4,12 +4,12 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::client::{self, Client, Endpoint};
 use blockplane_api::model::{
     CreateImageFile, CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest,
     DEFAULT_MAX_IO_BYTES, DeleteImageQuery, EventQuery, ListImagesQuery, PatchVolumeRequest,
     ResizeImageRequest,
 };
+use blockplane_client::{self as client, Client, Endpoint};
 
 use super::args::{BackupCmd, Cli, Command, ImageCmd, VolumeCmd};
 use super::busy::refuse_if_busy;

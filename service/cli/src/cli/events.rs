@@ -3,8 +3,8 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::client::{Client, Error};
 use blockplane_api::model::{Event, EventQuery, EventStreamQuery};
+use blockplane_client::{Client, Error};
 
 use super::output::{fail, print};
 use super::render::{at, json_line};

@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::client::Endpoint;
+use blockplane_client::Endpoint;
 use blockplane_server::config::{ServeArgs, default_data_dir, default_socket};
 use blockplane_server::logging::{self, LogFormat};
 use blockplane_server::proxy::ProxyConfig;

@@ -116,7 +116,7 @@ mod tests {
     /// The names the client puts in paths reach the API as one segment each.
     #[test]
     fn path_segments_are_encoded() {
-        use blockplane_api::client::encode_segment;
+        use blockplane_client::encode_segment;
         assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
         assert_eq!(encode_segment("vol-1.x_y"), "vol-1.x_y");
     }

@@ -1,8 +1,8 @@
 //! The names of the images and volumes an answer refers to by id, so that
 //! tables show names people know.
 
-use blockplane_api::client::Client;
 use blockplane_api::model::{Image, ListImagesQuery, Volume};
+use blockplane_client::Client;
 use uuid::Uuid;
 
 /// The images and volumes a view refers to by id; empty when not needed or

@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::client;
+use blockplane_client as client;
 use hyper::StatusCode;
 
 /// Prints why a call failed; the exit code of the failure.

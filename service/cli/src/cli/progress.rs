@@ -1,8 +1,8 @@
 //! Waiting for the service's background work on an image (an allocate, a
 //! snapshot's, clone's or restore's copy, a backup), its progress on stderr.
 
-use blockplane_api::client::Client;
 use blockplane_api::model::{AllocateState, Backup, BackupState, Image, ImageState, human_size};
+use blockplane_client::Client;
 
 use super::render::dash;
 

@@ -3,11 +3,11 @@
 
 use std::fmt::Display;
 
-use blockplane_api::client::Client;
 use blockplane_api::model::{
     Backup, BackupGc, BackupVerify, Capability, Event, Host, Image, ResizeImageResponse,
     SupervisionState, Volume, VolumeStats, human_size,
 };
+use blockplane_client::Client;
 use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;

@@ -3,8 +3,8 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use blockplane_api::client::{Client, Error};
 use blockplane_api::model::{HistoryPoint, StatsHistoryQuery, Volume, VolumeState};
+use blockplane_client::{Client, Error};
 use serde::Serialize;
 
 use super::output::{fail, print};

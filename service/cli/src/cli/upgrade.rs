@@ -5,8 +5,8 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::client::Client;
 use blockplane_api::model::{Handover, Volume};
+use blockplane_client::Client;
 
 use super::output::{fail, print};
 use super::render::json_pretty;

@@ -30,7 +30,7 @@ pub(crate) fn with_query<Q: Serialize>(path: String, query: &Q) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::EventQuery;
+    use blockplane_api::model::EventQuery;
 
     #[test]
     fn queries_leave_out_absent_fields() {

@@ -1,6 +1,6 @@
 //! The API's client. [`Client`] calls every operation of the API with the
 //! model's types and answers them typed; an error answer is
-//! [`Error::Refused`] with its status, [`ErrorCode`](crate::model::ErrorCode)
+//! [`Error::Refused`] with its status, [`ErrorCode`](blockplane_api::model::ErrorCode)
 //! and message. [`Transport`] carries the requests, one connection each,
 //! over the unix socket or TCP.
 //!

@@ -4,7 +4,9 @@ use hyper::Method;
 
 use super::path::{encode_segment, with_query};
 use super::{Client, Error};
-use crate::model::{Backup, BackupGc, BackupVerify, CreateBackupRequest, ListBackupsQuery};
+use blockplane_api::model::{
+    Backup, BackupGc, BackupVerify, CreateBackupRequest, ListBackupsQuery,
+};
 
 fn backup_path(backup: &str) -> String {
     format!("/v1/backups/{}", encode_segment(backup))

@@ -3,7 +3,7 @@
 
 use hyper::StatusCode;
 
-use crate::model::{ErrorBody, ErrorCode};
+use blockplane_api::model::{ErrorBody, ErrorCode};
 
 /// A failed call of the API.
 #[derive(Debug, thiserror::Error)]

@@ -4,7 +4,7 @@ use hyper::Method;
 use uuid::Uuid;
 
 use super::{Client, Error};
-use crate::model::{Health, Host};
+use blockplane_api::model::{Health, Host};
 
 impl Client {
     /// `GET /v1/host`: what this host can run.

@@ -7,7 +7,7 @@ use hyper::{Method, StatusCode};
 
 use super::path::with_query;
 use super::{Client, Error};
-use crate::model::{Event, EventQuery, EventStreamQuery};
+use blockplane_api::model::{Event, EventQuery, EventStreamQuery};
 
 impl Client {
     /// `GET /v1/events`: recorded events, oldest first.

@@ -4,7 +4,7 @@ use hyper::Method;
 
 use super::path::{encode_segment, with_query};
 use super::{Client, Error};
-use crate::model::{
+use blockplane_api::model::{
     AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image,
     KeySlotAdded, ListImagesQuery, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
 };
