@@ -12,28 +12,11 @@ use std::time::{Duration, Instant};
 
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
-use serde::{Deserialize, Serialize};
 
-use super::protocol::{self, Answer, ErrorCode, Request, Status};
 use super::{Policy, Refusal, Shared};
-use blockplane_api::model::HandoverMethod;
-use blockplane_system::extent::Pin;
-
-/// What `state.json` holds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StateFile {
-    /// The worker's process id.
-    pub pid: u32,
-    /// The ublk device it serves (`/dev/ublkbN`).
-    pub dev_id: u32,
-    /// The image's pin for a direct map, which a replacement worker keeps.
-    pub pinned: Option<Pin>,
-    /// Why the worker left the direct path on its own, while it serves so:
-    /// the file is rewritten when this changes, which is how the service
-    /// learns of it (it watches the run dir) without asking.
-    #[serde(default)]
-    pub degraded: Option<String>,
-}
+use blockplane_protocol::{
+    self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Request, StateFile, Status,
+};
 
 /// The running control thread.
 pub struct Control {
@@ -133,11 +116,7 @@ pub fn write_state_file(shared: &Shared, dev_id: u32) {
         pinned,
         degraded,
     };
-    let dir = &shared.spec.run_dir;
-    let tmp = dir.join("state.json.tmp");
-    let ok = std::fs::write(&tmp, serde_json::to_vec(&state).expect("state serializes"))
-        .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")));
-    if let Err(e) = ok {
+    if let Err(e) = state.write(&shared.spec.run_dir) {
         tracing::error!(error = %e, "cannot write state.json");
     }
 }
@@ -483,11 +462,7 @@ fn open_dest(dest: &std::path::Path, identity: (u64, u64)) -> Result<std::fs::Fi
 
 /// Grows the image and the device. For a direct volume the pin is lifted,
 /// the file grown, re-mapped and pinned again while the queues are held.
-fn resize(
-    cx: &Ctx,
-    size: u64,
-    allocation: blockplane_api::model::Allocation,
-) -> Result<(), Refusal> {
+fn resize(cx: &Ctx, size: u64, allocation: Allocation) -> Result<(), Refusal> {
     let s = &cx.shared;
     if s.spec.read_only {
         return Err(Refusal::Rule(
@@ -510,7 +485,10 @@ fn resize(
             .try_clone_to_owned()
             .map_err(|source| Refusal::Io { op: "dup", source })?,
         size,
-        allocation,
+        match allocation {
+            Allocation::Sparse => blockplane_api::model::Allocation::Sparse,
+            Allocation::Full => blockplane_api::model::Allocation::Full,
+        },
     )
     .map_err(|(op, source)| Refusal::Io { op, source });
     if grown.is_ok() {

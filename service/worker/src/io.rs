@@ -36,8 +36,9 @@ use libublk::uring_async::UblkUringOpFuture;
 
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::moment::ChunkBuf;
-use super::stats::{Op, QueueCounters, QueueLatency, QueueReport, bump};
+use super::stats::{QueueLatency, QueueReport};
 use super::{DirectPath, Policy, Shared, qos};
+use blockplane_protocol::stats_file::{Op, QueueCounters, bump};
 use blockplane_system::image::FALLOC_FL_WRITE_ZEROES;
 
 /// Registered-file slots of every queue's ring: libublk puts the ublk char

@@ -15,7 +15,6 @@ mod device;
 mod io;
 mod mailbox;
 mod moment;
-pub mod protocol;
 mod qos;
 mod stats;
 mod watch;
@@ -28,16 +27,13 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use blockplane_api::model::{ActiveDispatch, Allocation, DispatchPolicy, HandoverMethod};
+use blockplane_protocol::{self as protocol, Allocation, DataPath, HandoverMethod};
 use blockplane_system::extent::{self, ExtentMap, Pin};
-pub use control::StateFile as ControlState;
-pub use device::kernel_features;
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use mailbox::{QueueConfig, Queues};
 use protocol::{Fill, FillState, IMAGE_FD, LOCK_FD, WorkerSpec};
 use stats::Stats;
-pub use stats::{STATS_FILE, completed_per_queue, read_counters};
 
 // Bytes zeroed at a time by a fill, the queues held meanwhile.
 use blockplane_system::image::ALLOCATE_STEP;
@@ -52,25 +48,21 @@ pub(crate) enum Policy {
 }
 
 impl Policy {
-    /// The policy for a requested one (`Auto` is decided by the control plane
-    /// before a worker starts; here it means `Nowait`, as does `Kernel`, which
-    /// the control plane never gives a worker: it has none).
-    pub fn from_requested(d: DispatchPolicy) -> Self {
+    /// The policy for a requested data path.
+    pub fn from_requested(d: DataPath) -> Self {
         match d {
-            DispatchPolicy::Threaded => Policy::Threaded,
-            DispatchPolicy::Direct => Policy::Direct,
-            DispatchPolicy::Nowait | DispatchPolicy::Auto | DispatchPolicy::Kernel => {
-                Policy::Nowait
-            }
+            DataPath::Nowait => Policy::Nowait,
+            DataPath::Threaded => Policy::Threaded,
+            DataPath::Direct => Policy::Direct,
         }
     }
 
     /// In the API's terms.
-    pub fn active(self) -> ActiveDispatch {
+    pub fn active(self) -> DataPath {
         match self {
-            Policy::Nowait => ActiveDispatch::Nowait,
-            Policy::Threaded => ActiveDispatch::Threaded,
-            Policy::Direct => ActiveDispatch::Direct,
+            Policy::Nowait => DataPath::Nowait,
+            Policy::Threaded => DataPath::Threaded,
+            Policy::Direct => DataPath::Direct,
         }
     }
 }
@@ -860,7 +852,10 @@ fn run(spec: WorkerSpec) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None
     };
     let data = data_fd(&image)?;
-    let stats = Stats::open(&spec.run_dir.join(stats::STATS_FILE), spec.queues as usize)?;
+    let stats = Stats::open(
+        &spec.run_dir.join(protocol::STATS_FILE),
+        spec.queues as usize,
+    )?;
     let limiter = qos::Limiter::for_limits(spec.qos, usize::from(spec.queues))?;
     let zero = File::open("/dev/zero")?;
     // A handover is no crash: only a worker that replaces a dead one counts.

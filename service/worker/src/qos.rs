@@ -26,7 +26,7 @@ use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use super::mailbox::{Mailbox, Msg};
-use blockplane_api::model::Qos;
+use blockplane_protocol::Limits;
 
 /// The share of a second's rate a grant covers while tokens are short: the
 /// period at which a throttled queue asks for more.
@@ -94,7 +94,7 @@ struct Buckets {
 }
 
 impl Buckets {
-    fn new(q: &Qos, now: Instant) -> Self {
+    fn new(q: &Limits, now: Instant) -> Self {
         Self {
             iops: q.iops.map(|r| Bucket::new(r, q.burst_iops)),
             bytes: q.bytes_per_sec.map(|r| Bucket::new(r, q.burst_bytes)),
@@ -159,7 +159,7 @@ pub struct Limiter {
 impl Limiter {
     /// A limiter for `qos` and its QoS thread, or `None` when it sets no
     /// limit. `queues`: how many queues share it (the size of a fair part).
-    pub fn for_limits(qos: Option<Qos>, queues: usize) -> std::io::Result<Option<Arc<Self>>> {
+    pub fn for_limits(qos: Option<Limits>, queues: usize) -> std::io::Result<Option<Arc<Self>>> {
         let Some(q) = qos.filter(|q| q.iops.is_some() || q.bytes_per_sec.is_some()) else {
             return Ok(None);
         };
@@ -347,7 +347,7 @@ mod tests {
 
     #[test]
     fn buckets_grant_the_burst_then_pace() {
-        let q = Qos {
+        let q = Limits {
             iops: Some(100),
             burst_iops: Some(10),
             ..Default::default()
@@ -374,7 +374,7 @@ mod tests {
         assert!((g.ops - 2.0).abs() < 1e-9, "{g:?}");
 
         // Bytes: a request larger than the burst waits for a full bucket.
-        let q = Qos {
+        let q = Limits {
             bytes_per_sec: Some(1 << 20),
             ..Default::default()
         };
@@ -404,7 +404,7 @@ mod tests {
     #[test]
     fn no_limit_no_limiter() {
         assert!(
-            Limiter::for_limits(Some(Qos::default()), 2)
+            Limiter::for_limits(Some(Limits::default()), 2)
                 .unwrap()
                 .is_none()
         );
@@ -417,7 +417,7 @@ mod tests {
     #[test]
     fn queues_asking_at_once_share_one_limit() {
         let limiter = Limiter::for_limits(
-            Some(Qos {
+            Some(Limits {
                 iops: Some(2000),
                 burst_iops: Some(100),
                 ..Default::default()

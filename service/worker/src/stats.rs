@@ -15,80 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use hdrhistogram::Histogram;
 
-use super::protocol::{Latency, WorkerStats};
-use blockplane_api::model::OpStats;
-use blockplane_api::model::{LATENCY_BOUNDS_US, LatencyHistogram};
-
-const MAGIC: u64 = 0x6270_7374_6174_7332; // "bpstats2": per-queue blocks
-
-/// The stats file's name in a worker's run dir.
-pub const STATS_FILE: &str = "stats";
-
-/// Kinds of requests counted apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    Read = 0,
-    Write = 1,
-    Flush = 2,
-    /// DISCARD and WRITE_ZEROES.
-    Discard = 3,
-}
-
-/// Adds to a counter that only the calling thread writes: a plain load and
-/// store, no locked instruction (readers may see it a moment late).
-#[inline]
-pub fn bump(c: &AtomicU64, n: u64) {
-    c.store(c.load(Relaxed).wrapping_add(n), Relaxed);
-}
-
-/// One op's counters.
-#[repr(C)]
-#[derive(Debug, Default)]
-pub struct OpCounters {
-    pub ops: AtomicU64,
-    pub bytes: AtomicU64,
-    pub errors: AtomicU64,
-}
-
-/// The file's header (layout fixed: the file is read back by later workers).
-#[repr(C, align(128))]
-#[derive(Debug, Default)]
-struct Header {
-    magic: AtomicU64,
-    since_ms: AtomicU64,
-    worker_restarts: AtomicU64,
-    queues: AtomicU64,
-}
-
-/// One queue's counters, written by its thread only. Aligned apart so that
-/// two queues never write the same cache line.
-#[repr(C, align(128))]
-#[derive(Debug, Default)]
-pub struct QueueCounters {
-    pub ops: [OpCounters; 4],
-    pub nowait_submitted: AtomicU64,
-    pub nowait_completed_inline: AtomicU64,
-    pub nowait_eagain_fallbacks: AtomicU64,
-    /// Times an op type stopped asking NOWAIT (its fallback share was high).
-    pub nowait_pauses: AtomicU64,
-    /// Submissions made without NOWAIT while their op type was paused.
-    pub nowait_bypassed: AtomicU64,
-    pub qos_throttled: AtomicU64,
-}
-
-impl QueueCounters {
-    /// Counts a completed request: `res` is its result (bytes or -errno).
-    #[inline]
-    pub fn complete(&self, op: Op, bytes: u64, res: i32) {
-        let c = &self.ops[op as usize];
-        bump(&c.ops, 1);
-        if res < 0 {
-            bump(&c.errors, 1);
-        } else {
-            bump(&c.bytes, bytes);
-        }
-    }
-}
+use blockplane_protocol::stats_file::{Header, MAGIC, Op, QueueCounters};
+use blockplane_protocol::{self as protocol, LATENCY_BOUNDS_US, Latency, OpCounts, WorkerStats};
 
 /// The counters, mapped from the worker's stats file: a header, then one
 /// block per queue.
@@ -178,7 +106,7 @@ impl Stats {
                 .map(|q| f(self.queue(q)).load(Relaxed))
                 .sum()
         };
-        let op = |i: usize| OpStats {
+        let op = |i: usize| OpCounts {
             ops: sum(&|c| &c.ops[i].ops),
             bytes: sum(&|c| &c.ops[i].bytes),
             errors: Some(sum(&|c| &c.ops[i].errors)),
@@ -219,98 +147,6 @@ impl Stats {
             worker_restarts: h.worker_restarts.load(Relaxed),
         }
     }
-}
-
-/// A worker's stats file as read by another process: its bytes, checked.
-///
-/// Read with `read(2)`, not mapped: a new worker with another queue count
-/// truncates the file, and a reader's mapping past the new end would fault
-/// (SIGBUS) instead of failing. The worker's own mapping and this read see
-/// the same page-cache pages, so the counters are current.
-struct FileImage {
-    bytes: Vec<u8>,
-    queues: usize,
-}
-
-impl FileImage {
-    fn read(path: &Path) -> io::Result<Self> {
-        let bytes = std::fs::read(path)?;
-        let mut me = Self { bytes, queues: 0 };
-        if me.word(std::mem::offset_of!(Header, magic))? != MAGIC {
-            return Err(io::Error::other(format!(
-                "{}: not a stats file",
-                path.display()
-            )));
-        }
-        let queues = me.word(std::mem::offset_of!(Header, queues))? as usize;
-        if size_of::<Header>() + queues * size_of::<QueueCounters>() > me.bytes.len() {
-            return Err(io::Error::other(format!("{}: too short", path.display())));
-        }
-        me.queues = queues;
-        Ok(me)
-    }
-
-    fn word(&self, at: usize) -> io::Result<u64> {
-        self.bytes
-            .get(at..at + 8)
-            .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
-            .ok_or_else(|| io::Error::other("stats file too short"))
-    }
-
-    /// Field at `offset` of queue `q`'s block (within bounds: checked at read).
-    fn queue_word(&self, q: usize, offset: usize) -> u64 {
-        let at = size_of::<Header>() + q * size_of::<QueueCounters>() + offset;
-        self.word(at).expect("within the checked length")
-    }
-
-    /// Field at `offset` summed over the queues.
-    fn sum(&self, offset: usize) -> u64 {
-        (0..self.queues).map(|q| self.queue_word(q, offset)).sum()
-    }
-}
-
-/// Offset of field `field` of op `op`'s counters in a queue's block.
-fn op_offset(op: usize, field: usize) -> usize {
-    std::mem::offset_of!(QueueCounters, ops) + op * size_of::<OpCounters>() + field * 8
-}
-
-/// Requests each queue completed so far (reads, writes, flushes, discards,
-/// in that order), read from a worker's stats file at `path`: which queues a
-/// load reached (the kernel tests pin writers to CPUs and check it).
-pub fn completed_per_queue(path: &Path) -> io::Result<Vec<[u64; 4]>> {
-    let f = FileImage::read(path)?;
-    Ok((0..f.queues)
-        .map(|q| std::array::from_fn(|op| f.queue_word(q, op_offset(op, 0))))
-        .collect())
-}
-
-/// The counters in a worker's stats file at `path`, per-queue blocks
-/// merged, read without asking the worker (which may be idle, or dead: the
-/// file outlives it). No latency, histograms or in-flight gauge: those live
-/// with the queue threads and need a `Stats` request.
-pub fn read_counters(path: &Path) -> io::Result<WorkerStats> {
-    let f = FileImage::read(path)?;
-    let op = |i: usize| OpStats {
-        ops: f.sum(op_offset(i, 0)),
-        bytes: f.sum(op_offset(i, 1)),
-        errors: Some(f.sum(op_offset(i, 2))),
-    };
-    use std::mem::offset_of;
-    Ok(WorkerStats {
-        read: op(0),
-        write: op(1),
-        flush: op(2),
-        discard: op(3),
-        since_ms: f.word(offset_of!(Header, since_ms))?,
-        worker_restarts: f.word(offset_of!(Header, worker_restarts))?,
-        nowait_submitted: f.sum(offset_of!(QueueCounters, nowait_submitted)),
-        nowait_completed_inline: f.sum(offset_of!(QueueCounters, nowait_completed_inline)),
-        nowait_eagain_fallbacks: f.sum(offset_of!(QueueCounters, nowait_eagain_fallbacks)),
-        nowait_pauses: f.sum(offset_of!(QueueCounters, nowait_pauses)),
-        nowait_bypassed: f.sum(offset_of!(QueueCounters, nowait_bypassed)),
-        qos_throttled: f.sum(offset_of!(QueueCounters, qos_throttled)),
-        ..WorkerStats::default()
-    })
 }
 
 impl Drop for Stats {
@@ -359,7 +195,7 @@ pub struct QueueReport {
 }
 
 /// Per-bucket counts over the metrics bounds (the last counts the rest).
-fn buckets(h: &Histogram<u64>) -> LatencyHistogram {
+fn buckets(h: &Histogram<u64>) -> protocol::Histogram {
     let mut out = Vec::with_capacity(LATENCY_BOUNDS_US.len() + 1);
     let mut below = 0u64;
     for b in LATENCY_BOUNDS_US {
@@ -368,7 +204,7 @@ fn buckets(h: &Histogram<u64>) -> LatencyHistogram {
         below = upto;
     }
     out.push(h.len().saturating_sub(below));
-    LatencyHistogram {
+    protocol::Histogram {
         buckets: out,
         sum_us: h.mean() * h.len() as f64,
         count: h.len(),
@@ -378,6 +214,7 @@ fn buckets(h: &Histogram<u64>) -> LatencyHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blockplane_protocol::{completed_per_queue, read_counters};
 
     #[test]
     fn counters_survive_a_new_mapping_and_percentiles_merge_queues() {

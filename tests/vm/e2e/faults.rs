@@ -260,7 +260,7 @@ fn blocks_found(image: &[u8], data: &[u8]) -> usize {
 /// Reads and writes, flushes each queue of a worker's volume completed so far.
 fn per_queue(vm: &Vm, volume_id: &str) -> Vec<[u64; 4]> {
     let stats = vm.s.data.join(format!("run/ublk/{volume_id}/stats"));
-    blockplane_worker::completed_per_queue(&stats).unwrap()
+    blockplane_protocol::completed_per_queue(&stats).unwrap()
 }
 
 /// Queue by queue, what a worker completed between `before` and `after`:
@@ -294,7 +294,7 @@ fn queue_of_cpu(dev: &str, cpu: usize) -> usize {
 /// Flushes served by the volume's worker (the ublk one, or a dm volume's
 /// private one); `None` when no worker serves it.
 fn worker_flushes(vm: &Vm, volume_id: &str) -> Option<u64> {
-    use blockplane_worker::protocol::{Answer, Request, talk};
+    use blockplane_protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
     match talk(&sock, &Request::Stats {}, Duration::from_secs(10)) {
         Ok(Answer::Stats(s)) => Some(s.flush.ops),
@@ -703,7 +703,7 @@ impl Held {
 /// The worker of a volume (a dm volume's private one too) as it describes
 /// itself on its control socket.
 pub(crate) fn worker_status(vm: &Vm, volume_id: &str) -> Value {
-    use blockplane_worker::protocol::{Answer, Request, talk};
+    use blockplane_protocol::{Answer, Request, talk};
     let sock = vm.s.data.join(format!("run/ublk/{volume_id}/ctl.sock"));
     match talk(&sock, &Request::Status {}, Duration::from_secs(10)) {
         Ok(Answer::Status(s)) => serde_json::to_value(*s).unwrap(),

@@ -347,9 +347,9 @@ async fn qos_holds_across_queues_with_a_writer_pinned_to_each_cpu() {
     );
 
     set_qos(&vm, "qq", json!({"iops": limit})).await;
-    let before = blockplane_worker::completed_per_queue(&stats).unwrap();
+    let before = blockplane_protocol::completed_per_queue(&stats).unwrap();
     let runs = on_every_cpu(10, 3);
-    let after = blockplane_worker::completed_per_queue(&stats).unwrap();
+    let after = blockplane_protocol::completed_per_queue(&stats).unwrap();
     let per_queue: Vec<u64> = before
         .iter()
         .zip(&after)

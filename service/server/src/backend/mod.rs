@@ -8,6 +8,7 @@
 pub mod dm;
 pub mod loopdev;
 pub mod ublk;
+mod wire;
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -19,10 +20,10 @@ use blockplane_api::model::{
     Allocation, Backend as BackendKind, BackendCapability, DispatchPolicy, HandoverMethod, OpStats,
     Qos, VolumeState, VolumeStats,
 };
+use blockplane_protocol::{Request, WorkerStats};
 pub use blockplane_system::dispatch::Decision;
 use blockplane_system::dispatch::{self, DispatchError};
 pub use blockplane_system::image::AllocateJob;
-use blockplane_worker::protocol::{Request, WorkerStats};
 
 use crate::fault::HandoverFaults;
 

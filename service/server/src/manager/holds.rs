@@ -51,7 +51,7 @@ impl Held {
 
 /// " (a blockplane ublk worker, run dir D)" for a worker, " (comm)" else.
 fn describe(pid: u32) -> String {
-    if let Some(run_dir) = blockplane_worker::protocol::worker_spec(pid)
+    if let Some(run_dir) = blockplane_protocol::worker_spec(pid)
         .as_ref()
         .and_then(|s| s["run_dir"].as_str())
     {

@@ -39,15 +39,16 @@ use super::{
     PrivateDevices, Probe, ProbeRequest, SnapshotDest, SpecCheck, VolumeBackend, VolumeParams,
     WorkerInfo,
 };
+use crate::backend::wire;
 use crate::fault::{After, Faults, HandoverFaults};
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, Qos, VolumeState,
     VolumeStats,
 };
+use blockplane_protocol::{CANNOT_FILL_READ_ONLY, Request};
 use blockplane_system::blockstat::BlockStat;
 use blockplane_system::dispatch;
 use blockplane_system::extent::{self, DevNum, ExtentMap, Pin};
-use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Request};
 pub use ioctl::foreign_devices;
 use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name, volume_of_name};
 pub use table::Target;
@@ -389,7 +390,7 @@ impl DmBackend {
     fn onto_worker(&self, volume_id: Uuid) -> Result<Option<String>, BackendError> {
         self.with_volume(volume_id, |v| match v.dispatch {
             DispatchPolicy::Direct => Err(BackendError::Refused {
-                reason: blockplane_worker::protocol::SNAPSHOT_OF_DIRECT.into(),
+                reason: blockplane_protocol::SNAPSHOT_OF_DIRECT.into(),
             }),
             DispatchPolicy::Kernel => {
                 let reason = v.reason.clone();
@@ -444,7 +445,7 @@ impl DmBackend {
                 self.ublk.change(
                     volume_id,
                     Request::SetDispatch {
-                        dispatch: to,
+                        dispatch: wire::data_path(to),
                         reason: reason.clone(),
                     },
                 )?;
@@ -579,7 +580,12 @@ impl DmBackend {
                 Some(d) => self.switch(volume_id, v, d.dispatch, d.reason),
                 None => self
                     .ublk
-                    .change(volume_id, Request::SetQos { qos })
+                    .change(
+                        volume_id,
+                        Request::SetQos {
+                            qos: wire::limits(qos),
+                        },
+                    )
                     .map(|_| ()),
             };
             if done.is_err() {
@@ -1236,7 +1242,7 @@ impl VolumeBackend for DmBackend {
                     volume_id,
                     Request::Resize {
                         size_bytes,
-                        allocation,
+                        allocation: wire::allocation(allocation),
                     },
                 )?;
                 if att.resize_pending {

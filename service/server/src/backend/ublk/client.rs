@@ -10,16 +10,15 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{ALLOCATE_POLL, TALK_TIMEOUT, UblkBackend, io};
+use crate::backend::wire;
 use crate::backend::{
     AllocateJob, Attachment, BackendError, DeviceState, MomentCopy, SnapshotDest, UblkAttachment,
 };
-use blockplane_api::model::{
-    Allocation, Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats,
+use blockplane_api::model::{Backend, LatencyStats, NowaitStats, Percentiles, VolumeStats};
+use blockplane_protocol::{
+    self as protocol, Answer, ErrorCode, FillState, Peer, Request, Status, TalkError, WorkerSpec,
 };
 use blockplane_system::blockstat::BlockStat;
-use blockplane_worker::protocol::{
-    self, Answer, ErrorCode, FillState, Peer, Request, Status, TalkError, WorkerSpec,
-};
 
 impl UblkBackend {
     pub(super) fn attachment(&self, s: &Status) -> Result<Attachment, BackendError> {
@@ -44,7 +43,7 @@ impl UblkBackend {
             kernel_name: name,
             major,
             minor,
-            dispatch: s.dispatch,
+            dispatch: wire::active(s.dispatch),
             dispatch_reason: s.dispatch_reason.clone(),
             size_bytes: device_size,
             read_only: s.read_only,
@@ -209,10 +208,10 @@ impl UblkBackend {
             volume_id,
             backend: Backend::Ublk,
             dispatch: att.dispatch,
-            read: ws.read,
-            write: ws.write,
-            flush: ws.flush,
-            discard: ws.discard,
+            read: wire::op_stats(ws.read),
+            write: wire::op_stats(ws.write),
+            flush: wire::op_stats(ws.flush),
+            discard: wire::op_stats(ws.discard),
             in_flight: ws.in_flight,
             since: OffsetDateTime::from_unix_timestamp_nanos(i128::from(ws.since_ms) * 1_000_000)
                 .unwrap_or(att.attached_at),
@@ -228,7 +227,7 @@ impl UblkBackend {
             worker_restarts: Some(ws.worker_restarts),
             rates: None,
             page_cache: None,
-            histograms: Some(ws.histograms.clone()),
+            histograms: Some(ws.histograms.iter().map(wire::histogram).collect()),
         })
     }
 
@@ -244,8 +243,10 @@ impl UblkBackend {
         att: &Attachment,
         previous: Option<&VolumeStats>,
     ) -> Result<VolumeStats, BackendError> {
-        let file = blockplane_worker::read_counters(
-            &self.run_dir(volume_id).join(blockplane_worker::STATS_FILE),
+        let file = blockplane_protocol::read_counters(
+            &self
+                .run_dir(volume_id)
+                .join(blockplane_protocol::STATS_FILE),
         );
         let unmoved = match (previous, &file) {
             (Some(p), Ok(f)) => {
@@ -316,7 +317,9 @@ impl UblkBackend {
         let status = self.ask(volume_id, &Request::Allocate { pace_ms })?;
         let done = self.follow(volume_id, job, status, Background::Fill)?;
         if done {
-            self.record(volume_id, |spec| spec.allocation = Allocation::Full);
+            self.record(volume_id, |spec| {
+                spec.allocation = protocol::Allocation::Full
+            });
         }
         Ok(done)
     }
@@ -435,7 +438,8 @@ pub(crate) fn nowait_stats(ws: &protocol::WorkerStats) -> NowaitStats {
 /// The counters of a reading are those in the stats file.
 fn same_counters(s: &VolumeStats, f: &protocol::WorkerStats) -> bool {
     let nowait = s.nowait.as_ref();
-    [s.read, s.write, s.flush, s.discard] == [f.read, f.write, f.flush, f.discard]
+    [s.read, s.write, s.flush, s.discard]
+        == [f.read, f.write, f.flush, f.discard].map(wire::op_stats)
         && s.worker_restarts == Some(f.worker_restarts)
         && s.qos_throttled == Some(f.qos_throttled)
         && nowait.map(|n| (n.submitted, n.eagain_fallbacks, n.pauses, n.bypassed))

@@ -4,7 +4,7 @@
 //! 1. the new worker starts while the old one serves, from the spec the old
 //!    one would be replaced with after a crash (policy, pin, read-only, QoS,
 //!    size, queues) and the same stats file, so the counters go on; it says
-//!    when it is ready and waits ([`blockplane_worker::protocol::GO_FD`]). One that does not
+//!    when it is ready and waits ([`blockplane_protocol::GO_FD`]). One that does not
 //!    start calls the handover off: the old worker serves on;
 //! 2. the old worker lets go ([`Request::Handover`]): with `UBLK_F_QUIESCE`
 //!    the kernel lets the requests inside finish and keeps new ones queued;
@@ -28,10 +28,11 @@ use uuid::Uuid;
 
 use super::supervise::Started;
 use super::{TALK_TIMEOUT, UblkBackend, io};
+use crate::backend::wire;
 use crate::backend::{BackendError, BackendEvent, HandedOver, WorkerInfo};
 use crate::fault::HandoverFaults;
 use blockplane_api::model::HandoverMethod;
-use blockplane_worker::protocol::{Answer, GO_READY, GO_TAKE, Request};
+use blockplane_protocol::{Answer, GO_READY, GO_TAKE, Request};
 
 /// How long an old worker has to exit once it let go (or a protocol-1 one
 /// once killed).
@@ -140,7 +141,7 @@ impl UblkBackend {
                 pace_ms: faults.pace.as_millis() as u64,
             };
             match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30)) {
-                Ok(Answer::HandedOver { method }) => method,
+                Ok(Answer::HandedOver { method }) => wire::handover(method),
                 // Nothing changed: the worker serves on; the new one, told
                 // nothing, exits.
                 Err(e @ BackendError::Refused { .. }) => {

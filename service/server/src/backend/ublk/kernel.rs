@@ -41,6 +41,12 @@ pub(super) fn unavailable() -> Option<String> {
     None
 }
 
+/// The kernel's ublk feature bits (`UBLK_U_CMD_GET_FEATURES`; 0 where the
+/// driver is missing or too old to say).
+pub(super) fn features() -> u64 {
+    UblkCtrl::get_features().unwrap_or(0)
+}
+
 /// Deletes a ublk device whose server is gone (or will not stop).
 pub(super) fn delete_device(dev_id: u32) {
     if let Ok(ctrl) = UblkCtrl::new_simple(dev_id as i32) {

@@ -1,5 +1,5 @@
 //! The `ublk` backend, control-plane side: one worker process per volume
-//! (`blockplane worker`, see [`blockplane_worker`]), started detached so it
+//! (`blockplane worker`, speaking [`blockplane_protocol`]), started detached so it
 //! outlives the control plane, supervised through a pidfd, recovered when it
 //! dies, and found again after a control-plane restart through its run dir
 //! (`<data-dir>/run/ublk/<volume-id>/`: `ctl.sock`, `state.json`, `stats`,
@@ -33,10 +33,13 @@ use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, UblkFeatures,
     VolumeStats,
 };
+use blockplane_protocol::{
+    self as protocol, CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec, WorkerStats,
+};
 use blockplane_system::dispatch;
 use blockplane_system::extent;
-use blockplane_worker::protocol::{CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec, WorkerStats};
 
+use crate::backend::wire;
 use crate::fault::HandoverFaults;
 pub(crate) use client::nowait_stats;
 pub use supervise::foreign_workers;
@@ -199,7 +202,7 @@ impl VolumeBackend for UblkBackend {
     fn capability(&self) -> BackendCapability {
         let reason = kernel::unavailable();
         let features = reason.is_none().then(|| {
-            let mask = blockplane_worker::kernel_features();
+            let mask = kernel::features();
             UblkFeatures {
                 mask,
                 names: kernel::feature_names(mask),
@@ -226,7 +229,7 @@ impl VolumeBackend for UblkBackend {
                 reason,
             });
         }
-        let features = blockplane_worker::kernel_features();
+        let features = kernel::features();
         if features & u64::from(sys::UBLK_F_USER_RECOVERY) == 0 {
             return Err(BackendError::Unavailable {
                 backend: "ublk",
@@ -359,7 +362,7 @@ impl VolumeBackend for UblkBackend {
             volume_id,
             Request::Resize {
                 size_bytes,
-                allocation,
+                allocation: wire::allocation(allocation),
             },
         )?;
         let mut out = self.attachment(&s)?;
@@ -404,7 +407,7 @@ impl VolumeBackend for UblkBackend {
         let status = self.tell(
             volume_id,
             Request::SetDispatch {
-                dispatch: DispatchPolicy::Nowait,
+                dispatch: protocol::DataPath::Nowait,
                 reason,
             },
         )?;
@@ -527,12 +530,23 @@ impl VolumeBackend for UblkBackend {
                     att.dispatch == ActiveDispatch::Direct,
                     &att.dispatch_reason,
                 )?;
-                self.tell(volume_id, Request::SetDispatch { dispatch, reason })?
+                self.tell(
+                    volume_id,
+                    Request::SetDispatch {
+                        dispatch: wire::data_path(dispatch),
+                        reason,
+                    },
+                )?
             }
             Change::ReadOnly(read_only) => {
                 self.tell(volume_id, Request::SetReadOnly { read_only })?
             }
-            Change::Qos(qos) => self.tell(volume_id, Request::SetQos { qos })?,
+            Change::Qos(qos) => self.tell(
+                volume_id,
+                Request::SetQos {
+                    qos: wire::limits(qos),
+                },
+            )?,
         };
         let mut out = self.attachment(&status)?;
         out.attached_at = att.attached_at;
@@ -592,8 +606,10 @@ impl PrivateDevices for UblkBackend {
 
     fn counters(&self, volume_id: Uuid) -> Option<WorkerStats> {
         self.worker_info(volume_id)?;
-        blockplane_worker::read_counters(
-            &self.run_dir(volume_id).join(blockplane_worker::STATS_FILE),
+        blockplane_protocol::read_counters(
+            &self
+                .run_dir(volume_id)
+                .join(blockplane_protocol::STATS_FILE),
         )
         .ok()
     }

@@ -14,14 +14,15 @@ use libublk::sys;
 use uuid::Uuid;
 
 use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
+use crate::backend::wire;
 use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Probe, ProbeRequest};
 use crate::fault::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
-use blockplane_system::dispatch;
-use blockplane_system::extent::{self, ExtentMap};
-use blockplane_worker::protocol::{
-    self, Answer, GO_FD, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec, worker_spec,
+use blockplane_protocol::{
+    self as protocol, Answer, GO_FD, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec,
+    worker_spec,
 };
+use blockplane_system::extent::{self, ExtentMap};
 
 /// A worker process started, its device not yet known to serve.
 pub(super) struct Spawned {
@@ -44,7 +45,7 @@ impl UblkBackend {
         self.cfg.run_root.join(volume_id.to_string())
     }
 
-    pub(super) fn state_file(&self, volume_id: Uuid) -> Option<blockplane_worker::ControlState> {
+    pub(super) fn state_file(&self, volume_id: Uuid) -> Option<blockplane_protocol::StateFile> {
         read_state(&self.run_dir(volume_id))
     }
 
@@ -376,17 +377,17 @@ impl UblkBackend {
             size_bytes: req.params.size_bytes,
             read_only: req.params.read_only,
             refuse_writes: req.params.refuse_writes,
-            dispatch: decision.dispatch,
+            dispatch: wire::data_path(decision.dispatch),
             dispatch_reason: decision.reason,
             queues: req.params.queues,
             queue_depth: req.params.queue_depth,
             max_io_bytes: req.params.max_io_bytes,
             threads: self.cfg.threads,
-            qos: req.params.qos,
+            qos: wire::limits(req.params.qos),
             recover_dev_id: recover,
             pinned,
             extent_check_secs: self.cfg.extent_check_secs,
-            allocation: req.params.allocation,
+            allocation: wire::allocation(req.params.allocation),
             image_lock: req.image_lock.is_some(),
             decided_map: false,
             handover: false,
@@ -491,17 +492,17 @@ impl UblkBackend {
             size_bytes: status.size_bytes,
             read_only: p.read_only,
             refuse_writes: status.read_only,
-            dispatch: dispatch::policy_of(status.dispatch),
+            dispatch: status.dispatch,
             dispatch_reason: status.dispatch_reason.clone(),
             queues: p.queues,
             queue_depth: p.queue_depth,
             max_io_bytes: p.max_io_bytes,
             threads: self.cfg.threads,
-            qos: p.qos,
+            qos: wire::limits(p.qos),
             recover_dev_id: None,
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
-            allocation: p.allocation,
+            allocation: wire::allocation(p.allocation),
             image_lock: lock.is_some(),
             decided_map: false,
             handover: false,
@@ -542,7 +543,7 @@ pub(super) const STATE_FILE: &str = "state.json";
 /// The file in a run dir naming the service instance that made it.
 const INSTANCE_FILE: &str = "instance";
 
-fn read_state(run_dir: &Path) -> Option<blockplane_worker::ControlState> {
+fn read_state(run_dir: &Path) -> Option<blockplane_protocol::StateFile> {
     serde_json::from_slice(&std::fs::read(run_dir.join(STATE_FILE)).ok()?).ok()
 }
 

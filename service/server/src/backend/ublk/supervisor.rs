@@ -30,8 +30,8 @@ use uuid::Uuid;
 use super::{UblkBackend, supervise::STATE_FILE};
 use crate::backend::{BackendEvent, Stopped, SupervisorState, SupervisorStatus, Unsupervised};
 use crate::fault::SupervisorFault;
-use blockplane_api::model::{DispatchPolicy, VolumeState};
-use blockplane_worker::protocol::{self, Answer, Request};
+use blockplane_api::model::VolumeState;
+use blockplane_protocol::{self as protocol, Answer, Request};
 
 /// The epoll key of the wake-up eventfd.
 const WAKE: u64 = u64::MAX;
@@ -714,7 +714,7 @@ impl UblkBackend {
         }
         let Some(reason) = now else { return };
         // A replacement worker starts where this one is now.
-        self.record(volume_id, |spec| spec.dispatch = DispatchPolicy::Nowait);
+        self.record(volume_id, |spec| spec.dispatch = protocol::DataPath::Nowait);
         // The event carries the attachment as the worker has it now: asked
         // off this thread, so a slow worker holds up no other.
         let backend = self.handle();
