@@ -1,5 +1,5 @@
 //! Direct maps: an image's extents, checked against the direct-map safety
-//! rules (all seven are stated in `docs/architecture.md`) and translated to
+//! rules (all seven are stated in `docs/direct-map.md`) and translated to
 //! the raw block device beneath its filesystem, so I/O can bypass the
 //! filesystem.
 //!
