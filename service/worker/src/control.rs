@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 
-use super::{Policy, Refusal, Shared};
+use crate::policy::Policy;
+use crate::refusal::Refusal;
+use crate::shared::Shared;
 use blockplane_protocol::{
     self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Request, StateFile, Status,
 };
@@ -105,7 +107,7 @@ fn write_state(cx: &Ctx) {
 /// Writes `state.json` atomically: this worker serves (or has just added)
 /// device `dev_id`.
 pub fn write_state_file(shared: &Shared, dev_id: u32) {
-    let _ = shared.dev_id.set(dev_id);
+    shared.note_dev_id(dev_id);
     let (pinned, degraded) = {
         let st = shared.state.lock().expect("state poisoned");
         (st.pinned, st.degraded.clone())

@@ -21,7 +21,9 @@ use libublk::{BufDesc, UblkError, UblkFlags, sys};
 
 use super::io::{Buf, IMAGE_SLOT, QueueCtx, RAW_SLOTS, Req};
 use super::mailbox::{Mailbox, Queues};
-use super::{Policy, Shared, control};
+use crate::control;
+use crate::policy::Policy;
+use crate::shared::Shared;
 
 /// Every request waits for the device's server to exist; how long a queue
 /// thread sleeps in `io_uring_enter` before looking at its tasks again.
@@ -196,7 +198,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     let mailboxes = (0..dev.dev_info.nr_hw_queues)
         .map(|_| Mailbox::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()?;
-    if shared.queues.set(Queues(mailboxes.clone())).is_err() {
+    if !shared.adopt_queues(Queues(mailboxes.clone())) {
         return Err("the queues were set up twice".into());
     }
     let (tx, rx) = std::sync::mpsc::channel();

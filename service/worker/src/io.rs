@@ -37,7 +37,9 @@ use libublk::uring_async::UblkUringOpFuture;
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::moment::ChunkBuf;
 use super::stats::{QueueLatency, QueueReport};
-use super::{DirectPath, Policy, Shared, qos};
+use crate::policy::{DirectPath, Policy};
+use crate::qos;
+use crate::shared::Shared;
 use blockplane_protocol::stats_file::{Op, QueueCounters, bump};
 use blockplane_system::image::FALLOC_FL_WRITE_ZEROES;
 

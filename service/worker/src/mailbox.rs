@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::stats::QueueReport;
-use super::{DirectPath, Policy, moment, qos};
+use crate::policy::{DirectPath, Policy};
+use crate::{moment, qos};
 
 /// A queue thread's eventfd.
 #[derive(Debug)]
@@ -96,6 +97,12 @@ impl Mailbox {
     /// Everything left since the last look (the queue thread's side).
     pub fn take(&self) -> Vec<Msg> {
         std::mem::take(&mut *self.msgs.lock().expect("mailbox poisoned"))
+    }
+}
+
+impl qos::Grantee for Mailbox {
+    fn grant(&self, g: qos::Grant) {
+        self.post(Msg::Grant(g));
     }
 }
 

@@ -25,7 +25,6 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::mailbox::{Mailbox, Msg};
 use blockplane_protocol::Limits;
 
 /// The share of a second's rate a grant covers while tokens are short: the
@@ -128,10 +127,17 @@ impl Buckets {
     }
 }
 
-/// A queue's ask for tokens; answered with [`Msg::Grant`] in `to`.
+/// Where a queue's tokens are granted to (its mailbox): a trait, so that
+/// this module knows nothing of how a queue gets its messages.
+pub trait Grantee: Send + Sync {
+    /// Hands `g` to the queue and wakes it.
+    fn grant(&self, g: Grant);
+}
+
+/// A queue's ask for tokens; answered with a [`Grant`] to `to`.
 struct Ask {
     need: Cost,
-    to: Arc<Mailbox>,
+    to: Arc<dyn Grantee>,
 }
 
 /// Tokens granted to a queue by its QoS thread.
@@ -225,11 +231,11 @@ fn serve(id: u64, mut buckets: Buckets, queues: usize, rx: mpsc::Receiver<Ask>) 
                 Ok(tokens) => {
                     let late = *late;
                     if let Some((ask, _)) = waiting.pop_front() {
-                        ask.to.post(Msg::Grant(Grant {
+                        ask.to.grant(Grant {
                             limiter: id,
                             tokens,
                             late,
-                        }));
+                        });
                     }
                 }
                 Err(w) => {
@@ -289,7 +295,7 @@ impl Lease {
 pub async fn admit<'a>(
     current: impl Fn() -> Option<std::cell::Ref<'a, Limiter>>,
     lease: &RefCell<Lease>,
-    mailbox: &Arc<Mailbox>,
+    mailbox: &Arc<impl Grantee + 'static>,
     len: u32,
 ) -> bool {
     let mut first_late = None;
@@ -321,7 +327,7 @@ pub async fn admit<'a>(
             };
             let ask = Ask {
                 need,
-                to: mailbox.clone(),
+                to: mailbox.clone() as Arc<dyn Grantee>,
             };
             if limiter.asks.send(ask).is_err() {
                 // The QoS thread is gone (it never ends while its limiter
@@ -343,6 +349,16 @@ mod tests {
 
     fn ops(n: f64) -> Cost {
         Cost { ops: n, bytes: 0.0 }
+    }
+
+    /// A queue's side of the grants, as its mailbox would take them.
+    #[derive(Default)]
+    struct Grants(std::sync::Mutex<Vec<Grant>>);
+
+    impl Grantee for Grants {
+        fn grant(&self, g: Grant) {
+            self.0.lock().unwrap().push(g);
+        }
     }
 
     #[test]
@@ -432,7 +448,7 @@ mod tests {
             .map(|_| {
                 let asks = limiter.asks.clone();
                 std::thread::spawn(move || {
-                    let mailbox = Arc::new(Mailbox::new().unwrap());
+                    let mailbox = Arc::new(Grants::default());
                     let mut got = 0.0;
                     // Each asks once at least, however late its thread runs.
                     loop {
@@ -442,13 +458,9 @@ mod tests {
                         };
                         asks.send(ask).unwrap();
                         loop {
-                            let grants: Vec<_> = mailbox
-                                .take()
+                            let grants: Vec<_> = std::mem::take(&mut *mailbox.0.lock().unwrap())
                                 .into_iter()
-                                .filter_map(|m| match m {
-                                    Msg::Grant(g) => Some(g.tokens.ops),
-                                    _ => None,
-                                })
+                                .map(|g| g.tokens.ops)
                                 .collect();
                             if !grants.is_empty() {
                                 got += grants.iter().sum::<f64>();

@@ -15,7 +15,7 @@
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use super::Shared;
+use crate::shared::Shared;
 
 /// A fanotify group of permission events on the image.
 pub(crate) struct Watch {
