@@ -6,7 +6,7 @@ use blockplane_client::{Endpoint, Transport};
 use hyper::{Method, StatusCode};
 
 use crate::harness::{
-    BIN, Opts, Service, assert_error, check_against_openapi, free_port, openapi_path,
+    Opts, Service, assert_error, bin, check_against_openapi, free_port, openapi_path,
 };
 
 /// Every operation of the committed OpenAPI document, as `(METHOD, path)`
@@ -200,7 +200,7 @@ async fn every_api_call_of_the_dashboard_is_a_documented_operation() {
 async fn tcp_without_a_token_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
     let run = |args: &[&str]| {
-        std::process::Command::new(BIN)
+        std::process::Command::new(bin())
             .arg("serve")
             .arg("--data-dir")
             .arg(dir.path())

@@ -11,7 +11,8 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use crate::harness::{Opts, Service, assert_error, eventually};
+use crate::eventually;
+use crate::harness::{Opts, Service, assert_error};
 
 const MIB: u64 = 1 << 20;
 const CHUNK: u64 = 4 * MIB;
@@ -324,7 +325,7 @@ async fn a_corrupt_or_missing_chunk_is_named_and_no_half_restore_is_served() {
     let v = s.post(&format!("/v1/backups/{id}/verify"), json!({})).await;
     assert_eq!(v.body["missing"][0]["hash"], hash.as_str(), "{}", v.body);
     let index = v.body["missing"][0]["index"].as_u64().unwrap();
-    let out = std::process::Command::new(crate::harness::BIN)
+    let out = std::process::Command::new(crate::harness::bin())
         .args([
             "--api",
             &format!("unix:{}", s.sock.display()),

@@ -2,10 +2,10 @@
 
 use std::process::Output;
 
-use crate::harness::{BIN, Opts, Service};
+use crate::harness::{Opts, Service, bin};
 
 pub fn cli(s: &Service, args: &[&str]) -> Output {
-    std::process::Command::new(BIN)
+    std::process::Command::new(bin())
         .arg("--api")
         .arg(format!("unix:{}", s.sock.display()))
         .args(args)
@@ -37,7 +37,7 @@ fn cli_at_terminal(s: &Service, args: &[&str], typed: &str) -> Output {
         )
     };
     std::io::Write::write_all(&mut master, typed.as_bytes()).unwrap();
-    std::process::Command::new(BIN)
+    std::process::Command::new(bin())
         .arg("--api")
         .arg(format!("unix:{}", s.sock.display()))
         .args(args)
@@ -180,7 +180,7 @@ async fn the_cli_sends_the_token() {
         err.contains("--token") && err.contains("BLOCKPLANE_TOKEN"),
         "a 401 says how to give the token: {err}"
     );
-    let out = std::process::Command::new(BIN)
+    let out = std::process::Command::new(bin())
         .args(["--api", &format!("unix:{}", s.sock.display()), "host"])
         .env("BLOCKPLANE_TOKEN", "tok")
         .output()
@@ -190,7 +190,7 @@ async fn the_cli_sends_the_token() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn no_service_is_a_clear_error() {
-    let out = std::process::Command::new(BIN)
+    let out = std::process::Command::new(bin())
         .args(["--api", "unix:/nonexistent/blockplane.sock", "volume", "ls"])
         .output()
         .unwrap();
@@ -227,7 +227,7 @@ async fn volume_top_shows_each_attached_volume_s_last_second() {
             .and_then(|p| p.last())
             .map(|p| p["write"]["bytes_per_sec"].as_f64().unwrap_or(0.0))
     };
-    crate::harness::eventually(
+    crate::eventually(
         std::time::Duration::from_secs(30),
         "a second of history for both volumes, busy's with writes",
         async || {
@@ -456,7 +456,10 @@ async fn volumes_name_their_image_and_keep_its_id_in_json() {
 #[tokio::test(flavor = "multi_thread")]
 async fn serve_help_lists_only_server_flags_and_client_flags_stay_where_they_work() {
     let help = |args: &[&str]| {
-        let out = std::process::Command::new(BIN).args(args).output().unwrap();
+        let out = std::process::Command::new(bin())
+            .args(args)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{args:?}");
         String::from_utf8(out.stdout).unwrap()
     };
@@ -482,7 +485,7 @@ async fn serve_help_lists_only_server_flags_and_client_flags_stay_where_they_wor
             "{client:?}: {h}"
         );
     }
-    let out = std::process::Command::new(BIN)
+    let out = std::process::Command::new(bin())
         .args(["--json", "serve"])
         .output()
         .unwrap();
@@ -501,7 +504,7 @@ async fn serve_help_lists_only_server_flags_and_client_flags_stay_where_they_wor
         vec!["volume", "ls", "--api", &sock, "--json"],
         vec!["volume", "--json", "ls", "--api", &sock],
     ] {
-        let out = std::process::Command::new(BIN)
+        let out = std::process::Command::new(bin())
             .args(&args)
             .env_remove("BLOCKPLANE_TOKEN")
             .output()
@@ -530,7 +533,7 @@ async fn events_show_sizes_for_people_and_follow_the_stream() {
         "the size for people, the exact count beside it: {line}"
     );
 
-    let mut follow = std::process::Command::new(BIN)
+    let mut follow = std::process::Command::new(bin())
         .args(["--api", &format!("unix:{}", s.sock.display())])
         .args(["events", "--follow", "--limit", "1"])
         .env_remove("BLOCKPLANE_TOKEN")
@@ -629,7 +632,7 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
         f.sync_all().unwrap();
     }
     // The sampler's next second sees the writes (however late it runs).
-    crate::harness::eventually(
+    crate::eventually(
         std::time::Duration::from_secs(30),
         "the writes to show in the usage",
         async || s.get("/v1/volumes/held/usage").await.body["iops"] != 0.0,
@@ -654,7 +657,7 @@ async fn deleting_a_volume_in_use_is_refused_without_force_saying_why() {
         .as_str()
         .unwrap()
         .to_string();
-    crate::harness::eventually(
+    crate::eventually(
         std::time::Duration::from_secs(30),
         "the writes to typed to show in its usage",
         async || {

@@ -11,7 +11,7 @@ use hyper::{Method, StatusCode};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
-use crate::harness::{BIN, Opts, Service, assert_error, check_against_openapi};
+use crate::harness::{Opts, Service, assert_error, bin, check_against_openapi};
 
 const TOKEN: &str = "dashboard-token";
 
@@ -119,7 +119,7 @@ impl Forward {
     }
 
     fn start_to(api: &str, extra: &[&str], token: Option<&str>) -> Self {
-        let mut c = Command::new(BIN);
+        let mut c = Command::new(bin());
         c.arg("--api")
             .arg(api)
             .arg("dashboard")
@@ -237,7 +237,7 @@ async fn the_port_forward_carries_requests_and_streams_events() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_port_forward_guards_itself() {
     // Beyond loopback only with a token.
-    let out = Command::new(BIN)
+    let out = Command::new(bin())
         .args([
             "--api",
             "unix:/nonexistent.sock",

@@ -476,7 +476,7 @@ async fn service_without_cryptsetup(dir: &std::path::Path) -> Service {
         &wrapper,
         format!(
             "#!/bin/sh\nexec unshare --mount --propagation private /bin/sh -c 'mount --bind /dev/null /usr/sbin/cryptsetup && exec \"$0\" \"$@\"' {} \"$@\"\n",
-            crate::harness::BIN
+            crate::harness::bin()
         ),
     )
     .unwrap();
@@ -540,7 +540,7 @@ async fn backup_and_restore(s: &Service, image: &str, name: &str) -> serde_json:
     assert_eq!(a.status, 202, "{}", a.body);
     let id = a.body["id"].as_str().unwrap().to_string();
     let mut b = serde_json::Value::Null;
-    crate::harness::eventually(Duration::from_secs(120), "the backup", async || {
+    crate::eventually(Duration::from_secs(120), "the backup", async || {
         b = s.get(&format!("/v1/backups/{id}")).await.body;
         b["state"] != "running"
     })
@@ -554,7 +554,7 @@ async fn backup_and_restore(s: &Service, image: &str, name: &str) -> serde_json:
         .await;
     assert_eq!(a.status, 202, "{}", a.body);
     let mut i = serde_json::Value::Null;
-    crate::harness::eventually(Duration::from_secs(120), "the restore", async || {
+    crate::eventually(Duration::from_secs(120), "the restore", async || {
         i = s.get(&format!("/v1/images/{name}")).await.body;
         i["state"] != "copying"
     })

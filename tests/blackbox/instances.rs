@@ -109,7 +109,7 @@ fn a_worker_refuses_to_start_on_an_image_locked_elsewhere() {
         "extent_check_secs": 0,
         "image_lock": true
     });
-    let mut cmd = std::process::Command::new(crate::harness::BIN);
+    let mut cmd = std::process::Command::new(crate::harness::bin());
     cmd.args(["worker", "--spec", &spec.to_string()]);
     // SAFETY: only dup2 between fork and exec.
     unsafe {

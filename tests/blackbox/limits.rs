@@ -7,9 +7,8 @@ use hyper::Method;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{
-    Opts, Service, assert_error, eventually, free_port, read_answer, unread_on_accepted,
-};
+use crate::eventually;
+use crate::harness::{Opts, Service, assert_error, free_port, read_answer, unread_on_accepted};
 
 fn with(args: &[&str]) -> Opts {
     Opts {

@@ -9,7 +9,7 @@ use hyper::{Method, StatusCode};
 use rustix::process::Signal;
 use serde_json::{Value, json};
 
-use crate::harness::{BIN, Opts, Service, serves_from};
+use crate::harness::{Opts, Service, bin, serves_from};
 
 /// Starts the service again and waits until it refuses (exits, saying why)
 /// or serves. The log of this start if it refused; panics naming `started`
@@ -82,7 +82,7 @@ async fn an_emptied_registry_with_no_device_attached_is_refused() {
         s.image(&format!("img-{i:02}"), 1).await;
     }
     let backup = s.dir.path().join("backup.db");
-    let out = Command::new(BIN)
+    let out = Command::new(bin())
         .arg("backup")
         .arg("--data-dir")
         .arg(&s.data)

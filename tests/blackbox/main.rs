@@ -6,8 +6,8 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
-mod builds;
-mod harness;
+use blockplane_test_support::wait::eventually;
+use blockplane_test_support::{builds, harness, leaks};
 
 mod attacks;
 mod auth;
@@ -18,7 +18,6 @@ mod encryption;
 mod events;
 mod images;
 mod instances;
-mod leaks;
 mod limits;
 mod lost_registry;
 mod metrics;

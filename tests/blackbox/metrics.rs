@@ -8,7 +8,8 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::Value;
 
-use crate::harness::{Service, eventually, repo};
+use crate::eventually;
+use crate::harness::{Service, repo};
 
 /// The Python with `prometheus_client` (tests/run-all.sh makes a venv).
 fn python() -> String {

@@ -5,11 +5,11 @@
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
-use crate::harness::{BIN, Service, assert_error, openapi_path};
+use crate::harness::{Service, assert_error, bin, openapi_path};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn committed_spec_matches_generated_and_served() {
-    let out = std::process::Command::new(BIN)
+    let out = std::process::Command::new(bin())
         .arg("openapi")
         .output()
         .unwrap();

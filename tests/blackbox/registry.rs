@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{BIN, Opts, Service, assert_error};
+use crate::harness::{Opts, Service, assert_error, bin};
 
 /// Unmounts a filesystem the test mounted (lazily: a killed service may hold it).
 struct Unmount(Mutex<Option<PathBuf>>);
@@ -305,7 +305,7 @@ async fn an_online_backup_restores_into_a_fresh_data_dir() {
     s.loop_volume("bk-vol", 1).await;
     let backup = s.dir.path().join("backup.db");
     let run = |file: &Path| {
-        Command::new(BIN)
+        Command::new(bin())
             .arg("backup")
             .arg("--data-dir")
             .arg(&s.data)
@@ -392,7 +392,7 @@ async fn an_image_root_that_holds_the_data_dir_refuses_to_start() {
         .unwrap();
     let data = dir.path().join("data");
     for root in [dir.path().to_path_buf(), data.clone()] {
-        let mut child = Command::new(BIN)
+        let mut child = Command::new(bin())
             .arg("serve")
             .arg("--data-dir")
             .arg(&data)

@@ -11,7 +11,8 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use crate::harness::{LoopFs, Opts, Service, assert_error, eventually};
+use crate::eventually;
+use crate::harness::{LoopFs, Opts, Service, assert_error};
 use crate::snapshots::loop_volume;
 
 const EXT4: &[&str] = &["mkfs.ext4", "-q", "-F"];

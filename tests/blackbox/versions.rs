@@ -7,7 +7,7 @@ use std::process::Output;
 
 use crate::builds::{copy_as_build, install};
 use crate::cli::cli;
-use crate::harness::{BIN, Opts, Service, assert_error};
+use crate::harness::{Opts, Service, assert_error, bin};
 
 fn text(out: &Output) -> String {
     format!(
@@ -26,7 +26,7 @@ async fn versions_are_shown_by_the_api_the_cli_and_metrics() {
     // The build read from the binary itself: version, then its identity.
     assert_eq!(
         version,
-        blockplane_system::build::of_file(std::path::Path::new(BIN)).unwrap()
+        blockplane_system::build::of_file(std::path::Path::new(bin())).unwrap()
     );
     assert!(
         version.starts_with(&format!("{}+", host["version"].as_str().unwrap())),
@@ -66,7 +66,7 @@ async fn versions_are_shown_by_the_api_the_cli_and_metrics() {
 async fn a_replaced_executable_is_seen_and_the_service_keeps_its_own_build() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("blockplane");
-    let old = copy_as_build(std::path::Path::new(BIN), &path, None);
+    let old = copy_as_build(std::path::Path::new(bin()), &path, None);
     let s = Service::start_with(Opts {
         bin: Some(path.clone()),
         ..Default::default()

@@ -6,7 +6,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use crate::harness::{Service, assert_error, backing_file, eventually, serves_from};
+use crate::eventually;
+use crate::harness::{Service, assert_error, backing_file, serves_from};
 
 /// A 1 MiB pattern that differs at every 4 KiB.
 fn pattern(seed: u8) -> Vec<u8> {

@@ -8,13 +8,10 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
-#[path = "../blackbox/harness.rs"]
-#[allow(dead_code)]
-mod harness;
+use blockplane_test_support::wait::{eventually, in_vm};
+use blockplane_test_support::{drift, harness};
 
 mod controller;
-#[path = "../vm/e2e/drift.rs"]
-mod drift;
 mod expand;
 mod identity;
 mod modify;
@@ -385,7 +382,7 @@ fn spawn_driver(svc: &Service, sock: &Path, log: &Path, extra: &[String]) -> Chi
         .append(true)
         .open(log)
         .unwrap();
-    let mut cmd = Command::new(harness::BIN);
+    let mut cmd = Command::new(harness::bin());
     cmd.arg("--api")
         .arg(format!("unix:{}", svc.sock.display()))
         .arg("csi")
@@ -512,9 +509,4 @@ pub fn assert_code<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code) 
 /// The mount at `path`, if any.
 pub fn mount_at(path: &Path) -> Option<blockplane_system::mountinfo::MountEntry> {
     blockplane_system::mountinfo::mount_at(path).unwrap()
-}
-
-/// Whether this runs inside the test VM (its kernel command line says so).
-pub(crate) fn in_vm() -> bool {
-    std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.contains("blockplane_vm=1"))
 }

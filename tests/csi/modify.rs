@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 use tonic::Code;
 
 use crate::drift::move_first_blocks;
-use crate::harness::{Opts, eventually};
+use crate::eventually;
+use crate::harness::Opts;
 use crate::{Csi, MIB, assert_code, block, create_req, in_vm};
 
 async fn modify(csi: &Csi, id: &str, params: &[(&str, &str)]) -> Result<(), tonic::Status> {

@@ -674,7 +674,7 @@ async fn a_snapshot_of_an_in_use_claim_on_ext4_is_one_moment_and_restores() {
         })
     };
     let wait_for = async |n: u64| {
-        crate::harness::eventually(Duration::from_secs(120), "the pod's writes", async || {
+        crate::eventually(Duration::from_secs(120), "the pod's writes", async || {
             done.load(Ordering::Acquire) >= n
         })
         .await
@@ -718,7 +718,7 @@ async fn a_snapshot_of_an_in_use_claim_on_ext4_is_one_moment_and_restores() {
     let first = snapshot().await;
     wait_for(synced + 8).await;
     // The external-snapshotter asks again until the snapshot is ready.
-    crate::harness::eventually(
+    crate::eventually(
         Duration::from_secs(300),
         "the snapshot to be ready",
         async || snapshot().await.ready_to_use,
@@ -741,7 +741,7 @@ async fn a_snapshot_of_an_in_use_claim_on_ext4_is_one_moment_and_restores() {
         })),
     });
     let mut restored = None;
-    crate::harness::eventually(
+    crate::eventually(
         Duration::from_secs(300),
         "the restored claim",
         async || match csi.controller.clone().create_volume(req.clone()).await {

@@ -245,7 +245,7 @@ struct NewBinary(PathBuf);
 impl NewBinary {
     fn at(path: &Path) -> Self {
         std::fs::write(path, b"").unwrap();
-        sh("mount", &["--bind", harness::BIN, path.to_str().unwrap()]);
+        sh("mount", &["--bind", harness::bin(), path.to_str().unwrap()]);
         Self(path.to_path_buf())
     }
 }
@@ -297,7 +297,7 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
         );
         if let Some(pid) = worker {
             let old = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
-            assert_eq!(old, Path::new(harness::BIN), "{}: worker {pid}", s.name);
+            assert_eq!(old, Path::new(harness::bin()), "{}: worker {pid}", s.name);
         }
         eprintln!("upgrade: waiting for fio on {}", s.name);
         let longest = fio_verified(&s.name, fio);

@@ -7,18 +7,13 @@
 // A test crate: its `pub` items serve its own modules, not readers of an API.
 #![allow(missing_docs)]
 
-#[path = "../../blackbox/builds.rs"]
-mod builds;
-#[path = "../../blackbox/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-#[path = "../../blackbox/leaks.rs"]
-mod leaks;
+pub use blockplane_test_support::wait::eventually;
+use blockplane_test_support::wait::require_vm;
+use blockplane_test_support::{builds, drift, harness, leaks};
 
 mod backups;
 mod controlplane;
 mod dm;
-mod drift;
 mod encryption;
 mod faults;
 mod keepalloc;
@@ -37,15 +32,6 @@ use std::time::{Duration, Instant};
 
 use harness::{Opts, Service};
 use serde_json::{Value, json};
-
-/// Panics unless running inside the test VM (its kernel command line says so).
-pub fn in_vm() {
-    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    assert!(
-        cmdline.contains("blockplane_vm=1"),
-        "these tests need ublk_drv and dm-mod: run them with tests/vm/run-suite.sh"
-    );
-}
 
 /// A scratch filesystem of the VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,7 +213,7 @@ impl Vm {
         bin: Option<PathBuf>,
         args: &[&str],
     ) -> Self {
-        in_vm();
+        require_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         let roots: Vec<(Scratch, PathBuf)> =
             [Scratch::Xfs, Scratch::Ext4, Scratch::Plain, Scratch::Tmpfs]
@@ -570,15 +556,6 @@ pub async fn writes_flow(dev: &str, bytes: u64) -> Duration {
         );
     }
     started.elapsed()
-}
-
-/// Polls `f` until it is true, up to `within`.
-pub async fn eventually(within: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Whether the file carries the immutable attribute.

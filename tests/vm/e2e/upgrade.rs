@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::builds::{copy_as_build, exe_of, install};
-use crate::harness::BIN;
+use crate::harness::bin;
 use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, sh, writes_flow};
 
 /// The worker of a volume (a dm volume's private one too), from its state file.
@@ -139,7 +139,7 @@ fn cli(vm: &Vm, bin: &Path, args: &[&str]) -> std::process::Output {
 async fn an_upgrade_hands_every_volume_to_the_new_build_under_fio_verify() {
     let dir = bin_dir();
     let path = dir.path().join("blockplane");
-    let old = copy_as_build(Path::new(BIN), &path, None);
+    let old = copy_as_build(Path::new(bin()), &path, None);
     let mut vm = Vm::start_from(path.clone()).await;
     let host = vm.s.get("/v1/host").await.body;
     assert_eq!(host["build"]["version"], old.as_str(), "{host}");
@@ -283,7 +283,7 @@ async fn an_upgrade_hands_every_volume_to_the_new_build_under_fio_verify() {
 async fn a_replacement_worker_runs_the_services_build_not_the_file_at_its_path() {
     let dir = bin_dir();
     let path = dir.path().join("blockplane");
-    let old = copy_as_build(Path::new(BIN), &path, None);
+    let old = copy_as_build(Path::new(bin()), &path, None);
     let vm = Vm::start_from(path.clone()).await;
     vm.image("rb", Scratch::Xfs, 16, "full").await;
     let v = vm

@@ -11,11 +11,29 @@ use blockplane_client::{Answer, Endpoint, Transport};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
-/// The binary under test.
-pub const BIN: &str = env!("CARGO_BIN_EXE_blockplane");
+/// The binary under test: `blockplane` beside the test executable's
+/// `deps/` directory, where cargo builds it for the `blockplane` crate's
+/// test targets (`CARGO_BIN_EXE_blockplane`, which only those targets see).
+/// The VM suite bind-mounts both at the same paths in the guest.
+pub fn bin() -> &'static str {
+    static BIN: OnceLock<String> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test executable's path");
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("a test executable in target/<profile>/deps")
+            .join("blockplane");
+        assert!(
+            bin.exists(),
+            "{}: no blockplane binary beside the tests (build it with cargo test)",
+            bin.display()
+        );
+        bin.to_str().expect("a UTF-8 path").to_string()
+    })
+}
 
-/// The repository's top (the tests belong to the `blockplane` crate in
-/// `service/cli`).
+/// The repository's top (this crate is `tests/support`).
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -142,14 +160,17 @@ fn template_matches(template: &str, path: &str) -> bool {
 /// Options for starting the service.
 #[derive(Debug, Clone, Default)]
 pub struct Opts {
+    /// The bearer token the service requires on TCP (and the client sends).
     pub token: Option<String>,
     /// Also listen on this TCP address (`HOST:PORT`).
     pub tcp: Option<String>,
+    /// More arguments of `blockplane serve`.
     pub extra_args: Vec<String>,
+    /// More environment variables of the service's process.
     pub env: Vec<(String, String)>,
     /// More image roots (e.g. on the VM's scratch filesystems).
     pub extra_roots: Vec<PathBuf>,
-    /// The executable to run the service from (default: [`BIN`]), e.g. a
+    /// The executable to run the service from (default: [`bin()`]), e.g. a
     /// copy that a test replaces as a package upgrade does.
     pub bin: Option<PathBuf>,
     /// The soft limit on open files the service starts with (the hard one
@@ -159,10 +180,15 @@ pub struct Opts {
 
 /// A running `blockplane serve` on its own temp dirs.
 pub struct Service {
+    /// The temp dir holding the rest (removed when dropped).
     pub dir: tempfile::TempDir,
+    /// The service's data dir (registry, run dirs).
     pub data: PathBuf,
+    /// Its image root.
     pub images: PathBuf,
+    /// The API's unix socket.
     pub sock: PathBuf,
+    /// What it was started with.
     pub opts: Opts,
     child: Option<Child>,
     log: PathBuf,
@@ -208,7 +234,7 @@ impl Service {
 
     /// The command line the service is started with.
     pub fn command(&self) -> Command {
-        let mut c = Command::new(self.opts.bin.as_deref().unwrap_or(Path::new(BIN)));
+        let mut c = Command::new(self.opts.bin.as_deref().unwrap_or(Path::new(bin())));
         c.arg("serve")
             .arg("--data-dir")
             .arg(&self.data)
@@ -353,18 +379,22 @@ impl Service {
         text
     }
 
+    /// `GET path`, checked against the OpenAPI document.
     pub async fn get(&self, path: &str) -> Answer {
         self.call(Method::GET, path, None).await
     }
 
+    /// `POST path` with a JSON body, checked.
     pub async fn post(&self, path: &str, body: Value) -> Answer {
         self.call(Method::POST, path, Some(body)).await
     }
 
+    /// `PATCH path` with a JSON body, checked.
     pub async fn patch(&self, path: &str, body: Value) -> Answer {
         self.call(Method::PATCH, path, Some(body)).await
     }
 
+    /// `DELETE path`, checked.
     pub async fn delete(&self, path: &str) -> Answer {
         self.call(Method::DELETE, path, None).await
     }
@@ -461,7 +491,7 @@ impl Service {
     pub fn stop_and_clean(&mut self) {
         if self.child.is_some() {
             let cli = |args: &[&str]| {
-                Command::new(BIN)
+                Command::new(bin())
                     .arg("--api")
                     .arg(format!("unix:{}", self.sock.display()))
                     .args(args)
@@ -811,11 +841,13 @@ pub async fn registry_rows(db: &Path) -> Vec<String> {
 /// (0700) directory: an image root with its own free space and features.
 /// Unmounted when dropped.
 pub struct LoopFs {
+    /// Where it is mounted.
     pub mnt: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl LoopFs {
+    /// Makes, loop-mounts and opens it to the service's checks.
     pub fn new(mkfs: &[&str], size: u64) -> Self {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::Builder::new()
@@ -850,15 +882,6 @@ impl LoopFs {
 impl Drop for LoopFs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
-    }
-}
-
-/// Polls `f` every 50 ms until it is true; panics naming `what` after `within`.
-pub async fn eventually(within: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -16,7 +16,9 @@ use crate::harness::{Service, loop_devices_under};
 
 /// How much to do.
 pub struct Plan {
+    /// Volumes made and deleted per round.
     pub volumes: usize,
+    /// Rounds.
     pub rounds: usize,
 }
 
@@ -34,7 +36,9 @@ impl Plan {
 /// What one round measured after its deletes.
 #[derive(Debug)]
 pub struct Round {
+    /// The service's resident memory, KiB.
     pub rss_kib: u64,
+    /// Its open file descriptors.
     pub fds: usize,
 }
 
