@@ -1,5 +1,5 @@
 //! The HTTP API (axum). Handlers only parse and render: each turns a request
-//! into one call on the service's [`Operations`] and its result into a
+//! into one call on the [`Manager`](manager::Manager) and its result into a
 //! response. Routes and the OpenAPI document come from the same
 //! `#[utoipa::path]` annotations (utoipa-axum), so they cannot drift apart.
 
@@ -29,11 +29,14 @@ use utoipa_axum::routes;
 use blockplane_api::model::ErrorCode;
 
 use crate::config::Limits;
-use crate::manager::{self, Operations};
+use crate::manager::{self, Manager};
 use error::ApiError;
 
-/// Handlers' state: the service's operations (the manager, in the service).
-pub type AppState = Arc<dyn Operations>;
+/// Handlers' state: the manager, whose `pub(crate)` operations are the
+/// API's, one per route. No trait stands between them: one implementation
+/// and no test that swaps it, so the list would be written twice for
+/// nothing (the router is where the operations are composed).
+pub type AppState = Arc<Manager>;
 
 #[derive(OpenApi)]
 #[openapi(

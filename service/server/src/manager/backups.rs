@@ -259,7 +259,7 @@ impl Manager {
 
     /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
     /// at this moment; 202 with it `running`.
-    pub(super) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
+    pub(crate) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
         validate_name("backup", name)?;
         let target = self.backup_target("back an image up")?;
         let src = self.image_row(image).await?;
@@ -590,7 +590,7 @@ impl Manager {
     /// `GET /v1/backups`: the target's backups (any service's) and this
     /// service's without a manifest, oldest first; `image` by id, or by
     /// name (a registered image's id, else the name it was backed up as).
-    pub(super) async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>> {
+    pub(crate) async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>> {
         let target = self.backup_target("list backups")?;
         let mut out: Vec<Backup> = blockplane_backup::list(&target)
             .await?
@@ -617,7 +617,7 @@ impl Manager {
     /// `GET /v1/backups/{id}`: by id, or by name when one backup has it.
     /// This service's own backup without a manifest is found by id without
     /// the target: a backup that failed for want of it still shows why.
-    pub(super) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
+    pub(crate) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
         if let Ok(id) = Uuid::parse_str(id_or_name)
             && let Some(local) = self
                 .local_backups()
@@ -656,7 +656,7 @@ impl Manager {
     /// `DELETE /v1/backups/{id}`: cancels a running backup of this service,
     /// or deletes a finished one from the target (its chunks are collected
     /// by the gc that follows, unless another backup uses them).
-    pub(super) async fn delete_backup(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+    pub(crate) async fn delete_backup(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let target = self.backup_target("delete a backup")?;
         let b = self.backup(id_or_name).await?;
         let done = match b.state {
@@ -718,7 +718,7 @@ impl Manager {
 
     /// `POST /v1/backups/gc`: removes the chunks no manifest references,
     /// keeping those a backup running on any service may need.
-    pub(super) async fn collect_backups(&self) -> Result<BackupGc> {
+    pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
         let target = self.backup_target("collect chunks")?;
         let _one = self.backups.gc.lock().await;
         let r = blockplane_backup::gc(&target, &self.lease_owner()).await?;
@@ -738,7 +738,7 @@ impl Manager {
 
     /// `POST /v1/backups/{id}/verify`: reads every chunk of a backup back
     /// and checks its hash, writing nothing.
-    pub(super) async fn verify_backup(&self, id_or_name: &str) -> Result<BackupVerify> {
+    pub(crate) async fn verify_backup(&self, id_or_name: &str) -> Result<BackupVerify> {
         let target = self.backup_target("verify a backup")?;
         let m = self.manifest(&target, id_or_name).await?;
         let job = Arc::new(AllocateJob::default());

@@ -199,7 +199,7 @@ pub(super) fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> S
 impl Manager {
     /// `POST /v1/images/{id}/snapshots`: a read-only image made from
     /// `source`, its file named `name` in the source's directory.
-    pub(super) async fn snapshot_image(
+    pub(crate) async fn snapshot_image(
         self: &Arc<Self>,
         source: &str,
         name: &str,
@@ -907,7 +907,7 @@ impl Manager {
 
     /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
     /// name; an id also finds those of a forgotten image).
-    pub(super) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
+    pub(crate) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
         let id = match self.store.image(source).await? {
             Some(row) => row.id,
             None => Uuid::parse_str(source).map_err(|_| Error::ImageNotFound(source.into()))?,

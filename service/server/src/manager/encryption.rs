@@ -234,7 +234,7 @@ impl Manager {
     /// `POST /v1/volumes/{id}/unlock`: opens a `locked` volume's plaintext
     /// device again with its image's key. On a volume that serves its
     /// plaintext already, the key is checked and nothing else done.
-    pub(super) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
+    pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
@@ -296,7 +296,7 @@ enum SlotChange {
 
 impl Manager {
     /// `POST /v1/images/{id}/keys`: a new key slot.
-    pub(super) async fn add_image_key(
+    pub(crate) async fn add_image_key(
         &self,
         id_or_name: &str,
         req: AddKeyRequest,
@@ -315,7 +315,7 @@ impl Manager {
 
     /// `DELETE /v1/images/{id}/keys/{slot}`: a key slot removed (never the
     /// last one).
-    pub(super) async fn remove_image_key(
+    pub(crate) async fn remove_image_key(
         &self,
         id_or_name: &str,
         slot: u32,

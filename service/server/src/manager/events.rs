@@ -64,7 +64,7 @@ impl Manager {
 
     /// `GET /v1/events/stream`: a feed that starts after `resume` (the
     /// `Last-Event-ID` header), else after `q.after`, else with the next event.
-    pub(super) async fn subscribe_events(
+    pub(crate) async fn subscribe_events(
         &self,
         q: EventStreamQuery,
         resume: Option<i64>,
@@ -84,7 +84,7 @@ impl Manager {
     }
 
     /// `GET /v1/events`.
-    pub(super) async fn events(&self, q: EventQuery) -> Result<Vec<Event>> {
+    pub(crate) async fn events(&self, q: EventQuery) -> Result<Vec<Event>> {
         let volume_id = self.event_volume(q.volume).await?;
         let since = q
             .since

@@ -36,7 +36,7 @@ impl Manager {
     }
 
     /// `POST /v1/volumes/{id}/handover`.
-    pub(super) async fn handover_volume(self: &Arc<Self>, id_or_name: &str) -> Result<Handover> {
+    pub(crate) async fn handover_volume(self: &Arc<Self>, id_or_name: &str) -> Result<Handover> {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;

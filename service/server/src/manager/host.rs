@@ -11,6 +11,17 @@ use blockplane_api::model::{
 use blockplane_system::build;
 
 impl Manager {
+    /// `GET /healthz`: refused when the registry cannot be written (the
+    /// space held in reserve is given back first, so a full disk can still
+    /// take the answer's record).
+    pub(crate) async fn check_writable(&self) -> Result<()> {
+        self.reserve.take();
+        self.store
+            .check_writable()
+            .await
+            .map_err(super::Error::StoreUnwritable)
+    }
+
     /// Availability of a backend, including ones this build does not carry yet.
     pub(super) fn capability(&self, kind: Backend) -> model::BackendCapability {
         match self.backend(kind) {
@@ -26,7 +37,7 @@ impl Manager {
     }
 
     /// What this host can run, and the devices of this instance no volume owns.
-    pub(super) async fn host(self: &Arc<Self>) -> Result<Host> {
+    pub(crate) async fn host(self: &Arc<Self>) -> Result<Host> {
         let me = self.clone();
         let mut host = blocking(move || me.capabilities()).await?;
         host.orphans = self.orphans().await?;

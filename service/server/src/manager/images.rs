@@ -40,7 +40,7 @@ impl Job for AllocateRun {
 
 impl Manager {
     /// `POST /v1/images`.
-    pub(super) async fn create_image(
+    pub(crate) async fn create_image(
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
@@ -398,7 +398,7 @@ impl Manager {
     }
 
     /// `GET /v1/images`.
-    pub(super) async fn images(&self) -> Result<Vec<Image>> {
+    pub(crate) async fn images(&self) -> Result<Vec<Image>> {
         // One query for every image's volumes, not one per image: /metrics
         // and the dashboard list every image, and a host has a thousand.
         // The rows come by name, as each image's volumes are listed.
@@ -415,13 +415,13 @@ impl Manager {
     }
 
     /// `GET /v1/images/{id}`.
-    pub(super) async fn image(&self, id_or_name: &str) -> Result<Image> {
+    pub(crate) async fn image(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         self.image_view(row).await
     }
 
     /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
-    pub(super) async fn resize_image(
+    pub(crate) async fn resize_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
         size_bytes: u64,
@@ -531,7 +531,7 @@ impl Manager {
     /// volume's backend does the writing, keeping its own writes out of each
     /// range it zeroes (ublk, dm); otherwise the service does, holding the
     /// image's lock. Answers with the image, its `allocate` running.
-    pub(super) async fn allocate_image(
+    pub(crate) async fn allocate_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
     ) -> Result<Image> {
@@ -717,7 +717,7 @@ impl Manager {
 
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
-    pub(super) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
+    pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
         if !self.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
@@ -868,7 +868,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/images/{id}`.
-    pub(super) async fn delete_image(
+    pub(crate) async fn delete_image(
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
         q: DeleteImageQuery,

@@ -7,8 +7,17 @@ use super::{Manager, Result};
 use blockplane_api::model;
 
 impl Manager {
+    /// Counts one answered API request (for `GET /metrics`).
+    pub(crate) fn record_request(
+        &self,
+        labels: crate::metrics::ApiLabels,
+        took: std::time::Duration,
+    ) {
+        self.api_metrics.record(labels, took);
+    }
+
     /// `GET /metrics`: the exposition text.
-    pub(super) async fn metrics(&self) -> Result<String> {
+    pub(crate) async fn metrics(&self) -> Result<String> {
         let latest = self.sampler.latest();
         let rows = self.store.volumes().await?;
         let caches = self.page_cache_watch.latest_or_now(self, &rows).await?;

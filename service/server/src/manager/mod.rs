@@ -20,7 +20,6 @@ mod jobs;
 mod locks;
 mod metrics;
 mod names;
-mod ops;
 mod orphans;
 mod pagecache;
 mod reconcile;
@@ -43,7 +42,6 @@ use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
 use locks::KeyedLocks;
 use names::validate_name;
-pub use ops::Operations;
 pub use orphans::unowned_devices;
 
 /// Whether a create made something new or found it already there.

@@ -54,7 +54,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/host/orphans/{volume_id}`: removes an orphan device on request.
-    pub(super) async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
+    pub(crate) async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
         let orphan = self
             .orphans()
             .await?

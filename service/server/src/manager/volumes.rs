@@ -222,7 +222,7 @@ impl Manager {
     /// `GET /v1/volumes` as JSON, cached until the next commit or change of
     /// a volume's warnings: the list is what dashboards and orchestrators
     /// poll.
-    pub(super) async fn volumes_json(&self) -> Result<bytes::Bytes> {
+    pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
         let generation = (
             self.store.generation(),
             self.page_cache_watch.warnings_generation(),
@@ -243,7 +243,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}`.
-    pub(super) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
+    pub(crate) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
         self.volume_view(&v).await
     }
@@ -289,7 +289,7 @@ impl Manager {
     }
 
     /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
-    pub(super) async fn create_volume(
+    pub(crate) async fn create_volume(
         self: &Arc<Self>,
         mut req: CreateVolumeRequest,
     ) -> Result<Created<Volume>> {
@@ -600,7 +600,7 @@ impl Manager {
     }
 
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
-    pub(super) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
+    pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let v = self.volume_row(id_or_name).await?;
         let _volume = self.volume_locks.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
@@ -688,7 +688,7 @@ impl Manager {
     /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
     /// then the backend's) before any is made; if making one fails, those made
     /// before it are undone, and what could not be undone is recorded.
-    pub(super) async fn patch_volume(
+    pub(crate) async fn patch_volume(
         self: &Arc<Self>,
         id_or_name: &str,
         patch: PatchVolumeRequest,
@@ -932,7 +932,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}/stats`.
-    pub(super) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
+    pub(crate) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
         let v = self.volume_row(id_or_name).await?;
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
             return Err(self.not_live(&v));
@@ -947,7 +947,7 @@ impl Manager {
     }
 
     /// `GET /v1/volumes/{id}/stats/history`.
-    pub(super) async fn volume_history(
+    pub(crate) async fn volume_history(
         &self,
         id_or_name: &str,
         q: StatsHistoryQuery,
@@ -972,7 +972,7 @@ impl Manager {
 
     /// `GET /v1/volumes/{id}/usage`: who has the device open, its mounts,
     /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
-    pub(super) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
+    pub(crate) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
         let v = self.volume(id_or_name).await?;
         let recent = self.sampler.history(v.id, crate::usage::RECENT_SECS);
         // A walk of /proc: off the async workers.
