@@ -28,7 +28,7 @@ impl Manager {
         let Some(v) = self.store.volume(&ev.volume_id.to_string()).await? else {
             return Ok(());
         };
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let Some(mut v) = self.store.volume(&ev.volume_id.to_string()).await? else {
             return Ok(());
         };

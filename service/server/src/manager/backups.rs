@@ -254,7 +254,7 @@ impl Manager {
     /// Who holds this service's leases: its instance and host (a copy of
     /// its registry elsewhere has the same instance).
     fn lease_owner(&self) -> String {
-        format!("{}@{}", self.instance, host_name())
+        format!("{}@{}", self.settings.instance, host_name())
     }
 
     /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
@@ -276,11 +276,11 @@ impl Manager {
                 id: m.id,
             });
         }
-        let _image = self.image_locks.lock(&src.id.to_string()).await;
+        let _image = self.locks.images.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
         self.refuse_unready(&src, "be backed up")?;
-        self.allocations.refuse(&src, "be backed up")?;
-        self.copies.refuse(&src, "be backed up")?;
+        self.jobs.allocations.refuse(&src, "be backed up")?;
+        self.jobs.copies.refuse(&src, "be backed up")?;
         let running = self.backups.jobs.list(|id, run, p| {
             (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
         });
@@ -296,7 +296,7 @@ impl Manager {
         // has no writer from the check to the end of the backup.
         let mut held_volumes = Vec::new();
         for (_, volume) in self.store.volumes_of_image(src.id).await? {
-            held_volumes.push(self.volume_locks.lock(&volume).await);
+            held_volumes.push(self.locks.volumes.lock(&volume).await);
         }
         let writable = self
             .attached_volumes(src.id)
@@ -430,8 +430,9 @@ impl Manager {
             counters: counters.clone(),
             reads_image,
         };
-        let pace = self.faults.pace(Slow::Backup);
+        let pace = self.settings.faults.pace(Slow::Backup);
         let gate = self
+            .settings
             .faults
             .slows(Slow::BackupGate)
             .then(|| self.backups.gate.clone());
@@ -767,7 +768,7 @@ impl Manager {
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
-        let _registering = self.image_registration.lock().await;
+        let _registering = self.locks.registration.lock().await;
         if let Some(existing) = self.store.image(name).await? {
             return Err(Error::ImageNameTaken {
                 name: name.to_string(),
@@ -879,11 +880,11 @@ impl Manager {
         file: ImageFile,
         fd: std::fs::File,
     ) {
-        let pace = self.faults.pace(Slow::Copy);
+        let pace = self.settings.faults.pace(Slow::Copy);
         let kind = super::copies::CopyRun::restore(row.name.clone());
         let (me, row) = (self.clone(), row.clone());
         let total = m.stored_bytes;
-        self.copies
+        self.jobs.copies
             .start(row.id, kind, (pace, None), total, move |job| async move {
                 let started = std::time::Instant::now();
                 let out = blockplane_backup::restore(&target, &m, fd, job.clone())

@@ -239,14 +239,14 @@ impl Manager {
         grow: Option<CreateImageFile>,
     ) -> Result<Image> {
         let path = self.roots.resolve(path)?;
-        let _registering = self.image_registration.lock().await;
+        let _registering = self.locks.registration.lock().await;
         if let Some(existing) = self.store.image(name).await? {
             return Err(Error::ImageNameTaken {
                 name: name.to_string(),
                 id: existing.id,
             });
         }
-        let _source = self.image_locks.lock(&src.id.to_string()).await;
+        let _source = self.locks.images.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
         let what = if snapshot {
             "be snapshotted"
@@ -254,7 +254,7 @@ impl Manager {
             "be cloned"
         };
         self.refuse_unready(&src, what)?;
-        self.allocations.refuse(&src, what)?;
+        self.jobs.allocations.refuse(&src, what)?;
         let size = grow.as_ref().map_or(src.size_bytes, |g| g.size_bytes);
         if size < src.size_bytes {
             return Err(Error::Shrink {
@@ -467,7 +467,7 @@ impl Manager {
             backend: v.backend.as_str(),
             reason,
         };
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let v = match self.store.volume(&v.id.to_string()).await? {
             Some(now) if now.attachment.is_some() => now,
             _ => return Err(refused(&v, VOLUME_CHANGED.into())),
@@ -486,7 +486,8 @@ impl Manager {
             false => {
                 let checked = self.check_moment_room(src, &file, name, grow).await;
                 let claim = checked.and_then(|()| {
-                    self.moment_copies
+                    self.jobs
+                        .moments
                         .claim(src, &v, &path.display().to_string())
                 });
                 Some(claim.inspect_err(|_| remove())?)
@@ -501,7 +502,7 @@ impl Manager {
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;
-                self.faults.point(After::Change)?;
+                self.settings.faults.point(After::Change)?;
                 // An explicit `direct` cannot hold any more; `auto` still
                 // decides, now without direct.
                 let asked = match v.dispatch {
@@ -521,8 +522,12 @@ impl Manager {
             } else {
                 let copy = MomentCopy {
                     dest,
-                    pace: self.faults.pace(Slow::Copy),
-                    gate: self.faults.slows(Slow::CopyGate).then(|| self.copy_gate()),
+                    pace: self.settings.faults.pace(Slow::Copy),
+                    gate: self
+                        .settings
+                        .faults
+                        .slows(Slow::CopyGate)
+                        .then(|| self.copy_gate()),
                 };
                 let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
                 if out.is_err() {
@@ -627,7 +632,7 @@ impl Manager {
     /// The file a copy of one moment waits at while it exists (the test
     /// fault `gate_copy`): `copy-gate` in the service's run dir.
     fn copy_gate(&self) -> std::path::PathBuf {
-        self.ublk_run_root.with_file_name("copy-gate")
+        self.settings.ublk_run_root.with_file_name("copy-gate")
     }
 
     /// Grows a clone whose extents are shared to `grow`'s size (its new
@@ -658,14 +663,15 @@ impl Manager {
         private: bool,
         grow: Option<(u64, Allocation)>,
     ) {
-        let pace = self.faults.pace(Slow::Copy);
+        let pace = self.settings.faults.pace(Slow::Copy);
         let kind = CopyRun {
             source,
             name: row.name.clone(),
         };
         let (me, row) = (self.clone(), row.clone());
         let total = src.allocated();
-        self.copies
+        self.jobs
+            .copies
             .start(row.id, kind, (pace, None), total, move |job| async move {
                 let started = std::time::Instant::now();
                 let j = job.clone();
@@ -698,7 +704,7 @@ impl Manager {
         };
         let (me, row) = (self.clone(), row.clone());
         let total = row.size_bytes;
-        self.copies.start(
+        self.jobs.copies.start(
             row.id,
             kind,
             (std::time::Duration::ZERO, None),
@@ -894,7 +900,8 @@ impl Manager {
         if read_only {
             return Ok(());
         }
-        self.copies
+        self.jobs
+            .copies
             .refuse(image, &format!("get writable volume '{volume}'"))?;
         self.backups
             .jobs

@@ -105,7 +105,7 @@ impl Manager {
         key: &Key,
     ) -> Result<(OwnedFd, ImageEncryption)> {
         use std::os::fd::AsFd;
-        let (name, key, kdf) = (image.to_string(), key.clone(), self.kdf);
+        let (name, key, kdf) = (image.to_string(), key.clone(), self.settings.kdf);
         blocking(move || {
             crypt::format(fd.as_fd(), key.as_bytes(), HEADER_BYTES, kdf)
                 .map_err(|e| crypt_error(&name, e))?;
@@ -236,7 +236,7 @@ impl Manager {
     /// plaintext already, the key is checked and nothing else done.
     pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
         let image = self.image_row(&v.image_id.to_string()).await?;
         let Some(layer) = v.crypt.clone() else {
@@ -331,7 +331,7 @@ impl Manager {
     /// header as read back, with an event.
     async fn change_key_slots(&self, id_or_name: &str, change: SlotChange) -> Result<(u32, Image)> {
         let row = self.image_row(id_or_name).await?;
-        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
         self.backups.jobs.refuse(&row, "change its key slots")?;
         let Some(encryption) = &row.encryption else {
@@ -373,7 +373,7 @@ impl Manager {
         }
         let header = self.header_holder(&row).await?;
         let adding = matches!(change, SlotChange::Add { .. });
-        let (name, kdf) = (row.name.clone(), self.kdf);
+        let (name, kdf) = (row.name.clone(), self.settings.kdf);
         let (slot, encryption) = blocking(move || {
             use std::os::fd::AsFd;
             let slot = match &change {

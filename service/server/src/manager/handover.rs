@@ -38,7 +38,7 @@ impl Manager {
     /// `POST /v1/volumes/{id}/handover`.
     pub(crate) async fn handover_volume(self: &Arc<Self>, id_or_name: &str) -> Result<Handover> {
         let v = self.volume_row(id_or_name).await?;
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
             return Err(self.not_live(&v));
@@ -51,10 +51,15 @@ impl Manager {
             .map_err(|e| volume_error(&v.name, e))?;
         let image = self.image_row(&v.image_id.to_string()).await?;
         let what = format!("have volume '{}' handed over to a new worker", v.name);
-        self.allocations.refuse(&image, &what)?;
-        self.copies.refuse(&image, &what)?;
+        self.jobs.allocations.refuse(&image, &what)?;
+        self.jobs.copies.refuse(&image, &what)?;
         self.backups.jobs.refuse(&image, &what)?;
-        let (b, a, id, faults) = (backend.clone(), att.clone(), v.id, self.faults.handover());
+        let (b, a, id, faults) = (
+            backend.clone(),
+            att.clone(),
+            v.id,
+            self.settings.faults.handover(),
+        );
         let done = blocking(move || b.handover(&a, id, faults))
             .await?
             .map_err(|e| volume_error(&v.name, e))?;

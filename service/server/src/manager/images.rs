@@ -87,7 +87,7 @@ impl Manager {
         }
         validate_name("image", &req.name)?;
         let path = self.roots.resolve(&req.path)?;
-        let _registering = self.image_registration.lock().await;
+        let _registering = self.locks.registration.lock().await;
         if let Some(existing) = self.store.image(&req.name).await? {
             return Err(Error::ImageNameTaken {
                 name: req.name,
@@ -124,7 +124,7 @@ impl Manager {
                 let mut file =
                     blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
                         .await??;
-                self.faults.pause(Slow::ImageCreate).await;
+                self.settings.faults.pause(Slow::ImageCreate).await;
                 if let Some(e) = &spec.encryption {
                     let (dev, ino) = file.identity();
                     let birth = file.birth().map(str::to_string);
@@ -281,7 +281,7 @@ impl Manager {
                     path,
                     size_bytes,
                     free_bytes,
-                    max_overcommit: self.max_overcommit,
+                    max_overcommit: self.settings.max_overcommit,
                 }
             })
             .collect())
@@ -305,7 +305,7 @@ impl Manager {
             return Ok(Vec::new());
         };
         let provisioned = root.provisioned_bytes + adding;
-        if let Some(ratio) = self.max_overcommit
+        if let Some(ratio) = self.settings.max_overcommit
             && provisioned as f64 > ratio * root.size_bytes as f64
         {
             return Err(Error::Overcommit {
@@ -365,6 +365,7 @@ impl Manager {
         // The row and the job are read one after the other: a copy that
         // ends in between still shows its count while the row says copying.
         let progress = self
+            .jobs
             .copies
             .progress(row.id)
             .filter(|p| p.state == JobState::Running || row.state == ImageState::Copying)
@@ -427,12 +428,12 @@ impl Manager {
         size_bytes: u64,
     ) -> Result<ResizeImageResponse> {
         let row = self.image_row(id_or_name).await?;
-        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.allocations.refuse(&row, "grow")?;
+        self.jobs.allocations.refuse(&row, "grow")?;
         self.refuse_unready(&row, "grow")?;
         self.refuse_read_only(&row, "it cannot grow")?;
-        self.copies.refuse(&row, "grow")?;
+        self.jobs.copies.refuse(&row, "grow")?;
         self.backups.jobs.refuse(&row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
@@ -536,12 +537,12 @@ impl Manager {
         id_or_name: &str,
     ) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
-        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.allocations.refuse(&row, "start another")?;
+        self.jobs.allocations.refuse(&row, "start another")?;
         self.refuse_unready(&row, "be allocated")?;
         self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
-        self.copies.refuse(&row, "be allocated")?;
+        self.jobs.copies.refuse(&row, "be allocated")?;
         self.backups.jobs.refuse(&row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
             return Err(Error::NotAllocatable {
@@ -599,9 +600,9 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        let pace = self.faults.pace(Slow::Allocate);
+        let pace = self.settings.faults.pace(Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
-        self.allocations.start(
+        self.jobs.allocations.start(
             row.id,
             AllocateRun,
             (pace, None),
@@ -639,7 +640,7 @@ impl Manager {
             // The volume's lock only to read its attachment: its other
             // changes (a policy switch, a detach) go on while its worker fills.
             let att = {
-                let _vol = self.volume_locks.lock(&v.name).await;
+                let _vol = self.locks.volumes.lock(&v.name).await;
                 self.store
                     .volume(&v.id.to_string())
                     .await?
@@ -719,7 +720,7 @@ impl Manager {
     /// current stretch and answers once it stopped (the image as declared).
     pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
         let row = self.image_row(id_or_name).await?;
-        if !self.allocations.stop(row.id).await {
+        if !self.jobs.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
                 reason: format!(
                     "no allocate runs on it (POST /v1/images/{}/allocate starts one)",
@@ -733,7 +734,7 @@ impl Manager {
 
     /// The image's last allocate as the API shows it.
     fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
-        self.allocations.progress(id).map(|p| ImageAllocate {
+        self.jobs.allocations.progress(id).map(|p| ImageAllocate {
             state: match p.state {
                 JobState::Running => AllocateState::Running,
                 JobState::Done => AllocateState::Done,
@@ -780,7 +781,7 @@ impl Manager {
     ) -> Result<Vec<VolumeResize>> {
         let mut out = Vec::new();
         for (v, backend) in self.attached_volumes(image.id).await? {
-            let _vol = self.volume_locks.lock(&v.name).await;
+            let _vol = self.locks.volumes.lock(&v.name).await;
             let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
                 continue;
             };
@@ -808,7 +809,7 @@ impl Manager {
             };
             let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
-                self.faults.point(After::Change)?;
+                self.settings.faults.point(After::Change)?;
             }
             let mut tx = self.store.begin().await?;
             match outcome {
@@ -876,14 +877,14 @@ impl Manager {
         let DeleteImageQuery { delete_file, erase } = q;
         let row = self.image_row(id_or_name).await?;
         // A copy stops first; its partial file goes with the image.
-        self.copies.stop(row.id).await;
-        let _image = self.image_locks.lock(&row.id.to_string()).await;
+        self.jobs.copies.stop(row.id).await;
+        let _image = self.locks.images.lock(&row.id.to_string()).await;
         let mut tx = self.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
         let delete_file = delete_file || row.state != ImageState::Ready;
-        self.allocations.refuse(&row, "be forgotten")?;
+        self.jobs.allocations.refuse(&row, "be forgotten")?;
         self.backups.jobs.refuse(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
@@ -934,8 +935,8 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.allocations.forget(row.id);
-        self.copies.forget(row.id);
+        self.jobs.allocations.forget(row.id);
+        self.jobs.copies.forget(row.id);
         Ok(())
     }
 

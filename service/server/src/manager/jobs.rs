@@ -232,8 +232,8 @@ impl Manager {
     /// stopping: an allocated image stays as declared, to be allocated
     /// again; a copy is found `copying` at the next start and failed there).
     pub fn stop_jobs(&self) {
-        self.allocations.stop_all();
-        self.copies.stop_all();
+        self.jobs.allocations.stop_all();
+        self.jobs.copies.stop_all();
         self.backups.jobs.stop_all();
     }
 }

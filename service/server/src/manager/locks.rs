@@ -6,6 +6,17 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
+/// Who may change an image or a volume now: one change at a time of each.
+#[derive(Default)]
+pub(super) struct Locks {
+    /// Serialises image registration (name and file identity checks + insert).
+    pub registration: AsyncMutex<()>,
+    /// Keyed by image id.
+    pub images: KeyedLocks,
+    /// Keyed by volume name: create, delete and live changes of one volume queue.
+    pub volumes: KeyedLocks,
+}
+
 /// A set of locks, one per key, made on demand and dropped when unused.
 #[derive(Debug, Default)]
 pub struct KeyedLocks {

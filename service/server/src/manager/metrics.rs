@@ -18,9 +18,9 @@ impl Manager {
 
     /// `GET /metrics`: the exposition text.
     pub(crate) async fn metrics(&self) -> Result<String> {
-        let latest = self.sampler.latest();
+        let latest = self.readings.stats.latest();
         let rows = self.store.volumes().await?;
-        let caches = self.page_cache_watch.latest_or_now(self, &rows).await?;
+        let caches = self.readings.page_cache.latest_or_now(self, &rows).await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -52,7 +52,7 @@ impl Manager {
                     dispatch: stats.dispatch.as_str().to_string(),
                     stats: stats.clone(),
                     page_cache: caches.get(&v.id).copied(),
-                    page_cache_warned: !self.page_cache_watch.warnings(v.id).is_empty(),
+                    page_cache_warned: !self.readings.page_cache.warnings(v.id).is_empty(),
                     encrypted: v.crypt.is_some(),
                 });
             }

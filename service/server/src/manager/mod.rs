@@ -32,15 +32,12 @@ mod volumes;
 
 use std::sync::Arc;
 
-use tokio::sync::Mutex;
-
 use crate::backend::{BackendEvent, VolumeBackend};
 use crate::fault::Faults;
 use crate::store::Store;
 use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-use locks::KeyedLocks;
 use names::validate_name;
 pub use orphans::unowned_devices;
 
@@ -80,31 +77,61 @@ pub struct Manager {
     store: Store,
     roots: ImageRoots,
     backends: Vec<Arc<dyn VolumeBackend>>,
-    /// Serialises image registration (name and file identity checks + insert).
-    image_registration: Mutex<()>,
-    image_locks: KeyedLocks,
+    /// What the operator configured, fixed for the manager's life.
+    settings: Settings,
+    /// Who may change an image or a volume now.
+    locks: locks::Locks,
     /// OFD locks on the images of this service's volumes.
     holds: holds::ImageHolds,
-    /// Keyed by volume name: create, delete and live changes of one volume queue.
-    volume_locks: KeyedLocks,
-    /// Once-a-second readings of every attached volume.
-    sampler: sampler::Sampler,
-    /// The page cache of each volume at the sampler's last look.
-    page_cache_watch: pagecache::Watch,
+    /// The once-a-second look at every attached volume.
+    readings: Readings,
     /// `GET /v1/volumes` as JSON, with the store, warnings and recovery
     /// generations it was made at.
     volumes_cache: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
     /// API request counts and durations.
     api_metrics: crate::metrics::ApiMetrics,
+    /// What runs in the background on images: allocates and copies.
+    jobs: ImageJobs,
+    /// Room for the writes that finish a device change on a full disk.
+    reserve: reserve::Reserve,
+    /// The backup target and this service's backups.
+    backups: backups::Backups,
+    /// The volumes a start has not reconciled yet.
+    recovering: recovery::Recovering,
+}
+
+/// What the operator configured the manager with ([`ManagerConfig`], and
+/// the store's instance id), fixed for its life.
+struct Settings {
+    /// The test fault to inject (none outside tests).
     faults: Faults,
+    /// Volumes this host may have.
     max_volumes: usize,
+    /// Provisioned bytes of an image root over its filesystem's size, at most.
     max_overcommit: Option<f64>,
+    /// How hard new key slots are to guess.
     kdf: blockplane_system::crypt::Kdf,
+    /// Queues a new ublk volume gets when it asks for none.
     default_queues: u16,
     /// This service's instance id, in the marks it puts on devices.
     instance: String,
     /// Where ublk workers' run dirs live.
     ublk_run_root: std::path::PathBuf,
+}
+
+/// The once-a-second look at every attached volume: its readings (rates,
+/// history) and its page cache (warnings).
+#[derive(Default)]
+struct Readings {
+    /// Each volume's readings of the last 15 minutes.
+    stats: sampler::Sampler,
+    /// The page cache of each volume at the sampler's last look.
+    page_cache: pagecache::Watch,
+}
+
+/// What runs in the background on images.
+#[derive(Default)]
+struct ImageJobs {
     /// Each image's last allocate since the service started (in memory: a
     /// restart leaves the image as declared, to be allocated again).
     allocations: jobs::Jobs<images::AllocateRun>,
@@ -112,13 +139,7 @@ pub struct Manager {
     copies: jobs::Jobs<copies::CopyRun>,
     /// The volumes whose worker copies one moment now, and into what: one
     /// copy at a time each, so a job follows only its own.
-    moment_copies: copies::MomentCopies,
-    /// Room for the writes that finish a device change on a full disk.
-    reserve: reserve::Reserve,
-    /// The backup target and this service's backups.
-    backups: backups::Backups,
-    /// The volumes a start has not reconciled yet.
-    recovering: recovery::Recovering,
+    moments: copies::MomentCopies,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -144,24 +165,21 @@ impl Manager {
             store,
             roots,
             backends: backends.list,
-            instance,
-            image_registration: Mutex::new(()),
-            image_locks: KeyedLocks::default(),
+            settings: Settings {
+                faults: cfg.faults,
+                max_volumes: cfg.max_volumes,
+                max_overcommit: cfg.max_overcommit,
+                kdf: cfg.kdf,
+                default_queues: cfg.default_queues,
+                instance,
+                ublk_run_root: cfg.run_dir.join("ublk"),
+            },
+            locks: locks::Locks::default(),
             holds: holds::ImageHolds::default(),
-            volume_locks: KeyedLocks::default(),
-            sampler: sampler::Sampler::default(),
-            page_cache_watch: pagecache::Watch::default(),
+            readings: Readings::default(),
             volumes_cache: std::sync::Mutex::default(),
             api_metrics: crate::metrics::ApiMetrics::default(),
-            faults: cfg.faults,
-            max_volumes: cfg.max_volumes,
-            max_overcommit: cfg.max_overcommit,
-            kdf: cfg.kdf,
-            default_queues: cfg.default_queues,
-            ublk_run_root: cfg.run_dir.join("ublk"),
-            allocations: jobs::Jobs::default(),
-            copies: jobs::Jobs::default(),
-            moment_copies: copies::MomentCopies::default(),
+            jobs: ImageJobs::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
             backups: backups::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),

@@ -37,7 +37,7 @@ impl Manager {
                             ),
                             device: m.device,
                             backing_file: None,
-                            instance: Some(self.instance.clone()),
+                            instance: Some(self.settings.instance.clone()),
                             pid: None,
                             removable: true,
                         }),
@@ -45,8 +45,8 @@ impl Manager {
             }
         }
         let roots = self.roots.paths();
-        let instance = self.instance.clone();
-        let run_root = self.ublk_run_root.clone();
+        let instance = self.settings.instance.clone();
+        let run_root = self.settings.ublk_run_root.clone();
         let unowned =
             blocking(move || unowned_devices(&roots, &run_root, &instance, &known)).await?;
         out.extend(unowned);

@@ -226,7 +226,7 @@ impl Manager {
     /// when a direct-I/O volume's rises above [`WARN_BYTES`] (once, until it
     /// falls back under), and keeps the readings for `/metrics`.
     pub(super) async fn watch_page_cache(&self, volumes: &[VolumeRow]) -> super::Result<()> {
-        if !self.page_cache_watch.due() {
+        if !self.readings.page_cache.due() {
             return Ok(());
         }
         let images: HashMap<Uuid, String> = self
@@ -263,16 +263,16 @@ impl Manager {
         for ((v, att, _), cache) in live.iter().zip(caches) {
             let on = mounted.contains(&(att.major, att.minor));
             let warning = warning(&v.name, att, &cache, on);
-            if let Some(msg) = self.page_cache_watch.newly_warned(v.id, &warning) {
+            if let Some(msg) = self.readings.page_cache.newly_warned(v.id, &warning) {
                 tracing::warn!(volume = %v.name, "{msg}");
                 let mut tx = self.store.begin().await?;
                 tx.event(Some(v.id), Some(v.image_id), "volume_page_cache", &msg)
                     .await?;
                 tx.commit().await?;
             }
-            self.page_cache_watch.record(v.id, cache, warning);
+            self.readings.page_cache.record(v.id, cache, warning);
         }
-        self.page_cache_watch.retain(&ids);
+        self.readings.page_cache.retain(&ids);
         Ok(())
     }
 }

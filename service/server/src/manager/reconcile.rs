@@ -124,7 +124,7 @@ impl Manager {
         tokio::spawn(async move { me.recover_backup_target().await });
         let mut held = Vec::new();
         for row in self.store.volumes().await? {
-            let lock = self.volume_locks.lock(&row.name).await;
+            let lock = self.locks.volumes.lock(&row.name).await;
             held.push(Held { row, lock });
         }
         // A device waiting for a worker stalls its users until it is
@@ -149,8 +149,8 @@ impl Manager {
     /// (taken when the start began).
     async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
         let _volume = held.lock;
-        if self.faults.slows(Slow::ReconcileGate) {
-            let gate = self.ublk_run_root.with_file_name("reconcile-gate");
+        if self.settings.faults.slows(Slow::ReconcileGate) {
+            let gate = self.settings.ublk_run_root.with_file_name("reconcile-gate");
             while gate.exists() {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }

@@ -251,7 +251,7 @@ impl Manager {
                 continue;
             };
             if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-                let previous = self.sampler.latest_of(v.id);
+                let previous = self.readings.stats.latest_of(v.id);
                 live.push((v, att, backend, previous));
             }
         }
@@ -273,7 +273,7 @@ impl Manager {
         .await?;
         for ((v, ..), stats) in live.iter().zip(read) {
             if let Ok(stats) = stats
-                && let Some([r, w, f, d]) = self.sampler.record(v.id, stats)
+                && let Some([r, w, f, d]) = self.readings.stats.record(v.id, stats)
             {
                 let mut tx = self.store.begin().await?;
                 tx.event(
@@ -290,7 +290,7 @@ impl Manager {
             }
         }
         let live: HashSet<Uuid> = live.iter().map(|(v, ..)| v.id).collect();
-        self.sampler.retain(&live);
+        self.readings.stats.retain(&live);
         self.watch_page_cache(&volumes).await
     }
 }

@@ -178,7 +178,7 @@ impl Manager {
             worker_older,
             worker_supervised: unsupervised.map(|u| u.is_none()),
             resize_pending: att.is_some_and(|a| a.resize_pending),
-            warnings: self.page_cache_watch.warnings(v.id),
+            warnings: self.readings.page_cache.warnings(v.id),
             created_at: v.created_at,
             updated_at: v.updated_at,
         }
@@ -225,7 +225,7 @@ impl Manager {
     pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
         let generation = (
             self.store.generation(),
-            self.page_cache_watch.warnings_generation(),
+            self.readings.page_cache.warnings_generation(),
             self.recovering.generation(),
         );
         if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
@@ -301,7 +301,7 @@ impl Manager {
             qos: limits_of(req.qos),
             ..req
         };
-        let _volume = self.volume_locks.lock(&req.name).await;
+        let _volume = self.locks.volumes.lock(&req.name).await;
         let image = self.image_row(&req.image).await?;
         let mut spec = CreateVolumeRequest {
             image: image.id.to_string(),
@@ -320,19 +320,19 @@ impl Manager {
         }
         // A cheap early refusal; the count that holds under concurrency is the
         // one inside the transaction that inserts.
-        if self.store.volume_count().await? >= self.max_volumes {
+        if self.store.volume_count().await? >= self.settings.max_volumes {
             return Err(Error::VolumeLimit {
                 name: req.name,
-                max: self.max_volumes,
+                max: self.settings.max_volumes,
             });
         }
-        let _image = self.image_locks.lock(&image.id.to_string()).await;
+        let _image = self.locks.images.lock(&image.id.to_string()).await;
         self.reserve.take();
         let users = self.store.volumes_of_image(image.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(image.name, &users));
         }
-        self.allocations.refuse(&image, "get a volume")?;
+        self.jobs.allocations.refuse(&image, "get a volume")?;
         let image = self.image_row(&image.id.to_string()).await?;
         self.check_volume_image(&image, &req.name, req.read_only)?;
         let backend = self.choose_backend(req.backend)?;
@@ -353,7 +353,7 @@ impl Manager {
         // Loop has one queue; the others get one per CPU unless asked.
         let queues = req.queues.unwrap_or(match backend.kind() {
             Backend::Loop => 1,
-            Backend::Ublk | Backend::Dm => self.default_queues,
+            Backend::Ublk | Backend::Dm => self.settings.default_queues,
         });
         spec.queues = Some(queues);
         let check = SpecCheck {
@@ -393,10 +393,10 @@ impl Manager {
         // Checked where the insert commits: writers are serialized there, so
         // parallel creates cannot all see room, and an image deleted since
         // it was read is refused as gone rather than failing the foreign key.
-        if tx.volume_count().await? >= self.max_volumes {
+        if tx.volume_count().await? >= self.settings.max_volumes {
             return Err(Error::VolumeLimit {
                 name: req.name,
-                max: self.max_volumes,
+                max: self.settings.max_volumes,
             });
         }
         if tx.image(&image.id.to_string()).await?.is_none() {
@@ -416,8 +416,8 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.faults.point(After::Insert)?;
-        self.faults.pause(Slow::VolumeChange).await;
+        self.settings.faults.point(After::Insert)?;
+        self.settings.faults.pause(Slow::VolumeChange).await;
 
         let attached = match self.attach(&row, &image, file, &image_lock, decision).await {
             Ok(att) => match (&row.crypt, &key) {
@@ -436,7 +436,7 @@ impl Manager {
         };
         match attached {
             Ok(att) => {
-                let recorded = match self.faults.point(After::Attach) {
+                let recorded = match self.settings.faults.point(After::Attach) {
                     Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
                     Err(e) => Err(e.into()),
                 };
@@ -602,7 +602,7 @@ impl Manager {
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let v = self.volume_row(id_or_name).await?;
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
         self.reserve.take();
         if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
@@ -632,7 +632,7 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.faults.pause(Slow::VolumeChange).await;
+        self.settings.faults.pause(Slow::VolumeChange).await;
         if let Err(e) = self.detach(&v).await {
             (v.state, v.state_reason) = before;
             v.updated_at = OffsetDateTime::now_utc();
@@ -653,7 +653,7 @@ impl Manager {
             .await?;
             return Err(e);
         }
-        self.faults.point(After::Detach)?;
+        self.settings.faults.point(After::Detach)?;
         self.forget_volume(&v).await
     }
 
@@ -694,7 +694,7 @@ impl Manager {
         patch: PatchVolumeRequest,
     ) -> Result<Volume> {
         let v = self.volume_row(id_or_name).await?;
-        let _volume = self.volume_locks.lock(&v.name).await;
+        let _volume = self.locks.volumes.lock(&v.name).await;
         let mut v = self.volume_row(&v.id.to_string()).await?;
         let changes = changes(&v, &patch)?;
         if changes.is_empty() {
@@ -727,7 +727,10 @@ impl Manager {
                     made.push(*change);
                     // Between two changes of one PATCH (a test fault).
                     if made.len() == 1 && changes.len() > 1 {
-                        self.faults.point(After::FirstChange).map_err(Error::from)
+                        self.settings
+                            .faults
+                            .point(After::FirstChange)
+                            .map_err(Error::from)
                     } else {
                         Ok(())
                     }
@@ -759,7 +762,7 @@ impl Manager {
                 }
             }
         }
-        self.faults.point(After::Change)?;
+        self.settings.faults.point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
@@ -941,7 +944,7 @@ impl Manager {
         let mut stats = blocking(move || backend.stats(id, &att))
             .await?
             .map_err(|e| volume_error(&name, e))?;
-        stats.rates = self.sampler.rates(v.id, &stats);
+        stats.rates = self.readings.stats.rates(v.id, &stats);
         stats.page_cache = self.page_cache(&v).await?;
         Ok(stats)
     }
@@ -964,7 +967,7 @@ impl Manager {
         let v = self.volume_row(id_or_name).await?;
         Ok(StatsHistory {
             volume_id: v.id,
-            points: self.sampler.history(v.id, seconds),
+            points: self.readings.stats.history(v.id, seconds),
             name: v.name,
             kept_secs: HISTORY_SECS,
         })
@@ -974,7 +977,7 @@ impl Manager {
     /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
     pub(crate) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
         let v = self.volume(id_or_name).await?;
-        let recent = self.sampler.history(v.id, crate::usage::RECENT_SECS);
+        let recent = self.readings.stats.history(v.id, crate::usage::RECENT_SECS);
         // A walk of /proc: off the async workers.
         blocking(move || crate::usage::of(&v, &recent)).await
     }
