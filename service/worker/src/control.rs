@@ -17,7 +17,7 @@ use crate::policy::Policy;
 use crate::refusal::Refusal;
 use crate::shared::Shared;
 use blockplane_protocol::{
-    self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Request, StateFile, Status,
+    self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Request, Status,
 };
 
 /// The running control thread.
@@ -101,26 +101,7 @@ struct Ctx {
 
 /// Writes `state.json` atomically.
 fn write_state(cx: &Ctx) {
-    write_state_file(&cx.shared, cx.dev_id);
-}
-
-/// Writes `state.json` atomically: this worker serves (or has just added)
-/// device `dev_id`.
-pub fn write_state_file(shared: &Shared, dev_id: u32) {
-    shared.note_dev_id(dev_id);
-    let (pinned, degraded) = {
-        let st = shared.state.lock().expect("state poisoned");
-        (st.pinned, st.degraded.clone())
-    };
-    let state = StateFile {
-        pid: std::process::id(),
-        dev_id,
-        pinned,
-        degraded,
-    };
-    if let Err(e) = state.write(&shared.spec.run_dir) {
-        tracing::error!(error = %e, "cannot write state.json");
-    }
+    cx.shared.write_state_file(cx.dev_id);
 }
 
 /// The control loop, to run on the thread that calls [`Server::run`].

@@ -141,7 +141,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     );
     // The device exists from here on: named in the run dir at once, so that a
     // control plane finds it to delete should this worker die before it serves.
-    control::write_state_file(&shared, ctrl.dev_info().dev_id);
+    shared.write_state_file(ctrl.dev_info().dev_id);
     #[cfg(feature = "test-faults")]
     die_after_add();
     let lbs_shift = logical_block_shift(&shared);

@@ -8,14 +8,11 @@
 //! the pin holds (a reader, `lsattr`, `chattr -i` itself) go on at once. The
 //! answer is always "allow": this guards the map, it controls no access.
 //!
-//! What it cannot see is left to the periodic re-read ([`super::Shared::check_drift`],
+//! What it cannot see is left to the periodic re-read (`Shared::check_drift`,
 //! which also finds a cleared pin): a descriptor opened while the pin held
 //! and used after it was cleared, and a `truncate(2)` by path.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
-
-use crate::shared::Shared;
 
 /// A fanotify group of permission events on the image.
 pub(crate) struct Watch {
@@ -23,10 +20,11 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    /// A group whose events a thread of its own answers for `shared`;
-    /// `None` (and the reason logged) where the kernel refuses one (no
-    /// `CONFIG_FANOTIFY_ACCESS_PERMISSIONS`, or no `CAP_SYS_ADMIN`).
-    pub fn start(shared: &Arc<Shared>) -> Option<Self> {
+    /// A group whose events a thread of its own answers, telling
+    /// `opened` the pid of each process that opens the image before its
+    /// open goes on; `None` (and the reason logged) where the kernel refuses
+    /// one (no `CONFIG_FANOTIFY_ACCESS_PERMISSIONS`, or no `CAP_SYS_ADMIN`).
+    pub fn start(opened: impl Fn(i32) + Send + 'static) -> Option<Self> {
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe {
             libc::fanotify_init(
@@ -41,10 +39,9 @@ impl Watch {
         // SAFETY: fanotify_init returned a new descriptor that nothing else owns.
         let group = unsafe { OwnedFd::from_raw_fd(fd) };
         let events = group.try_clone().ok()?;
-        let shared = shared.clone();
         std::thread::Builder::new()
             .name("watch".into())
-            .spawn(move || answer_opens(&shared, &events))
+            .spawn(move || answer_opens(&opened, &events))
             .ok()?;
         Some(Self { group })
     }
@@ -75,7 +72,7 @@ impl Watch {
 
 /// Reads the group's events and answers each, forever (the group lives as
 /// long as the worker).
-fn answer_opens(shared: &Shared, group: &OwnedFd) {
+fn answer_opens(opened: &dyn Fn(i32), group: &OwnedFd) {
     let meta = std::mem::size_of::<libc::fanotify_event_metadata>();
     let mut buf = vec![0u8; 64 * meta];
     loop {
@@ -103,7 +100,7 @@ fn answer_opens(shared: &Shared, group: &OwnedFd) {
             // SAFETY: each event carries a new descriptor of the file, ours to close.
             let file = unsafe { OwnedFd::from_raw_fd(ev.fd) };
             if ev.mask & libc::FAN_OPEN_PERM != 0 {
-                shared.image_opened(ev.pid);
+                opened(ev.pid);
             }
             let answer = libc::fanotify_response {
                 fd: file.as_raw_fd(),

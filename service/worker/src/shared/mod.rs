@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
-use blockplane_protocol::{self as protocol, Allocation, Fill, WorkerSpec};
+use blockplane_protocol::{self as protocol, Allocation, Fill, StateFile, WorkerSpec};
 use blockplane_system::extent::{self, Pin};
 
 use crate::mailbox::{self, QueueConfig, Queues};
@@ -138,10 +138,23 @@ impl Shared {
         self.queues.set(queues).is_ok()
     }
 
-    /// Notes the device's id, once known (the drift checks rewrite the
-    /// state file with it).
-    pub fn note_dev_id(&self, dev_id: u32) {
+    /// Writes `state.json` atomically: this worker serves (or has just
+    /// added) device `dev_id`, which it notes for the drift checks' rewrites.
+    pub fn write_state_file(&self, dev_id: u32) {
         let _ = self.dev_id.set(dev_id);
+        let (pinned, degraded) = {
+            let st = self.state.lock().expect("state poisoned");
+            (st.pinned, st.degraded.clone())
+        };
+        let state = StateFile {
+            pid: std::process::id(),
+            dev_id,
+            pinned,
+            degraded,
+        };
+        if let Err(e) = state.write(&self.spec.run_dir) {
+            tracing::error!(error = %e, "cannot write state.json");
+        }
     }
 
     pub(super) fn config(&self) -> MutexGuard<'_, QueueConfig> {
@@ -215,7 +228,10 @@ impl Shared {
     /// The watch on opens of the image, started the first time it is asked for.
     pub(super) fn watch(&self) -> Option<&watch::Watch> {
         self.watch
-            .get_or_init(|| self.me.upgrade().and_then(|me| watch::Watch::start(&me)))
+            .get_or_init(|| {
+                let me = self.me.upgrade()?;
+                watch::Watch::start(move |pid| me.image_opened(pid))
+            })
             .as_ref()
     }
 

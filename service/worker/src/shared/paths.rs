@@ -11,7 +11,6 @@ use blockplane_protocol::{self as protocol};
 use blockplane_system::extent::{self, ExtentMap};
 
 use super::Shared;
-use crate::control;
 use crate::policy::{DirectPath, Policy};
 use crate::refusal::Refusal;
 
@@ -265,7 +264,7 @@ impl Shared {
         }
         // The service learns of it from the state file.
         if let Some(dev_id) = self.dev_id.get() {
-            control::write_state_file(self, *dev_id);
+            self.write_state_file(*dev_id);
         }
     }
 }
