@@ -8,15 +8,17 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::jobs::{Ended, Job, JobState};
+use super::undo::Undo;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::BackendError;
 use crate::store::ImageRow;
 use blockplane_api::model::{
-    AllocateState, Allocation, CreateImageRequest, DeleteImageQuery, Image, ImageAllocate,
-    ImageState, ResizeImageResponse, RootCapacity, VolumeResize, VolumeState, size_text,
+    AllocateState, Allocation, CreateImageFile, CreateImageRequest, DeleteImageQuery, Image,
+    ImageAllocate, ImageEncryption, ImageState, ResizeImageResponse, RootCapacity, VolumeResize,
+    VolumeState, size_text,
 };
 use blockplane_system::extent::Unwritten;
-use blockplane_system::image::{Access, Written};
+use blockplane_system::image::{Access, ImageFile, ImagePath, Written};
 
 /// An allocate (see [`Manager::allocate_image`]): it writes its image.
 pub(super) struct AllocateRun;
@@ -39,213 +41,57 @@ impl Job for AllocateRun {
 }
 
 impl Manager {
-    /// `POST /v1/images`.
+    /// `POST /v1/images`: the request read into its [`Origin`], then that
+    /// origin's steps.
     pub(crate) async fn create_image(
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
-        if let Some(declared) = req.allocation
-            && (req.create.is_some() || req.clone_from.is_some() || req.restore_from.is_some())
-        {
-            return Err(Error::InvalidField {
-                field: "allocation",
-                reason: format!(
-                    "image '{}': a top-level \"allocation\" ({}) is declared only when registering an existing file; with \"create\" give it as \"create\": {{\"allocation\"}}",
-                    req.name,
-                    declared.as_str()
-                ),
-            });
-        }
-        if req.clone_from.is_some()
-            && let Some(c) = &req.create
-            && c.encryption.is_some()
-        {
-            return Err(Error::InvalidField {
-                field: "create.encryption",
-                reason: format!(
-                    "image '{}': a clone holds its source's bytes, header and keys included (encrypted when its source is); encryption is given only for a new file",
-                    req.name
-                ),
-            });
-        }
-        if let Some(backup) = &req.restore_from {
-            if req.create.is_some() || req.clone_from.is_some() {
-                return Err(Error::InvalidField {
-                    field: "restore_from",
-                    reason: format!(
-                        "image '{}': a restore makes its file from the backup (its size and bytes); \"create\" and \"clone_from\" are not given with it",
-                        req.name
-                    ),
-                });
+        match Origin::of(&req)? {
+            Origin::Restore { backup } => self.restore_image(&backup, &req.name, &req.path).await,
+            Origin::Clone { source, grow } => {
+                self.clone_image(&source, &req.name, &req.path, grow).await
             }
-            return self.restore_image(backup, &req.name, &req.path).await;
+            Origin::File(file) => self.add_image(&req.name, &req.path, file).await,
         }
-        if let Some(source) = &req.clone_from {
-            return self
-                .clone_image(source, &req.name, &req.path, req.create)
-                .await;
-        }
-        validate_name("image", &req.name)?;
-        let path = self.roots.resolve(&req.path)?;
+    }
+
+    /// Registers an existing file, or makes a new one, as image `name`: the
+    /// name claimed, the file made or opened, its row and event written. A
+    /// step that fails after the file was made leaves no file behind.
+    async fn add_image(
+        self: &std::sync::Arc<Self>,
+        name: &str,
+        path: &str,
+        file: NewFile,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let path = self.roots.resolve(path)?;
         let _registering = self.locks.registration.lock().await;
-        if let Some(existing) = self.store.image(&req.name).await? {
+        if let Some(existing) = self.store.image(name).await? {
             return Err(Error::ImageNameTaken {
-                name: req.name,
+                name: name.to_string(),
                 id: existing.id,
             });
         }
-        if let Some(encryption) = req.create.as_ref().and_then(|c| c.encryption.as_ref()) {
-            if let Some(reason) = encryption.key.refusal() {
-                return Err(Error::InvalidField {
-                    field: "create.encryption.key",
-                    reason,
-                });
-            }
-            let size = req.create.as_ref().map_or(0, |c| c.size_bytes);
-            self.check_encrypted_size(&req.name, size)?;
-        }
-        let warnings = match &req.create {
-            Some(spec) => {
-                self.check_provisioning(
-                    &req.name,
-                    &path.display(),
-                    spec.size_bytes,
-                    spec.allocation == Allocation::Sparse,
+        let mut undo = Undo::default();
+        let (made, warnings) = match file {
+            NewFile::Create(spec) => {
+                let warnings = self.check_new_file(name, &path, &spec).await?;
+                (
+                    self.make_file(name, &path, spec, &mut undo).await?,
+                    warnings,
                 )
-                .await?
             }
-            None => Vec::new(),
+            NewFile::Register { allocation } => (
+                self.open_to_register(name, &path, allocation).await?,
+                Vec::new(),
+            ),
         };
-        let me = self.clone();
-        let mut encryption = None;
-        let (file, created, allocation, reason) = match req.create.clone() {
-            Some(spec) => {
-                let p = path.clone();
-                let mut file =
-                    blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation))
-                        .await??;
-                self.settings.faults.pause(Slow::ImageCreate).await;
-                if let Some(e) = &spec.encryption {
-                    let (dev, ino) = file.identity();
-                    let birth = file.birth().map(str::to_string);
-                    let formatted = async {
-                        let fd = file.fd().try_clone().map_err(|e| {
-                            Error::Internal(format!("image '{}': dup: {e}", req.name))
-                        })?;
-                        let (_, encryption) = self.format_image(&req.name, fd, &e.key).await?;
-                        file.refresh()?;
-                        Ok::<_, Error>(encryption)
-                    }
-                    .await;
-                    match formatted {
-                        Ok(e) => encryption = Some(e),
-                        Err(e) => {
-                            // Nothing may be left behind by a refused create.
-                            let _ = self.roots.remove_file(&path, dev, ino, birth.as_deref());
-                            return Err(e);
-                        }
-                    }
-                }
-                (file, Some(spec.allocation), Some(spec.allocation), None)
-            }
-            None => {
-                let p = path.clone();
-                let name = req.name.clone();
-                let (file, written, found) = blocking(move || -> Result<_> {
-                    let file = me.roots.open_file(&p, Access::ReadOnly)?;
-                    let written = file.written()?;
-                    let found = super::encryption::encryption_of(&name, file.fd())?;
-                    Ok((file, written, found))
-                })
-                .await??;
-                encryption = found;
-                let (allocation, reason) = registered_allocation(
-                    &req.name,
-                    &path.display(),
-                    file.size(),
-                    &file.filesystem()?,
-                    written,
-                    req.allocation,
-                )?;
-                (file, None, allocation, Some(reason))
-            }
-        };
-        let (dev, ino) = file.identity();
-        let birth = file.birth().map(str::to_string);
-        let row = ImageRow {
-            id: Uuid::new_v4(),
-            name: req.name.clone(),
-            path: path.display(),
-            dev,
-            ino,
-            birth: birth.clone(),
-            size_bytes: file.size(),
-            allocated_bytes: file.allocated(),
-            allocation,
-            filesystem: file.filesystem()?,
-            created_at: OffsetDateTime::now_utc(),
-            snapshot_of: None,
-            cloned_from: None,
-            restored_from: None,
-            read_only: false,
-            method: None,
-            state: ImageState::Ready,
-            state_reason: None,
-            encryption,
-        };
-        let recorded = async {
-            let mut tx = self.store.begin().await?;
-            if let Some(other) = tx
-                .image_by_file(dev, ino, birth.as_deref(), &row.path)
-                .await?
-            {
-                return Err(Error::AlreadyRegistered {
-                    path: row.path.clone(),
-                    name: other.name,
-                    id: other.id,
-                });
-            }
-            tx.insert_image(&row).await?;
-            let verb = if created.is_some() {
-                "created"
-            } else {
-                "registered"
-            };
-            tx.event(
-                None,
-                Some(row.id),
-                &format!("image_{verb}"),
-                &format!(
-                    "image '{}' {verb}: {}, {}, on {}{}{}",
-                    row.name,
-                    row.path,
-                    size_text(row.size_bytes),
-                    row.filesystem,
-                    row.encryption
-                        .as_ref()
-                        .map(|e| format!(", encrypted (LUKS2, {})", e.cipher))
-                        .unwrap_or_default(),
-                    reason
-                        .as_ref()
-                        .map(|why| format!(
-                            "; allocation {}: {why}",
-                            row.allocation.map_or("null", Allocation::as_str)
-                        ))
-                        .unwrap_or_default()
-                ),
-            )
+        let row = made.row(name, &path)?;
+        self.record_new_image(&row, made.created.is_some(), made.reason.as_deref())
             .await?;
-            tx.commit().await?;
-            Ok(())
-        }
-        .await;
-        if let Err(e) = recorded {
-            if created.is_some() {
-                // Nothing may be left behind by a refused create.
-                let _ = self.roots.remove_file(&path, dev, ino, birth.as_deref());
-            }
-            return Err(e);
-        }
+        undo.commit();
         tracing::info!(image = %row.name, path = %row.path, "image recorded");
         if !warnings.is_empty() {
             let mut tx = self.store.begin().await?;
@@ -257,8 +103,153 @@ impl Manager {
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
-        image.allocation_reason = reason;
+        image.allocation_reason = made.reason;
         Ok(image)
+    }
+
+    /// What a new file must pass before it is made: a key that can be used
+    /// and a size that can hold its header, when encrypted; room under the
+    /// root's overcommit limit (the warnings it gives when near it).
+    async fn check_new_file(
+        &self,
+        name: &str,
+        path: &ImagePath,
+        spec: &CreateImageFile,
+    ) -> Result<Vec<String>> {
+        if let Some(encryption) = &spec.encryption {
+            if let Some(reason) = encryption.key.refusal() {
+                return Err(Error::InvalidField {
+                    field: "create.encryption.key",
+                    reason,
+                });
+            }
+            self.check_encrypted_size(name, spec.size_bytes)?;
+        }
+        self.check_provisioning(
+            name,
+            &path.display(),
+            spec.size_bytes,
+            spec.allocation == Allocation::Sparse,
+        )
+        .await
+    }
+
+    /// Makes the new file (and its LUKS2 header, when encrypted); `undo`
+    /// removes it if a later step fails.
+    async fn make_file(
+        self: &std::sync::Arc<Self>,
+        name: &str,
+        path: &ImagePath,
+        spec: CreateImageFile,
+        undo: &mut Undo,
+    ) -> Result<Made> {
+        let (me, p) = (self.clone(), path.clone());
+        let mut file =
+            blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation)).await??;
+        let (dev, ino) = file.identity();
+        let (me, p, birth) = (self.clone(), path.clone(), file.birth().map(str::to_string));
+        undo.push("remove the new image file", move || {
+            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+        });
+        self.settings.faults.pause(Slow::ImageCreate).await;
+        let mut encryption = None;
+        if let Some(e) = &spec.encryption {
+            let fd = file
+                .fd()
+                .try_clone()
+                .map_err(|e| Error::Internal(format!("image '{name}': dup: {e}")))?;
+            encryption = Some(self.format_image(name, fd, &e.key).await?.1);
+            file.refresh()?;
+        }
+        Ok(Made {
+            file,
+            created: Some(spec.allocation),
+            allocation: Some(spec.allocation),
+            reason: None,
+            encryption,
+        })
+    }
+
+    /// Opens an existing file to register it: its bytes as they are, its
+    /// LUKS2 header if it has one, its allocation as declared or as found.
+    async fn open_to_register(
+        self: &std::sync::Arc<Self>,
+        name: &str,
+        path: &ImagePath,
+        declared: Option<Allocation>,
+    ) -> Result<Made> {
+        let (me, p, n) = (self.clone(), path.clone(), name.to_string());
+        let (file, written, encryption) = blocking(move || -> Result<_> {
+            let file = me.roots.open_file(&p, Access::ReadOnly)?;
+            let written = file.written()?;
+            let found = super::encryption::encryption_of(&n, file.fd())?;
+            Ok((file, written, found))
+        })
+        .await??;
+        let (allocation, reason) = registered_allocation(
+            name,
+            &path.display(),
+            file.size(),
+            &file.filesystem()?,
+            written,
+            declared,
+        )?;
+        Ok(Made {
+            file,
+            created: None,
+            allocation,
+            reason: Some(reason),
+            encryption,
+        })
+    }
+
+    /// Writes a new image's row and its event (`image_created` or
+    /// `image_registered`) in one transaction; refused when its file is
+    /// already another image's.
+    async fn record_new_image(
+        &self,
+        row: &ImageRow,
+        created: bool,
+        reason: Option<&str>,
+    ) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        if let Some(other) = tx
+            .image_by_file(row.dev, row.ino, row.birth.as_deref(), &row.path)
+            .await?
+        {
+            return Err(Error::AlreadyRegistered {
+                path: row.path.clone(),
+                name: other.name,
+                id: other.id,
+            });
+        }
+        tx.insert_image(row).await?;
+        let verb = if created { "created" } else { "registered" };
+        tx.event(
+            None,
+            Some(row.id),
+            &format!("image_{verb}"),
+            &format!(
+                "image '{}' {verb}: {}, {}, on {}{}{}",
+                row.name,
+                row.path,
+                size_text(row.size_bytes),
+                row.filesystem,
+                row.encryption
+                    .as_ref()
+                    .map(|e| format!(", encrypted (LUKS2, {})", e.cipher))
+                    .unwrap_or_default(),
+                reason
+                    .map(|why| format!(
+                        "; allocation {}: {why}",
+                        row.allocation.map_or("null", Allocation::as_str)
+                    ))
+                    .unwrap_or_default()
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Each image root: its filesystem's size and free space, and the
@@ -1007,6 +998,115 @@ impl Manager {
             });
         }
         Ok(file)
+    }
+}
+
+/// Where a new image's bytes come from: the request's optional fields read
+/// once, here, into one of these; the rules that pair them live in
+/// [`Origin::of`] alone.
+enum Origin {
+    /// A file of the host: registered, or made new.
+    File(NewFile),
+    /// A writable clone of `source`, grown to `grow`'s size when given.
+    Clone {
+        source: String,
+        grow: Option<CreateImageFile>,
+    },
+    /// A backup's bytes, restored into a new file.
+    Restore { backup: String },
+}
+
+/// How [`Manager::add_image`] gets its file.
+enum NewFile {
+    /// An existing file, its allocation as declared (or as found).
+    Register { allocation: Option<Allocation> },
+    /// A new file, made to this spec.
+    Create(CreateImageFile),
+}
+
+impl Origin {
+    /// The origin `req` asks for, or why its fields do not go together.
+    fn of(req: &CreateImageRequest) -> Result<Self> {
+        let refused = |field: &'static str, why: &str| Error::InvalidField {
+            field,
+            reason: format!("image '{}': {why}", req.name),
+        };
+        if let Some(declared) = req.allocation
+            && (req.create.is_some() || req.clone_from.is_some() || req.restore_from.is_some())
+        {
+            return Err(refused(
+                "allocation",
+                &format!(
+                    "a top-level \"allocation\" ({}) is declared only when registering an existing file; with \"create\" give it as \"create\": {{\"allocation\"}}",
+                    declared.as_str()
+                ),
+            ));
+        }
+        if req.clone_from.is_some() && req.create.as_ref().is_some_and(|c| c.encryption.is_some()) {
+            return Err(refused(
+                "create.encryption",
+                "a clone holds its source's bytes, header and keys included (encrypted when its source is); encryption is given only for a new file",
+            ));
+        }
+        if req.restore_from.is_some() && (req.create.is_some() || req.clone_from.is_some()) {
+            return Err(refused(
+                "restore_from",
+                "a restore makes its file from the backup (its size and bytes); \"create\" and \"clone_from\" are not given with it",
+            ));
+        }
+        Ok(match (&req.restore_from, &req.clone_from, &req.create) {
+            (Some(backup), ..) => Origin::Restore {
+                backup: backup.clone(),
+            },
+            (None, Some(source), grow) => Origin::Clone {
+                source: source.clone(),
+                grow: grow.clone(),
+            },
+            (None, None, Some(spec)) => Origin::File(NewFile::Create(spec.clone())),
+            (None, None, None) => Origin::File(NewFile::Register {
+                allocation: req.allocation,
+            }),
+        })
+    }
+}
+
+/// A file ready to record as a new image.
+struct Made {
+    file: ImageFile,
+    /// Made now, laid out so; `None`: registered.
+    created: Option<Allocation>,
+    /// The row's allocation (`None`: a registered file of unknown layout).
+    allocation: Option<Allocation>,
+    /// Why a registered file's allocation is what it is.
+    reason: Option<String>,
+    encryption: Option<ImageEncryption>,
+}
+
+impl Made {
+    /// The image's row, `name` at `path`.
+    fn row(&self, name: &str, path: &ImagePath) -> Result<ImageRow> {
+        let (dev, ino) = self.file.identity();
+        Ok(ImageRow {
+            id: Uuid::new_v4(),
+            name: name.to_string(),
+            path: path.display(),
+            dev,
+            ino,
+            birth: self.file.birth().map(str::to_string),
+            size_bytes: self.file.size(),
+            allocated_bytes: self.file.allocated(),
+            allocation: self.allocation,
+            filesystem: self.file.filesystem()?,
+            created_at: OffsetDateTime::now_utc(),
+            snapshot_of: None,
+            cloned_from: None,
+            restored_from: None,
+            read_only: false,
+            method: None,
+            state: ImageState::Ready,
+            state_reason: None,
+            encryption: self.encryption.clone(),
+        })
     }
 }
 

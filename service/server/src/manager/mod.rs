@@ -28,6 +28,7 @@ mod reserve;
 #[cfg(test)]
 mod rules;
 mod sampler;
+mod undo;
 mod volumes;
 
 use std::sync::Arc;
