@@ -10,6 +10,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::jobs::{Ended, Job};
+use super::undo::Undo;
 use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::{Change, MomentCopy, SnapshotDest, VolumeBackend};
@@ -248,160 +249,25 @@ impl Manager {
         }
         let _source = self.locks.images.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
-        let what = if snapshot {
-            "be snapshotted"
-        } else {
-            "be cloned"
-        };
-        self.refuse_unready(&src, what)?;
-        self.jobs.allocations.refuse(&src, what)?;
-        let size = grow.as_ref().map_or(src.size_bytes, |g| g.size_bytes);
-        if size < src.size_bytes {
-            return Err(Error::Shrink {
-                name: name.to_string(),
-                current: src.size_bytes,
-                asked: size,
-            });
-        }
+        let size = self.copyable(&src, name, snapshot, grow.as_ref())?;
         let grow = grow.map(|g| (g.size_bytes, g.allocation));
-        // What may write the source meanwhile. A writable ublk or dm volume
-        // holds its queues while its worker shares the extents (below). A loop
-        // volume writes the file with direct I/O or through its page cache:
-        // every write that completed is in the file or written back by the
-        // sync and the FICLONE, which the filesystem's locking orders after it.
         let attached = self.attached_volumes(src.id).await?;
-        let serving = attached
-            .iter()
-            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
-            .cloned();
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
             .await?;
-        // `copy_from`: the open source, when a copy must fill the new file;
-        // `copier`: the serving volume's worker, when it copies one moment.
-        let (file, start, copy_from, held, copier) = match serving {
-            Some((v, backend)) => {
-                let m = self
-                    .share_with_serving(&src, &path, v, backend, name, grow)
-                    .await?;
-                (m.file, CloneStart::Reflinked, None, Some(m.held), m.copier)
-            }
-            None => {
-                let (file, start, src_file, took) = self.clone_file(&src, &path, grow).await?;
-                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
-                // A loop volume's writes wait on the file's lock while the
-                // reflink runs: that is its pause.
-                let held = attached
-                    .iter()
-                    .find(|(v, _)| !v.read_only)
-                    .filter(|_| copy_from.is_none())
-                    .map(|(v, _)| {
-                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
-                    });
-                (file, start, copy_from, held, None)
-            }
-        };
-        let reflinked = copy_from.is_none() && copier.is_none();
-        let remove = |file: &ImageFile| {
-            let _ =
-                self.roots
-                    .remove_file(&path, file.identity().0, file.identity().1, file.birth());
-        };
-        if let Some(src_file) = &copy_from {
-            if let Some((v, b)) = attached.iter().find(|(v, _)| !v.read_only) {
-                remove(&file);
-                return Err(Error::SnapshotAttached {
-                    name: src.name,
-                    volume: v.name.clone(),
-                    backend: b.kind().as_str(),
-                    reason: copy_under_writes(v, b.as_ref()),
-                });
-            }
-            // The source's data, and a full grow's new range.
-            let grown = match grow {
-                Some((size, Allocation::Full)) => size - src_file.size(),
-                _ => 0,
-            };
-            let (needed, free) = (src_file.allocated() + grown, file.free_bytes()?);
-            if needed > free {
-                remove(&file);
-                return Err(Error::SpaceShort {
-                    name: name.to_string(),
-                    what: "copying its source's data",
-                    needed,
-                    free,
-                });
-            }
+        let mut undo = Undo::default();
+        let made = self
+            .make_copy_file(&src, &path, name, &attached, grow, &mut undo)
+            .await?;
+        if let Some(src_file) = &made.copy_from {
+            copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
         }
-        let (dev, ino) = file.identity();
-        let row = ImageRow {
-            id: Uuid::new_v4(),
-            name: name.to_string(),
-            path: path.display(),
-            dev,
-            ino,
-            birth: file.birth().map(str::to_string),
-            size_bytes: size,
-            allocated_bytes: file.allocated(),
-            allocation: match grow {
-                // A full source grown sparse has holes now.
-                Some((_, Allocation::Sparse)) if src.allocation == Some(Allocation::Full) => {
-                    Some(Allocation::Sparse)
-                }
-                _ => src.allocation,
-            },
-            filesystem: file.filesystem()?,
-            created_at: OffsetDateTime::now_utc(),
-            snapshot_of: snapshot.then_some(src.id),
-            cloned_from: (!snapshot).then_some(src.id),
-            restored_from: None,
-            read_only: snapshot,
-            method: Some(if reflinked {
-                CopyMethod::Reflink
-            } else {
-                CopyMethod::Copy
-            }),
-            state: if reflinked {
-                ImageState::Ready
-            } else {
-                ImageState::Copying
-            },
-            state_reason: None,
-            // The same bytes, so the same header and keys.
-            encryption: src.encryption.clone(),
-        };
+        let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
+        let (event, how) = copy_event(name, snapshot, &made);
         let kind = if snapshot {
             "a read-only snapshot"
         } else {
             "a writable clone"
-        };
-        let (event, how) = match (&copy_from, &copier) {
-            (None, None) => (
-                if snapshot {
-                    "image_snapshotted"
-                } else {
-                    "image_cloned"
-                },
-                match held {
-                    Some(held) => format!("extents shared (reflink); {held}"),
-                    None => "extents shared (reflink)".to_string(),
-                },
-            ),
-            (_, Some(c)) => (
-                "image_copy_started",
-                format!(
-                    "one moment of volume '{}' copied in the background, each chunk a write reaches copied before the write (this filesystem cannot share extents); GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it; {}",
-                    c.volume(),
-                    held.as_deref().unwrap_or_default()
-                ),
-            ),
-            (Some(src_file), None) => (
-                "image_copy_started",
-                format!(
-                    "copying {} bytes of data in the background; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
-                    src_file.allocated()
-                ),
-            ),
         };
         let recorded = async {
             let mut tx = self.store.begin().await?;
@@ -424,22 +290,112 @@ impl Manager {
         }
         .await;
         if let Err(e) = recorded {
-            if let Some(c) = &copier {
+            if let Some(c) = &made.copier {
                 c.stop().await;
             }
-            remove(&file);
             return Err(e.into());
         }
-        tracing::info!(image = %row.name, source = %src.name, reflinked, "image copy recorded");
-        if let Some(c) = copier {
-            self.start_moment_copy(&row, src.id, file, c, grow);
-        } else if let Some(src_file) = copy_from {
-            let private = start == CloneStart::Copy { private: true };
-            self.start_copy(&row, src.id, file, src_file, private, grow);
+        undo.commit();
+        tracing::info!(image = %row.name, source = %src.name, reflinked = made.reflinked(), "image copy recorded");
+        if let Some(c) = made.copier {
+            self.start_moment_copy(&row, src.id, made.file, c, grow);
+        } else if let Some(src_file) = made.copy_from {
+            let private = made.start == CloneStart::Copy { private: true };
+            self.start_copy(&row, src.id, made.file, src_file, private, grow);
         }
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;
         Ok(image)
+    }
+
+    /// The size of a copy of `src` (grown to `grow`'s when given), or why
+    /// `src` cannot be copied now: not ready, an allocate runs on it, or the
+    /// copy would be smaller than it.
+    fn copyable(
+        &self,
+        src: &ImageRow,
+        name: &str,
+        snapshot: bool,
+        grow: Option<&CreateImageFile>,
+    ) -> Result<u64> {
+        let what = if snapshot {
+            "be snapshotted"
+        } else {
+            "be cloned"
+        };
+        self.refuse_unready(src, what)?;
+        self.jobs.allocations.refuse(src, what)?;
+        let size = grow.map_or(src.size_bytes, |g| g.size_bytes);
+        if size < src.size_bytes {
+            return Err(Error::Shrink {
+                name: name.to_string(),
+                current: src.size_bytes,
+                asked: size,
+            });
+        }
+        Ok(size)
+    }
+
+    /// The copy's new file at `path`, shared or filled from `src`; `undo`
+    /// removes it if a later step fails.
+    async fn make_copy_file(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        name: &str,
+        attached: &[(VolumeRow, Arc<dyn VolumeBackend>)],
+        grow: Option<(u64, Allocation)>,
+        undo: &mut Undo,
+    ) -> Result<CopyFile> {
+        // What may write the source meanwhile. A writable ublk or dm volume
+        // holds its queues while its worker shares the extents (below). A loop
+        // volume writes the file with direct I/O or through its page cache:
+        // every write that completed is in the file or written back by the
+        // sync and the FICLONE, which the filesystem's locking orders after it.
+        let serving = attached
+            .iter()
+            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
+            .cloned();
+        let made = match serving {
+            Some((v, backend)) => {
+                let m = self
+                    .share_with_serving(src, path, v, backend, name, grow)
+                    .await?;
+                CopyFile {
+                    file: m.file,
+                    start: CloneStart::Reflinked,
+                    copy_from: None,
+                    held: Some(m.held),
+                    copier: m.copier,
+                }
+            }
+            None => {
+                let (file, start, src_file, took) = self.clone_file(src, path, grow).await?;
+                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
+                // A loop volume's writes wait on the file's lock while the
+                // reflink runs: that is its pause.
+                let held = attached
+                    .iter()
+                    .find(|(v, _)| !v.read_only)
+                    .filter(|_| copy_from.is_none())
+                    .map(|(v, _)| {
+                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
+                    });
+                CopyFile {
+                    file,
+                    start,
+                    copy_from,
+                    held,
+                    copier: None,
+                }
+            }
+        };
+        let ((dev, ino), birth) = (made.file.identity(), made.file.birth().map(str::to_string));
+        let (me, path) = (self.clone(), path.clone());
+        undo.push("remove the copy's file", move || {
+            let _ = me.roots.remove_file(&path, dev, ino, birth.as_deref());
+        });
+        Ok(made)
     }
 
     /// Puts one moment of `src`, which writable volume `v` serves, in a new
@@ -925,5 +881,142 @@ impl Manager {
             .into_iter()
             .filter(|i| i.snapshot_of == Some(id))
             .collect())
+    }
+}
+
+/// A copy's new file, as [`Manager::make_copy_file`] made it.
+struct CopyFile {
+    file: ImageFile,
+    /// How it was started: shared, or to fill by a copy.
+    start: CloneStart,
+    /// The open source, when a copy in the service fills the file.
+    copy_from: Option<ImageFile>,
+    /// How long a volume's I/O was held, in words.
+    held: Option<String>,
+    /// The serving volume's worker, when it copies one moment.
+    copier: Option<Copier>,
+}
+
+impl CopyFile {
+    /// The file shares the source's extents and is complete.
+    fn reflinked(&self) -> bool {
+        self.copy_from.is_none() && self.copier.is_none()
+    }
+}
+
+/// Refuses a copy the service would fill (`src_file` into `file`) while a
+/// volume writes the source, or where the source's data (and a full
+/// grow's new range) cannot fit.
+fn copy_has_room(
+    src: &ImageRow,
+    name: &str,
+    attached: &[(VolumeRow, Arc<dyn VolumeBackend>)],
+    file: &ImageFile,
+    src_file: &ImageFile,
+    grow: Option<(u64, Allocation)>,
+) -> Result<()> {
+    if let Some((v, b)) = attached.iter().find(|(v, _)| !v.read_only) {
+        return Err(Error::SnapshotAttached {
+            name: src.name.clone(),
+            volume: v.name.clone(),
+            backend: b.kind().as_str(),
+            reason: copy_under_writes(v, b.as_ref()),
+        });
+    }
+    let grown = match grow {
+        Some((size, Allocation::Full)) => size - src_file.size(),
+        _ => 0,
+    };
+    let (needed, free) = (src_file.allocated() + grown, file.free_bytes()?);
+    if needed > free {
+        return Err(Error::SpaceShort {
+            name: name.to_string(),
+            what: "copying its source's data",
+            needed,
+            free,
+        });
+    }
+    Ok(())
+}
+
+/// The row of `name`, a copy of `src` of `size` bytes in `made`'s file.
+fn copy_row(
+    src: &ImageRow,
+    name: &str,
+    path: &ImagePath,
+    size: u64,
+    made: &CopyFile,
+    snapshot: bool,
+    grow: Option<(u64, Allocation)>,
+) -> Result<ImageRow> {
+    let (dev, ino) = made.file.identity();
+    let reflinked = made.reflinked();
+    Ok(ImageRow {
+        id: Uuid::new_v4(),
+        name: name.to_string(),
+        path: path.display(),
+        dev,
+        ino,
+        birth: made.file.birth().map(str::to_string),
+        size_bytes: size,
+        allocated_bytes: made.file.allocated(),
+        allocation: match grow {
+            // A full source grown sparse has holes now.
+            Some((_, Allocation::Sparse)) if src.allocation == Some(Allocation::Full) => {
+                Some(Allocation::Sparse)
+            }
+            _ => src.allocation,
+        },
+        filesystem: made.file.filesystem()?,
+        created_at: OffsetDateTime::now_utc(),
+        snapshot_of: snapshot.then_some(src.id),
+        cloned_from: (!snapshot).then_some(src.id),
+        restored_from: None,
+        read_only: snapshot,
+        method: Some(if reflinked {
+            CopyMethod::Reflink
+        } else {
+            CopyMethod::Copy
+        }),
+        state: if reflinked {
+            ImageState::Ready
+        } else {
+            ImageState::Copying
+        },
+        state_reason: None,
+        // The same bytes, so the same header and keys.
+        encryption: src.encryption.clone(),
+    })
+}
+
+/// The kind of a copy's event, and how it was made, in words.
+fn copy_event(name: &str, snapshot: bool, made: &CopyFile) -> (&'static str, String) {
+    match (&made.copy_from, &made.copier) {
+        (None, None) => (
+            if snapshot {
+                "image_snapshotted"
+            } else {
+                "image_cloned"
+            },
+            match &made.held {
+                Some(held) => format!("extents shared (reflink); {held}"),
+                None => "extents shared (reflink)".to_string(),
+            },
+        ),
+        (_, Some(c)) => (
+            "image_copy_started",
+            format!(
+                "one moment of volume '{}' copied in the background, each chunk a write reaches copied before the write (this filesystem cannot share extents); GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it; {}",
+                c.volume(),
+                made.held.as_deref().unwrap_or_default()
+            ),
+        ),
+        (Some(src_file), None) => (
+            "image_copy_started",
+            format!(
+                "copying {} bytes of data in the background; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
+                src_file.allocated()
+            ),
+        ),
     }
 }
