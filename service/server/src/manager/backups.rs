@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use super::copies::{Copier, SharedMoment};
 use super::jobs::{Ended, Job, JobState, Jobs};
+use super::undo::Undo;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::store::ImageRow;
 use blockplane_api::model::{
@@ -768,13 +769,7 @@ impl Manager {
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
-        let _registering = self.locks.registration.lock().await;
-        if let Some(existing) = self.store.image(name).await? {
-            return Err(Error::ImageNameTaken {
-                name: name.to_string(),
-                id: existing.id,
-            });
-        }
+        let _registering = self.claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
@@ -785,25 +780,18 @@ impl Manager {
                 .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
         })
         .await??;
-        let remove = |file: &ImageFile| {
-            let _ =
-                self.roots
-                    .remove_file(&path, file.identity().0, file.identity().1, file.birth());
-        };
-        let (free, filesystem, fd) = match (|| -> Result<_> {
-            let fd = file.fd().try_clone().map_err(|e| {
-                Error::Internal(format!("image '{name}': dup of its new file: {e}"))
-            })?;
-            Ok((file.free_bytes()?, file.filesystem()?, fd))
-        })() {
-            Ok(got) => got,
-            Err(e) => {
-                remove(&file);
-                return Err(e);
-            }
-        };
+        let mut undo = Undo::default();
+        let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
+        let (me, p) = (self.clone(), path.clone());
+        undo.push("remove the restore's file", move || {
+            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+        });
+        let fd = file
+            .fd()
+            .try_clone()
+            .map_err(|e| Error::Internal(format!("image '{name}': dup of its new file: {e}")))?;
+        let free = file.free_bytes()?;
         if m.stored_bytes > free {
-            remove(&file);
             return Err(Error::SpaceShort {
                 name: name.to_string(),
                 what: "restoring its backup's data",
@@ -811,7 +799,6 @@ impl Manager {
                 free,
             });
         }
-        let (dev, ino) = file.identity();
         let row = ImageRow {
             id: Uuid::new_v4(),
             name: name.to_string(),
@@ -822,7 +809,7 @@ impl Manager {
             size_bytes: size,
             allocated_bytes: 0,
             allocation: Some(blockplane_api::model::Allocation::Sparse),
-            filesystem,
+            filesystem: file.filesystem()?,
             created_at: OffsetDateTime::now_utc(),
             snapshot_of: None,
             cloned_from: None,
@@ -858,10 +845,8 @@ impl Manager {
             tx.commit().await
         }
         .await;
-        if let Err(e) = recorded {
-            remove(&file);
-            return Err(e.into());
-        }
+        recorded?;
+        undo.commit();
         self.start_restore(&row, target, m, file, fd.into());
         let mut image = self.image_view(row).await?;
         image.warnings = warnings;

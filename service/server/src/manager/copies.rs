@@ -240,13 +240,7 @@ impl Manager {
         grow: Option<CreateImageFile>,
     ) -> Result<Image> {
         let path = self.roots.resolve(path)?;
-        let _registering = self.locks.registration.lock().await;
-        if let Some(existing) = self.store.image(name).await? {
-            return Err(Error::ImageNameTaken {
-                name: name.to_string(),
-                id: existing.id,
-            });
-        }
+        let _registering = self.claim_name(name).await?;
         let _source = self.locks.images.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
         let size = self.copyable(&src, name, snapshot, grow.as_ref())?;

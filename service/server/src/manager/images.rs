@@ -67,13 +67,7 @@ impl Manager {
     ) -> Result<Image> {
         validate_name("image", name)?;
         let path = self.roots.resolve(path)?;
-        let _registering = self.locks.registration.lock().await;
-        if let Some(existing) = self.store.image(name).await? {
-            return Err(Error::ImageNameTaken {
-                name: name.to_string(),
-                id: existing.id,
-            });
-        }
+        let _registering = self.claim_name(name).await?;
         let mut undo = Undo::default();
         let (made, warnings) = match file {
             NewFile::Create(spec) => {
@@ -105,6 +99,19 @@ impl Manager {
         image.warnings = warnings;
         image.allocation_reason = made.reason;
         Ok(image)
+    }
+
+    /// Takes the registration lock, which every image create on the host
+    /// takes, for a new image named `name`: refused when the name is taken.
+    pub(super) async fn claim_name(&self, name: &str) -> Result<tokio::sync::MutexGuard<'_, ()>> {
+        let registering = self.locks.registration.lock().await;
+        if let Some(existing) = self.store.image(name).await? {
+            return Err(Error::ImageNameTaken {
+                name: name.to_string(),
+                id: existing.id,
+            });
+        }
+        Ok(registering)
     }
 
     /// What a new file must pass before it is made: a key that can be used
