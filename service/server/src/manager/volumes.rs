@@ -15,7 +15,7 @@ use crate::fault::{After, Slow};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
-    HISTORY_SECS, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
+    HISTORY_SECS, Key, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
     StatsHistoryQuery, Volume, VolumeState, VolumeStats, VolumeUsage,
 };
 use blockplane_system::image::{Access, ImageFile};
@@ -288,7 +288,10 @@ impl Manager {
         tries.then(|| self.backend(Backend::Dm)).flatten()
     }
 
-    /// `POST /v1/volumes`: the same name and spec again returns the existing volume.
+    /// `POST /v1/volumes`: the same name and spec again returns the existing
+    /// volume. Steps: the spec checked, the name found or free, the image
+    /// claimed and opened, the path decided, the row recorded, the device
+    /// brought up.
     pub(crate) async fn create_volume(
         self: &Arc<Self>,
         mut req: CreateVolumeRequest,
@@ -307,34 +310,11 @@ impl Manager {
             image: image.id.to_string(),
             ..req.clone()
         };
-        if let Some(existing) = self.store.volume(&req.name).await? {
-            // No queue count asked: whatever the volume got is the same spec.
-            spec.queues = spec.queues.or(existing.spec.queues);
-            if existing.spec == spec {
-                return Ok(Created::Existing(self.volume_view(&existing).await?));
-            }
-            return Err(Error::VolumeExists {
-                name: req.name,
-                differences: differences(&existing.spec, &spec),
-            });
-        }
-        // A cheap early refusal; the count that holds under concurrency is the
-        // one inside the transaction that inserts.
-        if self.store.volume_count().await? >= self.settings.max_volumes {
-            return Err(Error::VolumeLimit {
-                name: req.name,
-                max: self.settings.max_volumes,
-            });
+        if let Some(existing) = self.existing_volume(&req.name, &mut spec).await? {
+            return Ok(Created::Existing(existing));
         }
         let _image = self.locks.images.lock(&image.id.to_string()).await;
-        self.reserve.take();
-        let users = self.store.volumes_of_image(image.id).await?;
-        if !users.is_empty() {
-            return Err(Error::image_in_use(image.name, &users));
-        }
-        self.jobs.allocations.refuse(&image, "get a volume")?;
-        let image = self.image_row(&image.id.to_string()).await?;
-        self.check_volume_image(&image, &req.name, req.read_only)?;
+        let image = self.claim_image(&image, &req).await?;
         let backend = self.choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (
@@ -356,24 +336,9 @@ impl Manager {
             Backend::Ublk | Backend::Dm => self.settings.default_queues,
         });
         spec.queues = Some(queues);
-        let check = SpecCheck {
-            dispatch: req.dispatch,
-            queues,
-            queue_depth: req.queue_depth,
-            max_io_bytes: req.max_io_bytes,
-            qos: req.qos,
-            read_only: req.read_only,
-        };
-        let dm = self.auto_tries_dm(&req, &backend);
-        let (file, backend, decision) = blocking(move || {
-            let (backend, d) = choose_path(backend, dm, &check, &file);
-            (file, backend, d)
-        })
-        .await?;
-        let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
-
+        let (file, backend, decision) = self.decide_path(&req, backend, queues, file).await?;
         let now = OffsetDateTime::now_utc();
-        let mut row = VolumeRow {
+        let row = VolumeRow {
             id,
             name: req.name.clone(),
             image_id: image.id,
@@ -389,20 +354,108 @@ impl Manager {
             created_at: now,
             updated_at: now,
         };
+        self.record_new_volume(&row, &image, &req.image).await?;
+        self.settings.faults.point(After::Insert)?;
+        self.settings.faults.pause(Slow::VolumeChange).await;
+        let row = self
+            .bring_up(row, &image, file, image_lock, decision, key.as_ref())
+            .await?;
+        Ok(Created::New(self.volume_view(&row).await?))
+    }
+
+    /// The volume already named so, when `spec` is its spec (its queue
+    /// count filled in from it when `spec` asks none); refused when the
+    /// name has another spec.
+    async fn existing_volume(
+        &self,
+        name: &str,
+        spec: &mut CreateVolumeRequest,
+    ) -> Result<Option<Volume>> {
+        let Some(existing) = self.store.volume(name).await? else {
+            // A cheap early refusal; the count that holds under concurrency
+            // is the one inside the transaction that inserts.
+            if self.store.volume_count().await? >= self.settings.max_volumes {
+                return Err(Error::VolumeLimit {
+                    name: name.to_string(),
+                    max: self.settings.max_volumes,
+                });
+            }
+            return Ok(None);
+        };
+        // No queue count asked: whatever the volume got is the same spec.
+        spec.queues = spec.queues.or(existing.spec.queues);
+        if existing.spec == *spec {
+            return Ok(Some(self.volume_view(&existing).await?));
+        }
+        Err(Error::VolumeExists {
+            name: name.to_string(),
+            differences: differences(&existing.spec, spec),
+        })
+    }
+
+    /// The image, read again under its lock, if a new volume may have it:
+    /// no other volume, no allocate running, and its rules for `req`.
+    async fn claim_image(&self, image: &ImageRow, req: &CreateVolumeRequest) -> Result<ImageRow> {
+        self.reserve.take();
+        let users = self.store.volumes_of_image(image.id).await?;
+        if !users.is_empty() {
+            return Err(Error::image_in_use(image.name.clone(), &users));
+        }
+        self.jobs.allocations.refuse(image, "get a volume")?;
+        let image = self.image_row(&image.id.to_string()).await?;
+        self.check_volume_image(&image, &req.name, req.read_only)?;
+        Ok(image)
+    }
+
+    /// The backend and dispatch decision for `req` on the open image: dm
+    /// first when `backend: auto` tries it, else `backend`'s own.
+    async fn decide_path(
+        &self,
+        req: &CreateVolumeRequest,
+        backend: Arc<dyn VolumeBackend>,
+        queues: u16,
+        file: ImageFile,
+    ) -> Result<(ImageFile, Arc<dyn VolumeBackend>, Option<Decision>)> {
+        let check = SpecCheck {
+            dispatch: req.dispatch,
+            queues,
+            queue_depth: req.queue_depth,
+            max_io_bytes: req.max_io_bytes,
+            qos: req.qos,
+            read_only: req.read_only,
+        };
+        let dm = self.auto_tries_dm(req, &backend);
+        let (file, backend, decision) = blocking(move || {
+            let (backend, d) = choose_path(backend, dm, &check, &file);
+            (file, backend, d)
+        })
+        .await?;
+        let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
+        Ok((file, backend, decision))
+    }
+
+    /// Inserts the new volume's row (`attaching`) and its event. Checked
+    /// where the insert commits: writers are serialized there, so parallel
+    /// creates cannot all see room, and an image deleted since it was read
+    /// is refused as gone (`asked` as the request named it) rather than
+    /// failing the foreign key.
+    async fn record_new_volume(
+        &self,
+        row: &VolumeRow,
+        image: &ImageRow,
+        asked: &str,
+    ) -> Result<()> {
         let mut tx = self.store.begin().await?;
-        // Checked where the insert commits: writers are serialized there, so
-        // parallel creates cannot all see room, and an image deleted since
-        // it was read is refused as gone rather than failing the foreign key.
         if tx.volume_count().await? >= self.settings.max_volumes {
             return Err(Error::VolumeLimit {
-                name: req.name,
+                name: row.name.clone(),
                 max: self.settings.max_volumes,
             });
         }
         if tx.image(&image.id.to_string()).await?.is_none() {
-            return Err(Error::ImageNotFound(req.image));
+            return Err(Error::ImageNotFound(asked.to_string()));
         }
-        tx.insert_volume(&row).await?;
+        tx.insert_volume(row).await?;
         tx.event(
             Some(row.id),
             Some(image.id),
@@ -416,11 +469,23 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.settings.faults.point(After::Insert)?;
-        self.settings.faults.pause(Slow::VolumeChange).await;
+        Ok(())
+    }
 
-        let attached = match self.attach(&row, &image, file, &image_lock, decision).await {
-            Ok(att) => match (&row.crypt, &key) {
+    /// Attaches the recorded volume's device (and opens its plaintext
+    /// device with `key`, when encrypted) and records it attached. On any
+    /// failure the device goes and the row with it, its reason recorded.
+    async fn bring_up(
+        &self,
+        mut row: VolumeRow,
+        image: &ImageRow,
+        file: ImageFile,
+        image_lock: std::os::fd::OwnedFd,
+        decision: Option<Decision>,
+        key: Option<&Key>,
+    ) -> Result<VolumeRow> {
+        let attached = match self.attach(&row, image, file, &image_lock, decision).await {
+            Ok(att) => match (&row.crypt, key) {
                 (Some(layer), Some(key)) => {
                     match self.open_crypt(layer, &image.name, &att, key).await {
                         Ok(()) => Ok(att),
@@ -434,27 +499,26 @@ impl Manager {
             },
             Err(e) => Err(e),
         };
-        match attached {
-            Ok(att) => {
-                let recorded = match self.settings.faults.point(After::Attach) {
-                    Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
-                    Err(e) => Err(e.into()),
-                };
-                if let Err(e) = recorded {
-                    // Half-way: remove the device and the row, keep the reason.
-                    let _ = self.detach(&row).await;
-                    self.forget_failed(&row, &e).await?;
-                    return Err(e);
-                }
-                self.holds.keep(row.id, image_lock);
-                tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
-                Ok(Created::New(self.volume_view(&row).await?))
-            }
+        let att = match attached {
+            Ok(att) => att,
             Err(e) => {
                 self.forget_failed(&row, &e).await?;
-                Err(e)
+                return Err(e);
             }
+        };
+        let recorded = match self.settings.faults.point(After::Attach) {
+            Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = recorded {
+            // Half-way: remove the device and the row, keep the reason.
+            let _ = self.detach(&row).await;
+            self.forget_failed(&row, &e).await?;
+            return Err(e);
         }
+        self.holds.keep(row.id, image_lock);
+        tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
+        Ok(row)
     }
 
     /// Deletes the row of a create that failed, recording why.
