@@ -22,7 +22,8 @@ use super::copies::{Copier, SharedMoment};
 use super::jobs::{Ended, Job, JobState, Jobs};
 use super::undo::Undo;
 use super::{Error, Manager, Result, blocking, validate_name};
-use crate::store::ImageRow;
+use crate::backend::VolumeBackend;
+use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     self, Backend, Backup, BackupGc, BackupState, BackupVerify, BadChunk, Image, ImageState,
 };
@@ -279,18 +280,7 @@ impl Manager {
         }
         let _image = self.locks.images.lock(&src.id.to_string()).await;
         let src = self.image_row(&src.id.to_string()).await?;
-        self.refuse_unready(&src, "be backed up")?;
-        self.jobs.allocations.refuse(&src, "be backed up")?;
-        self.jobs.copies.refuse(&src, "be backed up")?;
-        let running = self.backups.jobs.list(|id, run, p| {
-            (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
-        });
-        if let Some(Some(id)) = running.into_iter().find(Option::is_some) {
-            return Err(Error::BackupRunning {
-                name: src.name.clone(),
-                backup: id,
-            });
-        }
+        self.backupable(&src)?;
         let id = Uuid::new_v4();
         // Read-only volumes are held until the job refuses their return to
         // writable (their PATCH and unlock take the same lock), so the image
@@ -308,26 +298,111 @@ impl Manager {
             // The snapshot path takes the volume's lock itself.
             held_volumes.clear();
         }
-        let (file, moment, held, copier) = match writable {
-            Some((v, backend)) => {
-                let path = self
-                    .roots
-                    .resolve(&moment_path(&src, id).display().to_string())?;
-                let m = if backend.kind() == Backend::Loop {
-                    self.share_loop_moment(&src, &path, &v).await?
-                } else {
-                    self.share_with_serving(&src, &path, v, backend, name, None)
-                        .await?
-                };
-                (m.file, Some(path), Some(m.held), m.copier)
+        let mut undo = Undo::default();
+        let source = self
+            .backup_source(&src, id, name, writable, &mut undo)
+            .await?;
+        let meta = self.backup_meta(id, name, &src, &source.file);
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            tx.event(
+                None,
+                Some(src.id),
+                "backup_started",
+                &format!(
+                    "image '{}': backup '{name}' ({id}) to {} started: {}",
+                    src.name,
+                    target.describe(),
+                    source.how()
+                ),
+            )
+            .await?;
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            if let Some(c) = &source.copier {
+                c.stop().await;
             }
-            None => {
-                let (me, s) = (self.clone(), src.clone());
-                let file = blocking(move || me.open_image(&s, Access::ReadOnly)).await??;
-                (file, None, None, None)
-            }
+            return Err(e.into());
+        }
+        undo.commit();
+        let reads_image = source.moment.is_none();
+        let BackupSource {
+            file,
+            moment,
+            copier,
+            ..
+        } = source;
+        self.start_backup(target, meta, file, moment, reads_image, copier);
+        drop(held_volumes);
+        self.backup(&id.to_string()).await
+    }
+
+    /// Refuses a backup of `src` now: not ready, an allocate or a copy of
+    /// it runs, or a backup of it runs already.
+    fn backupable(&self, src: &ImageRow) -> Result<()> {
+        self.refuse_unready(src, "be backed up")?;
+        self.jobs.allocations.refuse(src, "be backed up")?;
+        self.jobs.copies.refuse(src, "be backed up")?;
+        let running = self.backups.jobs.list(|id, run, p| {
+            (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
+        });
+        if let Some(Some(id)) = running.into_iter().find(Option::is_some) {
+            return Err(Error::BackupRunning {
+                name: src.name.clone(),
+                backup: id,
+            });
+        }
+        Ok(())
+    }
+
+    /// What backup `id` reads: one moment of `writable`'s I/O in a hidden
+    /// file beside the image (`undo` removes it if a later step fails), or
+    /// the image's own file when no volume writes it.
+    async fn backup_source(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        id: Uuid,
+        name: &str,
+        writable: Option<(VolumeRow, Arc<dyn VolumeBackend>)>,
+        undo: &mut Undo,
+    ) -> Result<BackupSource> {
+        let Some((v, backend)) = writable else {
+            let (me, s) = (self.clone(), src.clone());
+            let file = blocking(move || me.open_image(&s, Access::ReadOnly)).await??;
+            return Ok(BackupSource {
+                file,
+                moment: None,
+                held: None,
+                copier: None,
+            });
         };
-        let meta = BackupMeta {
+        let path = self
+            .roots
+            .resolve(&moment_path(src, id).display().to_string())?;
+        let m = if backend.kind() == Backend::Loop {
+            self.share_loop_moment(src, &path, &v).await?
+        } else {
+            self.share_with_serving(src, &path, v, backend, name, None)
+                .await?
+        };
+        let ((dev, ino), birth) = (m.file.identity(), m.file.birth().map(str::to_string));
+        let (me, p) = (self.clone(), path.clone());
+        undo.push("remove the backup's moment file", move || {
+            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+        });
+        Ok(BackupSource {
+            file: m.file,
+            moment: Some(path),
+            held: Some(m.held),
+            copier: m.copier,
+        })
+    }
+
+    /// What backup `id` of `src` says of itself, read from `file`.
+    fn backup_meta(&self, id: Uuid, name: &str, src: &ImageRow, file: &ImageFile) -> BackupMeta {
+        BackupMeta {
             id,
             name: name.to_string(),
             image: blockplane_backup::ImageMeta {
@@ -342,47 +417,7 @@ impl Manager {
                 service: self.lease_owner(),
             },
             created_at: OffsetDateTime::now_utc(),
-        };
-        let how = match (&held, &copier) {
-            (Some(held), Some(_)) => format!(
-                "its moment copied into a hidden file first, each chunk a write reaches copied before it (this filesystem cannot share extents); {held}"
-            ),
-            (Some(held), None) => format!("its moment shared into a hidden file (reflink); {held}"),
-            (None, _) => {
-                "read from its file; writable volumes, grows and allocates of it wait for its end"
-                    .to_string()
-            }
-        };
-        let recorded = async {
-            let mut tx = self.store.begin().await?;
-            tx.event(
-                None,
-                Some(src.id),
-                "backup_started",
-                &format!(
-                    "image '{}': backup '{name}' ({id}) to {} started: {how}",
-                    src.name,
-                    target.describe()
-                ),
-            )
-            .await?;
-            tx.commit().await
         }
-        .await;
-        if let Err(e) = recorded {
-            if let Some(c) = &copier {
-                c.stop().await;
-            }
-            if let Some(path) = &moment {
-                let (dev, ino) = file.identity();
-                let _ = self.roots.remove_file(path, dev, ino, file.birth());
-            }
-            return Err(e.into());
-        }
-        let reads_image = moment.is_none();
-        self.start_backup(target, meta, file, moment, reads_image, copier);
-        drop(held_volumes);
-        self.backup(&id.to_string()).await
     }
 
     /// Shares a loop volume's image into `path` at one moment: the loop
@@ -990,5 +1025,33 @@ impl Manager {
                     .map(|at| (name.to_string(), (now - *at).as_seconds_f64().max(0.0)))
             })
             .collect()
+    }
+}
+
+/// What a backup reads, as [`Manager::backup_source`] found it.
+struct BackupSource {
+    /// The file read.
+    file: ImageFile,
+    /// The hidden moment file's path (`None`: the image's own file).
+    moment: Option<ImagePath>,
+    /// How long a volume's I/O was held for the moment, in words.
+    held: Option<String>,
+    /// The serving volume's worker, when it copies the moment.
+    copier: Option<Copier>,
+}
+
+impl BackupSource {
+    /// How the backup reads its image, for its event.
+    fn how(&self) -> String {
+        match (&self.held, &self.copier) {
+            (Some(held), Some(_)) => format!(
+                "its moment copied into a hidden file first, each chunk a write reaches copied before it (this filesystem cannot share extents); {held}"
+            ),
+            (Some(held), None) => format!("its moment shared into a hidden file (reflink); {held}"),
+            (None, _) => {
+                "read from its file; writable volumes, grows and allocates of it wait for its end"
+                    .to_string()
+            }
+        }
     }
 }
