@@ -124,15 +124,22 @@ async fn set_qos(vm: &Vm, name: &str, qos: Value) {
     assert_eq!(a.status.as_u16(), 200, "{}", a.body);
 }
 
-/// Asserts `got` is within the steady-rate tolerance of `limit`: a token
-/// bucket never lets more through than its rate (5 % for fio's own clock and
-/// sampling), and lets less through only when the 2-core TCG host starves the
-/// guest (20 %: seen down to 88 % with two other VMs running).
-fn within_limit(what: &str, got: f64, limit: f64) {
-    eprintln!("qos: {what}: {got:.0} against a limit of {limit:.0}");
+/// Asserts `got`, a rate fio measured over a window of `secs` s, is what a
+/// token bucket of `limit` a second lets through. Its contract: over any
+/// T s at most `limit * T + burst` (the burst, one second's worth unless
+/// set, refills whenever the guest stalls, which a loaded TCG host makes
+/// it do), so at most `limit * (1 + 1 / secs)`, 5 % more for fio's own
+/// clock and sampling; less only when the host starves the guest (20 %:
+/// seen down to 88 % with two other VMs running). Without a limit the
+/// device does three times `limit` or more (each test checks), far above.
+fn within_limit(what: &str, got: f64, limit: f64, secs: f64) {
+    let most = limit * (1.0 + 1.0 / secs) * 1.05;
+    eprintln!(
+        "qos: {what}: {got:.0} against a limit of {limit:.0} (at most {most:.0} over {secs} s)"
+    );
     assert!(
-        got >= 0.80 * limit && got <= 1.05 * limit,
-        "{what}: fio counted {got:.0} against a limit of {limit:.0} (allowed 80 %..105 %)"
+        got >= 0.80 * limit && got <= most,
+        "{what}: fio counted {got:.0} against a limit of {limit:.0} (allowed 80 % of it .. {most:.0}, the bucket's limit and burst over {secs} s)"
     );
 }
 
@@ -164,11 +171,17 @@ async fn qos_holds_iops_and_changes_live_without_failing_io() {
     let run = finish(run);
     // The first limit from its 3rd second (its burst spent) until the change
     // at about 10 s; the second from 13 s to the end.
-    within_limit("iops before the change", run.iops_between(3, 9), low as f64);
+    within_limit(
+        "iops before the change",
+        run.iops_between(3, 9),
+        low as f64,
+        6.0,
+    );
     within_limit(
         "iops after the change",
         run.iops_between(13, 20),
         high as f64,
+        7.0,
     );
     // Delayed, never failed.
     let st = vm.s.get("/v1/volumes/q/stats").await.body;
@@ -238,6 +251,7 @@ async fn qos_on_dm_moves_auto_from_direct_to_nowait_and_back() {
         "iops on dm under auto",
         run.iops_between(3, 8),
         limit as f64,
+        5.0,
     );
     // Its stats count what the worker delayed, and what its nowait path did.
     let st = vm.s.get("/v1/volumes/dq/stats").await.body;
@@ -366,6 +380,7 @@ async fn qos_holds_across_queues_with_a_writer_pinned_to_each_cpu() {
         "iops of a fio on every CPU, together",
         each.iter().sum(),
         limit as f64,
+        10.0,
     );
     let st = vm.s.get("/v1/volumes/qq/stats").await.body;
     assert!(st["qos_throttled"].as_u64().unwrap() > 0, "{st}");
@@ -400,7 +415,7 @@ async fn qos_holds_bytes_per_sec_and_spends_a_burst_once() {
     let limit = ((bw / 8.0) as u64 / 65536).max(4) * 65536;
     set_qos(&vm, "qb", json!({"bytes_per_sec": limit})).await;
     let run = finish(fio_json(&dev, "64k", 10, 2, "bytes"));
-    within_limit("bytes/s", run.read("bw_bytes"), limit as f64);
+    within_limit("bytes/s", run.read("bw_bytes"), limit as f64, 10.0);
 
     // A burst: the bucket holds `burst` requests, spent at the device's speed
     // at first, then refilled at `rate` only. Over a run of T s fio completes
@@ -423,7 +438,7 @@ async fn qos_holds_bytes_per_sec_and_spends_a_burst_once() {
     );
     // Spent once: right after, the rate alone.
     let run = finish(fio_json(&dev, "4k", 8, 2, "after"));
-    within_limit("iops after the burst", run.read("iops"), rate as f64);
+    within_limit("iops after the burst", run.read("iops"), rate as f64, 8.0);
     let st = vm.s.get("/v1/volumes/qb/stats").await.body;
     assert_eq!(st["read"]["errors"], 0, "{st}");
     vm.delete("qb").await;
