@@ -834,27 +834,7 @@ impl Manager {
                 free,
             });
         }
-        let row = ImageRow {
-            id: Uuid::new_v4(),
-            name: name.to_string(),
-            path: path.display(),
-            dev,
-            ino,
-            birth: file.birth().map(str::to_string),
-            size_bytes: size,
-            allocated_bytes: 0,
-            allocation: Some(blockplane_api::model::Allocation::Sparse),
-            filesystem: file.filesystem()?,
-            created_at: OffsetDateTime::now_utc(),
-            snapshot_of: None,
-            cloned_from: None,
-            restored_from: Some(m.id),
-            read_only: false,
-            method: None,
-            state: ImageState::Copying,
-            state_reason: None,
-            encryption: None,
-        };
+        let row = restore_row(name, &path, &file, &m)?;
         let recorded = async {
             let mut tx = self.store.begin().await?;
             tx.insert_image(&row).await?;
@@ -1026,6 +1006,38 @@ impl Manager {
             })
             .collect()
     }
+}
+
+/// The row of `name`, restored from backup `m` into `file` at `path`:
+/// sparse and `copying` until the restore ends.
+fn restore_row(
+    name: &str,
+    path: &ImagePath,
+    file: &ImageFile,
+    m: &blockplane_backup::Manifest,
+) -> Result<ImageRow> {
+    let (dev, ino) = file.identity();
+    Ok(ImageRow {
+        id: Uuid::new_v4(),
+        name: name.to_string(),
+        path: path.display(),
+        dev,
+        ino,
+        birth: file.birth().map(str::to_string),
+        size_bytes: m.image.size_bytes,
+        allocated_bytes: 0,
+        allocation: Some(blockplane_api::model::Allocation::Sparse),
+        filesystem: file.filesystem()?,
+        created_at: OffsetDateTime::now_utc(),
+        snapshot_of: None,
+        cloned_from: None,
+        restored_from: Some(m.id),
+        read_only: false,
+        method: None,
+        state: ImageState::Copying,
+        state_reason: None,
+        encryption: None,
+    })
 }
 
 /// What a backup reads, as [`Manager::backup_source`] found it.

@@ -428,11 +428,37 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.jobs.allocations.refuse(&row, "grow")?;
-        self.refuse_unready(&row, "grow")?;
-        self.refuse_read_only(&row, "it cannot grow")?;
-        self.jobs.copies.refuse(&row, "grow")?;
-        self.backups.jobs.refuse(&row, "grow")?;
+        let current = self.growable(&row, size_bytes)?;
+        let warnings = self
+            .check_provisioning(
+                &row.name,
+                &row.path,
+                size_bytes - current,
+                row.allocation != Some(Allocation::Full),
+            )
+            .await?;
+        let followed = if size_bytes > current {
+            self.grow_image(&row, current, size_bytes, &warnings)
+                .await?
+        } else {
+            Vec::new()
+        };
+        let mut image = self.image(&row.id.to_string()).await?;
+        image.warnings = warnings;
+        Ok(ResizeImageResponse {
+            image,
+            volumes: followed,
+        })
+    }
+
+    /// The image's size now, if it may grow to `size_bytes`: no job on it,
+    /// ready and writable, a valid size, not smaller than it is.
+    fn growable(&self, row: &ImageRow, size_bytes: u64) -> Result<u64> {
+        self.jobs.allocations.refuse(row, "grow")?;
+        self.refuse_unready(row, "grow")?;
+        self.refuse_read_only(row, "it cannot grow")?;
+        self.jobs.copies.refuse(row, "grow")?;
+        self.backups.jobs.refuse(row, "grow")?;
         if size_bytes == 0
             || !size_bytes.is_multiple_of(512)
             || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
@@ -453,72 +479,69 @@ impl Manager {
             .unwrap_or(row.size_bytes);
         if size_bytes < current {
             return Err(Error::Shrink {
-                name: row.name,
+                name: row.name.clone(),
                 current,
                 asked: size_bytes,
             });
         }
-        let warnings = self
-            .check_provisioning(
-                &row.name,
-                &row.path,
-                size_bytes - current,
-                row.allocation != Some(Allocation::Full),
-            )
-            .await?;
-        let mut followed = Vec::new();
-        if size_bytes > current {
-            let allocation = row.allocation.unwrap_or(Allocation::Sparse);
-            // A ublk worker holds its image (pinned while direct-mapped) and
-            // grows it itself; otherwise the file is grown here first.
-            let worker_grows = self
-                .attached_volumes(row.id)
-                .await?
-                .iter()
-                .any(|(_, b)| b.grows_image());
-            if !worker_grows {
-                let me = self.clone();
-                let r = row.clone();
-                blocking(move || -> Result<()> {
-                    let mut file = me.open_image(&r, Access::ReadWrite)?;
-                    file.grow(size_bytes, allocation)?;
-                    Ok(())
-                })
-                .await??;
-            }
-            followed = self
-                .volumes_follow_resize(&row, size_bytes, allocation)
-                .await?;
-            let (size, allocated) = self
-                .roots
-                .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-                .unwrap_or((size_bytes, row.allocated_bytes));
-            let mut tx = self.store.begin().await?;
-            tx.update_image_size(row.id, size, allocated).await?;
-            tx.event(
-                None,
-                Some(row.id),
-                "image_resized",
-                &format!(
-                    "image '{}' grown from {} to {}",
-                    row.name,
-                    size_text(current),
-                    size_text(size)
-                ),
-            )
-            .await?;
-            for w in &warnings {
-                tx.event(None, Some(row.id), "image_overcommitted", w)
-                    .await?;
-            }
-            tx.commit().await?;
+        Ok(current)
+    }
+
+    /// Grows the image from `current` to `size_bytes` (the file here, or
+    /// by the ublk worker that holds it), its volumes after it, and records
+    /// the new size with `warnings`.
+    async fn grow_image(
+        self: &std::sync::Arc<Self>,
+        row: &ImageRow,
+        current: u64,
+        size_bytes: u64,
+        warnings: &[String],
+    ) -> Result<Vec<VolumeResize>> {
+        let allocation = row.allocation.unwrap_or(Allocation::Sparse);
+        // A ublk worker holds its image (pinned while direct-mapped) and
+        // grows it itself; otherwise the file is grown here first.
+        let worker_grows = self
+            .attached_volumes(row.id)
+            .await?
+            .iter()
+            .any(|(_, b)| b.grows_image());
+        if !worker_grows {
+            let me = self.clone();
+            let r = row.clone();
+            blocking(move || -> Result<()> {
+                let mut file = me.open_image(&r, Access::ReadWrite)?;
+                file.grow(size_bytes, allocation)?;
+                Ok(())
+            })
+            .await??;
         }
-        let mut image = self.image(&row.id.to_string()).await?;
-        image.warnings = warnings;
-        Ok(ResizeImageResponse {
-            image,
-            volumes: followed,
-        })
+        let followed = self
+            .volumes_follow_resize(row, size_bytes, allocation)
+            .await?;
+        let (size, allocated) = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .unwrap_or((size_bytes, row.allocated_bytes));
+        let mut tx = self.store.begin().await?;
+        tx.update_image_size(row.id, size, allocated).await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_resized",
+            &format!(
+                "image '{}' grown from {} to {}",
+                row.name,
+                size_text(current),
+                size_text(size)
+            ),
+        )
+        .await?;
+        for w in warnings {
+            tx.event(None, Some(row.id), "image_overcommitted", w)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(followed)
     }
 
     /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
