@@ -19,6 +19,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::copies::{Copier, SharedMoment};
+use super::images::new_file_row;
 use super::jobs::{Ended, Job, JobState, Jobs};
 use super::undo::Undo;
 use super::{Error, Manager, Result, blocking, validate_name};
@@ -1016,27 +1017,13 @@ fn restore_row(
     file: &ImageFile,
     m: &blockplane_backup::Manifest,
 ) -> Result<ImageRow> {
-    let (dev, ino) = file.identity();
     Ok(ImageRow {
-        id: Uuid::new_v4(),
-        name: name.to_string(),
-        path: path.display(),
-        dev,
-        ino,
-        birth: file.birth().map(str::to_string),
         size_bytes: m.image.size_bytes,
         allocated_bytes: 0,
         allocation: Some(blockplane_api::model::Allocation::Sparse),
-        filesystem: file.filesystem()?,
-        created_at: OffsetDateTime::now_utc(),
-        snapshot_of: None,
-        cloned_from: None,
         restored_from: Some(m.id),
-        read_only: false,
-        method: None,
         state: ImageState::Copying,
-        state_reason: None,
-        encryption: None,
+        ..new_file_row(name, path, file)?
     })
 }
 

@@ -6,9 +6,9 @@ use crate::fault::{After, Slow};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::images::new_file_row;
 use super::jobs::{Ended, Job};
 use super::undo::Undo;
 use super::volumes::volume_error;
@@ -943,17 +943,9 @@ fn copy_row(
     snapshot: bool,
     grow: Option<(u64, Allocation)>,
 ) -> Result<ImageRow> {
-    let (dev, ino) = made.file.identity();
     let reflinked = made.reflinked();
     Ok(ImageRow {
-        id: Uuid::new_v4(),
-        name: name.to_string(),
-        path: path.display(),
-        dev,
-        ino,
-        birth: made.file.birth().map(str::to_string),
         size_bytes: size,
-        allocated_bytes: made.file.allocated(),
         allocation: match grow {
             // A full source grown sparse has holes now.
             Some((_, Allocation::Sparse)) if src.allocation == Some(Allocation::Full) => {
@@ -961,11 +953,8 @@ fn copy_row(
             }
             _ => src.allocation,
         },
-        filesystem: made.file.filesystem()?,
-        created_at: OffsetDateTime::now_utc(),
         snapshot_of: snapshot.then_some(src.id),
         cloned_from: (!snapshot).then_some(src.id),
-        restored_from: None,
         read_only: snapshot,
         method: Some(if reflinked {
             CopyMethod::Reflink
@@ -977,9 +966,9 @@ fn copy_row(
         } else {
             ImageState::Copying
         },
-        state_reason: None,
         // The same bytes, so the same header and keys.
         encryption: src.encryption.clone(),
+        ..new_file_row(name, path, &made.file)?
     })
 }
 

@@ -1115,29 +1115,40 @@ struct Made {
 impl Made {
     /// The image's row, `name` at `path`.
     fn row(&self, name: &str, path: &ImagePath) -> Result<ImageRow> {
-        let (dev, ino) = self.file.identity();
         Ok(ImageRow {
-            id: Uuid::new_v4(),
-            name: name.to_string(),
-            path: path.display(),
-            dev,
-            ino,
-            birth: self.file.birth().map(str::to_string),
-            size_bytes: self.file.size(),
-            allocated_bytes: self.file.allocated(),
             allocation: self.allocation,
-            filesystem: self.file.filesystem()?,
-            created_at: OffsetDateTime::now_utc(),
-            snapshot_of: None,
-            cloned_from: None,
-            restored_from: None,
-            read_only: false,
-            method: None,
-            state: ImageState::Ready,
-            state_reason: None,
             encryption: self.encryption.clone(),
+            ..new_file_row(name, path, &self.file)?
         })
     }
+}
+
+/// The row of a new image `name` whose file at `path` is `file`: ready,
+/// writable, its size and blocks as the file has them, made from nothing
+/// (each origin says what differs).
+pub(super) fn new_file_row(name: &str, path: &ImagePath, file: &ImageFile) -> Result<ImageRow> {
+    let (dev, ino) = file.identity();
+    Ok(ImageRow {
+        id: Uuid::new_v4(),
+        name: name.to_string(),
+        path: path.display(),
+        dev,
+        ino,
+        birth: file.birth().map(str::to_string),
+        size_bytes: file.size(),
+        allocated_bytes: file.allocated(),
+        allocation: None,
+        filesystem: file.filesystem()?,
+        created_at: OffsetDateTime::now_utc(),
+        snapshot_of: None,
+        cloned_from: None,
+        restored_from: None,
+        read_only: false,
+        method: None,
+        state: ImageState::Ready,
+        state_reason: None,
+        encryption: None,
+    })
 }
 
 /// What registering a file records as its allocation, and why: `declared`
