@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 use super::jobs::{Ended, Job, JobState};
 use super::undo::Undo;
+use super::volumes::volume_error;
 use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::BackendError;
 use crate::store::ImageRow;
@@ -560,52 +561,12 @@ impl Manager {
         let row = self.image_row(id_or_name).await?;
         let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
-        self.jobs.allocations.refuse(&row, "start another")?;
-        self.refuse_unready(&row, "be allocated")?;
-        self.refuse_read_only(&row, "it cannot be allocated (that writes zeros into it)")?;
-        self.jobs.copies.refuse(&row, "be allocated")?;
-        self.backups.jobs.refuse(&row, "be allocated")?;
-        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
-            return Err(Error::NotAllocatable {
-                name: row.name,
-                reason: format!(
-                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
-                    row.filesystem
-                ),
-            });
-        }
-        let me = self.clone();
-        let r = row.clone();
-        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
-            let file = me.open_image(&r, Access::ReadOnly)?;
-            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
-            Ok((needed, free, file.unwritten_bytes()?))
-        })
-        .await??;
-        if needed > free {
-            return Err(Error::SpaceShort {
-                name: row.name,
-                what: "allocating its holes",
-                needed,
-                free,
-            });
-        }
+        let (needed, free, total) = self.allocatable(&row).await?;
         let attached = self.attached_volumes(row.id).await?;
         for (v, backend) in &attached {
             if let Some(att) = &v.attachment {
                 backend.check_allocate(att, v.id).map_err(|e| {
-                    let e = match e {
-                        BackendError::Busy { device, reason } => BackendError::Busy {
-                            device,
-                            reason: format!(
-                                "{reason}; to allocate it, delete volume '{v}' (DELETE /v1/volumes/{v}; its image stays), allocate (POST /v1/images/{i}/allocate), then create the volume again",
-                                v = v.name,
-                                i = row.name
-                            ),
-                        },
-                        e => e,
-                    };
-                    super::volumes::volume_error(&v.name, e)
+                    volume_error(&v.name, delete_to_allocate(e, &v.name, &row.name))
                 })?;
             }
         }
@@ -634,6 +595,44 @@ impl Manager {
             },
         );
         self.image(&row.id.to_string()).await
+    }
+
+    /// The bytes of holes an allocate of `row` would fill, its filesystem's
+    /// free bytes and the unwritten bytes it would write, or why it cannot
+    /// start: a job runs on it, it is not ready or read-only, not on ext4
+    /// or xfs, or its holes do not fit.
+    async fn allocatable(self: &std::sync::Arc<Self>, row: &ImageRow) -> Result<(u64, u64, u64)> {
+        self.jobs.allocations.refuse(row, "start another")?;
+        self.refuse_unready(row, "be allocated")?;
+        self.refuse_read_only(row, "it cannot be allocated (that writes zeros into it)")?;
+        self.jobs.copies.refuse(row, "be allocated")?;
+        self.backups.jobs.refuse(row, "be allocated")?;
+        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
+            return Err(Error::NotAllocatable {
+                name: row.name.clone(),
+                reason: format!(
+                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
+                    row.filesystem
+                ),
+            });
+        }
+        let me = self.clone();
+        let r = row.clone();
+        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
+            let file = me.open_image(&r, Access::ReadOnly)?;
+            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
+            Ok((needed, free, file.unwritten_bytes()?))
+        })
+        .await??;
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: row.name.clone(),
+                what: "allocating its holes",
+                needed,
+                free,
+            });
+        }
+        Ok((needed, free, total))
     }
 
     /// Writes the zeros: through each attached volume's backend, or, with
@@ -1028,6 +1027,21 @@ impl Manager {
             });
         }
         Ok(file)
+    }
+}
+
+/// A volume's backend that cannot fill its image while serving (loop),
+/// its refusal given the remedy: delete volume `volume`, allocate image
+/// `image`, create the volume again.
+fn delete_to_allocate(e: BackendError, volume: &str, image: &str) -> BackendError {
+    match e {
+        BackendError::Busy { device, reason } => BackendError::Busy {
+            device,
+            reason: format!(
+                "{reason}; to allocate it, delete volume '{volume}' (DELETE /v1/volumes/{volume}; its image stays), allocate (POST /v1/images/{image}/allocate), then create the volume again"
+            ),
+        },
+        e => e,
     }
 }
 
