@@ -31,6 +31,7 @@ pub mod stats_file;
 pub mod talk;
 pub mod terms;
 
+pub use blockplane_system::dispatch::Reason;
 pub use messages::{
     Answer, CANNOT_FILL_READ_ONLY, COPY_RUNS_DIRECT, COPY_RUNS_HANDOVER, ErrorCode, Fill,
     FillState, Latency, Peer, Request, SNAPSHOT_OF_DIRECT, Status, WorkerStats,
@@ -46,5 +47,7 @@ pub use terms::{
 /// The control socket protocol this build speaks: 1 was the line protocol
 /// before versions (no handshake, no handover); 2 adds [`Request::Hello`]
 /// and [`Request::Handover`], and a worker's build in [`Status::build`]; 3
-/// adds [`Request::CopyMoment`] and [`Request::CancelCopy`].
-pub const PROTOCOL: u32 = 3;
+/// adds [`Request::CopyMoment`] and [`Request::CancelCopy`]; 4 carries the
+/// dispatch reason as a type beside its words ([`Reason`]: `why` in
+/// [`Request::SetDispatch`], `dispatch_why` in [`Status`] and the spec).
+pub const PROTOCOL: u32 = 4;

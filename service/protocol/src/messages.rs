@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use blockplane_system::dispatch::Reason;
 use blockplane_system::extent::Pin;
 
 use crate::PROTOCOL;
@@ -42,8 +43,12 @@ pub enum Request {
     SetDispatch {
         /// The data path.
         dispatch: DataPath,
-        /// Why, reported back as the volume's `dispatch_reason`.
+        /// Why, in words (what a worker of protocol 3 or older keeps).
         reason: String,
+        /// Why, reported back as the volume's dispatch reason (protocol 4;
+        /// never sent to an older worker: [`Request::for_peer`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        why: Option<Reason>,
     },
     /// Refuse writes, or take them again (a volume created writable only).
     SetReadOnly {
@@ -140,6 +145,31 @@ pub enum Request {
 }
 
 impl Request {
+    /// A switch to `dispatch`, for `reason`.
+    pub fn set_dispatch(dispatch: DataPath, reason: &Reason) -> Self {
+        Request::SetDispatch {
+            dispatch,
+            reason: reason.to_string(),
+            why: Some(reason.clone()),
+        }
+    }
+
+    /// This request as a worker of `protocol` reads it: without the fields
+    /// later protocols added, which it would refuse (where a field changes
+    /// a request's meaning the request is newer as a whole: [`Self::since`]).
+    pub fn for_peer(&self, protocol: u32) -> Self {
+        match self {
+            Request::SetDispatch {
+                dispatch, reason, ..
+            } if protocol < 4 => Request::SetDispatch {
+                dispatch: *dispatch,
+                reason: reason.clone(),
+                why: None,
+            },
+            other => other.clone(),
+        }
+    }
+
     /// The first protocol version that has this request: a worker of an
     /// older one is never sent it.
     pub fn since(&self) -> u32 {
@@ -209,8 +239,11 @@ pub struct Status {
     pub device: String,
     /// The policy in force.
     pub dispatch: DataPath,
-    /// Why that policy.
+    /// Why that policy, in words.
     pub dispatch_reason: String,
+    /// Why that policy (protocol 4; a worker before it reports words only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_why: Option<Reason>,
     /// Set while the image carries FS_IMMUTABLE_FL for a direct map.
     pub pinned: Option<Pin>,
     /// The device's size as the worker serves it.
@@ -245,6 +278,16 @@ pub struct Status {
     /// The worker's build (protocol 2; `None` from an older worker).
     #[serde(default)]
     pub build: Option<String>,
+}
+
+impl Status {
+    /// Why the worker runs its policy: the type, or what the words of a
+    /// worker before protocol 4 say.
+    pub fn reason(&self) -> Reason {
+        self.dispatch_why
+            .clone()
+            .unwrap_or_else(|| Reason::from_words(&self.dispatch_reason))
+    }
 }
 
 /// Where a worker's fill ([`Request::Allocate`]) or copy of one moment

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use blockplane_system::dispatch::Reason;
 use blockplane_system::extent::Pin;
 
 use crate::terms::{Allocation, DataPath, Limits};
@@ -55,8 +56,12 @@ pub struct WorkerSpec {
     pub refuse_writes: bool,
     /// The data path to start on.
     pub dispatch: DataPath,
-    /// Why that policy (reported back as the volume's `dispatch_reason`).
+    /// Why that policy, in words.
     pub dispatch_reason: String,
+    /// Why that policy (reported back as the volume's dispatch reason;
+    /// protocol 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_why: Option<Reason>,
     /// Queues to ask the kernel for (each on a thread of its own).
     pub queues: u16,
     /// Requests in flight per queue.
@@ -97,6 +102,16 @@ pub struct WorkerSpec {
     pub handover: bool,
 }
 
+impl WorkerSpec {
+    /// Why the worker starts on its policy: the type, or what the words of
+    /// a spec before protocol 4 say.
+    pub fn reason(&self) -> Reason {
+        self.dispatch_why
+            .clone()
+            .unwrap_or_else(|| Reason::from_words(&self.dispatch_reason))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +128,7 @@ mod tests {
             refuse_writes: false,
             dispatch: DataPath::Nowait,
             dispatch_reason: "asked".into(),
+            dispatch_why: None,
             queues: 1,
             queue_depth: 1,
             max_io_bytes: 4096,

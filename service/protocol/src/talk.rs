@@ -115,7 +115,8 @@ pub fn converse(
     match conn.ask(&Request::Hello(Peer::this_build()))? {
         Answer::Hello(peer) => {
             understood(req, &peer)?;
-            Ok((peer, conn.ask(req)?))
+            let answer = conn.ask(&req.for_peer(peer.protocol))?;
+            Ok((peer, answer))
         }
         // Protocol 1 reads the hello as a request it does not know.
         Answer::Error {
@@ -124,7 +125,8 @@ pub fn converse(
         } => {
             let peer = Peer::before_handshake();
             understood(req, &peer)?;
-            Ok((peer, Conn::open(socket, timeout)?.ask(req)?))
+            let answer = Conn::open(socket, timeout)?.ask(&req.for_peer(peer.protocol))?;
+            Ok((peer, answer))
         }
         other => Err(TalkError::Garbled(format!(
             "the answer to the handshake was {other:?}"
@@ -194,6 +196,7 @@ mod tests {
         let r = Request::SetDispatch {
             dispatch: crate::DataPath::Direct,
             reason: "asked".into(),
+            why: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -227,6 +230,39 @@ mod tests {
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"allocate"}"#).unwrap(),
             Request::Allocate { pace_ms: 0 }
+        );
+    }
+
+    /// A switch carries its reason as a type to a worker of protocol 4,
+    /// and as words alone to an older one, which refuses fields it does not
+    /// know; a status without the type reads its words.
+    #[test]
+    fn a_reason_crosses_typed_to_protocol_4_and_as_words_before() {
+        use blockplane_system::dispatch::{On, Reason};
+        let reason = Reason::Asked {
+            policy: blockplane_api::model::DispatchPolicy::Nowait,
+            on: On::Ublk { threads: 2 },
+        };
+        let r = Request::set_dispatch(crate::DataPath::Nowait, &reason);
+        assert_eq!(r.for_peer(4), r);
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            s,
+            r#"{"op":"set_dispatch","dispatch":"nowait","reason":"asked: nowait","why":{"why":"asked","policy":"nowait","on":{"ublk":{"threads":2}}}}"#
+        );
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        assert_eq!(
+            serde_json::to_string(&r.for_peer(3)).unwrap(),
+            r#"{"op":"set_dispatch","dispatch":"nowait","reason":"asked: nowait"}"#
+        );
+        let Answer::Status(old) = serde_json::from_str::<Answer>(V1_STATUS).unwrap() else {
+            panic!("a status")
+        };
+        assert_eq!(
+            old.reason(),
+            Reason::Words {
+                words: "asked".into()
+            }
         );
     }
 

@@ -13,6 +13,7 @@ use time::OffsetDateTime;
 
 use blockplane_api::model::ActiveDispatch;
 use blockplane_system::blockstat::BlockStat;
+use blockplane_system::dispatch::Reason;
 use blockplane_system::extent::Pin;
 
 /// A live device, as the backend describes it; stored with the volume so a
@@ -27,7 +28,8 @@ pub struct Attachment {
     pub major: u32,
     pub minor: u32,
     pub dispatch: ActiveDispatch,
-    pub dispatch_reason: String,
+    /// Why that path (in words only in the API and events).
+    pub dispatch_reason: Reason,
     pub size_bytes: u64,
     pub read_only: bool,
     /// When the counters in `baseline` were read (the attach).
@@ -125,7 +127,11 @@ struct Row {
     major: u32,
     minor: u32,
     dispatch: ActiveDispatch,
+    /// The reason in words: what a service before typed reasons reads.
     dispatch_reason: String,
+    /// The reason (rows written before it have the words alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dispatch_why: Option<Reason>,
     direct_io: Option<bool>,
     size_bytes: u64,
     read_only: bool,
@@ -156,7 +162,9 @@ impl From<Row> for Attachment {
             major: r.major,
             minor: r.minor,
             dispatch: r.dispatch,
-            dispatch_reason: r.dispatch_reason,
+            dispatch_reason: r
+                .dispatch_why
+                .unwrap_or_else(|| Reason::from_words(&r.dispatch_reason)),
             size_bytes: r.size_bytes,
             read_only: r.read_only,
             attached_at: r.attached_at,
@@ -180,7 +188,8 @@ impl From<Attachment> for Row {
             major: a.major,
             minor: a.minor,
             dispatch: a.dispatch,
-            dispatch_reason: a.dispatch_reason,
+            dispatch_reason: a.dispatch_reason.to_string(),
+            dispatch_why: Some(a.dispatch_reason),
             direct_io,
             size_bytes: a.size_bytes,
             read_only: a.read_only,
@@ -217,11 +226,46 @@ pub(crate) mod tests {
         let d = dm.dm().expect("a dm row is a dm device");
         assert_eq!(d.private_ublk.as_deref(), Some("259:1"));
         assert!(dm.ublk().is_none());
-        // Written back, each row is what it was: a service of the previous
-        // version reads it too.
+        // Their reasons are words: none is one a rule reads back.
+        for att in [&lp, &ub, &dm] {
+            assert!(
+                matches!(att.dispatch_reason, Reason::Words { .. }),
+                "{:?}",
+                att.dispatch_reason
+            );
+        }
+        // Written back, each row is what it was with the reason's type
+        // beside its words: a service of the previous version reads it too
+        // (its row skips fields it does not know).
         for (row, att) in OLD_ROWS.iter().zip([lp, ub, dm]) {
             let old: serde_json::Value = serde_json::from_str(row).unwrap();
-            assert_eq!(serde_json::to_value(&att).unwrap(), old);
+            let mut new = serde_json::to_value(&att).unwrap();
+            let why = new.as_object_mut().unwrap().remove("dispatch_why");
+            assert_eq!(new, old);
+            assert_eq!(
+                why,
+                Some(serde_json::to_value(&att.dispatch_reason).unwrap())
+            );
         }
+    }
+
+    /// A reason a rule reads (dm on its worker for a QoS limit) comes back
+    /// as its type from a row that holds it, and from the words of a row
+    /// written before reasons were typed.
+    #[test]
+    fn a_rows_reason_comes_back_as_its_type() {
+        let mut att: Attachment = serde_json::from_str(OLD_ROWS[2]).unwrap();
+        att.dispatch_reason = Reason::QosNowait;
+        let row = serde_json::to_value(&att).unwrap();
+        assert_eq!(
+            row["dispatch_why"],
+            serde_json::json!({"why": "qos_nowait"})
+        );
+        let back: Attachment = serde_json::from_value(row.clone()).unwrap();
+        assert_eq!(back.dispatch_reason, Reason::QosNowait);
+        let mut words_only = row;
+        words_only.as_object_mut().unwrap().remove("dispatch_why");
+        let back: Attachment = serde_json::from_value(words_only).unwrap();
+        assert_eq!(back.dispatch_reason, Reason::QosNowait);
     }
 }

@@ -17,7 +17,7 @@ use crate::policy::Policy;
 use crate::refusal::Refusal;
 use crate::shared::Shared;
 use blockplane_protocol::{
-    self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Request, Status,
+    self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Reason, Request, Status,
 };
 
 /// The running control thread.
@@ -268,7 +268,8 @@ fn status(cx: &Ctx) -> Answer {
         dev_id: cx.dev_id,
         device: format!("/dev/ublkb{}", cx.dev_id),
         dispatch: s.policy().active(),
-        dispatch_reason: st.dispatch_reason,
+        dispatch_reason: st.dispatch_reason.to_string(),
+        dispatch_why: Some(st.dispatch_reason),
         pinned: st.pinned,
         size_bytes: st.size_bytes,
         read_only: s.read_only(),
@@ -296,7 +297,12 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
         Request::Hello(_) => error(ErrorCode::BadRequest, "a hello out of place"),
         Request::Status {} => status(cx),
         Request::Stats {} => Answer::Stats(Box::new(s.stats())),
-        Request::SetDispatch { dispatch, reason } => {
+        Request::SetDispatch {
+            dispatch,
+            reason,
+            why,
+        } => {
+            let reason = why.unwrap_or_else(|| Reason::from_words(&reason));
             match s.switch(Policy::from_requested(dispatch), reason) {
                 Ok(()) => {
                     // A deliberate switch ends a drift episode.

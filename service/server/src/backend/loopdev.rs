@@ -31,7 +31,7 @@ use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
 use blockplane_system::blockstat::BlockStat;
-use blockplane_system::dispatch;
+use blockplane_system::dispatch::{self, Reason};
 use blockplane_system::extent::DevNum;
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
@@ -321,12 +321,7 @@ impl LoopDev {
             major,
             minor,
             dispatch: ActiveDispatch::Kernel,
-            dispatch_reason: if direct_io {
-                "kernel loop driver with direct I/O on the image".into()
-            } else {
-                "kernel loop driver with buffered I/O: the image's filesystem refused direct I/O"
-                    .into()
-            },
+            dispatch_reason: Reason::Loop { direct_io },
             size_bytes,
             read_only,
             attached_at: OffsetDateTime::now_utc(),

@@ -22,7 +22,7 @@ use blockplane_api::model::{
 };
 use blockplane_protocol::{Request, WorkerStats};
 pub use blockplane_system::dispatch::Decision;
-use blockplane_system::dispatch::{self, DispatchError};
+use blockplane_system::dispatch::{self, DispatchError, Reason};
 pub use blockplane_system::image::AllocateJob;
 
 use crate::fault::HandoverFaults;
@@ -128,13 +128,13 @@ impl AttachRequest {
     pub fn take_decision(&mut self, path: &dispatch::Path) -> Result<Decision, BackendError> {
         match self.decision.take() {
             Some(d) => Ok(d),
-            None => Ok(dispatch::decide(
-                self.image_fd.as_fd(),
-                self.params.size_bytes,
-                self.params.dispatch,
-                self.params.refuse_writes,
+            None => Ok(dispatch::decide(&dispatch::Ask {
+                image: self.image_fd.as_fd(),
+                size: self.params.size_bytes,
+                policy: self.params.dispatch,
+                refuse_writes: self.params.refuse_writes,
                 path,
-            )?),
+            })?),
         }
     }
 }
@@ -471,7 +471,7 @@ pub trait VolumeBackend: Send + Sync {
         &self,
         att: &Attachment,
         _volume_id: Uuid,
-        _reason: String,
+        _reason: Reason,
     ) -> Result<Attachment, BackendError> {
         Err(self.cannot_snapshot(att))
     }
@@ -672,13 +672,13 @@ impl SpecCheck {
         size: u64,
         path: &dispatch::Path,
     ) -> Result<Decision, BackendError> {
-        Ok(dispatch::decide(
-            image.as_fd(),
+        Ok(dispatch::decide(&dispatch::Ask {
+            image: image.as_fd(),
             size,
-            self.dispatch,
-            self.read_only,
+            policy: self.dispatch,
+            refuse_writes: self.read_only,
             path,
-        )?)
+        })?)
     }
 }
 

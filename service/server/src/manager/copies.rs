@@ -448,7 +448,9 @@ impl Manager {
             let mut att = v.attachment.clone().expect("checked above");
             if att.dispatch == ActiveDispatch::Direct {
                 let (b, a, id) = (backend.clone(), att.clone(), v.id);
-                let reason = blockplane_system::dispatch::left_direct_for_copy(name);
+                let reason = blockplane_system::dispatch::Reason::LeftDirectForCopy {
+                    copy: name.to_string(),
+                };
                 att = blocking(move || b.leave_direct(&a, id, reason))
                     .await?
                     .map_err(|e| volume_error(&v.name, e))?;

@@ -19,7 +19,7 @@ use crate::backend::{
 use blockplane_api::model::{
     ActiveDispatch, Allocation, Backend, BackendCapability, DispatchPolicy, VolumeStats,
 };
-use blockplane_system::dispatch;
+use blockplane_system::dispatch::{self, Reason};
 
 /// A call that changes a device, as the fake recorded it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +50,7 @@ struct State {
     unsupported: Vec<DispatchPolicy>,
     /// What `validate` decides for `dispatch: auto`, and why (`None`: it
     /// decides nothing).
-    auto: Option<(DispatchPolicy, String)>,
+    auto: Option<(DispatchPolicy, Reason)>,
     next_minor: u32,
     /// Probes running now, and the most that ever ran at once.
     probing: usize,
@@ -121,8 +121,8 @@ impl FakeBackend {
     }
 
     /// `validate` decides `dispatch` for `auto` from now on, for `reason`.
-    pub fn decide_auto(&self, dispatch: DispatchPolicy, reason: &str) {
-        self.state().auto = Some((dispatch, reason.into()));
+    pub fn decide_auto(&self, dispatch: DispatchPolicy, reason: Reason) {
+        self.state().auto = Some((dispatch, reason));
     }
 
     /// A device as this fake makes one.
@@ -143,7 +143,9 @@ impl FakeBackend {
             major: 259,
             minor,
             dispatch: active(self.kind, dispatch),
-            dispatch_reason: "as asked (fake)".into(),
+            dispatch_reason: Reason::Words {
+                words: "as asked (fake)".into(),
+            },
             size_bytes,
             read_only,
             attached_at: OffsetDateTime::now_utc(),

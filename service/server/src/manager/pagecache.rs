@@ -288,7 +288,9 @@ mod tests {
             major: 259,
             minor: 0,
             dispatch: blockplane_api::model::ActiveDispatch::Nowait,
-            dispatch_reason: String::new(),
+            dispatch_reason: blockplane_system::dispatch::Reason::Words {
+                words: String::new(),
+            },
             size_bytes: 1 << 20,
             read_only: false,
             attached_at: time::OffsetDateTime::now_utc(),

@@ -17,6 +17,7 @@ use blockplane_api::model::{
     Backend, CreateImageRequest, CreateVolumeRequest, DispatchPolicy, PatchVolumeRequest, Qos,
     VolumeState,
 };
+use blockplane_system::dispatch::{On, Reason};
 use blockplane_system::image::ImageRoots;
 
 /// A manager over a fresh registry and image root, with one fake backend.
@@ -769,7 +770,7 @@ async fn a_moment_copy_the_backend_refuses_changes_nothing() {
 /// backend, the policy and the reason the volume reports.
 async fn auto_picks(
     kinds: &[Backend],
-    dm_auto: (DispatchPolicy, &str),
+    dm_auto: &(DispatchPolicy, Reason),
     extra: serde_json::Value,
 ) -> (Backend, String, String) {
     let bed = Bed::new(OrphanPolicy::Remove).await;
@@ -780,8 +781,14 @@ async fn auto_picks(
         .collect();
     for f in &fakes {
         match f.kind() {
-            Backend::Dm => f.decide_auto(dm_auto.0, dm_auto.1),
-            Backend::Ublk => f.decide_auto(DispatchPolicy::Nowait, "auto chose nowait (ublk)"),
+            Backend::Dm => f.decide_auto(dm_auto.0, dm_auto.1.clone()),
+            Backend::Ublk => f.decide_auto(
+                DispatchPolicy::Nowait,
+                Reason::AutoFellBack {
+                    to: DispatchPolicy::Nowait,
+                    rule: "ublk's rule".into(),
+                },
+            ),
             Backend::Loop => {}
         }
     }
@@ -819,10 +826,13 @@ async fn auto_picks(
 async fn auto_takes_dm_direct_where_dm_maps_the_image_and_ublk_otherwise() {
     use Backend::{Dm, Loop, Ublk};
     let all = [Ublk, Dm, Loop];
-    let maps = (DispatchPolicy::Direct, "auto: the image passes (dm)");
-    let hole = (
+    let maps = &(DispatchPolicy::Direct, Reason::AutoDirect { on: On::Dm });
+    let hole = &(
         DispatchPolicy::Nowait,
-        "auto chose nowait: direct-map rule 2: a hole",
+        Reason::AutoFellBack {
+            to: DispatchPolicy::Nowait,
+            rule: "direct-map rule 2: a hole".into(),
+        },
     );
     // A full image that dm maps: dm direct, and the reason says so.
     let (b, d, why) = auto_picks(&all, maps, json!({})).await;
@@ -833,7 +843,7 @@ async fn auto_takes_dm_direct_where_dm_maps_the_image_and_ublk_otherwise() {
     assert_eq!((b, d.as_str()), (Ublk, "nowait"), "{why}");
     assert_eq!(
         why,
-        "auto chose nowait (ublk); backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
+        "auto chose nowait: ublk's rule; backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
     );
     // A named policy, QoS, or a named backend keeps what it always got.
     for extra in [
@@ -853,12 +863,12 @@ async fn auto_takes_dm_direct_where_dm_maps_the_image_and_ublk_otherwise() {
     let (b, d, why) = auto_picks(&[Ublk, Loop], maps, json!({})).await;
     assert_eq!(
         (b, d.as_str(), why.as_str()),
-        (Ublk, "nowait", "auto chose nowait (ublk)")
+        (Ublk, "nowait", "auto chose nowait: ublk's rule")
     );
     let (b, _, _) = auto_picks(&[Loop], maps, json!({})).await;
     assert_eq!(b, Loop);
     // dm and no ublk: dm decides alone, as before.
     let (b, d, why) = auto_picks(&[Dm, Loop], maps, json!({})).await;
     assert_eq!((b, d.as_str()), (Dm, "direct"), "{why}");
-    assert_eq!(why, "auto: the image passes (dm)");
+    assert_eq!(why, maps.1.to_string());
 }

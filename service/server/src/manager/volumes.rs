@@ -141,8 +141,7 @@ impl Manager {
             dispatch: att.map(|a| a.dispatch).unwrap_or(idle_dispatch),
             requested_dispatch: v.dispatch,
             dispatch_reason: att
-                .map(|a| a.dispatch_reason.clone())
-                .unwrap_or_else(|| "no device".into()),
+                .map_or_else(|| "no device".into(), |a| a.dispatch_reason.to_string()),
             state,
             state_reason,
             device: match (&v.crypt, att) {
@@ -1130,7 +1129,7 @@ fn choose_path(
                 if d.dispatch == DispatchPolicy::Kernel
                     && check.dispatch == DispatchPolicy::Auto =>
             {
-                why_not_dm = dispatch::why_not_direct(&d).map(str::to_string);
+                why_not_dm = d.reason.rule_off_direct().map(str::to_string);
                 kernel = Some((dm, d));
             }
             Ok(Some(d)) => match dispatch::auto_on_dm(d) {
@@ -1149,11 +1148,7 @@ fn choose_path(
         return (dm, Ok(Some(k)));
     }
     let d = match (d, why_not_dm) {
-        (Ok(Some(d)), Some(why)) => Ok(Some(dispatch::auto_off_dm(
-            d,
-            preferred.kind().as_str(),
-            &why,
-        ))),
+        (Ok(Some(d)), Some(why)) => Ok(Some(dispatch::auto_off_dm(d, preferred.kind(), &why))),
         (d, _) => d,
     };
     (preferred, d)

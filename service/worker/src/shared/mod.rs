@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
-use blockplane_protocol::{self as protocol, Allocation, Fill, StateFile, WorkerSpec};
+use blockplane_protocol::{self as protocol, Allocation, Fill, Reason, StateFile, WorkerSpec};
 use blockplane_system::extent::{self, Pin};
 
 use crate::mailbox::{self, QueueConfig, Queues};
@@ -34,7 +34,7 @@ use crate::watch;
 /// What changes under the control thread, besides the policy.
 #[derive(Debug, Clone)]
 pub(crate) struct WorkerState {
-    pub dispatch_reason: String,
+    pub dispatch_reason: Reason,
     pub pinned: Option<Pin>,
     pub degraded: Option<String>,
     pub size_bytes: u64,
@@ -114,7 +114,7 @@ impl Shared {
             changing: Mutex::new(()),
             queues: OnceLock::new(),
             state: Mutex::new(WorkerState {
-                dispatch_reason: spec.dispatch_reason.clone(),
+                dispatch_reason: spec.reason(),
                 pinned: spec.pinned,
                 degraded: None,
                 size_bytes: spec.size_bytes,
@@ -243,10 +243,9 @@ impl Shared {
         if self.policy() != Policy::Direct || !unpinned() {
             return;
         }
-        let reason = format!(
-            "direct-map rule 5: the image's pin was cleared and {} opened it, so its extents may move; serving on nowait",
-            watch::describe(pid)
-        );
+        let reason = Reason::PinCleared {
+            by: Some(watch::describe(pid)),
+        };
         self.leave_map(reason, unpinned);
     }
 }

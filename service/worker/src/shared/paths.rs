@@ -7,7 +7,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use blockplane_protocol::{self as protocol};
+use blockplane_protocol::{self as protocol, Reason};
 use blockplane_system::extent::{self, ExtentMap};
 
 use super::Shared;
@@ -157,13 +157,13 @@ impl Shared {
     /// Switches the policy while I/O runs: holds every queue until the
     /// requests inside finish, changes the path, and sends each queue the new
     /// config, on which the held requests continue.
-    pub fn switch(&self, to: Policy, reason: String) -> Result<(), Refusal> {
+    pub fn switch(&self, to: Policy, reason: Reason) -> Result<(), Refusal> {
         let _one = self.changing.lock().expect("changing poisoned");
         self.switch_held(to, reason)
     }
 
     /// [`Self::switch`], its caller holding `changing`.
-    pub(super) fn switch_held(&self, to: Policy, reason: String) -> Result<(), Refusal> {
+    pub(super) fn switch_held(&self, to: Policy, reason: Reason) -> Result<(), Refusal> {
         let from = self.policy();
         if from == to {
             self.state.lock().expect("state poisoned").dispatch_reason = reason;
@@ -239,11 +239,12 @@ impl Shared {
             Err(e) => Some(e.to_string()),
         };
         let reason = match drift {
-            Some(what) => format!(
-                "direct-map rule 5: the image's extents changed ({what}); serving on nowait"
-            ),
+            Some(what) => Reason::ExtentsChanged {
+                what,
+                on_private: false,
+            },
             None if !extent::is_immutable(self.image.as_fd()).unwrap_or(true) => {
-                "direct-map rule 5: the image's pin (FS_IMMUTABLE_FL) was cleared, so its extents may move; serving on nowait".into()
+                Reason::PinCleared { by: None }
             }
             None => return,
         };
@@ -252,13 +253,13 @@ impl Shared {
 
     /// Leaves the direct path for `nowait` at once, recording `reason`,
     /// unless a switch got there first or `still` no longer holds.
-    pub(super) fn leave_map(&self, reason: String, still: impl Fn() -> bool) {
+    pub(super) fn leave_map(&self, reason: Reason, still: impl Fn() -> bool) {
         let _one = self.changing.lock().expect("changing poisoned");
         if self.policy() != Policy::Direct || !still() {
             return;
         }
         tracing::error!(%reason, "the direct map cannot be trusted: leaving the direct path");
-        self.state.lock().expect("state poisoned").degraded = Some(reason.clone());
+        self.state.lock().expect("state poisoned").degraded = Some(reason.to_string());
         if let Err(e) = self.switch_held(Policy::Nowait, reason) {
             tracing::error!(error = %e, "could not leave the direct path");
         }

@@ -47,7 +47,7 @@ use blockplane_api::model::{
 };
 use blockplane_protocol::{CANNOT_FILL_READ_ONLY, Request};
 use blockplane_system::blockstat::BlockStat;
-use blockplane_system::dispatch;
+use blockplane_system::dispatch::{self, Ask, Reason, Running};
 use blockplane_system::extent::{self, DevNum, ExtentMap, Pin};
 pub use ioctl::foreign_devices;
 use ioctl::{blockplane_devices, dm_name, dm_uuid, kernel_name, volume_of_name};
@@ -65,7 +65,7 @@ struct DmVolume {
     params: VolumeParams,
     /// The path in force (never `Auto`).
     dispatch: DispatchPolicy,
-    reason: String,
+    reason: Reason,
     read_only: bool,
     /// The map and pin while `direct`.
     direct: Option<(ExtentMap, Pin)>,
@@ -83,7 +83,7 @@ struct DmVolume {
     /// A copy of one moment runs on the private worker: the volume stays on
     /// it until the copy ends (`Some`), and goes back to `kernel` then
     /// with this reason when it was there before (`Some(Some(_))`).
-    copying: Option<Option<String>>,
+    copying: Option<Option<Reason>>,
 }
 
 /// Why `direct` or `kernel` is refused while a QoS limit is set.
@@ -101,21 +101,8 @@ fn qos_needs_worker(asked: DispatchPolicy) -> BackendError {
     }
 }
 
-/// The reason a `kernel` volume runs `nowait` with while its worker fills
-/// the image's holes (the loop driver cannot fill them under live I/O).
-const FILL_ON_WORKER: &str = "auto chose nowait: the image's holes are being filled, which a worker does while it serves (the loop driver cannot)";
-
 /// Why a dm volume keeps its path while a copy of one moment runs.
 const COPY_HOLDS_PATH: &str = "a snapshot's copy of one moment runs on this volume's private worker, whose writes keep the moment's chunks: a change of path waits for the copy's end (GET /v1/images shows its progress)";
-
-/// The reason a volume goes back to `kernel` with after a copy whose start
-/// a restarted service did not see (its reason before is not known).
-const KERNEL_AFTER_COPY: &str =
-    "auto chose kernel: back on the loop driver after a copy of one moment";
-
-/// The reason a `kernel` volume runs `nowait` with while its image is copied
-/// (the worker holds its queues for the copy's moment, and keeps its chunks).
-const COPY_ON_WORKER: &str = "auto chose nowait: the image is being copied, which a worker holds still for (the loop driver cannot); back to kernel after the copy";
 
 /// What serves a volume off `direct`, just started: its number (the table's
 /// target) and, for `kernel`, the loop device with the handle that keeps it
@@ -125,8 +112,16 @@ struct Lower {
     private_loop: Option<(PrivateLoop, std::fs::File)>,
 }
 
-/// How the reason of a volume back on `direct` after its last limit starts.
-const LAST_LIMIT_REMOVED: &str = "auto: the last QoS limit was removed, and ";
+/// What a decision for volume `v` is asked: `policy`, served on `path`.
+fn ask<'a>(v: &'a DmVolume, policy: DispatchPolicy, path: &'a dispatch::Path) -> Ask<'a> {
+    Ask {
+        image: v.image.as_fd(),
+        size: v.params.size_bytes,
+        policy,
+        refuse_writes: v.read_only,
+        path,
+    }
+}
 
 /// A QoS limit refused live, in the answer's terms.
 fn qos_not_live(e: dispatch::DispatchError) -> BackendError {
@@ -184,7 +179,7 @@ impl DmBackend {
         v: &DmVolume,
         image: &OwnedFd,
         policy: DispatchPolicy,
-        reason: &str,
+        reason: &Reason,
     ) -> Result<Lower, BackendError> {
         if policy != DispatchPolicy::Kernel {
             let image = image
@@ -206,7 +201,7 @@ impl DmBackend {
                     refuse_writes: v.read_only,
                     ..v.params.clone()
                 },
-                decision: Some(Decision::new(policy, reason)),
+                decision: Some(Decision::new(policy, reason.clone())),
             })?;
             return Ok(Lower {
                 dev: DevNum {
@@ -387,14 +382,14 @@ impl DmBackend {
     /// Puts a volume on its private worker for a snapshot, whose I/O only a
     /// worker can hold (the loop driver cannot hold still); the reason to
     /// go back to `kernel` with after it, when it was there.
-    fn onto_worker(&self, volume_id: Uuid) -> Result<Option<String>, BackendError> {
+    fn onto_worker(&self, volume_id: Uuid) -> Result<Option<Reason>, BackendError> {
         self.with_volume(volume_id, |v| match v.dispatch {
             DispatchPolicy::Direct => Err(BackendError::Refused {
                 reason: blockplane_protocol::SNAPSHOT_OF_DIRECT.into(),
             }),
             DispatchPolicy::Kernel => {
                 let reason = v.reason.clone();
-                self.switch(volume_id, v, DispatchPolicy::Nowait, COPY_ON_WORKER.into())?;
+                self.switch(volume_id, v, DispatchPolicy::Nowait, Reason::CopyOnWorker)?;
                 Ok(Some(reason))
             }
             _ => Ok(None),
@@ -403,19 +398,21 @@ impl DmBackend {
 
     /// After a snapshot: back to `kernel` when [`Self::onto_worker`] moved
     /// the volume off it; on a refusal it serves on, on the worker, saying so.
-    fn back_to_kernel(&self, volume_id: Uuid, kernel: Option<String>) -> Result<(), BackendError> {
+    fn back_to_kernel(&self, volume_id: Uuid, kernel: Option<Reason>) -> Result<(), BackendError> {
         let Some(reason) = kernel else {
             return Ok(());
         };
         self.with_volume(volume_id, |v| {
             // A limit set meanwhile needs the worker, which enforces it.
             if v.params.qos.is_some() {
-                v.reason = dispatch::QOS_NOWAIT.into();
+                v.reason = Reason::QosNowait;
                 return Ok(());
             }
             if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Kernel, reason) {
                 tracing::warn!(volume = %volume_id, error = %e, "could not go back to kernel after a copy");
-                v.reason = format!("auto chose nowait: back to kernel after a copy refused: {e}");
+                v.reason = Reason::CopyReturnRefused {
+                    error: e.to_string(),
+                };
             }
             Ok(())
         })
@@ -428,7 +425,7 @@ impl DmBackend {
         volume_id: Uuid,
         v: &mut DmVolume,
         to: DispatchPolicy,
-        reason: String,
+        reason: Reason,
     ) -> Result<(), BackendError> {
         let from = v.dispatch;
         if v.copying.is_some() && from != to {
@@ -444,10 +441,7 @@ impl DmBackend {
                 // Both on the private worker: it switches by itself.
                 self.ublk.change(
                     volume_id,
-                    Request::SetDispatch {
-                        dispatch: wire::data_path(to),
-                        reason: reason.clone(),
-                    },
+                    Request::set_dispatch(wire::data_path(to), &reason),
                 )?;
             }
             (false, false) => {
@@ -571,7 +565,7 @@ impl DmBackend {
     ) -> Result<(), BackendError> {
         let no_worker = matches!(v.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel);
         let old = v.params.qos;
-        let moved_for_qos = old.is_some() || v.reason == dispatch::QOS_NOWAIT;
+        let moved_for_qos = old.is_some() || v.reason == Reason::QosNowait;
         if qos.is_some() {
             let moved = dispatch::qos_on_dm(v.params.dispatch, no_worker, &self.path())
                 .map_err(qos_not_live)?;
@@ -602,27 +596,19 @@ impl DmBackend {
         if !(moved_for_qos && v.params.dispatch == DispatchPolicy::Auto) {
             return Ok(());
         }
-        let back = dispatch::decide(
-            v.image.as_fd(),
-            v.params.size_bytes,
-            DispatchPolicy::Auto,
-            v.read_only,
-            &self.path(),
-        )?;
-        let reason = match back.dispatch {
-            DispatchPolicy::Direct => back.reason.trim_start_matches("auto: ").to_string(),
-            DispatchPolicy::Kernel => format!(
-                "kernel serves it: {}",
-                back.reason.trim_start_matches("auto chose kernel: ")
-            ),
+        let back = dispatch::after_last_limit(&ask(v, DispatchPolicy::Auto, &self.path()))?;
+        let Reason::LastLimitRemoved { .. } = back.reason else {
             // Stays on the worker: say why, no longer the limit.
-            _ => return self.switch(volume_id, v, back.dispatch, back.reason),
+            return self.switch(volume_id, v, back.dispatch, back.reason);
         };
         let to = back.dispatch;
-        if let Err(e) = self.switch(volume_id, v, to, format!("{LAST_LIMIT_REMOVED}{reason}")) {
+        if let Err(e) = self.switch(volume_id, v, to, back.reason) {
             // The pin (or the loop driver) refused it: serve on, saying so.
             tracing::warn!(volume = %volume_id, error = %e, "could not leave the worker after the last QoS limit");
-            let why = format!("auto chose nowait: back to {} refused: {e}", to.as_str());
+            let why = Reason::BackRefused {
+                to,
+                error: e.to_string(),
+            };
             self.switch(volume_id, v, v.dispatch, why)?;
         }
         Ok(())
@@ -652,7 +638,7 @@ impl DmBackend {
         volume_id: Uuid,
         v: &mut DmVolume,
         to: DispatchPolicy,
-        reason: &str,
+        reason: &Reason,
     ) -> Result<(), BackendError> {
         let pin = v.direct.as_ref().map(|(_, p)| *p);
         let mut started = None;
@@ -713,9 +699,10 @@ impl DmBackend {
         };
         let Some(what) = drift else { return };
         tracing::error!(%volume_id, %what, "dm direct map drifted: moving to nowait");
-        let reason = format!(
-            "direct-map rule 5: the image's extents changed ({what}); serving on nowait through a private ublk device"
-        );
+        let reason = Reason::ExtentsChanged {
+            what,
+            on_private: true,
+        };
         // The pin is gone (someone cleared it to move blocks): do not restore it.
         if let Some((_, pin)) = v.direct.as_mut() {
             pin.was_immutable = true;
@@ -723,8 +710,8 @@ impl DmBackend {
         let outcome = self.switch(volume_id, v, DispatchPolicy::Nowait, reason.clone());
         let (kind, state, message) = match outcome {
             Ok(()) => {
-                v.degraded = Some(reason.clone());
-                ("volume_degraded", VolumeState::Degraded, reason)
+                v.degraded = Some(reason.to_string());
+                ("volume_degraded", VolumeState::Degraded, reason.to_string())
             }
             Err(e) => {
                 // No ublk to fall back to: stop the mapping rather than write
@@ -1018,11 +1005,12 @@ impl VolumeBackend for DmBackend {
             lock: req.image_lock,
             params,
             dispatch: req.params.dispatch,
-            reason: req
-                .stored
-                .as_ref()
-                .map(|a| a.dispatch_reason.clone())
-                .unwrap_or_default(),
+            reason: req.stored.as_ref().map_or_else(
+                || Reason::Words {
+                    words: String::new(),
+                },
+                |a| a.dispatch_reason.clone(),
+            ),
             read_only,
             direct: None,
             private_ublk: None,
@@ -1176,7 +1164,7 @@ impl VolumeBackend for DmBackend {
             DispatchPolicy::Direct => Ok(true),
             // The worker fills while it serves; the loop driver cannot.
             DispatchPolicy::Kernel => self
-                .switch(volume_id, v, DispatchPolicy::Nowait, FILL_ON_WORKER.into())
+                .switch(volume_id, v, DispatchPolicy::Nowait, Reason::FillOnWorker)
                 .map(|()| false),
             _ => Ok(false),
         })?;
@@ -1269,7 +1257,7 @@ impl VolumeBackend for DmBackend {
         &self,
         _att: &Attachment,
         volume_id: Uuid,
-        reason: String,
+        reason: Reason,
     ) -> Result<Attachment, BackendError> {
         self.with_volume(volume_id, |v| {
             if v.dispatch == DispatchPolicy::Direct {
@@ -1336,7 +1324,8 @@ impl VolumeBackend for DmBackend {
         // it left `kernel` with.
         let kernel = self.with_volume(volume_id, |v| {
             let recorded = v.copying.take().flatten();
-            Ok(recorded.or_else(|| (v.reason == COPY_ON_WORKER).then(|| KERNEL_AFTER_COPY.into())))
+            Ok(recorded
+                .or_else(|| (v.reason == Reason::CopyOnWorker).then_some(Reason::KernelAfterCopy)))
         });
         let back = kernel.and_then(|k| self.back_to_kernel(volume_id, k));
         // The copy's own error first.
@@ -1453,21 +1442,14 @@ impl VolumeBackend for DmBackend {
                     {
                         return Err(qos_needs_worker(asked));
                     }
-                    let mut d = dispatch::decide_change(
-                        v.image.as_fd(),
-                        v.params.size_bytes,
-                        asked,
-                        v.read_only,
-                        &self.path(),
-                        v.dispatch == DispatchPolicy::Direct,
-                        &v.reason,
+                    let d = dispatch::decide_change(
+                        &ask(v, asked, &self.path()),
+                        &Running {
+                            direct: v.dispatch == DispatchPolicy::Direct,
+                            reason: &v.reason,
+                            qos: v.params.qos.is_some(),
+                        },
                     )?;
-                    // A limit stays enforced: `auto` keeps its worker.
-                    if v.params.qos.is_some()
-                        && matches!(d.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel)
-                    {
-                        d = Decision::new(DispatchPolicy::Nowait, dispatch::QOS_NOWAIT);
-                    }
                     self.switch(volume_id, v, d.dispatch, d.reason)?;
                     v.params.dispatch = asked;
                     v.degraded = None;

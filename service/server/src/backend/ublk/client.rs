@@ -44,7 +44,7 @@ impl UblkBackend {
             major,
             minor,
             dispatch: wire::active(s.dispatch),
-            dispatch_reason: s.dispatch_reason.clone(),
+            dispatch_reason: s.reason(),
             size_bytes: device_size,
             read_only: s.read_only,
             attached_at: OffsetDateTime::now_utc(),
@@ -269,9 +269,14 @@ impl UblkBackend {
     pub(super) fn tell(&self, volume_id: Uuid, req: Request) -> Result<Status, BackendError> {
         let s = self.ask(volume_id, &req)?;
         self.record(volume_id, |spec| match req {
-            Request::SetDispatch { dispatch, reason } => {
+            Request::SetDispatch {
+                dispatch,
+                reason,
+                why,
+            } => {
                 spec.dispatch = dispatch;
                 spec.dispatch_reason = reason;
+                spec.dispatch_why = why;
             }
             Request::SetReadOnly { read_only } => spec.refuse_writes = read_only,
             Request::SetQos { qos } => spec.qos = qos,

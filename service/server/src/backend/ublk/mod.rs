@@ -36,7 +36,7 @@ use blockplane_api::model::{
 use blockplane_protocol::{
     self as protocol, CANNOT_FILL_READ_ONLY, Peer, Request, WorkerSpec, WorkerStats,
 };
-use blockplane_system::dispatch;
+use blockplane_system::dispatch::{self, Ask, Reason, Running};
 use blockplane_system::extent;
 
 use crate::backend::wire;
@@ -402,14 +402,11 @@ impl VolumeBackend for UblkBackend {
         &self,
         att: &Attachment,
         volume_id: Uuid,
-        reason: String,
+        reason: Reason,
     ) -> Result<Attachment, BackendError> {
         let status = self.tell(
             volume_id,
-            Request::SetDispatch {
-                dispatch: protocol::DataPath::Nowait,
-                reason,
-            },
+            Request::set_dispatch(protocol::DataPath::Nowait, &reason),
         )?;
         let mut out = self.attachment(&status)?;
         out.attached_at = att.attached_at;
@@ -479,13 +476,13 @@ impl VolumeBackend for UblkBackend {
                     return Ok(());
                 };
                 if d == DispatchPolicy::Direct && att.dispatch != ActiveDispatch::Direct {
-                    dispatch::decide(
-                        w.image.as_fd(),
-                        att.size_bytes,
-                        d,
-                        att.read_only,
-                        &self.path(),
-                    )?;
+                    dispatch::decide(&Ask {
+                        image: w.image.as_fd(),
+                        size: att.size_bytes,
+                        policy: d,
+                        refuse_writes: att.read_only,
+                        path: &self.path(),
+                    })?;
                 }
                 Ok(())
             }
@@ -522,20 +519,23 @@ impl VolumeBackend for UblkBackend {
                 let Decision {
                     dispatch, reason, ..
                 } = dispatch::decide_change(
-                    image.as_fd(),
-                    att.size_bytes,
-                    asked,
-                    att.read_only,
-                    &self.path(),
-                    att.dispatch == ActiveDispatch::Direct,
-                    &att.dispatch_reason,
+                    &Ask {
+                        image: image.as_fd(),
+                        size: att.size_bytes,
+                        policy: asked,
+                        refuse_writes: att.read_only,
+                        path: &self.path(),
+                    },
+                    // The worker enforces a limit on every path: none keeps it.
+                    &Running {
+                        direct: att.dispatch == ActiveDispatch::Direct,
+                        reason: &att.dispatch_reason,
+                        qos: false,
+                    },
                 )?;
                 self.tell(
                     volume_id,
-                    Request::SetDispatch {
-                        dispatch: wire::data_path(dispatch),
-                        reason,
-                    },
+                    Request::set_dispatch(wire::data_path(dispatch), &reason),
                 )?
             }
             Change::ReadOnly(read_only) => {

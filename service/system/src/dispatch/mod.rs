@@ -15,10 +15,14 @@
 //! refuses when it differs from the decision's. Nothing can move the image's
 //! blocks once it is pinned, so the map compared there is the one served.
 
+mod reason;
+
 use std::os::fd::BorrowedFd;
 
 use crate::extent::{self, ExtentMap, MapError};
-use blockplane_api::model::{ActiveDispatch, DispatchPolicy};
+use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy};
+
+pub use reason::{KERNEL_HOW, On, Reason};
 
 /// The policy decided for a volume, why, and (for `direct`) the map the
 /// decision was made from.
@@ -26,21 +30,48 @@ use blockplane_api::model::{ActiveDispatch, DispatchPolicy};
 pub struct Decision {
     /// Never `Auto`.
     pub dispatch: DispatchPolicy,
-    /// Why, in the words the volume reports as its dispatch reason.
-    pub reason: String,
+    /// Why (in words, the volume's `dispatch_reason`).
+    pub reason: Reason,
     /// The image's extent map, read for this decision (`direct` only).
     pub map: Option<ExtentMap>,
 }
 
 impl Decision {
     /// A decision that needs no map (every policy but `direct`).
-    pub fn new(dispatch: DispatchPolicy, reason: impl Into<String>) -> Self {
+    pub fn new(dispatch: DispatchPolicy, reason: Reason) -> Self {
         Self {
             dispatch,
-            reason: reason.into(),
+            reason,
             map: None,
         }
     }
+}
+
+/// What a decision is asked about: an image of `size` bytes, the policy
+/// asked, whether the volume refuses writes, and what serves it.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// The image.
+    pub image: BorrowedFd<'a>,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The policy asked.
+    pub policy: DispatchPolicy,
+    /// The volume refuses writes (rule 3 does not apply).
+    pub refuse_writes: bool,
+    /// What serves it.
+    pub path: &'a Path,
+}
+
+/// A volume a live change is asked of, as it runs now.
+#[derive(Debug, Clone, Copy)]
+pub struct Running<'a> {
+    /// It is on `direct`.
+    pub direct: bool,
+    /// Why it runs what it runs.
+    pub reason: &'a Reason,
+    /// It has a QoS limit.
+    pub qos: bool,
 }
 
 /// What serves the volume off the direct path, which words its reasons use,
@@ -61,6 +92,16 @@ pub enum Path {
         /// Why the kernel loop driver cannot serve here (`None`: it can).
         loop_missing: Option<String>,
     },
+}
+
+impl Path {
+    /// What serves, as reasons name it.
+    pub fn on(&self) -> On {
+        match self {
+            Path::Ublk { threads } => On::Ublk { threads: *threads },
+            Path::Dm { .. } => On::Dm,
+        }
+    }
 }
 
 /// Why no policy could be decided.
@@ -114,10 +155,6 @@ fn direct_map(
     Ok(map)
 }
 
-/// How dm's `kernel` path serves, in its reasons.
-pub const KERNEL_HOW: &str =
-    "a linear table over a private loop device with direct I/O: no worker on the data path";
-
 /// Why a ublk volume has no `kernel` path.
 pub const KERNEL_ON_UBLK: &str = "dispatch 'kernel' is dm's (a private loop device under its table); a ublk volume's worker serves every request: ask backend 'dm'";
 
@@ -153,14 +190,6 @@ pub fn direct_io_capable(image: BorrowedFd<'_>) -> bool {
         .is_ok()
 }
 
-/// Why `direct`, when asked, in the words of `path`.
-fn asked_direct(path: &Path) -> &'static str {
-    match path {
-        Path::Ublk { .. } => "the image passes every direct-map rule",
-        Path::Dm { .. } => "linear table over the image's extents",
-    }
-}
-
 /// Refuses a path off `direct` that `path` cannot serve here (dm without
 /// ublk for its private device); `what` names what asked for it.
 pub fn can_serve_off_direct(what: &str, path: &Path) -> Result<(), DispatchError> {
@@ -175,95 +204,100 @@ pub fn can_serve_off_direct(what: &str, path: &Path) -> Result<(), DispatchError
     }
 }
 
-/// Decides the policy for `asked` on an image of `size` bytes. The map is
-/// read once, only for `direct` and `auto`.
-pub fn decide(
-    image: BorrowedFd<'_>,
-    size: u64,
-    asked: DispatchPolicy,
-    refuse_writes: bool,
-    path: &Path,
-) -> Result<Decision, DispatchError> {
-    // How each path serves: (auto direct, the other policies).
-    let (auto_direct, other_how) = match path {
-        Path::Ublk { .. } => ("", ""),
-        Path::Dm { .. } => (
-            " (linear table over its extents)",
-            " (linear table over a private ublk device)",
-        ),
-    };
-    let direct = |reason: String, map| Decision {
+/// Decides the policy for `ask`. The map is read once, only for `direct`
+/// and `auto`.
+pub fn decide(ask: &Ask<'_>) -> Result<Decision, DispatchError> {
+    let Ask {
+        image,
+        size,
+        policy,
+        refuse_writes,
+        path,
+    } = *ask;
+    let on = path.on();
+    let direct = |reason, map| Decision {
         dispatch: DispatchPolicy::Direct,
         reason,
         map: Some(map),
     };
-    Ok(match asked {
+    let asked = |policy| Decision::new(policy, Reason::Asked { policy, on });
+    Ok(match policy {
         DispatchPolicy::Direct => {
             let map =
                 direct_map(image, size, refuse_writes, path).map_err(DispatchError::Refused)?;
-            direct(format!("asked: direct ({})", asked_direct(path)), map)
+            direct(Reason::Asked { policy, on }, map)
         }
         DispatchPolicy::Auto => match direct_map(image, size, refuse_writes, path) {
-            Ok(map) => direct(
-                format!("auto: the image passes every direct-map rule{auto_direct}"),
-                map,
-            ),
-            Err(e) => {
+            Ok(map) => direct(Reason::AutoDirect { on }, map),
+            Err(rule) => {
                 if let (Path::Dm { .. }, None) = (path, kernel_missing(image, path)) {
-                    return Ok(Decision::new(
-                        DispatchPolicy::Kernel,
-                        format!("auto chose kernel: {e} ({KERNEL_HOW})"),
-                    ));
+                    let to = DispatchPolicy::Kernel;
+                    return Ok(Decision::new(to, Reason::AutoFellBack { to, rule }));
                 }
-                can_serve_off_direct(&format!("auto fell back to nowait ({e}), which"), path)?;
-                Decision::new(DispatchPolicy::Nowait, format!("auto chose nowait: {e}"))
+                can_serve_off_direct(&format!("auto fell back to nowait ({rule}), which"), path)?;
+                let to = DispatchPolicy::Nowait;
+                Decision::new(to, Reason::AutoFellBack { to, rule })
             }
         },
         DispatchPolicy::Kernel => match kernel_missing(image, path) {
             Some(why) => return Err(DispatchError::Refused(why)),
-            None => Decision::new(
-                DispatchPolicy::Kernel,
-                format!("asked: kernel ({KERNEL_HOW})"),
-            ),
+            None => asked(policy),
         },
         other => {
             can_serve_off_direct(&format!("dispatch '{}'", other.as_str()), path)?;
-            let detail = match (other, path) {
-                (DispatchPolicy::Threaded, Path::Ublk { threads }) => {
-                    format!(" (io-wq, at most {threads} blocking workers per queue)")
-                }
-                _ => other_how.to_string(),
-            };
-            Decision::new(other, format!("asked: {}{detail}", other.as_str()))
+            asked(other)
         }
     })
 }
 
-/// Decides a live change of a volume's policy to `asked`. Two shortcuts read
-/// no map: `auto` asked of a volume on `direct` keeps it there with the
-/// reason in force (rule 5's checks watch it meanwhile), and `direct` is
-/// checked by whoever pins the image (the worker, the dm switch), under the
-/// pin, where the map cannot move (on a volume already direct, nothing moves).
-#[allow(clippy::too_many_arguments)]
-pub fn decide_change(
-    image: BorrowedFd<'_>,
-    size: u64,
-    asked: DispatchPolicy,
-    refuse_writes: bool,
-    path: &Path,
-    on_direct: bool,
-    reason_in_force: &str,
-) -> Result<Decision, DispatchError> {
-    match asked {
-        DispatchPolicy::Auto if on_direct => {
-            Ok(Decision::new(DispatchPolicy::Direct, reason_in_force))
+/// Decides a live change of a volume running as `now` to `ask`. Two
+/// shortcuts read no map: `auto` asked of a volume on `direct` keeps it
+/// there with the reason in force (rule 5's checks watch it meanwhile), and
+/// `direct` is checked by whoever pins the image (the worker, the dm
+/// switch), under the pin, where the map cannot move (on a volume already
+/// direct, nothing moves). On dm a QoS limit keeps `auto` on its worker,
+/// which enforces it.
+pub fn decide_change(ask: &Ask<'_>, now: &Running<'_>) -> Result<Decision, DispatchError> {
+    let d = match ask.policy {
+        DispatchPolicy::Auto if now.direct => {
+            Decision::new(DispatchPolicy::Direct, now.reason.clone())
         }
-        DispatchPolicy::Direct => Ok(Decision::new(
+        DispatchPolicy::Direct => Decision::new(
             DispatchPolicy::Direct,
-            format!("asked: direct ({})", asked_direct(path)),
-        )),
-        _ => decide(image, size, asked, refuse_writes, path),
-    }
+            Reason::Asked {
+                policy: DispatchPolicy::Direct,
+                on: ask.path.on(),
+            },
+        ),
+        _ => decide(ask)?,
+    };
+    let keeps_worker = ask.policy == DispatchPolicy::Auto
+        && now.qos
+        && matches!(ask.path, Path::Dm { .. })
+        && matches!(d.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel);
+    Ok(match keeps_worker {
+        true => Decision::new(DispatchPolicy::Nowait, Reason::QosNowait),
+        false => d,
+    })
+}
+
+/// Decides where a dm volume under `auto` goes when its last QoS limit is
+/// removed: back to the kernel's path (`direct` or `kernel`), saying the
+/// limit's removal took it there, or on its worker, saying why.
+pub fn after_last_limit(ask: &Ask<'_>) -> Result<Decision, DispatchError> {
+    let back = decide(&Ask {
+        policy: DispatchPolicy::Auto,
+        ..*ask
+    })?;
+    Ok(match back.dispatch {
+        DispatchPolicy::Direct | DispatchPolicy::Kernel => Decision {
+            reason: Reason::LastLimitRemoved {
+                back: Box::new(back.reason),
+            },
+            ..back
+        },
+        _ => back,
+    })
 }
 
 /// Whether `backend: auto` tries dm first: for `dispatch: auto` with no
@@ -282,55 +316,32 @@ pub fn auto_tries_dm(asked: DispatchPolicy, qos: bool) -> bool {
 /// saying the backend was chosen too; else why not (the rule that kept dm
 /// off both).
 pub fn auto_on_dm(dm: Decision) -> Result<Decision, String> {
-    let reason = match (dm.dispatch, why_not_direct(&dm)) {
-        (DispatchPolicy::Direct, _) => "auto: backend dm, direct: the image passes every direct-map rule (linear table over its extents, the fastest path)".to_string(),
-        (DispatchPolicy::Kernel, Some(why)) => format!(
-            "auto: backend dm, kernel: {why} ({KERNEL_HOW}; the fastest path for an image no backend maps direct)"
-        ),
-        (DispatchPolicy::Kernel, None) => {
-            format!("{}; backend auto chose dm, the one backend with it", dm.reason)
-        }
-        (_, why) => return Err(why.unwrap_or(&dm.reason).to_string()),
+    let reason = match (dm.dispatch, dm.reason.rule_off_direct()) {
+        (DispatchPolicy::Direct, _) => Reason::BackendDmDirect,
+        (DispatchPolicy::Kernel, Some(rule)) => Reason::BackendDmKernel {
+            rule: rule.to_string(),
+        },
+        (DispatchPolicy::Kernel, None) => Reason::BackendDmOnly {
+            asked: Box::new(dm.reason.clone()),
+        },
+        (_, Some(rule)) => return Err(rule.to_string()),
+        (_, None) => return Err(dm.reason.to_string()),
     };
     Ok(Decision { reason, ..dm })
 }
 
-/// The rule that kept an `auto` decision off `direct` (`None`: it is
-/// `direct`, or a policy asked by name).
-pub fn why_not_direct(d: &Decision) -> Option<&str> {
-    match d.reason.strip_prefix("auto chose kernel: ") {
-        Some(r) => r
-            .strip_suffix(')')
-            .and_then(|r| r.strip_suffix(KERNEL_HOW))
-            .and_then(|r| r.strip_suffix(" ("))
-            .or(Some(r)),
-        None => d.reason.strip_prefix("auto chose nowait: "),
-    }
-}
-
-/// The decision of the backend `backend: auto` took when dm did not map the
-/// image `direct` (`why_not_dm`), with that reason added; once, when the
-/// backend's own reason already gives the same rule (a hole keeps both off
-/// `direct`).
-pub fn auto_off_dm(d: Decision, backend: &str, why_not_dm: &str) -> Decision {
-    let why = if d.reason.contains(why_not_dm) {
-        "either, by the same rule".to_string()
-    } else {
-        format!("({why_not_dm})")
-    };
+/// The decision of `backend`, which `backend: auto` took when dm did not
+/// map the image `direct` (`why_not_dm`), with that reason added.
+pub fn auto_off_dm(d: Decision, backend: Backend, why_not_dm: &str) -> Decision {
     Decision {
-        reason: format!(
-            "{}; backend auto chose {backend}: dm would not map it direct {why}",
-            d.reason
-        ),
+        reason: Reason::BackendOffDm {
+            chosen: Box::new(d.reason.clone()),
+            backend,
+            why_not_dm: why_not_dm.to_string(),
+        },
         ..d
     }
 }
-
-/// The reason of a dm volume under `auto` that runs `nowait` for its QoS
-/// limit (and goes back to `direct` or `kernel` when the last limit is
-/// removed).
-pub const QOS_NOWAIT: &str = "auto chose nowait: a QoS limit is set, which only a worker enforces (dm direct and kernel have none); back to the kernel's path when the last limit is removed";
 
 /// Why a dm volume whose user asked `direct` by name takes no QoS limit.
 pub const QOS_PINNED_DIRECT: &str = "QoS needs a worker to enforce it, and dm dispatch 'direct', asked by name, has none (a linear table sends each request straight to the disk); ask dispatch 'auto' (nowait while a limit is set) or 'nowait'";
@@ -357,15 +368,10 @@ pub fn qos_on_dm(
         _ => {}
     }
     can_serve_off_direct("QoS on dm (enforced by a private ublk worker)", path)?;
-    Ok(Some(Decision::new(DispatchPolicy::Nowait, QOS_NOWAIT)))
-}
-
-/// Why a volume left `direct` for a snapshot or clone named `copy` of its
-/// image (the reason it then runs `nowait` with).
-pub fn left_direct_for_copy(copy: &str) -> String {
-    format!(
-        "left direct for nowait: image '{copy}' was made from this volume's image and shares its extents, which a direct map must own alone (direct-map rule: no SHARED extents)"
-    )
+    Ok(Some(Decision::new(
+        DispatchPolicy::Nowait,
+        Reason::QosNowait,
+    )))
 }
 
 /// The path a named policy runs (`None` for `auto`, which decides it).
@@ -393,6 +399,7 @@ pub fn policy_of(active: ActiveDispatch) -> DispatchPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     /// A regular file on the test host's /tmp (tmpfs or not ext4/xfs): the
     /// map cannot be built, which exercises every fallback.
@@ -402,23 +409,43 @@ mod tests {
         f
     }
 
+    /// The ask for `policy` of a writable 1 MiB `image` on `path`.
+    fn ask<'a>(image: &'a std::fs::File, policy: DispatchPolicy, path: &'a Path) -> Ask<'a> {
+        Ask {
+            image: image.as_fd(),
+            size: 1 << 20,
+            policy,
+            refuse_writes: false,
+            path,
+        }
+    }
+
     #[test]
     fn auto_falls_back_to_nowait_with_the_rule_and_direct_is_refused() {
-        use std::os::fd::AsFd;
         let f = image();
-        let fd = f.as_fd();
         let ublk = Path::Ublk { threads: 4 };
-        let d = decide(fd, 1 << 20, DispatchPolicy::Auto, false, &ublk).unwrap();
+        let d = decide(&ask(&f, DispatchPolicy::Auto, &ublk)).unwrap();
         assert_eq!(d.dispatch, DispatchPolicy::Nowait);
-        assert!(d.reason.starts_with("auto chose nowait: "), "{}", d.reason);
+        assert!(
+            matches!(&d.reason, Reason::AutoFellBack { to: DispatchPolicy::Nowait, rule } if rule.starts_with("direct-map rule ")),
+            "{:?}",
+            d.reason
+        );
         assert!(d.map.is_none());
         assert!(matches!(
-            decide(fd, 1 << 20, DispatchPolicy::Direct, false, &ublk),
+            decide(&ask(&f, DispatchPolicy::Direct, &ublk)),
             Err(DispatchError::Refused(_))
         ));
-        let t = decide(fd, 1 << 20, DispatchPolicy::Threaded, false, &ublk).unwrap();
+        let t = decide(&ask(&f, DispatchPolicy::Threaded, &ublk)).unwrap();
         assert_eq!(
             t.reason,
+            Reason::Asked {
+                policy: DispatchPolicy::Threaded,
+                on: On::Ublk { threads: 4 }
+            }
+        );
+        assert_eq!(
+            t.reason.to_string(),
             "asked: threaded (io-wq, at most 4 blocking workers per queue)"
         );
         // dm: off direct, kernel when the loop driver serves, else ublk.
@@ -426,18 +453,28 @@ mod tests {
             ublk_missing: Some("no ublk_drv".into()),
             loop_missing: None,
         };
-        let k = decide(fd, 1 << 20, DispatchPolicy::Auto, false, &dm).unwrap();
-        if direct_io_capable(fd) {
+        let k = decide(&ask(&f, DispatchPolicy::Auto, &dm)).unwrap();
+        if direct_io_capable(f.as_fd()) {
             assert_eq!(k.dispatch, DispatchPolicy::Kernel, "{}", k.reason);
-            assert!(k.reason.starts_with("auto chose kernel: "), "{}", k.reason);
+            assert!(
+                matches!(
+                    k.reason,
+                    Reason::AutoFellBack {
+                        to: DispatchPolicy::Kernel,
+                        ..
+                    }
+                ),
+                "{:?}",
+                k.reason
+            );
         } else {
             assert!(matches!(
-                decide(fd, 1 << 20, DispatchPolicy::Kernel, false, &dm),
+                decide(&ask(&f, DispatchPolicy::Kernel, &dm)),
                 Err(DispatchError::Refused(m)) if m.contains("O_DIRECT")
             ));
         }
         assert!(matches!(
-            decide(fd, 1 << 20, DispatchPolicy::Kernel, false, &ublk),
+            decide(&ask(&f, DispatchPolicy::Kernel, &ublk)),
             Err(DispatchError::Refused(m)) if m == KERNEL_ON_UBLK
         ));
         let dm = Path::Dm {
@@ -445,43 +482,37 @@ mod tests {
             loop_missing: Some("no /dev/loop-control".into()),
         };
         assert!(matches!(
-            decide(fd, 1 << 20, DispatchPolicy::Auto, false, &dm),
+            decide(&ask(&f, DispatchPolicy::Auto, &dm)),
             Err(DispatchError::NeedsUblk(m)) if m.contains("no ublk_drv")
         ));
         let dm = Path::Dm {
             ublk_missing: None,
             loop_missing: None,
         };
-        let n = decide(fd, 1 << 20, DispatchPolicy::Nowait, false, &dm).unwrap();
+        let n = decide(&ask(&f, DispatchPolicy::Nowait, &dm)).unwrap();
         assert_eq!(
-            n.reason,
+            n.reason.to_string(),
             "asked: nowait (linear table over a private ublk device)"
         );
     }
 
     #[test]
     fn a_change_keeps_direct_or_leaves_it_to_the_pin() {
-        use std::os::fd::AsFd;
         let f = image();
         let ublk = Path::Ublk { threads: 4 };
-        let change = |asked, on_direct| {
-            decide_change(
-                f.as_fd(),
-                1 << 20,
-                asked,
-                false,
-                &ublk,
-                on_direct,
-                "in force",
-            )
+        let in_force = Reason::AutoDirect { on: ublk.on() };
+        let change = |policy, direct| {
+            let now = Running {
+                direct,
+                reason: &in_force,
+                qos: false,
+            };
+            decide_change(&ask(&f, policy, &ublk), &now)
         };
         // auto on direct: kept, with the reason in force, though this image
         // would fail the rules now.
         let d = change(DispatchPolicy::Auto, true).unwrap();
-        assert_eq!(
-            (d.dispatch, d.reason.as_str()),
-            (DispatchPolicy::Direct, "in force")
-        );
+        assert_eq!((d.dispatch, &d.reason), (DispatchPolicy::Direct, &in_force));
         // auto off direct: decided (here: nowait, the rules fail).
         assert_eq!(
             change(DispatchPolicy::Auto, false).unwrap().dispatch,
@@ -492,8 +523,62 @@ mod tests {
             let d = change(DispatchPolicy::Direct, on_direct).unwrap();
             assert_eq!((d.dispatch, d.map), (DispatchPolicy::Direct, None));
             assert_eq!(
-                d.reason,
+                d.reason.to_string(),
                 "asked: direct (the image passes every direct-map rule)"
+            );
+        }
+    }
+
+    /// On dm a QoS limit keeps `auto` on the worker that enforces it,
+    /// where `auto` would otherwise go to `direct` or `kernel`.
+    #[test]
+    fn a_change_to_auto_keeps_a_dm_volume_with_a_limit_on_its_worker() {
+        let f = image();
+        let dm = Path::Dm {
+            ublk_missing: None,
+            loop_missing: None,
+        };
+        let in_force = Reason::QosNowait;
+        for (direct, qos) in [(true, true), (false, true), (true, false)] {
+            let now = Running {
+                direct,
+                reason: &in_force,
+                qos,
+            };
+            let d = decide_change(&ask(&f, DispatchPolicy::Auto, &dm), &now).unwrap();
+            if qos {
+                assert_eq!(
+                    (d.dispatch, d.reason),
+                    (DispatchPolicy::Nowait, Reason::QosNowait)
+                );
+            } else {
+                assert_eq!(d.dispatch, DispatchPolicy::Direct);
+            }
+        }
+    }
+
+    /// Back from the last limit: the path `auto` decides, saying the
+    /// limit's removal took it there.
+    #[test]
+    fn the_last_limit_removed_takes_auto_back_to_the_kernels_path() {
+        let f = image();
+        let dm = Path::Dm {
+            ublk_missing: None,
+            loop_missing: None,
+        };
+        let d = after_last_limit(&ask(&f, DispatchPolicy::Auto, &dm)).unwrap();
+        if direct_io_capable(f.as_fd()) {
+            assert_eq!(d.dispatch, DispatchPolicy::Kernel);
+            let Reason::LastLimitRemoved { back } = &d.reason else {
+                panic!("{:?}", d.reason)
+            };
+            assert!(matches!(**back, Reason::AutoFellBack { .. }), "{back:?}");
+            assert!(
+                d.reason.to_string().starts_with(
+                    "auto: the last QoS limit was removed, and kernel serves it: direct-map rule "
+                ),
+                "{}",
+                d.reason
             );
         }
     }
@@ -509,55 +594,61 @@ mod tests {
         ] {
             assert!(!auto_tries_dm(named, false), "{named:?}");
         }
-        let d = auto_on_dm(Decision::new(DispatchPolicy::Direct, "x")).unwrap();
-        assert_eq!(d.dispatch, DispatchPolicy::Direct);
-        assert!(
-            d.reason.starts_with("auto: backend dm, direct"),
-            "{}",
-            d.reason
+        let d = auto_on_dm(Decision::new(
+            DispatchPolicy::Direct,
+            Reason::AutoDirect { on: On::Dm },
+        ))
+        .unwrap();
+        assert_eq!(
+            (d.dispatch, &d.reason),
+            (DispatchPolicy::Direct, &Reason::BackendDmDirect)
         );
         // kernel: dm too, under auto or by name (no other backend has it).
         assert!(auto_tries_dm(DispatchPolicy::Kernel, false));
+        let rule = "direct-map rule 2: a hole (how)".to_string();
         let raw = Decision::new(
             DispatchPolicy::Kernel,
-            format!("auto chose kernel: direct-map rule 2: a hole (how) ({KERNEL_HOW})"),
+            Reason::AutoFellBack {
+                to: DispatchPolicy::Kernel,
+                rule: rule.clone(),
+            },
         );
-        assert_eq!(
-            why_not_direct(&raw),
-            Some("direct-map rule 2: a hole (how)")
-        );
+        assert_eq!(raw.reason.rule_off_direct(), Some(rule.as_str()));
         let k = auto_on_dm(raw).unwrap();
+        assert_eq!(k.reason, Reason::BackendDmKernel { rule: rule.clone() });
         assert_eq!(
-            k.reason,
+            k.reason.to_string(),
             format!(
                 "auto: backend dm, kernel: direct-map rule 2: a hole (how) ({KERNEL_HOW}; the fastest path for an image no backend maps direct)"
             )
         );
-        let why = auto_on_dm(Decision::new(
-            DispatchPolicy::Nowait,
-            "auto chose nowait: direct-map rule 2: a hole",
-        ))
-        .unwrap_err();
-        assert_eq!(why, "direct-map rule 2: a hole");
+        let hole = "direct-map rule 2: a hole".to_string();
+        let fell_back = Reason::AutoFellBack {
+            to: DispatchPolicy::Nowait,
+            rule: hole.clone(),
+        };
+        let why = auto_on_dm(Decision::new(DispatchPolicy::Nowait, fell_back.clone())).unwrap_err();
+        assert_eq!(why, hole);
+        let asked = Reason::Asked {
+            policy: DispatchPolicy::Nowait,
+            on: On::Ublk { threads: 4 },
+        };
         let u = auto_off_dm(
-            Decision::new(DispatchPolicy::Nowait, "ublk's"),
-            "ublk",
+            Decision::new(DispatchPolicy::Nowait, asked),
+            Backend::Ublk,
             &why,
         );
         assert_eq!(
-            u.reason,
-            "ublk's; backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
+            u.reason.to_string(),
+            "asked: nowait; backend auto chose ublk: dm would not map it direct (direct-map rule 2: a hole)"
         );
         let same = auto_off_dm(
-            Decision::new(
-                DispatchPolicy::Nowait,
-                "auto chose nowait: direct-map rule 2: a hole",
-            ),
-            "ublk",
+            Decision::new(DispatchPolicy::Nowait, fell_back),
+            Backend::Ublk,
             &why,
         );
         assert_eq!(
-            same.reason,
+            same.reason.to_string(),
             "auto chose nowait: direct-map rule 2: a hole; backend auto chose ublk: dm would not map it direct either, by the same rule"
         );
     }
@@ -579,8 +670,8 @@ mod tests {
         // On direct under auto: to nowait, with the reason.
         let d = qos_on_dm(DispatchPolicy::Auto, true, &dm).unwrap().unwrap();
         assert_eq!(
-            (d.dispatch, d.reason.as_str()),
-            (DispatchPolicy::Nowait, QOS_NOWAIT)
+            (d.dispatch, d.reason),
+            (DispatchPolicy::Nowait, Reason::QosNowait)
         );
         // direct asked by name: refused, with the rule.
         assert!(matches!(
