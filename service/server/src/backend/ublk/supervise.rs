@@ -46,7 +46,7 @@ impl UblkBackend {
     }
 
     pub(super) fn state_file(&self, volume_id: Uuid) -> Option<blockplane_protocol::StateFile> {
-        read_state(&self.run_dir(volume_id))
+        blockplane_protocol::StateFile::read(&self.run_dir(volume_id))
     }
 
     /// Marks a run dir as this instance's (see [`run_dir_instance`]).
@@ -539,15 +539,8 @@ pub(super) fn last_error_line(run_dir: &Path) -> String {
         .to_string()
 }
 
-/// The worker's state file in its run dir.
-pub(super) const STATE_FILE: &str = "state.json";
-
 /// The file in a run dir naming the service instance that made it.
 const INSTANCE_FILE: &str = "instance";
-
-fn read_state(run_dir: &Path) -> Option<blockplane_protocol::StateFile> {
-    serde_json::from_slice(&std::fs::read(run_dir.join(STATE_FILE)).ok()?).ok()
-}
 
 /// The instance that made a run dir (`None`: unmarked, made before run dirs
 /// carried one).
@@ -584,7 +577,7 @@ pub fn foreign_workers(run_root: &Path, instance: &str) -> Vec<ForeignWorker> {
             if marked.as_deref() == Some(instance) {
                 return None;
             }
-            let state = read_state(&run_dir)?;
+            let state = blockplane_protocol::StateFile::read(&run_dir)?;
             let pid = Some(state.pid).filter(|p| is_our_worker(*p, volume_id));
             let device = format!("/dev/ublkb{}", state.dev_id);
             let exists = Path::new(&device).exists();

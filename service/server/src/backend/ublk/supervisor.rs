@@ -27,11 +27,11 @@ use rustix::fs::inotify;
 use rustix::io::Errno;
 use uuid::Uuid;
 
-use super::{UblkBackend, supervise::STATE_FILE};
+use super::UblkBackend;
 use crate::backend::{BackendEvent, Stopped, SupervisorState, SupervisorStatus, Unsupervised};
 use crate::fault::SupervisorFault;
 use blockplane_api::model::VolumeState;
-use blockplane_protocol::{self as protocol, Answer, Request};
+use blockplane_protocol::{self as protocol, Answer, Request, STATE_FILE};
 
 /// The epoll key of the wake-up eventfd.
 const WAKE: u64 = u64::MAX;
