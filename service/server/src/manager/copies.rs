@@ -253,17 +253,19 @@ impl Manager {
         let made = self
             .make_copy_file(&src, &path, name, &attached, grow, &mut undo)
             .await?;
-        if let Some(src_file) = &made.copy_from {
-            copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
-        }
-        let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
-        let (event, how) = copy_event(name, snapshot, &made);
-        let kind = if snapshot {
-            "a read-only snapshot"
-        } else {
-            "a writable clone"
-        };
+        // From here the copy of one moment may run: any refusal stops it
+        // before the file is undone.
         let recorded = async {
+            if let Some(src_file) = &made.copy_from {
+                copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
+            }
+            let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
+            let (event, how) = copy_event(name, snapshot, &made);
+            let kind = if snapshot {
+                "a read-only snapshot"
+            } else {
+                "a writable clone"
+            };
             let mut tx = self.store.begin().await?;
             tx.insert_image(&row).await?;
             tx.event(
@@ -280,15 +282,19 @@ impl Manager {
                 tx.event(None, Some(row.id), "image_overcommitted", w)
                     .await?;
             }
-            tx.commit().await
+            tx.commit().await?;
+            Ok::<_, Error>(row)
         }
         .await;
-        if let Err(e) = recorded {
-            if let Some(c) = &made.copier {
-                c.stop().await;
+        let row = match recorded {
+            Ok(row) => row,
+            Err(e) => {
+                if let Some(c) = &made.copier {
+                    c.stop().await;
+                }
+                return Err(e);
             }
-            return Err(e.into());
-        }
+        };
         undo.commit();
         tracing::info!(image = %row.name, source = %src.name, reflinked = made.reflinked(), "image copy recorded");
         if let Some(c) = made.copier {
