@@ -314,10 +314,11 @@ fn handle(cx: &Ctx, req: Request) -> Answer {
             }
         }
         Request::SetReadOnly { read_only } => {
+            // The service's rule, guarded here: the image is open read-only.
             if !read_only && s.spec.read_only {
                 return error(
                     ErrorCode::Refused,
-                    "the volume was created read-only: its worker holds the image read-only; delete it and create it again with \"read_only\": false",
+                    "invariant: a worker started read-only never takes writes (the service refuses this first)",
                 );
             }
             match s.reconfigure(|c| c.read_only = read_only) {

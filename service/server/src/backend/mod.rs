@@ -80,6 +80,12 @@ impl From<DispatchError> for BackendError {
                 backend: "dm",
                 reason,
             },
+            // Only dm has paths without a worker.
+            DispatchError::LimitNeedsWorker(reason) => BackendError::NotLive {
+                backend: "dm",
+                field: "dispatch",
+                reason,
+            },
         }
     }
 }
@@ -682,8 +688,11 @@ impl SpecCheck {
     }
 }
 
-/// Why a volume created read-only cannot be made writable.
-pub const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete it and create it again with \"read_only\": false";
+/// A backend's guard, never the rule: the manager refuses to make a volume
+/// created read-only writable (`manager::volumes`), so a backend asked to
+/// is a bug, and it refuses rather than serve writes over such an image.
+pub const WRITABLE_OVER_READ_ONLY: &str =
+    "invariant: a volume created read-only never takes writes (the manager refuses this first)";
 
 /// Why a claimed device cannot be removed.
 pub(crate) const CLAIMED: &str = "it is mounted or held open exclusively; unmount it first";

@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::{Created, Error, Manager, Result, blocking, validate_name};
 use crate::backend::{
-    AttachRequest, Attachment, BackendError, CREATED_READ_ONLY, Change, Decision, SpecCheck,
-    VolumeBackend, VolumeParams,
+    AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
+    VolumeParams,
 };
 use crate::fault::{After, Slow};
 use crate::store::{ImageRow, VolumeRow};
@@ -81,6 +81,11 @@ fn check_qos(volume: &str, qos: Option<&Qos>) -> Result<()> {
     }
     Ok(())
 }
+
+/// Why a volume created read-only cannot be made writable: the rule, which
+/// only this module applies (the backends and the worker guard against a
+/// request that breaks it, as a bug).
+const CREATED_READ_ONLY: &str = "the volume was created read-only and holds its image read-only; delete it and create it again with \"read_only\": false";
 
 /// QoS that sets no limit is no QoS: every backend takes it (`null` is
 /// what a refusal of a limit says to give for none).

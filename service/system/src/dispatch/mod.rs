@@ -113,6 +113,10 @@ pub enum DispatchError {
     /// The policy needs a private ublk device and ublk is not available.
     #[error("{0}")]
     NeedsUblk(String),
+    /// dm's `direct` or `kernel` was asked of a volume with a QoS limit,
+    /// which only a worker enforces.
+    #[error("{0}")]
+    LimitNeedsWorker(String),
 }
 
 /// Rule 3: a writable volume's image must not carry `FS_IMMUTABLE_FL` set by
@@ -256,8 +260,11 @@ pub fn decide(ask: &Ask<'_>) -> Result<Decision, DispatchError> {
 /// `direct` is checked by whoever pins the image (the worker, the dm
 /// switch), under the pin, where the map cannot move (on a volume already
 /// direct, nothing moves). On dm a QoS limit keeps `auto` on its worker,
-/// which enforces it.
+/// which enforces it, and refuses `direct` and `kernel` ([`with_limit`]).
 pub fn decide_change(ask: &Ask<'_>, now: &Running<'_>) -> Result<Decision, DispatchError> {
+    if now.qos {
+        with_limit(ask.policy, ask.path)?;
+    }
     let d = match ask.policy {
         DispatchPolicy::Auto if now.direct => {
             Decision::new(DispatchPolicy::Direct, now.reason.clone())
@@ -279,6 +286,30 @@ pub fn decide_change(ask: &Ask<'_>, now: &Running<'_>) -> Result<Decision, Dispa
         true => Decision::new(DispatchPolicy::Nowait, Reason::QosNowait),
         false => d,
     })
+}
+
+/// Refuses `asked` of a volume with a QoS limit where no worker would
+/// enforce it: dm's `direct` (a linear table) and `kernel` (the loop
+/// driver).
+pub fn with_limit(asked: DispatchPolicy, path: &Path) -> Result<(), DispatchError> {
+    let how = match (path, asked) {
+        (Path::Dm { .. }, DispatchPolicy::Kernel) => "kernel (the loop driver)",
+        (Path::Dm { .. }, DispatchPolicy::Direct) => "direct (a linear table)",
+        _ => return Ok(()),
+    };
+    Err(DispatchError::LimitNeedsWorker(format!(
+        "the volume has a QoS limit, which only a worker enforces, and dm {how} has none; remove the limit first (\"qos\": null)"
+    )))
+}
+
+/// The path a dm volume on its worker for a copy goes back on after it:
+/// `kernel`, for `reason`, unless a limit set meanwhile keeps it on the
+/// worker, which enforces it.
+pub fn after_copy(reason: Reason, qos: bool) -> Decision {
+    match qos {
+        true => Decision::new(DispatchPolicy::Nowait, Reason::QosNowait),
+        false => Decision::new(DispatchPolicy::Kernel, reason),
+    }
 }
 
 /// Decides where a dm volume under `auto` goes when its last QoS limit is
@@ -555,6 +586,43 @@ mod tests {
                 assert_eq!(d.dispatch, DispatchPolicy::Direct);
             }
         }
+    }
+
+    /// A limit refuses dm's paths without a worker, by name; ublk's worker
+    /// enforces it on every path. After a copy a limit keeps the worker.
+    #[test]
+    fn a_limit_refuses_dms_paths_without_a_worker() {
+        let f = image();
+        let dm = Path::Dm {
+            ublk_missing: None,
+            loop_missing: None,
+        };
+        let ublk = Path::Ublk { threads: 4 };
+        let now = Running {
+            direct: false,
+            reason: &Reason::QosNowait,
+            qos: true,
+        };
+        for policy in [DispatchPolicy::Direct, DispatchPolicy::Kernel] {
+            assert!(matches!(
+                decide_change(&ask(&f, policy, &dm), &now),
+                Err(DispatchError::LimitNeedsWorker(m)) if m.contains("remove the limit first")
+            ));
+            assert!(with_limit(policy, &ublk).is_ok());
+        }
+        assert!(with_limit(DispatchPolicy::Nowait, &dm).is_ok());
+        let back = Reason::Asked {
+            policy: DispatchPolicy::Kernel,
+            on: On::Dm,
+        };
+        assert_eq!(
+            after_copy(back.clone(), true),
+            Decision::new(DispatchPolicy::Nowait, Reason::QosNowait)
+        );
+        assert_eq!(
+            after_copy(back.clone(), false),
+            Decision::new(DispatchPolicy::Kernel, back)
+        );
     }
 
     /// Back from the last limit: the path `auto` decides, saying the

@@ -239,15 +239,14 @@ impl fmt::Display for Reason {
                 backend,
                 why_not_dm,
             } => {
-                let chosen = chosen.to_string();
                 write!(
                     f,
                     "{chosen}; backend auto chose {}: dm would not map it direct ",
                     backend.as_str()
                 )?;
-                // Once, when the chosen backend's reason gives the same
-                // rule already (a hole keeps both off `direct`).
-                if chosen.contains(why_not_dm.as_str()) {
+                // Once, when the chosen backend fell back by the same rule
+                // (a hole keeps both off `direct`).
+                if chosen.rule_off_direct() == Some(why_not_dm.as_str()) {
                     f.write_str("either, by the same rule")
                 } else {
                     write!(f, "({why_not_dm})")

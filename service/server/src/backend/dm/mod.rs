@@ -86,21 +86,6 @@ struct DmVolume {
     copying: Option<Option<Reason>>,
 }
 
-/// Why `direct` or `kernel` is refused while a QoS limit is set.
-fn qos_needs_worker(asked: DispatchPolicy) -> BackendError {
-    BackendError::NotLive {
-        backend: "dm",
-        field: "dispatch",
-        reason: format!(
-            "the volume has a QoS limit, which only a worker enforces, and dm {} has none; remove the limit first (\"qos\": null)",
-            match asked {
-                DispatchPolicy::Kernel => "kernel (the loop driver)",
-                _ => "direct (a linear table)",
-            }
-        ),
-    }
-}
-
 /// Why a dm volume keeps its path while a copy of one moment runs.
 const COPY_HOLDS_PATH: &str = "a snapshot's copy of one moment runs on this volume's private worker, whose writes keep the moment's chunks: a change of path waits for the copy's end (GET /v1/images shows its progress)";
 
@@ -125,7 +110,9 @@ fn ask<'a>(v: &'a DmVolume, policy: DispatchPolicy, path: &'a dispatch::Path) ->
 
 /// A QoS limit refused live, in the answer's terms.
 fn qos_not_live(e: dispatch::DispatchError) -> BackendError {
-    let (dispatch::DispatchError::Refused(reason) | dispatch::DispatchError::NeedsUblk(reason)) = e;
+    let (dispatch::DispatchError::Refused(reason)
+    | dispatch::DispatchError::NeedsUblk(reason)
+    | dispatch::DispatchError::LimitNeedsWorker(reason)) = e;
     BackendError::NotLive {
         backend: "dm",
         field: "qos",
@@ -403,12 +390,8 @@ impl DmBackend {
             return Ok(());
         };
         self.with_volume(volume_id, |v| {
-            // A limit set meanwhile needs the worker, which enforces it.
-            if v.params.qos.is_some() {
-                v.reason = Reason::QosNowait;
-                return Ok(());
-            }
-            if let Err(e) = self.switch(volume_id, v, DispatchPolicy::Kernel, reason) {
+            let back = dispatch::after_copy(reason, v.params.qos.is_some());
+            if let Err(e) = self.switch(volume_id, v, back.dispatch, back.reason) {
                 tracing::warn!(volume = %volume_id, error = %e, "could not go back to kernel after a copy");
                 v.reason = Reason::CopyReturnRefused {
                     error: e.to_string(),
@@ -1390,10 +1373,8 @@ impl VolumeBackend for DmBackend {
                     .map(|_| ())
                     .map_err(qos_not_live)
             }
-            Change::Dispatch(to @ (DispatchPolicy::Direct | DispatchPolicy::Kernel))
-                if self.asked(att).is_some_and(|a| a.1.is_some()) =>
-            {
-                Err(qos_needs_worker(to))
+            Change::Dispatch(to) if self.asked(att).is_some_and(|a| a.1.is_some()) => {
+                Ok(dispatch::with_limit(to, &self.path())?)
             }
             Change::Dispatch(DispatchPolicy::Kernel) => {
                 let DeviceState::Dm(dm) = &att.kind else {
@@ -1437,11 +1418,6 @@ impl VolumeBackend for DmBackend {
         self.with_volume(volume_id, |v| {
             match change {
                 Change::Dispatch(asked) => {
-                    if matches!(asked, DispatchPolicy::Direct | DispatchPolicy::Kernel)
-                        && v.params.qos.is_some()
-                    {
-                        return Err(qos_needs_worker(asked));
-                    }
                     let d = dispatch::decide_change(
                         &ask(v, asked, &self.path()),
                         &Running {
@@ -1455,13 +1431,11 @@ impl VolumeBackend for DmBackend {
                     v.degraded = None;
                 }
                 Change::ReadOnly(ro) => {
-                    // The manager refuses this before any change; kept so a
-                    // table never turns writable over a read-only image.
                     if !ro && v.params.read_only {
                         return Err(BackendError::NotLive {
                             backend: "dm",
                             field: "read_only",
-                            reason: super::CREATED_READ_ONLY.into(),
+                            reason: super::WRITABLE_OVER_READ_ONLY.into(),
                         });
                     }
                     if v.private_ublk.is_some() {
