@@ -568,7 +568,7 @@ fn refuse_lost_registry(
 /// made over a file under an image root carries no mark: it is listed as an
 /// orphan once the service runs, but it is not what a lost registry leaves.
 fn unowned_marked_devices(run_dir: &Path, roots: &ImageRoots) -> Option<String> {
-    let found: Vec<_> = crate::manager::unowned_devices(
+    let found: Vec<_> = crate::manager::orphans::unowned_devices(
         &roots.paths(),
         &run_dir.join("ublk"),
         "",

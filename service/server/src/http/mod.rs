@@ -117,7 +117,7 @@ impl Modify for CrossFieldRules {
             "required": ["create"],
             "properties": {
                 "create": encrypted_create(
-                    serde_json::json!({"exclusiveMaximum": crate::manager::MIN_ENCRYPTED_BYTES})
+                    serde_json::json!({"exclusiveMaximum": crate::manager::encryption::MIN_ENCRYPTED_BYTES})
                 ),
             },
         });

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use super::{Manager, Result};
+use super::Manager;
+use super::error::Result;
 use crate::backend::BackendEvent;
 use blockplane_api::model;
 

@@ -18,11 +18,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::Manager;
+use super::blocking::blocking;
 use super::copies::{Copier, SharedMoment};
+use super::error::{Error, Result};
 use super::images::new_file_row;
-use super::jobs::{Ended, Job, JobState, Jobs};
+use super::jobs::{Ended, JobState};
+use super::names::validate_name;
+use super::runs::{BackupRun, CopyRun};
 use super::undo::Undo;
-use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::VolumeBackend;
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
@@ -30,71 +34,6 @@ use blockplane_api::model::{
 };
 use blockplane_backup::{BackupMeta, Counters, Manifest, Target};
 use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
-
-/// A running (or ended) backup of this service: what the list shows of it
-/// before it has a manifest, or when it never got one.
-pub(super) struct BackupRun {
-    meta: BackupMeta,
-    counters: Arc<Counters>,
-    /// It reads the image's own file: its writers wait for its end.
-    reads_image: bool,
-}
-
-impl Job for BackupRun {
-    fn depends_on(&self, _own: Uuid, image: Uuid) -> bool {
-        self.reads_image && image == self.meta.image.id
-    }
-
-    /// 409 `backup_source_busy` while a backup reads the image itself.
-    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
-        Error::BackupSource {
-            name: image.name.clone(),
-            backup: self.meta.name.clone(),
-            id: self.meta.id,
-            what: what.to_string(),
-        }
-    }
-}
-
-/// The service's backup target and its backups.
-pub(super) struct Backups {
-    /// `--backup-target`, opened; `None`: backups are refused.
-    pub(super) target: Option<Target>,
-    /// This service's backups since it started, by backup id.
-    pub(super) jobs: Jobs<BackupRun>,
-    /// Each image's last backup with a manifest, by image id (filled from
-    /// the target at start, then by this service's backups): `/metrics`
-    /// reports its age.
-    last_done: std::sync::Mutex<HashMap<Uuid, OffsetDateTime>>,
-    /// Bytes this service's backups put on the target, and found there.
-    pub(super) uploaded_bytes: std::sync::atomic::AtomicU64,
-    pub(super) deduplicated_bytes: std::sync::atomic::AtomicU64,
-    /// One gc at a time: two at once could each keep what the other's
-    /// listing missed (`blockplane_backup::gc`).
-    gc: tokio::sync::Mutex<()>,
-    /// When this process started: its leases from before are a crash's.
-    started: OffsetDateTime,
-    /// The file a backup waits at while it exists (the test fault
-    /// `gate_backup`).
-    gate: std::path::PathBuf,
-}
-
-impl Backups {
-    /// Backups to `target`, when the service has one; `run_dir` holds the
-    /// test fault's gate.
-    pub(super) fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
-        Self {
-            target,
-            gate: run_dir.join("backup-gate"),
-            started: OffsetDateTime::now_utc(),
-            jobs: Jobs::default(),
-            last_done: std::sync::Mutex::default(),
-            uploaded_bytes: std::sync::atomic::AtomicU64::default(),
-            deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
-            gc: tokio::sync::Mutex::default(),
-        }
-    }
-}
 
 /// The hidden file that holds a backup's moment of an image a writable
 /// volume serves, next to the image (removed when the backup ends, and at
@@ -882,7 +821,7 @@ impl Manager {
         fd: std::fs::File,
     ) {
         let pace = self.settings.faults.pace(Slow::Copy);
-        let kind = super::copies::CopyRun::restore(row.name.clone());
+        let kind = CopyRun::restore(row.name.clone());
         let (me, row) = (self.clone(), row.clone());
         let total = m.stored_bytes;
         self.jobs.copies

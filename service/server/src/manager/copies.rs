@@ -8,11 +8,16 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use uuid::Uuid;
 
+use super::Manager;
+use super::blocking::blocking;
+use super::error::{Error, Result};
 use super::images::new_file_row;
-use super::jobs::{Ended, Job};
+use super::jobs::Ended;
+use super::moments::CopyClaim;
+use super::names::validate_name;
+use super::runs::CopyRun;
 use super::undo::Undo;
 use super::volumes::volume_error;
-use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::{Change, MomentCopy, SnapshotDest, VolumeBackend};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
@@ -20,39 +25,6 @@ use blockplane_api::model::{
     ImageState,
 };
 use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
-
-/// A copy into a new image: it reads its source, which must not change
-/// until it ends.
-pub(super) struct CopyRun {
-    source: Uuid,
-    name: String,
-}
-
-impl CopyRun {
-    /// A restore into image `name`: it reads no image of this service.
-    pub(super) fn restore(name: String) -> Self {
-        Self {
-            source: Uuid::nil(),
-            name,
-        }
-    }
-}
-
-impl Job for CopyRun {
-    fn depends_on(&self, _own: Uuid, image: Uuid) -> bool {
-        image == self.source
-    }
-
-    /// 409 `copy_source_busy` while a copy reads the image: its bytes must
-    /// not change under it.
-    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
-        Error::CopySource {
-            name: image.name.clone(),
-            copy: self.name.clone(),
-            what: what.to_string(),
-        }
-    }
-}
 
 /// One moment of a serving volume's image, in a new file
 /// ([`Manager::share_with_serving`]).
@@ -88,45 +60,6 @@ async fn stop_copy(
     let (b, a, id) = (backend.clone(), att.clone(), v.id);
     if let Ok(Err(e)) = blocking(move || b.follow_copy(&a, id, &job)).await {
         tracing::warn!(volume = %v.name, error = %e, "a copy of one moment did not stop cleanly");
-    }
-}
-
-/// The volumes whose worker copies one moment now, and into what.
-#[derive(Default, Clone)]
-pub(super) struct MomentCopies(Arc<std::sync::Mutex<std::collections::HashMap<Uuid, String>>>);
-
-impl MomentCopies {
-    /// Claims volume `v` for a copy into `into`; 409 while another runs.
-    fn claim(&self, src: &ImageRow, v: &VolumeRow, into: &str) -> Result<CopyClaim> {
-        let mut running = self.0.lock().expect("moment copies poisoned");
-        if let Some(other) = running.get(&v.id) {
-            return Err(Error::MomentCopyRunning {
-                name: src.name.clone(),
-                volume: v.name.clone(),
-                into: other.clone(),
-            });
-        }
-        running.insert(v.id, into.to_string());
-        Ok(CopyClaim {
-            copies: self.clone(),
-            volume: v.id,
-        })
-    }
-}
-
-/// A volume claimed in [`MomentCopies`] until dropped.
-struct CopyClaim {
-    copies: MomentCopies,
-    volume: Uuid,
-}
-
-impl Drop for CopyClaim {
-    fn drop(&mut self) {
-        self.copies
-            .0
-            .lock()
-            .expect("moment copies poisoned")
-            .remove(&self.volume);
     }
 }
 

@@ -15,7 +15,9 @@ use blockplane_system::crypt::{self, CryptError};
 use blockplane_system::image::Access;
 use uuid::Uuid;
 
-use super::{Error, Manager, Result, blocking};
+use super::Manager;
+use super::blocking::blocking;
+use super::error::{Error, Result};
 use crate::attachment::Attachment;
 use crate::store::{CryptLayer, ImageRow, VolumeRow};
 

@@ -8,7 +8,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-use super::{Error, Manager, Result};
+use super::Manager;
+use super::error::{Error, Result};
 use crate::store::{EventFilter, Store};
 use blockplane_api::model::{Event, EventQuery, EventStreamQuery};
 

@@ -6,8 +6,10 @@ use std::sync::Arc;
 
 use time::OffsetDateTime;
 
+use super::Manager;
+use super::blocking::blocking;
+use super::error::Result;
 use super::volumes::volume_error;
-use super::{Manager, Result, blocking};
 use crate::backend::{DeviceState, WorkerInfo};
 use crate::store::VolumeRow;
 use blockplane_api::model::{Handover, VolumeState};

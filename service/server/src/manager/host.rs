@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use super::{Manager, Result, blocking};
+use super::Manager;
+use super::blocking::blocking;
+use super::error::Result;
 use crate::backend::{SupervisorState, SupervisorStatus};
 use blockplane_api::model::{
     self, Backend, Capability, Host, HostBackends, HostPolicies, ServiceBuild,
@@ -19,7 +21,7 @@ impl Manager {
         self.store
             .check_writable()
             .await
-            .map_err(super::Error::StoreUnwritable)
+            .map_err(super::error::Error::StoreUnwritable)
     }
 
     /// Availability of a backend, including ones this build does not carry yet.

@@ -7,10 +7,14 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::jobs::{Ended, Job, JobState};
+use super::Manager;
+use super::blocking::blocking;
+use super::error::{Error, Result};
+use super::jobs::{Ended, JobState};
+use super::names::validate_name;
+use super::runs::AllocateRun;
 use super::undo::Undo;
 use super::volumes::volume_error;
-use super::{Error, Manager, Result, blocking, validate_name};
 use crate::backend::BackendError;
 use crate::store::ImageRow;
 use blockplane_api::model::{
@@ -20,26 +24,6 @@ use blockplane_api::model::{
 };
 use blockplane_system::extent::Unwritten;
 use blockplane_system::image::{Access, ImageFile, ImagePath, Written};
-
-/// An allocate (see [`Manager::allocate_image`]): it writes its image.
-pub(super) struct AllocateRun;
-
-impl Job for AllocateRun {
-    fn depends_on(&self, own: Uuid, image: Uuid) -> bool {
-        own == image
-    }
-
-    /// 409 while an allocate runs on the image: it must not change under it.
-    fn refusal(&self, image: &ImageRow, what: &str) -> Error {
-        Error::AllocateConflict {
-            name: image.name.clone(),
-            reason: format!(
-                "an allocate runs on it, so it cannot {what} now; wait for its end (GET /v1/images/{}) or stop it (DELETE /v1/images/{}/allocate)",
-                image.name, image.name
-            ),
-        }
-    }
-}
 
 impl Manager {
     /// `POST /v1/images`: the request read into its [`Origin`], then that

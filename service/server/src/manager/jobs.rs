@@ -14,7 +14,7 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{Error, Manager, Result};
+use super::error::{Error, Result};
 use crate::store::ImageRow;
 use blockplane_system::image::AllocateJob;
 
@@ -224,16 +224,5 @@ impl<J: Job> Jobs<J> {
         if runs.get(&id).is_some_and(|r| r.state != JobState::Running) {
             runs.remove(&id);
         }
-    }
-}
-
-impl Manager {
-    /// Asks every running allocate and copy to stop (the service is
-    /// stopping: an allocated image stays as declared, to be allocated
-    /// again; a copy is found `copying` at the next start and failed there).
-    pub fn stop_jobs(&self) {
-        self.jobs.allocations.stop_all();
-        self.jobs.copies.stop_all();
-        self.backups.jobs.stop_all();
     }
 }

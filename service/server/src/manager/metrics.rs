@@ -3,7 +3,8 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::{Manager, Result};
+use super::Manager;
+use super::error::Result;
 use blockplane_api::model;
 
 impl Manager {
@@ -13,14 +14,14 @@ impl Manager {
         labels: crate::metrics::ApiLabels,
         took: std::time::Duration,
     ) {
-        self.api_metrics.record(labels, took);
+        self.api.requests.record(labels, took);
     }
 
     /// `GET /metrics`: the exposition text.
     pub(crate) async fn metrics(&self) -> Result<String> {
         let latest = self.readings.stats.latest();
         let rows = self.store.volumes().await?;
-        let caches = self.readings.page_cache.latest_or_now(self, &rows).await?;
+        let caches = self.page_caches(&rows).await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -68,7 +69,7 @@ impl Manager {
             })
             .collect();
         Ok(crate::metrics::render(
-            &self.api_metrics,
+            &self.api.requests,
             crate::metrics::Snapshot {
                 roots: self.root_usage().await?,
                 build: blockplane_system::build::current().to_string(),

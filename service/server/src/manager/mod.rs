@@ -5,9 +5,9 @@
 
 mod backend_events;
 mod backups;
+mod blocking;
 mod copies;
-mod encryption;
-pub(crate) use encryption::MIN_ENCRYPTED_BYTES;
+pub(crate) mod encryption;
 mod error;
 mod events;
 #[cfg(test)]
@@ -18,16 +18,20 @@ mod host;
 mod images;
 mod jobs;
 mod locks;
+mod look;
 mod metrics;
+mod moments;
 mod names;
-mod orphans;
+pub mod orphans;
 mod pagecache;
 mod reconcile;
 mod recovery;
 mod reserve;
 #[cfg(test)]
 mod rules;
+mod runs;
 mod sampler;
+mod target;
 mod undo;
 mod volumes;
 
@@ -39,8 +43,6 @@ use crate::store::Store;
 use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-use names::validate_name;
-pub use orphans::unowned_devices;
 
 /// Whether a create made something new or found it already there.
 #[derive(Debug)]
@@ -86,17 +88,14 @@ pub struct Manager {
     holds: holds::ImageHolds,
     /// The once-a-second look at every attached volume.
     readings: Readings,
-    /// `GET /v1/volumes` as JSON, with the store, warnings and recovery
-    /// generations it was made at.
-    volumes_cache: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
-    /// API request counts and durations.
-    api_metrics: crate::metrics::ApiMetrics,
+    /// What the API reads often, kept ready.
+    api: ApiViews,
     /// What runs in the background on images: allocates and copies.
     jobs: ImageJobs,
     /// Room for the writes that finish a device change on a full disk.
     reserve: reserve::Reserve,
     /// The backup target and this service's backups.
-    backups: backups::Backups,
+    backups: target::Backups,
     /// The volumes a start has not reconciled yet.
     recovering: recovery::Recovering,
 }
@@ -130,17 +129,27 @@ struct Readings {
     page_cache: pagecache::Watch,
 }
 
+/// What the API reads often, kept ready for it.
+#[derive(Default)]
+struct ApiViews {
+    /// `GET /v1/volumes` as JSON, with the store, warnings and recovery
+    /// generations it was made at.
+    volumes: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
+    /// API request counts and durations.
+    requests: crate::metrics::ApiMetrics,
+}
+
 /// What runs in the background on images.
 #[derive(Default)]
 struct ImageJobs {
     /// Each image's last allocate since the service started (in memory: a
     /// restart leaves the image as declared, to be allocated again).
-    allocations: jobs::Jobs<images::AllocateRun>,
+    allocations: jobs::Jobs<runs::AllocateRun>,
     /// The background copies of snapshots and clones, by the image made.
-    copies: jobs::Jobs<copies::CopyRun>,
+    copies: jobs::Jobs<runs::CopyRun>,
     /// The volumes whose worker copies one moment now, and into what: one
     /// copy at a time each, so a job follows only its own.
-    moments: copies::MomentCopies,
+    moments: moments::MomentCopies,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -178,11 +187,10 @@ impl Manager {
             locks: locks::Locks::default(),
             holds: holds::ImageHolds::default(),
             readings: Readings::default(),
-            volumes_cache: std::sync::Mutex::default(),
-            api_metrics: crate::metrics::ApiMetrics::default(),
+            api: ApiViews::default(),
             jobs: ImageJobs::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
-            backups: backups::Backups::new(cfg.backup_target, &cfg.run_dir),
+            backups: target::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),
         });
         me.clone().record_backend_events(backends.events);
@@ -199,6 +207,15 @@ impl Manager {
         &self.store
     }
 
+    /// Asks every running allocate and copy to stop (the service is
+    /// stopping: an allocated image stays as declared, to be allocated
+    /// again; a copy is found `copying` at the next start and failed there).
+    pub fn stop_jobs(&self) {
+        self.jobs.allocations.stop_all();
+        self.jobs.copies.stop_all();
+        self.backups.jobs.stop_all();
+    }
+
     /// Runs `write`, the record of what the kernel already has (a device
     /// made, changed or removed): if the registry's filesystem is full, once
     /// more after freeing the room kept for it ([`reserve`]).
@@ -211,11 +228,4 @@ impl Manager {
             other => other,
         }
     }
-}
-
-/// Runs blocking work (ioctls, file creation) off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))
 }

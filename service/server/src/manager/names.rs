@@ -1,6 +1,6 @@
 //! The names users choose for images and volumes.
 
-use super::{Error, Result};
+use super::error::{Error, Result};
 
 /// Checks a user-chosen name against `[a-z0-9][a-z0-9._-]{0,62}`.
 pub fn validate_name(what: &'static str, name: &str) -> Result<()> {

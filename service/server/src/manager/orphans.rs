@@ -4,7 +4,10 @@
 
 use uuid::Uuid;
 
-use super::{Error, Manager, Result, blocking, holds};
+use super::Manager;
+use super::blocking::blocking;
+use super::error::{Error, Result};
+use super::holds;
 use blockplane_api::model::{self, Backend};
 
 impl Manager {

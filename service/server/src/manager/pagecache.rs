@@ -10,7 +10,8 @@
 //! enough to make a benchmark's rounds bimodal. Nothing here reads or writes
 //! a byte of a volume: the device node and the image are opened read-only,
 //! and `cachestat(2)`, `mincore(2)`, `fdatasync` and `POSIX_FADV_DONTNEED`
-//! look at or drop the cache only.
+//! look at or drop the cache only. This file reads the cache and keeps the
+//! warnings; [`super::look`] looks, once a second.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -19,11 +20,9 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use super::{Manager, blocking};
 use crate::attachment::{Attachment, DeviceState};
-use crate::store::VolumeRow;
-use blockplane_api::model::{PageCache, VolumeState};
-use blockplane_system::{mountinfo, pagecache};
+use blockplane_api::model::PageCache;
+use blockplane_system::pagecache;
 
 /// Cached bytes (device and image together) above which a direct-I/O volume
 /// is warned about: more than a `blkid` probe's few hundred KiB leave.
@@ -31,7 +30,7 @@ pub const WARN_BYTES: u64 = 4 << 20;
 
 /// The sampler looks at every volume's page cache this often (not every
 /// second: two opens and two syscalls per volume).
-const CHECK_EVERY: Duration = Duration::from_secs(10);
+pub(super) const CHECK_EVERY: Duration = Duration::from_secs(10);
 
 /// What the page cache holds of `device` and `image` now (`null` for what
 /// could not be read).
@@ -134,27 +133,8 @@ impl Watch {
         s.volumes.iter().map(|(id, c)| (*id, c.cache)).collect()
     }
 
-    /// [`Self::latest`], with the volumes of `rows` the sampler has not
-    /// looked at yet (attached since its last look) read now, so that
-    /// `/metrics` has the same series for every attached volume.
-    pub(super) async fn latest_or_now(
-        &self,
-        m: &Manager,
-        rows: &[VolumeRow],
-    ) -> super::Result<HashMap<Uuid, PageCache>> {
-        let mut out = self.latest();
-        for v in rows {
-            if !out.contains_key(&v.id)
-                && let Some(cache) = m.page_cache(v).await?
-            {
-                out.insert(v.id, cache);
-            }
-        }
-        Ok(out)
-    }
-
     /// Whether a check is due (and if so, marks it started).
-    fn due(&self) -> bool {
+    pub(super) fn due(&self) -> bool {
         let mut s = self.inner.lock().expect("page cache watch poisoned");
         let now = Instant::now();
         if s.last_check
@@ -170,14 +150,14 @@ impl Watch {
     /// it is new (none while one already sent is in force). Changes
     /// nothing, so that the event is written before the volume shows the
     /// warning: whoever sees a warning finds its event.
-    fn newly_warned(&self, id: Uuid, warning: &Option<String>) -> Option<String> {
+    pub(super) fn newly_warned(&self, id: Uuid, warning: &Option<String>) -> Option<String> {
         let s = self.inner.lock().expect("page cache watch poisoned");
         let was = s.volumes.get(&id).is_some_and(|c| c.warning.is_some());
         warning.clone().filter(|_| !was)
     }
 
     /// Keeps a reading and the warning it gives, which the volume then shows.
-    fn record(&self, id: Uuid, cache: PageCache, warning: Option<String>) {
+    pub(super) fn record(&self, id: Uuid, cache: PageCache, warning: Option<String>) {
         let mut s = self.inner.lock().expect("page cache watch poisoned");
         let was = s.volumes.get(&id).and_then(|c| c.warning.clone());
         if was != warning {
@@ -186,94 +166,13 @@ impl Watch {
         s.volumes.insert(id, Checked { cache, warning });
     }
 
-    fn retain(&self, live: &HashSet<Uuid>) {
+    pub(super) fn retain(&self, live: &HashSet<Uuid>) {
         let mut s = self.inner.lock().expect("page cache watch poisoned");
         let before = s.volumes.len();
         s.volumes.retain(|id, _| live.contains(id));
         if s.volumes.len() != before {
             s.warnings_changed += 1;
         }
-    }
-}
-
-impl Manager {
-    /// The page cache of `v`'s device and image now (`None` without a
-    /// device).
-    pub(super) async fn page_cache(&self, v: &VolumeRow) -> super::Result<Option<PageCache>> {
-        let Some(att) = &v.attachment else {
-            return Ok(None);
-        };
-        let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
-            return Ok(None);
-        };
-        let device = att.device.clone();
-        Ok(Some(blocking(move || read(&device, &image.path)).await?))
-    }
-
-    /// Drops the page cache of `v`'s device `att` and its image: called
-    /// where an attach or a live switch of the data path completes.
-    pub(super) async fn drop_page_cache(&self, v: &VolumeRow, att: &Attachment) {
-        let image = match self.store.image(&v.image_id.to_string()).await {
-            Ok(Some(i)) => i.path,
-            _ => return,
-        };
-        let (name, device) = (v.name.clone(), att.device.clone());
-        let _ = blocking(move || drop(&name, &device, &image)).await;
-    }
-
-    /// From the sampler, at most every [`CHECK_EVERY`]: reads the page
-    /// cache of every attached volume, sends a `volume_page_cache` event
-    /// when a direct-I/O volume's rises above [`WARN_BYTES`] (once, until it
-    /// falls back under), and keeps the readings for `/metrics`.
-    pub(super) async fn watch_page_cache(&self, volumes: &[VolumeRow]) -> super::Result<()> {
-        if !self.readings.page_cache.due() {
-            return Ok(());
-        }
-        let images: HashMap<Uuid, String> = self
-            .store
-            .images()
-            .await?
-            .into_iter()
-            .map(|i| (i.id, i.path))
-            .collect();
-        let live: Vec<(VolumeRow, Attachment, String)> = volumes
-            .iter()
-            .filter(|v| matches!(v.state, VolumeState::Attached | VolumeState::Degraded))
-            .filter_map(|v| {
-                let att = v.attachment.clone()?;
-                let image = images.get(&v.image_id)?.clone();
-                Some((v.clone(), att, image))
-            })
-            .collect();
-        let ids: HashSet<Uuid> = live.iter().map(|(v, _, _)| v.id).collect();
-        let read_all = live
-            .iter()
-            .map(|(_, att, image)| (att.device.clone(), image.clone()))
-            .collect::<Vec<_>>();
-        let (caches, mounted) = blocking(move || {
-            let mounted: HashSet<(u32, u32)> = mountinfo::mounts()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|m| m.dev)
-                .collect();
-            let caches = read_all.iter().map(|(d, i)| read(d, i)).collect::<Vec<_>>();
-            (caches, mounted)
-        })
-        .await?;
-        for ((v, att, _), cache) in live.iter().zip(caches) {
-            let on = mounted.contains(&(att.major, att.minor));
-            let warning = warning(&v.name, att, &cache, on);
-            if let Some(msg) = self.readings.page_cache.newly_warned(v.id, &warning) {
-                tracing::warn!(volume = %v.name, "{msg}");
-                let mut tx = self.store.begin().await?;
-                tx.event(Some(v.id), Some(v.image_id), "volume_page_cache", &msg)
-                    .await?;
-                tx.commit().await?;
-            }
-            self.readings.page_cache.record(v.id, cache, warning);
-        }
-        self.readings.page_cache.retain(&ids);
-        Ok(())
     }
 }
 
@@ -322,7 +221,12 @@ mod tests {
     }
 
     /// One check of the sampler: the event to send, then the reading kept.
-    fn check(w: &Watch, id: Uuid, cache: PageCache, warning: Option<String>) -> Option<String> {
+    pub(super) fn check(
+        w: &Watch,
+        id: Uuid,
+        cache: PageCache,
+        warning: Option<String>,
+    ) -> Option<String> {
         let send = w.newly_warned(id, &warning);
         w.record(id, cache, warning);
         send

@@ -12,10 +12,12 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
+use tokio::sync::OwnedMutexGuard;
 
-use super::recovery::{Held, Recovery};
+use super::Manager;
+use super::blocking::blocking;
+use super::error::Result;
 use super::volumes::params;
-use super::{Manager, Result, blocking};
 use crate::backend::{
     Attachment, BackendError, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend,
 };
@@ -428,6 +430,27 @@ impl Recovery {
         report.orphans_removed = manager.remove_orphans().await?;
         manager.recovering.finish();
         Ok(report)
+    }
+}
+
+/// A volume's row read at the start, with its lock, held until
+/// reconciliation is done with it.
+pub(super) struct Held {
+    pub(super) row: VolumeRow,
+    pub(super) lock: OwnedMutexGuard<()>,
+}
+
+/// The reconciliation a starting service owes: every volume's row, each
+/// locked, taken before the API serves. [`Recovery::run`] does it.
+pub struct Recovery {
+    pub(super) manager: std::sync::Arc<super::Manager>,
+    pub(super) held: Vec<Held>,
+}
+
+impl Recovery {
+    /// How many volumes it holds.
+    pub fn volumes(&self) -> usize {
+        self.held.len()
     }
 }
 

@@ -10,10 +10,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
-
-use crate::store::VolumeRow;
 
 /// The volumes still to be reconciled, for the API's views.
 #[derive(Debug, Default)]
@@ -71,26 +68,5 @@ impl Recovering {
     /// Changes with every volume marked or reconciled.
     pub(super) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
-    }
-}
-
-/// A volume's row read at the start, with its lock, held until
-/// reconciliation is done with it.
-pub(super) struct Held {
-    pub(super) row: VolumeRow,
-    pub(super) lock: OwnedMutexGuard<()>,
-}
-
-/// The reconciliation a starting service owes: every volume's row, each
-/// locked, taken before the API serves. [`Recovery::run`] does it.
-pub struct Recovery {
-    pub(super) manager: std::sync::Arc<super::Manager>,
-    pub(super) held: Vec<Held>,
-}
-
-impl Recovery {
-    /// How many volumes it holds.
-    pub fn volumes(&self) -> usize {
-        self.held.len()
     }
 }

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use serde_json::json;
 use uuid::Uuid;
 
+use super::error::Error;
 use super::fake::{Call, FakeBackend};
-use super::{Backends, Created, Error, Manager, ManagerConfig};
+use super::{Backends, Created, Manager, ManagerConfig};
 use crate::backend::{Attachment, BackendError, Change, EventSink, OrphanPolicy, VolumeBackend};
 use crate::fault::Faults;
 use crate::store::{EventFilter, Store, VolumeRow};
@@ -116,7 +117,7 @@ impl Bed {
         name: &str,
         image: &str,
         extra: serde_json::Value,
-    ) -> super::Result<Created<blockplane_api::model::Volume>> {
+    ) -> super::error::Result<Created<blockplane_api::model::Volume>> {
         let mut req = json!({"name": name, "image": image, "backend": "ublk"});
         req.as_object_mut()
             .unwrap()
@@ -129,7 +130,7 @@ impl Bed {
         &self,
         name: &str,
         patch: serde_json::Value,
-    ) -> super::Result<blockplane_api::model::Volume> {
+    ) -> super::error::Result<blockplane_api::model::Volume> {
         let patch: PatchVolumeRequest = serde_json::from_value(patch).unwrap();
         self.m.patch_volume(name, patch).await
     }

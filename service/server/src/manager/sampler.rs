@@ -4,7 +4,8 @@
 //! and the history charts and `volume top` show come from them, and the
 //! latest reading serves `/metrics`, so a scrape never waits on a device.
 //! About 150 KB per volume at most; history starts at attach or service
-//! start, whichever is later.
+//! start, whichever is later. This file keeps the readings; [`super::look`]
+//! takes them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -13,9 +14,8 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{Manager, blocking};
 use blockplane_api::model::{
-    Backend, HISTORY_SECS, HistoryPoint, OpPoint, OpRates, Rate, Rates, VolumeState, VolumeStats,
+    HISTORY_SECS, HistoryPoint, OpPoint, OpRates, Rate, Rates, VolumeStats,
 };
 
 /// Samples kept per volume: the history, plus the one its first interval
@@ -129,7 +129,7 @@ pub struct Sampler {
 
 impl Sampler {
     /// Keeps a reading; returns the I/O errors (per op) to report now, if any.
-    fn record(&self, id: Uuid, stats: VolumeStats) -> Option<[u64; 4]> {
+    pub(super) fn record(&self, id: Uuid, stats: VolumeStats) -> Option<[u64; 4]> {
         let mut all = self.series.lock().expect("sampler poisoned");
         let s = all.entry(id).or_default();
         let now = Instant::now();
@@ -155,7 +155,7 @@ impl Sampler {
         None
     }
 
-    fn retain(&self, live: &HashSet<Uuid>) {
+    pub(super) fn retain(&self, live: &HashSet<Uuid>) {
         self.series
             .lock()
             .expect("sampler poisoned")
@@ -173,7 +173,7 @@ impl Sampler {
     }
 
     /// The latest reading of one volume.
-    fn latest_of(&self, id: Uuid) -> Option<Arc<VolumeStats>> {
+    pub(super) fn latest_of(&self, id: Uuid) -> Option<Arc<VolumeStats>> {
         let all = self.series.lock().expect("sampler poisoned");
         all.get(&id)?.latest.clone()
     }
@@ -224,73 +224,5 @@ impl Sampler {
         let skip = s.samples.len().saturating_sub(seconds as usize + 1);
         let recent: Vec<&Sample> = s.samples.iter().skip(skip).collect();
         recent.windows(2).map(|w| w[1].since(w[0])).collect()
-    }
-}
-
-impl Manager {
-    /// Samples every attached volume once a second, for as long as the service runs.
-    pub fn start_sampler(self: &Arc<Self>) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            loop {
-                tick.tick().await;
-                if let Err(e) = me.sample_once().await {
-                    tracing::debug!(error = %e, "stats sampling failed");
-                }
-            }
-        });
-    }
-
-    async fn sample_once(&self) -> super::Result<()> {
-        let volumes = self.store.volumes().await?;
-        let mut live = Vec::new();
-        for v in volumes.iter().cloned() {
-            let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
-                continue;
-            };
-            if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-                let previous = self.readings.stats.latest_of(v.id);
-                live.push((v, att, backend, previous));
-            }
-        }
-        // One blocking task reads every volume, not one task each: an idle
-        // host with a thousand volumes wakes once a second, not a thousand times.
-        let ublk = self.backend(Backend::Ublk);
-        let (live, read) = blocking(move || {
-            // A supervisor that could not start is tried again (after its
-            // backoff) at least once a second.
-            if let Some(b) = ublk {
-                b.supervision();
-            }
-            let read: Vec<_> = live
-                .iter()
-                .map(|(v, att, backend, previous)| backend.sample(v.id, att, previous.as_deref()))
-                .collect();
-            (live, read)
-        })
-        .await?;
-        for ((v, ..), stats) in live.iter().zip(read) {
-            if let Ok(stats) = stats
-                && let Some([r, w, f, d]) = self.readings.stats.record(v.id, stats)
-            {
-                let mut tx = self.store.begin().await?;
-                tx.event(
-                    Some(v.id),
-                    Some(v.image_id),
-                    "volume_io_errors",
-                    &format!(
-                        "volume '{}': I/O errors since the last report: {r} read, {w} write, {f} flush, {d} discard (the volume's device reported them to its users)",
-                        v.name
-                    ),
-                )
-                .await?;
-                tx.commit().await?;
-            }
-        }
-        let live: HashSet<Uuid> = live.iter().map(|(v, ..)| v.id).collect();
-        self.readings.stats.retain(&live);
-        self.watch_page_cache(&volumes).await
     }
 }

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{Created, Error, Manager, Result, blocking, validate_name};
+use super::blocking::blocking;
+use super::error::{Error, Result};
+use super::names::validate_name;
+use super::{Created, Manager};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
     VolumeParams,
@@ -232,7 +235,7 @@ impl Manager {
             self.readings.page_cache.warnings_generation(),
             self.recovering.generation(),
         );
-        if let Some((g, json)) = self.volumes_cache.lock().expect("cache poisoned").as_ref()
+        if let Some((g, json)) = self.api.volumes.lock().expect("cache poisoned").as_ref()
             && *g == generation
         {
             return Ok(json.clone());
@@ -242,7 +245,7 @@ impl Manager {
         );
         // Stamped with the generations read before the query: a commit (or
         // a warning) since makes the next reader rebuild it.
-        *self.volumes_cache.lock().expect("cache poisoned") = Some((generation, json.clone()));
+        *self.api.volumes.lock().expect("cache poisoned") = Some((generation, json.clone()));
         Ok(json)
     }
 

@@ -1,0 +1,51 @@
+//! The service's backup target and what it keeps of its backups while it
+//! runs; [`super::backups`] makes, lists and restores them.
+
+use std::collections::HashMap;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::jobs::Jobs;
+use super::runs::BackupRun;
+use blockplane_backup::Target;
+
+/// The service's backup target and its backups.
+pub(super) struct Backups {
+    /// `--backup-target`, opened; `None`: backups are refused.
+    pub(super) target: Option<Target>,
+    /// This service's backups since it started, by backup id.
+    pub(super) jobs: Jobs<BackupRun>,
+    /// Each image's last backup with a manifest, by image id (filled from
+    /// the target at start, then by this service's backups): `/metrics`
+    /// reports its age.
+    pub(super) last_done: std::sync::Mutex<HashMap<Uuid, OffsetDateTime>>,
+    /// Bytes this service's backups put on the target, and found there.
+    pub(super) uploaded_bytes: std::sync::atomic::AtomicU64,
+    pub(super) deduplicated_bytes: std::sync::atomic::AtomicU64,
+    /// One gc at a time: two at once could each keep what the other's
+    /// listing missed (`blockplane_backup::gc`).
+    pub(super) gc: tokio::sync::Mutex<()>,
+    /// When this process started: its leases from before are a crash's.
+    pub(super) started: OffsetDateTime,
+    /// The file a backup waits at while it exists (the test fault
+    /// `gate_backup`).
+    pub(super) gate: std::path::PathBuf,
+}
+
+impl Backups {
+    /// Backups to `target`, when the service has one; `run_dir` holds the
+    /// test fault's gate.
+    pub(super) fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
+        Self {
+            target,
+            gate: run_dir.join("backup-gate"),
+            started: OffsetDateTime::now_utc(),
+            jobs: Jobs::default(),
+            last_done: std::sync::Mutex::default(),
+            uploaded_bytes: std::sync::atomic::AtomicU64::default(),
+            deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
+            gc: tokio::sync::Mutex::default(),
+        }
+    }
+}
