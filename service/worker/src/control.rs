@@ -291,127 +291,111 @@ fn status(cx: &Ctx) -> Answer {
 }
 
 fn handle(cx: &Ctx, req: Request) -> Answer {
+    match act(cx, req) {
+        Ok(Some(answer)) => answer,
+        Ok(None) => status(cx),
+        Err(e) => refusal(e),
+    }
+}
+
+/// Carries out `req`: its own answer, or `None` for the status after it.
+fn act(cx: &Ctx, req: Request) -> Result<Option<Answer>, Refusal> {
     let s = &cx.shared;
+    let held = |held: Duration| Answer::Snapshot {
+        held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
+    };
     match req {
         // Answered by the connection itself (`protocol::serve_connection`).
-        Request::Hello(_) => error(ErrorCode::BadRequest, "a hello out of place"),
-        Request::Status {} => status(cx),
-        Request::Stats {} => Answer::Stats(Box::new(s.stats())),
+        Request::Hello(_) => Ok(Some(error(ErrorCode::BadRequest, "a hello out of place"))),
+        Request::Status {} => Ok(None),
+        Request::Stats {} => Ok(Some(Answer::Stats(Box::new(s.stats())))),
         Request::SetDispatch {
             dispatch,
             reason,
             why,
         } => {
             let reason = why.unwrap_or_else(|| Reason::from_words(&reason));
-            match s.switch(Policy::from_requested(dispatch), reason) {
-                Ok(()) => {
-                    // A deliberate switch ends a drift episode.
-                    s.state.lock().expect("state poisoned").degraded = None;
-                    write_state(cx);
-                    status(cx)
-                }
-                Err(e) => refusal(e),
-            }
+            s.switch(Policy::from_requested(dispatch), reason)?;
+            // A deliberate switch ends a drift episode.
+            s.state.lock().expect("state poisoned").degraded = None;
+            write_state(cx);
+            Ok(None)
         }
         Request::SetReadOnly { read_only } => {
             // The service's rule, guarded here: the image is open read-only.
             if !read_only && s.spec.read_only {
-                return error(
+                return Ok(Some(error(
                     ErrorCode::Refused,
                     "invariant: a worker started read-only never takes writes (the service refuses this first)",
-                );
+                )));
             }
-            match s.reconfigure(|c| c.read_only = read_only) {
-                Ok(()) => status(cx),
-                Err(e) => refusal(e),
-            }
+            s.reconfigure(|c| c.read_only = read_only).map(|()| None)
         }
         Request::SetQos { qos } => {
-            let limiter = match super::qos::Limiter::for_limits(qos, usize::from(s.spec.queues)) {
-                Ok(l) => l,
-                Err(source) => {
-                    return refusal(Refusal::Io {
-                        op: "start the QoS thread",
-                        source,
-                    });
-                }
-            };
-            match s.reconfigure(|c| c.qos = limiter) {
-                Ok(()) => status(cx),
-                Err(e) => refusal(e),
-            }
+            let limiter = super::qos::Limiter::for_limits(qos, usize::from(s.spec.queues))
+                .map_err(|source| Refusal::Io {
+                    op: "start the QoS thread",
+                    source,
+                })?;
+            s.reconfigure(|c| c.qos = limiter).map(|()| None)
         }
         Request::Resize {
             size_bytes,
             allocation,
-        } => match resize(cx, size_bytes, allocation) {
-            Ok(()) => status(cx),
-            Err(e) => refusal(e),
-        },
-        Request::Allocate { pace_ms } => match s.start_allocate(Duration::from_millis(pace_ms)) {
-            Ok(()) => status(cx),
-            Err(e) => refusal(e),
-        },
+        } => resize(cx, size_bytes, allocation).map(|()| None),
+        Request::Allocate { pace_ms } => s
+            .start_allocate(Duration::from_millis(pace_ms))
+            .map(|()| None),
         Request::CancelAllocate {} => {
             s.cancel_allocate();
-            status(cx)
+            Ok(None)
         }
-        Request::Snapshot { dest, dev, ino } => match snapshot_into(s, &dest, (dev, ino)) {
-            Ok(held) => Answer::Snapshot {
-                held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
-            },
-            Err(e) => refusal(e),
-        },
+        Request::Snapshot { dest, dev, ino } => {
+            snapshot_into(s, &dest, (dev, ino)).map(|h| Some(held(h)))
+        }
         Request::CopyMoment {
             dest,
             dev,
             ino,
             pace_ms,
             gate,
-        } => {
-            let started = open_dest(&dest, (dev, ino))
-                .and_then(|f| s.start_copy(f, Duration::from_millis(pace_ms), gate));
-            match started {
-                Ok(held) => Answer::Snapshot {
-                    held_us: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
-                },
-                Err(e) => refusal(e),
-            }
-        }
+        } => open_dest(&dest, (dev, ino))
+            .and_then(|f| s.start_copy(f, Duration::from_millis(pace_ms), gate))
+            .map(|h| Some(held(h))),
         Request::CancelCopy {} => {
             s.cancel_copy();
-            status(cx)
+            Ok(None)
         }
-        Request::Handover { pace_ms } => {
-            cx.handover.pace_ms.store(pace_ms, SeqCst);
-            cx.handover.asked.store(true, SeqCst);
-            let done = s.hand_over(&cx.ctrl, cx.dev_flags);
-            let outcome = match done {
-                Ok(HandoverMethod::Quiesce) => QUIESCED,
-                Ok(_) => DRAINED,
-                Err(_) => REFUSED,
-            };
-            cx.handover.outcome.store(outcome, SeqCst);
-            match done {
-                Ok(method) => {
-                    tracing::info!(
-                        dev_id = cx.dev_id,
-                        method = method.as_str(),
-                        "device let go for a successor"
-                    );
-                    Answer::HandedOver { method }
-                }
-                Err(e) => refusal(e),
-            }
-        }
+        Request::Handover { pace_ms } => hand_over(cx, pace_ms).map(Some),
         Request::Shutdown {} => {
             cx.shutdown.store(true, Relaxed);
-            match cx.ctrl.kill_dev() {
-                Ok(_) => status(cx),
-                Err(e) => error(ErrorCode::IoError, format!("STOP_DEV: {e}")),
-            }
+            Ok(match cx.ctrl.kill_dev() {
+                Ok(_) => None,
+                Err(e) => Some(error(ErrorCode::IoError, format!("STOP_DEV: {e}"))),
+            })
         }
     }
+}
+
+/// Lets the device go for a successor, saying how to the thread that ends
+/// this worker.
+fn hand_over(cx: &Ctx, pace_ms: u64) -> Result<Answer, Refusal> {
+    cx.handover.pace_ms.store(pace_ms, SeqCst);
+    cx.handover.asked.store(true, SeqCst);
+    let done = cx.shared.hand_over(&cx.ctrl, cx.dev_flags);
+    let outcome = match done {
+        Ok(HandoverMethod::Quiesce) => QUIESCED,
+        Ok(_) => DRAINED,
+        Err(_) => REFUSED,
+    };
+    cx.handover.outcome.store(outcome, SeqCst);
+    let method = done?;
+    tracing::info!(
+        dev_id = cx.dev_id,
+        method = method.as_str(),
+        "device let go for a successor"
+    );
+    Ok(Answer::HandedOver { method })
 }
 
 /// Opens the snapshot's file (never through a symlink) and checks it is the

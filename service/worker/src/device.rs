@@ -7,11 +7,12 @@
 //! steps are done here by hand, and the device is deleted only when the
 //! control plane asks for it.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use blockplane_protocol::WorkerSpec;
 use blockplane_system::mountinfo;
 use io_uring::{opcode, types};
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
@@ -116,6 +117,63 @@ fn logical_block_shift(shared: &Shared) -> u8 {
 pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let spec = shared.spec.clone();
     let features = kernel_features();
+    let ctrl = claim_device(&spec, features)?;
+    // The device exists from here on: named in the run dir at once, so that a
+    // control plane finds it to delete should this worker die before it serves.
+    shared.write_state_file(ctrl.dev_info().dev_id);
+    #[cfg(feature = "test-faults")]
+    die_after_add();
+    let target = Target {
+        size: spec.size_bytes,
+        read_only: spec.read_only,
+        data_fd: shared.data.as_raw_fd(),
+        lbs_shift: logical_block_shift(&shared),
+    };
+    let dev = Arc::new(UblkDev::new(
+        ctrl.get_name(),
+        move |dev: &mut UblkDev| {
+            target.set_up(dev);
+            Ok(())
+        },
+        &ctrl,
+    )?);
+    tracing::debug!("start: device set up");
+    let queues = start_queues(&ctrl, &dev, &shared)?;
+    tracing::debug!("start: queues ready");
+    start_device(&ctrl, &dev)?;
+    let _ = ctrl.read_dev_info();
+    let info = ctrl.dev_info();
+    let dev_id = info.dev_id;
+    tracing::info!(
+        dev_id,
+        features = format!("{features:#x}"),
+        flags = format!("{:#x}", info.flags),
+        recovered = spec.recover_dev_id.is_some(),
+        policy = ?shared.policy(),
+        "serving /dev/ublkb{dev_id}"
+    );
+    // The control loop (and the periodic drift checks) on this thread,
+    // until the queues end.
+    let (control, server) =
+        control::start(shared.clone(), ctrl.clone(), dev_id, features, info.flags)?;
+    server.run(&queues.ended, u64::from(dev.dev_info.nr_hw_queues));
+
+    for q in queues.threads {
+        let _ = q.join();
+    }
+    let _ = ctrl.read_dev_info();
+    let stopped = u32::from(ctrl.dev_info().state) == sys::UBLK_S_DEV_DEAD;
+    // Closes the char device: a quiesced device now waits for its successor.
+    drop(dev);
+    Ok(end(&ctrl, &control, &shared, stopped))
+}
+
+/// The device this worker serves: `spec`'s to recover (a dead worker's,
+/// or one handed over), or a new one.
+fn claim_device(
+    spec: &WorkerSpec,
+    features: u64,
+) -> Result<Arc<UblkCtrl>, Box<dyn std::error::Error>> {
     let (id, dev_flags) = match spec.recover_dev_id {
         Some(id) => {
             // Retries while the dead server's char device is still being released.
@@ -128,7 +186,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         None => (-1, UblkFlags::UBLK_DEV_F_ADD_DEV),
     };
     tracing::debug!("start: device claimed");
-    let ctrl = Arc::new(
+    Ok(Arc::new(
         UblkCtrlBuilder::default()
             .name("blockplane")
             .id(id)
@@ -138,22 +196,26 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
             .ctrl_flags(ctrl_flags(features))
             .dev_flags(dev_flags)
             .build()?,
-    );
-    // The device exists from here on: named in the run dir at once, so that a
-    // control plane finds it to delete should this worker die before it serves.
-    shared.write_state_file(ctrl.dev_info().dev_id);
-    #[cfg(feature = "test-faults")]
-    die_after_add();
-    let lbs_shift = logical_block_shift(&shared);
-    let size = spec.size_bytes;
-    let read_only = spec.read_only;
-    let data_fd = shared.data.as_raw_fd();
-    let tgt_init = move |dev: &mut UblkDev| {
-        dev.tgt.dev_size = size;
+    ))
+}
+
+/// What the kernel is told of the device and its target.
+#[derive(Clone, Copy)]
+struct Target {
+    size: u64,
+    read_only: bool,
+    data_fd: std::os::fd::RawFd,
+    lbs_shift: u8,
+}
+
+impl Target {
+    /// The device's registered files, ring sizes and parameters.
+    fn set_up(self, dev: &mut UblkDev) {
+        dev.tgt.dev_size = self.size;
         // Registered files of every queue's ring: the char device (libublk's,
         // slot 0), the image, and empty slots for the direct path's devices.
         let files = IMAGE_SLOT as usize + 1 + RAW_SLOTS;
-        dev.tgt.fds[IMAGE_SLOT as usize] = data_fd;
+        dev.tgt.fds[IMAGE_SLOT as usize] = self.data_fd;
         dev.tgt.fds[IMAGE_SLOT as usize + 1..files].fill(-1);
         dev.tgt.nr_fds = files as i32;
         // Room on each queue's ring for every tag's command plus its own
@@ -167,19 +229,19 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         dev.tgt.sq_depth = ring;
         dev.tgt.cq_depth = ring;
         let mut attrs = sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA;
-        if read_only {
+        if self.read_only {
             attrs |= sys::UBLK_ATTR_READ_ONLY;
         }
         dev.tgt.params = sys::ublk_params {
             types: sys::UBLK_PARAM_TYPE_BASIC | sys::UBLK_PARAM_TYPE_DISCARD,
             basic: sys::ublk_param_basic {
                 attrs,
-                logical_bs_shift: lbs_shift,
+                logical_bs_shift: self.lbs_shift,
                 physical_bs_shift: 12,
                 io_opt_shift: 12,
-                io_min_shift: lbs_shift,
+                io_min_shift: self.lbs_shift,
                 max_sectors: dev.dev_info.max_io_buf_bytes >> 9,
-                dev_sectors: size >> 9,
+                dev_sectors: self.size >> 9,
                 ..Default::default()
             },
             discard: sys::ublk_param_discard {
@@ -191,10 +253,23 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
             },
             ..Default::default()
         };
-        Ok(())
-    };
-    let dev = Arc::new(UblkDev::new(ctrl.get_name(), tgt_init, &ctrl)?);
-    tracing::debug!("start: device set up");
+    }
+}
+
+/// The queue threads, and the eventfd each says on that it ended.
+struct QueueThreads {
+    threads: Vec<std::thread::JoinHandle<()>>,
+    ended: Arc<OwnedFd>,
+}
+
+/// A thread per queue, each with its mailbox, configured with the kernel;
+/// and the eventfd each says on that it ended (the control loop returns
+/// when all have).
+fn start_queues(
+    ctrl: &Arc<UblkCtrl>,
+    dev: &Arc<UblkDev>,
+    shared: &Arc<Shared>,
+) -> Result<QueueThreads, Box<dyn std::error::Error>> {
     let mailboxes = (0..dev.dev_info.nr_hw_queues)
         .map(|_| Mailbox::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()?;
@@ -202,8 +277,6 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
         return Err("the queues were set up twice".into());
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    // Each queue thread says here that it ended: the control loop, on this
-    // thread, then returns.
     let ended = Arc::new(rustix::event::eventfd(
         0,
         rustix::event::EventfdFlags::CLOEXEC,
@@ -226,13 +299,19 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     for _ in 0..dev.dev_info.nr_hw_queues {
         let (qid, tid) = rx.recv()?;
         ctrl.set_thread_affinity(qid, tid);
-        ctrl.configure_queue(&dev, qid, tid)?;
+        ctrl.configure_queue(dev, qid, tid)?;
     }
-    tracing::debug!("start: queues ready");
-    // SET_PARAMS and START_DEV, or END_USER_RECOVERY for a recovered device.
-    // START_DEV waits for every queue's first fetch, so the kernel runs it
-    // on an io-wq worker of the issuing thread, which then stays as long as
-    // that thread: issued from a short-lived thread, it goes with it.
+    Ok(QueueThreads {
+        threads: queues,
+        ended,
+    })
+}
+
+/// SET_PARAMS and START_DEV, or END_USER_RECOVERY for a recovered device.
+/// START_DEV waits for every queue's first fetch, so the kernel runs it on
+/// an io-wq worker of the issuing thread, which then stays as long as that
+/// thread: issued from a short-lived thread, it goes with it.
+fn start_device(ctrl: &UblkCtrl, dev: &UblkDev) -> Result<i32, UblkError> {
     std::thread::scope(|s| {
         s.spawn(|| {
             libublk::ublk_init_ctrl_task_ring(|r| {
@@ -242,41 +321,24 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
                 }
                 Ok(())
             })?;
-            ctrl.start_dev(&dev)
+            ctrl.start_dev(dev)
         })
         .join()
         .unwrap_or(Err(UblkError::OtherError(-libc::EIO)))
-    })?;
-    let _ = ctrl.read_dev_info();
-    let info = ctrl.dev_info();
-    let dev_id = info.dev_id;
-    tracing::info!(
-        dev_id,
-        features = format!("{features:#x}"),
-        flags = format!("{:#x}", info.flags),
-        recovered = spec.recover_dev_id.is_some(),
-        policy = ?shared.policy(),
-        "serving /dev/ublkb{dev_id}"
-    );
-    // The control loop (and the periodic drift checks) on this thread,
-    // until the queues end.
-    let (control, server) =
-        control::start(shared.clone(), ctrl.clone(), dev_id, features, info.flags)?;
-    server.run(&ended, u64::from(dev.dev_info.nr_hw_queues));
+    })
+}
 
-    for q in queues {
-        let _ = q.join();
-    }
-    let _ = ctrl.read_dev_info();
-    let stopped = u32::from(ctrl.dev_info().state) == sys::UBLK_S_DEV_DEAD;
-    // Closes the char device: a quiesced device now waits for its successor.
-    drop(dev);
+/// After the queues ended (`stopped`: the kernel says the device is
+/// dead): a device handed over or left for recovery is disowned; one this
+/// worker was asked to stop is deleted, its image unpinned.
+fn end(ctrl: &UblkCtrl, control: &control::Control, shared: &Shared, stopped: bool) -> ExitCode {
+    let dev_id = ctrl.dev_info().dev_id;
     if control.handed_over() {
         // The image stays pinned and the stats file stays: both are the
         // successor's now.
         ctrl.disown();
         tracing::info!(dev_id, "handed over (quiesced); worker exits");
-        return Ok(ExitCode::SUCCESS);
+        return ExitCode::SUCCESS;
     }
     if !stopped || !control.shutdown_requested() {
         // The queues ended without STOP_DEV from us: leave the device to a
@@ -286,7 +348,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
             dev_id,
             "queues ended unexpectedly; device left for recovery"
         );
-        return Ok(ExitCode::FAILURE);
+        return ExitCode::FAILURE;
     }
     // Deleting waits for every handle on the char device: `dev` is dropped.
     if let Err(e) = ctrl.del_dev() {
@@ -299,7 +361,7 @@ pub fn serve(shared: Arc<Shared>) -> Result<ExitCode, Box<dyn std::error::Error>
     }
     control.remove_files();
     tracing::info!(dev_id, "device deleted; worker exits");
-    Ok(ExitCode::SUCCESS)
+    ExitCode::SUCCESS
 }
 
 /// Test faults `kill_after_add` and `fail_after_add` (a build with test

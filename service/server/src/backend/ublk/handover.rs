@@ -26,13 +26,13 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use super::supervise::Started;
+use super::supervise::{Spawned, Started};
 use super::{TALK_TIMEOUT, UblkBackend, io};
 use crate::backend::wire;
 use crate::backend::{BackendError, BackendEvent, HandedOver, WorkerInfo};
 use crate::fault::HandoverFaults;
 use blockplane_api::model::HandoverMethod;
-use blockplane_protocol::{Answer, GO_READY, GO_TAKE, Request};
+use blockplane_protocol::{Answer, GO_READY, GO_TAKE, Request, WorkerSpec};
 
 /// How long an old worker has to exit once it let go (or a protocol-1 one
 /// once killed).
@@ -51,6 +51,43 @@ impl Drop for Handing {
     }
 }
 
+/// The worker a handover replaces, as the backend knows it: what it says
+/// of itself, and the handles its successor starts with.
+struct Outgoing {
+    info: WorkerInfo,
+    dev_id: u32,
+    protocol: u32,
+    spec: WorkerSpec,
+    image: OwnedFd,
+    lock: Option<OwnedFd>,
+    handing_over: Arc<AtomicBool>,
+}
+
+impl Outgoing {
+    /// How events and answers name it.
+    fn name(&self) -> String {
+        format!(
+            "worker {} ({})",
+            self.info.pid,
+            self.info.build.as_deref().unwrap_or("unknown")
+        )
+    }
+}
+
+/// The test faults of a handover, as edits of the new worker's spec.
+fn spec_faults(faults: HandoverFaults) -> impl FnOnce(&mut serde_json::Value) {
+    move |json: &mut serde_json::Value| {
+        if faults.new_worker_fails {
+            // A spec this build refuses: the new worker exits at once.
+            json["injected_test_fault"] = true.into();
+        }
+        if faults.recovery_fails {
+            // No such device: the new worker fails once it takes over.
+            json["recover_dev_id"] = (u64::from(u32::MAX) - 1).into();
+        }
+    }
+}
+
 impl UblkBackend {
     /// Replaces the worker of `volume_id` (a ublk volume's or a dm volume's
     /// private one) by one of this service's build; see the module.
@@ -60,111 +97,33 @@ impl UblkBackend {
         faults: HandoverFaults,
     ) -> Result<HandedOver, BackendError> {
         let vol = || format!("volume {volume_id}");
-        let (previous, dev_id, protocol, mut spec, image, lock, flag) = {
-            let workers = self.workers.lock().expect("workers poisoned");
-            let w = workers.get(&volume_id).ok_or_else(|| {
-                io(
-                    "hand over",
-                    vol(),
-                    io::Error::other("no worker of this service serves it"),
-                )
-            })?;
-            let dup = |e| io("dup", "the image", e);
-            let lock = match &w.lock {
-                Some(l) => Some(l.try_clone().map_err(dup)?),
-                None => None,
-            };
-            (
-                w.info(),
-                w.dev_id,
-                w.peer.protocol,
-                w.spec.clone(),
-                w.image.try_clone().map_err(dup)?,
-                lock,
-                w.handing_over.clone(),
-            )
-        };
-        // The spec it would be replaced with after a crash, from what the
-        // old worker recorded (the volume's lock keeps it from changing).
-        let state = self.state_file(volume_id);
-        spec.recover_dev_id = Some(state.as_ref().map_or(dev_id, |s| s.dev_id));
-        spec.pinned = state.and_then(|s| s.pinned);
-        spec.decided_map = false;
-        // What a replacement of the new worker after a crash starts from.
-        let recorded = spec.clone();
-        spec.handover = true;
-        let edit = |json: &mut serde_json::Value| {
-            if faults.new_worker_fails {
-                // A spec this build refuses: the new worker exits at once.
-                json["injected_test_fault"] = true.into();
-            }
-            if faults.recovery_fails {
-                // No such device: the new worker fails once it takes over.
-                json["recover_dev_id"] = (u64::from(u32::MAX) - 1).into();
-            }
-        };
+        let old = self.outgoing(volume_id)?;
+        let (spec, recorded) = self.successor_spec(volume_id, &old);
         let started = Instant::now();
-        let old = format!(
-            "worker {} ({})",
-            previous.pid,
-            previous.build.as_deref().unwrap_or("unknown")
-        );
 
-        // 1. The new worker starts while the old one serves, and says when
-        // it is ready: the device waits for no exec.
-        let (ours, theirs) = UnixStream::pair().map_err(|e| io("socketpair", vol(), e))?;
-        let mut spawned = self.spawn_worker(
-            spec,
-            &image,
-            lock.as_ref(),
-            None,
-            Some(&OwnedFd::from(theirs)),
-            edit,
-        )?;
-        if !ready(&ours) {
-            let _ = spawned.child.kill();
-            let _ = spawned.child.wait();
-            let message = format!(
-                "handover of /dev/ublkb{dev_id} called off: the new worker did not start ({}); {old} serves on",
-                super::supervise::last_error_line(&spawned.run_dir)
-            );
-            self.handover_failed(volume_id, &message);
-            return Err(io("hand over", vol(), io::Error::other(message)));
-        }
+        // 1. The new worker starts while the old one serves.
+        let (ours, mut spawned) = self.start_successor(volume_id, &old, spec, faults)?;
         let prepared = started.elapsed();
 
         // 2. The old worker lets go, and exits.
-        flag.store(true, Relaxed);
-        let handing = Handing(flag);
-        let method = if protocol >= 2 {
-            let req = Request::Handover {
-                pace_ms: faults.pace.as_millis() as u64,
-            };
-            match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30)) {
-                Ok(Answer::HandedOver { method }) => wire::handover(method),
-                // Nothing changed: the worker serves on; the new one, told
-                // nothing, exits.
-                Err(e @ BackendError::Refused { .. }) => {
-                    drop(ours);
-                    let _ = spawned.child.wait();
-                    return Err(e);
-                }
-                other => {
-                    // It died, or answered nonsense: stopped below like one
-                    // from before the handover.
-                    tracing::warn!(%volume_id, pid = previous.pid, answer = ?other, "the worker did not hand over; stopping it");
-                    HandoverMethod::Stop
-                }
+        old.handing_over.store(true, Relaxed);
+        let handing = Handing(old.handing_over.clone());
+        let method = match self.let_go(volume_id, &old, faults) {
+            Ok(method) => method,
+            // Nothing changed: the worker serves on; the new one, told
+            // nothing, exits.
+            Err(e) => {
+                drop(ours);
+                let _ = spawned.child.wait();
+                return Err(e);
             }
-        } else {
-            HandoverMethod::Stop
         };
         let wait = match method {
             HandoverMethod::Stop => Duration::ZERO,
             HandoverMethod::Quiesce | HandoverMethod::Drain => EXIT_WAIT + faults.pace,
         };
         let let_go = started.elapsed();
-        end_process(previous.pid, wait);
+        end_process(old.info.pid, wait);
         let exited = started.elapsed();
 
         // 3. The new worker takes the device. A word it does not get (it
@@ -172,44 +131,149 @@ impl UblkBackend {
         let _ = std::fs::remove_file(spawned.run_dir.join("ctl.sock"));
         let _ = (&ours).write_all(&[GO_TAKE]);
         drop(ours);
-        match self.until_serving(spawned) {
-            Ok(Started { pid, status, peer }) => {
-                // Where a handover's time goes: the new worker's start (the
-                // device serves meanwhile), then the stall: the old worker
-                // letting go, its exit, the new one's recovery.
-                tracing::info!(
-                    %volume_id,
-                    prepared_ms = prepared.as_millis() as u64,
-                    let_go_ms = let_go.as_millis() as u64,
-                    exited_ms = exited.as_millis() as u64,
-                    serving_ms = started.elapsed().as_millis() as u64,
-                    "handover steps"
-                );
-                let current = WorkerInfo {
-                    pid,
-                    build: peer.build.clone(),
-                    unsupervised: None,
-                };
-                self.serves_now(volume_id, pid, recorded, peer);
-                drop(handing);
-                Ok(HandedOver {
-                    attachment: Some(self.attachment(&status)?),
-                    previous,
-                    current,
-                    method,
-                    took: started.elapsed(),
-                })
-            }
+        let Started { pid, status, peer } = match self.until_serving(spawned) {
+            Ok(s) => s,
             Err(e) => {
                 // The device waits for a server: the supervisor recovers it.
                 drop(handing);
-                let now = self.recovered_after(volume_id, previous.pid);
+                let now = self.recovered_after(volume_id, old.info.pid);
                 let message = format!(
-                    "handover of /dev/ublkb{dev_id} from {old} failed after it let go ({}): {e}; {now}",
+                    "handover of /dev/ublkb{} from {} failed after it let go ({}): {e}; {now}",
+                    old.dev_id,
+                    old.name(),
                     method.as_str(),
                 );
                 self.handover_failed(volume_id, &message);
-                Err(io("hand over", vol(), io::Error::other(message)))
+                return Err(io("hand over", vol(), io::Error::other(message)));
+            }
+        };
+        // Where a handover's time goes: the new worker's start (the device
+        // serves meanwhile), then the stall: the old worker letting go, its
+        // exit, the new one's recovery.
+        tracing::info!(
+            %volume_id,
+            prepared_ms = prepared.as_millis() as u64,
+            let_go_ms = let_go.as_millis() as u64,
+            exited_ms = exited.as_millis() as u64,
+            serving_ms = started.elapsed().as_millis() as u64,
+            "handover steps"
+        );
+        let current = WorkerInfo {
+            pid,
+            build: peer.build.clone(),
+            unsupervised: None,
+        };
+        self.serves_now(volume_id, pid, recorded, peer);
+        // Only now: the old worker's exit is no crash to recover from.
+        drop(handing);
+        Ok(HandedOver {
+            attachment: Some(self.attachment(&status)?),
+            previous: old.info,
+            current,
+            method,
+            took: started.elapsed(),
+        })
+    }
+
+    /// Starts the successor of `old` from `spec`, which says when it is
+    /// ready (the device waits for no exec) and then waits for the word to
+    /// take the device over, on the stream returned. One that does not
+    /// start calls the handover off.
+    fn start_successor(
+        &self,
+        volume_id: Uuid,
+        old: &Outgoing,
+        spec: WorkerSpec,
+        faults: HandoverFaults,
+    ) -> Result<(UnixStream, Spawned), BackendError> {
+        let vol = || format!("volume {volume_id}");
+        let (ours, theirs) = UnixStream::pair().map_err(|e| io("socketpair", vol(), e))?;
+        let mut spawned = self.spawn_worker(
+            spec,
+            &old.image,
+            old.lock.as_ref(),
+            None,
+            Some(&OwnedFd::from(theirs)),
+            spec_faults(faults),
+        )?;
+        if ready(&ours) {
+            return Ok((ours, spawned));
+        }
+        let _ = spawned.child.kill();
+        let _ = spawned.child.wait();
+        let message = format!(
+            "handover of /dev/ublkb{} called off: the new worker did not start ({}); {} serves on",
+            old.dev_id,
+            super::supervise::last_error_line(&spawned.run_dir),
+            old.name()
+        );
+        self.handover_failed(volume_id, &message);
+        Err(io("hand over", vol(), io::Error::other(message)))
+    }
+
+    /// The worker of this service that serves `volume_id`, with handles of
+    /// its own on the image and the lock for its successor.
+    fn outgoing(&self, volume_id: Uuid) -> Result<Outgoing, BackendError> {
+        let workers = self.workers.lock().expect("workers poisoned");
+        let w = workers.get(&volume_id).ok_or_else(|| {
+            io(
+                "hand over",
+                format!("volume {volume_id}"),
+                io::Error::other("no worker of this service serves it"),
+            )
+        })?;
+        let dup = |e| io("dup", "the image", e);
+        let lock = match &w.lock {
+            Some(l) => Some(l.try_clone().map_err(dup)?),
+            None => None,
+        };
+        Ok(Outgoing {
+            info: w.info(),
+            dev_id: w.dev_id,
+            protocol: w.peer.protocol,
+            spec: w.spec.clone(),
+            image: w.image.try_clone().map_err(dup)?,
+            lock,
+            handing_over: w.handing_over.clone(),
+        })
+    }
+
+    /// The spec the successor of `old` starts from, and the one a
+    /// replacement of it after a crash would: the spec `old` would be
+    /// replaced with after a crash, from what it recorded (the volume's
+    /// lock keeps that from changing).
+    fn successor_spec(&self, volume_id: Uuid, old: &Outgoing) -> (WorkerSpec, WorkerSpec) {
+        let mut spec = old.spec.clone();
+        let state = self.state_file(volume_id);
+        spec.recover_dev_id = Some(state.as_ref().map_or(old.dev_id, |s| s.dev_id));
+        spec.pinned = state.and_then(|s| s.pinned);
+        spec.decided_map = false;
+        let recorded = spec.clone();
+        spec.handover = true;
+        (spec, recorded)
+    }
+
+    /// Asks `old` to let the device go, and how it did; a worker from
+    /// before the handover, or one that died or answered nonsense, is
+    /// stopped like one from before it. A refusal changes nothing.
+    fn let_go(
+        &self,
+        volume_id: Uuid,
+        old: &Outgoing,
+        faults: HandoverFaults,
+    ) -> Result<HandoverMethod, BackendError> {
+        if old.protocol < 2 {
+            return Ok(HandoverMethod::Stop);
+        }
+        let req = Request::Handover {
+            pace_ms: faults.pace.as_millis() as u64,
+        };
+        match self.talk(volume_id, &req, TALK_TIMEOUT + Duration::from_secs(30)) {
+            Ok(Answer::HandedOver { method }) => Ok(wire::handover(method)),
+            Err(e @ BackendError::Refused { .. }) => Err(e),
+            other => {
+                tracing::warn!(%volume_id, pid = old.info.pid, answer = ?other, "the worker did not hand over; stopping it");
+                Ok(HandoverMethod::Stop)
             }
         }
     }
