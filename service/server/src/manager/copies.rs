@@ -5,6 +5,7 @@
 use crate::fault::{After, Slow};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 
 use uuid::Uuid;
 
@@ -18,7 +19,7 @@ use super::names::validate_name;
 use super::runs::CopyRun;
 use super::undo::Undo;
 use super::volumes::volume_error;
-use crate::backend::{Change, MomentCopy, SnapshotDest, VolumeBackend};
+use crate::backend::{Attachment, Change, MomentCopy, SnapshotDest, VolumeBackend};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     self, ActiveDispatch, Allocation, Backend, CopyMethod, CreateImageFile, DispatchPolicy, Image,
@@ -383,51 +384,12 @@ impl Manager {
             }
         };
         let made = async {
-            let mut v = v;
-            let mut att = v.attachment.clone().expect("checked above");
-            if att.dispatch == ActiveDispatch::Direct {
-                let (b, a, id) = (backend.clone(), att.clone(), v.id);
-                let reason = blockplane_system::dispatch::Reason::LeftDirectForCopy {
-                    copy: name.to_string(),
-                };
-                att = blocking(move || b.leave_direct(&a, id, reason))
-                    .await?
-                    .map_err(|e| volume_error(&v.name, e))?;
-                self.settings.faults.point(After::Change)?;
-                // An explicit `direct` cannot hold any more; `auto` still
-                // decides, now without direct.
-                let asked = match v.dispatch {
-                    DispatchPolicy::Direct => DispatchPolicy::Nowait,
-                    d => d,
-                };
-                self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
-                    .await?;
-            }
+            let (v, att) = self.off_direct(&backend, v, name).await?;
             let dest = SnapshotDest {
                 path: path.display().into(),
                 identity,
             };
-            let (b, a, id) = (backend.clone(), att.clone(), v.id);
-            let held = if shares {
-                blocking(move || b.snapshot(&a, id, &dest)).await?
-            } else {
-                let copy = MomentCopy {
-                    dest,
-                    pace: self.settings.faults.pace(Slow::Copy),
-                    gate: self
-                        .settings
-                        .faults
-                        .slows(Slow::CopyGate)
-                        .then(|| self.copy_gate()),
-                };
-                let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
-                if out.is_err() {
-                    // It may have begun before the answer was lost.
-                    stop_copy(&backend, &att, &v).await;
-                }
-                out
-            }
-            .map_err(|e| volume_error(&v.name, e))?;
+            let held = self.hold_moment(&backend, &v, &att, dest, shares).await?;
             tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
             let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
             let held = held_text(&v.name, &how, held);
@@ -462,6 +424,70 @@ impl Manager {
                 Err(e)
             }
         }
+    }
+
+    /// Moves a serving volume `v` off `direct` before image `copy` shares
+    /// its extents, and records it (an explicit `direct` cannot hold any
+    /// more; `auto` still decides, now without direct).
+    async fn off_direct(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        mut v: VolumeRow,
+        copy: &str,
+    ) -> Result<(VolumeRow, Attachment)> {
+        let att = v.attachment.clone().expect("a serving volume has a device");
+        if att.dispatch != ActiveDispatch::Direct {
+            return Ok((v, att));
+        }
+        let (b, a, id) = (backend.clone(), att, v.id);
+        let reason = blockplane_system::dispatch::Reason::LeftDirectForCopy {
+            copy: copy.to_string(),
+        };
+        let att = blocking(move || b.leave_direct(&a, id, reason))
+            .await?
+            .map_err(|e| volume_error(&v.name, e))?;
+        self.settings.faults.point(After::Change)?;
+        let asked = match v.dispatch {
+            DispatchPolicy::Direct => DispatchPolicy::Nowait,
+            d => d,
+        };
+        self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
+            .await?;
+        Ok((v, att))
+    }
+
+    /// Holds `v`'s I/O for one moment while its worker shares the image's
+    /// extents with `dest` (`shares`), or starts copying that moment into
+    /// it; how long I/O was held.
+    async fn hold_moment(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &Attachment,
+        dest: SnapshotDest,
+        shares: bool,
+    ) -> Result<Duration> {
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        let held = if shares {
+            blocking(move || b.snapshot(&a, id, &dest)).await?
+        } else {
+            let copy = MomentCopy {
+                dest,
+                pace: self.settings.faults.pace(Slow::Copy),
+                gate: self
+                    .settings
+                    .faults
+                    .slows(Slow::CopyGate)
+                    .then(|| self.copy_gate()),
+            };
+            let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
+            if out.is_err() {
+                // It may have begun before the answer was lost.
+                stop_copy(backend, att, v).await;
+            }
+            out
+        };
+        held.map_err(|e| volume_error(&v.name, e))
     }
 
     /// Syncs `src` and makes a new file at `path` from it: its extents

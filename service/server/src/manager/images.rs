@@ -2,6 +2,7 @@
 
 use crate::fault::{After, Slow};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use time::OffsetDateTime;
@@ -15,8 +16,8 @@ use super::names::validate_name;
 use super::runs::AllocateRun;
 use super::undo::Undo;
 use super::volumes::volume_error;
-use crate::backend::BackendError;
-use crate::store::ImageRow;
+use crate::backend::{Attachment, BackendError, VolumeBackend};
+use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     AllocateState, Allocation, CreateImageFile, CreateImageRequest, DeleteImageQuery, Image,
     ImageAllocate, ImageEncryption, ImageState, ResizeImageResponse, RootCapacity, VolumeResize,
@@ -793,24 +794,7 @@ impl Manager {
                 continue;
             };
             let grows = backend.grows_image();
-            let id = v.id;
-            let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
-            // The plaintext device follows the backend's (LUKS2's payload
-            // runs to the end of the device).
-            let outcome = match (outcome, &v.crypt) {
-                (Ok(att), Some(layer))
-                    if !att.resize_pending && blockplane_system::crypt::is_open(&layer.name) =>
-                {
-                    let name = layer.name.clone();
-                    blocking(move || blockplane_system::crypt::resize(&name))
-                        .await?
-                        .map(|()| att)
-                        .map_err(|e| crate::backend::BackendError::Refused {
-                            reason: format!("its plaintext device did not follow: {e}"),
-                        })
-                }
-                (outcome, _) => outcome,
-            };
+            let outcome = self.grow_device(&v, backend, att, size, allocation).await?;
             let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
                 self.settings.faults.point(After::Change)?;
@@ -870,6 +854,35 @@ impl Manager {
             }
         }
         Ok(out)
+    }
+
+    /// Grows volume `v`'s device `att` (and the image, on a backend that
+    /// grows it) to `size`; the plaintext device follows the backend's
+    /// (LUKS2's payload runs to the end of the device).
+    async fn grow_device(
+        &self,
+        v: &VolumeRow,
+        backend: Arc<dyn VolumeBackend>,
+        att: Attachment,
+        size: u64,
+        allocation: Allocation,
+    ) -> Result<std::result::Result<Attachment, BackendError>> {
+        let id = v.id;
+        let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
+        Ok(match (outcome, &v.crypt) {
+            (Ok(att), Some(layer))
+                if !att.resize_pending && blockplane_system::crypt::is_open(&layer.name) =>
+            {
+                let name = layer.name.clone();
+                blocking(move || blockplane_system::crypt::resize(&name))
+                    .await?
+                    .map(|()| att)
+                    .map_err(|e| BackendError::Refused {
+                        reason: format!("its plaintext device did not follow: {e}"),
+                    })
+            }
+            (outcome, _) => outcome,
+        })
     }
 
     /// `DELETE /v1/images/{id}`.

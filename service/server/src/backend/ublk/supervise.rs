@@ -15,20 +15,30 @@ use uuid::Uuid;
 
 use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
 use crate::backend::wire;
-use crate::backend::{AttachRequest, Attachment, BackendError, BackendEvent, Probe, ProbeRequest};
+use crate::backend::{
+    AttachRequest, Attachment, BackendError, BackendEvent, Decision, Probe, ProbeRequest,
+};
 use crate::fault::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
 use blockplane_protocol::{
     self as protocol, Answer, GO_FD, IMAGE_FD, LOCK_FD, Peer, Request, Status, WorkerSpec,
     worker_spec,
 };
-use blockplane_system::extent::{self, ExtentMap};
+use blockplane_system::extent::{self, ExtentMap, Pin};
 
 /// A worker process started, its device not yet known to serve.
 pub(super) struct Spawned {
     pub child: std::process::Child,
     pub volume_id: Uuid,
     pub run_dir: PathBuf,
+}
+
+/// What a dead worker of a volume left for the next one.
+struct LeftBehind {
+    /// Its device, to recover.
+    recover: Option<u32>,
+    /// The pin of the owner's own flag, kept by the recovering worker.
+    pinned: Option<Pin>,
 }
 
 /// A worker started and serving.
@@ -330,9 +340,47 @@ impl UblkBackend {
         mut req: AttachRequest,
         private: bool,
     ) -> Result<Attachment, BackendError> {
-        let run_dir = self.run_dir(req.volume_id);
-        // A device left by a dead worker of this volume: recover it, so the
-        // data in flight when it died is reissued, not lost.
+        let left = self.left_behind(&mut req)?;
+        let mut decision = req.take_decision(&self.path())?;
+        // Only the first start checks the decided map; a replacement
+        // worker finds the image pinned and reads its map under that pin.
+        let decided = match decision.dispatch {
+            DispatchPolicy::Direct => decision.map.take(),
+            _ => None,
+        };
+        let spec = self.first_spec(&req, decision, left);
+        let started = self.start_worker(
+            spec.clone(),
+            &req.image_fd,
+            req.image_lock.as_ref(),
+            decided.as_ref(),
+        );
+        let Started { pid, status, peer } =
+            started.inspect_err(|_| self.remove_unstarted(req.volume_id))?;
+        let att = self.attachment(&status)?;
+        self.workers.lock().expect("workers poisoned").insert(
+            req.volume_id,
+            Worker {
+                pid,
+                dev_id: status.dev_id,
+                image: req.image_fd,
+                lock: req.image_lock,
+                spec,
+                stopping: Arc::default(),
+                forget: Arc::default(),
+                private,
+                peer,
+                handing_over: Arc::default(),
+            },
+        );
+        self.supervise();
+        Ok(att)
+    }
+
+    /// What a dead worker of this volume left: its device to recover (so
+    /// the data in flight when it died is reissued, not lost) and, with it,
+    /// the pin of the owner's own flag. A pin of its own is lifted here.
+    fn left_behind(&self, req: &mut AttachRequest) -> Result<LeftBehind, BackendError> {
         let earlier = self.state_file(req.volume_id);
         let dead = earlier
             .as_ref()
@@ -368,11 +416,17 @@ impl UblkBackend {
         }
         // The owner's own flag (a read-only volume) stays, as the recovering
         // worker's to keep.
-        let pinned = pinned.filter(|_| recover.is_some());
-        let decision = req.take_decision(&self.path())?;
-        let spec = WorkerSpec {
+        Ok(LeftBehind {
+            recover,
+            pinned: pinned.filter(|_| recover.is_some()),
+        })
+    }
+
+    /// The spec of a volume's first worker (not a replacement's).
+    fn first_spec(&self, req: &AttachRequest, decision: Decision, left: LeftBehind) -> WorkerSpec {
+        WorkerSpec {
             volume_id: req.volume_id,
-            run_dir: run_dir.clone(),
+            run_dir: self.run_dir(req.volume_id),
             image_path: req.params.image_path.clone(),
             size_bytes: req.params.size_bytes,
             read_only: req.params.read_only,
@@ -385,45 +439,14 @@ impl UblkBackend {
             max_io_bytes: req.params.max_io_bytes,
             threads: self.cfg.threads,
             qos: wire::limits(req.params.qos),
-            recover_dev_id: recover,
-            pinned,
+            recover_dev_id: left.recover,
+            pinned: left.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: wire::allocation(req.params.allocation),
             image_lock: req.image_lock.is_some(),
             decided_map: false,
             handover: false,
-        };
-        // Only the first start checks the decided map; a replacement
-        // worker finds the image pinned and reads its map under that pin.
-        let decided = decision
-            .map
-            .filter(|_| decision.dispatch == DispatchPolicy::Direct);
-        let started = self.start_worker(
-            spec.clone(),
-            &req.image_fd,
-            req.image_lock.as_ref(),
-            decided.as_ref(),
-        );
-        let Started { pid, status, peer } =
-            started.inspect_err(|_| self.remove_unstarted(req.volume_id))?;
-        let att = self.attachment(&status)?;
-        self.workers.lock().expect("workers poisoned").insert(
-            req.volume_id,
-            Worker {
-                pid,
-                dev_id: status.dev_id,
-                image: req.image_fd,
-                lock: req.image_lock,
-                spec,
-                stopping: Arc::default(),
-                forget: Arc::default(),
-                private,
-                peer,
-                handing_over: Arc::default(),
-            },
-        );
-        self.supervise();
-        Ok(att)
+        }
     }
 
     /// After a start that failed: deletes the device its worker added but
