@@ -296,25 +296,8 @@ pub fn default_socket(data_dir: &Path) -> PathBuf {
 impl ServeArgs {
     /// Merges flags/env, the config file and defaults, and checks the result.
     pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
-        let file = match &self.config {
-            None => FileConfig::default(),
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?;
-                toml::from_str(&text).map_err(|e| ConfigError::File {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?
-            }
-        };
-        if let (Some(path), Some(r)) = (&self.config, file.max_overcommit) {
-            parse_ratio(&r.to_string()).map_err(|reason| ConfigError::File {
-                path: path.display().to_string(),
-                reason: format!("max_overcommit: {reason}"),
-            })?;
-        }
+        let file = FileConfig::read(self.config.as_deref())?;
+        let limits = self.limits(&file);
         let data_dir = self
             .data_dir
             .or(file.data_dir)
@@ -339,38 +322,12 @@ impl ServeArgs {
         if image_roots.is_empty() {
             image_roots.push(data_dir.join("images"));
         }
-        let token = match (
+        let token = token_of(
             self.token.or(file.token),
             self.token_file.or(file.token_file),
-        ) {
-            (Some(t), _) => Some(t),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(&path)
-                    .map_err(|e| ConfigError::TokenFile {
-                        path: path.display().to_string(),
-                        reason: e.to_string(),
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
-            (None, None) => None,
-        };
-        if token.as_deref() == Some("") {
-            return Err(ConfigError::EmptyToken);
-        }
+        )?;
         let insecure_tcp = self.insecure_tcp || file.insecure_tcp.unwrap_or(false);
-        for l in &listen {
-            if let ListenAddr::Tcp(addr) = l
-                && token.is_none()
-            {
-                if !insecure_tcp {
-                    return Err(ConfigError::TcpWithoutToken(*addr));
-                }
-                if !addr.ip().is_loopback() {
-                    return Err(ConfigError::InsecureNotLoopback(*addr));
-                }
-            }
-        }
+        check_tcp(&listen, token.is_some(), insecure_tcp)?;
         Ok(ServeConfig {
             data_dir,
             listen,
@@ -415,39 +372,105 @@ impl ServeArgs {
                 .or(file.key_unlock_ms)
                 .unwrap_or(2000)
                 .clamp(1, 60_000),
-            limits: Limits {
-                max_body_bytes: self
-                    .max_body_bytes
-                    .or(file.max_body_bytes)
-                    .unwrap_or(64 << 10),
-                header_timeout: std::time::Duration::from_secs(
-                    self.header_timeout_secs
-                        .or(file.header_timeout_secs)
-                        .unwrap_or(10)
-                        .max(1),
-                ),
-                request_timeout: std::time::Duration::from_secs(
-                    self.request_timeout_secs
-                        .or(file.request_timeout_secs)
-                        .unwrap_or(120)
-                        .max(1),
-                ),
-                max_concurrent_requests: self
-                    .max_concurrent_requests
-                    .or(file.max_concurrent_requests)
-                    .unwrap_or(256)
-                    .max(1),
-                max_event_streams: self
-                    .max_event_streams
-                    .or(file.max_event_streams)
-                    .unwrap_or(64)
-                    .max(1),
-                max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
-                max_overcommit: self.max_overcommit.or(file.max_overcommit),
-            },
+            limits,
             accept_new_registry: self.accept_new_registry,
         })
     }
+
+    /// The service's limits, each from the command line, else the file,
+    /// else its default.
+    fn limits(&self, file: &FileConfig) -> Limits {
+        Limits {
+            max_body_bytes: self
+                .max_body_bytes
+                .or(file.max_body_bytes)
+                .unwrap_or(64 << 10),
+            header_timeout: std::time::Duration::from_secs(
+                self.header_timeout_secs
+                    .or(file.header_timeout_secs)
+                    .unwrap_or(10)
+                    .max(1),
+            ),
+            request_timeout: std::time::Duration::from_secs(
+                self.request_timeout_secs
+                    .or(file.request_timeout_secs)
+                    .unwrap_or(120)
+                    .max(1),
+            ),
+            max_concurrent_requests: self
+                .max_concurrent_requests
+                .or(file.max_concurrent_requests)
+                .unwrap_or(256)
+                .max(1),
+            max_event_streams: self
+                .max_event_streams
+                .or(file.max_event_streams)
+                .unwrap_or(64)
+                .max(1),
+            max_volumes: self.max_volumes.or(file.max_volumes).unwrap_or(1024),
+            max_overcommit: self.max_overcommit.or(file.max_overcommit),
+        }
+    }
+}
+
+impl FileConfig {
+    /// The file at `path` (none: every setting's default), checked where a
+    /// value parses further than TOML does.
+    fn read(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let refused = |reason: String| ConfigError::File {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| refused(e.to_string()))?;
+        let file: Self = toml::from_str(&text).map_err(|e| refused(e.to_string()))?;
+        if let Some(r) = file.max_overcommit {
+            parse_ratio(&r.to_string())
+                .map_err(|reason| refused(format!("max_overcommit: {reason}")))?;
+        }
+        Ok(file)
+    }
+}
+
+/// The bearer token: given, or read from `file` (trimmed); never empty.
+fn token_of(token: Option<String>, file: Option<PathBuf>) -> Result<Option<String>, ConfigError> {
+    let token = match (token, file) {
+        (Some(t), _) => Some(t),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(&path)
+                .map_err(|e| ConfigError::TokenFile {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    if token.as_deref() == Some("") {
+        return Err(ConfigError::EmptyToken);
+    }
+    Ok(token)
+}
+
+/// TCP needs a bearer token, unless `insecure_tcp` allows it without one
+/// on a loopback address.
+fn check_tcp(listen: &[ListenAddr], token: bool, insecure_tcp: bool) -> Result<(), ConfigError> {
+    for l in listen {
+        if let ListenAddr::Tcp(addr) = l
+            && !token
+        {
+            if !insecure_tcp {
+                return Err(ConfigError::TcpWithoutToken(*addr));
+            }
+            if !addr.ip().is_loopback() {
+                return Err(ConfigError::InsecureNotLoopback(*addr));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -646,54 +646,13 @@ fn kernel_backends(
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     let faults = Faults::from_env()?;
     raise_open_files_limit(cfg.limits.max_volumes);
-    private_data_dir(&cfg.data_dir)?;
-    let _lock = lock_data_dir(&cfg.data_dir)?;
-    let default_root = cfg.data_dir.join("images");
-    if cfg.image_roots.contains(&default_root) {
-        private_dir(&default_root)?;
-    }
-    let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
-    check_roots_apart(&cfg.data_dir, &roots.paths())?;
-    let db = cfg.data_dir.join("blockplane.db");
-    // Read before anything writes it: a newer blockplane's registry, or not
-    // the one this data dir served, is refused unchanged.
-    let found = crate::registry::look(&db).await?;
-    crate::registry::refuse_newer(&db, &found)?;
-    if !cfg.accept_new_registry {
-        refuse_lost_registry(&db, &cfg.data_dir, &found, &roots)?;
-    }
-    private_database(&db)?;
-    crate::registry::copy_before_migrating(&db, &found).await?;
-    let store = Store::open(&db).await?;
-    let instance = store.instance().await?;
-    // Other services tell this instance's devices from a lost one's by it.
-    let _alive = match crate::liveness::claim(&instance) {
-        Ok(alive) => Some(alive),
-        Err(e) => {
-            tracing::warn!(%instance, error = %e, "another live service has this instance id (a copy of this registry in another data dir?): each takes the other's devices for its own");
-            None
-        }
-    };
-    crate::registry::keep_mark(&store, &cfg.data_dir).await?;
-    let backends = kernel_backends(&cfg, instance, faults)?;
+    let opened = open_data_dir(&cfg).await?;
+    let backends = kernel_backends(&cfg, opened.instance.clone(), faults)?;
     let manager = Manager::new(
-        store,
-        roots,
+        opened.store,
+        opened.roots,
         backends,
-        ManagerConfig {
-            run_dir: cfg.data_dir.join("run"),
-            default_queues: cfg.queues,
-            max_volumes: cfg.limits.max_volumes,
-            max_overcommit: cfg.limits.max_overcommit,
-            kdf: blockplane_system::crypt::Kdf {
-                unlock_ms: cfg.key_unlock_ms,
-            },
-            backup_target: match &cfg.backup_target {
-                Some(t) => Some(blockplane_backup::Target::open(t, cfg.backup_timeout)?),
-                None => None,
-            },
-            faults,
-        },
+        manager_config(&cfg, faults)?,
     )
     .await?;
 
@@ -702,8 +661,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     // volumes the host has.
     let recovery = manager.recovery().await?;
     tracing::info!(volumes = recovery.volumes(), "reconciling with the kernel");
-    let store = manager.store().clone();
-    let allocating = manager.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = crate::http::router(
         manager.clone(),
@@ -711,28 +668,11 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         cfg.limits,
         stop_rx.clone(),
     );
-    // Bind everything before serving anything: answering on one listener means
-    // all are up.
-    let mut bound = Vec::new();
-    for addr in &cfg.listen {
-        bound.push(bind(addr).await?);
-        tracing::info!(listen = %addr, auth = cfg.token.is_some(), "listening");
-    }
-    let mut servers = tokio::task::JoinSet::new();
-    for listener in bound {
-        let (app, stop) = (app.clone(), stop_rx.clone());
-        let limits = cfg.limits;
-        servers.spawn(async move {
-            match listener {
-                Bound::Unix(l) => serve_listener(l, app, stop, limits).await,
-                Bound::Tcp(l) => serve_listener(l, app, stop, limits).await,
-            }
-        });
-    }
+    let mut servers = start_listeners(&cfg, app, stop_rx).await?;
     // Only once the API serves: the workers' starts must not delay it.
     let reconciling = {
         let manager = manager.clone();
-        tokio::spawn(async move {
+        beside(async move {
             let report = recovery.run().await?;
             tracing::info!(
                 adopted = report.adopted,
@@ -743,32 +683,23 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
                 "reconciled with the kernel"
             );
             manager.start_sampler();
-            Ok::<(), crate::manager::Error>(())
+            Ok(())
         })
     };
 
     // A reconciliation that fails (the registry cannot be read or written)
     // ends the service as a failed start did: it serves nothing it could
     // not match with the kernel.
-    let failed = async {
-        match reconciling.await {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e),
-            Err(e) => Some(crate::manager::Error::Internal(format!(
-                "reconciliation ended: {e}"
-            ))),
-        }
-    };
     let failure = tokio::select! {
         _ = shutdown_signal() => None,
-        Some(e) = failed => {
+        Some(e) = reconciling => {
             tracing::error!(error = %e, "reconciliation failed; stopping");
             Some(e)
         }
     };
     let _ = stop_tx.send(true);
     // Their blocking fills would keep the runtime from ending.
-    allocating.stop_jobs();
+    manager.stop_jobs();
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
         while servers.join_next().await.is_some() {}
     })
@@ -781,16 +712,142 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             let _ = std::fs::remove_file(path);
         }
     }
-    // Into the .db file, so that a copy of it alone is the registry.
-    // Bounded: a connection still busy must not keep the process from exiting.
-    match tokio::time::timeout(Duration::from_secs(10), store.close()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "could not checkpoint the database at stop"),
-        Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
-    }
+    close_registry(manager.store()).await;
+    drop(opened.guards);
     tracing::info!("stopped; devices left running");
     match failure {
         Some(e) => Err(ServeError::Reconcile(e)),
         None => Ok(()),
+    }
+}
+
+/// What a service holds while it runs: its data dir's lock, and the mark
+/// that tells other services its instance is alive.
+struct Guards {
+    _lock: OwnedFd,
+    _alive: Option<crate::liveness::Alive>,
+}
+
+/// The data dir opened for this service: its registry (refused unchanged
+/// when a newer blockplane's, or not the one this data dir served), its
+/// image roots, its instance.
+struct Opened {
+    store: Store,
+    roots: ImageRoots,
+    instance: String,
+    guards: Guards,
+}
+
+/// Locks the data dir, checks its image roots and opens its registry,
+/// migrated after a copy of it is kept.
+async fn open_data_dir(cfg: &ServeConfig) -> Result<Opened, ServeError> {
+    private_data_dir(&cfg.data_dir)?;
+    let lock = lock_data_dir(&cfg.data_dir)?;
+    let default_root = cfg.data_dir.join("images");
+    if cfg.image_roots.contains(&default_root) {
+        private_dir(&default_root)?;
+    }
+    let roots = ImageRoots::open(&cfg.image_roots).map_err(ServeError::Roots)?;
+    check_roots_apart(&cfg.data_dir, &roots.paths())?;
+    let db = cfg.data_dir.join("blockplane.db");
+    // Read before anything writes it.
+    let found = crate::registry::look(&db).await?;
+    crate::registry::refuse_newer(&db, &found)?;
+    if !cfg.accept_new_registry {
+        refuse_lost_registry(&db, &cfg.data_dir, &found, &roots)?;
+    }
+    private_database(&db)?;
+    crate::registry::copy_before_migrating(&db, &found).await?;
+    let store = Store::open(&db).await?;
+    let instance = store.instance().await?;
+    // Other services tell this instance's devices from a lost one's by it.
+    let alive = match crate::liveness::claim(&instance) {
+        Ok(alive) => Some(alive),
+        Err(e) => {
+            tracing::warn!(%instance, error = %e, "another live service has this instance id (a copy of this registry in another data dir?): each takes the other's devices for its own");
+            None
+        }
+    };
+    crate::registry::keep_mark(&store, &cfg.data_dir).await?;
+    Ok(Opened {
+        store,
+        roots,
+        instance,
+        guards: Guards {
+            _lock: lock,
+            _alive: alive,
+        },
+    })
+}
+
+/// What the manager needs of the configuration, the backup target opened.
+fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, ServeError> {
+    Ok(ManagerConfig {
+        run_dir: cfg.data_dir.join("run"),
+        default_queues: cfg.queues,
+        max_volumes: cfg.limits.max_volumes,
+        max_overcommit: cfg.limits.max_overcommit,
+        kdf: blockplane_system::crypt::Kdf {
+            unlock_ms: cfg.key_unlock_ms,
+        },
+        backup_target: match &cfg.backup_target {
+            Some(t) => Some(blockplane_backup::Target::open(t, cfg.backup_timeout)?),
+            None => None,
+        },
+        faults,
+    })
+}
+
+/// Binds every listen address, then serves `app` on each until `stop`:
+/// answering on one listener means all are up.
+async fn start_listeners(
+    cfg: &ServeConfig,
+    app: axum::Router,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinSet<()>, ServeError> {
+    let mut bound = Vec::new();
+    for addr in &cfg.listen {
+        bound.push(bind(addr).await?);
+        tracing::info!(listen = %addr, auth = cfg.token.is_some(), "listening");
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    for listener in bound {
+        let (app, stop) = (app.clone(), stop.clone());
+        let limits = cfg.limits;
+        servers.spawn(async move {
+            match listener {
+                Bound::Unix(l) => serve_listener(l, app, stop, limits).await,
+                Bound::Tcp(l) => serve_listener(l, app, stop, limits).await,
+            }
+        });
+    }
+    Ok(servers)
+}
+
+/// Runs `work` (the reconciliation) beside the API; resolves only when it
+/// fails, with why.
+fn beside(
+    work: impl Future<Output = Result<(), crate::manager::Error>> + Send + 'static,
+) -> impl Future<Output = Option<crate::manager::Error>> {
+    let reconciling = tokio::spawn(work);
+    async move {
+        match reconciling.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(crate::manager::Error::Internal(format!(
+                "reconciliation ended: {e}"
+            ))),
+        }
+    }
+}
+
+/// Checkpoints the registry into its .db file, so that a copy of it alone
+/// is the registry. Bounded: a connection still busy must not keep the
+/// process from exiting.
+async fn close_registry(store: &Store) {
+    match tokio::time::timeout(Duration::from_secs(10), store.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not checkpoint the database at stop"),
+        Err(_) => tracing::warn!("the database was still busy after 10 s; not checkpointed"),
     }
 }
