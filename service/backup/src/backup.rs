@@ -145,10 +145,7 @@ async fn run(
     counters: &Arc<Counters>,
     lease: &Held,
 ) -> Result<Option<Manifest>> {
-    let bref = BackupRef {
-        id: meta.id,
-        name: meta.name.clone(),
-    };
+    let bref = BackupRef::of(meta);
     let size = meta.image.size_bytes;
     let image_err = |action: String| {
         let bref = bref.clone();
@@ -170,28 +167,15 @@ async fn run(
     let f = Arc::clone(&file);
     let indexes = joined(tokio::task::spawn_blocking(move || data_chunks(&f, size)).await)
         .map_err(image_err("finding the image's data ranges".to_string()))?;
-    let total: u64 = indexes.iter().map(|&i| chunk_len(size, i)).sum();
-    job.total_bytes.store(total, Relaxed);
+    job.total_bytes
+        .store(indexes.iter().map(|&i| chunk_len(size, i)).sum(), Relaxed);
     job.done_bytes.store(0, Relaxed);
-
-    let store = Store {
-        target: target.clone(),
-        job: Arc::clone(job),
-        counters: Arc::clone(counters),
-        uploaded: Arc::new(AtomicU64::new(0)),
-        deduplicated: Arc::new(AtomicU64::new(0)),
-    };
+    let store = Store::new(target, job, counters);
     let mut chunks = Vec::new();
     let mut uploads = JoinSet::new();
     for index in indexes {
-        if job.cancel.load(Relaxed) {
+        if !may_go_on(job, lease, &bref, target, &mut uploads).await? {
             return Ok(None);
-        }
-        check_lease(lease, &bref, target)?;
-        while uploads.len() >= UPLOAD_CONCURRENCY {
-            if !next_upload(&mut uploads, job).await? {
-                return Ok(None);
-            }
         }
         let len = chunk_len(size, index);
         let f = Arc::clone(&file);
@@ -202,33 +186,25 @@ async fn run(
             "reading chunk {index} of the image at offset {}",
             index * CHUNK_SIZE
         )))?;
-        match read {
-            None => {
-                job.done_bytes.fetch_add(len, Relaxed);
-            }
-            Some((hash, data)) => {
-                chunks.push(ChunkRef {
-                    index,
-                    hash: hash.clone(),
-                    bytes: len,
-                });
-                if !covered.insert(hash.clone()) {
-                    // Covered by this run's own task for the same bytes,
-                    // which must succeed before the manifest is written.
-                    store.reused(len);
-                } else {
-                    let (store, reused) = (store.clone(), referenced.contains(&hash));
-                    uploads.spawn(async move { store.chunk(hash, data, reused).await });
-                }
-            }
+        let Some((hash, data)) = read else {
+            job.done_bytes.fetch_add(len, Relaxed);
+            between_chunks(job).await;
+            continue;
+        };
+        chunks.push(ChunkRef {
+            index,
+            hash: hash.clone(),
+            bytes: len,
+        });
+        if !covered.insert(hash.clone()) {
+            // Covered by this run's own task for the same bytes, which must
+            // succeed before the manifest is written.
+            store.reused(len);
+        } else {
+            let (store, reused) = (store.clone(), referenced.contains(&hash));
+            uploads.spawn(async move { store.chunk(hash, data, reused).await });
         }
-        if !job.pace.is_zero() {
-            tokio::time::sleep(job.pace).await;
-        }
-        while job.gate.as_deref().is_some_and(std::path::Path::exists) && !job.cancel.load(Relaxed)
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        between_chunks(job).await;
     }
     while !uploads.is_empty() {
         if !next_upload(&mut uploads, job).await? {
@@ -244,6 +220,47 @@ async fn run(
     }
     check_lease(lease, &bref, target)?;
 
+    let manifest = manifest_of(meta, chunks, &store);
+    target
+        .put(&target.manifest_path(meta.id), manifest.to_bytes())
+        .await?;
+    Ok(Some(manifest))
+}
+
+/// Whether the backup goes on to its next chunk: not cancelled, its lease
+/// still live, and room for one more upload (waiting for one to end).
+async fn may_go_on(
+    job: &AllocateJob,
+    lease: &Held,
+    bref: &BackupRef,
+    target: &Target,
+    uploads: &mut JoinSet<Result<()>>,
+) -> Result<bool> {
+    if job.cancel.load(Relaxed) {
+        return Ok(false);
+    }
+    check_lease(lease, bref, target)?;
+    while uploads.len() >= UPLOAD_CONCURRENCY {
+        if !next_upload(uploads, job).await? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The pace between two chunks (a test's slow backup), and its gate: a
+/// backup waits while the gate file exists, unless cancelled.
+async fn between_chunks(job: &AllocateJob) {
+    if !job.pace.is_zero() {
+        tokio::time::sleep(job.pace).await;
+    }
+    while job.gate.as_deref().is_some_and(std::path::Path::exists) && !job.cancel.load(Relaxed) {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The sealed manifest of backup `meta`, naming `chunks`.
+fn manifest_of(meta: &BackupMeta, chunks: Vec<ChunkRef>, store: &Store) -> Manifest {
     let mut manifest = Manifest {
         format: FORMAT,
         id: meta.id,
@@ -261,10 +278,17 @@ async fn run(
         checksum: String::new(),
     };
     manifest.seal();
-    target
-        .put(&target.manifest_path(meta.id), manifest.to_bytes())
-        .await?;
-    Ok(Some(manifest))
+    manifest
+}
+
+impl BackupRef {
+    /// How errors name backup `meta`.
+    fn of(meta: &BackupMeta) -> Self {
+        Self {
+            id: meta.id,
+            name: meta.name.clone(),
+        }
+    }
 }
 
 /// What a chunk's task needs: where it goes and what it counts.
@@ -278,6 +302,17 @@ struct Store {
 }
 
 impl Store {
+    /// Chunks of `job` stored on `target`, counted in `counters`.
+    fn new(target: &Target, job: &Arc<AllocateJob>, counters: &Arc<Counters>) -> Self {
+        Self {
+            target: target.clone(),
+            job: Arc::clone(job),
+            counters: Arc::clone(counters),
+            uploaded: Arc::new(AtomicU64::new(0)),
+            deduplicated: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
     /// Makes the chunk `hash` of `data` stored on the target: a chunk
     /// earlier backups name (`reused`) is left as it is when the target
     /// holds it intact ([`Target::holds_chunk`]), and put again when it is

@@ -114,21 +114,7 @@ async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcR
     // started after `now`: tombstones from then on are kept for it.
     let tombstones_since = since.map_or(now, |s| s.min(now));
 
-    let recent: Vec<(Uuid, Path)> = tombstones
-        .iter()
-        .filter(|(_, t)| t.last_modified >= tombstones_since)
-        .map(|(id, t)| (*id, t.path.clone()))
-        .collect();
-    // Streams of owned items, so the future stays `Send` for any lifetime
-    // (borrowed items make `tokio::spawn` of it fail to type-check).
-    let protected: HashSet<String> = futures_util::stream::iter(recent)
-        .map(|(id, path)| async move { read_chunks_of(target, id, &path).await })
-        .buffer_unordered(CONCURRENCY)
-        .try_collect::<Vec<_>>()
-        .await?
-        .into_iter()
-        .flatten()
-        .collect();
+    let protected = named_by_tombstones(target, &tombstones, tombstones_since).await?;
 
     let mut report = GcReport {
         running_backups: live.len() as u64,
@@ -148,15 +134,7 @@ async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcR
         })
         .cloned()
         .collect();
-    let deleted = futures_util::stream::iter(doomed)
-        .map(|c| async move {
-            lock.check(target)?;
-            delete_chunk(target, &c, now).await
-        })
-        .buffer_unordered(CONCURRENCY)
-        .try_collect::<Vec<_>>()
-        .await?;
-    for bytes in deleted.into_iter().flatten() {
+    for bytes in delete_chunks(target, lock, doomed, now).await? {
         report.chunks_deleted += 1;
         report.bytes_deleted += bytes;
     }
@@ -181,6 +159,50 @@ async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcR
         "backup gc finished"
     );
     Ok(report)
+}
+
+/// The chunks the manifests of backups deleted since `since` named (their
+/// tombstones say which): a backup that began before the delete may
+/// still leave them out as found.
+async fn named_by_tombstones(
+    target: &Target,
+    tombstones: &[(Uuid, Listed)],
+    since: OffsetDateTime,
+) -> Result<HashSet<String>> {
+    let recent: Vec<(Uuid, Path)> = tombstones
+        .iter()
+        .filter(|(_, t)| t.last_modified >= since)
+        .map(|(id, t)| (*id, t.path.clone()))
+        .collect();
+    // Streams of owned items, so the future stays `Send` for any lifetime
+    // (borrowed items make `tokio::spawn` of it fail to type-check).
+    Ok(futures_util::stream::iter(recent)
+        .map(|(id, path)| async move { read_chunks_of(target, id, &path).await })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await?
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+/// Deletes `doomed` while `lock` holds; the bytes of each chunk deleted
+/// (one written again since it was listed stays).
+async fn delete_chunks(
+    target: &Target,
+    lock: &GcLock,
+    doomed: Vec<Listed>,
+    now: OffsetDateTime,
+) -> Result<Vec<u64>> {
+    let deleted = futures_util::stream::iter(doomed)
+        .map(|c| async move {
+            lock.check(target)?;
+            delete_chunk(target, &c, now).await
+        })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(deleted.into_iter().flatten().collect())
 }
 
 /// Deletes the leases and gc locks `owner` put before `started_before`;
