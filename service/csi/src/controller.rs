@@ -408,62 +408,15 @@ impl ControllerService {
             Some(s) => snapshots::clone_size(&req.name, range, s.size_bytes)?,
             None => size,
         };
-        // An image without its volume is what an interrupted create leaves:
-        // start again from nothing, unless it is this create's clone (still
-        // copying, or copied since the last call).
-        let mut ready = false;
-        if let Some(image) = d.api.image(&name).await? {
-            if !image.volumes.is_empty() {
-                return Err(CsiError::Precondition {
-                    volume: req.name.clone(),
-                    reason: format!(
-                        "image '{name}' is used by volumes {:?} of other names",
-                        image.volumes
-                    ),
-                });
-            }
-            let ours = src
-                .as_ref()
-                .is_some_and(|s| image.cloned_from == Some(s.id));
-            match image.state {
-                ImageState::Copying if ours => return Err(snapshots::pending(&req.name, &image)),
-                ImageState::Ready if ours => ready = true,
-                _ => {
-                    tracing::info!(image = %name, "removing the image of an interrupted create");
-                    d.api.delete_image(&name).await?;
-                }
-            }
-        }
-        if !ready {
-            let root = d.image_root(&req.name).await?;
-            let path = root.join(format!("{name}.img")).display().to_string();
-            let image = d
-                .api
-                .create_image(&model::CreateImageRequest {
-                    name: name.clone(),
-                    path,
-                    create: Some(model::CreateImageFile {
-                        // The header comes on top: the volume gets the capacity asked.
-                        size_bytes: size
-                            + if params.encrypted {
-                                ENCRYPTION_HEADER_BYTES
-                            } else {
-                                0
-                            },
-                        allocation: params.allocation,
-                        encryption: key
-                            .clone()
-                            .filter(|_| params.encrypted)
-                            .map(|key| model::CreateEncryption { key }),
-                    }),
-                    clone_from: src.as_ref().map(|s| s.name.clone()),
-                    restore_from: None,
-                    allocation: None,
-                })
-                .await?;
-            if image.state == ImageState::Copying {
-                return Err(snapshots::pending(&req.name, &image));
-            }
+        if !Self::leftover_is_ours(&d, &req.name, &name, src.as_ref()).await? {
+            let size = size
+                + if params.encrypted {
+                    ENCRYPTION_HEADER_BYTES
+                } else {
+                    0
+                };
+            let key = key.clone().filter(|_| params.encrypted);
+            Self::new_image(&d, &req.name, &name, size, &params, key, src.as_ref()).await?;
         }
         let vreq = model::CreateVolumeRequest {
             name: name.clone(),
@@ -493,6 +446,75 @@ impl ControllerService {
                 Err(e)
             }
         }
+    }
+
+    /// Whether image `name`, left by an earlier call, is this create's clone
+    /// copied (`true`); one still copying is a pending answer. An image
+    /// without its volume is what an interrupted create leaves: it is
+    /// removed, to start again from nothing.
+    async fn leftover_is_ours(
+        d: &Driver,
+        volume: &str,
+        name: &str,
+        src: Option<&model::Image>,
+    ) -> Result<bool, CsiError> {
+        let Some(image) = d.api.image(name).await? else {
+            return Ok(false);
+        };
+        if !image.volumes.is_empty() {
+            return Err(CsiError::Precondition {
+                volume: volume.to_string(),
+                reason: format!(
+                    "image '{name}' is used by volumes {:?} of other names",
+                    image.volumes
+                ),
+            });
+        }
+        let ours = src.is_some_and(|s| image.cloned_from == Some(s.id));
+        match image.state {
+            ImageState::Copying if ours => Err(snapshots::pending(volume, &image)),
+            ImageState::Ready if ours => Ok(true),
+            _ => {
+                tracing::info!(image = %name, "removing the image of an interrupted create");
+                d.api.delete_image(name).await?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Creates image `name` of `size` bytes (the header on top of the
+    /// capacity asked, when encrypted with `key`) under the driver's image
+    /// root, or a clone of `src`; a clone still copying is a pending answer.
+    async fn new_image(
+        d: &Driver,
+        volume: &str,
+        name: &str,
+        size: u64,
+        params: &Params,
+        key: Option<model::Key>,
+        src: Option<&model::Image>,
+    ) -> Result<(), CsiError> {
+        let root = d.image_root(volume).await?;
+        let path = root.join(format!("{name}.img")).display().to_string();
+        let image = d
+            .api
+            .create_image(&model::CreateImageRequest {
+                name: name.to_string(),
+                path,
+                create: Some(model::CreateImageFile {
+                    size_bytes: size,
+                    allocation: params.allocation,
+                    encryption: key.map(|key| model::CreateEncryption { key }),
+                }),
+                clone_from: src.map(|s| s.name.clone()),
+                restore_from: None,
+                allocation: None,
+            })
+            .await?;
+        if image.state == ImageState::Copying {
+            return Err(snapshots::pending(volume, &image));
+        }
+        Ok(())
     }
 }
 

@@ -5,8 +5,8 @@
 
 use std::process::ExitCode;
 
-use blockplane_api::model::{Handover, Volume};
-use blockplane_client::Client;
+use blockplane_api::model::{Handover, ServiceBuild, Volume};
+use blockplane_client::{self as client, Client};
 
 use super::output::{fail, print};
 use super::render::json_pretty;
@@ -40,13 +40,9 @@ fn chosen<'a>(list: &'a [Volume], named: &[String], all: bool) -> Result<Vec<&'a
         .collect()
 }
 
-/// Runs `blockplane upgrade`.
-pub async fn upgrade(client: &Client, named: &[String], all: bool, as_json: bool) -> ExitCode {
-    let (host, list) = match tokio::try_join!(client.host(), client.volumes()) {
-        Ok(both) => both,
-        Err(e) => return fail(&e),
-    };
-    let build = &host.build;
+/// Says that the service's file holds another build now, which volumes do
+/// not move to.
+fn note_replaced(build: &ServiceBuild) {
     if build.executable_replaced {
         eprintln!(
             "blockplane: note: {} now holds build {}, the service runs {}: volumes move to the service's build; restart the service first to move them to the new file's",
@@ -55,6 +51,31 @@ pub async fn upgrade(client: &Client, named: &[String], all: bool, as_json: bool
             build.version
         );
     }
+}
+
+/// Says where an upgrade stopped (at `volumes[i]`, for `e`) and which
+/// volumes it did not hand over.
+fn stopped_at(volumes: &[&Volume], i: usize, e: &client::Error) {
+    eprintln!(
+        "blockplane: upgrade stopped at volume '{}' ({} of {}): {e}",
+        volumes[i].name,
+        i + 1,
+        volumes.len()
+    );
+    let left: Vec<&str> = volumes[i + 1..].iter().map(|v| v.name.as_str()).collect();
+    if !left.is_empty() {
+        eprintln!("blockplane: not handed over: {}", left.join(", "));
+    }
+}
+
+/// Runs `blockplane upgrade`.
+pub async fn upgrade(client: &Client, named: &[String], all: bool, as_json: bool) -> ExitCode {
+    let (host, list) = match tokio::try_join!(client.host(), client.volumes()) {
+        Ok(both) => both,
+        Err(e) => return fail(&e),
+    };
+    let build = &host.build;
+    note_replaced(build);
     let volumes = match chosen(&list, named, all) {
         Ok(v) => v,
         Err(why) => {
@@ -110,15 +131,7 @@ pub async fn upgrade(client: &Client, named: &[String], all: bool, as_json: bool
                 } else {
                     print("failed\n");
                 }
-                eprintln!(
-                    "blockplane: upgrade stopped at volume '{}' ({} of {total}): {e}",
-                    v.name,
-                    i + 1
-                );
-                let left: Vec<&str> = volumes[i + 1..].iter().map(|v| v.name.as_str()).collect();
-                if !left.is_empty() {
-                    eprintln!("blockplane: not handed over: {}", left.join(", "));
-                }
+                stopped_at(&volumes, i, &e);
                 return ExitCode::FAILURE;
             }
         }

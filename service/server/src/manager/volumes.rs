@@ -808,34 +808,42 @@ impl Manager {
                 }
                 Err(e) => Err(e),
             };
-            match outcome {
-                Ok(()) => {}
-                Err(e) => {
-                    // Undo, newest first, until an undo fails: what stays made
-                    // is recorded, so the record matches the device.
-                    while let Some(last) = made.last() {
-                        let undo = undo(&v, *last);
-                        match self.reconfigure(&backend, &v, &att, undo).await {
-                            Ok(a) => {
-                                att = a;
-                                made.pop();
-                            }
-                            Err(u) => {
-                                tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
-                                break;
-                            }
-                        }
-                    }
-                    if !made.is_empty() {
-                        self.record_changes(&mut v, att, &made).await?;
-                    }
-                    return Err(e);
+            if let Err(e) = outcome {
+                let (att, stays) = self.take_back(&backend, &v, att, made).await;
+                if !stays.is_empty() {
+                    self.record_changes(&mut v, att, &stays).await?;
                 }
+                return Err(e);
             }
         }
         self.settings.faults.point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
+    }
+
+    /// Undoes the live changes `made` of a PATCH that failed, newest first,
+    /// until an undo fails; the device after, and what stays made, which
+    /// the record must then say so that it matches the device.
+    async fn take_back(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        mut att: Attachment,
+        mut made: Vec<Change>,
+    ) -> (Attachment, Vec<Change>) {
+        while let Some(last) = made.last() {
+            match self.reconfigure(backend, v, &att, undo(v, *last)).await {
+                Ok(a) => {
+                    att = a;
+                    made.pop();
+                }
+                Err(u) => {
+                    tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
+                    break;
+                }
+            }
+        }
+        (att, made)
     }
 
     /// Makes one live change on the device.
