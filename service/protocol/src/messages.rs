@@ -284,9 +284,7 @@ impl Status {
     /// Why the worker runs its policy: the type, or what the words of a
     /// worker before protocol 4 say.
     pub fn reason(&self) -> Reason {
-        self.dispatch_why
-            .clone()
-            .unwrap_or_else(|| Reason::from_words(&self.dispatch_reason))
+        Reason::carried(self.dispatch_why.clone(), &self.dispatch_reason)
     }
 }
 

@@ -106,9 +106,7 @@ impl WorkerSpec {
     /// Why the worker starts on its policy: the type, or what the words of
     /// a spec before protocol 4 say.
     pub fn reason(&self) -> Reason {
-        self.dispatch_why
-            .clone()
-            .unwrap_or_else(|| Reason::from_words(&self.dispatch_reason))
+        Reason::carried(self.dispatch_why.clone(), &self.dispatch_reason)
     }
 }
 

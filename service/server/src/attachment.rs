@@ -162,9 +162,7 @@ impl From<Row> for Attachment {
             major: r.major,
             minor: r.minor,
             dispatch: r.dispatch,
-            dispatch_reason: r
-                .dispatch_why
-                .unwrap_or_else(|| Reason::from_words(&r.dispatch_reason)),
+            dispatch_reason: Reason::carried(r.dispatch_why, &r.dispatch_reason),
             size_bytes: r.size_bytes,
             read_only: r.read_only,
             attached_at: r.attached_at,

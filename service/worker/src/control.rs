@@ -314,7 +314,7 @@ fn act(cx: &Ctx, req: Request) -> Result<Option<Answer>, Refusal> {
             reason,
             why,
         } => {
-            let reason = why.unwrap_or_else(|| Reason::from_words(&reason));
+            let reason = Reason::carried(why, &reason);
             s.switch(Policy::from_requested(dispatch), reason)?;
             // A deliberate switch ends a drift episode.
             s.state.lock().expect("state poisoned").degraded = None;

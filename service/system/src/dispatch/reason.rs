@@ -161,6 +161,12 @@ impl Reason {
         }
     }
 
+    /// The reason a record or a message carries: its type (`why`), or what
+    /// its `words` say where it has none (written before the type).
+    pub fn carried(why: Option<Reason>, words: &str) -> Self {
+        why.unwrap_or_else(|| Self::from_words(words))
+    }
+
     /// The rule that kept an `auto` decision off `direct` (`None`: it is
     /// `direct`, or a policy asked by name).
     pub fn rule_off_direct(&self) -> Option<&str> {
