@@ -90,6 +90,31 @@ pub(super) struct Worker {
 }
 
 impl Worker {
+    /// Worker `pid`, serving device `dev_id`: what the backend keeps of it,
+    /// with handles on its image and lock for a replacement.
+    fn new(
+        pid: u32,
+        dev_id: u32,
+        peer: Peer,
+        image: OwnedFd,
+        lock: Option<OwnedFd>,
+        spec: WorkerSpec,
+        private: bool,
+    ) -> Self {
+        Self {
+            pid,
+            dev_id,
+            image,
+            lock,
+            spec,
+            stopping: Arc::default(),
+            forget: Arc::default(),
+            private,
+            peer,
+            handing_over: Arc::default(),
+        }
+    }
+
     /// The pid and build of this worker, for the API (its supervision
     /// filled in by [`UblkBackend::worker_info`]).
     fn info(&self) -> WorkerInfo {

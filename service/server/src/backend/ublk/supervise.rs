@@ -7,7 +7,6 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libublk::sys;
@@ -17,6 +16,7 @@ use super::{START_TIMEOUT, TALK_TIMEOUT, UblkBackend, Worker, io, kernel};
 use crate::backend::wire;
 use crate::backend::{
     AttachRequest, Attachment, BackendError, BackendEvent, Decision, Probe, ProbeRequest,
+    VolumeParams,
 };
 use crate::fault::After;
 use blockplane_api::model::{DispatchPolicy, VolumeState};
@@ -358,21 +358,19 @@ impl UblkBackend {
         let Started { pid, status, peer } =
             started.inspect_err(|_| self.remove_unstarted(req.volume_id))?;
         let att = self.attachment(&status)?;
-        self.workers.lock().expect("workers poisoned").insert(
-            req.volume_id,
-            Worker {
-                pid,
-                dev_id: status.dev_id,
-                image: req.image_fd,
-                lock: req.image_lock,
-                spec,
-                stopping: Arc::default(),
-                forget: Arc::default(),
-                private,
-                peer,
-                handing_over: Arc::default(),
-            },
+        let worker = Worker::new(
+            pid,
+            status.dev_id,
+            peer,
+            req.image_fd,
+            req.image_lock,
+            spec,
+            private,
         );
+        self.workers
+            .lock()
+            .expect("workers poisoned")
+            .insert(req.volume_id, worker);
         self.supervise();
         Ok(att)
     }
@@ -508,8 +506,26 @@ impl UblkBackend {
         if let Some(old) = &req.stored {
             att.attached_at = old.attached_at;
         }
-        let p = &req.params;
-        let spec = WorkerSpec {
+        let spec = self.adopted_spec(volume_id, &req.params, &status, lock.is_some());
+        let worker = Worker::new(state.pid, state.dev_id, peer, image, lock, spec, private);
+        self.workers
+            .lock()
+            .expect("workers poisoned")
+            .insert(volume_id, worker);
+        self.supervise();
+        Ok(Probe::Alive(Box::new(att)))
+    }
+
+    /// The spec a replacement of an adopted worker starts from: what the
+    /// worker says it serves now (`status`), with the volume's `params`.
+    fn adopted_spec(
+        &self,
+        volume_id: Uuid,
+        p: &VolumeParams,
+        status: &Status,
+        image_lock: bool,
+    ) -> WorkerSpec {
+        WorkerSpec {
             volume_id,
             run_dir: self.run_dir(volume_id),
             image_path: p.image_path.clone(),
@@ -528,27 +544,10 @@ impl UblkBackend {
             pinned: status.pinned,
             extent_check_secs: self.cfg.extent_check_secs,
             allocation: wire::allocation(p.allocation),
-            image_lock: lock.is_some(),
+            image_lock,
             decided_map: false,
             handover: false,
-        };
-        self.workers.lock().expect("workers poisoned").insert(
-            volume_id,
-            Worker {
-                pid: state.pid,
-                dev_id: state.dev_id,
-                image,
-                lock,
-                spec,
-                stopping: Arc::default(),
-                forget: Arc::default(),
-                private,
-                peer,
-                handing_over: Arc::default(),
-            },
-        );
-        self.supervise();
-        Ok(Probe::Alive(Box::new(att)))
+        }
     }
 }
 
