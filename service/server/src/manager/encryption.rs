@@ -336,43 +336,7 @@ impl Manager {
         let _image = self.locks.images.lock(&row.id.to_string()).await;
         let row = self.image_row(&row.id.to_string()).await?;
         self.backups.jobs.refuse(&row, "change its key slots")?;
-        let Some(encryption) = &row.encryption else {
-            return Err(Error::NotEncrypted {
-                image: row.name.clone(),
-                what: "it has no key slots".into(),
-            });
-        };
-        for (field, key) in match &change {
-            SlotChange::Add { key, new_key } => vec![("key", key), ("new_key", new_key)],
-            SlotChange::Remove { key, .. } => vec![("key", key)],
-        } {
-            if let Some(reason) = key.refusal() {
-                return Err(Error::InvalidField { field, reason });
-            }
-        }
-        if let SlotChange::Remove { slot, .. } = change {
-            if !encryption.key_slots.contains(&slot) {
-                return Err(Error::KeySlotNotFound {
-                    image: row.name.clone(),
-                    slot,
-                    slots: slot_list(&encryption.key_slots),
-                });
-            }
-            if encryption.key_slots.len() == 1 {
-                return Err(Error::LastKeySlot {
-                    image: row.name.clone(),
-                    slot,
-                });
-            }
-        }
-        if row.read_only {
-            return Err(Error::ImageReadOnly {
-                name: row.name.clone(),
-                source_id: row.snapshot_of.map(|s| s.to_string()).unwrap_or_default(),
-                reason: "its key slots are part of its bytes, which a snapshot keeps as they were"
-                    .into(),
-            });
-        }
+        slots_changeable(&row, &change)?;
         let header = self.header_holder(&row).await?;
         let adding = matches!(change, SlotChange::Add { .. });
         let (name, kdf) = (row.name.clone(), self.settings.kdf);
@@ -470,4 +434,48 @@ fn slot_list(slots: &[u32]) -> String {
 /// The path a volume's plaintext device has.
 pub(super) fn plaintext_device(layer: &CryptLayer) -> String {
     crypt::device_of(&layer.name).display().to_string()
+}
+
+/// Refuses a change of `row`'s key slots that cannot be made: the image is
+/// not encrypted, a key is malformed, the slot to remove is not there or is
+/// the last, or the image is a snapshot (its slots are part of its bytes).
+fn slots_changeable(row: &ImageRow, change: &SlotChange) -> Result<()> {
+    let Some(encryption) = &row.encryption else {
+        return Err(Error::NotEncrypted {
+            image: row.name.clone(),
+            what: "it has no key slots".into(),
+        });
+    };
+    for (field, key) in match change {
+        SlotChange::Add { key, new_key } => vec![("key", key), ("new_key", new_key)],
+        SlotChange::Remove { key, .. } => vec![("key", key)],
+    } {
+        if let Some(reason) = key.refusal() {
+            return Err(Error::InvalidField { field, reason });
+        }
+    }
+    if let SlotChange::Remove { slot, .. } = *change {
+        if !encryption.key_slots.contains(&slot) {
+            return Err(Error::KeySlotNotFound {
+                image: row.name.clone(),
+                slot,
+                slots: slot_list(&encryption.key_slots),
+            });
+        }
+        if encryption.key_slots.len() == 1 {
+            return Err(Error::LastKeySlot {
+                image: row.name.clone(),
+                slot,
+            });
+        }
+    }
+    if row.read_only {
+        return Err(Error::ImageReadOnly {
+            name: row.name.clone(),
+            source_id: row.snapshot_of.map(|s| s.to_string()).unwrap_or_default(),
+            reason: "its key slots are part of its bytes, which a snapshot keeps as they were"
+                .into(),
+        });
+    }
+    Ok(())
 }
