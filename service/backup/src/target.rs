@@ -62,6 +62,14 @@ pub(crate) struct Listed {
     pub e_tag: Option<String>,
 }
 
+/// Where an S3 target is, and who it is to the server.
+struct S3Place<'a> {
+    bucket: &'a str,
+    region: &'a str,
+    endpoint: Option<&'a str>,
+    credentials: &'a crate::config::Credentials,
+}
+
 impl Target {
     /// Opens a target: a `Dir` must be an existing directory; an `S3` target
     /// is only configured here (use [`Target::check`] to reach it).
@@ -76,39 +84,7 @@ impl Target {
     pub fn open(cfg: &TargetConfig, timeout: Duration) -> Result<Target> {
         let description: Arc<str> = cfg.describe().into();
         match cfg {
-            TargetConfig::Dir { path } => {
-                if !path.is_absolute() {
-                    return Err(Error::Config(format!(
-                        "{description}: a directory target must be an absolute path"
-                    )));
-                }
-                match std::fs::metadata(path) {
-                    Ok(m) if m.is_dir() => {}
-                    Ok(_) => {
-                        return Err(Error::Config(format!("{description} is not a directory")));
-                    }
-                    Err(e) => {
-                        return Err(Error::Config(format!(
-                            "{description}: the directory must exist (create it, or mount the share, first): {e}"
-                        )));
-                    }
-                }
-                // fsync: a manifest is written after its chunks and must
-                // never survive a crash that they did not.
-                let store = LocalFileSystem::new_with_prefix(path)
-                    .map_err(|e| Error::Config(format!("{description}: {e}")))?
-                    .with_fsync(true);
-                let unsynced = LocalFileSystem::new_with_prefix(path)
-                    .map_err(|e| Error::Config(format!("{description}: {e}")))?;
-                Ok(Target {
-                    store: Arc::new(store),
-                    unsynced: Some(Arc::new(unsynced)),
-                    prefix: String::new(),
-                    description,
-                    root: Some(path.clone()),
-                    hang_after: timeout,
-                })
-            }
+            TargetConfig::Dir { path } => Self::open_dir(path, description, timeout),
             TargetConfig::S3 {
                 bucket,
                 prefix,
@@ -116,46 +92,101 @@ impl Target {
                 region,
                 credentials,
             } => {
-                install_tls_provider();
-                let mut b = AmazonS3Builder::new()
-                    .with_bucket_name(bucket)
-                    .with_region(region)
-                    .with_access_key_id(&credentials.access_key_id)
-                    .with_secret_access_key(&credentials.secret_access_key)
-                    // Path-style requests (`endpoint/bucket/key`) work with
-                    // every S3-compatible server and an IP endpoint.
-                    .with_virtual_hosted_style_request(false)
-                    .with_client_options(
-                        ClientOptions::new()
-                            .with_timeout(timeout)
-                            .with_connect_timeout(timeout.min(CONNECT_TIMEOUT)),
-                    )
-                    .with_retry(RetryConfig {
-                        retry_timeout: timeout,
-                        ..RetryConfig::default()
-                    });
-                if let Some(token) = &credentials.session_token {
-                    b = b.with_token(token);
-                }
-                if let Some(e) = endpoint {
-                    b = b.with_endpoint(e).with_allow_http(e.starts_with("http://"));
-                }
-                // The builder's error names options, never their values.
-                let store = b
-                    .build()
-                    .map_err(|e| Error::Config(format!("{description}: {e}")))?;
-                Ok(Target {
-                    store: Arc::new(store),
-                    unsynced: None,
-                    prefix: prefix.clone(),
-                    description,
-                    root: None,
-                    // A retry begun just inside the window may take a whole
-                    // timeout more.
-                    hang_after: timeout * 2,
-                })
+                let s3 = S3Place {
+                    bucket,
+                    region,
+                    endpoint: endpoint.as_deref(),
+                    credentials,
+                };
+                Self::open_s3(&s3, prefix, description, timeout)
             }
         }
+    }
+
+    /// A directory target: an absolute path to a directory that exists.
+    fn open_dir(
+        path: &std::path::Path,
+        description: Arc<str>,
+        timeout: Duration,
+    ) -> Result<Target> {
+        if !path.is_absolute() {
+            return Err(Error::Config(format!(
+                "{description}: a directory target must be an absolute path"
+            )));
+        }
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(Error::Config(format!("{description} is not a directory")));
+            }
+            Err(e) => {
+                return Err(Error::Config(format!(
+                    "{description}: the directory must exist (create it, or mount the share, first): {e}"
+                )));
+            }
+        }
+        // fsync: a manifest is written after its chunks and must
+        // never survive a crash that they did not.
+        let store = LocalFileSystem::new_with_prefix(path)
+            .map_err(|e| Error::Config(format!("{description}: {e}")))?
+            .with_fsync(true);
+        let unsynced = LocalFileSystem::new_with_prefix(path)
+            .map_err(|e| Error::Config(format!("{description}: {e}")))?;
+        Ok(Target {
+            store: Arc::new(store),
+            unsynced: Some(Arc::new(unsynced)),
+            prefix: String::new(),
+            description,
+            root: Some(path.to_path_buf()),
+            hang_after: timeout,
+        })
+    }
+
+    /// An S3 target, path-style, with `timeout` on every request.
+    fn open_s3(
+        s3: &S3Place<'_>,
+        prefix: &str,
+        description: Arc<str>,
+        timeout: Duration,
+    ) -> Result<Target> {
+        install_tls_provider();
+        let mut b = AmazonS3Builder::new()
+            .with_bucket_name(s3.bucket)
+            .with_region(s3.region)
+            .with_access_key_id(&s3.credentials.access_key_id)
+            .with_secret_access_key(&s3.credentials.secret_access_key)
+            // Path-style requests (`endpoint/bucket/key`) work with
+            // every S3-compatible server and an IP endpoint.
+            .with_virtual_hosted_style_request(false)
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(timeout)
+                    .with_connect_timeout(timeout.min(CONNECT_TIMEOUT)),
+            )
+            .with_retry(RetryConfig {
+                retry_timeout: timeout,
+                ..RetryConfig::default()
+            });
+        if let Some(token) = &s3.credentials.session_token {
+            b = b.with_token(token);
+        }
+        if let Some(e) = s3.endpoint {
+            b = b.with_endpoint(e).with_allow_http(e.starts_with("http://"));
+        }
+        // The builder's error names options, never their values.
+        let store = b
+            .build()
+            .map_err(|e| Error::Config(format!("{description}: {e}")))?;
+        Ok(Target {
+            store: Arc::new(store),
+            unsynced: None,
+            prefix: prefix.to_string(),
+            description,
+            root: None,
+            // A retry begun just inside the window may take a whole
+            // timeout more.
+            hang_after: timeout * 2,
+        })
     }
 
     /// Where it is: `dir:/path` or `s3://bucket/prefix (endpoint …)`; never credentials.

@@ -167,6 +167,24 @@ struct Set {
 }
 
 impl Set {
+    /// How long until the next retry is due (none: no wait bound).
+    fn next_retry(&self) -> Option<rustix::event::Timespec> {
+        let at = self
+            .watched
+            .values()
+            .filter_map(|w| w.retry.map(|r| r.at))
+            .min()?;
+        Some(
+            rustix::event::Timespec::try_from(at.saturating_duration_since(Instant::now()))
+                .unwrap_or(rustix::event::Timespec {
+                    tv_sec: 5,
+                    tv_nsec: 0,
+                }),
+        )
+    }
+}
+
+impl Set {
     /// Stops supervising `w`: a process still running is only reaped when
     /// it ends.
     fn let_go(&mut self, w: &Watched) {
@@ -342,25 +360,7 @@ impl UblkBackend {
     }
 
     fn supervise_all(&self) -> std::io::Result<std::convert::Infallible> {
-        let mut set = Set {
-            epoll: epoll::create(epoll::CreateFlags::CLOEXEC)?,
-            inotify: inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)?,
-            watched: HashMap::new(),
-            leaving: HashMap::new(),
-            next_key: 0,
-        };
-        epoll::add(
-            &set.epoll,
-            &self.supervisor.wake,
-            epoll::EventData::new_u64(WAKE),
-            epoll::EventFlags::IN,
-        )?;
-        epoll::add(
-            &set.epoll,
-            &set.inotify,
-            epoll::EventData::new_u64(RUN_DIRS),
-            epoll::EventFlags::IN,
-        )?;
+        let mut set = self.new_set()?;
         // A new set: each worker's watch is taken again.
         self.supervisor.status().unsupervised.clear();
         let mut events = Vec::with_capacity(64);
@@ -383,18 +383,7 @@ impl UblkBackend {
                 };
             }
             events.clear();
-            let timeout = set
-                .watched
-                .values()
-                .filter_map(|w| w.retry.map(|r| r.at))
-                .min()
-                .map(|at| {
-                    rustix::event::Timespec::try_from(at.saturating_duration_since(Instant::now()))
-                        .unwrap_or(rustix::event::Timespec {
-                            tv_sec: 5,
-                            tv_nsec: 0,
-                        })
-                });
+            let timeout = set.next_retry();
             let waited = if self.injects(SupervisorFault::Wait) {
                 Err(Errno::IO)
             } else {
@@ -427,6 +416,31 @@ impl UblkBackend {
                 }
             }
         }
+    }
+
+    /// An empty set, woken by the wake-up eventfd and by changes in the run
+    /// dirs.
+    fn new_set(&self) -> std::io::Result<Set> {
+        let set = Set {
+            epoll: epoll::create(epoll::CreateFlags::CLOEXEC)?,
+            inotify: inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)?,
+            watched: HashMap::new(),
+            leaving: HashMap::new(),
+            next_key: 0,
+        };
+        epoll::add(
+            &set.epoll,
+            &self.supervisor.wake,
+            epoll::EventData::new_u64(WAKE),
+            epoll::EventFlags::IN,
+        )?;
+        epoll::add(
+            &set.epoll,
+            &set.inotify,
+            epoll::EventData::new_u64(RUN_DIRS),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(set)
     }
 
     /// Brings the set in line with the workers map: new and replaced
