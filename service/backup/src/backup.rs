@@ -164,12 +164,9 @@ async fn run(
     let mut covered = HashSet::new();
 
     let file = Arc::new(file);
-    let f = Arc::clone(&file);
-    let indexes = joined(tokio::task::spawn_blocking(move || data_chunks(&f, size)).await)
+    let indexes = to_read(&file, size, job)
+        .await
         .map_err(image_err("finding the image's data ranges".to_string()))?;
-    job.total_bytes
-        .store(indexes.iter().map(|&i| chunk_len(size, i)).sum(), Relaxed);
-    job.done_bytes.store(0, Relaxed);
     let store = Store::new(target, job, counters);
     let mut chunks = Vec::new();
     let mut uploads = JoinSet::new();
@@ -206,10 +203,8 @@ async fn run(
         }
         between_chunks(job).await;
     }
-    while !uploads.is_empty() {
-        if !next_upload(&mut uploads, job).await? {
-            return Ok(None);
-        }
+    if !all_uploaded(&mut uploads, job).await? {
+        return Ok(None);
     }
     // The manifest must never outlive a chunk it names.
     target.settle().await?;
@@ -225,6 +220,27 @@ async fn run(
         .put(&target.manifest_path(meta.id), manifest.to_bytes())
         .await?;
     Ok(Some(manifest))
+}
+
+/// The chunks of `file` (of `size` bytes) that hold data, their bytes
+/// counted as the job's total.
+async fn to_read(file: &Arc<File>, size: u64, job: &AllocateJob) -> std::io::Result<Vec<u64>> {
+    let f = Arc::clone(file);
+    let indexes = joined(tokio::task::spawn_blocking(move || data_chunks(&f, size)).await)?;
+    job.total_bytes
+        .store(indexes.iter().map(|&i| chunk_len(size, i)).sum(), Relaxed);
+    job.done_bytes.store(0, Relaxed);
+    Ok(indexes)
+}
+
+/// Waits for every upload to end (`false`: cancelled meanwhile).
+async fn all_uploaded(uploads: &mut JoinSet<Result<()>>, job: &AllocateJob) -> Result<bool> {
+    while !uploads.is_empty() {
+        if !next_upload(uploads, job).await? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Whether the backup goes on to its next chunk: not cancelled, its lease

@@ -97,17 +97,7 @@ async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcR
         .filter_map(|l| id_of(&l.name).map(|id| (id, l)))
         .collect();
 
-    // Live when recent by either clock: the earlier of the two decides, so
-    // an object dated ahead (a skewed writer) cannot make leases stale.
-    let newest = chunks
-        .iter()
-        .map(|c| c.last_modified)
-        .chain(leases.iter().map(|l| l.listed.last_modified))
-        .max();
-    let reference = newest.map_or(now, |n| n.min(now));
-    let (live, stale): (Vec<&LeaseSeen>, Vec<&LeaseSeen>) = leases
-        .iter()
-        .partition(|l| l.listed.last_modified >= reference - LEASE_STALE);
+    let (live, stale) = split_leases(&chunks, &leases, now);
     // L: the earliest start of a running backup, on the target's clock.
     let since = live.iter().map(|l| started(l)).min();
     // A backup that started after the leases were listed is unseen, but it
@@ -159,6 +149,25 @@ async fn run(target: &Target, lock: &GcLock, pause: Option<Pause>) -> Result<GcR
         "backup gc finished"
     );
     Ok(report)
+}
+
+/// The leases of running backups, and the stale ones a crash left. Live
+/// when recent by either clock: the earlier of the two decides, so an
+/// object dated ahead (a skewed writer) cannot make leases stale.
+fn split_leases<'a>(
+    chunks: &[Listed],
+    leases: &'a [LeaseSeen],
+    now: OffsetDateTime,
+) -> (Vec<&'a LeaseSeen>, Vec<&'a LeaseSeen>) {
+    let newest = chunks
+        .iter()
+        .map(|c| c.last_modified)
+        .chain(leases.iter().map(|l| l.listed.last_modified))
+        .max();
+    let reference = newest.map_or(now, |n| n.min(now));
+    leases
+        .iter()
+        .partition(|l| l.listed.last_modified >= reference - LEASE_STALE)
 }
 
 /// The chunks the manifests of backups deleted since `since` named (their
