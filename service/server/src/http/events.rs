@@ -35,7 +35,7 @@ pub async fn events(
     State(m): State<AppState>,
     ApiQuery(q): ApiQuery<EventQuery>,
 ) -> Result<Json<Vec<Event>>, ApiError> {
-    Ok(Json(m.events(q).await?))
+    Ok(Json(m.events().list(q).await?))
 }
 
 /// New events as they happen, as Server-Sent Events (`id` = event id,
@@ -60,7 +60,7 @@ pub async fn event_stream(
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<i64>().ok());
-    let feed = m.subscribe_events(q, resume).await?;
+    let feed = m.events().subscribe(q, resume).await?;
     let stream = futures_util::stream::unfold(feed, |mut feed| async move {
         match feed.next().await {
             Ok(ev) => {

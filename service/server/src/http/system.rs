@@ -46,7 +46,7 @@ pub async fn delete_orphan(
     State(m): State<AppState>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::http::StatusCode, ApiError> {
-    super::detached(async move { m.delete_orphan(&id).await }).await?;
+    super::detached(async move { m.orphans().delete(&id).await }).await?;
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::Manager;
 use super::error::Result;
+use super::house::House;
 use crate::backend::BackendEvent;
 use blockplane_api::model;
 
@@ -18,13 +19,17 @@ impl Manager {
         let rt = tokio::runtime::Handle::current();
         std::thread::spawn(move || {
             while let Ok(ev) = rx.recv() {
-                if let Err(e) = rt.block_on(self.apply_backend_event(&ev)) {
+                if let Err(e) = rt.block_on(self.house.apply_backend_event(&ev)) {
                     tracing::error!(volume = %ev.volume_id, error = %e, "cannot record a backend event");
                 }
             }
         });
     }
+}
 
+impl House {
+    /// Records one backend event: the volume's attachment and state as the
+    /// backend reports them, and the event.
     async fn apply_backend_event(&self, ev: &BackendEvent) -> Result<()> {
         let Some(v) = self.store.volume(&ev.volume_id.to_string()).await? else {
             return Ok(());
@@ -39,7 +44,7 @@ impl Manager {
                 att.attached_at = old.attached_at;
                 // A switch the backend made itself: as after one asked for.
                 if old.dispatch != att.dispatch {
-                    self.drop_page_cache(&v, &att).await;
+                    super::look::drop_page_cache(&self.store, &v, &att).await;
                 }
             }
             v.attachment = Some(att);

@@ -103,7 +103,7 @@ impl Manager {
     /// the image roots and through no symlink, registered as no image.
     pub(super) async fn remove_backup_moments(&self) -> Result<()> {
         use std::os::unix::fs::MetadataExt;
-        let rows = self.store.images().await?;
+        let rows = self.house.store.images().await?;
         let registered: std::collections::HashSet<&str> =
             rows.iter().map(|r| r.path.as_str()).collect();
         let dirs: std::collections::BTreeSet<&std::path::Path> = rows
@@ -127,11 +127,12 @@ impl Manager {
                 // `file_type` does not follow a symlink; `resolve` refuses one
                 // anywhere in the path, and `remove_file` removes only the
                 // file seen here.
-                let (Ok(meta), Ok(path)) = (e.metadata(), self.roots.resolve(&full)) else {
+                let (Ok(meta), Ok(path)) = (e.metadata(), self.house.roots.resolve(&full)) else {
                     continue;
                 };
                 if e.file_type().is_ok_and(|t| t.is_file())
                     && self
+                        .house
                         .roots
                         .remove_file(&path, meta.dev(), meta.ino(), None)
                         .is_ok()
@@ -196,7 +197,7 @@ impl Manager {
     /// Who holds this service's leases: its instance and host (a copy of
     /// its registry elsewhere has the same instance).
     fn lease_owner(&self) -> String {
-        format!("{}@{}", self.settings.instance, host_name())
+        format!("{}@{}", self.house.settings.instance, host_name())
     }
 
     /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
@@ -204,7 +205,7 @@ impl Manager {
     pub(crate) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
         validate_name("backup", name)?;
         let target = self.backup_target("back an image up")?;
-        let src = self.image_row(image).await?;
+        let src = self.house.image_row(image).await?;
         // The target is asked before any lock is taken: a slow one delays
         // this request only.
         let taken = blockplane_backup::list(&target)
@@ -218,16 +219,16 @@ impl Manager {
                 id: m.id,
             });
         }
-        let _image = self.locks.images.lock(&src.id.to_string()).await;
-        let src = self.image_row(&src.id.to_string()).await?;
+        let _image = self.house.locks.images.lock(&src.id.to_string()).await;
+        let src = self.house.image_row(&src.id.to_string()).await?;
         self.backupable(&src)?;
         let id = Uuid::new_v4();
         // Read-only volumes are held until the job refuses their return to
         // writable (their PATCH and unlock take the same lock), so the image
         // has no writer from the check to the end of the backup.
         let mut held_volumes = Vec::new();
-        for (_, volume) in self.store.volumes_of_image(src.id).await? {
-            held_volumes.push(self.locks.volumes.lock(&volume).await);
+        for (_, volume) in self.house.store.volumes_of_image(src.id).await? {
+            held_volumes.push(self.house.locks.volumes.lock(&volume).await);
         }
         let writable = self
             .attached_volumes(src.id)
@@ -244,7 +245,7 @@ impl Manager {
             .await?;
         let meta = self.backup_meta(id, name, &src, &source.file);
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(
                 None,
                 Some(src.id),
@@ -310,7 +311,7 @@ impl Manager {
     ) -> Result<BackupSource> {
         let Some((v, backend)) = writable else {
             let (me, s) = (self.clone(), src.clone());
-            let file = blocking(move || me.open_image(&s, Access::ReadOnly)).await??;
+            let file = blocking(move || me.house.open_image(&s, Access::ReadOnly)).await??;
             return Ok(BackupSource {
                 file,
                 moment: None,
@@ -319,6 +320,7 @@ impl Manager {
             });
         };
         let path = self
+            .house
             .roots
             .resolve(&moment_path(src, id).display().to_string())?;
         let m = if backend.kind() == Backend::Loop {
@@ -330,7 +332,7 @@ impl Manager {
         let ((dev, ino), birth) = (m.file.identity(), m.file.birth().map(str::to_string));
         let (me, p) = (self.clone(), path.clone());
         undo.push("remove the backup's moment file", move || {
-            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
         });
         Ok(BackupSource {
             file: m.file,
@@ -372,8 +374,11 @@ impl Manager {
         let (file, start, _, took) = self.clone_file(src, path, None).await?;
         if start != CloneStart::Reflinked {
             let (dev, ino) = file.identity();
-            let _ = self.roots.remove_file(path, dev, ino, file.birth());
-            let backend = self.backend(Backend::Loop).expect("the volume's backend");
+            let _ = self.house.roots.remove_file(path, dev, ino, file.birth());
+            let backend = self
+                .house
+                .backend(Backend::Loop)
+                .expect("the volume's backend");
             return Err(Error::SnapshotAttached {
                 name: src.name.clone(),
                 volume: v.name.clone(),
@@ -406,8 +411,9 @@ impl Manager {
             counters: counters.clone(),
             reads_image,
         };
-        let pace = self.settings.faults.pace(Slow::Backup);
+        let pace = self.house.settings.faults.pace(Slow::Backup);
         let gate = self
+            .house
             .settings
             .faults
             .slows(Slow::BackupGate)
@@ -452,7 +458,10 @@ impl Manager {
                 };
                 if let Some(path) = &moment {
                     let ((dev, ino), birth) = &moment_identity;
-                    let _ = me.roots.remove_file(path, *dev, *ino, birth.as_deref());
+                    let _ = me
+                        .house
+                        .roots
+                        .remove_file(path, *dev, *ino, birth.as_deref());
                 }
                 me.end_backup(&target, &meta, &job, &counters, started.elapsed(), out)
                     .await
@@ -519,7 +528,7 @@ impl Manager {
             ),
         };
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(None, Some(meta.image.id), kind, &text).await?;
             tx.commit().await
         }
@@ -581,7 +590,7 @@ impl Manager {
                 .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
         );
         if let Some(image) = image {
-            let id = match self.store.image(image).await? {
+            let id = match self.house.store.image(image).await? {
                 Some(row) => Some(row.id),
                 None => Uuid::parse_str(image).ok(),
             };
@@ -657,7 +666,7 @@ impl Manager {
         };
         if done {
             blockplane_backup::delete(&target, b.id).await?;
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(
                 None,
                 Some(b.image_id),
@@ -740,18 +749,19 @@ impl Manager {
     ) -> Result<Image> {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
-        let path = self.roots.resolve(path)?;
+        let path = self.house.roots.resolve(path)?;
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
-        let _registering = self.claim_name(name).await?;
+        let _registering = self.house.claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
             .await?;
         let (me, p) = (self.clone(), path.clone());
         let file = blocking(move || {
-            me.roots
+            me.house
+                .roots
                 .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
         })
         .await??;
@@ -759,7 +769,7 @@ impl Manager {
         let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
         let (me, p) = (self.clone(), path.clone());
         undo.push("remove the restore's file", move || {
-            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
         });
         let fd = file
             .fd()
@@ -776,7 +786,7 @@ impl Manager {
         }
         let row = restore_row(name, &path, &file, &m)?;
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.insert_image(&row).await?;
             tx.event(
                 None,
@@ -820,7 +830,7 @@ impl Manager {
         file: ImageFile,
         fd: std::fs::File,
     ) {
-        let pace = self.settings.faults.pace(Slow::Copy);
+        let pace = self.house.settings.faults.pace(Slow::Copy);
         let kind = CopyRun::restore(row.name.clone());
         let (me, row) = (self.clone(), row.clone());
         let total = m.stored_bytes;
@@ -887,7 +897,7 @@ impl Manager {
     ) -> Ended {
         let done = job.done_bytes.load(Relaxed);
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             match &out {
                 Ok((true, allocated, encryption)) => {
                     tx.set_image_encryption(row.id, encryption.as_ref()).await?;

@@ -140,7 +140,7 @@ impl Manager {
         name: &str,
     ) -> Result<Image> {
         validate_name("image", name)?;
-        let src = self.image_row(source).await?;
+        let src = self.house.image_row(source).await?;
         let dir = std::path::Path::new(&src.path)
             .parent()
             .unwrap_or(std::path::Path::new("/"));
@@ -159,7 +159,7 @@ impl Manager {
         grow: Option<CreateImageFile>,
     ) -> Result<Image> {
         validate_name("image", name)?;
-        let src = self.image_row(source).await?;
+        let src = self.house.image_row(source).await?;
         self.copy_image(src, name, path, false, grow).await
     }
 
@@ -173,10 +173,10 @@ impl Manager {
         snapshot: bool,
         grow: Option<CreateImageFile>,
     ) -> Result<Image> {
-        let path = self.roots.resolve(path)?;
-        let _registering = self.claim_name(name).await?;
-        let _source = self.locks.images.lock(&src.id.to_string()).await;
-        let src = self.image_row(&src.id.to_string()).await?;
+        let path = self.house.roots.resolve(path)?;
+        let _registering = self.house.claim_name(name).await?;
+        let _source = self.house.locks.images.lock(&src.id.to_string()).await;
+        let src = self.house.image_row(&src.id.to_string()).await?;
         let size = self.copyable(&src, name, snapshot, grow.as_ref())?;
         let grow = grow.map(|g| (g.size_bytes, g.allocation));
         let attached = self.attached_volumes(src.id).await?;
@@ -200,7 +200,7 @@ impl Manager {
             } else {
                 "a writable clone"
             };
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.insert_image(&row).await?;
             tx.event(
                 None,
@@ -327,7 +327,10 @@ impl Manager {
         let ((dev, ino), birth) = (made.file.identity(), made.file.birth().map(str::to_string));
         let (me, path) = (self.clone(), path.clone());
         undo.push("remove the copy's file", move || {
-            let _ = me.roots.remove_file(&path, dev, ino, birth.as_deref());
+            let _ = me
+                .house
+                .roots
+                .remove_file(&path, dev, ino, birth.as_deref());
         });
         Ok(made)
     }
@@ -357,17 +360,18 @@ impl Manager {
             backend: v.backend.as_str(),
             reason,
         };
-        let _volume = self.locks.volumes.lock(&v.name).await;
-        let v = match self.store.volume(&v.id.to_string()).await? {
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let v = match self.house.store.volume(&v.id.to_string()).await? {
             Some(now) if now.attachment.is_some() => now,
             _ => return Err(refused(&v, VOLUME_CHANGED.into())),
         };
         let (me, p) = (self.clone(), path.clone());
-        let (file, shares) = blocking(move || me.roots.create_for_moment(&p)).await??;
+        let (file, shares) = blocking(move || me.house.roots.create_for_moment(&p)).await??;
         let identity = file.identity();
         let birth = file.birth().map(str::to_string);
         let remove = || {
             let _ = self
+                .house
                 .roots
                 .remove_file(path, identity.0, identity.1, birth.as_deref());
         };
@@ -446,7 +450,7 @@ impl Manager {
         let att = blocking(move || b.leave_direct(&a, id, reason))
             .await?
             .map_err(|e| volume_error(&v.name, e))?;
-        self.settings.faults.point(After::Change)?;
+        self.house.settings.faults.point(After::Change)?;
         let asked = match v.dispatch {
             DispatchPolicy::Direct => DispatchPolicy::Nowait,
             d => d,
@@ -473,8 +477,9 @@ impl Manager {
         } else {
             let copy = MomentCopy {
                 dest,
-                pace: self.settings.faults.pace(Slow::Copy),
+                pace: self.house.settings.faults.pace(Slow::Copy),
                 gate: self
+                    .house
                     .settings
                     .faults
                     .slows(Slow::CopyGate)
@@ -503,10 +508,10 @@ impl Manager {
     ) -> Result<(ImageFile, CloneStart, ImageFile, std::time::Duration)> {
         let (me, s, p) = (self.clone(), src.clone(), path.clone());
         blocking(move || -> Result<_> {
-            let src_file = me.open_image(&s, Access::ReadOnly)?;
+            let src_file = me.house.open_image(&s, Access::ReadOnly)?;
             src_file.sync()?;
             let started = std::time::Instant::now();
-            let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+            let (mut file, start) = me.house.roots.create_clone(&p, &src_file)?;
             let took = started.elapsed();
             if start == CloneStart::Reflinked {
                 me.grow_clone(&p, &mut file, grow)?;
@@ -549,7 +554,10 @@ impl Manager {
     /// The file a copy of one moment waits at while it exists (the test
     /// fault `gate_copy`): `copy-gate` in the service's run dir.
     fn copy_gate(&self) -> std::path::PathBuf {
-        self.settings.ublk_run_root.with_file_name("copy-gate")
+        self.house
+            .settings
+            .ublk_run_root
+            .with_file_name("copy-gate")
     }
 
     /// Grows a clone whose extents are shared to `grow`'s size (its new
@@ -565,7 +573,7 @@ impl Manager {
         };
         file.grow(size, allocation).map_err(|e| {
             let (dev, ino) = file.identity();
-            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            let _ = self.house.roots.remove_file(path, dev, ino, file.birth());
             e.into()
         })
     }
@@ -580,7 +588,7 @@ impl Manager {
         private: bool,
         grow: Option<(u64, Allocation)>,
     ) {
-        let pace = self.settings.faults.pace(Slow::Copy);
+        let pace = self.house.settings.faults.pace(Slow::Copy);
         let kind = CopyRun {
             source,
             name: row.name.clone(),
@@ -658,7 +666,7 @@ impl Manager {
     ) -> Ended {
         let done = job.done_bytes.load(Relaxed);
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             match &out {
                 Ok((true, allocated)) => {
                     tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
@@ -728,12 +736,12 @@ impl Manager {
     /// left by a service that stopped or died during its copy. Its partial
     /// file is removed and it is `failed`, never served as `ready`.
     pub(super) async fn fail_interrupted_copies(&self) -> Result<()> {
-        for row in self.store.images().await? {
+        for row in self.house.store.images().await? {
             if row.state != ImageState::Copying {
                 continue;
             }
             let reason = "the service stopped during its copy; its partial file was removed (delete the image, then snapshot or clone again)";
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             self.fail_copy(&mut tx, &row, reason).await?;
             tx.commit().await?;
             tracing::warn!(image = %row.name, "an interrupted copy was removed");
@@ -749,8 +757,9 @@ impl Manager {
         row: &ImageRow,
         reason: &str,
     ) -> std::result::Result<(), crate::store::StoreError> {
-        if let Ok(path) = self.roots.resolve(&row.path) {
+        if let Ok(path) = self.house.roots.resolve(&row.path) {
             let _ = self
+                .house
                 .roots
                 .remove_file(&path, row.dev, row.ino, row.birth.as_deref());
         }
@@ -832,7 +841,7 @@ impl Manager {
     /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
     /// name; an id also finds those of a forgotten image).
     pub(crate) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
-        let id = match self.store.image(source).await? {
+        let id = match self.house.store.image(source).await? {
             Some(row) => row.id,
             None => Uuid::parse_str(source).map_err(|_| Error::ImageNotFound(source.into()))?,
         };

@@ -107,7 +107,7 @@ impl Manager {
         key: &Key,
     ) -> Result<(OwnedFd, ImageEncryption)> {
         use std::os::fd::AsFd;
-        let (name, key, kdf) = (image.to_string(), key.clone(), self.settings.kdf);
+        let (name, key, kdf) = (image.to_string(), key.clone(), self.house.settings.kdf);
         blocking(move || {
             crypt::format(fd.as_fd(), key.as_bytes(), HEADER_BYTES, kdf)
                 .map_err(|e| crypt_error(&name, e))?;
@@ -218,7 +218,9 @@ impl Manager {
 
     /// Destroys every key slot of an encrypted image (crypto-erase).
     pub(super) async fn erase_image(&self, row: &ImageRow) -> Result<ImageEncryption> {
-        let file = self.open_image(row, blockplane_system::image::Access::ReadWrite)?;
+        let file = self
+            .house
+            .open_image(row, blockplane_system::image::Access::ReadWrite)?;
         let name = row.name.clone();
         blocking(move || {
             use std::os::fd::AsFd;
@@ -237,10 +239,10 @@ impl Manager {
     /// device again with its image's key. On a volume that serves its
     /// plaintext already, the key is checked and nothing else done.
     pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
-        let v = self.volume_row(id_or_name).await?;
-        let _volume = self.locks.volumes.lock(&v.name).await;
-        let mut v = self.volume_row(&v.id.to_string()).await?;
-        let image = self.image_row(&v.image_id.to_string()).await?;
+        let v = self.house.volume_row(id_or_name).await?;
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.house.volume_row(&v.id.to_string()).await?;
+        let image = self.house.image_row(&v.image_id.to_string()).await?;
         let Some(layer) = v.crypt.clone() else {
             return Err(Error::NotEncrypted {
                 image: image.name,
@@ -272,7 +274,7 @@ impl Manager {
                 });
             }
         };
-        let file = self.open_image(&image, Access::ReadOnly)?;
+        let file = self.house.open_image(&image, Access::ReadOnly)?;
         let (name, checked_key) = (image.name.clone(), key.clone());
         blocking(move || {
             use std::os::fd::AsFd;
@@ -332,14 +334,14 @@ impl Manager {
     /// cannot be written; the device writes the same bytes). Records the
     /// header as read back, with an event.
     async fn change_key_slots(&self, id_or_name: &str, change: SlotChange) -> Result<(u32, Image)> {
-        let row = self.image_row(id_or_name).await?;
-        let _image = self.locks.images.lock(&row.id.to_string()).await;
-        let row = self.image_row(&row.id.to_string()).await?;
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
         self.backups.jobs.refuse(&row, "change its key slots")?;
         slots_changeable(&row, &change)?;
         let header = self.header_holder(&row).await?;
         let adding = matches!(change, SlotChange::Add { .. });
-        let (name, kdf) = (row.name.clone(), self.settings.kdf);
+        let (name, kdf) = (row.name.clone(), self.house.settings.kdf);
         let (slot, encryption) = blocking(move || {
             use std::os::fd::AsFd;
             let slot = match &change {
@@ -363,7 +365,7 @@ impl Manager {
             true => ("image_key_added", "added"),
             false => ("image_key_removed", "removed"),
         };
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.set_image_encryption(row.id, Some(&encryption)).await?;
         tx.event(
             None,
@@ -378,15 +380,15 @@ impl Manager {
         .await?;
         tx.commit().await?;
         tracing::info!(image = %row.name, slot, verb, "key slots changed");
-        let row = self.image_row(&row.id.to_string()).await?;
+        let row = self.house.image_row(&row.id.to_string()).await?;
         Ok((slot, self.image_view(row).await?))
     }
 
     /// What holds an encrypted image's header for writing: the backend's
     /// device of the volume serving it, or else the file.
     async fn header_holder(&self, row: &ImageRow) -> Result<OwnedFd> {
-        for (id, _) in self.store.volumes_of_image(row.id).await? {
-            let Some(v) = self.store.volume(&id.to_string()).await? else {
+        for (id, _) in self.house.store.volumes_of_image(row.id).await? {
+            let Some(v) = self.house.store.volume(&id.to_string()).await? else {
                 continue;
             };
             let Some(att) = &v.attachment else {
@@ -417,6 +419,7 @@ impl Manager {
                 });
         }
         Ok(self
+            .house
             .open_image(row, blockplane_system::image::Access::ReadWrite)?
             .into_fd())
     }

@@ -50,7 +50,22 @@ impl EventFeed {
     }
 }
 
+/// The event log's reader: it reads the registry and nothing else of the
+/// manager ([`Manager::events`]).
+pub struct Events<'a> {
+    store: &'a Store,
+}
+
 impl Manager {
+    /// The event log, to read a page of it or follow it.
+    pub fn events(&self) -> Events<'_> {
+        Events {
+            store: &self.house.store,
+        }
+    }
+}
+
+impl Events<'_> {
     /// The id of a volume named by id or name; a deleted volume's history
     /// stays readable by its id.
     async fn event_volume(&self, volume: Option<String>) -> Result<Option<Uuid>> {
@@ -65,11 +80,7 @@ impl Manager {
 
     /// `GET /v1/events/stream`: a feed that starts after `resume` (the
     /// `Last-Event-ID` header), else after `q.after`, else with the next event.
-    pub(crate) async fn subscribe_events(
-        &self,
-        q: EventStreamQuery,
-        resume: Option<i64>,
-    ) -> Result<EventFeed> {
+    pub async fn subscribe(&self, q: EventStreamQuery, resume: Option<i64>) -> Result<EventFeed> {
         let volume = self.event_volume(q.volume).await?;
         let last = match resume.or(q.after) {
             Some(id) => id,
@@ -85,7 +96,7 @@ impl Manager {
     }
 
     /// `GET /v1/events`.
-    pub(crate) async fn events(&self, q: EventQuery) -> Result<Vec<Event>> {
+    pub async fn list(&self, q: EventQuery) -> Result<Vec<Event>> {
         let volume_id = self.event_volume(q.volume).await?;
         let since = q
             .since

@@ -10,39 +10,17 @@ use super::Manager;
 use super::blocking::blocking;
 use super::error::Result;
 use super::volumes::volume_error;
-use crate::backend::{DeviceState, WorkerInfo};
-use crate::store::VolumeRow;
+use crate::backend::DeviceState;
 use blockplane_api::model::{Handover, VolumeState};
 
-/// How the API names a worker's build: `unknown` for one from before
-/// workers said.
-pub(super) fn version_of(w: &WorkerInfo) -> String {
-    w.build.clone().unwrap_or_else(|| "unknown".into())
-}
-
 impl Manager {
-    /// The worker serving `v`'s device, if one does.
-    pub(super) fn worker_of(&self, v: &VolumeRow) -> Option<WorkerInfo> {
-        self.backend(v.backend)?.worker(v.id)
-    }
-
-    /// `worker_version` and `worker_older` of a volume's view.
-    pub(super) fn worker_build(&self, v: &VolumeRow) -> (Option<String>, Option<bool>) {
-        match self.worker_of(v) {
-            Some(w) => {
-                let older = w.build.as_deref() != Some(blockplane_system::build::current());
-                (Some(version_of(&w)), Some(older))
-            }
-            None => (None, None),
-        }
-    }
-
     /// `POST /v1/volumes/{id}/handover`.
     pub(crate) async fn handover_volume(self: &Arc<Self>, id_or_name: &str) -> Result<Handover> {
-        let v = self.volume_row(id_or_name).await?;
-        let _volume = self.locks.volumes.lock(&v.name).await;
-        let mut v = self.volume_row(&v.id.to_string()).await?;
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+        let v = self.house.volume_row(id_or_name).await?;
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.house.volume_row(&v.id.to_string()).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        else {
             return Err(self.not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
@@ -51,7 +29,7 @@ impl Manager {
         backend
             .check_handover(&att, v.id)
             .map_err(|e| volume_error(&v.name, e))?;
-        let image = self.image_row(&v.image_id.to_string()).await?;
+        let image = self.house.image_row(&v.image_id.to_string()).await?;
         let what = format!("have volume '{}' handed over to a new worker", v.name);
         self.jobs.allocations.refuse(&image, &what)?;
         self.jobs.copies.refuse(&image, &what)?;
@@ -60,7 +38,7 @@ impl Manager {
             backend.clone(),
             att.clone(),
             v.id,
-            self.settings.faults.handover(),
+            self.house.settings.faults.handover(),
         );
         let done = blocking(move || b.handover(&a, id, faults))
             .await?
@@ -75,8 +53,11 @@ impl Manager {
         }
         v.updated_at = OffsetDateTime::now_utc();
         let took_ms = u64::try_from(done.took.as_millis()).unwrap_or(u64::MAX);
-        let (from, to) = (version_of(&done.previous), version_of(&done.current));
-        let mut tx = self.store.begin().await?;
+        let (from, to) = (
+            super::house::version_of(&done.previous),
+            super::house::version_of(&done.current),
+        );
+        let mut tx = self.house.store.begin().await?;
         tx.update_volume(&v).await?;
         tx.event(
             Some(v.id),

@@ -17,32 +17,19 @@ impl Manager {
     /// space held in reserve is given back first, so a full disk can still
     /// take the answer's record).
     pub(crate) async fn check_writable(&self) -> Result<()> {
-        self.reserve.take();
-        self.store
+        self.house.reserve.take();
+        self.house
+            .store
             .check_writable()
             .await
             .map_err(super::error::Error::StoreUnwritable)
-    }
-
-    /// Availability of a backend, including ones this build does not carry yet.
-    pub(super) fn capability(&self, kind: Backend) -> model::BackendCapability {
-        match self.backend(kind) {
-            Some(b) => b.capability(),
-            None => model::BackendCapability {
-                available: false,
-                reason: Some(not_built_reason(kind)),
-                features: None,
-                targets: None,
-                native_loop_target: None,
-            },
-        }
     }
 
     /// What this host can run, and the devices of this instance no volume owns.
     pub(crate) async fn host(self: &Arc<Self>) -> Result<Host> {
         let me = self.clone();
         let mut host = blocking(move || me.capabilities()).await?;
-        host.orphans = self.orphans().await?;
+        host.orphans = self.orphans().list().await?;
         host.image_root_capacity = self.root_usage().await?;
         Ok(host)
     }
@@ -50,9 +37,9 @@ impl Manager {
     /// Backends and policies, without the orphans (blocking: probes the kernel).
     fn capabilities(&self) -> Host {
         let backends = HostBackends {
-            loop_: self.capability(Backend::Loop),
-            ublk: self.capability(Backend::Ublk),
-            dm: self.capability(Backend::Dm),
+            loop_: self.house.capability(Backend::Loop),
+            ublk: self.house.capability(Backend::Ublk),
+            dm: self.house.capability(Backend::Dm),
         };
         let needs = |which: &[&model::BackendCapability], what: &str| {
             if which.iter().any(|c| c.available) {
@@ -75,7 +62,7 @@ impl Manager {
         };
         let default_backend = Backend::PREFERENCE
             .into_iter()
-            .find(|k| self.capability(*k).available);
+            .find(|k| self.house.capability(*k).available);
         Host {
             kernel: rustix::system::uname()
                 .release()
@@ -85,7 +72,7 @@ impl Manager {
             build: service_build(),
             backends,
             policies,
-            image_roots: self.roots.paths(),
+            image_roots: self.house.roots.paths(),
             image_root_capacity: Vec::new(),
             default_backend,
             orphans: Vec::new(),
@@ -95,6 +82,7 @@ impl Manager {
                 .as_ref()
                 .map(|t| t.describe().to_string()),
             supervision: self
+                .house
                 .backend(Backend::Ublk)
                 .and_then(|b| b.supervision())
                 .map(|s| supervision(&s)),
@@ -138,18 +126,5 @@ fn service_build() -> ServiceBuild {
         executable: path,
         executable_version: at_path,
         version,
-    }
-}
-
-/// Why a backend this manager lacks is unavailable.
-pub(super) fn not_built_reason(kind: Backend) -> String {
-    match kind {
-        Backend::Ublk if !std::path::Path::new("/dev/ublk-control").exists() => {
-            "ublk_drv is not loaded (no /dev/ublk-control)".into()
-        }
-        Backend::Dm if !std::path::Path::new("/dev/mapper/control").exists() => {
-            "device-mapper is not available (no /dev/mapper/control)".into()
-        }
-        other => format!("this build of blockplane has no {} backend", other.as_str()),
     }
 }

@@ -52,8 +52,8 @@ impl Manager {
         file: NewFile,
     ) -> Result<Image> {
         validate_name("image", name)?;
-        let path = self.roots.resolve(path)?;
-        let _registering = self.claim_name(name).await?;
+        let path = self.house.roots.resolve(path)?;
+        let _registering = self.house.claim_name(name).await?;
         let mut undo = Undo::default();
         let (made, warnings) = match file {
             NewFile::Create(spec) => {
@@ -74,7 +74,7 @@ impl Manager {
         undo.commit();
         tracing::info!(image = %row.name, path = %row.path, "image recorded");
         if !warnings.is_empty() {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             for w in &warnings {
                 tx.event(None, Some(row.id), "image_overcommitted", w)
                     .await?;
@@ -85,19 +85,6 @@ impl Manager {
         image.warnings = warnings;
         image.allocation_reason = made.reason;
         Ok(image)
-    }
-
-    /// Takes the registration lock, which every image create on the host
-    /// takes, for a new image named `name`: refused when the name is taken.
-    pub(super) async fn claim_name(&self, name: &str) -> Result<tokio::sync::MutexGuard<'_, ()>> {
-        let registering = self.locks.registration.lock().await;
-        if let Some(existing) = self.store.image(name).await? {
-            return Err(Error::ImageNameTaken {
-                name: name.to_string(),
-                id: existing.id,
-            });
-        }
-        Ok(registering)
     }
 
     /// What a new file must pass before it is made: a key that can be used
@@ -137,14 +124,18 @@ impl Manager {
         undo: &mut Undo,
     ) -> Result<Made> {
         let (me, p) = (self.clone(), path.clone());
-        let mut file =
-            blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation)).await??;
+        let mut file = blocking(move || {
+            me.house
+                .roots
+                .create_file(&p, spec.size_bytes, spec.allocation)
+        })
+        .await??;
         let (dev, ino) = file.identity();
         let (me, p, birth) = (self.clone(), path.clone(), file.birth().map(str::to_string));
         undo.push("remove the new image file", move || {
-            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
         });
-        self.settings.faults.pause(Slow::ImageCreate).await;
+        self.house.settings.faults.pause(Slow::ImageCreate).await;
         let mut encryption = None;
         if let Some(e) = &spec.encryption {
             let fd = file
@@ -173,7 +164,7 @@ impl Manager {
     ) -> Result<Made> {
         let (me, p, n) = (self.clone(), path.clone(), name.to_string());
         let (file, written, encryption) = blocking(move || -> Result<_> {
-            let file = me.roots.open_file(&p, Access::ReadOnly)?;
+            let file = me.house.roots.open_file(&p, Access::ReadOnly)?;
             let written = file.written()?;
             let found = super::encryption::encryption_of(&n, file.fd())?;
             Ok((file, written, found))
@@ -205,7 +196,7 @@ impl Manager {
         created: bool,
         reason: Option<&str>,
     ) -> Result<()> {
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         if let Some(other) = tx
             .image_by_file(row.dev, row.ino, row.birth.as_deref(), &row.path)
             .await?
@@ -250,6 +241,7 @@ impl Manager {
     pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
         let images = self.images().await?;
         Ok(self
+            .house
             .roots
             .space()
             .into_iter()
@@ -265,7 +257,7 @@ impl Manager {
                     path,
                     size_bytes,
                     free_bytes,
-                    max_overcommit: self.settings.max_overcommit,
+                    max_overcommit: self.house.settings.max_overcommit,
                 }
             })
             .collect())
@@ -289,7 +281,7 @@ impl Manager {
             return Ok(Vec::new());
         };
         let provisioned = root.provisioned_bytes + adding;
-        if let Some(ratio) = self.settings.max_overcommit
+        if let Some(ratio) = self.house.settings.max_overcommit
             && provisioned as f64 > ratio * root.size_bytes as f64
         {
             return Err(Error::Overcommit {
@@ -311,15 +303,9 @@ impl Manager {
         Ok(warnings)
     }
 
-    pub(super) async fn image_row(&self, id_or_name: &str) -> Result<ImageRow> {
-        self.store
-            .image(id_or_name)
-            .await?
-            .ok_or_else(|| Error::ImageNotFound(id_or_name.to_string()))
-    }
-
     pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
         let volumes = self
+            .house
             .store
             .volumes_of_image(row.id)
             .await?
@@ -336,11 +322,12 @@ impl Manager {
         // from before that: read it again, so `done` always comes with `full`.
         let row = match &allocate {
             Some(a) if a.state == AllocateState::Done => {
-                self.image_row(&row.id.to_string()).await?
+                self.house.image_row(&row.id.to_string()).await?
             }
             _ => row,
         };
         let (size_bytes, allocated_bytes) = self
+            .house
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .unwrap_or((row.size_bytes, row.allocated_bytes));
@@ -388,11 +375,11 @@ impl Manager {
         // and the dashboard list every image, and a host has a thousand.
         // The rows come by name, as each image's volumes are listed.
         let mut users: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
-        for v in self.store.volumes().await? {
+        for v in self.house.store.volumes().await? {
             users.entry(v.image_id).or_default().push(v.id);
         }
         let mut out = Vec::new();
-        for row in self.store.images().await? {
+        for row in self.house.store.images().await? {
             let volumes = users.remove(&row.id).unwrap_or_default();
             out.push(self.image_view_of(row, volumes).await?);
         }
@@ -401,7 +388,7 @@ impl Manager {
 
     /// `GET /v1/images/{id}`.
     pub(crate) async fn image(&self, id_or_name: &str) -> Result<Image> {
-        let row = self.image_row(id_or_name).await?;
+        let row = self.house.image_row(id_or_name).await?;
         self.image_view(row).await
     }
 
@@ -411,9 +398,9 @@ impl Manager {
         id_or_name: &str,
         size_bytes: u64,
     ) -> Result<ResizeImageResponse> {
-        let row = self.image_row(id_or_name).await?;
-        let _image = self.locks.images.lock(&row.id.to_string()).await;
-        let row = self.image_row(&row.id.to_string()).await?;
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
         let current = self.growable(&row, size_bytes)?;
         let warnings = self
             .check_provisioning(
@@ -459,6 +446,7 @@ impl Manager {
             });
         }
         let current = self
+            .house
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .map(|(size, _)| size)
@@ -495,7 +483,7 @@ impl Manager {
             let me = self.clone();
             let r = row.clone();
             blocking(move || -> Result<()> {
-                let mut file = me.open_image(&r, Access::ReadWrite)?;
+                let mut file = me.house.open_image(&r, Access::ReadWrite)?;
                 file.grow(size_bytes, allocation)?;
                 Ok(())
             })
@@ -505,10 +493,11 @@ impl Manager {
             .volumes_follow_resize(row, size_bytes, allocation)
             .await?;
         let (size, allocated) = self
+            .house
             .roots
             .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
             .unwrap_or((size_bytes, row.allocated_bytes));
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.update_image_size(row.id, size, allocated).await?;
         tx.event(
             None,
@@ -543,9 +532,9 @@ impl Manager {
         self: &std::sync::Arc<Self>,
         id_or_name: &str,
     ) -> Result<Image> {
-        let row = self.image_row(id_or_name).await?;
-        let _image = self.locks.images.lock(&row.id.to_string()).await;
-        let row = self.image_row(&row.id.to_string()).await?;
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
         let (needed, free, total) = self.allocatable(&row).await?;
         let attached = self.attached_volumes(row.id).await?;
         for (v, backend) in &attached {
@@ -555,7 +544,7 @@ impl Manager {
                 })?;
             }
         }
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.event(
             None,
             Some(row.id),
@@ -567,7 +556,7 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        let pace = self.settings.faults.pace(Slow::Allocate);
+        let pace = self.house.settings.faults.pace(Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
         self.jobs.allocations.start(
             row.id,
@@ -604,7 +593,7 @@ impl Manager {
         let me = self.clone();
         let r = row.clone();
         let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
-            let file = me.open_image(&r, Access::ReadOnly)?;
+            let file = me.house.open_image(&r, Access::ReadOnly)?;
             let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
             Ok((needed, free, file.unwritten_bytes()?))
         })
@@ -645,8 +634,9 @@ impl Manager {
             // The volume's lock only to read its attachment: its other
             // changes (a policy switch, a detach) go on while its worker fills.
             let att = {
-                let _vol = self.locks.volumes.lock(&v.name).await;
-                self.store
+                let _vol = self.house.locks.volumes.lock(&v.name).await;
+                self.house
+                    .store
                     .volume(&v.id.to_string())
                     .await?
                     .and_then(|v| v.attachment)
@@ -675,10 +665,10 @@ impl Manager {
         let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
         let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
         let recorded = async {
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             let state = match &out {
                 Ok(true) => {
-                    let allocated = self
+                    let allocated = self.house
                         .roots
                         .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
                         .map(|(_, allocated)| allocated)
@@ -724,7 +714,7 @@ impl Manager {
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
     pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
-        let row = self.image_row(id_or_name).await?;
+        let row = self.house.image_row(id_or_name).await?;
         if !self.jobs.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
                 reason: format!(
@@ -764,11 +754,11 @@ impl Manager {
         )>,
     > {
         let mut out = Vec::new();
-        for (vid, _) in self.store.volumes_of_image(image_id).await? {
-            if let Some(v) = self.store.volume(&vid.to_string()).await?
+        for (vid, _) in self.house.store.volumes_of_image(image_id).await? {
+            if let Some(v) = self.house.store.volume(&vid.to_string()).await?
                 && v.attachment.is_some()
                 && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
-                && let Some(b) = self.backend(v.backend)
+                && let Some(b) = self.house.backend(v.backend)
             {
                 out.push((v, b));
             }
@@ -786,8 +776,8 @@ impl Manager {
     ) -> Result<Vec<VolumeResize>> {
         let mut out = Vec::new();
         for (v, backend) in self.attached_volumes(image.id).await? {
-            let _vol = self.locks.volumes.lock(&v.name).await;
-            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+            let _vol = self.house.locks.volumes.lock(&v.name).await;
+            let Some(mut v) = self.house.store.volume(&v.id.to_string()).await? else {
                 continue;
             };
             let Some(att) = v.attachment.clone() else {
@@ -797,9 +787,9 @@ impl Manager {
             let outcome = self.grow_device(&v, backend, att, size, allocation).await?;
             let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
-                self.settings.faults.point(After::Change)?;
+                self.house.settings.faults.point(After::Change)?;
             }
-            let mut tx = self.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             match outcome {
                 Ok(att) => {
                     let pending = att.resize_pending;
@@ -892,11 +882,11 @@ impl Manager {
         q: DeleteImageQuery,
     ) -> Result<()> {
         let DeleteImageQuery { delete_file, erase } = q;
-        let row = self.image_row(id_or_name).await?;
+        let row = self.house.image_row(id_or_name).await?;
         // A copy stops first; its partial file goes with the image.
         self.jobs.copies.stop(row.id).await;
-        let _image = self.locks.images.lock(&row.id.to_string()).await;
-        let mut tx = self.store.begin().await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let mut tx = self.house.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
@@ -929,8 +919,9 @@ impl Manager {
             .await?;
         }
         if delete_file {
-            let path = self.roots.resolve(&row.path)?;
+            let path = self.house.roots.resolve(&row.path)?;
             match self
+                .house
                 .roots
                 .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
             {
@@ -964,7 +955,7 @@ impl Manager {
         row: &ImageRow,
         access: Access,
     ) -> Result<(blockplane_system::image::ImageFile, std::os::fd::OwnedFd)> {
-        let file = match self.open_image(row, access) {
+        let file = match self.house.open_image(row, access) {
             Ok(file) => file,
             // Another instance's direct volume pins the image immutable, so a
             // writable open fails: the lock it holds is the reason to give.
@@ -978,7 +969,7 @@ impl Manager {
 
     /// 409 `image_locked` if another process holds the lock of the image.
     fn locked_elsewhere(&self, row: &ImageRow) -> Option<Error> {
-        let file = self.open_image(row, Access::ReadOnly).ok()?;
+        let file = self.house.open_image(row, Access::ReadOnly).ok()?;
         let held = super::holds::locked_by_other(&file)?;
         Some(Error::ImageLocked {
             name: row.name.clone(),
@@ -999,31 +990,6 @@ impl Manager {
             path: row.path.clone(),
             holder: held.holder(),
         })
-    }
-
-    /// Opens a registered image's file and checks it is still the same file.
-    pub(super) fn open_image(
-        &self,
-        row: &ImageRow,
-        access: Access,
-    ) -> Result<blockplane_system::image::ImageFile> {
-        let path = self.roots.resolve(&row.path)?;
-        let file = self.roots.open_file(&path, access)?;
-        if file.identity() != (row.dev, row.ino)
-            || !blockplane_system::image::same_birth(row.birth.as_deref(), file.birth())
-        {
-            return Err(Error::ImageReplaced {
-                name: row.name.clone(),
-                reason: format!(
-                    "{} is no longer the registered file (inode {} on device {}, born {}); re-register it",
-                    row.path,
-                    row.ino,
-                    row.dev,
-                    row.birth.as_deref().unwrap_or("at an unrecorded time")
-                ),
-            });
-        }
-        Ok(file)
     }
 }
 

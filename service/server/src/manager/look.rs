@@ -4,50 +4,46 @@
 //! state is theirs; this file feeds them from the registry and the devices.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
-use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::Manager;
 use super::blocking::blocking;
-use super::pagecache::{self};
+use super::house::House;
+use super::{pagecache, sampler};
 use crate::attachment::Attachment;
-use crate::store::VolumeRow;
+use crate::store::{Store, VolumeRow};
 use blockplane_api::model::{Backend, PageCache, VolumeState};
 use blockplane_system::mountinfo;
 
-impl Manager {
-    /// Samples every attached volume once a second, for as long as the service runs.
-    pub fn start_sampler(self: &Arc<Self>) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            loop {
-                tick.tick().await;
-                if let Err(e) = me.sample_once().await {
-                    tracing::debug!(error = %e, "stats sampling failed");
-                }
-            }
-        });
-    }
+/// The once-a-second look at every attached volume: its readings (rates,
+/// history) and its page cache (warnings).
+#[derive(Default)]
+pub(super) struct Readings {
+    /// Each volume's readings of the last 15 minutes.
+    pub(super) stats: sampler::Sampler,
+    /// The page cache of each volume at the sampler's last look.
+    pub(super) page_cache: pagecache::Watch,
+}
 
-    async fn sample_once(&self) -> super::error::Result<()> {
-        let volumes = self.store.volumes().await?;
+impl Readings {
+    /// Reads every attached volume's stats, reports new I/O errors, and
+    /// looks at the page caches when that is due.
+    pub(super) async fn sample_once(&self, house: &House) -> super::error::Result<()> {
+        let volumes = house.store.volumes().await?;
         let mut live = Vec::new();
         for v in volumes.iter().cloned() {
-            let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+            let (Some(att), Some(backend)) = (v.attachment.clone(), house.backend(v.backend))
+            else {
                 continue;
             };
             if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-                let previous = self.readings.stats.latest_of(v.id);
+                let previous = self.stats.latest_of(v.id);
                 live.push((v, att, backend, previous));
             }
         }
         // One blocking task reads every volume, not one task each: an idle
         // host with a thousand volumes wakes once a second, not a thousand times.
-        let ublk = self.backend(Backend::Ublk);
+        let ublk = house.backend(Backend::Ublk);
         let (live, read) = blocking(move || {
             // A supervisor that could not start is tried again (after its
             // backoff) at least once a second.
@@ -63,9 +59,9 @@ impl Manager {
         .await?;
         for ((v, ..), stats) in live.iter().zip(read) {
             if let Ok(stats) = stats
-                && let Some([r, w, f, d]) = self.readings.stats.record(v.id, stats)
+                && let Some([r, w, f, d]) = self.stats.record(v.id, stats)
             {
-                let mut tx = self.store.begin().await?;
+                let mut tx = house.store.begin().await?;
                 tx.event(
                     Some(v.id),
                     Some(v.image_id),
@@ -80,50 +76,22 @@ impl Manager {
             }
         }
         let live: HashSet<Uuid> = live.iter().map(|(v, ..)| v.id).collect();
-        self.readings.stats.retain(&live);
-        self.watch_page_cache(&volumes).await
+        self.stats.retain(&live);
+        self.watch_page_cache(house, &volumes).await
     }
-}
-
-impl Manager {
-    /// The page cache of `v`'s device and image now (`None` without a
-    /// device).
-    pub(super) async fn page_cache(
-        &self,
-        v: &VolumeRow,
-    ) -> super::error::Result<Option<PageCache>> {
-        let Some(att) = &v.attachment else {
-            return Ok(None);
-        };
-        let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
-            return Ok(None);
-        };
-        let device = att.device.clone();
-        Ok(Some(
-            blocking(move || pagecache::read(&device, &image.path)).await?,
-        ))
-    }
-
-    /// Drops the page cache of `v`'s device `att` and its image: called
-    /// where an attach or a live switch of the data path completes.
-    pub(super) async fn drop_page_cache(&self, v: &VolumeRow, att: &Attachment) {
-        let image = match self.store.image(&v.image_id.to_string()).await {
-            Ok(Some(i)) => i.path,
-            _ => return,
-        };
-        let (name, device) = (v.name.clone(), att.device.clone());
-        let _ = blocking(move || pagecache::drop(&name, &device, &image)).await;
-    }
-
     /// From the sampler, at most every [`pagecache::CHECK_EVERY`]: reads the page
     /// cache of every attached volume, sends a `volume_page_cache` event
     /// when a direct-I/O volume's rises above [`pagecache::WARN_BYTES`] (once, until it
     /// falls back under), and keeps the readings for `/metrics`.
-    pub(super) async fn watch_page_cache(&self, volumes: &[VolumeRow]) -> super::error::Result<()> {
-        if !self.readings.page_cache.due() {
+    pub(super) async fn watch_page_cache(
+        &self,
+        house: &House,
+        volumes: &[VolumeRow],
+    ) -> super::error::Result<()> {
+        if !self.page_cache.due() {
             return Ok(());
         }
-        let images: HashMap<Uuid, String> = self
+        let images: HashMap<Uuid, String> = house
             .store
             .images()
             .await?
@@ -160,16 +128,16 @@ impl Manager {
         for ((v, att, _), cache) in live.iter().zip(caches) {
             let on = mounted.contains(&(att.major, att.minor));
             let warning = pagecache::warning(&v.name, att, &cache, on);
-            if let Some(msg) = self.readings.page_cache.newly_warned(v.id, &warning) {
+            if let Some(msg) = self.page_cache.newly_warned(v.id, &warning) {
                 tracing::warn!(volume = %v.name, "{msg}");
-                let mut tx = self.store.begin().await?;
+                let mut tx = house.store.begin().await?;
                 tx.event(Some(v.id), Some(v.image_id), "volume_page_cache", &msg)
                     .await?;
                 tx.commit().await?;
             }
-            self.readings.page_cache.record(v.id, cache, warning);
+            self.page_cache.record(v.id, cache, warning);
         }
-        self.readings.page_cache.retain(&ids);
+        self.page_cache.retain(&ids);
         Ok(())
     }
 
@@ -178,16 +146,46 @@ impl Manager {
     /// that `/metrics` has the same series for every attached volume.
     pub(super) async fn page_caches(
         &self,
+        store: &Store,
         rows: &[VolumeRow],
     ) -> super::error::Result<HashMap<Uuid, PageCache>> {
-        let mut out = self.readings.page_cache.latest();
+        let mut out = self.page_cache.latest();
         for v in rows {
             if !out.contains_key(&v.id)
-                && let Some(cache) = self.page_cache(v).await?
+                && let Some(cache) = page_cache(store, v).await?
             {
                 out.insert(v.id, cache);
             }
         }
         Ok(out)
     }
+}
+
+/// The page cache of `v`'s device and image now (`None` without a
+/// device).
+pub(super) async fn page_cache(
+    store: &Store,
+    v: &VolumeRow,
+) -> super::error::Result<Option<PageCache>> {
+    let Some(att) = &v.attachment else {
+        return Ok(None);
+    };
+    let Some(image) = store.image(&v.image_id.to_string()).await? else {
+        return Ok(None);
+    };
+    let device = att.device.clone();
+    Ok(Some(
+        blocking(move || pagecache::read(&device, &image.path)).await?,
+    ))
+}
+
+/// Drops the page cache of `v`'s device `att` and its image: called
+/// where an attach or a live switch of the data path completes.
+pub(super) async fn drop_page_cache(store: &Store, v: &VolumeRow, att: &Attachment) {
+    let image = match store.image(&v.image_id.to_string()).await {
+        Ok(Some(i)) => i.path,
+        _ => return,
+    };
+    let (name, device) = (v.name.clone(), att.device.clone());
+    let _ = blocking(move || pagecache::drop(&name, &device, &image)).await;
 }

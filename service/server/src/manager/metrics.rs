@@ -20,8 +20,8 @@ impl Manager {
     /// `GET /metrics`: the exposition text.
     pub(crate) async fn metrics(&self) -> Result<String> {
         let latest = self.readings.stats.latest();
-        let rows = self.store.volumes().await?;
-        let caches = self.page_caches(&rows).await?;
+        let rows = self.house.store.volumes().await?;
+        let caches = self.readings.page_caches(&self.house.store, &rows).await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -35,7 +35,7 @@ impl Manager {
         let mut volumes = Vec::new();
         let mut workers = Vec::new();
         for v in &rows {
-            if let (Some(version), Some(older)) = self.worker_build(v) {
+            if let (Some(version), Some(older)) = self.house.worker_build(v) {
                 workers.push(crate::metrics::WorkerSample {
                     volume: v.name.clone(),
                     backend: v.backend.as_str().to_string(),
@@ -78,6 +78,7 @@ impl Manager {
                 images,
                 states,
                 supervisor: self
+                    .house
                     .backend(model::Backend::Ublk)
                     .and_then(|b| b.supervision())
                     .map(|s| crate::metrics::SupervisorSample {

@@ -15,6 +15,7 @@ mod fake;
 mod handover;
 mod holds;
 mod host;
+mod house;
 mod images;
 mod jobs;
 mod locks;
@@ -40,9 +41,9 @@ use std::sync::Arc;
 use crate::backend::{BackendEvent, VolumeBackend};
 use crate::fault::Faults;
 use crate::store::Store;
-use blockplane_api::model::Backend;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
+use house::{House, Settings};
 
 /// Whether a create made something new or found it already there.
 #[derive(Debug)]
@@ -75,58 +76,22 @@ pub struct ManagerConfig {
 /// view made at them is current while none has moved.
 type Generations = (u64, u64, u64);
 
-/// The controller.
+/// The controller: the house every part stands on, and the parts that keep
+/// their own state beside it.
 pub struct Manager {
-    store: Store,
-    roots: ImageRoots,
-    backends: Vec<Arc<dyn VolumeBackend>>,
-    /// What the operator configured, fixed for the manager's life.
-    settings: Settings,
-    /// Who may change an image or a volume now.
-    locks: locks::Locks,
-    /// OFD locks on the images of this service's volumes.
-    holds: holds::ImageHolds,
+    /// What every operation reads: the registry, the image roots, the
+    /// backends, the settings, the locks and image holds, the reserve.
+    house: House,
     /// The once-a-second look at every attached volume.
-    readings: Readings,
+    readings: look::Readings,
     /// What the API reads often, kept ready.
     api: ApiViews,
     /// What runs in the background on images: allocates and copies.
     jobs: ImageJobs,
-    /// Room for the writes that finish a device change on a full disk.
-    reserve: reserve::Reserve,
     /// The backup target and this service's backups.
     backups: target::Backups,
     /// The volumes a start has not reconciled yet.
     recovering: recovery::Recovering,
-}
-
-/// What the operator configured the manager with ([`ManagerConfig`], and
-/// the store's instance id), fixed for its life.
-struct Settings {
-    /// The test fault to inject (none outside tests).
-    faults: Faults,
-    /// Volumes this host may have.
-    max_volumes: usize,
-    /// Provisioned bytes of an image root over its filesystem's size, at most.
-    max_overcommit: Option<f64>,
-    /// How hard new key slots are to guess.
-    kdf: blockplane_system::crypt::Kdf,
-    /// Queues a new ublk volume gets when it asks for none.
-    default_queues: u16,
-    /// This service's instance id, in the marks it puts on devices.
-    instance: String,
-    /// Where ublk workers' run dirs live.
-    ublk_run_root: std::path::PathBuf,
-}
-
-/// The once-a-second look at every attached volume: its readings (rates,
-/// history) and its page cache (warnings).
-#[derive(Default)]
-struct Readings {
-    /// Each volume's readings of the last 15 minutes.
-    stats: sampler::Sampler,
-    /// The page cache of each volume at the sampler's last look.
-    page_cache: pagecache::Watch,
 }
 
 /// What the API reads often, kept ready for it.
@@ -172,24 +137,26 @@ impl Manager {
     ) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
         let me = Arc::new(Self {
-            store,
-            roots,
-            backends: backends.list,
-            settings: Settings {
-                faults: cfg.faults,
-                max_volumes: cfg.max_volumes,
-                max_overcommit: cfg.max_overcommit,
-                kdf: cfg.kdf,
-                default_queues: cfg.default_queues,
-                instance,
-                ublk_run_root: cfg.run_dir.join("ublk"),
+            house: House {
+                store,
+                roots,
+                backends: backends.list,
+                settings: Settings {
+                    faults: cfg.faults,
+                    max_volumes: cfg.max_volumes,
+                    max_overcommit: cfg.max_overcommit,
+                    kdf: cfg.kdf,
+                    default_queues: cfg.default_queues,
+                    instance,
+                    ublk_run_root: cfg.run_dir.join("ublk"),
+                },
+                locks: locks::Locks::default(),
+                holds: holds::ImageHolds::default(),
+                reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
             },
-            locks: locks::Locks::default(),
-            holds: holds::ImageHolds::default(),
-            readings: Readings::default(),
+            readings: look::Readings::default(),
             api: ApiViews::default(),
             jobs: ImageJobs::default(),
-            reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
             backups: target::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),
         });
@@ -197,14 +164,9 @@ impl Manager {
         Ok(me)
     }
 
-    /// The backend of this kind, when this build has it.
-    fn backend(&self, kind: Backend) -> Option<Arc<dyn VolumeBackend>> {
-        self.backends.iter().find(|b| b.kind() == kind).cloned()
-    }
-
     /// The database (the server checkpoints it at stop).
     pub fn store(&self) -> &Store {
-        &self.store
+        &self.house.store
     }
 
     /// Asks every running allocate and copy to stop (the service is
@@ -216,16 +178,18 @@ impl Manager {
         self.backups.jobs.stop_all();
     }
 
-    /// Runs `write`, the record of what the kernel already has (a device
-    /// made, changed or removed): if the registry's filesystem is full, once
-    /// more after freeing the room kept for it ([`reserve`]).
-    async fn finishing<F: Future<Output = Result<()>>>(&self, write: impl Fn() -> F) -> Result<()> {
-        match write().await {
-            Err(Error::Store(e)) if e.is_full() && self.reserve.free() => {
-                tracing::warn!(error = %e, "the registry's filesystem is full: spending the room kept to record a device change");
-                write().await
+    /// Samples every attached volume once a second, for as long as the service runs.
+    pub fn start_sampler(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                tick.tick().await;
+                if let Err(e) = me.readings.sample_once(&me.house).await {
+                    tracing::debug!(error = %e, "stats sampling failed");
+                }
             }
-            other => other,
-        }
+        });
     }
 }

@@ -8,19 +8,40 @@ use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::holds;
+use super::house::House;
 use blockplane_api::model::{self, Backend};
 
+/// The orphans' keeper: it reads the house and nothing else of the manager
+/// ([`Manager::orphans`]).
+pub struct Orphans<'a> {
+    house: &'a House,
+}
+
 impl Manager {
+    /// The devices blockplane made that no volume of this service owns.
+    pub fn orphans(&self) -> Orphans<'_> {
+        Orphans { house: &self.house }
+    }
+}
+
+impl Orphans<'_> {
     /// Devices blockplane made that no volume of this service owns: marked
     /// devices of backends that report rather than remove them, and loop
     /// devices over files under an image root (another instance's mark, or
     /// none) that no live process holds locked. Only the first kind can be
     /// removed through the API.
-    pub(super) async fn orphans(&self) -> Result<Vec<model::Orphan>> {
-        let known: std::collections::HashSet<_> =
-            self.store.volumes().await?.iter().map(|v| v.id).collect();
+    pub(super) async fn list(&self) -> Result<Vec<model::Orphan>> {
+        let known: std::collections::HashSet<_> = self
+            .house
+            .store
+            .volumes()
+            .await?
+            .iter()
+            .map(|v| v.id)
+            .collect();
         let mut out = Vec::new();
         for b in self
+            .house
             .backends
             .iter()
             .filter(|b| b.orphan_policy() == crate::backend::OrphanPolicy::Report)
@@ -40,16 +61,16 @@ impl Manager {
                             ),
                             device: m.device,
                             backing_file: None,
-                            instance: Some(self.settings.instance.clone()),
+                            instance: Some(self.house.settings.instance.clone()),
                             pid: None,
                             removable: true,
                         }),
                 );
             }
         }
-        let roots = self.roots.paths();
-        let instance = self.settings.instance.clone();
-        let run_root = self.settings.ublk_run_root.clone();
+        let roots = self.house.roots.paths();
+        let instance = self.house.settings.instance.clone();
+        let run_root = self.house.settings.ublk_run_root.clone();
         let unowned =
             blocking(move || unowned_devices(&roots, &run_root, &instance, &known)).await?;
         out.extend(unowned);
@@ -57,9 +78,9 @@ impl Manager {
     }
 
     /// `DELETE /v1/host/orphans/{volume_id}`: removes an orphan device on request.
-    pub(crate) async fn delete_orphan(&self, volume_id: &str) -> Result<()> {
+    pub(crate) async fn delete(&self, volume_id: &str) -> Result<()> {
         let orphan = self
-            .orphans()
+            .list()
             .await?
             .into_iter()
             .filter(|o| o.removable)
@@ -68,13 +89,14 @@ impl Manager {
             })
             .ok_or_else(|| Error::OrphanNotFound(volume_id.to_string()))?;
         let b = self
+            .house
             .backend(orphan.backend)
             .expect("orphans come from built backends");
         let id = orphan
             .volume_id
             .expect("removable orphans carry a volume id");
         blocking(move || b.detach(id, None)).await??;
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.event(
             Some(id),
             None,

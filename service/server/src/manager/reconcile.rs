@@ -125,8 +125,8 @@ impl Manager {
         let me = self.clone();
         tokio::spawn(async move { me.recover_backup_target().await });
         let mut held = Vec::new();
-        for row in self.store.volumes().await? {
-            let lock = self.locks.volumes.lock(&row.name).await;
+        for row in self.house.store.volumes().await? {
+            let lock = self.house.locks.volumes.lock(&row.name).await;
             held.push(Held { row, lock });
         }
         // A device waiting for a worker stalls its users until it is
@@ -151,25 +151,29 @@ impl Manager {
     /// (taken when the start began).
     async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
         let _volume = held.lock;
-        if self.settings.faults.slows(Slow::ReconcileGate) {
-            let gate = self.settings.ublk_run_root.with_file_name("reconcile-gate");
+        if self.house.settings.faults.slows(Slow::ReconcileGate) {
+            let gate = self
+                .house
+                .settings
+                .ublk_run_root
+                .with_file_name("reconcile-gate");
             while gate.exists() {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
         }
-        let Some(mut v) = self.store.volume(&held.row.id.to_string()).await? else {
+        let Some(mut v) = self.house.store.volume(&held.row.id.to_string()).await? else {
             return Ok(Outcome::Gone);
         };
         if v.state == VolumeState::Detaching {
             return self.finish_delete(&v).await;
         }
-        let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
+        let Some(image) = self.house.store.image(&v.image_id.to_string()).await? else {
             let reason = format!("its image {} is not registered", v.image_id);
             self.record_error(&mut v, reason).await?;
             return Ok(Outcome::Failed);
         };
-        let Some(backend) = self.backend(v.backend) else {
-            let reason = super::host::not_built_reason(v.backend);
+        let Some(backend) = self.house.backend(v.backend) else {
+            let reason = super::house::not_built_reason(v.backend);
             self.record_error(&mut v, reason).await?;
             return Ok(Outcome::Failed);
         };
@@ -217,8 +221,9 @@ impl Manager {
                 Access::read_only_if(v.spec.read_only),
             );
             blocking(move || {
-                me.open_image(&image, a)
-                    .or_else(|_| me.open_image(&image, Access::ReadOnly))
+                me.house
+                    .open_image(&image, a)
+                    .or_else(|_| me.house.open_image(&image, Access::ReadOnly))
             })
             .await?
         };
@@ -268,7 +273,7 @@ impl Manager {
             self.record_attached(v, att, "volume_adopted").await?;
         }
         match (image_lock, backend.image_lock(v.id)) {
-            (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
+            (Some(Ok(fd)), _) | (_, Some(fd)) => self.house.holds.keep(v.id, fd),
             (Some(Err(e)), None) => {
                 tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
             }
@@ -292,11 +297,11 @@ impl Manager {
                 Access::read_only_if(v.spec.read_only),
             );
             let ublk = v.backend == Backend::Ublk;
-            blocking(move || match me.open_image(&image, a) {
+            blocking(move || match me.house.open_image(&image, a) {
                 // Pinned by the volume's direct worker, which died while no
                 // service ran: the backend lifts that pin (and reopens the
                 // image for writing) when it recovers the device.
-                Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
+                Err(e) if ublk => match me.house.open_image(&image, Access::ReadOnly) {
                     Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
                     _ => Err(e),
                 },
@@ -324,7 +329,7 @@ impl Manager {
         };
         match attached {
             Ok((att, lock)) => {
-                self.holds.keep(v.id, lock);
+                self.house.holds.keep(v.id, lock);
                 self.record_attached(v, att, "volume_reattached").await?;
                 Ok(Outcome::Reattached)
             }
@@ -342,9 +347,17 @@ impl Manager {
     /// Removes devices that carry this instance's mark but belong to no volume
     /// (dm devices are only reported: see `Manager::host`).
     async fn remove_orphans(&self) -> Result<usize> {
-        let known: HashSet<_> = self.store.volumes().await?.iter().map(|v| v.id).collect();
+        let known: HashSet<_> = self
+            .house
+            .store
+            .volumes()
+            .await?
+            .iter()
+            .map(|v| v.id)
+            .collect();
         let mut removed = 0;
         for backend in self
+            .house
             .backends
             .iter()
             .filter(|b| b.orphan_policy() == OrphanPolicy::Remove)
@@ -361,7 +374,7 @@ impl Manager {
                 let b = backend.clone();
                 let id = m.volume_id;
                 let outcome = blocking(move || b.detach(id, None)).await?;
-                let mut tx = self.store.begin().await?;
+                let mut tx = self.house.store.begin().await?;
                 match outcome {
                     Ok(()) => {
                         removed += 1;

@@ -704,14 +704,14 @@ async fn reconcile_reports_an_orphan_under_the_report_policy_until_asked() {
     let report = bed.restart().await;
     assert_eq!(report.orphans_removed, 0);
     assert!(bed.fake.device(orphan).is_some());
-    let listed = bed.m.orphans().await.unwrap();
+    let listed = bed.m.orphans().list().await.unwrap();
     assert!(
         listed
             .iter()
             .any(|o| o.volume_id == Some(orphan) && o.device == device && o.removable),
         "{listed:?}"
     );
-    bed.m.delete_orphan(&orphan.to_string()).await.unwrap();
+    bed.m.orphans().delete(&orphan.to_string()).await.unwrap();
     assert!(bed.fake.device(orphan).is_none());
     assert_eq!(bed.calls(orphan), vec![Call::Detach(orphan)]);
 }
@@ -723,14 +723,19 @@ async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
         volume: Some("v".into()),
         after,
     };
-    let mut feed = bed.m.subscribe_events(query(Some(0)), None).await.unwrap();
+    let mut feed = bed
+        .m
+        .events()
+        .subscribe(query(Some(0)), None)
+        .await
+        .unwrap();
     let mut replayed = Vec::new();
     for _ in 0..2 {
         replayed.push(feed.next().await.unwrap().kind);
     }
     assert_eq!(replayed, ["volume_created", "volume_attached"]);
     // From now on: only what comes next, and only of this volume.
-    let mut now = bed.m.subscribe_events(query(None), None).await.unwrap();
+    let mut now = bed.m.events().subscribe(query(None), None).await.unwrap();
     bed.image("other").await;
     bed.create("w", "other", json!({})).await.unwrap();
     bed.patch("v", json!({"dispatch": "threaded"}))
@@ -748,7 +753,7 @@ async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
         volume: Some("gone".into()),
         after: None,
     };
-    let e = bed.m.subscribe_events(unknown, None).await.err();
+    let e = bed.m.events().subscribe(unknown, None).await.err();
     assert!(matches!(&e, Some(Error::VolumeNotFound(n)) if n == "gone"));
 }
 

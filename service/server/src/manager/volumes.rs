@@ -120,8 +120,8 @@ fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
 impl Manager {
     fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
         let att = v.attachment.as_ref();
-        let (worker_version, worker_older) = self.worker_build(v);
-        let unsupervised = self.worker_of(v).map(|w| w.unsupervised);
+        let (worker_version, worker_older) = self.house.worker_build(v);
+        let unsupervised = self.house.worker_of(v).map(|w| w.unsupervised);
         // A worker no one would recover if it died: the volume says so.
         let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
             _ if self.recovering.contains(v.id) => (
@@ -193,6 +193,7 @@ impl Manager {
 
     pub(super) async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
         let size = self
+            .house
             .store
             .image(&v.image_id.to_string())
             .await?
@@ -201,16 +202,10 @@ impl Manager {
         Ok(self.view(v, size))
     }
 
-    pub(super) async fn volume_row(&self, id_or_name: &str) -> Result<VolumeRow> {
-        self.store
-            .volume(id_or_name)
-            .await?
-            .ok_or_else(|| Error::VolumeNotFound(id_or_name.to_string()))
-    }
-
     /// `GET /v1/volumes`.
     async fn volumes(&self) -> Result<Vec<Volume>> {
         let sizes: HashMap<Uuid, u64> = self
+            .house
             .store
             .images()
             .await?
@@ -218,6 +213,7 @@ impl Manager {
             .map(|i| (i.id, i.size_bytes))
             .collect();
         Ok(self
+            .house
             .store
             .volumes()
             .await?
@@ -231,7 +227,7 @@ impl Manager {
     /// poll.
     pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
         let generation = (
-            self.store.generation(),
+            self.house.store.generation(),
             self.readings.page_cache.warnings_generation(),
             self.recovering.generation(),
         );
@@ -251,7 +247,7 @@ impl Manager {
 
     /// `GET /v1/volumes/{id}`.
     pub(crate) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
-        let v = self.volume_row(id_or_name).await?;
+        let v = self.house.volume_row(id_or_name).await?;
         self.volume_view(&v).await
     }
 
@@ -262,15 +258,15 @@ impl Manager {
             BackendChoice::Dm => Backend::Dm,
             BackendChoice::Auto => Backend::PREFERENCE
                 .into_iter()
-                .find(|k| self.capability(*k).available)
+                .find(|k| self.house.capability(*k).available)
                 .ok_or_else(|| BackendError::Unavailable {
                     backend: "auto",
                     reason: "no backend works on this host (loop, ublk and dm are all missing)"
                         .into(),
                 })?,
         };
-        let cap = self.capability(kind);
-        match (self.backend(kind), cap.available) {
+        let cap = self.house.capability(kind);
+        match (self.house.backend(kind), cap.available) {
             (Some(b), true) => Ok(b),
             _ => Err(BackendError::Unavailable {
                 backend: kind.as_str(),
@@ -291,8 +287,8 @@ impl Manager {
         let tries = req.backend == BackendChoice::Auto
             && preferred.kind() != Backend::Dm
             && dispatch::auto_tries_dm(req.dispatch, req.qos.is_some())
-            && self.capability(Backend::Dm).available;
-        tries.then(|| self.backend(Backend::Dm)).flatten()
+            && self.house.capability(Backend::Dm).available;
+        tries.then(|| self.house.backend(Backend::Dm)).flatten()
     }
 
     /// `POST /v1/volumes`: the same name and spec again returns the existing
@@ -311,8 +307,8 @@ impl Manager {
             qos: limits_of(req.qos),
             ..req
         };
-        let _volume = self.locks.volumes.lock(&req.name).await;
-        let image = self.image_row(&req.image).await?;
+        let _volume = self.house.locks.volumes.lock(&req.name).await;
+        let image = self.house.image_row(&req.image).await?;
         let mut spec = CreateVolumeRequest {
             image: image.id.to_string(),
             ..req.clone()
@@ -320,7 +316,7 @@ impl Manager {
         if let Some(existing) = self.existing_volume(&req.name, &mut spec).await? {
             return Ok(Created::Existing(existing));
         }
-        let _image = self.locks.images.lock(&image.id.to_string()).await;
+        let _image = self.house.locks.images.lock(&image.id.to_string()).await;
         let image = self.claim_image(&image, &req).await?;
         let backend = self.choose_backend(req.backend)?;
         let (file, image_lock) = {
@@ -340,7 +336,7 @@ impl Manager {
         // Loop has one queue; the others get one per CPU unless asked.
         let queues = req.queues.unwrap_or(match backend.kind() {
             Backend::Loop => 1,
-            Backend::Ublk | Backend::Dm => self.settings.default_queues,
+            Backend::Ublk | Backend::Dm => self.house.settings.default_queues,
         });
         spec.queues = Some(queues);
         let (file, backend, decision) = self.decide_path(&req, backend, queues, file).await?;
@@ -362,8 +358,8 @@ impl Manager {
             updated_at: now,
         };
         self.record_new_volume(&row, &image, &req.image).await?;
-        self.settings.faults.point(After::Insert)?;
-        self.settings.faults.pause(Slow::VolumeChange).await;
+        self.house.settings.faults.point(After::Insert)?;
+        self.house.settings.faults.pause(Slow::VolumeChange).await;
         let row = self
             .bring_up(row, &image, file, image_lock, decision, key.as_ref())
             .await?;
@@ -378,13 +374,13 @@ impl Manager {
         name: &str,
         spec: &mut CreateVolumeRequest,
     ) -> Result<Option<Volume>> {
-        let Some(existing) = self.store.volume(name).await? else {
+        let Some(existing) = self.house.store.volume(name).await? else {
             // A cheap early refusal; the count that holds under concurrency
             // is the one inside the transaction that inserts.
-            if self.store.volume_count().await? >= self.settings.max_volumes {
+            if self.house.store.volume_count().await? >= self.house.settings.max_volumes {
                 return Err(Error::VolumeLimit {
                     name: name.to_string(),
-                    max: self.settings.max_volumes,
+                    max: self.house.settings.max_volumes,
                 });
             }
             return Ok(None);
@@ -403,13 +399,13 @@ impl Manager {
     /// The image, read again under its lock, if a new volume may have it:
     /// no other volume, no allocate running, and its rules for `req`.
     async fn claim_image(&self, image: &ImageRow, req: &CreateVolumeRequest) -> Result<ImageRow> {
-        self.reserve.take();
-        let users = self.store.volumes_of_image(image.id).await?;
+        self.house.reserve.take();
+        let users = self.house.store.volumes_of_image(image.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(image.name.clone(), &users));
         }
         self.jobs.allocations.refuse(image, "get a volume")?;
-        let image = self.image_row(&image.id.to_string()).await?;
+        let image = self.house.image_row(&image.id.to_string()).await?;
         self.check_volume_image(&image, &req.name, req.read_only)?;
         Ok(image)
     }
@@ -452,11 +448,11 @@ impl Manager {
         image: &ImageRow,
         asked: &str,
     ) -> Result<()> {
-        let mut tx = self.store.begin().await?;
-        if tx.volume_count().await? >= self.settings.max_volumes {
+        let mut tx = self.house.store.begin().await?;
+        if tx.volume_count().await? >= self.house.settings.max_volumes {
             return Err(Error::VolumeLimit {
                 name: row.name.clone(),
-                max: self.settings.max_volumes,
+                max: self.house.settings.max_volumes,
             });
         }
         if tx.image(&image.id.to_string()).await?.is_none() {
@@ -513,7 +509,7 @@ impl Manager {
                 return Err(e);
             }
         };
-        let recorded = match self.settings.faults.point(After::Attach) {
+        let recorded = match self.house.settings.faults.point(After::Attach) {
             Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
             Err(e) => Err(e.into()),
         };
@@ -523,27 +519,28 @@ impl Manager {
             self.forget_failed(&row, &e).await?;
             return Err(e);
         }
-        self.holds.keep(row.id, image_lock);
+        self.house.holds.keep(row.id, image_lock);
         tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
         Ok(row)
     }
 
     /// Deletes the row of a create that failed, recording why.
     async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
-        self.finishing(move || async move {
-            let mut tx = self.store.begin().await?;
-            tx.delete_volume(row.id).await?;
-            tx.event(
-                Some(row.id),
-                Some(row.image_id),
-                "volume_create_failed",
-                &format!("volume '{}' not created: {e}", row.name),
-            )
-            .await?;
-            tx.commit().await?;
-            Ok(())
-        })
-        .await
+        self.house
+            .finishing(move || async move {
+                let mut tx = self.house.store.begin().await?;
+                tx.delete_volume(row.id).await?;
+                tx.event(
+                    Some(row.id),
+                    Some(row.image_id),
+                    "volume_create_failed",
+                    &format!("volume '{}' not created: {e}", row.name),
+                )
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            })
+            .await
     }
 
     /// Brings up the device of a recorded volume on an opened image, whose
@@ -556,12 +553,12 @@ impl Manager {
         lock: &std::os::fd::OwnedFd,
         decision: Option<Decision>,
     ) -> Result<Attachment> {
-        let backend = self.backend(v.backend).ok_or_else(|| {
+        let backend = self.house.backend(v.backend).ok_or_else(|| {
             volume_error(
                 &v.name,
                 BackendError::Unavailable {
                     backend: v.backend.as_str(),
-                    reason: super::host::not_built_reason(v.backend),
+                    reason: super::house::not_built_reason(v.backend),
                 },
             )
         })?;
@@ -585,7 +582,7 @@ impl Manager {
     /// encrypted image.
     pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
         self.close_crypt(v).await?;
-        let Some(backend) = self.backend(v.backend) else {
+        let Some(backend) = self.house.backend(v.backend) else {
             return Ok(());
         };
         let (id, att, name) = (v.id, v.attachment.clone(), v.name.clone());
@@ -625,7 +622,7 @@ impl Manager {
         );
         // A new device may hold pages already (a probe of it, an earlier
         // user of the image): start clean.
-        self.drop_page_cache(v, &att).await;
+        super::look::drop_page_cache(&self.house.store, v, &att).await;
         v.state_reason = locked.map(|l| {
             format!(
                 "its plaintext device {} is not open (the host restarted, or it was closed): unlock it with its image's key (POST /v1/volumes/{}/unlock)",
@@ -640,14 +637,15 @@ impl Manager {
         v.attachment = Some(att);
         v.updated_at = OffsetDateTime::now_utc();
         let (v, msg) = (&*v, &msg);
-        self.finishing(move || async move {
-            let mut tx = self.store.begin().await?;
-            tx.update_volume(v).await?;
-            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
-            tx.commit().await?;
-            Ok(())
-        })
-        .await
+        self.house
+            .finishing(move || async move {
+                let mut tx = self.house.store.begin().await?;
+                tx.update_volume(v).await?;
+                tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+                tx.commit().await?;
+                Ok(())
+            })
+            .await
     }
 
     /// Records a volume as having no working device, with the reason.
@@ -657,7 +655,7 @@ impl Manager {
         v.state = VolumeState::Error;
         v.state_reason = Some(reason.clone());
         v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.update_volume(v).await?;
         tx.event(
             Some(v.id),
@@ -672,10 +670,10 @@ impl Manager {
 
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
-        let v = self.volume_row(id_or_name).await?;
-        let _volume = self.locks.volumes.lock(&v.name).await;
-        let mut v = self.volume_row(&v.id.to_string()).await?;
-        self.reserve.take();
+        let v = self.house.volume_row(id_or_name).await?;
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.house.volume_row(&v.id.to_string()).await?;
+        self.house.reserve.take();
         if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
             // dm-crypt holds the backend's device; the plaintext is what
             // users mount or open.
@@ -684,7 +682,7 @@ impl Manager {
             blocking(move || crate::backend::refuse_if_claimed(device))
                 .await?
                 .map_err(|e| volume_error(&name, e))?;
-        } else if let Some(backend) = self.backend(v.backend) {
+        } else if let Some(backend) = self.house.backend(v.backend) {
             let (id, name) = (v.id, v.name.clone());
             blocking(move || backend.check_detach(id))
                 .await?
@@ -693,7 +691,7 @@ impl Manager {
         let before = (v.state, v.state_reason.clone());
         v.state = VolumeState::Detaching;
         v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.store.begin().await?;
+        let mut tx = self.house.store.begin().await?;
         tx.update_volume(&v).await?;
         tx.event(
             Some(v.id),
@@ -703,55 +701,57 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.settings.faults.pause(Slow::VolumeChange).await;
+        self.house.settings.faults.pause(Slow::VolumeChange).await;
         if let Err(e) = self.detach(&v).await {
             (v.state, v.state_reason) = before;
             v.updated_at = OffsetDateTime::now_utc();
             let (v, why) = (&v, &e);
-            self.finishing(move || async move {
-                let mut tx = self.store.begin().await?;
-                tx.update_volume(v).await?;
+            self.house
+                .finishing(move || async move {
+                    let mut tx = self.house.store.begin().await?;
+                    tx.update_volume(v).await?;
+                    tx.event(
+                        Some(v.id),
+                        Some(v.image_id),
+                        "volume_delete_failed",
+                        &format!("{why}"),
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    Ok(())
+                })
+                .await?;
+            return Err(e);
+        }
+        self.house.settings.faults.point(After::Detach)?;
+        self.forget_volume(&v).await
+    }
+
+    /// Deletes a volume's row once its device is gone, and lets its image go.
+    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
+        self.house.holds.release(v.id);
+        self.house
+            .finishing(move || async move {
+                let mut tx = self.house.store.begin().await?;
+                tx.delete_volume(v.id).await?;
                 tx.event(
                     Some(v.id),
                     Some(v.image_id),
-                    "volume_delete_failed",
-                    &format!("{why}"),
+                    "volume_deleted",
+                    &format!(
+                        "volume '{}' deleted; device {} removed",
+                        v.name,
+                        v.attachment
+                            .as_ref()
+                            .map(|a| a.device.as_str())
+                            .unwrap_or("(none)")
+                    ),
                 )
                 .await?;
                 tx.commit().await?;
                 Ok(())
             })
             .await?;
-            return Err(e);
-        }
-        self.settings.faults.point(After::Detach)?;
-        self.forget_volume(&v).await
-    }
-
-    /// Deletes a volume's row once its device is gone, and lets its image go.
-    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
-        self.holds.release(v.id);
-        self.finishing(move || async move {
-            let mut tx = self.store.begin().await?;
-            tx.delete_volume(v.id).await?;
-            tx.event(
-                Some(v.id),
-                Some(v.image_id),
-                "volume_deleted",
-                &format!(
-                    "volume '{}' deleted; device {} removed",
-                    v.name,
-                    v.attachment
-                        .as_ref()
-                        .map(|a| a.device.as_str())
-                        .unwrap_or("(none)")
-                ),
-            )
-            .await?;
-            tx.commit().await?;
-            Ok(())
-        })
-        .await?;
         tracing::info!(volume = %v.name, "volume deleted");
         Ok(())
     }
@@ -764,21 +764,22 @@ impl Manager {
         id_or_name: &str,
         patch: PatchVolumeRequest,
     ) -> Result<Volume> {
-        let v = self.volume_row(id_or_name).await?;
-        let _volume = self.locks.volumes.lock(&v.name).await;
-        let mut v = self.volume_row(&v.id.to_string()).await?;
+        let v = self.house.volume_row(id_or_name).await?;
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.house.volume_row(&v.id.to_string()).await?;
         let changes = changes(&v, &patch)?;
         if changes.is_empty() {
             return self.volume_view(&v).await;
         }
         // A backup reading the image decided so under this volume's lock.
         if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
-            let image = self.image_row(&v.image_id.to_string()).await?;
+            let image = self.house.image_row(&v.image_id.to_string()).await?;
             self.backups
                 .jobs
                 .refuse(&image, &format!("make volume '{}' writable", v.name))?;
         }
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        else {
             return Err(self.not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
@@ -798,7 +799,8 @@ impl Manager {
                     made.push(*change);
                     // Between two changes of one PATCH (a test fault).
                     if made.len() == 1 && changes.len() > 1 {
-                        self.settings
+                        self.house
+                            .settings
                             .faults
                             .point(After::FirstChange)
                             .map_err(Error::from)
@@ -816,7 +818,7 @@ impl Manager {
                 return Err(e);
             }
         }
-        self.settings.faults.point(After::Change)?;
+        self.house.settings.faults.point(After::Change)?;
         self.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
@@ -945,28 +947,29 @@ impl Manager {
         }
         // Every switch of the data path starts it clean, whatever the backend.
         if by_dispatch || moved.is_some() {
-            self.drop_page_cache(v, &att).await;
+            super::look::drop_page_cache(&self.house.store, v, &att).await;
         }
         v.attachment = Some(att);
         v.updated_at = OffsetDateTime::now_utc();
         let (v, events) = (&*v, &events);
-        self.finishing(move || async move {
-            let mut tx = self.store.begin().await?;
-            tx.update_volume(v).await?;
-            for (kind, msg) in events {
-                tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
-            }
-            tx.commit().await?;
-            Ok(())
-        })
-        .await
+        self.house
+            .finishing(move || async move {
+                let mut tx = self.house.store.begin().await?;
+                tx.update_volume(v).await?;
+                for (kind, msg) in events {
+                    tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            })
+            .await
     }
 
     /// A loop volume's refusal of what backend ublk does, offering ublk
     /// only where this host has it: a remedy given must work here.
     fn offer_ublk(&self, e: BackendError) -> BackendError {
         let offer = |reason: String, way: &str| {
-            let ublk = self.capability(Backend::Ublk);
+            let ublk = self.house.capability(Backend::Ublk);
             if ublk.available {
                 format!("{reason}; {way}")
             } else {
@@ -1015,8 +1018,9 @@ impl Manager {
 
     /// `GET /v1/volumes/{id}/stats`.
     pub(crate) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
-        let v = self.volume_row(id_or_name).await?;
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.backend(v.backend)) else {
+        let v = self.house.volume_row(id_or_name).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        else {
             return Err(self.not_live(&v));
         };
         let (id, name) = (v.id, v.name.clone());
@@ -1024,7 +1028,7 @@ impl Manager {
             .await?
             .map_err(|e| volume_error(&name, e))?;
         stats.rates = self.readings.stats.rates(v.id, &stats);
-        stats.page_cache = self.page_cache(&v).await?;
+        stats.page_cache = super::look::page_cache(&self.house.store, &v).await?;
         Ok(stats)
     }
 
@@ -1043,7 +1047,7 @@ impl Manager {
                 ),
             });
         }
-        let v = self.volume_row(id_or_name).await?;
+        let v = self.house.volume_row(id_or_name).await?;
         Ok(StatsHistory {
             volume_id: v.id,
             points: self.readings.stats.history(v.id, seconds),
