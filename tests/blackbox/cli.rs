@@ -145,6 +145,15 @@ async fn the_whole_life_of_a_volume_from_the_command_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("device_busy") && err.contains("loop"), "{err}");
 
+    // `volume rm` refuses a volume written in its last second: the test's
+    // writes must have left the sampler's window first, however late the
+    // page cache wrote them back.
+    crate::eventually(
+        std::time::Duration::from_secs(60),
+        "the volume to be idle",
+        async || s.get("/v1/volumes/cvol/usage").await.body["busy"] == false,
+    )
+    .await;
     assert!(ok(&s, &["volume", "rm", "cvol"]).contains("deleted"));
     assert!(!crate::harness::serves_from(&dev, s.dir.path()));
     // It waits for the background allocate's end; nothing runs to cancel after.
@@ -390,6 +399,9 @@ async fn image_snapshot_and_clone_wait_for_a_copy_showing_progress_unless_told_n
         "{shown}"
     );
 
+    // The clone's copy waits at the copy gate (`slow_copy`), so it is still
+    // copying when deleted, however loaded the host.
+    let gate = s.shut_copy_gate();
     let cpath = fs.mnt.join("c.img");
     let clone = json(
         &s,
@@ -406,6 +418,7 @@ async fn image_snapshot_and_clone_wait_for_a_copy_showing_progress_unless_told_n
     assert_eq!(clone["read_only"], false, "{clone}");
     ok(&s, &["image", "rm", "c"]);
     assert!(!cpath.exists(), "the partial clone was left");
+    std::fs::remove_file(&gate).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]

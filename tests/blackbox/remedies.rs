@@ -388,8 +388,11 @@ async fn operations_refused_during_an_allocate_go_through_after_either_remedy() 
 async fn a_copys_source_and_a_failed_copy_take_their_remedies() {
     let fs = LoopFs::new(EXT4, 512 << 20);
     let mut s = service_on(&fs, Some("slow_copy")).await;
-    // 96 MiB of data: the copy takes 100 ms more a stretch, seconds in all.
+    // 96 MiB of data, the copy held at the copy gate (`slow_copy`) while it
+    // exists: it still runs when the resize and the kill come, however
+    // loaded the host.
     image_of(&s, &fs, "cs", 128, 96).await;
+    let gate = s.shut_copy_gate();
     let a = s
         .post("/v1/images/cs/snapshots", json!({"name": "cs-s"}))
         .await;
@@ -420,6 +423,7 @@ async fn a_copys_source_and_a_failed_copy_take_their_remedies() {
         s.delete("/v1/images/cs-t").await.status,
         StatusCode::NO_CONTENT
     );
+    let _ = std::fs::remove_file(&gate);
     let a = s
         .post("/v1/images/cs/snapshots", json!({"name": "cs-t"}))
         .await;

@@ -81,7 +81,7 @@ async fn wait_copy(s: &Service, image: &str) -> Value {
 /// Waits until an image's copy copied something, and checks it is short
 /// of its total.
 async fn wait_copy_progress(s: &Service, image: &str) -> Value {
-    for _ in 0..500 {
+    for _ in 0..6000 {
         let g = s.get(&format!("/v1/images/{image}")).await;
         let done = g.body["copied_bytes"].as_u64().unwrap_or(0);
         if done > 0 {
@@ -95,7 +95,7 @@ async fn wait_copy_progress(s: &Service, image: &str) -> Value {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the copy of image '{image}' copied nothing in 5 s");
+    panic!("the copy of image '{image}' copied nothing in 60 s");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -299,6 +299,10 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         s.delete("/v1/volumes/bv").await.status,
         StatusCode::NO_CONTENT
     );
+    // The copy is held at the copy gate (`slow_copy`) after its first
+    // stretch while the gate exists: the refusals below meet a copy that
+    // still runs, however loaded the host.
+    let gate = s.shut_copy_gate();
     let a = s
         .post("/v1/images/base/snapshots", json!({"name": "base-s"}))
         .await;
@@ -325,6 +329,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         .post("/v1/images/base/resize", json!({"size_bytes": 256 << 20}))
         .await;
     assert_error(&r, 409, "copy_source_busy");
+    std::fs::remove_file(&gate).unwrap();
     let mut seen = Vec::new();
     let end = loop {
         let g = s.get("/v1/images/base-s").await;
@@ -334,10 +339,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         seen.push(g.body["copied_bytes"].as_u64().unwrap());
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(
-        seen.windows(2).all(|w| w[0] <= w[1]) && seen.len() > 2,
-        "{seen:?}"
-    );
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
     assert_eq!(end["state"], "ready", "{end}");
     assert_eq!(end["copied_bytes"], Value::Null, "{end}");
     assert!(same_bytes(&src, &fs.mnt.join("base-s")));
@@ -374,6 +376,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     );
 
     // A clone's copy, cancelled by deleting the image: its file goes.
+    s.shut_copy_gate();
     let cpath = fs.mnt.join("clone.img");
     let c = s
         .post(
@@ -387,6 +390,7 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
     let d = s.delete("/v1/images/clone").await;
     assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
     assert!(!cpath.exists(), "the partial copy was left");
+    std::fs::remove_file(&gate).unwrap();
     assert_error(&s.get("/v1/images/clone").await, 404, "image_not_found");
     let ev = s.get("/v1/events?limit=100").await.body.to_string();
     assert!(ev.contains("image_copy_cancelled"), "{ev}");
@@ -422,6 +426,8 @@ async fn a_crash_during_a_copy_never_leaves_a_ready_half_file() {
     let fs = LoopFs::new(EXT4, 512 << 20);
     let mut s = service_on(&fs, &[("BLOCKPLANE_TEST_FAULT", "slow_copy")]).await;
     image_with_data(&s, &fs.mnt, "base", 128 << 20, 96 << 20).await;
+    // Held at the copy gate (`slow_copy`): still copying when killed.
+    let gate = s.shut_copy_gate();
     let a = s
         .post("/v1/images/base/snapshots", json!({"name": "base-s"}))
         .await;
@@ -446,6 +452,7 @@ async fn a_crash_during_a_copy_never_leaves_a_ready_half_file() {
     assert!(ev.contains("image_copy_failed"), "{ev}");
     let d = s.delete("/v1/images/base-s").await;
     assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.body);
+    let _ = std::fs::remove_file(&gate);
     // The same name again: made whole this time.
     let a = s
         .post("/v1/images/base/snapshots", json!({"name": "base-s"}))

@@ -51,8 +51,9 @@ pub enum Slow {
     /// worker) takes 100 ms more (`slow_allocate`): its progress and cancel.
     Allocate,
     /// Each 16 MiB stretch a snapshot's or clone's background copy copies
-    /// takes 100 ms more (`slow_copy`): its progress, cancel and a crash
-    /// during it.
+    /// takes 100 ms more, and a copy of a file waits after a stretch while
+    /// the copy gate (`copy-gate` in the run dir) exists (`slow_copy`): its
+    /// progress, cancel and a crash during it, met while it surely runs.
     Copy,
     /// A worker that hands its device over waits 3 s before it exits
     /// (`slow_handover`): a kill of it during a handover.

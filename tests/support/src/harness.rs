@@ -348,6 +348,16 @@ impl Service {
         self.child.as_ref().expect("the service runs").id()
     }
 
+    /// Shuts the copy gate: while the returned file exists, a file copy the
+    /// test fault `slow_copy` slows waits after its current stretch (a
+    /// cancel still ends it). Remove the file to let copies go on.
+    pub fn shut_copy_gate(&self) -> PathBuf {
+        let gate = self.data.join("run/copy-gate");
+        std::fs::create_dir_all(gate.parent().unwrap()).unwrap();
+        std::fs::write(&gate, b"").unwrap();
+        gate
+    }
+
     /// The service's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -551,8 +551,9 @@ impl Manager {
         Ok(())
     }
 
-    /// The file a copy of one moment waits at while it exists (the test
-    /// fault `gate_copy`): `copy-gate` in the service's run dir.
+    /// The file a copy waits at while it exists (the test faults
+    /// `gate_copy`, for a copy of one moment, and `slow_copy`, for a copy
+    /// of a file): `copy-gate` in the service's run dir.
     fn copy_gate(&self) -> std::path::PathBuf {
         self.house
             .settings
@@ -593,11 +594,19 @@ impl Manager {
             source,
             name: row.name.clone(),
         };
+        // A slowed copy is also held at the copy gate while it exists, so a
+        // test can act on a copy still running whatever the host's load.
+        let gate = self
+            .house
+            .settings
+            .faults
+            .slows(Slow::Copy)
+            .then(|| self.copy_gate());
         let (me, row) = (self.clone(), row.clone());
         let total = src.allocated();
         self.jobs
             .copies
-            .start(row.id, kind, (pace, None), total, move |job| async move {
+            .start(row.id, kind, (pace, gate), total, move |job| async move {
                 let started = std::time::Instant::now();
                 let j = job.clone();
                 let out = blocking(move || {

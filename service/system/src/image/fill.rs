@@ -33,9 +33,24 @@ pub struct AllocateJob {
     /// and cancel observable on any disk).
     pub pace: std::time::Duration,
     /// While this file exists the job waits after each stretch (the test
-    /// fault `gate_backup`: a job held mid-way for as long as a test needs,
-    /// until a condition rather than for a time).
+    /// faults `gate_backup` and `slow_copy`: a job held mid-way for as long
+    /// as a test needs, until a condition rather than for a time).
     pub gate: Option<std::path::PathBuf>,
+}
+
+impl AllocateJob {
+    /// After a stretch of a blocking job: its pace, then a wait while its
+    /// gate exists and it is not cancelled.
+    fn between_stretches(&self) {
+        if !self.pace.is_zero() {
+            std::thread::sleep(self.pace);
+        }
+        while self.gate.as_deref().is_some_and(std::path::Path::exists)
+            && !self.cancel.load(Relaxed)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
 }
 
 /// Makes `[from, to)` of an open image written zeros wherever it is a hole
@@ -102,7 +117,7 @@ impl ImageFile {
                     let to = b.min(at + ALLOCATE_STEP);
                     allocate_range(&self.fd, at, to)?;
                     job.done_bytes.fetch_add(to - at, Relaxed);
-                    std::thread::sleep(job.pace);
+                    job.between_stretches();
                     at = to;
                 }
             }
@@ -154,7 +169,7 @@ impl ImageFile {
                         )));
                     }
                     job.done_bytes.fetch_add(n as u64, Relaxed);
-                    std::thread::sleep(job.pace);
+                    job.between_stretches();
                     at += n as u64;
                 }
             }
