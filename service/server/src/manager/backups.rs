@@ -22,6 +22,7 @@ use super::Manager;
 use super::blocking::blocking;
 use super::copies::{Copier, SharedMoment};
 use super::error::{Error, Result};
+use super::house::House;
 use super::images::new_file_row;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
@@ -97,53 +98,6 @@ impl Manager {
             .ok_or_else(|| Error::NoBackupTarget(what.to_string()))
     }
 
-    /// At start, before any backup: removes the moment files that backups
-    /// left next to their images when the service died during them. Only a
-    /// regular file named exactly as a moment (the prefix and a uuid), under
-    /// the image roots and through no symlink, registered as no image.
-    pub(super) async fn remove_backup_moments(&self) -> Result<()> {
-        use std::os::unix::fs::MetadataExt;
-        let rows = self.house.store.images().await?;
-        let registered: std::collections::HashSet<&str> =
-            rows.iter().map(|r| r.path.as_str()).collect();
-        let dirs: std::collections::BTreeSet<&std::path::Path> = rows
-            .iter()
-            .filter_map(|r| std::path::Path::new(&r.path).parent())
-            .collect();
-        for dir in dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            for e in entries.flatten() {
-                let name = e.file_name();
-                let is_moment = name
-                    .to_str()
-                    .and_then(|n| n.strip_prefix(MOMENT_PREFIX))
-                    .is_some_and(|id| Uuid::parse_str(id).is_ok());
-                let full = e.path().display().to_string();
-                if !is_moment || registered.contains(full.as_str()) {
-                    continue;
-                }
-                // `file_type` does not follow a symlink; `resolve` refuses one
-                // anywhere in the path, and `remove_file` removes only the
-                // file seen here.
-                let (Ok(meta), Ok(path)) = (e.metadata(), self.house.roots.resolve(&full)) else {
-                    continue;
-                };
-                if e.file_type().is_ok_and(|t| t.is_file())
-                    && self
-                        .house
-                        .roots
-                        .remove_file(&path, meta.dev(), meta.ino(), None)
-                        .is_ok()
-                {
-                    tracing::warn!(file = %full, "removed a backup's moment left by a service that stopped during it");
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// At start, in the background: releases the leases of backups this
     /// service ran when it died (they wrote no manifest: they did not
     /// happen; the next gc collects their chunks), and learns each image's
@@ -154,7 +108,7 @@ impl Manager {
         let Some(target) = &self.backups.target else {
             return;
         };
-        let owner = self.lease_owner();
+        let owner = self.house.lease_owner();
         let mut released = false;
         loop {
             if !released {
@@ -194,12 +148,6 @@ impl Manager {
         Ok(())
     }
 
-    /// Who holds this service's leases: its instance and host (a copy of
-    /// its registry elsewhere has the same instance).
-    fn lease_owner(&self) -> String {
-        format!("{}@{}", self.house.settings.instance, host_name())
-    }
-
     /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
     /// at this moment; 202 with it `running`.
     pub(crate) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
@@ -231,6 +179,7 @@ impl Manager {
             held_volumes.push(self.house.locks.volumes.lock(&volume).await);
         }
         let writable = self
+            .house
             .attached_volumes(src.id)
             .await?
             .into_iter()
@@ -243,7 +192,7 @@ impl Manager {
         let source = self
             .backup_source(&src, id, name, writable, &mut undo)
             .await?;
-        let meta = self.backup_meta(id, name, &src, &source.file);
+        let meta = self.house.backup_meta(id, name, &src, &source.file);
         let recorded = async {
             let mut tx = self.house.store.begin().await?;
             tx.event(
@@ -283,7 +232,7 @@ impl Manager {
     /// Refuses a backup of `src` now: not ready, an allocate or a copy of
     /// it runs, or a backup of it runs already.
     fn backupable(&self, src: &ImageRow) -> Result<()> {
-        self.refuse_unready(src, "be backed up")?;
+        self.house.refuse_unready(src, "be backed up")?;
         self.jobs.allocations.refuse(src, "be backed up")?;
         self.jobs.copies.refuse(src, "be backed up")?;
         let running = self.backups.jobs.list(|id, run, p| {
@@ -340,26 +289,6 @@ impl Manager {
             held: Some(m.held),
             copier: m.copier,
         })
-    }
-
-    /// What backup `id` of `src` says of itself, read from `file`.
-    fn backup_meta(&self, id: Uuid, name: &str, src: &ImageRow, file: &ImageFile) -> BackupMeta {
-        BackupMeta {
-            id,
-            name: name.to_string(),
-            image: blockplane_backup::ImageMeta {
-                id: src.id,
-                name: src.name.clone(),
-                size_bytes: file.size(),
-                encrypted: src.encryption.is_some(),
-            },
-            source: blockplane_backup::SourceMeta {
-                host: host_name(),
-                path: src.path.clone(),
-                service: self.lease_owner(),
-            },
-            created_at: OffsetDateTime::now_utc(),
-        }
     }
 
     /// Shares a loop volume's image into `path` at one moment: the loop
@@ -707,7 +636,7 @@ impl Manager {
     pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
         let target = self.backup_target("collect chunks")?;
         let _one = self.backups.gc.lock().await;
-        let r = blockplane_backup::gc(&target, &self.lease_owner()).await?;
+        let r = blockplane_backup::gc(&target, &self.house.lease_owner()).await?;
         tracing::info!(
             deleted = r.chunks_deleted,
             kept = r.chunks_kept,
@@ -882,63 +811,8 @@ impl Manager {
                     Ok(false) => Ok((false, 0, None)),
                     Err(e) => Err(e),
                 };
-                me.end_restore(&row, &m, &job, started.elapsed(), out).await
+                me.house.end_restore(&row, &m, &job, started.elapsed(), out).await
             });
-    }
-
-    /// Records a restore's end as [`Self::end_copy`] does a copy's.
-    async fn end_restore(
-        &self,
-        row: &ImageRow,
-        m: &Manifest,
-        job: &AllocateJob,
-        took: std::time::Duration,
-        out: Result<(bool, u64, Option<model::ImageEncryption>)>,
-    ) -> Ended {
-        let done = job.done_bytes.load(Relaxed);
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            match &out {
-                Ok((true, allocated, encryption)) => {
-                    tx.set_image_encryption(row.id, encryption.as_ref()).await?;
-                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
-                        .await?;
-                    tx.event(
-                        None,
-                        Some(row.id),
-                        "image_restored",
-                        &format!(
-                            "image '{}': restored from backup '{}' ({}), {} checked and written in {:.1} s; ready",
-                            row.name,
-                            m.name,
-                            m.id,
-                            model::size_text(done),
-                            took.as_secs_f64()
-                        ),
-                    )
-                    .await?;
-                }
-                Ok((false, ..)) => {
-                    tx.event(
-                        None,
-                        Some(row.id),
-                        "image_copy_cancelled",
-                        &format!("image '{}': restore stopped after {}", row.name, model::size_text(done)),
-                    )
-                    .await?;
-                }
-                Err(e) => {
-                    let reason = format!(
-                        "the restore from backup '{}' ({}) failed after {done} bytes: {e}; its partial file was removed",
-                        m.name, m.id
-                    );
-                    self.fail_copy(&mut tx, row, &reason).await?;
-                }
-            }
-            tx.commit().await
-        }
-        .await;
-        Ended::of(out, |(done, ..)| *done, recorded, "a restore", &row.name)
     }
 
     /// Seconds since each of `images`' last backup with a manifest, by
@@ -1001,5 +875,135 @@ impl BackupSource {
                     .to_string()
             }
         }
+    }
+}
+
+/// A backup's and a restore's steps that need the house alone.
+impl House {
+    /// At start, before any backup: removes the moment files that backups
+    /// left next to their images when the service died during them. Only a
+    /// regular file named exactly as a moment (the prefix and a uuid), under
+    /// the image roots and through no symlink, registered as no image.
+    pub(super) async fn remove_backup_moments(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let rows = self.store.images().await?;
+        let registered: std::collections::HashSet<&str> =
+            rows.iter().map(|r| r.path.as_str()).collect();
+        let dirs: std::collections::BTreeSet<&std::path::Path> = rows
+            .iter()
+            .filter_map(|r| std::path::Path::new(&r.path).parent())
+            .collect();
+        for dir in dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let is_moment = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(MOMENT_PREFIX))
+                    .is_some_and(|id| Uuid::parse_str(id).is_ok());
+                let full = e.path().display().to_string();
+                if !is_moment || registered.contains(full.as_str()) {
+                    continue;
+                }
+                // `file_type` does not follow a symlink; `resolve` refuses one
+                // anywhere in the path, and `remove_file` removes only the
+                // file seen here.
+                let (Ok(meta), Ok(path)) = (e.metadata(), self.roots.resolve(&full)) else {
+                    continue;
+                };
+                if e.file_type().is_ok_and(|t| t.is_file())
+                    && self
+                        .roots
+                        .remove_file(&path, meta.dev(), meta.ino(), None)
+                        .is_ok()
+                {
+                    tracing::warn!(file = %full, "removed a backup's moment left by a service that stopped during it");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Who holds this service's leases: its instance and host (a copy of
+    /// its registry elsewhere has the same instance).
+    fn lease_owner(&self) -> String {
+        format!("{}@{}", self.settings.instance, host_name())
+    }
+
+    /// What backup `id` of `src` says of itself, read from `file`.
+    fn backup_meta(&self, id: Uuid, name: &str, src: &ImageRow, file: &ImageFile) -> BackupMeta {
+        BackupMeta {
+            id,
+            name: name.to_string(),
+            image: blockplane_backup::ImageMeta {
+                id: src.id,
+                name: src.name.clone(),
+                size_bytes: file.size(),
+                encrypted: src.encryption.is_some(),
+            },
+            source: blockplane_backup::SourceMeta {
+                host: host_name(),
+                path: src.path.clone(),
+                service: self.lease_owner(),
+            },
+            created_at: OffsetDateTime::now_utc(),
+        }
+    }
+
+    /// Records a restore's end as [`Self::end_copy`] does a copy's.
+    async fn end_restore(
+        &self,
+        row: &ImageRow,
+        m: &Manifest,
+        job: &AllocateJob,
+        took: std::time::Duration,
+        out: Result<(bool, u64, Option<model::ImageEncryption>)>,
+    ) -> Ended {
+        let done = job.done_bytes.load(Relaxed);
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            match &out {
+                Ok((true, allocated, encryption)) => {
+                    tx.set_image_encryption(row.id, encryption.as_ref()).await?;
+                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
+                        .await?;
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_restored",
+                        &format!(
+                            "image '{}': restored from backup '{}' ({}), {} checked and written in {:.1} s; ready",
+                            row.name,
+                            m.name,
+                            m.id,
+                            model::size_text(done),
+                            took.as_secs_f64()
+                        ),
+                    )
+                    .await?;
+                }
+                Ok((false, ..)) => {
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copy_cancelled",
+                        &format!("image '{}': restore stopped after {}", row.name, model::size_text(done)),
+                    )
+                    .await?;
+                }
+                Err(e) => {
+                    let reason = format!(
+                        "the restore from backup '{}' ({}) failed after {done} bytes: {e}; its partial file was removed",
+                        m.name, m.id
+                    );
+                    self.fail_copy(&mut tx, row, &reason).await?;
+                }
+            }
+            tx.commit().await
+        }
+        .await;
+        Ended::of(out, |(done, ..)| *done, recorded, "a restore", &row.name)
     }
 }

@@ -12,6 +12,7 @@ use uuid::Uuid;
 use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
+use super::house::House;
 use super::images::new_file_row;
 use super::jobs::Ended;
 use super::moments::CopyClaim;
@@ -179,7 +180,7 @@ impl Manager {
         let src = self.house.image_row(&src.id.to_string()).await?;
         let size = self.copyable(&src, name, snapshot, grow.as_ref())?;
         let grow = grow.map(|g| (g.size_bytes, g.allocation));
-        let attached = self.attached_volumes(src.id).await?;
+        let attached = self.house.attached_volumes(src.id).await?;
         let warnings = self
             .check_provisioning(name, &path.display(), size, true)
             .await?;
@@ -257,7 +258,7 @@ impl Manager {
         } else {
             "be cloned"
         };
-        self.refuse_unready(src, what)?;
+        self.house.refuse_unready(src, what)?;
         self.jobs.allocations.refuse(src, what)?;
         let size = grow.map_or(src.size_bytes, |g| g.size_bytes);
         if size < src.size_bytes {
@@ -378,7 +379,7 @@ impl Manager {
         let claim = match shares {
             true => None,
             false => {
-                let checked = self.check_moment_room(src, &file, name, grow).await;
+                let checked = self.house.check_moment_room(src, &file, name, grow).await;
                 let claim = checked.and_then(|()| {
                     self.jobs
                         .moments
@@ -388,12 +389,15 @@ impl Manager {
             }
         };
         let made = async {
-            let (v, att) = self.off_direct(&backend, v, name).await?;
+            let (v, att) = self.house.off_direct(&backend, v, name).await?;
             let dest = SnapshotDest {
                 path: path.display().into(),
                 identity,
             };
-            let held = self.hold_moment(&backend, &v, &att, dest, shares).await?;
+            let held = self
+                .house
+                .hold_moment(&backend, &v, &att, dest, shares)
+                .await?;
             tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
             let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
             let held = held_text(&v.name, &how, held);
@@ -412,7 +416,7 @@ impl Manager {
             let mut file = file;
             file.refresh()?;
             if shares {
-                me.grow_clone(&p, &mut file, grow)?;
+                me.house.grow_clone(&p, &mut file, grow)?;
             }
             Ok(file)
         })
@@ -428,71 +432,6 @@ impl Manager {
                 Err(e)
             }
         }
-    }
-
-    /// Moves a serving volume `v` off `direct` before image `copy` shares
-    /// its extents, and records it (an explicit `direct` cannot hold any
-    /// more; `auto` still decides, now without direct).
-    async fn off_direct(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        mut v: VolumeRow,
-        copy: &str,
-    ) -> Result<(VolumeRow, Attachment)> {
-        let att = v.attachment.clone().expect("a serving volume has a device");
-        if att.dispatch != ActiveDispatch::Direct {
-            return Ok((v, att));
-        }
-        let (b, a, id) = (backend.clone(), att, v.id);
-        let reason = blockplane_system::dispatch::Reason::LeftDirectForCopy {
-            copy: copy.to_string(),
-        };
-        let att = blocking(move || b.leave_direct(&a, id, reason))
-            .await?
-            .map_err(|e| volume_error(&v.name, e))?;
-        self.house.settings.faults.point(After::Change)?;
-        let asked = match v.dispatch {
-            DispatchPolicy::Direct => DispatchPolicy::Nowait,
-            d => d,
-        };
-        self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
-            .await?;
-        Ok((v, att))
-    }
-
-    /// Holds `v`'s I/O for one moment while its worker shares the image's
-    /// extents with `dest` (`shares`), or starts copying that moment into
-    /// it; how long I/O was held.
-    async fn hold_moment(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        v: &VolumeRow,
-        att: &Attachment,
-        dest: SnapshotDest,
-        shares: bool,
-    ) -> Result<Duration> {
-        let (b, a, id) = (backend.clone(), att.clone(), v.id);
-        let held = if shares {
-            blocking(move || b.snapshot(&a, id, &dest)).await?
-        } else {
-            let copy = MomentCopy {
-                dest,
-                pace: self.house.settings.faults.pace(Slow::Copy),
-                gate: self
-                    .house
-                    .settings
-                    .faults
-                    .slows(Slow::CopyGate)
-                    .then(|| self.copy_gate()),
-            };
-            let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
-            if out.is_err() {
-                // It may have begun before the answer was lost.
-                stop_copy(backend, att, v).await;
-            }
-            out
-        };
-        held.map_err(|e| volume_error(&v.name, e))
     }
 
     /// Syncs `src` and makes a new file at `path` from it: its extents
@@ -514,69 +453,11 @@ impl Manager {
             let (mut file, start) = me.house.roots.create_clone(&p, &src_file)?;
             let took = started.elapsed();
             if start == CloneStart::Reflinked {
-                me.grow_clone(&p, &mut file, grow)?;
+                me.house.grow_clone(&p, &mut file, grow)?;
             }
             Ok((file, start, src_file, took))
         })
         .await?
-    }
-
-    /// 507 unless the new file's filesystem has room for the source's data
-    /// (and a full grow's new range): a copy of one moment writes it there.
-    async fn check_moment_room(
-        &self,
-        src: &ImageRow,
-        file: &ImageFile,
-        name: &str,
-        grow: Option<(u64, Allocation)>,
-    ) -> Result<()> {
-        let path = src.path.clone();
-        let data = blocking(move || rustix::fs::lstat(path.as_str()))
-            .await?
-            .map(|st| st.st_blocks as u64 * 512)
-            .unwrap_or(src.allocated_bytes);
-        let grown = match grow {
-            Some((size, Allocation::Full)) => size.saturating_sub(src.size_bytes),
-            _ => 0,
-        };
-        let (needed, free) = (data + grown, file.free_bytes()?);
-        if needed > free {
-            return Err(Error::SpaceShort {
-                name: name.to_string(),
-                what: "copying one moment of its source's data",
-                needed,
-                free,
-            });
-        }
-        Ok(())
-    }
-
-    /// The file a copy waits at while it exists (the test faults
-    /// `gate_copy`, for a copy of one moment, and `slow_copy`, for a copy
-    /// of a file): `copy-gate` in the service's run dir.
-    fn copy_gate(&self) -> std::path::PathBuf {
-        self.house
-            .settings
-            .ublk_run_root
-            .with_file_name("copy-gate")
-    }
-
-    /// Grows a clone whose extents are shared to `grow`'s size (its new
-    /// range laid out as asked); removes it when it cannot.
-    fn grow_clone(
-        &self,
-        path: &ImagePath,
-        file: &mut ImageFile,
-        grow: Option<(u64, Allocation)>,
-    ) -> Result<()> {
-        let Some((size, allocation)) = grow else {
-            return Ok(());
-        };
-        file.grow(size, allocation).map_err(|e| {
-            let (dev, ino) = file.identity();
-            let _ = self.house.roots.remove_file(path, dev, ino, file.birth());
-            e.into()
-        })
     }
 
     /// Runs the copy into `file` on a blocking thread, then records its end.
@@ -601,7 +482,7 @@ impl Manager {
             .settings
             .faults
             .slows(Slow::Copy)
-            .then(|| self.copy_gate());
+            .then(|| self.house.copy_gate());
         let (me, row) = (self.clone(), row.clone());
         let total = src.allocated();
         self.jobs
@@ -618,7 +499,7 @@ impl Manager {
                 })
                 .await
                 .and_then(|r: Result<(bool, u64)>| r);
-                me.end_copy(&row, &job, started.elapsed(), out).await
+                me.house.end_copy(&row, &job, started.elapsed(), out).await
             });
     }
 
@@ -657,170 +538,9 @@ impl Manager {
                     .await?
                 }
                 .await;
-                me.end_copy(&row, &job, started.elapsed(), out).await
+                me.house.end_copy(&row, &job, started.elapsed(), out).await
             },
         );
-    }
-
-    /// Records how a copy ended: `ready` with an `image_copied` event; on a
-    /// failure its partial file is removed and the image `failed`; when
-    /// cancelled (a DELETE of the image, or the service's stop) whoever
-    /// cancelled it removes it.
-    async fn end_copy(
-        &self,
-        row: &ImageRow,
-        job: &AllocateJob,
-        took: std::time::Duration,
-        out: Result<(bool, u64)>,
-    ) -> Ended {
-        let done = job.done_bytes.load(Relaxed);
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            match &out {
-                Ok((true, allocated)) => {
-                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
-                        .await?;
-                    tx.event(
-                        None,
-                        Some(row.id),
-                        "image_copied",
-                        &format!(
-                            "image '{}': copy done, {} in {:.1} s; ready",
-                            row.name,
-                            model::size_text(done),
-                            took.as_secs_f64()
-                        ),
-                    )
-                    .await?;
-                }
-                Ok((false, _)) => {
-                    tx.event(
-                        None,
-                        Some(row.id),
-                        "image_copy_cancelled",
-                        &format!(
-                            "image '{}': copy stopped after {}",
-                            row.name,
-                            model::size_text(done)
-                        ),
-                    )
-                    .await?;
-                }
-                Err(e) => {
-                    let reason = format!(
-                        "the copy failed after {done} bytes: {e}; its partial file was removed"
-                    );
-                    self.fail_copy(&mut tx, row, &reason).await?;
-                }
-            }
-            tx.commit().await
-        }
-        .await;
-        Ended::of(out, |(done, _)| *done, recorded, "a copy", &row.name)
-    }
-
-    /// At adoption: a copy of one moment that an adopted worker still runs
-    /// was begun by a service that died (its image is failed and its file
-    /// removed at start), so nothing will use it; it is stopped, so the
-    /// volume's writes stop paying for it and its next snapshot may begin.
-    pub(super) async fn stop_orphan_copy(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        v: &VolumeRow,
-        att: &crate::backend::Attachment,
-    ) {
-        if !matches!(v.backend, Backend::Ublk | Backend::Dm) {
-            return;
-        }
-        let job = Arc::new(AllocateJob::default());
-        job.cancel.store(true, Relaxed);
-        let (b, a, id) = (backend.clone(), att.clone(), v.id);
-        // No copy (an error: none to follow) or one that ended: nothing to do.
-        if let Ok(Ok(false)) = blocking(move || b.follow_copy(&a, id, &job)).await {
-            tracing::warn!(volume = %v.name, "stopped a copy of one moment its service began before it died");
-        }
-    }
-
-    /// At start, before anything is served: an image still `copying` was
-    /// left by a service that stopped or died during its copy. Its partial
-    /// file is removed and it is `failed`, never served as `ready`.
-    pub(super) async fn fail_interrupted_copies(&self) -> Result<()> {
-        for row in self.house.store.images().await? {
-            if row.state != ImageState::Copying {
-                continue;
-            }
-            let reason = "the service stopped during its copy; its partial file was removed (delete the image, then snapshot or clone again)";
-            let mut tx = self.house.store.begin().await?;
-            self.fail_copy(&mut tx, &row, reason).await?;
-            tx.commit().await?;
-            tracing::warn!(image = %row.name, "an interrupted copy was removed");
-        }
-        Ok(())
-    }
-
-    /// Removes an unfinished copy's file (if it is still that file) and
-    /// records the image `failed` for `reason`, with an event.
-    pub(super) async fn fail_copy(
-        &self,
-        tx: &mut crate::store::WriteTx,
-        row: &ImageRow,
-        reason: &str,
-    ) -> std::result::Result<(), crate::store::StoreError> {
-        if let Ok(path) = self.house.roots.resolve(&row.path) {
-            let _ = self
-                .house
-                .roots
-                .remove_file(&path, row.dev, row.ino, row.birth.as_deref());
-        }
-        tx.set_image_state(row.id, ImageState::Failed, Some(reason), 0)
-            .await?;
-        tx.event(
-            None,
-            Some(row.id),
-            "image_copy_failed",
-            &format!("image '{}': {reason}", row.name),
-        )
-        .await
-    }
-
-    /// 409 `image_not_ready` unless the image's file is complete.
-    pub(super) fn refuse_unready(&self, row: &ImageRow, what: &str) -> Result<()> {
-        let (state, reason) = match row.state {
-            ImageState::Ready => return Ok(()),
-            ImageState::Copying => (
-                "copying",
-                format!(
-                    "its copy runs, so it cannot {what} until it is ready (GET /v1/images/{} shows its progress)",
-                    row.name
-                ),
-            ),
-            ImageState::Failed => (
-                "failed",
-                format!(
-                    "it cannot {what}: {}",
-                    row.state_reason.as_deref().unwrap_or("its copy failed")
-                ),
-            ),
-        };
-        Err(Error::ImageNotReady {
-            name: row.name.clone(),
-            state,
-            reason,
-        })
-    }
-
-    /// 422 `image_read_only` for a change of a read-only image's bytes.
-    pub(super) fn refuse_read_only(&self, row: &ImageRow, what: &str) -> Result<()> {
-        if !row.read_only {
-            return Ok(());
-        }
-        Err(Error::ImageReadOnly {
-            name: row.name.clone(),
-            source_id: row
-                .snapshot_of
-                .map_or_else(|| "another image".to_string(), |s| s.to_string()),
-            reason: what.to_string(),
-        })
     }
 
     /// A volume may use the image: it is `ready`, and the volume is
@@ -831,7 +551,8 @@ impl Manager {
         volume: &str,
         read_only: bool,
     ) -> Result<()> {
-        self.refuse_unready(image, &format!("get volume '{volume}'"))?;
+        self.house
+            .refuse_unready(image, &format!("get volume '{volume}'"))?;
         if read_only {
             return Ok(());
         }
@@ -841,7 +562,7 @@ impl Manager {
         self.backups
             .jobs
             .refuse(image, &format!("get writable volume '{volume}'"))?;
-        self.refuse_read_only(
+        self.house.refuse_read_only(
             image,
             &format!("volume '{volume}' on it must be created with \"read_only\": true"),
         )
@@ -986,5 +707,288 @@ fn copy_event(name: &str, snapshot: bool, made: &CopyFile) -> (&'static str, Str
                 src_file.allocated()
             ),
         ),
+    }
+}
+
+/// A copy's steps that need the house alone: its moment held, its end
+/// recorded, its failure and its recovery.
+impl House {
+    /// Moves a serving volume `v` off `direct` before image `copy` shares
+    /// its extents, and records it (an explicit `direct` cannot hold any
+    /// more; `auto` still decides, now without direct).
+    async fn off_direct(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        mut v: VolumeRow,
+        copy: &str,
+    ) -> Result<(VolumeRow, Attachment)> {
+        let att = v.attachment.clone().expect("a serving volume has a device");
+        if att.dispatch != ActiveDispatch::Direct {
+            return Ok((v, att));
+        }
+        let (b, a, id) = (backend.clone(), att, v.id);
+        let reason = blockplane_system::dispatch::Reason::LeftDirectForCopy {
+            copy: copy.to_string(),
+        };
+        let att = blocking(move || b.leave_direct(&a, id, reason))
+            .await?
+            .map_err(|e| volume_error(&v.name, e))?;
+        self.settings.faults.point(After::Change)?;
+        let asked = match v.dispatch {
+            DispatchPolicy::Direct => DispatchPolicy::Nowait,
+            d => d,
+        };
+        self.record_changes(&mut v, att.clone(), &[Change::Dispatch(asked)])
+            .await?;
+        Ok((v, att))
+    }
+
+    /// Holds `v`'s I/O for one moment while its worker shares the image's
+    /// extents with `dest` (`shares`), or starts copying that moment into
+    /// it; how long I/O was held.
+    async fn hold_moment(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &Attachment,
+        dest: SnapshotDest,
+        shares: bool,
+    ) -> Result<Duration> {
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        let held = if shares {
+            blocking(move || b.snapshot(&a, id, &dest)).await?
+        } else {
+            let copy = MomentCopy {
+                dest,
+                pace: self.settings.faults.pace(Slow::Copy),
+                gate: self
+                    .settings
+                    .faults
+                    .slows(Slow::CopyGate)
+                    .then(|| self.copy_gate()),
+            };
+            let out = blocking(move || b.copy_moment(&a, id, &copy)).await?;
+            if out.is_err() {
+                // It may have begun before the answer was lost.
+                stop_copy(backend, att, v).await;
+            }
+            out
+        };
+        held.map_err(|e| volume_error(&v.name, e))
+    }
+
+    /// 507 unless the new file's filesystem has room for the source's data
+    /// (and a full grow's new range): a copy of one moment writes it there.
+    async fn check_moment_room(
+        &self,
+        src: &ImageRow,
+        file: &ImageFile,
+        name: &str,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<()> {
+        let path = src.path.clone();
+        let data = blocking(move || rustix::fs::lstat(path.as_str()))
+            .await?
+            .map(|st| st.st_blocks as u64 * 512)
+            .unwrap_or(src.allocated_bytes);
+        let grown = match grow {
+            Some((size, Allocation::Full)) => size.saturating_sub(src.size_bytes),
+            _ => 0,
+        };
+        let (needed, free) = (data + grown, file.free_bytes()?);
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: name.to_string(),
+                what: "copying one moment of its source's data",
+                needed,
+                free,
+            });
+        }
+        Ok(())
+    }
+
+    /// The file a copy waits at while it exists (the test faults
+    /// `gate_copy`, for a copy of one moment, and `slow_copy`, for a copy
+    /// of a file): `copy-gate` in the service's run dir.
+    fn copy_gate(&self) -> std::path::PathBuf {
+        self.settings.ublk_run_root.with_file_name("copy-gate")
+    }
+
+    /// Grows a clone whose extents are shared to `grow`'s size (its new
+    /// range laid out as asked); removes it when it cannot.
+    fn grow_clone(
+        &self,
+        path: &ImagePath,
+        file: &mut ImageFile,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<()> {
+        let Some((size, allocation)) = grow else {
+            return Ok(());
+        };
+        file.grow(size, allocation).map_err(|e| {
+            let (dev, ino) = file.identity();
+            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            e.into()
+        })
+    }
+
+    /// Records how a copy ended: `ready` with an `image_copied` event; on a
+    /// failure its partial file is removed and the image `failed`; when
+    /// cancelled (a DELETE of the image, or the service's stop) whoever
+    /// cancelled it removes it.
+    async fn end_copy(
+        &self,
+        row: &ImageRow,
+        job: &AllocateJob,
+        took: std::time::Duration,
+        out: Result<(bool, u64)>,
+    ) -> Ended {
+        let done = job.done_bytes.load(Relaxed);
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            match &out {
+                Ok((true, allocated)) => {
+                    tx.set_image_state(row.id, ImageState::Ready, None, *allocated)
+                        .await?;
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copied",
+                        &format!(
+                            "image '{}': copy done, {} in {:.1} s; ready",
+                            row.name,
+                            model::size_text(done),
+                            took.as_secs_f64()
+                        ),
+                    )
+                    .await?;
+                }
+                Ok((false, _)) => {
+                    tx.event(
+                        None,
+                        Some(row.id),
+                        "image_copy_cancelled",
+                        &format!(
+                            "image '{}': copy stopped after {}",
+                            row.name,
+                            model::size_text(done)
+                        ),
+                    )
+                    .await?;
+                }
+                Err(e) => {
+                    let reason = format!(
+                        "the copy failed after {done} bytes: {e}; its partial file was removed"
+                    );
+                    self.fail_copy(&mut tx, row, &reason).await?;
+                }
+            }
+            tx.commit().await
+        }
+        .await;
+        Ended::of(out, |(done, _)| *done, recorded, "a copy", &row.name)
+    }
+
+    /// At adoption: a copy of one moment that an adopted worker still runs
+    /// was begun by a service that died (its image is failed and its file
+    /// removed at start), so nothing will use it; it is stopped, so the
+    /// volume's writes stop paying for it and its next snapshot may begin.
+    pub(super) async fn stop_orphan_copy(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &crate::backend::Attachment,
+    ) {
+        if !matches!(v.backend, Backend::Ublk | Backend::Dm) {
+            return;
+        }
+        let job = Arc::new(AllocateJob::default());
+        job.cancel.store(true, Relaxed);
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        // No copy (an error: none to follow) or one that ended: nothing to do.
+        if let Ok(Ok(false)) = blocking(move || b.follow_copy(&a, id, &job)).await {
+            tracing::warn!(volume = %v.name, "stopped a copy of one moment its service began before it died");
+        }
+    }
+
+    /// At start, before anything is served: an image still `copying` was
+    /// left by a service that stopped or died during its copy. Its partial
+    /// file is removed and it is `failed`, never served as `ready`.
+    pub(super) async fn fail_interrupted_copies(&self) -> Result<()> {
+        for row in self.store.images().await? {
+            if row.state != ImageState::Copying {
+                continue;
+            }
+            let reason = "the service stopped during its copy; its partial file was removed (delete the image, then snapshot or clone again)";
+            let mut tx = self.store.begin().await?;
+            self.fail_copy(&mut tx, &row, reason).await?;
+            tx.commit().await?;
+            tracing::warn!(image = %row.name, "an interrupted copy was removed");
+        }
+        Ok(())
+    }
+
+    /// Removes an unfinished copy's file (if it is still that file) and
+    /// records the image `failed` for `reason`, with an event.
+    pub(super) async fn fail_copy(
+        &self,
+        tx: &mut crate::store::WriteTx,
+        row: &ImageRow,
+        reason: &str,
+    ) -> std::result::Result<(), crate::store::StoreError> {
+        if let Ok(path) = self.roots.resolve(&row.path) {
+            let _ = self
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref());
+        }
+        tx.set_image_state(row.id, ImageState::Failed, Some(reason), 0)
+            .await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_copy_failed",
+            &format!("image '{}': {reason}", row.name),
+        )
+        .await
+    }
+
+    /// 409 `image_not_ready` unless the image's file is complete.
+    pub(super) fn refuse_unready(&self, row: &ImageRow, what: &str) -> Result<()> {
+        let (state, reason) = match row.state {
+            ImageState::Ready => return Ok(()),
+            ImageState::Copying => (
+                "copying",
+                format!(
+                    "its copy runs, so it cannot {what} until it is ready (GET /v1/images/{} shows its progress)",
+                    row.name
+                ),
+            ),
+            ImageState::Failed => (
+                "failed",
+                format!(
+                    "it cannot {what}: {}",
+                    row.state_reason.as_deref().unwrap_or("its copy failed")
+                ),
+            ),
+        };
+        Err(Error::ImageNotReady {
+            name: row.name.clone(),
+            state,
+            reason,
+        })
+    }
+
+    /// 422 `image_read_only` for a change of a read-only image's bytes.
+    pub(super) fn refuse_read_only(&self, row: &ImageRow, what: &str) -> Result<()> {
+        if !row.read_only {
+            return Ok(());
+        }
+        Err(Error::ImageReadOnly {
+            name: row.name.clone(),
+            source_id: row
+                .snapshot_of
+                .map_or_else(|| "another image".to_string(), |s| s.to_string()),
+            reason: what.to_string(),
+        })
     }
 }

@@ -21,10 +21,10 @@ impl Manager {
         let mut v = self.house.volume_row(&v.id.to_string()).await?;
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
         else {
-            return Err(self.not_live(&v));
+            return Err(self.house.not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-            return Err(self.not_live(&v));
+            return Err(self.house.not_live(&v));
         }
         backend
             .check_handover(&att, v.id)

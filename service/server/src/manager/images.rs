@@ -11,6 +11,7 @@ use uuid::Uuid;
 use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
+use super::house::House;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
 use super::runs::AllocateRun;
@@ -69,7 +70,8 @@ impl Manager {
             ),
         };
         let row = made.row(name, &path)?;
-        self.record_new_image(&row, made.created.is_some(), made.reason.as_deref())
+        self.house
+            .record_new_image(&row, made.created.is_some(), made.reason.as_deref())
             .await?;
         undo.commit();
         tracing::info!(image = %row.name, path = %row.path, "image recorded");
@@ -103,7 +105,7 @@ impl Manager {
                     reason,
                 });
             }
-            self.check_encrypted_size(name, spec.size_bytes)?;
+            self.house.check_encrypted_size(name, spec.size_bytes)?;
         }
         self.check_provisioning(
             name,
@@ -142,7 +144,7 @@ impl Manager {
                 .fd()
                 .try_clone()
                 .map_err(|e| Error::Internal(format!("image '{name}': dup: {e}")))?;
-            encryption = Some(self.format_image(name, fd, &e.key).await?.1);
+            encryption = Some(self.house.format_image(name, fd, &e.key).await?.1);
             file.refresh()?;
         }
         Ok(Made {
@@ -185,55 +187,6 @@ impl Manager {
             reason: Some(reason),
             encryption,
         })
-    }
-
-    /// Writes a new image's row and its event (`image_created` or
-    /// `image_registered`) in one transaction; refused when its file is
-    /// already another image's.
-    async fn record_new_image(
-        &self,
-        row: &ImageRow,
-        created: bool,
-        reason: Option<&str>,
-    ) -> Result<()> {
-        let mut tx = self.house.store.begin().await?;
-        if let Some(other) = tx
-            .image_by_file(row.dev, row.ino, row.birth.as_deref(), &row.path)
-            .await?
-        {
-            return Err(Error::AlreadyRegistered {
-                path: row.path.clone(),
-                name: other.name,
-                id: other.id,
-            });
-        }
-        tx.insert_image(row).await?;
-        let verb = if created { "created" } else { "registered" };
-        tx.event(
-            None,
-            Some(row.id),
-            &format!("image_{verb}"),
-            &format!(
-                "image '{}' {verb}: {}, {}, on {}{}{}",
-                row.name,
-                row.path,
-                size_text(row.size_bytes),
-                row.filesystem,
-                row.encryption
-                    .as_ref()
-                    .map(|e| format!(", encrypted (LUKS2, {})", e.cipher))
-                    .unwrap_or_default(),
-                reason
-                    .map(|why| format!(
-                        "; allocation {}: {why}",
-                        row.allocation.map_or("null", Allocation::as_str)
-                    ))
-                    .unwrap_or_default()
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
     }
 
     /// Each image root: its filesystem's size and free space, and the
@@ -428,8 +381,8 @@ impl Manager {
     /// ready and writable, a valid size, not smaller than it is.
     fn growable(&self, row: &ImageRow, size_bytes: u64) -> Result<u64> {
         self.jobs.allocations.refuse(row, "grow")?;
-        self.refuse_unready(row, "grow")?;
-        self.refuse_read_only(row, "it cannot grow")?;
+        self.house.refuse_unready(row, "grow")?;
+        self.house.refuse_read_only(row, "it cannot grow")?;
         self.jobs.copies.refuse(row, "grow")?;
         self.backups.jobs.refuse(row, "grow")?;
         if size_bytes == 0
@@ -475,6 +428,7 @@ impl Manager {
         // A ublk worker holds its image (pinned while direct-mapped) and
         // grows it itself; otherwise the file is grown here first.
         let worker_grows = self
+            .house
             .attached_volumes(row.id)
             .await?
             .iter()
@@ -536,7 +490,7 @@ impl Manager {
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
         let row = self.house.image_row(&row.id.to_string()).await?;
         let (needed, free, total) = self.allocatable(&row).await?;
-        let attached = self.attached_volumes(row.id).await?;
+        let attached = self.house.attached_volumes(row.id).await?;
         for (v, backend) in &attached {
             if let Some(att) = &v.attachment {
                 backend.check_allocate(att, v.id).map_err(|e| {
@@ -565,7 +519,7 @@ impl Manager {
             total,
             move |job| async move {
                 let out = me.run_allocate(&r, attached, &job).await;
-                me.end_allocate(&r, &job, needed, out).await
+                me.house.end_allocate(&r, &job, needed, out).await
             },
         );
         self.image(&row.id.to_string()).await
@@ -577,8 +531,9 @@ impl Manager {
     /// or xfs, or its holes do not fit.
     async fn allocatable(self: &std::sync::Arc<Self>, row: &ImageRow) -> Result<(u64, u64, u64)> {
         self.jobs.allocations.refuse(row, "start another")?;
-        self.refuse_unready(row, "be allocated")?;
-        self.refuse_read_only(row, "it cannot be allocated (that writes zeros into it)")?;
+        self.house.refuse_unready(row, "be allocated")?;
+        self.house
+            .refuse_read_only(row, "it cannot be allocated (that writes zeros into it)")?;
         self.jobs.copies.refuse(row, "be allocated")?;
         self.backups.jobs.refuse(row, "be allocated")?;
         if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
@@ -625,7 +580,7 @@ impl Manager {
         if attached.is_empty() {
             let (me, r, j) = (self.clone(), row.clone(), job.clone());
             return blocking(move || -> Result<bool> {
-                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
+                let (mut file, _lock) = me.house.open_and_lock(&r, Access::ReadWrite)?;
                 Ok(file.allocate(&j)?)
             })
             .await?;
@@ -651,64 +606,6 @@ impl Manager {
             }
         }
         Ok(true)
-    }
-
-    /// Records how an allocate ended: `full` and an `image_allocated` event
-    /// when done; otherwise an event, and the image left as declared.
-    async fn end_allocate(
-        &self,
-        row: &ImageRow,
-        job: &blockplane_system::image::AllocateJob,
-        needed: u64,
-        out: Result<bool>,
-    ) -> Ended {
-        let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
-        let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            let state = match &out {
-                Ok(true) => {
-                    let allocated = self.house
-                        .roots
-                        .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-                        .map(|(_, allocated)| allocated)
-                        .unwrap_or(row.allocated_bytes);
-                    tx.set_image_allocation(row.id, Allocation::Full, allocated)
-                        .await?;
-                    tx.event(None, Some(row.id), "image_allocated", &format!(
-                        "image '{}' allocated: {} of holes filled, {} of holes and unwritten extents written with zeros; now full",
-                        row.name, size_text(needed), size_text(total)
-                    ))
-                    .await?;
-                    JobState::Done
-                }
-                Ok(false) => {
-                    tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
-                        "image '{}': allocate cancelled after {} of {}; {stays}",
-                        row.name, size_text(done), size_text(total)
-                    ))
-                    .await?;
-                    JobState::Cancelled
-                }
-                Err(e) => {
-                    tx.event(None, Some(row.id), "image_allocate_failed", &format!(
-                        "image '{}': allocate failed after {} of {}: {e}; {stays}",
-                        row.name, size_text(done), size_text(total)
-                    ))
-                    .await?;
-                    JobState::Failed
-                }
-            };
-            tx.commit().await?;
-            Ok::<_, Error>(state)
-        }
-        .await;
-        let (state, error) = match (recorded, out) {
-            (Ok(state), Err(e)) => (state, Some(e.to_string())),
-            (Ok(state), Ok(_)) => (state, None),
-            (Err(e), _) => (JobState::Failed, Some(format!("recording the end: {e}"))),
-        };
-        Ended { state, error }
     }
 
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
@@ -743,29 +640,6 @@ impl Manager {
         })
     }
 
-    /// The image's volumes that have a device, with their backends.
-    pub(super) async fn attached_volumes(
-        &self,
-        image_id: uuid::Uuid,
-    ) -> Result<
-        Vec<(
-            crate::store::VolumeRow,
-            std::sync::Arc<dyn crate::backend::VolumeBackend>,
-        )>,
-    > {
-        let mut out = Vec::new();
-        for (vid, _) in self.house.store.volumes_of_image(image_id).await? {
-            if let Some(v) = self.house.store.volume(&vid.to_string()).await?
-                && v.attachment.is_some()
-                && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
-                && let Some(b) = self.house.backend(v.backend)
-            {
-                out.push((v, b));
-            }
-        }
-        Ok(out)
-    }
-
     /// Makes every attached volume of an image follow its new size. A volume
     /// whose backend grows the image fails the resize when it cannot.
     async fn volumes_follow_resize(
@@ -775,7 +649,7 @@ impl Manager {
         allocation: Allocation,
     ) -> Result<Vec<VolumeResize>> {
         let mut out = Vec::new();
-        for (v, backend) in self.attached_volumes(image.id).await? {
+        for (v, backend) in self.house.attached_volumes(image.id).await? {
             let _vol = self.house.locks.volumes.lock(&v.name).await;
             let Some(mut v) = self.house.store.volume(&v.id.to_string()).await? else {
                 continue;
@@ -784,7 +658,10 @@ impl Manager {
                 continue;
             };
             let grows = backend.grows_image();
-            let outcome = self.grow_device(&v, backend, att, size, allocation).await?;
+            let outcome = self
+                .house
+                .grow_device(&v, backend, att, size, allocation)
+                .await?;
             let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
                 self.house.settings.faults.point(After::Change)?;
@@ -846,35 +723,6 @@ impl Manager {
         Ok(out)
     }
 
-    /// Grows volume `v`'s device `att` (and the image, on a backend that
-    /// grows it) to `size`; the plaintext device follows the backend's
-    /// (LUKS2's payload runs to the end of the device).
-    async fn grow_device(
-        &self,
-        v: &VolumeRow,
-        backend: Arc<dyn VolumeBackend>,
-        att: Attachment,
-        size: u64,
-        allocation: Allocation,
-    ) -> Result<std::result::Result<Attachment, BackendError>> {
-        let id = v.id;
-        let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
-        Ok(match (outcome, &v.crypt) {
-            (Ok(att), Some(layer))
-                if !att.resize_pending && blockplane_system::crypt::is_open(&layer.name) =>
-            {
-                let name = layer.name.clone();
-                blocking(move || blockplane_system::crypt::resize(&name))
-                    .await?
-                    .map(|()| att)
-                    .map_err(|e| BackendError::Refused {
-                        reason: format!("its plaintext device did not follow: {e}"),
-                    })
-            }
-            (outcome, _) => outcome,
-        })
-    }
-
     /// `DELETE /v1/images/{id}`.
     pub(crate) async fn delete_image(
         self: &std::sync::Arc<Self>,
@@ -905,7 +753,7 @@ impl Manager {
                 });
             }
             // Before the row goes: a failed erase leaves the image listed.
-            let erased = self.erase_image(&row).await?;
+            let erased = self.house.erase_image(&row).await?;
             tx.set_image_encryption(row.id, Some(&erased)).await?;
             tx.event(
                 None,
@@ -946,50 +794,6 @@ impl Manager {
         self.jobs.allocations.forget(row.id);
         self.jobs.copies.forget(row.id);
         Ok(())
-    }
-
-    /// Opens a registered image's file, as [`Self::open_image`], and takes
-    /// the OFD lock a volume holds while it serves it.
-    pub(super) fn open_and_lock(
-        &self,
-        row: &ImageRow,
-        access: Access,
-    ) -> Result<(blockplane_system::image::ImageFile, std::os::fd::OwnedFd)> {
-        let file = match self.house.open_image(row, access) {
-            Ok(file) => file,
-            // Another instance's direct volume pins the image immutable, so a
-            // writable open fails: the lock it holds is the reason to give.
-            Err(e) => {
-                return Err(self.locked_elsewhere(row).unwrap_or(e));
-            }
-        };
-        let lock = self.lock_image(row, &file)?;
-        Ok((file, lock))
-    }
-
-    /// 409 `image_locked` if another process holds the lock of the image.
-    fn locked_elsewhere(&self, row: &ImageRow) -> Option<Error> {
-        let file = self.house.open_image(row, Access::ReadOnly).ok()?;
-        let held = super::holds::locked_by_other(&file)?;
-        Some(Error::ImageLocked {
-            name: row.name.clone(),
-            path: row.path.clone(),
-            holder: held.holder(),
-        })
-    }
-
-    /// Takes the OFD lock on an opened image; 409 `image_locked` naming the
-    /// holder when another process has it.
-    pub(super) fn lock_image(
-        &self,
-        row: &ImageRow,
-        file: &blockplane_system::image::ImageFile,
-    ) -> Result<std::os::fd::OwnedFd> {
-        super::holds::lock(file).map_err(|held| Error::ImageLocked {
-            name: row.name.clone(),
-            path: row.path.clone(),
-            holder: held.holder(),
-        })
     }
 }
 
@@ -1206,6 +1010,212 @@ fn registered_allocation(
             format!("{no_fiemap}: recorded null, served as sparse (discards punch)"),
         ),
     })
+}
+
+/// An image's steps that need the house alone: its lock, its record,
+/// its growth and its allocate's end.
+impl House {
+    /// Writes a new image's row and its event (`image_created` or
+    /// `image_registered`) in one transaction; refused when its file is
+    /// already another image's.
+    async fn record_new_image(
+        &self,
+        row: &ImageRow,
+        created: bool,
+        reason: Option<&str>,
+    ) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        if let Some(other) = tx
+            .image_by_file(row.dev, row.ino, row.birth.as_deref(), &row.path)
+            .await?
+        {
+            return Err(Error::AlreadyRegistered {
+                path: row.path.clone(),
+                name: other.name,
+                id: other.id,
+            });
+        }
+        tx.insert_image(row).await?;
+        let verb = if created { "created" } else { "registered" };
+        tx.event(
+            None,
+            Some(row.id),
+            &format!("image_{verb}"),
+            &format!(
+                "image '{}' {verb}: {}, {}, on {}{}{}",
+                row.name,
+                row.path,
+                size_text(row.size_bytes),
+                row.filesystem,
+                row.encryption
+                    .as_ref()
+                    .map(|e| format!(", encrypted (LUKS2, {})", e.cipher))
+                    .unwrap_or_default(),
+                reason
+                    .map(|why| format!(
+                        "; allocation {}: {why}",
+                        row.allocation.map_or("null", Allocation::as_str)
+                    ))
+                    .unwrap_or_default()
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records how an allocate ended: `full` and an `image_allocated` event
+    /// when done; otherwise an event, and the image left as declared.
+    async fn end_allocate(
+        &self,
+        row: &ImageRow,
+        job: &blockplane_system::image::AllocateJob,
+        needed: u64,
+        out: Result<bool>,
+    ) -> Ended {
+        let (done, total) = (job.done_bytes.load(Relaxed), job.total_bytes.load(Relaxed));
+        let stays = "it stays as declared and is not eligible for direct where holes remain; allocate again to finish";
+        let recorded = async {
+            let mut tx = self.store.begin().await?;
+            let state = match &out {
+                Ok(true) => {
+                    let allocated = self.roots
+                        .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+                        .map(|(_, allocated)| allocated)
+                        .unwrap_or(row.allocated_bytes);
+                    tx.set_image_allocation(row.id, Allocation::Full, allocated)
+                        .await?;
+                    tx.event(None, Some(row.id), "image_allocated", &format!(
+                        "image '{}' allocated: {} of holes filled, {} of holes and unwritten extents written with zeros; now full",
+                        row.name, size_text(needed), size_text(total)
+                    ))
+                    .await?;
+                    JobState::Done
+                }
+                Ok(false) => {
+                    tx.event(None, Some(row.id), "image_allocate_cancelled", &format!(
+                        "image '{}': allocate cancelled after {} of {}; {stays}",
+                        row.name, size_text(done), size_text(total)
+                    ))
+                    .await?;
+                    JobState::Cancelled
+                }
+                Err(e) => {
+                    tx.event(None, Some(row.id), "image_allocate_failed", &format!(
+                        "image '{}': allocate failed after {} of {}: {e}; {stays}",
+                        row.name, size_text(done), size_text(total)
+                    ))
+                    .await?;
+                    JobState::Failed
+                }
+            };
+            tx.commit().await?;
+            Ok::<_, Error>(state)
+        }
+        .await;
+        let (state, error) = match (recorded, out) {
+            (Ok(state), Err(e)) => (state, Some(e.to_string())),
+            (Ok(state), Ok(_)) => (state, None),
+            (Err(e), _) => (JobState::Failed, Some(format!("recording the end: {e}"))),
+        };
+        Ended { state, error }
+    }
+
+    /// The image's volumes that have a device, with their backends.
+    pub(super) async fn attached_volumes(
+        &self,
+        image_id: uuid::Uuid,
+    ) -> Result<
+        Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+    > {
+        let mut out = Vec::new();
+        for (vid, _) in self.store.volumes_of_image(image_id).await? {
+            if let Some(v) = self.store.volume(&vid.to_string()).await?
+                && v.attachment.is_some()
+                && matches!(v.state, VolumeState::Attached | VolumeState::Degraded)
+                && let Some(b) = self.backend(v.backend)
+            {
+                out.push((v, b));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Grows volume `v`'s device `att` (and the image, on a backend that
+    /// grows it) to `size`; the plaintext device follows the backend's
+    /// (LUKS2's payload runs to the end of the device).
+    async fn grow_device(
+        &self,
+        v: &VolumeRow,
+        backend: Arc<dyn VolumeBackend>,
+        att: Attachment,
+        size: u64,
+        allocation: Allocation,
+    ) -> Result<std::result::Result<Attachment, BackendError>> {
+        let id = v.id;
+        let outcome = blocking(move || backend.resize(&att, size, allocation, id)).await?;
+        Ok(match (outcome, &v.crypt) {
+            (Ok(att), Some(layer))
+                if !att.resize_pending && blockplane_system::crypt::is_open(&layer.name) =>
+            {
+                let name = layer.name.clone();
+                blocking(move || blockplane_system::crypt::resize(&name))
+                    .await?
+                    .map(|()| att)
+                    .map_err(|e| BackendError::Refused {
+                        reason: format!("its plaintext device did not follow: {e}"),
+                    })
+            }
+            (outcome, _) => outcome,
+        })
+    }
+
+    /// Opens a registered image's file, as [`Self::open_image`], and takes
+    /// the OFD lock a volume holds while it serves it.
+    pub(super) fn open_and_lock(
+        &self,
+        row: &ImageRow,
+        access: Access,
+    ) -> Result<(blockplane_system::image::ImageFile, std::os::fd::OwnedFd)> {
+        let file = match self.open_image(row, access) {
+            Ok(file) => file,
+            // Another instance's direct volume pins the image immutable, so a
+            // writable open fails: the lock it holds is the reason to give.
+            Err(e) => {
+                return Err(self.locked_elsewhere(row).unwrap_or(e));
+            }
+        };
+        let lock = self.lock_image(row, &file)?;
+        Ok((file, lock))
+    }
+
+    /// 409 `image_locked` if another process holds the lock of the image.
+    fn locked_elsewhere(&self, row: &ImageRow) -> Option<Error> {
+        let file = self.open_image(row, Access::ReadOnly).ok()?;
+        let held = super::holds::locked_by_other(&file)?;
+        Some(Error::ImageLocked {
+            name: row.name.clone(),
+            path: row.path.clone(),
+            holder: held.holder(),
+        })
+    }
+
+    /// Takes the OFD lock on an opened image; 409 `image_locked` naming the
+    /// holder when another process has it.
+    pub(super) fn lock_image(
+        &self,
+        row: &ImageRow,
+        file: &blockplane_system::image::ImageFile,
+    ) -> Result<std::os::fd::OwnedFd> {
+        super::holds::lock(file).map_err(|held| Error::ImageLocked {
+            name: row.name.clone(),
+            path: row.path.clone(),
+            holder: held.holder(),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use tokio::sync::OwnedMutexGuard;
 use super::Manager;
 use super::blocking::blocking;
 use super::error::Result;
+use super::house::House;
 use super::volumes::params;
 use crate::backend::{
     Attachment, BackendError, Change, OrphanPolicy, Probe, ProbeRequest, VolumeBackend,
@@ -70,6 +71,258 @@ pub struct Report {
 }
 
 impl Manager {
+    /// What a start owes before the API serves: copies a crash interrupted
+    /// failed, stale backup moments removed, and every volume locked and
+    /// marked `recovering`. The volumes themselves are reconciled by
+    /// [`Recovery::run`], beside the API.
+    pub async fn recovery(self: &Arc<Self>) -> Result<Recovery> {
+        self.house.fail_interrupted_copies().await?;
+        self.house.remove_backup_moments().await?;
+        let me = self.clone();
+        tokio::spawn(async move { me.recover_backup_target().await });
+        let mut held = Vec::new();
+        for row in self.house.store.volumes().await? {
+            let lock = self.house.locks.volumes.lock(&row.name).await;
+            held.push(Held { row, lock });
+        }
+        // A device waiting for a worker stalls its users until it is
+        // recovered; one that never stopped (loop, dm kernel or direct) can
+        // wait its turn.
+        held.sort_by_key(|h| !waits_for_a_worker(&h.row));
+        self.recovering.begin(held.iter().map(|h| h.row.id));
+        Ok(Recovery {
+            manager: self.clone(),
+            held,
+        })
+    }
+
+    /// Reconciles every volume, then removes orphan devices: a start's
+    /// [`Manager::recovery`] and [`Recovery::run`] at once.
+    #[cfg(test)]
+    pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
+        self.recovery().await?.run().await
+    }
+
+    /// Matches one volume's row with the kernel, under the volume's lock
+    /// (taken when the start began).
+    async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
+        let _volume = held.lock;
+        if self.house.settings.faults.slows(Slow::ReconcileGate) {
+            let gate = self
+                .house
+                .settings
+                .ublk_run_root
+                .with_file_name("reconcile-gate");
+            while gate.exists() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+        let Some(mut v) = self.house.store.volume(&held.row.id.to_string()).await? else {
+            return Ok(Outcome::Gone);
+        };
+        if v.state == VolumeState::Detaching {
+            return self.house.finish_delete(&v).await;
+        }
+        let Some(image) = self.house.store.image(&v.image_id.to_string()).await? else {
+            let reason = format!("its image {} is not registered", v.image_id);
+            self.house.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        let Some(backend) = self.house.backend(v.backend) else {
+            let reason = super::house::not_built_reason(v.backend);
+            self.house.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        tracing::debug!(volume = %v.name, "reconcile: probing its device");
+        let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
+        tracing::debug!(volume = %v.name, alive = matches!(probe, Ok(Probe::Alive(_))), "reconcile: probed");
+        match probe {
+            Ok(Probe::Alive(att)) => self.house.adopt(&mut v, &backend, *att, image_lock).await,
+            Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,
+            Err(e) => {
+                self.house.record_error(&mut v, e.to_string()).await?;
+                Ok(Outcome::Failed)
+            }
+        }
+    }
+
+    /// Asks the backend whether the volume's device still serves, with the
+    /// image opened and its lock taken again.
+    async fn probe_volume(
+        self: &Arc<Self>,
+        v: &VolumeRow,
+        image: &ImageRow,
+        backend: &Arc<dyn VolumeBackend>,
+    ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
+        // A direct-mapped image is pinned: it opens read-only only.
+        let opened = {
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
+            blocking(move || {
+                me.house
+                    .open_image(&image, a)
+                    .or_else(|_| me.house.open_image(&image, Access::ReadOnly))
+            })
+            .await?
+        };
+        // The lock a serving volume holds on its image, taken again. Held
+        // elsewhere, it is either another blockplane's or the one this
+        // volume's ublk worker kept while no service lived (the backend
+        // finds that one when it probes the worker).
+        let image_lock = opened
+            .as_ref()
+            .ok()
+            .map(|f| self.house.lock_image(image, f));
+        let req = ProbeRequest {
+            volume_id: v.id,
+            identity: (image.dev, image.ino),
+            params: params(v, image, image.size_bytes),
+            image: opened.ok().map(|f| f.into_fd()),
+            stored: v.attachment.clone(),
+            image_lock: match &image_lock {
+                Some(Ok(fd)) => fd.try_clone().ok(),
+                _ => None,
+            },
+        };
+        let prober = backend.clone();
+        let probe = blocking(move || prober.probe(req)).await?;
+        Ok((probe, image_lock))
+    }
+
+    /// The device vanished: the volume is attached again, or goes `error`
+    /// with the reason.
+    async fn reattach(
+        self: &Arc<Self>,
+        v: &mut VolumeRow,
+        image: &ImageRow,
+        image_lock: ImageLock,
+    ) -> Result<Outcome> {
+        let opened = {
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
+            let ublk = v.backend == Backend::Ublk;
+            blocking(move || match me.house.open_image(&image, a) {
+                // Pinned by the volume's direct worker, which died while no
+                // service ran: the backend lifts that pin (and reopens the
+                // image for writing) when it recovers the device.
+                Err(e) if ublk => match me.house.open_image(&image, Access::ReadOnly) {
+                    Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
+                    _ => Err(e),
+                },
+                r => r,
+            })
+            .await?
+        };
+        let attached = match opened {
+            Ok(file) => {
+                // Taken again if it failed: the probe may have stopped its
+                // holder (a dm volume's stray worker).
+                let lock = match image_lock {
+                    Some(Ok(lock)) => Ok(lock),
+                    _ => self.house.lock_image(image, &file),
+                };
+                match lock {
+                    Ok(lock) => self
+                        .house
+                        .attach(v, image, file, &lock, None)
+                        .await
+                        .map(|att| (att, lock)),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok((att, lock)) => {
+                self.house.holds.keep(v.id, lock);
+                self.house
+                    .record_attached(v, att, "volume_reattached")
+                    .await?;
+                Ok(Outcome::Reattached)
+            }
+            Err(e) => {
+                self.house
+                    .record_error(
+                        v,
+                        format!("its device vanished and could not be re-attached: {e}"),
+                    )
+                    .await?;
+                Ok(Outcome::Failed)
+            }
+        }
+    }
+}
+
+impl Recovery {
+    /// Reconciles every volume it holds, several at once, then removes
+    /// orphan devices. Each volume stops being `recovering`, and its lock
+    /// is released, as soon as it is done.
+    pub async fn run(self) -> Result<Report> {
+        let manager = self.manager;
+        // Several volumes at once: after a pod is killed, each ublk device
+        // stalls its users until its new worker recovers it, so the last
+        // one's wait must not be the sum of all the others'. Every volume's
+        // outcome is awaited before an error is returned: none is left half
+        // done by a sibling's failure.
+        let outcomes: Vec<Result<Outcome>> = futures_util::stream::iter(self.held)
+            .map(|held| {
+                let manager = manager.clone();
+                async move {
+                    let id = held.row.id;
+                    let outcome = manager.reconcile_volume(held).await;
+                    manager.recovering.done(id);
+                    outcome
+                }
+            })
+            .buffer_unordered(RECONCILE_AT_ONCE)
+            .collect()
+            .await;
+        let mut report = Report::default();
+        for outcome in outcomes {
+            match outcome? {
+                Outcome::Adopted => report.adopted += 1,
+                Outcome::Reattached => report.reattached += 1,
+                Outcome::Failed => report.failed += 1,
+                Outcome::FinishedDelete => report.finished_deletes += 1,
+                Outcome::Gone => {}
+            }
+        }
+        report.orphans_removed = manager.house.remove_orphans().await?;
+        manager.recovering.finish();
+        Ok(report)
+    }
+}
+
+/// A volume's row read at the start, with its lock, held until
+/// reconciliation is done with it.
+pub(super) struct Held {
+    pub(super) row: VolumeRow,
+    pub(super) lock: OwnedMutexGuard<()>,
+}
+
+/// The reconciliation a starting service owes: every volume's row, each
+/// locked, taken before the API serves. [`Recovery::run`] does it.
+pub struct Recovery {
+    pub(super) manager: std::sync::Arc<super::Manager>,
+    pub(super) held: Vec<Held>,
+}
+
+impl Recovery {
+    /// How many volumes it holds.
+    pub fn volumes(&self) -> usize {
+        self.held.len()
+    }
+}
+
+/// The start's steps that need the house alone: a volume adopted or its
+/// delete finished, and orphans removed.
+impl House {
     /// A device adopted after a crash may carry a live change its row never
     /// recorded (the service died between changing the device and the
     /// commit, whose answer the client never got). The row says what should
@@ -115,81 +368,6 @@ impl Manager {
         att
     }
 
-    /// What a start owes before the API serves: copies a crash interrupted
-    /// failed, stale backup moments removed, and every volume locked and
-    /// marked `recovering`. The volumes themselves are reconciled by
-    /// [`Recovery::run`], beside the API.
-    pub async fn recovery(self: &Arc<Self>) -> Result<Recovery> {
-        self.fail_interrupted_copies().await?;
-        self.remove_backup_moments().await?;
-        let me = self.clone();
-        tokio::spawn(async move { me.recover_backup_target().await });
-        let mut held = Vec::new();
-        for row in self.house.store.volumes().await? {
-            let lock = self.house.locks.volumes.lock(&row.name).await;
-            held.push(Held { row, lock });
-        }
-        // A device waiting for a worker stalls its users until it is
-        // recovered; one that never stopped (loop, dm kernel or direct) can
-        // wait its turn.
-        held.sort_by_key(|h| !waits_for_a_worker(&h.row));
-        self.recovering.begin(held.iter().map(|h| h.row.id));
-        Ok(Recovery {
-            manager: self.clone(),
-            held,
-        })
-    }
-
-    /// Reconciles every volume, then removes orphan devices: a start's
-    /// [`Manager::recovery`] and [`Recovery::run`] at once.
-    #[cfg(test)]
-    pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
-        self.recovery().await?.run().await
-    }
-
-    /// Matches one volume's row with the kernel, under the volume's lock
-    /// (taken when the start began).
-    async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
-        let _volume = held.lock;
-        if self.house.settings.faults.slows(Slow::ReconcileGate) {
-            let gate = self
-                .house
-                .settings
-                .ublk_run_root
-                .with_file_name("reconcile-gate");
-            while gate.exists() {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-        }
-        let Some(mut v) = self.house.store.volume(&held.row.id.to_string()).await? else {
-            return Ok(Outcome::Gone);
-        };
-        if v.state == VolumeState::Detaching {
-            return self.finish_delete(&v).await;
-        }
-        let Some(image) = self.house.store.image(&v.image_id.to_string()).await? else {
-            let reason = format!("its image {} is not registered", v.image_id);
-            self.record_error(&mut v, reason).await?;
-            return Ok(Outcome::Failed);
-        };
-        let Some(backend) = self.house.backend(v.backend) else {
-            let reason = super::house::not_built_reason(v.backend);
-            self.record_error(&mut v, reason).await?;
-            return Ok(Outcome::Failed);
-        };
-        tracing::debug!(volume = %v.name, "reconcile: probing its device");
-        let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
-        tracing::debug!(volume = %v.name, alive = matches!(probe, Ok(Probe::Alive(_))), "reconcile: probed");
-        match probe {
-            Ok(Probe::Alive(att)) => self.adopt(&mut v, &backend, *att, image_lock).await,
-            Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,
-            Err(e) => {
-                self.record_error(&mut v, e.to_string()).await?;
-                Ok(Outcome::Failed)
-            }
-        }
-    }
-
     /// A volume caught half-deleted: its device is detached and its row
     /// forgotten, or, if the detach fails, left for a `DELETE` to retry.
     async fn finish_delete(&self, v: &VolumeRow) -> Result<Outcome> {
@@ -203,49 +381,6 @@ impl Manager {
                 Ok(Outcome::Gone)
             }
         }
-    }
-
-    /// Asks the backend whether the volume's device still serves, with the
-    /// image opened and its lock taken again.
-    async fn probe_volume(
-        self: &Arc<Self>,
-        v: &VolumeRow,
-        image: &ImageRow,
-        backend: &Arc<dyn VolumeBackend>,
-    ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
-        // A direct-mapped image is pinned: it opens read-only only.
-        let opened = {
-            let (me, image, a) = (
-                self.clone(),
-                image.clone(),
-                Access::read_only_if(v.spec.read_only),
-            );
-            blocking(move || {
-                me.house
-                    .open_image(&image, a)
-                    .or_else(|_| me.house.open_image(&image, Access::ReadOnly))
-            })
-            .await?
-        };
-        // The lock a serving volume holds on its image, taken again. Held
-        // elsewhere, it is either another blockplane's or the one this
-        // volume's ublk worker kept while no service lived (the backend
-        // finds that one when it probes the worker).
-        let image_lock = opened.as_ref().ok().map(|f| self.lock_image(image, f));
-        let req = ProbeRequest {
-            volume_id: v.id,
-            identity: (image.dev, image.ino),
-            params: params(v, image, image.size_bytes),
-            image: opened.ok().map(|f| f.into_fd()),
-            stored: v.attachment.clone(),
-            image_lock: match &image_lock {
-                Some(Ok(fd)) => fd.try_clone().ok(),
-                _ => None,
-            },
-        };
-        let prober = backend.clone();
-        let probe = blocking(move || prober.probe(req)).await?;
-        Ok((probe, image_lock))
     }
 
     /// The device serves: it is recorded as attached (its recorded live
@@ -273,7 +408,7 @@ impl Manager {
             self.record_attached(v, att, "volume_adopted").await?;
         }
         match (image_lock, backend.image_lock(v.id)) {
-            (Some(Ok(fd)), _) | (_, Some(fd)) => self.house.holds.keep(v.id, fd),
+            (Some(Ok(fd)), _) | (_, Some(fd)) => self.holds.keep(v.id, fd),
             (Some(Err(e)), None) => {
                 tracing::warn!(volume = %v.name, error = %e, "adopted, but its image is locked elsewhere")
             }
@@ -282,82 +417,12 @@ impl Manager {
         Ok(Outcome::Adopted)
     }
 
-    /// The device vanished: the volume is attached again, or goes `error`
-    /// with the reason.
-    async fn reattach(
-        self: &Arc<Self>,
-        v: &mut VolumeRow,
-        image: &ImageRow,
-        image_lock: ImageLock,
-    ) -> Result<Outcome> {
-        let opened = {
-            let (me, image, a) = (
-                self.clone(),
-                image.clone(),
-                Access::read_only_if(v.spec.read_only),
-            );
-            let ublk = v.backend == Backend::Ublk;
-            blocking(move || match me.house.open_image(&image, a) {
-                // Pinned by the volume's direct worker, which died while no
-                // service ran: the backend lifts that pin (and reopens the
-                // image for writing) when it recovers the device.
-                Err(e) if ublk => match me.house.open_image(&image, Access::ReadOnly) {
-                    Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
-                    _ => Err(e),
-                },
-                r => r,
-            })
-            .await?
-        };
-        let attached = match opened {
-            Ok(file) => {
-                // Taken again if it failed: the probe may have stopped its
-                // holder (a dm volume's stray worker).
-                let lock = match image_lock {
-                    Some(Ok(lock)) => Ok(lock),
-                    _ => self.lock_image(image, &file),
-                };
-                match lock {
-                    Ok(lock) => self
-                        .attach(v, image, file, &lock, None)
-                        .await
-                        .map(|att| (att, lock)),
-                    Err(e) => Err(e),
-                }
-            }
-            Err(e) => Err(e),
-        };
-        match attached {
-            Ok((att, lock)) => {
-                self.house.holds.keep(v.id, lock);
-                self.record_attached(v, att, "volume_reattached").await?;
-                Ok(Outcome::Reattached)
-            }
-            Err(e) => {
-                self.record_error(
-                    v,
-                    format!("its device vanished and could not be re-attached: {e}"),
-                )
-                .await?;
-                Ok(Outcome::Failed)
-            }
-        }
-    }
-
     /// Removes devices that carry this instance's mark but belong to no volume
     /// (dm devices are only reported: see `Manager::host`).
     async fn remove_orphans(&self) -> Result<usize> {
-        let known: HashSet<_> = self
-            .house
-            .store
-            .volumes()
-            .await?
-            .iter()
-            .map(|v| v.id)
-            .collect();
+        let known: HashSet<_> = self.store.volumes().await?.iter().map(|v| v.id).collect();
         let mut removed = 0;
         for backend in self
-            .house
             .backends
             .iter()
             .filter(|b| b.orphan_policy() == OrphanPolicy::Remove)
@@ -374,7 +439,7 @@ impl Manager {
                 let b = backend.clone();
                 let id = m.volume_id;
                 let outcome = blocking(move || b.detach(id, None)).await?;
-                let mut tx = self.house.store.begin().await?;
+                let mut tx = self.store.begin().await?;
                 match outcome {
                     Ok(()) => {
                         removed += 1;
@@ -403,67 +468,6 @@ impl Manager {
             }
         }
         Ok(removed)
-    }
-}
-
-impl Recovery {
-    /// Reconciles every volume it holds, several at once, then removes
-    /// orphan devices. Each volume stops being `recovering`, and its lock
-    /// is released, as soon as it is done.
-    pub async fn run(self) -> Result<Report> {
-        let manager = self.manager;
-        // Several volumes at once: after a pod is killed, each ublk device
-        // stalls its users until its new worker recovers it, so the last
-        // one's wait must not be the sum of all the others'. Every volume's
-        // outcome is awaited before an error is returned: none is left half
-        // done by a sibling's failure.
-        let outcomes: Vec<Result<Outcome>> = futures_util::stream::iter(self.held)
-            .map(|held| {
-                let manager = manager.clone();
-                async move {
-                    let id = held.row.id;
-                    let outcome = manager.reconcile_volume(held).await;
-                    manager.recovering.done(id);
-                    outcome
-                }
-            })
-            .buffer_unordered(RECONCILE_AT_ONCE)
-            .collect()
-            .await;
-        let mut report = Report::default();
-        for outcome in outcomes {
-            match outcome? {
-                Outcome::Adopted => report.adopted += 1,
-                Outcome::Reattached => report.reattached += 1,
-                Outcome::Failed => report.failed += 1,
-                Outcome::FinishedDelete => report.finished_deletes += 1,
-                Outcome::Gone => {}
-            }
-        }
-        report.orphans_removed = manager.remove_orphans().await?;
-        manager.recovering.finish();
-        Ok(report)
-    }
-}
-
-/// A volume's row read at the start, with its lock, held until
-/// reconciliation is done with it.
-pub(super) struct Held {
-    pub(super) row: VolumeRow,
-    pub(super) lock: OwnedMutexGuard<()>,
-}
-
-/// The reconciliation a starting service owes: every volume's row, each
-/// locked, taken before the API serves. [`Recovery::run`] does it.
-pub struct Recovery {
-    pub(super) manager: std::sync::Arc<super::Manager>,
-    pub(super) held: Vec<Held>,
-}
-
-impl Recovery {
-    /// How many volumes it holds.
-    pub fn volumes(&self) -> usize {
-        self.held.len()
     }
 }
 

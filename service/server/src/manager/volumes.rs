@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use super::blocking::blocking;
 use super::error::{Error, Result};
+use super::house::House;
 use super::names::validate_name;
 use super::{Created, Manager};
 use crate::backend::{
@@ -251,46 +252,6 @@ impl Manager {
         self.volume_view(&v).await
     }
 
-    fn choose_backend(&self, choice: BackendChoice) -> Result<Arc<dyn VolumeBackend>> {
-        let kind = match choice {
-            BackendChoice::Loop => Backend::Loop,
-            BackendChoice::Ublk => Backend::Ublk,
-            BackendChoice::Dm => Backend::Dm,
-            BackendChoice::Auto => Backend::PREFERENCE
-                .into_iter()
-                .find(|k| self.house.capability(*k).available)
-                .ok_or_else(|| BackendError::Unavailable {
-                    backend: "auto",
-                    reason: "no backend works on this host (loop, ublk and dm are all missing)"
-                        .into(),
-                })?,
-        };
-        let cap = self.house.capability(kind);
-        match (self.house.backend(kind), cap.available) {
-            (Some(b), true) => Ok(b),
-            _ => Err(BackendError::Unavailable {
-                backend: kind.as_str(),
-                reason: cap.reason.unwrap_or_default(),
-            }
-            .into()),
-        }
-    }
-
-    /// dm, when `backend: auto` should try it before `preferred` (the first
-    /// available backend): dm is here, is not `preferred`, and the spec is
-    /// one `auto` serves on dm `direct` (see [`dispatch::auto_tries_dm`]).
-    fn auto_tries_dm(
-        &self,
-        req: &CreateVolumeRequest,
-        preferred: &Arc<dyn VolumeBackend>,
-    ) -> Option<Arc<dyn VolumeBackend>> {
-        let tries = req.backend == BackendChoice::Auto
-            && preferred.kind() != Backend::Dm
-            && dispatch::auto_tries_dm(req.dispatch, req.qos.is_some())
-            && self.house.capability(Backend::Dm).available;
-        tries.then(|| self.house.backend(Backend::Dm)).flatten()
-    }
-
     /// `POST /v1/volumes`: the same name and spec again returns the existing
     /// volume. Steps: the spec checked, the name found or free, the image
     /// claimed and opened, the path decided, the row recorded, the device
@@ -318,28 +279,31 @@ impl Manager {
         }
         let _image = self.house.locks.images.lock(&image.id.to_string()).await;
         let image = self.claim_image(&image, &req).await?;
-        let backend = self.choose_backend(req.backend)?;
+        let backend = self.house.choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (
                 self.clone(),
                 image.clone(),
                 Access::read_only_if(req.read_only),
             );
-            blocking(move || me.open_and_lock(&image, access)).await??
+            blocking(move || me.house.open_and_lock(&image, access)).await??
         };
         let id = Uuid::new_v4();
         let fd = file
             .fd()
             .try_clone()
             .map_err(|e| Error::Internal(format!("volume '{}': dup: {e}", req.name)))?;
-        let crypt = self.crypt_layer_for(&image, fd, key.as_ref(), id).await?;
+        let crypt = self
+            .house
+            .crypt_layer_for(&image, fd, key.as_ref(), id)
+            .await?;
         // Loop has one queue; the others get one per CPU unless asked.
         let queues = req.queues.unwrap_or(match backend.kind() {
             Backend::Loop => 1,
             Backend::Ublk | Backend::Dm => self.house.settings.default_queues,
         });
         spec.queues = Some(queues);
-        let (file, backend, decision) = self.decide_path(&req, backend, queues, file).await?;
+        let (file, backend, decision) = self.house.decide_path(&req, backend, queues, file).await?;
         let now = OffsetDateTime::now_utc();
         let row = VolumeRow {
             id,
@@ -357,10 +321,13 @@ impl Manager {
             created_at: now,
             updated_at: now,
         };
-        self.record_new_volume(&row, &image, &req.image).await?;
+        self.house
+            .record_new_volume(&row, &image, &req.image)
+            .await?;
         self.house.settings.faults.point(After::Insert)?;
         self.house.settings.faults.pause(Slow::VolumeChange).await;
         let row = self
+            .house
             .bring_up(row, &image, file, image_lock, decision, key.as_ref())
             .await?;
         Ok(Created::New(self.volume_view(&row).await?))
@@ -410,264 +377,6 @@ impl Manager {
         Ok(image)
     }
 
-    /// The backend and dispatch decision for `req` on the open image: dm
-    /// first when `backend: auto` tries it, else `backend`'s own.
-    async fn decide_path(
-        &self,
-        req: &CreateVolumeRequest,
-        backend: Arc<dyn VolumeBackend>,
-        queues: u16,
-        file: ImageFile,
-    ) -> Result<(ImageFile, Arc<dyn VolumeBackend>, Option<Decision>)> {
-        let check = SpecCheck {
-            dispatch: req.dispatch,
-            queues,
-            queue_depth: req.queue_depth,
-            max_io_bytes: req.max_io_bytes,
-            qos: req.qos,
-            read_only: req.read_only,
-        };
-        let dm = self.auto_tries_dm(req, &backend);
-        let (file, backend, decision) = blocking(move || {
-            let (backend, d) = choose_path(backend, dm, &check, &file);
-            (file, backend, d)
-        })
-        .await?;
-        let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
-        Ok((file, backend, decision))
-    }
-
-    /// Inserts the new volume's row (`attaching`) and its event. Checked
-    /// where the insert commits: writers are serialized there, so parallel
-    /// creates cannot all see room, and an image deleted since it was read
-    /// is refused as gone (`asked` as the request named it) rather than
-    /// failing the foreign key.
-    async fn record_new_volume(
-        &self,
-        row: &VolumeRow,
-        image: &ImageRow,
-        asked: &str,
-    ) -> Result<()> {
-        let mut tx = self.house.store.begin().await?;
-        if tx.volume_count().await? >= self.house.settings.max_volumes {
-            return Err(Error::VolumeLimit {
-                name: row.name.clone(),
-                max: self.house.settings.max_volumes,
-            });
-        }
-        if tx.image(&image.id.to_string()).await?.is_none() {
-            return Err(Error::ImageNotFound(asked.to_string()));
-        }
-        tx.insert_volume(row).await?;
-        tx.event(
-            Some(row.id),
-            Some(image.id),
-            "volume_created",
-            &format!(
-                "volume '{}' recorded: backend {}, image '{}'",
-                row.name,
-                row.backend.as_str(),
-                image.name
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    /// Attaches the recorded volume's device (and opens its plaintext
-    /// device with `key`, when encrypted) and records it attached. On any
-    /// failure the device goes and the row with it, its reason recorded.
-    async fn bring_up(
-        &self,
-        mut row: VolumeRow,
-        image: &ImageRow,
-        file: ImageFile,
-        image_lock: std::os::fd::OwnedFd,
-        decision: Option<Decision>,
-        key: Option<&Key>,
-    ) -> Result<VolumeRow> {
-        let attached = match self.attach(&row, image, file, &image_lock, decision).await {
-            Ok(att) => match (&row.crypt, key) {
-                (Some(layer), Some(key)) => {
-                    match self.open_crypt(layer, &image.name, &att, key).await {
-                        Ok(()) => Ok(att),
-                        Err(e) => {
-                            let _ = self.detach(&row).await;
-                            Err(e)
-                        }
-                    }
-                }
-                _ => Ok(att),
-            },
-            Err(e) => Err(e),
-        };
-        let att = match attached {
-            Ok(att) => att,
-            Err(e) => {
-                self.forget_failed(&row, &e).await?;
-                return Err(e);
-            }
-        };
-        let recorded = match self.house.settings.faults.point(After::Attach) {
-            Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
-            Err(e) => Err(e.into()),
-        };
-        if let Err(e) = recorded {
-            // Half-way: remove the device and the row, keep the reason.
-            let _ = self.detach(&row).await;
-            self.forget_failed(&row, &e).await?;
-            return Err(e);
-        }
-        self.house.holds.keep(row.id, image_lock);
-        tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
-        Ok(row)
-    }
-
-    /// Deletes the row of a create that failed, recording why.
-    async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
-        self.house
-            .finishing(move || async move {
-                let mut tx = self.house.store.begin().await?;
-                tx.delete_volume(row.id).await?;
-                tx.event(
-                    Some(row.id),
-                    Some(row.image_id),
-                    "volume_create_failed",
-                    &format!("volume '{}' not created: {e}", row.name),
-                )
-                .await?;
-                tx.commit().await?;
-                Ok(())
-            })
-            .await
-    }
-
-    /// Brings up the device of a recorded volume on an opened image, whose
-    /// lock (taken with `open_and_lock`) the caller keeps.
-    pub(super) async fn attach(
-        &self,
-        v: &VolumeRow,
-        image: &ImageRow,
-        file: ImageFile,
-        lock: &std::os::fd::OwnedFd,
-        decision: Option<Decision>,
-    ) -> Result<Attachment> {
-        let backend = self.house.backend(v.backend).ok_or_else(|| {
-            volume_error(
-                &v.name,
-                BackendError::Unavailable {
-                    backend: v.backend.as_str(),
-                    reason: super::house::not_built_reason(v.backend),
-                },
-            )
-        })?;
-        let req = AttachRequest {
-            volume_id: v.id,
-            params: params(v, image, file.size()),
-            image_fd: file.into_fd(),
-            decision,
-            image_lock: Some(
-                lock.try_clone()
-                    .map_err(|e| volume_error(&v.name, BackendError::io("dup", "image lock", e)))?,
-            ),
-        };
-        let name = v.name.clone();
-        blocking(move || backend.attach(req))
-            .await?
-            .map_err(|e| volume_error(&name, e))
-    }
-
-    /// Removes a volume's device, if any: its plaintext device first, on an
-    /// encrypted image.
-    pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
-        self.close_crypt(v).await?;
-        let Some(backend) = self.house.backend(v.backend) else {
-            return Ok(());
-        };
-        let (id, att, name) = (v.id, v.attachment.clone(), v.name.clone());
-        blocking(move || backend.detach(id, att.as_ref()))
-            .await?
-            .map_err(|e| volume_error(&name, e))
-    }
-
-    /// Records a device as the volume's, state attached.
-    pub(super) async fn record_attached(
-        &self,
-        v: &mut VolumeRow,
-        att: Attachment,
-        kind: &str,
-    ) -> Result<()> {
-        let locked = v.crypt.as_ref().filter(|l| !crypt::is_open(&l.name));
-        let device = match (&v.crypt, locked) {
-            (Some(l), None) => format!(
-                "{} (dm-crypt over {})",
-                super::encryption::plaintext_device(l),
-                att.device
-            ),
-            (Some(l), Some(_)) => format!(
-                "{}, locked: its plaintext device {} is not open",
-                att.device,
-                super::encryption::plaintext_device(l)
-            ),
-            (None, _) => att.device.clone(),
-        };
-        let msg = format!(
-            "volume '{}' attached as {device} ({} bytes, dispatch {}: {})",
-            v.name,
-            att.size_bytes
-                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
-            att.dispatch.as_str(),
-            att.dispatch_reason
-        );
-        // A new device may hold pages already (a probe of it, an earlier
-        // user of the image): start clean.
-        super::look::drop_page_cache(&self.house.store, v, &att).await;
-        v.state_reason = locked.map(|l| {
-            format!(
-                "its plaintext device {} is not open (the host restarted, or it was closed): unlock it with its image's key (POST /v1/volumes/{}/unlock)",
-                super::encryption::plaintext_device(l),
-                v.name
-            )
-        });
-        v.state = match locked {
-            Some(_) => VolumeState::Locked,
-            None => VolumeState::Attached,
-        };
-        v.attachment = Some(att);
-        v.updated_at = OffsetDateTime::now_utc();
-        let (v, msg) = (&*v, &msg);
-        self.house
-            .finishing(move || async move {
-                let mut tx = self.house.store.begin().await?;
-                tx.update_volume(v).await?;
-                tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
-                tx.commit().await?;
-                Ok(())
-            })
-            .await
-    }
-
-    /// Records a volume as having no working device, with the reason.
-    pub(super) async fn record_error(&self, v: &mut VolumeRow, reason: String) -> Result<()> {
-        tracing::warn!(volume = %v.name, %reason, "volume in error");
-        v.attachment = None;
-        v.state = VolumeState::Error;
-        v.state_reason = Some(reason.clone());
-        v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.house.store.begin().await?;
-        tx.update_volume(v).await?;
-        tx.event(
-            Some(v.id),
-            Some(v.image_id),
-            "volume_error",
-            &format!("volume '{}': {reason}", v.name),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let v = self.house.volume_row(id_or_name).await?;
@@ -702,7 +411,7 @@ impl Manager {
         .await?;
         tx.commit().await?;
         self.house.settings.faults.pause(Slow::VolumeChange).await;
-        if let Err(e) = self.detach(&v).await {
+        if let Err(e) = self.house.detach(&v).await {
             (v.state, v.state_reason) = before;
             v.updated_at = OffsetDateTime::now_utc();
             let (v, why) = (&v, &e);
@@ -724,36 +433,7 @@ impl Manager {
             return Err(e);
         }
         self.house.settings.faults.point(After::Detach)?;
-        self.forget_volume(&v).await
-    }
-
-    /// Deletes a volume's row once its device is gone, and lets its image go.
-    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
-        self.house.holds.release(v.id);
-        self.house
-            .finishing(move || async move {
-                let mut tx = self.house.store.begin().await?;
-                tx.delete_volume(v.id).await?;
-                tx.event(
-                    Some(v.id),
-                    Some(v.image_id),
-                    "volume_deleted",
-                    &format!(
-                        "volume '{}' deleted; device {} removed",
-                        v.name,
-                        v.attachment
-                            .as_ref()
-                            .map(|a| a.device.as_str())
-                            .unwrap_or("(none)")
-                    ),
-                )
-                .await?;
-                tx.commit().await?;
-                Ok(())
-            })
-            .await?;
-        tracing::info!(volume = %v.name, "volume deleted");
-        Ok(())
+        self.house.forget_volume(&v).await
     }
 
     /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
@@ -780,20 +460,20 @@ impl Manager {
         }
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
         else {
-            return Err(self.not_live(&v));
+            return Err(self.house.not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-            return Err(self.not_live(&v));
+            return Err(self.house.not_live(&v));
         }
         for change in &changes {
             backend
                 .check_change(&att, *change)
-                .map_err(|e| volume_error(&v.name, self.offer_ublk(e)))?;
+                .map_err(|e| volume_error(&v.name, self.house.offer_ublk(e)))?;
         }
         let mut att = att;
         let mut made = Vec::new();
         for change in &changes {
-            let outcome = match self.reconfigure(&backend, &v, &att, *change).await {
+            let outcome = match self.house.reconfigure(&backend, &v, &att, *change).await {
                 Ok(a) => {
                     att = a;
                     made.push(*change);
@@ -811,209 +491,16 @@ impl Manager {
                 Err(e) => Err(e),
             };
             if let Err(e) = outcome {
-                let (att, stays) = self.take_back(&backend, &v, att, made).await;
+                let (att, stays) = self.house.take_back(&backend, &v, att, made).await;
                 if !stays.is_empty() {
-                    self.record_changes(&mut v, att, &stays).await?;
+                    self.house.record_changes(&mut v, att, &stays).await?;
                 }
                 return Err(e);
             }
         }
         self.house.settings.faults.point(After::Change)?;
-        self.record_changes(&mut v, att, &made).await?;
+        self.house.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
-    }
-
-    /// Undoes the live changes `made` of a PATCH that failed, newest first,
-    /// until an undo fails; the device after, and what stays made, which
-    /// the record must then say so that it matches the device.
-    async fn take_back(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        v: &VolumeRow,
-        mut att: Attachment,
-        mut made: Vec<Change>,
-    ) -> (Attachment, Vec<Change>) {
-        while let Some(last) = made.last() {
-            match self.reconfigure(backend, v, &att, undo(v, *last)).await {
-                Ok(a) => {
-                    att = a;
-                    made.pop();
-                }
-                Err(u) => {
-                    tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
-                    break;
-                }
-            }
-        }
-        (att, made)
-    }
-
-    /// Makes one live change on the device.
-    pub(super) async fn reconfigure(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        v: &VolumeRow,
-        att: &Attachment,
-        change: Change,
-    ) -> Result<Attachment> {
-        // The plaintext device above refuses writes first, and takes them
-        // again last.
-        let plaintext = v.crypt.as_ref().map(|l| l.name.clone());
-        let set_plaintext = |read_only: bool| {
-            let name = plaintext.clone();
-            async move {
-                let Some(name) = name.filter(|n| crypt::is_open(n)) else {
-                    return Ok(());
-                };
-                let device = crypt::device_of(&name).display().to_string();
-                blocking(move || crypt::set_read_only(&name, read_only))
-                    .await?
-                    .map_err(|e| volume_error(&v.name, BackendError::io("BLKROSET", device, e)))
-            }
-        };
-        if change == Change::ReadOnly(true) {
-            set_plaintext(true).await?;
-        }
-        let (b, a, id) = (backend.clone(), att.clone(), v.id);
-        let made = blocking(move || b.reconfigure(&a, change, id))
-            .await?
-            .map_err(|e| volume_error(&v.name, e));
-        match (&made, change) {
-            (Err(_), Change::ReadOnly(true)) => set_plaintext(false).await?,
-            (Ok(_), Change::ReadOnly(false)) => set_plaintext(false).await?,
-            _ => {}
-        }
-        made
-    }
-
-    /// Records changes made on the device, with an event each, in one commit.
-    pub(super) async fn record_changes(
-        &self,
-        v: &mut VolumeRow,
-        att: Attachment,
-        made: &[Change],
-    ) -> Result<()> {
-        let mut events = Vec::new();
-        for change in made {
-            let (kind, msg) = match *change {
-                Change::Dispatch(d) => {
-                    let old = v.dispatch;
-                    v.dispatch = d;
-                    (
-                        "dispatch_changed",
-                        format!(
-                            "dispatch {} -> {} (now {}: {})",
-                            old.as_str(),
-                            d.as_str(),
-                            att.dispatch.as_str(),
-                            att.dispatch_reason
-                        ),
-                    )
-                }
-                Change::Qos(q) => {
-                    v.qos = q;
-                    (
-                        "qos_changed",
-                        format!(
-                            "qos set to {}",
-                            serde_json::to_string(&q).unwrap_or_default()
-                        ),
-                    )
-                }
-                Change::ReadOnly(ro) => {
-                    let old = v.read_only;
-                    v.read_only = ro;
-                    ("read_only_changed", format!("read_only {old} -> {ro}"))
-                }
-            };
-            events.push((kind, format!("volume '{}': {msg}", v.name)));
-        }
-        // A limit set or removed may move a dm volume between direct and
-        // nowait (auto): that move has its own event.
-        let before = v.attachment.as_ref().map(|a| a.dispatch);
-        let by_dispatch = made.iter().any(|c| matches!(c, Change::Dispatch(_)));
-        let moved = before.filter(|d| *d != att.dispatch);
-        if let Some(old) = moved.filter(|_| !by_dispatch) {
-            events.push((
-                "dispatch_moved",
-                format!(
-                    "volume '{}': {} -> {} for its QoS change ({})",
-                    v.name,
-                    old.as_str(),
-                    att.dispatch.as_str(),
-                    att.dispatch_reason
-                ),
-            ));
-        }
-        // Every switch of the data path starts it clean, whatever the backend.
-        if by_dispatch || moved.is_some() {
-            super::look::drop_page_cache(&self.house.store, v, &att).await;
-        }
-        v.attachment = Some(att);
-        v.updated_at = OffsetDateTime::now_utc();
-        let (v, events) = (&*v, &events);
-        self.house
-            .finishing(move || async move {
-                let mut tx = self.house.store.begin().await?;
-                tx.update_volume(v).await?;
-                for (kind, msg) in events {
-                    tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
-                }
-                tx.commit().await?;
-                Ok(())
-            })
-            .await
-    }
-
-    /// A loop volume's refusal of what backend ublk does, offering ublk
-    /// only where this host has it: a remedy given must work here.
-    fn offer_ublk(&self, e: BackendError) -> BackendError {
-        let offer = |reason: String, way: &str| {
-            let ublk = self.house.capability(Backend::Ublk);
-            if ublk.available {
-                format!("{reason}; {way}")
-            } else {
-                format!(
-                    "{reason}; backend ublk would, but it is not available on this host: {}",
-                    ublk.reason.unwrap_or_default()
-                )
-            }
-        };
-        match e {
-            BackendError::Unsupported {
-                backend: "loop",
-                what,
-                reason,
-            } => BackendError::Unsupported {
-                backend: "loop",
-                what,
-                reason: offer(reason, "backend ublk does (\"backend\": \"ublk\")"),
-            },
-            BackendError::NotLive {
-                backend: "loop",
-                field: field @ ("qos" | "dispatch"),
-                reason,
-            } => BackendError::NotLive {
-                backend: "loop",
-                field,
-                reason: offer(
-                    reason,
-                    "a volume created again with \"backend\": \"ublk\" can",
-                ),
-            },
-            e => e,
-        }
-    }
-
-    pub(super) fn not_live(&self, v: &VolumeRow) -> Error {
-        Error::VolumeState {
-            name: v.name.clone(),
-            state: v.state.as_str(),
-            reason: v
-                .state_reason
-                .clone()
-                .unwrap_or_else(|| "it has no device to change".into()),
-        }
     }
 
     /// `GET /v1/volumes/{id}/stats`.
@@ -1021,7 +508,7 @@ impl Manager {
         let v = self.house.volume_row(id_or_name).await?;
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
         else {
-            return Err(self.not_live(&v));
+            return Err(self.house.not_live(&v));
         };
         let (id, name) = (v.id, v.name.clone());
         let mut stats = blocking(move || backend.stats(id, &att))
@@ -1172,6 +659,527 @@ fn choose_path(
         (d, _) => d,
     };
     (preferred, d)
+}
+
+/// A volume's steps that need the house alone: its backend and path
+/// chosen, its device brought up, changed and taken down, and the
+/// records of each.
+impl House {
+    fn choose_backend(&self, choice: BackendChoice) -> Result<Arc<dyn VolumeBackend>> {
+        let kind = match choice {
+            BackendChoice::Loop => Backend::Loop,
+            BackendChoice::Ublk => Backend::Ublk,
+            BackendChoice::Dm => Backend::Dm,
+            BackendChoice::Auto => Backend::PREFERENCE
+                .into_iter()
+                .find(|k| self.capability(*k).available)
+                .ok_or_else(|| BackendError::Unavailable {
+                    backend: "auto",
+                    reason: "no backend works on this host (loop, ublk and dm are all missing)"
+                        .into(),
+                })?,
+        };
+        let cap = self.capability(kind);
+        match (self.backend(kind), cap.available) {
+            (Some(b), true) => Ok(b),
+            _ => Err(BackendError::Unavailable {
+                backend: kind.as_str(),
+                reason: cap.reason.unwrap_or_default(),
+            }
+            .into()),
+        }
+    }
+
+    /// dm, when `backend: auto` should try it before `preferred` (the first
+    /// available backend): dm is here, is not `preferred`, and the spec is
+    /// one `auto` serves on dm `direct` (see [`dispatch::auto_tries_dm`]).
+    fn auto_tries_dm(
+        &self,
+        req: &CreateVolumeRequest,
+        preferred: &Arc<dyn VolumeBackend>,
+    ) -> Option<Arc<dyn VolumeBackend>> {
+        let tries = req.backend == BackendChoice::Auto
+            && preferred.kind() != Backend::Dm
+            && dispatch::auto_tries_dm(req.dispatch, req.qos.is_some())
+            && self.capability(Backend::Dm).available;
+        tries.then(|| self.backend(Backend::Dm)).flatten()
+    }
+
+    /// The backend and dispatch decision for `req` on the open image: dm
+    /// first when `backend: auto` tries it, else `backend`'s own.
+    async fn decide_path(
+        &self,
+        req: &CreateVolumeRequest,
+        backend: Arc<dyn VolumeBackend>,
+        queues: u16,
+        file: ImageFile,
+    ) -> Result<(ImageFile, Arc<dyn VolumeBackend>, Option<Decision>)> {
+        let check = SpecCheck {
+            dispatch: req.dispatch,
+            queues,
+            queue_depth: req.queue_depth,
+            max_io_bytes: req.max_io_bytes,
+            qos: req.qos,
+            read_only: req.read_only,
+        };
+        let dm = self.auto_tries_dm(req, &backend);
+        let (file, backend, decision) = blocking(move || {
+            let (backend, d) = choose_path(backend, dm, &check, &file);
+            (file, backend, d)
+        })
+        .await?;
+        let decision = decision.map_err(|e| volume_error(&req.name, self.offer_ublk(e)))?;
+        Ok((file, backend, decision))
+    }
+
+    /// Inserts the new volume's row (`attaching`) and its event. Checked
+    /// where the insert commits: writers are serialized there, so parallel
+    /// creates cannot all see room, and an image deleted since it was read
+    /// is refused as gone (`asked` as the request named it) rather than
+    /// failing the foreign key.
+    async fn record_new_volume(
+        &self,
+        row: &VolumeRow,
+        image: &ImageRow,
+        asked: &str,
+    ) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        if tx.volume_count().await? >= self.settings.max_volumes {
+            return Err(Error::VolumeLimit {
+                name: row.name.clone(),
+                max: self.settings.max_volumes,
+            });
+        }
+        if tx.image(&image.id.to_string()).await?.is_none() {
+            return Err(Error::ImageNotFound(asked.to_string()));
+        }
+        tx.insert_volume(row).await?;
+        tx.event(
+            Some(row.id),
+            Some(image.id),
+            "volume_created",
+            &format!(
+                "volume '{}' recorded: backend {}, image '{}'",
+                row.name,
+                row.backend.as_str(),
+                image.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Attaches the recorded volume's device (and opens its plaintext
+    /// device with `key`, when encrypted) and records it attached. On any
+    /// failure the device goes and the row with it, its reason recorded.
+    async fn bring_up(
+        &self,
+        mut row: VolumeRow,
+        image: &ImageRow,
+        file: ImageFile,
+        image_lock: std::os::fd::OwnedFd,
+        decision: Option<Decision>,
+        key: Option<&Key>,
+    ) -> Result<VolumeRow> {
+        let attached = match self.attach(&row, image, file, &image_lock, decision).await {
+            Ok(att) => match (&row.crypt, key) {
+                (Some(layer), Some(key)) => {
+                    match self.open_crypt(layer, &image.name, &att, key).await {
+                        Ok(()) => Ok(att),
+                        Err(e) => {
+                            let _ = self.detach(&row).await;
+                            Err(e)
+                        }
+                    }
+                }
+                _ => Ok(att),
+            },
+            Err(e) => Err(e),
+        };
+        let att = match attached {
+            Ok(att) => att,
+            Err(e) => {
+                self.forget_failed(&row, &e).await?;
+                return Err(e);
+            }
+        };
+        let recorded = match self.settings.faults.point(After::Attach) {
+            Ok(()) => self.record_attached(&mut row, att, "volume_attached").await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = recorded {
+            // Half-way: remove the device and the row, keep the reason.
+            let _ = self.detach(&row).await;
+            self.forget_failed(&row, &e).await?;
+            return Err(e);
+        }
+        self.holds.keep(row.id, image_lock);
+        tracing::info!(volume = %row.name, device = ?row.attachment.as_ref().map(|a| &a.device), "volume attached");
+        Ok(row)
+    }
+
+    /// Deletes the row of a create that failed, recording why.
+    async fn forget_failed(&self, row: &VolumeRow, e: &Error) -> Result<()> {
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.delete_volume(row.id).await?;
+            tx.event(
+                Some(row.id),
+                Some(row.image_id),
+                "volume_create_failed",
+                &format!("volume '{}' not created: {e}", row.name),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Brings up the device of a recorded volume on an opened image, whose
+    /// lock (taken with `open_and_lock`) the caller keeps.
+    pub(super) async fn attach(
+        &self,
+        v: &VolumeRow,
+        image: &ImageRow,
+        file: ImageFile,
+        lock: &std::os::fd::OwnedFd,
+        decision: Option<Decision>,
+    ) -> Result<Attachment> {
+        let backend = self.backend(v.backend).ok_or_else(|| {
+            volume_error(
+                &v.name,
+                BackendError::Unavailable {
+                    backend: v.backend.as_str(),
+                    reason: super::house::not_built_reason(v.backend),
+                },
+            )
+        })?;
+        let req = AttachRequest {
+            volume_id: v.id,
+            params: params(v, image, file.size()),
+            image_fd: file.into_fd(),
+            decision,
+            image_lock: Some(
+                lock.try_clone()
+                    .map_err(|e| volume_error(&v.name, BackendError::io("dup", "image lock", e)))?,
+            ),
+        };
+        let name = v.name.clone();
+        blocking(move || backend.attach(req))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Removes a volume's device, if any: its plaintext device first, on an
+    /// encrypted image.
+    pub(super) async fn detach(&self, v: &VolumeRow) -> Result<()> {
+        self.close_crypt(v).await?;
+        let Some(backend) = self.backend(v.backend) else {
+            return Ok(());
+        };
+        let (id, att, name) = (v.id, v.attachment.clone(), v.name.clone());
+        blocking(move || backend.detach(id, att.as_ref()))
+            .await?
+            .map_err(|e| volume_error(&name, e))
+    }
+
+    /// Records a device as the volume's, state attached.
+    pub(super) async fn record_attached(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        kind: &str,
+    ) -> Result<()> {
+        let locked = v.crypt.as_ref().filter(|l| !crypt::is_open(&l.name));
+        let device = match (&v.crypt, locked) {
+            (Some(l), None) => format!(
+                "{} (dm-crypt over {})",
+                super::encryption::plaintext_device(l),
+                att.device
+            ),
+            (Some(l), Some(_)) => format!(
+                "{}, locked: its plaintext device {} is not open",
+                att.device,
+                super::encryption::plaintext_device(l)
+            ),
+            (None, _) => att.device.clone(),
+        };
+        let msg = format!(
+            "volume '{}' attached as {device} ({} bytes, dispatch {}: {})",
+            v.name,
+            att.size_bytes
+                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
+            att.dispatch.as_str(),
+            att.dispatch_reason
+        );
+        // A new device may hold pages already (a probe of it, an earlier
+        // user of the image): start clean.
+        super::look::drop_page_cache(&self.store, v, &att).await;
+        v.state_reason = locked.map(|l| {
+            format!(
+                "its plaintext device {} is not open (the host restarted, or it was closed): unlock it with its image's key (POST /v1/volumes/{}/unlock)",
+                super::encryption::plaintext_device(l),
+                v.name
+            )
+        });
+        v.state = match locked {
+            Some(_) => VolumeState::Locked,
+            None => VolumeState::Attached,
+        };
+        v.attachment = Some(att);
+        v.updated_at = OffsetDateTime::now_utc();
+        let (v, msg) = (&*v, &msg);
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(v).await?;
+            tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Records a volume as having no working device, with the reason.
+    pub(super) async fn record_error(&self, v: &mut VolumeRow, reason: String) -> Result<()> {
+        tracing::warn!(volume = %v.name, %reason, "volume in error");
+        v.attachment = None;
+        v.state = VolumeState::Error;
+        v.state_reason = Some(reason.clone());
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.store.begin().await?;
+        tx.update_volume(v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_error",
+            &format!("volume '{}': {reason}", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Deletes a volume's row once its device is gone, and lets its image go.
+    pub(super) async fn forget_volume(&self, v: &VolumeRow) -> Result<()> {
+        self.holds.release(v.id);
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.delete_volume(v.id).await?;
+            tx.event(
+                Some(v.id),
+                Some(v.image_id),
+                "volume_deleted",
+                &format!(
+                    "volume '{}' deleted; device {} removed",
+                    v.name,
+                    v.attachment
+                        .as_ref()
+                        .map(|a| a.device.as_str())
+                        .unwrap_or("(none)")
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await?;
+        tracing::info!(volume = %v.name, "volume deleted");
+        Ok(())
+    }
+
+    /// Undoes the live changes `made` of a PATCH that failed, newest first,
+    /// until an undo fails; the device after, and what stays made, which
+    /// the record must then say so that it matches the device.
+    async fn take_back(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        mut att: Attachment,
+        mut made: Vec<Change>,
+    ) -> (Attachment, Vec<Change>) {
+        while let Some(last) = made.last() {
+            match self.reconfigure(backend, v, &att, undo(v, *last)).await {
+                Ok(a) => {
+                    att = a;
+                    made.pop();
+                }
+                Err(u) => {
+                    tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
+                    break;
+                }
+            }
+        }
+        (att, made)
+    }
+
+    /// Makes one live change on the device.
+    pub(super) async fn reconfigure(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: &VolumeRow,
+        att: &Attachment,
+        change: Change,
+    ) -> Result<Attachment> {
+        // The plaintext device above refuses writes first, and takes them
+        // again last.
+        let plaintext = v.crypt.as_ref().map(|l| l.name.clone());
+        let set_plaintext = |read_only: bool| {
+            let name = plaintext.clone();
+            async move {
+                let Some(name) = name.filter(|n| crypt::is_open(n)) else {
+                    return Ok(());
+                };
+                let device = crypt::device_of(&name).display().to_string();
+                blocking(move || crypt::set_read_only(&name, read_only))
+                    .await?
+                    .map_err(|e| volume_error(&v.name, BackendError::io("BLKROSET", device, e)))
+            }
+        };
+        if change == Change::ReadOnly(true) {
+            set_plaintext(true).await?;
+        }
+        let (b, a, id) = (backend.clone(), att.clone(), v.id);
+        let made = blocking(move || b.reconfigure(&a, change, id))
+            .await?
+            .map_err(|e| volume_error(&v.name, e));
+        match (&made, change) {
+            (Err(_), Change::ReadOnly(true)) => set_plaintext(false).await?,
+            (Ok(_), Change::ReadOnly(false)) => set_plaintext(false).await?,
+            _ => {}
+        }
+        made
+    }
+
+    /// Records changes made on the device, with an event each, in one commit.
+    pub(super) async fn record_changes(
+        &self,
+        v: &mut VolumeRow,
+        att: Attachment,
+        made: &[Change],
+    ) -> Result<()> {
+        let mut events = Vec::new();
+        for change in made {
+            let (kind, msg) = match *change {
+                Change::Dispatch(d) => {
+                    let old = v.dispatch;
+                    v.dispatch = d;
+                    (
+                        "dispatch_changed",
+                        format!(
+                            "dispatch {} -> {} (now {}: {})",
+                            old.as_str(),
+                            d.as_str(),
+                            att.dispatch.as_str(),
+                            att.dispatch_reason
+                        ),
+                    )
+                }
+                Change::Qos(q) => {
+                    v.qos = q;
+                    (
+                        "qos_changed",
+                        format!(
+                            "qos set to {}",
+                            serde_json::to_string(&q).unwrap_or_default()
+                        ),
+                    )
+                }
+                Change::ReadOnly(ro) => {
+                    let old = v.read_only;
+                    v.read_only = ro;
+                    ("read_only_changed", format!("read_only {old} -> {ro}"))
+                }
+            };
+            events.push((kind, format!("volume '{}': {msg}", v.name)));
+        }
+        // A limit set or removed may move a dm volume between direct and
+        // nowait (auto): that move has its own event.
+        let before = v.attachment.as_ref().map(|a| a.dispatch);
+        let by_dispatch = made.iter().any(|c| matches!(c, Change::Dispatch(_)));
+        let moved = before.filter(|d| *d != att.dispatch);
+        if let Some(old) = moved.filter(|_| !by_dispatch) {
+            events.push((
+                "dispatch_moved",
+                format!(
+                    "volume '{}': {} -> {} for its QoS change ({})",
+                    v.name,
+                    old.as_str(),
+                    att.dispatch.as_str(),
+                    att.dispatch_reason
+                ),
+            ));
+        }
+        // Every switch of the data path starts it clean, whatever the backend.
+        if by_dispatch || moved.is_some() {
+            super::look::drop_page_cache(&self.store, v, &att).await;
+        }
+        v.attachment = Some(att);
+        v.updated_at = OffsetDateTime::now_utc();
+        let (v, events) = (&*v, &events);
+        self.finishing(move || async move {
+            let mut tx = self.store.begin().await?;
+            tx.update_volume(v).await?;
+            for (kind, msg) in events {
+                tx.event(Some(v.id), Some(v.image_id), kind, msg).await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// A loop volume's refusal of what backend ublk does, offering ublk
+    /// only where this host has it: a remedy given must work here.
+    fn offer_ublk(&self, e: BackendError) -> BackendError {
+        let offer = |reason: String, way: &str| {
+            let ublk = self.capability(Backend::Ublk);
+            if ublk.available {
+                format!("{reason}; {way}")
+            } else {
+                format!(
+                    "{reason}; backend ublk would, but it is not available on this host: {}",
+                    ublk.reason.unwrap_or_default()
+                )
+            }
+        };
+        match e {
+            BackendError::Unsupported {
+                backend: "loop",
+                what,
+                reason,
+            } => BackendError::Unsupported {
+                backend: "loop",
+                what,
+                reason: offer(reason, "backend ublk does (\"backend\": \"ublk\")"),
+            },
+            BackendError::NotLive {
+                backend: "loop",
+                field: field @ ("qos" | "dispatch"),
+                reason,
+            } => BackendError::NotLive {
+                backend: "loop",
+                field,
+                reason: offer(
+                    reason,
+                    "a volume created again with \"backend\": \"ublk\" can",
+                ),
+            },
+            e => e,
+        }
+    }
+
+    pub(super) fn not_live(&self, v: &VolumeRow) -> Error {
+        Error::VolumeState {
+            name: v.name.clone(),
+            state: v.state.as_str(),
+            reason: v
+                .state_reason
+                .clone()
+                .unwrap_or_else(|| "it has no device to change".into()),
+        }
+    }
 }
 
 #[cfg(test)]
