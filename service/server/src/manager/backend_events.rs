@@ -3,29 +3,10 @@
 
 use std::sync::Arc;
 
-use super::Manager;
 use super::error::Result;
 use super::house::House;
 use crate::backend::BackendEvent;
 use blockplane_api::model;
-
-impl Manager {
-    /// Records what backends notice on their own (worker restarts, drift) as
-    /// events and volume state, on a thread of its own.
-    pub(super) fn record_backend_events(
-        self: Arc<Self>,
-        rx: std::sync::mpsc::Receiver<BackendEvent>,
-    ) {
-        let rt = tokio::runtime::Handle::current();
-        std::thread::spawn(move || {
-            while let Ok(ev) = rx.recv() {
-                if let Err(e) = rt.block_on(self.house.apply_backend_event(&ev)) {
-                    tracing::error!(volume = %ev.volume_id, error = %e, "cannot record a backend event");
-                }
-            }
-        });
-    }
-}
 
 impl House {
     /// Records one backend event: the volume's attachment and state as the
@@ -68,5 +49,21 @@ impl House {
         .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Records what backends notice on their own (worker restarts, drift) as
+    /// events and volume state, on a thread of its own.
+    pub(super) fn record_backend_events(
+        self: Arc<Self>,
+        rx: std::sync::mpsc::Receiver<BackendEvent>,
+    ) {
+        let rt = tokio::runtime::Handle::current();
+        std::thread::spawn(move || {
+            while let Ok(ev) = rx.recv() {
+                if let Err(e) = rt.block_on(self.apply_backend_event(&ev)) {
+                    tracing::error!(volume = %ev.volume_id, error = %e, "cannot record a backend event");
+                }
+            }
+        });
     }
 }

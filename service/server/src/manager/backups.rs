@@ -273,7 +273,7 @@ impl Manager {
             .roots
             .resolve(&moment_path(src, id).display().to_string())?;
         let m = if backend.kind() == Backend::Loop {
-            self.share_loop_moment(src, &path, &v).await?
+            self.house.share_loop_moment(src, &path, &v).await?
         } else {
             self.share_with_serving(src, &path, v, backend, name, None)
                 .await?
@@ -288,39 +288,6 @@ impl Manager {
             moment: Some(path),
             held: Some(m.held),
             copier: m.copier,
-        })
-    }
-
-    /// Shares a loop volume's image into `path` at one moment: the loop
-    /// driver's writes wait on the file's lock while `FICLONE` runs.
-    /// Refused where the filesystem cannot share extents.
-    async fn share_loop_moment(
-        self: &Arc<Self>,
-        src: &ImageRow,
-        path: &ImagePath,
-        v: &crate::store::VolumeRow,
-    ) -> Result<SharedMoment> {
-        let (file, start, _, took) = self.clone_file(src, path, None).await?;
-        if start != CloneStart::Reflinked {
-            let (dev, ino) = file.identity();
-            let _ = self.house.roots.remove_file(path, dev, ino, file.birth());
-            let backend = self
-                .house
-                .backend(Backend::Loop)
-                .expect("the volume's backend");
-            return Err(Error::SnapshotAttached {
-                name: src.name.clone(),
-                volume: v.name.clone(),
-                backend: "loop",
-                reason: super::copies::copy_under_writes(v, backend.as_ref()),
-            });
-        }
-        let held =
-            super::copies::held_text(&v.name, "loop: the filesystem's lock on the file", took);
-        Ok(SharedMoment {
-            file,
-            held,
-            copier: None,
         })
     }
 
@@ -1005,5 +972,35 @@ impl House {
         }
         .await;
         Ended::of(out, |(done, ..)| *done, recorded, "a restore", &row.name)
+    }
+
+    /// Shares a loop volume's image into `path` at one moment: the loop
+    /// driver's writes wait on the file's lock while `FICLONE` runs.
+    /// Refused where the filesystem cannot share extents.
+    async fn share_loop_moment(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        v: &crate::store::VolumeRow,
+    ) -> Result<SharedMoment> {
+        let (file, start, _, took) = self.clone_file(src, path, None).await?;
+        if start != CloneStart::Reflinked {
+            let (dev, ino) = file.identity();
+            let _ = self.roots.remove_file(path, dev, ino, file.birth());
+            let backend = self.backend(Backend::Loop).expect("the volume's backend");
+            return Err(Error::SnapshotAttached {
+                name: src.name.clone(),
+                volume: v.name.clone(),
+                backend: "loop",
+                reason: super::copies::copy_under_writes(v, backend.as_ref()),
+            });
+        }
+        let held =
+            super::copies::held_text(&v.name, "loop: the filesystem's lock on the file", took);
+        Ok(SharedMoment {
+            file,
+            held,
+            copier: None,
+        })
     }
 }

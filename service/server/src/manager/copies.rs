@@ -305,7 +305,7 @@ impl Manager {
                 }
             }
             None => {
-                let (file, start, src_file, took) = self.clone_file(src, path, grow).await?;
+                let (file, start, src_file, took) = self.house.clone_file(src, path, grow).await?;
                 let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
                 // A loop volume's writes wait on the file's lock while the
                 // reflink runs: that is its pause.
@@ -432,32 +432,6 @@ impl Manager {
                 Err(e)
             }
         }
-    }
-
-    /// Syncs `src` and makes a new file at `path` from it: its extents
-    /// shared where the filesystem can (then grown to `grow`), else empty
-    /// for a copy. Returns the new file, how it started, the open source,
-    /// and how long the clone took (a loop volume's writes wait on the
-    /// file's lock meanwhile: that is its pause).
-    pub(super) async fn clone_file(
-        self: &Arc<Self>,
-        src: &ImageRow,
-        path: &ImagePath,
-        grow: Option<(u64, Allocation)>,
-    ) -> Result<(ImageFile, CloneStart, ImageFile, std::time::Duration)> {
-        let (me, s, p) = (self.clone(), src.clone(), path.clone());
-        blocking(move || -> Result<_> {
-            let src_file = me.house.open_image(&s, Access::ReadOnly)?;
-            src_file.sync()?;
-            let started = std::time::Instant::now();
-            let (mut file, start) = me.house.roots.create_clone(&p, &src_file)?;
-            let took = started.elapsed();
-            if start == CloneStart::Reflinked {
-                me.house.grow_clone(&p, &mut file, grow)?;
-            }
-            Ok((file, start, src_file, took))
-        })
-        .await?
     }
 
     /// Runs the copy into `file` on a blocking thread, then records its end.
@@ -990,5 +964,31 @@ impl House {
                 .map_or_else(|| "another image".to_string(), |s| s.to_string()),
             reason: what.to_string(),
         })
+    }
+
+    /// Syncs `src` and makes a new file at `path` from it: its extents
+    /// shared where the filesystem can (then grown to `grow`), else empty
+    /// for a copy. Returns the new file, how it started, the open source,
+    /// and how long the clone took (a loop volume's writes wait on the
+    /// file's lock meanwhile: that is its pause).
+    pub(super) async fn clone_file(
+        self: &Arc<Self>,
+        src: &ImageRow,
+        path: &ImagePath,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<(ImageFile, CloneStart, ImageFile, std::time::Duration)> {
+        let (me, s, p) = (self.clone(), src.clone(), path.clone());
+        blocking(move || -> Result<_> {
+            let src_file = me.open_image(&s, Access::ReadOnly)?;
+            src_file.sync()?;
+            let started = std::time::Instant::now();
+            let (mut file, start) = me.roots.create_clone(&p, &src_file)?;
+            let took = started.elapsed();
+            if start == CloneStart::Reflinked {
+                me.grow_clone(&p, &mut file, grow)?;
+            }
+            Ok((file, start, src_file, took))
+        })
+        .await?
     }
 }

@@ -83,8 +83,6 @@ pub(super) fn encryption_of(image: &str, fd: &OwnedFd) -> Result<Option<ImageEnc
     }))
 }
 
-impl Manager {}
-
 impl Manager {
     /// `POST /v1/volumes/{id}/unlock`: opens a `locked` volume's plaintext
     /// device again with its image's key. On a volume that serves its

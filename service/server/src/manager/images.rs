@@ -60,12 +60,12 @@ impl Manager {
             NewFile::Create(spec) => {
                 let warnings = self.check_new_file(name, &path, &spec).await?;
                 (
-                    self.make_file(name, &path, spec, &mut undo).await?,
+                    self.house.make_file(name, &path, spec, &mut undo).await?,
                     warnings,
                 )
             }
             NewFile::Register { allocation } => (
-                self.open_to_register(name, &path, allocation).await?,
+                self.house.open_to_register(name, &path, allocation).await?,
                 Vec::new(),
             ),
         };
@@ -114,79 +114,6 @@ impl Manager {
             spec.allocation == Allocation::Sparse,
         )
         .await
-    }
-
-    /// Makes the new file (and its LUKS2 header, when encrypted); `undo`
-    /// removes it if a later step fails.
-    async fn make_file(
-        self: &std::sync::Arc<Self>,
-        name: &str,
-        path: &ImagePath,
-        spec: CreateImageFile,
-        undo: &mut Undo,
-    ) -> Result<Made> {
-        let (me, p) = (self.clone(), path.clone());
-        let mut file = blocking(move || {
-            me.house
-                .roots
-                .create_file(&p, spec.size_bytes, spec.allocation)
-        })
-        .await??;
-        let (dev, ino) = file.identity();
-        let (me, p, birth) = (self.clone(), path.clone(), file.birth().map(str::to_string));
-        undo.push("remove the new image file", move || {
-            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
-        });
-        self.house.settings.faults.pause(Slow::ImageCreate).await;
-        let mut encryption = None;
-        if let Some(e) = &spec.encryption {
-            let fd = file
-                .fd()
-                .try_clone()
-                .map_err(|e| Error::Internal(format!("image '{name}': dup: {e}")))?;
-            encryption = Some(self.house.format_image(name, fd, &e.key).await?.1);
-            file.refresh()?;
-        }
-        Ok(Made {
-            file,
-            created: Some(spec.allocation),
-            allocation: Some(spec.allocation),
-            reason: None,
-            encryption,
-        })
-    }
-
-    /// Opens an existing file to register it: its bytes as they are, its
-    /// LUKS2 header if it has one, its allocation as declared or as found.
-    async fn open_to_register(
-        self: &std::sync::Arc<Self>,
-        name: &str,
-        path: &ImagePath,
-        declared: Option<Allocation>,
-    ) -> Result<Made> {
-        let (me, p, n) = (self.clone(), path.clone(), name.to_string());
-        let (file, written, encryption) = blocking(move || -> Result<_> {
-            let file = me.house.roots.open_file(&p, Access::ReadOnly)?;
-            let written = file.written()?;
-            let found = super::encryption::encryption_of(&n, file.fd())?;
-            Ok((file, written, found))
-        })
-        .await??;
-        let (allocation, reason) = registered_allocation(
-            name,
-            &path.display(),
-            file.size(),
-            &file.filesystem()?,
-            written,
-            declared,
-        )?;
-        Ok(Made {
-            file,
-            created: None,
-            allocation,
-            reason: Some(reason),
-            encryption,
-        })
     }
 
     /// Each image root: its filesystem's size and free space, and the
@@ -364,7 +291,8 @@ impl Manager {
             )
             .await?;
         let followed = if size_bytes > current {
-            self.grow_image(&row, current, size_bytes, &warnings)
+            self.house
+                .grow_image(&row, current, size_bytes, &warnings)
                 .await?
         } else {
             Vec::new()
@@ -414,65 +342,6 @@ impl Manager {
         Ok(current)
     }
 
-    /// Grows the image from `current` to `size_bytes` (the file here, or
-    /// by the ublk worker that holds it), its volumes after it, and records
-    /// the new size with `warnings`.
-    async fn grow_image(
-        self: &std::sync::Arc<Self>,
-        row: &ImageRow,
-        current: u64,
-        size_bytes: u64,
-        warnings: &[String],
-    ) -> Result<Vec<VolumeResize>> {
-        let allocation = row.allocation.unwrap_or(Allocation::Sparse);
-        // A ublk worker holds its image (pinned while direct-mapped) and
-        // grows it itself; otherwise the file is grown here first.
-        let worker_grows = self
-            .house
-            .attached_volumes(row.id)
-            .await?
-            .iter()
-            .any(|(_, b)| b.grows_image());
-        if !worker_grows {
-            let me = self.clone();
-            let r = row.clone();
-            blocking(move || -> Result<()> {
-                let mut file = me.house.open_image(&r, Access::ReadWrite)?;
-                file.grow(size_bytes, allocation)?;
-                Ok(())
-            })
-            .await??;
-        }
-        let followed = self
-            .volumes_follow_resize(row, size_bytes, allocation)
-            .await?;
-        let (size, allocated) = self
-            .house
-            .roots
-            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-            .unwrap_or((size_bytes, row.allocated_bytes));
-        let mut tx = self.house.store.begin().await?;
-        tx.update_image_size(row.id, size, allocated).await?;
-        tx.event(
-            None,
-            Some(row.id),
-            "image_resized",
-            &format!(
-                "image '{}' grown from {} to {}",
-                row.name,
-                size_text(current),
-                size_text(size)
-            ),
-        )
-        .await?;
-        for w in warnings {
-            tx.event(None, Some(row.id), "image_overcommitted", w)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(followed)
-    }
-
     /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
     /// holes and unwritten extents in the background, so it passes direct-map
     /// rule 2 again, and makes it `full` (never punched from then on) when
@@ -518,7 +387,7 @@ impl Manager {
             (pace, None),
             total,
             move |job| async move {
-                let out = me.run_allocate(&r, attached, &job).await;
+                let out = me.house.run_allocate(&r, attached, &job).await;
                 me.house.end_allocate(&r, &job, needed, out).await
             },
         );
@@ -564,50 +433,6 @@ impl Manager {
         Ok((needed, free, total))
     }
 
-    /// Writes the zeros: through each attached volume's backend, or, with
-    /// none, from here with the image's OFD lock held (it keeps another
-    /// instance's volume, and an attach here, off the file meanwhile).
-    /// `Ok(false)`: cancelled.
-    async fn run_allocate(
-        self: &std::sync::Arc<Self>,
-        row: &ImageRow,
-        attached: Vec<(
-            crate::store::VolumeRow,
-            std::sync::Arc<dyn crate::backend::VolumeBackend>,
-        )>,
-        job: &std::sync::Arc<blockplane_system::image::AllocateJob>,
-    ) -> Result<bool> {
-        if attached.is_empty() {
-            let (me, r, j) = (self.clone(), row.clone(), job.clone());
-            return blocking(move || -> Result<bool> {
-                let (mut file, _lock) = me.house.open_and_lock(&r, Access::ReadWrite)?;
-                Ok(file.allocate(&j)?)
-            })
-            .await?;
-        }
-        for (v, backend) in attached {
-            // The volume's lock only to read its attachment: its other
-            // changes (a policy switch, a detach) go on while its worker fills.
-            let att = {
-                let _vol = self.house.locks.volumes.lock(&v.name).await;
-                self.house
-                    .store
-                    .volume(&v.id.to_string())
-                    .await?
-                    .and_then(|v| v.attachment)
-            };
-            let Some(att) = att else { continue };
-            let (id, j) = (v.id, job.clone());
-            let done = blocking(move || backend.allocate(&att, id, &j))
-                .await?
-                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
-            if !done {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
-
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
     pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
@@ -638,89 +463,6 @@ impl Manager {
             error: p.error,
             started_at: p.started_at,
         })
-    }
-
-    /// Makes every attached volume of an image follow its new size. A volume
-    /// whose backend grows the image fails the resize when it cannot.
-    async fn volumes_follow_resize(
-        self: &std::sync::Arc<Self>,
-        image: &ImageRow,
-        size: u64,
-        allocation: Allocation,
-    ) -> Result<Vec<VolumeResize>> {
-        let mut out = Vec::new();
-        for (v, backend) in self.house.attached_volumes(image.id).await? {
-            let _vol = self.house.locks.volumes.lock(&v.name).await;
-            let Some(mut v) = self.house.store.volume(&v.id.to_string()).await? else {
-                continue;
-            };
-            let Some(att) = v.attachment.clone() else {
-                continue;
-            };
-            let grows = backend.grows_image();
-            let outcome = self
-                .house
-                .grow_device(&v, backend, att, size, allocation)
-                .await?;
-            let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
-            if outcome.is_ok() {
-                self.house.settings.faults.point(After::Change)?;
-            }
-            let mut tx = self.house.store.begin().await?;
-            match outcome {
-                Ok(att) => {
-                    let pending = att.resize_pending;
-                    let msg = if pending {
-                        format!(
-                            "volume '{}': image grown to {}; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
-                            v.name,
-                            size_text(size)
-                        )
-                    } else {
-                        format!(
-                            "volume '{}' now {} on {}",
-                            v.name,
-                            size_text(att.size_bytes - header),
-                            att.device
-                        )
-                    };
-                    out.push(VolumeResize {
-                        volume_id: v.id,
-                        name: v.name.clone(),
-                        size_bytes: att.size_bytes - header,
-                        resize_pending: pending,
-                        message: msg.clone(),
-                    });
-                    v.attachment = Some(att);
-                    v.updated_at = OffsetDateTime::now_utc();
-                    tx.update_volume(&v).await?;
-                    tx.event(Some(v.id), Some(image.id), "volume_resized", &msg)
-                        .await?;
-                    tx.commit().await?;
-                }
-                Err(e) => {
-                    tx.event(
-                        Some(v.id),
-                        Some(image.id),
-                        "volume_resize_failed",
-                        &format!("volume '{}' keeps its old size: {e}", v.name),
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    if grows {
-                        return Err(super::volumes::volume_error(&v.name, e));
-                    }
-                    out.push(VolumeResize {
-                        volume_id: v.id,
-                        name: v.name.clone(),
-                        size_bytes: v.attachment.as_ref().map(|a| a.size_bytes).unwrap_or(0),
-                        resize_pending: true,
-                        message: format!("keeps its old size: {e}"),
-                    });
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// `DELETE /v1/images/{id}`.
@@ -1215,6 +957,255 @@ impl House {
             path: row.path.clone(),
             holder: held.holder(),
         })
+    }
+
+    /// Makes the new file (and its LUKS2 header, when encrypted); `undo`
+    /// removes it if a later step fails.
+    async fn make_file(
+        self: &std::sync::Arc<Self>,
+        name: &str,
+        path: &ImagePath,
+        spec: CreateImageFile,
+        undo: &mut Undo,
+    ) -> Result<Made> {
+        let (me, p) = (self.clone(), path.clone());
+        let mut file =
+            blocking(move || me.roots.create_file(&p, spec.size_bytes, spec.allocation)).await??;
+        let (dev, ino) = file.identity();
+        let (me, p, birth) = (self.clone(), path.clone(), file.birth().map(str::to_string));
+        undo.push("remove the new image file", move || {
+            let _ = me.roots.remove_file(&p, dev, ino, birth.as_deref());
+        });
+        self.settings.faults.pause(Slow::ImageCreate).await;
+        let mut encryption = None;
+        if let Some(e) = &spec.encryption {
+            let fd = file
+                .fd()
+                .try_clone()
+                .map_err(|e| Error::Internal(format!("image '{name}': dup: {e}")))?;
+            encryption = Some(self.format_image(name, fd, &e.key).await?.1);
+            file.refresh()?;
+        }
+        Ok(Made {
+            file,
+            created: Some(spec.allocation),
+            allocation: Some(spec.allocation),
+            reason: None,
+            encryption,
+        })
+    }
+
+    /// Opens an existing file to register it: its bytes as they are, its
+    /// LUKS2 header if it has one, its allocation as declared or as found.
+    async fn open_to_register(
+        self: &std::sync::Arc<Self>,
+        name: &str,
+        path: &ImagePath,
+        declared: Option<Allocation>,
+    ) -> Result<Made> {
+        let (me, p, n) = (self.clone(), path.clone(), name.to_string());
+        let (file, written, encryption) = blocking(move || -> Result<_> {
+            let file = me.roots.open_file(&p, Access::ReadOnly)?;
+            let written = file.written()?;
+            let found = super::encryption::encryption_of(&n, file.fd())?;
+            Ok((file, written, found))
+        })
+        .await??;
+        let (allocation, reason) = registered_allocation(
+            name,
+            &path.display(),
+            file.size(),
+            &file.filesystem()?,
+            written,
+            declared,
+        )?;
+        Ok(Made {
+            file,
+            created: None,
+            allocation,
+            reason: Some(reason),
+            encryption,
+        })
+    }
+
+    /// Grows the image from `current` to `size_bytes` (the file here, or
+    /// by the ublk worker that holds it), its volumes after it, and records
+    /// the new size with `warnings`.
+    async fn grow_image(
+        self: &std::sync::Arc<Self>,
+        row: &ImageRow,
+        current: u64,
+        size_bytes: u64,
+        warnings: &[String],
+    ) -> Result<Vec<VolumeResize>> {
+        let allocation = row.allocation.unwrap_or(Allocation::Sparse);
+        // A ublk worker holds its image (pinned while direct-mapped) and
+        // grows it itself; otherwise the file is grown here first.
+        let worker_grows = self
+            .attached_volumes(row.id)
+            .await?
+            .iter()
+            .any(|(_, b)| b.grows_image());
+        if !worker_grows {
+            let me = self.clone();
+            let r = row.clone();
+            blocking(move || -> Result<()> {
+                let mut file = me.open_image(&r, Access::ReadWrite)?;
+                file.grow(size_bytes, allocation)?;
+                Ok(())
+            })
+            .await??;
+        }
+        let followed = self
+            .volumes_follow_resize(row, size_bytes, allocation)
+            .await?;
+        let (size, allocated) = self
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .unwrap_or((size_bytes, row.allocated_bytes));
+        let mut tx = self.store.begin().await?;
+        tx.update_image_size(row.id, size, allocated).await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_resized",
+            &format!(
+                "image '{}' grown from {} to {}",
+                row.name,
+                size_text(current),
+                size_text(size)
+            ),
+        )
+        .await?;
+        for w in warnings {
+            tx.event(None, Some(row.id), "image_overcommitted", w)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(followed)
+    }
+
+    /// Writes the zeros: through each attached volume's backend, or, with
+    /// none, from here with the image's OFD lock held (it keeps another
+    /// instance's volume, and an attach here, off the file meanwhile).
+    /// `Ok(false)`: cancelled.
+    async fn run_allocate(
+        self: &std::sync::Arc<Self>,
+        row: &ImageRow,
+        attached: Vec<(
+            crate::store::VolumeRow,
+            std::sync::Arc<dyn crate::backend::VolumeBackend>,
+        )>,
+        job: &std::sync::Arc<blockplane_system::image::AllocateJob>,
+    ) -> Result<bool> {
+        if attached.is_empty() {
+            let (me, r, j) = (self.clone(), row.clone(), job.clone());
+            return blocking(move || -> Result<bool> {
+                let (mut file, _lock) = me.open_and_lock(&r, Access::ReadWrite)?;
+                Ok(file.allocate(&j)?)
+            })
+            .await?;
+        }
+        for (v, backend) in attached {
+            // The volume's lock only to read its attachment: its other
+            // changes (a policy switch, a detach) go on while its worker fills.
+            let att = {
+                let _vol = self.locks.volumes.lock(&v.name).await;
+                self.store
+                    .volume(&v.id.to_string())
+                    .await?
+                    .and_then(|v| v.attachment)
+            };
+            let Some(att) = att else { continue };
+            let (id, j) = (v.id, job.clone());
+            let done = blocking(move || backend.allocate(&att, id, &j))
+                .await?
+                .map_err(|e| super::volumes::volume_error(&v.name, e))?;
+            if !done {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Makes every attached volume of an image follow its new size. A volume
+    /// whose backend grows the image fails the resize when it cannot.
+    async fn volumes_follow_resize(
+        self: &std::sync::Arc<Self>,
+        image: &ImageRow,
+        size: u64,
+        allocation: Allocation,
+    ) -> Result<Vec<VolumeResize>> {
+        let mut out = Vec::new();
+        for (v, backend) in self.attached_volumes(image.id).await? {
+            let _vol = self.locks.volumes.lock(&v.name).await;
+            let Some(mut v) = self.store.volume(&v.id.to_string()).await? else {
+                continue;
+            };
+            let Some(att) = v.attachment.clone() else {
+                continue;
+            };
+            let grows = backend.grows_image();
+            let outcome = self.grow_device(&v, backend, att, size, allocation).await?;
+            let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
+            if outcome.is_ok() {
+                self.settings.faults.point(After::Change)?;
+            }
+            let mut tx = self.store.begin().await?;
+            match outcome {
+                Ok(att) => {
+                    let pending = att.resize_pending;
+                    let msg = if pending {
+                        format!(
+                            "volume '{}': image grown to {}; the kernel cannot resize ublk devices live (no UPDATE_SIZE): the new size applies at the next attach",
+                            v.name,
+                            size_text(size)
+                        )
+                    } else {
+                        format!(
+                            "volume '{}' now {} on {}",
+                            v.name,
+                            size_text(att.size_bytes - header),
+                            att.device
+                        )
+                    };
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: att.size_bytes - header,
+                        resize_pending: pending,
+                        message: msg.clone(),
+                    });
+                    v.attachment = Some(att);
+                    v.updated_at = OffsetDateTime::now_utc();
+                    tx.update_volume(&v).await?;
+                    tx.event(Some(v.id), Some(image.id), "volume_resized", &msg)
+                        .await?;
+                    tx.commit().await?;
+                }
+                Err(e) => {
+                    tx.event(
+                        Some(v.id),
+                        Some(image.id),
+                        "volume_resize_failed",
+                        &format!("volume '{}' keeps its old size: {e}", v.name),
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    if grows {
+                        return Err(super::volumes::volume_error(&v.name, e));
+                    }
+                    out.push(VolumeResize {
+                        volume_id: v.id,
+                        name: v.name.clone(),
+                        size_bytes: v.attachment.as_ref().map(|a| a.size_bytes).unwrap_or(0),
+                        resize_pending: true,
+                        message: format!("keeps its old size: {e}"),
+                    });
+                }
+            }
+        }
+        Ok(out)
     }
 }
 

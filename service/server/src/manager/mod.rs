@@ -81,7 +81,7 @@ type Generations = (u64, u64, u64);
 pub struct Manager {
     /// What every operation reads: the registry, the image roots, the
     /// backends, the settings, the locks and image holds, the reserve.
-    house: House,
+    house: Arc<House>,
     /// The once-a-second look at every attached volume.
     readings: look::Readings,
     /// What the API reads often, kept ready.
@@ -137,7 +137,7 @@ impl Manager {
     ) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
         let me = Arc::new(Self {
-            house: House {
+            house: Arc::new(House {
                 store,
                 roots,
                 backends: backends.list,
@@ -153,14 +153,14 @@ impl Manager {
                 locks: locks::Locks::default(),
                 holds: holds::ImageHolds::default(),
                 reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
-            },
+            }),
             readings: look::Readings::default(),
             api: ApiViews::default(),
             jobs: ImageJobs::default(),
             backups: target::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),
         });
-        me.clone().record_backend_events(backends.events);
+        me.house.clone().record_backend_events(backends.events);
         Ok(me)
     }
 

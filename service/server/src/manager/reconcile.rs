@@ -102,161 +102,6 @@ impl Manager {
     pub async fn reconcile(self: &Arc<Self>) -> Result<Report> {
         self.recovery().await?.run().await
     }
-
-    /// Matches one volume's row with the kernel, under the volume's lock
-    /// (taken when the start began).
-    async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
-        let _volume = held.lock;
-        if self.house.settings.faults.slows(Slow::ReconcileGate) {
-            let gate = self
-                .house
-                .settings
-                .ublk_run_root
-                .with_file_name("reconcile-gate");
-            while gate.exists() {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-        }
-        let Some(mut v) = self.house.store.volume(&held.row.id.to_string()).await? else {
-            return Ok(Outcome::Gone);
-        };
-        if v.state == VolumeState::Detaching {
-            return self.house.finish_delete(&v).await;
-        }
-        let Some(image) = self.house.store.image(&v.image_id.to_string()).await? else {
-            let reason = format!("its image {} is not registered", v.image_id);
-            self.house.record_error(&mut v, reason).await?;
-            return Ok(Outcome::Failed);
-        };
-        let Some(backend) = self.house.backend(v.backend) else {
-            let reason = super::house::not_built_reason(v.backend);
-            self.house.record_error(&mut v, reason).await?;
-            return Ok(Outcome::Failed);
-        };
-        tracing::debug!(volume = %v.name, "reconcile: probing its device");
-        let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
-        tracing::debug!(volume = %v.name, alive = matches!(probe, Ok(Probe::Alive(_))), "reconcile: probed");
-        match probe {
-            Ok(Probe::Alive(att)) => self.house.adopt(&mut v, &backend, *att, image_lock).await,
-            Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,
-            Err(e) => {
-                self.house.record_error(&mut v, e.to_string()).await?;
-                Ok(Outcome::Failed)
-            }
-        }
-    }
-
-    /// Asks the backend whether the volume's device still serves, with the
-    /// image opened and its lock taken again.
-    async fn probe_volume(
-        self: &Arc<Self>,
-        v: &VolumeRow,
-        image: &ImageRow,
-        backend: &Arc<dyn VolumeBackend>,
-    ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
-        // A direct-mapped image is pinned: it opens read-only only.
-        let opened = {
-            let (me, image, a) = (
-                self.clone(),
-                image.clone(),
-                Access::read_only_if(v.spec.read_only),
-            );
-            blocking(move || {
-                me.house
-                    .open_image(&image, a)
-                    .or_else(|_| me.house.open_image(&image, Access::ReadOnly))
-            })
-            .await?
-        };
-        // The lock a serving volume holds on its image, taken again. Held
-        // elsewhere, it is either another blockplane's or the one this
-        // volume's ublk worker kept while no service lived (the backend
-        // finds that one when it probes the worker).
-        let image_lock = opened
-            .as_ref()
-            .ok()
-            .map(|f| self.house.lock_image(image, f));
-        let req = ProbeRequest {
-            volume_id: v.id,
-            identity: (image.dev, image.ino),
-            params: params(v, image, image.size_bytes),
-            image: opened.ok().map(|f| f.into_fd()),
-            stored: v.attachment.clone(),
-            image_lock: match &image_lock {
-                Some(Ok(fd)) => fd.try_clone().ok(),
-                _ => None,
-            },
-        };
-        let prober = backend.clone();
-        let probe = blocking(move || prober.probe(req)).await?;
-        Ok((probe, image_lock))
-    }
-
-    /// The device vanished: the volume is attached again, or goes `error`
-    /// with the reason.
-    async fn reattach(
-        self: &Arc<Self>,
-        v: &mut VolumeRow,
-        image: &ImageRow,
-        image_lock: ImageLock,
-    ) -> Result<Outcome> {
-        let opened = {
-            let (me, image, a) = (
-                self.clone(),
-                image.clone(),
-                Access::read_only_if(v.spec.read_only),
-            );
-            let ublk = v.backend == Backend::Ublk;
-            blocking(move || match me.house.open_image(&image, a) {
-                // Pinned by the volume's direct worker, which died while no
-                // service ran: the backend lifts that pin (and reopens the
-                // image for writing) when it recovers the device.
-                Err(e) if ublk => match me.house.open_image(&image, Access::ReadOnly) {
-                    Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
-                    _ => Err(e),
-                },
-                r => r,
-            })
-            .await?
-        };
-        let attached = match opened {
-            Ok(file) => {
-                // Taken again if it failed: the probe may have stopped its
-                // holder (a dm volume's stray worker).
-                let lock = match image_lock {
-                    Some(Ok(lock)) => Ok(lock),
-                    _ => self.house.lock_image(image, &file),
-                };
-                match lock {
-                    Ok(lock) => self
-                        .house
-                        .attach(v, image, file, &lock, None)
-                        .await
-                        .map(|att| (att, lock)),
-                    Err(e) => Err(e),
-                }
-            }
-            Err(e) => Err(e),
-        };
-        match attached {
-            Ok((att, lock)) => {
-                self.house.holds.keep(v.id, lock);
-                self.house
-                    .record_attached(v, att, "volume_reattached")
-                    .await?;
-                Ok(Outcome::Reattached)
-            }
-            Err(e) => {
-                self.house
-                    .record_error(
-                        v,
-                        format!("its device vanished and could not be re-attached: {e}"),
-                    )
-                    .await?;
-                Ok(Outcome::Failed)
-            }
-        }
-    }
 }
 
 impl Recovery {
@@ -275,7 +120,7 @@ impl Recovery {
                 let manager = manager.clone();
                 async move {
                     let id = held.row.id;
-                    let outcome = manager.reconcile_volume(held).await;
+                    let outcome = manager.house.reconcile_volume(held).await;
                     manager.recovering.done(id);
                     outcome
                 }
@@ -468,6 +313,149 @@ impl House {
             }
         }
         Ok(removed)
+    }
+
+    /// Matches one volume's row with the kernel, under the volume's lock
+    /// (taken when the start began).
+    async fn reconcile_volume(self: &Arc<Self>, held: Held) -> Result<Outcome> {
+        let _volume = held.lock;
+        if self.settings.faults.slows(Slow::ReconcileGate) {
+            let gate = self.settings.ublk_run_root.with_file_name("reconcile-gate");
+            while gate.exists() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+        let Some(mut v) = self.store.volume(&held.row.id.to_string()).await? else {
+            return Ok(Outcome::Gone);
+        };
+        if v.state == VolumeState::Detaching {
+            return self.finish_delete(&v).await;
+        }
+        let Some(image) = self.store.image(&v.image_id.to_string()).await? else {
+            let reason = format!("its image {} is not registered", v.image_id);
+            self.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        let Some(backend) = self.backend(v.backend) else {
+            let reason = super::house::not_built_reason(v.backend);
+            self.record_error(&mut v, reason).await?;
+            return Ok(Outcome::Failed);
+        };
+        tracing::debug!(volume = %v.name, "reconcile: probing its device");
+        let (probe, image_lock) = self.probe_volume(&v, &image, &backend).await?;
+        tracing::debug!(volume = %v.name, alive = matches!(probe, Ok(Probe::Alive(_))), "reconcile: probed");
+        match probe {
+            Ok(Probe::Alive(att)) => self.adopt(&mut v, &backend, *att, image_lock).await,
+            Ok(Probe::Gone) => self.reattach(&mut v, &image, image_lock).await,
+            Err(e) => {
+                self.record_error(&mut v, e.to_string()).await?;
+                Ok(Outcome::Failed)
+            }
+        }
+    }
+
+    /// Asks the backend whether the volume's device still serves, with the
+    /// image opened and its lock taken again.
+    async fn probe_volume(
+        self: &Arc<Self>,
+        v: &VolumeRow,
+        image: &ImageRow,
+        backend: &Arc<dyn VolumeBackend>,
+    ) -> Result<(std::result::Result<Probe, BackendError>, ImageLock)> {
+        // A direct-mapped image is pinned: it opens read-only only.
+        let opened = {
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
+            blocking(move || {
+                me.open_image(&image, a)
+                    .or_else(|_| me.open_image(&image, Access::ReadOnly))
+            })
+            .await?
+        };
+        // The lock a serving volume holds on its image, taken again. Held
+        // elsewhere, it is either another blockplane's or the one this
+        // volume's ublk worker kept while no service lived (the backend
+        // finds that one when it probes the worker).
+        let image_lock = opened.as_ref().ok().map(|f| self.lock_image(image, f));
+        let req = ProbeRequest {
+            volume_id: v.id,
+            identity: (image.dev, image.ino),
+            params: params(v, image, image.size_bytes),
+            image: opened.ok().map(|f| f.into_fd()),
+            stored: v.attachment.clone(),
+            image_lock: match &image_lock {
+                Some(Ok(fd)) => fd.try_clone().ok(),
+                _ => None,
+            },
+        };
+        let prober = backend.clone();
+        let probe = blocking(move || prober.probe(req)).await?;
+        Ok((probe, image_lock))
+    }
+
+    /// The device vanished: the volume is attached again, or goes `error`
+    /// with the reason.
+    async fn reattach(
+        self: &Arc<Self>,
+        v: &mut VolumeRow,
+        image: &ImageRow,
+        image_lock: ImageLock,
+    ) -> Result<Outcome> {
+        let opened = {
+            let (me, image, a) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(v.spec.read_only),
+            );
+            let ublk = v.backend == Backend::Ublk;
+            blocking(move || match me.open_image(&image, a) {
+                // Pinned by the volume's direct worker, which died while no
+                // service ran: the backend lifts that pin (and reopens the
+                // image for writing) when it recovers the device.
+                Err(e) if ublk => match me.open_image(&image, Access::ReadOnly) {
+                    Ok(f) if extent::is_immutable(f.fd().as_fd()).unwrap_or(false) => Ok(f),
+                    _ => Err(e),
+                },
+                r => r,
+            })
+            .await?
+        };
+        let attached = match opened {
+            Ok(file) => {
+                // Taken again if it failed: the probe may have stopped its
+                // holder (a dm volume's stray worker).
+                let lock = match image_lock {
+                    Some(Ok(lock)) => Ok(lock),
+                    _ => self.lock_image(image, &file),
+                };
+                match lock {
+                    Ok(lock) => self
+                        .attach(v, image, file, &lock, None)
+                        .await
+                        .map(|att| (att, lock)),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok((att, lock)) => {
+                self.holds.keep(v.id, lock);
+                self.record_attached(v, att, "volume_reattached").await?;
+                Ok(Outcome::Reattached)
+            }
+            Err(e) => {
+                self.record_error(
+                    v,
+                    format!("its device vanished and could not be re-attached: {e}"),
+                )
+                .await?;
+                Ok(Outcome::Failed)
+            }
+        }
     }
 }
 
