@@ -23,6 +23,7 @@ use super::blocking::blocking;
 use super::copies::{Copier, SharedMoment};
 use super::error::{Error, Result};
 use super::house::House;
+use super::image_jobs::Images;
 use super::images::new_file_row;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
@@ -169,7 +170,7 @@ impl Manager {
         }
         let _image = self.house.locks.images.lock(&src.id.to_string()).await;
         let src = self.house.image_row(&src.id.to_string()).await?;
-        self.backupable(&src)?;
+        self.images.backupable(&src)?;
         let id = Uuid::new_v4();
         // Read-only volumes are held until the job refuses their return to
         // writable (their PATCH and unlock take the same lock), so the image
@@ -190,6 +191,7 @@ impl Manager {
         }
         let mut undo = Undo::default();
         let source = self
+            .images
             .backup_source(&src, id, name, writable, &mut undo)
             .await?;
         let meta = self.house.backup_meta(id, name, &src, &source.file);
@@ -229,68 +231,6 @@ impl Manager {
         self.backup(&id.to_string()).await
     }
 
-    /// Refuses a backup of `src` now: not ready, an allocate or a copy of
-    /// it runs, or a backup of it runs already.
-    fn backupable(&self, src: &ImageRow) -> Result<()> {
-        self.house.refuse_unready(src, "be backed up")?;
-        self.jobs.allocations.refuse(src, "be backed up")?;
-        self.jobs.copies.refuse(src, "be backed up")?;
-        let running = self.backups.jobs.list(|id, run, p| {
-            (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
-        });
-        if let Some(Some(id)) = running.into_iter().find(Option::is_some) {
-            return Err(Error::BackupRunning {
-                name: src.name.clone(),
-                backup: id,
-            });
-        }
-        Ok(())
-    }
-
-    /// What backup `id` reads: one moment of `writable`'s I/O in a hidden
-    /// file beside the image (`undo` removes it if a later step fails), or
-    /// the image's own file when no volume writes it.
-    async fn backup_source(
-        self: &Arc<Self>,
-        src: &ImageRow,
-        id: Uuid,
-        name: &str,
-        writable: Option<(VolumeRow, Arc<dyn VolumeBackend>)>,
-        undo: &mut Undo,
-    ) -> Result<BackupSource> {
-        let Some((v, backend)) = writable else {
-            let (me, s) = (self.clone(), src.clone());
-            let file = blocking(move || me.house.open_image(&s, Access::ReadOnly)).await??;
-            return Ok(BackupSource {
-                file,
-                moment: None,
-                held: None,
-                copier: None,
-            });
-        };
-        let path = self
-            .house
-            .roots
-            .resolve(&moment_path(src, id).display().to_string())?;
-        let m = if backend.kind() == Backend::Loop {
-            self.house.share_loop_moment(src, &path, &v).await?
-        } else {
-            self.share_with_serving(src, &path, v, backend, name, None)
-                .await?
-        };
-        let ((dev, ino), birth) = (m.file.identity(), m.file.birth().map(str::to_string));
-        let (me, p) = (self.clone(), path.clone());
-        undo.push("remove the backup's moment file", move || {
-            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
-        });
-        Ok(BackupSource {
-            file: m.file,
-            moment: Some(path),
-            held: Some(m.held),
-            copier: m.copier,
-        })
-    }
-
     /// Runs the backup on the runtime, then records its end.
     fn start_backup(
         self: &Arc<Self>,
@@ -317,8 +257,9 @@ impl Manager {
         let me = self.clone();
         let moment_identity = (file.identity(), file.birth().map(str::to_string));
         let fd: std::fs::File = file.into_fd().into();
-        self.backups
+        self.images
             .jobs
+            .backups
             .start(meta.id, run, (pace, gate), 0, move |job| async move {
                 let started = std::time::Instant::now();
                 // A copied moment is complete first; its progress is the job's
@@ -436,39 +377,6 @@ impl Manager {
         Ended { state, error }
     }
 
-    /// This service's backups without a manifest (running, failed,
-    /// cancelled), as the API shows them.
-    fn local_backups(&self) -> Vec<Backup> {
-        self.backups.jobs.list(|id, run, p| {
-            let m = &run.meta;
-            Backup {
-                id,
-                name: m.name.clone(),
-                state: match p.state {
-                    JobState::Running => BackupState::Running,
-                    JobState::Done => BackupState::Done,
-                    JobState::Cancelled => BackupState::Cancelled,
-                    JobState::Failed => BackupState::Failed,
-                },
-                image_id: m.image.id,
-                image_name: m.image.name.clone(),
-                size_bytes: m.image.size_bytes,
-                encrypted: m.image.encrypted,
-                created_at: m.created_at,
-                finished_at: None,
-                chunks: 0,
-                stored_bytes: 0,
-                uploaded_bytes: run.counters.uploaded_bytes.load(Relaxed),
-                deduplicated_bytes: run.counters.deduplicated_bytes.load(Relaxed),
-                done_bytes: (p.state == JobState::Running).then_some(p.done_bytes),
-                total_bytes: (p.state == JobState::Running).then_some(p.total_bytes),
-                error: p.error,
-                source_host: m.source.host.clone(),
-                blockplane_version: env!("CARGO_PKG_VERSION").to_string(),
-            }
-        })
-    }
-
     /// `GET /v1/backups`: the target's backups (any service's) and this
     /// service's without a manifest, oldest first; `image` by id, or by
     /// name (a registered image's id, else the name it was backed up as).
@@ -481,7 +389,8 @@ impl Manager {
             .collect();
         let listed: std::collections::HashSet<Uuid> = out.iter().map(|b| b.id).collect();
         out.extend(
-            self.local_backups()
+            self.images
+                .local_backups()
                 .into_iter()
                 .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
         );
@@ -502,6 +411,7 @@ impl Manager {
     pub(crate) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
         if let Ok(id) = Uuid::parse_str(id_or_name)
             && let Some(local) = self
+                .images
                 .local_backups()
                 .into_iter()
                 .find(|b| b.id == id && b.state != BackupState::Done)
@@ -543,8 +453,8 @@ impl Manager {
         let b = self.backup(id_or_name).await?;
         let done = match b.state {
             BackupState::Running => {
-                self.backups.jobs.stop(b.id).await;
-                match self.backups.jobs.progress(b.id).map(|p| p.state) {
+                self.images.jobs.backups.stop(b.id).await;
+                match self.images.jobs.backups.progress(b.id).map(|p| p.state) {
                     // It wrote its manifest before the cancel landed: a
                     // cancel asked is a delete then.
                     Some(JobState::Done) => true,
@@ -594,7 +504,7 @@ impl Manager {
                 }
             });
         }
-        self.backups.jobs.forget(b.id);
+        self.images.jobs.backups.forget(b.id);
         Ok(())
     }
 
@@ -652,6 +562,7 @@ impl Manager {
         let _registering = self.house.claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
+            .images
             .check_provisioning(name, &path.display(), size, true)
             .await?;
         let (me, p) = (self.clone(), path.clone());
@@ -708,78 +619,10 @@ impl Manager {
         .await;
         recorded?;
         undo.commit();
-        self.start_restore(&row, target, m, file, fd.into());
-        let mut image = self.image_view(row).await?;
+        self.images.start_restore(&row, target, m, file, fd.into());
+        let mut image = self.images.image_view(row).await?;
         image.warnings = warnings;
         Ok(image)
-    }
-
-    /// Runs a restore into `fd` (`file`'s, read again at the end), then records its end: `ready` (with its
-    /// LUKS2 header read, when it has one), or `failed` with the file removed
-    /// (also when its bytes have a LUKS header and the manifest says the
-    /// image was not encrypted, or the other way round).
-    fn start_restore(
-        self: &Arc<Self>,
-        row: &ImageRow,
-        target: Target,
-        m: Manifest,
-        file: ImageFile,
-        fd: std::fs::File,
-    ) {
-        let pace = self.house.settings.faults.pace(Slow::Copy);
-        let kind = CopyRun::restore(row.name.clone());
-        let (me, row) = (self.clone(), row.clone());
-        let total = m.stored_bytes;
-        self.jobs.copies
-            .start(row.id, kind, (pace, None), total, move |job| async move {
-                let started = std::time::Instant::now();
-                let out = blockplane_backup::restore(&target, &m, fd, job.clone())
-                    .await
-                    .map_err(Error::from);
-                let out = match out {
-                    Ok(true) => {
-                        let (name, backup) = (row.name.clone(), m.name.clone());
-                        let (backup_id, encrypted) = (m.id, m.image.encrypted);
-                        blocking(move || -> Result<_> {
-                            use std::os::fd::AsFd;
-                            let mut file = file;
-                            file.refresh()?;
-                            // The restored image takes its encryption from
-                            // its bytes, as a registration does; bytes that
-                            // disagree with the manifest would turn an
-                            // encrypted image's ciphertext into a plain
-                            // volume's data, or lock a plain one behind a
-                            // key its source never had.
-                            let luks = blockplane_system::crypt::is_luks(file.fd().as_fd())
-                                .map_err(|e| super::encryption::crypt_error(&name, e))?;
-                            if luks != encrypted {
-                                return Err(Error::RestoredEncryption {
-                                    image: name,
-                                    backup,
-                                    backup_id,
-                                    expected: if encrypted {
-                                        "an encrypted image"
-                                    } else {
-                                        "an image that is not encrypted"
-                                    },
-                                    found: if luks {
-                                        "hold a LUKS header (registered as it is, the image would need a key its source never did)"
-                                    } else {
-                                        "hold no LUKS header (served, its ciphertext would pass for plain data)"
-                                    },
-                                });
-                            }
-                            let encryption = super::encryption::encryption_of(&name, file.fd())?;
-                            Ok((true, file.allocated(), encryption))
-                        })
-                        .await
-                        .and_then(|r| r)
-                    }
-                    Ok(false) => Ok((false, 0, None)),
-                    Err(e) => Err(e),
-                };
-                me.house.end_restore(&row, &m, &job, started.elapsed(), out).await
-            });
     }
 
     /// Seconds since each of `images`' last backup with a manifest, by
@@ -1002,5 +845,170 @@ impl House {
             held,
             copier: None,
         })
+    }
+}
+
+impl Images {
+    /// Refuses a backup of `src` now: not ready, an allocate or a copy of
+    /// it runs, or a backup of it runs already.
+    fn backupable(&self, src: &ImageRow) -> Result<()> {
+        self.house.refuse_unready(src, "be backed up")?;
+        self.jobs.allocations.refuse(src, "be backed up")?;
+        self.jobs.copies.refuse(src, "be backed up")?;
+        let running = self.jobs.backups.list(|id, run, p| {
+            (p.state == JobState::Running && run.meta.image.id == src.id).then_some(id)
+        });
+        if let Some(Some(id)) = running.into_iter().find(Option::is_some) {
+            return Err(Error::BackupRunning {
+                name: src.name.clone(),
+                backup: id,
+            });
+        }
+        Ok(())
+    }
+
+    /// What backup `id` reads: one moment of `writable`'s I/O in a hidden
+    /// file beside the image (`undo` removes it if a later step fails), or
+    /// the image's own file when no volume writes it.
+    async fn backup_source(
+        &self,
+        src: &ImageRow,
+        id: Uuid,
+        name: &str,
+        writable: Option<(VolumeRow, Arc<dyn VolumeBackend>)>,
+        undo: &mut Undo,
+    ) -> Result<BackupSource> {
+        let Some((v, backend)) = writable else {
+            let (me, s) = (self.clone(), src.clone());
+            let file = blocking(move || me.house.open_image(&s, Access::ReadOnly)).await??;
+            return Ok(BackupSource {
+                file,
+                moment: None,
+                held: None,
+                copier: None,
+            });
+        };
+        let path = self
+            .house
+            .roots
+            .resolve(&moment_path(src, id).display().to_string())?;
+        let m = if backend.kind() == Backend::Loop {
+            self.house.share_loop_moment(src, &path, &v).await?
+        } else {
+            self.share_with_serving(src, &path, v, backend, name, None)
+                .await?
+        };
+        let ((dev, ino), birth) = (m.file.identity(), m.file.birth().map(str::to_string));
+        let (me, p) = (self.clone(), path.clone());
+        undo.push("remove the backup's moment file", move || {
+            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
+        });
+        Ok(BackupSource {
+            file: m.file,
+            moment: Some(path),
+            held: Some(m.held),
+            copier: m.copier,
+        })
+    }
+
+    /// This service's backups without a manifest (running, failed,
+    /// cancelled), as the API shows them.
+    fn local_backups(&self) -> Vec<Backup> {
+        self.jobs.backups.list(|id, run, p| {
+            let m = &run.meta;
+            Backup {
+                id,
+                name: m.name.clone(),
+                state: match p.state {
+                    JobState::Running => BackupState::Running,
+                    JobState::Done => BackupState::Done,
+                    JobState::Cancelled => BackupState::Cancelled,
+                    JobState::Failed => BackupState::Failed,
+                },
+                image_id: m.image.id,
+                image_name: m.image.name.clone(),
+                size_bytes: m.image.size_bytes,
+                encrypted: m.image.encrypted,
+                created_at: m.created_at,
+                finished_at: None,
+                chunks: 0,
+                stored_bytes: 0,
+                uploaded_bytes: run.counters.uploaded_bytes.load(Relaxed),
+                deduplicated_bytes: run.counters.deduplicated_bytes.load(Relaxed),
+                done_bytes: (p.state == JobState::Running).then_some(p.done_bytes),
+                total_bytes: (p.state == JobState::Running).then_some(p.total_bytes),
+                error: p.error,
+                source_host: m.source.host.clone(),
+                blockplane_version: env!("CARGO_PKG_VERSION").to_string(),
+            }
+        })
+    }
+
+    /// Runs a restore into `fd` (`file`'s, read again at the end), then records its end: `ready` (with its
+    /// LUKS2 header read, when it has one), or `failed` with the file removed
+    /// (also when its bytes have a LUKS header and the manifest says the
+    /// image was not encrypted, or the other way round).
+    fn start_restore(
+        &self,
+        row: &ImageRow,
+        target: Target,
+        m: Manifest,
+        file: ImageFile,
+        fd: std::fs::File,
+    ) {
+        let pace = self.house.settings.faults.pace(Slow::Copy);
+        let kind = CopyRun::restore(row.name.clone());
+        let (me, row) = (self.clone(), row.clone());
+        let total = m.stored_bytes;
+        self.jobs.copies
+            .start(row.id, kind, (pace, None), total, move |job| async move {
+                let started = std::time::Instant::now();
+                let out = blockplane_backup::restore(&target, &m, fd, job.clone())
+                    .await
+                    .map_err(Error::from);
+                let out = match out {
+                    Ok(true) => {
+                        let (name, backup) = (row.name.clone(), m.name.clone());
+                        let (backup_id, encrypted) = (m.id, m.image.encrypted);
+                        blocking(move || -> Result<_> {
+                            use std::os::fd::AsFd;
+                            let mut file = file;
+                            file.refresh()?;
+                            // The restored image takes its encryption from
+                            // its bytes, as a registration does; bytes that
+                            // disagree with the manifest would turn an
+                            // encrypted image's ciphertext into a plain
+                            // volume's data, or lock a plain one behind a
+                            // key its source never had.
+                            let luks = blockplane_system::crypt::is_luks(file.fd().as_fd())
+                                .map_err(|e| super::encryption::crypt_error(&name, e))?;
+                            if luks != encrypted {
+                                return Err(Error::RestoredEncryption {
+                                    image: name,
+                                    backup,
+                                    backup_id,
+                                    expected: if encrypted {
+                                        "an encrypted image"
+                                    } else {
+                                        "an image that is not encrypted"
+                                    },
+                                    found: if luks {
+                                        "hold a LUKS header (registered as it is, the image would need a key its source never did)"
+                                    } else {
+                                        "hold no LUKS header (served, its ciphertext would pass for plain data)"
+                                    },
+                                });
+                            }
+                            let encryption = super::encryption::encryption_of(&name, file.fd())?;
+                            Ok((true, file.allocated(), encryption))
+                        })
+                        .await
+                        .and_then(|r| r)
+                    }
+                    Ok(false) => Ok((false, 0, None)),
+                    Err(e) => Err(e),
+                };
+                me.house.end_restore(&row, &m, &job, started.elapsed(), out).await
+            });
     }
 }

@@ -13,6 +13,7 @@ use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
+use super::image_jobs::Images;
 use super::images::new_file_row;
 use super::jobs::Ended;
 use super::moments::CopyClaim;
@@ -146,400 +147,7 @@ impl Manager {
             .parent()
             .unwrap_or(std::path::Path::new("/"));
         let path = dir.join(name).display().to_string();
-        self.copy_image(src, name, &path, true, None).await
-    }
-
-    /// `POST /v1/images` with `clone_from`: a writable image at `path` made
-    /// from `source`, grown to `grow`'s size (its new range laid out as
-    /// asked) when given.
-    pub(super) async fn clone_image(
-        self: &Arc<Self>,
-        source: &str,
-        name: &str,
-        path: &str,
-        grow: Option<CreateImageFile>,
-    ) -> Result<Image> {
-        validate_name("image", name)?;
-        let src = self.house.image_row(source).await?;
-        self.copy_image(src, name, path, false, grow).await
-    }
-
-    /// Makes the new file (reflink, or empty for a copy, refused with 507
-    /// when the source's data cannot fit), records it, and starts the copy.
-    async fn copy_image(
-        self: &Arc<Self>,
-        src: ImageRow,
-        name: &str,
-        path: &str,
-        snapshot: bool,
-        grow: Option<CreateImageFile>,
-    ) -> Result<Image> {
-        let path = self.house.roots.resolve(path)?;
-        let _registering = self.house.claim_name(name).await?;
-        let _source = self.house.locks.images.lock(&src.id.to_string()).await;
-        let src = self.house.image_row(&src.id.to_string()).await?;
-        let size = self.copyable(&src, name, snapshot, grow.as_ref())?;
-        let grow = grow.map(|g| (g.size_bytes, g.allocation));
-        let attached = self.house.attached_volumes(src.id).await?;
-        let warnings = self
-            .check_provisioning(name, &path.display(), size, true)
-            .await?;
-        let mut undo = Undo::default();
-        let made = self
-            .make_copy_file(&src, &path, name, &attached, grow, &mut undo)
-            .await?;
-        // From here the copy of one moment may run: any refusal stops it
-        // before the file is undone.
-        let recorded = async {
-            if let Some(src_file) = &made.copy_from {
-                copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
-            }
-            let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
-            let (event, how) = copy_event(name, snapshot, &made);
-            let kind = if snapshot {
-                "a read-only snapshot"
-            } else {
-                "a writable clone"
-            };
-            let mut tx = self.house.store.begin().await?;
-            tx.insert_image(&row).await?;
-            tx.event(
-                None,
-                Some(row.id),
-                event,
-                &format!(
-                    "image '{name}' ({}) is {kind} of image '{}': {how}",
-                    row.path, src.name
-                ),
-            )
-            .await?;
-            for w in &warnings {
-                tx.event(None, Some(row.id), "image_overcommitted", w)
-                    .await?;
-            }
-            tx.commit().await?;
-            Ok::<_, Error>(row)
-        }
-        .await;
-        let row = match recorded {
-            Ok(row) => row,
-            Err(e) => {
-                if let Some(c) = &made.copier {
-                    c.stop().await;
-                }
-                return Err(e);
-            }
-        };
-        undo.commit();
-        tracing::info!(image = %row.name, source = %src.name, reflinked = made.reflinked(), "image copy recorded");
-        if let Some(c) = made.copier {
-            self.start_moment_copy(&row, src.id, made.file, c, grow);
-        } else if let Some(src_file) = made.copy_from {
-            let private = made.start == CloneStart::Copy { private: true };
-            self.start_copy(&row, src.id, made.file, src_file, private, grow);
-        }
-        let mut image = self.image_view(row).await?;
-        image.warnings = warnings;
-        Ok(image)
-    }
-
-    /// The size of a copy of `src` (grown to `grow`'s when given), or why
-    /// `src` cannot be copied now: not ready, an allocate runs on it, or the
-    /// copy would be smaller than it.
-    fn copyable(
-        &self,
-        src: &ImageRow,
-        name: &str,
-        snapshot: bool,
-        grow: Option<&CreateImageFile>,
-    ) -> Result<u64> {
-        let what = if snapshot {
-            "be snapshotted"
-        } else {
-            "be cloned"
-        };
-        self.house.refuse_unready(src, what)?;
-        self.jobs.allocations.refuse(src, what)?;
-        let size = grow.map_or(src.size_bytes, |g| g.size_bytes);
-        if size < src.size_bytes {
-            return Err(Error::Shrink {
-                name: name.to_string(),
-                current: src.size_bytes,
-                asked: size,
-            });
-        }
-        Ok(size)
-    }
-
-    /// The copy's new file at `path`, shared or filled from `src`; `undo`
-    /// removes it if a later step fails.
-    async fn make_copy_file(
-        self: &Arc<Self>,
-        src: &ImageRow,
-        path: &ImagePath,
-        name: &str,
-        attached: &[(VolumeRow, Arc<dyn VolumeBackend>)],
-        grow: Option<(u64, Allocation)>,
-        undo: &mut Undo,
-    ) -> Result<CopyFile> {
-        // What may write the source meanwhile. A writable ublk or dm volume
-        // holds its queues while its worker shares the extents (below). A loop
-        // volume writes the file with direct I/O or through its page cache:
-        // every write that completed is in the file or written back by the
-        // sync and the FICLONE, which the filesystem's locking orders after it.
-        let serving = attached
-            .iter()
-            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
-            .cloned();
-        let made = match serving {
-            Some((v, backend)) => {
-                let m = self
-                    .share_with_serving(src, path, v, backend, name, grow)
-                    .await?;
-                CopyFile {
-                    file: m.file,
-                    start: CloneStart::Reflinked,
-                    copy_from: None,
-                    held: Some(m.held),
-                    copier: m.copier,
-                }
-            }
-            None => {
-                let (file, start, src_file, took) = self.house.clone_file(src, path, grow).await?;
-                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
-                // A loop volume's writes wait on the file's lock while the
-                // reflink runs: that is its pause.
-                let held = attached
-                    .iter()
-                    .find(|(v, _)| !v.read_only)
-                    .filter(|_| copy_from.is_none())
-                    .map(|(v, _)| {
-                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
-                    });
-                CopyFile {
-                    file,
-                    start,
-                    copy_from,
-                    held,
-                    copier: None,
-                }
-            }
-        };
-        let ((dev, ino), birth) = (made.file.identity(), made.file.birth().map(str::to_string));
-        let (me, path) = (self.clone(), path.clone());
-        undo.push("remove the copy's file", move || {
-            let _ = me
-                .house
-                .roots
-                .remove_file(&path, dev, ino, birth.as_deref());
-        });
-        Ok(made)
-    }
-
-    /// Puts one moment of `src`, which writable volume `v` serves, in a new
-    /// file at `path`: every write completed before the request, none begun
-    /// after the answer. Where the filesystem shares extents, the backend
-    /// holds the volume's I/O while they are shared, and the file is
-    /// complete; where it cannot, the backend holds it once while the
-    /// volume's worker begins a copy-before-write, and the file fills in the
-    /// background ([`SharedMoment::copier`]). A volume on `direct` is moved
-    /// to `nowait` first, for good (its map must own its extents alone),
-    /// recorded with a `dispatch_changed` event. A grow (a clone's) applies
-    /// once the file is complete.
-    pub(super) async fn share_with_serving(
-        self: &Arc<Self>,
-        src: &ImageRow,
-        path: &ImagePath,
-        v: VolumeRow,
-        backend: Arc<dyn VolumeBackend>,
-        name: &str,
-        grow: Option<(u64, Allocation)>,
-    ) -> Result<SharedMoment> {
-        let refused = |v: &VolumeRow, reason: String| Error::SnapshotAttached {
-            name: src.name.clone(),
-            volume: v.name.clone(),
-            backend: v.backend.as_str(),
-            reason,
-        };
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let v = match self.house.store.volume(&v.id.to_string()).await? {
-            Some(now) if now.attachment.is_some() => now,
-            _ => return Err(refused(&v, VOLUME_CHANGED.into())),
-        };
-        let (me, p) = (self.clone(), path.clone());
-        let (file, shares) = blocking(move || me.house.roots.create_for_moment(&p)).await??;
-        let identity = file.identity();
-        let birth = file.birth().map(str::to_string);
-        let remove = || {
-            let _ = self
-                .house
-                .roots
-                .remove_file(path, identity.0, identity.1, birth.as_deref());
-        };
-        let claim = match shares {
-            true => None,
-            false => {
-                let checked = self.house.check_moment_room(src, &file, name, grow).await;
-                let claim = checked.and_then(|()| {
-                    self.jobs
-                        .moments
-                        .claim(src, &v, &path.display().to_string())
-                });
-                Some(claim.inspect_err(|_| remove())?)
-            }
-        };
-        let made = async {
-            let (v, att) = self.house.off_direct(&backend, v, name).await?;
-            let dest = SnapshotDest {
-                path: path.display().into(),
-                identity,
-            };
-            let held = self
-                .house
-                .hold_moment(&backend, &v, &att, dest, shares)
-                .await?;
-            tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
-            let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
-            let held = held_text(&v.name, &how, held);
-            Ok::<_, Error>((v, att, held))
-        };
-        let (v, att, held) = made.await.inspect_err(|_| remove())?;
-        let copier = claim.map(|claim| Copier {
-            volume: v,
-            attachment: att,
-            backend,
-            _claim: claim,
-        });
-        // The worker sized the file (a copy) or shared its extents.
-        let (me, p) = (self.clone(), path.clone());
-        let file = blocking(move || -> Result<ImageFile> {
-            let mut file = file;
-            file.refresh()?;
-            if shares {
-                me.house.grow_clone(&p, &mut file, grow)?;
-            }
-            Ok(file)
-        })
-        .await
-        .and_then(|r| r);
-        match file {
-            Ok(file) => Ok(SharedMoment { file, held, copier }),
-            Err(e) => {
-                if let Some(c) = &copier {
-                    c.stop().await;
-                }
-                remove();
-                Err(e)
-            }
-        }
-    }
-
-    /// Runs the copy into `file` on a blocking thread, then records its end.
-    fn start_copy(
-        self: &Arc<Self>,
-        row: &ImageRow,
-        source: Uuid,
-        mut file: ImageFile,
-        src: ImageFile,
-        private: bool,
-        grow: Option<(u64, Allocation)>,
-    ) {
-        let pace = self.house.settings.faults.pace(Slow::Copy);
-        let kind = CopyRun {
-            source,
-            name: row.name.clone(),
-        };
-        // A slowed copy is also held at the copy gate while it exists, so a
-        // test can act on a copy still running whatever the host's load.
-        let gate = self
-            .house
-            .settings
-            .faults
-            .slows(Slow::Copy)
-            .then(|| self.house.copy_gate());
-        let (me, row) = (self.clone(), row.clone());
-        let total = src.allocated();
-        self.jobs
-            .copies
-            .start(row.id, kind, (pace, gate), total, move |job| async move {
-                let started = std::time::Instant::now();
-                let j = job.clone();
-                let out = blocking(move || {
-                    let done = file.copy_from(&src, &j, private)?;
-                    if let (true, Some((size, alloc))) = (done, grow) {
-                        file.grow(size, alloc)?;
-                    }
-                    Ok((done, file.allocated()))
-                })
-                .await
-                .and_then(|r: Result<(bool, u64)>| r);
-                me.house.end_copy(&row, &job, started.elapsed(), out).await
-            });
-    }
-
-    /// Follows a serving volume's copy of one moment into `file` as a job,
-    /// grows the file when it is complete, then records its end.
-    fn start_moment_copy(
-        self: &Arc<Self>,
-        row: &ImageRow,
-        source: Uuid,
-        mut file: ImageFile,
-        copier: Copier,
-        grow: Option<(u64, Allocation)>,
-    ) {
-        let kind = CopyRun {
-            source,
-            name: row.name.clone(),
-        };
-        let (me, row) = (self.clone(), row.clone());
-        let total = row.size_bytes;
-        self.jobs.copies.start(
-            row.id,
-            kind,
-            (std::time::Duration::ZERO, None),
-            total,
-            move |job| async move {
-                let started = std::time::Instant::now();
-                let out = async {
-                    let done = copier.follow(job.clone()).await?;
-                    blocking(move || {
-                        file.refresh()?;
-                        if let (true, Some((size, alloc))) = (done, grow) {
-                            file.grow(size, alloc)?;
-                        }
-                        Ok((done, file.allocated()))
-                    })
-                    .await?
-                }
-                .await;
-                me.house.end_copy(&row, &job, started.elapsed(), out).await
-            },
-        );
-    }
-
-    /// A volume may use the image: it is `ready`, and the volume is
-    /// read-only when the image is.
-    pub(super) fn check_volume_image(
-        &self,
-        image: &ImageRow,
-        volume: &str,
-        read_only: bool,
-    ) -> Result<()> {
-        self.house
-            .refuse_unready(image, &format!("get volume '{volume}'"))?;
-        if read_only {
-            return Ok(());
-        }
-        self.jobs
-            .copies
-            .refuse(image, &format!("get writable volume '{volume}'"))?;
-        self.backups
-            .jobs
-            .refuse(image, &format!("get writable volume '{volume}'"))?;
-        self.house.refuse_read_only(
-            image,
-            &format!("volume '{volume}' on it must be created with \"read_only\": true"),
-        )
+        self.images.copy_image(src, name, &path, true, None).await
     }
 
     /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
@@ -990,5 +598,400 @@ impl House {
             Ok((file, start, src_file, took))
         })
         .await?
+    }
+}
+
+impl Images {
+    /// `POST /v1/images` with `clone_from`: a writable image at `path` made
+    /// from `source`, grown to `grow`'s size (its new range laid out as
+    /// asked) when given.
+    pub(super) async fn clone_image(
+        &self,
+        source: &str,
+        name: &str,
+        path: &str,
+        grow: Option<CreateImageFile>,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let src = self.house.image_row(source).await?;
+        self.copy_image(src, name, path, false, grow).await
+    }
+
+    /// Makes the new file (reflink, or empty for a copy, refused with 507
+    /// when the source's data cannot fit), records it, and starts the copy.
+    async fn copy_image(
+        &self,
+        src: ImageRow,
+        name: &str,
+        path: &str,
+        snapshot: bool,
+        grow: Option<CreateImageFile>,
+    ) -> Result<Image> {
+        let path = self.house.roots.resolve(path)?;
+        let _registering = self.house.claim_name(name).await?;
+        let _source = self.house.locks.images.lock(&src.id.to_string()).await;
+        let src = self.house.image_row(&src.id.to_string()).await?;
+        let size = self.copyable(&src, name, snapshot, grow.as_ref())?;
+        let grow = grow.map(|g| (g.size_bytes, g.allocation));
+        let attached = self.house.attached_volumes(src.id).await?;
+        let warnings = self
+            .check_provisioning(name, &path.display(), size, true)
+            .await?;
+        let mut undo = Undo::default();
+        let made = self
+            .make_copy_file(&src, &path, name, &attached, grow, &mut undo)
+            .await?;
+        // From here the copy of one moment may run: any refusal stops it
+        // before the file is undone.
+        let recorded = async {
+            if let Some(src_file) = &made.copy_from {
+                copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
+            }
+            let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
+            let (event, how) = copy_event(name, snapshot, &made);
+            let kind = if snapshot {
+                "a read-only snapshot"
+            } else {
+                "a writable clone"
+            };
+            let mut tx = self.house.store.begin().await?;
+            tx.insert_image(&row).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                event,
+                &format!(
+                    "image '{name}' ({}) is {kind} of image '{}': {how}",
+                    row.path, src.name
+                ),
+            )
+            .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await?;
+            Ok::<_, Error>(row)
+        }
+        .await;
+        let row = match recorded {
+            Ok(row) => row,
+            Err(e) => {
+                if let Some(c) = &made.copier {
+                    c.stop().await;
+                }
+                return Err(e);
+            }
+        };
+        undo.commit();
+        tracing::info!(image = %row.name, source = %src.name, reflinked = made.reflinked(), "image copy recorded");
+        if let Some(c) = made.copier {
+            self.start_moment_copy(&row, src.id, made.file, c, grow);
+        } else if let Some(src_file) = made.copy_from {
+            let private = made.start == CloneStart::Copy { private: true };
+            self.start_copy(&row, src.id, made.file, src_file, private, grow);
+        }
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// The size of a copy of `src` (grown to `grow`'s when given), or why
+    /// `src` cannot be copied now: not ready, an allocate runs on it, or the
+    /// copy would be smaller than it.
+    fn copyable(
+        &self,
+        src: &ImageRow,
+        name: &str,
+        snapshot: bool,
+        grow: Option<&CreateImageFile>,
+    ) -> Result<u64> {
+        let what = if snapshot {
+            "be snapshotted"
+        } else {
+            "be cloned"
+        };
+        self.house.refuse_unready(src, what)?;
+        self.jobs.allocations.refuse(src, what)?;
+        let size = grow.map_or(src.size_bytes, |g| g.size_bytes);
+        if size < src.size_bytes {
+            return Err(Error::Shrink {
+                name: name.to_string(),
+                current: src.size_bytes,
+                asked: size,
+            });
+        }
+        Ok(size)
+    }
+
+    /// The copy's new file at `path`, shared or filled from `src`; `undo`
+    /// removes it if a later step fails.
+    async fn make_copy_file(
+        &self,
+        src: &ImageRow,
+        path: &ImagePath,
+        name: &str,
+        attached: &[(VolumeRow, Arc<dyn VolumeBackend>)],
+        grow: Option<(u64, Allocation)>,
+        undo: &mut Undo,
+    ) -> Result<CopyFile> {
+        // What may write the source meanwhile. A writable ublk or dm volume
+        // holds its queues while its worker shares the extents (below). A loop
+        // volume writes the file with direct I/O or through its page cache:
+        // every write that completed is in the file or written back by the
+        // sync and the FICLONE, which the filesystem's locking orders after it.
+        let serving = attached
+            .iter()
+            .find(|(v, b)| b.kind() != Backend::Loop && !v.read_only)
+            .cloned();
+        let made = match serving {
+            Some((v, backend)) => {
+                let m = self
+                    .share_with_serving(src, path, v, backend, name, grow)
+                    .await?;
+                CopyFile {
+                    file: m.file,
+                    start: CloneStart::Reflinked,
+                    copy_from: None,
+                    held: Some(m.held),
+                    copier: m.copier,
+                }
+            }
+            None => {
+                let (file, start, src_file, took) = self.house.clone_file(src, path, grow).await?;
+                let copy_from = (start != CloneStart::Reflinked).then_some(src_file);
+                // A loop volume's writes wait on the file's lock while the
+                // reflink runs: that is its pause.
+                let held = attached
+                    .iter()
+                    .find(|(v, _)| !v.read_only)
+                    .filter(|_| copy_from.is_none())
+                    .map(|(v, _)| {
+                        held_text(&v.name, "loop: the filesystem's lock on the file", took)
+                    });
+                CopyFile {
+                    file,
+                    start,
+                    copy_from,
+                    held,
+                    copier: None,
+                }
+            }
+        };
+        let ((dev, ino), birth) = (made.file.identity(), made.file.birth().map(str::to_string));
+        let (me, path) = (self.clone(), path.clone());
+        undo.push("remove the copy's file", move || {
+            let _ = me
+                .house
+                .roots
+                .remove_file(&path, dev, ino, birth.as_deref());
+        });
+        Ok(made)
+    }
+
+    /// Puts one moment of `src`, which writable volume `v` serves, in a new
+    /// file at `path`: every write completed before the request, none begun
+    /// after the answer. Where the filesystem shares extents, the backend
+    /// holds the volume's I/O while they are shared, and the file is
+    /// complete; where it cannot, the backend holds it once while the
+    /// volume's worker begins a copy-before-write, and the file fills in the
+    /// background ([`SharedMoment::copier`]). A volume on `direct` is moved
+    /// to `nowait` first, for good (its map must own its extents alone),
+    /// recorded with a `dispatch_changed` event. A grow (a clone's) applies
+    /// once the file is complete.
+    pub(super) async fn share_with_serving(
+        &self,
+        src: &ImageRow,
+        path: &ImagePath,
+        v: VolumeRow,
+        backend: Arc<dyn VolumeBackend>,
+        name: &str,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<SharedMoment> {
+        let refused = |v: &VolumeRow, reason: String| Error::SnapshotAttached {
+            name: src.name.clone(),
+            volume: v.name.clone(),
+            backend: v.backend.as_str(),
+            reason,
+        };
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let v = match self.house.store.volume(&v.id.to_string()).await? {
+            Some(now) if now.attachment.is_some() => now,
+            _ => return Err(refused(&v, VOLUME_CHANGED.into())),
+        };
+        let (me, p) = (self.clone(), path.clone());
+        let (file, shares) = blocking(move || me.house.roots.create_for_moment(&p)).await??;
+        let identity = file.identity();
+        let birth = file.birth().map(str::to_string);
+        let remove = || {
+            let _ = self
+                .house
+                .roots
+                .remove_file(path, identity.0, identity.1, birth.as_deref());
+        };
+        let claim = match shares {
+            true => None,
+            false => {
+                let checked = self.house.check_moment_room(src, &file, name, grow).await;
+                let claim = checked.and_then(|()| {
+                    self.jobs
+                        .moments
+                        .claim(src, &v, &path.display().to_string())
+                });
+                Some(claim.inspect_err(|_| remove())?)
+            }
+        };
+        let made = async {
+            let (v, att) = self.house.off_direct(&backend, v, name).await?;
+            let dest = SnapshotDest {
+                path: path.display().into(),
+                identity,
+            };
+            let held = self
+                .house
+                .hold_moment(&backend, &v, &att, dest, shares)
+                .await?;
+            tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
+            let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
+            let held = held_text(&v.name, &how, held);
+            Ok::<_, Error>((v, att, held))
+        };
+        let (v, att, held) = made.await.inspect_err(|_| remove())?;
+        let copier = claim.map(|claim| Copier {
+            volume: v,
+            attachment: att,
+            backend,
+            _claim: claim,
+        });
+        // The worker sized the file (a copy) or shared its extents.
+        let (me, p) = (self.clone(), path.clone());
+        let file = blocking(move || -> Result<ImageFile> {
+            let mut file = file;
+            file.refresh()?;
+            if shares {
+                me.house.grow_clone(&p, &mut file, grow)?;
+            }
+            Ok(file)
+        })
+        .await
+        .and_then(|r| r);
+        match file {
+            Ok(file) => Ok(SharedMoment { file, held, copier }),
+            Err(e) => {
+                if let Some(c) = &copier {
+                    c.stop().await;
+                }
+                remove();
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs the copy into `file` on a blocking thread, then records its end.
+    fn start_copy(
+        &self,
+        row: &ImageRow,
+        source: Uuid,
+        mut file: ImageFile,
+        src: ImageFile,
+        private: bool,
+        grow: Option<(u64, Allocation)>,
+    ) {
+        let pace = self.house.settings.faults.pace(Slow::Copy);
+        let kind = CopyRun {
+            source,
+            name: row.name.clone(),
+        };
+        // A slowed copy is also held at the copy gate while it exists, so a
+        // test can act on a copy still running whatever the host's load.
+        let gate = self
+            .house
+            .settings
+            .faults
+            .slows(Slow::Copy)
+            .then(|| self.house.copy_gate());
+        let (me, row) = (self.clone(), row.clone());
+        let total = src.allocated();
+        self.jobs
+            .copies
+            .start(row.id, kind, (pace, gate), total, move |job| async move {
+                let started = std::time::Instant::now();
+                let j = job.clone();
+                let out = blocking(move || {
+                    let done = file.copy_from(&src, &j, private)?;
+                    if let (true, Some((size, alloc))) = (done, grow) {
+                        file.grow(size, alloc)?;
+                    }
+                    Ok((done, file.allocated()))
+                })
+                .await
+                .and_then(|r: Result<(bool, u64)>| r);
+                me.house.end_copy(&row, &job, started.elapsed(), out).await
+            });
+    }
+
+    /// Follows a serving volume's copy of one moment into `file` as a job,
+    /// grows the file when it is complete, then records its end.
+    fn start_moment_copy(
+        &self,
+        row: &ImageRow,
+        source: Uuid,
+        mut file: ImageFile,
+        copier: Copier,
+        grow: Option<(u64, Allocation)>,
+    ) {
+        let kind = CopyRun {
+            source,
+            name: row.name.clone(),
+        };
+        let (me, row) = (self.clone(), row.clone());
+        let total = row.size_bytes;
+        self.jobs.copies.start(
+            row.id,
+            kind,
+            (std::time::Duration::ZERO, None),
+            total,
+            move |job| async move {
+                let started = std::time::Instant::now();
+                let out = async {
+                    let done = copier.follow(job.clone()).await?;
+                    blocking(move || {
+                        file.refresh()?;
+                        if let (true, Some((size, alloc))) = (done, grow) {
+                            file.grow(size, alloc)?;
+                        }
+                        Ok((done, file.allocated()))
+                    })
+                    .await?
+                }
+                .await;
+                me.house.end_copy(&row, &job, started.elapsed(), out).await
+            },
+        );
+    }
+
+    /// A volume may use the image: it is `ready`, and the volume is
+    /// read-only when the image is.
+    pub(super) fn check_volume_image(
+        &self,
+        image: &ImageRow,
+        volume: &str,
+        read_only: bool,
+    ) -> Result<()> {
+        self.house
+            .refuse_unready(image, &format!("get volume '{volume}'"))?;
+        if read_only {
+            return Ok(());
+        }
+        self.jobs
+            .copies
+            .refuse(image, &format!("get writable volume '{volume}'"))?;
+        self.jobs
+            .backups
+            .refuse(image, &format!("get writable volume '{volume}'"))?;
+        self.house.refuse_read_only(
+            image,
+            &format!("volume '{volume}' on it must be created with \"read_only\": true"),
+        )
     }
 }

@@ -19,6 +19,7 @@ use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
+use super::image_jobs::Images;
 use crate::attachment::Attachment;
 use crate::store::{CryptLayer, ImageRow, VolumeRow};
 
@@ -107,8 +108,9 @@ impl Manager {
         // A writable volume unlocked writes again: not while a backup reads
         // its image (decided under this volume's lock).
         if v.state == VolumeState::Locked && !v.read_only {
-            self.backups
+            self.images
                 .jobs
+                .backups
                 .refuse(&image, &format!("unlock writable volume '{}'", v.name))?;
         }
         let att = match (&v.attachment, v.state) {
@@ -159,6 +161,7 @@ impl Manager {
         req: AddKeyRequest,
     ) -> Result<KeySlotAdded> {
         let (slot, image) = self
+            .images
             .change_key_slots(
                 id_or_name,
                 SlotChange::Add {
@@ -179,62 +182,7 @@ impl Manager {
         req: RemoveKeyRequest,
     ) -> Result<Image> {
         let change = SlotChange::Remove { slot, key: req.key };
-        Ok(self.change_key_slots(id_or_name, change).await?.1)
-    }
-
-    /// Adds or removes a key slot, on the image file, or on the backend's
-    /// device while a volume serves it (a direct-mapped file is pinned and
-    /// cannot be written; the device writes the same bytes). Records the
-    /// header as read back, with an event.
-    async fn change_key_slots(&self, id_or_name: &str, change: SlotChange) -> Result<(u32, Image)> {
-        let row = self.house.image_row(id_or_name).await?;
-        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
-        let row = self.house.image_row(&row.id.to_string()).await?;
-        self.backups.jobs.refuse(&row, "change its key slots")?;
-        slots_changeable(&row, &change)?;
-        let header = self.house.header_holder(&row).await?;
-        let adding = matches!(change, SlotChange::Add { .. });
-        let (name, kdf) = (row.name.clone(), self.house.settings.kdf);
-        let (slot, encryption) = blocking(move || {
-            use std::os::fd::AsFd;
-            let slot = match &change {
-                SlotChange::Add { key, new_key } => {
-                    crypt::add_key(header.as_fd(), key.as_bytes(), new_key.as_bytes(), kdf)
-                }
-                SlotChange::Remove { slot, key } => {
-                    crypt::remove_key(header.as_fd(), *slot, key.as_bytes()).map(|()| *slot)
-                }
-            }
-            .map_err(|e| crypt_error(&name, e))?;
-            let encryption = encryption_of(&name, &header)?.ok_or_else(|| {
-                Error::Internal(format!(
-                    "image '{name}': no LUKS2 header after a key change"
-                ))
-            })?;
-            Ok::<_, Error>((slot, encryption))
-        })
-        .await??;
-        let (kind, verb) = match adding {
-            true => ("image_key_added", "added"),
-            false => ("image_key_removed", "removed"),
-        };
-        let mut tx = self.house.store.begin().await?;
-        tx.set_image_encryption(row.id, Some(&encryption)).await?;
-        tx.event(
-            None,
-            Some(row.id),
-            kind,
-            &format!(
-                "image '{}': key slot {slot} {verb}; its slots now {}",
-                row.name,
-                slot_list(&encryption.key_slots)
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        tracing::info!(image = %row.name, slot, verb, "key slots changed");
-        let row = self.house.image_row(&row.id.to_string()).await?;
-        Ok((slot, self.image_view(row).await?))
+        Ok(self.images.change_key_slots(id_or_name, change).await?.1)
     }
 }
 
@@ -484,5 +432,62 @@ impl House {
         Ok(self
             .open_image(row, blockplane_system::image::Access::ReadWrite)?
             .into_fd())
+    }
+}
+
+impl Images {
+    /// Adds or removes a key slot, on the image file, or on the backend's
+    /// device while a volume serves it (a direct-mapped file is pinned and
+    /// cannot be written; the device writes the same bytes). Records the
+    /// header as read back, with an event.
+    async fn change_key_slots(&self, id_or_name: &str, change: SlotChange) -> Result<(u32, Image)> {
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
+        self.jobs.backups.refuse(&row, "change its key slots")?;
+        slots_changeable(&row, &change)?;
+        let header = self.house.header_holder(&row).await?;
+        let adding = matches!(change, SlotChange::Add { .. });
+        let (name, kdf) = (row.name.clone(), self.house.settings.kdf);
+        let (slot, encryption) = blocking(move || {
+            use std::os::fd::AsFd;
+            let slot = match &change {
+                SlotChange::Add { key, new_key } => {
+                    crypt::add_key(header.as_fd(), key.as_bytes(), new_key.as_bytes(), kdf)
+                }
+                SlotChange::Remove { slot, key } => {
+                    crypt::remove_key(header.as_fd(), *slot, key.as_bytes()).map(|()| *slot)
+                }
+            }
+            .map_err(|e| crypt_error(&name, e))?;
+            let encryption = encryption_of(&name, &header)?.ok_or_else(|| {
+                Error::Internal(format!(
+                    "image '{name}': no LUKS2 header after a key change"
+                ))
+            })?;
+            Ok::<_, Error>((slot, encryption))
+        })
+        .await??;
+        let (kind, verb) = match adding {
+            true => ("image_key_added", "added"),
+            false => ("image_key_removed", "removed"),
+        };
+        let mut tx = self.house.store.begin().await?;
+        tx.set_image_encryption(row.id, Some(&encryption)).await?;
+        tx.event(
+            None,
+            Some(row.id),
+            kind,
+            &format!(
+                "image '{}': key slot {slot} {verb}; its slots now {}",
+                row.name,
+                slot_list(&encryption.key_slots)
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(image = %row.name, slot, verb, "key slots changed");
+        let row = self.house.image_row(&row.id.to_string()).await?;
+        Ok((slot, self.image_view(row).await?))
     }
 }

@@ -31,9 +31,9 @@ impl Manager {
             .map_err(|e| volume_error(&v.name, e))?;
         let image = self.house.image_row(&v.image_id.to_string()).await?;
         let what = format!("have volume '{}' handed over to a new worker", v.name);
-        self.jobs.allocations.refuse(&image, &what)?;
-        self.jobs.copies.refuse(&image, &what)?;
-        self.backups.jobs.refuse(&image, &what)?;
+        self.images.jobs.allocations.refuse(&image, &what)?;
+        self.images.jobs.copies.refuse(&image, &what)?;
+        self.images.jobs.backups.refuse(&image, &what)?;
         let (b, a, id, faults) = (
             backend.clone(),
             att.clone(),

@@ -30,7 +30,7 @@ impl Manager {
         let me = self.clone();
         let mut host = blocking(move || me.capabilities()).await?;
         host.orphans = self.orphans().list().await?;
-        host.image_root_capacity = self.root_usage().await?;
+        host.image_root_capacity = self.images.root_usage().await?;
         Ok(host)
     }
 

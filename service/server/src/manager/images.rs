@@ -12,6 +12,7 @@ use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
+use super::image_jobs::Images;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
 use super::runs::AllocateRun;
@@ -37,239 +38,23 @@ impl Manager {
         match Origin::of(&req)? {
             Origin::Restore { backup } => self.restore_image(&backup, &req.name, &req.path).await,
             Origin::Clone { source, grow } => {
-                self.clone_image(&source, &req.name, &req.path, grow).await
+                self.images
+                    .clone_image(&source, &req.name, &req.path, grow)
+                    .await
             }
-            Origin::File(file) => self.add_image(&req.name, &req.path, file).await,
+            Origin::File(file) => self.images.add_image(&req.name, &req.path, file).await,
         }
-    }
-
-    /// Registers an existing file, or makes a new one, as image `name`: the
-    /// name claimed, the file made or opened, its row and event written. A
-    /// step that fails after the file was made leaves no file behind.
-    async fn add_image(
-        self: &std::sync::Arc<Self>,
-        name: &str,
-        path: &str,
-        file: NewFile,
-    ) -> Result<Image> {
-        validate_name("image", name)?;
-        let path = self.house.roots.resolve(path)?;
-        let _registering = self.house.claim_name(name).await?;
-        let mut undo = Undo::default();
-        let (made, warnings) = match file {
-            NewFile::Create(spec) => {
-                let warnings = self.check_new_file(name, &path, &spec).await?;
-                (
-                    self.house.make_file(name, &path, spec, &mut undo).await?,
-                    warnings,
-                )
-            }
-            NewFile::Register { allocation } => (
-                self.house.open_to_register(name, &path, allocation).await?,
-                Vec::new(),
-            ),
-        };
-        let row = made.row(name, &path)?;
-        self.house
-            .record_new_image(&row, made.created.is_some(), made.reason.as_deref())
-            .await?;
-        undo.commit();
-        tracing::info!(image = %row.name, path = %row.path, "image recorded");
-        if !warnings.is_empty() {
-            let mut tx = self.house.store.begin().await?;
-            for w in &warnings {
-                tx.event(None, Some(row.id), "image_overcommitted", w)
-                    .await?;
-            }
-            tx.commit().await?;
-        }
-        let mut image = self.image_view(row).await?;
-        image.warnings = warnings;
-        image.allocation_reason = made.reason;
-        Ok(image)
-    }
-
-    /// What a new file must pass before it is made: a key that can be used
-    /// and a size that can hold its header, when encrypted; room under the
-    /// root's overcommit limit (the warnings it gives when near it).
-    async fn check_new_file(
-        &self,
-        name: &str,
-        path: &ImagePath,
-        spec: &CreateImageFile,
-    ) -> Result<Vec<String>> {
-        if let Some(encryption) = &spec.encryption {
-            if let Some(reason) = encryption.key.refusal() {
-                return Err(Error::InvalidField {
-                    field: "create.encryption.key",
-                    reason,
-                });
-            }
-            self.house.check_encrypted_size(name, spec.size_bytes)?;
-        }
-        self.check_provisioning(
-            name,
-            &path.display(),
-            spec.size_bytes,
-            spec.allocation == Allocation::Sparse,
-        )
-        .await
-    }
-
-    /// Each image root: its filesystem's size and free space, and the
-    /// images under it (their sizes and allocated bytes as they are now).
-    pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
-        let images = self.images().await?;
-        Ok(self
-            .house
-            .roots
-            .space()
-            .into_iter()
-            .map(|(path, size_bytes, free_bytes)| {
-                let under: Vec<&Image> = images
-                    .iter()
-                    .filter(|i| std::path::Path::new(&i.path).starts_with(&path))
-                    .collect();
-                RootCapacity {
-                    images: under.len() as u64,
-                    provisioned_bytes: under.iter().map(|i| i.size_bytes).sum(),
-                    allocated_bytes: under.iter().map(|i| i.allocated_bytes).sum(),
-                    path,
-                    size_bytes,
-                    free_bytes,
-                    max_overcommit: self.house.settings.max_overcommit,
-                }
-            })
-            .collect())
-    }
-
-    /// Checks that `adding` more provisioned bytes for image `name` at
-    /// `path` stay within `--max-overcommit`; returns what the caller should
-    /// be told (a sparse image larger than the free space).
-    pub(super) async fn check_provisioning(
-        &self,
-        name: &str,
-        path: &str,
-        adding: u64,
-        sparse: bool,
-    ) -> Result<Vec<String>> {
-        let usage = self.root_usage().await?;
-        let Some(root) = usage
-            .iter()
-            .find(|r| std::path::Path::new(path).starts_with(&r.path))
-        else {
-            return Ok(Vec::new());
-        };
-        let provisioned = root.provisioned_bytes + adding;
-        if let Some(ratio) = self.house.settings.max_overcommit
-            && provisioned as f64 > ratio * root.size_bytes as f64
-        {
-            return Err(Error::Overcommit {
-                name: name.to_string(),
-                size: adding,
-                root: root.path.clone(),
-                provisioned,
-                ratio,
-                fs_size: root.size_bytes,
-            });
-        }
-        let mut warnings = Vec::new();
-        if sparse && adding > root.free_bytes {
-            warnings.push(format!(
-                "image '{name}' is sparse and {} more than its filesystem's {} free ({}): writes through its volume fail with ENOSPC once the filesystem is full",
-                size_text(adding), size_text(root.free_bytes), root.path
-            ));
-        }
-        Ok(warnings)
-    }
-
-    pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
-        let volumes = self
-            .house
-            .store
-            .volumes_of_image(row.id)
-            .await?
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
-        self.image_view_of(row, volumes).await
-    }
-
-    /// [`Self::image_view`] with the image's volumes (ids, by name) already read.
-    async fn image_view_of(&self, row: ImageRow, volumes: Vec<Uuid>) -> Result<Image> {
-        let allocate = self.allocate_view(row.id);
-        // A done allocate recorded `full` before it said so; the row may be
-        // from before that: read it again, so `done` always comes with `full`.
-        let row = match &allocate {
-            Some(a) if a.state == AllocateState::Done => {
-                self.house.image_row(&row.id.to_string()).await?
-            }
-            _ => row,
-        };
-        let (size_bytes, allocated_bytes) = self
-            .house
-            .roots
-            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-            .unwrap_or((row.size_bytes, row.allocated_bytes));
-        // A copy's file grows to its size only once the copy starts.
-        let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
-        // The row and the job are read one after the other: a copy that
-        // ends in between still shows its count while the row says copying.
-        let progress = self
-            .jobs
-            .copies
-            .progress(row.id)
-            .filter(|p| p.state == JobState::Running || row.state == ImageState::Copying)
-            .map(|p| (p.done_bytes, p.total_bytes));
-        Ok(Image {
-            state: row.state,
-            state_reason: row.state_reason,
-            snapshot_of: row.snapshot_of,
-            cloned_from: row.cloned_from,
-            read_only: row.read_only,
-            method: row.method.or(row
-                .restored_from
-                .map(|_| blockplane_api::model::CopyMethod::Restore)),
-            restored_from: row.restored_from,
-            copied_bytes: progress.map(|(done, _)| done),
-            copy_total_bytes: progress.map(|(_, total)| total),
-            id: row.id,
-            name: row.name,
-            path: row.path,
-            size_bytes,
-            allocated_bytes,
-            filesystem: row.filesystem,
-            allocation: row.allocation,
-            allocation_reason: None,
-            created_at: row.created_at,
-            volumes,
-            allocate,
-            encryption: row.encryption,
-            warnings: Vec::new(),
-        })
     }
 
     /// `GET /v1/images`.
     pub(crate) async fn images(&self) -> Result<Vec<Image>> {
-        // One query for every image's volumes, not one per image: /metrics
-        // and the dashboard list every image, and a host has a thousand.
-        // The rows come by name, as each image's volumes are listed.
-        let mut users: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
-        for v in self.house.store.volumes().await? {
-            users.entry(v.image_id).or_default().push(v.id);
-        }
-        let mut out = Vec::new();
-        for row in self.house.store.images().await? {
-            let volumes = users.remove(&row.id).unwrap_or_default();
-            out.push(self.image_view_of(row, volumes).await?);
-        }
-        Ok(out)
+        self.images.list_images().await
     }
 
     /// `GET /v1/images/{id}`.
     pub(crate) async fn image(&self, id_or_name: &str) -> Result<Image> {
         let row = self.house.image_row(id_or_name).await?;
-        self.image_view(row).await
+        self.images.image_view(row).await
     }
 
     /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
@@ -281,8 +66,9 @@ impl Manager {
         let row = self.house.image_row(id_or_name).await?;
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
         let row = self.house.image_row(&row.id.to_string()).await?;
-        let current = self.growable(&row, size_bytes)?;
+        let current = self.images.growable(&row, size_bytes)?;
         let warnings = self
+            .images
             .check_provisioning(
                 &row.name,
                 &row.path,
@@ -305,43 +91,6 @@ impl Manager {
         })
     }
 
-    /// The image's size now, if it may grow to `size_bytes`: no job on it,
-    /// ready and writable, a valid size, not smaller than it is.
-    fn growable(&self, row: &ImageRow, size_bytes: u64) -> Result<u64> {
-        self.jobs.allocations.refuse(row, "grow")?;
-        self.house.refuse_unready(row, "grow")?;
-        self.house.refuse_read_only(row, "it cannot grow")?;
-        self.jobs.copies.refuse(row, "grow")?;
-        self.backups.jobs.refuse(row, "grow")?;
-        if size_bytes == 0
-            || !size_bytes.is_multiple_of(512)
-            || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
-        {
-            return Err(Error::InvalidField {
-                field: "size_bytes",
-                reason: format!(
-                    "{size_bytes} is not a positive multiple of 512 up to {} (image '{}')",
-                    blockplane_system::image::MAX_IMAGE_BYTES,
-                    row.name
-                ),
-            });
-        }
-        let current = self
-            .house
-            .roots
-            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
-            .map(|(size, _)| size)
-            .unwrap_or(row.size_bytes);
-        if size_bytes < current {
-            return Err(Error::Shrink {
-                name: row.name.clone(),
-                current,
-                asked: size_bytes,
-            });
-        }
-        Ok(current)
-    }
-
     /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
     /// holes and unwritten extents in the background, so it passes direct-map
     /// rule 2 again, and makes it `full` (never punched from then on) when
@@ -358,7 +107,7 @@ impl Manager {
         let row = self.house.image_row(id_or_name).await?;
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
         let row = self.house.image_row(&row.id.to_string()).await?;
-        let (needed, free, total) = self.allocatable(&row).await?;
+        let (needed, free, total) = self.images.allocatable(&row).await?;
         let attached = self.house.attached_volumes(row.id).await?;
         for (v, backend) in &attached {
             if let Some(att) = &v.attachment {
@@ -381,7 +130,7 @@ impl Manager {
         tx.commit().await?;
         let pace = self.house.settings.faults.pace(Slow::Allocate);
         let (me, r) = (self.clone(), row.clone());
-        self.jobs.allocations.start(
+        self.images.jobs.allocations.start(
             row.id,
             AllocateRun,
             (pace, None),
@@ -394,50 +143,11 @@ impl Manager {
         self.image(&row.id.to_string()).await
     }
 
-    /// The bytes of holes an allocate of `row` would fill, its filesystem's
-    /// free bytes and the unwritten bytes it would write, or why it cannot
-    /// start: a job runs on it, it is not ready or read-only, not on ext4
-    /// or xfs, or its holes do not fit.
-    async fn allocatable(self: &std::sync::Arc<Self>, row: &ImageRow) -> Result<(u64, u64, u64)> {
-        self.jobs.allocations.refuse(row, "start another")?;
-        self.house.refuse_unready(row, "be allocated")?;
-        self.house
-            .refuse_read_only(row, "it cannot be allocated (that writes zeros into it)")?;
-        self.jobs.copies.refuse(row, "be allocated")?;
-        self.backups.jobs.refuse(row, "be allocated")?;
-        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
-            return Err(Error::NotAllocatable {
-                name: row.name.clone(),
-                reason: format!(
-                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
-                    row.filesystem
-                ),
-            });
-        }
-        let me = self.clone();
-        let r = row.clone();
-        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
-            let file = me.house.open_image(&r, Access::ReadOnly)?;
-            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
-            Ok((needed, free, file.unwritten_bytes()?))
-        })
-        .await??;
-        if needed > free {
-            return Err(Error::SpaceShort {
-                name: row.name.clone(),
-                what: "allocating its holes",
-                needed,
-                free,
-            });
-        }
-        Ok((needed, free, total))
-    }
-
     /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
     /// current stretch and answers once it stopped (the image as declared).
     pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
         let row = self.house.image_row(id_or_name).await?;
-        if !self.jobs.allocations.stop(row.id).await {
+        if !self.images.jobs.allocations.stop(row.id).await {
             return Err(Error::AllocateConflict {
                 reason: format!(
                     "no allocate runs on it (POST /v1/images/{}/allocate starts one)",
@@ -449,22 +159,6 @@ impl Manager {
         self.image(&row.id.to_string()).await
     }
 
-    /// The image's last allocate as the API shows it.
-    fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
-        self.jobs.allocations.progress(id).map(|p| ImageAllocate {
-            state: match p.state {
-                JobState::Running => AllocateState::Running,
-                JobState::Done => AllocateState::Done,
-                JobState::Cancelled => AllocateState::Cancelled,
-                JobState::Failed => AllocateState::Failed,
-            },
-            done_bytes: p.done_bytes,
-            total_bytes: p.total_bytes,
-            error: p.error,
-            started_at: p.started_at,
-        })
-    }
-
     /// `DELETE /v1/images/{id}`.
     pub(crate) async fn delete_image(
         self: &std::sync::Arc<Self>,
@@ -474,15 +168,15 @@ impl Manager {
         let DeleteImageQuery { delete_file, erase } = q;
         let row = self.house.image_row(id_or_name).await?;
         // A copy stops first; its partial file goes with the image.
-        self.jobs.copies.stop(row.id).await;
+        self.images.jobs.copies.stop(row.id).await;
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
         let mut tx = self.house.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
         };
         let delete_file = delete_file || row.state != ImageState::Ready;
-        self.jobs.allocations.refuse(&row, "be forgotten")?;
-        self.backups.jobs.refuse(&row, "be forgotten")?;
+        self.images.jobs.allocations.refuse(&row, "be forgotten")?;
+        self.images.jobs.backups.refuse(&row, "be forgotten")?;
         let users = tx.volumes_of_image(row.id).await?;
         if !users.is_empty() {
             return Err(Error::image_in_use(row.name, &users));
@@ -533,8 +227,8 @@ impl Manager {
         )
         .await?;
         tx.commit().await?;
-        self.jobs.allocations.forget(row.id);
-        self.jobs.copies.forget(row.id);
+        self.images.jobs.allocations.forget(row.id);
+        self.images.jobs.copies.forget(row.id);
         Ok(())
     }
 }
@@ -1206,6 +900,318 @@ impl House {
             }
         }
         Ok(out)
+    }
+}
+
+impl Images {
+    /// Registers an existing file, or makes a new one, as image `name`: the
+    /// name claimed, the file made or opened, its row and event written. A
+    /// step that fails after the file was made leaves no file behind.
+    async fn add_image(&self, name: &str, path: &str, file: NewFile) -> Result<Image> {
+        validate_name("image", name)?;
+        let path = self.house.roots.resolve(path)?;
+        let _registering = self.house.claim_name(name).await?;
+        let mut undo = Undo::default();
+        let (made, warnings) = match file {
+            NewFile::Create(spec) => {
+                let warnings = self.check_new_file(name, &path, &spec).await?;
+                (
+                    self.house.make_file(name, &path, spec, &mut undo).await?,
+                    warnings,
+                )
+            }
+            NewFile::Register { allocation } => (
+                self.house.open_to_register(name, &path, allocation).await?,
+                Vec::new(),
+            ),
+        };
+        let row = made.row(name, &path)?;
+        self.house
+            .record_new_image(&row, made.created.is_some(), made.reason.as_deref())
+            .await?;
+        undo.commit();
+        tracing::info!(image = %row.name, path = %row.path, "image recorded");
+        if !warnings.is_empty() {
+            let mut tx = self.house.store.begin().await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w)
+                    .await?;
+            }
+            tx.commit().await?;
+        }
+        let mut image = self.image_view(row).await?;
+        image.warnings = warnings;
+        image.allocation_reason = made.reason;
+        Ok(image)
+    }
+
+    /// What a new file must pass before it is made: a key that can be used
+    /// and a size that can hold its header, when encrypted; room under the
+    /// root's overcommit limit (the warnings it gives when near it).
+    async fn check_new_file(
+        &self,
+        name: &str,
+        path: &ImagePath,
+        spec: &CreateImageFile,
+    ) -> Result<Vec<String>> {
+        if let Some(encryption) = &spec.encryption {
+            if let Some(reason) = encryption.key.refusal() {
+                return Err(Error::InvalidField {
+                    field: "create.encryption.key",
+                    reason,
+                });
+            }
+            self.house.check_encrypted_size(name, spec.size_bytes)?;
+        }
+        self.check_provisioning(
+            name,
+            &path.display(),
+            spec.size_bytes,
+            spec.allocation == Allocation::Sparse,
+        )
+        .await
+    }
+
+    /// Each image root: its filesystem's size and free space, and the
+    /// images under it (their sizes and allocated bytes as they are now).
+    pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
+        let images = self.list_images().await?;
+        Ok(self
+            .house
+            .roots
+            .space()
+            .into_iter()
+            .map(|(path, size_bytes, free_bytes)| {
+                let under: Vec<&Image> = images
+                    .iter()
+                    .filter(|i| std::path::Path::new(&i.path).starts_with(&path))
+                    .collect();
+                RootCapacity {
+                    images: under.len() as u64,
+                    provisioned_bytes: under.iter().map(|i| i.size_bytes).sum(),
+                    allocated_bytes: under.iter().map(|i| i.allocated_bytes).sum(),
+                    path,
+                    size_bytes,
+                    free_bytes,
+                    max_overcommit: self.house.settings.max_overcommit,
+                }
+            })
+            .collect())
+    }
+
+    /// Checks that `adding` more provisioned bytes for image `name` at
+    /// `path` stay within `--max-overcommit`; returns what the caller should
+    /// be told (a sparse image larger than the free space).
+    pub(super) async fn check_provisioning(
+        &self,
+        name: &str,
+        path: &str,
+        adding: u64,
+        sparse: bool,
+    ) -> Result<Vec<String>> {
+        let usage = self.root_usage().await?;
+        let Some(root) = usage
+            .iter()
+            .find(|r| std::path::Path::new(path).starts_with(&r.path))
+        else {
+            return Ok(Vec::new());
+        };
+        let provisioned = root.provisioned_bytes + adding;
+        if let Some(ratio) = self.house.settings.max_overcommit
+            && provisioned as f64 > ratio * root.size_bytes as f64
+        {
+            return Err(Error::Overcommit {
+                name: name.to_string(),
+                size: adding,
+                root: root.path.clone(),
+                provisioned,
+                ratio,
+                fs_size: root.size_bytes,
+            });
+        }
+        let mut warnings = Vec::new();
+        if sparse && adding > root.free_bytes {
+            warnings.push(format!(
+                "image '{name}' is sparse and {} more than its filesystem's {} free ({}): writes through its volume fail with ENOSPC once the filesystem is full",
+                size_text(adding), size_text(root.free_bytes), root.path
+            ));
+        }
+        Ok(warnings)
+    }
+
+    pub(super) async fn image_view(&self, row: ImageRow) -> Result<Image> {
+        let volumes = self
+            .house
+            .store
+            .volumes_of_image(row.id)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        self.image_view_of(row, volumes).await
+    }
+
+    /// [`Self::image_view`] with the image's volumes (ids, by name) already read.
+    async fn image_view_of(&self, row: ImageRow, volumes: Vec<Uuid>) -> Result<Image> {
+        let allocate = self.allocate_view(row.id);
+        // A done allocate recorded `full` before it said so; the row may be
+        // from before that: read it again, so `done` always comes with `full`.
+        let row = match &allocate {
+            Some(a) if a.state == AllocateState::Done => {
+                self.house.image_row(&row.id.to_string()).await?
+            }
+            _ => row,
+        };
+        let (size_bytes, allocated_bytes) = self
+            .house
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .unwrap_or((row.size_bytes, row.allocated_bytes));
+        // A copy's file grows to its size only once the copy starts.
+        let size_bytes = size_bytes.max(row.size_bytes * u64::from(row.state != ImageState::Ready));
+        // The row and the job are read one after the other: a copy that
+        // ends in between still shows its count while the row says copying.
+        let progress = self
+            .jobs
+            .copies
+            .progress(row.id)
+            .filter(|p| p.state == JobState::Running || row.state == ImageState::Copying)
+            .map(|p| (p.done_bytes, p.total_bytes));
+        Ok(Image {
+            state: row.state,
+            state_reason: row.state_reason,
+            snapshot_of: row.snapshot_of,
+            cloned_from: row.cloned_from,
+            read_only: row.read_only,
+            method: row.method.or(row
+                .restored_from
+                .map(|_| blockplane_api::model::CopyMethod::Restore)),
+            restored_from: row.restored_from,
+            copied_bytes: progress.map(|(done, _)| done),
+            copy_total_bytes: progress.map(|(_, total)| total),
+            id: row.id,
+            name: row.name,
+            path: row.path,
+            size_bytes,
+            allocated_bytes,
+            filesystem: row.filesystem,
+            allocation: row.allocation,
+            allocation_reason: None,
+            created_at: row.created_at,
+            volumes,
+            allocate,
+            encryption: row.encryption,
+            warnings: Vec::new(),
+        })
+    }
+
+    /// Every image, as the API shows it.
+    pub(super) async fn list_images(&self) -> Result<Vec<Image>> {
+        // One query for every image's volumes, not one per image: /metrics
+        // and the dashboard list every image, and a host has a thousand.
+        // The rows come by name, as each image's volumes are listed.
+        let mut users: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+        for v in self.house.store.volumes().await? {
+            users.entry(v.image_id).or_default().push(v.id);
+        }
+        let mut out = Vec::new();
+        for row in self.house.store.images().await? {
+            let volumes = users.remove(&row.id).unwrap_or_default();
+            out.push(self.image_view_of(row, volumes).await?);
+        }
+        Ok(out)
+    }
+
+    /// The image's size now, if it may grow to `size_bytes`: no job on it,
+    /// ready and writable, a valid size, not smaller than it is.
+    fn growable(&self, row: &ImageRow, size_bytes: u64) -> Result<u64> {
+        self.jobs.allocations.refuse(row, "grow")?;
+        self.house.refuse_unready(row, "grow")?;
+        self.house.refuse_read_only(row, "it cannot grow")?;
+        self.jobs.copies.refuse(row, "grow")?;
+        self.jobs.backups.refuse(row, "grow")?;
+        if size_bytes == 0
+            || !size_bytes.is_multiple_of(512)
+            || size_bytes > blockplane_system::image::MAX_IMAGE_BYTES
+        {
+            return Err(Error::InvalidField {
+                field: "size_bytes",
+                reason: format!(
+                    "{size_bytes} is not a positive multiple of 512 up to {} (image '{}')",
+                    blockplane_system::image::MAX_IMAGE_BYTES,
+                    row.name
+                ),
+            });
+        }
+        let current = self
+            .house
+            .roots
+            .stat_if_same(&row.path, (row.dev, row.ino), row.birth.as_deref())
+            .map(|(size, _)| size)
+            .unwrap_or(row.size_bytes);
+        if size_bytes < current {
+            return Err(Error::Shrink {
+                name: row.name.clone(),
+                current,
+                asked: size_bytes,
+            });
+        }
+        Ok(current)
+    }
+
+    /// The bytes of holes an allocate of `row` would fill, its filesystem's
+    /// free bytes and the unwritten bytes it would write, or why it cannot
+    /// start: a job runs on it, it is not ready or read-only, not on ext4
+    /// or xfs, or its holes do not fit.
+    async fn allocatable(&self, row: &ImageRow) -> Result<(u64, u64, u64)> {
+        self.jobs.allocations.refuse(row, "start another")?;
+        self.house.refuse_unready(row, "be allocated")?;
+        self.house
+            .refuse_read_only(row, "it cannot be allocated (that writes zeros into it)")?;
+        self.jobs.copies.refuse(row, "be allocated")?;
+        self.jobs.backups.refuse(row, "be allocated")?;
+        if !matches!(row.filesystem.as_str(), "ext4" | "xfs") {
+            return Err(Error::NotAllocatable {
+                name: row.name.clone(),
+                reason: format!(
+                    "it is on {}; only images on ext4 or xfs can ever be direct-mapped (direct-map rule 1)",
+                    row.filesystem
+                ),
+            });
+        }
+        let me = self.clone();
+        let r = row.clone();
+        let (needed, free, total) = blocking(move || -> Result<(u64, u64, u64)> {
+            let file = me.house.open_image(&r, Access::ReadOnly)?;
+            let (needed, free) = (file.hole_bytes()?, file.free_bytes()?);
+            Ok((needed, free, file.unwritten_bytes()?))
+        })
+        .await??;
+        if needed > free {
+            return Err(Error::SpaceShort {
+                name: row.name.clone(),
+                what: "allocating its holes",
+                needed,
+                free,
+            });
+        }
+        Ok((needed, free, total))
+    }
+
+    /// The image's last allocate as the API shows it.
+    fn allocate_view(&self, id: Uuid) -> Option<ImageAllocate> {
+        self.jobs.allocations.progress(id).map(|p| ImageAllocate {
+            state: match p.state {
+                JobState::Running => AllocateState::Running,
+                JobState::Done => AllocateState::Done,
+                JobState::Cancelled => AllocateState::Cancelled,
+                JobState::Failed => AllocateState::Failed,
+            },
+            done_bytes: p.done_bytes,
+            total_bytes: p.total_bytes,
+            error: p.error,
+            started_at: p.started_at,
+        })
     }
 }
 

@@ -71,7 +71,7 @@ impl Manager {
         Ok(crate::metrics::render(
             &self.api.requests,
             crate::metrics::Snapshot {
-                roots: self.root_usage().await?,
+                roots: self.images.root_usage().await?,
                 build: blockplane_system::build::current().to_string(),
                 workers,
                 volumes,

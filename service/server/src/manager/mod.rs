@@ -16,6 +16,7 @@ mod handover;
 mod holds;
 mod host;
 mod house;
+mod image_jobs;
 mod images;
 mod jobs;
 mod locks;
@@ -44,6 +45,7 @@ use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
 use house::{House, Settings};
+use image_jobs::{ImageJobs, Images};
 
 /// Whether a create made something new or found it already there.
 #[derive(Debug)]
@@ -86,8 +88,9 @@ pub struct Manager {
     readings: look::Readings,
     /// What the API reads often, kept ready.
     api: ApiViews,
-    /// What runs in the background on images: allocates and copies.
-    jobs: ImageJobs,
+    /// The images' part: the house and what runs on images (allocates,
+    /// copies, moment copies, backups).
+    images: Images,
     /// The backup target and this service's backups.
     backups: target::Backups,
     /// The volumes a start has not reconciled yet.
@@ -102,19 +105,6 @@ struct ApiViews {
     volumes: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
     /// API request counts and durations.
     requests: crate::metrics::ApiMetrics,
-}
-
-/// What runs in the background on images.
-#[derive(Default)]
-struct ImageJobs {
-    /// Each image's last allocate since the service started (in memory: a
-    /// restart leaves the image as declared, to be allocated again).
-    allocations: jobs::Jobs<runs::AllocateRun>,
-    /// The background copies of snapshots and clones, by the image made.
-    copies: jobs::Jobs<runs::CopyRun>,
-    /// The volumes whose worker copies one moment now, and into what: one
-    /// copy at a time each, so a job follows only its own.
-    moments: moments::MomentCopies,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -136,27 +126,31 @@ impl Manager {
         cfg: ManagerConfig,
     ) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
+        let house = Arc::new(House {
+            store,
+            roots,
+            backends: backends.list,
+            settings: Settings {
+                faults: cfg.faults,
+                max_volumes: cfg.max_volumes,
+                max_overcommit: cfg.max_overcommit,
+                kdf: cfg.kdf,
+                default_queues: cfg.default_queues,
+                instance,
+                ublk_run_root: cfg.run_dir.join("ublk"),
+            },
+            locks: locks::Locks::default(),
+            holds: holds::ImageHolds::default(),
+            reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
+        });
         let me = Arc::new(Self {
-            house: Arc::new(House {
-                store,
-                roots,
-                backends: backends.list,
-                settings: Settings {
-                    faults: cfg.faults,
-                    max_volumes: cfg.max_volumes,
-                    max_overcommit: cfg.max_overcommit,
-                    kdf: cfg.kdf,
-                    default_queues: cfg.default_queues,
-                    instance,
-                    ublk_run_root: cfg.run_dir.join("ublk"),
-                },
-                locks: locks::Locks::default(),
-                holds: holds::ImageHolds::default(),
-                reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
-            }),
+            house: house.clone(),
+            images: Images {
+                house,
+                jobs: Arc::new(ImageJobs::default()),
+            },
             readings: look::Readings::default(),
             api: ApiViews::default(),
-            jobs: ImageJobs::default(),
             backups: target::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),
         });
@@ -173,9 +167,9 @@ impl Manager {
     /// stopping: an allocated image stays as declared, to be allocated
     /// again; a copy is found `copying` at the next start and failed there).
     pub fn stop_jobs(&self) {
-        self.jobs.allocations.stop_all();
-        self.jobs.copies.stop_all();
-        self.backups.jobs.stop_all();
+        self.images.jobs.allocations.stop_all();
+        self.images.jobs.copies.stop_all();
+        self.images.jobs.backups.stop_all();
     }
 
     /// Samples every attached volume once a second, for as long as the service runs.

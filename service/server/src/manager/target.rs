@@ -1,21 +1,17 @@
 //! The service's backup target and what it keeps of its backups while it
-//! runs; [`super::backups`] makes, lists and restores them.
+//! runs (the backups running are jobs on images, [`super::image_jobs`]); [`super::backups`] makes, lists and restores them.
 
 use std::collections::HashMap;
 
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::jobs::Jobs;
-use super::runs::BackupRun;
 use blockplane_backup::Target;
 
 /// The service's backup target and its backups.
 pub(super) struct Backups {
     /// `--backup-target`, opened; `None`: backups are refused.
     pub(super) target: Option<Target>,
-    /// This service's backups since it started, by backup id.
-    pub(super) jobs: Jobs<BackupRun>,
     /// Each image's last backup with a manifest, by image id (filled from
     /// the target at start, then by this service's backups): `/metrics`
     /// reports its age.
@@ -41,7 +37,6 @@ impl Backups {
             target,
             gate: run_dir.join("backup-gate"),
             started: OffsetDateTime::now_utc(),
-            jobs: Jobs::default(),
             last_done: std::sync::Mutex::default(),
             uploaded_bytes: std::sync::atomic::AtomicU64::default(),
             deduplicated_bytes: std::sync::atomic::AtomicU64::default(),

@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
+use super::image_jobs::Images;
 use super::names::validate_name;
 use super::{Created, Manager};
 use crate::backend::{
@@ -278,7 +279,7 @@ impl Manager {
             return Ok(Created::Existing(existing));
         }
         let _image = self.house.locks.images.lock(&image.id.to_string()).await;
-        let image = self.claim_image(&image, &req).await?;
+        let image = self.images.claim_image(&image, &req).await?;
         let backend = self.house.choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (
@@ -363,20 +364,6 @@ impl Manager {
         })
     }
 
-    /// The image, read again under its lock, if a new volume may have it:
-    /// no other volume, no allocate running, and its rules for `req`.
-    async fn claim_image(&self, image: &ImageRow, req: &CreateVolumeRequest) -> Result<ImageRow> {
-        self.house.reserve.take();
-        let users = self.house.store.volumes_of_image(image.id).await?;
-        if !users.is_empty() {
-            return Err(Error::image_in_use(image.name.clone(), &users));
-        }
-        self.jobs.allocations.refuse(image, "get a volume")?;
-        let image = self.house.image_row(&image.id.to_string()).await?;
-        self.check_volume_image(&image, &req.name, req.read_only)?;
-        Ok(image)
-    }
-
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
         let v = self.house.volume_row(id_or_name).await?;
@@ -454,8 +441,9 @@ impl Manager {
         // A backup reading the image decided so under this volume's lock.
         if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
             let image = self.house.image_row(&v.image_id.to_string()).await?;
-            self.backups
+            self.images
                 .jobs
+                .backups
                 .refuse(&image, &format!("make volume '{}' writable", v.name))?;
         }
         let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
@@ -1179,6 +1167,22 @@ impl House {
                 .clone()
                 .unwrap_or_else(|| "it has no device to change".into()),
         }
+    }
+}
+
+impl Images {
+    /// The image, read again under its lock, if a new volume may have it:
+    /// no other volume, no allocate running, and its rules for `req`.
+    async fn claim_image(&self, image: &ImageRow, req: &CreateVolumeRequest) -> Result<ImageRow> {
+        self.house.reserve.take();
+        let users = self.house.store.volumes_of_image(image.id).await?;
+        if !users.is_empty() {
+            return Err(Error::image_in_use(image.name.clone(), &users));
+        }
+        self.jobs.allocations.refuse(image, "get a volume")?;
+        let image = self.house.image_row(&image.id.to_string()).await?;
+        self.check_volume_image(&image, &req.name, req.read_only)?;
+        Ok(image)
     }
 }
 
