@@ -44,7 +44,7 @@ pub async fn backup_image(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CreateBackupRequest>,
 ) -> Result<(StatusCode, Json<Backup>), ApiError> {
-    let backup = detached(async move { m.backup_image(&id, &req.name).await }).await?;
+    let backup = detached(async move { m.backups().backup_image(&id, &req.name).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(backup)))
 }
 
@@ -66,7 +66,7 @@ pub async fn list_backups(
     State(m): State<AppState>,
     ApiQuery(q): ApiQuery<ListBackupsQuery>,
 ) -> Result<Json<Vec<Backup>>, ApiError> {
-    Ok(Json(m.backups(q.image.as_deref()).await?))
+    Ok(Json(m.backups().list(q.image.as_deref()).await?))
 }
 
 /// Show one backup.
@@ -84,7 +84,7 @@ pub async fn get_backup(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Backup>, ApiError> {
-    Ok(Json(m.backup(&id).await?))
+    Ok(Json(m.backups().backup(&id).await?))
 }
 
 /// Delete a backup from the target, or cancel a running one (it writes no
@@ -104,7 +104,7 @@ pub async fn delete_backup(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    detached(async move { m.delete_backup(&id).await }).await?;
+    detached(async move { m.backups().delete_backup(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -126,7 +126,7 @@ pub async fn verify_backup(
     Path(id): Path<String>,
 ) -> Result<Json<BackupVerify>, ApiError> {
     Ok(Json(
-        detached(async move { m.verify_backup(&id).await }).await?,
+        detached(async move { m.backups().verify_backup(&id).await }).await?,
     ))
 }
 
@@ -145,6 +145,6 @@ pub async fn verify_backup(
 )]
 pub async fn collect_backups(State(m): State<AppState>) -> Result<Json<BackupGc>, ApiError> {
     Ok(Json(
-        detached(async move { m.collect_backups().await }).await?,
+        detached(async move { m.backups().collect_backups().await }).await?,
     ))
 }

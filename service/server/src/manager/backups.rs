@@ -18,7 +18,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::Manager;
 use super::blocking::blocking;
 use super::copies::{Copier, SharedMoment};
 use super::error::{Error, Result};
@@ -28,6 +27,7 @@ use super::images::new_file_row;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
 use super::runs::{BackupRun, CopyRun};
+use super::target::Backups;
 use super::undo::Undo;
 use crate::backend::VolumeBackend;
 use crate::store::{ImageRow, VolumeRow};
@@ -87,559 +87,6 @@ fn host_name() -> String {
         .nodename()
         .to_string_lossy()
         .into_owned()
-}
-
-impl Manager {
-    /// The backup target, or 409 `no_backup_target` naming the flag that
-    /// sets one.
-    fn backup_target(&self, what: &str) -> Result<Target> {
-        self.backups
-            .target
-            .clone()
-            .ok_or_else(|| Error::NoBackupTarget(what.to_string()))
-    }
-
-    /// At start, in the background: releases the leases of backups this
-    /// service ran when it died (they wrote no manifest: they did not
-    /// happen; the next gc collects their chunks), and learns each image's
-    /// last backup; again every 30 s until the target answers both. A
-    /// target that is away meanwhile only logs: backups fail as they start,
-    /// with its reason.
-    pub(super) async fn recover_backup_target(&self) {
-        let Some(target) = &self.backups.target else {
-            return;
-        };
-        let owner = self.house.lease_owner();
-        let mut released = false;
-        loop {
-            if !released {
-                match blockplane_backup::release_leases(target, &owner, self.backups.started).await
-                {
-                    Ok(n) => {
-                        released = true;
-                        if n > 0 {
-                            tracing::warn!(
-                                leases = n,
-                                target = target.describe(),
-                                "released the leases of backups this service ran when it stopped; their chunks are collected by the next gc"
-                            );
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the backup target is not reachable; trying again in 30 s")
-                    }
-                }
-            }
-            if released && self.learn_last_backups(target).await.is_ok() {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
-        }
-    }
-
-    /// Each image's last backup with a manifest, read from the target.
-    async fn learn_last_backups(&self, target: &Target) -> Result<()> {
-        let list = blockplane_backup::list(target).await?;
-        let mut last = HashMap::new();
-        for m in list {
-            let at = last.entry(m.image.id).or_insert(m.finished_at);
-            *at = (*at).max(m.finished_at);
-        }
-        *self.backups.last_done.lock().expect("poisoned") = last;
-        Ok(())
-    }
-
-    /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
-    /// at this moment; 202 with it `running`.
-    pub(crate) async fn backup_image(self: &Arc<Self>, image: &str, name: &str) -> Result<Backup> {
-        validate_name("backup", name)?;
-        let target = self.backup_target("back an image up")?;
-        let src = self.house.image_row(image).await?;
-        // The target is asked before any lock is taken: a slow one delays
-        // this request only.
-        let taken = blockplane_backup::list(&target)
-            .await?
-            .into_iter()
-            .find(|m| m.image.id == src.id && m.name == name);
-        if let Some(m) = taken {
-            return Err(Error::BackupNameTaken {
-                name: name.to_string(),
-                image: src.name.clone(),
-                id: m.id,
-            });
-        }
-        let _image = self.house.locks.images.lock(&src.id.to_string()).await;
-        let src = self.house.image_row(&src.id.to_string()).await?;
-        self.images.backupable(&src)?;
-        let id = Uuid::new_v4();
-        // Read-only volumes are held until the job refuses their return to
-        // writable (their PATCH and unlock take the same lock), so the image
-        // has no writer from the check to the end of the backup.
-        let mut held_volumes = Vec::new();
-        for (_, volume) in self.house.store.volumes_of_image(src.id).await? {
-            held_volumes.push(self.house.locks.volumes.lock(&volume).await);
-        }
-        let writable = self
-            .house
-            .attached_volumes(src.id)
-            .await?
-            .into_iter()
-            .find(|(v, _)| !v.read_only);
-        if writable.is_some() {
-            // The snapshot path takes the volume's lock itself.
-            held_volumes.clear();
-        }
-        let mut undo = Undo::default();
-        let source = self
-            .images
-            .backup_source(&src, id, name, writable, &mut undo)
-            .await?;
-        let meta = self.house.backup_meta(id, name, &src, &source.file);
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            tx.event(
-                None,
-                Some(src.id),
-                "backup_started",
-                &format!(
-                    "image '{}': backup '{name}' ({id}) to {} started: {}",
-                    src.name,
-                    target.describe(),
-                    source.how()
-                ),
-            )
-            .await?;
-            tx.commit().await
-        }
-        .await;
-        if let Err(e) = recorded {
-            if let Some(c) = &source.copier {
-                c.stop().await;
-            }
-            return Err(e.into());
-        }
-        undo.commit();
-        let reads_image = source.moment.is_none();
-        let BackupSource {
-            file,
-            moment,
-            copier,
-            ..
-        } = source;
-        self.start_backup(target, meta, file, moment, reads_image, copier);
-        drop(held_volumes);
-        self.backup(&id.to_string()).await
-    }
-
-    /// Runs the backup on the runtime, then records its end.
-    fn start_backup(
-        self: &Arc<Self>,
-        target: Target,
-        meta: BackupMeta,
-        file: ImageFile,
-        moment: Option<ImagePath>,
-        reads_image: bool,
-        copier: Option<Copier>,
-    ) {
-        let counters = Arc::new(Counters::default());
-        let run = BackupRun {
-            meta: meta.clone(),
-            counters: counters.clone(),
-            reads_image,
-        };
-        let pace = self.house.settings.faults.pace(Slow::Backup);
-        let gate = self
-            .house
-            .settings
-            .faults
-            .slows(Slow::BackupGate)
-            .then(|| self.backups.gate.clone());
-        let me = self.clone();
-        let moment_identity = (file.identity(), file.birth().map(str::to_string));
-        let fd: std::fs::File = file.into_fd().into();
-        self.images
-            .jobs
-            .backups
-            .start(meta.id, run, (pace, gate), 0, move |job| async move {
-                let started = std::time::Instant::now();
-                // A copied moment is complete first; its progress is the job's
-                // until the backup's own begins. The copier goes once it
-                // ends: the volume may copy another moment meanwhile.
-                let copied =
-                    match copier {
-                        Some(c) => c.follow(job.clone()).await.map_err(|e| {
-                            blockplane_backup::Error::Image {
-                                backup: blockplane_backup::BackupRef {
-                                    id: meta.id,
-                                    name: meta.name.clone(),
-                                },
-                                action: format!("copy one moment of volume '{}'", c.volume()),
-                                source: std::io::Error::other(e.to_string()),
-                            }
-                        }),
-                        None => Ok(true),
-                    };
-                let out = match copied {
-                    Ok(true) => {
-                        blockplane_backup::backup(
-                            &target,
-                            meta.clone(),
-                            fd,
-                            job.clone(),
-                            counters.clone(),
-                        )
-                        .await
-                    }
-                    Ok(false) => Ok(None),
-                    Err(e) => Err(e),
-                };
-                if let Some(path) = &moment {
-                    let ((dev, ino), birth) = &moment_identity;
-                    let _ = me
-                        .house
-                        .roots
-                        .remove_file(path, *dev, *ino, birth.as_deref());
-                }
-                me.end_backup(&target, &meta, &job, &counters, started.elapsed(), out)
-                    .await
-            });
-    }
-
-    /// Records how a backup ended: an event, the counters, and the image's
-    /// last backup.
-    async fn end_backup(
-        &self,
-        target: &Target,
-        meta: &BackupMeta,
-        job: &AllocateJob,
-        counters: &Counters,
-        took: std::time::Duration,
-        out: blockplane_backup::Result<Option<Manifest>>,
-    ) -> Ended {
-        let (uploaded, deduped) = (
-            counters.uploaded_bytes.load(Relaxed),
-            counters.deduplicated_bytes.load(Relaxed),
-        );
-        self.backups.uploaded_bytes.fetch_add(uploaded, Relaxed);
-        self.backups.deduplicated_bytes.fetch_add(deduped, Relaxed);
-        let who = format!(
-            "image '{}': backup '{}' ({})",
-            meta.image.name, meta.name, meta.id
-        );
-        let (state, kind, text, error) = match &out {
-            Ok(Some(m)) => {
-                self.backups
-                    .last_done
-                    .lock()
-                    .expect("poisoned")
-                    .insert(meta.image.id, m.finished_at);
-                (
-                    JobState::Done,
-                    "backup_done",
-                    format!(
-                        "{who} done in {:.1} s: {} chunks, {} stored, {} uploaded, {} already on {}",
-                        took.as_secs_f64(),
-                        m.chunks.len(),
-                        model::size_text(m.stored_bytes),
-                        model::size_text(uploaded),
-                        model::size_text(deduped),
-                        target.describe()
-                    ),
-                    None,
-                )
-            }
-            Ok(None) => (
-                JobState::Cancelled,
-                "backup_cancelled",
-                format!(
-                    "{who} cancelled after {}; no manifest was written",
-                    model::size_text(job.done_bytes.load(Relaxed))
-                ),
-                None,
-            ),
-            Err(e) => (
-                JobState::Failed,
-                "backup_failed",
-                format!("{who} failed: {e}; no manifest was written, the image is as it was"),
-                Some(e.to_string()),
-            ),
-        };
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            tx.event(None, Some(meta.image.id), kind, &text).await?;
-            tx.commit().await
-        }
-        .await;
-        if let Err(e) = recorded {
-            tracing::error!(backup = %meta.id, error = %e, "could not record the end of a backup");
-        }
-        tracing::info!(backup = %meta.id, state = ?state, "{text}");
-        Ended { state, error }
-    }
-
-    /// `GET /v1/backups`: the target's backups (any service's) and this
-    /// service's without a manifest, oldest first; `image` by id, or by
-    /// name (a registered image's id, else the name it was backed up as).
-    pub(crate) async fn backups(&self, image: Option<&str>) -> Result<Vec<Backup>> {
-        let target = self.backup_target("list backups")?;
-        let mut out: Vec<Backup> = blockplane_backup::list(&target)
-            .await?
-            .iter()
-            .map(done_view)
-            .collect();
-        let listed: std::collections::HashSet<Uuid> = out.iter().map(|b| b.id).collect();
-        out.extend(
-            self.images
-                .local_backups()
-                .into_iter()
-                .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
-        );
-        if let Some(image) = image {
-            let id = match self.house.store.image(image).await? {
-                Some(row) => Some(row.id),
-                None => Uuid::parse_str(image).ok(),
-            };
-            out.retain(|b| Some(b.image_id) == id || (id.is_none() && b.image_name == image));
-        }
-        out.sort_by_key(|b| b.created_at);
-        Ok(out)
-    }
-
-    /// `GET /v1/backups/{id}`: by id, or by name when one backup has it.
-    /// This service's own backup without a manifest is found by id without
-    /// the target: a backup that failed for want of it still shows why.
-    pub(crate) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
-        if let Ok(id) = Uuid::parse_str(id_or_name)
-            && let Some(local) = self
-                .images
-                .local_backups()
-                .into_iter()
-                .find(|b| b.id == id && b.state != BackupState::Done)
-        {
-            return Ok(local);
-        }
-        let all = self.backups(None).await?;
-        let by_id = Uuid::parse_str(id_or_name).ok();
-        let mut found = all
-            .into_iter()
-            .filter(|b| Some(b.id) == by_id || b.name == id_or_name);
-        match (found.next(), found.next()) {
-            (Some(b), None) => Ok(b),
-            (None, _) => Err(Error::BackupNotFound(id_or_name.to_string())),
-            (Some(a), Some(b)) => Err(Error::BackupAmbiguous {
-                name: id_or_name.to_string(),
-                ids: format!("{} ({}), {} ({})", a.id, a.image_name, b.id, b.image_name),
-            }),
-        }
-    }
-
-    /// A finished backup's manifest, by id or name.
-    async fn manifest(&self, target: &Target, id_or_name: &str) -> Result<Manifest> {
-        let b = self.backup(id_or_name).await?;
-        if b.state != BackupState::Done {
-            return Err(Error::BackupNotDone {
-                name: b.name,
-                state: b.state.as_str(),
-            });
-        }
-        Ok(blockplane_backup::manifest(target, b.id).await?)
-    }
-
-    /// `DELETE /v1/backups/{id}`: cancels a running backup of this service,
-    /// or deletes a finished one from the target (its chunks are collected
-    /// by the gc that follows, unless another backup uses them).
-    pub(crate) async fn delete_backup(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
-        let target = self.backup_target("delete a backup")?;
-        let b = self.backup(id_or_name).await?;
-        let done = match b.state {
-            BackupState::Running => {
-                self.images.jobs.backups.stop(b.id).await;
-                match self.images.jobs.backups.progress(b.id).map(|p| p.state) {
-                    // It wrote its manifest before the cancel landed: a
-                    // cancel asked is a delete then.
-                    Some(JobState::Done) => true,
-                    Some(JobState::Running) => {
-                        return Err(Error::BackupRunning {
-                            name: b.image_name.clone(),
-                            backup: b.id,
-                        });
-                    }
-                    _ => false,
-                }
-            }
-            BackupState::Done => true,
-            BackupState::Failed | BackupState::Cancelled => false,
-        };
-        if done {
-            blockplane_backup::delete(&target, b.id).await?;
-            let mut tx = self.house.store.begin().await?;
-            tx.event(
-                None,
-                Some(b.image_id),
-                "backup_deleted",
-                &format!(
-                    "image '{}': backup '{}' ({}) deleted from {}",
-                    b.image_name,
-                    b.name,
-                    b.id,
-                    target.describe()
-                ),
-            )
-            .await?;
-            tx.commit().await?;
-            // Its chunks go, and the image's last backup may be an older one.
-            let me = self.clone();
-            tokio::spawn(async move {
-                match me.collect_backups().await {
-                    Ok(_) => {}
-                    // That gc collects what it can see; what this delete
-                    // left, the next gc.
-                    Err(Error::Backup(e @ blockplane_backup::Error::GcBusy { .. })) => {
-                        tracing::info!(error = %e, "the gc after a backup's delete is left to the next gc");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "the gc after a backup's delete failed"),
-                }
-                if let Err(e) = me.learn_last_backups(&target).await {
-                    tracing::warn!(error = %e, "the last backups could not be read again");
-                }
-            });
-        }
-        self.images.jobs.backups.forget(b.id);
-        Ok(())
-    }
-
-    /// `POST /v1/backups/gc`: removes the chunks no manifest references,
-    /// keeping those a backup running on any service may need.
-    pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
-        let target = self.backup_target("collect chunks")?;
-        let _one = self.backups.gc.lock().await;
-        let r = blockplane_backup::gc(&target, &self.house.lease_owner()).await?;
-        tracing::info!(
-            deleted = r.chunks_deleted,
-            kept = r.chunks_kept,
-            running = r.running_backups,
-            "backup target collected"
-        );
-        Ok(BackupGc {
-            chunks_kept: r.chunks_kept,
-            chunks_deleted: r.chunks_deleted,
-            bytes_deleted: r.bytes_deleted,
-            running_backups: r.running_backups,
-        })
-    }
-
-    /// `POST /v1/backups/{id}/verify`: reads every chunk of a backup back
-    /// and checks its hash, writing nothing.
-    pub(crate) async fn verify_backup(&self, id_or_name: &str) -> Result<BackupVerify> {
-        let target = self.backup_target("verify a backup")?;
-        let m = self.manifest(&target, id_or_name).await?;
-        let job = Arc::new(AllocateJob::default());
-        let r = blockplane_backup::verify(&target, &m, job).await?;
-        Ok(BackupVerify {
-            backup_id: m.id,
-            ok: r.ok(),
-            chunks: r.chunks,
-            bytes: r.bytes,
-            missing: r.missing.iter().map(|c| bad_chunk(&m, c)).collect(),
-            corrupt: r.corrupt.iter().map(|c| bad_chunk(&m, c)).collect(),
-        })
-    }
-
-    /// `POST /v1/images` with `restore_from`: a new image at `path` made
-    /// from a backup's chunks in the background (202, `copying`).
-    pub(super) async fn restore_image(
-        self: &Arc<Self>,
-        backup: &str,
-        name: &str,
-        path: &str,
-    ) -> Result<Image> {
-        validate_name("image", name)?;
-        let target = self.backup_target("restore a backup")?;
-        let path = self.house.roots.resolve(path)?;
-        // The target is read before the registration lock, which every
-        // image create on the host takes.
-        let m = self.manifest(&target, backup).await?;
-        let _registering = self.house.claim_name(name).await?;
-        let size = m.image.size_bytes;
-        let warnings = self
-            .images
-            .check_provisioning(name, &path.display(), size, true)
-            .await?;
-        let (me, p) = (self.clone(), path.clone());
-        let file = blocking(move || {
-            me.house
-                .roots
-                .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
-        })
-        .await??;
-        let mut undo = Undo::default();
-        let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
-        let (me, p) = (self.clone(), path.clone());
-        undo.push("remove the restore's file", move || {
-            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
-        });
-        let fd = file
-            .fd()
-            .try_clone()
-            .map_err(|e| Error::Internal(format!("image '{name}': dup of its new file: {e}")))?;
-        let free = file.free_bytes()?;
-        if m.stored_bytes > free {
-            return Err(Error::SpaceShort {
-                name: name.to_string(),
-                what: "restoring its backup's data",
-                needed: m.stored_bytes,
-                free,
-            });
-        }
-        let row = restore_row(name, &path, &file, &m)?;
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            tx.insert_image(&row).await?;
-            tx.event(
-                None,
-                Some(row.id),
-                "image_restore_started",
-                &format!(
-                    "image '{name}' ({}) is being restored from backup '{}' ({}) of image '{}' at {}: {} of data from {}; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
-                    row.path,
-                    m.name,
-                    m.id,
-                    m.image.name,
-                    m.created_at,
-                    model::size_text(m.stored_bytes),
-                    target.describe()
-                ),
-            )
-            .await?;
-            for w in &warnings {
-                tx.event(None, Some(row.id), "image_overcommitted", w).await?;
-            }
-            tx.commit().await
-        }
-        .await;
-        recorded?;
-        undo.commit();
-        self.images.start_restore(&row, target, m, file, fd.into());
-        let mut image = self.images.image_view(row).await?;
-        image.warnings = warnings;
-        Ok(image)
-    }
-
-    /// Seconds since each of `images`' last backup with a manifest, by
-    /// image name, for `/metrics`.
-    pub(super) fn backup_ages<'a>(
-        &self,
-        images: impl Iterator<Item = (Uuid, &'a str)>,
-    ) -> Vec<(String, f64)> {
-        let last = self.backups.last_done.lock().expect("poisoned");
-        let now = OffsetDateTime::now_utc();
-        images
-            .filter_map(|(id, name)| {
-                last.get(&id)
-                    .map(|at| (name.to_string(), (now - *at).as_seconds_f64().max(0.0)))
-            })
-            .collect()
-    }
 }
 
 /// The row of `name`, restored from backup `m` into `file` at `path`:
@@ -1010,5 +457,571 @@ impl Images {
                 };
                 me.house.end_restore(&row, &m, &job, started.elapsed(), out).await
             });
+    }
+}
+
+impl Backups {
+    /// The backup target, or 409 `no_backup_target` naming the flag that
+    /// sets one.
+    fn backup_target(&self, what: &str) -> Result<Target> {
+        self.state
+            .target
+            .clone()
+            .ok_or_else(|| Error::NoBackupTarget(what.to_string()))
+    }
+
+    /// At start, in the background: releases the leases of backups this
+    /// service ran when it died (they wrote no manifest: they did not
+    /// happen; the next gc collects their chunks), and learns each image's
+    /// last backup; again every 30 s until the target answers both. A
+    /// target that is away meanwhile only logs: backups fail as they start,
+    /// with its reason.
+    pub(super) async fn recover_backup_target(&self) {
+        let Some(target) = &self.state.target else {
+            return;
+        };
+        let owner = self.images.house.lease_owner();
+        let mut released = false;
+        loop {
+            if !released {
+                match blockplane_backup::release_leases(target, &owner, self.state.started).await {
+                    Ok(n) => {
+                        released = true;
+                        if n > 0 {
+                            tracing::warn!(
+                                leases = n,
+                                target = target.describe(),
+                                "released the leases of backups this service ran when it stopped; their chunks are collected by the next gc"
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the backup target is not reachable; trying again in 30 s")
+                    }
+                }
+            }
+            if released && self.learn_last_backups(target).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+        }
+    }
+
+    /// Each image's last backup with a manifest, read from the target.
+    async fn learn_last_backups(&self, target: &Target) -> Result<()> {
+        let list = blockplane_backup::list(target).await?;
+        let mut last = HashMap::new();
+        for m in list {
+            let at = last.entry(m.image.id).or_insert(m.finished_at);
+            *at = (*at).max(m.finished_at);
+        }
+        *self.state.last_done.lock().expect("poisoned") = last;
+        Ok(())
+    }
+
+    /// `POST /v1/images/{id}/backups`: starts a backup of the image's bytes
+    /// at this moment; 202 with it `running`.
+    pub(crate) async fn backup_image(&self, image: &str, name: &str) -> Result<Backup> {
+        validate_name("backup", name)?;
+        let target = self.backup_target("back an image up")?;
+        let src = self.images.house.image_row(image).await?;
+        // The target is asked before any lock is taken: a slow one delays
+        // this request only.
+        let taken = blockplane_backup::list(&target)
+            .await?
+            .into_iter()
+            .find(|m| m.image.id == src.id && m.name == name);
+        if let Some(m) = taken {
+            return Err(Error::BackupNameTaken {
+                name: name.to_string(),
+                image: src.name.clone(),
+                id: m.id,
+            });
+        }
+        let _image = self
+            .images
+            .house
+            .locks
+            .images
+            .lock(&src.id.to_string())
+            .await;
+        let src = self.images.house.image_row(&src.id.to_string()).await?;
+        self.images.backupable(&src)?;
+        let id = Uuid::new_v4();
+        // Read-only volumes are held until the job refuses their return to
+        // writable (their PATCH and unlock take the same lock), so the image
+        // has no writer from the check to the end of the backup.
+        let mut held_volumes = Vec::new();
+        for (_, volume) in self.images.house.store.volumes_of_image(src.id).await? {
+            held_volumes.push(self.images.house.locks.volumes.lock(&volume).await);
+        }
+        let writable = self
+            .images
+            .house
+            .attached_volumes(src.id)
+            .await?
+            .into_iter()
+            .find(|(v, _)| !v.read_only);
+        if writable.is_some() {
+            // The snapshot path takes the volume's lock itself.
+            held_volumes.clear();
+        }
+        let mut undo = Undo::default();
+        let source = self
+            .images
+            .backup_source(&src, id, name, writable, &mut undo)
+            .await?;
+        let meta = self.images.house.backup_meta(id, name, &src, &source.file);
+        let recorded = async {
+            let mut tx = self.images.house.store.begin().await?;
+            tx.event(
+                None,
+                Some(src.id),
+                "backup_started",
+                &format!(
+                    "image '{}': backup '{name}' ({id}) to {} started: {}",
+                    src.name,
+                    target.describe(),
+                    source.how()
+                ),
+            )
+            .await?;
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            if let Some(c) = &source.copier {
+                c.stop().await;
+            }
+            return Err(e.into());
+        }
+        undo.commit();
+        let reads_image = source.moment.is_none();
+        let BackupSource {
+            file,
+            moment,
+            copier,
+            ..
+        } = source;
+        self.start_backup(target, meta, file, moment, reads_image, copier);
+        drop(held_volumes);
+        self.backup(&id.to_string()).await
+    }
+
+    /// Runs the backup on the runtime, then records its end.
+    fn start_backup(
+        &self,
+        target: Target,
+        meta: BackupMeta,
+        file: ImageFile,
+        moment: Option<ImagePath>,
+        reads_image: bool,
+        copier: Option<Copier>,
+    ) {
+        let counters = Arc::new(Counters::default());
+        let run = BackupRun {
+            meta: meta.clone(),
+            counters: counters.clone(),
+            reads_image,
+        };
+        let pace = self.images.house.settings.faults.pace(Slow::Backup);
+        let gate = self
+            .images
+            .house
+            .settings
+            .faults
+            .slows(Slow::BackupGate)
+            .then(|| self.state.gate.clone());
+        let me = self.clone();
+        let moment_identity = (file.identity(), file.birth().map(str::to_string));
+        let fd: std::fs::File = file.into_fd().into();
+        self.images
+            .jobs
+            .backups
+            .start(meta.id, run, (pace, gate), 0, move |job| async move {
+                let started = std::time::Instant::now();
+                // A copied moment is complete first; its progress is the job's
+                // until the backup's own begins. The copier goes once it
+                // ends: the volume may copy another moment meanwhile.
+                let copied =
+                    match copier {
+                        Some(c) => c.follow(job.clone()).await.map_err(|e| {
+                            blockplane_backup::Error::Image {
+                                backup: blockplane_backup::BackupRef {
+                                    id: meta.id,
+                                    name: meta.name.clone(),
+                                },
+                                action: format!("copy one moment of volume '{}'", c.volume()),
+                                source: std::io::Error::other(e.to_string()),
+                            }
+                        }),
+                        None => Ok(true),
+                    };
+                let out = match copied {
+                    Ok(true) => {
+                        blockplane_backup::backup(
+                            &target,
+                            meta.clone(),
+                            fd,
+                            job.clone(),
+                            counters.clone(),
+                        )
+                        .await
+                    }
+                    Ok(false) => Ok(None),
+                    Err(e) => Err(e),
+                };
+                if let Some(path) = &moment {
+                    let ((dev, ino), birth) = &moment_identity;
+                    let _ = me
+                        .images
+                        .house
+                        .roots
+                        .remove_file(path, *dev, *ino, birth.as_deref());
+                }
+                me.end_backup(&target, &meta, &job, &counters, started.elapsed(), out)
+                    .await
+            });
+    }
+
+    /// Records how a backup ended: an event, the counters, and the image's
+    /// last backup.
+    async fn end_backup(
+        &self,
+        target: &Target,
+        meta: &BackupMeta,
+        job: &AllocateJob,
+        counters: &Counters,
+        took: std::time::Duration,
+        out: blockplane_backup::Result<Option<Manifest>>,
+    ) -> Ended {
+        let (uploaded, deduped) = (
+            counters.uploaded_bytes.load(Relaxed),
+            counters.deduplicated_bytes.load(Relaxed),
+        );
+        self.state.uploaded_bytes.fetch_add(uploaded, Relaxed);
+        self.state.deduplicated_bytes.fetch_add(deduped, Relaxed);
+        let who = format!(
+            "image '{}': backup '{}' ({})",
+            meta.image.name, meta.name, meta.id
+        );
+        let (state, kind, text, error) = match &out {
+            Ok(Some(m)) => {
+                self.state
+                    .last_done
+                    .lock()
+                    .expect("poisoned")
+                    .insert(meta.image.id, m.finished_at);
+                (
+                    JobState::Done,
+                    "backup_done",
+                    format!(
+                        "{who} done in {:.1} s: {} chunks, {} stored, {} uploaded, {} already on {}",
+                        took.as_secs_f64(),
+                        m.chunks.len(),
+                        model::size_text(m.stored_bytes),
+                        model::size_text(uploaded),
+                        model::size_text(deduped),
+                        target.describe()
+                    ),
+                    None,
+                )
+            }
+            Ok(None) => (
+                JobState::Cancelled,
+                "backup_cancelled",
+                format!(
+                    "{who} cancelled after {}; no manifest was written",
+                    model::size_text(job.done_bytes.load(Relaxed))
+                ),
+                None,
+            ),
+            Err(e) => (
+                JobState::Failed,
+                "backup_failed",
+                format!("{who} failed: {e}; no manifest was written, the image is as it was"),
+                Some(e.to_string()),
+            ),
+        };
+        let recorded = async {
+            let mut tx = self.images.house.store.begin().await?;
+            tx.event(None, Some(meta.image.id), kind, &text).await?;
+            tx.commit().await
+        }
+        .await;
+        if let Err(e) = recorded {
+            tracing::error!(backup = %meta.id, error = %e, "could not record the end of a backup");
+        }
+        tracing::info!(backup = %meta.id, state = ?state, "{text}");
+        Ended { state, error }
+    }
+
+    /// `GET /v1/backups`: the target's backups (any service's) and this
+    /// service's without a manifest, oldest first; `image` by id, or by
+    /// name (a registered image's id, else the name it was backed up as).
+    pub(crate) async fn list(&self, image: Option<&str>) -> Result<Vec<Backup>> {
+        let target = self.backup_target("list backups")?;
+        let mut out: Vec<Backup> = blockplane_backup::list(&target)
+            .await?
+            .iter()
+            .map(done_view)
+            .collect();
+        let listed: std::collections::HashSet<Uuid> = out.iter().map(|b| b.id).collect();
+        out.extend(
+            self.images
+                .local_backups()
+                .into_iter()
+                .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
+        );
+        if let Some(image) = image {
+            let id = match self.images.house.store.image(image).await? {
+                Some(row) => Some(row.id),
+                None => Uuid::parse_str(image).ok(),
+            };
+            out.retain(|b| Some(b.image_id) == id || (id.is_none() && b.image_name == image));
+        }
+        out.sort_by_key(|b| b.created_at);
+        Ok(out)
+    }
+
+    /// `GET /v1/backups/{id}`: by id, or by name when one backup has it.
+    /// This service's own backup without a manifest is found by id without
+    /// the target: a backup that failed for want of it still shows why.
+    pub(crate) async fn backup(&self, id_or_name: &str) -> Result<Backup> {
+        if let Ok(id) = Uuid::parse_str(id_or_name)
+            && let Some(local) = self
+                .images
+                .local_backups()
+                .into_iter()
+                .find(|b| b.id == id && b.state != BackupState::Done)
+        {
+            return Ok(local);
+        }
+        let all = self.list(None).await?;
+        let by_id = Uuid::parse_str(id_or_name).ok();
+        let mut found = all
+            .into_iter()
+            .filter(|b| Some(b.id) == by_id || b.name == id_or_name);
+        match (found.next(), found.next()) {
+            (Some(b), None) => Ok(b),
+            (None, _) => Err(Error::BackupNotFound(id_or_name.to_string())),
+            (Some(a), Some(b)) => Err(Error::BackupAmbiguous {
+                name: id_or_name.to_string(),
+                ids: format!("{} ({}), {} ({})", a.id, a.image_name, b.id, b.image_name),
+            }),
+        }
+    }
+
+    /// A finished backup's manifest, by id or name.
+    async fn manifest(&self, target: &Target, id_or_name: &str) -> Result<Manifest> {
+        let b = self.backup(id_or_name).await?;
+        if b.state != BackupState::Done {
+            return Err(Error::BackupNotDone {
+                name: b.name,
+                state: b.state.as_str(),
+            });
+        }
+        Ok(blockplane_backup::manifest(target, b.id).await?)
+    }
+
+    /// `DELETE /v1/backups/{id}`: cancels a running backup of this service,
+    /// or deletes a finished one from the target (its chunks are collected
+    /// by the gc that follows, unless another backup uses them).
+    pub(crate) async fn delete_backup(&self, id_or_name: &str) -> Result<()> {
+        let target = self.backup_target("delete a backup")?;
+        let b = self.backup(id_or_name).await?;
+        let done = match b.state {
+            BackupState::Running => {
+                self.images.jobs.backups.stop(b.id).await;
+                match self.images.jobs.backups.progress(b.id).map(|p| p.state) {
+                    // It wrote its manifest before the cancel landed: a
+                    // cancel asked is a delete then.
+                    Some(JobState::Done) => true,
+                    Some(JobState::Running) => {
+                        return Err(Error::BackupRunning {
+                            name: b.image_name.clone(),
+                            backup: b.id,
+                        });
+                    }
+                    _ => false,
+                }
+            }
+            BackupState::Done => true,
+            BackupState::Failed | BackupState::Cancelled => false,
+        };
+        if done {
+            blockplane_backup::delete(&target, b.id).await?;
+            let mut tx = self.images.house.store.begin().await?;
+            tx.event(
+                None,
+                Some(b.image_id),
+                "backup_deleted",
+                &format!(
+                    "image '{}': backup '{}' ({}) deleted from {}",
+                    b.image_name,
+                    b.name,
+                    b.id,
+                    target.describe()
+                ),
+            )
+            .await?;
+            tx.commit().await?;
+            // Its chunks go, and the image's last backup may be an older one.
+            let me = self.clone();
+            tokio::spawn(async move {
+                match me.collect_backups().await {
+                    Ok(_) => {}
+                    // That gc collects what it can see; what this delete
+                    // left, the next gc.
+                    Err(Error::Backup(e @ blockplane_backup::Error::GcBusy { .. })) => {
+                        tracing::info!(error = %e, "the gc after a backup's delete is left to the next gc");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "the gc after a backup's delete failed"),
+                }
+                if let Err(e) = me.learn_last_backups(&target).await {
+                    tracing::warn!(error = %e, "the last backups could not be read again");
+                }
+            });
+        }
+        self.images.jobs.backups.forget(b.id);
+        Ok(())
+    }
+
+    /// `POST /v1/backups/gc`: removes the chunks no manifest references,
+    /// keeping those a backup running on any service may need.
+    pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
+        let target = self.backup_target("collect chunks")?;
+        let _one = self.state.gc.lock().await;
+        let r = blockplane_backup::gc(&target, &self.images.house.lease_owner()).await?;
+        tracing::info!(
+            deleted = r.chunks_deleted,
+            kept = r.chunks_kept,
+            running = r.running_backups,
+            "backup target collected"
+        );
+        Ok(BackupGc {
+            chunks_kept: r.chunks_kept,
+            chunks_deleted: r.chunks_deleted,
+            bytes_deleted: r.bytes_deleted,
+            running_backups: r.running_backups,
+        })
+    }
+
+    /// `POST /v1/backups/{id}/verify`: reads every chunk of a backup back
+    /// and checks its hash, writing nothing.
+    pub(crate) async fn verify_backup(&self, id_or_name: &str) -> Result<BackupVerify> {
+        let target = self.backup_target("verify a backup")?;
+        let m = self.manifest(&target, id_or_name).await?;
+        let job = Arc::new(AllocateJob::default());
+        let r = blockplane_backup::verify(&target, &m, job).await?;
+        Ok(BackupVerify {
+            backup_id: m.id,
+            ok: r.ok(),
+            chunks: r.chunks,
+            bytes: r.bytes,
+            missing: r.missing.iter().map(|c| bad_chunk(&m, c)).collect(),
+            corrupt: r.corrupt.iter().map(|c| bad_chunk(&m, c)).collect(),
+        })
+    }
+
+    /// `POST /v1/images` with `restore_from`: a new image at `path` made
+    /// from a backup's chunks in the background (202, `copying`).
+    pub(super) async fn restore_image(
+        &self,
+        backup: &str,
+        name: &str,
+        path: &str,
+    ) -> Result<Image> {
+        validate_name("image", name)?;
+        let target = self.backup_target("restore a backup")?;
+        let path = self.images.house.roots.resolve(path)?;
+        // The target is read before the registration lock, which every
+        // image create on the host takes.
+        let m = self.manifest(&target, backup).await?;
+        let _registering = self.images.house.claim_name(name).await?;
+        let size = m.image.size_bytes;
+        let warnings = self
+            .images
+            .check_provisioning(name, &path.display(), size, true)
+            .await?;
+        let (me, p) = (self.clone(), path.clone());
+        let file = blocking(move || {
+            me.images
+                .house
+                .roots
+                .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
+        })
+        .await??;
+        let mut undo = Undo::default();
+        let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
+        let (me, p) = (self.clone(), path.clone());
+        undo.push("remove the restore's file", move || {
+            let _ = me
+                .images
+                .house
+                .roots
+                .remove_file(&p, dev, ino, birth.as_deref());
+        });
+        let fd = file
+            .fd()
+            .try_clone()
+            .map_err(|e| Error::Internal(format!("image '{name}': dup of its new file: {e}")))?;
+        let free = file.free_bytes()?;
+        if m.stored_bytes > free {
+            return Err(Error::SpaceShort {
+                name: name.to_string(),
+                what: "restoring its backup's data",
+                needed: m.stored_bytes,
+                free,
+            });
+        }
+        let row = restore_row(name, &path, &file, &m)?;
+        let recorded = async {
+            let mut tx = self.images.house.store.begin().await?;
+            tx.insert_image(&row).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_restore_started",
+                &format!(
+                    "image '{name}' ({}) is being restored from backup '{}' ({}) of image '{}' at {}: {} of data from {}; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
+                    row.path,
+                    m.name,
+                    m.id,
+                    m.image.name,
+                    m.created_at,
+                    model::size_text(m.stored_bytes),
+                    target.describe()
+                ),
+            )
+            .await?;
+            for w in &warnings {
+                tx.event(None, Some(row.id), "image_overcommitted", w).await?;
+            }
+            tx.commit().await
+        }
+        .await;
+        recorded?;
+        undo.commit();
+        self.images.start_restore(&row, target, m, file, fd.into());
+        let mut image = self.images.image_view(row).await?;
+        image.warnings = warnings;
+        Ok(image)
+    }
+
+    /// Seconds since each of `images`' last backup with a manifest, by
+    /// image name, for `/metrics`.
+    pub(super) fn backup_ages<'a>(
+        &self,
+        images: impl Iterator<Item = (Uuid, &'a str)>,
+    ) -> Vec<(String, f64)> {
+        let last = self.state.last_done.lock().expect("poisoned");
+        let now = OffsetDateTime::now_utc();
+        images
+            .filter_map(|(id, name)| {
+                last.get(&id)
+                    .map(|at| (name.to_string(), (now - *at).as_seconds_f64().max(0.0)))
+            })
+            .collect()
     }
 }

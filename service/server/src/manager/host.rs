@@ -78,6 +78,7 @@ impl Manager {
             orphans: Vec::new(),
             backup_target: self
                 .backups
+                .state
                 .target
                 .as_ref()
                 .map(|t| t.describe().to_string()),

@@ -36,7 +36,11 @@ impl Manager {
         req: CreateImageRequest,
     ) -> Result<Image> {
         match Origin::of(&req)? {
-            Origin::Restore { backup } => self.restore_image(&backup, &req.name, &req.path).await,
+            Origin::Restore { backup } => {
+                self.backups
+                    .restore_image(&backup, &req.name, &req.path)
+                    .await
+            }
             Origin::Clone { source, grow } => {
                 self.images
                     .clone_image(&source, &req.name, &req.path, grow)

@@ -59,7 +59,9 @@ impl Manager {
             }
         }
         let images = self.images().await?;
-        let ages = self.backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));
+        let ages = self
+            .backups
+            .backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));
         let images = images
             .into_iter()
             .map(|i| crate::metrics::ImageSample {
@@ -88,12 +90,13 @@ impl Manager {
                     }),
                 backups: self
                     .backups
+                    .state
                     .target
                     .as_ref()
                     .map(|_| crate::metrics::BackupSample {
                         ages,
-                        uploaded_bytes: self.backups.uploaded_bytes.load(Relaxed),
-                        deduplicated_bytes: self.backups.deduplicated_bytes.load(Relaxed),
+                        uploaded_bytes: self.backups.state.uploaded_bytes.load(Relaxed),
+                        deduplicated_bytes: self.backups.state.deduplicated_bytes.load(Relaxed),
                     }),
             },
         ))

@@ -143,19 +143,25 @@ impl Manager {
             holds: holds::ImageHolds::default(),
             reserve: reserve::Reserve::new(cfg.run_dir.parent().unwrap_or(&cfg.run_dir)),
         });
-        let me = Arc::new(Self {
+        let images = Images {
             house: house.clone(),
-            images: Images {
-                house,
-                jobs: Arc::new(ImageJobs::default()),
-            },
+            jobs: Arc::new(ImageJobs::default()),
+        };
+        let me = Arc::new(Self {
+            house,
+            backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
+            images,
             readings: look::Readings::default(),
             api: ApiViews::default(),
-            backups: target::Backups::new(cfg.backup_target, &cfg.run_dir),
             recovering: recovery::Recovering::default(),
         });
         me.house.clone().record_backend_events(backends.events);
         Ok(me)
+    }
+
+    /// The backups' part: backups made, listed, verified and collected.
+    pub fn backups(&self) -> &target::Backups {
+        &self.backups
     }
 
     /// The database (the server checkpoints it at stop).

@@ -79,7 +79,7 @@ impl Manager {
         self.house.fail_interrupted_copies().await?;
         self.house.remove_backup_moments().await?;
         let me = self.clone();
-        tokio::spawn(async move { me.recover_backup_target().await });
+        tokio::spawn(async move { me.backups.recover_backup_target().await });
         let mut held = Vec::new();
         for row in self.house.store.volumes().await? {
             let lock = self.house.locks.volumes.lock(&row.name).await;

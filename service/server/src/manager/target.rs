@@ -1,15 +1,19 @@
-//! The service's backup target and what it keeps of its backups while it
-//! runs (the backups running are jobs on images, [`super::image_jobs`]); [`super::backups`] makes, lists and restores them.
+//! The backups' part of the manager: the service's backup target and what
+//! it keeps of its backups while it runs (the backups running are jobs on
+//! images, [`super::image_jobs`]), over the images' part; its steps, in
+//! [`super::backups`], make, list, verify, collect and restore them.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::image_jobs::Images;
 use blockplane_backup::Target;
 
-/// The service's backup target and its backups.
-pub(super) struct Backups {
+/// The service's backup target and what it keeps of its backups.
+pub(super) struct BackupState {
     /// `--backup-target`, opened; `None`: backups are refused.
     pub(super) target: Option<Target>,
     /// Each image's last backup with a manifest, by image id (filled from
@@ -29,10 +33,10 @@ pub(super) struct Backups {
     pub(super) gate: std::path::PathBuf,
 }
 
-impl Backups {
+impl BackupState {
     /// Backups to `target`, when the service has one; `run_dir` holds the
     /// test fault's gate.
-    pub(super) fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
+    fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
         Self {
             target,
             gate: run_dir.join("backup-gate"),
@@ -41,6 +45,26 @@ impl Backups {
             uploaded_bytes: std::sync::atomic::AtomicU64::default(),
             deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
             gc: tokio::sync::Mutex::default(),
+        }
+    }
+}
+
+/// The backups' part: the images' part it reads and restores images
+/// through, and the backup target's state. Cheap to clone, so a backup
+/// that runs on after its request holds this part alone.
+#[derive(Clone)]
+pub struct Backups {
+    pub(super) images: Images,
+    pub(super) state: Arc<BackupState>,
+}
+
+impl Backups {
+    /// Backups to `target` over `images`, when the service has a target;
+    /// `run_dir` holds the test fault's gate.
+    pub(super) fn new(images: Images, target: Option<Target>, run_dir: &std::path::Path) -> Self {
+        Self {
+            images,
+            state: Arc::new(BackupState::new(target, run_dir)),
         }
     }
 }
