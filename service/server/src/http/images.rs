@@ -84,7 +84,7 @@ pub async fn snapshot_image(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CreateSnapshotRequest>,
 ) -> Result<(StatusCode, Json<Image>), ApiError> {
-    let image = detached(async move { m.snapshot_image(&id, &req.name).await }).await?;
+    let image = detached(async move { m.images().snapshot_image(&id, &req.name).await }).await?;
     Ok(created(image))
 }
 
@@ -103,8 +103,8 @@ pub async fn list_images(
     ApiQuery(q): ApiQuery<ListImagesQuery>,
 ) -> Result<Json<Vec<Image>>, ApiError> {
     Ok(Json(match q.snapshot_of {
-        Some(source) => m.snapshots_of(&source).await?,
-        None => m.images().await?,
+        Some(source) => m.images().snapshots_of(&source).await?,
+        None => m.images().list().await?,
     }))
 }
 
@@ -121,7 +121,7 @@ pub async fn get_image(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Image>, ApiError> {
-    Ok(Json(m.image(&id).await?))
+    Ok(Json(m.images().image(&id).await?))
 }
 
 /// Forget an image (and optionally delete its file). An image whose copy
@@ -144,7 +144,7 @@ pub async fn delete_image(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<DeleteImageQuery>,
 ) -> Result<StatusCode, ApiError> {
-    detached(async move { m.delete_image(&id, q).await }).await?;
+    detached(async move { m.images().delete_image(&id, q).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -168,7 +168,7 @@ pub async fn resize_image(
     ApiJson(req): ApiJson<ResizeImageRequest>,
 ) -> Result<Json<ResizeImageResponse>, ApiError> {
     Ok(Json(
-        detached(async move { m.resize_image(&id, req.size_bytes).await }).await?,
+        detached(async move { m.images().resize_image(&id, req.size_bytes).await }).await?,
     ))
 }
 
@@ -202,7 +202,7 @@ pub async fn allocate_image(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<Image>), ApiError> {
-    let image = detached(async move { m.allocate_image(&id).await }).await?;
+    let image = detached(async move { m.images().allocate_image(&id).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(image)))
 }
 
@@ -224,7 +224,7 @@ pub async fn cancel_allocate(
     Path(id): Path<String>,
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(
-        detached(async move { m.cancel_allocate(&id).await }).await?,
+        detached(async move { m.images().cancel_allocate(&id).await }).await?,
     ))
 }
 
@@ -254,7 +254,7 @@ pub async fn add_image_key(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<AddKeyRequest>,
 ) -> Result<(StatusCode, Json<KeySlotAdded>), ApiError> {
-    let added = detached(async move { m.add_image_key(&id, req).await }).await?;
+    let added = detached(async move { m.images().add_image_key(&id, req).await }).await?;
     Ok((StatusCode::CREATED, Json(added)))
 }
 
@@ -283,6 +283,6 @@ pub async fn remove_image_key(
     ApiJson(req): ApiJson<RemoveKeyRequest>,
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(
-        detached(async move { m.remove_image_key(&id, slot, req).await }).await?,
+        detached(async move { m.images().remove_image_key(&id, slot, req).await }).await?,
     ))
 }

@@ -133,38 +133,7 @@ pub(super) fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> S
     )
 }
 
-impl Manager {
-    /// `POST /v1/images/{id}/snapshots`: a read-only image made from
-    /// `source`, its file named `name` in the source's directory.
-    pub(crate) async fn snapshot_image(
-        self: &Arc<Self>,
-        source: &str,
-        name: &str,
-    ) -> Result<Image> {
-        validate_name("image", name)?;
-        let src = self.house.image_row(source).await?;
-        let dir = std::path::Path::new(&src.path)
-            .parent()
-            .unwrap_or(std::path::Path::new("/"));
-        let path = dir.join(name).display().to_string();
-        self.images.copy_image(src, name, &path, true, None).await
-    }
-
-    /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
-    /// name; an id also finds those of a forgotten image).
-    pub(crate) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
-        let id = match self.house.store.image(source).await? {
-            Some(row) => row.id,
-            None => Uuid::parse_str(source).map_err(|_| Error::ImageNotFound(source.into()))?,
-        };
-        Ok(self
-            .images()
-            .await?
-            .into_iter()
-            .filter(|i| i.snapshot_of == Some(id))
-            .collect())
-    }
-}
+impl Manager {}
 
 /// A copy's new file, as [`Manager::make_copy_file`] made it.
 struct CopyFile {
@@ -993,5 +962,32 @@ impl Images {
             image,
             &format!("volume '{volume}' on it must be created with \"read_only\": true"),
         )
+    }
+
+    /// `POST /v1/images/{id}/snapshots`: a read-only image made from
+    /// `source`, its file named `name` in the source's directory.
+    pub(crate) async fn snapshot_image(&self, source: &str, name: &str) -> Result<Image> {
+        validate_name("image", name)?;
+        let src = self.house.image_row(source).await?;
+        let dir = std::path::Path::new(&src.path)
+            .parent()
+            .unwrap_or(std::path::Path::new("/"));
+        let path = dir.join(name).display().to_string();
+        self.copy_image(src, name, &path, true, None).await
+    }
+
+    /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or
+    /// name; an id also finds those of a forgotten image).
+    pub(crate) async fn snapshots_of(&self, source: &str) -> Result<Vec<Image>> {
+        let id = match self.house.store.image(source).await? {
+            Some(row) => row.id,
+            None => Uuid::parse_str(source).map_err(|_| Error::ImageNotFound(source.into()))?,
+        };
+        Ok(self
+            .list()
+            .await?
+            .into_iter()
+            .filter(|i| i.snapshot_of == Some(id))
+            .collect())
     }
 }

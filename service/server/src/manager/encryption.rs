@@ -153,38 +153,7 @@ enum SlotChange {
     Remove { slot: u32, key: Key },
 }
 
-impl Manager {
-    /// `POST /v1/images/{id}/keys`: a new key slot.
-    pub(crate) async fn add_image_key(
-        &self,
-        id_or_name: &str,
-        req: AddKeyRequest,
-    ) -> Result<KeySlotAdded> {
-        let (slot, image) = self
-            .images
-            .change_key_slots(
-                id_or_name,
-                SlotChange::Add {
-                    key: req.key,
-                    new_key: req.new_key,
-                },
-            )
-            .await?;
-        Ok(KeySlotAdded { slot, image })
-    }
-
-    /// `DELETE /v1/images/{id}/keys/{slot}`: a key slot removed (never the
-    /// last one).
-    pub(crate) async fn remove_image_key(
-        &self,
-        id_or_name: &str,
-        slot: u32,
-        req: RemoveKeyRequest,
-    ) -> Result<Image> {
-        let change = SlotChange::Remove { slot, key: req.key };
-        Ok(self.images.change_key_slots(id_or_name, change).await?.1)
-    }
-}
+impl Manager {}
 
 /// Slots as `0, 1`.
 fn slot_list(slots: &[u32]) -> String {
@@ -489,5 +458,35 @@ impl Images {
         tracing::info!(image = %row.name, slot, verb, "key slots changed");
         let row = self.house.image_row(&row.id.to_string()).await?;
         Ok((slot, self.image_view(row).await?))
+    }
+
+    /// `POST /v1/images/{id}/keys`: a new key slot.
+    pub(crate) async fn add_image_key(
+        &self,
+        id_or_name: &str,
+        req: AddKeyRequest,
+    ) -> Result<KeySlotAdded> {
+        let (slot, image) = self
+            .change_key_slots(
+                id_or_name,
+                SlotChange::Add {
+                    key: req.key,
+                    new_key: req.new_key,
+                },
+            )
+            .await?;
+        Ok(KeySlotAdded { slot, image })
+    }
+
+    /// `DELETE /v1/images/{id}/keys/{slot}`: a key slot removed (never the
+    /// last one).
+    pub(crate) async fn remove_image_key(
+        &self,
+        id_or_name: &str,
+        slot: u32,
+        req: RemoveKeyRequest,
+    ) -> Result<Image> {
+        let change = SlotChange::Remove { slot, key: req.key };
+        Ok(self.change_key_slots(id_or_name, change).await?.1)
     }
 }

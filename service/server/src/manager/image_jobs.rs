@@ -29,7 +29,7 @@ pub(super) struct ImageJobs {
 /// The images' part: the house, and the jobs on images. Cheap to clone (two
 /// `Arc`s), so a job that runs on after its request holds this part alone.
 #[derive(Clone)]
-pub(super) struct Images {
+pub struct Images {
     pub(super) house: Arc<House>,
     pub(super) jobs: Arc<ImageJobs>,
 }

@@ -49,192 +49,6 @@ impl Manager {
             Origin::File(file) => self.images.add_image(&req.name, &req.path, file).await,
         }
     }
-
-    /// `GET /v1/images`.
-    pub(crate) async fn images(&self) -> Result<Vec<Image>> {
-        self.images.list_images().await
-    }
-
-    /// `GET /v1/images/{id}`.
-    pub(crate) async fn image(&self, id_or_name: &str) -> Result<Image> {
-        let row = self.house.image_row(id_or_name).await?;
-        self.images.image_view(row).await
-    }
-
-    /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
-    pub(crate) async fn resize_image(
-        self: &std::sync::Arc<Self>,
-        id_or_name: &str,
-        size_bytes: u64,
-    ) -> Result<ResizeImageResponse> {
-        let row = self.house.image_row(id_or_name).await?;
-        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
-        let row = self.house.image_row(&row.id.to_string()).await?;
-        let current = self.images.growable(&row, size_bytes)?;
-        let warnings = self
-            .images
-            .check_provisioning(
-                &row.name,
-                &row.path,
-                size_bytes - current,
-                row.allocation != Some(Allocation::Full),
-            )
-            .await?;
-        let followed = if size_bytes > current {
-            self.house
-                .grow_image(&row, current, size_bytes, &warnings)
-                .await?
-        } else {
-            Vec::new()
-        };
-        let mut image = self.image(&row.id.to_string()).await?;
-        image.warnings = warnings;
-        Ok(ResizeImageResponse {
-            image,
-            volumes: followed,
-        })
-    }
-
-    /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
-    /// holes and unwritten extents in the background, so it passes direct-map
-    /// rule 2 again, and makes it `full` (never punched from then on) when
-    /// done. Refused before anything is written when its filesystem lacks the
-    /// space for the holes, when an attached volume's backend cannot fill it
-    /// while serving (loop), or when an allocate already runs. An attached
-    /// volume's backend does the writing, keeping its own writes out of each
-    /// range it zeroes (ublk, dm); otherwise the service does, holding the
-    /// image's lock. Answers with the image, its `allocate` running.
-    pub(crate) async fn allocate_image(
-        self: &std::sync::Arc<Self>,
-        id_or_name: &str,
-    ) -> Result<Image> {
-        let row = self.house.image_row(id_or_name).await?;
-        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
-        let row = self.house.image_row(&row.id.to_string()).await?;
-        let (needed, free, total) = self.images.allocatable(&row).await?;
-        let attached = self.house.attached_volumes(row.id).await?;
-        for (v, backend) in &attached {
-            if let Some(att) = &v.attachment {
-                backend.check_allocate(att, v.id).map_err(|e| {
-                    volume_error(&v.name, delete_to_allocate(e, &v.name, &row.name))
-                })?;
-            }
-        }
-        let mut tx = self.house.store.begin().await?;
-        tx.event(
-            None,
-            Some(row.id),
-            "image_allocate_started",
-            &format!(
-                "image '{}': allocate started ({} of holes to take from its filesystem, which has {} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
-                row.name, size_text(needed), size_text(free), row.name, row.name
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        let pace = self.house.settings.faults.pace(Slow::Allocate);
-        let (me, r) = (self.clone(), row.clone());
-        self.images.jobs.allocations.start(
-            row.id,
-            AllocateRun,
-            (pace, None),
-            total,
-            move |job| async move {
-                let out = me.house.run_allocate(&r, attached, &job).await;
-                me.house.end_allocate(&r, &job, needed, out).await
-            },
-        );
-        self.image(&row.id.to_string()).await
-    }
-
-    /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
-    /// current stretch and answers once it stopped (the image as declared).
-    pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
-        let row = self.house.image_row(id_or_name).await?;
-        if !self.images.jobs.allocations.stop(row.id).await {
-            return Err(Error::AllocateConflict {
-                reason: format!(
-                    "no allocate runs on it (POST /v1/images/{}/allocate starts one)",
-                    row.name
-                ),
-                name: row.name,
-            });
-        }
-        self.image(&row.id.to_string()).await
-    }
-
-    /// `DELETE /v1/images/{id}`.
-    pub(crate) async fn delete_image(
-        self: &std::sync::Arc<Self>,
-        id_or_name: &str,
-        q: DeleteImageQuery,
-    ) -> Result<()> {
-        let DeleteImageQuery { delete_file, erase } = q;
-        let row = self.house.image_row(id_or_name).await?;
-        // A copy stops first; its partial file goes with the image.
-        self.images.jobs.copies.stop(row.id).await;
-        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
-        let mut tx = self.house.store.begin().await?;
-        let Some(row) = tx.image(&row.id.to_string()).await? else {
-            return Err(Error::ImageNotFound(id_or_name.to_string()));
-        };
-        let delete_file = delete_file || row.state != ImageState::Ready;
-        self.images.jobs.allocations.refuse(&row, "be forgotten")?;
-        self.images.jobs.backups.refuse(&row, "be forgotten")?;
-        let users = tx.volumes_of_image(row.id).await?;
-        if !users.is_empty() {
-            return Err(Error::image_in_use(row.name, &users));
-        }
-        if erase {
-            if row.encryption.is_none() {
-                return Err(Error::NotEncrypted {
-                    image: row.name,
-                    what: "there are no key slots to erase; delete it without \"erase\"".into(),
-                });
-            }
-            // Before the row goes: a failed erase leaves the image listed.
-            let erased = self.house.erase_image(&row).await?;
-            tx.set_image_encryption(row.id, Some(&erased)).await?;
-            tx.event(
-                None,
-                Some(row.id),
-                "image_erased",
-                &format!(
-                    "image '{}' crypto-erased: every key slot of its LUKS2 header destroyed; no key opens {} again",
-                    row.name, row.path
-                ),
-            )
-            .await?;
-        }
-        if delete_file {
-            let path = self.house.roots.resolve(&row.path)?;
-            match self
-                .house
-                .roots
-                .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
-            {
-                Ok(()) | Err(blockplane_system::image::ImageFileError::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        tx.delete_image(row.id).await?;
-        let what = if delete_file {
-            "deleted with its file"
-        } else {
-            "forgotten (file kept)"
-        };
-        tx.event(
-            None,
-            Some(row.id),
-            "image_deleted",
-            &format!("image '{}' {what}: {}", row.name, row.path),
-        )
-        .await?;
-        tx.commit().await?;
-        self.images.jobs.allocations.forget(row.id);
-        self.images.jobs.copies.forget(row.id);
-        Ok(())
-    }
 }
 
 /// A volume's backend that cannot fill its image while serving (loop),
@@ -979,7 +793,7 @@ impl Images {
     /// Each image root: its filesystem's size and free space, and the
     /// images under it (their sizes and allocated bytes as they are now).
     pub(super) async fn root_usage(&self) -> Result<Vec<RootCapacity>> {
-        let images = self.list_images().await?;
+        let images = self.list().await?;
         Ok(self
             .house
             .roots
@@ -1109,8 +923,8 @@ impl Images {
         })
     }
 
-    /// Every image, as the API shows it.
-    pub(super) async fn list_images(&self) -> Result<Vec<Image>> {
+    /// `GET /v1/images`: every image, as the API shows it.
+    pub(crate) async fn list(&self) -> Result<Vec<Image>> {
         // One query for every image's volumes, not one per image: /metrics
         // and the dashboard list every image, and a host has a thousand.
         // The rows come by name, as each image's volumes are listed.
@@ -1216,6 +1030,179 @@ impl Images {
             error: p.error,
             started_at: p.started_at,
         })
+    }
+
+    /// `GET /v1/images/{id}`.
+    pub(crate) async fn image(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.house.image_row(id_or_name).await?;
+        self.image_view(row).await
+    }
+
+    /// `POST /v1/images/{id}/resize`: grows the file, then every attached volume.
+    pub(crate) async fn resize_image(
+        &self,
+        id_or_name: &str,
+        size_bytes: u64,
+    ) -> Result<ResizeImageResponse> {
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
+        let current = self.growable(&row, size_bytes)?;
+        let warnings = self
+            .check_provisioning(
+                &row.name,
+                &row.path,
+                size_bytes - current,
+                row.allocation != Some(Allocation::Full),
+            )
+            .await?;
+        let followed = if size_bytes > current {
+            self.house
+                .grow_image(&row, current, size_bytes, &warnings)
+                .await?
+        } else {
+            Vec::new()
+        };
+        let mut image = self.image(&row.id.to_string()).await?;
+        image.warnings = warnings;
+        Ok(ResizeImageResponse {
+            image,
+            volumes: followed,
+        })
+    }
+
+    /// `POST /v1/images/{id}/allocate`: starts writing zeros over the image's
+    /// holes and unwritten extents in the background, so it passes direct-map
+    /// rule 2 again, and makes it `full` (never punched from then on) when
+    /// done. Refused before anything is written when its filesystem lacks the
+    /// space for the holes, when an attached volume's backend cannot fill it
+    /// while serving (loop), or when an allocate already runs. An attached
+    /// volume's backend does the writing, keeping its own writes out of each
+    /// range it zeroes (ublk, dm); otherwise the service does, holding the
+    /// image's lock. Answers with the image, its `allocate` running.
+    pub(crate) async fn allocate_image(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.house.image_row(id_or_name).await?;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let row = self.house.image_row(&row.id.to_string()).await?;
+        let (needed, free, total) = self.allocatable(&row).await?;
+        let attached = self.house.attached_volumes(row.id).await?;
+        for (v, backend) in &attached {
+            if let Some(att) = &v.attachment {
+                backend.check_allocate(att, v.id).map_err(|e| {
+                    volume_error(&v.name, delete_to_allocate(e, &v.name, &row.name))
+                })?;
+            }
+        }
+        let mut tx = self.house.store.begin().await?;
+        tx.event(
+            None,
+            Some(row.id),
+            "image_allocate_started",
+            &format!(
+                "image '{}': allocate started ({} of holes to take from its filesystem, which has {} free); GET /v1/images/{} shows its progress, DELETE /v1/images/{}/allocate stops it",
+                row.name, size_text(needed), size_text(free), row.name, row.name
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        let pace = self.house.settings.faults.pace(Slow::Allocate);
+        let (me, r) = (self.clone(), row.clone());
+        self.jobs.allocations.start(
+            row.id,
+            AllocateRun,
+            (pace, None),
+            total,
+            move |job| async move {
+                let out = me.house.run_allocate(&r, attached, &job).await;
+                me.house.end_allocate(&r, &job, needed, out).await
+            },
+        );
+        self.image(&row.id.to_string()).await
+    }
+
+    /// `DELETE /v1/images/{id}/allocate`: stops a running allocate after its
+    /// current stretch and answers once it stopped (the image as declared).
+    pub(crate) async fn cancel_allocate(&self, id_or_name: &str) -> Result<Image> {
+        let row = self.house.image_row(id_or_name).await?;
+        if !self.jobs.allocations.stop(row.id).await {
+            return Err(Error::AllocateConflict {
+                reason: format!(
+                    "no allocate runs on it (POST /v1/images/{}/allocate starts one)",
+                    row.name
+                ),
+                name: row.name,
+            });
+        }
+        self.image(&row.id.to_string()).await
+    }
+
+    /// `DELETE /v1/images/{id}`.
+    pub(crate) async fn delete_image(&self, id_or_name: &str, q: DeleteImageQuery) -> Result<()> {
+        let DeleteImageQuery { delete_file, erase } = q;
+        let row = self.house.image_row(id_or_name).await?;
+        // A copy stops first; its partial file goes with the image.
+        self.jobs.copies.stop(row.id).await;
+        let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        let mut tx = self.house.store.begin().await?;
+        let Some(row) = tx.image(&row.id.to_string()).await? else {
+            return Err(Error::ImageNotFound(id_or_name.to_string()));
+        };
+        let delete_file = delete_file || row.state != ImageState::Ready;
+        self.jobs.allocations.refuse(&row, "be forgotten")?;
+        self.jobs.backups.refuse(&row, "be forgotten")?;
+        let users = tx.volumes_of_image(row.id).await?;
+        if !users.is_empty() {
+            return Err(Error::image_in_use(row.name, &users));
+        }
+        if erase {
+            if row.encryption.is_none() {
+                return Err(Error::NotEncrypted {
+                    image: row.name,
+                    what: "there are no key slots to erase; delete it without \"erase\"".into(),
+                });
+            }
+            // Before the row goes: a failed erase leaves the image listed.
+            let erased = self.house.erase_image(&row).await?;
+            tx.set_image_encryption(row.id, Some(&erased)).await?;
+            tx.event(
+                None,
+                Some(row.id),
+                "image_erased",
+                &format!(
+                    "image '{}' crypto-erased: every key slot of its LUKS2 header destroyed; no key opens {} again",
+                    row.name, row.path
+                ),
+            )
+            .await?;
+        }
+        if delete_file {
+            let path = self.house.roots.resolve(&row.path)?;
+            match self
+                .house
+                .roots
+                .remove_file(&path, row.dev, row.ino, row.birth.as_deref())
+            {
+                Ok(()) | Err(blockplane_system::image::ImageFileError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        tx.delete_image(row.id).await?;
+        let what = if delete_file {
+            "deleted with its file"
+        } else {
+            "forgotten (file kept)"
+        };
+        tx.event(
+            None,
+            Some(row.id),
+            "image_deleted",
+            &format!("image '{}' {what}: {}", row.name, row.path),
+        )
+        .await?;
+        tx.commit().await?;
+        self.jobs.allocations.forget(row.id);
+        self.jobs.copies.forget(row.id);
+        Ok(())
     }
 }
 

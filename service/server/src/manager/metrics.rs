@@ -58,7 +58,7 @@ impl Manager {
                 });
             }
         }
-        let images = self.images().await?;
+        let images = self.images.list().await?;
         let ages = self
             .backups
             .backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));

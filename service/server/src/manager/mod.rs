@@ -159,6 +159,12 @@ impl Manager {
         Ok(me)
     }
 
+    /// The images' part: images listed, viewed, copied, allocated, resized,
+    /// deleted and their key slots changed.
+    pub fn images(&self) -> &Images {
+        &self.images
+    }
+
     /// The backups' part: backups made, listed, verified and collected.
     pub fn backups(&self) -> &target::Backups {
         &self.backups

@@ -764,7 +764,7 @@ async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
 #[tokio::test]
 async fn a_moment_copy_the_backend_refuses_changes_nothing() {
     let (bed, before) = Bed::with_volume(json!({})).await;
-    let e = bed.m.snapshot_image("img", "snap").await.unwrap_err();
+    let e = bed.m.images().snapshot_image("img", "snap").await.unwrap_err();
     assert!(e.to_string().contains("'v'"), "{e}");
     assert!(!bed.root().join("snap").exists());
     assert!(bed.store.image("snap").await.unwrap().is_none());
