@@ -32,7 +32,7 @@ pub async fn create_volume(
     State(m): State<AppState>,
     ApiJson(req): ApiJson<CreateVolumeRequest>,
 ) -> Result<(StatusCode, Json<Volume>), ApiError> {
-    match detached(async move { m.create_volume(req).await }).await? {
+    match detached(async move { m.volumes().create_volume(req).await }).await? {
         Created::New(v) => Ok((StatusCode::CREATED, Json(v))),
         Created::Existing(v) => Ok((StatusCode::OK, Json(v))),
     }
@@ -45,7 +45,7 @@ pub async fn create_volume(
 )]
 pub async fn list_volumes(State(m): State<AppState>) -> Result<axum::response::Response, ApiError> {
     use axum::response::IntoResponse;
-    let json = m.volumes_json().await?;
+    let json = m.volumes().volumes_json().await?;
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/json")],
         json,
@@ -66,7 +66,7 @@ pub async fn get_volume(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(m.volume(&id).await?))
+    Ok(Json(m.volumes().volume(&id).await?))
 }
 
 /// Change a volume live: dispatch policy, QoS, read-only.
@@ -88,7 +88,7 @@ pub async fn patch_volume(
     ApiJson(req): ApiJson<PatchVolumeRequest>,
 ) -> Result<Json<Volume>, ApiError> {
     Ok(Json(
-        detached(async move { m.patch_volume(&id, req).await }).await?,
+        detached(async move { m.volumes().patch_volume(&id, req).await }).await?,
     ))
 }
 
@@ -106,7 +106,7 @@ pub async fn delete_volume(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    detached(async move { m.delete_volume(&id).await }).await?;
+    detached(async move { m.volumes().delete_volume(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -124,7 +124,7 @@ pub async fn volume_stats(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<VolumeStats>, ApiError> {
-    Ok(Json(m.volume_stats(&id).await?))
+    Ok(Json(m.volumes().volume_stats(&id).await?))
 }
 
 /// A volume's last seconds, one point a second, oldest first: rates, mean
@@ -146,7 +146,7 @@ pub async fn volume_history(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<StatsHistoryQuery>,
 ) -> Result<Json<StatsHistory>, ApiError> {
-    Ok(Json(m.volume_history(&id, q).await?))
+    Ok(Json(m.volumes().volume_history(&id, q).await?))
 }
 
 /// Whether a volume is in use now: processes holding its device open, its
@@ -166,7 +166,7 @@ pub async fn volume_usage(
     State(m): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<VolumeUsage>, ApiError> {
-    Ok(Json(m.volume_usage(&id).await?))
+    Ok(Json(m.volumes().volume_usage(&id).await?))
 }
 
 /// Hand a volume over to a new worker of the service's build, live.
@@ -194,7 +194,7 @@ pub async fn handover_volume(
     Path(id): Path<String>,
 ) -> Result<Json<Handover>, ApiError> {
     Ok(Json(
-        detached(async move { m.handover_volume(&id).await }).await?,
+        detached(async move { m.volumes().handover_volume(&id).await }).await?,
     ))
 }
 
@@ -223,6 +223,6 @@ pub async fn unlock_volume(
     ApiJson(req): ApiJson<UnlockVolumeRequest>,
 ) -> Result<Json<Volume>, ApiError> {
     Ok(Json(
-        detached(async move { m.unlock_volume(&id, req.key).await }).await?,
+        detached(async move { m.volumes().unlock_volume(&id, req.key).await }).await?,
     ))
 }

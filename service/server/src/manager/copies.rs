@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
@@ -132,8 +131,6 @@ pub(super) fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> S
         "this filesystem cannot share extents, so the snapshot or clone would be a copy taking time while the volume writes: it would not be one moment's state; {way}"
     )
 }
-
-impl Manager {}
 
 /// A copy's new file, as [`Manager::make_copy_file`] made it.
 struct CopyFile {

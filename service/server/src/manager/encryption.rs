@@ -15,11 +15,11 @@ use blockplane_system::crypt::{self, CryptError};
 use blockplane_system::image::Access;
 use uuid::Uuid;
 
-use super::Manager;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
 use super::image_jobs::Images;
+use super::volume_part::Volumes;
 use crate::attachment::Attachment;
 use crate::store::{CryptLayer, ImageRow, VolumeRow};
 
@@ -84,76 +84,11 @@ pub(super) fn encryption_of(image: &str, fd: &OwnedFd) -> Result<Option<ImageEnc
     }))
 }
 
-impl Manager {
-    /// `POST /v1/volumes/{id}/unlock`: opens a `locked` volume's plaintext
-    /// device again with its image's key. On a volume that serves its
-    /// plaintext already, the key is checked and nothing else done.
-    pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        let image = self.house.image_row(&v.image_id.to_string()).await?;
-        let Some(layer) = v.crypt.clone() else {
-            return Err(Error::NotEncrypted {
-                image: image.name,
-                what: format!("volume '{}' has no key to give", v.name),
-            });
-        };
-        if let Some(reason) = key.refusal() {
-            return Err(Error::InvalidField {
-                field: "key",
-                reason,
-            });
-        }
-        // A writable volume unlocked writes again: not while a backup reads
-        // its image (decided under this volume's lock).
-        if v.state == VolumeState::Locked && !v.read_only {
-            self.images
-                .jobs
-                .backups
-                .refuse(&image, &format!("unlock writable volume '{}'", v.name))?;
-        }
-        let att = match (&v.attachment, v.state) {
-            (Some(att), VolumeState::Locked | VolumeState::Attached | VolumeState::Degraded) => {
-                att.clone()
-            }
-            _ => {
-                return Err(Error::VolumeState {
-                    name: v.name.clone(),
-                    state: v.state.as_str(),
-                    reason: "only a volume whose device serves can be unlocked".into(),
-                });
-            }
-        };
-        let file = self.house.open_image(&image, Access::ReadOnly)?;
-        let (name, checked_key) = (image.name.clone(), key.clone());
-        blocking(move || {
-            use std::os::fd::AsFd;
-            crypt::check_key(file.fd().as_fd(), checked_key.as_bytes())
-                .map_err(|e| crypt_error(&name, e))
-        })
-        .await??;
-        // Locked, or closed behind the service's back since it last looked.
-        if !crypt::is_open(&layer.name) {
-            self.house
-                .open_crypt(&layer, &image.name, &att, &key)
-                .await?;
-            self.house
-                .record_attached(&mut v, att, "volume_unlocked")
-                .await?;
-            tracing::info!(volume = %v.name, "volume unlocked");
-        }
-        self.volume_view(&v).await
-    }
-}
-
 /// A change of an encrypted image's key slots.
 enum SlotChange {
     Add { key: Key, new_key: Key },
     Remove { slot: u32, key: Key },
 }
-
-impl Manager {}
 
 /// Slots as `0, 1`.
 fn slot_list(slots: &[u32]) -> String {
@@ -488,5 +423,70 @@ impl Images {
     ) -> Result<Image> {
         let change = SlotChange::Remove { slot, key: req.key };
         Ok(self.change_key_slots(id_or_name, change).await?.1)
+    }
+}
+
+impl Volumes {
+    /// `POST /v1/volumes/{id}/unlock`: opens a `locked` volume's plaintext
+    /// device again with its image's key. On a volume that serves its
+    /// plaintext already, the key is checked and nothing else done.
+    pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
+        let v = self.images.house.volume_row(id_or_name).await?;
+        let _volume = self.images.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.images.house.volume_row(&v.id.to_string()).await?;
+        let image = self.images.house.image_row(&v.image_id.to_string()).await?;
+        let Some(layer) = v.crypt.clone() else {
+            return Err(Error::NotEncrypted {
+                image: image.name,
+                what: format!("volume '{}' has no key to give", v.name),
+            });
+        };
+        if let Some(reason) = key.refusal() {
+            return Err(Error::InvalidField {
+                field: "key",
+                reason,
+            });
+        }
+        // A writable volume unlocked writes again: not while a backup reads
+        // its image (decided under this volume's lock).
+        if v.state == VolumeState::Locked && !v.read_only {
+            self.images
+                .jobs
+                .backups
+                .refuse(&image, &format!("unlock writable volume '{}'", v.name))?;
+        }
+        let att = match (&v.attachment, v.state) {
+            (Some(att), VolumeState::Locked | VolumeState::Attached | VolumeState::Degraded) => {
+                att.clone()
+            }
+            _ => {
+                return Err(Error::VolumeState {
+                    name: v.name.clone(),
+                    state: v.state.as_str(),
+                    reason: "only a volume whose device serves can be unlocked".into(),
+                });
+            }
+        };
+        let file = self.images.house.open_image(&image, Access::ReadOnly)?;
+        let (name, checked_key) = (image.name.clone(), key.clone());
+        blocking(move || {
+            use std::os::fd::AsFd;
+            crypt::check_key(file.fd().as_fd(), checked_key.as_bytes())
+                .map_err(|e| crypt_error(&name, e))
+        })
+        .await??;
+        // Locked, or closed behind the service's back since it last looked.
+        if !crypt::is_open(&layer.name) {
+            self.images
+                .house
+                .open_crypt(&layer, &image.name, &att, &key)
+                .await?;
+            self.images
+                .house
+                .record_attached(&mut v, att, "volume_unlocked")
+                .await?;
+            tracing::info!(volume = %v.name, "volume unlocked");
+        }
+        self.volume_view(&v).await
     }
 }

@@ -87,8 +87,8 @@ impl Manager {
                 .backend(Backend::Ublk)
                 .and_then(|b| b.supervision())
                 .map(|s| supervision(&s)),
-            reconciled: self.recovering.finished(),
-            recovering_volumes: self.recovering.count(),
+            reconciled: self.volumes.recovering.finished(),
+            recovering_volumes: self.volumes.recovering.count(),
         }
     }
 }

@@ -14,14 +14,18 @@ impl Manager {
         labels: crate::metrics::ApiLabels,
         took: std::time::Duration,
     ) {
-        self.api.requests.record(labels, took);
+        self.volumes.api.requests.record(labels, took);
     }
 
     /// `GET /metrics`: the exposition text.
     pub(crate) async fn metrics(&self) -> Result<String> {
-        let latest = self.readings.stats.latest();
+        let latest = self.volumes.readings.stats.latest();
         let rows = self.house.store.volumes().await?;
-        let caches = self.readings.page_caches(&self.house.store, &rows).await?;
+        let caches = self
+            .volumes
+            .readings
+            .page_caches(&self.house.store, &rows)
+            .await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -53,7 +57,7 @@ impl Manager {
                     dispatch: stats.dispatch.as_str().to_string(),
                     stats: stats.clone(),
                     page_cache: caches.get(&v.id).copied(),
-                    page_cache_warned: !self.readings.page_cache.warnings(v.id).is_empty(),
+                    page_cache_warned: !self.volumes.readings.page_cache.warnings(v.id).is_empty(),
                     encrypted: v.crypt.is_some(),
                 });
             }
@@ -71,7 +75,7 @@ impl Manager {
             })
             .collect();
         Ok(crate::metrics::render(
-            &self.api.requests,
+            &self.volumes.api.requests,
             crate::metrics::Snapshot {
                 roots: self.images.root_usage().await?,
                 build: blockplane_system::build::current().to_string(),

@@ -35,6 +35,7 @@ mod runs;
 mod sampler;
 mod target;
 mod undo;
+mod volume_part;
 mod volumes;
 
 use std::sync::Arc;
@@ -46,6 +47,7 @@ use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
 use house::{House, Settings};
 use image_jobs::{ImageJobs, Images};
+use volume_part::Volumes;
 
 /// Whether a create made something new or found it already there.
 #[derive(Debug)]
@@ -74,37 +76,20 @@ pub struct ManagerConfig {
     pub faults: Faults,
 }
 
-/// The store's, the page-cache warnings' and the recovery's generations: a
-/// view made at them is current while none has moved.
-type Generations = (u64, u64, u64);
-
 /// The controller: the house every part stands on, and the parts that keep
 /// their own state beside it.
 pub struct Manager {
     /// What every operation reads: the registry, the image roots, the
     /// backends, the settings, the locks and image holds, the reserve.
     house: Arc<House>,
-    /// The once-a-second look at every attached volume.
-    readings: look::Readings,
-    /// What the API reads often, kept ready.
-    api: ApiViews,
     /// The images' part: the house and what runs on images (allocates,
     /// copies, moment copies, backups).
     images: Images,
-    /// The backup target and this service's backups.
+    /// The backups' part: the backup target and this service's backups.
     backups: target::Backups,
-    /// The volumes a start has not reconciled yet.
-    recovering: recovery::Recovering,
-}
-
-/// What the API reads often, kept ready for it.
-#[derive(Default)]
-struct ApiViews {
-    /// `GET /v1/volumes` as JSON, with the store, warnings and recovery
-    /// generations it was made at.
-    volumes: std::sync::Mutex<Option<(Generations, bytes::Bytes)>>,
-    /// API request counts and durations.
-    requests: crate::metrics::ApiMetrics,
+    /// The volumes' part: their readings, the volumes a start has not
+    /// reconciled yet, and what the API reads often.
+    volumes: Volumes,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -150,13 +135,16 @@ impl Manager {
         let me = Arc::new(Self {
             house,
             backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
+            volumes: Volumes::new(images.clone()),
             images,
-            readings: look::Readings::default(),
-            api: ApiViews::default(),
-            recovering: recovery::Recovering::default(),
         });
         me.house.clone().record_backend_events(backends.events);
         Ok(me)
+    }
+
+    /// The volumes' part: volumes created, changed, shown and deleted.
+    pub fn volumes(&self) -> &Volumes {
+        &self.volumes
     }
 
     /// The images' part: images listed, viewed, copied, allocated, resized,
@@ -192,7 +180,7 @@ impl Manager {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             loop {
                 tick.tick().await;
-                if let Err(e) = me.readings.sample_once(&me.house).await {
+                if let Err(e) = me.volumes.readings.sample_once(&me.house).await {
                     tracing::debug!(error = %e, "stats sampling failed");
                 }
             }

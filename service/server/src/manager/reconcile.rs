@@ -89,7 +89,7 @@ impl Manager {
         // recovered; one that never stopped (loop, dm kernel or direct) can
         // wait its turn.
         held.sort_by_key(|h| !waits_for_a_worker(&h.row));
-        self.recovering.begin(held.iter().map(|h| h.row.id));
+        self.volumes.recovering.begin(held.iter().map(|h| h.row.id));
         Ok(Recovery {
             manager: self.clone(),
             held,
@@ -121,7 +121,7 @@ impl Recovery {
                 async move {
                     let id = held.row.id;
                     let outcome = manager.house.reconcile_volume(held).await;
-                    manager.recovering.done(id);
+                    manager.volumes.recovering.done(id);
                     outcome
                 }
             })
@@ -139,7 +139,7 @@ impl Recovery {
             }
         }
         report.orphans_removed = manager.house.remove_orphans().await?;
-        manager.recovering.finish();
+        manager.volumes.recovering.finish();
         Ok(report)
     }
 }

@@ -123,7 +123,7 @@ impl Bed {
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
         let req: CreateVolumeRequest = serde_json::from_value(req).unwrap();
-        self.m.create_volume(req).await
+        self.m.volumes().create_volume(req).await
     }
 
     async fn patch(
@@ -132,7 +132,7 @@ impl Bed {
         patch: serde_json::Value,
     ) -> super::error::Result<blockplane_api::model::Volume> {
         let patch: PatchVolumeRequest = serde_json::from_value(patch).unwrap();
-        self.m.patch_volume(name, patch).await
+        self.m.volumes().patch_volume(name, patch).await
     }
 
     async fn row(&self, name: &str) -> Option<VolumeRow> {
@@ -268,10 +268,10 @@ async fn create_again_with_another_spec_is_refused_and_changes_nothing() {
 async fn delete_removes_the_device_and_the_row_then_answers_not_found() {
     let (bed, before) = Bed::with_volume(json!({})).await;
     let id = before.id;
-    bed.m.delete_volume("v").await.unwrap();
+    bed.m.volumes().delete_volume("v").await.unwrap();
     assert!(bed.row("v").await.is_none());
     assert!(bed.fake.device(id).is_none());
-    let e = bed.m.delete_volume("v").await.unwrap_err();
+    let e = bed.m.volumes().delete_volume("v").await.unwrap_err();
     assert!(matches!(&e, Error::VolumeNotFound(n) if n == "v"), "{e}");
     assert_eq!(bed.calls(id), vec![Call::Attach(id), Call::Detach(id)]);
     assert_eq!(
@@ -764,7 +764,12 @@ async fn the_event_feed_replays_from_its_start_then_follows_new_events() {
 #[tokio::test]
 async fn a_moment_copy_the_backend_refuses_changes_nothing() {
     let (bed, before) = Bed::with_volume(json!({})).await;
-    let e = bed.m.images().snapshot_image("img", "snap").await.unwrap_err();
+    let e = bed
+        .m
+        .images()
+        .snapshot_image("img", "snap")
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("'v'"), "{e}");
     assert!(!bed.root().join("snap").exists());
     assert!(bed.store.image("snap").await.unwrap().is_none());
@@ -807,7 +812,11 @@ async fn auto_picks(
     req.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
-    let v = match m.create_volume(serde_json::from_value(req).unwrap()).await {
+    let v = match m
+        .volumes()
+        .create_volume(serde_json::from_value(req).unwrap())
+        .await
+    {
         Ok(Created::New(v)) => v,
         other => panic!("create: {other:?}"),
     };

@@ -11,6 +11,7 @@ use super::error::{Error, Result};
 use super::house::House;
 use super::image_jobs::Images;
 use super::names::validate_name;
+use super::volume_part::Volumes;
 use super::{Created, Manager};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
@@ -119,427 +120,7 @@ fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
         .join("; ")
 }
 
-impl Manager {
-    fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
-        let att = v.attachment.as_ref();
-        let (worker_version, worker_older) = self.house.worker_build(v);
-        let unsupervised = self.house.worker_of(v).map(|w| w.unsupervised);
-        // A worker no one would recover if it died: the volume says so.
-        let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
-            _ if self.recovering.contains(v.id) => (
-                VolumeState::Recovering,
-                Some("the service started and is matching it with the kernel: a device that a worker served waits for a new one".into()),
-            ),
-            Some(why) if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) => (
-                VolumeState::Degraded,
-                Some(match &v.state_reason {
-                    Some(r) => format!("its worker is not supervised: {why}; {r}"),
-                    None => format!("its worker is not supervised: {why}"),
-                }),
-            ),
-            _ => (v.state, v.state_reason.clone()),
-        };
-        let idle_dispatch = match v.backend {
-            Backend::Loop => ActiveDispatch::Kernel,
-            _ => dispatch::active_of(v.dispatch).unwrap_or(ActiveDispatch::Nowait),
-        };
-        Volume {
-            id: v.id,
-            name: v.name.clone(),
-            image_id: v.image_id,
-            backend: v.backend,
-            dispatch: att.map(|a| a.dispatch).unwrap_or(idle_dispatch),
-            requested_dispatch: v.dispatch,
-            dispatch_reason: att
-                .map_or_else(|| "no device".into(), |a| a.dispatch_reason.to_string()),
-            state,
-            state_reason,
-            device: match (&v.crypt, att) {
-                (_, None) => None,
-                (Some(_), Some(_)) if v.state == VolumeState::Locked => None,
-                (Some(layer), Some(_)) => Some(super::encryption::plaintext_device(layer)),
-                (None, Some(a)) => Some(a.device.clone()),
-            },
-            encrypted: v.crypt.is_some(),
-            backing_device: att.filter(|_| v.crypt.is_some()).map(|a| a.device.clone()),
-            size_bytes: att
-                .map(|a| a.size_bytes)
-                .unwrap_or(image_size)
-                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
-            read_only: v.read_only,
-            // The device's count where known: the kernel caps it at its CPUs.
-            queues: att
-                .and_then(|a| a.ublk()?.queues)
-                .unwrap_or(v.spec.queue_count()),
-            queue_depth: v.spec.queue_depth,
-            max_io_bytes: v.spec.max_io_bytes,
-            qos: v.qos,
-            direct_io: att.and_then(|a| a.direct_io()),
-            buffer_bytes: att.and_then(|a| a.ublk().map(|u| u.buffer_bytes)),
-            copy_mode: att.and_then(|a| {
-                a.ublk().map(|u| match u.zero_copy {
-                    true => CopyMode::ZeroCopy,
-                    false => CopyMode::Copy,
-                })
-            }),
-            worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
-            worker_version,
-            worker_older,
-            worker_supervised: unsupervised.map(|u| u.is_none()),
-            resize_pending: att.is_some_and(|a| a.resize_pending),
-            warnings: self.readings.page_cache.warnings(v.id),
-            created_at: v.created_at,
-            updated_at: v.updated_at,
-        }
-    }
-
-    pub(super) async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
-        let size = self
-            .house
-            .store
-            .image(&v.image_id.to_string())
-            .await?
-            .map(|i| i.size_bytes)
-            .unwrap_or(0);
-        Ok(self.view(v, size))
-    }
-
-    /// `GET /v1/volumes`.
-    async fn volumes(&self) -> Result<Vec<Volume>> {
-        let sizes: HashMap<Uuid, u64> = self
-            .house
-            .store
-            .images()
-            .await?
-            .into_iter()
-            .map(|i| (i.id, i.size_bytes))
-            .collect();
-        Ok(self
-            .house
-            .store
-            .volumes()
-            .await?
-            .iter()
-            .map(|v| self.view(v, sizes.get(&v.image_id).copied().unwrap_or(0)))
-            .collect())
-    }
-
-    /// `GET /v1/volumes` as JSON, cached until the next commit or change of
-    /// a volume's warnings: the list is what dashboards and orchestrators
-    /// poll.
-    pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
-        let generation = (
-            self.house.store.generation(),
-            self.readings.page_cache.warnings_generation(),
-            self.recovering.generation(),
-        );
-        if let Some((g, json)) = self.api.volumes.lock().expect("cache poisoned").as_ref()
-            && *g == generation
-        {
-            return Ok(json.clone());
-        }
-        let json = bytes::Bytes::from(
-            serde_json::to_vec(&self.volumes().await?).expect("volumes serialize"),
-        );
-        // Stamped with the generations read before the query: a commit (or
-        // a warning) since makes the next reader rebuild it.
-        *self.api.volumes.lock().expect("cache poisoned") = Some((generation, json.clone()));
-        Ok(json)
-    }
-
-    /// `GET /v1/volumes/{id}`.
-    pub(crate) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
-        self.volume_view(&v).await
-    }
-
-    /// `POST /v1/volumes`: the same name and spec again returns the existing
-    /// volume. Steps: the spec checked, the name found or free, the image
-    /// claimed and opened, the path decided, the row recorded, the device
-    /// brought up.
-    pub(crate) async fn create_volume(
-        self: &Arc<Self>,
-        mut req: CreateVolumeRequest,
-    ) -> Result<Created<Volume>> {
-        // The key opens the image now; it is no part of the recorded spec.
-        let key = req.key.take();
-        validate_name("volume", &req.name)?;
-        check_spec(&req)?;
-        let req = CreateVolumeRequest {
-            qos: limits_of(req.qos),
-            ..req
-        };
-        let _volume = self.house.locks.volumes.lock(&req.name).await;
-        let image = self.house.image_row(&req.image).await?;
-        let mut spec = CreateVolumeRequest {
-            image: image.id.to_string(),
-            ..req.clone()
-        };
-        if let Some(existing) = self.existing_volume(&req.name, &mut spec).await? {
-            return Ok(Created::Existing(existing));
-        }
-        let _image = self.house.locks.images.lock(&image.id.to_string()).await;
-        let image = self.images.claim_image(&image, &req).await?;
-        let backend = self.house.choose_backend(req.backend)?;
-        let (file, image_lock) = {
-            let (me, image, access) = (
-                self.clone(),
-                image.clone(),
-                Access::read_only_if(req.read_only),
-            );
-            blocking(move || me.house.open_and_lock(&image, access)).await??
-        };
-        let id = Uuid::new_v4();
-        let fd = file
-            .fd()
-            .try_clone()
-            .map_err(|e| Error::Internal(format!("volume '{}': dup: {e}", req.name)))?;
-        let crypt = self
-            .house
-            .crypt_layer_for(&image, fd, key.as_ref(), id)
-            .await?;
-        // Loop has one queue; the others get one per CPU unless asked.
-        let queues = req.queues.unwrap_or(match backend.kind() {
-            Backend::Loop => 1,
-            Backend::Ublk | Backend::Dm => self.house.settings.default_queues,
-        });
-        spec.queues = Some(queues);
-        let (file, backend, decision) = self.house.decide_path(&req, backend, queues, file).await?;
-        let now = OffsetDateTime::now_utc();
-        let row = VolumeRow {
-            id,
-            name: req.name.clone(),
-            image_id: image.id,
-            spec,
-            backend: backend.kind(),
-            dispatch: req.dispatch,
-            read_only: req.read_only,
-            qos: req.qos,
-            state: VolumeState::Attaching,
-            state_reason: None,
-            attachment: None,
-            crypt,
-            created_at: now,
-            updated_at: now,
-        };
-        self.house
-            .record_new_volume(&row, &image, &req.image)
-            .await?;
-        self.house.settings.faults.point(After::Insert)?;
-        self.house.settings.faults.pause(Slow::VolumeChange).await;
-        let row = self
-            .house
-            .bring_up(row, &image, file, image_lock, decision, key.as_ref())
-            .await?;
-        Ok(Created::New(self.volume_view(&row).await?))
-    }
-
-    /// The volume already named so, when `spec` is its spec (its queue
-    /// count filled in from it when `spec` asks none); refused when the
-    /// name has another spec.
-    async fn existing_volume(
-        &self,
-        name: &str,
-        spec: &mut CreateVolumeRequest,
-    ) -> Result<Option<Volume>> {
-        let Some(existing) = self.house.store.volume(name).await? else {
-            // A cheap early refusal; the count that holds under concurrency
-            // is the one inside the transaction that inserts.
-            if self.house.store.volume_count().await? >= self.house.settings.max_volumes {
-                return Err(Error::VolumeLimit {
-                    name: name.to_string(),
-                    max: self.house.settings.max_volumes,
-                });
-            }
-            return Ok(None);
-        };
-        // No queue count asked: whatever the volume got is the same spec.
-        spec.queues = spec.queues.or(existing.spec.queues);
-        if existing.spec == *spec {
-            return Ok(Some(self.volume_view(&existing).await?));
-        }
-        Err(Error::VolumeExists {
-            name: name.to_string(),
-            differences: differences(&existing.spec, spec),
-        })
-    }
-
-    /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
-    pub(crate) async fn delete_volume(self: &Arc<Self>, id_or_name: &str) -> Result<()> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        self.house.reserve.take();
-        if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
-            // dm-crypt holds the backend's device; the plaintext is what
-            // users mount or open.
-            let device = crypt::device_of(&layer.name).display().to_string();
-            let name = v.name.clone();
-            blocking(move || crate::backend::refuse_if_claimed(device))
-                .await?
-                .map_err(|e| volume_error(&name, e))?;
-        } else if let Some(backend) = self.house.backend(v.backend) {
-            let (id, name) = (v.id, v.name.clone());
-            blocking(move || backend.check_detach(id))
-                .await?
-                .map_err(|e| volume_error(&name, e))?;
-        }
-        let before = (v.state, v.state_reason.clone());
-        v.state = VolumeState::Detaching;
-        v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.house.store.begin().await?;
-        tx.update_volume(&v).await?;
-        tx.event(
-            Some(v.id),
-            Some(v.image_id),
-            "volume_detaching",
-            &format!("volume '{}' is being deleted", v.name),
-        )
-        .await?;
-        tx.commit().await?;
-        self.house.settings.faults.pause(Slow::VolumeChange).await;
-        if let Err(e) = self.house.detach(&v).await {
-            (v.state, v.state_reason) = before;
-            v.updated_at = OffsetDateTime::now_utc();
-            let (v, why) = (&v, &e);
-            self.house
-                .finishing(move || async move {
-                    let mut tx = self.house.store.begin().await?;
-                    tx.update_volume(v).await?;
-                    tx.event(
-                        Some(v.id),
-                        Some(v.image_id),
-                        "volume_delete_failed",
-                        &format!("{why}"),
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    Ok(())
-                })
-                .await?;
-            return Err(e);
-        }
-        self.house.settings.faults.point(After::Detach)?;
-        self.house.forget_volume(&v).await
-    }
-
-    /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
-    /// then the backend's) before any is made; if making one fails, those made
-    /// before it are undone, and what could not be undone is recorded.
-    pub(crate) async fn patch_volume(
-        self: &Arc<Self>,
-        id_or_name: &str,
-        patch: PatchVolumeRequest,
-    ) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        let changes = changes(&v, &patch)?;
-        if changes.is_empty() {
-            return self.volume_view(&v).await;
-        }
-        // A backup reading the image decided so under this volume's lock.
-        if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
-            let image = self.house.image_row(&v.image_id.to_string()).await?;
-            self.images
-                .jobs
-                .backups
-                .refuse(&image, &format!("make volume '{}' writable", v.name))?;
-        }
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
-        else {
-            return Err(self.house.not_live(&v));
-        };
-        if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-            return Err(self.house.not_live(&v));
-        }
-        for change in &changes {
-            backend
-                .check_change(&att, *change)
-                .map_err(|e| volume_error(&v.name, self.house.offer_ublk(e)))?;
-        }
-        let mut att = att;
-        let mut made = Vec::new();
-        for change in &changes {
-            let outcome = match self.house.reconfigure(&backend, &v, &att, *change).await {
-                Ok(a) => {
-                    att = a;
-                    made.push(*change);
-                    // Between two changes of one PATCH (a test fault).
-                    if made.len() == 1 && changes.len() > 1 {
-                        self.house
-                            .settings
-                            .faults
-                            .point(After::FirstChange)
-                            .map_err(Error::from)
-                    } else {
-                        Ok(())
-                    }
-                }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = outcome {
-                let (att, stays) = self.house.take_back(&backend, &v, att, made).await;
-                if !stays.is_empty() {
-                    self.house.record_changes(&mut v, att, &stays).await?;
-                }
-                return Err(e);
-            }
-        }
-        self.house.settings.faults.point(After::Change)?;
-        self.house.record_changes(&mut v, att, &made).await?;
-        self.volume_view(&v).await
-    }
-
-    /// `GET /v1/volumes/{id}/stats`.
-    pub(crate) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
-        else {
-            return Err(self.house.not_live(&v));
-        };
-        let (id, name) = (v.id, v.name.clone());
-        let mut stats = blocking(move || backend.stats(id, &att))
-            .await?
-            .map_err(|e| volume_error(&name, e))?;
-        stats.rates = self.readings.stats.rates(v.id, &stats);
-        stats.page_cache = super::look::page_cache(&self.house.store, &v).await?;
-        Ok(stats)
-    }
-
-    /// `GET /v1/volumes/{id}/stats/history`.
-    pub(crate) async fn volume_history(
-        &self,
-        id_or_name: &str,
-        q: StatsHistoryQuery,
-    ) -> Result<StatsHistory> {
-        let seconds = q.seconds.unwrap_or(300);
-        if !(1..=HISTORY_SECS).contains(&seconds) {
-            return Err(Error::InvalidField {
-                field: "seconds",
-                reason: format!(
-                    "{seconds} is outside 1..={HISTORY_SECS} (the service keeps {HISTORY_SECS} s)"
-                ),
-            });
-        }
-        let v = self.house.volume_row(id_or_name).await?;
-        Ok(StatsHistory {
-            volume_id: v.id,
-            points: self.readings.stats.history(v.id, seconds),
-            name: v.name,
-            kept_secs: HISTORY_SECS,
-        })
-    }
-
-    /// `GET /v1/volumes/{id}/usage`: who has the device open, its mounts,
-    /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
-    pub(crate) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
-        let v = self.volume(id_or_name).await?;
-        let recent = self.readings.stats.history(v.id, crate::usage::RECENT_SECS);
-        // A walk of /proc: off the async workers.
-        blocking(move || crate::usage::of(&v, &recent)).await
-    }
-}
+impl Manager {}
 
 /// The changes a PATCH asks for (only what differs from the volume's
 /// settings), refused as a whole when one breaks a rule of the manager's.
@@ -1183,6 +764,467 @@ impl Images {
         let image = self.house.image_row(&image.id.to_string()).await?;
         self.check_volume_image(&image, &req.name, req.read_only)?;
         Ok(image)
+    }
+}
+
+impl Volumes {
+    fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
+        let att = v.attachment.as_ref();
+        let (worker_version, worker_older) = self.images.house.worker_build(v);
+        let unsupervised = self.images.house.worker_of(v).map(|w| w.unsupervised);
+        // A worker no one would recover if it died: the volume says so.
+        let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
+            _ if self.recovering.contains(v.id) => (
+                VolumeState::Recovering,
+                Some("the service started and is matching it with the kernel: a device that a worker served waits for a new one".into()),
+            ),
+            Some(why) if matches!(v.state, VolumeState::Attached | VolumeState::Degraded) => (
+                VolumeState::Degraded,
+                Some(match &v.state_reason {
+                    Some(r) => format!("its worker is not supervised: {why}; {r}"),
+                    None => format!("its worker is not supervised: {why}"),
+                }),
+            ),
+            _ => (v.state, v.state_reason.clone()),
+        };
+        let idle_dispatch = match v.backend {
+            Backend::Loop => ActiveDispatch::Kernel,
+            _ => dispatch::active_of(v.dispatch).unwrap_or(ActiveDispatch::Nowait),
+        };
+        Volume {
+            id: v.id,
+            name: v.name.clone(),
+            image_id: v.image_id,
+            backend: v.backend,
+            dispatch: att.map(|a| a.dispatch).unwrap_or(idle_dispatch),
+            requested_dispatch: v.dispatch,
+            dispatch_reason: att
+                .map_or_else(|| "no device".into(), |a| a.dispatch_reason.to_string()),
+            state,
+            state_reason,
+            device: match (&v.crypt, att) {
+                (_, None) => None,
+                (Some(_), Some(_)) if v.state == VolumeState::Locked => None,
+                (Some(layer), Some(_)) => Some(super::encryption::plaintext_device(layer)),
+                (None, Some(a)) => Some(a.device.clone()),
+            },
+            encrypted: v.crypt.is_some(),
+            backing_device: att.filter(|_| v.crypt.is_some()).map(|a| a.device.clone()),
+            size_bytes: att
+                .map(|a| a.size_bytes)
+                .unwrap_or(image_size)
+                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
+            read_only: v.read_only,
+            // The device's count where known: the kernel caps it at its CPUs.
+            queues: att
+                .and_then(|a| a.ublk()?.queues)
+                .unwrap_or(v.spec.queue_count()),
+            queue_depth: v.spec.queue_depth,
+            max_io_bytes: v.spec.max_io_bytes,
+            qos: v.qos,
+            direct_io: att.and_then(|a| a.direct_io()),
+            buffer_bytes: att.and_then(|a| a.ublk().map(|u| u.buffer_bytes)),
+            copy_mode: att.and_then(|a| {
+                a.ublk().map(|u| match u.zero_copy {
+                    true => CopyMode::ZeroCopy,
+                    false => CopyMode::Copy,
+                })
+            }),
+            worker_pid: att.and_then(|a| a.ublk().map(|u| u.pid)),
+            worker_version,
+            worker_older,
+            worker_supervised: unsupervised.map(|u| u.is_none()),
+            resize_pending: att.is_some_and(|a| a.resize_pending),
+            warnings: self.readings.page_cache.warnings(v.id),
+            created_at: v.created_at,
+            updated_at: v.updated_at,
+        }
+    }
+
+    pub(super) async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
+        let size = self
+            .images
+            .house
+            .store
+            .image(&v.image_id.to_string())
+            .await?
+            .map(|i| i.size_bytes)
+            .unwrap_or(0);
+        Ok(self.view(v, size))
+    }
+
+    /// `GET /v1/volumes`.
+    async fn list(&self) -> Result<Vec<Volume>> {
+        let sizes: HashMap<Uuid, u64> = self
+            .images
+            .house
+            .store
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| (i.id, i.size_bytes))
+            .collect();
+        Ok(self
+            .images
+            .house
+            .store
+            .volumes()
+            .await?
+            .iter()
+            .map(|v| self.view(v, sizes.get(&v.image_id).copied().unwrap_or(0)))
+            .collect())
+    }
+
+    /// `GET /v1/volumes` as JSON, cached until the next commit or change of
+    /// a volume's warnings: the list is what dashboards and orchestrators
+    /// poll.
+    pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
+        let generation = (
+            self.images.house.store.generation(),
+            self.readings.page_cache.warnings_generation(),
+            self.recovering.generation(),
+        );
+        if let Some((g, json)) = self.api.volumes.lock().expect("cache poisoned").as_ref()
+            && *g == generation
+        {
+            return Ok(json.clone());
+        }
+        let json =
+            bytes::Bytes::from(serde_json::to_vec(&self.list().await?).expect("volumes serialize"));
+        // Stamped with the generations read before the query: a commit (or
+        // a warning) since makes the next reader rebuild it.
+        *self.api.volumes.lock().expect("cache poisoned") = Some((generation, json.clone()));
+        Ok(json)
+    }
+
+    /// `GET /v1/volumes/{id}`.
+    pub(crate) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
+        let v = self.images.house.volume_row(id_or_name).await?;
+        self.volume_view(&v).await
+    }
+
+    /// `POST /v1/volumes`: the same name and spec again returns the existing
+    /// volume. Steps: the spec checked, the name found or free, the image
+    /// claimed and opened, the path decided, the row recorded, the device
+    /// brought up.
+    pub(crate) async fn create_volume(
+        &self,
+        mut req: CreateVolumeRequest,
+    ) -> Result<Created<Volume>> {
+        // The key opens the image now; it is no part of the recorded spec.
+        let key = req.key.take();
+        validate_name("volume", &req.name)?;
+        check_spec(&req)?;
+        let req = CreateVolumeRequest {
+            qos: limits_of(req.qos),
+            ..req
+        };
+        let _volume = self.images.house.locks.volumes.lock(&req.name).await;
+        let image = self.images.house.image_row(&req.image).await?;
+        let mut spec = CreateVolumeRequest {
+            image: image.id.to_string(),
+            ..req.clone()
+        };
+        if let Some(existing) = self.existing_volume(&req.name, &mut spec).await? {
+            return Ok(Created::Existing(existing));
+        }
+        let _image = self
+            .images
+            .house
+            .locks
+            .images
+            .lock(&image.id.to_string())
+            .await;
+        let image = self.images.claim_image(&image, &req).await?;
+        let backend = self.images.house.choose_backend(req.backend)?;
+        let (file, image_lock) = {
+            let (me, image, access) = (
+                self.clone(),
+                image.clone(),
+                Access::read_only_if(req.read_only),
+            );
+            blocking(move || me.images.house.open_and_lock(&image, access)).await??
+        };
+        let id = Uuid::new_v4();
+        let fd = file
+            .fd()
+            .try_clone()
+            .map_err(|e| Error::Internal(format!("volume '{}': dup: {e}", req.name)))?;
+        let crypt = self
+            .images
+            .house
+            .crypt_layer_for(&image, fd, key.as_ref(), id)
+            .await?;
+        // Loop has one queue; the others get one per CPU unless asked.
+        let queues = req.queues.unwrap_or(match backend.kind() {
+            Backend::Loop => 1,
+            Backend::Ublk | Backend::Dm => self.images.house.settings.default_queues,
+        });
+        spec.queues = Some(queues);
+        let (file, backend, decision) = self
+            .images
+            .house
+            .decide_path(&req, backend, queues, file)
+            .await?;
+        let now = OffsetDateTime::now_utc();
+        let row = VolumeRow {
+            id,
+            name: req.name.clone(),
+            image_id: image.id,
+            spec,
+            backend: backend.kind(),
+            dispatch: req.dispatch,
+            read_only: req.read_only,
+            qos: req.qos,
+            state: VolumeState::Attaching,
+            state_reason: None,
+            attachment: None,
+            crypt,
+            created_at: now,
+            updated_at: now,
+        };
+        self.images
+            .house
+            .record_new_volume(&row, &image, &req.image)
+            .await?;
+        self.images.house.settings.faults.point(After::Insert)?;
+        self.images
+            .house
+            .settings
+            .faults
+            .pause(Slow::VolumeChange)
+            .await;
+        let row = self
+            .images
+            .house
+            .bring_up(row, &image, file, image_lock, decision, key.as_ref())
+            .await?;
+        Ok(Created::New(self.volume_view(&row).await?))
+    }
+
+    /// The volume already named so, when `spec` is its spec (its queue
+    /// count filled in from it when `spec` asks none); refused when the
+    /// name has another spec.
+    async fn existing_volume(
+        &self,
+        name: &str,
+        spec: &mut CreateVolumeRequest,
+    ) -> Result<Option<Volume>> {
+        let Some(existing) = self.images.house.store.volume(name).await? else {
+            // A cheap early refusal; the count that holds under concurrency
+            // is the one inside the transaction that inserts.
+            if self.images.house.store.volume_count().await?
+                >= self.images.house.settings.max_volumes
+            {
+                return Err(Error::VolumeLimit {
+                    name: name.to_string(),
+                    max: self.images.house.settings.max_volumes,
+                });
+            }
+            return Ok(None);
+        };
+        // No queue count asked: whatever the volume got is the same spec.
+        spec.queues = spec.queues.or(existing.spec.queues);
+        if existing.spec == *spec {
+            return Ok(Some(self.volume_view(&existing).await?));
+        }
+        Err(Error::VolumeExists {
+            name: name.to_string(),
+            differences: differences(&existing.spec, spec),
+        })
+    }
+
+    /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
+    pub(crate) async fn delete_volume(&self, id_or_name: &str) -> Result<()> {
+        let v = self.images.house.volume_row(id_or_name).await?;
+        let _volume = self.images.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.images.house.volume_row(&v.id.to_string()).await?;
+        self.images.house.reserve.take();
+        if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
+            // dm-crypt holds the backend's device; the plaintext is what
+            // users mount or open.
+            let device = crypt::device_of(&layer.name).display().to_string();
+            let name = v.name.clone();
+            blocking(move || crate::backend::refuse_if_claimed(device))
+                .await?
+                .map_err(|e| volume_error(&name, e))?;
+        } else if let Some(backend) = self.images.house.backend(v.backend) {
+            let (id, name) = (v.id, v.name.clone());
+            blocking(move || backend.check_detach(id))
+                .await?
+                .map_err(|e| volume_error(&name, e))?;
+        }
+        let before = (v.state, v.state_reason.clone());
+        v.state = VolumeState::Detaching;
+        v.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.images.house.store.begin().await?;
+        tx.update_volume(&v).await?;
+        tx.event(
+            Some(v.id),
+            Some(v.image_id),
+            "volume_detaching",
+            &format!("volume '{}' is being deleted", v.name),
+        )
+        .await?;
+        tx.commit().await?;
+        self.images
+            .house
+            .settings
+            .faults
+            .pause(Slow::VolumeChange)
+            .await;
+        if let Err(e) = self.images.house.detach(&v).await {
+            (v.state, v.state_reason) = before;
+            v.updated_at = OffsetDateTime::now_utc();
+            let (v, why) = (&v, &e);
+            self.images
+                .house
+                .finishing(move || async move {
+                    let mut tx = self.images.house.store.begin().await?;
+                    tx.update_volume(v).await?;
+                    tx.event(
+                        Some(v.id),
+                        Some(v.image_id),
+                        "volume_delete_failed",
+                        &format!("{why}"),
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    Ok(())
+                })
+                .await?;
+            return Err(e);
+        }
+        self.images.house.settings.faults.point(After::Detach)?;
+        self.images.house.forget_volume(&v).await
+    }
+
+    /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
+    /// then the backend's) before any is made; if making one fails, those made
+    /// before it are undone, and what could not be undone is recorded.
+    pub(crate) async fn patch_volume(
+        &self,
+        id_or_name: &str,
+        patch: PatchVolumeRequest,
+    ) -> Result<Volume> {
+        let v = self.images.house.volume_row(id_or_name).await?;
+        let _volume = self.images.house.locks.volumes.lock(&v.name).await;
+        let mut v = self.images.house.volume_row(&v.id.to_string()).await?;
+        let changes = changes(&v, &patch)?;
+        if changes.is_empty() {
+            return self.volume_view(&v).await;
+        }
+        // A backup reading the image decided so under this volume's lock.
+        if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
+            let image = self.images.house.image_row(&v.image_id.to_string()).await?;
+            self.images
+                .jobs
+                .backups
+                .refuse(&image, &format!("make volume '{}' writable", v.name))?;
+        }
+        let (Some(att), Some(backend)) =
+            (v.attachment.clone(), self.images.house.backend(v.backend))
+        else {
+            return Err(self.images.house.not_live(&v));
+        };
+        if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
+            return Err(self.images.house.not_live(&v));
+        }
+        for change in &changes {
+            backend
+                .check_change(&att, *change)
+                .map_err(|e| volume_error(&v.name, self.images.house.offer_ublk(e)))?;
+        }
+        let mut att = att;
+        let mut made = Vec::new();
+        for change in &changes {
+            let outcome = match self
+                .images
+                .house
+                .reconfigure(&backend, &v, &att, *change)
+                .await
+            {
+                Ok(a) => {
+                    att = a;
+                    made.push(*change);
+                    // Between two changes of one PATCH (a test fault).
+                    if made.len() == 1 && changes.len() > 1 {
+                        self.images
+                            .house
+                            .settings
+                            .faults
+                            .point(After::FirstChange)
+                            .map_err(Error::from)
+                    } else {
+                        Ok(())
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = outcome {
+                let (att, stays) = self.images.house.take_back(&backend, &v, att, made).await;
+                if !stays.is_empty() {
+                    self.images
+                        .house
+                        .record_changes(&mut v, att, &stays)
+                        .await?;
+                }
+                return Err(e);
+            }
+        }
+        self.images.house.settings.faults.point(After::Change)?;
+        self.images.house.record_changes(&mut v, att, &made).await?;
+        self.volume_view(&v).await
+    }
+
+    /// `GET /v1/volumes/{id}/stats`.
+    pub(crate) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
+        let v = self.images.house.volume_row(id_or_name).await?;
+        let (Some(att), Some(backend)) =
+            (v.attachment.clone(), self.images.house.backend(v.backend))
+        else {
+            return Err(self.images.house.not_live(&v));
+        };
+        let (id, name) = (v.id, v.name.clone());
+        let mut stats = blocking(move || backend.stats(id, &att))
+            .await?
+            .map_err(|e| volume_error(&name, e))?;
+        stats.rates = self.readings.stats.rates(v.id, &stats);
+        stats.page_cache = super::look::page_cache(&self.images.house.store, &v).await?;
+        Ok(stats)
+    }
+
+    /// `GET /v1/volumes/{id}/stats/history`.
+    pub(crate) async fn volume_history(
+        &self,
+        id_or_name: &str,
+        q: StatsHistoryQuery,
+    ) -> Result<StatsHistory> {
+        let seconds = q.seconds.unwrap_or(300);
+        if !(1..=HISTORY_SECS).contains(&seconds) {
+            return Err(Error::InvalidField {
+                field: "seconds",
+                reason: format!(
+                    "{seconds} is outside 1..={HISTORY_SECS} (the service keeps {HISTORY_SECS} s)"
+                ),
+            });
+        }
+        let v = self.images.house.volume_row(id_or_name).await?;
+        Ok(StatsHistory {
+            volume_id: v.id,
+            points: self.readings.stats.history(v.id, seconds),
+            name: v.name,
+            kept_secs: HISTORY_SECS,
+        })
+    }
+
+    /// `GET /v1/volumes/{id}/usage`: who has the device open, its mounts,
+    /// and its I/O of the last [`crate::usage::RECENT_SECS`] seconds.
+    pub(crate) async fn volume_usage(&self, id_or_name: &str) -> Result<VolumeUsage> {
+        let v = self.volume(id_or_name).await?;
+        let recent = self.readings.stats.history(v.id, crate::usage::RECENT_SECS);
+        // A walk of /proc: off the async workers.
+        blocking(move || crate::usage::of(&v, &recent)).await
     }
 }
 
