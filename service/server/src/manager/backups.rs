@@ -480,7 +480,7 @@ impl Backups {
         let Some(target) = &self.state.target else {
             return;
         };
-        let owner = self.images.house.lease_owner();
+        let owner = self.house.lease_owner();
         let mut released = false;
         loop {
             if !released {
@@ -524,7 +524,7 @@ impl Backups {
     pub(crate) async fn backup_image(&self, image: &str, name: &str) -> Result<Backup> {
         validate_name("backup", name)?;
         let target = self.backup_target("back an image up")?;
-        let src = self.images.house.image_row(image).await?;
+        let src = self.house.image_row(image).await?;
         // The target is asked before any lock is taken: a slow one delays
         // this request only.
         let taken = blockplane_backup::list(&target)
@@ -538,25 +538,18 @@ impl Backups {
                 id: m.id,
             });
         }
-        let _image = self
-            .images
-            .house
-            .locks
-            .images
-            .lock(&src.id.to_string())
-            .await;
-        let src = self.images.house.image_row(&src.id.to_string()).await?;
+        let _image = self.house.locks.images.lock(&src.id.to_string()).await;
+        let src = self.house.image_row(&src.id.to_string()).await?;
         self.images.backupable(&src)?;
         let id = Uuid::new_v4();
         // Read-only volumes are held until the job refuses their return to
         // writable (their PATCH and unlock take the same lock), so the image
         // has no writer from the check to the end of the backup.
         let mut held_volumes = Vec::new();
-        for (_, volume) in self.images.house.store.volumes_of_image(src.id).await? {
-            held_volumes.push(self.images.house.locks.volumes.lock(&volume).await);
+        for (_, volume) in self.house.store.volumes_of_image(src.id).await? {
+            held_volumes.push(self.house.locks.volumes.lock(&volume).await);
         }
         let writable = self
-            .images
             .house
             .attached_volumes(src.id)
             .await?
@@ -571,9 +564,9 @@ impl Backups {
             .images
             .backup_source(&src, id, name, writable, &mut undo)
             .await?;
-        let meta = self.images.house.backup_meta(id, name, &src, &source.file);
+        let meta = self.house.backup_meta(id, name, &src, &source.file);
         let recorded = async {
-            let mut tx = self.images.house.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(
                 None,
                 Some(src.id),
@@ -624,9 +617,8 @@ impl Backups {
             counters: counters.clone(),
             reads_image,
         };
-        let pace = self.images.house.settings.faults.pace(Slow::Backup);
+        let pace = self.house.settings.faults.pace(Slow::Backup);
         let gate = self
-            .images
             .house
             .settings
             .faults
@@ -674,7 +666,6 @@ impl Backups {
                 if let Some(path) = &moment {
                     let ((dev, ino), birth) = &moment_identity;
                     let _ = me
-                        .images
                         .house
                         .roots
                         .remove_file(path, *dev, *ino, birth.as_deref());
@@ -744,7 +735,7 @@ impl Backups {
             ),
         };
         let recorded = async {
-            let mut tx = self.images.house.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(None, Some(meta.image.id), kind, &text).await?;
             tx.commit().await
         }
@@ -774,7 +765,7 @@ impl Backups {
                 .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
         );
         if let Some(image) = image {
-            let id = match self.images.house.store.image(image).await? {
+            let id = match self.house.store.image(image).await? {
                 Some(row) => Some(row.id),
                 None => Uuid::parse_str(image).ok(),
             };
@@ -851,7 +842,7 @@ impl Backups {
         };
         if done {
             blockplane_backup::delete(&target, b.id).await?;
-            let mut tx = self.images.house.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.event(
                 None,
                 Some(b.image_id),
@@ -892,7 +883,7 @@ impl Backups {
     pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
         let target = self.backup_target("collect chunks")?;
         let _one = self.state.gc.lock().await;
-        let r = blockplane_backup::gc(&target, &self.images.house.lease_owner()).await?;
+        let r = blockplane_backup::gc(&target, &self.house.lease_owner()).await?;
         tracing::info!(
             deleted = r.chunks_deleted,
             kept = r.chunks_kept,
@@ -934,11 +925,11 @@ impl Backups {
     ) -> Result<Image> {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
-        let path = self.images.house.roots.resolve(path)?;
+        let path = self.house.roots.resolve(path)?;
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
-        let _registering = self.images.house.claim_name(name).await?;
+        let _registering = self.house.claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
             .images
@@ -946,8 +937,7 @@ impl Backups {
             .await?;
         let (me, p) = (self.clone(), path.clone());
         let file = blocking(move || {
-            me.images
-                .house
+            me.house
                 .roots
                 .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
         })
@@ -956,11 +946,7 @@ impl Backups {
         let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
         let (me, p) = (self.clone(), path.clone());
         undo.push("remove the restore's file", move || {
-            let _ = me
-                .images
-                .house
-                .roots
-                .remove_file(&p, dev, ino, birth.as_deref());
+            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
         });
         let fd = file
             .fd()
@@ -977,7 +963,7 @@ impl Backups {
         }
         let row = restore_row(name, &path, &file, &m)?;
         let recorded = async {
-            let mut tx = self.images.house.store.begin().await?;
+            let mut tx = self.house.store.begin().await?;
             tx.insert_image(&row).await?;
             tx.event(
                 None,

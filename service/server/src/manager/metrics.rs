@@ -19,13 +19,10 @@ impl Manager {
 
     /// `GET /metrics`: the exposition text.
     pub(crate) async fn metrics(&self) -> Result<String> {
-        let latest = self.volumes.readings.stats.latest();
+        let (readings, backups) = (&self.volumes.readings, &self.backups.state);
+        let latest = readings.stats.latest();
         let rows = self.house.store.volumes().await?;
-        let caches = self
-            .volumes
-            .readings
-            .page_caches(&self.house.store, &rows)
-            .await?;
+        let caches = readings.page_caches(&self.house.store, &rows).await?;
         let mut states: Vec<(String, u64)> = [
             model::VolumeState::Attaching,
             model::VolumeState::Attached,
@@ -57,7 +54,7 @@ impl Manager {
                     dispatch: stats.dispatch.as_str().to_string(),
                     stats: stats.clone(),
                     page_cache: caches.get(&v.id).copied(),
-                    page_cache_warned: !self.volumes.readings.page_cache.warnings(v.id).is_empty(),
+                    page_cache_warned: !readings.page_cache.warnings(v.id).is_empty(),
                     encrypted: v.crypt.is_some(),
                 });
             }
@@ -92,15 +89,13 @@ impl Manager {
                         restarts: s.restarts,
                         unsupervised: s.unsupervised,
                     }),
-                backups: self
-                    .backups
-                    .state
+                backups: backups
                     .target
                     .as_ref()
                     .map(|_| crate::metrics::BackupSample {
                         ages,
-                        uploaded_bytes: self.backups.state.uploaded_bytes.load(Relaxed),
-                        deduplicated_bytes: self.backups.state.deduplicated_bytes.load(Relaxed),
+                        uploaded_bytes: backups.uploaded_bytes.load(Relaxed),
+                        deduplicated_bytes: backups.deduplicated_bytes.load(Relaxed),
                     }),
             },
         ))

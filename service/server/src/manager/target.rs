@@ -9,6 +9,7 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::house::House;
 use super::image_jobs::Images;
 use blockplane_backup::Target;
 
@@ -54,6 +55,8 @@ impl BackupState {
 /// that runs on after its request holds this part alone.
 #[derive(Clone)]
 pub struct Backups {
+    /// What every step reads (the images' part's own).
+    pub(super) house: Arc<House>,
     pub(super) images: Images,
     pub(super) state: Arc<BackupState>,
 }
@@ -63,6 +66,7 @@ impl Backups {
     /// `run_dir` holds the test fault's gate.
     pub(super) fn new(images: Images, target: Option<Target>, run_dir: &std::path::Path) -> Self {
         Self {
+            house: images.house.clone(),
             images,
             state: Arc::new(BackupState::new(target, run_dir)),
         }

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use super::house::House;
 use super::image_jobs::Images;
 use super::look::Readings;
 use super::recovery::Recovering;
@@ -29,6 +30,8 @@ pub(super) struct ApiViews {
 /// request holds this part alone.
 #[derive(Clone)]
 pub struct Volumes {
+    /// What every step reads (the images' part's own).
+    pub(super) house: Arc<House>,
     pub(super) images: Images,
     /// The once-a-second look at every attached volume.
     pub(super) readings: Arc<Readings>,
@@ -42,6 +45,7 @@ impl Volumes {
     /// The volumes' part over `images`, with nothing read or kept yet.
     pub(super) fn new(images: Images) -> Self {
         Self {
+            house: images.house.clone(),
             images,
             readings: Arc::default(),
             recovering: Arc::default(),
