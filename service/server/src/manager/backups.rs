@@ -107,7 +107,7 @@ fn restore_row(
     })
 }
 
-/// What a backup reads, as [`Manager::backup_source`] found it.
+/// What a backup reads, as [`Images::backup_source`] found it.
 struct BackupSource {
     /// The file read.
     file: ImageFile,

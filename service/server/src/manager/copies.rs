@@ -29,7 +29,7 @@ use blockplane_api::model::{
 use blockplane_system::image::{Access, AllocateJob, CloneStart, ImageFile, ImagePath};
 
 /// One moment of a serving volume's image, in a new file
-/// ([`Manager::share_with_serving`]).
+/// ([`Images::share_with_serving`]).
 pub(super) struct SharedMoment {
     pub file: ImageFile,
     /// How long the volume's I/O was held, in words.
@@ -45,7 +45,7 @@ pub(super) struct Copier {
     volume: VolumeRow,
     attachment: crate::backend::Attachment,
     backend: Arc<dyn VolumeBackend>,
-    /// The volume's place in [`MomentCopies`], given back when the copier
+    /// The volume's place in [`super::moments::MomentCopies`], given back when the copier
     /// is dropped.
     _claim: CopyClaim,
 }
@@ -132,7 +132,7 @@ pub(super) fn copy_under_writes(v: &VolumeRow, backend: &dyn VolumeBackend) -> S
     )
 }
 
-/// A copy's new file, as [`Manager::make_copy_file`] made it.
+/// A copy's new file, as [`Images::make_copy_file`] made it.
 struct CopyFile {
     file: ImageFile,
     /// How it was started: shared, or to fill by a copy.

@@ -81,7 +81,7 @@ enum Origin {
     Restore { backup: String },
 }
 
-/// How [`Manager::add_image`] gets its file.
+/// How [`Images::add_image`] gets its file.
 enum NewFile {
     /// An existing file, its allocation as declared (or as found).
     Register { allocation: Option<Allocation> },

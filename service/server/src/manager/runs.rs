@@ -12,7 +12,7 @@ use super::jobs::Job;
 use crate::store::ImageRow;
 use blockplane_backup::{BackupMeta, Counters};
 
-/// An allocate (see [`Manager::allocate_image`]): it writes its image.
+/// An allocate (see [`super::image_jobs::Images::allocate_image`]): it writes its image.
 pub(super) struct AllocateRun;
 
 impl Job for AllocateRun {
