@@ -6,13 +6,13 @@ use std::sync::Arc;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::Created;
 use super::blocking::blocking;
 use super::error::{Error, Result};
 use super::house::House;
 use super::image_jobs::Images;
 use super::names::validate_name;
 use super::volume_part::Volumes;
-use super::{Created, Manager};
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
     VolumeParams,
@@ -119,8 +119,6 @@ fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
         .collect::<Vec<_>>()
         .join("; ")
 }
-
-impl Manager {}
 
 /// The changes a PATCH asks for (only what differs from the volume's
 /// settings), refused as a whole when one breaks a rule of the manager's.
