@@ -8,28 +8,10 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The data path a worker serves a volume on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DataPath {
-    /// io_uring with `RWF_NOWAIT`, falling back to a blocking path on `EAGAIN`.
-    Nowait,
-    /// A pool of threads doing blocking syscalls.
-    Threaded,
-    /// The image's extent map, straight to its disk.
-    Direct,
-}
-
-impl DataPath {
-    /// Its word on the wire, for logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DataPath::Nowait => "nowait",
-            DataPath::Threaded => "threaded",
-            DataPath::Direct => "direct",
-        }
-    }
-}
+/// The data path a worker serves a volume on: the decider's own word for
+/// it (`blockplane_system::dispatch`), which decides it, spelled on the wire
+/// as protocols 1 to 3 spelled it (the test below pins that).
+pub use blockplane_system::dispatch::DataPath;
 
 /// How an image's blocks are laid out, which decides what DISCARD and
 /// WRITE_ZEROES may do to them.

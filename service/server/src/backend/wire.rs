@@ -1,25 +1,14 @@
 //! The one place the API's words meet the worker protocol's: each crossing
 //! is a function here, so the public API and the protocol change apart and
 //! a change to one shows up here as a conversion to write, never silently
-//! on the wire.
+//! on the wire. The one crossing not here is the data path a worker is
+//! told: the decider gives it in the protocol's word
+//! ([`blockplane_system::dispatch::Decision::data_path`]).
 
 use blockplane_api::model::{
-    ActiveDispatch, Allocation, DispatchPolicy, HandoverMethod, LatencyHistogram, OpStats, Qos,
+    ActiveDispatch, Allocation, HandoverMethod, LatencyHistogram, OpStats, Qos,
 };
 use blockplane_protocol as protocol;
-
-/// The data path a worker is told for a decided policy. The decider gives a
-/// worker only `nowait`, `threaded` or `direct`; `auto` and `kernel` (no
-/// worker has that path) are served `nowait`, as workers always did.
-pub(crate) fn data_path(d: DispatchPolicy) -> protocol::DataPath {
-    match d {
-        DispatchPolicy::Threaded => protocol::DataPath::Threaded,
-        DispatchPolicy::Direct => protocol::DataPath::Direct,
-        DispatchPolicy::Nowait | DispatchPolicy::Auto | DispatchPolicy::Kernel => {
-            protocol::DataPath::Nowait
-        }
-    }
-}
 
 /// The path a worker serves on, in the API's words.
 pub(crate) fn active(p: protocol::DataPath) -> ActiveDispatch {
@@ -78,6 +67,7 @@ pub(crate) fn handover(m: protocol::HandoverMethod) -> HandoverMethod {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blockplane_api::model::DispatchPolicy;
     use serde::Serialize;
 
     fn json<T: Serialize>(t: &T) -> String {
@@ -93,8 +83,9 @@ mod tests {
             DispatchPolicy::Threaded,
             DispatchPolicy::Direct,
         ] {
-            assert_eq!(json(&data_path(d)), json(&d));
-            assert_eq!(json(&active(data_path(d))), json(&d));
+            let path = protocol::DataPath::serving(d);
+            assert_eq!(json(&path), json(&d));
+            assert_eq!(json(&active(path)), json(&d));
         }
         for a in [Allocation::Sparse, Allocation::Full] {
             assert_eq!(json(&allocation(a)), json(&a));

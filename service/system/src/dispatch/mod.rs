@@ -21,8 +21,46 @@ use std::os::fd::BorrowedFd;
 
 use crate::extent::{self, ExtentMap, MapError};
 use blockplane_api::model::{ActiveDispatch, Backend, DispatchPolicy};
+use serde::{Deserialize, Serialize};
 
 pub use reason::{KERNEL_HOW, On, Reason};
+
+/// The data path a worker serves a volume on: what a decision tells a
+/// ublk worker (the protocol carries this type, not the API's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataPath {
+    /// io_uring with `RWF_NOWAIT`, falling back to a blocking path on `EAGAIN`.
+    Nowait,
+    /// A pool of threads doing blocking syscalls.
+    Threaded,
+    /// The image's extent map, straight to its disk.
+    Direct,
+}
+
+impl DataPath {
+    /// The path a worker serves `policy` on. A decision gives a worker only
+    /// `nowait`, `threaded` or `direct`; `auto` and `kernel` (no worker has
+    /// that path) are served `nowait`, as workers always did.
+    pub fn serving(policy: DispatchPolicy) -> Self {
+        match policy {
+            DispatchPolicy::Threaded => DataPath::Threaded,
+            DispatchPolicy::Direct => DataPath::Direct,
+            DispatchPolicy::Nowait | DispatchPolicy::Auto | DispatchPolicy::Kernel => {
+                DataPath::Nowait
+            }
+        }
+    }
+
+    /// Its word on the wire, for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataPath::Nowait => "nowait",
+            DataPath::Threaded => "threaded",
+            DataPath::Direct => "direct",
+        }
+    }
+}
 
 /// The policy decided for a volume, why, and (for `direct`) the map the
 /// decision was made from.
@@ -37,6 +75,11 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The path a ublk worker serves this decision on.
+    pub fn data_path(&self) -> DataPath {
+        DataPath::serving(self.dispatch)
+    }
+
     /// A decision that needs no map (every policy but `direct`).
     pub fn new(dispatch: DispatchPolicy, reason: Reason) -> Self {
         Self {

@@ -10,10 +10,9 @@ use super::ioctl::{self};
 use super::table::{direct_table, over};
 use super::{COPY_HOLDS_PATH, DmBackend, DmVolume};
 use crate::backend::BackendError;
-use crate::backend::wire;
 use blockplane_api::model::DispatchPolicy;
 use blockplane_protocol::Request;
-use blockplane_system::dispatch::{self, Reason};
+use blockplane_system::dispatch::{self, DataPath, Reason};
 use blockplane_system::extent::{self};
 
 impl DmBackend {
@@ -79,7 +78,7 @@ impl DmBackend {
                 // Both on the private worker: it switches by itself.
                 self.ublk.change(
                     volume_id,
-                    Request::set_dispatch(wire::data_path(to), &reason),
+                    Request::set_dispatch(DataPath::serving(to), &reason),
                 )?;
             }
             (false, false) => self.change_lower(volume_id, v, to, &reason)?,

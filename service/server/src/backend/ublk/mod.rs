@@ -541,9 +541,7 @@ impl VolumeBackend for UblkBackend {
                             io::Error::other("no supervised worker"),
                         )
                     })?;
-                let Decision {
-                    dispatch, reason, ..
-                } = dispatch::decide_change(
+                let decision = dispatch::decide_change(
                     &Ask {
                         image: image.as_fd(),
                         size: att.size_bytes,
@@ -560,7 +558,7 @@ impl VolumeBackend for UblkBackend {
                 )?;
                 self.tell(
                     volume_id,
-                    Request::set_dispatch(wire::data_path(dispatch), &reason),
+                    Request::set_dispatch(decision.data_path(), &decision.reason),
                 )?
             }
             Change::ReadOnly(read_only) => {

@@ -429,7 +429,7 @@ impl UblkBackend {
             size_bytes: req.params.size_bytes,
             read_only: req.params.read_only,
             refuse_writes: req.params.refuse_writes,
-            dispatch: wire::data_path(decision.dispatch),
+            dispatch: decision.data_path(),
             dispatch_reason: decision.reason.to_string(),
             dispatch_why: Some(decision.reason),
             queues: req.params.queues,
