@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 
-use crate::policy::Policy;
 use crate::refusal::Refusal;
 use crate::shared::Shared;
+use blockplane_protocol::DataPath;
 use blockplane_protocol::{
     self as protocol, Allocation, Answer, ErrorCode, HandoverMethod, Reason, Request, Status,
 };
@@ -171,7 +171,7 @@ impl Server {
             // for a connection ends at the next re-read. Off the direct path
             // there is nothing to re-read, and the thread sleeps until asked
             // (a switch to direct comes through here) or the queues end.
-            let direct = cx.shared.policy() == Policy::Direct;
+            let direct = cx.shared.policy() == DataPath::Direct;
             let wait = direct.then(|| next_check.saturating_duration_since(Instant::now()));
             let (conn, queue_ended) = readable(&listener, ended, wait);
             if queue_ended {
@@ -191,7 +191,7 @@ impl Server {
                 }
             }
             if Instant::now() >= next_check {
-                if cx.shared.policy() == Policy::Direct {
+                if cx.shared.policy() == DataPath::Direct {
                     cx.shared.check_drift();
                 }
                 next_check = Instant::now() + every;
@@ -267,7 +267,7 @@ fn status(cx: &Ctx) -> Answer {
         pid: std::process::id(),
         dev_id: cx.dev_id,
         device: format!("/dev/ublkb{}", cx.dev_id),
-        dispatch: s.policy().active(),
+        dispatch: s.policy(),
         dispatch_reason: st.dispatch_reason.to_string(),
         dispatch_why: Some(st.dispatch_reason),
         pinned: st.pinned,
@@ -315,7 +315,7 @@ fn act(cx: &Ctx, req: Request) -> Result<Option<Answer>, Refusal> {
             why,
         } => {
             let reason = Reason::carried(why, &reason);
-            s.switch(Policy::from_requested(dispatch), reason)?;
+            s.switch(dispatch, reason)?;
             // A deliberate switch ends a drift episode.
             s.state.lock().expect("state poisoned").degraded = None;
             write_state(cx);
@@ -450,8 +450,8 @@ fn resize(cx: &Ctx, size: u64, allocation: Allocation) -> Result<(), Refusal> {
         .expect("state poisoned")
         .dispatch_reason
         .clone();
-    if was == Policy::Direct {
-        s.switch(Policy::Nowait, reason.clone())?;
+    if was == DataPath::Direct {
+        s.switch(DataPath::Nowait, reason.clone())?;
     }
     let grown = blockplane_system::image::grow_fd(
         &s.image
@@ -468,8 +468,8 @@ fn resize(cx: &Ctx, size: u64, allocation: Allocation) -> Result<(), Refusal> {
     if grown.is_ok() {
         s.state.lock().expect("state poisoned").size_bytes = size;
     }
-    if was == Policy::Direct {
-        s.switch(Policy::Direct, reason)?;
+    if was == DataPath::Direct {
+        s.switch(DataPath::Direct, reason)?;
         write_state(cx);
     }
     grown?;

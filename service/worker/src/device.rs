@@ -23,8 +23,8 @@ use libublk::{BufDesc, UblkError, UblkFlags, sys};
 use super::io::{Buf, IMAGE_SLOT, QueueCtx, RAW_SLOTS, Req};
 use super::mailbox::{Mailbox, Queues};
 use crate::control;
-use crate::policy::Policy;
 use crate::shared::Shared;
+use blockplane_protocol::DataPath;
 
 /// Every request waits for the device's server to exist; how long a queue
 /// thread sleeps in `io_uring_enter` before looking at its tasks again.
@@ -354,7 +354,7 @@ fn end(ctrl: &UblkCtrl, control: &control::Control, shared: &Shared, stopped: bo
     if let Err(e) = ctrl.del_dev() {
         tracing::error!(dev_id, error = %e, "DEL_DEV failed");
     }
-    if shared.policy() == Policy::Direct
+    if shared.policy() == DataPath::Direct
         && let Err(e) = shared.leave_direct()
     {
         tracing::error!(error = %e, "could not unpin the image");

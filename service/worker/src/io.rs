@@ -37,9 +37,10 @@ use libublk::uring_async::UblkUringOpFuture;
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::moment::ChunkBuf;
 use super::stats::{QueueLatency, QueueReport};
-use crate::policy::{DirectPath, Policy};
+use crate::direct_path::DirectPath;
 use crate::qos;
 use crate::shared::Shared;
+use blockplane_protocol::DataPath;
 use blockplane_protocol::stats_file::{Op, QueueCounters, bump};
 use blockplane_system::image::FALLOC_FL_WRITE_ZEROES;
 
@@ -510,17 +511,17 @@ impl QueueCtx {
                 );
             }
             match (local.cfg.policy, &local.cfg.direct) {
-                (Policy::Nowait, _) => {
+                (DataPath::Nowait, _) => {
                     let mode = FileMode::Nowait;
                     self.file(q, req, buf, mode, local.cfg.keep_allocated).await
                 }
-                (Policy::Threaded, _) => {
+                (DataPath::Threaded, _) => {
                     let mode = FileMode::Threaded;
                     self.file(q, req, buf, mode, local.cfg.keep_allocated).await
                 }
-                (Policy::Direct, Some(d)) => direct(q, d, local.raw_registered, req, buf).await,
+                (DataPath::Direct, Some(d)) => direct(q, d, local.raw_registered, req, buf).await,
                 // Cannot happen: the policy and the path change together.
-                (Policy::Direct, None) => -libc::EIO,
+                (DataPath::Direct, None) => -libc::EIO,
             }
         };
         drop(local);

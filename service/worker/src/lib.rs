@@ -12,10 +12,10 @@
 
 mod control;
 mod device;
+mod direct_path;
 mod io;
 mod mailbox;
 mod moment;
-mod policy;
 mod qos;
 mod refusal;
 mod shared;

@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::stats::QueueReport;
-use crate::policy::{DirectPath, Policy};
+use crate::direct_path::DirectPath;
 use crate::{moment, qos};
+use blockplane_protocol::DataPath;
 
 /// A queue thread's eventfd.
 #[derive(Debug)]
@@ -42,7 +43,7 @@ impl Kick {
 /// What a queue serves with; replaced as a whole.
 #[derive(Clone)]
 pub struct QueueConfig {
-    pub policy: Policy,
+    pub policy: DataPath,
     /// Set while the policy is `direct`.
     pub direct: Option<Arc<DirectPath>>,
     pub read_only: bool,
@@ -175,7 +176,7 @@ mod tests {
         m: Arc<Mailbox>,
         mut inside: u64,
         finish: mpsc::Receiver<()>,
-    ) -> std::thread::JoinHandle<Vec<Policy>> {
+    ) -> std::thread::JoinHandle<Vec<DataPath>> {
         std::thread::spawn(move || {
             let mut drained = None;
             let mut applied = Vec::new();
@@ -189,7 +190,7 @@ mod tests {
                         Msg::Apply(cfg, done) => {
                             applied.push(cfg.policy);
                             done.send(()).unwrap();
-                            if cfg.policy == Policy::Direct {
+                            if cfg.policy == DataPath::Direct {
                                 return applied;
                             }
                         }
@@ -230,7 +231,7 @@ mod tests {
         boxes[0].kick.kick();
         assert!(queues.hold(Duration::from_secs(5)));
         let cfg = QueueConfig {
-            policy: Policy::Direct,
+            policy: DataPath::Direct,
             direct: None,
             read_only: false,
             qos: None,
@@ -238,7 +239,7 @@ mod tests {
             moment: None,
         };
         assert!(queues.apply(&cfg));
-        assert_eq!(busy.join().unwrap(), vec![Policy::Direct]);
-        assert_eq!(idle.join().unwrap(), vec![Policy::Direct]);
+        assert_eq!(busy.join().unwrap(), vec![DataPath::Direct]);
+        assert_eq!(idle.join().unwrap(), vec![DataPath::Direct]);
     }
 }

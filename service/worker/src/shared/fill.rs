@@ -13,8 +13,8 @@ use blockplane_system::extent::{self};
 use blockplane_system::image::ALLOCATE_STEP;
 
 use super::Shared;
-use crate::policy::Policy;
 use crate::refusal::Refusal;
+use blockplane_protocol::DataPath;
 
 impl Shared {
     /// Starts making the image `full`: the file paths stop punching it, then
@@ -100,7 +100,7 @@ impl Shared {
                 let to = b.min(at + ALLOCATE_STEP);
                 self.with_queues_held(|| {
                     // A direct map exists only over a written image.
-                    if self.policy() == Policy::Direct {
+                    if self.policy() == DataPath::Direct {
                         return Ok(());
                     }
                     blockplane_system::image::allocate_range(&data, at, to).map_err(|source| {

@@ -25,11 +25,11 @@ use blockplane_protocol::{self as protocol, Allocation, Fill, Reason, StateFile,
 use blockplane_system::extent::{self, Pin};
 
 use crate::mailbox::{self, QueueConfig, Queues};
-use crate::policy::Policy;
 use crate::qos;
 use crate::refusal::Refusal;
 use crate::stats::Stats;
 use crate::watch;
+use blockplane_protocol::DataPath;
 
 /// What changes under the control thread, besides the policy.
 #[derive(Debug, Clone)]
@@ -104,7 +104,7 @@ impl Shared {
         } = opened;
         Arc::new_cyclic(|me| Shared {
             config: Mutex::new(QueueConfig {
-                policy: Policy::Nowait,
+                policy: DataPath::Nowait,
                 direct: None,
                 read_only: spec.read_only || spec.refuse_writes,
                 qos: limiter,
@@ -162,7 +162,7 @@ impl Shared {
     }
 
     /// The policy in force.
-    pub fn policy(&self) -> Policy {
+    pub fn policy(&self) -> DataPath {
         self.config().policy
     }
 
@@ -240,7 +240,7 @@ impl Shared {
     /// now on: the volume leaves the map first.
     pub fn image_opened(&self, pid: i32) {
         let unpinned = || !extent::is_immutable(self.image.as_fd()).unwrap_or(false);
-        if self.policy() != Policy::Direct || !unpinned() {
+        if self.policy() != DataPath::Direct || !unpinned() {
             return;
         }
         let reason = Reason::PinCleared {

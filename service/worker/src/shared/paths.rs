@@ -11,16 +11,17 @@ use blockplane_protocol::{self as protocol, Reason};
 use blockplane_system::extent::{self, ExtentMap};
 
 use super::Shared;
-use crate::policy::{DirectPath, Policy};
+use crate::direct_path::DirectPath;
 use crate::refusal::Refusal;
+use blockplane_protocol::DataPath;
 
 impl Shared {
     /// Enters the policy the spec starts on, before the device serves: a
     /// first start's `direct` checks the map the control plane decided
     /// from; a start on a file path lifts a crashed direct worker's pin.
     pub fn begin(&self) -> Result<(), Refusal> {
-        let start = Policy::from_requested(self.spec.dispatch);
-        if start == Policy::Direct {
+        let start = self.spec.dispatch;
+        if start == DataPath::Direct {
             let decided =
                 match self.spec.decided_map {
                     true => Some(protocol::take_decided_map(&self.spec.run_dir).map_err(
@@ -157,19 +158,19 @@ impl Shared {
     /// Switches the policy while I/O runs: holds every queue until the
     /// requests inside finish, changes the path, and sends each queue the new
     /// config, on which the held requests continue.
-    pub fn switch(&self, to: Policy, reason: Reason) -> Result<(), Refusal> {
+    pub fn switch(&self, to: DataPath, reason: Reason) -> Result<(), Refusal> {
         let _one = self.changing.lock().expect("changing poisoned");
         self.switch_held(to, reason)
     }
 
     /// [`Self::switch`], its caller holding `changing`.
-    pub(super) fn switch_held(&self, to: Policy, reason: Reason) -> Result<(), Refusal> {
+    pub(super) fn switch_held(&self, to: DataPath, reason: Reason) -> Result<(), Refusal> {
         let from = self.policy();
         if from == to {
             self.state.lock().expect("state poisoned").dispatch_reason = reason;
             return Ok(());
         }
-        if to == Policy::Direct {
+        if to == DataPath::Direct {
             if self.config().moment.is_some() {
                 return Err(Refusal::Rule(protocol::COPY_RUNS_DIRECT.into()));
             }
@@ -204,11 +205,11 @@ impl Shared {
     /// The direct path to serve with after the change.
     pub(super) fn change_path(
         &self,
-        from: Policy,
-        to: Policy,
+        from: DataPath,
+        to: DataPath,
     ) -> Result<Option<Arc<DirectPath>>, Refusal> {
         match (from, to) {
-            (_, Policy::Direct) => {
+            (_, DataPath::Direct) => {
                 // Written data reaches the disk before the map is read.
                 self.data.sync_data().map_err(|source| Refusal::Io {
                     op: "fdatasync the image",
@@ -216,7 +217,7 @@ impl Shared {
                 })?;
                 self.enter_direct(None).map(Some)
             }
-            (Policy::Direct, _) => self.leave_direct().map(|()| None),
+            (DataPath::Direct, _) => self.leave_direct().map(|()| None),
             _ => Ok(None),
         }
     }
@@ -255,12 +256,12 @@ impl Shared {
     /// unless a switch got there first or `still` no longer holds.
     pub(super) fn leave_map(&self, reason: Reason, still: impl Fn() -> bool) {
         let _one = self.changing.lock().expect("changing poisoned");
-        if self.policy() != Policy::Direct || !still() {
+        if self.policy() != DataPath::Direct || !still() {
             return;
         }
         tracing::error!(%reason, "the direct map cannot be trusted: leaving the direct path");
         self.state.lock().expect("state poisoned").degraded = Some(reason.to_string());
-        if let Err(e) = self.switch_held(Policy::Nowait, reason) {
+        if let Err(e) = self.switch_held(DataPath::Nowait, reason) {
             tracing::error!(error = %e, "could not leave the direct path");
         }
         // The service learns of it from the state file.

@@ -9,8 +9,8 @@ use blockplane_protocol::{self as protocol, Fill, FillState};
 
 use super::Shared;
 use crate::moment;
-use crate::policy::Policy;
 use crate::refusal::Refusal;
+use blockplane_protocol::DataPath;
 
 impl Shared {
     /// Shares the image's extents with `dest` at one moment of the volume's
@@ -25,7 +25,7 @@ impl Shared {
         })?;
         let held = Instant::now();
         self.with_queues_held(|| {
-            if self.config().policy == Policy::Direct {
+            if self.config().policy == DataPath::Direct {
                 return Err(Refusal::Rule(protocol::SNAPSHOT_OF_DIRECT.into()));
             }
             rustix::fs::ioctl_ficlone(dest, &self.image).map_err(|e| {
@@ -77,7 +77,7 @@ impl Shared {
         let moment = Arc::new(moment::Moment::new(src, dest, size));
         let held = Instant::now();
         self.with_queues_held(|| {
-            if self.config().policy == Policy::Direct {
+            if self.config().policy == DataPath::Direct {
                 return Err(Refusal::Rule(protocol::SNAPSHOT_OF_DIRECT.into()));
             }
             self.config().moment = Some(moment.clone());
