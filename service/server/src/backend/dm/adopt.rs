@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::ioctl::{self, dm_name, kernel_name};
 use super::table::{direct_table, over};
-use super::{DmBackend, DmVolume};
+use super::{DmBackend, DmVolume, Under, Watch};
 use crate::backend::loopdev::PrivateLoop;
 use crate::backend::{BackendError, BackendEvent, Probe, ProbeRequest, VolumeParams};
 use blockplane_api::model::{ActiveDispatch, DispatchPolicy};
@@ -70,7 +70,7 @@ impl DmBackend {
             };
         }
         v.dispatch = policy;
-        v.private_ublk = Some(dev);
+        v.under.ublk = Some(dev);
         self.events.send(BackendEvent {
             volume_id,
             kind: "worker_restarted",
@@ -110,7 +110,7 @@ impl DmBackend {
                 // Kernel: the loop device, bound to the image, carries the
                 // volume's mark; it needs nothing but to be known again.
                 v.dispatch = DispatchPolicy::Kernel;
-                v.private_loop = Some(lo);
+                v.under.loop_dev = Some(lo);
             }
             [(_, _, _, target)] if is_ublk(target) => self.adopt_worker(&req, &mut v, target)?,
             _ => adopt_direct(&req, &mut v, &live)?,
@@ -148,7 +148,7 @@ impl DmBackend {
                 // The worker's, which a crash mid-change may leave newer
                 // than the stored one (the QoS move reads it).
                 v.reason = worker.dispatch_reason.clone();
-                v.private_ublk = Some(DevNum {
+                v.under.ublk = Some(DevNum {
                     major: worker.major,
                     minor: worker.minor,
                 });
@@ -203,15 +203,15 @@ fn found(
             |a| a.dispatch_reason.clone(),
         ),
         read_only,
-        direct: None,
-        private_ublk: None,
-        private_loop: None,
+        under: Under::default(),
         table: live.to_vec(),
-        degraded: stored.and_then(|a| a.dm()).and_then(|d| d.degraded.clone()),
         resize_pending: grown || stored.is_some_and(|a| a.resize_pending),
-        attached_at: stored.map_or_else(OffsetDateTime::now_utc, |a| a.attached_at),
-        baseline: stored.and_then(|a| a.baseline),
-        stop_checks: Arc::default(),
+        watch: Watch {
+            attached_at: stored.map_or_else(OffsetDateTime::now_utc, |a| a.attached_at),
+            baseline: stored.and_then(|a| a.baseline),
+            stop_checks: Arc::default(),
+            degraded: stored.and_then(|a| a.dm()).and_then(|d| d.degraded.clone()),
+        },
         copying: None,
     }
 }
@@ -252,6 +252,6 @@ fn adopt_direct(
             was_immutable: false,
         });
     v.dispatch = DispatchPolicy::Direct;
-    v.direct = Some((map, pin));
+    v.under.direct = Some((map, pin));
     Ok(())
 }

@@ -22,7 +22,9 @@ impl DmBackend {
         let Some(v) = volumes.get_mut(&volume_id) else {
             return;
         };
-        let Some((map, _)) = &v.direct else { return };
+        let Some((map, _)) = &v.under.direct else {
+            return;
+        };
         let now = ExtentMap::build(v.image.as_fd(), map.size);
         let drift = match now {
             Ok(m) => map.differences(&m),
@@ -35,13 +37,13 @@ impl DmBackend {
             on_private: true,
         };
         // The pin is gone (someone cleared it to move blocks): do not restore it.
-        if let Some((_, pin)) = v.direct.as_mut() {
+        if let Some((_, pin)) = v.under.direct.as_mut() {
             pin.was_immutable = true;
         }
         let outcome = self.switch(volume_id, v, DispatchPolicy::Nowait, reason.clone());
         let (kind, state, message) = match outcome {
             Ok(()) => {
-                v.degraded = Some(reason.to_string());
+                v.watch.degraded = Some(reason.to_string());
                 ("volume_degraded", VolumeState::Degraded, reason.to_string())
             }
             Err(e) => {

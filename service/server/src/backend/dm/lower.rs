@@ -84,12 +84,12 @@ impl DmBackend {
         match lower.private_loop {
             Some((lo, handle)) => {
                 drop(handle);
-                v.private_loop = Some(lo);
-                v.private_ublk = None;
+                v.under.loop_dev = Some(lo);
+                v.under.ublk = None;
             }
             None => {
-                v.private_ublk = Some(lower.dev);
-                v.private_loop = None;
+                v.under.ublk = Some(lower.dev);
+                v.under.loop_dev = None;
             }
         }
     }

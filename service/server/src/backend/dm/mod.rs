@@ -71,23 +71,41 @@ struct DmVolume {
     dispatch: DispatchPolicy,
     reason: Reason,
     read_only: bool,
-    /// The map and pin while `direct`.
-    direct: Option<(ExtentMap, Pin)>,
-    /// The private ublk device while `nowait`/`threaded`.
-    private_ublk: Option<DevNum>,
-    /// The private loop device while `kernel`.
-    private_loop: Option<PrivateLoop>,
+    /// What the table maps onto.
+    under: Under,
     table: Vec<Target>,
-    degraded: Option<String>,
     /// The image grew but the private ublk device could not (no UPDATE_SIZE).
     resize_pending: bool,
-    attached_at: OffsetDateTime,
-    baseline: Option<BlockStat>,
-    stop_checks: Arc<AtomicBool>,
+    /// Since the attach: when, its counters' start, its drift checks.
+    watch: Watch,
     /// A copy of one moment runs on the private worker: the volume stays on
     /// it until the copy ends (`Some`), and goes back to `kernel` then
     /// with this reason when it was there before (`Some(Some(_))`).
     copying: Option<Option<Reason>>,
+}
+
+/// What a dm volume's table maps onto: by policy one of the three, but a
+/// switch holds two for a moment (the new one started before the table
+/// names it, the old one stopped once none does).
+#[derive(Default)]
+struct Under {
+    /// The map and pin while `direct`.
+    direct: Option<(ExtentMap, Pin)>,
+    /// The private ublk device while `nowait`/`threaded`.
+    ublk: Option<DevNum>,
+    /// The private loop device while `kernel`.
+    loop_dev: Option<PrivateLoop>,
+}
+
+/// A dm volume since its attach.
+struct Watch {
+    attached_at: OffsetDateTime,
+    /// The device's counters when it was made (its stats count from there).
+    baseline: Option<BlockStat>,
+    /// Set to stop the drift checks' thread.
+    stop_checks: Arc<AtomicBool>,
+    /// What the drift checks found, until the path changes.
+    degraded: Option<String>,
 }
 
 /// Why a dm volume keeps its path while a copy of one moment runs.
@@ -171,15 +189,15 @@ impl DmBackend {
             dispatch_reason: v.reason.clone(),
             size_bytes,
             read_only: v.read_only,
-            attached_at: v.attached_at,
-            baseline: v.baseline,
+            attached_at: v.watch.attached_at,
+            baseline: v.watch.baseline,
             kind: DeviceState::Dm(DmAttachment {
                 name: dm_name(volume_id),
                 uuid: dm_uuid(&self.instance, volume_id),
                 table: v.table.clone(),
-                pinned: v.direct.as_ref().map(|(_, p)| *p),
-                private_ublk: v.private_ublk.map(|d| d.to_string()),
-                degraded: v.degraded.clone(),
+                pinned: v.under.direct.as_ref().map(|(_, p)| *p),
+                private_ublk: v.under.ublk.map(|d| d.to_string()),
+                degraded: v.watch.degraded.clone(),
             }),
             resize_pending: v.resize_pending,
         })
@@ -189,7 +207,7 @@ impl DmBackend {
     /// checks; returns its attachment.
     fn register(&self, volume_id: Uuid, v: DmVolume) -> Result<Attachment, BackendError> {
         let att = self.describe(volume_id, &v)?;
-        let stop = v.stop_checks.clone();
+        let stop = v.watch.stop_checks.clone();
         self.volumes
             .lock()
             .expect("dm volumes poisoned")
@@ -293,15 +311,15 @@ impl VolumeBackend for DmBackend {
             dispatch: decision.dispatch,
             reason: decision.reason.clone(),
             read_only: req.params.refuse_writes,
-            direct: None,
-            private_ublk: None,
-            private_loop: None,
+            under: Under::default(),
             table: Vec::new(),
-            degraded: None,
             resize_pending: false,
-            attached_at: OffsetDateTime::now_utc(),
-            baseline: None,
-            stop_checks: Arc::default(),
+            watch: Watch {
+                attached_at: OffsetDateTime::now_utc(),
+                baseline: None,
+                stop_checks: Arc::default(),
+                degraded: None,
+            },
             copying: None,
         };
         let volume_id = req.volume_id;
@@ -316,7 +334,7 @@ impl VolumeBackend for DmBackend {
                     },
                 )?;
             let table = direct_table(&map);
-            v.direct = Some((map, pin));
+            v.under.direct = Some((map, pin));
             table
         } else {
             let started =
@@ -341,7 +359,7 @@ impl VolumeBackend for DmBackend {
             Ok(t) => t,
             Err(e) => {
                 // Nothing of the volume is left: no pin, no private device.
-                if let Some((_, pin)) = &v.direct {
+                if let Some((_, pin)) = &v.under.direct {
                     drop(extent::unpin(v.image.as_fd(), *pin));
                 }
                 if let Some(lower) = lower {
@@ -354,7 +372,7 @@ impl VolumeBackend for DmBackend {
             Self::keep_lower(&mut v, lower);
         }
         if let Some(dev) = ioctl::devnum(volume_id) {
-            v.baseline = BlockStat::read(&kernel_name(dev)).ok();
+            v.watch.baseline = BlockStat::read(&kernel_name(dev)).ok();
         }
         self.register(volume_id, v)
     }
@@ -377,11 +395,11 @@ impl VolumeBackend for DmBackend {
         let _ = self.ublk.stop(volume_id);
         match v {
             Some(v) => {
-                v.stop_checks.store(true, Relaxed);
-                if let Some(lo) = v.private_loop {
+                v.watch.stop_checks.store(true, Relaxed);
+                if let Some(lo) = v.under.loop_dev {
                     lo.release();
                 }
-                if let Some((_, pin)) = v.direct {
+                if let Some((_, pin)) = v.under.direct {
                     extent::unpin(v.image.as_fd(), pin)
                         .map_err(|e| BackendError::io("unpin", "image", e))?;
                 }
@@ -489,7 +507,7 @@ impl VolumeBackend for DmBackend {
                 // Unpin, grow, map and pin again, swap tables: the device is
                 // suspended only for the swap; the old table stays valid for the
                 // old range meanwhile (the grown part is new blocks).
-                let (_, pin) = v.direct.take().expect("direct volumes have a map");
+                let (_, pin) = v.under.direct.take().expect("direct volumes have a map");
                 extent::unpin(v.image.as_fd(), pin)
                     .map_err(|e| BackendError::io("unpin", "image", e))?;
                 // Re-adopted volumes hold the pinned image read-only: once
@@ -513,8 +531,8 @@ impl VolumeBackend for DmBackend {
                 grown?;
                 let table = direct_table(&map);
                 v.table = self.reload(volume_id, v.read_only, table)?;
-                v.direct = Some((map, pin));
-            } else if let Some(lo) = v.private_loop {
+                v.under.direct = Some((map, pin));
+            } else if let Some(lo) = v.under.loop_dev {
                 // Grow the file, then the loop device over it, then the table.
                 let writable = blockplane_system::image::reopen(&v.image, true)
                     .map_err(|e| BackendError::io("reopen", "image", e))?;
@@ -560,7 +578,7 @@ impl VolumeBackend for DmBackend {
             if v.dispatch == DispatchPolicy::Direct {
                 dispatch::can_serve_off_direct("leaving direct", &self.path())?;
                 self.switch(volume_id, v, DispatchPolicy::Nowait, reason)?;
-                v.degraded = None;
+                v.watch.degraded = None;
             }
             self.describe(volume_id, v)
         })
@@ -640,7 +658,7 @@ impl VolumeBackend for DmBackend {
             .lock()
             .expect("dm volumes poisoned")
             .get(&volume_id)
-            .map(|v| (v.private_ublk.is_some(), v.dispatch));
+            .map(|v| (v.under.ublk.is_some(), v.dispatch));
         match private {
             Some((true, _)) => self.ublk.check_handover(volume_id),
             Some((false, on)) => Err(BackendError::Unsupported {
@@ -742,7 +760,7 @@ impl VolumeBackend for DmBackend {
                     )?;
                     self.switch(volume_id, v, d.dispatch, d.reason)?;
                     v.params.dispatch = asked;
-                    v.degraded = None;
+                    v.watch.degraded = None;
                 }
                 Change::ReadOnly(ro) => {
                     if !ro && v.params.read_only {
@@ -752,7 +770,7 @@ impl VolumeBackend for DmBackend {
                             reason: super::WRITABLE_OVER_READ_ONLY.into(),
                         });
                     }
-                    if v.private_ublk.is_some() {
+                    if v.under.ublk.is_some() {
                         self.ublk
                             .change(volume_id, Request::SetReadOnly { read_only: ro })?;
                     }

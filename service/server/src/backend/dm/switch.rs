@@ -108,7 +108,7 @@ impl DmBackend {
         match self.reload(volume_id, v.read_only, table) {
             Ok(table) => {
                 v.table = table;
-                let old = (v.private_ublk.take(), v.private_loop.take());
+                let old = (v.under.ublk.take(), v.under.loop_dev.take());
                 Self::keep_lower(v, lower);
                 self.stop_lower(volume_id, old.0, old.1)?;
             }
@@ -133,7 +133,7 @@ impl DmBackend {
         reason: &Reason,
     ) -> Result<(), BackendError> {
         let lower = self.start_lower(volume_id, v, &v.image, to, reason)?;
-        let pin = v.direct.as_ref().map(|(_, p)| *p);
+        let pin = v.under.direct.as_ref().map(|(_, p)| *p);
         let image = &v.image;
         let dev = lower.dev;
         let swapped = ioctl::swap(
@@ -154,7 +154,7 @@ impl DmBackend {
         match swapped {
             Ok(table) => {
                 v.table = table;
-                v.direct = None;
+                v.under.direct = None;
                 Self::keep_lower(v, lower);
             }
             Err(e) => {
@@ -194,10 +194,10 @@ impl DmBackend {
         );
         match swapped {
             Ok(table) => {
-                v.direct = mapped;
+                v.under.direct = mapped;
                 v.table = table;
                 // Nothing references the lower any more.
-                let old = (v.private_ublk.take(), v.private_loop.take());
+                let old = (v.under.ublk.take(), v.under.loop_dev.take());
                 self.stop_lower(volume_id, old.0, old.1)?;
             }
             Err(e) => {
@@ -225,7 +225,7 @@ impl DmBackend {
         to: DispatchPolicy,
         reason: &Reason,
     ) -> Result<(), BackendError> {
-        let pin = v.direct.as_ref().map(|(_, p)| *p);
+        let pin = v.under.direct.as_ref().map(|(_, p)| *p);
         let mut started = None;
         let swapped = ioctl::swap(
             &self.instance,
@@ -254,7 +254,7 @@ impl DmBackend {
                 let (lower, writable) = started.expect("a table loaded is over a started lower");
                 v.image = writable;
                 v.table = table;
-                v.direct = None;
+                v.under.direct = None;
                 Self::keep_lower(v, lower);
                 Ok(())
             }
