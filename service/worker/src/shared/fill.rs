@@ -46,8 +46,8 @@ impl Shared {
         })?;
         let kept = self.config().keep_allocated;
         self.reconfigure(|c| c.keep_allocated = true)?;
-        self.fill_cancel.store(false, Relaxed);
-        *self.fill.lock().expect("fill poisoned") = Some(Fill {
+        self.jobs.fill_cancel.store(false, Relaxed);
+        *self.jobs.fill.lock().expect("fill poisoned") = Some(Fill {
             state: FillState::Running,
             done_bytes: 0,
             total_bytes: todo.iter().map(|(a, b)| b - a).sum(),
@@ -73,12 +73,12 @@ impl Shared {
 
     /// Asks a running fill to stop after its current stretch.
     pub fn cancel_allocate(&self) {
-        self.fill_cancel.store(true, Relaxed);
+        self.jobs.fill_cancel.store(true, Relaxed);
     }
 
     /// The last fill: running, or how it ended.
     pub fn fill_state(&self) -> Option<Fill> {
-        self.fill.lock().expect("fill poisoned").clone()
+        self.jobs.fill.lock().expect("fill poisoned").clone()
     }
 
     /// Writes zeros over `todo`, one stretch of at most [`ALLOCATE_STEP`]
@@ -94,7 +94,7 @@ impl Shared {
         for &(a, b) in todo {
             let mut at = a;
             while at < b {
-                if self.fill_cancel.load(Relaxed) {
+                if self.jobs.fill_cancel.load(Relaxed) {
                     return Ok(false);
                 }
                 let to = b.min(at + ALLOCATE_STEP);
@@ -110,7 +110,7 @@ impl Shared {
                         }
                     })
                 })?;
-                if let Some(f) = self.fill.lock().expect("fill poisoned").as_mut() {
+                if let Some(f) = self.jobs.fill.lock().expect("fill poisoned").as_mut() {
                     f.done_bytes += to - at;
                 }
                 std::thread::sleep(pace);
@@ -139,7 +139,7 @@ impl Shared {
             tracing::error!(error = %e, "cannot go back to punching after an unfinished fill");
         }
         tracing::info!(?state, ?error, "allocate ended");
-        if let Some(f) = self.fill.lock().expect("fill poisoned").as_mut() {
+        if let Some(f) = self.jobs.fill.lock().expect("fill poisoned").as_mut() {
             f.state = state;
             f.error = error;
         }

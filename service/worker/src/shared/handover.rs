@@ -19,7 +19,7 @@ impl Shared {
     /// worker exits (which needs `USER_RECOVERY_REISSUE`: without it they
     /// would fail). A refusal leaves the worker serving.
     pub fn hand_over(&self, ctrl: &UblkCtrl, dev_flags: u64) -> Result<HandoverMethod, Refusal> {
-        let one = self.changing.lock().expect("changing poisoned");
+        let one = self.queues.changing.lock().expect("changing poisoned");
         if self
             .fill_state()
             .is_some_and(|f| f.state == FillState::Running)

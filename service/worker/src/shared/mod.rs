@@ -54,19 +54,11 @@ pub(crate) struct Shared {
     pub data: File,
     /// `/dev/zero`: fills a zero-copy read past the image's end.
     pub zero: File,
-    /// The config in force on every queue (the control thread's copy).
-    config: Mutex<QueueConfig>,
-    /// One change at a time (the control socket and the drift checks).
-    changing: Mutex<()>,
-    /// The queues' mailboxes, once the device has its queues.
-    queues: OnceLock<Queues>,
+    /// The queues and what they serve with.
+    queues: QueueControl,
     pub state: Mutex<WorkerState>,
-    /// The last fill of [`Shared::start_allocate`].
-    fill: Mutex<Option<Fill>>,
-    /// Set to stop a running fill.
-    fill_cancel: AtomicBool,
-    /// The last copy of one moment ([`Shared::start_copy`]).
-    copy: Mutex<Option<Fill>>,
+    /// The jobs that run beside the data path.
+    jobs: Jobs,
     /// This, for the threads it starts.
     me: Weak<Shared>,
     /// The device's id, once the state file first names it.
@@ -74,6 +66,28 @@ pub(crate) struct Shared {
     /// Opens of the image by other processes, watched from the first time
     /// the volume is `direct` (`None`: the kernel gives no such watch).
     watch: OnceLock<Option<watch::Watch>>,
+}
+
+/// The queues' side of the shared state: their mailboxes, the config in
+/// force on them, and the lock that makes changes to it one at a time.
+struct QueueControl {
+    /// The config in force on every queue (the control thread's copy).
+    config: Mutex<QueueConfig>,
+    /// One change at a time (the control socket and the drift checks).
+    changing: Mutex<()>,
+    /// The queues' mailboxes, once the device has its queues.
+    mailboxes: OnceLock<Queues>,
+}
+
+/// A worker's jobs beside the data path: a fill and a copy of one moment.
+#[derive(Default)]
+struct Jobs {
+    /// The last fill of [`Shared::start_allocate`].
+    fill: Mutex<Option<Fill>>,
+    /// Set to stop a running fill.
+    fill_cancel: AtomicBool,
+    /// The last copy of one moment ([`Shared::start_copy`]).
+    copy: Mutex<Option<Fill>>,
 }
 
 /// What a worker opened before it serves: the pieces [`Shared::new`] puts
@@ -103,25 +117,25 @@ impl Shared {
             limiter,
         } = opened;
         Arc::new_cyclic(|me| Shared {
-            config: Mutex::new(QueueConfig {
-                policy: DataPath::Nowait,
-                direct: None,
-                read_only: spec.read_only || spec.refuse_writes,
-                qos: limiter,
-                keep_allocated: spec.allocation == Allocation::Full,
-                moment: None,
-            }),
-            changing: Mutex::new(()),
-            queues: OnceLock::new(),
+            queues: QueueControl {
+                config: Mutex::new(QueueConfig {
+                    policy: DataPath::Nowait,
+                    direct: None,
+                    read_only: spec.read_only || spec.refuse_writes,
+                    qos: limiter,
+                    keep_allocated: spec.allocation == Allocation::Full,
+                    moment: None,
+                }),
+                changing: Mutex::new(()),
+                mailboxes: OnceLock::new(),
+            },
             state: Mutex::new(WorkerState {
                 dispatch_reason: spec.reason(),
                 pinned: spec.pinned,
                 degraded: None,
                 size_bytes: spec.size_bytes,
             }),
-            fill: Mutex::new(None),
-            fill_cancel: AtomicBool::new(false),
-            copy: Mutex::new(None),
+            jobs: Jobs::default(),
             me: me.clone(),
             dev_id: OnceLock::new(),
             watch: OnceLock::new(),
@@ -135,7 +149,7 @@ impl Shared {
 
     /// Takes the device's queues' mailboxes, once; `false` if it had them.
     pub fn adopt_queues(&self, queues: Queues) -> bool {
-        self.queues.set(queues).is_ok()
+        self.queues.mailboxes.set(queues).is_ok()
     }
 
     /// Writes `state.json` atomically: this worker serves (or has just
@@ -158,7 +172,7 @@ impl Shared {
     }
 
     pub(super) fn config(&self) -> MutexGuard<'_, QueueConfig> {
-        self.config.lock().expect("config poisoned")
+        self.queues.config.lock().expect("config poisoned")
     }
 
     /// The policy in force.
@@ -173,6 +187,7 @@ impl Shared {
 
     pub(super) fn queues(&self) -> &[Arc<mailbox::Mailbox>] {
         self.queues
+            .mailboxes
             .get()
             .map(|q| q.0.as_slice())
             .unwrap_or_default()
@@ -185,7 +200,7 @@ impl Shared {
     /// Changes what the queues serve with (read-only, QoS) and waits until
     /// every queue has it.
     pub fn reconfigure(&self, change: impl FnOnce(&mut QueueConfig)) -> Result<(), Refusal> {
-        let _one = self.changing.lock().expect("changing poisoned");
+        let _one = self.queues.changing.lock().expect("changing poisoned");
         let cfg = {
             let mut c = self.config();
             change(&mut c);
@@ -206,7 +221,7 @@ impl Shared {
         &self,
         f: impl FnOnce() -> Result<T, Refusal>,
     ) -> Result<T, Refusal> {
-        let _one = self.changing.lock().expect("changing poisoned");
+        let _one = self.queues.changing.lock().expect("changing poisoned");
         let queues = self.ask_queues();
         let out = if queues.hold(Duration::from_secs(30)) {
             f()

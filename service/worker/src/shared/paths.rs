@@ -159,7 +159,7 @@ impl Shared {
     /// requests inside finish, changes the path, and sends each queue the new
     /// config, on which the held requests continue.
     pub fn switch(&self, to: DataPath, reason: Reason) -> Result<(), Refusal> {
-        let _one = self.changing.lock().expect("changing poisoned");
+        let _one = self.queues.changing.lock().expect("changing poisoned");
         self.switch_held(to, reason)
     }
 
@@ -255,7 +255,7 @@ impl Shared {
     /// Leaves the direct path for `nowait` at once, recording `reason`,
     /// unless a switch got there first or `still` no longer holds.
     pub(super) fn leave_map(&self, reason: Reason, still: impl Fn() -> bool) {
-        let _one = self.changing.lock().expect("changing poisoned");
+        let _one = self.queues.changing.lock().expect("changing poisoned");
         if self.policy() != DataPath::Direct || !still() {
             return;
         }

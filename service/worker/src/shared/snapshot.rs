@@ -84,7 +84,7 @@ impl Shared {
             Ok(())
         })?;
         let held = held.elapsed();
-        *self.copy.lock().expect("copy poisoned") = Some(Fill {
+        *self.jobs.copy.lock().expect("copy poisoned") = Some(Fill {
             state: FillState::Running,
             done_bytes: 0,
             total_bytes: size,
@@ -100,7 +100,7 @@ impl Shared {
                     tracing::warn!(error = %e, "PR_SET_IO_FLUSHER refused for the copy's thread");
                 }
                 let out = moment.run(pace, gate.as_ref(), |done| {
-                    if let Some(c) = me.copy.lock().expect("copy poisoned").as_mut() {
+                    if let Some(c) = me.jobs.copy.lock().expect("copy poisoned").as_mut() {
                         c.done_bytes = done;
                     }
                 });
@@ -128,7 +128,7 @@ impl Shared {
 
     /// The last copy of one moment: running, or how it ended.
     pub fn copy_state(&self) -> Option<Fill> {
-        self.copy.lock().expect("copy poisoned").clone()
+        self.jobs.copy.lock().expect("copy poisoned").clone()
     }
 
     /// Takes the moment off the queues, then records how its copy ended.
@@ -142,7 +142,7 @@ impl Shared {
             Err(e) => (FillState::Failed, Some(e)),
         };
         tracing::info!(?state, ?error, "copy of one moment ended");
-        if let Some(c) = self.copy.lock().expect("copy poisoned").as_mut() {
+        if let Some(c) = self.jobs.copy.lock().expect("copy poisoned").as_mut() {
             c.state = state;
             c.error = error;
         }
