@@ -25,8 +25,7 @@ use std::cell::{Cell, OnceCell, Ref, RefCell};
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::mpsc::Sender;
-use std::task::{Poll, Waker};
+use std::task::Waker;
 use std::time::Instant;
 
 use io_uring::{opcode, squeue, types};
@@ -34,6 +33,7 @@ use libublk::io::UblkQueue;
 use libublk::sys;
 use libublk::uring_async::UblkUringOpFuture;
 
+use super::gate::Gate;
 use super::mailbox::{Mailbox, Msg, QueueConfig};
 use super::moment::ChunkBuf;
 use super::stats::{QueueLatency, QueueReport};
@@ -355,26 +355,31 @@ pub struct QueueCtx {
     shared: Arc<Shared>,
     mailbox: Arc<Mailbox>,
     local: RefCell<Rc<Local>>,
-    /// A policy switch holds new requests until the next config.
-    held: Cell<bool>,
-    in_flight: Cell<u64>,
-    drained: RefCell<Option<Sender<()>>>,
-    waiters: RefCell<Vec<Waker>>,
+    /// Where a policy switch holds new requests.
+    gate: Gate,
     latency: RefCell<QueueLatency>,
     /// This queue's QoS tokens, leased from the volume's QoS thread.
     lease: RefCell<qos::Lease>,
     /// Read and write.
     nowait: [Cell<NowaitWindow>; 2],
-    /// The image's filesystem refused `RWF_NOWAIT` (EOPNOTSUPP: no
-    /// FMODE_NOWAIT, e.g. tmpfs on older kernels): blocking from then on.
-    nowait_unsupported: Cell<bool>,
-    /// `FALLOC_FL_WRITE_ZEROES` was refused: zeroes are written from
-    /// [`Self::zeros`] from then on.
-    write_zeroes_unsupported: Cell<bool>,
+    /// What the image's filesystem refused once, and is not asked again.
+    unsupported: Unsupported,
     zeros: OnceCell<Zeros>,
     /// Where this queue's writes keep a moment's chunks (allocated when the
     /// first moment is put in force, for the queue's life).
     moment_buf: RefCell<Option<ChunkBuf>>,
+}
+
+/// What an image's filesystem refused once: the queue does without it from
+/// then on.
+#[derive(Default)]
+struct Unsupported {
+    /// `RWF_NOWAIT` (EOPNOTSUPP: no FMODE_NOWAIT, e.g. tmpfs on older
+    /// kernels): blocking from then on.
+    nowait: Cell<bool>,
+    /// `FALLOC_FL_WRITE_ZEROES`: zeroes are written from
+    /// [`QueueCtx::zeros`] from then on.
+    write_zeroes: Cell<bool>,
 }
 
 impl QueueCtx {
@@ -388,15 +393,11 @@ impl QueueCtx {
                 cfg: cfg.clone(),
                 raw_registered: false,
             })),
-            held: Cell::new(false),
-            in_flight: Cell::new(0),
-            drained: RefCell::new(None),
-            waiters: RefCell::default(),
+            gate: Gate::default(),
             latency: RefCell::default(),
             lease: RefCell::default(),
             nowait: Default::default(),
-            nowait_unsupported: Cell::new(false),
-            write_zeroes_unsupported: Cell::new(false),
+            unsupported: Unsupported::default(),
             zeros: OnceCell::new(),
             moment_buf: RefCell::default(),
         };
@@ -434,26 +435,16 @@ impl QueueCtx {
     pub fn take_messages(&self) {
         for m in self.mailbox.take() {
             match m {
-                Msg::Hold(done) => {
-                    self.held.set(true);
-                    if self.in_flight.get() == 0 {
-                        let _ = done.send(());
-                    } else {
-                        *self.drained.borrow_mut() = Some(done);
-                    }
-                }
+                Msg::Hold(done) => self.gate.hold(done),
                 Msg::Apply(cfg, done) => {
                     self.install(cfg);
-                    self.held.set(false);
-                    for w in self.waiters.borrow_mut().drain(..) {
-                        w.wake();
-                    }
+                    self.gate.open();
                     let _ = done.send(());
                 }
                 Msg::Report(to) => {
                     let _ = to.send(QueueReport {
                         latency: self.latency.borrow().clone(),
-                        in_flight: self.in_flight.get(),
+                        in_flight: self.gate.in_flight(),
                     });
                 }
                 Msg::Grant(g) => {
@@ -462,19 +453,6 @@ impl QueueCtx {
                 }
             }
         }
-    }
-
-    /// Waits while a policy switch holds the queue.
-    async fn admitted(&self) {
-        std::future::poll_fn(|cx| {
-            if self.held.get() {
-                self.waiters.borrow_mut().push(cx.waker().clone());
-                Poll::Pending
-            } else {
-                Poll::Ready(())
-            }
-        })
-        .await
     }
 
     /// Serves one request; returns its result (bytes, 0, or -errno).
@@ -490,9 +468,9 @@ impl QueueCtx {
                 bump(&self.counters().qos_throttled, 1);
             }
         }
-        self.admitted().await;
+        self.gate.admitted().await;
         let local = self.local.borrow().clone();
-        self.in_flight.set(self.in_flight.get() + 1);
+        self.gate.enter();
         let moment = local.cfg.moment.as_deref().filter(|_| req.writes());
         let res = if req.writes() && local.cfg.read_only {
             -libc::EROFS
@@ -525,13 +503,7 @@ impl QueueCtx {
             }
         };
         drop(local);
-        self.in_flight.set(self.in_flight.get() - 1);
-        if self.held.get()
-            && self.in_flight.get() == 0
-            && let Some(done) = self.drained.borrow_mut().take()
-        {
-            let _ = done.send(());
-        }
+        self.gate.leave();
         let bytes = if op == Op::Flush {
             0
         } else {
@@ -615,13 +587,13 @@ impl QueueCtx {
     async fn write_zeroes(&self, q: &UblkQueue<'_>, req: Req, mode: FileMode) -> i32 {
         let image = FileRef::Slot(IMAGE_SLOT);
         let len = u64::from(req.len);
-        if !self.write_zeroes_unsupported.get() {
+        if !self.unsupported.write_zeroes.get() {
             let sqe = fallocate_sqe(image, req.off, len, FALLOC_FL_WRITE_ZEROES);
             let r = q.ublk_submit_sqe(sqe).await;
             if r != -libc::EOPNOTSUPP && r != -libc::EINVAL {
                 return r.min(0);
             }
-            self.write_zeroes_unsupported.set(true);
+            self.unsupported.write_zeroes.set(true);
             tracing::info!(
                 queue = self.qid,
                 "FALLOC_FL_WRITE_ZEROES not available here; this queue writes zeroes for WRITE_ZEROES"
@@ -651,14 +623,14 @@ impl QueueCtx {
         let mut w = window.get();
         let asks = w.asks();
         window.set(w);
-        if !asks || self.nowait_unsupported.get() {
+        if !asks || self.unsupported.nowait.get() {
             // io_uring still tries it without blocking first, then punts.
             bump(&c.nowait_bypassed, 1);
             return q.ublk_submit_sqe(io.sqe(image, 0)).await;
         }
         bump(&c.nowait_submitted, 1);
         let res = q.ublk_submit_sqe(io.sqe(image, libc::RWF_NOWAIT)).await;
-        if res == -libc::EOPNOTSUPP && !self.nowait_unsupported.replace(true) {
+        if res == -libc::EOPNOTSUPP && !self.unsupported.nowait.replace(true) {
             tracing::warn!(
                 queue = self.qid,
                 "the image's filesystem does not take RWF_NOWAIT; this queue now submits blocking"

@@ -13,6 +13,7 @@
 mod control;
 mod device;
 mod direct_path;
+mod gate;
 mod io;
 mod mailbox;
 mod moment;
