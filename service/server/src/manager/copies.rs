@@ -807,41 +807,21 @@ impl Images {
                 Some(claim.inspect_err(|_| remove())?)
             }
         };
-        let made = async {
-            let (v, att) = self.house.off_direct(&backend, v, name).await?;
-            let dest = SnapshotDest {
-                path: path.display().into(),
-                identity,
-            };
-            let held = self
-                .house
-                .hold_moment(&backend, &v, &att, dest, shares)
-                .await?;
-            tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
-            let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
-            let held = held_text(&v.name, &how, held);
-            Ok::<_, Error>((v, att, held))
+        let dest = SnapshotDest {
+            path: path.display().into(),
+            identity,
         };
-        let (v, att, held) = made.await.inspect_err(|_| remove())?;
+        let (v, att, held) = self
+            .take_moment(&backend, v, name, dest, shares)
+            .await
+            .inspect_err(|_| remove())?;
         let copier = claim.map(|claim| Copier {
             volume: v,
             attachment: att,
             backend,
             _claim: claim,
         });
-        // The worker sized the file (a copy) or shared its extents.
-        let (me, p) = (self.clone(), path.clone());
-        let file = blocking(move || -> Result<ImageFile> {
-            let mut file = file;
-            file.refresh()?;
-            if shares {
-                me.house.grow_clone(&p, &mut file, grow)?;
-            }
-            Ok(file)
-        })
-        .await
-        .and_then(|r| r);
-        match file {
+        match self.moment_file(file, path, shares, grow).await {
             Ok(file) => Ok(SharedMoment { file, held, copier }),
             Err(e) => {
                 if let Some(c) = &copier {
@@ -851,6 +831,50 @@ impl Images {
                 Err(e)
             }
         }
+    }
+
+    /// Takes serving volume `v` off `direct` and has its backend hold its
+    /// I/O for the moment written into `dest`: the volume and attachment
+    /// after, and how long I/O was held, in words.
+    async fn take_moment(
+        &self,
+        backend: &Arc<dyn VolumeBackend>,
+        v: VolumeRow,
+        name: &str,
+        dest: SnapshotDest,
+        shares: bool,
+    ) -> Result<(VolumeRow, Attachment, String)> {
+        let (v, att) = self.house.off_direct(backend, v, name).await?;
+        let held = self
+            .house
+            .hold_moment(backend, &v, &att, dest, shares)
+            .await?;
+        tracing::info!(volume = %v.name, held_us = held.as_micros(), shares, "I/O held for a moment");
+        let how = format!("{} {}", v.backend.as_str(), att.dispatch.as_str());
+        let held = held_text(&v.name, &how, held);
+        Ok((v, att, held))
+    }
+
+    /// The moment's file once the worker sized it (a copy) or shared its
+    /// extents (grown to `grow` then).
+    async fn moment_file(
+        &self,
+        file: ImageFile,
+        path: &ImagePath,
+        shares: bool,
+        grow: Option<(u64, Allocation)>,
+    ) -> Result<ImageFile> {
+        let (me, p) = (self.clone(), path.clone());
+        blocking(move || -> Result<ImageFile> {
+            let mut file = file;
+            file.refresh()?;
+            if shares {
+                me.house.grow_clone(&p, &mut file, grow)?;
+            }
+            Ok(file)
+        })
+        .await
+        .and_then(|r| r)
     }
 
     /// Runs the copy into `file` on a blocking thread, then records its end.
