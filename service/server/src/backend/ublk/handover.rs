@@ -96,7 +96,6 @@ impl UblkBackend {
         volume_id: Uuid,
         faults: HandoverFaults,
     ) -> Result<HandedOver, BackendError> {
-        let vol = || format!("volume {volume_id}");
         let old = self.outgoing(volume_id)?;
         let (spec, recorded) = self.successor_spec(volume_id, &old);
         let started = Instant::now();
@@ -136,26 +135,19 @@ impl UblkBackend {
             Err(e) => {
                 // The device waits for a server: the supervisor recovers it.
                 drop(handing);
-                let now = self.recovered_after(volume_id, old.info.pid);
-                let message = format!(
-                    "handover of /dev/ublkb{} from {} failed after it let go ({}): {e}; {now}",
-                    old.dev_id,
-                    old.name(),
-                    method.as_str(),
-                );
-                self.handover_failed(volume_id, &message);
-                return Err(io("hand over", vol(), io::Error::other(message)));
+                return Err(self.failed_after_let_go(volume_id, &old, method, &e));
             }
         };
         // Where a handover's time goes: the new worker's start (the device
         // serves meanwhile), then the stall: the old worker letting go, its
         // exit, the new one's recovery.
+        let ms = |d: Duration| d.as_millis() as u64;
         tracing::info!(
             %volume_id,
-            prepared_ms = prepared.as_millis() as u64,
-            let_go_ms = let_go.as_millis() as u64,
-            exited_ms = exited.as_millis() as u64,
-            serving_ms = started.elapsed().as_millis() as u64,
+            prepared_ms = ms(prepared),
+            let_go_ms = ms(let_go),
+            exited_ms = ms(exited),
+            serving_ms = ms(started.elapsed()),
             "handover steps"
         );
         let current = WorkerInfo {
@@ -173,6 +165,31 @@ impl UblkBackend {
             method,
             took: started.elapsed(),
         })
+    }
+
+    /// A handover whose new worker did not serve after the old one let go:
+    /// the supervisor recovers the device, and the failure is recorded and
+    /// returned with what became of it.
+    fn failed_after_let_go(
+        &self,
+        volume_id: Uuid,
+        old: &Outgoing,
+        method: HandoverMethod,
+        e: &BackendError,
+    ) -> BackendError {
+        let now = self.recovered_after(volume_id, old.info.pid);
+        let message = format!(
+            "handover of /dev/ublkb{} from {} failed after it let go ({}): {e}; {now}",
+            old.dev_id,
+            old.name(),
+            method.as_str(),
+        );
+        self.handover_failed(volume_id, &message);
+        io(
+            "hand over",
+            format!("volume {volume_id}"),
+            io::Error::other(message),
+        )
     }
 
     /// Starts the successor of `old` from `spec`, which says when it is
