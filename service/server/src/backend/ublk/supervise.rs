@@ -2,7 +2,7 @@
 //! replacing one that died (the supervisor, [`super::supervisor`], notices),
 //! and the run dirs that let a restarted service find it again.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -131,11 +131,6 @@ impl UblkBackend {
             .mode(0o600)
             .open(run_dir.join("worker.out"))
             .map_err(|e| io("open worker output", run_dir.display().to_string(), e))?;
-        let passed = [
-            Some(image.as_raw_fd()),
-            lock.map(|l| l.as_raw_fd()),
-            go.map(|g| g.as_raw_fd()),
-        ];
         let mut json = serde_json::to_value(&spec).expect("spec serializes");
         edit(&mut json);
         // The service's own file, whatever the path holds now.
@@ -147,27 +142,14 @@ impl UblkBackend {
             .stdin(Stdio::null())
             .stdout(out.try_clone().map_err(|e| io("dup", "worker output", e))?)
             .stderr(out);
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Its own session: signals to the control plane's group do not
-                // reach it, and it outlives the control plane.
-                libc::setsid();
-                // Above the target numbers first (close-on-exec copies), so
-                // no dup2 overwrites another's source, and each target
-                // loses close-on-exec even where it was the source's number.
-                let moved =
-                    passed.map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
-                for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD, GO_FD]) {
-                    if let Some(fd) = fd
-                        && (fd < 0 || libc::dup2(fd, target) < 0)
-                    {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        pass_fds(
+            &mut cmd,
+            [
+                Some(image.as_raw_fd()),
+                lock.map(|l| l.as_raw_fd()),
+                go.map(|g| g.as_raw_fd()),
+            ],
+        );
         tracing::debug!(volume_id = %spec.volume_id, "starting a worker");
         let child = cmd
             .spawn()
@@ -641,4 +623,28 @@ pub(super) fn is_our_worker(pid: u32, volume_id: Uuid) -> bool {
             c.contains("worker") && c.contains(&volume_id.to_string())
         })
         .unwrap_or(false)
+}
+
+/// Has `cmd`'s child start a session of its own (signals to the control
+/// plane's group do not reach it, and it outlives the control plane) with
+/// `passed` (the image, its lock, the go stream) at the worker's fd numbers.
+fn pass_fds(cmd: &mut Command, passed: [Option<RawFd>; 3]) {
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            // Above the target numbers first (close-on-exec copies), so
+            // no dup2 overwrites another's source, and each target
+            // loses close-on-exec even where it was the source's number.
+            let moved = passed.map(|fd| fd.map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 16)));
+            for (fd, target) in moved.into_iter().zip([IMAGE_FD, LOCK_FD, GO_FD]) {
+                if let Some(fd) = fd
+                    && (fd < 0 || libc::dup2(fd, target) < 0)
+                {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
 }
