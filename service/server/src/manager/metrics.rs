@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::Manager;
 use super::error::Result;
+use crate::store::VolumeRow;
 use blockplane_api::model;
 
 impl Manager {
@@ -23,16 +24,6 @@ impl Manager {
         let latest = readings.stats.latest();
         let rows = self.house.store.volumes().await?;
         let caches = readings.page_caches(&self.house.store, &rows).await?;
-        let mut states: Vec<(String, u64)> = [
-            model::VolumeState::Attaching,
-            model::VolumeState::Attached,
-            model::VolumeState::Degraded,
-            model::VolumeState::Detaching,
-            model::VolumeState::Error,
-        ]
-        .iter()
-        .map(|s| (s.as_str().to_string(), 0))
-        .collect();
         let mut volumes = Vec::new();
         let mut workers = Vec::new();
         for v in &rows {
@@ -43,9 +34,6 @@ impl Manager {
                     version,
                     older,
                 });
-            }
-            if let Some(entry) = states.iter_mut().find(|(s, _)| s == v.state.as_str()) {
-                entry.1 += 1;
             }
             if let Some(stats) = latest.get(&v.id) {
                 volumes.push(crate::metrics::VolumeSample {
@@ -79,16 +67,8 @@ impl Manager {
                 workers,
                 volumes,
                 images,
-                states,
-                supervisor: self
-                    .house
-                    .backend(model::Backend::Ublk)
-                    .and_then(|b| b.supervision())
-                    .map(|s| crate::metrics::SupervisorSample {
-                        running: matches!(s.state, crate::backend::SupervisorState::Running { .. }),
-                        restarts: s.restarts,
-                        unsupervised: s.unsupervised,
-                    }),
+                states: state_counts(&rows),
+                supervisor: self.supervisor_sample(),
                 backups: backups
                     .target
                     .as_ref()
@@ -100,4 +80,34 @@ impl Manager {
             },
         ))
     }
+
+    /// The ublk supervisor's state, where this host has one.
+    fn supervisor_sample(&self) -> Option<crate::metrics::SupervisorSample> {
+        let s = self
+            .house
+            .backend(model::Backend::Ublk)
+            .and_then(|b| b.supervision())?;
+        Some(crate::metrics::SupervisorSample {
+            running: matches!(s.state, crate::backend::SupervisorState::Running { .. }),
+            restarts: s.restarts,
+            unsupervised: s.unsupervised,
+        })
+    }
+}
+
+/// How many volumes are in each state, every state named (zero included).
+fn state_counts(rows: &[VolumeRow]) -> Vec<(String, u64)> {
+    [
+        model::VolumeState::Attaching,
+        model::VolumeState::Attached,
+        model::VolumeState::Degraded,
+        model::VolumeState::Detaching,
+        model::VolumeState::Error,
+    ]
+    .iter()
+    .map(|s| {
+        let n = rows.iter().filter(|v| v.state == *s).count();
+        (s.as_str().to_string(), n as u64)
+    })
+    .collect()
 }
