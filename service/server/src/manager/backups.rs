@@ -527,17 +527,7 @@ impl Backups {
         let src = self.house.image_row(image).await?;
         // The target is asked before any lock is taken: a slow one delays
         // this request only.
-        let taken = blockplane_backup::list(&target)
-            .await?
-            .into_iter()
-            .find(|m| m.image.id == src.id && m.name == name);
-        if let Some(m) = taken {
-            return Err(Error::BackupNameTaken {
-                name: name.to_string(),
-                image: src.name.clone(),
-                id: m.id,
-            });
-        }
+        refuse_taken_name(&target, &src, name).await?;
         let _image = self.house.locks.images.lock(&src.id.to_string()).await;
         let src = self.house.image_row(&src.id.to_string()).await?;
         self.images.backupable(&src)?;
@@ -565,28 +555,21 @@ impl Backups {
             .backup_source(&src, id, name, writable, &mut undo)
             .await?;
         let meta = self.house.backup_meta(id, name, &src, &source.file);
-        let recorded = async {
-            let mut tx = self.house.store.begin().await?;
-            tx.event(
-                None,
-                Some(src.id),
-                "backup_started",
-                &format!(
-                    "image '{}': backup '{name}' ({id}) to {} started: {}",
-                    src.name,
-                    target.describe(),
-                    source.how()
-                ),
-            )
-            .await?;
-            tx.commit().await
-        }
-        .await;
-        if let Err(e) = recorded {
+        let started = format!(
+            "image '{}': backup '{name}' ({id}) to {} started: {}",
+            src.name,
+            target.describe(),
+            source.how()
+        );
+        if let Err(e) = self
+            .house
+            .record_image_event(&src, "backup_started", &started)
+            .await
+        {
             if let Some(c) = &source.copier {
                 c.stop().await;
             }
-            return Err(e.into());
+            return Err(e);
         }
         undo.commit();
         let reads_image = source.moment.is_none();
@@ -1009,5 +992,21 @@ impl Backups {
                     .map(|at| (name.to_string(), (now - *at).as_seconds_f64().max(0.0)))
             })
             .collect()
+    }
+}
+
+/// Refuses a backup named `name` of `src` when `target` holds one already.
+async fn refuse_taken_name(target: &Target, src: &ImageRow, name: &str) -> Result<()> {
+    let taken = blockplane_backup::list(target)
+        .await?
+        .into_iter()
+        .find(|m| m.image.id == src.id && m.name == name);
+    match taken {
+        Some(m) => Err(Error::BackupNameTaken {
+            name: name.to_string(),
+            image: src.name.clone(),
+            id: m.id,
+        }),
+        None => Ok(()),
     }
 }

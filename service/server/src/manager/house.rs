@@ -83,6 +83,20 @@ impl House {
         }
         Ok(registering)
     }
+
+    /// Records an event about `image` in a transaction of its own.
+    pub(super) async fn record_image_event(
+        &self,
+        image: &ImageRow,
+        kind: &str,
+        message: &str,
+    ) -> Result<()> {
+        let mut tx = self.store.begin().await?;
+        tx.event(None, Some(image.id), kind, message).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     pub(super) async fn image_row(&self, id_or_name: &str) -> Result<ImageRow> {
         self.store
             .image(id_or_name)
