@@ -18,7 +18,7 @@ use crate::backend::{
     VolumeParams,
 };
 use crate::fault::{After, Slow};
-use crate::store::{ImageRow, VolumeRow};
+use crate::store::{CryptLayer, ImageRow, VolumeRow};
 use blockplane_api::model::{
     ActiveDispatch, Backend, BackendChoice, CopyMode, CreateVolumeRequest, DispatchPolicy,
     HISTORY_SECS, Key, MAX_IO_BYTES_CHOICES, MAX_QOS, PatchVolumeRequest, Qos, StatsHistory,
@@ -118,6 +118,35 @@ fn differences(a: &CreateVolumeRequest, b: &CreateVolumeRequest) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The row of volume `id` of `image`, as asked by `req` (its recorded
+/// `spec`), before its device is brought up.
+fn attaching_row(
+    id: Uuid,
+    req: &CreateVolumeRequest,
+    image: &ImageRow,
+    spec: CreateVolumeRequest,
+    backend: Backend,
+    crypt: Option<CryptLayer>,
+) -> VolumeRow {
+    let now = OffsetDateTime::now_utc();
+    VolumeRow {
+        id,
+        name: req.name.clone(),
+        image_id: image.id,
+        spec,
+        backend,
+        dispatch: req.dispatch,
+        read_only: req.read_only,
+        qos: req.qos,
+        state: VolumeState::Attaching,
+        state_reason: None,
+        attachment: None,
+        crypt,
+        created_at: now,
+        updated_at: now,
+    }
 }
 
 /// The changes a PATCH asks for (only what differs from the volume's
@@ -950,23 +979,7 @@ impl Volumes {
         });
         spec.queues = Some(queues);
         let (file, backend, decision) = self.house.decide_path(&req, backend, queues, file).await?;
-        let now = OffsetDateTime::now_utc();
-        let row = VolumeRow {
-            id,
-            name: req.name.clone(),
-            image_id: image.id,
-            spec,
-            backend: backend.kind(),
-            dispatch: req.dispatch,
-            read_only: req.read_only,
-            qos: req.qos,
-            state: VolumeState::Attaching,
-            state_reason: None,
-            attachment: None,
-            crypt,
-            created_at: now,
-            updated_at: now,
-        };
+        let row = attaching_row(id, &req, &image, spec, backend.kind(), crypt);
         self.house
             .record_new_volume(&row, &image, &req.image)
             .await?;
