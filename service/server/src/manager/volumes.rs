@@ -12,6 +12,7 @@ use super::error::{Error, Result};
 use super::house::House;
 use super::image_jobs::Images;
 use super::names::validate_name;
+use super::undo::{Step, Undo};
 use super::volume_part::Volumes;
 use crate::backend::{
     AttachRequest, Attachment, BackendError, Change, Decision, SpecCheck, VolumeBackend,
@@ -182,6 +183,15 @@ fn undo(v: &VolumeRow, change: Change) -> Change {
         Change::Dispatch(_) => Change::Dispatch(v.dispatch),
         Change::Qos(_) => Change::Qos(v.qos),
         Change::ReadOnly(ro) => Change::ReadOnly(!ro),
+    }
+}
+
+/// A PATCH's live change stays on the device if the PATCH ends without
+/// taking it back (only a panic can): the next reconciliation puts the
+/// row's settings back on the device.
+impl Step for Change {
+    fn on_drop(self, what: &'static str) {
+        tracing::warn!(step = what, "a live change left made, not undone");
     }
 }
 
@@ -583,31 +593,6 @@ impl House {
         .await?;
         tracing::info!(volume = %v.name, "volume deleted");
         Ok(())
-    }
-
-    /// Undoes the live changes `made` of a PATCH that failed, newest first,
-    /// until an undo fails; the device after, and what stays made, which
-    /// the record must then say so that it matches the device.
-    async fn take_back(
-        &self,
-        backend: &Arc<dyn VolumeBackend>,
-        v: &VolumeRow,
-        mut att: Attachment,
-        mut made: Vec<Change>,
-    ) -> (Attachment, Vec<Change>) {
-        while let Some(last) = made.last() {
-            match self.reconfigure(backend, v, &att, undo(v, *last)).await {
-                Ok(a) => {
-                    att = a;
-                    made.pop();
-                }
-                Err(u) => {
-                    tracing::warn!(volume = %v.name, error = %u, "could not undo a live change");
-                    break;
-                }
-            }
-        }
-        (att, made)
     }
 
     /// Makes one live change on the device.
@@ -1117,12 +1102,12 @@ impl Volumes {
                 .map_err(|e| volume_error(&v.name, self.house.offer_ublk(e)))?;
         }
         let mut att = att;
-        let mut made = Vec::new();
+        let mut made = Undo::<Change>::default();
         for change in &changes {
             let outcome = match self.house.reconfigure(&backend, &v, &att, *change).await {
                 Ok(a) => {
                     att = a;
-                    made.push(*change);
+                    made.push_step(change.field(), *change);
                     // Between two changes of one PATCH (a test fault).
                     if made.len() == 1 && changes.len() > 1 {
                         self.house
@@ -1137,7 +1122,15 @@ impl Volumes {
                 Err(e) => Err(e),
             };
             if let Err(e) = outcome {
-                let (att, stays) = self.house.take_back(&backend, &v, att, made).await;
+                let (house, backend, row) = (&self.house, &backend, &v);
+                let (att, stays) = made
+                    .unwind(att, |att, c| async move {
+                        match house.reconfigure(backend, row, &att, undo(row, c)).await {
+                            Ok(after) => Ok(after),
+                            Err(e) => Err((att, e)),
+                        }
+                    })
+                    .await;
                 if !stays.is_empty() {
                     self.house.record_changes(&mut v, att, &stays).await?;
                 }
@@ -1145,6 +1138,7 @@ impl Volumes {
             }
         }
         self.house.settings.faults.point(After::Change)?;
+        let made = made.commit();
         self.house.record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
