@@ -699,7 +699,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     };
     let _ = stop_tx.send(true);
     // Their blocking fills would keep the runtime from ending.
-    manager.stop_jobs();
+    manager.images().stop_jobs();
     let drained = tokio::time::timeout(Duration::from_secs(30), async {
         while servers.join_next().await.is_some() {}
     })

@@ -33,3 +33,14 @@ pub struct Images {
     pub(super) house: Arc<House>,
     pub(super) jobs: Arc<ImageJobs>,
 }
+
+impl Images {
+    /// Asks every running allocate, copy and backup to stop (the service is
+    /// stopping: an allocated image stays as declared, to be allocated
+    /// again; a copy is found `copying` at the next start and failed there).
+    pub fn stop_jobs(&self) {
+        self.jobs.allocations.stop_all();
+        self.jobs.copies.stop_all();
+        self.jobs.backups.stop_all();
+    }
+}

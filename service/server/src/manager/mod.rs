@@ -163,15 +163,6 @@ impl Manager {
         &self.house.store
     }
 
-    /// Asks every running allocate and copy to stop (the service is
-    /// stopping: an allocated image stays as declared, to be allocated
-    /// again; a copy is found `copying` at the next start and failed there).
-    pub fn stop_jobs(&self) {
-        self.images.jobs.allocations.stop_all();
-        self.images.jobs.copies.stop_all();
-        self.images.jobs.backups.stop_all();
-    }
-
     /// Samples every attached volume once a second, for as long as the service runs.
     pub fn start_sampler(self: &Arc<Self>) {
         let me = self.clone();
