@@ -480,7 +480,7 @@ impl Backups {
         let Some(target) = &self.state.target else {
             return;
         };
-        let owner = self.house.lease_owner();
+        let owner = self.house().lease_owner();
         let mut released = false;
         loop {
             if !released {
@@ -524,23 +524,23 @@ impl Backups {
     pub(crate) async fn backup_image(&self, image: &str, name: &str) -> Result<Backup> {
         validate_name("backup", name)?;
         let target = self.backup_target("back an image up")?;
-        let src = self.house.image_row(image).await?;
+        let src = self.house().image_row(image).await?;
         // The target is asked before any lock is taken: a slow one delays
         // this request only.
         refuse_taken_name(&target, &src, name).await?;
-        let _image = self.house.locks.images.lock(&src.id.to_string()).await;
-        let src = self.house.image_row(&src.id.to_string()).await?;
+        let _image = self.house().locks.images.lock(&src.id.to_string()).await;
+        let src = self.house().image_row(&src.id.to_string()).await?;
         self.images.backupable(&src)?;
         let id = Uuid::new_v4();
         // Read-only volumes are held until the job refuses their return to
         // writable (their PATCH and unlock take the same lock), so the image
         // has no writer from the check to the end of the backup.
         let mut held_volumes = Vec::new();
-        for (_, volume) in self.house.store.volumes_of_image(src.id).await? {
-            held_volumes.push(self.house.locks.volumes.lock(&volume).await);
+        for (_, volume) in self.house().store.volumes_of_image(src.id).await? {
+            held_volumes.push(self.house().locks.volumes.lock(&volume).await);
         }
         let writable = self
-            .house
+            .house()
             .attached_volumes(src.id)
             .await?
             .into_iter()
@@ -554,7 +554,7 @@ impl Backups {
             .images
             .backup_source(&src, id, name, writable, &mut undo)
             .await?;
-        let meta = self.house.backup_meta(id, name, &src, &source.file);
+        let meta = self.house().backup_meta(id, name, &src, &source.file);
         let started = format!(
             "image '{}': backup '{name}' ({id}) to {} started: {}",
             src.name,
@@ -562,7 +562,7 @@ impl Backups {
             source.how()
         );
         if let Err(e) = self
-            .house
+            .house()
             .record_image_event(&src, "backup_started", &started)
             .await
         {
@@ -600,9 +600,9 @@ impl Backups {
             counters: counters.clone(),
             reads_image,
         };
-        let pace = self.house.settings.faults.pace(Slow::Backup);
+        let pace = self.house().settings.faults.pace(Slow::Backup);
         let gate = self
-            .house
+            .house()
             .settings
             .faults
             .slows(Slow::BackupGate)
@@ -649,7 +649,7 @@ impl Backups {
                 if let Some(path) = &moment {
                     let ((dev, ino), birth) = &moment_identity;
                     let _ = me
-                        .house
+                        .house()
                         .roots
                         .remove_file(path, *dev, *ino, birth.as_deref());
                 }
@@ -718,7 +718,7 @@ impl Backups {
             ),
         };
         let recorded = async {
-            let mut tx = self.house.store.begin().await?;
+            let mut tx = self.house().store.begin().await?;
             tx.event(None, Some(meta.image.id), kind, &text).await?;
             tx.commit().await
         }
@@ -748,7 +748,7 @@ impl Backups {
                 .filter(|b| !listed.contains(&b.id) && b.state != BackupState::Done),
         );
         if let Some(image) = image {
-            let id = match self.house.store.image(image).await? {
+            let id = match self.house().store.image(image).await? {
                 Some(row) => Some(row.id),
                 None => Uuid::parse_str(image).ok(),
             };
@@ -825,7 +825,7 @@ impl Backups {
         };
         if done {
             blockplane_backup::delete(&target, b.id).await?;
-            let mut tx = self.house.store.begin().await?;
+            let mut tx = self.house().store.begin().await?;
             tx.event(
                 None,
                 Some(b.image_id),
@@ -866,7 +866,7 @@ impl Backups {
     pub(crate) async fn collect_backups(&self) -> Result<BackupGc> {
         let target = self.backup_target("collect chunks")?;
         let _one = self.state.gc.lock().await;
-        let r = blockplane_backup::gc(&target, &self.house.lease_owner()).await?;
+        let r = blockplane_backup::gc(&target, &self.house().lease_owner()).await?;
         tracing::info!(
             deleted = r.chunks_deleted,
             kept = r.chunks_kept,
@@ -908,11 +908,11 @@ impl Backups {
     ) -> Result<Image> {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
-        let path = self.house.roots.resolve(path)?;
+        let path = self.house().roots.resolve(path)?;
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
-        let _registering = self.house.claim_name(name).await?;
+        let _registering = self.house().claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
             .images
@@ -920,7 +920,7 @@ impl Backups {
             .await?;
         let (me, p) = (self.clone(), path.clone());
         let file = blocking(move || {
-            me.house
+            me.house()
                 .roots
                 .create_file(&p, size, blockplane_api::model::Allocation::Sparse)
         })
@@ -929,7 +929,7 @@ impl Backups {
         let ((dev, ino), birth) = (file.identity(), file.birth().map(str::to_string));
         let (me, p) = (self.clone(), path.clone());
         undo.push("remove the restore's file", move || {
-            let _ = me.house.roots.remove_file(&p, dev, ino, birth.as_deref());
+            let _ = me.house().roots.remove_file(&p, dev, ino, birth.as_deref());
         });
         let fd = file
             .fd()
@@ -946,7 +946,7 @@ impl Backups {
         }
         let row = restore_row(name, &path, &file, &m)?;
         let recorded = async {
-            let mut tx = self.house.store.begin().await?;
+            let mut tx = self.house().store.begin().await?;
             tx.insert_image(&row).await?;
             tx.event(
                 None,

@@ -431,10 +431,10 @@ impl Volumes {
     /// device again with its image's key. On a volume that serves its
     /// plaintext already, the key is checked and nothing else done.
     pub(crate) async fn unlock_volume(&self, id_or_name: &str, key: Key) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        let image = self.house.image_row(&v.image_id.to_string()).await?;
+        let v = self.house().volume_row(id_or_name).await?;
+        let _volume = self.house().locks.volumes.lock(&v.name).await;
+        let mut v = self.house().volume_row(&v.id.to_string()).await?;
+        let image = self.house().image_row(&v.image_id.to_string()).await?;
         let Some(layer) = v.crypt.clone() else {
             return Err(Error::NotEncrypted {
                 image: image.name,
@@ -467,7 +467,7 @@ impl Volumes {
                 });
             }
         };
-        let file = self.house.open_image(&image, Access::ReadOnly)?;
+        let file = self.house().open_image(&image, Access::ReadOnly)?;
         let (name, checked_key) = (image.name.clone(), key.clone());
         blocking(move || {
             use std::os::fd::AsFd;
@@ -477,10 +477,10 @@ impl Volumes {
         .await??;
         // Locked, or closed behind the service's back since it last looked.
         if !crypt::is_open(&layer.name) {
-            self.house
+            self.house()
                 .open_crypt(&layer, &image.name, &att, &key)
                 .await?;
-            self.house
+            self.house()
                 .record_attached(&mut v, att, "volume_unlocked")
                 .await?;
             tracing::info!(volume = %v.name, "volume unlocked");

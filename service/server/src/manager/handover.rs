@@ -14,20 +14,20 @@ use blockplane_api::model::{Handover, VolumeState};
 impl Volumes {
     /// `POST /v1/volumes/{id}/handover`.
     pub(crate) async fn handover_volume(&self, id_or_name: &str) -> Result<Handover> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        let v = self.house().volume_row(id_or_name).await?;
+        let _volume = self.house().locks.volumes.lock(&v.name).await;
+        let mut v = self.house().volume_row(&v.id.to_string()).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house().backend(v.backend))
         else {
-            return Err(self.house.not_live(&v));
+            return Err(self.house().not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-            return Err(self.house.not_live(&v));
+            return Err(self.house().not_live(&v));
         }
         backend
             .check_handover(&att, v.id)
             .map_err(|e| volume_error(&v.name, e))?;
-        let image = self.house.image_row(&v.image_id.to_string()).await?;
+        let image = self.house().image_row(&v.image_id.to_string()).await?;
         let what = format!("have volume '{}' handed over to a new worker", v.name);
         self.images.jobs.allocations.refuse(&image, &what)?;
         self.images.jobs.copies.refuse(&image, &what)?;
@@ -36,7 +36,7 @@ impl Volumes {
             backend.clone(),
             att.clone(),
             v.id,
-            self.house.settings.faults.handover(),
+            self.house().settings.faults.handover(),
         );
         let done = blocking(move || b.handover(&a, id, faults))
             .await?
@@ -55,7 +55,7 @@ impl Volumes {
             super::house::version_of(&done.previous),
             super::house::version_of(&done.current),
         );
-        let mut tx = self.house.store.begin().await?;
+        let mut tx = self.house().store.begin().await?;
         tx.update_volume(&v).await?;
         tx.event(
             Some(v.id),

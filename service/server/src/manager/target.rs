@@ -55,18 +55,20 @@ impl BackupState {
 /// that runs on after its request holds this part alone.
 #[derive(Clone)]
 pub struct Backups {
-    /// What every step reads (the images' part's own).
-    pub(super) house: Arc<House>,
     pub(super) images: Images,
     pub(super) state: Arc<BackupState>,
 }
 
 impl Backups {
+    /// What every step reads: the images' part's house, the one house.
+    pub(super) fn house(&self) -> &House {
+        &self.images.house
+    }
+
     /// Backups to `target` over `images`, when the service has a target;
     /// `run_dir` holds the test fault's gate.
     pub(super) fn new(images: Images, target: Option<Target>, run_dir: &std::path::Path) -> Self {
         Self {
-            house: images.house.clone(),
             images,
             state: Arc::new(BackupState::new(target, run_dir)),
         }

@@ -30,8 +30,6 @@ pub(super) struct ApiViews {
 /// request holds this part alone.
 #[derive(Clone)]
 pub struct Volumes {
-    /// What every step reads (the images' part's own).
-    pub(super) house: Arc<House>,
     pub(super) images: Images,
     /// The once-a-second look at every attached volume.
     pub(super) readings: Arc<Readings>,
@@ -42,10 +40,14 @@ pub struct Volumes {
 }
 
 impl Volumes {
+    /// What every step reads: the images' part's house, the one house.
+    pub(super) fn house(&self) -> &House {
+        &self.images.house
+    }
+
     /// The volumes' part over `images`, with nothing read or kept yet.
     pub(super) fn new(images: Images) -> Self {
         Self {
-            house: images.house.clone(),
             images,
             readings: Arc::default(),
             recovering: Arc::default(),

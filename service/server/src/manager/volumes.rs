@@ -782,8 +782,8 @@ impl Images {
 impl Volumes {
     fn view(&self, v: &VolumeRow, image_size: u64) -> Volume {
         let att = v.attachment.as_ref();
-        let (worker_version, worker_older) = self.house.worker_build(v);
-        let unsupervised = self.house.worker_of(v).map(|w| w.unsupervised);
+        let (worker_version, worker_older) = self.house().worker_build(v);
+        let unsupervised = self.house().worker_of(v).map(|w| w.unsupervised);
         // A worker no one would recover if it died: the volume says so.
         let (state, state_reason) = match unsupervised.as_ref().and_then(Option::as_ref) {
             _ if self.recovering.contains(v.id) => (
@@ -855,7 +855,7 @@ impl Volumes {
 
     pub(super) async fn volume_view(&self, v: &VolumeRow) -> Result<Volume> {
         let size = self
-            .house
+            .house()
             .store
             .image(&v.image_id.to_string())
             .await?
@@ -867,7 +867,7 @@ impl Volumes {
     /// `GET /v1/volumes`.
     async fn list(&self) -> Result<Vec<Volume>> {
         let sizes: HashMap<Uuid, u64> = self
-            .house
+            .house()
             .store
             .images()
             .await?
@@ -875,7 +875,7 @@ impl Volumes {
             .map(|i| (i.id, i.size_bytes))
             .collect();
         Ok(self
-            .house
+            .house()
             .store
             .volumes()
             .await?
@@ -889,7 +889,7 @@ impl Volumes {
     /// poll.
     pub(crate) async fn volumes_json(&self) -> Result<bytes::Bytes> {
         let generation = (
-            self.house.store.generation(),
+            self.house().store.generation(),
             self.readings.page_cache.warnings_generation(),
             self.recovering.generation(),
         );
@@ -908,7 +908,7 @@ impl Volumes {
 
     /// `GET /v1/volumes/{id}`.
     pub(crate) async fn volume(&self, id_or_name: &str) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
+        let v = self.house().volume_row(id_or_name).await?;
         self.volume_view(&v).await
     }
 
@@ -928,8 +928,8 @@ impl Volumes {
             qos: limits_of(req.qos),
             ..req
         };
-        let _volume = self.house.locks.volumes.lock(&req.name).await;
-        let image = self.house.image_row(&req.image).await?;
+        let _volume = self.house().locks.volumes.lock(&req.name).await;
+        let image = self.house().image_row(&req.image).await?;
         let mut spec = CreateVolumeRequest {
             image: image.id.to_string(),
             ..req.clone()
@@ -937,16 +937,16 @@ impl Volumes {
         if let Some(existing) = self.existing_volume(&req.name, &mut spec).await? {
             return Ok(Created::Existing(existing));
         }
-        let _image = self.house.locks.images.lock(&image.id.to_string()).await;
+        let _image = self.house().locks.images.lock(&image.id.to_string()).await;
         let image = self.images.claim_image(&image, &req).await?;
-        let backend = self.house.choose_backend(req.backend)?;
+        let backend = self.house().choose_backend(req.backend)?;
         let (file, image_lock) = {
             let (me, image, access) = (
                 self.clone(),
                 image.clone(),
                 Access::read_only_if(req.read_only),
             );
-            blocking(move || me.house.open_and_lock(&image, access)).await??
+            blocking(move || me.house().open_and_lock(&image, access)).await??
         };
         let id = Uuid::new_v4();
         let fd = file
@@ -954,24 +954,27 @@ impl Volumes {
             .try_clone()
             .map_err(|e| Error::Internal(format!("volume '{}': dup: {e}", req.name)))?;
         let crypt = self
-            .house
+            .house()
             .crypt_layer_for(&image, fd, key.as_ref(), id)
             .await?;
         // Loop has one queue; the others get one per CPU unless asked.
         let queues = req.queues.unwrap_or(match backend.kind() {
             Backend::Loop => 1,
-            Backend::Ublk | Backend::Dm => self.house.settings.default_queues,
+            Backend::Ublk | Backend::Dm => self.house().settings.default_queues,
         });
         spec.queues = Some(queues);
-        let (file, backend, decision) = self.house.decide_path(&req, backend, queues, file).await?;
+        let (file, backend, decision) = self
+            .house()
+            .decide_path(&req, backend, queues, file)
+            .await?;
         let row = attaching_row(id, &req, &image, spec, backend.kind(), crypt);
-        self.house
+        self.house()
             .record_new_volume(&row, &image, &req.image)
             .await?;
-        self.house.settings.faults.point(After::Insert)?;
-        self.house.settings.faults.pause(Slow::VolumeChange).await;
+        self.house().settings.faults.point(After::Insert)?;
+        self.house().settings.faults.pause(Slow::VolumeChange).await;
         let row = self
-            .house
+            .house()
             .bring_up(row, &image, file, image_lock, decision, key.as_ref())
             .await?;
         Ok(Created::New(self.volume_view(&row).await?))
@@ -985,13 +988,13 @@ impl Volumes {
         name: &str,
         spec: &mut CreateVolumeRequest,
     ) -> Result<Option<Volume>> {
-        let Some(existing) = self.house.store.volume(name).await? else {
+        let Some(existing) = self.house().store.volume(name).await? else {
             // A cheap early refusal; the count that holds under concurrency
             // is the one inside the transaction that inserts.
-            if self.house.store.volume_count().await? >= self.house.settings.max_volumes {
+            if self.house().store.volume_count().await? >= self.house().settings.max_volumes {
                 return Err(Error::VolumeLimit {
                     name: name.to_string(),
-                    max: self.house.settings.max_volumes,
+                    max: self.house().settings.max_volumes,
                 });
             }
             return Ok(None);
@@ -1009,10 +1012,10 @@ impl Volumes {
 
     /// `DELETE /v1/volumes/{id}`: returns once the device is gone.
     pub(crate) async fn delete_volume(&self, id_or_name: &str) -> Result<()> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
-        self.house.reserve.take();
+        let v = self.house().volume_row(id_or_name).await?;
+        let _volume = self.house().locks.volumes.lock(&v.name).await;
+        let mut v = self.house().volume_row(&v.id.to_string()).await?;
+        self.house().reserve.take();
         if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
             // dm-crypt holds the backend's device; the plaintext is what
             // users mount or open.
@@ -1021,7 +1024,7 @@ impl Volumes {
             blocking(move || crate::backend::refuse_if_claimed(device))
                 .await?
                 .map_err(|e| volume_error(&name, e))?;
-        } else if let Some(backend) = self.house.backend(v.backend) {
+        } else if let Some(backend) = self.house().backend(v.backend) {
             let (id, name) = (v.id, v.name.clone());
             blocking(move || backend.check_detach(id))
                 .await?
@@ -1030,7 +1033,7 @@ impl Volumes {
         let before = (v.state, v.state_reason.clone());
         v.state = VolumeState::Detaching;
         v.updated_at = OffsetDateTime::now_utc();
-        let mut tx = self.house.store.begin().await?;
+        let mut tx = self.house().store.begin().await?;
         tx.update_volume(&v).await?;
         tx.event(
             Some(v.id),
@@ -1040,14 +1043,14 @@ impl Volumes {
         )
         .await?;
         tx.commit().await?;
-        self.house.settings.faults.pause(Slow::VolumeChange).await;
-        if let Err(e) = self.house.detach(&v).await {
+        self.house().settings.faults.pause(Slow::VolumeChange).await;
+        if let Err(e) = self.house().detach(&v).await {
             (v.state, v.state_reason) = before;
             v.updated_at = OffsetDateTime::now_utc();
             let (v, why) = (&v, &e);
-            self.house
+            self.house()
                 .finishing(move || async move {
-                    let mut tx = self.house.store.begin().await?;
+                    let mut tx = self.house().store.begin().await?;
                     tx.update_volume(v).await?;
                     tx.event(
                         Some(v.id),
@@ -1062,8 +1065,8 @@ impl Volumes {
                 .await?;
             return Err(e);
         }
-        self.house.settings.faults.point(After::Detach)?;
-        self.house.forget_volume(&v).await
+        self.house().settings.faults.point(After::Detach)?;
+        self.house().forget_volume(&v).await
     }
 
     /// `PATCH /v1/volumes/{id}`: every change is checked (the manager's rules,
@@ -1074,43 +1077,43 @@ impl Volumes {
         id_or_name: &str,
         patch: PatchVolumeRequest,
     ) -> Result<Volume> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let mut v = self.house.volume_row(&v.id.to_string()).await?;
+        let v = self.house().volume_row(id_or_name).await?;
+        let _volume = self.house().locks.volumes.lock(&v.name).await;
+        let mut v = self.house().volume_row(&v.id.to_string()).await?;
         let changes = changes(&v, &patch)?;
         if changes.is_empty() {
             return self.volume_view(&v).await;
         }
         // A backup reading the image decided so under this volume's lock.
         if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
-            let image = self.house.image_row(&v.image_id.to_string()).await?;
+            let image = self.house().image_row(&v.image_id.to_string()).await?;
             self.images
                 .jobs
                 .backups
                 .refuse(&image, &format!("make volume '{}' writable", v.name))?;
         }
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house().backend(v.backend))
         else {
-            return Err(self.house.not_live(&v));
+            return Err(self.house().not_live(&v));
         };
         if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
-            return Err(self.house.not_live(&v));
+            return Err(self.house().not_live(&v));
         }
         for change in &changes {
             backend
                 .check_change(&att, *change)
-                .map_err(|e| volume_error(&v.name, self.house.offer_ublk(e)))?;
+                .map_err(|e| volume_error(&v.name, self.house().offer_ublk(e)))?;
         }
         let mut att = att;
         let mut made = Undo::<Change>::default();
         for change in &changes {
-            let outcome = match self.house.reconfigure(&backend, &v, &att, *change).await {
+            let outcome = match self.house().reconfigure(&backend, &v, &att, *change).await {
                 Ok(a) => {
                     att = a;
                     made.push_step(change.field(), *change);
                     // Between two changes of one PATCH (a test fault).
                     if made.len() == 1 && changes.len() > 1 {
-                        self.house
+                        self.house()
                             .settings
                             .faults
                             .point(After::FirstChange)
@@ -1122,7 +1125,7 @@ impl Volumes {
                 Err(e) => Err(e),
             };
             if let Err(e) = outcome {
-                let (house, backend, row) = (&self.house, &backend, &v);
+                let (house, backend, row) = (self.house(), &backend, &v);
                 let (att, stays) = made
                     .unwind(att, |att, c| async move {
                         match house.reconfigure(backend, row, &att, undo(row, c)).await {
@@ -1132,30 +1135,30 @@ impl Volumes {
                     })
                     .await;
                 if !stays.is_empty() {
-                    self.house.record_changes(&mut v, att, &stays).await?;
+                    self.house().record_changes(&mut v, att, &stays).await?;
                 }
                 return Err(e);
             }
         }
-        self.house.settings.faults.point(After::Change)?;
+        self.house().settings.faults.point(After::Change)?;
         let made = made.commit();
-        self.house.record_changes(&mut v, att, &made).await?;
+        self.house().record_changes(&mut v, att, &made).await?;
         self.volume_view(&v).await
     }
 
     /// `GET /v1/volumes/{id}/stats`.
     pub(crate) async fn volume_stats(&self, id_or_name: &str) -> Result<VolumeStats> {
-        let v = self.house.volume_row(id_or_name).await?;
-        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house.backend(v.backend))
+        let v = self.house().volume_row(id_or_name).await?;
+        let (Some(att), Some(backend)) = (v.attachment.clone(), self.house().backend(v.backend))
         else {
-            return Err(self.house.not_live(&v));
+            return Err(self.house().not_live(&v));
         };
         let (id, name) = (v.id, v.name.clone());
         let mut stats = blocking(move || backend.stats(id, &att))
             .await?
             .map_err(|e| volume_error(&name, e))?;
         stats.rates = self.readings.stats.rates(v.id, &stats);
-        stats.page_cache = super::look::page_cache(&self.house.store, &v).await?;
+        stats.page_cache = super::look::page_cache(&self.house().store, &v).await?;
         Ok(stats)
     }
 
@@ -1174,7 +1177,7 @@ impl Volumes {
                 ),
             });
         }
-        let v = self.house.volume_row(id_or_name).await?;
+        let v = self.house().volume_row(id_or_name).await?;
         Ok(StatsHistory {
             volume_id: v.id,
             points: self.readings.stats.history(v.id, seconds),
