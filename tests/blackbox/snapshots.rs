@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
+use crate::eventually;
 use crate::harness::{LoopFs, Opts, Service, assert_error};
 
 const XFS: &[&str] = &["mkfs.xfs", "-q", "-f", "-m", "reflink=1"];
@@ -65,37 +66,40 @@ pub(crate) async fn loop_volume(
     .await
 }
 
+/// How long a copy may take to end, or to show progress.
+const COPY_WAIT: Duration = Duration::from_secs(60);
+
 /// Polls an image until it is no longer `copying`; its last view.
 async fn wait_copy(s: &Service, image: &str) -> Value {
-    for _ in 0..1200 {
-        let g = s.get(&format!("/v1/images/{image}")).await;
-        assert_eq!(g.status, StatusCode::OK, "{}", g.body);
-        if g.body["state"] != "copying" {
-            return g.body;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the copy of image '{image}' still runs after 60 s");
+    let mut view = Value::Null;
+    eventually(
+        COPY_WAIT,
+        &format!("the copy of image '{image}' to end"),
+        async || {
+            let g = s.get(&format!("/v1/images/{image}")).await;
+            assert_eq!(g.status, StatusCode::OK, "{}", g.body);
+            view = g.body;
+            view["state"] != "copying"
+        },
+    )
+    .await;
+    view
 }
 
 /// Waits until an image's copy copied something, and checks it is short
 /// of its total.
 async fn wait_copy_progress(s: &Service, image: &str) -> Value {
-    for _ in 0..6000 {
-        let g = s.get(&format!("/v1/images/{image}")).await;
-        let done = g.body["copied_bytes"].as_u64().unwrap_or(0);
-        if done > 0 {
-            assert_eq!(g.body["state"], "copying", "{}", g.body);
-            assert!(
-                done < g.body["copy_total_bytes"].as_u64().unwrap(),
-                "{}",
-                g.body
-            );
-            return g.body;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the copy of image '{image}' copied nothing in 60 s");
+    let mut view = Value::Null;
+    let what = format!("the copy of image '{image}' to copy something");
+    eventually(COPY_WAIT, &what, async || {
+        view = s.get(&format!("/v1/images/{image}")).await.body;
+        view["copied_bytes"].as_u64().unwrap_or(0) > 0
+    })
+    .await;
+    let done = view["copied_bytes"].as_u64().unwrap();
+    assert_eq!(view["state"], "copying", "{view}");
+    assert!(done < view["copy_total_bytes"].as_u64().unwrap(), "{view}");
+    view
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -330,15 +334,15 @@ async fn a_copy_on_ext4_runs_in_the_background_and_delete_cancels_it() {
         .await;
     assert_error(&r, 409, "copy_source_busy");
     std::fs::remove_file(&gate).unwrap();
-    let mut seen = Vec::new();
-    let end = loop {
-        let g = s.get("/v1/images/base-s").await;
-        if g.body["state"] != "copying" {
-            break g.body;
+    let (mut seen, mut end) = (Vec::new(), Value::Null);
+    eventually(COPY_WAIT, "the copy of image 'base-s' to end", async || {
+        end = s.get("/v1/images/base-s").await.body;
+        if end["state"] == "copying" {
+            seen.push(end["copied_bytes"].as_u64().unwrap());
         }
-        seen.push(g.body["copied_bytes"].as_u64().unwrap());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        end["state"] != "copying"
+    })
+    .await;
     assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
     assert_eq!(end["state"], "ready", "{end}");
     assert_eq!(end["copied_bytes"], Value::Null, "{end}");
