@@ -34,7 +34,7 @@ pub mod terms;
 pub use blockplane_system::dispatch::Reason;
 pub use messages::{
     Answer, CANNOT_FILL_READ_ONLY, COPY_RUNS_DIRECT, COPY_RUNS_HANDOVER, ErrorCode, Fill,
-    FillState, Latency, Peer, Request, SNAPSHOT_OF_DIRECT, Status, WorkerStats,
+    FillState, Latency, PROTOCOL, Peer, Request, SNAPSHOT_OF_DIRECT, Status, WorkerStats,
 };
 pub use run_dir::{DECIDED_MAP, STATE_FILE, StateFile, put_decided_map, take_decided_map};
 pub use spec::{GO_FD, GO_READY, GO_TAKE, IMAGE_FD, LOCK_FD, WorkerSpec};
@@ -43,11 +43,3 @@ pub use talk::{TalkError, converse, read_request, serve_connection, talk, worker
 pub use terms::{
     Allocation, DataPath, HandoverMethod, Histogram, LATENCY_BOUNDS_US, Limits, OpCounts,
 };
-
-/// The control socket protocol this build speaks: 1 was the line protocol
-/// before versions (no handshake, no handover); 2 adds [`Request::Hello`]
-/// and [`Request::Handover`], and a worker's build in [`Status::build`]; 3
-/// adds [`Request::CopyMoment`] and [`Request::CancelCopy`]; 4 carries the
-/// dispatch reason as a type beside its words ([`Reason`]: `why` in
-/// [`Request::SetDispatch`], `dispatch_why` in [`Status`] and the spec).
-pub const PROTOCOL: u32 = 4;

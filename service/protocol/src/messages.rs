@@ -7,8 +7,15 @@ use serde::{Deserialize, Serialize};
 use blockplane_system::dispatch::Reason;
 use blockplane_system::extent::Pin;
 
-use crate::PROTOCOL;
 use crate::terms::{Allocation, DataPath, HandoverMethod, Histogram, Limits, OpCounts};
+
+/// The control socket protocol this build speaks: 1 was the line protocol
+/// before versions (no handshake, no handover); 2 adds [`Request::Hello`]
+/// and [`Request::Handover`], and a worker's build in [`Status::build`]; 3
+/// adds [`Request::CopyMoment`] and [`Request::CancelCopy`]; 4 carries the
+/// dispatch reason as a type beside its words ([`Reason`]: `why` in
+/// [`Request::SetDispatch`], `dispatch_why` in [`Status`] and the spec).
+pub const PROTOCOL: u32 = 4;
 
 /// Why a worker of a volume created read-only cannot fill its image.
 pub const CANNOT_FILL_READ_ONLY: &str = "the volume was created read-only: its worker holds the image read-only and cannot write zeros into it; detach it first";

@@ -6,8 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::PROTOCOL;
-use crate::messages::{Answer, ErrorCode, Peer, Request};
+use crate::messages::{Answer, ErrorCode, PROTOCOL, Peer, Request};
 
 /// Why talking to a worker failed.
 #[derive(Debug, thiserror::Error)]
