@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Volume;
+use super::volume::Volume;
 
 /// How the old worker let go of the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::Backend;
+use super::backend::Backend;
 
 /// Whether a backend or policy can run on this host, and why not.
 #[derive(Debug, Clone, Deserialize, Serialize)]

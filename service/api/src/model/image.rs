@@ -5,6 +5,8 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::key::{CreateEncryption, ImageEncryption};
+
 /// How the bytes of a newly created image file are laid out on disk.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -193,7 +195,7 @@ pub struct CreateImageFile {
     /// plaintext, `image.encryption.header_bytes` smaller than the file.
     /// `null`: plain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub encryption: Option<super::CreateEncryption>,
+    pub encryption: Option<CreateEncryption>,
 }
 
 fn default_allocation() -> Allocation {
@@ -270,7 +272,7 @@ pub struct Image {
     /// Its LUKS2 header, when it is encrypted (created with
     /// `create.encryption`, or a LUKS2 file registered); `null` when plain.
     #[serde(default)]
-    pub encryption: Option<super::ImageEncryption>,
+    pub encryption: Option<ImageEncryption>,
     /// What the create or grow that answered this should make you check,
     /// e.g. a sparse image larger than its root's free space (empty
     /// otherwise).
@@ -380,4 +382,14 @@ pub struct DeleteImageQuery {
     /// unless `delete_file`.
     #[serde(default)]
     pub erase: bool,
+}
+
+/// What `POST /v1/images/{id}/keys` made.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct KeySlotAdded {
+    /// The new slot's number.
+    pub slot: u32,
+    /// The image, its header read again.
+    pub image: Image,
 }

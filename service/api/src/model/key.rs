@@ -116,16 +116,6 @@ pub struct RemoveKeyRequest {
     pub key: Key,
 }
 
-/// What `POST /v1/images/{id}/keys` made.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct KeySlotAdded {
-    /// The new slot's number.
-    pub slot: u32,
-    /// The image, its header read again.
-    pub image: super::Image,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

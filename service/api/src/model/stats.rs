@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{ActiveDispatch, Backend};
+use super::backend::{ActiveDispatch, Backend};
 
 /// Counters of one kind of request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]

@@ -4,7 +4,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{ActiveDispatch, Backend, BackendChoice, CopyMode, DispatchPolicy, Qos};
+use super::backend::{ActiveDispatch, Backend, BackendChoice, CopyMode, DispatchPolicy};
+use super::key::Key;
+use super::qos::Qos;
 
 /// `POST /v1/volumes`. Create is idempotent by name: the same spec again returns the
 /// existing volume (200), a different spec is a conflict (409).
@@ -60,7 +62,7 @@ pub struct CreateVolumeRequest {
     /// `not_encrypted`); a key no slot opens is 403 `key_rejected` and
     /// changes nothing. Never stored: not part of the recorded spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<super::Key>,
+    pub key: Option<Key>,
 }
 
 impl CreateVolumeRequest {
