@@ -2,8 +2,9 @@
 
 use hyper::Method;
 
+use super::Client;
+use super::error::Error;
 use super::path::{encode_segment, with_query};
-use super::{Client, Error};
 use blockplane_api::model::{
     Backup, BackupGc, BackupVerify, CreateBackupRequest, ListBackupsQuery,
 };

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use super::Error;
+use super::error::Error;
 
 /// Where the API is.
 #[derive(Debug, Clone)]

@@ -5,8 +5,9 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Method, StatusCode};
 
+use super::Client;
+use super::error::Error;
 use super::path::with_query;
-use super::{Client, Error};
 use blockplane_api::model::{Event, EventQuery, EventStreamQuery};
 
 impl Client {

@@ -10,7 +10,7 @@
 mod backups;
 mod endpoint;
 mod error;
-mod events;
+pub mod events;
 mod images;
 mod path;
 mod system;
@@ -24,7 +24,6 @@ use serde::de::DeserializeOwned;
 
 pub use endpoint::Endpoint;
 pub use error::Error;
-pub use events::EventStream;
 pub use path::encode_segment;
 pub use transport::{Answer, Transport};
 

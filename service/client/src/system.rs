@@ -3,7 +3,8 @@
 use hyper::Method;
 use uuid::Uuid;
 
-use super::{Client, Error};
+use super::Client;
+use super::error::Error;
 use blockplane_api::model::{Health, Host};
 
 impl Client {

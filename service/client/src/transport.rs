@@ -9,7 +9,8 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
-use super::{Endpoint, Error};
+use super::endpoint::Endpoint;
+use super::error::Error;
 
 /// Carries requests to the API.
 #[derive(Debug, Clone)]

@@ -2,8 +2,9 @@
 
 use hyper::Method;
 
+use super::Client;
+use super::error::Error;
 use super::path::{encode_segment, with_query};
-use super::{Client, Error};
 use blockplane_api::model::{
     CreateVolumeRequest, Handover, PatchVolumeRequest, StatsHistory, StatsHistoryQuery,
     UnlockVolumeRequest, Volume, VolumeStats, VolumeUsage,
