@@ -2,11 +2,13 @@
 //! answer a [`View`] to print. A failure is printed, with the API's code and
 //! status when it answered one, and becomes the exit code.
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use blockplane_api::model::{
-    CreateImageFile, CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest,
-    DEFAULT_MAX_IO_BYTES, DeleteImageQuery, EventQuery, ListImagesQuery, PatchVolumeRequest,
+    AddKeyRequest, Allocation, CreateBackupRequest, CreateEncryption, CreateImageFile,
+    CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DEFAULT_MAX_IO_BYTES,
+    DeleteImageQuery, EventQuery, Image, ListImagesQuery, PatchVolumeRequest, RemoveKeyRequest,
     ResizeImageRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
@@ -89,33 +91,16 @@ pub async fn run(cli: Cli) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// An `image` command.
+/// An `image` command: each verb with more than a call to make is a step of
+/// its own.
 async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
     let api = |e: client::Error| fail(&e);
-    let waited = |msg: String| {
-        eprintln!("blockplane: {msg}");
-        ExitCode::FAILURE
-    };
-    let create = |name: &str, path: &str, create, clone_from: Option<&str>| CreateImageRequest {
-        name: name.into(),
-        path: path.into(),
-        create,
-        clone_from: clone_from.map(str::to_string),
-        restore_from: None,
-        allocation: None,
-    };
-    Ok(match cmd {
+    match cmd {
         ImageCmd::Add {
             name,
             path,
             allocation,
-        } => {
-            let req = CreateImageRequest {
-                allocation: *allocation,
-                ..create(name, path, None, None)
-            };
-            View::Image(client.create_image(&req).await.map_err(api)?)
-        }
+        } => image_add(client, name, path, *allocation).await,
         ImageCmd::Create {
             name,
             path,
@@ -123,144 +108,284 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             allocation,
             encrypt: _,
             key_file,
-        } => {
-            let encryption = match key_file {
-                Some(path) => Some(blockplane_api::model::CreateEncryption {
-                    key: read_key(path)?,
-                }),
-                None => None,
-            };
-            let file = CreateImageFile {
-                size_bytes: *size,
-                allocation: *allocation,
-                encryption,
-            };
-            let req = create(name, path, Some(file), None);
-            View::Image(client.create_image(&req).await.map_err(api)?)
-        }
+        } => image_create(client, name, path, *size, *allocation, key_file.as_deref()).await,
         ImageCmd::KeyAdd {
             image,
             key_file,
             new_key_file,
-        } => {
-            let req = blockplane_api::model::AddKeyRequest {
-                key: read_key(key_file)?,
-                new_key: read_key(new_key_file)?,
-            };
-            let added = client.add_image_key(image, &req).await.map_err(api)?;
-            eprintln!("key slot {} added", added.slot);
-            View::Image(added.image)
-        }
+        } => image_key_add(client, image, key_file, new_key_file).await,
         ImageCmd::KeyRm {
             image,
             slot,
             key_file,
-        } => {
-            let req = blockplane_api::model::RemoveKeyRequest {
-                key: read_key(key_file)?,
-            };
-            View::Image(
-                client
-                    .remove_image_key(image, *slot, &req)
-                    .await
-                    .map_err(api)?,
-            )
+        } => image_key_rm(client, image, *slot, key_file).await,
+        ImageCmd::Ls => {
+            let query = ListImagesQuery::default();
+            Ok(View::Images(client.images(&query).await.map_err(api)?))
         }
-        ImageCmd::Ls => View::Images(
-            client
-                .images(&ListImagesQuery::default())
-                .await
-                .map_err(api)?,
-        ),
-        ImageCmd::Show { image } => View::Image(client.image(image).await.map_err(api)?),
+        ImageCmd::Show { image } => Ok(View::Image(client.image(image).await.map_err(api)?)),
         ImageCmd::Resize { image, size } => {
             let req = ResizeImageRequest { size_bytes: *size };
-            View::Resize(client.resize_image(image, &req).await.map_err(api)?)
+            let resized = client.resize_image(image, &req).await.map_err(api)?;
+            Ok(View::Resize(resized))
         }
         ImageCmd::Allocate {
             image,
-            cancel: true,
-            ..
-        } => View::Image(client.cancel_allocate(image).await.map_err(api)?),
-        ImageCmd::Allocate { image, no_wait, .. } => {
-            let started = client.allocate_image(image).await.map_err(api)?;
-            if *no_wait {
-                View::Image(started)
-            } else {
-                View::Image(
-                    wait_allocate(client, image, started)
-                        .await
-                        .map_err(waited)?,
-                )
-            }
-        }
+            no_wait,
+            cancel,
+        } => image_allocate(client, image, *cancel, *no_wait).await,
         ImageCmd::Snapshot { src, name, no_wait } => {
-            let req = CreateSnapshotRequest { name: name.clone() };
-            let started = client.snapshot_image(src, &req).await.map_err(api)?;
-            if *no_wait {
-                View::Image(started)
-            } else {
-                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
-            }
+            image_snapshot(client, src, name, *no_wait).await
         }
         ImageCmd::Clone {
             src,
             name,
             path,
             no_wait,
-        } => {
-            let req = create(name, path, None, Some(src));
-            let started = client.create_image(&req).await.map_err(api)?;
-            if *no_wait {
-                View::Image(started)
-            } else {
-                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
-            }
-        }
+        } => image_clone(client, src, name, path, *no_wait).await,
         ImageCmd::Backup {
             image,
             name,
             no_wait,
-        } => {
-            let req = blockplane_api::model::CreateBackupRequest { name: name.clone() };
-            let started = client.backup_image(image, &req).await.map_err(api)?;
-            if *no_wait {
-                View::Backup(started)
-            } else {
-                let id = started.id.to_string();
-                View::Backup(wait_backup(client, &id, started).await.map_err(waited)?)
-            }
-        }
+        } => image_backup(client, image, name, *no_wait).await,
         ImageCmd::Restore {
             name,
             path,
             from,
             no_wait,
-        } => {
-            let req = CreateImageRequest {
-                restore_from: Some(from.clone()),
-                ..create(name, path, None, None)
-            };
-            let started = client.create_image(&req).await.map_err(api)?;
-            if *no_wait {
-                View::Image(started)
-            } else {
-                View::Image(wait_copy(client, name, started).await.map_err(waited)?)
-            }
-        }
+        } => image_restore(client, name, path, from, *no_wait).await,
         ImageCmd::Rm {
             image,
             delete_file,
             erase,
-        } => {
-            let query = DeleteImageQuery {
-                delete_file: *delete_file,
-                erase: *erase,
-            };
-            client.delete_image(image, &query).await.map_err(api)?;
-            View::Done("image removed")
-        }
-    })
+        } => image_rm(client, image, *delete_file, *erase).await,
+    }
+}
+
+/// The request to register image `name` at `path` as it is: each verb that
+/// makes an image sets the one field that says how.
+fn image_request(name: &str, path: &str) -> CreateImageRequest {
+    CreateImageRequest {
+        name: name.into(),
+        path: path.into(),
+        create: None,
+        clone_from: None,
+        restore_from: None,
+        allocation: None,
+    }
+}
+
+/// `image add`: an existing file registered, with the allocation given
+/// (`None`: the service reads it off the file).
+async fn image_add(
+    client: &Client,
+    name: &str,
+    path: &str,
+    allocation: Option<Allocation>,
+) -> Result<View, ExitCode> {
+    let req = CreateImageRequest {
+        allocation,
+        ..image_request(name, path)
+    };
+    let added = client.create_image(&req).await.map_err(|e| fail(&e))?;
+    Ok(View::Image(added))
+}
+
+/// `image create`: a new file of `size` bytes, encrypted with the key in
+/// `key_file` when one is given (clap lets one through only with
+/// `--encrypt`).
+async fn image_create(
+    client: &Client,
+    name: &str,
+    path: &str,
+    size: u64,
+    allocation: Allocation,
+    key_file: Option<&Path>,
+) -> Result<View, ExitCode> {
+    let encryption = match key_file {
+        Some(path) => Some(CreateEncryption {
+            key: read_key(path)?,
+        }),
+        None => None,
+    };
+    let file = CreateImageFile {
+        size_bytes: size,
+        allocation,
+        encryption,
+    };
+    let req = CreateImageRequest {
+        create: Some(file),
+        ..image_request(name, path)
+    };
+    let created = client.create_image(&req).await.map_err(|e| fail(&e))?;
+    Ok(View::Image(created))
+}
+
+/// `image key-add`: a slot for the key in `new_key_file`, opened with the
+/// key in `key_file`; the slot's number goes to stderr so that the view on
+/// stdout stays the image's.
+async fn image_key_add(
+    client: &Client,
+    image: &str,
+    key_file: &Path,
+    new_key_file: &Path,
+) -> Result<View, ExitCode> {
+    let req = AddKeyRequest {
+        key: read_key(key_file)?,
+        new_key: read_key(new_key_file)?,
+    };
+    let added = client
+        .add_image_key(image, &req)
+        .await
+        .map_err(|e| fail(&e))?;
+    eprintln!("key slot {} added", added.slot);
+    Ok(View::Image(added.image))
+}
+
+/// `image key-rm`: key slot `slot` removed, with the key in `key_file`
+/// proving the right to.
+async fn image_key_rm(
+    client: &Client,
+    image: &str,
+    slot: u32,
+    key_file: &Path,
+) -> Result<View, ExitCode> {
+    let req = RemoveKeyRequest {
+        key: read_key(key_file)?,
+    };
+    let image = client
+        .remove_image_key(image, slot, &req)
+        .await
+        .map_err(|e| fail(&e))?;
+    Ok(View::Image(image))
+}
+
+/// `image allocate`: the image's running allocate stopped when `cancel`;
+/// else one started, then followed to its end unless `no_wait`.
+async fn image_allocate(
+    client: &Client,
+    image: &str,
+    cancel: bool,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    if cancel {
+        let stopped = client.cancel_allocate(image).await.map_err(|e| fail(&e))?;
+        return Ok(View::Image(stopped));
+    }
+    let started = client.allocate_image(image).await.map_err(|e| fail(&e))?;
+    if no_wait {
+        return Ok(View::Image(started));
+    }
+    let done = wait_allocate(client, image, started)
+        .await
+        .map_err(waited)?;
+    Ok(View::Image(done))
+}
+
+/// `image snapshot`: snapshot `name` of `src`.
+async fn image_snapshot(
+    client: &Client,
+    src: &str,
+    name: &str,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    let req = CreateSnapshotRequest { name: name.into() };
+    let started = client
+        .snapshot_image(src, &req)
+        .await
+        .map_err(|e| fail(&e))?;
+    copied(client, name, started, no_wait).await
+}
+
+/// `image clone`: image `name` at `path`, a copy of `src`.
+async fn image_clone(
+    client: &Client,
+    src: &str,
+    name: &str,
+    path: &str,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    let req = CreateImageRequest {
+        clone_from: Some(src.into()),
+        ..image_request(name, path)
+    };
+    let started = client.create_image(&req).await.map_err(|e| fail(&e))?;
+    copied(client, name, started, no_wait).await
+}
+
+/// `image backup`: backup `name` of `image` started, then followed to its
+/// end unless `no_wait`.
+async fn image_backup(
+    client: &Client,
+    image: &str,
+    name: &str,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    let req = CreateBackupRequest { name: name.into() };
+    let started = client
+        .backup_image(image, &req)
+        .await
+        .map_err(|e| fail(&e))?;
+    if no_wait {
+        return Ok(View::Backup(started));
+    }
+    let id = started.id.to_string();
+    let done = wait_backup(client, &id, started).await.map_err(waited)?;
+    Ok(View::Backup(done))
+}
+
+/// `image restore`: image `name` at `path`, the bytes of backup `from`.
+async fn image_restore(
+    client: &Client,
+    name: &str,
+    path: &str,
+    from: &str,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    let req = CreateImageRequest {
+        restore_from: Some(from.into()),
+        ..image_request(name, path)
+    };
+    let started = client.create_image(&req).await.map_err(|e| fail(&e))?;
+    copied(client, name, started, no_wait).await
+}
+
+/// `image rm`: the image forgotten, its file deleted or erased too when
+/// asked.
+async fn image_rm(
+    client: &Client,
+    image: &str,
+    delete_file: bool,
+    erase: bool,
+) -> Result<View, ExitCode> {
+    let query = DeleteImageQuery { delete_file, erase };
+    client
+        .delete_image(image, &query)
+        .await
+        .map_err(|e| fail(&e))?;
+    Ok(View::Done("image removed"))
+}
+
+/// The image a snapshot, clone or restore makes, one step for the three
+/// as they share the service's copy job: as it started when `no_wait`,
+/// else once its copy has ended (progress on stderr).
+async fn copied(
+    client: &Client,
+    name: &str,
+    started: Image,
+    no_wait: bool,
+) -> Result<View, ExitCode> {
+    if no_wait {
+        return Ok(View::Image(started));
+    }
+    let done = wait_copy(client, name, started).await.map_err(waited)?;
+    Ok(View::Image(done))
+}
+
+/// Prints why following a job in the service failed; the command fails.
+fn waited(msg: String) -> ExitCode {
+    eprintln!("blockplane: {msg}");
+    ExitCode::FAILURE
 }
 
 /// A `backup` command.
