@@ -137,6 +137,8 @@ pub async fn backup(
     result
 }
 
+/// Takes the backup under its held `lease`: its chunks stored, then its
+/// manifest written. `Ok(None)`: cancelled, no manifest.
 async fn run(
     target: &Target,
     meta: &BackupMeta,
@@ -145,17 +147,39 @@ async fn run(
     counters: &Arc<Counters>,
     lease: &Held,
 ) -> Result<Option<Manifest>> {
+    let store = Store::new(target, job, counters);
+    let Some(chunks) = store_chunks(target, meta, file, job, lease, &store).await? else {
+        return Ok(None);
+    };
+    // The manifest must never outlive a chunk it names.
+    target.settle().await?;
+    // Checked last before the manifest: a cancel or a lost lease after this
+    // is too late, and a delete of the backup is what undoes it.
+    if job.cancel.load(Relaxed) {
+        return Ok(None);
+    }
+    check_lease(lease, &BackupRef::of(meta), target)?;
+
+    let manifest = manifest_of(meta, chunks, &store);
+    target
+        .put(&target.manifest_path(meta.id), manifest.to_bytes())
+        .await?;
+    Ok(Some(manifest))
+}
+
+/// Reads the image's data chunks and has `store` keep each one the target
+/// needs, waiting for every upload: the chunks the manifest is to name, in
+/// order. `Ok(None)`: cancelled.
+async fn store_chunks(
+    target: &Target,
+    meta: &BackupMeta,
+    file: File,
+    job: &AllocateJob,
+    lease: &Held,
+    store: &Store,
+) -> Result<Option<Vec<ChunkRef>>> {
     let bref = BackupRef::of(meta);
     let size = meta.image.size_bytes;
-    let image_err = |action: String| {
-        let bref = bref.clone();
-        move |source| Error::Image {
-            backup: bref,
-            action,
-            source,
-        }
-    };
-
     // Only chunks a manifest listed now references may be left out: gc
     // keeps those for as long as this lease is live (see the crate doc).
     // Each is still looked at on the target once before it is trusted.
@@ -164,10 +188,10 @@ async fn run(
     let mut covered = HashSet::new();
 
     let file = Arc::new(file);
-    let indexes = to_read(&file, size, job)
-        .await
-        .map_err(image_err("finding the image's data ranges".to_string()))?;
-    let store = Store::new(target, job, counters);
+    let indexes = to_read(&file, size, job).await.map_err(image_error(
+        &bref,
+        "finding the image's data ranges".to_string(),
+    ))?;
     let mut chunks = Vec::new();
     let mut uploads = JoinSet::new();
     for index in indexes {
@@ -175,15 +199,7 @@ async fn run(
             return Ok(None);
         }
         let len = chunk_len(size, index);
-        let f = Arc::clone(&file);
-        let read = joined(
-            tokio::task::spawn_blocking(move || read_chunk(&f, index * CHUNK_SIZE, len)).await,
-        )
-        .map_err(image_err(format!(
-            "reading chunk {index} of the image at offset {}",
-            index * CHUNK_SIZE
-        )))?;
-        let Some((hash, data)) = read else {
+        let Some((hash, data)) = read_at(&file, &bref, index, len).await? else {
             job.done_bytes.fetch_add(len, Relaxed);
             between_chunks(job).await;
             continue;
@@ -206,20 +222,38 @@ async fn run(
     if !all_uploaded(&mut uploads, job).await? {
         return Ok(None);
     }
-    // The manifest must never outlive a chunk it names.
-    target.settle().await?;
-    // Checked last before the manifest: a cancel or a lost lease after this
-    // is too late, and a delete of the backup is what undoes it.
-    if job.cancel.load(Relaxed) {
-        return Ok(None);
-    }
-    check_lease(lease, &bref, target)?;
+    Ok(Some(chunks))
+}
 
-    let manifest = manifest_of(meta, chunks, &store);
-    target
-        .put(&target.manifest_path(meta.id), manifest.to_bytes())
-        .await?;
-    Ok(Some(manifest))
+/// Reads chunk `index` (of `len` bytes) of the image with [`read_chunk`]
+/// (`None`: all zeros), on the blocking pool: a pread must not hold up the
+/// runtime's threads.
+async fn read_at(
+    file: &Arc<File>,
+    bref: &BackupRef,
+    index: u64,
+    len: u64,
+) -> Result<Option<(String, Bytes)>> {
+    let f = Arc::clone(file);
+    joined(tokio::task::spawn_blocking(move || read_chunk(&f, index * CHUNK_SIZE, len)).await)
+        .map_err(image_error(
+            bref,
+            format!(
+                "reading chunk {index} of the image at offset {}",
+                index * CHUNK_SIZE
+            ),
+        ))
+}
+
+/// How an error of the image's file becomes the backup's: `action` says
+/// what was being done when it came.
+fn image_error(bref: &BackupRef, action: String) -> impl FnOnce(std::io::Error) -> Error {
+    let bref = bref.clone();
+    move |source| Error::Image {
+        backup: bref,
+        action,
+        source,
+    }
 }
 
 /// The chunks of `file` (of `size` bytes) that hold data, their bytes
