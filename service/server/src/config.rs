@@ -302,26 +302,8 @@ impl ServeArgs {
             .data_dir
             .or(file.data_dir)
             .unwrap_or_else(default_data_dir);
-        let listen_text = if self.listen.is_empty() {
-            file.listen
-        } else {
-            self.listen
-        };
-        let mut listen = listen_text
-            .iter()
-            .map(|s| ListenAddr::parse(s))
-            .collect::<Result<Vec<_>, _>>()?;
-        if listen.is_empty() {
-            listen.push(ListenAddr::Unix(default_socket(&data_dir)));
-        }
-        let mut image_roots = if self.image_roots.is_empty() {
-            file.image_roots
-        } else {
-            self.image_roots
-        };
-        if image_roots.is_empty() {
-            image_roots.push(data_dir.join("images"));
-        }
+        let listen = listen_of(self.listen, file.listen, &data_dir)?;
+        let image_roots = image_roots_of(self.image_roots, file.image_roots, &data_dir);
         let token = token_of(
             self.token.or(file.token),
             self.token_file.or(file.token_file),
@@ -352,15 +334,10 @@ impl ServeArgs {
                 .or(file.extent_check_secs)
                 .unwrap_or(60)
                 .max(1),
-            backup_target: match self.backup_target.or(file.backup_target) {
-                Some(spec) => Some(blockplane_backup::TargetConfig::parse(
-                    &spec,
-                    self.backup_credentials
-                        .or(file.backup_credentials)
-                        .as_deref(),
-                )?),
-                None => None,
-            },
+            backup_target: backup_target_of(
+                self.backup_target.or(file.backup_target),
+                self.backup_credentials.or(file.backup_credentials),
+            )?,
             backup_timeout: self
                 .backup_timeout_secs
                 .or(file.backup_timeout_secs)
@@ -431,6 +408,50 @@ impl FileConfig {
                 .map_err(|reason| refused(format!("max_overcommit: {reason}")))?;
         }
         Ok(file)
+    }
+}
+
+/// The listen addresses: the flags' when any are given, else the file's
+/// (a list is taken whole, never merged), else the socket in `data_dir`.
+fn listen_of(
+    flags: Vec<String>,
+    file: Vec<String>,
+    data_dir: &Path,
+) -> Result<Vec<ListenAddr>, ConfigError> {
+    let text = if flags.is_empty() { file } else { flags };
+    let mut listen = text
+        .iter()
+        .map(|s| ListenAddr::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    if listen.is_empty() {
+        listen.push(ListenAddr::Unix(default_socket(data_dir)));
+    }
+    Ok(listen)
+}
+
+/// The image roots: the flags' when any are given, else the file's (a list
+/// is taken whole, never merged), else `images` in `data_dir`.
+fn image_roots_of(flags: Vec<PathBuf>, file: Vec<PathBuf>, data_dir: &Path) -> Vec<PathBuf> {
+    let mut roots = if flags.is_empty() { file } else { flags };
+    if roots.is_empty() {
+        roots.push(data_dir.join("images"));
+    }
+    roots
+}
+
+/// The backup target `spec` names, its S3 credentials read from the file
+/// `credentials` when given (else from the environment); no `spec`: none,
+/// and backups are refused.
+fn backup_target_of(
+    spec: Option<String>,
+    credentials: Option<PathBuf>,
+) -> Result<Option<blockplane_backup::TargetConfig>, ConfigError> {
+    match spec {
+        Some(spec) => Ok(Some(blockplane_backup::TargetConfig::parse(
+            &spec,
+            credentials.as_deref(),
+        )?)),
+        None => Ok(None),
     }
 }
 
