@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::capability::{self, Access};
 use super::capacity::{fits, size_for};
+use super::driver::{Driver, TOPOLOGY_KEY};
 use super::errors::{CsiError, require};
 use super::health;
 use super::listing::page;
@@ -32,7 +33,6 @@ use super::proto::{
     ValidateVolumeCapabilitiesResponse, Volume,
 };
 use super::snapshots::{self, Source};
-use super::{Driver, TOPOLOGY_KEY};
 use blockplane_api::model::{
     self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos, parse_wire,
 };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::Driver;
+use super::driver::Driver;
 use super::proto::identity_server::Identity;
 use super::proto::plugin_capability::{self, service, volume_expansion};
 use super::proto::{

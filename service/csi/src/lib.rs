@@ -9,7 +9,8 @@
 //! root) and a blockplane volume serving it, both named after the CSI name
 //! (module `naming`).
 //!
-//! Modules: `identity`, `controller` and `node` are the three services;
+//! Modules: `identity`, `controller` and `node` are the three services,
+//! over the `driver` they share; [`proto`] holds the generated messages;
 //! `errors` maps every failure, and the API's answers, to a gRPC code;
 //! [`mount`] holds the mount and filesystem helpers; `api` is the typed
 //! client with the volume named in its errors; `capability` reads volume
@@ -21,6 +22,7 @@ mod authority;
 mod capability;
 mod capacity;
 mod controller;
+mod driver;
 mod errors;
 mod health;
 mod identity;
@@ -29,6 +31,7 @@ mod listing;
 pub mod mount;
 mod naming;
 mod node;
+pub mod proto;
 mod snapshots;
 
 use std::path::{Path, PathBuf};
@@ -40,20 +43,13 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use api::Api;
 use blockplane_client::{Client, Endpoint};
-use errors::CsiError;
+use driver::Driver;
 use inflight::InFlight;
-
-/// The generated CSI v1 messages, and server and client stubs.
-pub mod proto {
-    #![allow(missing_docs, clippy::all, clippy::pedantic)]
-    tonic::include_proto!("csi.v1");
-}
 
 /// The driver's default name (the `provisioner` of its StorageClasses).
 pub const DRIVER_NAME: &str = "csi.blockplane.io";
 
-/// The topology key whose value is the node a volume lives on.
-pub const TOPOLOGY_KEY: &str = "blockplane.io/node";
+pub use driver::TOPOLOGY_KEY;
 
 /// Flags of `blockplane csi` (the API address and token are the global
 /// `--api` and `--token`).
@@ -107,47 +103,6 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
-}
-
-/// State shared by the three services.
-#[derive(Debug)]
-pub(crate) struct Driver {
-    /// The driver's name.
-    pub name: String,
-    /// The node this driver serves.
-    pub node_id: String,
-    /// The blockplane API of this node.
-    pub api: Api,
-    /// Where image files are created (`None`: the API's first image root).
-    pub image_root: Option<PathBuf>,
-    /// Controller calls in flight, by blockplane name.
-    pub controller_calls: InFlight,
-    /// Node calls in flight, by volume id.
-    pub node_calls: InFlight,
-}
-
-impl Driver {
-    /// The topology segment of this node.
-    pub fn topology(&self) -> proto::Topology {
-        proto::Topology {
-            segments: [(TOPOLOGY_KEY.to_string(), self.node_id.clone())].into(),
-        }
-    }
-
-    /// The image root to create files under.
-    pub async fn image_root(&self, volume: &str) -> Result<PathBuf, CsiError> {
-        if let Some(r) = &self.image_root {
-            return Ok(r.clone());
-        }
-        let host = self.api.host().await?;
-        host.image_roots
-            .first()
-            .map(PathBuf::from)
-            .ok_or_else(|| CsiError::Precondition {
-                volume: volume.into(),
-                reason: "the blockplane service has no image root".into(),
-            })
-    }
 }
 
 /// The socket path of a `unix://` endpoint.

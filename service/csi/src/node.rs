@@ -16,8 +16,8 @@ use std::sync::Arc;
 use rustix::mount::MountFlags;
 use tonic::{Request, Response, Status};
 
-use super::Driver;
 use super::capability::{self, Access, Capability};
+use super::driver::Driver;
 use super::errors::{CsiError, require};
 use super::health;
 use super::mount::{self, Contents, MountOptions};

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::Driver;
+use super::driver::Driver;
 use super::errors::CsiError;
 use super::naming::{self, VolumeId};
 use super::proto::list_snapshots_response::Entry;
