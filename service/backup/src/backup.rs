@@ -298,13 +298,13 @@ async fn may_go_on(
     Ok(true)
 }
 
-/// The pace between two chunks (a test's slow backup), and its gate: a
-/// backup waits while the gate file exists, unless cancelled.
+/// The pace between two chunks (a test's slow backup), then a wait while
+/// the job is [held at its gate](AllocateJob::held_at_gate).
 async fn between_chunks(job: &AllocateJob) {
     if !job.pace.is_zero() {
         tokio::time::sleep(job.pace).await;
     }
-    while job.gate.as_deref().is_some_and(std::path::Path::exists) && !job.cancel.load(Relaxed) {
+    while job.held_at_gate() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }

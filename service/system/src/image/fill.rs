@@ -39,15 +39,19 @@ pub struct AllocateJob {
 }
 
 impl AllocateJob {
-    /// After a stretch of a blocking job: its pace, then a wait while its
-    /// gate exists and it is not cancelled.
+    /// Whether the job waits at its gate now: the gate file exists and the
+    /// job is not cancelled. The one rule for every job that has a gate.
+    pub fn held_at_gate(&self) -> bool {
+        self.gate.as_deref().is_some_and(std::path::Path::exists) && !self.cancel.load(Relaxed)
+    }
+
+    /// After a stretch of a blocking job: its pace, then a wait while it is
+    /// [held at its gate](Self::held_at_gate).
     fn between_stretches(&self) {
         if !self.pace.is_zero() {
             std::thread::sleep(self.pace);
         }
-        while self.gate.as_deref().is_some_and(std::path::Path::exists)
-            && !self.cancel.load(Relaxed)
-        {
+        while self.held_at_gate() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
