@@ -14,10 +14,11 @@ use time::OffsetDateTime;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::error::{BackupRef, Error, Result, joined};
 use crate::lease::Held;
 use crate::manifest::{self, ChunkRef, FORMAT, ImageMeta, Manifest, SourceMeta};
-use crate::target::Holding;
-use crate::{BackupRef, CHUNK_SIZE, Error, LEASE_STALE, Result, Target, joined};
+use crate::target::{Holding, Target};
+use crate::terms::{CHUNK_SIZE, LEASE_STALE};
 
 /// Chunk uploads in flight at once; with the chunk being read, the memory a
 /// backup holds is at most this many chunks plus one.

@@ -5,7 +5,7 @@ use std::fmt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The region an S3 target uses when its specification names none.
 pub const DEFAULT_REGION: &str = "us-east-1";

@@ -4,7 +4,7 @@ use std::fmt;
 
 use uuid::Uuid;
 
-use crate::CHUNK_SIZE;
+use crate::terms::CHUNK_SIZE;
 
 /// A result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -123,7 +123,7 @@ pub enum Error {
     /// longer safe, so it stops without a manifest.
     #[error(
         "backup {backup}: its lease on {target} was last refreshed {secs} s ago; a gc may treat it as stale after {stale} s, so the backup stops",
-        stale = crate::LEASE_STALE.as_secs()
+        stale = crate::terms::LEASE_STALE.as_secs()
     )]
     LeaseLost {
         /// The backup.
@@ -168,4 +168,13 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     out
+}
+
+/// A task's result; a panic in it is raised again here, since only a bug
+/// panics and no task is aborted while awaited.
+pub(crate) fn joined<T>(r: std::result::Result<T, tokio::task::JoinError>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
 }

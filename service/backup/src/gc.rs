@@ -13,10 +13,11 @@ use uuid::Uuid;
 use serde::{Deserialize, Serialize};
 
 use crate::backup::Lease;
+use crate::error::{Error, Result};
 use crate::lease::Held;
 use crate::manifest::{Manifest, id_of, is_hash};
-use crate::target::Listed;
-use crate::{CLOCK_MARGIN, Error, GC_LOCK_STALE, LEASE_STALE, Result, Target};
+use crate::target::{Listed, Target};
+use crate::terms::{CLOCK_MARGIN, GC_LOCK_STALE, LEASE_STALE};
 
 /// Objects read or deleted at once.
 const CONCURRENCY: usize = 16;

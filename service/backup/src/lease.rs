@@ -13,7 +13,9 @@ use time::OffsetDateTime;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::{Error, Result, Target};
+use crate::error::{Error, Result};
+use crate::target::Target;
+use crate::terms::refresh_of;
 
 /// A lease held: put again every `refresh` until stopped; it remembers when
 /// it last succeeded.
@@ -136,10 +138,4 @@ impl Drop for Held {
             t.abort();
         }
     }
-}
-
-/// How often a lease of that staleness is put again: twenty times within
-/// it, so a few failed puts in a row do not lose it.
-pub(crate) const fn refresh_of(stale: Duration) -> Duration {
-    Duration::from_secs(stale.as_secs() / 20)
 }

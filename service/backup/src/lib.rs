@@ -122,11 +122,10 @@ mod lease;
 mod manifest;
 mod restore;
 mod target;
+mod terms;
 
 #[cfg(test)]
 mod tests;
-
-use std::time::Duration;
 
 pub use backup::{BackupMeta, Counters, Lease, UPLOAD_CONCURRENCY, backup};
 pub use config::{Credentials, DEFAULT_REGION, TargetConfig};
@@ -137,29 +136,4 @@ pub use manifest::{
 };
 pub use restore::{FETCH_CONCURRENCY, VerifyReport, restore, verify};
 pub use target::{DEFAULT_TIMEOUT, Target};
-
-/// The bytes of a chunk (all but possibly an image's last).
-pub const CHUNK_SIZE: u64 = 4 << 20;
-
-/// A lease not written for this long is a crashed backup's.
-pub const LEASE_STALE: Duration = Duration::from_secs(10 * 60);
-
-/// How often a running backup puts its lease again.
-pub const LEASE_REFRESH: Duration = lease::refresh_of(LEASE_STALE);
-
-/// A gc lock not written for this long is a crashed gc's.
-pub const GC_LOCK_STALE: Duration = Duration::from_secs(2 * 60);
-
-/// How far the clock of a backup of blockplane before 0.24 may be off the
-/// target's: gc keeps chunks from this long before such a backup's start.
-/// A newer backup's lease names its start on the target's clock.
-pub const CLOCK_MARGIN: Duration = Duration::from_secs(2 * 60);
-
-/// A task's result; a panic in it is raised again here, since only a bug
-/// panics and no task is aborted while awaited.
-fn joined<T>(r: std::result::Result<T, tokio::task::JoinError>) -> T {
-    match r {
-        Ok(v) => v,
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
-    }
-}
+pub use terms::{CHUNK_SIZE, CLOCK_MARGIN, GC_LOCK_STALE, LEASE_REFRESH, LEASE_STALE};

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::{CHUNK_SIZE, Error, Result, Target};
+use crate::error::{Error, Result};
+use crate::target::Target;
+use crate::terms::CHUNK_SIZE;
 
 /// The manifest format this crate writes and reads.
 pub const FORMAT: u32 = 1;
@@ -197,8 +199,8 @@ impl Manifest {
         chunk.index * self.chunk_size
     }
 
-    pub(crate) fn backup_ref(&self) -> crate::BackupRef {
-        crate::BackupRef {
+    pub(crate) fn backup_ref(&self) -> crate::error::BackupRef {
+        crate::error::BackupRef {
             id: self.id,
             name: self.name.clone(),
         }

@@ -11,8 +11,9 @@ use blockplane_system::image::AllocateJob;
 use bytes::Bytes;
 use tokio::task::JoinHandle;
 
+use crate::error::{Error, Result, joined};
 use crate::manifest::{ChunkRef, Manifest};
-use crate::{Error, Result, Target, joined};
+use crate::target::Target;
 
 /// Chunks fetched ahead at once: at most this many chunks in memory.
 pub const FETCH_CONCURRENCY: usize = 4;

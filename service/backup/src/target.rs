@@ -16,7 +16,7 @@ use object_store::{
 use time::OffsetDateTime;
 
 use crate::config::TargetConfig;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// How long one operation on a target may go unanswered before the target
 /// is taken for hung ([`Error::Hung`]), unless the service says otherwise
@@ -296,7 +296,7 @@ impl Target {
                 Ok(())
             })
             .await;
-            crate::joined(synced).map_err(|e| {
+            crate::error::joined(synced).map_err(|e| {
                 let error = object_store::Error::Generic {
                     store: "LocalFileSystem",
                     source: Box::new(e),
@@ -336,7 +336,7 @@ impl Target {
             return Ok(Holding::Intact);
         }
         let data = data.clone();
-        let md5 = crate::joined(tokio::task::spawn_blocking(move || md5_hex(&data)).await);
+        let md5 = crate::error::joined(tokio::task::spawn_blocking(move || md5_hex(&data)).await);
         Ok(if tag.eq_ignore_ascii_case(&md5) {
             Holding::Intact
         } else {
