@@ -1,5 +1,5 @@
 //! The HTTP API (axum). Handlers only parse and render: each turns a request
-//! into one call on the [`Manager`](manager::Manager) and its result into a
+//! into one call on the [`Manager`] and its result into a
 //! response. Routes and the OpenAPI document come from the same
 //! `#[utoipa::path]` annotations (utoipa-axum), so they cannot drift apart.
 

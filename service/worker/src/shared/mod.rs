@@ -43,7 +43,7 @@ pub(crate) struct WorkerState {
 /// What the control thread and the queue threads share. Queue threads read
 /// the spec, the stats mapping and the data fd; the rest is the control
 /// thread's, sent to the queues as a [`QueueConfig`] (which, while a
-/// snapshot's copy runs, holds its [`moment::Moment`], whose chunk states
+/// snapshot's copy runs, holds its [`Moment`](crate::moment::Moment), whose chunk states
 /// the queues and the copy's thread share).
 pub(crate) struct Shared {
     pub spec: WorkerSpec,

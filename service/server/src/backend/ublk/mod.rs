@@ -71,7 +71,7 @@ pub(super) struct Worker {
     dev_id: u32,
     /// A duplicate of the image fd, for a replacement worker and for unpinning.
     image: OwnedFd,
-    /// A duplicate of the worker's image lock ([`LOCK_FD`]), for a
+    /// A duplicate of the worker's image lock ([`LOCK_FD`](blockplane_protocol::LOCK_FD)), for a
     /// replacement worker: held here, the lock outlives the worker's crash.
     lock: Option<OwnedFd>,
     spec: WorkerSpec,
