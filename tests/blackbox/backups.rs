@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 
 use crate::eventually;
 use crate::harness::{Opts, Service, assert_error};
+use blockplane_test_support::s3::S3Server as S3;
 
 const MIB: u64 = 1 << 20;
 const CHUNK: u64 = 4 * MIB;
@@ -753,55 +754,23 @@ async fn without_a_target_backups_are_refused_naming_the_flag() {
     assert_error(&s.get("/v1/backups").await, 409, "no_backup_target");
 }
 
-/// The test S3 server (`tests/s3-server.py`: moto on a loopback port with
-/// request signatures checked, a user and its key, bucket `bucket`);
-/// stopped when dropped.
-struct S3 {
-    child: std::process::Child,
-    endpoint: String,
-    access_key_id: String,
-    secret_access_key: String,
+/// The test S3 server as a backup target of a service.
+trait S3Service {
+    /// A service whose target is `prefix` of the bucket, with `secret` as
+    /// its secret key, and `extra` arguments and `env`.
+    async fn service(
+        &self,
+        prefix: &str,
+        secret: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> (Service, tempfile::NamedTempFile);
+
+    /// A credentials file with the server's key and `secret`.
+    fn credentials(&self, secret: &str) -> tempfile::NamedTempFile;
 }
 
-impl S3 {
-    fn start() -> S3 {
-        let python = std::env::var("BLOCKPLANE_TEST_PYTHON")
-            .expect("BLOCKPLANE_TEST_PYTHON: the test venv's python, with moto[server] (tests/requirements.txt)");
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/s3-server.py");
-        let mut child = std::process::Command::new(&python)
-            .arg(&script)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{python} {}: {e}", script.display()));
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let v: Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("tests/s3-server.py said {line:?}: {e}"));
-        let field = |k: &str| v[k].as_str().unwrap().to_string();
-        S3 {
-            endpoint: field("endpoint"),
-            access_key_id: field("access_key_id"),
-            secret_access_key: field("secret_access_key"),
-            child,
-        }
-    }
-
-    /// Asks the server for a fault (`hang`, `clear`, `slowdown?count=N`).
-    fn fault(&self, what: &str) {
-        let url = format!("{}/__fault/{what}", self.endpoint);
-        let r = std::process::Command::new("curl")
-            .args(["-sf", "-X", "POST", &url])
-            .output()
-            .unwrap();
-        assert!(r.status.success(), "{url}: {r:?}");
-    }
-
+impl S3Service for S3 {
     /// A service whose target is `prefix` of the bucket, with `secret` as
     /// its secret key, and `extra` arguments and `env`.
     async fn service(
@@ -843,13 +812,6 @@ impl S3 {
         )
         .unwrap();
         f
-    }
-}
-
-impl Drop for S3 {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime};
 
 use blockplane_system::image::AllocateJob;
+use blockplane_test_support::s3::S3Server;
 use bytes::Bytes;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -47,49 +48,14 @@ fn env() -> Env {
     }
 }
 
-/// The test S3 server (`tests/s3-server.py`: moto with request signatures
-/// checked, and faults on request), stopped when dropped.
-struct S3Server {
-    child: std::process::Child,
-    endpoint: String,
-    bucket: String,
-    access_key_id: String,
-    secret_access_key: String,
-}
-
-impl S3Server {
-    fn start() -> S3Server {
-        let python = std::env::var("BLOCKPLANE_TEST_PYTHON").expect(
-            "BLOCKPLANE_TEST_PYTHON: the test venv's python, with moto[server] (tests/requirements.txt; tests/run-all.sh sets it)",
-        );
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/s3-server.py");
-        let mut child = std::process::Command::new(&python)
-            .arg(&script)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{python} {}: {e}", script.display()));
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("tests/s3-server.py said {line:?}: {e}"));
-        let field = |k: &str| v[k].as_str().unwrap().to_string();
-        S3Server {
-            endpoint: field("endpoint"),
-            bucket: field("bucket"),
-            access_key_id: field("access_key_id"),
-            secret_access_key: field("secret_access_key"),
-            child,
-        }
-    }
-
+/// A target on the test S3 server.
+trait S3Target {
     /// A target under `prefix` of the bucket, with `secret` as the secret
     /// key.
+    fn target_config(&self, prefix: &str, secret: &str) -> TargetConfig;
+}
+
+impl S3Target for S3Server {
     fn target_config(&self, prefix: &str, secret: &str) -> TargetConfig {
         let spec = format!("s3://{}/{prefix}?endpoint={}", self.bucket, self.endpoint);
         parse_with_env(&spec, None, |n| match n {
@@ -98,26 +64,6 @@ impl S3Server {
             _ => None,
         })
         .unwrap()
-    }
-
-    /// Asks for a fault (`slowdown?count=N`, `hang`, `clear`), or with
-    /// `stats` for its counts; its answer.
-    fn fault(&self, what: &str) -> serde_json::Value {
-        let url = format!("{}/__fault/{what}", self.endpoint);
-        let method = if what == "stats" { "GET" } else { "POST" };
-        let r = std::process::Command::new("curl")
-            .args(["-sf", "-X", method, &url])
-            .output()
-            .unwrap();
-        assert!(r.status.success(), "{url}: {r:?}");
-        serde_json::from_slice(&r.stdout).unwrap()
-    }
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
