@@ -355,15 +355,23 @@ pub fn after_copy(reason: Reason, qos: bool) -> Decision {
     }
 }
 
-/// Decides where a dm volume under `auto` goes when its last QoS limit is
-/// removed: back to the kernel's path (`direct` or `kernel`), saying the
-/// limit's removal took it there, or on its worker, saying why.
-pub fn after_last_limit(ask: &Ask<'_>) -> Result<Decision, DispatchError> {
-    let back = decide(&Ask {
-        policy: DispatchPolicy::Auto,
-        ..*ask
-    })?;
-    Ok(match back.dispatch {
+/// Decides where a dm volume goes when its last QoS limit is removed
+/// (`had_limit`: it had one until now; `running`: why it runs its path):
+/// `None` where nothing moved it for a limit (a named policy, or `auto` that
+/// never left the kernel's path for one) and it stays; else, under `auto`,
+/// back to the kernel's path (`direct` or `kernel`), saying the limit's
+/// removal took it there, or on its worker, saying why.
+pub fn after_last_limit(
+    had_limit: bool,
+    running: &Reason,
+    ask: &Ask<'_>,
+) -> Result<Option<Decision>, DispatchError> {
+    let moved_for_limit = had_limit || *running == Reason::QosNowait;
+    if !moved_for_limit || ask.policy != DispatchPolicy::Auto {
+        return Ok(None);
+    }
+    let back = decide(ask)?;
+    Ok(Some(match back.dispatch {
         DispatchPolicy::Direct | DispatchPolicy::Kernel => Decision {
             reason: Reason::LastLimitRemoved {
                 back: Box::new(back.reason),
@@ -371,7 +379,7 @@ pub fn after_last_limit(ask: &Ask<'_>) -> Result<Decision, DispatchError> {
             ..back
         },
         _ => back,
-    })
+    }))
 }
 
 /// Whether `backend: auto` tries dm first: for `dispatch: auto` with no
@@ -669,7 +677,8 @@ mod tests {
     }
 
     /// Back from the last limit: the path `auto` decides, saying the
-    /// limit's removal took it there.
+    /// limit's removal took it there; a named policy, or `auto` that never
+    /// moved for a limit, stays.
     #[test]
     fn the_last_limit_removed_takes_auto_back_to_the_kernels_path() {
         let f = image();
@@ -677,7 +686,14 @@ mod tests {
             ublk_missing: None,
             loop_missing: None,
         };
-        let d = after_last_limit(&ask(&f, DispatchPolicy::Auto, &dm)).unwrap();
+        let words = Reason::Words {
+            words: String::new(),
+        };
+        let named = ask(&f, DispatchPolicy::Nowait, &dm);
+        assert_eq!(after_last_limit(true, &words, &named).unwrap(), None);
+        let auto = ask(&f, DispatchPolicy::Auto, &dm);
+        assert_eq!(after_last_limit(false, &words, &auto).unwrap(), None);
+        let d = after_last_limit(true, &words, &auto).unwrap().unwrap();
         if direct_io_capable(f.as_fd()) {
             assert_eq!(d.dispatch, DispatchPolicy::Kernel);
             let Reason::LastLimitRemoved { back } = &d.reason else {

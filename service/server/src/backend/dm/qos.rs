@@ -38,7 +38,6 @@ impl DmBackend {
     ) -> Result<(), BackendError> {
         let no_worker = matches!(v.dispatch, DispatchPolicy::Direct | DispatchPolicy::Kernel);
         let old = v.params.qos;
-        let moved_for_qos = old.is_some() || v.reason == Reason::QosNowait;
         if qos.is_some() {
             let moved = dispatch::qos_on_dm(v.params.dispatch, no_worker, &self.path())
                 .map_err(qos_not_live)?;
@@ -66,10 +65,11 @@ impl DmBackend {
         }
         self.ublk.change(volume_id, Request::SetQos { qos: None })?;
         v.params.qos = None;
-        if !(moved_for_qos && v.params.dispatch == DispatchPolicy::Auto) {
+        let path = self.path();
+        let asked = ask(v, v.params.dispatch, &path);
+        let Some(back) = dispatch::after_last_limit(old.is_some(), &v.reason, &asked)? else {
             return Ok(());
-        }
-        let back = dispatch::after_last_limit(&ask(v, DispatchPolicy::Auto, &self.path()))?;
+        };
         let Reason::LastLimitRemoved { .. } = back.reason else {
             // Stays on the worker: say why, no longer the limit.
             return self.switch(volume_id, v, back.dispatch, back.reason);
