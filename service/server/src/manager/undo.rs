@@ -10,8 +10,8 @@
 //!   exit remembering to clean.
 //! - An operation whose undo must wait on the device and can fail (a PATCH's
 //!   live changes) calls [`Undo::unwind`] with how to take one step back:
-//!   the first that fails stops it, and the steps older than it stay, as the
-//!   world then is, for the caller to record.
+//!   the first that fails stops it, and it and the steps older than it stay,
+//!   as the world then is, for the caller to record.
 
 use std::fmt::Display;
 use std::future::Future;
@@ -66,8 +66,9 @@ impl<S: Step> Undo<S> {
     /// Takes the steps back newest first with `undo`, which is given what
     /// the previous undo left (`state` first: a device's attachment) and a
     /// copy of the step, and gives back the new state, or the state as it
-    /// was with why it failed. The first that fails stops it (logged with
-    /// its name). The state after, and the steps that stay, oldest first.
+    /// was with why it failed (the caller says so where it matters). The
+    /// first that fails stops it: the state after, and the steps that stay
+    /// (the one that failed and those older), oldest first.
     pub async fn unwind<T, E, F>(
         mut self,
         mut state: T,
@@ -83,7 +84,7 @@ impl<S: Step> Undo<S> {
             match undo(state, step).await {
                 Ok(after) => state = after,
                 Err((unchanged, e)) => {
-                    tracing::warn!(step = what, error = %e, "could not undo a step");
+                    tracing::debug!(step = what, error = %e, "could not undo");
                     return (unchanged, self.commit());
                 }
             }
