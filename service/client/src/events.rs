@@ -5,7 +5,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Method, StatusCode};
 
-use super::Client;
+use super::client::Client;
 use super::error::Error;
 use super::path::with_query;
 use blockplane_api::model::{Event, EventQuery, EventStreamQuery};

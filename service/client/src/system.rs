@@ -3,7 +3,7 @@
 use hyper::Method;
 use uuid::Uuid;
 
-use super::Client;
+use super::client::Client;
 use super::error::Error;
 use blockplane_api::model::{Health, Host};
 

@@ -1,7 +1,7 @@
 //! HTTP/1.1 to the API, one request per connection, over the unix socket or
 //! TCP, with the bearer token when there is one. [`Transport::send`] and
 //! [`Transport::send_raw`] speak untyped JSON and text, for the tests that
-//! check the wire itself; programs use the typed [`Client`](super::Client).
+//! check the wire itself; programs use the typed [`Client`](crate::Client).
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};

@@ -2,7 +2,7 @@
 
 use hyper::Method;
 
-use super::Client;
+use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
