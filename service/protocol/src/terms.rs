@@ -3,8 +3,10 @@
 //!
 //! They are spelled on the wire as the API's words of the same meaning were
 //! in protocols 1 to 3 (the tests below pin that), but they are not the
-//! API's types: the public API and this protocol change apart, and the
-//! server converts between them at its one end (its ublk backend's `wire`).
+//! API's types: the public API and this protocol change apart. The server
+//! converts between them at its one end (`backend/wire.rs`), but for the
+//! data path, which the decider gives in the protocol's word
+//! ([`DataPath::serving`]).
 
 use serde::{Deserialize, Serialize};
 
