@@ -66,8 +66,9 @@ pub(crate) async fn loop_volume(
     .await
 }
 
-/// How long a copy may take to end, or to show progress.
-const COPY_WAIT: Duration = Duration::from_secs(60);
+/// How long a copy may take to end, or to show progress: generous for a
+/// loaded machine; a condition ends every wait long before.
+const COPY_WAIT: Duration = Duration::from_secs(300);
 
 /// Polls an image until it is no longer `copying`; its last view.
 async fn wait_copy(s: &Service, image: &str) -> Value {
