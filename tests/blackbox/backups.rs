@@ -771,8 +771,6 @@ trait S3Service {
 }
 
 impl S3Service for S3 {
-    /// A service whose target is `prefix` of the bucket, with `secret` as
-    /// its secret key, and `extra` arguments and `env`.
     async fn service(
         &self,
         prefix: &str,
@@ -800,7 +798,6 @@ impl S3Service for S3 {
         (s, creds)
     }
 
-    /// A credentials file with the server's key and `secret`.
     fn credentials(&self, secret: &str) -> tempfile::NamedTempFile {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
