@@ -563,7 +563,7 @@ impl Backups {
         );
         if let Err(e) = self
             .house()
-            .record_image_event(&src, "backup_started", &started)
+            .record_image_event(src.id, "backup_started", &started)
             .await
         {
             if let Some(c) = &source.copier {
@@ -717,13 +717,8 @@ impl Backups {
                 Some(e.to_string()),
             ),
         };
-        let recorded = async {
-            let mut tx = self.house().store.begin().await?;
-            tx.event(None, Some(meta.image.id), kind, &text).await?;
-            tx.commit().await
-        }
-        .await;
-        if let Err(e) = recorded {
+        let recorded = self.house().record_image_event(meta.image.id, kind, &text);
+        if let Err(e) = recorded.await {
             tracing::error!(backup = %meta.id, error = %e, "could not record the end of a backup");
         }
         tracing::info!(backup = %meta.id, state = ?state, "{text}");
@@ -825,21 +820,16 @@ impl Backups {
         };
         if done {
             blockplane_backup::delete(&target, b.id).await?;
-            let mut tx = self.house().store.begin().await?;
-            tx.event(
-                None,
-                Some(b.image_id),
-                "backup_deleted",
-                &format!(
-                    "image '{}': backup '{}' ({}) deleted from {}",
-                    b.image_name,
-                    b.name,
-                    b.id,
-                    target.describe()
-                ),
-            )
-            .await?;
-            tx.commit().await?;
+            let deleted = format!(
+                "image '{}': backup '{}' ({}) deleted from {}",
+                b.image_name,
+                b.name,
+                b.id,
+                target.describe()
+            );
+            self.house()
+                .record_image_event(b.image_id, "backup_deleted", &deleted)
+                .await?;
             // Its chunks go, and the image's last backup may be an older one.
             let me = self.clone();
             tokio::spawn(async move {

@@ -14,6 +14,7 @@ use crate::fault::Faults;
 use crate::store::{ImageRow, Store, VolumeRow};
 use blockplane_api::model::{self, Backend};
 use blockplane_system::image::{Access, ImageRoots};
+use uuid::Uuid;
 
 /// What every manager operation reads.
 pub(super) struct House {
@@ -84,15 +85,15 @@ impl House {
         Ok(registering)
     }
 
-    /// Records an event about `image` in a transaction of its own.
+    /// Records an event about image `image_id` in a transaction of its own.
     pub(super) async fn record_image_event(
         &self,
-        image: &ImageRow,
+        image_id: Uuid,
         kind: &str,
         message: &str,
     ) -> Result<()> {
         let mut tx = self.store.begin().await?;
-        tx.event(None, Some(image.id), kind, message).await?;
+        tx.event(None, Some(image_id), kind, message).await?;
         tx.commit().await?;
         Ok(())
     }
