@@ -82,3 +82,117 @@ pub fn table(name: &str) -> Result<Table, DmCallError> {
         targets,
     })
 }
+
+/// A dm node mapping one whole device linearly: a handle that stays while
+/// the device under it is replaced (a table reload), as a remote volume's
+/// node over its NVMe namespace.
+pub mod linear {
+    use std::path::{Path, PathBuf};
+
+    use devicemapper::{DM, DevId, DmFlags, DmName, DmOptions, DmUuid};
+
+    use super::{CONTROL, DmCallError};
+
+    fn dm() -> Result<DM, DmCallError> {
+        DM::new().map_err(|e| DmCallError::new("open", CONTROL, e))
+    }
+
+    fn name_of(name: &str) -> Result<&DmName, DmCallError> {
+        DmName::new(name).map_err(|e| DmCallError::new("name", name, e))
+    }
+
+    fn table(device: &Path, sectors: u64) -> Vec<super::Target> {
+        vec![(
+            0,
+            sectors,
+            "linear".to_string(),
+            format!("{} 0", device.display()),
+        )]
+    }
+
+    fn flags(read_only: bool) -> DmOptions {
+        DmOptions::default().set_flags(match read_only {
+            true => DmFlags::DM_READONLY,
+            false => DmFlags::empty(),
+        })
+    }
+
+    /// Makes node `name` (dm uuid `uuid`) over `sectors` of `device`;
+    /// nothing is left when it fails.
+    pub fn create(
+        name: &str,
+        uuid: &str,
+        device: &Path,
+        sectors: u64,
+        read_only: bool,
+    ) -> Result<(), DmCallError> {
+        let dm = dm()?;
+        let id = DevId::Name(name_of(name)?);
+        let dm_uuid = DmUuid::new(uuid).map_err(|e| DmCallError::new("uuid", uuid, e))?;
+        dm.device_create(name_of(name)?, Some(dm_uuid), DmOptions::default())
+            .map_err(|e| DmCallError::new("DM_DEV_CREATE", name, e))?;
+        let made = dm
+            .table_load(&id, &table(device, sectors), flags(read_only))
+            .map_err(|e| DmCallError::new("DM_TABLE_LOAD", name, e))
+            .and_then(|_| {
+                dm.device_suspend(&id, DmOptions::default())
+                    .map_err(|e| DmCallError::new("resume", name, e))
+            });
+        if let Err(e) = made {
+            let _ = dm.device_remove(&id, DmOptions::default());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Maps node `name` onto `sectors` of `device` now: suspended (its
+    /// in-flight I/O finished), loaded, resumed. A failure before the
+    /// resume leaves the old table live.
+    pub fn reload(
+        name: &str,
+        device: &Path,
+        sectors: u64,
+        read_only: bool,
+    ) -> Result<(), DmCallError> {
+        let dm = dm()?;
+        let id = DevId::Name(name_of(name)?);
+        dm.device_suspend(&id, DmOptions::default().set_flags(DmFlags::DM_SUSPEND))
+            .map_err(|e| DmCallError::new("suspend", name, e))?;
+        if let Err(e) = dm.table_load(&id, &table(device, sectors), flags(read_only)) {
+            let _ = dm.table_clear(&id);
+            let _ = dm.device_suspend(&id, DmOptions::default());
+            return Err(DmCallError::new("DM_TABLE_LOAD", name, e));
+        }
+        dm.device_suspend(&id, DmOptions::default())
+            .map_err(|e| DmCallError::new("resume", name, e))?;
+        Ok(())
+    }
+
+    /// Removes node `name`; `Ok(false)` when there was none. An open node
+    /// is refused with EBUSY ([`super::errno`]).
+    pub fn remove(name: &str) -> Result<bool, DmCallError> {
+        match dm()?.device_remove(&DevId::Name(name_of(name)?), DmOptions::default()) {
+            Ok(_) => Ok(true),
+            Err(e) if super::errno(&e) == Some(libc::ENXIO) => Ok(false),
+            Err(e) => Err(DmCallError::new("DM_DEV_REMOVE", name, e)),
+        }
+    }
+
+    /// The device node of `name`, if it exists: `/dev/mapper/<name>` where
+    /// udev (or someone) made it, else the kernel's `/dev/dm-<minor>`.
+    pub fn device(name: &str) -> Result<Option<PathBuf>, DmCallError> {
+        let info = match dm()?.device_info(&DevId::Name(name_of(name)?)) {
+            Ok(info) => info,
+            Err(e) if super::errno(&e) == Some(libc::ENXIO) => return Ok(None),
+            Err(e) => return Err(DmCallError::new("DM_DEV_STATUS", name, e)),
+        };
+        let mapper = Path::new("/dev/mapper").join(name);
+        if mapper.exists() {
+            return Ok(Some(mapper));
+        }
+        Ok(Some(PathBuf::from(format!(
+            "/dev/dm-{}",
+            info.device().minor
+        ))))
+    }
+}
