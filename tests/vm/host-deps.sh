@@ -9,6 +9,6 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 BP_HOST_PKGS=(
   qemu-system-x86 busybox-static kmod cpio xz-utils zstd        # boot + initramfs build
-  xfsprogs e2fsprogs dmsetup fio util-linux jq                  # used by jobs inside the guest
+  xfsprogs e2fsprogs dmsetup fio util-linux jq iproute2         # used by jobs inside the guest
 )
 bp_ensure_pkgs "${BP_HOST_PKGS[@]}"

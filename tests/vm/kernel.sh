@@ -211,6 +211,14 @@ xfs required
 ext4 required
 brd required rd_nr=0
 null_blk required nr_devices=0
+nvme-auth required
+nvme-keyring optional
+nvme-core required
+nvme-fabrics required
+nvme-tcp required
+nvmet required
+nvmet-tcp required
+veth required
 '
 
 norm() { local n=${1##*/}; n=${n%%.ko*}; printf '%s' "${n//-/_}"; }
