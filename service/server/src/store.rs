@@ -1,4 +1,5 @@
-//! SQLite persistence (sqlx): images, volumes and events.
+//! SQLite persistence (sqlx): images, volumes and events, and the exports
+//! and remote volumes ([`fabric`]).
 //!
 //! One real database file under the data dir, in WAL mode. Reads use a pool of
 //! connections; every write goes through a single-connection pool and starts
@@ -35,6 +36,9 @@ use blockplane_api::model::{
     Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageEncryption,
     ImageState, Qos, VolumeState,
 };
+
+mod fabric;
+pub use fabric::{ExportHostRow, ExportRow, RemoteAttachment, RemoteRow};
 
 /// The schema migrations this build knows (`migrations/`), applied at open.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

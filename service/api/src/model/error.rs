@@ -146,6 +146,10 @@ error_codes! {
     KeySlotNotFound = "key_slot_not_found",
     /// 404: no backup of that id or name on the backup target.
     BackupNotFound = "backup_not_found",
+    /// 404: the volume has no export.
+    ExportNotFound = "export_not_found",
+    /// 404: no remote volume of that id or name.
+    RemoteNotFound = "remote_not_found",
 
     // Conflicts with what exists.
     /// 409: another image has that name.
@@ -189,6 +193,36 @@ error_codes! {
     BackupGcBusy = "backup_gc_busy",
     /// 409: more than one backup has that name: give its id.
     BackupAmbiguous = "backup_ambiguous",
+    /// 409: the volume is exported: remove its export first.
+    VolumeExported = "volume_exported",
+    /// 409: a host is connected to the export: disconnect it first.
+    HostConnected = "host_connected",
+    /// 409: a remote volume of that name exists with another address or NQN.
+    RemoteExists = "remote_exists",
+
+    // Exports and remote volumes.
+    /// 422: this service cannot export (no `--export-address`, or no
+    /// NVMe target in the kernel).
+    ExportUnavailable = "export_unavailable",
+    /// 422: an export without authentication off loopback, or without
+    /// `insecure_loopback: true`.
+    AuthRequired = "auth_required",
+    /// 422: a read-only export, or an exported volume made read-only: the
+    /// kernel's NVMe target serves namespaces read-write only.
+    ExportReadOnly = "export_read_only",
+    /// 422: a host NQN, an NQN or a secret outside its rule.
+    InvalidFabricName = "invalid_fabric_name",
+    /// 422: what was asked does not apply to a remote volume (its exporting
+    /// host decides it).
+    NotForRemote = "not_for_remote",
+    /// 422: this host cannot connect to exports (no NVMe/TCP initiator in
+    /// the kernel).
+    InitiatorUnavailable = "initiator_unavailable",
+    /// 403: the exporting host refused this host: not allowed, or a key
+    /// that does not match.
+    RemoteRefused = "remote_refused",
+    /// 502: the exporting host did not answer at that address.
+    RemoteUnreachable = "remote_unreachable",
 
     // Backends and dispatch.
     /// 422: the backend cannot run on this host.

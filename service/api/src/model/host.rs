@@ -110,6 +110,10 @@ pub struct Host {
     /// (each shows `recovering`).
     #[serde(default)]
     pub recovering_volumes: usize,
+    /// This host as an NVMe/TCP party: its host NQN, its export addresses
+    /// and what the kernel can do (`null` from a service before exports).
+    #[serde(default)]
+    pub fabric: Option<super::Fabric>,
 }
 
 /// A service before `reconciled` answered only once it had reconciled.

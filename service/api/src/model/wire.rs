@@ -76,5 +76,23 @@ mod tests {
             ],
             |v| v.as_str(),
         );
+        check(&[ExportAuth::Dhchap, ExportAuth::None], |v| v.as_str());
+        check(
+            &[
+                ExportState::Serving,
+                ExportState::Waiting,
+                ExportState::Error,
+            ],
+            |v| v.as_str(),
+        );
+        check(
+            &[
+                RemoteState::Connecting,
+                RemoteState::Attached,
+                RemoteState::Reconnecting,
+                RemoteState::Error,
+            ],
+            |v| v.as_str(),
+        );
     }
 }
