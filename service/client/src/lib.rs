@@ -12,6 +12,7 @@ mod client;
 mod endpoint;
 mod error;
 mod events;
+mod exports;
 mod images;
 mod path;
 mod system;

@@ -45,6 +45,14 @@ pub enum ConfigError {
     /// `--backup-target` or its credentials cannot be used.
     #[error("--backup-target: {0}")]
     BackupTarget(#[from] blockplane_backup::Error),
+    /// An export address is not `IP[:PORT]`.
+    #[error("--export-address '{address}': {reason}")]
+    ExportAddress {
+        /// As given.
+        address: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// Flags of `blockplane serve`.
@@ -99,6 +107,15 @@ pub struct ServeArgs {
     /// backups are refused].
     #[arg(long, env = "BLOCKPLANE_BACKUP_TARGET")]
     pub backup_target: Option<String>,
+    /// Where volumes' exports listen for NVMe/TCP hosts, repeatable:
+    /// `IP[:PORT]` (port 4420 when left out) [default: none, exports are
+    /// refused].
+    #[arg(
+        long = "export-address",
+        env = "BLOCKPLANE_EXPORT_ADDRESS",
+        value_delimiter = ','
+    )]
+    pub export_address: Vec<String>,
     /// A file with the S3 target's credentials (`access_key_id = …`,
     /// `secret_access_key = …`, optional `session_token = …`), readable by
     /// the service's user only [default: AWS_ACCESS_KEY_ID,
@@ -200,6 +217,8 @@ struct FileConfig {
     extent_check_secs: Option<u32>,
     key_unlock_ms: Option<u32>,
     backup_target: Option<String>,
+    #[serde(default)]
+    export_address: Vec<String>,
     backup_credentials: Option<PathBuf>,
     backup_timeout_secs: Option<u64>,
     max_body_bytes: Option<usize>,
@@ -274,6 +293,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
     pub accept_new_registry: bool,
+    /// Where exports listen (`--export-address`); none: exports are refused.
+    pub export_addresses: Vec<blockplane_system::nvmet::ListenAddr>,
 }
 
 /// The data dir used when none is configured.
@@ -310,7 +331,12 @@ impl ServeArgs {
         )?;
         let insecure_tcp = self.insecure_tcp || file.insecure_tcp.unwrap_or(false);
         check_tcp(&listen, token.is_some(), insecure_tcp)?;
+        let export_addresses = export_addresses_of(match self.export_address.is_empty() {
+            true => &file.export_address,
+            false => &self.export_address,
+        })?;
         Ok(ServeConfig {
+            export_addresses,
             data_dir,
             listen,
             image_roots,
@@ -409,6 +435,23 @@ impl FileConfig {
         }
         Ok(file)
     }
+}
+
+/// The export addresses, parsed.
+fn export_addresses_of(
+    text: &[String],
+) -> Result<Vec<blockplane_system::nvmet::ListenAddr>, ConfigError> {
+    text.iter()
+        .map(|a| {
+            a.parse()
+                .map_err(|e: blockplane_system::nvmet::ListenAddrError| {
+                    ConfigError::ExportAddress {
+                        address: a.clone(),
+                        reason: e.to_string(),
+                    }
+                })
+        })
+        .collect()
 }
 
 /// The listen addresses: the flags' when any are given, else the file's

@@ -682,6 +682,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
                 orphans_removed = report.orphans_removed,
                 "reconciled with the kernel"
             );
+            manager.remotes().reconcile().await?;
+            manager.exports().start_following();
             manager.start_sampler();
             Ok(())
         })
@@ -795,6 +797,7 @@ fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, Se
             None => None,
         },
         faults,
+        export_addresses: cfg.export_addresses.clone(),
     })
 }
 

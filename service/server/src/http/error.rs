@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use crate::backend::BackendError;
-use crate::manager::Error;
+use crate::manager::{Error, ExportError, RemoteError};
 use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
 use blockplane_system::image::ImageFileError;
 
@@ -65,6 +65,41 @@ fn backup(e: &blockplane_backup::Error) -> (StatusCode, ErrorCode) {
             ErrorCode::BackupTargetUnavailable,
         ),
         E::Config(_) | E::Image { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::IoError),
+    }
+}
+
+fn export(e: &ExportError) -> (StatusCode, ErrorCode) {
+    use ErrorCode as C;
+    use ExportError as E;
+    match e {
+        E::NotFound(_) => (StatusCode::NOT_FOUND, C::ExportNotFound),
+        E::Unavailable { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::ExportUnavailable),
+        E::AuthRequired { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::AuthRequired),
+        E::ReadOnly { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::ExportReadOnly),
+        E::BadHost { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidFabricName),
+        E::Exported { .. } => (StatusCode::CONFLICT, C::VolumeExported),
+        E::HostsConnected { .. } | E::MaybeConnected { .. } => {
+            (StatusCode::CONFLICT, C::HostConnected)
+        }
+        E::Kernel { .. } | E::Keys { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
+    }
+}
+
+fn remote(e: &RemoteError) -> (StatusCode, ErrorCode) {
+    use ErrorCode as C;
+    use RemoteError as E;
+    match e {
+        E::NotFound(_) => (StatusCode::NOT_FOUND, C::RemoteNotFound),
+        E::Exists { .. } | E::SameExport { .. } => (StatusCode::CONFLICT, C::RemoteExists),
+        E::Invalid { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidFabricName),
+        E::NotForRemote { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::NotForRemote),
+        E::Unavailable { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InitiatorUnavailable),
+        E::Refused { .. } => (StatusCode::FORBIDDEN, C::RemoteRefused),
+        E::Unreachable { .. } | E::NoNamespace { .. } => {
+            (StatusCode::BAD_GATEWAY, C::RemoteUnreachable)
+        }
+        E::Busy { .. } => (StatusCode::CONFLICT, C::DeviceBusy),
+        E::Fabrics { .. } | E::Dm { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
     }
 }
 
@@ -138,6 +173,8 @@ impl ApiError {
                 Error::BackupAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
                 Error::BackupNotDone { .. } => (S::CONFLICT, C::BackupNotDone),
                 Error::Backup(e) => backup(e),
+                Error::Export(e) => export(e),
+                Error::Remote(e) => remote(e),
                 Error::SnapshotAttached { .. } => {
                     (S::CONFLICT, C::VolumeAttachedSnapshotUnsupported)
                 }

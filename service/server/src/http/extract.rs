@@ -31,8 +31,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                 message: "the request body must be a JSON object".into(),
             });
         }
-        // Nor inside it (`"qos": [null, null]`): no request body holds an
-        // array, so one is always an object written as an array.
+        // Nor inside it (`"qos": [null, null]`): outside the fields that
+        // are lists ([`LISTS`]), an array is always an object written as
+        // one.
         if let Some(at) = first_array(&value, String::new()) {
             return Err(ApiError::BadRequest {
                 status: StatusCode::BAD_REQUEST,
@@ -52,9 +53,18 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     }
 }
 
-/// Where `v` holds an array, as a JSON pointer below `at`.
+/// The request fields that are lists (of plain values), as JSON pointers:
+/// an export's host NQNs.
+const LISTS: &[&str] = &["/hosts"];
+
+/// Where `v` holds an array, as a JSON pointer below `at`, outside
+/// [`LISTS`] (and inside them, an array in the list).
 fn first_array(v: &serde_json::Value, at: String) -> Option<String> {
     match v {
+        serde_json::Value::Array(items) if LISTS.contains(&at.as_str()) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| first_array(item, format!("{at}/{i}"))),
         serde_json::Value::Array(_) => Some(if at.is_empty() { "/".into() } else { at }),
         serde_json::Value::Object(m) => m
             .iter()

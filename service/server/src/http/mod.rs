@@ -6,6 +6,7 @@
 mod backups;
 pub mod error;
 mod events;
+mod exports;
 mod extract;
 mod images;
 mod system;
@@ -49,6 +50,8 @@ pub type AppState = Arc<Manager>;
         (name = "images", description = "Backing image files"),
         (name = "volumes", description = "Block devices serving images"),
         (name = "backups", description = "Images backed up off the host, and restored"),
+        (name = "exports", description = "Volumes served to other hosts over NVMe/TCP"),
+        (name = "remotes", description = "Other hosts' exports, connected here"),
         (name = "system", description = "Host, events, health"),
     ),
     modifiers(&BearerAuth),
@@ -174,6 +177,18 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(volumes::volume_usage))
         .routes(routes!(volumes::handover_volume))
         .routes(routes!(volumes::unlock_volume))
+        .routes(routes!(
+            exports::put_export,
+            exports::get_export,
+            exports::delete_export
+        ))
+        .routes(routes!(exports::list_exports))
+        .routes(routes!(exports::create_remote, exports::list_remotes))
+        .routes(routes!(
+            exports::get_remote,
+            exports::patch_remote,
+            exports::delete_remote
+        ))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

@@ -130,6 +130,10 @@ pub enum Error {
     BackupNotDone { name: String, state: &'static str },
     #[error(transparent)]
     Backup(#[from] blockplane_backup::Error),
+    #[error(transparent)]
+    Export(#[from] super::exports::ExportError),
+    #[error(transparent)]
+    Remote(#[from] super::remotes::RemoteError),
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
     #[error("image '{name}' ({path}) cannot be registered as full: {reason}; nothing was recorded")]

@@ -89,6 +89,37 @@ impl Manager {
                 .map(|s| supervision(&s)),
             reconciled: self.volumes.recovering.finished(),
             recovering_volumes: self.volumes.recovering.count(),
+            fabric: Some(self.fabric()),
+        }
+    }
+
+    /// This host as an NVMe/TCP party (blocking: may load the kernel's
+    /// modules).
+    fn fabric(&self) -> model::Fabric {
+        let capability = |r: std::result::Result<(), String>| match r {
+            Ok(()) => Capability {
+                available: true,
+                reason: None,
+            },
+            Err(why) => Capability {
+                available: false,
+                reason: Some(why),
+            },
+        };
+        let addresses = self.exports.addresses();
+        let target = match addresses.is_empty() {
+            true => Err("no export address (--export-address)".to_string()),
+            false => blockplane_system::nvmet::Target::open()
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        };
+        model::Fabric {
+            host_nqn: self.remotes.host_nqn().to_string(),
+            export_addresses: addresses,
+            target: capability(target),
+            initiator: capability(
+                blockplane_system::fabrics::available().map_err(|e| e.to_string()),
+            ),
         }
     }
 }

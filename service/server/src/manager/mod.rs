@@ -10,6 +10,7 @@ mod copies;
 pub(crate) mod encryption;
 mod error;
 mod events;
+mod exports;
 #[cfg(test)]
 mod fake;
 mod handover;
@@ -28,6 +29,7 @@ pub mod orphans;
 mod pagecache;
 mod reconcile;
 mod recovery;
+mod remotes;
 mod reserve;
 #[cfg(test)]
 mod rules;
@@ -45,8 +47,10 @@ use crate::fault::Faults;
 use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
+pub use exports::{ExportError, Exports};
 use house::{House, Settings};
 use image_jobs::{ImageJobs, Images};
+pub use remotes::{RemoteError, Remotes};
 use volume_part::Volumes;
 
 /// Whether a create made something new or found it already there.
@@ -74,6 +78,8 @@ pub struct ManagerConfig {
     pub backup_target: Option<blockplane_backup::Target>,
     /// The test fault to inject (none outside tests).
     pub faults: Faults,
+    /// Where exports listen (`--export-address`); none: exports are refused.
+    pub export_addresses: Vec<blockplane_system::nvmet::ListenAddr>,
 }
 
 /// The controller: the house every part stands on, and the parts that keep
@@ -90,6 +96,10 @@ pub struct Manager {
     /// The volumes' part: their readings, the volumes a start has not
     /// reconciled yet, and what the API reads often.
     volumes: Volumes,
+    /// The exports' part: volumes served to other hosts over NVMe/TCP.
+    exports: Exports,
+    /// The remote volumes' part: other hosts' exports connected here.
+    remotes: Remotes,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -111,6 +121,7 @@ impl Manager {
         cfg: ManagerConfig,
     ) -> Result<Arc<Self>> {
         let instance = store.instance().await?;
+        let (host_nqn, host_id) = store.host_identity().await?;
         let house = Arc::new(House {
             store,
             roots,
@@ -133,6 +144,8 @@ impl Manager {
             jobs: Arc::new(ImageJobs::default()),
         };
         let me = Arc::new(Self {
+            exports: Exports::new(house.clone(), cfg.export_addresses),
+            remotes: Remotes::new(house.clone(), host_nqn, host_id),
             house,
             backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
             volumes: Volumes::new(images.clone()),
@@ -158,6 +171,17 @@ impl Manager {
         &self.backups
     }
 
+    /// The exports' part: volumes exported, shown and unexported.
+    pub fn exports(&self) -> &Exports {
+        &self.exports
+    }
+
+    /// The remote volumes' part: other hosts' exports connected, shown,
+    /// changed and disconnected.
+    pub fn remotes(&self) -> &Remotes {
+        &self.remotes
+    }
+
     /// The database (the server checkpoints it at stop).
     pub fn store(&self) -> &Store {
         &self.house.store
@@ -173,6 +197,9 @@ impl Manager {
                 tick.tick().await;
                 if let Err(e) = me.volumes.readings.sample_once(&me.house).await {
                     tracing::debug!(error = %e, "stats sampling failed");
+                }
+                if let Err(e) = me.remotes.follow_once().await {
+                    tracing::warn!(error = %e, "following remote volumes failed");
                 }
             }
         });

@@ -198,6 +198,7 @@ async fn manager_over(
             kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
             backup_target: None,
             faults: Faults::default(),
+            export_addresses: Vec::new(),
         },
     )
     .await

@@ -1016,6 +1016,13 @@ impl Volumes {
         let v = self.house().volume_row(id_or_name).await?;
         let _volume = self.house().locks.volumes.lock(&v.name).await;
         let mut v = self.house().volume_row(&v.id.to_string()).await?;
+        if let Some(export) = self.house().store.export(v.id).await? {
+            return Err(super::ExportError::Exported {
+                volume: v.name.clone(),
+                nqn: export.nqn,
+            }
+            .into());
+        }
         self.house().reserve.take();
         if let Some(layer) = v.crypt.as_ref().filter(|l| crypt::is_open(&l.name)) {
             // dm-crypt holds the backend's device; the plaintext is what
@@ -1084,6 +1091,10 @@ impl Volumes {
         let changes = changes(&v, &patch)?;
         if changes.is_empty() {
             return self.volume_view(&v).await;
+        }
+        if changes.iter().any(|c| matches!(c, Change::ReadOnly(true))) {
+            let export = self.house().store.export(v.id).await?;
+            super::exports::refuse_read_only(&v.name, export.as_ref())?;
         }
         // A backup reading the image decided so under this volume's lock.
         if changes.iter().any(|c| matches!(c, Change::ReadOnly(false))) {
