@@ -113,6 +113,27 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
         sample(&first, "blockplane_volumes", &[("state", "attached")]),
         Some(1.0)
     );
+    // Nothing exported, nothing connected from elsewhere: every state
+    // counted at zero, and no export to count hosts of.
+    for state in ["serving", "waiting", "error"] {
+        assert_eq!(
+            sample(&first, "blockplane_exports", &[("state", state)]),
+            Some(0.0),
+            "{text}"
+        );
+    }
+    for state in ["connecting", "attached", "reconnecting", "error"] {
+        assert_eq!(
+            sample(&first, "blockplane_remote_volumes", &[("state", state)]),
+            Some(0.0),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        sample(&first, "blockplane_export_hosts_connected", &[]),
+        None,
+        "{text}"
+    );
     assert_eq!(
         sample(&first, "blockplane_image_size_bytes", &[("image", "m-img")]),
         Some((8 << 20) as f64)

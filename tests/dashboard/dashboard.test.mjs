@@ -15,7 +15,7 @@ import {
 import { after, before, describe, test } from 'node:test';
 
 import {
-  SCREENSHOTS, Service, TOKEN, backingFile, browser, deviceSize, isBlockDevice, screenshot, until, writer,
+  REPO, SCREENSHOTS, Service, TOKEN, backingFile, browser, deviceSize, isBlockDevice, screenshot, until, writer,
 } from './harness.mjs';
 
 const MiB = 2 ** 20;
@@ -419,6 +419,98 @@ describe('dashboard', { concurrency: false }, () => {
     await page.locator('tr[data-volume=delta]').first().waitFor();
     assert.ok(await page.getByRole('link', { name: 'Overview' }).getAttribute('aria-current'), 'the nav marks the page');
     await screenshot(page, 'overview');
+  });
+
+  test('a volume page says the volume is not exported and why this service cannot export; the volumes page lists no remote volumes', async () => {
+    const v = await apiVolume('delta');
+    const host = await svc.ok('GET', '/v1/host');
+    const refused = await svc.call('GET', `/v1/volumes/${v.id}/export`);
+    assert.equal(refused.status, 404);
+    assert.equal(refused.body.error.code, 'export_not_found');
+    await go(`#/volumes/${v.id}`);
+    const state = page.locator('[data-section=export] [data-field=export-state]');
+    await until('the export section', async () => /^Not exported\./.test(await state.innerText()));
+    // This service has no --export-address: the page says so, in the host's words.
+    assert.equal(host.fabric.target.available, false);
+    assert.ok((await state.innerText()).includes(host.fabric.target.reason), await state.innerText());
+    assert.equal(await page.locator('[data-section=export] [role=alert]').count(), 0, 'no export is no error');
+
+    assert.deepEqual(await svc.ok('GET', '/v1/remotes'), []);
+    await go('#/volumes');
+    await page.locator('[data-section=remotes] [data-field=no-remotes]').waitFor();
+    assert.equal(await page.locator('tr[data-remote]').count(), 0);
+  });
+
+  test('an export and remote volumes as a host with NVMe/TCP answers them: connected, not connected, or unknown', async () => {
+    // This host has no NVMe target or initiator: the page gets the answers
+    // a host with them gives (their fields as openapi.json has them).
+    const v = await apiVolume('delta');
+    const schemas = JSON.parse(readFileSync(`${REPO}/openapi/openapi.json`, 'utf8')).components.schemas;
+    const shaped = (name, obj) => {
+      const s = schemas[name];
+      for (const k of s.required) assert.ok(k in obj, `${name} has ${k}`);
+      for (const k of Object.keys(obj)) assert.ok(k in s.properties, `${name} knows ${k}`);
+      return obj;
+    };
+    const hostNqn = (n) => `nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-00000000000${n}`;
+    const exp = shaped('Export', {
+      volume_id: v.id,
+      volume_name: v.name,
+      nqn: `nqn.2026-12.dev.blockplane:test:${v.name}`,
+      addresses: ['192.0.2.10:4420'],
+      read_only: false,
+      auth: 'dhchap',
+      hosts: [1, 2, 3].map((n) => shaped('ExportHost', { host_nqn: hostNqn(n), connected: [true, false, null][n - 1] })),
+      state: 'serving',
+      state_reason: null,
+      created_at: v.created_at,
+    });
+    const remote = shaped('Remote', {
+      id: '6f1c3a52-0d7e-4c39-9a51-2b8d5f0e7c11',
+      name: 'far-disk',
+      address: '192.0.2.20:4420',
+      nqn: 'nqn.2026-12.dev.blockplane:other:disk',
+      state: 'reconnecting',
+      state_reason: 'the connection to 192.0.2.20:4420 is connecting: I/O waits until it is back',
+      device: '/dev/mapper/blockplane-remote-6f1c3a52-0d7e-4c39-9a51-2b8d5f0e7c11',
+      nvme_device: '/dev/nvme1n1',
+      size_bytes: 64 * MiB,
+      read_only: true,
+      created_at: v.created_at,
+    });
+    const json = (body) => (route) => route.fulfill({ status: 200, contentType: 'application/json', body: JSON.stringify(body) });
+    const exportUrl = (u) => new URL(u).pathname === `/v1/volumes/${v.id}/export`;
+    const remotesUrl = (u) => new URL(u).pathname === '/v1/remotes';
+    await page.route(exportUrl, json(exp));
+    await page.route(remotesUrl, json([remote]));
+    try {
+      await go(`#/volumes/${v.id}`);
+      const section = page.locator('[data-section=export]');
+      await section.locator(`tr[data-host="${hostNqn(1)}"]`).waitFor();
+      assert.equal(await section.locator('[data-field=nqn]').innerText(), exp.nqn);
+      assert.equal(await section.locator('[data-field=addresses]').innerText(), '192.0.2.10:4420');
+      assert.match(await section.locator('[data-field=export-state]').innerText(), /^serving/);
+      const connected = (n) => section.locator(`tr[data-host="${hostNqn(n)}"] [data-field=connected]`).innerText();
+      assert.equal(await connected(1), 'connected');
+      assert.equal(await connected(2), 'not connected');
+      assert.match(await connected(3), /^unknown\s+the kernel cannot say/);
+      await screenshot(page, 'volume-export');
+
+      await go('#/volumes');
+      const row = page.locator('tr[data-remote="far-disk"]');
+      await row.waitFor();
+      const cell = (f) => row.locator(`[data-field=${f}]`).innerText();
+      assert.equal(await cell('address'), remote.address);
+      assert.equal(await cell('nqn'), remote.nqn);
+      assert.match(await cell('state'), /^reconnecting: the connection/);
+      assert.match(await cell('device'), new RegExp(`^${remote.device}\\s+over /dev/nvme1n1`));
+      assert.equal(await cell('size'), '64.0 MiB');
+      assert.equal(await cell('read_only'), 'yes');
+      await screenshot(page, 'volumes-remote');
+    } finally {
+      await page.unroute(exportUrl);
+      await page.unroute(remotesUrl);
+    }
   });
 
   test('number columns: each header lines up with its numbers (right edges), in tabular figures', async () => {

@@ -159,6 +159,40 @@ function stateCell(v) {
   );
 }
 
+/** Whether a host is connected to an export: `null` is the kernel not saying. */
+function connectedCell(connected) {
+  if (connected === null) {
+    return h('span', null, 'unknown',
+      h('div', { class: 'reason' }, 'the kernel cannot say (no nvmet debugfs)'));
+  }
+  return connected ? h('span', { class: 'yes' }, 'connected') : h('span', null, 'not connected');
+}
+
+/** A volume's export: what it serves where, to whom, and who is connected. */
+function exportView(ex) {
+  const hosts = ex.hosts.length
+    ? table('Hosts allowed', ['Host NQN', 'Connected'],
+      h('tbody', null, ex.hosts.map((x) => h(
+        'tr',
+        { 'data-host': x.host_nqn },
+        h('td', { class: 'mono' }, x.host_nqn),
+        h('td', { 'data-field': 'connected' }, connectedCell(x.connected)),
+      ))))
+    : h('p', { 'data-field': 'hosts' }, 'Any host that reaches the address may connect (no authentication, loopback only); the kernel does not list who is connected.');
+  return [
+    h(
+      'dl',
+      { class: 'facts' },
+      h('dt', null, 'State'), h('dd', { 'data-field': 'export-state' }, stateCell(ex)),
+      h('dt', null, 'NQN'), h('dd', { 'data-field': 'nqn', class: 'mono' }, ex.nqn),
+      h('dt', null, 'Addresses'), h('dd', { 'data-field': 'addresses', class: 'mono' }, ex.addresses.join(', ') || '–'),
+      h('dt', null, 'Authentication'), h('dd', { 'data-field': 'auth' }, ex.auth === 'dhchap' ? 'DH-HMAC-CHAP, both ways' : 'none'),
+      h('dt', null, 'Since'), h('dd', null, when(ex.created_at)),
+    ),
+    hosts,
+  ];
+}
+
 // ---------------------------------------------------------------- overview
 
 /** Event kinds an operator should look at. */
@@ -1028,6 +1062,7 @@ export function backupsPage(ctx) {
 /** Volumes: backend, policy and its reason, state, device, QoS, size; create, delete. */
 export function volumesPage(ctx) {
   const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const remoteList = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
   const listOut = outcome();
   let images = [];
 
@@ -1161,15 +1196,38 @@ export function volumesPage(ctx) {
     return f;
   }
 
+  function remoteRow(r) {
+    return h(
+      'tr',
+      { 'data-remote': r.name },
+      h('th', { scope: 'row' }, r.name),
+      h('td', { 'data-field': 'address', class: 'mono' }, r.address),
+      h('td', { 'data-field': 'nqn', class: 'mono' }, r.nqn),
+      h('td', { 'data-field': 'state' }, stateCell(r)),
+      h('td', { 'data-field': 'device', class: 'mono' }, r.device ?? '–',
+        r.nvme_device ? h('div', { class: 'reason' }, `over ${r.nvme_device}`) : null),
+      h('td', { 'data-field': 'size', class: 'num' }, bytes(r.size_bytes)),
+      h('td', { 'data-field': 'read_only' }, yesNo(r.read_only)),
+    );
+  }
+
   async function load() {
     let volumes;
+    let remotes;
     try {
-      [volumes, images] = await Promise.all([api('GET', '/v1/volumes'), api('GET', '/v1/images')]);
+      [volumes, images, remotes] = await Promise.all(
+        [api('GET', '/v1/volumes'), api('GET', '/v1/images'), api('GET', '/v1/remotes')],
+      );
     } catch (e) {
       showError(listOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
       return;
     }
+    rebuild(remoteList, remotes.length
+      ? table('Remote volumes (other hosts\' exports, connected here over NVMe/TCP)',
+        ['Name', 'Address', 'NQN', 'State', 'Device', 'Size', 'Read-only'],
+        h('tbody', null, remotes.map(remoteRow)))
+      : h('p', { 'data-field': 'no-remotes' }, 'No remote volumes: blockplane remote create connects another host\'s export.'));
     rebuild(list, volumes.length
       ? table('Volumes (IOPS and mean latency over the last 10 s)',
         ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Worker', 'IOPS', 'Latency', 'Action'],
@@ -1207,7 +1265,10 @@ export function volumesPage(ctx) {
   load();
   const reload = debounce(load, 200);
   const timer = setInterval(figures, 3000);
-  const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list, form);
+  const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list,
+    h('section', { 'aria-labelledby': 'remotes-h', 'data-section': 'remotes' },
+      h('h2', { id: 'remotes-h' }, 'Remote volumes'), remoteList),
+    form);
   return { el, onEvent: reload, dispose() { clearInterval(timer); } };
 }
 
@@ -1416,10 +1477,18 @@ export function volumePage(ctx, { id }) {
     h('div', { class: 'charts' }, charts.iops.el, charts.bandwidth.el, charts.mean.el, charts.latency.el, charts.events.el),
     ublkNote, nowTable, latTable, cacheLine);
 
+  // The export, read on its own: a volume without one is the common case,
+  // and a refusal to read it must not hide the rest of the page.
+  const exportBody = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
+  const exportOut = outcome();
+  const exportEl = h('section', { 'aria-labelledby': 'export-h', 'data-section': 'export' },
+    h('h2', { id: 'export-h' }, 'Export (NVMe/TCP)'), exportOut, exportBody);
+  let exported = false;
+
   const events = h('ol', { class: 'events', reversed: true });
   const eventsEl = h('section', { 'aria-labelledby': 'events-h' }, h('h2', { id: 'events-h' }, 'Events'), events);
 
-  const el = h('section', { class: 'volume' }, heading, pageOut, facts, chartsEl,
+  const el = h('section', { class: 'volume' }, heading, pageOut, facts, exportEl, chartsEl,
     h('div', { class: 'cards' }, dispForm, qForm, roCard, snapForm, delCard), eventsEl);
   // Every control acts on the loaded volume: none works before it is known.
   const controls = [dispBtn, qSet, qClear, roBtn, snapBtn, delBtn];
@@ -1482,6 +1551,28 @@ export function volumePage(ctx, { id }) {
     } catch (e) {
       showError(pageOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
+    }
+  }
+
+  async function loadExport() {
+    try {
+      const ex = await api('GET', `/v1/volumes/${seg(id)}/export`);
+      exported = true;
+      fill(exportOut);
+      rebuild(exportBody, ...exportView(ex));
+    } catch (e) {
+      exported = false;
+      if (e.code !== 'export_not_found') {
+        showError(exportOut, e);
+        if (e.status === 401) ctx.unauthorized(e.message);
+        return;
+      }
+      fill(exportOut);
+      const fabric = ctx.host?.fabric;
+      const cannot = fabric && !fabric.target.available;
+      rebuild(exportBody, h('p', { 'data-field': 'export-state' }, 'Not exported.',
+        cannot ? h('span', { class: 'reason' }, ` This service cannot export: ${fabric.target.reason}.`)
+          : h('span', { class: 'reason' }, ' blockplane export put exports it to the hosts it names.')));
     }
   }
 
@@ -1597,9 +1688,13 @@ export function volumePage(ctx, { id }) {
   let pollTimer = null;
 
   load();
+  loadExport();
   loadEvents();
   poll();
-  const reload = debounce(load, 200);
+  // Hosts connect and go without an event: an export is read again every
+  // few seconds; a volume without one waits for the event that makes it.
+  const exportTimer = setInterval(() => { if (exported) loadExport(); }, 5000);
+  const reload = debounce(() => { load(); loadExport(); }, 200);
   return {
     el,
     onEvent(ev) {
@@ -1615,6 +1710,7 @@ export function volumePage(ctx, { id }) {
     dispose() {
       stopped = true;
       clearTimeout(pollTimer);
+      clearInterval(exportTimer);
       for (const c of Object.values(charts)) c.dispose();
     },
   };

@@ -112,6 +112,13 @@ pub struct Snapshot {
     pub backups: Option<BackupSample>,
     /// The ublk worker supervisor, when the service has the ublk backend.
     pub supervisor: Option<SupervisorSample>,
+    /// Exports per state (every state listed, zeros included).
+    pub export_states: Vec<(String, u64)>,
+    /// Hosts connected to each export, by volume: only the exports whose
+    /// connected hosts the kernel says.
+    pub export_hosts_connected: Vec<(String, u64)>,
+    /// Remote volumes per state (every state listed, zeros included).
+    pub remote_states: Vec<(String, u64)>,
 }
 
 /// What a scrape shows of the ublk worker supervisor.
@@ -471,11 +478,34 @@ impl Collector for Snapshot {
                 G,
             )?)?;
         }
-        let mut family =
-            enc.encode_descriptor("blockplane_volumes", "Volumes per state", None, G)?;
-        for (state, n) in &self.states {
+        for (name, help, counts) in [
+            ("blockplane_volumes", "Volumes per state", &self.states),
+            (
+                "blockplane_exports",
+                "Volumes exported over NVMe/TCP, per export state (serving, waiting: the volume has no device now, error: the kernel's target refused it)",
+                &self.export_states,
+            ),
+            (
+                "blockplane_remote_volumes",
+                "Remote volumes (other hosts' exports connected here over NVMe/TCP), per state (connecting, attached, reconnecting: I/O waits, error: the connection is gone)",
+                &self.remote_states,
+            ),
+        ] {
+            let mut family = enc.encode_descriptor(name, help, None, G)?;
+            for (state, n) in counts {
+                ConstGauge::new(*n as f64)
+                    .encode(family.encode_family(&[("state", state.as_str())])?)?;
+            }
+        }
+        let mut family = enc.encode_descriptor(
+            "blockplane_export_hosts_connected",
+            "Hosts connected now to a volume's export, as the kernel's NVMe target says; no sample where it cannot say (a kernel without nvmet's debugfs, or debugfs not mounted) nor for an export without authentication (its hosts are not listed)",
+            None,
+            G,
+        )?;
+        for (volume, n) in &self.export_hosts_connected {
             ConstGauge::new(*n as f64)
-                .encode(family.encode_family(&[("state", state.as_str())])?)?;
+                .encode(family.encode_family(&[("volume", volume.as_str())])?)?;
         }
         Ok(())
     }
@@ -499,4 +529,47 @@ pub fn render(api: &ApiMetrics, snapshot: Snapshot) -> String {
     prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
         .expect("encoding to a String");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exports and remote volumes: a count per state, zeros included, and
+    /// connected hosts only for the exports whose hosts the kernel says.
+    #[test]
+    fn exports_and_remote_volumes_are_counted_by_state() {
+        let states = |names: &[(&str, u64)]| {
+            names
+                .iter()
+                .map(|(s, n)| (s.to_string(), *n))
+                .collect::<Vec<_>>()
+        };
+        let text = render(
+            &ApiMetrics::default(),
+            Snapshot {
+                export_states: states(&[("serving", 2), ("waiting", 0), ("error", 1)]),
+                export_hosts_connected: vec![("v1".into(), 1)],
+                remote_states: states(&[("attached", 1), ("error", 0)]),
+                ..Default::default()
+            },
+        );
+        for line in [
+            "# TYPE blockplane_exports gauge",
+            "blockplane_exports{state=\"serving\"} 2.0",
+            "blockplane_exports{state=\"waiting\"} 0.0",
+            "blockplane_exports{state=\"error\"} 1.0",
+            "blockplane_export_hosts_connected{volume=\"v1\"} 1.0",
+            "# TYPE blockplane_remote_volumes gauge",
+            "blockplane_remote_volumes{state=\"attached\"} 1.0",
+            "blockplane_remote_volumes{state=\"error\"} 0.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+        }
+        let samples = text
+            .lines()
+            .filter(|l| l.starts_with("blockplane_export_hosts_connected{"))
+            .count();
+        assert_eq!(samples, 1, "{text}");
+    }
 }

@@ -47,6 +47,8 @@ impl Manager {
                 });
             }
         }
+        let (export_states, export_hosts_connected) = self.export_samples().await?;
+        let remotes = self.remotes.list().await?;
         let images = self.images.list().await?;
         let ages = self
             .backups
@@ -68,6 +70,18 @@ impl Manager {
                 volumes,
                 images,
                 states: state_counts(&rows),
+                export_states,
+                export_hosts_connected,
+                remote_states: counts(
+                    &[
+                        model::RemoteState::Connecting,
+                        model::RemoteState::Attached,
+                        model::RemoteState::Reconnecting,
+                        model::RemoteState::Error,
+                    ],
+                    remotes.iter().map(|r| r.state),
+                    model::RemoteState::as_str,
+                ),
                 supervisor: self.supervisor_sample(),
                 backups: backups
                     .target
@@ -79,6 +93,44 @@ impl Manager {
                     }),
             },
         ))
+    }
+
+    /// Exports per state, and the hosts connected to each export whose
+    /// connected hosts the kernel says.
+    async fn export_samples(&self) -> Result<(Vec<(String, u64)>, Vec<(String, u64)>)> {
+        // Listing exports opens the kernel's target, which loads nvmet where
+        // it is not loaded: a service that exports nothing leaves the
+        // kernel alone at every scrape.
+        let exports = if self.house.store.exports().await?.is_empty() {
+            Vec::new()
+        } else {
+            self.exports.list().await?
+        };
+        let states = counts(
+            &[
+                model::ExportState::Serving,
+                model::ExportState::Waiting,
+                model::ExportState::Error,
+            ],
+            exports.iter().map(|e| e.state),
+            model::ExportState::as_str,
+        );
+        let connected = exports
+            .iter()
+            // An export without authentication lists no hosts: who is
+            // connected to it is not in its answer.
+            .filter(|e| !e.hosts.is_empty())
+            .filter_map(|e| {
+                let known: Option<Vec<bool>> = e.hosts.iter().map(|h| h.connected).collect();
+                known.map(|k| {
+                    (
+                        e.volume_name.clone(),
+                        k.iter().filter(|c| **c).count() as u64,
+                    )
+                })
+            })
+            .collect();
+        Ok((states, connected))
     }
 
     /// The ublk supervisor's state, where this host has one.
@@ -95,19 +147,32 @@ impl Manager {
     }
 }
 
+/// How many of `have` are in each state of `all`, every state named (zero
+/// included), so that a state's series never goes missing.
+fn counts<S: Copy + PartialEq>(
+    all: &[S],
+    have: impl Iterator<Item = S> + Clone,
+    name: fn(S) -> &'static str,
+) -> Vec<(String, u64)> {
+    all.iter()
+        .map(|s| {
+            let n = have.clone().filter(|h| h == s).count();
+            (name(*s).to_string(), n as u64)
+        })
+        .collect()
+}
+
 /// How many volumes are in each state, every state named (zero included).
 fn state_counts(rows: &[VolumeRow]) -> Vec<(String, u64)> {
-    [
-        model::VolumeState::Attaching,
-        model::VolumeState::Attached,
-        model::VolumeState::Degraded,
-        model::VolumeState::Detaching,
-        model::VolumeState::Error,
-    ]
-    .iter()
-    .map(|s| {
-        let n = rows.iter().filter(|v| v.state == *s).count();
-        (s.as_str().to_string(), n as u64)
-    })
-    .collect()
+    counts(
+        &[
+            model::VolumeState::Attaching,
+            model::VolumeState::Attached,
+            model::VolumeState::Degraded,
+            model::VolumeState::Detaching,
+            model::VolumeState::Error,
+        ],
+        rows.iter().map(|v| v.state),
+        model::VolumeState::as_str,
+    )
 }
