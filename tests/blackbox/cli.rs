@@ -826,3 +826,98 @@ async fn backups_from_the_command_line_wait_showing_progress() {
     assert_eq!(left, 0, "{gc}");
     assert!(!ok(&s, &["backup", "ls"]).contains("one"));
 }
+
+/// `export` and `remote` on a host where neither can work (no export
+/// address, no nvmet): each refusal is the API's, with its code and the
+/// exit code of any refusal; a secret given in a file is never echoed;
+/// the lists are empty tables, and `host` says this host's NQN and that
+/// it exports nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn exports_and_remote_volumes_from_the_command_line_refuse_what_this_host_cannot() {
+    let s = Service::start().await;
+    s.loop_volume("xvol", 16).await;
+    let host_nqn = "nqn.2014-08.org.nvmexpress:uuid:7d0c0f52-64d3-4bb4-8f7c-3c0a3c9b1e21";
+
+    let out = cli(&s, &["export", "put", "xvol", "--host", host_nqn]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("export_unavailable") && err.contains("--export-address"),
+        "{err}"
+    );
+    let out = cli(&s, &["export", "show", "xvol"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("export_not_found"));
+    let table = ok(&s, &["export", "ls"]);
+    assert_eq!(table.lines().count(), 1, "{table}");
+    assert!(
+        table.starts_with("VOLUME") && table.contains("CONNECTED"),
+        "{table}"
+    );
+    assert_eq!(json(&s, &["export", "ls"]), serde_json::json!([]));
+
+    let table = ok(&s, &["remote", "ls"]);
+    assert_eq!(table.lines().count(), 1, "{table}");
+    assert!(
+        table.starts_with("NAME") && table.contains("NQN"),
+        "{table}"
+    );
+    assert_eq!(json(&s, &["remote", "ls"]), serde_json::json!([]));
+
+    // A key that looks like one but is not: refused before any connect,
+    // naming the field and never showing the key.
+    let key = "DHHC-1:00:c2VjcmV0LWtleS10aGF0LWlzLW5vdC12YWxpZA==:";
+    let secret = s.dir.path().join("secret");
+    std::fs::write(&secret, format!("{key}\n")).unwrap();
+    let secret_arg = secret.display().to_string();
+    let create = |extra: &[&str]| {
+        let mut args = vec![
+            "remote",
+            "create",
+            "far",
+            "--address",
+            "127.0.0.1",
+            "--nqn",
+            "nqn.2026-12.dev.blockplane:elsewhere:vol",
+        ];
+        args.extend_from_slice(extra);
+        cli(&s, &args)
+    };
+    let out = create(&["--secret-file", &secret_arg]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("invalid_fabric_name") && err.contains("secret"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("c2VjcmV0") && !String::from_utf8_lossy(&out.stdout).contains("c2VjcmV0")
+    );
+    // Standard input holds one secret, not two.
+    let out = create(&["--secret-file", "-", "--ctrl-secret-file", "-"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot both be `-`"));
+    // A missing file is the CLI's own refusal, before any call.
+    let out = create(&["--secret-file", "/nonexistent/secret"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the secret file"));
+    assert_eq!(json(&s, &["remote", "ls"]), serde_json::json!([]));
+    let out = cli(&s, &["remote", "show", "far"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("remote_not_found"));
+
+    let fabric = &json(&s, &["host"])["fabric"];
+    let text = ok(&s, &["host"]);
+    assert!(
+        text.contains(fabric["host_nqn"].as_str().unwrap()),
+        "{text}"
+    );
+    assert!(
+        text.contains("export addresses") && text.contains("none (exports are refused"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nvme/tcp export") && text.contains("no export address"),
+        "{text}"
+    );
+}

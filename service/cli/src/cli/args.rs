@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use serde::de::DeserializeOwned;
 
 use blockplane_api::model::{
-    Allocation, BackendChoice, DispatchPolicy, Qos, parse_size, parse_wire,
+    Allocation, BackendChoice, DispatchPolicy, ExportAuth, Qos, parse_size, parse_wire,
 };
 use blockplane_server::config::ServeArgs;
 use blockplane_server::logging::LogFormat;
@@ -35,6 +35,15 @@ pub struct ApiArgs {
     /// Bearer token for the API.
     #[arg(long, global = true, env = "BLOCKPLANE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A file holding the bearer token (a mounted Secret): the token then
+    /// appears in no argument and no environment.
+    #[arg(
+        long,
+        global = true,
+        env = "BLOCKPLANE_TOKEN_FILE",
+        conflicts_with = "token"
+    )]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 /// The flags of the commands that print the API's answers.
@@ -63,12 +72,36 @@ impl ApiArgs {
         ApiArgs {
             api: self.api.clone().or_else(|| before.api.clone()),
             token: self.token.clone().or_else(|| before.token.clone()),
+            token_file: self
+                .token_file
+                .clone()
+                .or_else(|| before.token_file.clone()),
         }
+    }
+
+    /// The token: `--token`, else the content of `--token-file` (one line).
+    pub fn token(&self) -> Result<Option<String>, String> {
+        if let Some(t) = &self.token {
+            return Ok(Some(t.clone()));
+        }
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+        let token = text.trim_end_matches(['\n', '\r']);
+        if token.is_empty() {
+            return Err(format!(
+                "--token-file {}: the file is empty",
+                path.display()
+            ));
+        }
+        Ok(Some(token.to_string()))
     }
 }
 
 /// The ids of the client flags given before the command.
-pub const CLIENT_FLAGS: [&str; 3] = ["api", "token", "json"];
+pub const CLIENT_FLAGS: [&str; 4] = ["api", "token", "token_file", "json"];
 
 /// The commands.
 #[derive(Debug, Subcommand)]
@@ -93,6 +126,21 @@ pub enum Command {
         client: ClientArgs,
         #[command(subcommand)]
         cmd: VolumeCmd,
+    },
+    /// Volumes served to other hosts over NVMe/TCP (the service's
+    /// --export-address), each host authenticated with DH-HMAC-CHAP.
+    Export {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: ExportCmd,
+    },
+    /// Remote volumes: other hosts' exports, connected here over NVMe/TCP.
+    Remote {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: RemoteCmd,
     },
     /// Hand volumes over to new workers of the service's build, live: the
     /// devices stay, I/O goes on. Every volume whose worker is another build
@@ -472,6 +520,109 @@ pub enum VolumeCmd {
     },
 }
 
+/// `export` commands: a volume served to other hosts.
+#[derive(Debug, Subcommand)]
+pub enum ExportCmd {
+    /// Export a volume, or change which hosts its export allows (each new
+    /// host gets its own keys; a host allowed already keeps its own). The
+    /// keys are secrets: printed only with --show-keys or --json.
+    Put {
+        /// Volume id or name.
+        volume: String,
+        /// A host NQN allowed to connect (the consuming service's `host
+        /// nqn` in `blockplane host`); repeat for more hosts. The list
+        /// replaces the export's.
+        #[arg(long = "host", value_name = "NQN")]
+        hosts: Vec<String>,
+        /// How hosts authenticate: dhchap (a key each way), or none (any
+        /// host that reaches the address: only on loopback export
+        /// addresses, with --insecure-loopback).
+        #[arg(long, default_value = "dhchap", value_parser = wire::<ExportAuth>(&["dhchap", "none"]))]
+        auth: ExportAuth,
+        /// Say yes to --auth none on loopback export addresses.
+        #[arg(long)]
+        insecure_loopback: bool,
+        /// Print each host's keys (secret and ctrl secret), to give to that
+        /// host's `remote create` in files.
+        #[arg(long)]
+        show_keys: bool,
+    },
+    /// Show a volume's export and which hosts are connected (no keys).
+    Show {
+        /// Volume id or name.
+        volume: String,
+    },
+    /// List this service's exports.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Remove a volume's export (the volume stays). Refused while a host is
+    /// connected, or may be, unless --force.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Volume id or name.
+        volume: String,
+        /// Remove it even while hosts are (or may be) connected: their I/O
+        /// to it fails.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// `remote` commands: other hosts' exports used here.
+#[derive(Debug, Subcommand)]
+pub enum RemoteCmd {
+    /// Connect another host's export as a remote volume NAME (idempotent by
+    /// name). The keys are read from files, never taken as arguments: any
+    /// user of the host can read a process's arguments.
+    Create {
+        /// The remote volume's name (lowercase letters, digits, '.', '_', '-').
+        name: String,
+        /// The exporting host's address: IP[:PORT] (port 4420 when left
+        /// out), one of its `export addresses`.
+        #[arg(long)]
+        address: String,
+        /// The export's NQN (`nqn` in its `export show`).
+        #[arg(long)]
+        nqn: String,
+        /// A file holding this host's key, as the export's `export put
+        /// --show-keys` printed it (a trailing newline dropped); `-` reads
+        /// standard input. Leave it out for an export with --auth none.
+        #[arg(long)]
+        secret_file: Option<std::path::PathBuf>,
+        /// A file holding the target's key (`ctrl secret`), as --secret-file;
+        /// with it this host checks the exporting host too.
+        #[arg(long, requires = "secret_file")]
+        ctrl_secret_file: Option<std::path::PathBuf>,
+        /// Refuse writes on this host.
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// List remote volumes.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one remote volume, its state as the kernel says now.
+    Show {
+        /// Remote volume id or name.
+        remote: String,
+    },
+    /// Change a remote volume live. Its dispatch policy and QoS limits are
+    /// its exporting host's: change them there.
+    Set {
+        /// Remote volume id or name.
+        remote: String,
+        /// Refuse (true) or allow (false) writes on this host.
+        #[arg(long, required = true, action = clap::ArgAction::Set)]
+        read_only: bool,
+    },
+    /// Disconnect a remote volume (its device goes away; the export on the
+    /// exporting host stays). Refused while the device is open.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Remote volume id or name.
+        remote: String,
+    },
+}
+
 impl Command {
     /// The client flags given with this command, for the API's clients.
     pub fn client(&self) -> Option<&ClientArgs> {
@@ -479,6 +630,8 @@ impl Command {
             Command::Host { client }
             | Command::Image { client, .. }
             | Command::Volume { client, .. }
+            | Command::Export { client, .. }
+            | Command::Remote { client, .. }
             | Command::Upgrade { client, .. }
             | Command::Events { client, .. } => Some(client),
             _ => None,
@@ -576,7 +729,34 @@ mod tests {
             let args = format!("bp image create i /p --size 1M --allocation {a}");
             assert!(parse(&args).is_ok(), "{args}");
         }
+        for a in ["dhchap", "none"] {
+            let args = format!("bp export put v --host nqn.x --auth {a}");
+            assert!(parse(&args).is_ok(), "{args}");
+        }
         let big = parse("bp volume create v --image i --max-io-bytes 8G").unwrap_err();
         assert!(big.contains("at most 1 MiB"), "{big}");
+    }
+
+    /// `remote set` says what it changes: --read-only takes true or false,
+    /// and nothing else is taken.
+    #[test]
+    fn remote_set_takes_an_explicit_read_only() {
+        let parse = |args: &str| Cli::try_parse_from(args.split(' ')).map_err(|e| e.to_string());
+        assert!(parse("bp remote set r --read-only true").is_ok());
+        assert!(parse("bp remote set r --read-only false").is_ok());
+        assert!(parse("bp remote set r").is_err());
+        assert!(parse("bp remote set r --read-only").is_err());
+    }
+
+    /// Secrets come in files: no flag takes one as an argument, and the
+    /// controller's key goes with the host's.
+    #[test]
+    fn remote_create_takes_secrets_only_from_files() {
+        let parse = |args: &str| Cli::try_parse_from(args.split(' ')).map_err(|e| e.to_string());
+        let base = "bp remote create r --address 10.0.0.1 --nqn nqn.x";
+        assert!(parse(base).is_ok());
+        assert!(parse(&format!("{base} --secret-file /s --ctrl-secret-file /c")).is_ok());
+        assert!(parse(&format!("{base} --ctrl-secret-file /c")).is_err());
+        assert!(parse(&format!("{base} --secret DHHC-1:00:x:")).is_err());
     }
 }

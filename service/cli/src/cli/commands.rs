@@ -7,13 +7,13 @@ use std::process::ExitCode;
 
 use blockplane_api::model::{
     AddKeyRequest, Allocation, CreateBackupRequest, CreateEncryption, CreateImageFile,
-    CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DEFAULT_MAX_IO_BYTES,
-    DeleteImageQuery, EventQuery, Image, ListImagesQuery, PatchVolumeRequest, RemoveKeyRequest,
-    ResizeImageRequest,
+    CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest,
+    DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, EventQuery, ExportRequest, Image,
+    ListImagesQuery, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
-use super::args::{BackupCmd, Cli, Command, ImageCmd, VolumeCmd};
+use super::args::{BackupCmd, Cli, Command, ExportCmd, ImageCmd, RemoteCmd, VolumeCmd};
 use super::busy::refuse_if_busy;
 use super::local::api_address;
 use super::output::{fail, print};
@@ -29,8 +29,15 @@ pub async fn run(cli: Cli) -> ExitCode {
         .map(|c| c.or(&cli.client))
         .unwrap_or_else(|| cli.client.clone());
     let api = api_address(flags.api.api.as_deref());
+    let token = match flags.api.token() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("blockplane: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let client = match Endpoint::parse(&api) {
-        Ok(e) => Client::new(e, flags.api.token.clone()),
+        Ok(e) => Client::new(e, token),
         Err(e) => {
             eprintln!("blockplane: {e}");
             return ExitCode::from(2);
@@ -71,6 +78,8 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Image { cmd, .. } => image(&client, cmd).await,
         Command::Backup { cmd: Some(cmd), .. } => backup(&client, cmd).await,
         Command::Volume { cmd, .. } => volume(&client, cmd).await,
+        Command::Export { cmd, .. } => export(&client, cmd).await,
+        Command::Remote { cmd, .. } => remote(&client, cmd).await,
         Command::Serve(_)
         | Command::Openapi
         | Command::Worker { .. }
@@ -419,23 +428,30 @@ async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
 /// A key from `path` (`-`: standard input), one trailing newline dropped
 /// (what `echo` and editors add).
 fn read_key(path: &std::path::Path) -> Result<blockplane_api::model::Key, ExitCode> {
+    let text = read_secret(path, "key file")?;
+    Ok(blockplane_api::model::Key::new(text))
+}
+
+/// The secret held in file `path` (`-`: standard input), one trailing
+/// newline dropped; `what` names the file in the refusal, which never
+/// shows its content.
+fn read_secret(path: &std::path::Path, what: &str) -> Result<String, ExitCode> {
     let read = if path == std::path::Path::new("-") {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
     } else {
         std::fs::read_to_string(path)
     };
-    let text = read.map_err(|e| {
-        eprintln!(
-            "blockplane: cannot read the key file {}: {e}",
-            path.display()
-        );
+    let mut text = read.map_err(|e| {
+        eprintln!("blockplane: cannot read the {what} {}: {e}", path.display());
         ExitCode::from(2)
     })?;
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    Ok(blockplane_api::model::Key::new(
-        text.strip_suffix('\r').unwrap_or(text),
-    ))
+    for end in ['\n', '\r'] {
+        if text.ends_with(end) {
+            text.pop();
+        }
+    }
+    Ok(text)
 }
 
 /// A `volume` command.
@@ -506,6 +522,92 @@ async fn volume(client: &Client, cmd: &VolumeCmd) -> Result<View, ExitCode> {
             }
             client.delete_volume(volume).await.map_err(api)?;
             View::Done("volume deleted")
+        }
+    })
+}
+
+/// An `export` command.
+async fn export(client: &Client, cmd: &ExportCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    Ok(match cmd {
+        ExportCmd::Put {
+            volume,
+            hosts,
+            auth,
+            insecure_loopback,
+            show_keys,
+        } => {
+            let req = ExportRequest {
+                hosts: hosts.clone(),
+                read_only: false,
+                auth: *auth,
+                insecure_loopback: *insecure_loopback,
+            };
+            View::Export {
+                export: client.put_export(volume, &req).await.map_err(api)?,
+                show_keys: *show_keys,
+            }
+        }
+        ExportCmd::Show { volume } => View::Export {
+            export: client.export(volume).await.map_err(api)?,
+            show_keys: false,
+        },
+        ExportCmd::Ls => View::Exports(client.exports().await.map_err(api)?),
+        ExportCmd::Rm { volume, force } => {
+            let query = DeleteExportQuery { force: *force };
+            client
+                .delete_export_with(volume, &query)
+                .await
+                .map_err(api)?;
+            View::Done("export removed")
+        }
+    })
+}
+
+/// A `remote` command.
+async fn remote(client: &Client, cmd: &RemoteCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    Ok(match cmd {
+        RemoteCmd::Create {
+            name,
+            address,
+            nqn,
+            secret_file,
+            ctrl_secret_file,
+            read_only,
+        } => {
+            let stdin = Path::new("-");
+            if secret_file.as_deref() == Some(stdin) && ctrl_secret_file.as_deref() == Some(stdin) {
+                eprintln!(
+                    "blockplane: --secret-file and --ctrl-secret-file cannot both be `-`: standard input holds one of them; give the other in a file"
+                );
+                return Err(ExitCode::from(2));
+            }
+            let secret = |file: &Option<std::path::PathBuf>, what| {
+                file.as_deref().map(|p| read_secret(p, what)).transpose()
+            };
+            let req = CreateRemoteRequest {
+                name: name.clone(),
+                address: address.clone(),
+                nqn: nqn.clone(),
+                secret: secret(secret_file, "secret file")?,
+                ctrl_secret: secret(ctrl_secret_file, "ctrl secret file")?,
+                read_only: *read_only,
+            };
+            View::Remote(client.create_remote(&req).await.map_err(api)?)
+        }
+        RemoteCmd::Ls => View::Remotes(client.remotes().await.map_err(api)?),
+        RemoteCmd::Show { remote } => View::Remote(client.remote(remote).await.map_err(api)?),
+        RemoteCmd::Set { remote, read_only } => {
+            let patch = PatchRemoteRequest {
+                read_only: Some(*read_only),
+                ..Default::default()
+            };
+            View::Remote(client.patch_remote(remote, &patch).await.map_err(api)?)
+        }
+        RemoteCmd::Rm { remote } => {
+            client.delete_remote(remote).await.map_err(api)?;
+            View::Done("remote volume disconnected")
         }
     })
 }

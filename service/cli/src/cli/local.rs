@@ -74,8 +74,15 @@ pub fn backup(data_dir: Option<std::path::PathBuf>, file: &std::path::Path) -> E
 pub fn csi(args: blockplane_csi::CsiArgs, log_format: LogFormat, api: ApiArgs) -> ExitCode {
     logging::init(log_format);
     let address = api_address(api.api.as_deref());
+    let token = match api.token() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("blockplane csi: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let rt = multi_thread_runtime();
-    match rt.block_on(blockplane_csi::serve(args, &address, api.token)) {
+    match rt.block_on(blockplane_csi::serve(args, &address, token)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "CSI driver stopped");

@@ -92,7 +92,13 @@ pub fn main() -> ExitCode {
         } => local::backup(data_dir, &file),
         Command::Dashboard { listen, api } => {
             let a = api.or(&cli.client.api);
-            local::dashboard(a.api.as_deref(), a.token, &listen)
+            match a.token() {
+                Ok(token) => local::dashboard(a.api.as_deref(), token, &listen),
+                Err(e) => {
+                    eprintln!("blockplane: {e}");
+                    std::process::ExitCode::from(2)
+                }
+            }
         }
         Command::Openapi => {
             let _ = std::io::Write::write_all(

@@ -4,8 +4,8 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, Event, Host, Image, ResizeImageResponse,
-    SupervisionState, Volume, VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, Event, Export, Host, Image, Remote,
+    ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -30,6 +30,16 @@ pub enum View {
     Backups(Vec<Backup>),
     Verify(BackupVerify),
     Gc(BackupGc),
+    /// An export; its hosts' keys, where the answer has them, printed only
+    /// when `show_keys` (they are secrets, and a terminal is seen and
+    /// scrolled back).
+    Export {
+        export: Export,
+        show_keys: bool,
+    },
+    Exports(Vec<Export>),
+    Remote(Remote),
+    Remotes(Vec<Remote>),
     /// An answer without a body, and what to say of it.
     Done(&'static str),
 }
@@ -59,6 +69,10 @@ impl View {
             View::Backups(l) => json_pretty(l),
             View::Verify(v) => json_pretty(v),
             View::Gc(g) => json_pretty(g),
+            View::Export { export, .. } => json_pretty(export),
+            View::Exports(l) => json_pretty(l),
+            View::Remote(r) => json_pretty(r),
+            View::Remotes(l) => json_pretty(l),
             View::Done(_) => String::new(),
         }
     }
@@ -83,6 +97,13 @@ impl View {
             View::Backup(b) => backup(b),
             View::Backups(l) => backups(l),
             View::Verify(v) => verify(v),
+            View::Export {
+                export: e,
+                show_keys,
+            } => export(e, *show_keys),
+            View::Exports(l) => exports(l),
+            View::Remote(r) => remote(r),
+            View::Remotes(l) => remotes(l),
             View::Gc(g) => fields(vec![
                 ("chunks deleted", g.chunks_deleted.to_string()),
                 ("bytes deleted", human_size(g.bytes_deleted)),
@@ -144,7 +165,7 @@ fn host(h: &Host) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ");
-    let mut out = fields(vec![
+    let mut f = vec![
         ("kernel", h.kernel.clone()),
         ("version", h.build.version.clone()),
         (
@@ -170,7 +191,19 @@ fn host(h: &Host) -> String {
                 },
             },
         ),
-    ]);
+    ];
+    if let Some(fabric) = &h.fabric {
+        f.push(("host nqn", fabric.host_nqn.clone()));
+        f.push((
+            "export addresses",
+            if fabric.export_addresses.is_empty() {
+                "none (exports are refused: serve --export-address)".to_string()
+            } else {
+                fabric.export_addresses.join(", ")
+            },
+        ));
+    }
+    let mut out = fields(f);
     if !h.reconciled {
         out += &format!(
             "note: the service started and is still matching the kernel's devices: {} volume(s) recovering\n",
@@ -194,7 +227,7 @@ fn host(h: &Host) -> String {
     let policy = |c: &Capability| cap(c.available, &c.reason);
     let b = &h.backends;
     let p = &h.policies;
-    let rows = vec![
+    let mut rows = vec![
         vec![
             "backend loop".into(),
             cap(b.loop_.available, &b.loop_.reason),
@@ -205,6 +238,10 @@ fn host(h: &Host) -> String {
         vec!["policy threaded".into(), policy(&p.threaded)],
         vec!["policy direct".into(), policy(&p.direct)],
     ];
+    if let Some(f) = &h.fabric {
+        rows.push(vec!["nvme/tcp export".into(), policy(&f.target)]);
+        rows.push(vec!["nvme/tcp remote".into(), policy(&f.initiator)]);
+    }
     out += "\n";
     out += &table(&["CAPABILITY", "AVAILABLE HERE"], rows);
     out
@@ -494,4 +531,213 @@ fn stats(s: &VolumeStats, names: &Names) -> String {
         ]);
     }
     out
+}
+
+/// Whether a host of an export is connected, in words.
+fn connected_text(connected: Option<bool>) -> &'static str {
+    match connected {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "unknown (the kernel cannot say)",
+    }
+}
+
+fn export(e: &Export, show_keys: bool) -> String {
+    let mut f = vec![
+        ("volume", format!("{} ({})", e.volume_name, e.volume_id)),
+        ("nqn", e.nqn.clone()),
+        ("addresses", e.addresses.join(", ")),
+        (
+            "state",
+            match &e.state_reason {
+                Some(why) => format!("{}: {why}", e.state.as_str()),
+                None => e.state.as_str().into(),
+            },
+        ),
+        ("auth", e.auth.as_str().into()),
+        ("read only", e.read_only.to_string()),
+        ("created", at(e.created_at)),
+    ];
+    if e.hosts.is_empty() {
+        f.push(("hosts", "any (no authentication)".into()));
+    }
+    let mut out = fields(f);
+    if !e.hosts.is_empty() {
+        out += "\n";
+        out += &table(
+            &["HOST NQN", "CONNECTED"],
+            e.hosts
+                .iter()
+                .map(|h| vec![h.host_nqn.clone(), connected_text(h.connected).into()])
+                .collect(),
+        );
+    }
+    let keyed: Vec<_> = e
+        .hosts
+        .iter()
+        .filter(|h| h.secret.is_some() || h.ctrl_secret.is_some())
+        .collect();
+    if keyed.is_empty() {
+        return out;
+    }
+    if !show_keys {
+        out += &format!(
+            "note: each of the {} host(s) has its keys (secrets, not printed): the same command with --show-keys, or --json, prints them for that host's `remote create --secret-file --ctrl-secret-file`\n",
+            keyed.len()
+        );
+        return out;
+    }
+    for h in keyed {
+        out += &format!("\nkeys of {}\n", h.host_nqn);
+        out += &fields(vec![
+            ("secret", dash(h.secret.as_ref())),
+            ("ctrl secret", dash(h.ctrl_secret.as_ref())),
+        ]);
+    }
+    out
+}
+
+fn exports(l: &[Export]) -> String {
+    table(
+        &["VOLUME", "NQN", "STATE", "HOSTS", "CONNECTED", "ADDRESSES"],
+        l.iter()
+            .map(|e| {
+                let known: Option<Vec<bool>> = e.hosts.iter().map(|h| h.connected).collect();
+                vec![
+                    e.volume_name.clone(),
+                    e.nqn.clone(),
+                    e.state.as_str().into(),
+                    if e.hosts.is_empty() {
+                        "any".into()
+                    } else {
+                        e.hosts.len().to_string()
+                    },
+                    match known {
+                        Some(k) => k.iter().filter(|c| **c).count().to_string(),
+                        None => "unknown".into(),
+                    },
+                    e.addresses.join(", "),
+                ]
+            })
+            .collect(),
+    )
+}
+
+fn remote(r: &Remote) -> String {
+    fields(vec![
+        ("id", r.id.to_string()),
+        ("name", r.name.clone()),
+        ("address", r.address.clone()),
+        ("nqn", r.nqn.clone()),
+        (
+            "state",
+            match &r.state_reason {
+                Some(why) => format!("{}: {why}", r.state.as_str()),
+                None => r.state.as_str().into(),
+            },
+        ),
+        (
+            "device",
+            match &r.nvme_device {
+                Some(under) => format!("{} (over {under})", dash(r.device.as_ref())),
+                None => dash(r.device.as_ref()),
+            },
+        ),
+        ("size", human_size(r.size_bytes)),
+        ("read only", r.read_only.to_string()),
+        ("created", at(r.created_at)),
+    ])
+}
+
+fn remotes(l: &[Remote]) -> String {
+    table(
+        &["NAME", "ADDRESS", "NQN", "STATE", "DEVICE", "SIZE", "RO"],
+        l.iter()
+            .map(|r| {
+                vec![
+                    r.name.clone(),
+                    r.address.clone(),
+                    r.nqn.clone(),
+                    r.state.as_str().into(),
+                    dash(r.device.as_ref()),
+                    human_size(r.size_bytes),
+                    r.read_only.to_string(),
+                ]
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blockplane_api::model::{ExportAuth, ExportHost, ExportState};
+
+    fn keyed_export() -> Export {
+        Export {
+            volume_id: uuid::Uuid::nil(),
+            volume_name: "v".into(),
+            nqn: "nqn.2026-12.dev.blockplane:i:v".into(),
+            addresses: vec!["10.0.0.1:4420".into()],
+            read_only: false,
+            auth: ExportAuth::Dhchap,
+            hosts: vec![ExportHost {
+                host_nqn: "nqn.2014-08.org.nvmexpress:uuid:b".into(),
+                connected: None,
+                secret: Some("DHHC-1:00:host-key:".into()),
+                ctrl_secret: Some("DHHC-1:00:ctrl-key:".into()),
+            }],
+            state: ExportState::Serving,
+            state_reason: None,
+            created_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    /// Keys are secrets: a table shows them only when asked; --json gives
+    /// the API's answer whole.
+    #[test]
+    fn an_export_s_keys_are_printed_only_when_asked() {
+        let e = keyed_export();
+        let hidden = View::Export {
+            export: e.clone(),
+            show_keys: false,
+        }
+        .text(&Names::default());
+        assert!(
+            !hidden.contains("host-key") && !hidden.contains("ctrl-key"),
+            "{hidden}"
+        );
+        assert!(hidden.contains("--show-keys"), "{hidden}");
+        assert!(
+            hidden.contains("unknown (the kernel cannot say)"),
+            "{hidden}"
+        );
+        let shown = View::Export {
+            export: e.clone(),
+            show_keys: true,
+        }
+        .text(&Names::default());
+        assert!(shown.contains("DHHC-1:00:host-key:") && shown.contains("DHHC-1:00:ctrl-key:"));
+        let json = View::Export {
+            export: e,
+            show_keys: false,
+        }
+        .json();
+        assert!(json.contains("DHHC-1:00:host-key:"), "{json}");
+    }
+
+    /// An export list counts connected hosts, or says it cannot.
+    #[test]
+    fn an_export_list_counts_connected_hosts_or_says_unknown() {
+        let mut e = keyed_export();
+        let unknown = exports(std::slice::from_ref(&e));
+        assert!(
+            unknown.lines().nth(1).unwrap().contains("unknown"),
+            "{unknown}"
+        );
+        e.hosts[0].connected = Some(true);
+        let one = exports(&[e]);
+        let row = one.lines().nth(1).unwrap();
+        assert!(row.contains(" 1 ") && !row.contains("unknown"), "{one}");
+    }
 }
