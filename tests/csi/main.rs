@@ -387,10 +387,12 @@ fn spawn_driver(svc: &Service, sock: &Path, log: &Path, extra: &[String]) -> Chi
         .arg(format!("unix:{}", svc.sock.display()))
         .arg("csi")
         .arg("--endpoint")
-        .arg(format!("unix://{}", sock.display()))
-        .arg("--node-id")
-        .arg(NODE)
-        .args(extra)
+        .arg(format!("unix://{}", sock.display()));
+    // A test with two nodes names each; the rest serve NODE.
+    if !extra.iter().any(|a| a == "--node-id") {
+        cmd.args(["--node-id", NODE]);
+    }
+    cmd.args(extra)
         .env_remove("BLOCKPLANE_TOKEN")
         .env("BLOCKPLANE_LOG", "info,blockplane=debug")
         .stdin(Stdio::null())

@@ -774,3 +774,140 @@ async fn a_snapshot_of_an_in_use_claim_on_ext4_is_one_moment_and_restores() {
     }
     csi.delete(&rid).await.unwrap();
 }
+
+/// A claim of a `reach: network` class, made on node A, used by a pod on
+/// node B, which has none of its data: B's driver has A's service export
+/// it to B (A's API over TCP, with the token from the node-stage Secret),
+/// connects it as a remote volume and stages it; what B writes is A's.
+/// B's unstage disconnects it; A's DeleteVolume removes the export with the
+/// volume. On a host without an NVMe target, what can be checked there:
+/// the class is refused, naming what is missing, and nothing is made.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_on_a_node_without_the_data_runs_on_its_network_claim() {
+    use blockplane_test_support::hosts::{A_IP, Hosts};
+
+    const TOKEN: &str = "csi-network-reach-token-0123456789";
+    let network = [("reach", "network"), ("backend", "ublk")];
+    let cap = mount("ext4", &[]);
+
+    // No --node-api, then no --export-address: refused before anything.
+    let alone = Csi::start_with(Default::default(), &["--node-id", "alone"]).await;
+    let r = alone
+        .create_with("nonet", 32 * MIB, cap.clone(), &network)
+        .await;
+    let s = assert_code(r, Code::FailedPrecondition);
+    assert!(s.message().contains("--node-api"), "{}", s.message());
+    drop(alone);
+    let alone = Csi::start_with(
+        Default::default(),
+        &["--node-id", "alone", "--node-api", "127.0.0.1:7400"],
+    )
+    .await;
+    let r = alone
+        .create_with("nonet", 32 * MIB, cap.clone(), &network)
+        .await;
+    let s = assert_code(r, Code::FailedPrecondition);
+    assert!(s.message().contains("--export-address"), "{}", s.message());
+    assert_eq!(
+        alone.svc.get("/v1/volumes").await.body,
+        serde_json::json!([])
+    );
+    drop(alone);
+    if !crate::in_vm() {
+        eprintln!("no NVMe target on this host: the cross-node claim runs in the VM lanes");
+        return;
+    }
+
+    let hosts = Hosts::new();
+    let api = format!("{A_IP}:7400");
+    let a = Csi::start_with(
+        crate::harness::Opts {
+            netns: Some(hosts.a.clone()),
+            token: Some(TOKEN.into()),
+            tcp: Some(api.clone()),
+            extra_args: vec!["--export-address".into(), format!("{A_IP}:4420")],
+            ..Default::default()
+        },
+        &["--node-id", "node-a", "--node-api", &api],
+    )
+    .await;
+    let b = Csi::start_with(Default::default(), &["--node-id", "node-b"]).await;
+
+    let v = a
+        .create_with("shared", 64 * MIB, cap.clone(), &network)
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume: {e:?}\n{}", a.driver_log()));
+    assert!(v.accessible_topology.is_empty(), "{v:?}");
+    assert_eq!(v.volume_context["blockplane.io/reach"], "network", "{v:?}");
+    let stage = |csi: &Csi, secrets: &[(&str, &str)]| {
+        let req = NodeStageVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            staging_target_path: csi.staging("shared").display().to_string(),
+            volume_capability: Some(cap.clone()),
+            volume_context: v.volume_context.clone(),
+            secrets: secrets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        let mut node = csi.node.clone();
+        async move { node.node_stage_volume(req).await.map(drop) }
+    };
+
+    // Without the owner's token: refused, nothing made on either node.
+    let s = assert_code(stage(&b, &[]).await, Code::FailedPrecondition);
+    assert!(s.message().contains("token"), "{}", s.message());
+    assert_eq!(b.svc.get("/v1/remotes").await.body, serde_json::json!([]));
+
+    // B stages, publishes and writes: its data lands on A.
+    stage(&b, &[("token", TOKEN)])
+        .await
+        .unwrap_or_else(|e| panic!("NodeStageVolume on B: {e:?}\n{}", b.driver_log()));
+    let remotes = b.svc.get("/v1/remotes").await.body;
+    assert_eq!(remotes.as_array().unwrap().len(), 1, "{remotes}");
+    assert_eq!(remotes[0]["state"], "attached", "{remotes}");
+    let target = b.target("shared");
+    b.publish(
+        &v.volume_id,
+        &b.staging("shared"),
+        &target,
+        cap.clone(),
+        false,
+    )
+    .await
+    .unwrap();
+    let text = "written on node-b, kept on node-a\n";
+    {
+        let mut f = std::fs::File::create(target.join("hello")).unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f.sync_all().unwrap();
+    }
+    b.unpublish(&v.volume_id, &target).await.unwrap();
+    b.unstage(&v.volume_id, &b.staging("shared")).await.unwrap();
+    assert_eq!(b.svc.get("/v1/remotes").await.body, serde_json::json!([]));
+
+    // A, the owner, reads it from its own device.
+    let staging = a.staging("shared");
+    a.stage(&v.volume_id, &staging, cap.clone()).await.unwrap();
+    let target = a.target("shared");
+    a.publish(&v.volume_id, &staging, &target, cap.clone(), false)
+        .await
+        .unwrap();
+    let mut got = String::new();
+    std::fs::File::open(target.join("hello"))
+        .unwrap()
+        .read_to_string(&mut got)
+        .unwrap();
+    assert_eq!(got, text);
+    a.unpublish(&v.volume_id, &target).await.unwrap();
+    a.unstage(&v.volume_id, &staging).await.unwrap();
+
+    // DeleteVolume on A takes the export with the volume.
+    a.delete(&v.volume_id).await.unwrap();
+    assert_eq!(a.svc.get("/v1/exports").await.body, serde_json::json!([]));
+    assert_eq!(a.svc.get("/v1/volumes").await.body, serde_json::json!([]));
+    drop(b);
+    drop(a);
+    drop(hosts);
+}

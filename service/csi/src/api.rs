@@ -7,9 +7,10 @@ use hyper::StatusCode;
 
 use super::errors::CsiError;
 use blockplane_api::model::{
-    CreateImageRequest, CreateSnapshotRequest, CreateVolumeRequest, DeleteImageQuery, Event,
-    EventQuery, Host, Image, ListImagesQuery, PatchVolumeRequest, ResizeImageRequest,
-    ResizeImageResponse, UnlockVolumeRequest, Volume,
+    CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest,
+    DeleteExportQuery, DeleteImageQuery, ErrorCode, Event, EventQuery, Export, ExportRequest, Host,
+    Image, ListImagesQuery, PatchVolumeRequest, Remote, ResizeImageRequest, ResizeImageResponse,
+    UnlockVolumeRequest, Volume,
 };
 use blockplane_client::{self as client, Client};
 use time::OffsetDateTime;
@@ -143,6 +144,52 @@ impl Api {
             .events(&query)
             .await
             .named(volume.unwrap_or(ANY))
+    }
+
+    /// The export of the volume of that name; `None` when it has none.
+    pub async fn export(&self, name: &str) -> Result<Option<Export>, CsiError> {
+        match self.client.export(name).await {
+            Err(client::Error::Refused {
+                code: ErrorCode::ExportNotFound,
+                ..
+            }) => Ok(None),
+            r => found(name, r),
+        }
+    }
+
+    /// Exports the volume of that name to `req.hosts`; the answer carries
+    /// their keys.
+    pub async fn put_export(&self, name: &str, req: &ExportRequest) -> Result<Export, CsiError> {
+        self.client.put_export(name, req).await.named(name)
+    }
+
+    /// Removes the export of the volume of that name, even with hosts
+    /// connected; `false` when there was none.
+    pub async fn delete_export(&self, name: &str) -> Result<bool, CsiError> {
+        let q = DeleteExportQuery { force: true };
+        match self.client.delete_export_with(name, &q).await {
+            Err(client::Error::Refused {
+                code: ErrorCode::ExportNotFound,
+                ..
+            }) => Ok(false),
+            r => found(name, r).map(|d| d.is_some()),
+        }
+    }
+
+    /// The remote volume of that name; `None` when there is none.
+    pub async fn remote(&self, name: &str) -> Result<Option<Remote>, CsiError> {
+        found(name, self.client.remote(name).await)
+    }
+
+    /// Connects a remote volume (idempotent by name in the API).
+    pub async fn create_remote(&self, req: &CreateRemoteRequest) -> Result<Remote, CsiError> {
+        self.client.create_remote(req).await.named(&req.name)
+    }
+
+    /// Disconnects the remote volume of that name; `false` when there was
+    /// none.
+    pub async fn delete_remote(&self, name: &str) -> Result<bool, CsiError> {
+        found(name, self.client.delete_remote(name).await).map(|d| d.is_some())
     }
 
     /// Whether the service answers its health check.

@@ -32,6 +32,7 @@ use super::proto::{
     ListVolumesResponse, Topology, ValidateVolumeCapabilitiesRequest,
     ValidateVolumeCapabilitiesResponse, Volume,
 };
+use super::reach::{self, Reach};
 use super::snapshots::{self, Source};
 use blockplane_api::model::{
     self, Allocation, BackendChoice, DispatchPolicy, ImageState, Qos, parse_wire,
@@ -61,6 +62,8 @@ pub struct Params {
     /// `encrypted: "true"`: LUKS2, with the key from the request's secret
     /// [`KEY_SECRET`].
     pub encrypted: bool,
+    /// `reach: network`: reachable from every node ([`reach`]).
+    pub reach: Reach,
 }
 
 /// The entry of a Secret (provisioner and node-stage) that holds an
@@ -87,6 +90,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
         allocation: Allocation::Sparse,
         qos: None,
         encrypted: false,
+        reach: Reach::Node,
     };
     let mut qos = Qos::default();
     let mut keys: Vec<&String> = params.keys().collect();
@@ -131,6 +135,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
                     }
                 }
             }
+            reach::PARAM => p.reach = Reach::parse(v).map_err(&invalid)?,
             "qos.iops" => qos.iops = Some(number(false)?),
             "qos.bytes_per_sec" => qos.bytes_per_sec = Some(number(true)?),
             "qos.burst_iops" => qos.burst_iops = Some(number(false)?),
@@ -138,7 +143,7 @@ pub fn parse_params(volume: &str, params: &HashMap<String, String>) -> Result<Pa
             k if k.starts_with("csi.storage.k8s.io/") => {}
             other => {
                 return Err(invalid(format!(
-                    "unknown parameter '{other}' (known: backend, dispatch, allocation, encrypted, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
+                    "unknown parameter '{other}' (known: backend, dispatch, allocation, encrypted, reach, qos.iops, qos.bytes_per_sec, qos.burst_iops, qos.burst_bytes)"
                 )));
             }
         }
@@ -575,6 +580,16 @@ impl Controller for ControllerService {
         parse_mutable(&csi_name, &req.mutable_parameters)?.apply(&mut params);
         let size = size_for(&csi_name, req.capacity_range.as_ref())?;
         let name = naming::blockplane_name(&csi_name);
+        // Checked before anything is made: a class this node cannot serve
+        // over the network changes nothing.
+        let (volume_context, accessible_topology) = match params.reach {
+            Reach::Node => (HashMap::new(), vec![self.d.topology()]),
+            Reach::Network => {
+                let host = self.d.api.host().await?;
+                // Empty: the CO may take it as reachable from every node.
+                (reach::context(&self.d, &csi_name, &host)?, Vec::new())
+            }
+        };
         tracing::info!(csi_name = %csi_name, volume = %name, size, ?params, "CreateVolume");
         let d = self.d.clone();
         let content_source = req.volume_content_source.clone();
@@ -589,6 +604,8 @@ impl Controller for ControllerService {
         Ok(Response::new(CreateVolumeResponse {
             volume: Some(Volume {
                 content_source,
+                volume_context,
+                accessible_topology,
                 ..self.csi_volume(&v)
             }),
         }))
@@ -631,6 +648,11 @@ impl Controller for ControllerService {
                             });
                         }
                     }
+                    // A network-reachable volume's export goes with it.
+                    // Forced: the CO deletes a volume no pod uses, so its
+                    // other nodes have unstaged it, and the kernel cannot
+                    // tell this export's connections from another's.
+                    d.api.delete_export(&name).await?;
                     d.api.delete_volume(&name).await?;
                 }
                 d.api.delete_image(&name).await?;

@@ -22,6 +22,9 @@ pub(crate) struct Driver {
     pub api: Api,
     /// Where image files are created (`None`: the API's first image root).
     pub image_root: Option<PathBuf>,
+    /// This node's API as other nodes reach it (`--node-api`), for volumes
+    /// reachable from every node.
+    pub node_api: Option<String>,
     /// Controller calls in flight, by blockplane name.
     pub controller_calls: InFlight,
     /// Node calls in flight, by volume id.

@@ -32,6 +32,7 @@ pub mod mount;
 mod naming;
 mod node;
 pub mod proto;
+mod reach;
 mod snapshots;
 
 use std::path::{Path, PathBuf};
@@ -70,6 +71,12 @@ pub struct CsiArgs {
     /// statvfs, so it must be visible to the driver at the same path.
     #[arg(long, env = "BLOCKPLANE_CSI_IMAGE_ROOT")]
     pub image_root: Option<PathBuf>,
+    /// This node's blockplane API as the other nodes' drivers reach it
+    /// (`HOST:PORT`, TCP; the service's token comes from the node-stage
+    /// Secret): needed by a StorageClass with `reach: network` [default:
+    /// none, such classes are refused].
+    #[arg(long, env = "BLOCKPLANE_NODE_API")]
+    pub node_api: Option<String>,
 }
 
 /// What keeps `blockplane csi` from serving.
@@ -150,6 +157,7 @@ pub async fn serve(args: CsiArgs, api: &str, token: Option<String>) -> Result<()
         node_id: args.node_id,
         api: Api::new(client),
         image_root: args.image_root,
+        node_api: args.node_api,
         controller_calls: InFlight::default(),
         node_calls: InFlight::default(),
     });

@@ -33,6 +33,7 @@ use super::proto::{
     NodeStageVolumeResponse, NodeUnpublishVolumeRequest, NodeUnpublishVolumeResponse,
     NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, VolumeUsage,
 };
+use super::reach;
 use blockplane_api::model;
 use blockplane_system::mountinfo;
 
@@ -46,6 +47,18 @@ impl NodeService {
     /// The Node service of `driver`.
     pub fn new(d: Arc<Driver>) -> Self {
         Self { d }
+    }
+
+    /// The volume id of a node call, and whether it is this node's own
+    /// (`false`: another node's, reachable over the network or refused
+    /// there, [`reach`]).
+    fn locate(&self, volume_id: &str) -> Result<(VolumeId, bool), CsiError> {
+        let id = VolumeId::parse(volume_id).ok_or_else(|| CsiError::NotFound {
+            volume: volume_id.to_string(),
+            reason: "no such volume (not an id this driver hands out)".into(),
+        })?;
+        let own = id.node == self.d.node_id;
+        Ok((id, own))
     }
 
     /// The volume id of a node call, which must name a volume of this node.
@@ -478,19 +491,25 @@ impl Node for NodeService {
             return Err(missing("NodeStageVolume", "volume_capability"));
         };
         let cap = parse_cap(&req.volume_id, cap)?;
-        let id = self.own(&req.volume_id)?;
-        tracing::info!(volume = %id.name, staging = %req.staging_target_path, ?cap, "NodeStageVolume");
+        let (id, own) = self.locate(&req.volume_id)?;
+        tracing::info!(volume = %id.name, staging = %req.staging_target_path, ?cap, own, "NodeStageVolume");
         let d = self.d.clone();
         let staging = PathBuf::from(req.staging_target_path);
         let key = req
             .secrets
             .get(super::controller::KEY_SECRET)
             .map(model::Key::new);
+        let (context, secrets) = (req.volume_context, req.secrets);
         self.d
             .node_calls
             .run(&req.volume_id, async move {
-                unlock(&d, &id, key).await?;
-                let (_, dev) = device(&d, &id).await?;
+                let dev = match own {
+                    true => {
+                        unlock(&d, &id, key).await?;
+                        device(&d, &id).await?.1
+                    }
+                    false => reach::connect(&d, &id, &context, &secrets).await?,
+                };
                 match cap.access {
                     // Nothing to prepare: publishing binds the device node.
                     Access::Block => Ok(()),
@@ -519,8 +538,20 @@ impl Node for NodeService {
             req.staging_target_path.is_empty(),
         )?;
         tracing::info!(volume = %req.volume_id, staging = %req.staging_target_path, "NodeUnstageVolume");
-        self.unmount(req.volume_id, req.staging_target_path.into(), false)
+        let other = VolumeId::parse(&req.volume_id).filter(|id| id.node != self.d.node_id);
+        self.unmount(req.volume_id.clone(), req.staging_target_path.into(), false)
             .await?;
+        // Another node's volume: this node's connection to it goes too.
+        if let Some(id) = other {
+            let d = self.d.clone();
+            self.d
+                .node_calls
+                .run(
+                    &req.volume_id,
+                    async move { reach::disconnect(&d, &id).await },
+                )
+                .await?;
+        }
         Ok(Response::new(NodeUnstageVolumeResponse {}))
     }
 
@@ -545,7 +576,7 @@ impl Node for NodeService {
             req.staging_target_path.is_empty(),
         )?;
         let cap = parse_cap(&req.volume_id, cap)?;
-        let id = self.own(&req.volume_id)?;
+        let (id, own) = self.locate(&req.volume_id)?;
         let read_only = req.readonly || cap.read_only;
         tracing::info!(volume = %id.name, target = %req.target_path, read_only, "NodePublishVolume");
         let d = self.d.clone();
@@ -554,7 +585,17 @@ impl Node for NodeService {
         self.d
             .node_calls
             .run(&req.volume_id, async move {
-                let (_, dev) = device(&d, &id).await?;
+                let dev = match own {
+                    true => device(&d, &id).await?.1,
+                    false => {
+                        reach::device(&d, &id)
+                            .await?
+                            .ok_or_else(|| CsiError::Precondition {
+                                volume: id.to_string(),
+                                reason: "it lives on another node and is not staged here".into(),
+                            })?
+                    }
+                };
                 let name = id.to_string();
                 blocking(&id.to_string(), move || match cap.access {
                     Access::Block => publish_block(&name, &dev, &staging, &target, &cap, read_only),
