@@ -16,6 +16,7 @@ mod cli;
 mod dashboard;
 mod encryption;
 mod events;
+mod exports;
 mod images;
 mod instances;
 mod limits;

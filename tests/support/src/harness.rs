@@ -176,6 +176,11 @@ pub struct Opts {
     /// The soft limit on open files the service starts with (the hard one
     /// stays the test's), as a shell or a service manager may give it.
     pub open_files: Option<u64>,
+    /// The network namespace (`/run/netns/<name>`, as `ip netns add` makes
+    /// it) the service runs in: one "host" of a test with two. Only the
+    /// network is entered (`nsenter --net`), so the service sees the
+    /// host's sysfs, configfs and devices as any service would.
+    pub netns: Option<String>,
 }
 
 /// A running `blockplane serve` on its own temp dirs.
@@ -234,7 +239,17 @@ impl Service {
 
     /// The command line the service is started with.
     pub fn command(&self) -> Command {
-        let mut c = Command::new(self.opts.bin.as_deref().unwrap_or(Path::new(bin())));
+        let program = self.opts.bin.as_deref().unwrap_or(Path::new(bin()));
+        let mut c = match &self.opts.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}"))
+                    .arg("--")
+                    .arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
         c.arg("serve")
             .arg("--data-dir")
             .arg(&self.data)
@@ -397,6 +412,11 @@ impl Service {
     /// `POST path` with a JSON body, checked.
     pub async fn post(&self, path: &str, body: Value) -> Answer {
         self.call(Method::POST, path, Some(body)).await
+    }
+
+    /// `PUT path` with a JSON body, checked.
+    pub async fn put(&self, path: &str, body: Value) -> Answer {
+        self.call(Method::PUT, path, Some(body)).await
     }
 
     /// `PATCH path` with a JSON body, checked.

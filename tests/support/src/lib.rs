@@ -8,6 +8,7 @@
 pub mod builds;
 pub mod drift;
 pub mod harness;
+pub mod hosts;
 pub mod leaks;
 pub mod s3;
 pub mod wait;

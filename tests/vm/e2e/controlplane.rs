@@ -325,10 +325,10 @@ async fn a_new_binary_adopts_every_device_under_fio_verify() {
 /// A cgroup v2 group of processes killed as one (`cgroup.kill`), as systemd
 /// stops a unit with `KillMode=control-group`, as a container runtime stops
 /// a pod, as the OOM killer kills a `memory.oom.group` cgroup.
-struct Pod(PathBuf);
+pub(crate) struct Pod(PathBuf);
 
 impl Pod {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let root = Path::new("/sys/fs/cgroup");
         if !root.join("cgroup.controllers").exists() {
             sh("mount", &["-t", "cgroup2", "none", "/sys/fs/cgroup"]);
@@ -339,7 +339,7 @@ impl Pod {
     }
 
     /// Moves `pid` (with its threads) in: what it starts later is in too.
-    fn enter(&self, pid: u32) {
+    pub(crate) fn enter(&self, pid: u32) {
         std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
     }
 
@@ -352,7 +352,7 @@ impl Pod {
     }
 
     /// SIGKILLs every process in it at once and waits until none is left.
-    async fn kill(&self) {
+    pub(crate) async fn kill(&self) {
         std::fs::write(self.0.join("cgroup.kill"), "1").unwrap();
         eventually(
             Duration::from_secs(30),

@@ -15,6 +15,7 @@ mod backups;
 mod controlplane;
 mod dm;
 mod encryption;
+mod exports;
 mod faults;
 mod keepalloc;
 mod live;
@@ -185,16 +186,16 @@ impl Vm {
     /// As [`Vm::start`], with the service run from `bin` (a copy the test
     /// can replace as a package upgrade does).
     pub async fn start_from(bin: PathBuf) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), Some(bin), &[]).await
+        Self::start_opts(Vec::new(), Vec::new(), Some(bin), &[], None).await
     }
 
     async fn start_with(more: Vec<PathBuf>, env: Vec<(String, String)>) -> Self {
-        Self::start_opts(more, env, None, &[]).await
+        Self::start_opts(more, env, None, &[], None).await
     }
 
     /// As [`Vm::start`], with more arguments to `serve`.
     pub async fn start_with_args(args: &[&str]) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), None, args).await
+        Self::start_opts(Vec::new(), Vec::new(), None, args, None).await
     }
 
     /// As [`Vm::start`], with the service's environment extended and more
@@ -204,7 +205,19 @@ impl Vm {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Self::start_opts(Vec::new(), env, None, args).await
+        Self::start_opts(Vec::new(), env, None, args, None).await
+    }
+
+    /// As [`Vm::start`], in network namespace `netns` (one "host" of a test
+    /// with two), with more arguments to `serve`.
+    pub async fn start_in(netns: &str, args: &[&str]) -> Self {
+        Self::start_opts(Vec::new(), Vec::new(), None, args, Some(netns)).await
+    }
+
+    /// As [`Vm::start_in`], the service run from `bin` when given (a
+    /// release build, for a benchmark).
+    pub async fn start_in_from(netns: &str, args: &[&str], bin: Option<PathBuf>) -> Self {
+        Self::start_opts(Vec::new(), Vec::new(), bin, args, Some(netns)).await
     }
 
     async fn start_opts(
@@ -212,6 +225,7 @@ impl Vm {
         env: Vec<(String, String)>,
         bin: Option<PathBuf>,
         args: &[&str],
+        netns: Option<&str>,
     ) -> Self {
         require_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
@@ -237,6 +251,7 @@ impl Vm {
                 .collect(),
             env,
             bin,
+            netns: netns.map(str::to_string),
             ..Default::default()
         })
         .await;
