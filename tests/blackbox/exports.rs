@@ -104,6 +104,12 @@ async fn bad_export_requests_are_refused_by_rule_and_change_nothing() {
         "export_not_found",
     );
     assert_eq!(s.get("/v1/exports").await.body, json!([]));
+    assert_error(
+        &s.post(&format!("/v1/export-hosts/{HOST}/rotate"), json!({}))
+            .await,
+        404,
+        "export_host_not_found",
+    );
     // The volume is not held by what was refused.
     assert_eq!(s.delete("/v1/volumes/v").await.status.as_u16(), 204);
 }

@@ -7,7 +7,8 @@ use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
-    CreateRemoteRequest, DeleteExportQuery, Export, ExportRequest, PatchRemoteRequest, Remote,
+    CreateRemoteRequest, DeleteExportQuery, Export, ExportHostKeys, ExportRequest,
+    PatchRemoteRequest, Remote,
 };
 
 fn export_path(volume: &str) -> String {
@@ -48,6 +49,12 @@ impl Client {
     /// `GET /v1/exports`.
     pub async fn exports(&self) -> Result<Vec<Export>, Error> {
         self.get("/v1/exports").await
+    }
+
+    /// `POST /v1/export-hosts/{host_nqn}/rotate`: the host's new keys.
+    pub async fn rotate_host_keys(&self, host_nqn: &str) -> Result<ExportHostKeys, Error> {
+        let path = format!("/v1/export-hosts/{}/rotate", encode_segment(host_nqn));
+        self.send(Method::POST, &path, &serde_json::json!({})).await
     }
 
     /// `POST /v1/remotes`: idempotent by name.

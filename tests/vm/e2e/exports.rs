@@ -274,6 +274,7 @@ async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
         assert_eq!(got["device"], r.device.as_str(), "{}: {got}", r.name);
     }
 
+    rotate_b_key(&a, &b, &b_nqn, &remotes).await;
     refusals(&a, &b, &b_nqn).await;
 
     // Teardown in order: B disconnects everything; then A, whose kernel
@@ -295,6 +296,51 @@ async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
     b.stop_and_clean();
     drop(a);
     drop(hosts);
+}
+
+/// B's key rotated on A, for every export: B's connections take it live,
+/// and one reconnected (its controller reset) authenticates with it and
+/// verifies under fio.
+async fn rotate_b_key(a: &Vm, b: &Service, b_nqn: &str, remotes: &[Remote]) {
+    let keys =
+        a.s.post(&format!("/v1/export-hosts/{b_nqn}/rotate"), json!({}))
+            .await;
+    assert_eq!(keys.status.as_u16(), 200, "{}", keys.body);
+    assert_eq!(
+        keys.body["exports"].as_array().unwrap().len(),
+        remotes.len(),
+        "{}",
+        keys.body
+    );
+    for r in remotes {
+        let p = b
+            .patch(
+                &format!("/v1/remotes/{}", r.name),
+                json!({"secret": keys.body["secret"]}),
+            )
+            .await;
+        assert_eq!(p.status.as_u16(), 200, "{}: {}", r.name, p.body);
+        assert_eq!(p.body["state"], "attached", "{}: {}", r.name, p.body);
+    }
+    let nqn = a.s.get("/v1/volumes/x-loop/export").await.body["nqn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ctrl = std::fs::read_dir("/sys/class/nvme")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|c| std::fs::read_to_string(c.join("subsysnqn")).is_ok_and(|n| n.trim() == nqn))
+        .expect("B's controller of x-loop");
+    std::fs::write(ctrl.join("reset_controller"), "1").unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "x-loop's controller live again",
+        async || std::fs::read_to_string(ctrl.join("state")).is_ok_and(|s| s.trim() == "live"),
+    )
+    .await;
+    let dev = &remotes.iter().find(|r| r.name == "x-loop").unwrap().device;
+    fio_ok(fio_verify(dev, "4M", &[]));
 }
 
 /// What A and B refuse, each changing nothing.

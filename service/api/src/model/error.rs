@@ -148,6 +148,8 @@ error_codes! {
     BackupNotFound = "backup_not_found",
     /// 404: the volume has no export.
     ExportNotFound = "export_not_found",
+    /// 404: no export allows a host of that NQN.
+    ExportHostNotFound = "export_host_not_found",
     /// 404: no remote volume of that id or name.
     RemoteNotFound = "remote_not_found",
 

@@ -139,6 +139,24 @@ pub struct CreateRemoteRequest {
     pub read_only: bool,
 }
 
+/// `POST /v1/export-hosts/{host_nqn}/rotate`: a host's new key, for every
+/// export that allows it. The kernel takes it without dropping the host's
+/// connections; give it to the host's remote volumes
+/// (`PATCH /v1/remotes/{id}` with `secret`) before it reconnects, or its
+/// next connect is refused. The controller key stays: the kernel
+/// re-authenticates a live connection at each key written, with both
+/// keys, so changing both would fail between the two writes.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExportHostKeys {
+    /// The host's NQN.
+    pub host_nqn: String,
+    /// The key the host proves (`DHHC-1:…`), new.
+    pub secret: String,
+    /// The NQNs of the exports that allow it.
+    pub exports: Vec<String>,
+}
+
 /// `PATCH /v1/remotes/{id}`: what changes live on a remote volume.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -147,6 +165,10 @@ pub struct PatchRemoteRequest {
     /// Refuse writes on this host (`false`: allow them again).
     #[serde(default)]
     pub read_only: Option<bool>,
+    /// This host's new key, after the exporting host rotated it: the
+    /// connection re-authenticates with it, without a disconnect.
+    #[serde(default)]
+    pub secret: Option<String>,
     /// Refused: a remote volume's data path is its exporting host's.
     #[serde(default)]
     pub dispatch: Option<serde_json::Value>,

@@ -73,6 +73,7 @@ fn export(e: &ExportError) -> (StatusCode, ErrorCode) {
     use ExportError as E;
     match e {
         E::NotFound(_) => (StatusCode::NOT_FOUND, C::ExportNotFound),
+        E::HostNotFound(_) => (StatusCode::NOT_FOUND, C::ExportHostNotFound),
         E::Unavailable { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::ExportUnavailable),
         E::AuthRequired { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::AuthRequired),
         E::ReadOnly { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::ExportReadOnly),

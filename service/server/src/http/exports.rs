@@ -10,8 +10,8 @@ use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use crate::manager::Created;
 use blockplane_api::model::{
-    CreateRemoteRequest, DeleteExportQuery, ErrorBody, Export, ExportRequest, PatchRemoteRequest,
-    Remote,
+    CreateRemoteRequest, DeleteExportQuery, ErrorBody, Export, ExportHostKeys, ExportRequest,
+    PatchRemoteRequest, Remote,
 };
 
 /// Export a volume over NVMe/TCP, or change which hosts its export
@@ -74,6 +74,27 @@ pub async fn delete_export(
 ) -> Result<StatusCode, ApiError> {
     detached(async move { m.exports().delete(&id, q.force).await }).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Rotate a host's keys, for every export that allows it: the kernel takes
+/// them without dropping the host's connections. Give them to the host's
+/// remote volumes (`PATCH /v1/remotes/{id}`) before it reconnects.
+#[utoipa::path(
+    post, path = "/v1/export-hosts/{host_nqn}/rotate", tag = "exports",
+    params(("host_nqn" = String, Path, description = "The host's NQN")),
+    responses(
+        (status = 200, description = "The host's new keys", body = ExportHostKeys),
+        (status = 404, description = "No export allows that host (`export_host_not_found`)", body = ErrorBody),
+        (status = 422, description = "No NVMe target here (`export_unavailable`)", body = ErrorBody),
+    )
+)]
+pub async fn rotate_host_keys(
+    State(m): State<AppState>,
+    Path(host_nqn): Path<String>,
+) -> Result<Json<ExportHostKeys>, ApiError> {
+    Ok(Json(
+        detached(async move { m.exports().rotate(&host_nqn).await }).await?,
+    ))
 }
 
 /// List this service's exports.

@@ -183,6 +183,7 @@ fn routes() -> OpenApiRouter<AppState> {
             exports::delete_export
         ))
         .routes(routes!(exports::list_exports))
+        .routes(routes!(exports::rotate_host_keys))
         .routes(routes!(exports::create_remote, exports::list_remotes))
         .routes(routes!(
             exports::get_remote,

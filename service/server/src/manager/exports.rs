@@ -24,7 +24,7 @@ use super::error::Result;
 use super::house::House;
 use crate::store::{ExportHostRow, ExportRow, VolumeRow};
 use blockplane_api::model::{
-    Export, ExportAuth, ExportHost, ExportRequest, ExportState, VolumeState,
+    Export, ExportAuth, ExportHost, ExportHostKeys, ExportRequest, ExportState, VolumeState,
 };
 use blockplane_system::dhchap::{DhchapError, Secret};
 use blockplane_system::nvmet::{self, ListenAddr, NvmetError, SubsystemSpec, Target};
@@ -34,6 +34,8 @@ use blockplane_system::nvmet::{self, ListenAddr, NvmetError, SubsystemSpec, Targ
 pub enum ExportError {
     #[error("volume '{0}' has no export")]
     NotFound(String),
+    #[error("no export allows host '{0}'")]
+    HostNotFound(String),
     #[error("volume '{volume}' cannot be exported: {reason}")]
     Unavailable { volume: String, reason: String },
     #[error("volume '{volume}': {rule}")]
@@ -92,6 +94,9 @@ pub struct Exports {
     /// By volume id; an export missing here is converged at the next
     /// follow.
     served: Arc<Mutex<HashMap<Uuid, Served>>>,
+    /// Held while hosts' keys are read and written to the kernel: a
+    /// rotation is never undone by a follow that read the old keys.
+    keys: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The subsystem NQN of an export: this service's instance and the volume.
@@ -126,6 +131,7 @@ impl Exports {
             house,
             addresses: Arc::new(addresses),
             served: Arc::default(),
+            keys: Arc::default(),
         }
     }
 
@@ -176,6 +182,13 @@ impl Exports {
             tx.insert_export_host(h).await?;
         }
         tx.put_export(&row).await?;
+        tx.forget_unused_export_hosts().await?;
+        let dropped: Vec<String> = previous
+            .iter()
+            .flat_map(|p| p.hosts.iter())
+            .filter(|h| !row.hosts.contains(h))
+            .cloned()
+            .collect();
         let (kind, verb) = match previous {
             Some(_) => ("volume_export_changed", "now allows"),
             None => ("volume_exported", "is exported to"),
@@ -190,6 +203,12 @@ impl Exports {
             .await?;
         tx.commit().await?;
         self.converge(&target, &v, &row).await?;
+        // A host no longer allowed keeps a session it has (the kernel
+        // checks the list at connect); its entry goes once no export
+        // allows it.
+        if !dropped.is_empty() {
+            self.forget_unused(&target, &v.name, dropped).await?;
+        }
         let mut shown = self.view(&v, Some(&target)).await?;
         let keys = self.house.store.export_hosts().await?;
         for host in &mut shown.hosts {
@@ -269,6 +288,7 @@ impl Exports {
         if before.as_ref() == Some(&want) && row.state == ExportState::Serving {
             return Ok(());
         }
+        let keys_held = self.keys.lock().await;
         let keys = self.house.store.export_hosts().await?;
         let spec = SubsystemSpec {
             nqn: row.nqn.clone(),
@@ -283,6 +303,7 @@ impl Exports {
         let grown = before.is_some_and(|b| b.size_bytes != size_bytes);
         let (target, addresses) = (target.clone(), self.addresses.clone());
         let applied = blocking(move || serve(&target, &addresses, spec, &keys, grown)).await?;
+        drop(keys_held);
         match applied {
             Ok(()) => {
                 self.served
@@ -338,6 +359,67 @@ impl Exports {
             .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// `POST /v1/export-hosts/{host_nqn}/rotate`: a new key for a host (its
+    /// controller key stays, [`ExportHostKeys`] says why), in the kernel
+    /// first (its sessions stay: the kernel checks keys when a
+    /// host authenticates), then the registry; a crash between leaves the
+    /// registry's old keys, which the next start writes back.
+    pub(crate) async fn rotate(&self, host_nqn: &str) -> Result<ExportHostKeys> {
+        let _keys = self.keys.lock().await;
+        let old = self
+            .house
+            .store
+            .export_hosts()
+            .await?
+            .into_iter()
+            .find(|h| h.host_nqn == host_nqn)
+            .ok_or_else(|| ExportError::HostNotFound(host_nqn.to_string()))?;
+        let fresh = ExportHostRow {
+            key: new_host(host_nqn)?.key,
+            ..old.clone()
+        };
+        let target = self.target(host_nqn).await?;
+        let (t, h) = (target.clone(), fresh.clone());
+        blocking(move || t.ensure_host(&h.host_nqn, &h.key, Some(&h.ctrl_key)))
+            .await?
+            .map_err(|source| ExportError::Kernel {
+                volume: host_nqn.to_string(),
+                source,
+            })?;
+        let exports: Vec<String> = self
+            .house
+            .store
+            .exports()
+            .await?
+            .into_iter()
+            .filter(|e| e.hosts.iter().any(|h| h == host_nqn))
+            .map(|e| e.nqn)
+            .collect();
+        let recorded = async {
+            let mut tx = self.house.store.begin().await?;
+            tx.set_export_host_keys(&fresh).await?;
+            let message = format!(
+                "the keys of host '{host_nqn}' were rotated (exports {})",
+                exports.join(", ")
+            );
+            tx.event(None, None, "export_host_keys_rotated", &message)
+                .await?;
+            tx.commit().await
+        };
+        if let Err(e) = recorded.await {
+            // The registry keeps the old keys: so does the kernel.
+            let t = target.clone();
+            let _ =
+                blocking(move || t.ensure_host(&old.host_nqn, &old.key, Some(&old.ctrl_key))).await;
+            return Err(e.into());
+        }
+        Ok(ExportHostKeys {
+            host_nqn: host_nqn.to_string(),
+            secret: fresh.key.expose().to_string(),
+            exports,
+        })
     }
 
     /// `GET /v1/volumes/{id}/export`.

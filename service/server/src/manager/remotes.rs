@@ -207,7 +207,12 @@ impl Remotes {
                 Ok(super::Created::New(self.view(row).await?))
             }
             Err(e) => {
-                // Refused or failed: nothing stays, as if never asked.
+                // Refused or failed: nothing stays, as if never asked (a
+                // connection made before a later step failed goes too).
+                let (r, host_nqn) = (row.clone(), self.host_nqn.clone());
+                if let Err(left) = blocking(move || detach(&r, &host_nqn)).await? {
+                    tracing::warn!(remote = %row.name, error = %left, "a failed connect left something behind");
+                }
                 let mut tx = self.house.store.begin().await?;
                 tx.delete_remote(row.id).await?;
                 tx.commit().await?;
@@ -346,6 +351,19 @@ impl Remotes {
                 "its limits are its exporting host's: PATCH the volume there",
             );
         }
+        let secret = patch
+            .secret
+            .as_deref()
+            .map(Secret::parse)
+            .transpose()
+            .map_err(|e| RemoteError::Invalid {
+                name: row.name.clone(),
+                field: "secret",
+                reason: e.to_string(),
+            })?;
+        if let Some(secret) = secret {
+            row = self.take_key(row, secret).await?;
+        }
         let Some(read_only) = patch.read_only.filter(|r| *r != row.read_only) else {
             return self.view(row).await;
         };
@@ -371,6 +389,26 @@ impl Remotes {
             .await?;
         tx.commit().await?;
         self.view(row).await
+    }
+
+    /// Gives the live connection its new key (the kernel re-authenticates
+    /// at once, without a disconnect), then records it for the next
+    /// connect.
+    async fn take_key(&self, mut row: RemoteRow, secret: Secret) -> Result<RemoteRow> {
+        if let Some(a) = row.attachment.clone() {
+            let (name, s) = (row.name.clone(), secret.clone());
+            blocking(move || fabrics::set_secret(a.controller, &s))
+                .await?
+                .map_err(|source| RemoteError::Fabrics { name, source })?;
+        }
+        row.secret = Some(secret);
+        let mut tx = self.house.store.begin().await?;
+        tx.set_remote_keys(&row).await?;
+        let message = format!("remote volume '{}' took its new key", row.name);
+        tx.event(Some(row.id), None, "remote_key_changed", &message)
+            .await?;
+        tx.commit().await?;
+        Ok(row)
     }
 
     /// `DELETE /v1/remotes/{id}`: removes the node and disconnects;

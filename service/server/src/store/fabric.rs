@@ -262,6 +262,11 @@ impl WriteTx {
             .bind(volume_id.to_string())
             .execute(self.conn())
             .await?;
+        self.forget_unused_export_hosts().await
+    }
+
+    /// Forgets the hosts (and their keys) no export allows any more.
+    pub async fn forget_unused_export_hosts(&mut self) -> Result<()> {
         sqlx::query(
             "DELETE FROM export_hosts
              WHERE host_nqn NOT IN (SELECT host_nqn FROM export_grants)",
@@ -283,6 +288,28 @@ impl WriteTx {
         .bind(ts(OffsetDateTime::now_utc()))
         .execute(self.conn())
         .await?;
+        Ok(())
+    }
+
+    /// Records a host's new keys.
+    pub async fn set_export_host_keys(&mut self, h: &ExportHostRow) -> Result<()> {
+        sqlx::query("UPDATE export_hosts SET key = ?, ctrl_key = ? WHERE host_nqn = ?")
+            .bind(h.key.expose())
+            .bind(h.ctrl_key.expose())
+            .bind(&h.host_nqn)
+            .execute(self.conn())
+            .await?;
+        Ok(())
+    }
+
+    /// Records a remote volume's new keys.
+    pub async fn set_remote_keys(&mut self, r: &RemoteRow) -> Result<()> {
+        sqlx::query("UPDATE remotes SET secret = ?, ctrl_secret = ? WHERE id = ?")
+            .bind(r.secret.as_ref().map(Secret::expose))
+            .bind(r.ctrl_secret.as_ref().map(Secret::expose))
+            .bind(r.id.to_string())
+            .execute(self.conn())
+            .await?;
         Ok(())
     }
 
