@@ -131,9 +131,9 @@ pub enum Error {
     #[error(transparent)]
     Backup(#[from] blockplane_backup::Error),
     #[error(transparent)]
-    Export(#[from] super::exports::ExportError),
+    Export(#[from] super::fabric_error::ExportError),
     #[error(transparent)]
-    Remote(#[from] super::remotes::RemoteError),
+    Remote(#[from] super::fabric_error::RemoteError),
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
     #[error("image '{name}' ({path}) cannot be registered as full: {reason}; nothing was recorded")]

@@ -21,60 +21,14 @@ use uuid::Uuid;
 use super::blocking::blocking;
 use super::encryption;
 use super::error::Result;
+use super::fabric_error::ExportError;
 use super::house::House;
 use crate::store::{ExportHostRow, ExportRow, VolumeRow};
 use blockplane_api::model::{
     Export, ExportAuth, ExportHost, ExportHostKeys, ExportRequest, ExportState, VolumeState,
 };
-use blockplane_system::dhchap::{DhchapError, Secret};
+use blockplane_system::dhchap::Secret;
 use blockplane_system::nvmet::{self, ListenAddr, NvmetError, SubsystemSpec, Target};
-
-/// Why an export was refused or failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ExportError {
-    #[error("volume '{0}' has no export")]
-    NotFound(String),
-    #[error("no export allows host '{0}'")]
-    HostNotFound(String),
-    #[error("volume '{volume}' cannot be exported: {reason}")]
-    Unavailable { volume: String, reason: String },
-    #[error("volume '{volume}': {rule}")]
-    AuthRequired { volume: String, rule: &'static str },
-    #[error(
-        "volume '{volume}': {what}: the kernel's NVMe target serves a namespace read-write only (it cannot enable one on a read-only device, and a device made read-only under it still takes its hosts' writes); make the remote volume read-only on the consuming host instead (PATCH /v1/remotes/{{id}} read_only)"
-    )]
-    ReadOnly { volume: String, what: &'static str },
-    #[error("volume '{volume}': host NQN '{nqn}' is not valid: {reason}")]
-    BadHost {
-        volume: String,
-        nqn: String,
-        reason: String,
-    },
-    #[error(
-        "volume '{volume}' is exported as {nqn}: remove its export first (DELETE /v1/volumes/{volume}/export)"
-    )]
-    Exported { volume: String, nqn: String },
-    #[error(
-        "volume '{volume}': host(s) {hosts} are connected to its export: disconnect them first (DELETE their remote volume)"
-    )]
-    HostsConnected { volume: String, hosts: String },
-    #[error(
-        "volume '{volume}': hosts are connected to this service's export addresses (from {peers}) and the kernel does not say to which export: disconnect them first (DELETE their remote volume), or remove the export with ?force=true, which ends its hosts' I/O with errors"
-    )]
-    MaybeConnected { volume: String, peers: String },
-    #[error("volume '{volume}': the kernel's NVMe target refused the export: {source}")]
-    Kernel {
-        volume: String,
-        #[source]
-        source: NvmetError,
-    },
-    #[error("making the keys of host '{nqn}': {source}")]
-    Keys {
-        nqn: String,
-        #[source]
-        source: DhchapError,
-    },
-}
 
 /// What the kernel was last made to serve for one export.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,6 +11,7 @@ pub(crate) mod encryption;
 mod error;
 mod events;
 mod exports;
+mod fabric_error;
 #[cfg(test)]
 mod fake;
 mod handover;
@@ -47,10 +48,11 @@ use crate::fault::Faults;
 use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
-pub use exports::{ExportError, Exports};
+pub use exports::Exports;
+pub use fabric_error::{ExportError, RemoteError};
 use house::{House, Settings};
 use image_jobs::{ImageJobs, Images};
-pub use remotes::{RemoteError, Remotes};
+pub use remotes::Remotes;
 use volume_part::Volumes;
 
 /// Whether a create made something new or found it already there.

@@ -18,110 +18,19 @@ use uuid::Uuid;
 
 use super::blocking::blocking;
 use super::error::Result;
+use super::fabric_error::RemoteError;
 use super::house::House;
 use super::names::validate_name;
 use crate::store::{RemoteAttachment, RemoteRow};
 use blockplane_api::model::{CreateRemoteRequest, PatchRemoteRequest, Remote, RemoteState};
 use blockplane_system::dhchap::Secret;
-use blockplane_system::dm::{self, DmCallError};
+use blockplane_system::dm;
 use blockplane_system::fabrics::{self, Connect, ControllerState, FabricsError, Timeouts};
 use blockplane_system::nvmet::{self, ListenAddr};
 
 /// How long the kernel may take to show a connected controller's
 /// namespace (it scans asynchronously after the connect returns).
 const NAMESPACE_WAIT: Duration = Duration::from_secs(30);
-
-/// Why a remote volume was refused or failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RemoteError {
-    #[error("remote volume '{0}' not found")]
-    NotFound(String),
-    #[error(
-        "remote volume '{name}' exists with another address or NQN ({address}, {nqn}): delete it first or pick another name"
-    )]
-    Exists {
-        name: String,
-        address: String,
-        nqn: String,
-    },
-    #[error(
-        "remote volume '{name}': {nqn} is connected here already as remote volume '{other}': use that one"
-    )]
-    SameExport {
-        name: String,
-        nqn: String,
-        other: String,
-    },
-    #[error("remote volume '{name}': invalid {field}: {reason}")]
-    Invalid {
-        name: String,
-        field: &'static str,
-        reason: String,
-    },
-    #[error("remote volume '{name}': {what} does not apply to a remote volume: {rule}")]
-    NotForRemote {
-        name: String,
-        what: &'static str,
-        rule: &'static str,
-    },
-    #[error("remote volume '{name}' cannot connect from this host: {source}")]
-    Unavailable {
-        name: String,
-        #[source]
-        source: FabricsError,
-    },
-    #[error("remote volume '{name}': {source}")]
-    Refused {
-        name: String,
-        #[source]
-        source: FabricsError,
-    },
-    #[error("remote volume '{name}': {source}")]
-    Unreachable {
-        name: String,
-        #[source]
-        source: FabricsError,
-    },
-    #[error("remote volume '{name}': {source}")]
-    Fabrics {
-        name: String,
-        #[source]
-        source: FabricsError,
-    },
-    #[error(
-        "remote volume '{name}': the kernel showed no namespace of {nqn} within {secs} s of the connect"
-    )]
-    NoNamespace {
-        name: String,
-        nqn: String,
-        secs: u64,
-    },
-    #[error(
-        "remote volume '{name}': its device {device} is open (mounted or held by a process); close it first"
-    )]
-    Busy { name: String, device: String },
-    #[error("remote volume '{name}': device-mapper: {source}")]
-    Dm {
-        name: String,
-        #[source]
-        source: DmCallError,
-    },
-}
-
-impl RemoteError {
-    /// A failed connect, sorted by whose fault it is.
-    fn connect(name: &str, source: FabricsError) -> Self {
-        let name = name.to_string();
-        match &source {
-            FabricsError::Missing { .. } => Self::Unavailable { name, source },
-            FabricsError::AuthRefused { .. }
-            | FabricsError::SecretRequired { .. }
-            | FabricsError::NotAllowed { .. } => Self::Refused { name, source },
-            FabricsError::Unreachable { .. } => Self::Unreachable { name, source },
-            _ => Self::Fabrics { name, source },
-        }
-    }
-}
 
 /// The remote volumes' part: the house and this service's identity as an
 /// NVMe host.

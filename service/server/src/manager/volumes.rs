@@ -1017,7 +1017,7 @@ impl Volumes {
         let _volume = self.house().locks.volumes.lock(&v.name).await;
         let mut v = self.house().volume_row(&v.id.to_string()).await?;
         if let Some(export) = self.house().store.export(v.id).await? {
-            return Err(super::ExportError::Exported {
+            return Err(super::fabric_error::ExportError::Exported {
                 volume: v.name.clone(),
                 nqn: export.nqn,
             }
