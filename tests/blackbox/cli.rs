@@ -887,7 +887,7 @@ async fn exports_and_remote_volumes_from_the_command_line_refuse_what_this_host_
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("invalid_fabric_name") && err.contains("secret"),
+        err.contains("invalid_key") && err.contains("secret"),
         "{err}"
     );
     assert!(

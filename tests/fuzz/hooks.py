@@ -88,6 +88,17 @@ STATE_CODES = {
     "encryption_unavailable",
     "luks_version_unsupported",
     "luks_header_unreadable",
+    # Exports and remote volumes: whether this service has export addresses
+    # (and loopback ones only, for an export without authentication), an
+    # NVMe target or initiator, whether the volume is read-only, whether
+    # another host answers, and a key's content (its base64 and CRC-32; the
+    # schema states its form).
+    "export_unavailable",
+    "auth_required",
+    "export_read_only",
+    "initiator_unavailable",
+    "remote_unreachable",
+    "invalid_key",
 }
 
 

@@ -356,18 +356,26 @@ pub struct ListenAddrError {
     pub text: String,
 }
 
+/// An IP address alone: `1.2.3.4`, `::1`, or an IPv6 address in brackets.
+fn bare_ip(s: &str) -> Result<IpAddr, std::net::AddrParseError> {
+    match s.strip_prefix('[').and_then(|v6| v6.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().map(IpAddr::V6),
+        None => s.parse::<IpAddr>(),
+    }
+}
+
 impl FromStr for ListenAddr {
     type Err = ListenAddrError;
 
-    /// `1.2.3.4:4420`, `[::1]:4420`, or a bare IP (`1.2.3.4`, `::1`) for
-    /// port 4420.
+    /// `1.2.3.4:4420`, `[::1]:4420`, or an IP alone (`1.2.3.4`, `::1`,
+    /// `[::1]`) for port 4420.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let addr = match s.parse::<SocketAddr>() {
             Ok(sa) => ListenAddr {
                 ip: sa.ip(),
                 port: sa.port(),
             },
-            Err(_) => match s.parse::<IpAddr>() {
+            Err(_) => match bare_ip(s) {
                 Ok(ip) => ListenAddr {
                     ip,
                     port: DEFAULT_PORT,
@@ -1260,6 +1268,7 @@ mod tests {
             ("[fd00::7]:4421", "fd00::7", 4421, "[fd00::7]:4421"),
             ("1.2.3.4", "1.2.3.4", 4420, "1.2.3.4:4420"),
             ("::1", "::1", 4420, "[::1]:4420"),
+            ("[::1]", "::1", 4420, "[::1]:4420"),
             ("0.0.0.0", "0.0.0.0", 4420, "0.0.0.0:4420"),
         ] {
             let a: ListenAddr = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
@@ -1275,7 +1284,7 @@ mod tests {
             "1.2.3.4:0",
             "1.2.3.4:70000",
             "::1:4420:x",
-            "[::1]",
+            "[1.2.3.4]",
             "1.2.3",
         ] {
             let e = text.parse::<ListenAddr>().unwrap_err();

@@ -212,8 +212,10 @@ error_codes! {
     /// 422: a read-only export, or an exported volume made read-only: the
     /// kernel's NVMe target serves namespaces read-write only.
     ExportReadOnly = "export_read_only",
-    /// 422: a host NQN, an NQN or a secret outside its rule.
+    /// 422: a host NQN, an NQN or an address outside its rule.
     InvalidFabricName = "invalid_fabric_name",
+    /// 422: a DH-HMAC-CHAP key that is not one: its base64 or its CRC-32.
+    InvalidKey = "invalid_key",
     /// 422: what was asked does not apply to a remote volume (its exporting
     /// host decides it).
     NotForRemote = "not_for_remote",
@@ -223,7 +225,8 @@ error_codes! {
     /// 403: the exporting host refused this host: not allowed, or a key
     /// that does not match.
     RemoteRefused = "remote_refused",
-    /// 502: the exporting host did not answer at that address.
+    /// 422: the exporting host did not answer at that address, or served no
+    /// namespace.
     RemoteUnreachable = "remote_unreachable",
 
     // Backends and dispatch.

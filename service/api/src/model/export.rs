@@ -116,23 +116,53 @@ pub struct Export {
     pub created_at: OffsetDateTime,
 }
 
+/// A subsystem or host NQN: `nqn.`, then printable ASCII but `/` and `,`
+/// (a path separator, the initiator's option separator), 223 bytes in all.
+pub const NQN_PATTERN: &str = "^nqn\\.[!-+\\-.0-~]{0,219}$";
+
 /// `POST /v1/remotes`: connect to another host's export.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CreateRemoteRequest {
     /// Unique name: `[a-z0-9][a-z0-9._-]{0,62}`.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[a-z0-9][a-z0-9._-]{0,62}$"))]
     pub name: String,
-    /// The exporting host's address, `ip:port` (port 4420 when left out).
+    /// The exporting host's address, `ip:port` (port 4420 when left out;
+    /// an IPv6 address in brackets, its eight groups written out).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^(((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|\\[([0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\\])(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?$"
+        )
+    )]
     pub address: String,
     /// The export's NQN (`nqn` of its `Export`).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^nqn\\.[!-+\\-.0-~]{0,219}$", max_length = 223)
+    )]
     pub nqn: String,
-    /// This host's key, as the export's `PUT` answered it; `null` for an
-    /// export with `auth: none`.
+    /// This host's key, as the export's `PUT` answered it (`DHHC-1:`, a
+    /// two-digit hash id, the base64 of a 32, 48 or 64-byte key and its
+    /// CRC-32, `:`; a key failing its checksum is `invalid_key`); `null`
+    /// for an export with `auth: none`.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{70}==|[A-Za-z0-9+/]{91}=):$"
+        )
+    )]
     pub secret: Option<String>,
     /// The target's key, as the export's `PUT` answered it.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{70}==|[A-Za-z0-9+/]{91}=):$"
+        )
+    )]
     pub ctrl_secret: Option<String>,
     /// Refuse writes on this host.
     #[serde(default)]
@@ -168,6 +198,12 @@ pub struct PatchRemoteRequest {
     /// This host's new key, after the exporting host rotated it: the
     /// connection re-authenticates with it, without a disconnect.
     #[serde(default)]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{70}==|[A-Za-z0-9+/]{91}=):$"
+        )
+    )]
     pub secret: Option<String>,
     /// Refused: a remote volume's data path is its exporting host's.
     #[serde(default)]

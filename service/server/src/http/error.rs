@@ -93,11 +93,13 @@ fn remote(e: &RemoteError) -> (StatusCode, ErrorCode) {
         E::NotFound(_) => (StatusCode::NOT_FOUND, C::RemoteNotFound),
         E::Exists { .. } | E::SameExport { .. } => (StatusCode::CONFLICT, C::RemoteExists),
         E::Invalid { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidFabricName),
+        E::BadKey { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidKey),
         E::NotForRemote { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::NotForRemote),
         E::Unavailable { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::InitiatorUnavailable),
         E::Refused { .. } => (StatusCode::FORBIDDEN, C::RemoteRefused),
+        // Whether another host answers is state, not a server failure.
         E::Unreachable { .. } | E::NoNamespace { .. } => {
-            (StatusCode::BAD_GATEWAY, C::RemoteUnreachable)
+            (StatusCode::UNPROCESSABLE_ENTITY, C::RemoteUnreachable)
         }
         E::Busy { .. } => (StatusCode::CONFLICT, C::DeviceBusy),
         E::Fabrics { .. } | E::Dm { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),

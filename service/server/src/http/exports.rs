@@ -62,6 +62,7 @@ pub async fn get_export(
     params(("id" = String, Path, description = "Volume id or name"), DeleteExportQuery),
     responses(
         (status = 204, description = "The export is gone"),
+        (status = 400, description = "Malformed query", body = ErrorBody),
         (status = 404, description = "No such volume, or it has no export (`export_not_found`)", body = ErrorBody),
         (status = 409, description = "A host is connected, or the kernel cannot say that none is (`host_connected`)", body = ErrorBody),
         (status = 422, description = "No NVMe target here (`export_unavailable`)", body = ErrorBody),
@@ -116,8 +117,7 @@ pub async fn list_exports(State(m): State<AppState>) -> Result<Json<Vec<Export>>
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 403, description = "The exporting host refused this host: not allowed, or keys that do not match (`remote_refused`)", body = ErrorBody),
         (status = 409, description = "The name is taken by another remote volume (`remote_exists`)", body = ErrorBody),
-        (status = 422, description = "An invalid name, address, NQN or key (`invalid_name`, `invalid_fabric_name`), or no NVMe/TCP initiator here (`initiator_unavailable`)", body = ErrorBody),
-        (status = 502, description = "Nothing answered at the address, or no namespace came (`remote_unreachable`)", body = ErrorBody),
+        (status = 422, description = "An invalid name, address or NQN (`invalid_name`, `invalid_fabric_name`), a key that is not one (`invalid_key`), no NVMe/TCP initiator here (`initiator_unavailable`), or nothing answered at the address or no namespace came (`remote_unreachable`)", body = ErrorBody),
     )
 )]
 pub async fn create_remote(
@@ -165,7 +165,7 @@ pub async fn get_remote(
         (status = 200, description = "The changed remote volume", body = Remote),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such remote volume (`remote_not_found`)", body = ErrorBody),
-        (status = 422, description = "What only the exporting host changes (`not_for_remote`)", body = ErrorBody),
+        (status = 422, description = "What only the exporting host changes (`not_for_remote`), or a key that is not one (`invalid_key`)", body = ErrorBody),
     )
 )]
 pub async fn patch_remote(

@@ -80,19 +80,74 @@ impl Modify for BearerAuth {
 /// data, so its `create.size_bytes` is at least header + 1 MiB (`null` is
 /// absent, as serde reads it). Without them a client, or the fuzzer, sends a
 /// schema-valid request that is refused by a rule it could not see.
+/// The object schema `name` of the document's components.
+fn object_schema<'a>(
+    openapi: &'a mut utoipa::openapi::OpenApi,
+    name: &str,
+) -> &'a mut utoipa::openapi::schema::Object {
+    use utoipa::openapi::{RefOr, Schema};
+    let schemas = openapi
+        .components
+        .as_mut()
+        .map(|c| &mut c.schemas)
+        .expect("the document has components");
+    let Some(RefOr::T(Schema::Object(s))) = schemas.get_mut(name) else {
+        panic!("{name} is an object schema in the document");
+    };
+    s
+}
+
+/// The rules of exports and remote volumes on the request alone that a
+/// field's own schema cannot say: an export's hosts are NQNs; it names at
+/// least one with DH-HMAC-CHAP, and none (with `insecure_loopback`) without
+/// authentication; a read-only export is refused (the kernel's target
+/// cannot serve one); a remote volume's dispatch and QoS are its exporting
+/// host's, refused when given.
+struct FabricRules;
+
+impl Modify for FabricRules {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let mut add = |name: &str, rules: serde_json::Value| {
+            object_schema(openapi, name)
+                .extensions
+                .get_or_insert_with(Default::default)
+                .insert("allOf".to_string(), rules);
+        };
+        add(
+            "ExportRequest",
+            serde_json::json!([
+                {"properties": {
+                    "hosts": {"items": {
+                        "pattern": blockplane_api::model::NQN_PATTERN,
+                        "maxLength": 223,
+                    }},
+                    "read_only": {"enum": [false]},
+                }},
+                {"anyOf": [
+                    {"required": ["hosts"], "properties": {
+                        "auth": {"enum": ["dhchap"]},
+                        "hosts": {"minItems": 1},
+                    }},
+                    {"required": ["auth", "insecure_loopback"], "properties": {
+                        "auth": {"enum": ["none"]},
+                        "hosts": {"maxItems": 0},
+                        "insecure_loopback": {"enum": [true]},
+                    }},
+                ]},
+            ]),
+        );
+        add(
+            "PatchRemoteRequest",
+            serde_json::json!([{"properties": {"dispatch": {"type": "null"}, "qos": {"type": "null"}}}]),
+        );
+    }
+}
+
 struct CrossFieldRules;
 
 impl Modify for CrossFieldRules {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::{RefOr, Schema};
-        let schemas = openapi
-            .components
-            .as_mut()
-            .map(|c| &mut c.schemas)
-            .expect("the document has components");
-        let Some(RefOr::T(Schema::Object(request))) = schemas.get_mut("CreateImageRequest") else {
-            panic!("CreateImageRequest is an object schema in the document");
-        };
+        let request = object_schema(openapi, "CreateImageRequest");
         let both = |other: &str, kind: &str| {
             serde_json::json!({
                 "required": ["allocation", other],
@@ -204,6 +259,7 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let (router, mut doc) = routes().split_for_parts();
     // After the routes: their schemas are in the document only now.
     CrossFieldRules.modify(&mut doc);
+    FabricRules.modify(&mut doc);
     for (path, item) in doc.paths.paths.iter_mut() {
         for (writes, op) in [
             (false, &mut item.get),

@@ -75,6 +75,12 @@ pub enum RemoteError {
         nqn: String,
         other: String,
     },
+    #[error("remote volume '{name}': {field} is not a DH-HMAC-CHAP key: {reason}")]
+    BadKey {
+        name: String,
+        field: &'static str,
+        reason: String,
+    },
     #[error("remote volume '{name}': invalid {field}: {reason}")]
     Invalid {
         name: String,

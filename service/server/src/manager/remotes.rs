@@ -147,7 +147,11 @@ impl Remotes {
             s.as_deref()
                 .map(Secret::parse)
                 .transpose()
-                .map_err(|e| invalid(field, e.to_string()))
+                .map_err(|e| RemoteError::BadKey {
+                    name: req.name.clone(),
+                    field,
+                    reason: e.to_string(),
+                })
         };
         let now = OffsetDateTime::now_utc();
         Ok(RemoteRow {
@@ -265,7 +269,7 @@ impl Remotes {
             .as_deref()
             .map(Secret::parse)
             .transpose()
-            .map_err(|e| RemoteError::Invalid {
+            .map_err(|e| RemoteError::BadKey {
                 name: row.name.clone(),
                 field: "secret",
                 reason: e.to_string(),
