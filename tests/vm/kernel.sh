@@ -200,6 +200,7 @@ dm-log-writes required
 dm-delay required
 dm-snapshot required
 dm-crypt required
+dm-raid required
 xts optional
 aes_generic optional
 aesni_intel optional

@@ -196,3 +196,185 @@ pub mod linear {
         ))))
     }
 }
+
+/// Loads `targets` as node `name`'s table and makes it live: the new table
+/// is loaded first (its constructor may take a while, and the device keeps
+/// serving meanwhile), then the node is suspended (its in-flight I/O
+/// finished) and resumed on it. A failed load leaves the old table live.
+pub fn swap(name: &str, targets: &[Target], read_only: bool) -> Result<(), DmCallError> {
+    let dm_name = DmName::new(name).map_err(|e| DmCallError::new("name", name, e))?;
+    let dm = DM::new().map_err(|e| DmCallError::new("open", CONTROL, e))?;
+    let id = DevId::Name(dm_name);
+    let flags = match read_only {
+        true => DmFlags::DM_READONLY,
+        false => DmFlags::empty(),
+    };
+    if let Err(e) = dm.table_load(&id, targets, DmOptions::default().set_flags(flags)) {
+        let _ = dm.table_clear(&id);
+        return Err(DmCallError::new("DM_TABLE_LOAD", name, e));
+    }
+    dm.device_suspend(&id, DmOptions::default().set_flags(DmFlags::DM_SUSPEND))
+        .map_err(|e| DmCallError::new("suspend", name, e))?;
+    dm.device_suspend(&id, DmOptions::default())
+        .map_err(|e| DmCallError::new("resume", name, e))?;
+    Ok(())
+}
+
+/// The status line of node `name`'s first target (`DM_TABLE_STATUS`
+/// without the table flag: what the target reports of itself).
+pub fn status(name: &str) -> Result<Option<Target>, DmCallError> {
+    let dm_name = DmName::new(name).map_err(|e| DmCallError::new("name", name, e))?;
+    let dm = DM::new().map_err(|e| DmCallError::new("open", CONTROL, e))?;
+    let (_, targets) = dm
+        .table_status(&DevId::Name(dm_name), DmOptions::default())
+        .map_err(|e| DmCallError::new("DM_TABLE_STATUS", name, e))?;
+    Ok(targets.into_iter().next())
+}
+
+/// dm-raid's `raid1` with two legs, the kernel's mirror a move runs on:
+/// leg 0 holds the data, leg 1 is rebuilt from it in the background while
+/// every write goes to both. md's raid1 under it acknowledges a write only
+/// once it is on a leg that is in sync, so no acknowledged write exists
+/// only on the leg being rebuilt.
+pub mod raid1 {
+    use std::path::Path;
+
+    use super::Target;
+
+    /// A raid1 table of two legs over `sectors`, leg 1 rebuilt from leg 0,
+    /// reading at most `max_rate_kib` KiB/s per leg for the rebuild (none:
+    /// md's host-wide limit).
+    pub fn table(
+        sectors: u64,
+        legs: [&Path; 2],
+        metas: Option<[&Path; 2]>,
+        max_rate_kib: Option<u64>,
+    ) -> Vec<Target> {
+        // chunk size 0 (raid1 has none), then the optional pairs.
+        let mut params = vec!["0".to_string(), "rebuild".into(), "1".into()];
+        if let Some(kib) = max_rate_kib {
+            params.extend(["max_recovery_rate".into(), kib.to_string()]);
+        }
+        let meta = |i: usize| match metas {
+            Some(m) => m[i].display().to_string(),
+            None => "-".into(),
+        };
+        let line = format!(
+            "{} {} 2 {} {} {} {}",
+            params.len(),
+            params.join(" "),
+            meta(0),
+            legs[0].display(),
+            meta(1),
+            legs[1].display()
+        );
+        vec![(0, sectors, "raid".into(), format!("raid1 {line}"))]
+    }
+
+    /// One leg's health as dm-raid reports it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Health {
+        /// `A`: alive and in sync.
+        InSync,
+        /// `a`: alive, being rebuilt (or waiting to be).
+        Rebuilding,
+        /// `D`: dead, failed by an I/O error.
+        Dead,
+        /// Anything else (`-`, `p`, …).
+        Other(char),
+    }
+
+    /// What a raid1 target says of itself.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Status {
+        /// Per leg, in table order.
+        pub health: Vec<Health>,
+        /// Sectors the rebuild (or resync) has done.
+        pub done_sectors: u64,
+        /// Sectors it has to do in all.
+        pub total_sectors: u64,
+        /// `recover`, `resync`, `idle`, `frozen`, …
+        pub action: String,
+    }
+
+    impl Status {
+        /// Every leg in sync and nothing running: leg 1 holds leg 0's data.
+        pub fn synced(&self) -> bool {
+            self.health.iter().all(|h| *h == Health::InSync) && self.action == "idle"
+        }
+    }
+
+    /// Parses a raid target's status parameters:
+    /// `raid1 <#devs> <health> <done>/<total> <action> …`; `None` when the
+    /// target is not a raid1 (a linear table, for instance).
+    pub fn parse(target_type: &str, params: &str) -> Option<Status> {
+        if target_type != "raid" {
+            return None;
+        }
+        let mut f = params.split_whitespace();
+        if f.next()? != "raid1" {
+            return None;
+        }
+        let _devs: usize = f.next()?.parse().ok()?;
+        let health = f
+            .next()?
+            .chars()
+            .map(|c| match c {
+                'A' => Health::InSync,
+                'a' => Health::Rebuilding,
+                'D' => Health::Dead,
+                other => Health::Other(other),
+            })
+            .collect();
+        let (done, total) = f.next()?.split_once('/')?;
+        Some(Status {
+            health,
+            done_sectors: done.parse().ok()?,
+            total_sectors: total.parse().ok()?,
+            action: f.next()?.to_string(),
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_table_rebuilds_leg_one_from_leg_zero() {
+            let t = table(
+                2048,
+                [Path::new("/dev/nvme0n1"), Path::new("/dev/dm-3")],
+                None,
+                Some(4096),
+            );
+            assert_eq!(
+                t,
+                vec![(
+                    0,
+                    2048,
+                    "raid".to_string(),
+                    "raid1 5 0 rebuild 1 max_recovery_rate 4096 2 - /dev/nvme0n1 - /dev/dm-3"
+                        .to_string()
+                )]
+            );
+            let t = table(8, [Path::new("/a"), Path::new("/b")], None, None);
+            assert_eq!(t[0].3, "raid1 3 0 rebuild 1 2 - /a - /b");
+        }
+
+        #[test]
+        fn a_status_reads_progress_and_health() {
+            let s = parse("raid", "raid1 2 Aa 1024/2097152 recover 0 0 -").unwrap();
+            assert_eq!(s.health, vec![Health::InSync, Health::Rebuilding]);
+            assert_eq!((s.done_sectors, s.total_sectors), (1024, 2097152));
+            assert_eq!(s.action, "recover");
+            assert!(!s.synced());
+            let s = parse("raid", "raid1 2 AA 2097152/2097152 idle 0 0 -").unwrap();
+            assert!(s.synced());
+            let s = parse("raid", "raid1 2 DA 2097152/2097152 idle 0 0 -").unwrap();
+            assert_eq!(s.health[0], Health::Dead);
+            assert!(!s.synced());
+            assert_eq!(parse("linear", "259:1 0"), None);
+            assert_eq!(parse("raid", "raid1 2 Aa garbage recover"), None);
+        }
+    }
+}
