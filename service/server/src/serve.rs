@@ -798,6 +798,7 @@ fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, Se
         },
         faults,
         export_addresses: cfg.export_addresses.clone(),
+        peer_token: cfg.token.clone(),
     })
 }
 

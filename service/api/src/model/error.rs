@@ -228,6 +228,16 @@ error_codes! {
     /// 422: the exporting host did not answer at that address, or served no
     /// namespace.
     RemoteUnreachable = "remote_unreachable",
+    /// 404: no move has that id.
+    MoveNotFound = "move_not_found",
+    /// 409: the remote volume cannot start a move now (not attached, or a
+    /// move of it runs).
+    MoveRefused = "move_refused",
+    /// 422: a move's request outside its rule (its source API, its rate
+    /// limit, an export that is not blockplane's).
+    InvalidMove = "invalid_move",
+    /// 409: the move has ended, or is past the step that can be undone.
+    MoveEnded = "move_ended",
 
     // Backends and dispatch.
     /// 422: the backend cannot run on this host.

@@ -226,6 +226,9 @@ pub enum RemoteState {
     Reconnecting,
     /// The connection is gone (past the loss timeout, or refused).
     Error,
+    /// Its data moved to this host (a move): its device serves the local
+    /// volume `volume`, nothing crosses the network any more.
+    Moved,
 }
 
 /// A volume of another host, connected over NVMe/TCP.
@@ -254,6 +257,10 @@ pub struct Remote {
     pub size_bytes: u64,
     /// Whether this host refuses writes to it.
     pub read_only: bool,
+    /// The move bringing its data here, or that brought it.
+    pub move_id: Option<Uuid>,
+    /// The local volume its device serves once its data moved here.
+    pub volume: Option<Uuid>,
     /// When it was made.
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
@@ -304,6 +311,7 @@ impl RemoteState {
             RemoteState::Attached => "attached",
             RemoteState::Reconnecting => "reconnecting",
             RemoteState::Error => "error",
+            RemoteState::Moved => "moved",
         }
     }
 }

@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use crate::backend::BackendError;
-use crate::manager::{Error, ExportError, RemoteError};
+use crate::manager::{Error, ExportError, MoveError, RemoteError};
 use blockplane_api::model::{ErrorBody, ErrorCode, ErrorDetail};
 use blockplane_system::image::ImageFileError;
 
@@ -102,7 +102,22 @@ fn remote(e: &RemoteError) -> (StatusCode, ErrorCode) {
             (StatusCode::UNPROCESSABLE_ENTITY, C::RemoteUnreachable)
         }
         E::Busy { .. } => (StatusCode::CONFLICT, C::DeviceBusy),
+        E::Moving { .. } => (StatusCode::CONFLICT, C::MoveRefused),
         E::Fabrics { .. } | E::Dm { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
+    }
+}
+
+fn moves(e: &MoveError) -> (StatusCode, ErrorCode) {
+    use ErrorCode as C;
+    use MoveError as E;
+    match e {
+        E::NotFound(_) => (StatusCode::NOT_FOUND, C::MoveNotFound),
+        E::NotAttached { .. } | E::Running { .. } => (StatusCode::CONFLICT, C::MoveRefused),
+        E::Invalid { .. } | E::NotBlockplane { .. } => {
+            (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidMove)
+        }
+        E::Ended { .. } => (StatusCode::CONFLICT, C::MoveEnded),
+        E::Dm { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
     }
 }
 
@@ -178,6 +193,7 @@ impl ApiError {
                 Error::Backup(e) => backup(e),
                 Error::Export(e) => export(e),
                 Error::Remote(e) => remote(e),
+                Error::Move(e) => moves(e),
                 Error::SnapshotAttached { .. } => {
                     (S::CONFLICT, C::VolumeAttachedSnapshotUnsupported)
                 }

@@ -9,6 +9,7 @@ mod events;
 mod exports;
 mod extract;
 mod images;
+mod moves;
 mod system;
 mod volumes;
 pub mod wire;
@@ -52,6 +53,7 @@ pub type AppState = Arc<Manager>;
         (name = "backups", description = "Images backed up off the host, and restored"),
         (name = "exports", description = "Volumes served to other hosts over NVMe/TCP"),
         (name = "remotes", description = "Other hosts' exports, connected here"),
+        (name = "moves", description = "Remote volumes' data brought to this host, live"),
         (name = "system", description = "Host, events, health"),
     ),
     modifiers(&BearerAuth),
@@ -245,6 +247,10 @@ fn routes() -> OpenApiRouter<AppState> {
             exports::patch_remote,
             exports::delete_remote
         ))
+        .routes(routes!(moves::start_move))
+        .routes(routes!(moves::list_moves))
+        .routes(routes!(moves::get_move, moves::patch_move))
+        .routes(routes!(moves::cancel_move))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

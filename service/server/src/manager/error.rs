@@ -134,6 +134,8 @@ pub enum Error {
     Export(#[from] super::fabric_error::ExportError),
     #[error(transparent)]
     Remote(#[from] super::fabric_error::RemoteError),
+    #[error(transparent)]
+    Move(#[from] super::fabric_error::MoveError),
     #[error("image '{name}' cannot be allocated: {reason}")]
     NotAllocatable { name: String, reason: String },
     #[error("image '{name}' ({path}) cannot be registered as full: {reason}; nothing was recorded")]

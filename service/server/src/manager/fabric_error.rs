@@ -93,6 +93,14 @@ pub enum RemoteError {
         what: &'static str,
         rule: &'static str,
     },
+    #[error(
+        "remote volume '{name}': {what} cannot change while move {id} runs (its table is the move's): cancel the move or wait for its end"
+    )]
+    Moving {
+        name: String,
+        what: &'static str,
+        id: uuid::Uuid,
+    },
     #[error("remote volume '{name}' cannot connect from this host: {source}")]
     Unavailable {
         name: String,
@@ -150,4 +158,40 @@ impl RemoteError {
             _ => Self::Fabrics { name, source },
         }
     }
+}
+
+/// Why a move was refused or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    #[error("move '{0}' not found")]
+    NotFound(String),
+    #[error(
+        "remote volume '{remote}' is {state}: only an attached remote volume's data can move here"
+    )]
+    NotAttached { remote: String, state: &'static str },
+    #[error("remote volume '{remote}': move {id} runs already: wait for it, or cancel it")]
+    Running { remote: String, id: uuid::Uuid },
+    #[error("remote volume '{remote}': invalid {field}: {reason}")]
+    Invalid {
+        remote: String,
+        field: &'static str,
+        reason: String,
+    },
+    #[error(
+        "remote volume '{remote}': {nqn} is not a blockplane export, so no host can be told to let it go: only a blockplane volume moves"
+    )]
+    NotBlockplane { remote: String, nqn: String },
+    #[error("move {id} is {state}: {rule}")]
+    Ended {
+        id: uuid::Uuid,
+        state: &'static str,
+        rule: &'static str,
+    },
+    #[error("move {id} of remote volume '{remote}': device-mapper: {source}")]
+    Dm {
+        id: uuid::Uuid,
+        remote: String,
+        #[source]
+        source: DmCallError,
+    },
 }

@@ -25,6 +25,7 @@ mod locks;
 mod look;
 mod metrics;
 mod moments;
+mod moves;
 mod names;
 pub mod orphans;
 mod pagecache;
@@ -49,7 +50,7 @@ use crate::store::Store;
 use blockplane_system::image::ImageRoots;
 pub use error::{Error, Result};
 pub use exports::Exports;
-pub use fabric_error::{ExportError, RemoteError};
+pub use fabric_error::{ExportError, MoveError, RemoteError};
 use house::{House, Settings};
 use image_jobs::{ImageJobs, Images};
 pub use remotes::Remotes;
@@ -82,6 +83,10 @@ pub struct ManagerConfig {
     pub faults: Faults,
     /// Where exports listen (`--export-address`); none: exports are refused.
     pub export_addresses: Vec<blockplane_system::nvmet::ListenAddr>,
+    /// The bearer token to call other hosts' APIs with (a move tells its
+    /// exporting host to let go): this service's own, since hosts that move
+    /// volumes between them share one.
+    pub peer_token: Option<String>,
 }
 
 /// The controller: the house every part stands on, and the parts that keep
@@ -102,6 +107,8 @@ pub struct Manager {
     exports: Exports,
     /// The remote volumes' part: other hosts' exports connected here.
     remotes: Remotes,
+    /// The token moves call other hosts' APIs with.
+    peer_token: Option<String>,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -148,6 +155,7 @@ impl Manager {
         let me = Arc::new(Self {
             exports: Exports::new(house.clone(), cfg.export_addresses),
             remotes: Remotes::new(house.clone(), host_nqn, host_id),
+            peer_token: cfg.peer_token,
             house,
             backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
             volumes: Volumes::new(images.clone()),
@@ -202,6 +210,9 @@ impl Manager {
                 }
                 if let Err(e) = me.remotes.follow_once().await {
                     tracing::warn!(error = %e, "following remote volumes failed");
+                }
+                if let Err(e) = me.follow_moves().await {
+                    tracing::warn!(error = %e, "following moves failed");
                 }
             }
         });

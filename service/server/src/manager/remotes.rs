@@ -22,7 +22,9 @@ use super::fabric_error::RemoteError;
 use super::house::House;
 use super::names::validate_name;
 use crate::store::{RemoteAttachment, RemoteRow};
-use blockplane_api::model::{CreateRemoteRequest, PatchRemoteRequest, Remote, RemoteState};
+use blockplane_api::model::{
+    CreateRemoteRequest, MoveState, PatchRemoteRequest, Remote, RemoteState,
+};
 use blockplane_system::dhchap::Secret;
 use blockplane_system::dm;
 use blockplane_system::fabrics::{self, Connect, ControllerState, FabricsError, Timeouts};
@@ -198,6 +200,17 @@ impl Remotes {
         Ok(row)
     }
 
+    /// The running move of `row`, if one runs: it owns the node's table.
+    async fn moving(&self, row: &RemoteRow) -> Result<Option<Uuid>> {
+        Ok(self
+            .house
+            .store
+            .move_of_remote(row.id)
+            .await?
+            .filter(|m| !m.state.ended())
+            .map(|m| m.id))
+    }
+
     /// `GET /v1/remotes`.
     pub(crate) async fn list(&self) -> Result<Vec<Remote>> {
         let mut out = Vec::new();
@@ -219,7 +232,12 @@ impl Remotes {
         let controllers = blocking(fabrics::controllers).await?.unwrap_or_default();
         let (state, reason) = live_state(&row, &controllers);
         let a = row.attachment.as_ref();
+        let moved = self.house.store.move_of_remote(row.id).await?;
         Ok(Remote {
+            move_id: moved.as_ref().map(|m| m.id),
+            volume: moved
+                .filter(|_| row.state == RemoteState::Moved)
+                .and_then(|m| m.volume_id),
             id: row.id,
             name: row.name.clone(),
             address: row.address.clone(),
@@ -280,6 +298,22 @@ impl Remotes {
         let Some(read_only) = patch.read_only.filter(|r| *r != row.read_only) else {
             return self.view(row).await;
         };
+        if let Some(m) = self.moving(&row).await? {
+            return Err(RemoteError::Moving {
+                name: row.name.clone(),
+                what: "read_only",
+                id: m,
+            }
+            .into());
+        }
+        if row.state == RemoteState::Moved {
+            return Err(RemoteError::NotForRemote {
+                name: row.name.clone(),
+                what: "read_only",
+                rule: "its data moved here: PATCH the volume it serves instead",
+            }
+            .into());
+        }
         if let Some(a) = row.attachment.clone() {
             let name = row.name.clone();
             blocking(move || {
@@ -330,6 +364,14 @@ impl Remotes {
         let row = self.row_of(id_or_name).await?;
         let _name = self.house.locks.volumes.lock(&row.name).await;
         let row = self.row_of(&row.id.to_string()).await?;
+        if let Some(id) = self.moving(&row).await? {
+            return Err(RemoteError::Moving {
+                name: row.name,
+                what: "its connection",
+                id,
+            }
+            .into());
+        }
         let (r, host_nqn) = (row.clone(), self.host_nqn.clone());
         blocking(move || detach(&r, &host_nqn)).await??;
         let mut tx = self.house.store.begin().await?;
@@ -357,7 +399,10 @@ impl Remotes {
             };
             let nvme = PathBuf::from(&a.nvme_device);
             let size = blocking(move || device_size(&nvme)).await?.ok();
-            let grown = size.filter(|s| state == RemoteState::Attached && *s != a.size_bytes);
+            // A move owns the node's table until it ends.
+            let moving = self.moving(&row).await?.is_some() || row.state == RemoteState::Moved;
+            let grown =
+                size.filter(|s| state == RemoteState::Attached && !moving && *s != a.size_bytes);
             if state == row.state && reason == row.state_reason && grown.is_none() {
                 continue;
             }
@@ -409,6 +454,17 @@ impl Remotes {
     pub(crate) async fn reconcile(&self) -> Result<()> {
         for row in self.house.store.remotes().await? {
             let _name = self.house.locks.volumes.lock(&row.name).await;
+            // Past a move's switch the remote device no longer holds every
+            // write: it is never connected under the node again.
+            let switched = self
+                .house
+                .store
+                .move_of_remote(row.id)
+                .await?
+                .is_some_and(|m| m.state == MoveState::Releasing);
+            if row.state == RemoteState::Moved || switched {
+                continue;
+            }
             match self.attach(&row).await {
                 Ok(a)
                     if row.attachment.as_ref() == Some(&a)
@@ -439,6 +495,7 @@ fn state_text(s: RemoteState) -> &'static str {
         RemoteState::Attached => "attached",
         RemoteState::Reconnecting => "reconnecting",
         RemoteState::Error => "error",
+        RemoteState::Moved => "moved here",
     }
 }
 
@@ -452,6 +509,9 @@ fn live_state(
     row: &RemoteRow,
     controllers: &[fabrics::ControllerInfo],
 ) -> (RemoteState, Option<String>) {
+    if row.state == RemoteState::Moved {
+        return (RemoteState::Moved, None);
+    }
     let Some(a) = row.attachment.as_ref() else {
         return (row.state, row.state_reason.clone());
     };
@@ -546,7 +606,15 @@ fn attach(row: &RemoteRow, host_nqn: &str, host_id: Uuid) -> Result<RemoteAttach
     };
     let sectors = size_bytes / 512;
     if dm::linear::device(&name).map_err(dm)?.is_some() {
-        dm::linear::reload(&name, &nvme, sectors, row.read_only).map_err(dm)?;
+        // A move's mirror stays: its remote leg is this namespace already.
+        let mirrored = dm::table(&name)
+            .map_err(dm)?
+            .targets
+            .first()
+            .is_some_and(|t| t.2 == "raid");
+        if !mirrored {
+            dm::linear::reload(&name, &nvme, sectors, row.read_only).map_err(dm)?;
+        }
     } else {
         let uuid = format!("bp-remote-{}", row.id);
         dm::linear::create(&name, &uuid, &nvme, sectors, row.read_only).map_err(dm)?;

@@ -199,6 +199,7 @@ async fn manager_over(
             backup_target: None,
             faults: Faults::default(),
             export_addresses: Vec::new(),
+            peer_token: None,
         },
     )
     .await

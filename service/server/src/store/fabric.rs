@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError, WriteTx, enum_from_str, enum_str, parse_ts, ts, uuid};
-use blockplane_api::model::{ExportAuth, ExportState, RemoteState};
+use blockplane_api::model::{ExportAuth, ExportState, MoveState, RemoteState};
 use blockplane_system::dhchap::Secret;
 
 /// A volume's export as stored.
@@ -361,6 +361,138 @@ impl WriteTx {
             .bind(id.to_string())
             .execute(self.conn())
             .await?;
+        Ok(())
+    }
+}
+
+/// A move of a remote volume's data to this host, as stored.
+#[derive(Debug, Clone)]
+pub struct MoveRow {
+    pub id: Uuid,
+    pub remote_id: Uuid,
+    pub remote_name: String,
+    /// The local image the data moves into, and its file.
+    pub image: String,
+    pub path: String,
+    /// The local volume over it, once made.
+    pub volume_id: Option<Uuid>,
+    pub source_api: String,
+    pub source_volume: String,
+    pub keep_source_image: bool,
+    /// Bytes per second the copy may read; 0: no limit.
+    pub rate_limit: u64,
+    pub state: MoveState,
+    pub state_reason: Option<String>,
+    pub synced_bytes: u64,
+    pub total_bytes: u64,
+    /// The copy's last measured rate, bytes per second.
+    pub rate: u64,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+impl MoveRow {
+    fn from_row(r: &SqliteRow) -> Result<Self> {
+        let count = |col: &str| -> Result<u64> { Ok(r.try_get::<i64, _>(col)?.max(0) as u64) };
+        Ok(Self {
+            id: uuid("move id", r.try_get("id")?)?,
+            remote_id: uuid("move remote id", r.try_get("remote_id")?)?,
+            remote_name: r.try_get("remote_name")?,
+            image: r.try_get("image")?,
+            path: r.try_get("path")?,
+            volume_id: r
+                .try_get::<Option<String>, _>("volume_id")?
+                .map(|v| uuid("move volume id", &v))
+                .transpose()?,
+            source_api: r.try_get("source_api")?,
+            source_volume: r.try_get("source_volume")?,
+            keep_source_image: r.try_get("keep_source_image")?,
+            rate_limit: count("rate_limit")?,
+            state: enum_from_str("move state", r.try_get("state")?)?,
+            state_reason: r.try_get("state_reason")?,
+            synced_bytes: count("synced_bytes")?,
+            total_bytes: count("total_bytes")?,
+            rate: count("rate")?,
+            created_at: parse_ts(r.try_get("created_at")?)?,
+            updated_at: parse_ts(r.try_get("updated_at")?)?,
+            finished_at: r
+                .try_get::<Option<String>, _>("finished_at")?
+                .map(|t| parse_ts(&t))
+                .transpose()?,
+        })
+    }
+}
+
+impl Store {
+    /// Every move, newest first.
+    pub async fn moves(&self) -> Result<Vec<MoveRow>> {
+        sqlx::query("SELECT * FROM moves ORDER BY created_at DESC, id")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(MoveRow::from_row)
+            .collect()
+    }
+
+    /// The move with this id.
+    pub async fn move_row(&self, id: Uuid) -> Result<Option<MoveRow>> {
+        sqlx::query("SELECT * FROM moves WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&self.readers)
+            .await?
+            .as_ref()
+            .map(MoveRow::from_row)
+            .transpose()
+    }
+
+    /// The latest move of remote volume `remote_id`.
+    pub async fn move_of_remote(&self, remote_id: Uuid) -> Result<Option<MoveRow>> {
+        sqlx::query("SELECT * FROM moves WHERE remote_id = ? ORDER BY created_at DESC LIMIT 1")
+            .bind(remote_id.to_string())
+            .fetch_optional(&self.readers)
+            .await?
+            .as_ref()
+            .map(MoveRow::from_row)
+            .transpose()
+    }
+}
+
+impl WriteTx {
+    /// Records a move, new or changed.
+    pub async fn put_move(&mut self, m: &MoveRow) -> Result<()> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        sqlx::query(
+            "INSERT INTO moves (id, remote_id, remote_name, image, path, volume_id, source_api,
+                                source_volume, keep_source_image, rate_limit, state, state_reason,
+                                synced_bytes, total_bytes, rate, created_at, updated_at, finished_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+             ON CONFLICT (id) DO UPDATE SET volume_id = excluded.volume_id,
+                rate_limit = excluded.rate_limit, state = excluded.state,
+                state_reason = excluded.state_reason, synced_bytes = excluded.synced_bytes,
+                total_bytes = excluded.total_bytes, rate = excluded.rate,
+                updated_at = excluded.updated_at, finished_at = excluded.finished_at",
+        )
+        .bind(m.id.to_string())
+        .bind(m.remote_id.to_string())
+        .bind(&m.remote_name)
+        .bind(&m.image)
+        .bind(&m.path)
+        .bind(m.volume_id.map(|v| v.to_string()))
+        .bind(&m.source_api)
+        .bind(&m.source_volume)
+        .bind(m.keep_source_image)
+        .bind(n(m.rate_limit))
+        .bind(enum_str(m.state))
+        .bind(&m.state_reason)
+        .bind(n(m.synced_bytes))
+        .bind(n(m.total_bytes))
+        .bind(n(m.rate))
+        .bind(ts(m.created_at))
+        .bind(ts(m.updated_at))
+        .bind(m.finished_at.map(ts))
+        .execute(self.conn())
+        .await?;
         Ok(())
     }
 }

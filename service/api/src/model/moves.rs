@@ -1,0 +1,138 @@
+//! Moves: a remote volume's data brought to this host while its consumer
+//! keeps its device (`/v1/remotes/{id}/move`, `/v1/moves`).
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// `POST /v1/remotes/{id}/move`: bring a remote volume's data here.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StartMoveRequest {
+    /// Name of the image the data moves into, made by the move on this
+    /// host (`[a-z0-9][a-z0-9._-]{0,62}`); a volume of the same name
+    /// serves it once the move is done.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+            min_length = 1,
+            max_length = 63
+        )
+    )]
+    pub image: String,
+    /// Where that image's file goes: an absolute path under one of this
+    /// service's image roots; it must not exist.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 4095))]
+    pub path: String,
+    /// The exporting host's API (`http://host:port`), told once the data is
+    /// here to let its export go and to delete its volume. This service
+    /// calls it with its own bearer token: hosts that move volumes between
+    /// them share one.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    pub source_api: String,
+    /// Keep the exporting host's image when its volume goes (default: the
+    /// image is deleted with it).
+    #[serde(default)]
+    pub keep_source_image: bool,
+    /// Bytes per second the background copy may read, at most (rounded up
+    /// to KiB); 0 or absent: as fast as the kernel goes.
+    #[serde(default)]
+    pub rate_limit_bytes_per_sec: u64,
+}
+
+/// `PATCH /v1/moves/{id}`: change a running move's rate limit.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PatchMoveRequest {
+    /// Bytes per second the background copy may read, at most; 0: no limit.
+    pub rate_limit_bytes_per_sec: u64,
+}
+
+/// Where a move is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum MoveState {
+    /// The consumer's node mirrors the remote device and the local volume;
+    /// the local leg is being copied from the remote one, every write goes
+    /// to both.
+    Syncing,
+    /// The local leg holds everything: the node maps the local volume
+    /// alone; the exporting host is being told to let its volume go.
+    Releasing,
+    /// The data is here: the node serves the local volume, and the
+    /// exporting host has let its export and volume go.
+    Done,
+    /// Cancelled: the node serves the remote device again, the local
+    /// image is gone.
+    Cancelled,
+    /// Stopped by a fault (`state_reason`): the node serves the remote
+    /// device again where it still can, and nothing acknowledged is lost.
+    Failed,
+}
+
+impl MoveState {
+    /// The API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoveState::Syncing => "syncing",
+            MoveState::Releasing => "releasing",
+            MoveState::Done => "done",
+            MoveState::Cancelled => "cancelled",
+            MoveState::Failed => "failed",
+        }
+    }
+
+    /// Whether the move has ended (done, cancelled or failed).
+    pub fn ended(self) -> bool {
+        matches!(
+            self,
+            MoveState::Done | MoveState::Cancelled | MoveState::Failed
+        )
+    }
+}
+
+/// A move of a remote volume's data to this host.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Move {
+    /// Stable id.
+    pub id: Uuid,
+    /// The remote volume whose data moves (its node is the consumer's
+    /// device throughout).
+    pub remote: Uuid,
+    /// That remote volume's name.
+    pub remote_name: String,
+    /// The local image the data moves into.
+    pub image: String,
+    /// The local volume serving that image (the node's local leg), once
+    /// made.
+    pub volume: Option<Uuid>,
+    /// The exporting host's API.
+    pub source_api: String,
+    /// The volume on the exporting host.
+    pub source_volume: String,
+    /// Whether the exporting host keeps its image.
+    pub keep_source_image: bool,
+    /// Where the move is.
+    pub state: MoveState,
+    /// Why, when that needs saying.
+    pub state_reason: Option<String>,
+    /// Bytes of the local leg copied so far.
+    pub synced_bytes: u64,
+    /// Bytes to copy in all.
+    pub total_bytes: u64,
+    /// The copy's rate over the last second, bytes per second.
+    pub rate_bytes_per_sec: u64,
+    /// The rate limit; 0: none.
+    pub rate_limit_bytes_per_sec: u64,
+    /// When it started.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// When it ended.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub finished_at: Option<OffsetDateTime>,
+}

@@ -1,0 +1,105 @@
+//! `/v1/remotes/{id}/move` and `/v1/moves`: a remote volume's data brought
+//! to this host while its consumer keeps its device.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::extract::ApiJson;
+use super::{AppState, detached};
+use blockplane_api::model::{ErrorBody, Move, PatchMoveRequest, StartMoveRequest};
+
+/// Bring a remote volume's data to this host, live: this host orchestrates
+/// the move. Its node mirrors the remote device and a new local volume
+/// while the kernel copies the one onto the other, then maps the local
+/// volume alone; the exporting host is then told (at `source_api`) to let
+/// its export and volume go. Follow it at `GET /v1/moves/{id}`.
+#[utoipa::path(
+    post, path = "/v1/remotes/{id}/move", tag = "moves",
+    params(("id" = String, Path, description = "Remote volume id or name")),
+    request_body = StartMoveRequest,
+    responses(
+        (status = 202, description = "The move, copying", body = Move),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such remote volume (`remote_not_found`)", body = ErrorBody),
+        (status = 409, description = "The remote volume is not attached, or a move of it runs (`move_refused`); the image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
+        (status = 422, description = "A source API, rate limit or export outside its rule (`invalid_move`), or an image path outside the rules of paths", body = ErrorBody),
+    )
+)]
+pub async fn start_move(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<StartMoveRequest>,
+) -> Result<(StatusCode, Json<Move>), ApiError> {
+    let started = detached(async move { m.start_move(&id, req).await }).await?;
+    Ok((StatusCode::ACCEPTED, Json(started)))
+}
+
+/// List moves, newest first.
+#[utoipa::path(
+    get, path = "/v1/moves", tag = "moves",
+    responses((status = 200, description = "Every move this host orchestrated", body = Vec<Move>))
+)]
+pub async fn list_moves(State(m): State<AppState>) -> Result<Json<Vec<Move>>, ApiError> {
+    Ok(Json(m.moves().await?))
+}
+
+/// Show a move: its state, bytes copied of total and rate.
+#[utoipa::path(
+    get, path = "/v1/moves/{id}", tag = "moves",
+    params(("id" = String, Path, description = "Move id")),
+    responses(
+        (status = 200, description = "The move", body = Move),
+        (status = 404, description = "No such move (`move_not_found`)", body = ErrorBody),
+    )
+)]
+pub async fn get_move(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Move>, ApiError> {
+    Ok(Json(m.get_move(&id).await?))
+}
+
+/// Change a copying move's rate limit, live.
+#[utoipa::path(
+    patch, path = "/v1/moves/{id}", tag = "moves",
+    params(("id" = String, Path, description = "Move id")),
+    request_body = PatchMoveRequest,
+    responses(
+        (status = 200, description = "The move with its new limit", body = Move),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such move (`move_not_found`)", body = ErrorBody),
+        (status = 409, description = "The move no longer copies (`move_ended`)", body = ErrorBody),
+        (status = 422, description = "A rate limit below 1024 bytes/s other than 0 (`invalid_move`)", body = ErrorBody),
+    )
+)]
+pub async fn patch_move(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PatchMoveRequest>,
+) -> Result<Json<Move>, ApiError> {
+    Ok(Json(
+        detached(async move { m.patch_move(&id, req).await }).await?,
+    ))
+}
+
+/// Cancel a copying move: the node serves the remote device again (which
+/// holds every write) and the local image goes.
+#[utoipa::path(
+    post, path = "/v1/moves/{id}/cancel", tag = "moves",
+    params(("id" = String, Path, description = "Move id")),
+    responses(
+        (status = 200, description = "The cancelled move", body = Move),
+        (status = 404, description = "No such move (`move_not_found`)", body = ErrorBody),
+        (status = 409, description = "The move has ended, or its node maps the local volume already (`move_ended`)", body = ErrorBody),
+    )
+)]
+pub async fn cancel_move(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Move>, ApiError> {
+    Ok(Json(
+        detached(async move { m.cancel_move(&id).await }).await?,
+    ))
+}

@@ -1,0 +1,778 @@
+//! Moves: a remote volume's data brought to this host while its consumer
+//! keeps the device it opened.
+//!
+//! The consumer's device is the remote volume's dm node. A move makes a
+//! local image and a dm volume on it (the local leg), then changes that
+//! node's table three times, each a load then a suspend and resume:
+//!
+//! 1. `linear` over the NVMe namespace (the remote leg): as step 25 made it;
+//! 2. dm-raid `raid1` of the remote leg and the local volume, the local leg
+//!    rebuilt from the remote one by the kernel in the background while
+//!    every write goes to both. md's raid1 acknowledges a write only once a
+//!    leg that is in sync holds it, and until the rebuild ends that is the
+//!    remote leg alone: nothing acknowledged exists only on the local leg;
+//! 3. `linear` over the local volume, once dm-raid says both legs are in
+//!    sync and idle.
+//!
+//! Then the connection goes and the exporting host is told to let its
+//! export and volume go. The registry records each step before or after
+//! the kernel makes it such that a restart reads the node's live table
+//! and goes on from there ([`Manager::follow_moves`]): the kernel's mirror
+//! keeps running while this service is down.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::blocking::blocking;
+use super::error::{Error, Result};
+use super::fabric_error::MoveError;
+use super::{Created, Manager};
+use crate::store::{MoveRow, RemoteRow};
+use blockplane_api::model::{
+    Allocation, BackendChoice, CreateImageFile, CreateImageRequest, CreateVolumeRequest,
+    DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery, DeleteImageQuery, DispatchPolicy,
+    Move, MoveState, PatchMoveRequest, PatchVolumeRequest, RemoteState, StartMoveRequest,
+};
+use blockplane_client::{Client, Endpoint};
+use blockplane_system::dm::{self, raid1};
+use blockplane_system::fabrics;
+
+/// The smallest rate limit: dm-raid counts in KiB/s.
+const MIN_RATE: u64 = 1024;
+
+/// What the remote volume's node maps now, read from its live table.
+#[derive(Debug, PartialEq, Eq)]
+enum Node {
+    /// The remote leg alone (before the mirror, or after a reboot lost it).
+    Remote,
+    /// The mirror, with what dm-raid says of it.
+    Mirror(raid1::Status),
+    /// The local volume alone: the switch is made.
+    Local,
+    /// No node, or a table this move did not make.
+    Other(String),
+}
+
+impl Manager {
+    /// `POST /v1/remotes/{id}/move`: makes the local image and volume and
+    /// mirrors the remote volume's node onto them; the copy then runs in
+    /// the kernel, followed once a second.
+    pub(crate) async fn start_move(
+        self: &Arc<Self>,
+        remote: &str,
+        req: StartMoveRequest,
+    ) -> Result<Move> {
+        let row = self.remote_row(remote).await?;
+        let _remote = self.house.locks.volumes.lock(&row.name).await;
+        let row = self.remote_row(&row.id.to_string()).await?;
+        let source_volume = self.check_move(&row, &req).await?;
+        let a = row.attachment.clone().ok_or(MoveError::NotAttached {
+            remote: row.name.clone(),
+            state: "not connected",
+        })?;
+        let now = OffsetDateTime::now_utc();
+        let mut m = MoveRow {
+            id: Uuid::new_v4(),
+            remote_id: row.id,
+            remote_name: row.name.clone(),
+            image: req.image.clone(),
+            path: req.path.clone(),
+            volume_id: None,
+            source_api: req.source_api.clone(),
+            source_volume,
+            keep_source_image: req.keep_source_image,
+            rate_limit: req.rate_limit_bytes_per_sec,
+            state: MoveState::Syncing,
+            state_reason: None,
+            synced_bytes: 0,
+            total_bytes: a.size_bytes,
+            rate: 0,
+            created_at: now,
+            updated_at: now,
+            finished_at: None,
+        };
+        // Recorded first: a crash before the mirror leaves a move the next
+        // start fails cleanly, never a local image nobody accounts for.
+        self.record_move(
+            &m,
+            "move_started",
+            &format!(
+                "move {} of remote volume '{}' started: its data goes into image '{}' ({}) here",
+                m.id, row.name, m.image, m.path
+            ),
+        )
+        .await?;
+        match self.make_local_leg(&m, a.size_bytes).await {
+            Ok(volume) => m.volume_id = Some(volume),
+            Err(e) => {
+                self.fail_move(&mut m, &format!("its local image could not be made: {e}"))
+                    .await?;
+                return Err(e);
+            }
+        }
+        self.record_move(
+            &m,
+            "move_local_leg",
+            &format!("move {}: volume '{}' serves the local leg", m.id, m.image),
+        )
+        .await?;
+        if let Err(e) = self.mirror(&row, &m).await {
+            let reason = format!("the mirror could not be made: {e}");
+            self.undo_local_leg(&m).await;
+            self.fail_move(&mut m, &reason).await?;
+            return Err(e);
+        }
+        self.record_move(&m, "move_syncing", &format!(
+            "move {}: remote volume '{}' mirrors its remote device and volume '{}'; the local leg is being copied",
+            m.id, row.name, m.image
+        ))
+        .await?;
+        self.move_view(m).await
+    }
+
+    /// The remote volume called so.
+    async fn remote_row(&self, id_or_name: &str) -> Result<RemoteRow> {
+        self.house.store.remote(id_or_name).await?.ok_or_else(|| {
+            super::fabric_error::RemoteError::NotFound(id_or_name.to_string()).into()
+        })
+    }
+
+    /// Every rule a move's request meets before anything is made; the
+    /// exporting host's volume name, read from the export's NQN.
+    async fn check_move(&self, row: &RemoteRow, req: &StartMoveRequest) -> Result<String> {
+        let invalid = |field, reason: String| MoveError::Invalid {
+            remote: row.name.clone(),
+            field,
+            reason,
+        };
+        super::names::validate_name("image", &req.image)?;
+        Endpoint::parse(&req.source_api).map_err(|e| invalid("source_api", e.to_string()))?;
+        if req.rate_limit_bytes_per_sec != 0 && req.rate_limit_bytes_per_sec < MIN_RATE {
+            return Err(invalid(
+                "rate_limit_bytes_per_sec",
+                format!(
+                    "{} is below {MIN_RATE} (0 means no limit)",
+                    req.rate_limit_bytes_per_sec
+                ),
+            )
+            .into());
+        }
+        if let Some(m) = self.house.store.move_of_remote(row.id).await?
+            && !m.state.ended()
+        {
+            return Err(MoveError::Running {
+                remote: row.name.clone(),
+                id: m.id,
+            }
+            .into());
+        }
+        if row.state != RemoteState::Attached {
+            return Err(MoveError::NotAttached {
+                remote: row.name.clone(),
+                state: match row.state {
+                    RemoteState::Moved => "moved here already",
+                    RemoteState::Reconnecting => "reconnecting",
+                    RemoteState::Connecting => "connecting",
+                    _ => "in error",
+                },
+            }
+            .into());
+        }
+        if row.read_only {
+            return Err(invalid(
+                "remote",
+                "it is read-only here, and the mirror must write its local leg: make it writable for the move (PATCH /v1/remotes/{id} read_only=false)".into(),
+            )
+            .into());
+        }
+        // `nqn.2026-12.dev.blockplane:<instance>:<volume>`
+        let volume = row
+            .nqn
+            .strip_prefix("nqn.2026-12.dev.blockplane:")
+            .and_then(|rest| rest.split_once(':'))
+            .map(|(_, v)| v.to_string())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| MoveError::NotBlockplane {
+                remote: row.name.clone(),
+                nqn: row.nqn.clone(),
+            })?;
+        Ok(volume)
+    }
+
+    /// Makes the local image (sparse, the remote's size) and a dm volume
+    /// on it; its id.
+    async fn make_local_leg(self: &Arc<Self>, m: &MoveRow, size: u64) -> Result<Uuid> {
+        self.create_image(CreateImageRequest {
+            name: m.image.clone(),
+            path: m.path.clone(),
+            create: Some(CreateImageFile {
+                size_bytes: size,
+                allocation: Allocation::Sparse,
+                encryption: None,
+            }),
+            clone_from: None,
+            restore_from: None,
+            allocation: None,
+        })
+        .await?;
+        let created = self
+            .volumes
+            .create_volume(CreateVolumeRequest {
+                name: m.image.clone(),
+                image: m.image.clone(),
+                backend: BackendChoice::Dm,
+                dispatch: DispatchPolicy::Auto,
+                read_only: false,
+                queues: None,
+                queue_depth: DEFAULT_QUEUE_DEPTH,
+                max_io_bytes: DEFAULT_MAX_IO_BYTES,
+                qos: None,
+                key: None,
+            })
+            .await;
+        match created {
+            Ok(Created::New(v)) => Ok(v.id),
+            Ok(Created::Existing(v)) => Err(Error::VolumeExists {
+                name: v.name,
+                differences: "a volume of that name exists: a move makes its own".into(),
+            }),
+            Err(e) => {
+                let _ = self
+                    .images
+                    .delete_image(
+                        &m.image,
+                        DeleteImageQuery {
+                            delete_file: true,
+                            erase: false,
+                        },
+                    )
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the local volume and image of a move that will not finish.
+    async fn undo_local_leg(&self, m: &MoveRow) {
+        if let Some(v) = m.volume_id
+            && let Err(e) = self.volumes.delete_volume(&v.to_string()).await
+        {
+            tracing::warn!(move_id = %m.id, error = %e, "a stopped move's local volume stays");
+            return;
+        }
+        let q = DeleteImageQuery {
+            delete_file: true,
+            erase: false,
+        };
+        if let Err(e) = self.images.delete_image(&m.image, q).await {
+            tracing::warn!(move_id = %m.id, error = %e, "a stopped move's local image stays");
+        }
+    }
+
+    /// The local volume's device as `major:minor`, for a table.
+    async fn local_device(&self, m: &MoveRow) -> Result<String> {
+        let id = m
+            .volume_id
+            .ok_or_else(|| Error::Internal(format!("move {} has no local volume yet", m.id)))?;
+        let v = self.house.volume_row(&id.to_string()).await?;
+        let a = v.attachment.as_ref().ok_or_else(|| {
+            Error::Internal(format!("move {}: volume '{}' has no device", m.id, v.name))
+        })?;
+        Ok(format!("{}:{}", a.major, a.minor))
+    }
+
+    /// Loads the mirror into the remote volume's node.
+    async fn mirror(&self, row: &RemoteRow, m: &MoveRow) -> Result<()> {
+        let a = row.attachment.clone().ok_or_else(|| {
+            Error::Internal(format!("remote volume '{}' has no device", row.name))
+        })?;
+        let local = self.local_device(m).await?;
+        let table = raid1::table(
+            a.size_bytes / 512,
+            [Path::new(&a.nvme_device), Path::new(&local)],
+            None,
+            kib(m.rate_limit),
+        );
+        let (id, remote) = (m.id, row.name.clone());
+        blocking(move || dm::swap(&a.dm_name, &table, false))
+            .await?
+            .map_err(|source| MoveError::Dm { id, remote, source })?;
+        Ok(())
+    }
+
+    /// What the remote volume's node maps now.
+    async fn node_of(&self, row: &RemoteRow, m: &MoveRow) -> Result<Node> {
+        let Some(a) = row.attachment.clone() else {
+            return Ok(Node::Other("no device".into()));
+        };
+        let local = match m.volume_id {
+            Some(_) => Some(self.local_device(m).await?),
+            None => None,
+        };
+        blocking(move || {
+            let table = match dm::table(&a.dm_name) {
+                Ok(t) => t,
+                Err(e) => return Node::Other(e.to_string()),
+            };
+            match table.targets.first() {
+                Some((_, _, kind, params)) if kind == "raid" => match dm::status(&a.dm_name) {
+                    Ok(Some((_, _, kind, status))) => raid1::parse(&kind, &status)
+                        .map(Node::Mirror)
+                        .unwrap_or_else(|| Node::Other(status)),
+                    Ok(None) => Node::Other(params.clone()),
+                    Err(e) => Node::Other(e.to_string()),
+                },
+                Some((_, _, kind, params)) if kind == "linear" => {
+                    let under = params.split_whitespace().next().unwrap_or_default();
+                    if Some(under) == local.as_deref() {
+                        Node::Local
+                    } else {
+                        Node::Remote
+                    }
+                }
+                other => Node::Other(format!("{other:?}")),
+            }
+        })
+        .await
+    }
+
+    /// Follows every running move once (the sampler calls it every
+    /// second): records the copy's progress; once both legs are in sync,
+    /// switches the node to the local leg and lets the exporting host go;
+    /// fails a move whose local leg failed, back on the remote leg.
+    pub(crate) async fn follow_moves(self: &Arc<Self>) -> Result<()> {
+        for m in self.house.store.moves().await? {
+            if m.state.ended() {
+                continue;
+            }
+            let Some(row) = self.house.store.remote(&m.remote_id.to_string()).await? else {
+                let mut m = m;
+                self.fail_move(&mut m, "its remote volume is gone").await?;
+                continue;
+            };
+            let _remote = self.house.locks.volumes.lock(&row.name).await;
+            let Some(m) = self.house.store.move_row(m.id).await? else {
+                continue;
+            };
+            if let Err(e) = self.step(row, m.clone()).await {
+                tracing::warn!(move_id = %m.id, error = %e, "following a move failed");
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of move `m` from what its node maps now.
+    async fn step(self: &Arc<Self>, row: RemoteRow, mut m: MoveRow) -> Result<()> {
+        if m.state == MoveState::Releasing {
+            return self.release(row, m).await;
+        }
+        if m.volume_id.is_none() {
+            return self
+                .fail_move(
+                    &mut m,
+                    "the service stopped before its local image was made",
+                )
+                .await;
+        }
+        match self.node_of(&row, &m).await? {
+            Node::Mirror(s) if s.health.get(1) == Some(&raid1::Health::Dead) => {
+                self.back_to_remote(&row, &mut m, MoveState::Failed, "its local leg failed (an I/O error on this host's disk: full, or failing); the remote leg serves as before and holds every write")
+                    .await
+            }
+            Node::Mirror(s) if s.synced() => {
+                self.switch(&row, &mut m).await?;
+                self.release(row, m).await
+            }
+            Node::Mirror(s) => {
+                let done = s.done_sectors.min(s.total_sectors) * 512;
+                let seconds = (OffsetDateTime::now_utc() - m.updated_at)
+                    .as_seconds_f64()
+                    .max(0.001);
+                m.rate = (done.saturating_sub(m.synced_bytes) as f64 / seconds) as u64;
+                m.synced_bytes = done;
+                m.updated_at = OffsetDateTime::now_utc();
+                let mut tx = self.house.store.begin().await?;
+                tx.put_move(&m).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+            Node::Local => {
+                // Switched before a stop recorded it.
+                m.synced_bytes = m.total_bytes;
+                self.set_state(&mut m, MoveState::Releasing, None, "move_switched", "the node maps the local volume alone")
+                    .await?;
+                self.release(row, m).await
+            }
+            Node::Remote => {
+                // The mirror is gone (a reboot): made again, the copy from
+                // the start; the remote leg held every write meanwhile.
+                self.mirror(&row, &m).await?;
+                m.synced_bytes = 0;
+                let message = format!(
+                    "move {}: the mirror was lost (a restart of the host) and is made again; the copy starts over",
+                    m.id
+                );
+                self.record_move(&m, "move_restarted", &message).await
+            }
+            Node::Other(what) => {
+                self.fail_move(
+                    &mut m,
+                    &format!("the remote volume's node maps what the move did not make: {what}"),
+                )
+                .await
+            }
+        }
+    }
+
+    /// Step 3: the node maps the local volume alone.
+    async fn switch(&self, row: &RemoteRow, m: &mut MoveRow) -> Result<()> {
+        let a = row.attachment.clone().ok_or_else(|| {
+            Error::Internal(format!("remote volume '{}' has no device", row.name))
+        })?;
+        let local = self.local_device(m).await?;
+        let table = vec![(
+            0,
+            a.size_bytes / 512,
+            "linear".to_string(),
+            format!("{local} 0"),
+        )];
+        let (id, remote) = (m.id, row.name.clone());
+        blocking(move || dm::swap(&a.dm_name, &table, false))
+            .await?
+            .map_err(|source| MoveError::Dm { id, remote, source })?;
+        m.synced_bytes = m.total_bytes;
+        self.set_state(
+            m,
+            MoveState::Releasing,
+            None,
+            "move_switched",
+            "both legs were in sync: the node maps the local volume alone",
+        )
+        .await
+    }
+
+    /// Step 4: the connection goes, the remote volume is `moved`, the
+    /// local volume takes the fastest path the rules allow, and the
+    /// exporting host lets its export and volume go. Each part is done
+    /// again until it holds; the exporting host away leaves the move
+    /// `releasing` with why, retried every second.
+    async fn release(&self, mut row: RemoteRow, mut m: MoveRow) -> Result<()> {
+        if row.state != RemoteState::Moved {
+            if let Some(a) = row.attachment.clone() {
+                let controller = a.controller;
+                blocking(move || fabrics::disconnect(controller))
+                    .await?
+                    .map_err(|source| super::fabric_error::RemoteError::Fabrics {
+                        name: row.name.clone(),
+                        source,
+                    })?;
+                row.attachment = Some(crate::store::RemoteAttachment {
+                    nvme_device: String::new(),
+                    ..a
+                });
+            }
+            row.state = RemoteState::Moved;
+            row.state_reason = None;
+            row.updated_at = OffsetDateTime::now_utc();
+            let mut tx = self.house.store.begin().await?;
+            tx.update_remote(&row).await?;
+            let message = format!(
+                "remote volume '{}' is disconnected: its device serves volume '{}' here",
+                row.name, m.image
+            );
+            tx.event(Some(row.id), None, "remote_moved", &message)
+                .await?;
+            tx.commit().await?;
+            self.fastest_path(&m).await;
+        }
+        match self.tell_source(&m).await {
+            Ok(()) => {
+                self.set_state(
+                    &mut m,
+                    MoveState::Done,
+                    None,
+                    "move_done",
+                    "the exporting host let its export and volume go",
+                )
+                .await
+            }
+            Err(reason) if m.state_reason.as_deref() != Some(reason.as_str()) => {
+                m.state_reason = Some(reason.clone());
+                m.updated_at = OffsetDateTime::now_utc();
+                let message = format!(
+                    "move {}: the exporting host did not let go yet: {reason}",
+                    m.id
+                );
+                self.record_move(&m, "move_release_waits", &message).await
+            }
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// The local volume on `direct` where the direct-map rules allow it:
+    /// the copy wrote every block of the sparse image, so they usually do.
+    async fn fastest_path(&self, m: &MoveRow) {
+        let Some(v) = m.volume_id else { return };
+        let patch = PatchVolumeRequest {
+            dispatch: Some(DispatchPolicy::Direct),
+            qos: None,
+            read_only: None,
+        };
+        if let Err(e) = self.volumes.patch_volume(&v.to_string(), patch).await {
+            tracing::info!(move_id = %m.id, reason = %e, "the moved volume keeps its path");
+        }
+    }
+
+    /// Tells the exporting host to let its export go and delete its volume
+    /// (and image, unless kept); what is gone already counts as done.
+    async fn tell_source(&self, m: &MoveRow) -> std::result::Result<(), String> {
+        let endpoint = Endpoint::parse(&m.source_api).map_err(|e| e.to_string())?;
+        let client = Client::new(endpoint, self.peer_token.clone());
+        let gone = |r: std::result::Result<(), blockplane_client::Error>| match r {
+            Err(blockplane_client::Error::Refused { status, .. }) if status.as_u16() == 404 => {
+                Ok(())
+            }
+            other => other.map_err(|e| e.to_string()),
+        };
+        let volume = match client.volume(&m.source_volume).await {
+            Ok(v) => Some(v),
+            Err(blockplane_client::Error::Refused { status, .. }) if status.as_u16() == 404 => None,
+            Err(e) => return Err(e.to_string()),
+        };
+        let Some(volume) = volume else {
+            return Ok(());
+        };
+        gone(
+            client
+                .delete_export_with(&m.source_volume, &DeleteExportQuery { force: false })
+                .await,
+        )?;
+        gone(client.delete_volume(&m.source_volume).await)?;
+        if !m.keep_source_image {
+            let q = DeleteImageQuery {
+                delete_file: true,
+                erase: false,
+            };
+            gone(client.delete_image(&volume.image_id.to_string(), &q).await)?;
+        }
+        Ok(())
+    }
+
+    /// The node back on the remote leg alone (which holds every
+    /// acknowledged write), the local image gone, the move ended so.
+    async fn back_to_remote(
+        &self,
+        row: &RemoteRow,
+        m: &mut MoveRow,
+        state: MoveState,
+        reason: &str,
+    ) -> Result<()> {
+        let a = row.attachment.clone().ok_or_else(|| {
+            Error::Internal(format!("remote volume '{}' has no device", row.name))
+        })?;
+        let (id, remote) = (m.id, row.name.clone());
+        blocking(move || {
+            dm::linear::reload(
+                &a.dm_name,
+                Path::new(&a.nvme_device),
+                a.size_bytes / 512,
+                false,
+            )
+        })
+        .await?
+        .map_err(|source| MoveError::Dm { id, remote, source })?;
+        self.undo_local_leg(m).await;
+        let kind = match state {
+            MoveState::Cancelled => "move_cancelled",
+            _ => "move_failed",
+        };
+        self.set_state(m, state, Some(reason.to_string()), kind, reason)
+            .await
+    }
+
+    /// `POST /v1/moves/{id}/cancel`: back on the remote leg, the local
+    /// image gone; refused once the node maps the local volume alone.
+    pub(crate) async fn cancel_move(&self, id: &str) -> Result<Move> {
+        let m = self.move_of(id).await?;
+        let row = self.remote_row(&m.remote_id.to_string()).await?;
+        let _remote = self.house.locks.volumes.lock(&row.name).await;
+        let mut m = self.move_of(id).await?;
+        match m.state {
+            MoveState::Syncing => {
+                self.back_to_remote(&row, &mut m, MoveState::Cancelled, "cancelled: the node serves the remote device again, which holds every write")
+                    .await?;
+                self.move_view(m).await
+            }
+            MoveState::Releasing => Err(MoveError::Ended {
+                id: m.id,
+                state: "releasing",
+                rule: "the node serves the local volume already and the connection is gone; the exporting host's release is retried until it holds",
+            }
+            .into()),
+            s => Err(MoveError::Ended {
+                id: m.id,
+                state: s.as_str(),
+                rule: "an ended move cannot be cancelled",
+            }
+            .into()),
+        }
+    }
+
+    /// `PATCH /v1/moves/{id}`: a new rate limit, live (the mirror's table
+    /// loaded again with it).
+    pub(crate) async fn patch_move(&self, id: &str, patch: PatchMoveRequest) -> Result<Move> {
+        let m = self.move_of(id).await?;
+        let row = self.remote_row(&m.remote_id.to_string()).await?;
+        let _remote = self.house.locks.volumes.lock(&row.name).await;
+        let mut m = self.move_of(id).await?;
+        let rate = patch.rate_limit_bytes_per_sec;
+        if rate != 0 && rate < MIN_RATE {
+            return Err(MoveError::Invalid {
+                remote: row.name,
+                field: "rate_limit_bytes_per_sec",
+                reason: format!("{rate} is below {MIN_RATE} (0 means no limit)"),
+            }
+            .into());
+        }
+        if m.state != MoveState::Syncing {
+            return Err(MoveError::Ended {
+                id: m.id,
+                state: m.state.as_str(),
+                rule: "only a move that copies takes a rate limit",
+            }
+            .into());
+        }
+        if rate == m.rate_limit {
+            return self.move_view(m).await;
+        }
+        m.rate_limit = rate;
+        if let Node::Mirror(_) = self.node_of(&row, &m).await? {
+            self.mirror(&row, &m).await?;
+        }
+        let message = format!(
+            "move {}: rate limit {}",
+            m.id,
+            match rate {
+                0 => "none".to_string(),
+                r => format!("{r} bytes/s"),
+            }
+        );
+        m.updated_at = OffsetDateTime::now_utc();
+        self.record_move(&m, "move_rate_limit", &message).await?;
+        self.move_view(m).await
+    }
+
+    /// `GET /v1/moves`.
+    pub(crate) async fn moves(&self) -> Result<Vec<Move>> {
+        let mut out = Vec::new();
+        for m in self.house.store.moves().await? {
+            out.push(self.move_view(m).await?);
+        }
+        Ok(out)
+    }
+
+    /// `GET /v1/moves/{id}`.
+    pub(crate) async fn get_move(&self, id: &str) -> Result<Move> {
+        let m = self.move_of(id).await?;
+        self.move_view(m).await
+    }
+
+    async fn move_of(&self, id: &str) -> Result<MoveRow> {
+        let not_found = || Error::from(MoveError::NotFound(id.to_string()));
+        let uuid = Uuid::parse_str(id).map_err(|_| not_found())?;
+        self.house.store.move_row(uuid).await?.ok_or_else(not_found)
+    }
+
+    async fn move_view(&self, m: MoveRow) -> Result<Move> {
+        Ok(Move {
+            id: m.id,
+            remote: m.remote_id,
+            remote_name: m.remote_name,
+            image: m.image,
+            volume: m.volume_id,
+            source_api: m.source_api,
+            source_volume: m.source_volume,
+            keep_source_image: m.keep_source_image,
+            state: m.state,
+            state_reason: m.state_reason,
+            synced_bytes: m.synced_bytes,
+            total_bytes: m.total_bytes,
+            rate_bytes_per_sec: if m.state == MoveState::Syncing {
+                m.rate
+            } else {
+                0
+            },
+            rate_limit_bytes_per_sec: m.rate_limit,
+            created_at: m.created_at,
+            finished_at: m.finished_at,
+        })
+    }
+
+    /// Records `m` with an event.
+    async fn record_move(&self, m: &MoveRow, kind: &str, message: &str) -> Result<()> {
+        let mut tx = self.house.store.begin().await?;
+        tx.put_move(m).await?;
+        tx.event(Some(m.remote_id), None, kind, message).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Moves `m` to `state` (ended: with its end time), recorded with an
+    /// event.
+    async fn set_state(
+        &self,
+        m: &mut MoveRow,
+        state: MoveState,
+        reason: Option<String>,
+        kind: &str,
+        what: &str,
+    ) -> Result<()> {
+        let now = OffsetDateTime::now_utc();
+        m.state = state;
+        m.state_reason = reason;
+        m.updated_at = now;
+        if state.ended() {
+            m.finished_at = Some(now);
+        }
+        let message = format!(
+            "move {} of remote volume '{}' is {}: {what}",
+            m.id,
+            m.remote_name,
+            state.as_str()
+        );
+        self.record_move(m, kind, &message).await
+    }
+
+    /// Ends `m` as failed, with why.
+    async fn fail_move(&self, m: &mut MoveRow, reason: &str) -> Result<()> {
+        self.set_state(
+            m,
+            MoveState::Failed,
+            Some(reason.to_string()),
+            "move_failed",
+            reason,
+        )
+        .await
+    }
+}
+
+/// A rate limit in bytes/s as dm-raid's KiB/s (rounded up); none for 0.
+fn kib(rate: u64) -> Option<u64> {
+    (rate != 0).then(|| rate.div_ceil(1024))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kib;
+
+    #[test]
+    fn a_rate_limit_rounds_up_to_kib_and_zero_is_none() {
+        assert_eq!(kib(0), None);
+        assert_eq!(kib(1024), Some(1));
+        assert_eq!(kib(1025), Some(2));
+        assert_eq!(kib(64 << 20), Some(64 << 10));
+    }
+}
