@@ -18,7 +18,7 @@ use blockplane_test_support::hosts::{A_IP, Hosts};
 /// services go: B's controllers deleted (their queued I/O fails, so no fio
 /// waits on a device whose server is gone), then A's subsystems, ports and
 /// hosts. Nothing is left after a passing test, so it finds nothing then.
-struct Leftovers;
+pub(crate) struct Leftovers;
 
 impl Drop for Leftovers {
     fn drop(&mut self) {

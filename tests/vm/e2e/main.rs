@@ -20,6 +20,7 @@ mod faults;
 mod keepalloc;
 mod live;
 mod logwrites;
+mod moves;
 mod pagecache;
 mod snapshots;
 mod soak;
@@ -186,16 +187,16 @@ impl Vm {
     /// As [`Vm::start`], with the service run from `bin` (a copy the test
     /// can replace as a package upgrade does).
     pub async fn start_from(bin: PathBuf) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), Some(bin), &[], None).await
+        Self::start_opts(Vec::new(), Vec::new(), Some(bin), &[], None, None).await
     }
 
     async fn start_with(more: Vec<PathBuf>, env: Vec<(String, String)>) -> Self {
-        Self::start_opts(more, env, None, &[], None).await
+        Self::start_opts(more, env, None, &[], None, None).await
     }
 
     /// As [`Vm::start`], with more arguments to `serve`.
     pub async fn start_with_args(args: &[&str]) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), None, args, None).await
+        Self::start_opts(Vec::new(), Vec::new(), None, args, None, None).await
     }
 
     /// As [`Vm::start`], with the service's environment extended and more
@@ -205,19 +206,26 @@ impl Vm {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Self::start_opts(Vec::new(), env, None, args, None).await
+        Self::start_opts(Vec::new(), env, None, args, None, None).await
     }
 
     /// As [`Vm::start`], in network namespace `netns` (one "host" of a test
     /// with two), with more arguments to `serve`.
     pub async fn start_in(netns: &str, args: &[&str]) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), None, args, Some(netns)).await
+        Self::start_opts(Vec::new(), Vec::new(), None, args, Some(netns), None).await
     }
 
     /// As [`Vm::start_in`], the service run from `bin` when given (a
     /// release build, for a benchmark).
     pub async fn start_in_from(netns: &str, args: &[&str], bin: Option<PathBuf>) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), bin, args, Some(netns)).await
+        Self::start_opts(Vec::new(), Vec::new(), bin, args, Some(netns), None).await
+    }
+
+    /// As [`Vm::start_in`] (in the VM's own namespace for `None`), the API
+    /// guarded by bearer `token`, which the test's client sends: a host
+    /// another host's service calls.
+    pub async fn start_guarded(netns: Option<&str>, args: &[&str], token: &str) -> Self {
+        Self::start_opts(Vec::new(), Vec::new(), None, args, netns, Some(token)).await
     }
 
     async fn start_opts(
@@ -226,6 +234,7 @@ impl Vm {
         bin: Option<PathBuf>,
         args: &[&str],
         netns: Option<&str>,
+        token: Option<&str>,
     ) -> Self {
         require_vm();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
@@ -252,6 +261,7 @@ impl Vm {
             env,
             bin,
             netns: netns.map(str::to_string),
+            token: token.map(str::to_string),
             ..Default::default()
         })
         .await;

@@ -1,0 +1,266 @@
+//! Moves: a volume of host A, served on host B remotely, becomes local to
+//! B while B's consumer writes it under fio verify, on the kernel's own
+//! mirror (dm-raid raid1), its device node the same throughout. The two
+//! hosts are two services of the VM as in `exports`: A in a network
+//! namespace of its own, its API on the veth pair so that B can tell it to
+//! let go.
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::exports::Leftovers;
+use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, writes_flow};
+use blockplane_test_support::hosts::{A_IP, Hosts};
+
+const TOKEN: &str = "vm-moves-shared-token";
+
+/// fio verify runs on `device`, one short job after another, until told to
+/// stop: the consumer writes through every step of a move, whatever its
+/// length. Each job's result, with its longest write latency.
+struct Consumer {
+    stop: Arc<AtomicBool>,
+    runs: std::thread::JoinHandle<Vec<String>>,
+}
+
+impl Consumer {
+    fn start(device: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, device) = (stop.clone(), device.to_string());
+        let runs = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            while !flag.load(Ordering::Relaxed) || out.is_empty() {
+                // Short: each job's assertion is that its writes verify.
+                out.push(fio_ok(fio_verify(&device, "4M", &["--rate_iops=500"])));
+            }
+            out
+        });
+        Self { stop, runs }
+    }
+
+    /// Stops after the job running now; every job passed. The longest
+    /// write completion latency any job saw, in ms.
+    fn finish(self) -> (usize, f64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let runs = self.runs.join().expect("a fio job failed");
+        let longest = runs
+            .iter()
+            .filter_map(|r| max_write_ms(r))
+            .fold(0.0, f64::max);
+        (runs.len(), longest)
+    }
+}
+
+/// The `clat` maximum of fio's write section, in ms.
+fn max_write_ms(report: &str) -> Option<f64> {
+    let write = &report[report.find("write:")?..];
+    let line = write
+        .lines()
+        .find(|l| l.trim_start().starts_with("clat ("))?;
+    let unit = if line.contains("(nsec)") {
+        1e-6
+    } else if line.contains("(usec)") {
+        1e-3
+    } else {
+        1.0
+    };
+    let max = line.split("max=").nth(1)?.split(',').next()?.trim();
+    let (num, k) = match max.strip_suffix('k') {
+        Some(n) => (n, 1e3),
+        None => (max, 1.0),
+    };
+    Some(num.parse::<f64>().ok()? * k * unit)
+}
+
+/// `major:minor` of the node `device` names.
+fn dev_of(device: &str) -> u64 {
+    std::fs::metadata(device).unwrap().rdev()
+}
+
+/// A's volume `name` (`body` its spec) on a fresh image, exported to B and
+/// connected there; B's device.
+async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> String {
+    a.image(name, Scratch::Xfs, 48, "full").await;
+    a.volume(body).await;
+    let export =
+        a.s.put(
+            &format!("/v1/volumes/{name}/export"),
+            json!({"hosts": [b_nqn]}),
+        )
+        .await;
+    assert_eq!(export.status.as_u16(), 200, "{}", export.body);
+    let host = &export.body["hosts"][0];
+    let remote =
+        b.s.post(
+            "/v1/remotes",
+            json!({"name": name, "address": format!("{A_IP}:4420"),
+                   "nqn": export.body["nqn"], "secret": host["secret"],
+                   "ctrl_secret": host["ctrl_secret"]}),
+        )
+        .await;
+    assert_eq!(remote.status.as_u16(), 201, "{}", remote.body);
+    remote.body["device"].as_str().unwrap().to_string()
+}
+
+/// Starts the move of remote volume `name` into B's xfs root.
+async fn start_move(b: &Vm, name: &str, rate: u64) -> Value {
+    let path = b.root(Scratch::Xfs).join(format!("{name}.img"));
+    let m =
+        b.s.post(
+            &format!("/v1/remotes/{name}/move"),
+            json!({"image": name, "path": path, "source_api": format!("http://{A_IP}:7400"),
+                   "rate_limit_bytes_per_sec": rate}),
+        )
+        .await;
+    assert_eq!(m.status.as_u16(), 202, "{}", m.body);
+    assert_eq!(m.body["state"], "syncing", "{}", m.body);
+    m.body
+}
+
+async fn move_of(b: &Vm, id: &str) -> Value {
+    b.s.get(&format!("/v1/moves/{id}")).await.body
+}
+
+/// A ublk volume of A moves to B under B's writes: the copy starts slow,
+/// its limit is lifted live, B's service is killed mid-copy and its restart
+/// adopts the mirror; the move ends `done` with the node unchanged, A's
+/// export, volume and image gone. A dm volume's move is cancelled mid-copy:
+/// back on A, nothing lost, B's image gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
+    let hosts = Hosts::new();
+    let export_arg = format!("{A_IP}:4420");
+    let listen = format!("{A_IP}:7400");
+    let a = Vm::start_guarded(
+        Some(&hosts.a),
+        &["--export-address", &export_arg, "--listen", &listen],
+        TOKEN,
+    )
+    .await;
+    let mut b = Vm::start_guarded(None, &[], TOKEN).await;
+    let _leftovers = Leftovers;
+    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "m-ublk",
+        json!({"name": "m-ublk", "image": "m-ublk", "backend": "ublk", "dispatch": "nowait"}),
+    )
+    .await;
+    let node = dev_of(&device);
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move(&b, "m-ublk", 2 << 20).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
+    .await;
+
+    // B's service dies mid-copy: the kernel's mirror runs on, and the
+    // restart follows it.
+    b.s.kill();
+    b.s.restart().await;
+    let p =
+        b.s.patch(
+            &format!("/v1/moves/{id}"),
+            json!({"rate_limit_bytes_per_sec": 0}),
+        )
+        .await;
+    assert_eq!(p.status.as_u16(), 200, "{}", p.body);
+    eventually(Duration::from_secs(300), "the move to end", async || {
+        move_of(&b, &id).await["state"] != "syncing"
+    })
+    .await;
+    eventually(
+        Duration::from_secs(120),
+        "the exporting host to let go",
+        async || move_of(&b, &id).await["state"] != "releasing",
+    )
+    .await;
+    let done = move_of(&b, &id).await;
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(done["synced_bytes"], done["total_bytes"], "{done}");
+    writes_flow(&device, 1 << 20).await;
+    let (jobs, longest) = consumer.finish();
+    println!("m-ublk: {jobs} fio verify jobs through the move, longest write {longest:.0} ms");
+    assert_eq!(dev_of(&device), node, "the consumer's node changed");
+
+    let remote = b.s.get("/v1/remotes/m-ublk").await.body;
+    assert_eq!(remote["state"], "moved", "{remote}");
+    assert_eq!(remote["volume"], done["volume"], "{remote}");
+    let local = b.s.get("/v1/volumes/m-ublk").await;
+    assert_eq!(local.status.as_u16(), 200, "{}", local.body);
+    for gone in ["/v1/volumes/m-ublk", "/v1/images/m-ublk"] {
+        let r = a.s.get(gone).await;
+        assert_eq!(r.status.as_u16(), 404, "{gone} on A: {}", r.body);
+    }
+    let kinds = b.event_kinds(done["remote"].as_str().unwrap()).await;
+    for k in [
+        "move_started",
+        "move_syncing",
+        "move_switched",
+        "remote_moved",
+        "move_done",
+    ] {
+        assert!(kinds.iter().any(|e| e == k), "no {k} event: {kinds:?}");
+    }
+
+    // A second move, cancelled mid-copy: the node serves A again.
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "m-dm",
+        json!({"name": "m-dm", "image": "m-dm", "backend": "dm", "dispatch": "direct"}),
+    )
+    .await;
+    let node = dev_of(&device);
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move(&b, "m-dm", 1 << 20).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
+    .await;
+    let c = b.s.post(&format!("/v1/moves/{id}/cancel"), json!({})).await;
+    assert_eq!(c.status.as_u16(), 200, "{}", c.body);
+    assert_eq!(c.body["state"], "cancelled", "{}", c.body);
+    writes_flow(&device, 1 << 20).await;
+    let (jobs, longest) = consumer.finish();
+    println!(
+        "m-dm: {jobs} fio verify jobs through a cancelled move, longest write {longest:.0} ms"
+    );
+    assert_eq!(dev_of(&device), node, "the consumer's node changed");
+    let remote = b.s.get("/v1/remotes/m-dm").await.body;
+    assert_eq!(remote["state"], "attached", "{remote}");
+    let r = b.s.get("/v1/images/m-dm").await;
+    assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
+    let again = b.s.post(&format!("/v1/moves/{id}/cancel"), json!({})).await;
+    assert_eq!(again.status.as_u16(), 409, "{}", again.body);
+    assert_eq!(again.body["error"]["code"], "move_ended", "{}", again.body);
+
+    // Teardown: the moved node's consumer is gone, so its remote goes and
+    // the local volume stays B's; the cancelled one is disconnected and
+    // A unexports.
+    for name in ["m-ublk", "m-dm"] {
+        let d = b.s.delete(&format!("/v1/remotes/{name}")).await;
+        assert_eq!(d.status.as_u16(), 204, "{name}: {}", d.body);
+    }
+    b.delete("m-ublk").await;
+    let d = a.s.delete("/v1/volumes/m-dm/export").await;
+    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    a.delete("m-dm").await;
+    b.s.stop_and_clean();
+    drop(a);
+    drop(hosts);
+}
