@@ -201,6 +201,7 @@ dm-delay required
 dm-snapshot required
 dm-crypt required
 dm-raid required
+raid1 required
 xts optional
 aes_generic optional
 aesni_intel optional
