@@ -109,6 +109,9 @@ pub struct Manager {
     remotes: Remotes,
     /// The token moves call other hosts' APIs with.
     peer_token: Option<String>,
+    /// The moves whose start request has not made their mirror yet: the
+    /// follower leaves them to it.
+    starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -156,6 +159,7 @@ impl Manager {
             exports: Exports::new(house.clone(), cfg.export_addresses),
             remotes: Remotes::new(house.clone(), host_nqn, host_id),
             peer_token: cfg.peer_token,
+            starting: Default::default(),
             house,
             backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
             volumes: Volumes::new(images.clone()),

@@ -56,6 +56,17 @@ enum Node {
     Other(String),
 }
 
+/// What a step of a move leaves to do once the remote volume's lock is
+/// let go.
+enum Then {
+    Nothing,
+    /// Delete the local volume and image of a move that ended short.
+    UndoLocal,
+    /// Put the local volume on its fastest path, then tell the exporting
+    /// host to let go.
+    Release,
+}
+
 impl Manager {
     /// `POST /v1/remotes/{id}/move`: makes the local image and volume and
     /// mirrors the remote volume's node onto them; the copy then runs in
@@ -66,71 +77,90 @@ impl Manager {
         req: StartMoveRequest,
     ) -> Result<Move> {
         let row = self.remote_row(remote).await?;
-        let _remote = self.house.locks.volumes.lock(&row.name).await;
-        let row = self.remote_row(&row.id.to_string()).await?;
-        let source_volume = self.check_move(&row, &req).await?;
-        let a = row.attachment.clone().ok_or(MoveError::NotAttached {
-            remote: row.name.clone(),
-            state: "not connected",
-        })?;
-        let now = OffsetDateTime::now_utc();
-        let mut m = MoveRow {
-            id: Uuid::new_v4(),
-            remote_id: row.id,
-            remote_name: row.name.clone(),
-            image: req.image.clone(),
-            path: req.path.clone(),
-            volume_id: None,
-            source_api: req.source_api.clone(),
-            source_volume,
-            keep_source_image: req.keep_source_image,
-            rate_limit: req.rate_limit_bytes_per_sec,
-            state: MoveState::Syncing,
-            state_reason: None,
-            synced_bytes: 0,
-            total_bytes: a.size_bytes,
-            rate: 0,
-            created_at: now,
-            updated_at: now,
-            finished_at: None,
-        };
-        // Recorded first: a crash before the mirror leaves a move the next
-        // start fails cleanly, never a local image nobody accounts for.
-        self.record_move(
-            &m,
-            "move_started",
-            &format!(
+        let mut m = {
+            let _remote = self.house.locks.volumes.lock(&row.name).await;
+            let row = self.remote_row(&row.id.to_string()).await?;
+            let source_volume = self.check_move(&row, &req).await?;
+            let a = row.attachment.clone().ok_or(MoveError::NotAttached {
+                remote: row.name.clone(),
+                state: "not connected",
+            })?;
+            let now = OffsetDateTime::now_utc();
+            let m = MoveRow {
+                id: Uuid::new_v4(),
+                remote_id: row.id,
+                remote_name: row.name.clone(),
+                image: req.image.clone(),
+                path: req.path.clone(),
+                volume_id: None,
+                source_api: req.source_api.clone(),
+                source_volume,
+                keep_source_image: req.keep_source_image,
+                rate_limit: req.rate_limit_bytes_per_sec,
+                state: MoveState::Syncing,
+                state_reason: None,
+                synced_bytes: 0,
+                total_bytes: a.size_bytes,
+                rate: 0,
+                created_at: now,
+                updated_at: now,
+                finished_at: None,
+            };
+            // Recorded first (the registry allows one running move per
+            // remote volume): a crash before the mirror leaves a move the
+            // next start fails cleanly, never a local image nobody
+            // accounts for. Until the mirror is made the follower leaves
+            // it to this request.
+            self.starting.lock().expect("starting poisoned").insert(m.id);
+            let message = format!(
                 "move {} of remote volume '{}' started: its data goes into image '{}' ({}) here",
                 m.id, row.name, m.image, m.path
-            ),
-        )
-        .await?;
-        match self.make_local_leg(&m, a.size_bytes).await {
+            );
+            if let Err(e) = self.record_move(&m, "move_started", &message).await {
+                self.starting.lock().expect("starting poisoned").remove(&m.id);
+                return Err(e);
+            }
+            m
+        };
+        let made = self.make_mirror(&mut m).await;
+        self.starting.lock().expect("starting poisoned").remove(&m.id);
+        made?;
+        self.move_view(m).await
+    }
+
+    /// The local leg (an image and a dm volume on it, made without the
+    /// remote volume's lock: the volume's own name lock may be the same),
+    /// then the mirror, under the lock again; a failure ends the move
+    /// `failed` with nothing of it left.
+    async fn make_mirror(self: &Arc<Self>, m: &mut MoveRow) -> Result<()> {
+        match self.make_local_leg(m, m.total_bytes).await {
             Ok(volume) => m.volume_id = Some(volume),
             Err(e) => {
-                self.fail_move(&mut m, &format!("its local image could not be made: {e}"))
+                self.fail_move(m, &format!("its local image could not be made: {e}"))
                     .await?;
                 return Err(e);
             }
         }
-        self.record_move(
-            &m,
-            "move_local_leg",
-            &format!("move {}: volume '{}' serves the local leg", m.id, m.image),
-        )
-        .await?;
-        if let Err(e) = self.mirror(&row, &m).await {
+        let message = format!("move {}: volume '{}' serves the local leg", m.id, m.image);
+        self.record_move(m, "move_local_leg", &message).await?;
+        let mirrored = {
+            let _remote = self.house.locks.volumes.lock(&m.remote_name).await;
+            match self.remote_row(&m.remote_id.to_string()).await {
+                Ok(row) => self.mirror(&row, m).await,
+                Err(e) => Err(e),
+            }
+        };
+        if let Err(e) = mirrored {
             let reason = format!("the mirror could not be made: {e}");
-            self.undo_local_leg(&m).await;
-            self.fail_move(&mut m, &reason).await?;
+            self.fail_move(m, &reason).await?;
+            self.undo_local_leg(m).await;
             return Err(e);
         }
-        self.record_move(&m, "move_syncing", &format!(
+        let message = format!(
             "move {}: remote volume '{}' mirrors its remote device and volume '{}'; the local leg is being copied",
-            m.id, row.name, m.image
-        ))
-        .await?;
-        self.move_view(m).await
+            m.id, m.remote_name, m.image
+        );
+        self.record_move(m, "move_syncing", &message).await
     }
 
     /// The remote volume called so.
@@ -345,46 +375,77 @@ impl Manager {
     /// fails a move whose local leg failed, back on the remote leg.
     pub(crate) async fn follow_moves(self: &Arc<Self>) -> Result<()> {
         for m in self.house.store.moves().await? {
-            if m.state.ended() {
+            let starting = self.starting.lock().expect("starting poisoned").contains(&m.id);
+            if m.state.ended() || starting {
                 continue;
             }
-            let Some(row) = self.house.store.remote(&m.remote_id.to_string()).await? else {
-                let mut m = m;
-                self.fail_move(&mut m, "its remote volume is gone").await?;
-                continue;
-            };
-            let _remote = self.house.locks.volumes.lock(&row.name).await;
-            let Some(m) = self.house.store.move_row(m.id).await? else {
-                continue;
-            };
-            if let Err(e) = self.step(row, m.clone()).await {
+            if let Err(e) = self.follow(m.id).await {
                 tracing::warn!(move_id = %m.id, error = %e, "following a move failed");
             }
         }
         Ok(())
     }
 
-    /// One step of move `m` from what its node maps now.
-    async fn step(self: &Arc<Self>, row: RemoteRow, mut m: MoveRow) -> Result<()> {
+    /// One step of move `id`: what changes the node's table under the
+    /// remote volume's lock, then what the step leaves to do without it
+    /// (the local volume's own steps take its name's lock, which may be the
+    /// same name).
+    async fn follow(self: &Arc<Self>, id: Uuid) -> Result<()> {
+        let then = {
+            let Some(m) = self.house.store.move_row(id).await? else {
+                return Ok(());
+            };
+            let _remote = self.house.locks.volumes.lock(&m.remote_name).await;
+            let Some(mut m) = self.house.store.move_row(id).await? else {
+                return Ok(());
+            };
+            match self.house.store.remote(&m.remote_id.to_string()).await? {
+                _ if m.state.ended() => return Ok(()),
+                Some(row) => self.step(row, &mut m).await?,
+                None => {
+                    self.fail_move(&mut m, "its remote volume is gone").await?;
+                    Then::Nothing
+                }
+            }
+        };
+        let Some(m) = self.house.store.move_row(id).await? else {
+            return Ok(());
+        };
+        match then {
+            Then::Nothing => Ok(()),
+            Then::UndoLocal => {
+                self.undo_local_leg(&m).await;
+                Ok(())
+            }
+            Then::Release => {
+                self.fastest_path(&m).await;
+                self.tell_source(m).await
+            }
+        }
+    }
+
+    /// One step of move `m` from what its node maps now, under the remote
+    /// volume's lock.
+    async fn step(&self, row: RemoteRow, m: &mut MoveRow) -> Result<Then> {
         if m.state == MoveState::Releasing {
-            return self.release(row, m).await;
+            self.disconnect(row, m).await?;
+            return Ok(Then::Release);
         }
         if m.volume_id.is_none() {
-            return self
-                .fail_move(
-                    &mut m,
-                    "the service stopped before its local image was made",
-                )
-                .await;
+            self.fail_move(m, "the service stopped before its local image was made")
+                .await?;
+            return Ok(Then::UndoLocal);
         }
-        match self.node_of(&row, &m).await? {
+        match self.node_of(&row, m).await? {
             Node::Mirror(s) if s.health.get(1) == Some(&raid1::Health::Dead) => {
-                self.back_to_remote(&row, &mut m, MoveState::Failed, "its local leg failed (an I/O error on this host's disk: full, or failing); the remote leg serves as before and holds every write")
-                    .await
+                self.back_to_remote(&row, m, MoveState::Failed, "its local leg failed (an I/O error on this host's disk: full, or failing); the remote leg serves as before and holds every write")
+                    .await?;
+                Ok(Then::UndoLocal)
             }
             Node::Mirror(s) if s.synced() => {
-                self.switch(&row, &mut m).await?;
-                self.release(row, m).await
+                self.switch(&row, m).await?;
+                self.disconnect(row, m).await?;
+                Ok(Then::Release)
             }
             Node::Mirror(s) => {
                 let done = s.done_sectors.min(s.total_sectors) * 512;
@@ -395,34 +456,37 @@ impl Manager {
                 m.synced_bytes = done;
                 m.updated_at = OffsetDateTime::now_utc();
                 let mut tx = self.house.store.begin().await?;
-                tx.put_move(&m).await?;
+                tx.put_move(m).await?;
                 tx.commit().await?;
-                Ok(())
+                Ok(Then::Nothing)
             }
             Node::Local => {
                 // Switched before a stop recorded it.
                 m.synced_bytes = m.total_bytes;
-                self.set_state(&mut m, MoveState::Releasing, None, "move_switched", "the node maps the local volume alone")
+                self.set_state(m, MoveState::Releasing, None, "move_switched", "the node maps the local volume alone")
                     .await?;
-                self.release(row, m).await
+                self.disconnect(row, m).await?;
+                Ok(Then::Release)
             }
             Node::Remote => {
                 // The mirror is gone (a reboot): made again, the copy from
                 // the start; the remote leg held every write meanwhile.
-                self.mirror(&row, &m).await?;
+                self.mirror(&row, m).await?;
                 m.synced_bytes = 0;
                 let message = format!(
                     "move {}: the mirror was lost (a restart of the host) and is made again; the copy starts over",
                     m.id
                 );
-                self.record_move(&m, "move_restarted", &message).await
+                self.record_move(m, "move_restarted", &message).await?;
+                Ok(Then::Nothing)
             }
             Node::Other(what) => {
                 self.fail_move(
-                    &mut m,
+                    m,
                     &format!("the remote volume's node maps what the move did not make: {what}"),
                 )
-                .await
+                .await?;
+                Ok(Then::Nothing)
             }
         }
     }
@@ -433,12 +497,7 @@ impl Manager {
             Error::Internal(format!("remote volume '{}' has no device", row.name))
         })?;
         let local = self.local_device(m).await?;
-        let table = vec![(
-            0,
-            a.size_bytes / 512,
-            "linear".to_string(),
-            format!("{local} 0"),
-        )];
+        let table = vec![(0, a.size_bytes / 512, "linear".to_string(), format!("{local} 0"))];
         let (id, remote) = (m.id, row.name.clone());
         blocking(move || dm::swap(&a.dm_name, &table, false))
             .await?
@@ -454,62 +513,37 @@ impl Manager {
         .await
     }
 
-    /// Step 4: the connection goes, the remote volume is `moved`, the
-    /// local volume takes the fastest path the rules allow, and the
-    /// exporting host lets its export and volume go. Each part is done
-    /// again until it holds; the exporting host away leaves the move
-    /// `releasing` with why, retried every second.
-    async fn release(&self, mut row: RemoteRow, mut m: MoveRow) -> Result<()> {
-        if row.state != RemoteState::Moved {
-            if let Some(a) = row.attachment.clone() {
-                let controller = a.controller;
-                blocking(move || fabrics::disconnect(controller))
-                    .await?
-                    .map_err(|source| super::fabric_error::RemoteError::Fabrics {
-                        name: row.name.clone(),
-                        source,
-                    })?;
-                row.attachment = Some(crate::store::RemoteAttachment {
-                    nvme_device: String::new(),
-                    ..a
-                });
-            }
-            row.state = RemoteState::Moved;
-            row.state_reason = None;
-            row.updated_at = OffsetDateTime::now_utc();
-            let mut tx = self.house.store.begin().await?;
-            tx.update_remote(&row).await?;
-            let message = format!(
-                "remote volume '{}' is disconnected: its device serves volume '{}' here",
-                row.name, m.image
-            );
-            tx.event(Some(row.id), None, "remote_moved", &message)
-                .await?;
-            tx.commit().await?;
-            self.fastest_path(&m).await;
+    /// Step 4, under the remote volume's lock: the connection goes and the
+    /// remote volume is `moved` (once).
+    async fn disconnect(&self, mut row: RemoteRow, m: &MoveRow) -> Result<()> {
+        if row.state == RemoteState::Moved {
+            return Ok(());
         }
-        match self.tell_source(&m).await {
-            Ok(()) => {
-                self.set_state(
-                    &mut m,
-                    MoveState::Done,
-                    None,
-                    "move_done",
-                    "the exporting host let its export and volume go",
-                )
-                .await
-            }
-            Err(reason) if m.state_reason.as_deref() != Some(reason.as_str()) => {
-                m.state_reason = Some(reason.clone());
-                m.updated_at = OffsetDateTime::now_utc();
-                let message = format!(
-                    "move {}: the exporting host did not let go yet: {reason}",
-                    m.id
-                );
-                self.record_move(&m, "move_release_waits", &message).await
-            }
-            Err(_) => Ok(()),
+        if let Some(a) = row.attachment.clone() {
+            let controller = a.controller;
+            blocking(move || fabrics::disconnect(controller))
+                .await?
+                .map_err(|source| super::fabric_error::RemoteError::Fabrics {
+                    name: row.name.clone(),
+                    source,
+                })?;
+            row.attachment = Some(crate::store::RemoteAttachment {
+                nvme_device: String::new(),
+                ..a
+            });
         }
+        row.state = RemoteState::Moved;
+        row.state_reason = None;
+        row.updated_at = OffsetDateTime::now_utc();
+        let mut tx = self.house.store.begin().await?;
+        tx.update_remote(&row).await?;
+        let message = format!(
+            "remote volume '{}' is disconnected: its device serves volume '{}' here",
+            row.name, m.image
+        );
+        tx.event(Some(row.id), None, "remote_moved", &message).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The local volume on `direct` where the direct-map rules allow it:
@@ -526,9 +560,28 @@ impl Manager {
         }
     }
 
+    /// Step 4's end: the exporting host lets its export and volume go,
+    /// done again every second until it holds (what is gone there already
+    /// counts as done); the move is `done` then.
+    async fn tell_source(&self, mut m: MoveRow) -> Result<()> {
+        match self.let_go(&m).await {
+            Ok(()) => {
+                self.set_state(&mut m, MoveState::Done, None, "move_done", "the exporting host let its export and volume go")
+                    .await
+            }
+            Err(reason) if m.state_reason.as_deref() != Some(reason.as_str()) => {
+                m.state_reason = Some(reason.clone());
+                m.updated_at = OffsetDateTime::now_utc();
+                let message = format!("move {}: the exporting host did not let go yet: {reason}", m.id);
+                self.record_move(&m, "move_release_waits", &message).await
+            }
+            Err(_) => Ok(()),
+        }
+    }
+
     /// Tells the exporting host to let its export go and delete its volume
-    /// (and image, unless kept); what is gone already counts as done.
-    async fn tell_source(&self, m: &MoveRow) -> std::result::Result<(), String> {
+    /// (and image, unless kept).
+    async fn let_go(&self, m: &MoveRow) -> std::result::Result<(), String> {
         let endpoint = Endpoint::parse(&m.source_api).map_err(|e| e.to_string())?;
         let client = Client::new(endpoint, self.peer_token.clone());
         let gone = |r: std::result::Result<(), blockplane_client::Error>| match r {
@@ -538,12 +591,11 @@ impl Manager {
             other => other.map_err(|e| e.to_string()),
         };
         let volume = match client.volume(&m.source_volume).await {
-            Ok(v) => Some(v),
-            Err(blockplane_client::Error::Refused { status, .. }) if status.as_u16() == 404 => None,
+            Ok(v) => v,
+            Err(blockplane_client::Error::Refused { status, .. }) if status.as_u16() == 404 => {
+                return Ok(());
+            }
             Err(e) => return Err(e.to_string()),
-        };
-        let Some(volume) = volume else {
-            return Ok(());
         };
         gone(
             client
@@ -562,7 +614,8 @@ impl Manager {
     }
 
     /// The node back on the remote leg alone (which holds every
-    /// acknowledged write), the local image gone, the move ended so.
+    /// acknowledged write), the move ended so; its local image is the
+    /// caller's to delete, without the remote volume's lock.
     async fn back_to_remote(
         &self,
         row: &RemoteRow,
@@ -575,16 +628,10 @@ impl Manager {
         })?;
         let (id, remote) = (m.id, row.name.clone());
         blocking(move || {
-            dm::linear::reload(
-                &a.dm_name,
-                Path::new(&a.nvme_device),
-                a.size_bytes / 512,
-                false,
-            )
+            dm::linear::reload(&a.dm_name, Path::new(&a.nvme_device), a.size_bytes / 512, false)
         })
         .await?
         .map_err(|source| MoveError::Dm { id, remote, source })?;
-        self.undo_local_leg(m).await;
         let kind = match state {
             MoveState::Cancelled => "move_cancelled",
             _ => "move_failed",
@@ -597,28 +644,45 @@ impl Manager {
     /// image gone; refused once the node maps the local volume alone.
     pub(crate) async fn cancel_move(&self, id: &str) -> Result<Move> {
         let m = self.move_of(id).await?;
-        let row = self.remote_row(&m.remote_id.to_string()).await?;
-        let _remote = self.house.locks.volumes.lock(&row.name).await;
-        let mut m = self.move_of(id).await?;
-        match m.state {
-            MoveState::Syncing => {
-                self.back_to_remote(&row, &mut m, MoveState::Cancelled, "cancelled: the node serves the remote device again, which holds every write")
-                    .await?;
-                self.move_view(m).await
+        let m = {
+            let _remote = self.house.locks.volumes.lock(&m.remote_name).await;
+            let mut m = self.move_of(id).await?;
+            let starting = self.starting.lock().expect("starting poisoned").contains(&m.id);
+            match m.state {
+                MoveState::Syncing if !starting => {
+                    let row = self.remote_row(&m.remote_id.to_string()).await?;
+                    self.back_to_remote(&row, &mut m, MoveState::Cancelled, "cancelled: the node serves the remote device again, which holds every write")
+                        .await?;
+                    m
+                }
+                MoveState::Syncing => {
+                    return Err(MoveError::Ended {
+                        id: m.id,
+                        state: "starting",
+                        rule: "its mirror is being made: cancel it once its start has answered",
+                    }
+                    .into());
+                }
+                MoveState::Releasing => {
+                    return Err(MoveError::Ended {
+                        id: m.id,
+                        state: "releasing",
+                        rule: "the node serves the local volume already and the connection is gone; the exporting host's release is retried until it holds",
+                    }
+                    .into());
+                }
+                s => {
+                    return Err(MoveError::Ended {
+                        id: m.id,
+                        state: s.as_str(),
+                        rule: "an ended move cannot be cancelled",
+                    }
+                    .into());
+                }
             }
-            MoveState::Releasing => Err(MoveError::Ended {
-                id: m.id,
-                state: "releasing",
-                rule: "the node serves the local volume already and the connection is gone; the exporting host's release is retried until it holds",
-            }
-            .into()),
-            s => Err(MoveError::Ended {
-                id: m.id,
-                state: s.as_str(),
-                rule: "an ended move cannot be cancelled",
-            }
-            .into()),
-        }
+        };
+        self.undo_local_leg(&m).await;
+        self.move_view(m).await
     }
 
     /// `PATCH /v1/moves/{id}`: a new rate limit, live (the mirror's table
