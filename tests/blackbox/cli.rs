@@ -921,3 +921,56 @@ async fn exports_and_remote_volumes_from_the_command_line_refuse_what_this_host_
         "{text}"
     );
 }
+
+/// `move` on a host with no remote volume: the list is an empty table (and
+/// `[]`), each refusal is the API's with its code and the exit code of
+/// any refusal, and a rate limit the CLI cannot read is its own refusal,
+/// before any call.
+#[tokio::test(flavor = "multi_thread")]
+async fn moves_from_the_command_line_refuse_what_is_not_there() {
+    let s = Service::start().await;
+    let table = ok(&s, &["move", "ls"]);
+    assert_eq!(table.lines().count(), 1, "{table}");
+    assert!(
+        table.starts_with("ID") && table.contains("PROGRESS") && table.contains("RATE LIMIT"),
+        "{table}"
+    );
+    assert_eq!(json(&s, &["move", "ls"]), serde_json::json!([]));
+
+    let path = s.images.join("near.img").display().to_string();
+    let start = |extra: &[&str]| {
+        let mut args = vec![
+            "move",
+            "start",
+            "far",
+            "--image",
+            "near",
+            "--path",
+            &path,
+            "--source-api",
+            "http://127.0.0.1:1",
+        ];
+        args.extend_from_slice(extra);
+        cli(&s, &args)
+    };
+    let out = start(&["--rate-limit", "50M", "--wait"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("remote_not_found"));
+    let out = start(&["--rate-limit", "fast"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a size"));
+    assert!(!std::path::Path::new(&path).exists());
+
+    let id = "6f1c3a52-0d7e-4c39-9a51-2b8d5f0e7c11";
+    for args in [
+        &["move", "show", id][..],
+        &["move", "show", "not-a-move"],
+        &["move", "set", id, "--rate-limit", "1M"],
+        &["move", "cancel", id],
+    ] {
+        let out = cli(&s, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("move_not_found"), "{args:?}: {err}");
+    }
+}

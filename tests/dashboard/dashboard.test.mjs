@@ -56,6 +56,21 @@ async function apiVolume(name) {
   return (await svc.call('GET', `/v1/volumes/${name}`)).body;
 }
 
+/**
+ * `obj` as an answer of the API's schema `name`: every field it requires,
+ * none it does not know (as openapi.json has them). For the answers a host
+ * with NVMe/TCP gives, which this one cannot.
+ */
+function shaped(name, obj) {
+  const s = JSON.parse(readFileSync(`${REPO}/openapi/openapi.json`, 'utf8')).components.schemas[name];
+  for (const k of s.required) assert.ok(k in obj, `${name} has ${k}`);
+  for (const k of Object.keys(obj)) assert.ok(k in s.properties, `${name} knows ${k}`);
+  return obj;
+}
+
+/** A route handler answering `body` as the API's JSON. */
+const json = (body) => (route) => route.fulfill({ status: 200, contentType: 'application/json', body: JSON.stringify(body) });
+
 describe('dashboard', { concurrency: false }, () => {
   test('the page loads without a token and asks for one; a wrong token is refused with the API message', async () => {
     await page.goto(svc.url);
@@ -445,13 +460,6 @@ describe('dashboard', { concurrency: false }, () => {
     // This host has no NVMe target or initiator: the page gets the answers
     // a host with them gives (their fields as openapi.json has them).
     const v = await apiVolume('delta');
-    const schemas = JSON.parse(readFileSync(`${REPO}/openapi/openapi.json`, 'utf8')).components.schemas;
-    const shaped = (name, obj) => {
-      const s = schemas[name];
-      for (const k of s.required) assert.ok(k in obj, `${name} has ${k}`);
-      for (const k of Object.keys(obj)) assert.ok(k in s.properties, `${name} knows ${k}`);
-      return obj;
-    };
     const hostNqn = (n) => `nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-00000000000${n}`;
     const exp = shaped('Export', {
       volume_id: v.id,
@@ -476,9 +484,10 @@ describe('dashboard', { concurrency: false }, () => {
       nvme_device: '/dev/nvme1n1',
       size_bytes: 64 * MiB,
       read_only: true,
+      move_id: null,
+      volume: null,
       created_at: v.created_at,
     });
-    const json = (body) => (route) => route.fulfill({ status: 200, contentType: 'application/json', body: JSON.stringify(body) });
     const exportUrl = (u) => new URL(u).pathname === `/v1/volumes/${v.id}/export`;
     const remotesUrl = (u) => new URL(u).pathname === '/v1/remotes';
     await page.route(exportUrl, json(exp));
@@ -510,6 +519,146 @@ describe('dashboard', { concurrency: false }, () => {
     } finally {
       await page.unroute(exportUrl);
       await page.unroute(remotesUrl);
+    }
+  });
+
+  test('a remote volume being moved here shows its progress live, changes its rate limit and cancels after asking; a moved one serves its local volume', async () => {
+    // As the previous test: the answers of a host with NVMe/TCP.
+    const delta = await apiVolume('delta');
+    const at = delta.created_at;
+    const id = (n) => `0b7e4c1a-5d2f-4e8b-9c3a-7f1d2e3c4b5${n}`;
+    const remote = (n, name, more) => shaped('Remote', {
+      id: id(n),
+      name,
+      address: '192.0.2.20:4420',
+      nqn: `nqn.2026-12.dev.blockplane:other:${name}`,
+      state: 'attached',
+      state_reason: null,
+      device: `/dev/mapper/blockplane-remote-${id(n)}`,
+      nvme_device: '/dev/nvme1n1',
+      size_bytes: 64 * MiB,
+      read_only: false,
+      move_id: null,
+      volume: null,
+      created_at: at,
+      ...more,
+    });
+    const move = (n, r, more) => shaped('Move', {
+      id: id(n),
+      remote: r.id,
+      remote_name: r.name,
+      image: `${r.name}-here`,
+      volume: null,
+      source_api: 'http://192.0.2.20:8080',
+      source_volume: r.name,
+      keep_source_image: false,
+      state: 'syncing',
+      state_reason: null,
+      synced_bytes: 16 * MiB,
+      total_bytes: 64 * MiB,
+      rate_bytes_per_sec: 8 * MiB,
+      rate_limit_bytes_per_sec: 0,
+      created_at: at,
+      finished_at: null,
+      ...more,
+    });
+    const moving = remote(1, 'near-disk', { move_id: id(3) });
+    const moved = remote(2, 'old-disk', {
+      state: 'moved', nvme_device: null, move_id: id(4), volume: delta.id,
+    });
+    let mv = move(3, moving);
+    const done = move(4, moved, {
+      state: 'done', synced_bytes: 64 * MiB, rate_bytes_per_sec: 0, volume: delta.id, finished_at: at,
+    });
+    const patches = [];
+    const cancels = [];
+    const path = (p) => (u) => new URL(u).pathname === p;
+    const routes = [
+      [path('/v1/remotes'), json([moving, moved])],
+      [path('/v1/moves'), (route) => json([mv, done])(route)],
+      [path(`/v1/moves/${mv.id}`), (route) => {
+        const body = route.request().postDataJSON();
+        patches.push({ method: route.request().method(), body });
+        mv = { ...mv, rate_limit_bytes_per_sec: body.rate_limit_bytes_per_sec };
+        return json(mv)(route);
+      }],
+      [path(`/v1/moves/${mv.id}/cancel`), (route) => {
+        cancels.push(route.request().method());
+        mv = {
+          ...mv,
+          state: 'cancelled',
+          state_reason: 'cancelled: the node serves the remote device again, which holds every write',
+          rate_bytes_per_sec: 0,
+          finished_at: at,
+        };
+        return json(mv)(route);
+      }],
+    ];
+    for (const [url, handler] of routes) await page.route(url, handler);
+    try {
+      // The volumes page is open from the previous test: leave it to load it anew.
+      await go('#/host');
+      await go('#/volumes');
+      const row = page.locator('tr[data-remote="near-disk"]');
+      await row.waitFor();
+      const cell = (f) => row.locator(`[data-field=${f}]`).innerText();
+      assert.match(await cell('move-state'), /^syncing/);
+      assert.equal(await cell('move-progress'), '25% (16.0 MiB of 64.0 MiB) into image near-disk-here');
+      assert.equal(await cell('move-rate'), '8.00 MiB/s');
+      assert.equal(await cell('move-limit'), 'none');
+      assert.equal(await row.locator('progress').getAttribute('value'), '25');
+
+      // A move's progress makes no event: the page reads it every second,
+      // in place, and a limit being typed stays.
+      const limit = row.getByLabel('New rate limit of the move of near-disk (bytes/s; 0: none)');
+      await limit.fill('fast');
+      mv = { ...mv, synced_bytes: 32 * MiB, rate_bytes_per_sec: 12 * MiB };
+      await until('the new progress', async () => (await cell('move-progress')).startsWith('50% (32.0 MiB of 64.0 MiB)'));
+      assert.equal(await cell('move-rate'), '12.0 MiB/s');
+      assert.equal(await limit.inputValue(), 'fast', 'the typed limit stays');
+
+      // A limit the page cannot read is refused before any request.
+      const out = page.locator('[data-section=remotes] .outcome');
+      await row.getByRole('button', { name: 'Set limit' }).click();
+      await out.locator('[role=alert]').waitFor();
+      assert.match(await out.innerText(), /rate limit: 'fast' is not a size/);
+      assert.deepEqual(patches, []);
+      await limit.fill('50M');
+      await limit.press('Enter');
+      await out.locator('.ok[role=status]').waitFor();
+      assert.match(await out.innerText(), /The move of near-disk now copies at most 50\.0 MiB\/s/);
+      assert.deepEqual(patches, [{ method: 'PATCH', body: { rate_limit_bytes_per_sec: 50 * MiB } }]);
+      await until('the new limit', async () => (await cell('move-limit')) === '50.0 MiB/s');
+
+      // The moved one: its device serves the local volume, its move is done.
+      const old = page.locator('tr[data-remote="old-disk"]');
+      assert.match(await old.locator('[data-field=state]').innerText(), /^moved/);
+      assert.equal(await old.locator('[data-field=local-volume]').innerText(), 'serves local volume delta');
+      assert.equal(await old.locator('[data-field=local-volume] a').getAttribute('href'), `#/volumes/${delta.id}`);
+      assert.match(await old.locator('[data-field=move-state]').innerText(), /^done/);
+      assert.match(await old.locator('[data-field=move-progress]').innerText(), /^100% \(64\.0 MiB of 64\.0 MiB\)/);
+      assert.equal(await old.locator('button').count(), 0, 'an ended move has no controls');
+      await screenshot(page, 'volumes-remote-move');
+
+      // Cancel asks first; Escape leaves the move running.
+      const cancel = row.getByRole('button', { name: 'Cancel the move of near-disk' });
+      await cancel.click();
+      const dialog = page.getByRole('dialog');
+      await dialog.waitFor();
+      assert.match(await dialog.innerText(), /Cancel the move of near-disk\?/);
+      await page.keyboard.press('Escape');
+      await dialog.waitFor({ state: 'hidden' });
+      assert.deepEqual(cancels, [], 'Escape cancels nothing');
+      await cancel.click();
+      await dialog.getByRole('button', { name: 'Cancel move' }).click();
+      await out.locator('.ok[role=status]').waitFor();
+      assert.deepEqual(cancels, ['POST']);
+      assert.match(await out.innerText(), /^Move of near-disk: cancelled: the node serves the remote device again/);
+      await until('the cancelled move', async () => /^cancelled/.test(await cell('move-state')));
+      assert.equal(await row.locator('button').count(), 0, 'a cancelled move has no controls');
+      assert.equal(await row.locator('[data-field=move-rate]').count(), 0, 'nor a rate');
+    } finally {
+      for (const [url] of routes) await page.unroute(url);
     }
   });
 

@@ -5,7 +5,8 @@
 //! over the unix socket or TCP.
 //!
 //! The operations live in one module per part of the API: images, volumes,
-//! events, and the rest (host, orphans, health, metrics).
+//! backups, events, exports and remotes, moves, and the rest (host, orphans,
+//! health, metrics).
 
 mod backups;
 mod client;
@@ -14,6 +15,7 @@ mod error;
 mod events;
 mod exports;
 mod images;
+mod moves;
 mod path;
 mod system;
 mod transport;

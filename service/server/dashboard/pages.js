@@ -168,6 +168,30 @@ function connectedCell(connected) {
   return connected ? h('span', { class: 'yes' }, 'connected') : h('span', null, 'not connected');
 }
 
+/** Move states whose copy or release still runs: their progress is read every second. */
+const MOVING = new Set(['syncing', 'releasing']);
+
+/** A move's rate limit: 0 is none. */
+function rateLimitText(n) {
+  return n ? bandwidth(n) : 'none';
+}
+
+/** A remote volume's move: its state, progress bar and bytes, rate and limit. */
+function moveCell(m) {
+  const pct = m.total_bytes ? Math.min(100, Math.floor((100 * m.synced_bytes) / m.total_bytes)) : 0;
+  return [
+    h('span', { class: `state state-${m.state}`, 'data-field': 'move-state' }, m.state,
+      m.state_reason ? h('span', { class: 'reason' }, `: ${m.state_reason}`) : null,
+      m.state === 'syncing' ? h('progress', { max: 100, value: pct, 'aria-label': `Move of ${m.remote_name}` }) : null),
+    h('div', { class: 'reason', 'data-field': 'move-progress' },
+      `${pct}% (${bytes(m.synced_bytes)} of ${bytes(m.total_bytes)}) into image ${m.image}`),
+    h('div', { class: 'reason' },
+      m.state === 'syncing' ? h('span', { 'data-field': 'move-rate' }, bandwidth(m.rate_bytes_per_sec)) : null,
+      m.state === 'syncing' ? ', ' : null,
+      'limit ', h('span', { 'data-field': 'move-limit' }, rateLimitText(m.rate_limit_bytes_per_sec))),
+  ];
+}
+
 /** A volume's export: what it serves where, to whom, and who is connected. */
 function exportView(ex) {
   const hosts = ex.hosts.length
@@ -1064,6 +1088,7 @@ export function volumesPage(ctx) {
   const list = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
   const remoteList = h('div', null, h('p', { class: 'busy' }, 'Loading…'));
   const listOut = outcome();
+  const remoteOut = outcome();
   let images = [];
 
   const host = ctx.host;
@@ -1196,7 +1221,38 @@ export function volumesPage(ctx) {
     return f;
   }
 
-  function remoteRow(r) {
+  /** A copying move's new rate limit: the value goes in the request, 0 or empty is none. */
+  function rateForm(r, m) {
+    const input = h('input', {
+      type: 'text',
+      autocomplete: 'off',
+      placeholder: 'e.g. 50M',
+      'aria-label': `New rate limit of the move of ${r.name} (bytes/s; 0: none)`,
+      'data-key': `move-rate-${m.id}`,
+    });
+    const btn = h('button', { type: 'submit', class: 'secondary' }, 'Set limit');
+    const f = h('form', { class: 'inline rate', 'data-key': `move-rate-form-${m.id}` }, input, btn);
+    f.addEventListener('submit', async (ev) => {
+      ev.preventDefault();
+      const n = input.value.trim() ? parseSize(input.value) : 0;
+      if (n === null) {
+        showError(remoteOut, invalid(`rate limit: '${input.value}' is not a size (${SIZE_FORMS})`));
+        input.focus();
+        return;
+      }
+      const u = await act(ctx, remoteOut, [btn],
+        () => api('PATCH', `/v1/moves/${seg(m.id)}`, { rate_limit_bytes_per_sec: n }),
+        (nm) => `The move of ${r.name} now copies at ${nm.rate_limit_bytes_per_sec ? `most ${bandwidth(nm.rate_limit_bytes_per_sec)}` : 'full speed (no limit)'}.`);
+      if (u) {
+        input.value = '';
+        load();
+      }
+    });
+    return f;
+  }
+
+  function remoteRow(r, m) {
+    const local = r.volume ? shown.find((v) => v.id === r.volume) : null;
     return h(
       'tr',
       { 'data-remote': r.name },
@@ -1205,35 +1261,91 @@ export function volumesPage(ctx) {
       h('td', { 'data-field': 'nqn', class: 'mono' }, r.nqn),
       h('td', { 'data-field': 'state' }, stateCell(r)),
       h('td', { 'data-field': 'device', class: 'mono' }, r.device ?? '–',
-        r.nvme_device ? h('div', { class: 'reason' }, `over ${r.nvme_device}`) : null),
+        r.nvme_device ? h('div', { class: 'reason' }, `over ${r.nvme_device}`) : null,
+        r.volume ? h('div', { class: 'reason', 'data-field': 'local-volume' }, 'serves local volume ',
+          h('a', { href: `#/volumes/${seg(r.volume)}` }, local?.name ?? r.volume)) : null),
       h('td', { 'data-field': 'size', class: 'num' }, bytes(r.size_bytes)),
       h('td', { 'data-field': 'read_only' }, yesNo(r.read_only)),
+      h('td', { 'data-field': 'move' }, m ? moveCell(m) : '–'),
+      h('td', null, m?.state === 'syncing' ? [rateForm(r, m), h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `cancel-move-${m.id}`,
+        'aria-label': `Cancel the move of ${r.name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          const ok = await ctx.confirm({
+            title: `Cancel the move of ${r.name}?`,
+            text: `${r.device ?? 'The device'} serves the remote volume again, which holds every write; the new image ${m.image} goes.`,
+            action: 'Cancel move',
+          });
+          if (!ok.ok) return;
+          const c = await act(ctx, remoteOut, [btn], () => api('POST', `/v1/moves/${seg(m.id)}/cancel`),
+            (x) => `Move of ${r.name}: ${x.state_reason ?? x.state}.`);
+          if (c) load();
+        },
+      }, 'Cancel move…')] : null),
     );
   }
 
+  // A move's progress makes no event: while one runs, its cell is read
+  // again every second, in place (a rate limit being typed stays).
+  let moveTimer = null;
+  let stopped = false;
+  let shownMoves = [];
+  async function followMoves() {
+    if (stopped) return;
+    let moves;
+    try {
+      moves = await api('GET', '/v1/moves');
+    } catch (e) {
+      showError(remoteOut, e);
+      if (e.status === 401) ctx.unauthorized(e.message);
+      else moveTimer = setTimeout(followMoves, 1000);
+      return;
+    }
+    for (const was of shownMoves) {
+      const m = moves.find((x) => x.id === was.id);
+      // A new state brings other controls: the whole list again.
+      if (!m || m.state !== was.state) {
+        load();
+        return;
+      }
+      const cell = remoteList.querySelector(`tr[data-remote="${CSS.escape(m.remote_name)}"] [data-field=move] .cell`);
+      if (cell) fill(cell, moveCell(m));
+    }
+    moveTimer = setTimeout(followMoves, 1000);
+  }
+
   async function load() {
+    if (stopped) return;
     let volumes;
     let remotes;
+    let moves;
     try {
-      [volumes, images, remotes] = await Promise.all(
-        [api('GET', '/v1/volumes'), api('GET', '/v1/images'), api('GET', '/v1/remotes')],
+      [volumes, images, remotes, moves] = await Promise.all(
+        [api('GET', '/v1/volumes'), api('GET', '/v1/images'), api('GET', '/v1/remotes'), api('GET', '/v1/moves')],
       );
     } catch (e) {
       showError(listOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
       return;
     }
+    shown = volumes;
+    const moveOf = (r) => moves.find((m) => m.id === r.move_id) ?? null;
     rebuild(remoteList, remotes.length
       ? table('Remote volumes (other hosts\' exports, connected here over NVMe/TCP)',
-        ['Name', 'Address', 'NQN', 'State', 'Device', 'Size', 'Read-only'],
-        h('tbody', null, remotes.map(remoteRow)))
+        ['Name', 'Address', 'NQN', 'State', 'Device', 'Size', 'Read-only', 'Move', 'Action'],
+        h('tbody', null, remotes.map((r) => remoteRow(r, moveOf(r)))))
       : h('p', { 'data-field': 'no-remotes' }, 'No remote volumes: blockplane remote create connects another host\'s export.'));
+    shownMoves = remotes.map(moveOf).filter((m) => m && MOVING.has(m.state));
+    clearTimeout(moveTimer);
+    if (shownMoves.length) moveTimer = setTimeout(followMoves, 1000);
     rebuild(list, volumes.length
       ? table('Volumes (IOPS and mean latency over the last 10 s)',
         ['Name', 'Image', 'Backend', 'Dispatch', 'State', 'Device', 'Size', 'Read-only', 'QoS', 'Worker', 'IOPS', 'Latency', 'Action'],
         h('tbody', null, volumes.map(row)))
       : h('p', null, 'No volumes yet: create one below.'));
-    shown = volumes;
     figures();
     // One image serves one volume: images in use, or still being copied, are
     // listed with why, not offered; the first free one is the default.
@@ -1267,9 +1379,17 @@ export function volumesPage(ctx) {
   const timer = setInterval(figures, 3000);
   const el = h('section', null, h('h1', { tabindex: -1 }, 'Volumes'), listOut, list,
     h('section', { 'aria-labelledby': 'remotes-h', 'data-section': 'remotes' },
-      h('h2', { id: 'remotes-h' }, 'Remote volumes'), remoteList),
+      h('h2', { id: 'remotes-h' }, 'Remote volumes'), remoteOut, remoteList),
     form);
-  return { el, onEvent: reload, dispose() { clearInterval(timer); } };
+  return {
+    el,
+    onEvent: reload,
+    dispose() {
+      stopped = true;
+      clearInterval(timer);
+      clearTimeout(moveTimer);
+    },
+  };
 }
 
 /**

@@ -142,6 +142,15 @@ pub enum Command {
         #[command(subcommand)]
         cmd: RemoteCmd,
     },
+    /// Moves: a remote volume's data brought to this host, live. Its
+    /// consumer keeps its device while the kernel copies the data into a
+    /// new local image; then the exporting host lets its volume go.
+    Move {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        cmd: MoveCmd,
+    },
     /// Hand volumes over to new workers of the service's build, live: the
     /// devices stay, I/O goes on. Every volume whose worker is another build
     /// (after the service itself was upgraded and restarted), one at a time;
@@ -623,6 +632,66 @@ pub enum RemoteCmd {
     },
 }
 
+/// `move` commands: remote volumes' data brought to this host.
+#[derive(Debug, Subcommand)]
+pub enum MoveCmd {
+    /// Start moving a remote volume's data here, into a new image (--image
+    /// at --path): the remote volume's device serves throughout, then
+    /// serves the local volume. The exporting host is then told, with this
+    /// service's own token, to let its export and volume go.
+    Start {
+        /// Remote volume id or name (attached).
+        remote: String,
+        /// The new image's name (lowercase letters, digits, '.', '_', '-').
+        #[arg(long)]
+        image: String,
+        /// The new image's file (must not exist), under one of the
+        /// service's image roots.
+        #[arg(long)]
+        path: String,
+        /// The exporting host's API, http://host:port: told to let its
+        /// export and volume go once the data is here.
+        #[arg(long)]
+        source_api: String,
+        /// Keep the exporting host's image when its volume goes.
+        #[arg(long)]
+        keep_source_image: bool,
+        /// Bytes per second the copy may read, at most: bytes, or 50M, 1.5G
+        /// (binary) or 100MB (decimal), at least 1K (the kernel counts
+        /// KiB/s); 0: no limit. Changeable live with `move set`.
+        #[arg(long, default_value = "0", value_parser = parse_size, allow_hyphen_values = true, value_name = "BYTES_PER_SEC")]
+        rate_limit: u64,
+        /// Follow the move until its data is here, or until it fails or is
+        /// cancelled, showing progress on stderr (the move goes on without
+        /// it: `move show`).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List moves, newest first.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one move: its state, bytes copied and rate.
+    Show {
+        /// Move id (`move ls`).
+        id: String,
+    },
+    /// Change a copying move's rate limit, live.
+    Set {
+        /// Move id.
+        id: String,
+        /// Bytes per second the copy may read, at most (as `move start`);
+        /// 0: no limit.
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true, value_name = "BYTES_PER_SEC")]
+        rate_limit: u64,
+    },
+    /// Cancel a copying move: the device serves the remote volume again
+    /// (which holds every write) and the new image goes.
+    Cancel {
+        /// Move id.
+        id: String,
+    },
+}
+
 impl Command {
     /// The client flags given with this command, for the API's clients.
     pub fn client(&self) -> Option<&ClientArgs> {
@@ -632,6 +701,7 @@ impl Command {
             | Command::Volume { client, .. }
             | Command::Export { client, .. }
             | Command::Remote { client, .. }
+            | Command::Move { client, .. }
             | Command::Upgrade { client, .. }
             | Command::Events { client, .. } => Some(client),
             _ => None,
@@ -746,6 +816,34 @@ mod tests {
         assert!(parse("bp remote set r --read-only false").is_ok());
         assert!(parse("bp remote set r").is_err());
         assert!(parse("bp remote set r --read-only").is_err());
+    }
+
+    /// A move's rate limit reads as other sizes do, suffixes and all; `move
+    /// set` says what it changes.
+    #[test]
+    fn move_rate_limits_are_sizes() {
+        let parse = |args: &str| Cli::try_parse_from(args.split(' ')).map_err(|e| e.to_string());
+        let base = "bp move start r --image i --path /p --source-api http://10.0.0.1:8080";
+        let limit = |args: &str| match parse(args).map(|c| c.command) {
+            Ok(Command::Move {
+                cmd: MoveCmd::Start { rate_limit, .. } | MoveCmd::Set { rate_limit, .. },
+                ..
+            }) => Ok(rate_limit),
+            other => Err(format!("{other:?}")),
+        };
+        assert_eq!(limit(base), Ok(0));
+        assert_eq!(limit(&format!("{base} --rate-limit 50M")), Ok(50 << 20));
+        assert_eq!(
+            limit(&format!("{base} --rate-limit 100MB")),
+            Ok(100_000_000)
+        );
+        assert_eq!(limit("bp move set m --rate-limit 1.5G"), Ok(3 << 29));
+        assert_eq!(limit("bp move set m --rate-limit 0"), Ok(0));
+        let bad = parse(&format!("{base} --rate-limit 5X")).unwrap_err();
+        assert!(bad.contains("unknown unit"), "{bad}");
+        assert!(parse("bp move set m").is_err());
+        assert!(parse("bp move start r --image i --path /p").is_err());
+        assert!(parse(&format!("{base} --keep-source-image --wait")).is_ok());
     }
 
     /// Secrets come in files: no flag takes one as an argument, and the

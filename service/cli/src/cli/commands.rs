@@ -9,15 +9,16 @@ use blockplane_api::model::{
     AddKeyRequest, Allocation, CreateBackupRequest, CreateEncryption, CreateImageFile,
     CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest,
     DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, EventQuery, ExportRequest, Image,
-    ListImagesQuery, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest,
+    ListImagesQuery, PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest,
+    ResizeImageRequest, StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
-use super::args::{BackupCmd, Cli, Command, ExportCmd, ImageCmd, RemoteCmd, VolumeCmd};
+use super::args::{BackupCmd, Cli, Command, ExportCmd, ImageCmd, MoveCmd, RemoteCmd, VolumeCmd};
 use super::busy::refuse_if_busy;
 use super::local::api_address;
 use super::output::{fail, print};
-use super::progress::{wait_allocate, wait_backup, wait_copy};
+use super::progress::{wait_allocate, wait_backup, wait_copy, wait_move};
 use super::render::View;
 use super::{events, top};
 
@@ -80,6 +81,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Volume { cmd, .. } => volume(&client, cmd).await,
         Command::Export { cmd, .. } => export(&client, cmd).await,
         Command::Remote { cmd, .. } => remote(&client, cmd).await,
+        Command::Move { cmd, .. } => moves(&client, cmd).await,
         Command::Serve(_)
         | Command::Openapi
         | Command::Worker { .. }
@@ -609,5 +611,44 @@ async fn remote(client: &Client, cmd: &RemoteCmd) -> Result<View, ExitCode> {
             client.delete_remote(remote).await.map_err(api)?;
             View::Done("remote volume disconnected")
         }
+    })
+}
+
+/// A `move` command.
+async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
+    let api = |e: client::Error| fail(&e);
+    Ok(match cmd {
+        MoveCmd::Start {
+            remote,
+            image,
+            path,
+            source_api,
+            keep_source_image,
+            rate_limit,
+            wait,
+        } => {
+            let req = StartMoveRequest {
+                image: image.clone(),
+                path: path.clone(),
+                source_api: source_api.clone(),
+                keep_source_image: *keep_source_image,
+                rate_limit_bytes_per_sec: *rate_limit,
+            };
+            let started = client.start_move(remote, &req).await.map_err(api)?;
+            if *wait {
+                View::Move(wait_move(client, started).await.map_err(waited)?)
+            } else {
+                View::Move(started)
+            }
+        }
+        MoveCmd::Ls => View::Moves(client.moves().await.map_err(api)?),
+        MoveCmd::Show { id } => View::Move(client.get_move(id).await.map_err(api)?),
+        MoveCmd::Set { id, rate_limit } => {
+            let patch = PatchMoveRequest {
+                rate_limit_bytes_per_sec: *rate_limit,
+            };
+            View::Move(client.patch_move(id, &patch).await.map_err(api)?)
+        }
+        MoveCmd::Cancel { id } => View::Move(client.cancel_move(id).await.map_err(api)?),
     })
 }

@@ -1,10 +1,13 @@
-//! Waiting for the service's background work on an image (an allocate, a
-//! snapshot's, clone's or restore's copy, a backup), its progress on stderr.
+//! Waiting for the service's background work (an image's allocate, a
+//! snapshot's, clone's or restore's copy, a backup, a move), its progress
+//! on stderr.
 
-use blockplane_api::model::{AllocateState, Backup, BackupState, Image, ImageState, human_size};
+use blockplane_api::model::{
+    AllocateState, Backup, BackupState, Image, ImageState, Move, MoveState, human_size,
+};
 use blockplane_client::Client;
 
-use super::render::dash;
+use super::render::{dash, move_progress, rate};
 
 /// Follows an image's allocate until it ends: the image when done, why
 /// not otherwise.
@@ -94,5 +97,50 @@ pub async fn wait_backup(client: &Client, id: &str, mut last: Backup) -> Result<
         }
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         last = client.backup(id).await.map_err(|e| e.to_string())?;
+    }
+}
+
+/// Follows a move until its data is here and the exporting host let its
+/// volume go: the move when done, why not otherwise. The move goes on in
+/// the service whether this follows it or not.
+pub async fn wait_move(client: &Client, mut last: Move) -> Result<Move, String> {
+    let id = last.id.to_string();
+    // A line is printed when it changes: a release the exporting host
+    // refuses is retried for as long as it takes.
+    let mut said = String::new();
+    loop {
+        let line = match last.state {
+            MoveState::Syncing => format!(
+                "moving remote '{}' into image '{}': {}, {}",
+                last.remote_name,
+                last.image,
+                move_progress(&last),
+                rate(last.rate_bytes_per_sec)
+            ),
+            MoveState::Releasing => {
+                let why = last.state_reason.as_deref().map(|r| format!(" ({r})"));
+                format!(
+                    "moved remote '{}' into image '{}': the exporting host is told to let its volume go{}",
+                    last.remote_name,
+                    last.image,
+                    why.unwrap_or_default()
+                )
+            }
+            MoveState::Done => return Ok(last),
+            state => {
+                return Err(format!(
+                    "the move of remote '{}' ended {}: {}",
+                    last.remote_name,
+                    state.as_str(),
+                    last.state_reason.as_deref().unwrap_or("no reason given")
+                ));
+            }
+        };
+        if line != said {
+            eprintln!("{line}");
+            said = line;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        last = client.get_move(&id).await.map_err(|e| e.to_string())?;
     }
 }

@@ -4,8 +4,8 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, Event, Export, Host, Image, Remote,
-    ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, Event, Export, Host, Image, Move, MoveState,
+    Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -40,6 +40,8 @@ pub enum View {
     Exports(Vec<Export>),
     Remote(Remote),
     Remotes(Vec<Remote>),
+    Move(Move),
+    Moves(Vec<Move>),
     /// An answer without a body, and what to say of it.
     Done(&'static str),
 }
@@ -49,7 +51,9 @@ impl View {
     pub async fn names(&self, client: &Client) -> Names {
         match self {
             View::Volume(_) | View::Volumes(_) => Names::images(client).await,
-            View::Image(_) | View::Resize(_) | View::Stats(_) => Names::volumes(client).await,
+            View::Image(_) | View::Resize(_) | View::Stats(_) | View::Remote(_) | View::Move(_) => {
+                Names::volumes(client).await
+            }
             _ => Names::default(),
         }
     }
@@ -73,6 +77,8 @@ impl View {
             View::Exports(l) => json_pretty(l),
             View::Remote(r) => json_pretty(r),
             View::Remotes(l) => json_pretty(l),
+            View::Move(m) => json_pretty(m),
+            View::Moves(l) => json_pretty(l),
             View::Done(_) => String::new(),
         }
     }
@@ -102,8 +108,10 @@ impl View {
                 show_keys,
             } => export(e, *show_keys),
             View::Exports(l) => exports(l),
-            View::Remote(r) => remote(r),
+            View::Remote(r) => remote(r, names),
             View::Remotes(l) => remotes(l),
+            View::Move(m) => move_(m, names),
+            View::Moves(l) => moves(l),
             View::Gc(g) => fields(vec![
                 ("chunks deleted", g.chunks_deleted.to_string()),
                 ("bytes deleted", human_size(g.bytes_deleted)),
@@ -623,7 +631,7 @@ fn exports(l: &[Export]) -> String {
     )
 }
 
-fn remote(r: &Remote) -> String {
+fn remote(r: &Remote, names: &Names) -> String {
     fields(vec![
         ("id", r.id.to_string()),
         ("name", r.name.clone()),
@@ -645,6 +653,8 @@ fn remote(r: &Remote) -> String {
         ),
         ("size", human_size(r.size_bytes)),
         ("read only", r.read_only.to_string()),
+        ("move", dash(r.move_id)),
+        ("local volume", dash(r.volume.map(|v| names.volume(v)))),
         ("created", at(r.created_at)),
     ])
 }
@@ -662,6 +672,90 @@ fn remotes(l: &[Remote]) -> String {
                     dash(r.device.as_ref()),
                     human_size(r.size_bytes),
                     r.read_only.to_string(),
+                ]
+            })
+            .collect(),
+    )
+}
+
+/// A move's bytes copied of its total, as a percentage and in bytes.
+pub fn move_progress(m: &Move) -> String {
+    let pct = (u128::from(m.synced_bytes) * 100)
+        .checked_div(u128::from(m.total_bytes))
+        .map_or_else(|| "-".to_string(), |p| format!("{}%", p.min(100)));
+    format!(
+        "{pct} ({} of {})",
+        human_size(m.synced_bytes),
+        human_size(m.total_bytes)
+    )
+}
+
+/// A rate in bytes per second.
+pub fn rate(bytes_per_sec: u64) -> String {
+    format!("{}/s", human_size(bytes_per_sec))
+}
+
+/// A move's rate limit; 0 is none.
+fn rate_limit(bytes_per_sec: u64) -> String {
+    match bytes_per_sec {
+        0 => "none".into(),
+        r => rate(r),
+    }
+}
+
+/// A move's copy rate: only a copying move has one.
+fn move_rate(m: &Move) -> String {
+    match m.state {
+        MoveState::Syncing => rate(m.rate_bytes_per_sec),
+        _ => "-".into(),
+    }
+}
+
+fn move_(m: &Move, names: &Names) -> String {
+    fields(vec![
+        ("id", m.id.to_string()),
+        ("remote", format!("{} ({})", m.remote_name, m.remote)),
+        ("image", m.image.clone()),
+        ("local volume", dash(m.volume.map(|v| names.volume(v)))),
+        (
+            "state",
+            match &m.state_reason {
+                Some(why) => format!("{}: {why}", m.state.as_str()),
+                None => m.state.as_str().into(),
+            },
+        ),
+        ("progress", move_progress(m)),
+        ("rate", move_rate(m)),
+        ("rate limit", rate_limit(m.rate_limit_bytes_per_sec)),
+        ("source api", m.source_api.clone()),
+        ("source volume", m.source_volume.clone()),
+        ("keep source image", m.keep_source_image.to_string()),
+        ("started", at(m.created_at)),
+        ("finished", dash(m.finished_at.map(at))),
+    ])
+}
+
+fn moves(l: &[Move]) -> String {
+    table(
+        &[
+            "ID",
+            "REMOTE",
+            "IMAGE",
+            "STATE",
+            "PROGRESS",
+            "RATE",
+            "RATE LIMIT",
+        ],
+        l.iter()
+            .map(|m| {
+                vec![
+                    m.id.to_string(),
+                    m.remote_name.clone(),
+                    m.image.clone(),
+                    m.state.as_str().into(),
+                    move_progress(m),
+                    move_rate(m),
+                    rate_limit(m.rate_limit_bytes_per_sec),
                 ]
             })
             .collect(),
@@ -724,6 +818,81 @@ mod tests {
         }
         .json();
         assert!(json.contains("DHHC-1:00:host-key:"), "{json}");
+    }
+
+    fn copying_move() -> Move {
+        Move {
+            id: uuid::Uuid::nil(),
+            remote: uuid::Uuid::nil(),
+            remote_name: "far".into(),
+            image: "near".into(),
+            volume: None,
+            source_api: "http://10.0.0.1:8080".into(),
+            source_volume: "disk".into(),
+            keep_source_image: false,
+            state: MoveState::Syncing,
+            state_reason: None,
+            synced_bytes: 1 << 30,
+            total_bytes: 4 << 30,
+            rate_bytes_per_sec: 50 << 20,
+            rate_limit_bytes_per_sec: 0,
+            created_at: OffsetDateTime::UNIX_EPOCH,
+            finished_at: None,
+        }
+    }
+
+    /// A move list shows each move's progress in bytes and percent, its
+    /// rate while it copies, and its limit.
+    #[test]
+    fn a_move_list_shows_progress_rate_and_limit() {
+        let mut m = copying_move();
+        let out = moves(std::slice::from_ref(&m));
+        let row = out.lines().nth(1).unwrap();
+        assert!(
+            row.contains("25% (1.0 GiB of 4.0 GiB)") && row.contains("50.0 MiB/s"),
+            "{out}"
+        );
+        assert!(row.trim_end().ends_with("none"), "{out}");
+        m.state = MoveState::Done;
+        m.synced_bytes = m.total_bytes;
+        m.rate_limit_bytes_per_sec = 1 << 20;
+        let out = moves(&[m]);
+        let row = out.lines().nth(1).unwrap();
+        assert!(
+            row.contains("done") && row.contains("100% (4.0 GiB of 4.0 GiB)"),
+            "{out}"
+        );
+        assert!(row.trim_end().ends_with("1.0 MiB/s"), "{out}");
+        assert!(!row.contains("50.0 MiB/s"), "no rate once ended: {out}");
+    }
+
+    /// A move of nothing yet measured has no percentage rather than a
+    /// division by zero.
+    #[test]
+    fn a_move_without_a_total_has_no_percentage() {
+        let mut m = copying_move();
+        m.total_bytes = 0;
+        m.synced_bytes = 0;
+        assert_eq!(move_progress(&m), "- (0 B of 0 B)");
+    }
+
+    /// A move's view says why it ended.
+    #[test]
+    fn a_failed_move_says_why() {
+        let mut m = copying_move();
+        m.state = MoveState::Failed;
+        m.state_reason = Some("the local leg's writes failed".into());
+        let out = View::Move(m).text(&Names::default());
+        assert!(
+            out.lines()
+                .any(|l| l.split_whitespace().next() == Some("state")
+                    && l.ends_with("failed: the local leg's writes failed")),
+            "{out}"
+        );
+        assert!(
+            out.contains("far (00000000-0000-0000-0000-000000000000)"),
+            "{out}"
+        );
     }
 
     /// An export list counts connected hosts, or says it cannot.
