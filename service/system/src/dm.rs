@@ -241,19 +241,28 @@ pub mod raid1 {
 
     use super::Target;
 
-    /// A raid1 table of two legs over `sectors`, leg 1 rebuilt from leg 0,
-    /// reading at most `max_rate_kib` KiB/s per leg for the rebuild (none:
-    /// md's host-wide limit).
+    /// A raid1 table of two legs over `sectors`, leg 1 rebuilt from leg 0
+    /// at `rate_kib` KiB/s per leg (none: md's host-wide limits, the
+    /// rebuild slowed to their minimum while the consumer does I/O). A
+    /// rate is both the set's minimum and maximum: md throttles only above
+    /// the minimum, so a maximum below md's default minimum (1000 KiB/s)
+    /// would not hold, and a rate the consumer's I/O may slow is not one
+    /// the operator asked for.
     pub fn table(
         sectors: u64,
         legs: [&Path; 2],
         metas: Option<[&Path; 2]>,
-        max_rate_kib: Option<u64>,
+        rate_kib: Option<u64>,
     ) -> Vec<Target> {
         // chunk size 0 (raid1 has none), then the optional pairs.
         let mut params = vec!["0".to_string(), "rebuild".into(), "1".into()];
-        if let Some(kib) = max_rate_kib {
-            params.extend(["max_recovery_rate".into(), kib.to_string()]);
+        if let Some(kib) = rate_kib {
+            params.extend([
+                "min_recovery_rate".into(),
+                kib.to_string(),
+                "max_recovery_rate".into(),
+                kib.to_string(),
+            ]);
         }
         let meta = |i: usize| match metas {
             Some(m) => m[i].display().to_string(),
@@ -353,7 +362,7 @@ pub mod raid1 {
                     0,
                     2048,
                     "raid".to_string(),
-                    "raid1 5 0 rebuild 1 max_recovery_rate 4096 2 - /dev/nvme0n1 - /dev/dm-3"
+                    "raid1 7 0 rebuild 1 min_recovery_rate 4096 max_recovery_rate 4096 2 - /dev/nvme0n1 - /dev/dm-3"
                         .to_string()
                 )]
             );

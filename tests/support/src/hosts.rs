@@ -18,6 +18,8 @@ pub struct Hosts {
     /// A's namespace, `/run/netns/<a>` (a service runs in it with
     /// [`crate::harness::Opts::netns`]).
     pub a: String,
+    /// B's end of the veth pair.
+    b_end: String,
 }
 
 fn ip(args: &[&str]) {
@@ -46,7 +48,18 @@ impl Hosts {
         ip(&["-n", &a, "link", "set", &va, "up"]);
         ip(&["addr", "add", &format!("{B_IP}/24"), "dev", &vb]);
         ip(&["link", "set", &vb, "up"]);
-        Self { a }
+        Self { a, b_end: vb }
+    }
+
+    /// Cuts the network between A and B (B's end of the pair down):
+    /// packets are lost, connections stay until their timeouts.
+    pub fn cut(&self) {
+        ip(&["link", "set", &self.b_end, "down"]);
+    }
+
+    /// Mends what [`Hosts::cut`] cut.
+    pub fn mend(&self) {
+        ip(&["link", "set", &self.b_end, "up"]);
     }
 }
 

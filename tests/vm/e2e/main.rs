@@ -224,8 +224,13 @@ impl Vm {
     /// As [`Vm::start_in`] (in the VM's own namespace for `None`), the API
     /// guarded by bearer `token`, which the test's client sends: a host
     /// another host's service calls.
-    pub async fn start_guarded(netns: Option<&str>, args: &[&str], token: &str) -> Self {
-        Self::start_opts(Vec::new(), Vec::new(), None, args, netns, Some(token)).await
+    pub async fn start_guarded(
+        netns: Option<&str>,
+        args: &[&str],
+        token: &str,
+        more: Vec<PathBuf>,
+    ) -> Self {
+        Self::start_opts(more, Vec::new(), None, args, netns, Some(token)).await
     }
 
     async fn start_opts(

@@ -18,6 +18,10 @@ use blockplane_test_support::hosts::{A_IP, Hosts};
 
 const TOKEN: &str = "vm-moves-shared-token";
 
+/// A copy slow enough (12 min for a 48 MiB volume) that the faults a test
+/// makes happen mid-copy; the test lifts it to let the move end.
+const SLOW: u64 = 64 << 10;
+
 /// fio verify runs on `device`, one short job after another, until told to
 /// stop: the consumer writes through every step of a move, whatever its
 /// length. Each job's result, with its longest write latency.
@@ -107,7 +111,12 @@ async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> St
 
 /// Starts the move of remote volume `name` into B's xfs root.
 async fn start_move(b: &Vm, name: &str, rate: u64) -> Value {
-    let path = b.root(Scratch::Xfs).join(format!("{name}.img"));
+    start_move_to(b, name, &b.root(Scratch::Xfs), rate).await
+}
+
+/// Starts the move of remote volume `name` into directory `dir` of B.
+async fn start_move_to(b: &Vm, name: &str, dir: &std::path::Path, rate: u64) -> Value {
+    let path = dir.join(format!("{name}.img"));
     let m =
         b.s.post(
             &format!("/v1/remotes/{name}/move"),
@@ -138,9 +147,10 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
         Some(&hosts.a),
         &["--export-address", &export_arg, "--listen", &listen],
         TOKEN,
+        Vec::new(),
     )
     .await;
-    let mut b = Vm::start_guarded(None, &[], TOKEN).await;
+    let mut b = Vm::start_guarded(None, &[], TOKEN, Vec::new()).await;
     let _leftovers = Leftovers;
     let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
         .as_str()
@@ -158,7 +168,7 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let node = dev_of(&device);
     let consumer = Consumer::start(&device);
     writes_flow(&device, 1 << 20).await;
-    let m = start_move(&b, "m-ublk", 2 << 20).await;
+    let m = start_move(&b, "m-ublk", SLOW).await;
     let id = m["id"].as_str().unwrap().to_string();
     eventually(Duration::from_secs(120), "the copy to start", async || {
         move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
@@ -169,6 +179,8 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     // restart follows it.
     b.s.kill();
     b.s.restart().await;
+    let adopted = move_of(&b, &id).await;
+    assert_eq!(adopted["state"], "syncing", "{adopted}");
     let p =
         b.s.patch(
             &format!("/v1/moves/{id}"),
@@ -226,7 +238,7 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let node = dev_of(&device);
     let consumer = Consumer::start(&device);
     writes_flow(&device, 1 << 20).await;
-    let m = start_move(&b, "m-dm", 1 << 20).await;
+    let m = start_move(&b, "m-dm", SLOW).await;
     let id = m["id"].as_str().unwrap().to_string();
     eventually(Duration::from_secs(120), "the copy to start", async || {
         move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
@@ -262,5 +274,163 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     a.delete("m-dm").await;
     b.s.stop_and_clean();
     drop(a);
+    drop(hosts);
+}
+
+/// A small filesystem of its own (tmpfs), unmounted when dropped: B's disk
+/// that fills up.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn new(mib: u64) -> Self {
+        let dir = std::path::PathBuf::from(format!("/tmp/bp-small-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let size = format!("size={mib}m,mode=0700");
+        crate::sh("mount", &["-t", "tmpfs", "-o", &size, "tmpfs", dir.to_str().unwrap()]);
+        Self(dir)
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A loop volume's move through faults under B's writes: A's service
+/// killed (the kernel serves on; the release waits for A's API, named in
+/// `state_reason`, then ends `done` once A is back), and the network cut
+/// mid-copy (the consumer's writes and the copy wait, then go on). A dm
+/// volume's move into a disk that fills: the local leg fails, the node goes
+/// back to A alone and the move ends `failed`, B's consumer seeing no
+/// error.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() {
+    let hosts = Hosts::new();
+    let small = SmallDisk::new(16);
+    let export_arg = format!("{A_IP}:4420");
+    let listen = format!("{A_IP}:7400");
+    let mut a = Vm::start_guarded(
+        Some(&hosts.a),
+        &["--export-address", &export_arg, "--listen", &listen],
+        TOKEN,
+        Vec::new(),
+    )
+    .await;
+    let b = Vm::start_guarded(None, &[], TOKEN, vec![small.0.clone()]).await;
+    let _leftovers = Leftovers;
+    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "f-loop",
+        json!({"name": "f-loop", "image": "f-loop", "backend": "loop"}),
+    )
+    .await;
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move(&b, "f-loop", SLOW).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    a.s.kill();
+    eventually(
+        Duration::from_secs(120),
+        "the copy to start",
+        async || move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0),
+    )
+    .await;
+    // The cut: B's controller loses A, and the writes wait for it.
+    hosts.cut();
+    eventually(
+        Duration::from_secs(60),
+        "B to see its connection lost",
+        async || b.s.get("/v1/remotes/f-loop").await.body["state"] == "reconnecting",
+    )
+    .await;
+    hosts.mend();
+    eventually(
+        Duration::from_secs(120),
+        "B to reconnect",
+        async || b.s.get("/v1/remotes/f-loop").await.body["state"] == "attached",
+    )
+    .await;
+    writes_flow(&device, 256 << 10).await;
+    let p =
+        b.s.patch(
+            &format!("/v1/moves/{id}"),
+            json!({"rate_limit_bytes_per_sec": 0}),
+        )
+        .await;
+    assert_eq!(p.status.as_u16(), 200, "{}", p.body);
+    eventually(
+        Duration::from_secs(300),
+        "the release to wait for A's API",
+        async || {
+            let m = move_of(&b, &id).await;
+            m["state"] == "releasing" && m["state_reason"].is_string()
+        },
+    )
+    .await;
+    a.s.restart().await;
+    eventually(
+        Duration::from_secs(120),
+        "the move to end",
+        async || move_of(&b, &id).await["state"] == "done",
+    )
+    .await;
+    let (jobs, longest) = consumer.finish();
+    println!("f-loop: {jobs} fio verify jobs through a move with faults, longest write {longest:.0} ms");
+    let r = a.s.get("/v1/volumes/f-loop").await;
+    assert_eq!(r.status.as_u16(), 404, "A's volume stays: {}", r.body);
+
+    // B's disk fills mid-copy.
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "f-full",
+        json!({"name": "f-full", "image": "f-full", "backend": "dm", "dispatch": "kernel"}),
+    )
+    .await;
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move_to(&b, "f-full", &small.0, 0).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    eventually(
+        Duration::from_secs(300),
+        "the move to stop",
+        async || move_of(&b, &id).await["state"] != "syncing",
+    )
+    .await;
+    let failed = move_of(&b, &id).await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert!(
+        failed["state_reason"].as_str().unwrap().contains("local leg failed"),
+        "{failed}"
+    );
+    writes_flow(&device, 1 << 20).await;
+    let (jobs, _) = consumer.finish();
+    println!("f-full: {jobs} fio verify jobs through a move whose disk filled");
+    let remote = b.s.get("/v1/remotes/f-full").await.body;
+    assert_eq!(remote["state"], "attached", "{remote}");
+    let r = b.s.get("/v1/images/f-full").await;
+    assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
+
+    for name in ["f-loop", "f-full"] {
+        let d = b.s.delete(&format!("/v1/remotes/{name}")).await;
+        assert_eq!(d.status.as_u16(), 204, "{name}: {}", d.body);
+    }
+    b.delete("f-loop").await;
+    let d = a.s.delete("/v1/volumes/f-full/export").await;
+    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    a.delete("f-full").await;
+    drop(b);
+    drop(a);
+    drop(small);
     drop(hosts);
 }
