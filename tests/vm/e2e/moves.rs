@@ -286,7 +286,10 @@ impl SmallDisk {
         let dir = std::path::PathBuf::from(format!("/tmp/bp-small-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let size = format!("size={mib}m,mode=0700");
-        crate::sh("mount", &["-t", "tmpfs", "-o", &size, "tmpfs", dir.to_str().unwrap()]);
+        crate::sh(
+            "mount",
+            &["-t", "tmpfs", "-o", &size, "tmpfs", dir.to_str().unwrap()],
+        );
         Self(dir)
     }
 }
@@ -338,11 +341,9 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     let m = start_move(&b, "f-loop", SLOW).await;
     let id = m["id"].as_str().unwrap().to_string();
     a.s.kill();
-    eventually(
-        Duration::from_secs(120),
-        "the copy to start",
-        async || move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0),
-    )
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
     .await;
     // The cut: B's controller loses A, and the writes wait for it.
     hosts.cut();
@@ -353,11 +354,9 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     )
     .await;
     hosts.mend();
-    eventually(
-        Duration::from_secs(120),
-        "B to reconnect",
-        async || b.s.get("/v1/remotes/f-loop").await.body["state"] == "attached",
-    )
+    eventually(Duration::from_secs(120), "B to reconnect", async || {
+        b.s.get("/v1/remotes/f-loop").await.body["state"] == "attached"
+    })
     .await;
     writes_flow(&device, 256 << 10).await;
     let p =
@@ -377,14 +376,14 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     )
     .await;
     a.s.restart().await;
-    eventually(
-        Duration::from_secs(120),
-        "the move to end",
-        async || move_of(&b, &id).await["state"] == "done",
-    )
+    eventually(Duration::from_secs(120), "the move to end", async || {
+        move_of(&b, &id).await["state"] == "done"
+    })
     .await;
     let (jobs, longest) = consumer.finish();
-    println!("f-loop: {jobs} fio verify jobs through a move with faults, longest write {longest:.0} ms");
+    println!(
+        "f-loop: {jobs} fio verify jobs through a move with faults, longest write {longest:.0} ms"
+    );
     let r = a.s.get("/v1/volumes/f-loop").await;
     assert_eq!(r.status.as_u16(), 404, "A's volume stays: {}", r.body);
 
@@ -401,16 +400,17 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     writes_flow(&device, 1 << 20).await;
     let m = start_move_to(&b, "f-full", &small.0, 0).await;
     let id = m["id"].as_str().unwrap().to_string();
-    eventually(
-        Duration::from_secs(300),
-        "the move to stop",
-        async || move_of(&b, &id).await["state"] != "syncing",
-    )
+    eventually(Duration::from_secs(300), "the move to stop", async || {
+        move_of(&b, &id).await["state"] != "syncing"
+    })
     .await;
     let failed = move_of(&b, &id).await;
     assert_eq!(failed["state"], "failed", "{failed}");
     assert!(
-        failed["state_reason"].as_str().unwrap().contains("local leg failed"),
+        failed["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("local leg failed"),
         "{failed}"
     );
     writes_flow(&device, 1 << 20).await;
@@ -433,4 +433,243 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     drop(a);
     drop(small);
     drop(hosts);
+}
+
+/// One write of [`Prober`]: when it started and how long it took.
+type Probe = (std::time::SystemTime, Duration);
+
+/// 4 KiB direct writes, one at a time, in the last MiB of a device, each
+/// timed: how long the consumer's writes wait at each table change.
+struct Prober {
+    stop: Arc<AtomicBool>,
+    probes: std::thread::JoinHandle<Vec<Probe>>,
+}
+
+impl Prober {
+    fn start(device: &str, size: u64) -> Self {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, device) = (stop.clone(), device.to_string());
+        let probes = std::thread::spawn(move || {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&device)
+                .unwrap();
+            let layout = std::alloc::Layout::from_size_align(4096, 4096).unwrap();
+            // SAFETY: a 4 KiB buffer of 4 KiB alignment, freed below.
+            let buf = unsafe { std::alloc::alloc_zeroed(layout) };
+            // SAFETY: the allocation above, 4096 bytes.
+            let data = unsafe { std::slice::from_raw_parts(buf, 4096) };
+            let mut out = Vec::new();
+            let mut n = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                let at = std::time::SystemTime::now();
+                let started = std::time::Instant::now();
+                file.write_all_at(data, size - (1 << 20) + (n % 256) * 4096)
+                    .unwrap();
+                out.push((at, started.elapsed()));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // SAFETY: allocated above with this layout.
+            unsafe { std::alloc::dealloc(buf, layout) };
+            out
+        });
+        Self { stop, probes }
+    }
+
+    fn finish(self) -> Vec<Probe> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.probes.join().unwrap()
+    }
+}
+
+/// The longest probe that started within `before` of `at` or after it,
+/// up to `after`.
+fn longest_near(
+    probes: &[Probe],
+    at: std::time::SystemTime,
+    before: Duration,
+    after: Duration,
+) -> Duration {
+    probes
+        .iter()
+        .filter(|(t, _)| *t + before >= at && *t <= at + after)
+        .map(|(_, d)| *d)
+        .max()
+        .unwrap_or_default()
+}
+
+/// When the event of `kind` on `remote` was recorded.
+async fn event_at(b: &Vm, remote: &str, kind: &str) -> std::time::SystemTime {
+    let events =
+        b.s.get(&format!("/v1/events?volume={remote}&limit=1000"))
+            .await
+            .body;
+    let at = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} event: {events}"))["at"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let t =
+        time::OffsetDateTime::parse(&at, &time::format_description::well_known::Rfc3339).unwrap();
+    std::time::SystemTime::from(t)
+}
+
+/// fio 4k random writes at iodepth 16 for `secs` s on `device`: IOPS.
+fn write_iops(device: &str, secs: u32) -> f64 {
+    let out = std::process::Command::new("fio")
+        .args([
+            "--name=cost",
+            "--filename",
+            device,
+            "--rw=randwrite",
+            "--bs=4k",
+        ])
+        .args([
+            "--direct=1",
+            "--size=64M",
+            "--time_based",
+            "--output-format=json",
+        ])
+        .args(["--ioengine=io_uring", "--iodepth=16"])
+        .arg(format!("--runtime={secs}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    json["jobs"][0]["write"]["iops"].as_f64().unwrap()
+}
+
+/// What a move costs (not a test: `tests/vm/move-bench.sh`): one ublk
+/// `nowait` volume of A served on B, then moved to B under B's writes.
+/// Prints the copy's throughput against `dd` of the same device over the
+/// same path, the consumer's write IOPS during the copy against before it,
+/// and the longest write of a one-at-a-time prober around each of the two
+/// table changes (the mirror made, the switch to the local leg) against its
+/// longest elsewhere during the copy.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a benchmark: tests/vm/move-bench.sh"]
+async fn move_cost_benchmark() {
+    let secs: u32 = std::env::var("BLOCKPLANE_BENCH_SECS")
+        .map(|s| s.parse().expect("BLOCKPLANE_BENCH_SECS is a number"))
+        .unwrap_or(10);
+    const MIB: u64 = 384;
+    let hosts = Hosts::new();
+    let export_arg = format!("{A_IP}:4420");
+    let listen = format!("{A_IP}:7400");
+    let a = Vm::start_guarded(
+        Some(&hosts.a),
+        &["--export-address", &export_arg, "--listen", &listen],
+        TOKEN,
+        Vec::new(),
+    )
+    .await;
+    let b = Vm::start_guarded(None, &[], TOKEN, Vec::new()).await;
+    let _leftovers = Leftovers;
+    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    a.image("bench", Scratch::Xfs, MIB, "full").await;
+    a.volume(json!({"name": "bench", "image": "bench", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let export =
+        a.s.put("/v1/volumes/bench/export", json!({"hosts": [b_nqn]}))
+            .await
+            .body;
+    let host = &export["hosts"][0];
+    let remote =
+        b.s.post(
+            "/v1/remotes",
+            json!({"name": "bench", "address": format!("{A_IP}:4420"), "nqn": export["nqn"],
+                   "secret": host["secret"], "ctrl_secret": host["ctrl_secret"]}),
+        )
+        .await
+        .body;
+    let device = remote["device"].as_str().unwrap().to_string();
+    let nvme = remote["nvme_device"].as_str().unwrap().to_string();
+    let remote_id = remote["id"].as_str().unwrap().to_string();
+
+    // The same bytes over the same path, by dd.
+    let copy = b.root(Scratch::Xfs).join("dd.img");
+    let started = std::time::Instant::now();
+    crate::sh(
+        "dd",
+        &[
+            &format!("if={nvme}"),
+            &format!("of={}", copy.display()),
+            "bs=1M",
+            "iflag=direct",
+            "oflag=direct",
+            "status=none",
+        ],
+    );
+    let dd_mibs = MIB as f64 / started.elapsed().as_secs_f64();
+    std::fs::remove_file(&copy).unwrap();
+
+    let before = write_iops(&device, secs);
+    let prober = Prober::start(&device, MIB << 20);
+    writes_flow(&device, 64 << 10).await;
+    let started = std::time::Instant::now();
+    let m = start_move(&b, "bench", 0).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    let during = write_iops(&device, secs);
+    let still_copying = move_of(&b, &id).await["state"] == "syncing";
+    eventually(Duration::from_secs(1200), "the move to end", async || {
+        move_of(&b, &id).await["state"] == "done"
+    })
+    .await;
+    let probes = prober.finish();
+    let mirrored = event_at(&b, &remote_id, "move_syncing").await;
+    let switched = event_at(&b, &remote_id, "move_switched").await;
+    let copy_secs = switched
+        .duration_since(std::time::SystemTime::now() - started.elapsed())
+        .unwrap_or_default()
+        .as_secs_f64();
+    let window = (Duration::from_secs(2), Duration::from_millis(500));
+    let at_mirror = longest_near(&probes, mirrored, window.0, window.1);
+    let at_switch = longest_near(&probes, switched, window.0, window.1);
+    let elsewhere = probes
+        .iter()
+        .filter(|(t, _)| *t > mirrored + window.1 && *t + window.0 < switched)
+        .map(|(_, d)| *d)
+        .max()
+        .unwrap_or_default();
+    println!(
+        "move cost, kernel {}, {MIB} MiB ublk nowait volume, {secs} s fio runs",
+        crate::sh("uname", &["-r"]).trim()
+    );
+    println!(
+        "copy: dd over NVMe/TCP {dd_mibs:.1} MiB/s; move {:.1} MiB/s (start to switch, {copy_secs:.1} s, the consumer writing); move/dd {:.2}",
+        MIB as f64 / copy_secs,
+        MIB as f64 / copy_secs / dd_mibs
+    );
+    println!(
+        "consumer 4k randwrite iodepth 16: before {before:.0} IOPS, during the copy {during:.0} IOPS{}; during/before {:.2}",
+        if still_copying {
+            ""
+        } else {
+            " (the copy ended within the run)"
+        },
+        during / before
+    );
+    println!(
+        "longest probe write: at the mirror's load {} ms, at the switch {} ms, elsewhere in the copy {} ms ({} probes)",
+        at_mirror.as_millis(),
+        at_switch.as_millis(),
+        elsewhere.as_millis(),
+        probes.len()
+    );
+    assert_eq!(b.s.delete("/v1/remotes/bench").await.status.as_u16(), 204);
+    b.delete("bench").await;
 }

@@ -111,19 +111,28 @@ impl Manager {
             // next start fails cleanly, never a local image nobody
             // accounts for. Until the mirror is made the follower leaves
             // it to this request.
-            self.starting.lock().expect("starting poisoned").insert(m.id);
+            self.starting
+                .lock()
+                .expect("starting poisoned")
+                .insert(m.id);
             let message = format!(
                 "move {} of remote volume '{}' started: its data goes into image '{}' ({}) here",
                 m.id, row.name, m.image, m.path
             );
             if let Err(e) = self.record_move(&m, "move_started", &message).await {
-                self.starting.lock().expect("starting poisoned").remove(&m.id);
+                self.starting
+                    .lock()
+                    .expect("starting poisoned")
+                    .remove(&m.id);
                 return Err(e);
             }
             m
         };
         let made = self.make_mirror(&mut m).await;
-        self.starting.lock().expect("starting poisoned").remove(&m.id);
+        self.starting
+            .lock()
+            .expect("starting poisoned")
+            .remove(&m.id);
         made?;
         self.move_view(m).await
     }
@@ -375,7 +384,11 @@ impl Manager {
     /// fails a move whose local leg failed, back on the remote leg.
     pub(crate) async fn follow_moves(self: &Arc<Self>) -> Result<()> {
         for m in self.house.store.moves().await? {
-            let starting = self.starting.lock().expect("starting poisoned").contains(&m.id);
+            let starting = self
+                .starting
+                .lock()
+                .expect("starting poisoned")
+                .contains(&m.id);
             if m.state.ended() || starting {
                 continue;
             }
@@ -463,8 +476,14 @@ impl Manager {
             Node::Local => {
                 // Switched before a stop recorded it.
                 m.synced_bytes = m.total_bytes;
-                self.set_state(m, MoveState::Releasing, None, "move_switched", "the node maps the local volume alone")
-                    .await?;
+                self.set_state(
+                    m,
+                    MoveState::Releasing,
+                    None,
+                    "move_switched",
+                    "the node maps the local volume alone",
+                )
+                .await?;
                 self.disconnect(row, m).await?;
                 Ok(Then::Release)
             }
@@ -497,7 +516,12 @@ impl Manager {
             Error::Internal(format!("remote volume '{}' has no device", row.name))
         })?;
         let local = self.local_device(m).await?;
-        let table = vec![(0, a.size_bytes / 512, "linear".to_string(), format!("{local} 0"))];
+        let table = vec![(
+            0,
+            a.size_bytes / 512,
+            "linear".to_string(),
+            format!("{local} 0"),
+        )];
         let (id, remote) = (m.id, row.name.clone());
         blocking(move || dm::swap(&a.dm_name, &table, false))
             .await?
@@ -541,7 +565,8 @@ impl Manager {
             "remote volume '{}' is disconnected: its device serves volume '{}' here",
             row.name, m.image
         );
-        tx.event(Some(row.id), None, "remote_moved", &message).await?;
+        tx.event(Some(row.id), None, "remote_moved", &message)
+            .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -566,13 +591,22 @@ impl Manager {
     async fn tell_source(&self, mut m: MoveRow) -> Result<()> {
         match self.let_go(&m).await {
             Ok(()) => {
-                self.set_state(&mut m, MoveState::Done, None, "move_done", "the exporting host let its export and volume go")
-                    .await
+                self.set_state(
+                    &mut m,
+                    MoveState::Done,
+                    None,
+                    "move_done",
+                    "the exporting host let its export and volume go",
+                )
+                .await
             }
             Err(reason) if m.state_reason.as_deref() != Some(reason.as_str()) => {
                 m.state_reason = Some(reason.clone());
                 m.updated_at = OffsetDateTime::now_utc();
-                let message = format!("move {}: the exporting host did not let go yet: {reason}", m.id);
+                let message = format!(
+                    "move {}: the exporting host did not let go yet: {reason}",
+                    m.id
+                );
                 self.record_move(&m, "move_release_waits", &message).await
             }
             Err(_) => Ok(()),
@@ -628,7 +662,12 @@ impl Manager {
         })?;
         let (id, remote) = (m.id, row.name.clone());
         blocking(move || {
-            dm::linear::reload(&a.dm_name, Path::new(&a.nvme_device), a.size_bytes / 512, false)
+            dm::linear::reload(
+                &a.dm_name,
+                Path::new(&a.nvme_device),
+                a.size_bytes / 512,
+                false,
+            )
         })
         .await?
         .map_err(|source| MoveError::Dm { id, remote, source })?;
@@ -647,7 +686,11 @@ impl Manager {
         let m = {
             let _remote = self.house.locks.volumes.lock(&m.remote_name).await;
             let mut m = self.move_of(id).await?;
-            let starting = self.starting.lock().expect("starting poisoned").contains(&m.id);
+            let starting = self
+                .starting
+                .lock()
+                .expect("starting poisoned")
+                .contains(&m.id);
             match m.state {
                 MoveState::Syncing if !starting => {
                     let row = self.remote_row(&m.remote_id.to_string()).await?;
