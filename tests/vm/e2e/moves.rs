@@ -84,10 +84,12 @@ fn dev_of(device: &str) -> u64 {
     std::fs::metadata(device).unwrap().rdev()
 }
 
-/// A's volume `name` (`body` its spec) on a fresh image, exported to B and
-/// connected there; B's device.
+/// A's volume `name` (`body` its spec) on a fresh image (unless the test
+/// made it), exported to B and connected there; B's device.
 async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> String {
-    a.image(name, Scratch::Xfs, 48, "full").await;
+    if a.s.get(&format!("/v1/images/{name}")).await.status.as_u16() == 404 {
+        a.image(name, Scratch::Xfs, 48, "full").await;
+    }
     a.volume(body).await;
     let export =
         a.s.put(
@@ -114,14 +116,18 @@ async fn start_move(b: &Vm, name: &str, rate: u64) -> Value {
     start_move_to(b, name, &b.root(Scratch::Xfs), rate).await
 }
 
+/// The request of a move of remote volume `name` into directory `dir` of B.
+fn move_request(name: &str, dir: &std::path::Path, rate: u64) -> Value {
+    json!({"image": name, "path": dir.join(format!("{name}.img")),
+           "source_api": format!("http://{A_IP}:7400"), "rate_limit_bytes_per_sec": rate})
+}
+
 /// Starts the move of remote volume `name` into directory `dir` of B.
 async fn start_move_to(b: &Vm, name: &str, dir: &std::path::Path, rate: u64) -> Value {
-    let path = dir.join(format!("{name}.img"));
     let m =
         b.s.post(
             &format!("/v1/remotes/{name}/move"),
-            json!({"image": name, "path": path, "source_api": format!("http://{A_IP}:7400"),
-                   "rate_limit_bytes_per_sec": rate}),
+            move_request(name, dir, rate),
         )
         .await;
     assert_eq!(m.status.as_u16(), 202, "{}", m.body);
@@ -136,8 +142,9 @@ async fn move_of(b: &Vm, id: &str) -> Value {
 /// A ublk volume of A moves to B under B's writes: the copy starts slow,
 /// its limit is lifted live, B's service is killed mid-copy and its restart
 /// adopts the mirror; the move ends `done` with the node unchanged, A's
-/// export, volume and image gone. A dm volume's move is cancelled mid-copy:
-/// back on A, nothing lost, B's image gone.
+/// export, volume and image gone. An encrypted volume moves only into an
+/// image encrypted on B. A dm volume's move is cancelled mid-copy: back on
+/// A, nothing lost, B's image gone.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let hosts = Hosts::new();
@@ -226,6 +233,57 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
         assert!(kinds.iter().any(|e| e == k), "no {k} event: {kinds:?}");
     }
 
+    // An encrypted volume moves into an image encrypted here, and only so.
+    let key = "vm-move-key";
+    let path = a.root(Scratch::Xfs).join("m-crypt.img");
+    let img =
+        a.s.post(
+            "/v1/images",
+            json!({"name": "m-crypt", "path": path, "create": {"size_bytes": 40u64 << 20,
+                   "allocation": "full", "encryption": {"key": key}}}),
+        )
+        .await;
+    assert_eq!(img.status.as_u16(), 201, "{}", img.body);
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "m-crypt",
+        json!({"name": "m-crypt", "image": "m-crypt", "backend": "ublk", "dispatch": "nowait",
+               "key": key}),
+    )
+    .await;
+    let node = dev_of(&device);
+    let consumer = Consumer::start(&device);
+    let plain =
+        b.s.post(
+            "/v1/remotes/m-crypt/move",
+            move_request("m-crypt", &b.root(Scratch::Xfs), 0),
+        )
+        .await;
+    assert_eq!(plain.status.as_u16(), 422, "{}", plain.body);
+    assert_eq!(
+        plain.body["error"]["code"], "invalid_move",
+        "{}",
+        plain.body
+    );
+    let mut req = move_request("m-crypt", &b.root(Scratch::Xfs), 0);
+    req["key"] = json!(key);
+    let m = b.s.post("/v1/remotes/m-crypt/move", req).await;
+    assert_eq!(m.status.as_u16(), 202, "{}", m.body);
+    let id = m.body["id"].as_str().unwrap().to_string();
+    eventually(
+        Duration::from_secs(300),
+        "the encrypted move to end",
+        async || move_of(&b, &id).await["state"] == "done",
+    )
+    .await;
+    writes_flow(&device, 1 << 20).await;
+    consumer.finish();
+    assert_eq!(dev_of(&device), node, "the consumer's node changed");
+    let local = b.s.get("/v1/volumes/m-crypt").await.body;
+    assert_eq!(local["encrypted"], true, "{local}");
+
     // A second move, cancelled mid-copy: the node serves A again.
     let device = served_on_b(
         &a,
@@ -268,7 +326,10 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
         let d = b.s.delete(&format!("/v1/remotes/{name}")).await;
         assert_eq!(d.status.as_u16(), 204, "{name}: {}", d.body);
     }
+    let d = b.s.delete("/v1/remotes/m-crypt").await;
+    assert_eq!(d.status.as_u16(), 204, "m-crypt: {}", d.body);
     b.delete("m-ublk").await;
+    b.delete("m-crypt").await;
     let d = a.s.delete("/v1/volumes/m-dm/export").await;
     assert_eq!(d.status.as_u16(), 204, "{}", d.body);
     a.delete("m-dm").await;

@@ -40,6 +40,12 @@ pub struct StartMoveRequest {
     /// to KiB); 0 or absent: as fast as the kernel goes.
     #[serde(default)]
     pub rate_limit_bytes_per_sec: u64,
+    /// Encrypt the local image (LUKS2) with this key, its first key slot:
+    /// required when the exporting host's volume is encrypted, whose data
+    /// would otherwise rest here in plaintext (422 `invalid_move`). Never
+    /// stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<super::Key>,
 }
 
 /// `PATCH /v1/moves/{id}`: change a running move's rate limit.

@@ -656,6 +656,11 @@ pub enum MoveCmd {
         /// Keep the exporting host's image when its volume goes.
         #[arg(long)]
         keep_source_image: bool,
+        /// Encrypt the local image (LUKS2) with the key in this file (`-`:
+        /// standard input): required when the volume is encrypted on its
+        /// host. Never give a key as an argument.
+        #[arg(long)]
+        key_file: Option<std::path::PathBuf>,
         /// Bytes per second the copy may read, at most: bytes, or 50M, 1.5G
         /// (binary) or 100MB (decimal), at least 1K (the kernel counts
         /// KiB/s); 0: no limit. Changeable live with `move set`.

@@ -624,6 +624,7 @@ async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
             path,
             source_api,
             keep_source_image,
+            key_file,
             rate_limit,
             wait,
         } => {
@@ -633,6 +634,7 @@ async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
                 source_api: source_api.clone(),
                 keep_source_image: *keep_source_image,
                 rate_limit_bytes_per_sec: *rate_limit,
+                key: key_file.as_deref().map(read_key).transpose()?,
             };
             let started = client.start_move(remote, &req).await.map_err(api)?;
             if *wait {

@@ -66,7 +66,7 @@ fn nqn_prefix(instance: &str) -> String {
 
 /// The device an export serves: the plaintext of an encrypted volume, the
 /// backend's device otherwise; `None` while the volume has no device.
-fn served_device(v: &VolumeRow) -> Option<(String, u64)> {
+pub(super) fn served_device(v: &VolumeRow) -> Option<(String, u64)> {
     if !matches!(v.state, VolumeState::Attached | VolumeState::Degraded) {
         return None;
     }

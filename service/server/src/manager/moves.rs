@@ -20,6 +20,7 @@
 //! and goes on from there ([`Manager::follow_moves`]): the kernel's mirror
 //! keeps running while this service is down.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -32,9 +33,10 @@ use super::fabric_error::MoveError;
 use super::{Created, Manager};
 use crate::store::{MoveRow, RemoteRow};
 use blockplane_api::model::{
-    Allocation, BackendChoice, CreateImageFile, CreateImageRequest, CreateVolumeRequest,
-    DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery, DeleteImageQuery, DispatchPolicy,
-    Move, MoveState, PatchMoveRequest, PatchVolumeRequest, RemoteState, StartMoveRequest,
+    Allocation, BackendChoice, CreateEncryption, CreateImageFile, CreateImageRequest,
+    CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery,
+    DeleteImageQuery, DispatchPolicy, Key, Move, MoveState, PatchMoveRequest, PatchVolumeRequest,
+    RemoteState, StartMoveRequest,
 };
 use blockplane_client::{Client, Endpoint};
 use blockplane_system::dm::{self, raid1};
@@ -128,7 +130,7 @@ impl Manager {
             }
             m
         };
-        let made = self.make_mirror(&mut m).await;
+        let made = self.make_mirror(&mut m, req.key).await;
         self.starting
             .lock()
             .expect("starting poisoned")
@@ -141,8 +143,8 @@ impl Manager {
     /// remote volume's lock: the volume's own name lock may be the same),
     /// then the mirror, under the lock again; a failure ends the move
     /// `failed` with nothing of it left.
-    async fn make_mirror(self: &Arc<Self>, m: &mut MoveRow) -> Result<()> {
-        match self.make_local_leg(m, m.total_bytes).await {
+    async fn make_mirror(self: &Arc<Self>, m: &mut MoveRow, key: Option<Key>) -> Result<()> {
+        match self.make_local_leg(m, m.total_bytes, key).await {
             Ok(volume) => m.volume_id = Some(volume),
             Err(e) => {
                 self.fail_move(m, &format!("its local image could not be made: {e}"))
@@ -238,19 +240,44 @@ impl Manager {
                 remote: row.name.clone(),
                 nqn: row.nqn.clone(),
             })?;
+        // Asked now, so that a move that could not end never starts: the
+        // exporting host answers, has the volume, and says whether it is
+        // encrypted.
+        let client = Client::new(
+            Endpoint::parse(&req.source_api).map_err(|e| invalid("source_api", e.to_string()))?,
+            self.peer_token.clone(),
+        );
+        let source = client.volume(&volume).await.map_err(|e| {
+            invalid(
+                "source_api",
+                format!("the exporting host's API did not show volume '{volume}': {e}"),
+            )
+        })?;
+        if source.encrypted && req.key.is_none() {
+            return Err(invalid(
+                "key",
+                format!("volume '{volume}' is encrypted on its host, and its data would rest here in plaintext: give a key to encrypt the local image with"),
+            )
+            .into());
+        }
         Ok(volume)
     }
 
-    /// Makes the local image (sparse, the remote's size) and a dm volume
-    /// on it; its id.
-    async fn make_local_leg(self: &Arc<Self>, m: &MoveRow, size: u64) -> Result<Uuid> {
+    /// Makes the local image (sparse, the remote's size, encrypted with
+    /// `key` when given) and a dm volume on it; its id.
+    async fn make_local_leg(
+        self: &Arc<Self>,
+        m: &MoveRow,
+        size: u64,
+        key: Option<Key>,
+    ) -> Result<Uuid> {
         self.create_image(CreateImageRequest {
             name: m.image.clone(),
             path: m.path.clone(),
             create: Some(CreateImageFile {
                 size_bytes: size,
                 allocation: Allocation::Sparse,
-                encryption: None,
+                encryption: key.clone().map(|key| CreateEncryption { key }),
             }),
             clone_from: None,
             restore_from: None,
@@ -269,7 +296,7 @@ impl Manager {
                 queue_depth: DEFAULT_QUEUE_DEPTH,
                 max_io_bytes: DEFAULT_MAX_IO_BYTES,
                 qos: None,
-                key: None,
+                key,
             })
             .await;
         match created {
@@ -311,16 +338,20 @@ impl Manager {
         }
     }
 
-    /// The local volume's device as `major:minor`, for a table.
+    /// The local volume's device as `major:minor`, for a table: what the
+    /// volume serves its users (an encrypted one's plaintext).
     async fn local_device(&self, m: &MoveRow) -> Result<String> {
         let id = m
             .volume_id
             .ok_or_else(|| Error::Internal(format!("move {} has no local volume yet", m.id)))?;
         let v = self.house.volume_row(&id.to_string()).await?;
-        let a = v.attachment.as_ref().ok_or_else(|| {
+        let (device, _) = super::exports::served_device(&v).ok_or_else(|| {
             Error::Internal(format!("move {}: volume '{}' has no device", m.id, v.name))
         })?;
-        Ok(format!("{}:{}", a.major, a.minor))
+        let rdev = std::fs::metadata(&device)
+            .map_err(|e| Error::Internal(format!("move {}: {device}: {e}", m.id)))?
+            .rdev();
+        Ok(format!("{}:{}", libc::major(rdev), libc::minor(rdev)))
     }
 
     /// Loads the mirror into the remote volume's node.
