@@ -50,3 +50,8 @@ CREATE TABLE moves (
 -- One running move per remote volume, decided by the registry.
 CREATE UNIQUE INDEX moves_running ON moves (remote_id)
     WHERE state IN ('syncing', 'releasing');
+
+-- What the host orchestrating a move of an exported volume last said of it
+-- (JSON: the move's id, that host's NQN, its state and progress): the
+-- exporting host shows it with the export.
+ALTER TABLE exports ADD COLUMN moving TEXT;

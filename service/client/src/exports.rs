@@ -7,7 +7,7 @@ use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
-    CreateRemoteRequest, DeleteExportQuery, Export, ExportHostKeys, ExportRequest,
+    CreateRemoteRequest, DeleteExportQuery, Export, ExportHostKeys, ExportMove, ExportRequest,
     PatchRemoteRequest, Remote,
 };
 
@@ -28,6 +28,13 @@ impl Client {
     /// `GET /v1/volumes/{id}/export`.
     pub async fn export(&self, volume: &str) -> Result<Export, Error> {
         self.get(&export_path(volume)).await
+    }
+
+    /// `PUT /v1/volumes/{id}/export/move`: what the host moving the
+    /// volume's data says of the move.
+    pub async fn note_export_move(&self, volume: &str, word: &ExportMove) -> Result<Export, Error> {
+        self.send(Method::PUT, &format!("{}/move", export_path(volume)), word)
+            .await
     }
 
     /// `DELETE /v1/volumes/{id}/export`.

@@ -111,6 +111,9 @@ pub struct Export {
     pub state: ExportState,
     /// Why it is in its state, when that needs saying.
     pub state_reason: Option<String>,
+    /// A move of the volume's data to another host, as that host last
+    /// said.
+    pub moving: Option<super::ExportMove>,
     /// When it was made.
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,

@@ -142,3 +142,29 @@ pub struct Move {
     #[serde(with = "time::serde::rfc3339::option")]
     pub finished_at: Option<OffsetDateTime>,
 }
+
+/// What the host orchestrating a move says of it to the exporting host
+/// (`PUT /v1/volumes/{id}/export/move`), shown with the export there.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExportMove {
+    /// The move's id on the orchestrating host.
+    pub move_id: Uuid,
+    /// The orchestrating host's NQN (where the data goes).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^nqn\\.[!-+\\-.0-~]{0,219}$", max_length = 223)
+    )]
+    pub host_nqn: String,
+    /// Where the move is.
+    pub state: MoveState,
+    /// Bytes copied so far.
+    pub synced_bytes: u64,
+    /// Bytes to copy in all.
+    pub total_bytes: u64,
+    /// When the orchestrating host said so: an older word never replaces a
+    /// newer one.
+    #[serde(with = "time::serde::rfc3339")]
+    pub at: OffsetDateTime,
+}

@@ -566,6 +566,19 @@ fn export(e: &Export, show_keys: bool) -> String {
         ("read only", e.read_only.to_string()),
         ("created", at(e.created_at)),
     ];
+    if let Some(m) = &e.moving {
+        f.push((
+            "moving",
+            format!(
+                "to {} ({}): {}, {} of {} bytes copied",
+                m.host_nqn,
+                m.move_id,
+                m.state.as_str(),
+                m.synced_bytes,
+                m.total_bytes
+            ),
+        ));
+    }
     if e.hosts.is_empty() {
         f.push(("hosts", "any (no authentication)".into()));
     }
@@ -783,6 +796,7 @@ mod tests {
             }],
             state: ExportState::Serving,
             state_reason: None,
+            moving: None,
             created_at: OffsetDateTime::UNIX_EPOCH,
         }
     }

@@ -10,8 +10,8 @@ use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use crate::manager::Created;
 use blockplane_api::model::{
-    CreateRemoteRequest, DeleteExportQuery, ErrorBody, Export, ExportHostKeys, ExportRequest,
-    PatchRemoteRequest, Remote,
+    CreateRemoteRequest, DeleteExportQuery, ErrorBody, Export, ExportHostKeys, ExportMove,
+    ExportRequest, PatchRemoteRequest, Remote,
 };
 
 /// Export a volume over NVMe/TCP, or change which hosts its export
@@ -194,4 +194,26 @@ pub async fn delete_remote(
 ) -> Result<StatusCode, ApiError> {
     detached(async move { m.remotes().delete(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Record what the host moving a volume's data says of the move (that
+/// host calls it at each step); shown with the export.
+#[utoipa::path(
+    put, path = "/v1/volumes/{id}/export/move", tag = "exports",
+    params(("id" = String, Path, description = "Volume id or name")),
+    request_body = ExportMove,
+    responses(
+        (status = 200, description = "The export, with the move", body = Export),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such volume, or it has no export (`export_not_found`)", body = ErrorBody),
+    )
+)]
+pub async fn note_export_move(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ExportMove>,
+) -> Result<Json<Export>, ApiError> {
+    Ok(Json(
+        detached(async move { m.exports().note_move(&id, req).await }).await?,
+    ))
 }

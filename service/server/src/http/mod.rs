@@ -239,6 +239,7 @@ fn routes() -> OpenApiRouter<AppState> {
             exports::get_export,
             exports::delete_export
         ))
+        .routes(routes!(exports::note_export_move))
         .routes(routes!(exports::list_exports))
         .routes(routes!(exports::rotate_host_keys))
         .routes(routes!(exports::create_remote, exports::list_remotes))

@@ -25,7 +25,8 @@ use super::fabric_error::ExportError;
 use super::house::House;
 use crate::store::{ExportHostRow, ExportRow, VolumeRow};
 use blockplane_api::model::{
-    Export, ExportAuth, ExportHost, ExportHostKeys, ExportRequest, ExportState, VolumeState,
+    Export, ExportAuth, ExportHost, ExportHostKeys, ExportMove, ExportRequest, ExportState,
+    VolumeState,
 };
 use blockplane_system::dhchap::Secret;
 use blockplane_system::nvmet::{self, ListenAddr, NvmetError, SubsystemSpec, Target};
@@ -125,6 +126,7 @@ impl Exports {
             state: ExportState::Waiting,
             state_reason: None,
             hosts: sorted(&req.hosts),
+            moving: previous.as_ref().and_then(|p| p.moving.clone()),
             created_at: previous
                 .as_ref()
                 .map_or_else(OffsetDateTime::now_utc, |p| p.created_at),
@@ -451,8 +453,42 @@ impl Exports {
                 .collect(),
             state: row.state,
             state_reason: row.state_reason,
+            moving: row.moving,
             created_at: row.created_at,
         })
+    }
+
+    /// `PUT /v1/volumes/{id}/export/move`: what the host moving the
+    /// volume's data says of the move, recorded with an event at each new
+    /// state; a word older than the one recorded changes nothing.
+    pub(crate) async fn note_move(&self, id_or_name: &str, word: ExportMove) -> Result<Export> {
+        let v = self.house.volume_row(id_or_name).await?;
+        let _volume = self.house.locks.volumes.lock(&v.name).await;
+        let row = self
+            .house
+            .store
+            .export(v.id)
+            .await?
+            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?;
+        let last = row.moving.as_ref();
+        if last.is_none_or(|l| l.at < word.at) {
+            let mut tx = self.house.store.begin().await?;
+            tx.set_export_move(v.id, &word).await?;
+            if last.is_none_or(|l| l.state != word.state || l.move_id != word.move_id) {
+                let message = format!(
+                    "volume '{}': move {} of its data to host {} is {} ({} of {} bytes copied)",
+                    v.name,
+                    word.move_id,
+                    word.host_nqn,
+                    word.state.as_str(),
+                    word.synced_bytes,
+                    word.total_bytes
+                );
+                tx.event(Some(v.id), None, "export_move", &message).await?;
+            }
+            tx.commit().await?;
+        }
+        self.get(&v.id.to_string()).await
     }
 
     /// `DELETE /v1/volumes/{id}/export`: refused while a host is connected,

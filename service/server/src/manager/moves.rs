@@ -35,8 +35,8 @@ use crate::store::{MoveRow, RemoteRow};
 use blockplane_api::model::{
     Allocation, BackendChoice, CreateEncryption, CreateImageFile, CreateImageRequest,
     CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery,
-    DeleteImageQuery, DispatchPolicy, Key, Move, MoveState, PatchMoveRequest, PatchVolumeRequest,
-    RemoteState, StartMoveRequest,
+    DeleteImageQuery, DispatchPolicy, ExportMove, Key, Move, MoveState, PatchMoveRequest,
+    PatchVolumeRequest, RemoteState, StartMoveRequest,
 };
 use blockplane_client::{Client, Endpoint};
 use blockplane_system::dm::{self, raid1};
@@ -849,13 +849,38 @@ impl Manager {
         })
     }
 
-    /// Records `m` with an event.
+    /// Records `m` with an event, and tells the exporting host.
     async fn record_move(&self, m: &MoveRow, kind: &str, message: &str) -> Result<()> {
         let mut tx = self.house.store.begin().await?;
         tx.put_move(m).await?;
         tx.event(Some(m.remote_id), None, kind, message).await?;
         tx.commit().await?;
+        self.tell_state(m);
         Ok(())
+    }
+
+    /// Tells the exporting host where move `m` is, in the background: its
+    /// answer (or its silence, through a network cut) never holds the move
+    /// up, and a word lost is replaced by the next one.
+    fn tell_state(&self, m: &MoveRow) {
+        let Ok(endpoint) = Endpoint::parse(&m.source_api) else {
+            return;
+        };
+        let client = Client::new(endpoint, self.peer_token.clone());
+        let word = ExportMove {
+            move_id: m.id,
+            host_nqn: self.remotes.host_nqn().to_string(),
+            state: m.state,
+            synced_bytes: m.synced_bytes,
+            total_bytes: m.total_bytes,
+            at: m.updated_at,
+        };
+        let (volume, id) = (m.source_volume.clone(), m.id);
+        tokio::spawn(async move {
+            if let Err(e) = client.note_export_move(&volume, &word).await {
+                tracing::debug!(move_id = %id, error = %e, "the exporting host was not told");
+            }
+        });
     }
 
     /// Moves `m` to `state` (ended: with its end time), recorded with an

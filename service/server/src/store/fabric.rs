@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError, WriteTx, enum_from_str, enum_str, parse_ts, ts, uuid};
-use blockplane_api::model::{ExportAuth, ExportState, MoveState, RemoteState};
+use blockplane_api::model::{ExportAuth, ExportMove, ExportState, MoveState, RemoteState};
 use blockplane_system::dhchap::Secret;
 
 /// A volume's export as stored.
@@ -25,6 +25,8 @@ pub struct ExportRow {
     pub state_reason: Option<String>,
     /// The host NQNs allowed, by name.
     pub hosts: Vec<String>,
+    /// What the host moving the volume's data last said of the move.
+    pub moving: Option<ExportMove>,
     pub created_at: OffsetDateTime,
 }
 
@@ -89,6 +91,10 @@ impl ExportRow {
             state: enum_from_str("export state", r.try_get("state")?)?,
             state_reason: r.try_get("state_reason")?,
             hosts,
+            moving: r
+                .try_get::<Option<String>, _>("moving")?
+                .map(|m| super::from_json("export move", &m))
+                .transpose()?,
             created_at: parse_ts(r.try_get("created_at")?)?,
         })
     }
@@ -250,6 +256,16 @@ impl WriteTx {
         sqlx::query("UPDATE exports SET state = ?, state_reason = ? WHERE volume_id = ?")
             .bind(enum_str(state))
             .bind(reason)
+            .bind(volume_id.to_string())
+            .execute(self.conn())
+            .await?;
+        Ok(())
+    }
+
+    /// Records what the host moving `volume_id`'s data said of the move.
+    pub async fn set_export_move(&mut self, volume_id: Uuid, m: &ExportMove) -> Result<()> {
+        sqlx::query("UPDATE exports SET moving = ? WHERE volume_id = ?")
+            .bind(super::json(m))
             .bind(volume_id.to_string())
             .execute(self.conn())
             .await?;
