@@ -122,7 +122,7 @@ async fn metrics_parse_keep_their_labels_and_survive_a_restart() {
             "{text}"
         );
     }
-    for state in ["connecting", "attached", "reconnecting", "error"] {
+    for state in ["connecting", "attached", "reconnecting", "error", "moved"] {
         assert_eq!(
             sample(&first, "blockplane_remote_volumes", &[("state", state)]),
             Some(0.0),

@@ -487,7 +487,7 @@ impl Collector for Snapshot {
             ),
             (
                 "blockplane_remote_volumes",
-                "Remote volumes (other hosts' exports connected here over NVMe/TCP), per state (connecting, attached, reconnecting: I/O waits, error: the connection is gone)",
+                "Remote volumes (other hosts' exports connected here over NVMe/TCP), per state (connecting, attached, reconnecting: I/O waits, error: the connection is gone, moved: its data moved here)",
                 &self.remote_states,
             ),
         ] {

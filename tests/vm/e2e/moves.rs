@@ -183,14 +183,10 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     .await;
 
     // A shows the move with its export, as B said it.
-    eventually(
-        Duration::from_secs(60),
-        "A to show the move",
-        async || {
-            let e = a.s.get("/v1/volumes/m-ublk/export").await.body;
-            e["moving"]["state"] == "syncing" && e["moving"]["host_nqn"] == b_nqn.as_str()
-        },
-    )
+    eventually(Duration::from_secs(60), "A to show the move", async || {
+        let e = a.s.get("/v1/volumes/m-ublk/export").await.body;
+        e["moving"]["state"] == "syncing" && e["moving"]["host_nqn"] == b_nqn.as_str()
+    })
     .await;
 
     // B's service dies mid-copy: the kernel's mirror runs on, and the

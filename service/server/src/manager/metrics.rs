@@ -78,6 +78,7 @@ impl Manager {
                         model::RemoteState::Attached,
                         model::RemoteState::Reconnecting,
                         model::RemoteState::Error,
+                        model::RemoteState::Moved,
                     ],
                     remotes.iter().map(|r| r.state),
                     model::RemoteState::as_str,
