@@ -48,7 +48,9 @@ pub struct StartMoveRequest {
     pub key: Option<super::Key>,
 }
 
-/// `PATCH /v1/moves/{id}`: change a running move's rate limit.
+/// `PATCH /v1/moves/{id}`: change a running move's rate limit. The mirror
+/// is loaded again with it, and the copy starts over: the kernel keeps a
+/// copy's progress only in the mirror a table made.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

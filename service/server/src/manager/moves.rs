@@ -759,8 +759,8 @@ impl Manager {
         self.move_view(m).await
     }
 
-    /// `PATCH /v1/moves/{id}`: a new rate limit, live (the mirror's table
-    /// loaded again with it).
+    /// `PATCH /v1/moves/{id}`: a new rate limit, live: the mirror's table
+    /// loaded again with it, which starts the copy over.
     pub(crate) async fn patch_move(&self, id: &str, patch: PatchMoveRequest) -> Result<Move> {
         let m = self.move_of(id).await?;
         let row = self.remote_row(&m.remote_id.to_string()).await?;
@@ -787,11 +787,15 @@ impl Manager {
             return self.move_view(m).await;
         }
         m.rate_limit = rate;
+        // dm-raid keeps a rebuild's progress in the set a table made: the
+        // new table's set copies from the start (its remote leg still holds
+        // every write, so nothing is lost but time).
         if let Node::Mirror(_) = self.node_of(&row, &m).await? {
             self.mirror(&row, &m).await?;
+            m.synced_bytes = 0;
         }
         let message = format!(
-            "move {}: rate limit {}",
+            "move {}: rate limit {}; the copy starts over at it",
             m.id,
             match rate {
                 0 => "none".to_string(),
