@@ -152,12 +152,19 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let listen = format!("{A_IP}:7400");
     let a = Vm::start_guarded(
         Some(&hosts.a),
-        &["--export-address", &export_arg, "--listen", &listen],
+        &[
+            "--export-address",
+            &export_arg,
+            "--listen",
+            &listen,
+            "--key-unlock-ms",
+            "200",
+        ],
         TOKEN,
         Vec::new(),
     )
     .await;
-    let mut b = Vm::start_guarded(None, &[], TOKEN, Vec::new()).await;
+    let mut b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, Vec::new()).await;
     let _leftovers = Leftovers;
     let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
         .as_str()
@@ -384,12 +391,25 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     let listen = format!("{A_IP}:7400");
     let mut a = Vm::start_guarded(
         Some(&hosts.a),
-        &["--export-address", &export_arg, "--listen", &listen],
+        &[
+            "--export-address",
+            &export_arg,
+            "--listen",
+            &listen,
+            "--key-unlock-ms",
+            "200",
+        ],
         TOKEN,
         Vec::new(),
     )
     .await;
-    let b = Vm::start_guarded(None, &[], TOKEN, vec![small.0.clone()]).await;
+    let b = Vm::start_guarded(
+        None,
+        &["--key-unlock-ms", "200"],
+        TOKEN,
+        vec![small.0.clone()],
+    )
+    .await;
     let _leftovers = Leftovers;
     let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
         .as_str()
@@ -637,12 +657,19 @@ async fn move_cost_benchmark() {
     let listen = format!("{A_IP}:7400");
     let a = Vm::start_guarded(
         Some(&hosts.a),
-        &["--export-address", &export_arg, "--listen", &listen],
+        &[
+            "--export-address",
+            &export_arg,
+            "--listen",
+            &listen,
+            "--key-unlock-ms",
+            "200",
+        ],
         TOKEN,
         Vec::new(),
     )
     .await;
-    let b = Vm::start_guarded(None, &[], TOKEN, Vec::new()).await;
+    let b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, Vec::new()).await;
     let _leftovers = Leftovers;
     let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
         .as_str()
