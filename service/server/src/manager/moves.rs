@@ -64,9 +64,11 @@ enum Then {
     Nothing,
     /// Delete the local volume and image of a move that ended short.
     UndoLocal,
-    /// Put the local volume on its fastest path, then tell the exporting
-    /// host to let go.
-    Release,
+    /// Tell the exporting host to let go; first put the local volume on
+    /// its fastest path when the step has just disconnected.
+    Release {
+        disconnected: bool,
+    },
 }
 
 impl Manager {
@@ -461,8 +463,10 @@ impl Manager {
                 self.undo_local_leg(&m).await;
                 Ok(())
             }
-            Then::Release => {
-                self.fastest_path(&m).await;
+            Then::Release { disconnected } => {
+                if disconnected {
+                    self.fastest_path(&m).await;
+                }
                 self.tell_source(m).await
             }
         }
@@ -472,8 +476,8 @@ impl Manager {
     /// volume's lock.
     async fn step(&self, row: RemoteRow, m: &mut MoveRow) -> Result<Then> {
         if m.state == MoveState::Releasing {
-            self.disconnect(row, m).await?;
-            return Ok(Then::Release);
+            let disconnected = self.disconnect(row, m).await?;
+            return Ok(Then::Release { disconnected });
         }
         if m.volume_id.is_none() {
             self.fail_move(m, "the service stopped before its local image was made")
@@ -486,10 +490,19 @@ impl Manager {
                     .await?;
                 Ok(Then::UndoLocal)
             }
+            Node::Mirror(s) if s.health.first() == Some(&raid1::Health::Dead) => {
+                // Past the loss timeout: the consumer's writes fail (md
+                // never acknowledges one held only by the leg being
+                // rebuilt), and the exporting host holds every write it
+                // acknowledged. The node stays as it is for the operator.
+                let reason = "its remote leg failed (the connection to the exporting host was lost past its loss timeout): the consumer's I/O fails; the exporting host holds every acknowledged write: connect it again as a new remote volume";
+                self.fail_move(m, reason).await?;
+                Ok(Then::Nothing)
+            }
             Node::Mirror(s) if s.synced() => {
                 self.switch(&row, m).await?;
-                self.disconnect(row, m).await?;
-                Ok(Then::Release)
+                let disconnected = self.disconnect(row, m).await?;
+                Ok(Then::Release { disconnected })
             }
             Node::Mirror(s) => {
                 let done = s.done_sectors.min(s.total_sectors) * 512;
@@ -515,8 +528,8 @@ impl Manager {
                     "the node maps the local volume alone",
                 )
                 .await?;
-                self.disconnect(row, m).await?;
-                Ok(Then::Release)
+                let disconnected = self.disconnect(row, m).await?;
+                Ok(Then::Release { disconnected })
             }
             Node::Remote => {
                 // The mirror is gone (a reboot): made again, the copy from
@@ -569,10 +582,10 @@ impl Manager {
     }
 
     /// Step 4, under the remote volume's lock: the connection goes and the
-    /// remote volume is `moved` (once).
-    async fn disconnect(&self, mut row: RemoteRow, m: &MoveRow) -> Result<()> {
+    /// remote volume is `moved`, once; whether it was now.
+    async fn disconnect(&self, mut row: RemoteRow, m: &MoveRow) -> Result<bool> {
         if row.state == RemoteState::Moved {
-            return Ok(());
+            return Ok(false);
         }
         if let Some(a) = row.attachment.clone() {
             let controller = a.controller;
@@ -599,7 +612,7 @@ impl Manager {
         tx.event(Some(row.id), None, "remote_moved", &message)
             .await?;
         tx.commit().await?;
-        Ok(())
+        Ok(true)
     }
 
     /// The local volume on `direct` where the direct-map rules allow it:
