@@ -277,7 +277,12 @@ impl Manager {
             name: m.image.clone(),
             path: m.path.clone(),
             create: Some(CreateImageFile {
-                size_bytes: size,
+                // An encrypted image's data follows its LUKS2 header: the
+                // plaintext must hold every byte of the remote.
+                size_bytes: match key {
+                    Some(_) => size + super::encryption::HEADER_BYTES,
+                    None => size,
+                },
                 allocation: Allocation::Sparse,
                 encryption: key.clone().map(|key| CreateEncryption { key }),
             }),
