@@ -18,7 +18,7 @@ use blockplane_test_support::hosts::{A_IP, Hosts};
 
 const TOKEN: &str = "vm-moves-shared-token";
 
-/// A copy slow enough (12 min for a 48 MiB volume) that the faults a test
+/// A copy slow enough (6 min for a 24 MiB volume) that the faults a test
 /// makes happen mid-copy; the test lifts it to let the move end.
 const SLOW: u64 = 64 << 10;
 
@@ -88,7 +88,7 @@ fn dev_of(device: &str) -> u64 {
 /// made it), exported to B and connected there; B's device.
 async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> String {
     if a.s.get(&format!("/v1/images/{name}")).await.status.as_u16() == 404 {
-        a.image(name, Scratch::Xfs, 48, "full").await;
+        a.image(name, Scratch::Xfs, 24, "full").await;
     }
     a.volume(body).await;
     let export =
@@ -253,7 +253,7 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let img =
         a.s.post(
             "/v1/images",
-            json!({"name": "m-crypt", "path": path, "create": {"size_bytes": 40u64 << 20,
+            json!({"name": "m-crypt", "path": path, "create": {"size_bytes": 32u64 << 20,
                    "allocation": "full", "encryption": {"key": key}}}),
         )
         .await;
@@ -386,7 +386,7 @@ impl Drop for SmallDisk {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() {
     let hosts = Hosts::new();
-    let small = SmallDisk::new(16);
+    let small = SmallDisk::new(12);
     let export_arg = format!("{A_IP}:4420");
     let listen = format!("{A_IP}:7400");
     let mut a = Vm::start_guarded(
