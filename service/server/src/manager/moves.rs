@@ -42,6 +42,9 @@ use blockplane_client::{Client, Endpoint};
 use blockplane_system::dm::{self, raid1};
 use blockplane_system::fabrics;
 
+/// How long a move's disconnect waits for the namespace's /dev node to go.
+const HEAD_GONE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The smallest rate limit: dm-raid counts in KiB/s.
 const MIN_RATE: u64 = 1024;
 
@@ -593,13 +596,27 @@ impl Manager {
             return Ok(false);
         }
         if let Some(a) = row.attachment.clone() {
-            let controller = a.controller;
-            blocking(move || fabrics::disconnect(controller))
-                .await?
-                .map_err(|source| super::fabric_error::RemoteError::Fabrics {
-                    name: row.name.clone(),
-                    source,
-                })?;
+            let (controller, head) = (a.controller, a.nvme_device.clone());
+            blocking(move || {
+                fabrics::disconnect(controller)?;
+                // The kernel removes the namespace's /dev node after the
+                // controller: a connect made meanwhile that reuses the
+                // instance would find the old node and lose it. Waited
+                // for, bounded: the move is done either way.
+                let end = std::time::Instant::now() + HEAD_GONE;
+                while !head.is_empty()
+                    && Path::new(&head).exists()
+                    && std::time::Instant::now() < end
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                Ok(())
+            })
+            .await?
+            .map_err(|source| super::fabric_error::RemoteError::Fabrics {
+                name: row.name.clone(),
+                source,
+            })?;
             row.attachment = Some(crate::store::RemoteAttachment {
                 nvme_device: String::new(),
                 ..a
