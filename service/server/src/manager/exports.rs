@@ -383,12 +383,7 @@ impl Exports {
         let v = self.house.volume_row(id_or_name).await?;
         // The row first: a volume without an export does not load the
         // kernel's target to say so.
-        let row = self
-            .house
-            .store
-            .export(v.id)
-            .await?
-            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?;
+        let row = self.export_of(&v).await?;
         let target = blocking(Target::open).await?.ok();
         self.shown(&v, row, target.as_ref()).await
     }
@@ -409,12 +404,7 @@ impl Exports {
     }
 
     async fn view(&self, v: &VolumeRow, target: Option<&Target>) -> Result<Export> {
-        let row = self
-            .house
-            .store
-            .export(v.id)
-            .await?
-            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?;
+        let row = self.export_of(v).await?;
         self.shown(v, row, target).await
     }
 
@@ -458,18 +448,23 @@ impl Exports {
         })
     }
 
+    /// Volume `v`'s export row; refused when it has none.
+    async fn export_of(&self, v: &VolumeRow) -> Result<ExportRow> {
+        Ok(self
+            .house
+            .store
+            .export(v.id)
+            .await?
+            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?)
+    }
+
     /// `PUT /v1/volumes/{id}/export/move`: what the host moving the
     /// volume's data says of the move, recorded with an event at each new
     /// state; a word older than the one recorded changes nothing.
     pub(crate) async fn note_move(&self, id_or_name: &str, word: ExportMove) -> Result<Export> {
         let v = self.house.volume_row(id_or_name).await?;
         let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let row = self
-            .house
-            .store
-            .export(v.id)
-            .await?
-            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?;
+        let row = self.export_of(&v).await?;
         let last = row.moving.as_ref();
         if last.is_none_or(|l| l.at < word.at) {
             let mut tx = self.house.store.begin().await?;
@@ -496,12 +491,7 @@ impl Exports {
     pub(crate) async fn delete(&self, id_or_name: &str, force: bool) -> Result<()> {
         let v = self.house.volume_row(id_or_name).await?;
         let _volume = self.house.locks.volumes.lock(&v.name).await;
-        let row = self
-            .house
-            .store
-            .export(v.id)
-            .await?
-            .ok_or_else(|| ExportError::NotFound(v.name.clone()))?;
+        let row = self.export_of(&v).await?;
         let target = self.target(&v.name).await?;
         match connected(&target, &row.nqn, &self.addresses).await? {
             Connected::Hosts(hosts) if !hosts.is_empty() => {
