@@ -241,21 +241,30 @@ pub mod raid1 {
 
     use super::Target;
 
-    /// A raid1 table of two legs over `sectors`, leg 1 rebuilt from leg 0
-    /// at `rate_kib` KiB/s per leg (none: md's host-wide limits, the
-    /// rebuild slowed to their minimum while the consumer does I/O). A
-    /// rate is both the set's minimum and maximum: md throttles only above
-    /// the minimum, so a maximum below md's default minimum (1000 KiB/s)
-    /// would not hold, and a rate the consumer's I/O may slow is not one
-    /// the operator asked for.
+    /// A raid1 table of two legs over `sectors`, at `rate_kib` KiB/s per
+    /// leg (none: md's host-wide limits, the rebuild slowed to their
+    /// minimum while the consumer does I/O). A rate is both the set's
+    /// minimum and maximum: md throttles only above the minimum, so a
+    /// maximum below md's default minimum (1000 KiB/s) would not hold, and
+    /// a rate the consumer's I/O may slow is not one the operator asked
+    /// for.
+    ///
+    /// `rebuild` makes leg 1 rebuilt from leg 0 from its first sector:
+    /// for a new set. Without it, a set whose metadata legs (`metas`) hold
+    /// its superblocks goes on from where they say the rebuild is; without
+    /// metadata legs the kernel would take both legs as in sync.
     pub fn table(
         sectors: u64,
         legs: [&Path; 2],
         metas: Option<[&Path; 2]>,
         rate_kib: Option<u64>,
+        rebuild: bool,
     ) -> Vec<Target> {
         // chunk size 0 (raid1 has none), then the optional pairs.
-        let mut params = vec!["0".to_string(), "rebuild".into(), "1".into()];
+        let mut params = vec!["0".to_string()];
+        if rebuild {
+            params.extend(["rebuild".into(), "1".into()]);
+        }
         if let Some(kib) = rate_kib {
             params.extend([
                 "min_recovery_rate".into(),
@@ -278,6 +287,23 @@ pub mod raid1 {
             legs[1].display()
         );
         vec![(0, sectors, "raid".into(), format!("raid1 {line}"))]
+    }
+
+    /// Each leg's metadata device and data device, in table order, as a
+    /// raid1 table's parameters name them (`-`: no metadata device);
+    /// `None` when `params` is not a two-leg raid1 table.
+    pub fn devices(params: &str) -> Option<[(String, String); 2]> {
+        let mut f = params.split_whitespace();
+        if f.next()? != "raid1" {
+            return None;
+        }
+        let n: usize = f.next()?.parse().ok()?;
+        let mut f = f.skip(n);
+        if f.next()? != "2" {
+            return None;
+        }
+        let mut leg = || Some((f.next()?.to_string(), f.next()?.to_string()));
+        Some([leg()?, leg()?])
     }
 
     /// One leg's health as dm-raid reports it.
@@ -355,6 +381,7 @@ pub mod raid1 {
                 [Path::new("/dev/nvme0n1"), Path::new("/dev/dm-3")],
                 None,
                 Some(4096),
+                true,
             );
             assert_eq!(
                 t,
@@ -366,8 +393,47 @@ pub mod raid1 {
                         .to_string()
                 )]
             );
-            let t = table(8, [Path::new("/a"), Path::new("/b")], None, None);
+            let t = table(8, [Path::new("/a"), Path::new("/b")], None, None, true);
             assert_eq!(t[0].3, "raid1 3 0 rebuild 1 2 - /a - /b");
+            let metas = Some([Path::new("7:2"), Path::new("7:3")]);
+            let t = table(
+                8,
+                [Path::new("/a"), Path::new("/b")],
+                metas,
+                Some(64),
+                false,
+            );
+            assert_eq!(
+                t[0].3,
+                "raid1 5 0 min_recovery_rate 64 max_recovery_rate 64 2 7:2 /a 7:3 /b"
+            );
+        }
+
+        #[test]
+        fn a_table_names_its_legs() {
+            let t = table(
+                8,
+                [Path::new("259:1"), Path::new("252:3")],
+                Some([Path::new("7:2"), Path::new("7:3")]),
+                Some(64),
+                true,
+            );
+            assert_eq!(
+                devices(&t[0].3),
+                Some([
+                    ("7:2".to_string(), "259:1".to_string()),
+                    ("7:3".to_string(), "252:3".to_string())
+                ])
+            );
+            assert_eq!(
+                devices("raid1 3 0 rebuild 1 2 - 259:1 - 252:3"),
+                Some([
+                    ("-".to_string(), "259:1".to_string()),
+                    ("-".to_string(), "252:3".to_string())
+                ])
+            );
+            assert_eq!(devices("259:1 0"), None);
+            assert_eq!(devices("raid1 1 0 2 - 259:1"), None);
         }
 
         #[test]
