@@ -382,7 +382,8 @@ impl Drop for SmallDisk {
 /// mid-copy (the consumer's writes and the copy wait, then go on). A dm
 /// volume's move into a disk that fills: the local leg fails, the node goes
 /// back to A alone and the move ends `failed`, B's consumer seeing no
-/// error.
+/// error; the same when B's disk fails by an I/O error. A new rate limit
+/// mid-copy goes on from where the copy was.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() {
     let hosts = Hosts::new();
@@ -447,6 +448,26 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     })
     .await;
     writes_flow(&device, 256 << 10).await;
+    // A new limit goes on from the copy's progress, which the mirror's
+    // metadata legs keep: never back to the first sector.
+    let before = move_of(&b, &id).await["synced_bytes"].as_u64().unwrap();
+    let p =
+        b.s.patch(
+            &format!("/v1/moves/{id}"),
+            json!({"rate_limit_bytes_per_sec": 2 * SLOW}),
+        )
+        .await;
+    assert_eq!(p.status.as_u16(), 200, "{}", p.body);
+    eventually(
+        Duration::from_secs(120),
+        "the copy to go on past where it was",
+        async || {
+            let now = move_of(&b, &id).await["synced_bytes"].as_u64().unwrap();
+            assert!(now >= before, "the copy went back: {now} < {before}");
+            now > before
+        },
+    )
+    .await;
     let p =
         b.s.patch(
             &format!("/v1/moves/{id}"),
@@ -509,18 +530,94 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     let r = b.s.get("/v1/images/f-full").await;
     assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
 
-    for name in ["f-loop", "f-full"] {
+    // B's disk fails by an I/O error mid-copy: the mirror drops the local
+    // leg, recorded on its metadata legs, and the remote leg serves on.
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "f-eio",
+        json!({"name": "f-eio", "image": "f-eio", "backend": "loop"}),
+    )
+    .await;
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move(&b, "f-eio", SLOW).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
+    .await;
+    let local = b.s.get("/v1/volumes/f-eio").await.body;
+    fail_device(local["device"].as_str().unwrap());
+    eventually(Duration::from_secs(120), "the move to stop", async || {
+        move_of(&b, &id).await["state"] != "syncing"
+    })
+    .await;
+    let failed = move_of(&b, &id).await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert!(
+        failed["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("local leg failed"),
+        "{failed}"
+    );
+    writes_flow(&device, 1 << 20).await;
+    let (jobs, _) = consumer.finish();
+    println!("f-eio: {jobs} fio verify jobs through a move whose disk failed");
+    let remote = b.s.get("/v1/remotes/f-eio").await.body;
+    assert_eq!(remote["state"], "attached", "{remote}");
+
+    for name in ["f-loop", "f-full", "f-eio"] {
         let d = b.s.delete(&format!("/v1/remotes/{name}")).await;
         assert_eq!(d.status.as_u16(), 204, "{name}: {}", d.body);
     }
     b.delete("f-loop").await;
-    let d = a.s.delete("/v1/volumes/f-full/export").await;
-    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
-    a.delete("f-full").await;
+    for name in ["f-full", "f-eio"] {
+        let d = a.s.delete(&format!("/v1/volumes/{name}/export")).await;
+        assert_eq!(d.status.as_u16(), 204, "{name}: {}", d.body);
+        a.delete(name).await;
+    }
     drop(b);
     drop(a);
     drop(small);
     drop(hosts);
+}
+
+/// B's disk failing: every I/O to the dm node `device` fails from now on
+/// (its table replaced by dm's `error` target).
+fn fail_device(device: &str) {
+    let rdev = dev_of(device);
+    let (major, minor) = (libc::major(rdev).to_string(), libc::minor(rdev).to_string());
+    let out = std::process::Command::new("dmsetup")
+        .args([
+            "info",
+            "-c",
+            "--noheadings",
+            "-o",
+            "name",
+            "-j",
+            &major,
+            "-m",
+            &minor,
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "dmsetup info {device}: {out:?}");
+    let name = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let sectors = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/size")).unwrap();
+    let table = format!("0 {} error", sectors.trim());
+    for args in [
+        vec!["reload", &name, "--table", &table],
+        vec!["resume", &name],
+    ] {
+        let status = std::process::Command::new("dmsetup")
+            .args(&args)
+            .status()
+            .unwrap();
+        assert!(status.success(), "dmsetup {args:?}");
+    }
 }
 
 /// One write of [`Prober`]: when it started and how long it took.

@@ -588,6 +588,30 @@ impl PrivateLoop {
     }
 }
 
+/// Binds a loop device over `file`, a small file of the service's own (a
+/// move's metadata leg), for the dm table that will hold it: with
+/// autoclear, so it unbinds itself when that table lets it go, and
+/// buffered, since the file may be on a filesystem without direct I/O.
+/// Its mark, `bpm:<instance>:<owner>`, is no volume's: no volume's scan
+/// takes it for its own. The handle returned keeps it bound until a
+/// loaded table holds it.
+pub fn bind_service_file(
+    instance: &str,
+    owner: Uuid,
+    file: &OwnedFd,
+) -> Result<(DevNum, File), BackendError> {
+    let mut info = LoopInfo64::zeroed();
+    let text = format!("bpm:{instance}:{owner}");
+    let n = text.len().min(LO_NAME_SIZE - 1);
+    info.lo_file_name[..n].copy_from_slice(&text.as_bytes()[..n]);
+    info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    let (dev, f) = bind(file, info, |_| {})?;
+    let (major, minor) = dev
+        .major_minor()
+        .map_err(|e| BackendError::io("read sysfs of", dev.node(), e))?;
+    Ok((DevNum { major, minor }, f))
+}
+
 impl VolumeBackend for LoopBackend {
     fn kind(&self) -> Backend {
         Backend::Loop

@@ -117,7 +117,7 @@ fn moves(e: &MoveError) -> (StatusCode, ErrorCode) {
             (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidMove)
         }
         E::Ended { .. } => (StatusCode::CONFLICT, C::MoveEnded),
-        E::Dm { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
+        E::Dm { .. } | E::Metadata { .. } => (StatusCode::INTERNAL_SERVER_ERROR, C::DeviceError),
     }
 }
 

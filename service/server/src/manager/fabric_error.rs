@@ -187,6 +187,13 @@ pub enum MoveError {
         state: &'static str,
         rule: &'static str,
     },
+    #[error("move {id} of remote volume '{remote}': its metadata legs: {source}")]
+    Metadata {
+        id: uuid::Uuid,
+        remote: String,
+        #[source]
+        source: crate::backend::BackendError,
+    },
     #[error("move {id} of remote volume '{remote}': device-mapper: {source}")]
     Dm {
         id: uuid::Uuid,

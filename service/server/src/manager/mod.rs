@@ -25,6 +25,7 @@ mod locks;
 mod look;
 mod metrics;
 mod moments;
+mod move_metadata;
 mod moves;
 mod names;
 pub mod orphans;
@@ -112,6 +113,8 @@ pub struct Manager {
     /// The moves whose start request has not made their mirror yet: the
     /// follower leaves them to it.
     starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+    /// Where moves' mirrors keep their metadata legs.
+    move_metadata: move_metadata::MoveMetadata,
 }
 
 /// The backends a manager serves volumes with, built by its caller (the
@@ -160,6 +163,7 @@ impl Manager {
             remotes: Remotes::new(house.clone(), host_nqn, host_id),
             peer_token: cfg.peer_token,
             starting: Default::default(),
+            move_metadata: move_metadata::MoveMetadata::new(&cfg.run_dir, &house.settings.instance),
             house,
             backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
             volumes: Volumes::new(images.clone()),

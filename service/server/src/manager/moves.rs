@@ -364,23 +364,76 @@ impl Manager {
         Ok(format!("{}:{}", libc::major(rdev), libc::minor(rdev)))
     }
 
-    /// Loads the mirror into the remote volume's node.
+    /// Loads a new mirror into the remote volume's node, on fresh metadata
+    /// legs: the local leg rebuilt from its first sector.
     async fn mirror(&self, row: &RemoteRow, m: &MoveRow) -> Result<()> {
         let a = row.attachment.clone().ok_or_else(|| {
             Error::Internal(format!("remote volume '{}' has no device", row.name))
         })?;
         let local = self.local_device(m).await?;
+        let (id, remote, rate) = (m.id, row.name.clone(), kib(m.rate_limit));
+        let metadata = self.move_metadata.clone();
+        blocking(move || {
+            let legs = metadata.fresh(id).map_err(|source| MoveError::Metadata {
+                id,
+                remote: remote.clone(),
+                source,
+            })?;
+            let [m0, m1] = legs.devs.map(|d| d.to_string());
+            let table = raid1::table(
+                a.size_bytes / 512,
+                [Path::new(&a.nvme_device), Path::new(&local)],
+                Some([Path::new(&m0), Path::new(&m1)]),
+                rate,
+                true,
+            );
+            // `legs` is dropped after the swap: the loaded table holds the
+            // loop devices then, or they unbind.
+            dm::swap(&a.dm_name, &table, false).map_err(|source| MoveError::Dm {
+                id,
+                remote,
+                source,
+            })
+        })
+        .await??;
+        Ok(())
+    }
+
+    /// Loads the running mirror again with move `m`'s rate limit. On its
+    /// metadata legs the rebuild goes on from where they say it is; a
+    /// mirror without them (made before they were) is made anew, from the
+    /// first sector. Whether the copy goes on.
+    async fn set_rate(&self, row: &RemoteRow, m: &MoveRow) -> Result<bool> {
+        let a = row.attachment.clone().ok_or_else(|| {
+            Error::Internal(format!("remote volume '{}' has no device", row.name))
+        })?;
+        let (id, remote, rate) = (m.id, row.name.clone(), kib(m.rate_limit));
+        let dm_name = a.dm_name.clone();
+        let devices = blocking(move || dm::table(&dm_name))
+            .await?
+            .map_err(|source| MoveError::Dm {
+                id,
+                remote: remote.clone(),
+                source,
+            })?
+            .targets
+            .first()
+            .and_then(|t| raid1::devices(&t.3));
+        let Some([(m0, d0), (m1, d1)]) = devices.filter(|[(m0, _), _]| m0 != "-") else {
+            self.mirror(row, m).await?;
+            return Ok(false);
+        };
         let table = raid1::table(
             a.size_bytes / 512,
-            [Path::new(&a.nvme_device), Path::new(&local)],
-            None,
-            kib(m.rate_limit),
+            [Path::new(&d0), Path::new(&d1)],
+            Some([Path::new(&m0), Path::new(&m1)]),
+            rate,
+            false,
         );
-        let (id, remote) = (m.id, row.name.clone());
         blocking(move || dm::swap(&a.dm_name, &table, false))
             .await?
             .map_err(|source| MoveError::Dm { id, remote, source })?;
-        Ok(())
+        Ok(true)
     }
 
     /// What the remote volume's node maps now.
@@ -822,19 +875,23 @@ impl Manager {
             return self.move_view(m).await;
         }
         m.rate_limit = rate;
-        // dm-raid keeps a rebuild's progress in the set a table made: the
-        // new table's set copies from the start (its remote leg still holds
-        // every write, so nothing is lost but time).
-        if let Node::Mirror(_) = self.node_of(&row, &m).await? {
-            self.mirror(&row, &m).await?;
+        let goes_on = match self.node_of(&row, &m).await? {
+            Node::Mirror(_) => self.set_rate(&row, &m).await?,
+            _ => true,
+        };
+        if !goes_on {
             m.synced_bytes = 0;
         }
         let message = format!(
-            "move {}: rate limit {}; the copy starts over at it",
+            "move {}: rate limit {}; the copy {}",
             m.id,
             match rate {
                 0 => "none".to_string(),
                 r => format!("{r} bytes/s"),
+            },
+            match goes_on {
+                true => "goes on at it",
+                false => "starts over at it (its mirror had no metadata legs)",
             }
         );
         m.updated_at = OffsetDateTime::now_utc();
@@ -938,6 +995,10 @@ impl Manager {
         m.updated_at = now;
         if state.ended() {
             m.finished_at = Some(now);
+        }
+        if state.ended() || state == MoveState::Releasing {
+            // No mirror of this move is made again.
+            self.move_metadata.forget(m.id);
         }
         let message = format!(
             "move {} of remote volume '{}' is {}: {what}",
