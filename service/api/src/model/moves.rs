@@ -49,8 +49,8 @@ pub struct StartMoveRequest {
 }
 
 /// `PATCH /v1/moves/{id}`: change a running move's rate limit. The mirror
-/// is loaded again with it, and the copy starts over: the kernel keeps a
-/// copy's progress only in the mirror a table made.
+/// is loaded again with it, and the copy goes on from the progress its
+/// metadata legs record.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

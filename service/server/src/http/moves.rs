@@ -61,8 +61,8 @@ pub async fn get_move(
     Ok(Json(m.get_move(&id).await?))
 }
 
-/// Change a copying move's rate limit, live: the copy starts over at it
-/// (the kernel keeps its progress only in the mirror a table made).
+/// Change a copying move's rate limit, live: the copy goes on at it from
+/// where it is (the mirror's metadata legs record its progress).
 #[utoipa::path(
     patch, path = "/v1/moves/{id}", tag = "moves",
     params(("id" = String, Path, description = "Move id")),
