@@ -6,7 +6,8 @@
 //! node's table three times, each a load then a suspend and resume:
 //!
 //! 1. `linear` over the NVMe namespace (the remote leg): as step 25 made it;
-//! 2. dm-raid `raid1` of the remote leg and the local volume, the local leg
+//! 2. dm-raid `raid1` of the remote leg and the local volume (on two
+//!    metadata legs of its own, [`super::move_metadata`]), the local leg
 //!    rebuilt from the remote one by the kernel in the background while
 //!    every write goes to both. md's raid1 acknowledges a write only once a
 //!    leg that is in sync holds it, and until the rebuild ends that is the
@@ -848,7 +849,7 @@ impl Manager {
     }
 
     /// `PATCH /v1/moves/{id}`: a new rate limit, live: the mirror's table
-    /// loaded again with it, which starts the copy over.
+    /// loaded again with it, the copy going on from where it is.
     pub(crate) async fn patch_move(&self, id: &str, patch: PatchMoveRequest) -> Result<Move> {
         let m = self.move_of(id).await?;
         let row = self.remote_row(&m.remote_id.to_string()).await?;
