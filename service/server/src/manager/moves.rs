@@ -368,9 +368,7 @@ impl Manager {
     /// Loads a new mirror into the remote volume's node, on fresh metadata
     /// legs: the local leg rebuilt from its first sector.
     async fn mirror(&self, row: &RemoteRow, m: &MoveRow) -> Result<()> {
-        let a = row.attachment.clone().ok_or_else(|| {
-            Error::Internal(format!("remote volume '{}' has no device", row.name))
-        })?;
+        let a = attachment(row)?;
         let local = self.local_device(m).await?;
         let (id, remote, rate) = (m.id, row.name.clone(), kib(m.rate_limit));
         let metadata = self.move_metadata.clone();
@@ -405,9 +403,7 @@ impl Manager {
     /// mirror without them (made before they were) is made anew, from the
     /// first sector. Whether the copy goes on.
     async fn set_rate(&self, row: &RemoteRow, m: &MoveRow) -> Result<bool> {
-        let a = row.attachment.clone().ok_or_else(|| {
-            Error::Internal(format!("remote volume '{}' has no device", row.name))
-        })?;
+        let a = attachment(row)?;
         let (id, remote, rate) = (m.id, row.name.clone(), kib(m.rate_limit));
         let dm_name = a.dm_name.clone();
         let devices = blocking(move || dm::table(&dm_name))
@@ -618,9 +614,7 @@ impl Manager {
 
     /// Step 3: the node maps the local volume alone.
     async fn switch(&self, row: &RemoteRow, m: &mut MoveRow) -> Result<()> {
-        let a = row.attachment.clone().ok_or_else(|| {
-            Error::Internal(format!("remote volume '{}' has no device", row.name))
-        })?;
+        let a = attachment(row)?;
         let local = self.local_device(m).await?;
         let table = vec![(
             0,
@@ -777,9 +771,7 @@ impl Manager {
         state: MoveState,
         reason: &str,
     ) -> Result<()> {
-        let a = row.attachment.clone().ok_or_else(|| {
-            Error::Internal(format!("remote volume '{}' has no device", row.name))
-        })?;
+        let a = attachment(row)?;
         let (id, remote) = (m.id, row.name.clone());
         blocking(move || {
             dm::linear::reload(
@@ -1021,6 +1013,13 @@ impl Manager {
         )
         .await
     }
+}
+
+/// The remote volume's device: its node and the namespace under it.
+fn attachment(row: &RemoteRow) -> Result<crate::store::RemoteAttachment> {
+    row.attachment
+        .clone()
+        .ok_or_else(|| Error::Internal(format!("remote volume '{}' has no device", row.name)))
 }
 
 /// A rate limit in bytes/s as dm-raid's KiB/s (rounded up); none for 0.
