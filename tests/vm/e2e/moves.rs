@@ -84,6 +84,35 @@ fn dev_of(device: &str) -> u64 {
     std::fs::metadata(device).unwrap().rdev()
 }
 
+/// The two hosts' services, sharing the bearer token moves call with: A in
+/// its namespace, exporting on and answering at its veth address; B in the
+/// VM's own, with `b_roots` as image roots beside the scratch ones. B's
+/// host NQN.
+async fn two_hosts(hosts: &Hosts, b_roots: Vec<std::path::PathBuf>) -> (Vm, Vm, String) {
+    let export_arg = format!("{A_IP}:4420");
+    let listen = format!("{A_IP}:7400");
+    let a = Vm::start_guarded(
+        Some(&hosts.a),
+        &[
+            "--export-address",
+            &export_arg,
+            "--listen",
+            &listen,
+            "--key-unlock-ms",
+            "200",
+        ],
+        TOKEN,
+        Vec::new(),
+    )
+    .await;
+    let b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, b_roots).await;
+    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (a, b, b_nqn)
+}
+
 /// A's volume `name` (`body` its spec) on a fresh image (unless the test
 /// made it), exported to B and connected there; B's device.
 async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> String {
@@ -148,28 +177,8 @@ async fn move_of(b: &Vm, id: &str) -> Value {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let hosts = Hosts::new();
-    let export_arg = format!("{A_IP}:4420");
-    let listen = format!("{A_IP}:7400");
-    let a = Vm::start_guarded(
-        Some(&hosts.a),
-        &[
-            "--export-address",
-            &export_arg,
-            "--listen",
-            &listen,
-            "--key-unlock-ms",
-            "200",
-        ],
-        TOKEN,
-        Vec::new(),
-    )
-    .await;
-    let mut b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, Vec::new()).await;
+    let (a, mut b, b_nqn) = two_hosts(&hosts, Vec::new()).await;
     let _leftovers = Leftovers;
-    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
-        .as_str()
-        .unwrap()
-        .to_string();
 
     let device = served_on_b(
         &a,
@@ -388,34 +397,8 @@ impl Drop for SmallDisk {
 async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() {
     let hosts = Hosts::new();
     let small = SmallDisk::new(12);
-    let export_arg = format!("{A_IP}:4420");
-    let listen = format!("{A_IP}:7400");
-    let mut a = Vm::start_guarded(
-        Some(&hosts.a),
-        &[
-            "--export-address",
-            &export_arg,
-            "--listen",
-            &listen,
-            "--key-unlock-ms",
-            "200",
-        ],
-        TOKEN,
-        Vec::new(),
-    )
-    .await;
-    let b = Vm::start_guarded(
-        None,
-        &["--key-unlock-ms", "200"],
-        TOKEN,
-        vec![small.0.clone()],
-    )
-    .await;
+    let (mut a, b, b_nqn) = two_hosts(&hosts, vec![small.0.clone()]).await;
     let _leftovers = Leftovers;
-    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
-        .as_str()
-        .unwrap()
-        .to_string();
 
     let device = served_on_b(
         &a,
@@ -750,28 +733,8 @@ async fn move_cost_benchmark() {
         .unwrap_or(10);
     const MIB: u64 = 384;
     let hosts = Hosts::new();
-    let export_arg = format!("{A_IP}:4420");
-    let listen = format!("{A_IP}:7400");
-    let a = Vm::start_guarded(
-        Some(&hosts.a),
-        &[
-            "--export-address",
-            &export_arg,
-            "--listen",
-            &listen,
-            "--key-unlock-ms",
-            "200",
-        ],
-        TOKEN,
-        Vec::new(),
-    )
-    .await;
-    let b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, Vec::new()).await;
+    let (a, b, b_nqn) = two_hosts(&hosts, Vec::new()).await;
     let _leftovers = Leftovers;
-    let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
-        .as_str()
-        .unwrap()
-        .to_string();
     a.image("bench", Scratch::Xfs, MIB, "full").await;
     a.volume(json!({"name": "bench", "image": "bench", "backend": "ublk", "dispatch": "nowait"}))
         .await;
