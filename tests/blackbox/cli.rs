@@ -925,7 +925,8 @@ async fn exports_and_remote_volumes_from_the_command_line_refuse_what_this_host_
 /// `move` on a host with no remote volume: the list is an empty table (and
 /// `[]`), each refusal is the API's with its code and the exit code of
 /// any refusal, and a rate limit the CLI cannot read is its own refusal,
-/// before any call.
+/// before any call. A cold move (`move pull`) from a host that does not
+/// answer is refused and leaves nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn moves_from_the_command_line_refuse_what_is_not_there() {
     let s = Service::start().await;
@@ -960,6 +961,32 @@ async fn moves_from_the_command_line_refuse_what_is_not_there() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a size"));
     assert!(!std::path::Path::new(&path).exists());
+
+    // A cold move whose exporting host does not answer never starts, and
+    // leaves nothing here.
+    let out = cli(
+        &s,
+        &[
+            "move",
+            "pull",
+            "far",
+            "--source-api",
+            "http://127.0.0.1:1",
+            "--image",
+            "near",
+            "--path",
+            &path,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("invalid_move") && err.contains("did not show volume 'far'"),
+        "{err}"
+    );
+    assert!(!std::path::Path::new(&path).exists());
+    assert_eq!(json(&s, &["remote", "ls"]), serde_json::json!([]));
+    assert_eq!(json(&s, &["move", "ls"]), serde_json::json!([]));
 
     let id = "6f1c3a52-0d7e-4c39-9a51-2b8d5f0e7c11";
     for args in [

@@ -1,12 +1,13 @@
 //! `/v1/remotes/{id}/move` and `/v1/moves`: a remote volume's data brought
-//! to this host while its consumer keeps its device.
+//! to this host while its consumer keeps its device, or another host's
+//! volume that no consumer here uses.
 
 use hyper::Method;
 
 use super::client::Client;
 use super::error::Error;
 use super::path::encode_segment;
-use blockplane_api::model::{Move, PatchMoveRequest, StartMoveRequest};
+use blockplane_api::model::{ColdMoveRequest, Move, PatchMoveRequest, StartMoveRequest};
 
 fn move_path(id: &str) -> String {
     format!("/v1/moves/{}", encode_segment(id))
@@ -18,6 +19,12 @@ impl Client {
     pub async fn start_move(&self, remote: &str, req: &StartMoveRequest) -> Result<Move, Error> {
         let path = format!("/v1/remotes/{}/move", encode_segment(remote));
         self.send(Method::POST, &path, req).await
+    }
+
+    /// `POST /v1/moves`: another host's volume brought here, cold; the
+    /// move, copying.
+    pub async fn cold_move(&self, req: &ColdMoveRequest) -> Result<Move, Error> {
+        self.send(Method::POST, "/v1/moves", req).await
     }
 
     /// `GET /v1/moves`: newest first.

@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::exports::Leftovers;
-use crate::{Scratch, Vm, eventually, fio_ok, fio_verify, writes_flow};
+use crate::{Scratch, Vm, dmsetup, eventually, fio_ok, fio_verify, writes_flow};
 use blockplane_test_support::hosts::{A_IP, Hosts};
 
 const TOKEN: &str = "vm-moves-shared-token";
@@ -173,7 +173,9 @@ async fn move_of(b: &Vm, id: &str) -> Value {
 /// adopts the mirror; the move ends `done` with the node unchanged, A's
 /// export, volume and image gone. An encrypted volume moves only into an
 /// image encrypted on B. A dm volume's move is cancelled mid-copy: back on
-/// A, nothing lost, B's image gone.
+/// A, nothing lost, B's image gone. A cold move brings a volume nobody on
+/// B uses, byte for byte, leaving B its local volume alone; a cold move
+/// cancelled undoes the export it made.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let hosts = Hosts::new();
@@ -342,6 +344,63 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     assert_eq!(again.status.as_u16(), 409, "{}", again.body);
     assert_eq!(again.body["error"]["code"], "move_ended", "{}", again.body);
 
+    // A cold move: a volume of A's that nobody on B uses comes to B. B has
+    // A export it to B, connects, copies, and keeps the local volume alone.
+    a.image("c-dm", Scratch::Xfs, 24, "full").await;
+    let v = a
+        .volume(json!({"name": "c-dm", "image": "c-dm", "backend": "dm"}))
+        .await;
+    let data = fill(v["device"].as_str().unwrap(), 24 << 20);
+    let m = b.s.post("/v1/moves", cold_request("c-dm", &b, 0)).await;
+    assert_eq!(m.status.as_u16(), 202, "{}", m.body);
+    assert_eq!(m.body["cold"], "made", "{}", m.body);
+    let id = m.body["id"].as_str().unwrap().to_string();
+    eventually(
+        Duration::from_secs(300),
+        "the cold move to end and its remote volume to go",
+        async || {
+            move_of(&b, &id).await["state"] == "done"
+                && b.s.get("/v1/remotes/c-dm").await.status.as_u16() == 404
+        },
+    )
+    .await;
+    let local = b.s.get("/v1/volumes/c-dm").await.body;
+    assert!(
+        read_all(local["device"].as_str().unwrap(), 24 << 20) == data,
+        "B's volume holds other bytes than A's did: {local}"
+    );
+    let r = a.s.get("/v1/volumes/c-dm").await;
+    assert_eq!(r.status.as_u16(), 404, "A's volume stays: {}", r.body);
+
+    // A cold move cancelled: the export it made goes, A's volume stays.
+    a.image("c-back", Scratch::Xfs, 24, "full").await;
+    a.volume(json!({"name": "c-back", "image": "c-back", "backend": "loop"}))
+        .await;
+    let m =
+        b.s.post("/v1/moves", cold_request("c-back", &b, SLOW))
+            .await;
+    assert_eq!(m.status.as_u16(), 202, "{}", m.body);
+    let id = m.body["id"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
+    .await;
+    let c = b.s.post(&format!("/v1/moves/{id}/cancel"), json!({})).await;
+    assert_eq!(c.status.as_u16(), 200, "{}", c.body);
+    eventually(
+        Duration::from_secs(120),
+        "B's remote volume and A's export to go",
+        async || {
+            b.s.get("/v1/remotes/c-back").await.status.as_u16() == 404
+                && a.s.get("/v1/volumes/c-back/export").await.status.as_u16() == 404
+        },
+    )
+    .await;
+    let r = a.s.get("/v1/volumes/c-back").await;
+    assert_eq!(r.status.as_u16(), 200, "A's volume went: {}", r.body);
+    let r = b.s.get("/v1/images/c-back").await;
+    assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
+
     // Teardown: the moved node's consumer is gone, so its remote goes and
     // the local volume stays B's; the cancelled one is disconnected and
     // A unexports.
@@ -353,12 +412,54 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     assert_eq!(d.status.as_u16(), 204, "m-crypt: {}", d.body);
     b.delete("m-ublk").await;
     b.delete("m-crypt").await;
+    b.delete("c-dm").await;
+    a.delete("c-back").await;
     let d = a.s.delete("/v1/volumes/m-dm/export").await;
     assert_eq!(d.status.as_u16(), 204, "{}", d.body);
     a.delete("m-dm").await;
     b.s.stop_and_clean();
     drop(a);
     drop(hosts);
+}
+
+/// The request of a cold move of A's volume `name` into B's xfs root.
+fn cold_request(name: &str, b: &Vm, rate: u64) -> Value {
+    json!({"source_api": format!("http://{A_IP}:7400"), "volume": name, "image": name,
+           "path": b.root(Scratch::Xfs).join(format!("{name}.img")),
+           "rate_limit_bytes_per_sec": rate})
+}
+
+/// Fills the first `bytes` of `device` with a pattern of its own, flushed;
+/// the pattern.
+fn fill(device: &str, bytes: usize) -> Vec<u8> {
+    use std::io::Write;
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let data: Vec<u8> = (0..bytes / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(device)
+        .unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    data
+}
+
+/// The first `bytes` of `device`.
+fn read_all(device: &str, bytes: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = vec![0; bytes];
+    std::fs::File::open(device)
+        .unwrap()
+        .read_exact(&mut out)
+        .unwrap();
+    out
 }
 
 /// A small filesystem of its own (tmpfs), unmounted when dropped: B's disk
@@ -573,34 +674,25 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
 fn fail_device(device: &str) {
     let rdev = dev_of(device);
     let (major, minor) = (libc::major(rdev).to_string(), libc::minor(rdev).to_string());
-    let out = std::process::Command::new("dmsetup")
-        .args([
-            "info",
-            "-c",
-            "--noheadings",
-            "-o",
-            "name",
-            "-j",
-            &major,
-            "-m",
-            &minor,
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "dmsetup info {device}: {out:?}");
-    let name = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let name = dmsetup(&[
+        "info",
+        "-c",
+        "--noheadings",
+        "-o",
+        "name",
+        "-j",
+        &major,
+        "-m",
+        &minor,
+    ]);
     let sectors = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/size")).unwrap();
-    let table = format!("0 {} error", sectors.trim());
-    for args in [
-        vec!["reload", &name, "--table", &table],
-        vec!["resume", &name],
-    ] {
-        let status = std::process::Command::new("dmsetup")
-            .args(&args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "dmsetup {args:?}");
-    }
+    dmsetup(&[
+        "reload",
+        &name,
+        "--table",
+        &format!("0 {} error", sectors.trim()),
+    ]);
+    dmsetup(&["resume", &name]);
 }
 
 /// One write of [`Prober`]: when it started and how long it took.

@@ -1,5 +1,6 @@
 //! Moves: a remote volume's data brought to this host while its consumer
-//! keeps its device (`/v1/remotes/{id}/move`, `/v1/moves`).
+//! keeps its device (`/v1/remotes/{id}/move`), or another host's volume
+//! that no consumer here uses brought over (`POST /v1/moves`).
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -46,6 +47,67 @@ pub struct StartMoveRequest {
     /// stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<super::Key>,
+}
+
+/// `POST /v1/moves`: bring another host's volume here, cold: no consumer
+/// here uses it. This host connects to the volume's export (asking the
+/// exporting host to allow it, or to export the volume), copies it as a
+/// live move does, and deletes the remote volume it made at the end: the
+/// data is then served by the local volume alone.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ColdMoveRequest {
+    /// The exporting host's API (`http://host:port`), called with this
+    /// service's own bearer token: hosts that move volumes between them
+    /// share one.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    pub source_api: String,
+    /// The volume on the exporting host, by name or id.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 63))]
+    pub volume: String,
+    /// Name of the image the data moves into, made here; also the name of
+    /// the remote volume the move connects meanwhile, and of the local
+    /// volume once the move is done (`[a-z0-9][a-z0-9._-]{0,62}`).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            pattern = "^[a-z0-9][a-z0-9._-]{0,62}$",
+            min_length = 1,
+            max_length = 63
+        )
+    )]
+    pub image: String,
+    /// Where that image's file goes: an absolute path under one of this
+    /// service's image roots; it must not exist.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 4095))]
+    pub path: String,
+    /// Keep the exporting host's image when its volume goes.
+    #[serde(default)]
+    pub keep_source_image: bool,
+    /// Bytes per second the copy may read, at most; 0: no limit.
+    #[serde(default)]
+    pub rate_limit_bytes_per_sec: u64,
+    /// The local image's key: required when the exporting host's volume is
+    /// encrypted. Never stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<super::Key>,
+}
+
+/// What a cold move did to the exporting host's export to connect to it:
+/// undone when the move does not end `done` (when it does, the export goes
+/// with the volume).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum ColdExport {
+    /// The volume had no export: the move made it (deleted if it stops).
+    Made,
+    /// The export did not allow this host: the move added it (removed if
+    /// it stops).
+    HostAdded,
+    /// The export allowed this host already: nothing to undo.
+    HostAllowed,
 }
 
 /// `PATCH /v1/moves/{id}`: change a running move's rate limit. The mirror
@@ -143,6 +205,10 @@ pub struct Move {
     /// When it ended.
     #[serde(with = "time::serde::rfc3339::option")]
     pub finished_at: Option<OffsetDateTime>,
+    /// A cold move (`POST /v1/moves`): what it did to the exporting host's
+    /// export. Its remote volume is its own, deleted when it ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold: Option<ColdExport>,
 }
 
 /// What the host orchestrating a move says of it to the exporting host

@@ -632,7 +632,7 @@ pub enum RemoteCmd {
     },
 }
 
-/// `move` commands: remote volumes' data brought to this host.
+/// `move` commands: other hosts' volumes brought to this host.
 #[derive(Debug, Subcommand)]
 pub enum MoveCmd {
     /// Start moving a remote volume's data here, into a new image (--image
@@ -669,6 +669,38 @@ pub enum MoveCmd {
         /// Follow the move until its data is here, or until it fails or is
         /// cancelled, showing progress on stderr (the move goes on without
         /// it: `move show`).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Bring another host's volume here, cold (no consumer here uses it),
+    /// into a new image (--image at --path): this service asks the
+    /// exporting host to export the volume to it, connects, copies, and at
+    /// the end serves the data from the local volume alone; the exporting
+    /// host lets its export and volume go.
+    Pull {
+        /// The volume on the exporting host, by name or id.
+        volume: String,
+        /// The exporting host's API, http://host:port.
+        #[arg(long)]
+        source_api: String,
+        /// The new image's name, also the local volume's.
+        #[arg(long)]
+        image: String,
+        /// The new image's file (must not exist), under one of the
+        /// service's image roots.
+        #[arg(long)]
+        path: String,
+        /// Keep the exporting host's image when its volume goes.
+        #[arg(long)]
+        keep_source_image: bool,
+        /// Encrypt the local image with the key in this file (as `move
+        /// start`): required when the volume is encrypted on its host.
+        #[arg(long)]
+        key_file: Option<std::path::PathBuf>,
+        /// Bytes per second the copy may read, at most (as `move start`).
+        #[arg(long, default_value = "0", value_parser = parse_size, allow_hyphen_values = true, value_name = "BYTES_PER_SEC")]
+        rate_limit: u64,
+        /// Follow the move until it ends (as `move start`).
         #[arg(long)]
         wait: bool,
     },

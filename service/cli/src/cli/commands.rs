@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use blockplane_api::model::{
-    AddKeyRequest, Allocation, CreateBackupRequest, CreateEncryption, CreateImageFile,
-    CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest,
-    DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, EventQuery, ExportRequest, Image,
-    ListImagesQuery, PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest,
-    ResizeImageRequest, StartMoveRequest,
+    AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest, CreateEncryption,
+    CreateImageFile, CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest,
+    CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, EventQuery,
+    ExportRequest, Image, ListImagesQuery, PatchMoveRequest, PatchRemoteRequest,
+    PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
@@ -637,6 +637,32 @@ async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
                 key: key_file.as_deref().map(read_key).transpose()?,
             };
             let started = client.start_move(remote, &req).await.map_err(api)?;
+            if *wait {
+                View::Move(wait_move(client, started).await.map_err(waited)?)
+            } else {
+                View::Move(started)
+            }
+        }
+        MoveCmd::Pull {
+            volume,
+            source_api,
+            image,
+            path,
+            keep_source_image,
+            key_file,
+            rate_limit,
+            wait,
+        } => {
+            let req = ColdMoveRequest {
+                source_api: source_api.clone(),
+                volume: volume.clone(),
+                image: image.clone(),
+                path: path.clone(),
+                keep_source_image: *keep_source_image,
+                rate_limit_bytes_per_sec: *rate_limit,
+                key: key_file.as_deref().map(read_key).transpose()?,
+            };
+            let started = client.cold_move(&req).await.map_err(api)?;
             if *wait {
                 View::Move(wait_move(client, started).await.map_err(waited)?)
             } else {

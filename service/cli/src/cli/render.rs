@@ -4,8 +4,8 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, Event, Export, Host, Image, Move, MoveState,
-    Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, ColdExport, Event, Export, Host, Image, Move,
+    MoveState, Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -728,6 +728,19 @@ fn move_(m: &Move, names: &Names) -> String {
     fields(vec![
         ("id", m.id.to_string()),
         ("remote", format!("{} ({})", m.remote_name, m.remote)),
+        (
+            "kind",
+            match m.cold {
+                None => "live: the remote volume's device serves throughout".into(),
+                Some(ColdExport::Made) => {
+                    "cold: its own remote volume, to an export it made".into()
+                }
+                Some(ColdExport::HostAdded) => {
+                    "cold: its own remote volume, this host added to the export".into()
+                }
+                Some(ColdExport::HostAllowed) => "cold: its own remote volume".into(),
+            },
+        ),
         ("image", m.image.clone()),
         ("local volume", dash(m.volume.map(|v| names.volume(v)))),
         (
@@ -852,6 +865,7 @@ mod tests {
             rate_limit_bytes_per_sec: 0,
             created_at: OffsetDateTime::UNIX_EPOCH,
             finished_at: None,
+            cold: None,
         }
     }
 

@@ -249,7 +249,7 @@ fn routes() -> OpenApiRouter<AppState> {
             exports::delete_remote
         ))
         .routes(routes!(moves::start_move))
-        .routes(routes!(moves::list_moves))
+        .routes(routes!(moves::list_moves, moves::start_cold_move))
         .routes(routes!(moves::get_move, moves::patch_move))
         .routes(routes!(moves::cancel_move))
         .routes(routes!(system::host))

@@ -1,5 +1,6 @@
 //! `/v1/remotes/{id}/move` and `/v1/moves`: a remote volume's data brought
-//! to this host while its consumer keeps its device.
+//! to this host while its consumer keeps its device, or another host's
+//! volume that no consumer here uses.
 
 use axum::Json;
 use axum::extract::{Path, State};
@@ -8,7 +9,7 @@ use axum::http::StatusCode;
 use super::error::ApiError;
 use super::extract::ApiJson;
 use super::{AppState, detached};
-use blockplane_api::model::{ErrorBody, Move, PatchMoveRequest, StartMoveRequest};
+use blockplane_api::model::{ColdMoveRequest, ErrorBody, Move, PatchMoveRequest, StartMoveRequest};
 
 /// Bring a remote volume's data to this host, live: this host orchestrates
 /// the move. Its node mirrors the remote device and a new local volume
@@ -33,6 +34,30 @@ pub async fn start_move(
     ApiJson(req): ApiJson<StartMoveRequest>,
 ) -> Result<(StatusCode, Json<Move>), ApiError> {
     let started = detached(async move { m.start_move(&id, req).await }).await?;
+    Ok((StatusCode::ACCEPTED, Json(started)))
+}
+
+/// Bring another host's volume here, cold: no consumer here uses it. This
+/// host asks the exporting host (at `source_api`) to export the volume to
+/// it, or to allow it on its export, connects a remote volume of its own
+/// named after the image, and moves it as a live move does; when the move
+/// ends that remote volume goes, and what was done to the export is undone
+/// unless the move is `done`. Follow it at `GET /v1/moves/{id}`.
+#[utoipa::path(
+    post, path = "/v1/moves", tag = "moves",
+    request_body = ColdMoveRequest,
+    responses(
+        (status = 202, description = "The move, copying", body = Move),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 409, description = "The image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
+        (status = 422, description = "A source API that does not show the volume or will not export it to this host, a remote volume of the image's name here, a rate limit outside its rule, an encrypted volume without `key` (`invalid_move`), or an image path outside the rules of paths", body = ErrorBody),
+    )
+)]
+pub async fn start_cold_move(
+    State(m): State<AppState>,
+    ApiJson(req): ApiJson<ColdMoveRequest>,
+) -> Result<(StatusCode, Json<Move>), ApiError> {
+    let started = detached(async move { m.start_cold_move(req).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(started)))
 }
 

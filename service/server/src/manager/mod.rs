@@ -6,6 +6,7 @@
 mod backend_events;
 mod backups;
 mod blocking;
+mod cold_moves;
 mod copies;
 pub(crate) mod encryption;
 mod error;

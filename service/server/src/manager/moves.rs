@@ -34,7 +34,7 @@ use super::fabric_error::MoveError;
 use super::{Created, Manager};
 use crate::store::{MoveRow, RemoteRow};
 use blockplane_api::model::{
-    Allocation, BackendChoice, CreateEncryption, CreateImageFile, CreateImageRequest,
+    Allocation, BackendChoice, ColdExport, CreateEncryption, CreateImageFile, CreateImageRequest,
     CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery,
     DeleteImageQuery, DispatchPolicy, ExportMove, Key, Move, MoveState, PatchMoveRequest,
     PatchVolumeRequest, RemoteState, StartMoveRequest,
@@ -84,6 +84,17 @@ impl Manager {
         remote: &str,
         req: StartMoveRequest,
     ) -> Result<Move> {
+        self.begin_move(remote, req, None).await
+    }
+
+    /// A move of remote volume `remote`; `cold` for one a cold move
+    /// connected, saying what it did to the exporting host's export.
+    pub(super) async fn begin_move(
+        self: &Arc<Self>,
+        remote: &str,
+        req: StartMoveRequest,
+        cold: Option<ColdExport>,
+    ) -> Result<Move> {
         let row = self.remote_row(remote).await?;
         let mut m = {
             let _remote = self.house.locks.volumes.lock(&row.name).await;
@@ -113,6 +124,7 @@ impl Manager {
                 created_at: now,
                 updated_at: now,
                 finished_at: None,
+                cold,
             };
             // Recorded first (the registry allows one running move per
             // remote volume): a crash before the mirror leaves a move the
@@ -181,7 +193,7 @@ impl Manager {
     }
 
     /// The remote volume called so.
-    async fn remote_row(&self, id_or_name: &str) -> Result<RemoteRow> {
+    pub(super) async fn remote_row(&self, id_or_name: &str) -> Result<RemoteRow> {
         self.house.store.remote(id_or_name).await?.ok_or_else(|| {
             super::fabric_error::RemoteError::NotFound(id_or_name.to_string()).into()
         })
@@ -474,7 +486,8 @@ impl Manager {
     /// switches the node to the local leg and lets the exporting host go;
     /// fails a move whose local leg failed, back on the remote leg.
     pub(crate) async fn follow_moves(self: &Arc<Self>) -> Result<()> {
-        for m in self.house.store.moves().await? {
+        let moves = self.house.store.moves().await?;
+        for m in &moves {
             let starting = self
                 .starting
                 .lock()
@@ -487,7 +500,7 @@ impl Manager {
                 tracing::warn!(move_id = %m.id, error = %e, "following a move failed");
             }
         }
-        Ok(())
+        self.settle_cold_moves(&moves).await
     }
 
     /// One step of move `id`: what changes the node's table under the
@@ -935,6 +948,7 @@ impl Manager {
             rate_limit_bytes_per_sec: m.rate_limit,
             created_at: m.created_at,
             finished_at: m.finished_at,
+            cold: m.cold,
         })
     }
 

@@ -8,7 +8,9 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError, WriteTx, enum_from_str, enum_str, parse_ts, ts, uuid};
-use blockplane_api::model::{ExportAuth, ExportMove, ExportState, MoveState, RemoteState};
+use blockplane_api::model::{
+    ColdExport, ExportAuth, ExportMove, ExportState, MoveState, RemoteState,
+};
 use blockplane_system::dhchap::Secret;
 
 /// A volume's export as stored.
@@ -406,6 +408,8 @@ pub struct MoveRow {
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
     pub finished_at: Option<OffsetDateTime>,
+    /// A cold move: what it did to the exporting host's export.
+    pub cold: Option<ColdExport>,
 }
 
 impl MoveRow {
@@ -435,6 +439,10 @@ impl MoveRow {
             finished_at: r
                 .try_get::<Option<String>, _>("finished_at")?
                 .map(|t| parse_ts(&t))
+                .transpose()?,
+            cold: r
+                .try_get::<Option<String>, _>("cold")?
+                .map(|c| enum_from_str("cold move export", &c))
                 .transpose()?,
         })
     }
@@ -481,8 +489,9 @@ impl WriteTx {
         sqlx::query(
             "INSERT INTO moves (id, remote_id, remote_name, image, path, volume_id, source_api,
                                 source_volume, keep_source_image, rate_limit, state, state_reason,
-                                synced_bytes, total_bytes, rate, created_at, updated_at, finished_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                synced_bytes, total_bytes, rate, created_at, updated_at, finished_at,
+                                cold)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT (id) DO UPDATE SET volume_id = excluded.volume_id,
                 rate_limit = excluded.rate_limit, state = excluded.state,
                 state_reason = excluded.state_reason, synced_bytes = excluded.synced_bytes,
@@ -507,6 +516,7 @@ impl WriteTx {
         .bind(ts(m.created_at))
         .bind(ts(m.updated_at))
         .bind(m.finished_at.map(ts))
+        .bind(m.cold.map(enum_str))
         .execute(self.conn())
         .await?;
         Ok(())
