@@ -737,16 +737,17 @@ fn head_of(name: &str, instance: u32) -> Option<String> {
 }
 
 /// Waits up to `timeout` for the controller's namespace device
-/// ([`namespace_device`]) and its `/dev` node to appear. The kernel scans
-/// a new controller's namespaces on a work queue after the connect
-/// returns, and says nothing when it is done, so this looks every 50 ms:
+/// ([`namespace_device`]) to be a registered disk with its `/dev` node
+/// ([`node_is_current`]). The kernel scans a new controller's namespaces
+/// on a work queue after the connect returns, and says nothing when it is
+/// done, so this looks every 50 ms:
 /// a bounded wait for a kernel condition, not a retry. `None` at the
 /// timeout; an error as soon as the controller is gone or going.
 pub fn wait_namespace(instance: u32, timeout: Duration) -> Result<Option<PathBuf>, FabricsError> {
     let end = Instant::now() + timeout;
     loop {
         if let Some(dev) = namespace_device(instance)?
-            && dev.exists()
+            && node_is_current(&dev)
         {
             return Ok(Some(dev));
         }
@@ -764,6 +765,30 @@ pub fn wait_namespace(instance: u32, timeout: Duration) -> Result<Option<PathBuf
             return Ok(None);
         }
         std::thread::sleep(WAIT_STEP);
+    }
+}
+
+/// Whether `/dev/<name>` is the node of a disk the kernel has registered
+/// as `name` now. Under native multipath the head disk is registered after
+/// the path device (once the path is live), so the path can be in the
+/// controller's directory while the head is not a disk yet; and the node of
+/// a head of that name just deleted (an earlier controller of the same
+/// instance) may still be in `/dev` meanwhile.
+fn node_is_current(dev: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some(name) = dev.file_name() else {
+        return false;
+    };
+    let sys = Path::new("/sys/class/block").join(name).join("dev");
+    let Ok(numbers) = std::fs::read_to_string(sys) else {
+        return false;
+    };
+    let Some((major, minor)) = numbers.trim().split_once(':') else {
+        return false;
+    };
+    match (std::fs::metadata(dev), major.parse(), minor.parse()) {
+        (Ok(m), Ok(major), Ok(minor)) => m.rdev() == libc::makedev(major, minor),
+        _ => false,
     }
 }
 
