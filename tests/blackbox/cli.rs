@@ -987,6 +987,25 @@ async fn moves_from_the_command_line_refuse_what_is_not_there() {
     assert!(!std::path::Path::new(&path).exists());
     assert_eq!(json(&s, &["remote", "ls"]), serde_json::json!([]));
     assert_eq!(json(&s, &["move", "ls"]), serde_json::json!([]));
+    let dir = s.images.display().to_string();
+    let out = cli(
+        &s,
+        &[
+            "move",
+            "drain",
+            "--source-api",
+            "http://127.0.0.1:1",
+            "--dir",
+            &dir,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("invalid_move") && err.contains("did not list its volumes"),
+        "{err}"
+    );
+    assert_eq!(json(&s, &["move", "ls"]), serde_json::json!([]));
 
     let id = "6f1c3a52-0d7e-4c39-9a51-2b8d5f0e7c11";
     for args in [
@@ -994,10 +1013,16 @@ async fn moves_from_the_command_line_refuse_what_is_not_there() {
         &["move", "show", "not-a-move"],
         &["move", "set", id, "--rate-limit", "1M"],
         &["move", "cancel", id],
+        &["move", "drain-show", id],
+        &["move", "drain-set", id, "--rate-limit", "1M"],
     ] {
         let out = cli(&s, args);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("move_not_found"), "{args:?}: {err}");
+        let code = match args[1].starts_with("drain") {
+            true => "drain_not_found",
+            false => "move_not_found",
+        };
+        assert!(err.contains(code), "{args:?}: {err}");
     }
 }

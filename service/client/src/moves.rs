@@ -7,7 +7,10 @@ use hyper::Method;
 use super::client::Client;
 use super::error::Error;
 use super::path::encode_segment;
-use blockplane_api::model::{ColdMoveRequest, Move, PatchMoveRequest, StartMoveRequest};
+use blockplane_api::model::{
+    ColdMoveRequest, Drain, DrainRequest, Move, PatchDrainRequest, PatchMoveRequest,
+    StartMoveRequest,
+};
 
 fn move_path(id: &str) -> String {
     format!("/v1/moves/{}", encode_segment(id))
@@ -25,6 +28,23 @@ impl Client {
     /// move, copying.
     pub async fn cold_move(&self, req: &ColdMoveRequest) -> Result<Move, Error> {
         self.send(Method::POST, "/v1/moves", req).await
+    }
+
+    /// `POST /v1/drains`: several volumes brought here under one limit.
+    pub async fn start_drain(&self, req: &DrainRequest) -> Result<Drain, Error> {
+        self.send(Method::POST, "/v1/drains", req).await
+    }
+
+    /// `GET /v1/drains/{id}`.
+    pub async fn drain(&self, id: &str) -> Result<Drain, Error> {
+        self.get(&format!("/v1/drains/{}", encode_segment(id)))
+            .await
+    }
+
+    /// `PATCH /v1/drains/{id}`: the limit its moves share, live.
+    pub async fn patch_drain(&self, id: &str, req: &PatchDrainRequest) -> Result<Drain, Error> {
+        let path = format!("/v1/drains/{}", encode_segment(id));
+        self.send(Method::PATCH, &path, req).await
     }
 
     /// `GET /v1/moves`: newest first.

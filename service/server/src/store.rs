@@ -38,7 +38,7 @@ use blockplane_api::model::{
 };
 
 mod fabric;
-pub use fabric::{ExportHostRow, ExportRow, MoveRow, RemoteAttachment, RemoteRow};
+pub use fabric::{DrainRow, ExportHostRow, ExportRow, MoveRow, RemoteAttachment, RemoteRow};
 
 /// The schema migrations this build knows (`migrations/`), applied at open.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

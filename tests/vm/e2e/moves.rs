@@ -175,7 +175,8 @@ async fn move_of(b: &Vm, id: &str) -> Value {
 /// image encrypted on B. A dm volume's move is cancelled mid-copy: back on
 /// A, nothing lost, B's image gone. A cold move brings a volume nobody on
 /// B uses, byte for byte, leaving B its local volume alone; a cold move
-/// cancelled undoes the export it made.
+/// cancelled undoes the export it made. A drain of two volumes shares its
+/// limit between the copies, the whole of it going to the one left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let hosts = Hosts::new();
@@ -401,6 +402,91 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     let r = b.s.get("/v1/images/c-back").await;
     assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
 
+    // A drain of two of A's volumes under one limit, shared: each copy
+    // gets half; one cancelled, the other gets it all; lifted, it ends.
+    for (name, backend) in [("d-one", "loop"), ("d-two", "dm")] {
+        a.image(name, Scratch::Xfs, 24, "full").await;
+        a.volume(json!({"name": name, "image": name, "backend": backend}))
+            .await;
+    }
+    let v = a.s.get("/v1/volumes/d-two").await.body;
+    let data = fill(v["device"].as_str().unwrap(), 24 << 20);
+    let d =
+        b.s.post(
+            "/v1/drains",
+            json!({"source_api": format!("http://{A_IP}:7400"), "volumes": ["d-one", "d-two"],
+                   "dir": b.root(Scratch::Xfs), "rate_limit_bytes_per_sec": 2 * SLOW}),
+        )
+        .await;
+    assert_eq!(d.status.as_u16(), 202, "{}", d.body);
+    let drain = format!("/v1/drains/{}", d.body["id"].as_str().unwrap());
+    let moves = d.body["moves"].as_array().unwrap().clone();
+    assert_eq!(moves.len(), 2, "{}", d.body);
+    for m in &moves {
+        assert_eq!(m["rate_limit_bytes_per_sec"], SLOW, "{m}");
+        assert_eq!(m["cold"], "made", "{m}");
+    }
+    let one = moves.iter().find(|m| m["image"] == "d-one").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let two = moves.iter().find(|m| m["image"] == "d-two").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let own =
+        b.s.patch(
+            &format!("/v1/moves/{two}"),
+            json!({"rate_limit_bytes_per_sec": 0}),
+        )
+        .await;
+    assert_eq!(own.status.as_u16(), 409, "{}", own.body);
+    let c =
+        b.s.post(&format!("/v1/moves/{one}/cancel"), json!({}))
+            .await;
+    assert_eq!(c.status.as_u16(), 200, "{}", c.body);
+    eventually(
+        Duration::from_secs(60),
+        "the copying move to get the drain's whole limit",
+        async || move_of(&b, &two).await["rate_limit_bytes_per_sec"] == 2 * SLOW,
+    )
+    .await;
+    let p =
+        b.s.patch(&drain, json!({"rate_limit_bytes_per_sec": 0}))
+            .await;
+    assert_eq!(p.status.as_u16(), 200, "{}", p.body);
+    eventually(
+        Duration::from_secs(300),
+        "the drain's move to end and its remote volume to go",
+        async || {
+            move_of(&b, &two).await["state"] == "done"
+                && b.s.get("/v1/remotes/d-two").await.status.as_u16() == 404
+        },
+    )
+    .await;
+    let local = b.s.get("/v1/volumes/d-two").await.body;
+    assert!(
+        read_all(local["device"].as_str().unwrap(), 24 << 20) == data,
+        "B's volume holds other bytes than A's did: {local}"
+    );
+    let d = b.s.get(&drain).await.body;
+    let states: Vec<&Value> = d["moves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| &m["state"])
+        .collect();
+    assert!(
+        states.contains(&&json!("done")) && states.contains(&&json!("cancelled")),
+        "{d}"
+    );
+    eventually(
+        Duration::from_secs(60),
+        "the cancelled move's export to go",
+        async || a.s.get("/v1/volumes/d-one/export").await.status.as_u16() == 404,
+    )
+    .await;
+
     // Teardown: the moved node's consumer is gone, so its remote goes and
     // the local volume stays B's; the cancelled one is disconnected and
     // A unexports.
@@ -414,6 +500,8 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     b.delete("m-crypt").await;
     b.delete("c-dm").await;
     a.delete("c-back").await;
+    b.delete("d-two").await;
+    a.delete("d-one").await;
     let d = a.s.delete("/v1/volumes/m-dm/export").await;
     assert_eq!(d.status.as_u16(), 204, "{}", d.body);
     a.delete("m-dm").await;

@@ -230,11 +230,13 @@ error_codes! {
     RemoteUnreachable = "remote_unreachable",
     /// 404: no move has that id.
     MoveNotFound = "move_not_found",
+    /// 404: no drain has that id.
+    DrainNotFound = "drain_not_found",
     /// 409: the remote volume cannot start a move now (not attached, or a
-    /// move of it runs).
+    /// move of it runs), or a drain's move was asked a rate of its own.
     MoveRefused = "move_refused",
-    /// 422: a move's request outside its rule (its source API, its rate
-    /// limit, an export that is not blockplane's).
+    /// 422: a move's or a drain's request outside its rule (its source
+    /// API, its rate limit, an export that is not blockplane's).
     InvalidMove = "invalid_move",
     /// 409: the move has ended, or is past the step that can be undone.
     MoveEnded = "move_ended",

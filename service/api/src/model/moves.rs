@@ -94,6 +94,66 @@ pub struct ColdMoveRequest {
     pub key: Option<super::Key>,
 }
 
+/// `POST /v1/drains`: bring several of another host's volumes here at
+/// once, under one rate limit (draining that host). A volume this host
+/// has connected as a remote volume moves live under its consumer; any
+/// other moves cold. Each goes into an image named after the volume, its
+/// file in `dir`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DrainRequest {
+    /// The exporting host's API (`http://host:port`), called with this
+    /// service's own bearer token.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    pub source_api: String,
+    /// The volumes on the exporting host, by name; empty or absent: every
+    /// volume it has.
+    #[serde(default)]
+    pub volumes: Vec<String>,
+    /// The directory the images' files go into, under one of this
+    /// service's image roots (each `<volume>.img`, which must not exist).
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 4000))]
+    pub dir: String,
+    /// Keep the exporting host's images when its volumes go.
+    #[serde(default)]
+    pub keep_source_images: bool,
+    /// Bytes per second the drain's copies may read in all, shared evenly
+    /// among the moves that copy (each at least 1 KiB/s); 0: no limit.
+    #[serde(default)]
+    pub rate_limit_bytes_per_sec: u64,
+}
+
+/// A drain: several moves under one rate limit.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Drain {
+    /// Stable id.
+    pub id: Uuid,
+    /// The exporting host's API.
+    pub source_api: String,
+    /// The rate limit its copies share; 0: none.
+    pub rate_limit_bytes_per_sec: u64,
+    /// Bytes copied so far, over its moves.
+    pub synced_bytes: u64,
+    /// Bytes to copy in all.
+    pub total_bytes: u64,
+    /// Its moves, each with its share of the limit.
+    pub moves: Vec<Move>,
+    /// When it started.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+/// `PATCH /v1/drains/{id}`: change the rate limit a drain's moves share.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PatchDrainRequest {
+    /// Bytes per second its copies may read in all; 0: no limit.
+    pub rate_limit_bytes_per_sec: u64,
+}
+
 /// What a cold move did to the exporting host's export to connect to it:
 /// undone when the move does not end `done` (when it does, the export goes
 /// with the volume).
@@ -209,6 +269,10 @@ pub struct Move {
     /// export. Its remote volume is its own, deleted when it ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold: Option<ColdExport>,
+    /// The drain it is part of (`GET /v1/drains/{id}`): its rate limit is
+    /// its share of the drain's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<Uuid>,
 }
 
 /// What the host orchestrating a move says of it to the exporting host

@@ -704,6 +704,43 @@ pub enum MoveCmd {
         #[arg(long)]
         wait: bool,
     },
+    /// Bring several of another host's volumes here at once, under one
+    /// rate limit (draining that host): each volume this host has
+    /// connected moves live, any other cold, into an image named after it
+    /// in --dir. All start, or none.
+    Drain {
+        /// The exporting host's API, http://host:port.
+        #[arg(long)]
+        source_api: String,
+        /// The directory the images' files go into (each <volume>.img),
+        /// under one of the service's image roots.
+        #[arg(long)]
+        dir: String,
+        /// A volume to move (repeatable); none: every volume of the host.
+        #[arg(long = "volume")]
+        volumes: Vec<String>,
+        /// Keep the exporting host's images when its volumes go.
+        #[arg(long)]
+        keep_source_images: bool,
+        /// Bytes per second the copies may read in all, shared evenly among
+        /// those copying (as `move start`); changeable live with `move
+        /// drain-set`.
+        #[arg(long, default_value = "0", value_parser = parse_size, allow_hyphen_values = true, value_name = "BYTES_PER_SEC")]
+        rate_limit: u64,
+    },
+    /// Show a drain: its limit, its moves and their progress.
+    DrainShow {
+        /// Drain id.
+        id: String,
+    },
+    /// Change the rate limit a drain's moves share, live.
+    DrainSet {
+        /// Drain id.
+        id: String,
+        /// Bytes per second its copies may read in all; 0: no limit.
+        #[arg(long, value_parser = parse_size, allow_hyphen_values = true, value_name = "BYTES_PER_SEC")]
+        rate_limit: u64,
+    },
     /// List moves, newest first.
     #[command(visible_alias = "list")]
     Ls,

@@ -8,9 +8,9 @@ use std::process::ExitCode;
 use blockplane_api::model::{
     AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest, CreateEncryption,
     CreateImageFile, CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest,
-    CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, EventQuery,
-    ExportRequest, Image, ListImagesQuery, PatchMoveRequest, PatchRemoteRequest,
-    PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
+    CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, DrainRequest,
+    EventQuery, ExportRequest, Image, ListImagesQuery, PatchDrainRequest, PatchMoveRequest,
+    PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
@@ -668,6 +668,29 @@ async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
             } else {
                 View::Move(started)
             }
+        }
+        MoveCmd::Drain {
+            source_api,
+            dir,
+            volumes,
+            keep_source_images,
+            rate_limit,
+        } => {
+            let req = DrainRequest {
+                source_api: source_api.clone(),
+                volumes: volumes.clone(),
+                dir: dir.clone(),
+                keep_source_images: *keep_source_images,
+                rate_limit_bytes_per_sec: *rate_limit,
+            };
+            View::Drain(client.start_drain(&req).await.map_err(api)?)
+        }
+        MoveCmd::DrainShow { id } => View::Drain(client.drain(id).await.map_err(api)?),
+        MoveCmd::DrainSet { id, rate_limit } => {
+            let patch = PatchDrainRequest {
+                rate_limit_bytes_per_sec: *rate_limit,
+            };
+            View::Drain(client.patch_drain(id, &patch).await.map_err(api)?)
         }
         MoveCmd::Ls => View::Moves(client.moves().await.map_err(api)?),
         MoveCmd::Show { id } => View::Move(client.get_move(id).await.map_err(api)?),

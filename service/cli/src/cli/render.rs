@@ -4,8 +4,9 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, ColdExport, Event, Export, Host, Image, Move,
-    MoveState, Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
+    Backup, BackupGc, BackupVerify, Capability, ColdExport, Drain, Event, Export, Host, Image,
+    Move, MoveState, Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats,
+    human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -42,6 +43,7 @@ pub enum View {
     Remotes(Vec<Remote>),
     Move(Move),
     Moves(Vec<Move>),
+    Drain(Drain),
     /// An answer without a body, and what to say of it.
     Done(&'static str),
 }
@@ -79,6 +81,7 @@ impl View {
             View::Remotes(l) => json_pretty(l),
             View::Move(m) => json_pretty(m),
             View::Moves(l) => json_pretty(l),
+            View::Drain(d) => json_pretty(d),
             View::Done(_) => String::new(),
         }
     }
@@ -112,6 +115,7 @@ impl View {
             View::Remotes(l) => remotes(l),
             View::Move(m) => move_(m, names),
             View::Moves(l) => moves(l),
+            View::Drain(d) => drain(d),
             View::Gc(g) => fields(vec![
                 ("chunks deleted", g.chunks_deleted.to_string()),
                 ("bytes deleted", human_size(g.bytes_deleted)),
@@ -741,6 +745,7 @@ fn move_(m: &Move, names: &Names) -> String {
                 Some(ColdExport::HostAllowed) => "cold: its own remote volume".into(),
             },
         ),
+        ("drain", dash(m.drain.map(|d| d.to_string()))),
         ("image", m.image.clone()),
         ("local volume", dash(m.volume.map(|v| names.volume(v)))),
         (
@@ -759,6 +764,26 @@ fn move_(m: &Move, names: &Names) -> String {
         ("started", at(m.created_at)),
         ("finished", dash(m.finished_at.map(at))),
     ])
+}
+
+fn drain(d: &Drain) -> String {
+    let pct = (u128::from(d.synced_bytes) * 100)
+        .checked_div(u128::from(d.total_bytes))
+        .map_or_else(|| "-".to_string(), |p| format!("{}%", p.min(100)));
+    let head = fields(vec![
+        ("id", d.id.to_string()),
+        ("source api", d.source_api.clone()),
+        ("rate limit", rate_limit(d.rate_limit_bytes_per_sec)),
+        (
+            "progress",
+            format!(
+                "{pct} ({} of {})",
+                human_size(d.synced_bytes),
+                human_size(d.total_bytes)
+            ),
+        ),
+    ]);
+    format!("{head}\n{}", moves(&d.moves))
 }
 
 fn moves(l: &[Move]) -> String {
@@ -866,6 +891,7 @@ mod tests {
             created_at: OffsetDateTime::UNIX_EPOCH,
             finished_at: None,
             cold: None,
+            drain: None,
         }
     }
 

@@ -112,8 +112,11 @@ fn moves(e: &MoveError) -> (StatusCode, ErrorCode) {
     use MoveError as E;
     match e {
         E::NotFound(_) => (StatusCode::NOT_FOUND, C::MoveNotFound),
-        E::NotAttached { .. } | E::Running { .. } => (StatusCode::CONFLICT, C::MoveRefused),
-        E::Invalid { .. } | E::NotBlockplane { .. } => {
+        E::DrainNotFound(_) => (StatusCode::NOT_FOUND, C::DrainNotFound),
+        E::NotAttached { .. } | E::Running { .. } | E::InDrain { .. } => {
+            (StatusCode::CONFLICT, C::MoveRefused)
+        }
+        E::Invalid { .. } | E::NotBlockplane { .. } | E::InvalidDrain { .. } => {
             (StatusCode::UNPROCESSABLE_ENTITY, C::InvalidMove)
         }
         E::Ended { .. } => (StatusCode::CONFLICT, C::MoveEnded),

@@ -54,8 +54,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
 }
 
 /// The request fields that are lists (of plain values), as JSON pointers:
-/// an export's host NQNs.
-const LISTS: &[&str] = &["/hosts"];
+/// an export's host NQNs, a drain's volumes.
+const LISTS: &[&str] = &["/hosts", "/volumes"];
 
 /// Where `v` holds an array, as a JSON pointer below `at`, outside
 /// [`LISTS`] (and inside them, an array in the list).

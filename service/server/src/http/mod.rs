@@ -252,6 +252,8 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(moves::list_moves, moves::start_cold_move))
         .routes(routes!(moves::get_move, moves::patch_move))
         .routes(routes!(moves::cancel_move))
+        .routes(routes!(moves::start_drain))
+        .routes(routes!(moves::get_drain, moves::patch_drain))
         .routes(routes!(system::host))
         .routes(routes!(system::delete_orphan))
         .routes(routes!(events::events))

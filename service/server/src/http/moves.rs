@@ -9,7 +9,10 @@ use axum::http::StatusCode;
 use super::error::ApiError;
 use super::extract::ApiJson;
 use super::{AppState, detached};
-use blockplane_api::model::{ColdMoveRequest, ErrorBody, Move, PatchMoveRequest, StartMoveRequest};
+use blockplane_api::model::{
+    ColdMoveRequest, Drain, DrainRequest, ErrorBody, Move, PatchDrainRequest, PatchMoveRequest,
+    StartMoveRequest,
+};
 
 /// Bring a remote volume's data to this host, live: this host orchestrates
 /// the move. Its node mirrors the remote device and a new local volume
@@ -96,7 +99,7 @@ pub async fn get_move(
         (status = 200, description = "The move with its new limit", body = Move),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such move (`move_not_found`)", body = ErrorBody),
-        (status = 409, description = "The move no longer copies (`move_ended`)", body = ErrorBody),
+        (status = 409, description = "The move no longer copies (`move_ended`), or is part of a drain, whose limit it shares (`move_refused`)", body = ErrorBody),
         (status = 422, description = "A rate limit below 1024 bytes/s other than 0 (`invalid_move`)", body = ErrorBody),
     )
 )]
@@ -127,5 +130,67 @@ pub async fn cancel_move(
 ) -> Result<Json<Move>, ApiError> {
     Ok(Json(
         detached(async move { m.cancel_move(&id).await }).await?,
+    ))
+}
+
+/// Bring several of another host's volumes here at once under one rate
+/// limit (draining that host): a volume this host has connected moves
+/// live, any other cold, each into an image named after it in `dir`. The
+/// copying moves share the limit evenly, set again as their number
+/// changes. All start, or none.
+#[utoipa::path(
+    post, path = "/v1/drains", tag = "moves",
+    request_body = DrainRequest,
+    responses(
+        (status = 202, description = "The drain, its moves copying", body = Drain),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 409, description = "A remote volume cannot move now (`move_refused`); an image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
+        (status = 422, description = "A source API that does not show the volumes, an encrypted volume, a rate limit outside its rule (`invalid_move`), or a path outside the rules of paths", body = ErrorBody),
+    )
+)]
+pub async fn start_drain(
+    State(m): State<AppState>,
+    ApiJson(req): ApiJson<DrainRequest>,
+) -> Result<(StatusCode, Json<Drain>), ApiError> {
+    let started = detached(async move { m.start_drain(req).await }).await?;
+    Ok((StatusCode::ACCEPTED, Json(started)))
+}
+
+/// Show a drain: its limit, its moves and their progress.
+#[utoipa::path(
+    get, path = "/v1/drains/{id}", tag = "moves",
+    params(("id" = String, Path, description = "Drain id")),
+    responses(
+        (status = 200, description = "The drain", body = Drain),
+        (status = 404, description = "No such drain (`drain_not_found`)", body = ErrorBody),
+    )
+)]
+pub async fn get_drain(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Drain>, ApiError> {
+    Ok(Json(m.get_drain(&id).await?))
+}
+
+/// Change the rate limit a drain's moves share, live: each copying move's
+/// share is set at once, and the copies go on from where they are.
+#[utoipa::path(
+    patch, path = "/v1/drains/{id}", tag = "moves",
+    params(("id" = String, Path, description = "Drain id")),
+    request_body = PatchDrainRequest,
+    responses(
+        (status = 200, description = "The drain with its new limit", body = Drain),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such drain (`drain_not_found`)", body = ErrorBody),
+        (status = 422, description = "A rate limit below 1024 bytes/s other than 0 (`invalid_move`)", body = ErrorBody),
+    )
+)]
+pub async fn patch_drain(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PatchDrainRequest>,
+) -> Result<Json<Drain>, ApiError> {
+    Ok(Json(
+        detached(async move { m.patch_drain(&id, req).await }).await?,
     ))
 }

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use super::error::Result;
 use super::fabric_error::MoveError;
+use super::moves::Origin;
 use super::{Created, Manager};
 use crate::store::MoveRow;
 use blockplane_api::model::{
@@ -27,6 +28,15 @@ impl Manager {
     /// it here. Whatever was done on either host before a refusal is
     /// undone.
     pub(crate) async fn start_cold_move(self: &Arc<Self>, req: ColdMoveRequest) -> Result<Move> {
+        self.cold_move(req, None).await
+    }
+
+    /// A cold move, part of `drain` when given.
+    pub(super) async fn cold_move(
+        self: &Arc<Self>,
+        req: ColdMoveRequest,
+        drain: Option<uuid::Uuid>,
+    ) -> Result<Move> {
         let invalid = |field, reason: String| MoveError::Invalid {
             remote: req.image.clone(),
             field,
@@ -79,7 +89,11 @@ impl Manager {
             rate_limit_bytes_per_sec: req.rate_limit_bytes_per_sec,
             key: req.key.clone(),
         };
-        match self.begin_move(&remote, start, Some(cold)).await {
+        let origin = Origin {
+            cold: Some(cold),
+            drain,
+        };
+        match self.begin_move(&remote, start, origin).await {
             Ok(m) => Ok(m),
             Err(e) => {
                 if let Err(e) = self.remotes.delete(&remote).await {

@@ -181,6 +181,14 @@ pub enum MoveError {
         "remote volume '{remote}': {nqn} is not a blockplane export, so no host can be told to let it go: only a blockplane volume moves"
     )]
     NotBlockplane { remote: String, nqn: String },
+    #[error(
+        "move {id} is part of drain {drain}: its rate limit is its share of the drain's (PATCH /v1/drains/{drain})"
+    )]
+    InDrain { id: uuid::Uuid, drain: uuid::Uuid },
+    #[error("drain '{0}' not found")]
+    DrainNotFound(String),
+    #[error("drain: invalid {field}: {reason}")]
+    InvalidDrain { field: &'static str, reason: String },
     #[error("move {id} is {state}: {rule}")]
     Ended {
         id: uuid::Uuid,

@@ -8,6 +8,7 @@ mod backups;
 mod blocking;
 mod cold_moves;
 mod copies;
+mod drains;
 pub(crate) mod encryption;
 mod error;
 mod events;
@@ -111,8 +112,9 @@ pub struct Manager {
     remotes: Remotes,
     /// The token moves call other hosts' APIs with.
     peer_token: Option<String>,
-    /// The moves whose start request has not made their mirror yet: the
-    /// follower leaves them to it.
+    /// The moves whose start request has not made their mirror yet, and
+    /// the drains whose start has not started every move: the follower
+    /// leaves them (a drain's shares) to it.
     starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
     /// Where moves' mirrors keep their metadata legs.
     move_metadata: move_metadata::MoveMetadata,

@@ -36,8 +36,8 @@ use crate::store::{MoveRow, RemoteRow};
 use blockplane_api::model::{
     Allocation, BackendChoice, ColdExport, CreateEncryption, CreateImageFile, CreateImageRequest,
     CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DEFAULT_QUEUE_DEPTH, DeleteExportQuery,
-    DeleteImageQuery, DispatchPolicy, ExportMove, Key, Move, MoveState, PatchMoveRequest,
-    PatchVolumeRequest, RemoteState, StartMoveRequest,
+    DeleteImageQuery, DispatchPolicy, ExportAuth, ExportMove, Key, Move, MoveState,
+    PatchMoveRequest, PatchVolumeRequest, RemoteState, StartMoveRequest,
 };
 use blockplane_client::{Client, Endpoint};
 use blockplane_system::dm::{self, raid1};
@@ -47,7 +47,7 @@ use blockplane_system::fabrics;
 const HEAD_GONE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The smallest rate limit: dm-raid counts in KiB/s.
-const MIN_RATE: u64 = 1024;
+pub(super) const MIN_RATE: u64 = 1024;
 
 /// What the remote volume's node maps now, read from its live table.
 #[derive(Debug, PartialEq, Eq)]
@@ -60,6 +60,15 @@ enum Node {
     Local,
     /// No node, or a table this move did not make.
     Other(String),
+}
+
+/// Where a move comes from besides its remote volume.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Origin {
+    /// A cold move: what it did to the exporting host's export.
+    pub(super) cold: Option<ColdExport>,
+    /// The drain it is part of.
+    pub(super) drain: Option<Uuid>,
 }
 
 /// What a step of a move leaves to do once the remote volume's lock is
@@ -84,16 +93,15 @@ impl Manager {
         remote: &str,
         req: StartMoveRequest,
     ) -> Result<Move> {
-        self.begin_move(remote, req, None).await
+        self.begin_move(remote, req, Origin::default()).await
     }
 
-    /// A move of remote volume `remote`; `cold` for one a cold move
-    /// connected, saying what it did to the exporting host's export.
+    /// A move of remote volume `remote`, from `origin`.
     pub(super) async fn begin_move(
         self: &Arc<Self>,
         remote: &str,
         req: StartMoveRequest,
-        cold: Option<ColdExport>,
+        origin: Origin,
     ) -> Result<Move> {
         let row = self.remote_row(remote).await?;
         let mut m = {
@@ -124,7 +132,8 @@ impl Manager {
                 created_at: now,
                 updated_at: now,
                 finished_at: None,
-                cold,
+                cold: origin.cold,
+                drain_id: origin.drain,
             };
             // Recorded first (the registry allows one running move per
             // remote volume): a crash before the mirror leaves a move the
@@ -500,6 +509,7 @@ impl Manager {
                 tracing::warn!(move_id = %m.id, error = %e, "following a move failed");
             }
         }
+        self.share_drains(&moves).await?;
         self.settle_cold_moves(&moves).await
     }
 
@@ -758,9 +768,22 @@ impl Manager {
             }
             Err(e) => return Err(e.to_string()),
         };
+        // The exporting host refuses to delete an export while it cannot
+        // tell that no host is connected to it (6.12's target does not say
+        // which export a connection is to). One that admits this host
+        // alone, by its key, has nobody connected once this host has
+        // disconnected: forced then.
+        let me = self.remotes.host_nqn();
+        let force = match client.export(&m.source_volume).await {
+            Ok(e) => e.auth == ExportAuth::Dhchap && e.hosts.iter().all(|h| h.host_nqn == me),
+            Err(blockplane_client::Error::Refused { status, .. }) if status.as_u16() == 404 => {
+                false
+            }
+            Err(e) => return Err(e.to_string()),
+        };
         gone(
             client
-                .delete_export_with(&m.source_volume, &DeleteExportQuery { force: false })
+                .delete_export_with(&m.source_volume, &DeleteExportQuery { force })
                 .await,
         )?;
         gone(client.delete_volume(&m.source_volume).await)?;
@@ -857,10 +880,20 @@ impl Manager {
     /// loaded again with it, the copy going on from where it is.
     pub(crate) async fn patch_move(&self, id: &str, patch: PatchMoveRequest) -> Result<Move> {
         let m = self.move_of(id).await?;
+        if let Some(drain) = m.drain_id {
+            return Err(MoveError::InDrain { id: m.id, drain }.into());
+        }
+        self.set_move_rate(m.id, patch.rate_limit_bytes_per_sec)
+            .await
+    }
+
+    /// Move `id`'s rate limit, live (a drain's share, or the operator's).
+    pub(super) async fn set_move_rate(&self, id: Uuid, rate: u64) -> Result<Move> {
+        let id = &id.to_string();
+        let m = self.move_of(id).await?;
         let row = self.remote_row(&m.remote_id.to_string()).await?;
         let _remote = self.house.locks.volumes.lock(&row.name).await;
         let mut m = self.move_of(id).await?;
-        let rate = patch.rate_limit_bytes_per_sec;
         if rate != 0 && rate < MIN_RATE {
             return Err(MoveError::Invalid {
                 remote: row.name,
@@ -949,6 +982,7 @@ impl Manager {
             created_at: m.created_at,
             finished_at: m.finished_at,
             cold: m.cold,
+            drain: m.drain_id,
         })
     }
 

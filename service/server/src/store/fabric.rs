@@ -410,6 +410,19 @@ pub struct MoveRow {
     pub finished_at: Option<OffsetDateTime>,
     /// A cold move: what it did to the exporting host's export.
     pub cold: Option<ColdExport>,
+    /// The drain it is part of: its rate limit is its share of the
+    /// drain's.
+    pub drain_id: Option<Uuid>,
+}
+
+/// A drain as stored: several moves under one rate limit.
+#[derive(Debug, Clone)]
+pub struct DrainRow {
+    pub id: Uuid,
+    pub source_api: String,
+    /// Bytes per second its moves may read in all; 0: no limit.
+    pub rate_limit: u64,
+    pub created_at: OffsetDateTime,
 }
 
 impl MoveRow {
@@ -444,6 +457,10 @@ impl MoveRow {
                 .try_get::<Option<String>, _>("cold")?
                 .map(|c| enum_from_str("cold move export", &c))
                 .transpose()?,
+            drain_id: r
+                .try_get::<Option<String>, _>("drain_id")?
+                .map(|d| uuid("move drain id", &d))
+                .transpose()?,
         })
     }
 }
@@ -470,6 +487,23 @@ impl Store {
             .transpose()
     }
 
+    /// The drain with this id.
+    pub async fn drain(&self, id: Uuid) -> Result<Option<DrainRow>> {
+        let Some(r) = sqlx::query("SELECT * FROM drains WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&self.readers)
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(DrainRow {
+            id: uuid("drain id", r.try_get("id")?)?,
+            source_api: r.try_get("source_api")?,
+            rate_limit: r.try_get::<i64, _>("rate_limit")?.max(0) as u64,
+            created_at: parse_ts(r.try_get("created_at")?)?,
+        }))
+    }
+
     /// The latest move of remote volume `remote_id`.
     pub async fn move_of_remote(&self, remote_id: Uuid) -> Result<Option<MoveRow>> {
         sqlx::query("SELECT * FROM moves WHERE remote_id = ? ORDER BY created_at DESC LIMIT 1")
@@ -490,8 +524,8 @@ impl WriteTx {
             "INSERT INTO moves (id, remote_id, remote_name, image, path, volume_id, source_api,
                                 source_volume, keep_source_image, rate_limit, state, state_reason,
                                 synced_bytes, total_bytes, rate, created_at, updated_at, finished_at,
-                                cold)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                cold, drain_id)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT (id) DO UPDATE SET volume_id = excluded.volume_id,
                 rate_limit = excluded.rate_limit, state = excluded.state,
                 state_reason = excluded.state_reason, synced_bytes = excluded.synced_bytes,
@@ -517,6 +551,22 @@ impl WriteTx {
         .bind(ts(m.updated_at))
         .bind(m.finished_at.map(ts))
         .bind(m.cold.map(enum_str))
+        .bind(m.drain_id.map(|d| d.to_string()))
+        .execute(self.conn())
+        .await?;
+        Ok(())
+    }
+
+    /// Records a drain, new or with a new rate limit.
+    pub async fn put_drain(&mut self, d: &DrainRow) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO drains (id, source_api, rate_limit, created_at) VALUES (?, ?, ?, ?)
+             ON CONFLICT (id) DO UPDATE SET rate_limit = excluded.rate_limit",
+        )
+        .bind(d.id.to_string())
+        .bind(&d.source_api)
+        .bind(i64::try_from(d.rate_limit).unwrap_or(i64::MAX))
+        .bind(ts(d.created_at))
         .execute(self.conn())
         .await?;
         Ok(())
