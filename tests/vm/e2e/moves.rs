@@ -361,6 +361,66 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
     drop(hosts);
 }
 
+/// A's whole pod killed mid-copy (its service and every ublk worker, as
+/// one cgroup): A's ublk device waits until A's new service recovers it,
+/// B's consumer's writes wait meanwhile and then go on, and the move ends
+/// `done` with every fio verify job clean and B's node the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_waits_through_the_exporting_pod_killed_whole() {
+    let hosts = Hosts::new();
+    let (mut a, b, b_nqn) = two_hosts(&hosts, Vec::new()).await;
+    let _leftovers = Leftovers;
+    let pod = crate::controlplane::Pod::new();
+    pod.enter(a.s.pid());
+    let device = served_on_b(
+        &a,
+        &b,
+        &b_nqn,
+        "p-ublk",
+        json!({"name": "p-ublk", "image": "p-ublk", "backend": "ublk", "dispatch": "nowait"}),
+    )
+    .await;
+    let node = dev_of(&device);
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let m = start_move(&b, "p-ublk", SLOW).await;
+    let id = m["id"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(120), "the copy to start", async || {
+        move_of(&b, &id).await["synced_bytes"].as_u64() > Some(0)
+    })
+    .await;
+    pod.kill().await;
+    assert!(!a.s.wait_exit(Duration::from_secs(10)).success());
+    a.s.restart().await;
+    writes_flow(&device, 256 << 10).await;
+    let p =
+        b.s.patch(
+            &format!("/v1/moves/{id}"),
+            json!({"rate_limit_bytes_per_sec": 0}),
+        )
+        .await;
+    assert_eq!(p.status.as_u16(), 200, "{}", p.body);
+    eventually(Duration::from_secs(300), "the move to end", async || {
+        move_of(&b, &id).await["state"] == "done"
+    })
+    .await;
+    writes_flow(&device, 256 << 10).await;
+    let (jobs, longest) = consumer.finish();
+    println!(
+        "p-ublk: {jobs} fio verify jobs through a move whose exporting pod was killed, longest write {longest:.0} ms"
+    );
+    assert_eq!(dev_of(&device), node, "the consumer's node changed");
+    let r = a.s.get("/v1/volumes/p-ublk").await;
+    assert_eq!(r.status.as_u16(), 404, "A's volume stays: {}", r.body);
+    let d = b.s.delete("/v1/remotes/p-ublk").await;
+    assert_eq!(d.status.as_u16(), 204, "{}", d.body);
+    b.delete("p-ublk").await;
+    drop(b);
+    drop(a);
+    drop(pod);
+    drop(hosts);
+}
+
 /// A volume of A's that nobody on B uses moves cold: B has A export it to
 /// B, copies it, and ends with its local volume alone holding A's bytes;
 /// cancelled, a cold move deletes the export it made and A's volume stays.
