@@ -248,14 +248,22 @@ impl Steps {
         }
     }
 
+    /// The steps, newest first, each read as it comes.
+    fn newest_first(&self) -> impl Iterator<Item = Step> + '_ {
+        let mut end = self.bytes.len();
+        self.lens.iter().rev().map(move |len| {
+            let start = end - *len as usize;
+            let step = Step::decode(&mut self.bytes.range(start..end).copied());
+            end = start;
+            step
+        })
+    }
+
     /// The last `n` steps, oldest first.
     fn last(&self, n: usize) -> Vec<Step> {
-        let skip = self.lens.len().saturating_sub(n);
-        let from: usize = self.lens.iter().take(skip).map(|l| *l as usize).sum();
-        let mut bytes = self.bytes.range(from..).copied();
-        (skip..self.lens.len())
-            .map(|_| Step::decode(&mut bytes))
-            .collect()
+        let mut steps: Vec<Step> = self.newest_first().take(n).collect();
+        steps.reverse();
+        steps
     }
 }
 
@@ -345,45 +353,7 @@ impl Sampler {
         let series = all.get(&id)?;
         let newest = series.newest.as_ref()?;
         let now = Sample::of(now_stats, Instant::now());
-        let steps = series.steps.last(KEEP);
-        let window = |secs: u64| -> Option<OpRates> {
-            // From the oldest sample within the window (at least one
-            // earlier than now): the steps since it added up.
-            let target = now.at.checked_sub(Duration::from_secs(secs))?;
-            let mut sum = Step::between(newest, &now);
-            let mut base = newest.at;
-            for step in steps.iter().rev() {
-                let Some(earlier) = base.checked_sub(Duration::from_micros(step.micros)) else {
-                    break;
-                };
-                if earlier < target {
-                    break;
-                }
-                base = earlier;
-                for (s, o) in sum.ops.iter_mut().zip(&step.ops) {
-                    s.ops += o.ops;
-                    s.bytes += o.bytes;
-                }
-            }
-            if base >= now.at {
-                return None;
-            }
-            let dt = now.at.duration_since(base).as_secs_f64();
-            if dt <= 0.0 {
-                return None;
-            }
-            let r = |i: usize| Rate {
-                iops: sum.ops[i].ops as f64 / dt,
-                bytes_per_sec: sum.ops[i].bytes as f64 / dt,
-            };
-            Some(OpRates {
-                read: r(0),
-                write: r(1),
-                flush: r(2),
-                discard: r(3),
-                window_secs: dt,
-            })
-        };
+        let window = |secs| window(newest, series.steps.newest_first(), &now, secs);
         Some(Rates {
             last_1s: window(1)?,
             last_10s: window(10)?,
@@ -403,6 +373,50 @@ impl Sampler {
         };
         history(newest.wall, &s.steps.last(seconds as usize))
     }
+}
+
+/// Rates from the oldest sample within the last `secs` before `now` (at
+/// least one earlier than `now`) to `now`: the steps since it added up.
+fn window(
+    newest: &Sample,
+    newest_first: impl Iterator<Item = Step>,
+    now: &Sample,
+    secs: u64,
+) -> Option<OpRates> {
+    let target = now.at.checked_sub(Duration::from_secs(secs))?;
+    let mut sum = Step::between(newest, now);
+    let mut base = newest.at;
+    for step in newest_first {
+        let Some(earlier) = base.checked_sub(Duration::from_micros(step.micros)) else {
+            break;
+        };
+        if earlier < target {
+            break;
+        }
+        base = earlier;
+        for (s, o) in sum.ops.iter_mut().zip(&step.ops) {
+            s.ops += o.ops;
+            s.bytes += o.bytes;
+        }
+    }
+    if base >= now.at {
+        return None;
+    }
+    let dt = now.at.duration_since(base).as_secs_f64();
+    if dt <= 0.0 {
+        return None;
+    }
+    let r = |i: usize| Rate {
+        iops: sum.ops[i].ops as f64 / dt,
+        bytes_per_sec: sum.ops[i].bytes as f64 / dt,
+    };
+    Some(OpRates {
+        read: r(0),
+        write: r(1),
+        flush: r(2),
+        discard: r(3),
+        window_secs: dt,
+    })
 }
 
 /// The points of `steps`, the last of which ended at `wall`.
@@ -523,6 +537,43 @@ mod tests {
             (None, None)
         );
         assert_eq!(all[13].write.latency_us, Some(37.0));
+    }
+
+    /// A window's rates are from the oldest sample in it to now, as the
+    /// samples say, whichever samples the steps came from.
+    #[test]
+    fn rates_from_steps_are_the_samples() {
+        let (t0, w0) = (Instant::now(), OffsetDateTime::now_utc());
+        let at = |ms: u64| (t0 + Duration::from_millis(ms), w0);
+        let samples: Vec<Sample> = (0..80u64)
+            .map(|k| {
+                let (t, w) = at(1000 * k + 3 * (k % 5));
+                sample(t, w, k, true)
+            })
+            .collect();
+        let mut steps = Steps::default();
+        for w in samples.windows(2) {
+            steps.push(&Step::between(&w[0], &w[1]));
+        }
+        let newest = &samples[79];
+        let (t, w) = at(79_400);
+        let now = sample(t, w, 80, true);
+        for secs in [1, 10, 60] {
+            let r = window(newest, steps.newest_first(), &now, secs).unwrap();
+            let target = now.at - Duration::from_secs(secs);
+            let base = samples.iter().find(|s| s.at >= target).unwrap();
+            let dt = now.at.duration_since(base.at).as_secs_f64();
+            assert!((r.window_secs - dt).abs() < 1e-6, "{secs}: {r:?}");
+            let want = (now.ops[1].ops - base.ops[1].ops) as f64 / dt;
+            assert!((r.write.iops - want).abs() < 1e-6, "{secs}: {r:?}");
+            let want = (now.ops[3].bytes - base.ops[3].bytes) as f64 / dt;
+            assert!(
+                (r.discard.bytes_per_sec - want).abs() < 1e-3,
+                "{secs}: {r:?}"
+            );
+        }
+        // Nothing earlier than now: no rate.
+        assert!(window(&now, std::iter::empty(), &now, 1).is_none());
     }
 
     /// 15 minutes of an idle volume are a few KiB; of a busy one, well under
