@@ -7,19 +7,23 @@
 # and threads (ublk), and the context switches per second of the service and
 # of all workers over an idle window (the cost of idle volumes), and on
 # stderr which threads those switches were.
+# With --hold SECONDS, after the last count it waits that long (960: until
+# the sampler's 15 minutes of history are full) and prints the service's RSS
+# per volume over the service with none.
 # Release build, a real service on a temp data dir, real devices.
-#   tests/bench/scale.sh [--backend loop|ublk|dm|auto] [--idle SECONDS] [COUNT...]
+#   tests/bench/scale.sh [--backend loop|ublk|dm|auto] [--idle SECONDS] [--hold SECONDS] [COUNT...]
 # The default backend is loop on a host without ublk (this is what a host
 # without ublk can scale), else auto. Inside the test VM, see tests/vm/README.md.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-backend='' idle=5 counts=()
+backend='' idle=5 hold=0 counts=()
 while [ $# -gt 0 ]; do
   case $1 in
     --backend) backend=$2; shift 2 ;;
     --idle) idle=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --hold) hold=$2; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) counts+=("$1"); shift ;;
   esac
 done
@@ -76,6 +80,7 @@ workers() { pgrep -P "$pid" || true; }
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 threads() { awk '/^Threads/ {print $2}' "/proc/$1/status"; }
 
+empty_kib=$(rss_kib "$pid")
 printf '%-7s %-6s %-17s %-17s %-17s %-9s %-8s %-7s %-10s %-9s %-13s %-13s\n' \
   volumes backend "attach p50/p99" "list p50/p99" "metrics p50/p99" "metrics" \
   "svc RSS" threads workers "wrk RSS" "wrk threads" "idle sw/s/vol"
@@ -124,5 +129,11 @@ for n in "${counts[@]}"; do
   echo "idle switches per second per volume at $n volumes over $secs s, by thread:" >&2
   where_idle "$work/threads-before.txt" "$work/threads-after.txt" "$secs" "$n"
 done
+if [ "$hold" -gt 0 ]; then
+  sleep "$hold"
+  api -o /dev/null http://x/metrics
+  kib=$(rss_kib "$pid")
+  echo "service RSS after $hold s more: $((kib / 1024))M, $(((kib - empty_kib) / made)) KiB per volume over the service with none ($((empty_kib / 1024))M)"
+fi
 echo "targets: attach p99 <= 50 ms (host), list <= 20 ms, metrics <= 100 ms, service RSS and threads flat per volume," \
   "worker RSS <= 16 MiB and threads <= queues + 1, idle < 1 context switch per second per volume" >&2

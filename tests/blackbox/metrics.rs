@@ -327,6 +327,22 @@ async fn the_grafana_dashboard_and_the_alerts_name_only_metrics_the_service_expo
     s.image("bk", 4).await;
     crate::backups::backup(&s, "bk", "one").await;
     let text = s.get_text("/metrics").await;
+    // The host's latency histogram is always there (empty without ublk
+    // volumes); each volume's buckets come where asked, and the same
+    // families do (loop volumes have no histograms).
+    assert!(
+        text.contains("# TYPE blockplane_latency_seconds histogram"),
+        "{text}"
+    );
+    let asked = s.get_text("/metrics?volume_histograms=true").await;
+    assert_eq!(
+        metric_names(&asked),
+        metric_names(&text),
+        "the same families with every volume's buckets"
+    );
+    let a = s.get("/metrics?histograms=true").await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
+    assert_eq!(a.body["error"]["code"], "invalid_query", "{}", a.body);
     let exported: BTreeSet<String> = parse(&text)
         .as_array()
         .unwrap()

@@ -144,6 +144,20 @@ pub struct StatsHistoryQuery {
     pub seconds: Option<u32>,
 }
 
+/// Query of `GET /metrics`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct MetricsQuery {
+    /// Every bucket of each volume's latency histogram
+    /// (`blockplane_volume_latency_seconds`), about 7 KB more per ublk
+    /// volume; without it (the default) each carries its `+Inf` bucket, sum
+    /// and count, and `blockplane_latency_seconds` the buckets of all
+    /// volumes added up.
+    pub volume_histograms: Option<bool>,
+}
+
 /// One op over one interval of a volume's history.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

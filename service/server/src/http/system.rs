@@ -5,7 +5,8 @@ use axum::extract::State;
 
 use super::AppState;
 use super::error::ApiError;
-use blockplane_api::model::{ErrorBody, Health, Host};
+use super::extract::ApiQuery;
+use blockplane_api::model::{ErrorBody, Health, Host, MetricsQuery};
 
 /// Liveness, and whether the registry can be written; needs no token.
 #[utoipa::path(
@@ -50,14 +51,23 @@ pub async fn delete_orphan(
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
-/// Prometheus metrics (text format 0.0.4).
+/// Prometheus metrics (text format 0.0.4). A volume's latency histogram
+/// carries its `+Inf` bucket, sum and count; its every bucket only with
+/// `volume_histograms=true`.
 #[utoipa::path(
     get, path = "/metrics", tag = "system",
-    responses((status = 200, description = "Metrics in the Prometheus text format", content_type = "text/plain; version=0.0.4", body = String))
+    params(MetricsQuery),
+    responses(
+        (status = 200, description = "Metrics in the Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+    )
 )]
-pub async fn metrics(State(m): State<AppState>) -> Result<axum::response::Response, ApiError> {
+pub async fn metrics(
+    State(m): State<AppState>,
+    ApiQuery(q): ApiQuery<MetricsQuery>,
+) -> Result<axum::response::Response, ApiError> {
     use axum::response::IntoResponse;
-    let text = m.metrics().await?;
+    let text = m.metrics(q.volume_histograms.unwrap_or(false)).await?;
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,

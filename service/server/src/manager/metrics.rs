@@ -18,8 +18,9 @@ impl Manager {
         self.volumes.api.requests.record(labels, took);
     }
 
-    /// `GET /metrics`: the exposition text.
-    pub(crate) async fn metrics(&self) -> Result<String> {
+    /// `GET /metrics`: the exposition text; each volume's latency buckets
+    /// only with `volume_histograms`.
+    pub(crate) async fn metrics(&self, volume_histograms: bool) -> Result<String> {
         let (readings, backups) = (&self.volumes.readings, &self.backups.state);
         let latest = readings.stats.latest();
         let rows = self.house.store.volumes().await?;
@@ -84,6 +85,7 @@ impl Manager {
                     model::RemoteState::as_str,
                 ),
                 supervisor: self.supervisor_sample(),
+                volume_histograms,
                 backups: backups
                     .target
                     .as_ref()
