@@ -981,7 +981,7 @@ async fn moves_from_the_command_line_refuse_what_is_not_there() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("invalid_move") && err.contains("did not show volume 'far'"),
+        err.contains("remote_unreachable") && err.contains("did not show volume 'far'"),
         "{err}"
     );
     assert!(!std::path::Path::new(&path).exists());
@@ -1002,7 +1002,7 @@ async fn moves_from_the_command_line_refuse_what_is_not_there() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("invalid_move") && err.contains("did not list its volumes"),
+        err.contains("remote_unreachable") && err.contains("did not list its volumes"),
         "{err}"
     );
     assert_eq!(json(&s, &["move", "ls"]), serde_json::json!([]));

@@ -286,7 +286,7 @@ async fn a_volume_moves_to_the_host_that_uses_it_under_fio_verify() {
         .await;
     assert_eq!(plain.status.as_u16(), 422, "{}", plain.body);
     assert_eq!(
-        plain.body["error"]["code"], "invalid_move",
+        plain.body["error"]["code"], "key_required",
         "{}",
         plain.body
     );

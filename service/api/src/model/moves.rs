@@ -31,7 +31,14 @@ pub struct StartMoveRequest {
     /// here to let its export go and to delete its volume. This service
     /// calls it with its own bearer token: hosts that move volumes between
     /// them share one.
-    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            min_length = 1,
+            max_length = 255,
+            pattern = "^(unix:.*|(http://)?[^/]*:[^/]*/*)$"
+        )
+    )]
     pub source_api: String,
     /// Keep the exporting host's image when its volume goes (default: the
     /// image is deleted with it).
@@ -43,7 +50,7 @@ pub struct StartMoveRequest {
     pub rate_limit_bytes_per_sec: u64,
     /// Encrypt the local image (LUKS2) with this key, its first key slot:
     /// required when the exporting host's volume is encrypted, whose data
-    /// would otherwise rest here in plaintext (422 `invalid_move`). Never
+    /// would otherwise rest here in plaintext (422 `key_required`). Never
     /// stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<super::Key>,
@@ -61,7 +68,14 @@ pub struct ColdMoveRequest {
     /// The exporting host's API (`http://host:port`), called with this
     /// service's own bearer token: hosts that move volumes between them
     /// share one.
-    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            min_length = 1,
+            max_length = 255,
+            pattern = "^(unix:.*|(http://)?[^/]*:[^/]*/*)$"
+        )
+    )]
     pub source_api: String,
     /// The volume on the exporting host, by name or id.
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 63))]
@@ -105,7 +119,14 @@ pub struct ColdMoveRequest {
 pub struct DrainRequest {
     /// The exporting host's API (`http://host:port`), called with this
     /// service's own bearer token.
-    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 255))]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            min_length = 1,
+            max_length = 255,
+            pattern = "^(unix:.*|(http://)?[^/]*:[^/]*/*)$"
+        )
+    )]
     pub source_api: String,
     /// The volumes on the exporting host, by name; empty or absent: every
     /// volume it has.

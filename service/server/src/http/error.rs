@@ -113,6 +113,10 @@ fn moves(e: &MoveError) -> (StatusCode, ErrorCode) {
     match e {
         E::NotFound(_) => (StatusCode::NOT_FOUND, C::MoveNotFound),
         E::DrainNotFound(_) => (StatusCode::NOT_FOUND, C::DrainNotFound),
+        // What the exporting host answers is its state, not the request's.
+        E::Source { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::RemoteUnreachable),
+        E::SourceEncrypted { .. } => (StatusCode::UNPROCESSABLE_ENTITY, C::KeyRequired),
+        E::RemoteNameTaken(_) => (StatusCode::CONFLICT, C::NameTaken),
         E::NotAttached { .. } | E::Running { .. } | E::InDrain { .. } => {
             (StatusCode::CONFLICT, C::MoveRefused)
         }

@@ -28,7 +28,7 @@ use blockplane_api::model::{
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 404, description = "No such remote volume (`remote_not_found`)", body = ErrorBody),
         (status = 409, description = "The remote volume is not attached, or a move of it runs (`move_refused`); the image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
-        (status = 422, description = "A source API, rate limit or export outside its rule (`invalid_move`), or an image path outside the rules of paths", body = ErrorBody),
+        (status = 422, description = "A rate limit or export outside its rule (`invalid_move`); an exporting host that does not show the volume (`remote_unreachable`); an encrypted volume without `key` (`key_required`); an image path outside the rules of paths", body = ErrorBody),
     )
 )]
 pub async fn start_move(
@@ -52,8 +52,8 @@ pub async fn start_move(
     responses(
         (status = 202, description = "The move, copying", body = Move),
         (status = 400, description = "Malformed request", body = ErrorBody),
-        (status = 409, description = "The image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
-        (status = 422, description = "A source API that does not show the volume or will not export it to this host, a remote volume of the image's name here, a rate limit outside its rule, an encrypted volume without `key` (`invalid_move`), or an image path outside the rules of paths", body = ErrorBody),
+        (status = 409, description = "The image name or file is taken, or a remote volume has the image's name (`name_taken`, `file_exists`)", body = ErrorBody),
+        (status = 422, description = "An exporting host that does not show the volume or will not export it to this host (`remote_unreachable`); an encrypted volume without `key` (`key_required`); a rate limit outside its rule (`invalid_move`); an image path outside the rules of paths", body = ErrorBody),
     )
 )]
 pub async fn start_cold_move(
@@ -145,7 +145,7 @@ pub async fn cancel_move(
         (status = 202, description = "The drain, its moves copying", body = Drain),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 409, description = "A remote volume cannot move now (`move_refused`); an image name or file is taken (`name_taken`, `file_exists`)", body = ErrorBody),
-        (status = 422, description = "A source API that does not show the volumes, an encrypted volume, a rate limit outside its rule (`invalid_move`), or a path outside the rules of paths", body = ErrorBody),
+        (status = 422, description = "An exporting host that does not show the volumes (`remote_unreachable`); an encrypted volume (`key_required`); a rate limit outside its rule (`invalid_move`); a path outside the rules of paths", body = ErrorBody),
     )
 )]
 pub async fn start_drain(

@@ -46,33 +46,33 @@ impl Manager {
         let endpoint =
             Endpoint::parse(&req.source_api).map_err(|e| invalid("source_api", e.to_string()))?;
         if self.house.store.remote(&req.image).await?.is_some() {
-            return Err(invalid(
-                "image",
-                "a remote volume of that name exists here: a cold move connects one of its own under the image's name".into(),
-            )
-            .into());
+            return Err(MoveError::RemoteNameTaken(req.image.clone()).into());
         }
         let client = Client::new(endpoint, self.peer_token.clone());
-        let source = client.volume(&req.volume).await.map_err(|e| {
-            invalid(
-                "volume",
-                format!(
+        let source = client
+            .volume(&req.volume)
+            .await
+            .map_err(|e| MoveError::Source {
+                subject: format!("cold move into image '{}'", req.image),
+                reason: format!(
                     "the exporting host's API did not show volume '{}': {e}",
                     req.volume
                 ),
-            )
-        })?;
+            })?;
         if source.encrypted && req.key.is_none() {
-            return Err(invalid(
-                "key",
-                format!("volume '{}' is encrypted on its host, and its data would rest here in plaintext: give a key to encrypt the local image with", source.name),
-            )
+            return Err(MoveError::SourceEncrypted {
+                subject: format!("cold move into image '{}'", req.image),
+                volume: source.name,
+            }
             .into());
         }
         let host = self.remotes.host_nqn().to_string();
         let (export, cold) = allow_here(&client, &source.name, &host)
             .await
-            .map_err(|reason| invalid("volume", reason))?;
+            .map_err(|reason| MoveError::Source {
+                subject: format!("cold move into image '{}'", req.image),
+                reason,
+            })?;
         let connected = self.connect_cold(&req, &export, &host).await;
         let remote = match connected {
             Ok(remote) => remote,
@@ -113,9 +113,8 @@ impl Manager {
         export: &Export,
         host: &str,
     ) -> Result<String> {
-        let invalid = |reason: String| MoveError::Invalid {
-            remote: req.image.clone(),
-            field: "volume",
+        let invalid = |reason: String| MoveError::Source {
+            subject: format!("cold move into image '{}'", req.image),
             reason,
         };
         let keys = export

@@ -32,6 +32,28 @@ impl Manager {
         let invalid = |field, reason: String| MoveError::InvalidDrain { field, reason };
         let endpoint =
             Endpoint::parse(&req.source_api).map_err(|e| invalid("source_api", e.to_string()))?;
+        let client = Client::new(endpoint, self.peer_token.clone());
+        let mut volumes = Vec::new();
+        if req.volumes.is_empty() {
+            volumes = client.volumes().await.map_err(|e| MoveError::Source {
+                subject: "drain".into(),
+                reason: format!("the exporting host's API did not list its volumes: {e}"),
+            })?;
+        } else {
+            for name in &req.volumes {
+                volumes.push(client.volume(name).await.map_err(|e| MoveError::Source {
+                    subject: "drain".into(),
+                    reason: format!("the exporting host's API did not show volume '{name}': {e}"),
+                })?);
+            }
+        }
+        if volumes.is_empty() {
+            return Err(MoveError::Source {
+                subject: "drain".into(),
+                reason: "the exporting host has no volume".into(),
+            }
+            .into());
+        }
         let rate = req.rate_limit_bytes_per_sec;
         if rate != 0 && rate < MIN_RATE {
             return Err(invalid(
@@ -40,41 +62,17 @@ impl Manager {
             )
             .into());
         }
-        let client = Client::new(endpoint, self.peer_token.clone());
-        let mut volumes = Vec::new();
-        if req.volumes.is_empty() {
-            volumes = client.volumes().await.map_err(|e| {
-                invalid(
-                    "source_api",
-                    format!("the exporting host's API did not list its volumes: {e}"),
-                )
-            })?;
-        } else {
-            for name in &req.volumes {
-                volumes.push(client.volume(name).await.map_err(|e| {
-                    invalid(
-                        "volumes",
-                        format!("the exporting host's API did not show volume '{name}': {e}"),
-                    )
-                })?);
-            }
-        }
-        if volumes.is_empty() {
-            return Err(invalid("volumes", "the exporting host has no volume".into()).into());
-        }
         let encrypted: Vec<&str> = volumes
             .iter()
             .filter(|v| v.encrypted)
             .map(|v| v.name.as_str())
             .collect();
         if !encrypted.is_empty() {
-            return Err(invalid(
-                "volumes",
-                format!(
-                    "{} encrypted: a drain has no keys, so move each alone with its key (POST /v1/moves)",
-                    encrypted.join(", ")
-                ),
-            )
+            return Err(MoveError::SourceEncrypted {
+                subject: "drain (it has no keys: move each encrypted volume alone, POST /v1/moves)"
+                    .into(),
+                volume: encrypted.join("', '"),
+            }
             .into());
         }
         let drain = DrainRow {

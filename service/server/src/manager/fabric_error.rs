@@ -185,6 +185,16 @@ pub enum MoveError {
         "move {id} is part of drain {drain}: its rate limit is its share of the drain's (PATCH /v1/drains/{drain})"
     )]
     InDrain { id: uuid::Uuid, drain: uuid::Uuid },
+    #[error("{subject}: {reason}")]
+    Source { subject: String, reason: String },
+    #[error(
+        "{subject}: volume '{volume}' is encrypted on its host, and its data would rest here in plaintext: give a key to encrypt the local image with"
+    )]
+    SourceEncrypted { subject: String, volume: String },
+    #[error(
+        "remote volume '{0}' exists here: a cold move connects one of its own under the image's name"
+    )]
+    RemoteNameTaken(String),
     #[error("drain '{0}' not found")]
     DrainNotFound(String),
     #[error("drain: invalid {field}: {reason}")]

@@ -274,17 +274,18 @@ impl Manager {
             Endpoint::parse(&req.source_api).map_err(|e| invalid("source_api", e.to_string()))?,
             self.peer_token.clone(),
         );
-        let source = client.volume(&volume).await.map_err(|e| {
-            invalid(
-                "source_api",
-                format!("the exporting host's API did not show volume '{volume}': {e}"),
-            )
-        })?;
+        let source = client
+            .volume(&volume)
+            .await
+            .map_err(|e| MoveError::Source {
+                subject: format!("remote volume '{}'", row.name),
+                reason: format!("the exporting host's API did not show volume '{volume}': {e}"),
+            })?;
         if source.encrypted && req.key.is_none() {
-            return Err(invalid(
-                "key",
-                format!("volume '{volume}' is encrypted on its host, and its data would rest here in plaintext: give a key to encrypt the local image with"),
-            )
+            return Err(MoveError::SourceEncrypted {
+                subject: format!("remote volume '{}'", row.name),
+                volume,
+            }
             .into());
         }
         Ok(volume)
