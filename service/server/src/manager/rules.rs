@@ -56,12 +56,20 @@ impl Bed {
     /// reconciles.
     async fn restart(&mut self) -> super::reconcile::Report {
         let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        // Its backend-event thread holds it until it sees the channel closed.
         while Arc::strong_count(&self.m) > 1 && std::time::Instant::now() < until {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         assert_eq!(Arc::strong_count(&self.m), 1, "the old manager lingers");
+        // Its backend-event thread holds its house, and with it the old
+        // volumes' image locks, until it sees the channel closed: a
+        // reconcile meanwhile could not lock an image again (a vanished
+        // device then fails to reattach, seen under CI's load).
+        let house = Arc::downgrade(&self.m.house);
         self.m = manager(&self.dir, &self.store, &self.fake, 8).await;
+        while house.strong_count() > 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(house.strong_count(), 0, "the old house lingers");
         self.m.reconcile().await.unwrap()
     }
 
