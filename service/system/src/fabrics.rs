@@ -736,20 +736,30 @@ fn head_of(name: &str, instance: u32) -> Option<String> {
     }
 }
 
+/// A namespace the kernel has registered for a controller: its head disk's
+/// node and size, read together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace {
+    /// `/dev/nvme<S>n<H>` (or `/dev/nvme<instance>n<H>` without multipath).
+    pub path: PathBuf,
+    /// Its size in bytes, from sysfs.
+    pub size_bytes: u64,
+}
+
 /// Waits up to `timeout` for the controller's namespace device
-/// ([`namespace_device`]) to be a registered disk with its `/dev` node
-/// ([`node_is_current`]). The kernel scans a new controller's namespaces
-/// on a work queue after the connect returns, and says nothing when it is
-/// done, so this looks every 50 ms:
-/// a bounded wait for a kernel condition, not a retry. `None` at the
-/// timeout; an error as soon as the controller is gone or going.
-pub fn wait_namespace(instance: u32, timeout: Duration) -> Result<Option<PathBuf>, FabricsError> {
+/// ([`namespace_device`]) to be a disk of this controller, registered, with
+/// its `/dev` node and a size ([`registered`]). The kernel scans a new
+/// controller's namespaces on a work queue after the connect returns, and
+/// says nothing when it is done, so this looks every 50 ms: a bounded wait
+/// for a kernel condition, not a retry. `None` at the timeout; an error as
+/// soon as the controller is gone or going.
+pub fn wait_namespace(instance: u32, timeout: Duration) -> Result<Option<Namespace>, FabricsError> {
     let end = Instant::now() + timeout;
     loop {
         if let Some(dev) = namespace_device(instance)?
-            && node_is_current(&dev)
+            && let Some(ns) = registered(&dev, instance)
         {
-            return Ok(Some(dev));
+            return Ok(Some(ns));
         }
         match controller(instance)? {
             None => return Err(FabricsError::NoController { instance }),
@@ -768,28 +778,54 @@ pub fn wait_namespace(instance: u32, timeout: Duration) -> Result<Option<PathBuf
     }
 }
 
-/// Whether `/dev/<name>` is the node of a disk the kernel has registered
-/// as `name` now. Under native multipath the head disk is registered after
-/// the path device (once the path is live), so the path can be in the
-/// controller's directory while the head is not a disk yet; and the node of
-/// a head of that name just deleted (an earlier controller of the same
-/// instance) may still be in `/dev` meanwhile.
-fn node_is_current(dev: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Some(name) = dev.file_name() else {
-        return false;
+/// `dev` as a [`Namespace`] when it is whole now: a disk the kernel has
+/// registered under that name, in controller `instance`'s subsystem, whose
+/// `/dev` node is that disk's, with a size. Under native multipath the head
+/// disk is registered after the path device (once the path is live), so
+/// the path can be in the controller's directory while the head is not a
+/// disk yet; a head of that name from an earlier controller of the same
+/// instance, being deleted, can still be in sysfs and `/dev` meanwhile; and
+/// a disk can go between two looks, so its size is read last and the node
+/// checked again after it.
+fn registered(dev: &Path, instance: u32) -> Option<Namespace> {
+    let name = dev.file_name()?;
+    let sys = Path::new("/sys/class/block").join(name);
+    let numbers = std::fs::read_to_string(sys.join("dev")).ok()?;
+    let (major, minor) = numbers.trim().split_once(':')?;
+    let rdev = libc::makedev(major.parse().ok()?, minor.parse().ok()?);
+    let node_is_disk = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(dev).is_ok_and(|m| m.rdev() == rdev)
     };
-    let sys = Path::new("/sys/class/block").join(name).join("dev");
-    let Ok(numbers) = std::fs::read_to_string(sys) else {
-        return false;
-    };
-    let Some((major, minor)) = numbers.trim().split_once(':') else {
-        return false;
-    };
-    match (std::fs::metadata(dev), major.parse(), minor.parse()) {
-        (Ok(m), Ok(major), Ok(minor)) => m.rdev() == libc::makedev(major, minor),
-        _ => false,
+    if !node_is_disk() || !in_subsystem_of(&sys, instance) {
+        return None;
     }
+    let sectors: u64 = std::fs::read_to_string(sys.join("size"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (sectors > 0 && node_is_disk()).then(|| Namespace {
+        path: dev.to_path_buf(),
+        size_bytes: sectors * 512,
+    })
+}
+
+/// Whether the disk at sysfs `disk` hangs under controller `instance`: its
+/// parent is the controller (no multipath), or a subsystem that links the
+/// controller (a multipath head).
+fn in_subsystem_of(disk: &Path, instance: u32) -> bool {
+    let (Ok(disk), Ok(ctrl)) = (
+        std::fs::canonicalize(disk),
+        std::fs::canonicalize(controller_dir(instance)),
+    ) else {
+        return false;
+    };
+    let Some(parent) = disk.parent() else {
+        return false;
+    };
+    parent == ctrl
+        || std::fs::canonicalize(parent.join(format!("nvme{instance}"))).is_ok_and(|c| c == ctrl)
 }
 
 /// Disconnects the controller (`delete_controller`; the kernel returns

@@ -580,8 +580,11 @@ fn attach(row: &RemoteRow, host_nqn: &str, host_id: Uuid) -> Result<RemoteAttach
             .instance
         }
     };
-    let nvme = match fabrics::wait_namespace(controller, NAMESPACE_WAIT).map_err(fab)? {
-        Some(d) => d,
+    let fabrics::Namespace {
+        path: nvme,
+        size_bytes,
+    } = match fabrics::wait_namespace(controller, NAMESPACE_WAIT).map_err(fab)? {
+        Some(ns) => ns,
         None => {
             let _ = fabrics::disconnect(controller);
             return Err(RemoteError::NoNamespace {
@@ -592,13 +595,6 @@ fn attach(row: &RemoteRow, host_nqn: &str, host_id: Uuid) -> Result<RemoteAttach
             .into());
         }
     };
-    let size_bytes = device_size(&nvme).map_err(|e| {
-        fab(FabricsError::Io {
-            op: "stat",
-            path: nvme.clone(),
-            source: e,
-        })
-    })?;
     let name = dm_name(row.id);
     let dm = |source| RemoteError::Dm {
         name: row.name.clone(),
