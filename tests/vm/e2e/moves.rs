@@ -136,8 +136,22 @@ async fn served_on_b(a: &Vm, b: &Vm, b_nqn: &str, name: &str, body: Value) -> St
                    "ctrl_secret": host["ctrl_secret"]}),
         )
         .await;
-    assert_eq!(remote.status.as_u16(), 201, "{}", remote.body);
+    assert_eq!(
+        remote.status.as_u16(),
+        201,
+        "{}\nthe kernel's last words on NVMe:\n{}",
+        remote.body,
+        kernel_nvme_log()
+    );
     remote.body["device"].as_str().unwrap().to_string()
+}
+
+/// The kernel log's last NVMe lines: what a connect that failed leaves to
+/// read.
+fn kernel_nvme_log() -> String {
+    let log = crate::sh("dmesg", &[]);
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("nvme")).collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
 /// Starts the move of remote volume `name` into B's xfs root.
@@ -739,75 +753,25 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     assert_eq!(r.status.as_u16(), 404, "A's volume stays: {}", r.body);
 
     // B's disk fills mid-copy.
-    let device = served_on_b(
-        &a,
-        &b,
-        &b_nqn,
-        "f-full",
-        json!({"name": "f-full", "image": "f-full", "backend": "dm", "dispatch": "kernel"}),
-    )
-    .await;
-    let consumer = Consumer::start(&device);
-    writes_flow(&device, 1 << 20).await;
-    let m = start_move_to(&b, "f-full", &small.0, 0).await;
-    let id = m["id"].as_str().unwrap().to_string();
-    eventually(Duration::from_secs(300), "the move to stop", async || {
-        move_of(&b, &id).await["state"] != "syncing"
+    local_leg_fails(&a, &b, &b_nqn, "f-full", "dm", async |b, name| {
+        let m = start_move_to(b, name, &small.0, 0).await;
+        m["id"].as_str().unwrap().to_string()
     })
     .await;
-    let failed = move_of(&b, &id).await;
-    assert_eq!(failed["state"], "failed", "{failed}");
-    assert!(
-        failed["state_reason"]
-            .as_str()
-            .unwrap()
-            .contains("local leg failed"),
-        "{failed}"
-    );
-    writes_flow(&device, 1 << 20).await;
-    let (jobs, _) = consumer.finish();
-    println!("f-full: {jobs} fio verify jobs through a move whose disk filled");
-    let remote = b.s.get("/v1/remotes/f-full").await.body;
-    assert_eq!(remote["state"], "attached", "{remote}");
     let r = b.s.get("/v1/images/f-full").await;
     assert_eq!(r.status.as_u16(), 404, "B's image stays: {}", r.body);
 
     // B's disk fails by an I/O error mid-copy: the mirror drops the local
     // leg, recorded on its metadata legs, and the remote leg serves on.
-    let device = served_on_b(
-        &a,
-        &b,
-        &b_nqn,
-        "f-eio",
-        json!({"name": "f-eio", "image": "f-eio", "backend": "loop"}),
-    )
-    .await;
-    let consumer = Consumer::start(&device);
-    writes_flow(&device, 1 << 20).await;
-    // The start answers once the mirror copies: failed at once, the local
-    // leg fails mid-copy (slow, so the copy cannot have ended).
-    let m = start_move(&b, "f-eio", SLOW).await;
-    let id = m["id"].as_str().unwrap().to_string();
-    let local = b.s.get("/v1/volumes/f-eio").await.body;
-    fail_device(local["device"].as_str().unwrap());
-    eventually(Duration::from_secs(120), "the move to stop", async || {
-        move_of(&b, &id).await["state"] != "syncing"
+    local_leg_fails(&a, &b, &b_nqn, "f-eio", "loop", async |b, name| {
+        // The start answers once the mirror copies: failed at once, the
+        // local leg fails mid-copy (slow, so the copy cannot have ended).
+        let m = start_move(b, name, SLOW).await;
+        let local = b.s.get(&format!("/v1/volumes/{name}")).await.body;
+        fail_device(local["device"].as_str().unwrap());
+        m["id"].as_str().unwrap().to_string()
     })
     .await;
-    let failed = move_of(&b, &id).await;
-    assert_eq!(failed["state"], "failed", "{failed}");
-    assert!(
-        failed["state_reason"]
-            .as_str()
-            .unwrap()
-            .contains("local leg failed"),
-        "{failed}"
-    );
-    writes_flow(&device, 1 << 20).await;
-    let (jobs, _) = consumer.finish();
-    println!("f-eio: {jobs} fio verify jobs through a move whose disk failed");
-    let remote = b.s.get("/v1/remotes/f-eio").await.body;
-    assert_eq!(remote["state"], "attached", "{remote}");
 
     for name in ["f-loop", "f-full", "f-eio"] {
         let d = b.s.delete(&format!("/v1/remotes/{name}")).await;
@@ -823,6 +787,47 @@ async fn a_move_waits_through_faults_and_falls_back_when_the_local_disk_fills() 
     drop(a);
     drop(small);
     drop(hosts);
+}
+
+/// A's volume `name` (on `backend`, dm's `kernel` dispatch for dm) served
+/// on B under fio verify, moved by `start` (which returns the move's id and
+/// makes B's local leg fail): the move ends `failed` for its local leg, the
+/// consumer's writes go on through the remote leg, and the remote volume
+/// stays attached.
+async fn local_leg_fails(
+    a: &Vm,
+    b: &Vm,
+    b_nqn: &str,
+    name: &str,
+    backend: &str,
+    start: impl AsyncFnOnce(&Vm, &str) -> String,
+) {
+    let mut spec = json!({"name": name, "image": name, "backend": backend});
+    if backend == "dm" {
+        spec["dispatch"] = json!("kernel");
+    }
+    let device = served_on_b(a, b, b_nqn, name, spec).await;
+    let consumer = Consumer::start(&device);
+    writes_flow(&device, 1 << 20).await;
+    let id = start(b, name).await;
+    eventually(Duration::from_secs(300), "the move to stop", async || {
+        move_of(b, &id).await["state"] != "syncing"
+    })
+    .await;
+    let failed = move_of(b, &id).await;
+    assert_eq!(failed["state"], "failed", "{name}: {failed}");
+    assert!(
+        failed["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("local leg failed"),
+        "{name}: {failed}"
+    );
+    writes_flow(&device, 1 << 20).await;
+    let (jobs, _) = consumer.finish();
+    println!("{name}: {jobs} fio verify jobs through a move whose local leg failed");
+    let remote = b.s.get(&format!("/v1/remotes/{name}")).await.body;
+    assert_eq!(remote["state"], "attached", "{name}: {remote}");
 }
 
 /// B's disk failing: every I/O to the dm node `device` fails from now on
