@@ -1017,3 +1017,96 @@ async fn a_hung_target_fails_the_backup_after_the_timeout_and_frees_the_image() 
         .await;
     assert_eq!(v.status, StatusCode::CREATED, "{}", v.body);
 }
+
+/// The names of image `p`'s backups, oldest first.
+async fn listed(s: &Service) -> Vec<String> {
+    let l = s.get("/v1/backups?image=p").await.body;
+    names(&l).iter().map(|n| n.to_string()).collect()
+}
+
+/// The backups' names in a list.
+fn names(list: &Value) -> Vec<&str> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_prune_deletes_what_its_policy_does_not_keep_and_the_kept_restore() {
+    let t = dir_target();
+    let s = service_to(t.path().to_str().unwrap(), &[]).await;
+    let path = image_with(&s, "p", 16 * MIB, &[(0, 2 * CHUNK)], 1).await;
+    // Four backups, each of a moment with a chunk of its own.
+    let mut moments = Vec::new();
+    for n in 1..=4u8 {
+        write_pattern(&path, &[(2 * CHUNK, CHUNK)], 2 * n + 2);
+        backup(&s, "p", &format!("p{n}")).await;
+        moments.push(std::fs::read(&path).unwrap());
+    }
+    let chunks = chunk_files(t.path());
+    assert_eq!(chunks.len(), 6);
+
+    // Refused, changing nothing: a policy that keeps nothing, an unknown
+    // field, an image nobody knows.
+    let a = s.post("/v1/images/p/backups/prune", json!({})).await;
+    assert_error(&a, 422, "retention_keeps_nothing");
+    let a = s
+        .post(
+            "/v1/images/p/backups/prune",
+            json!({"keep_last": 1, "keep_hourly": 2}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
+    let a = s
+        .post("/v1/images/nobody/backups/prune", json!({"keep_last": 1}))
+        .await;
+    assert_error(&a, 404, "image_not_found");
+    assert_eq!(listed(&s).await, ["p1", "p2", "p3", "p4"]);
+
+    // A dry run says what would go, and deletes nothing.
+    let a = s
+        .post(
+            "/v1/images/p/backups/prune",
+            json!({"keep_last": 2, "dry_run": true}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["dry_run"], true, "{}", a.body);
+    assert_eq!(names(&a.body["kept"]), ["p4", "p3"], "{}", a.body);
+    assert_eq!(a.body["kept"][0]["kept_by"], "last", "{}", a.body);
+    assert_eq!(names(&a.body["deleted"]), ["p2", "p1"], "{}", a.body);
+    assert_eq!(listed(&s).await, ["p1", "p2", "p3", "p4"]);
+    assert_eq!(chunk_files(t.path()), chunks);
+
+    // The prune: p1 and p2 deleted, with their events; the gc that follows
+    // frees the chunks only they had.
+    let a = s
+        .post("/v1/images/p/backups/prune", json!({"keep_last": 2}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(names(&a.body["deleted"]), ["p2", "p1"], "{}", a.body);
+    assert_eq!(listed(&s).await, ["p3", "p4"]);
+    let deletes = event_kinds(&s)
+        .await
+        .into_iter()
+        .filter(|k| k == "backup_deleted")
+        .count();
+    assert_eq!(deletes, 2);
+    eventually(WAIT, "the gc after the prune", async || {
+        chunk_files(t.path()).len() == 4
+    })
+    .await;
+    // Asked again, the same policy finds nothing more to delete.
+    let a = s
+        .post("/v1/images/p/backups/prune", json!({"keep_last": 2}))
+        .await;
+    assert_eq!(names(&a.body["deleted"]), Vec::<&str>::new(), "{}", a.body);
+
+    // What was kept comes back byte-equal.
+    for (n, moment) in [(3, &moments[2]), (4, &moments[3])] {
+        let r = restore(&s, &format!("p{n}"), &format!("r{n}")).await;
+        assert!(std::fs::read(&r).unwrap() == *moment, "p{n} restored wrong");
+    }
+}

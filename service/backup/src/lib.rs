@@ -121,6 +121,7 @@ mod gc;
 mod lease;
 mod manifest;
 mod restore;
+pub mod retention;
 mod target;
 mod terms;
 

@@ -6,7 +6,8 @@ use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, CreateBackupRequest, ListBackupsQuery,
+    Backup, BackupGc, BackupPrune, BackupVerify, CreateBackupRequest, ListBackupsQuery,
+    PruneBackupsRequest,
 };
 
 fn backup_path(backup: &str) -> String {
@@ -48,5 +49,16 @@ impl Client {
     /// `POST /v1/backups/gc`: removes chunks no backup needs.
     pub async fn collect_backups(&self) -> Result<BackupGc, Error> {
         self.call(Method::POST, "/v1/backups/gc", None).await
+    }
+
+    /// `POST /v1/images/{id}/backups/prune`: deletes the image's backups the
+    /// policy does not keep (none on a dry run).
+    pub async fn prune_backups(
+        &self,
+        image: &str,
+        req: &PruneBackupsRequest,
+    ) -> Result<BackupPrune, Error> {
+        let path = format!("/v1/images/{}/backups/prune", encode_segment(image));
+        self.send(Method::POST, &path, req).await
     }
 }

@@ -164,3 +164,92 @@ pub struct BackupGc {
     /// Backups running on the target while it ran (their chunks were kept).
     pub running_backups: u64,
 }
+
+/// `POST /v1/images/{id}/backups/prune`: which of an image's finished
+/// backups to keep, as Proxmox Backup Server's prune decides: the last N,
+/// then the newest backup of each of the last N days, ISO weeks, months
+/// and years that have one (UTC), a period an earlier rule kept a backup in
+/// not counted again. A backup no rule keeps is deleted from the target.
+/// At least one count must be above 0, and none above [`MAX_KEEP`].
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PruneBackupsRequest {
+    /// The newest backups to keep, whatever their dates.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
+    pub keep_last: u32,
+    /// Days whose newest backup is kept.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
+    pub keep_daily: u32,
+    /// ISO weeks whose newest backup is kept.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
+    pub keep_weekly: u32,
+    /// Months whose newest backup is kept.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
+    pub keep_monthly: u32,
+    /// Years whose newest backup is kept.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
+    pub keep_yearly: u32,
+    /// Only say what would be kept and deleted; delete nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// The most a prune's `keep_*` count can ask for (the schema's `maximum`).
+pub const MAX_KEEP: u32 = 10_000;
+
+/// The rule of a prune that kept a backup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum RetentionRule {
+    /// `keep_last`.
+    Last,
+    /// `keep_daily`.
+    Daily,
+    /// `keep_weekly`.
+    Weekly,
+    /// `keep_monthly`.
+    Monthly,
+    /// `keep_yearly`.
+    Yearly,
+}
+
+/// One backup a prune decided on.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrunedBackup {
+    /// The backup.
+    pub id: Uuid,
+    /// Its name.
+    pub name: String,
+    /// The moment its bytes are of: what the rules count by.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub created_at: OffsetDateTime,
+    /// The rule that kept it (kept ones only).
+    #[serde(default)]
+    pub kept_by: Option<RetentionRule>,
+}
+
+/// What a prune kept and deleted (or, on a dry run, would delete), newest
+/// first. Only finished backups are pruned: a running one is left alone.
+/// The deleted backups' chunks are freed by the gc that follows (as after
+/// `DELETE /v1/backups/{id}`), unless another backup uses them.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BackupPrune {
+    /// The image whose backups were pruned, as asked.
+    pub image: String,
+    /// Nothing was deleted: `deleted` is what would have been.
+    pub dry_run: bool,
+    /// The backups kept, each with its rule.
+    pub kept: Vec<PrunedBackup>,
+    /// The backups deleted from the target (or that would be).
+    pub deleted: Vec<PrunedBackup>,
+}

@@ -423,6 +423,31 @@ pub enum BackupCmd {
     },
     /// Remove the target's chunks no backup needs.
     Gc,
+    /// Delete an image's backups a retention policy does not keep: the last
+    /// N, then the newest of each of the last N days, ISO weeks, months and
+    /// years (UTC), as Proxmox Backup Server's prune.
+    Prune {
+        /// Image id or name.
+        image: String,
+        /// The newest backups to keep.
+        #[arg(long, default_value_t = 0)]
+        keep_last: u32,
+        /// Days whose newest backup is kept.
+        #[arg(long, default_value_t = 0)]
+        keep_daily: u32,
+        /// ISO weeks whose newest backup is kept.
+        #[arg(long, default_value_t = 0)]
+        keep_weekly: u32,
+        /// Months whose newest backup is kept.
+        #[arg(long, default_value_t = 0)]
+        keep_monthly: u32,
+        /// Years whose newest backup is kept.
+        #[arg(long, default_value_t = 0)]
+        keep_yearly: u32,
+        /// Only say what would be kept and deleted.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 /// `volume` commands.

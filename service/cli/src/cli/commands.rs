@@ -424,6 +424,25 @@ async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
             View::Verify(report)
         }
         BackupCmd::Gc => View::Gc(client.collect_backups().await.map_err(api)?),
+        BackupCmd::Prune {
+            image,
+            keep_last,
+            keep_daily,
+            keep_weekly,
+            keep_monthly,
+            keep_yearly,
+            dry_run,
+        } => {
+            let req = blockplane_api::model::PruneBackupsRequest {
+                keep_last: *keep_last,
+                keep_daily: *keep_daily,
+                keep_weekly: *keep_weekly,
+                keep_monthly: *keep_monthly,
+                keep_yearly: *keep_yearly,
+                dry_run: *dry_run,
+            };
+            View::Prune(client.prune_backups(image, &req).await.map_err(api)?)
+        }
     })
 }
 

@@ -4,9 +4,9 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, Capability, ColdExport, Drain, Event, Export, Host, Image,
-    Move, MoveState, Remote, ResizeImageResponse, SupervisionState, Volume, VolumeStats,
-    human_size,
+    Backup, BackupGc, BackupPrune, BackupVerify, Capability, ColdExport, Drain, Event, Export,
+    Host, Image, Move, MoveState, Remote, ResizeImageResponse, SupervisionState, Volume,
+    VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -31,6 +31,7 @@ pub enum View {
     Backups(Vec<Backup>),
     Verify(BackupVerify),
     Gc(BackupGc),
+    Prune(BackupPrune),
     /// An export; its hosts' keys, where the answer has them, printed only
     /// when `show_keys` (they are secrets, and a terminal is seen and
     /// scrolled back).
@@ -75,6 +76,7 @@ impl View {
             View::Backups(l) => json_pretty(l),
             View::Verify(v) => json_pretty(v),
             View::Gc(g) => json_pretty(g),
+            View::Prune(p) => json_pretty(p),
             View::Export { export, .. } => json_pretty(export),
             View::Exports(l) => json_pretty(l),
             View::Remote(r) => json_pretty(r),
@@ -122,6 +124,7 @@ impl View {
                 ("chunks kept", g.chunks_kept.to_string()),
                 ("backups running", g.running_backups.to_string()),
             ]),
+            View::Prune(p) => prune(p),
             View::Events(l) => table(
                 &["ID", "AT", "KIND", "MESSAGE"],
                 l.iter()
@@ -810,6 +813,34 @@ fn moves(l: &[Move]) -> String {
                 ]
             })
             .collect(),
+    )
+}
+
+/// A prune: each backup, newest first, kept (by its rule) or deleted.
+fn prune(p: &BackupPrune) -> String {
+    let deleted = if p.dry_run { "would delete" } else { "deleted" };
+    let mut rows: Vec<(OffsetDateTime, Vec<String>)> = p
+        .kept
+        .iter()
+        .map(|b| {
+            // The rule as the API spells it: `last`, `daily`, ...
+            let rule = b
+                .kept_by
+                .map(|r| format!("kept ({})", json_line(&r).trim_matches('"')));
+            (b, rule.unwrap_or_else(|| "kept".into()))
+        })
+        .chain(p.deleted.iter().map(|b| (b, deleted.to_string())))
+        .map(|(b, what)| {
+            (
+                b.created_at,
+                vec![b.name.clone(), at(b.created_at), what, b.id.to_string()],
+            )
+        })
+        .collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.0));
+    table(
+        &["NAME", "CREATED", "DECISION", "ID"],
+        rows.into_iter().map(|(_, r)| r).collect(),
     )
 }
 

@@ -8,7 +8,8 @@ use super::error::ApiError;
 use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use blockplane_api::model::{
-    Backup, BackupGc, BackupVerify, CreateBackupRequest, ErrorBody, ListBackupsQuery,
+    Backup, BackupGc, BackupPrune, BackupVerify, CreateBackupRequest, ErrorBody, ListBackupsQuery,
+    PruneBackupsRequest,
 };
 
 /// Back an image up: its bytes at this moment, stored on the service's
@@ -146,5 +147,36 @@ pub async fn verify_backup(
 pub async fn collect_backups(State(m): State<AppState>) -> Result<Json<BackupGc>, ApiError> {
     Ok(Json(
         detached(async move { m.backups().collect_backups().await }).await?,
+    ))
+}
+
+/// Prune an image's backups by a retention policy, as Proxmox Backup
+/// Server's prune does: the last N, then the newest backup of each of the
+/// last N days, ISO weeks, months and years that have one (UTC); a period
+/// an earlier rule kept a backup in is not counted again. Every finished
+/// backup no rule keeps is deleted from the target (`backup_deleted` event
+/// each), and a gc follows; running backups are left alone. `dry_run` only
+/// says what would go. A prune that fails midway has deleted what its
+/// events name; asking again finishes it.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/backups/prune", tag = "backups",
+    params(("id" = String, Path, description = "Image id or name (a registered image's, else the name its backups were made of)")),
+    request_body = PruneBackupsRequest,
+    responses(
+        (status = 200, description = "What was kept, with the rule, and deleted (or would be)", body = BackupPrune),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such image, and no backup of one by that name (`image_not_found`)", body = ErrorBody),
+        (status = 409, description = "No backup target (`no_backup_target`)", body = ErrorBody),
+        (status = 422, description = "Every keep_* is 0: the prune would delete every backup (`retention_keeps_nothing`)", body = ErrorBody),
+        (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
+    )
+)]
+pub async fn prune_backups(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PruneBackupsRequest>,
+) -> Result<Json<BackupPrune>, ApiError> {
+    Ok(Json(
+        detached(async move { m.backups().prune_backups(&id, &req).await }).await?,
     ))
 }

@@ -197,6 +197,9 @@ impl ApiError {
                 Error::BackupNotFound(_) => (S::NOT_FOUND, C::BackupNotFound),
                 Error::BackupAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
                 Error::BackupNotDone { .. } => (S::CONFLICT, C::BackupNotDone),
+                Error::RetentionKeepsNothing(_) => {
+                    (S::UNPROCESSABLE_ENTITY, C::RetentionKeepsNothing)
+                }
                 Error::Backup(e) => backup(e),
                 Error::Export(e) => export(e),
                 Error::Remote(e) => remote(e),

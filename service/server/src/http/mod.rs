@@ -206,6 +206,19 @@ impl Modify for CrossFieldRules {
                     restore_with("clone_from", "string"),
                 ]}),
             );
+        // A prune keeps something: one keep_* count above 0.
+        let keeps = [
+            "keep_last",
+            "keep_daily",
+            "keep_weekly",
+            "keep_monthly",
+            "keep_yearly",
+        ]
+        .map(|k| serde_json::json!({"required": [k], "properties": {k: {"minimum": 1}}}));
+        object_schema(openapi, "PruneBackupsRequest")
+            .extensions
+            .get_or_insert_with(Default::default)
+            .insert("anyOf".to_string(), serde_json::json!(keeps));
     }
 }
 
@@ -223,6 +236,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(backups::get_backup, backups::delete_backup))
         .routes(routes!(backups::verify_backup))
         .routes(routes!(backups::collect_backups))
+        .routes(routes!(backups::prune_backups))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,

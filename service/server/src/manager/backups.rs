@@ -819,36 +819,139 @@ impl Backups {
             BackupState::Failed | BackupState::Cancelled => false,
         };
         if done {
-            blockplane_backup::delete(&target, b.id).await?;
-            let deleted = format!(
-                "image '{}': backup '{}' ({}) deleted from {}",
-                b.image_name,
-                b.name,
-                b.id,
-                target.describe()
-            );
-            self.house()
-                .record_image_event(b.image_id, "backup_deleted", &deleted)
-                .await?;
-            // Its chunks go, and the image's last backup may be an older one.
-            let me = self.clone();
-            tokio::spawn(async move {
-                match me.collect_backups().await {
-                    Ok(_) => {}
-                    // That gc collects what it can see; what this delete
-                    // left, the next gc.
-                    Err(Error::Backup(e @ blockplane_backup::Error::GcBusy { .. })) => {
-                        tracing::info!(error = %e, "the gc after a backup's delete is left to the next gc");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "the gc after a backup's delete failed"),
-                }
-                if let Err(e) = me.learn_last_backups(&target).await {
-                    tracing::warn!(error = %e, "the last backups could not be read again");
-                }
-            });
+            self.delete_done(&target, &b).await?;
+            self.collect_after_deletes(target);
         }
         self.images.jobs.backups.forget(b.id);
         Ok(())
+    }
+
+    /// Deletes finished backup `b` from the target, with its event.
+    async fn delete_done(&self, target: &Target, b: &Backup) -> Result<()> {
+        blockplane_backup::delete(target, b.id).await?;
+        let deleted = format!(
+            "image '{}': backup '{}' ({}) deleted from {}",
+            b.image_name,
+            b.name,
+            b.id,
+            target.describe()
+        );
+        self.house()
+            .record_image_event(b.image_id, "backup_deleted", &deleted)
+            .await
+    }
+
+    /// After deletes, in the background: their chunks go, and the images'
+    /// last backups may be older ones.
+    fn collect_after_deletes(&self, target: Target) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            match me.collect_backups().await {
+                Ok(_) => {}
+                // That gc collects what it can see; what these deletes
+                // left, the next gc.
+                Err(Error::Backup(e @ blockplane_backup::Error::GcBusy { .. })) => {
+                    tracing::info!(error = %e, "the gc after a backup's delete is left to the next gc");
+                }
+                Err(e) => tracing::warn!(error = %e, "the gc after a backup's delete failed"),
+            }
+            if let Err(e) = me.learn_last_backups(&target).await {
+                tracing::warn!(error = %e, "the last backups could not be read again");
+            }
+        });
+    }
+
+    /// `POST /v1/images/{id}/backups/prune`: decides each finished backup
+    /// of `image` by the policy ([`blockplane_backup::retention`]) and,
+    /// unless a dry run, deletes those it does not keep. One prune of an
+    /// image at a time: two at once would decide on the same list.
+    pub(crate) async fn prune_backups(
+        &self,
+        image: &str,
+        req: &model::PruneBackupsRequest,
+    ) -> Result<model::BackupPrune> {
+        use blockplane_backup::retention::{self, Decision, Retention, Rule};
+        let policy = Retention {
+            last: req.keep_last,
+            daily: req.keep_daily,
+            weekly: req.keep_weekly,
+            monthly: req.keep_monthly,
+            yearly: req.keep_yearly,
+        };
+        for (field, n) in [
+            ("keep_last", req.keep_last),
+            ("keep_daily", req.keep_daily),
+            ("keep_weekly", req.keep_weekly),
+            ("keep_monthly", req.keep_monthly),
+            ("keep_yearly", req.keep_yearly),
+        ] {
+            if n > model::MAX_KEEP {
+                return Err(Error::InvalidField {
+                    field,
+                    reason: format!(
+                        "{n} is above {} (a prune of image '{image}')",
+                        model::MAX_KEEP
+                    ),
+                });
+            }
+        }
+        if policy.keeps_nothing() {
+            return Err(Error::RetentionKeepsNothing(image.to_string()));
+        }
+        let target = self.backup_target("prune backups")?;
+        let _one = self.state.prunes.lock().await;
+        let backups: Vec<Backup> = self
+            .list(Some(image))
+            .await?
+            .into_iter()
+            .filter(|b| b.state == BackupState::Done)
+            .collect();
+        if backups.is_empty() && self.house().store.image(image).await?.is_none() {
+            return Err(Error::ImageNotFound(image.to_string()));
+        }
+        let dated: Vec<(usize, OffsetDateTime)> =
+            backups.iter().map(|b| b.created_at).enumerate().collect();
+        let decisions = retention::select(&dated, &policy);
+        let entry = |b: &Backup, kept_by| model::PrunedBackup {
+            id: b.id,
+            name: b.name.clone(),
+            created_at: b.created_at,
+            kept_by,
+        };
+        let (mut kept, mut doomed) = (Vec::new(), Vec::new());
+        for (b, d) in backups.iter().zip(decisions) {
+            match d {
+                Decision::Keep(rule) => kept.push(entry(
+                    b,
+                    Some(match rule {
+                        Rule::Last => model::RetentionRule::Last,
+                        Rule::Daily => model::RetentionRule::Daily,
+                        Rule::Weekly => model::RetentionRule::Weekly,
+                        Rule::Monthly => model::RetentionRule::Monthly,
+                        Rule::Yearly => model::RetentionRule::Yearly,
+                    }),
+                )),
+                Decision::Remove => doomed.push(b),
+            }
+        }
+        let mut deleted = Vec::new();
+        for b in doomed {
+            if !req.dry_run {
+                self.delete_done(&target, b).await?;
+            }
+            deleted.push(entry(b, None));
+        }
+        if !req.dry_run && !deleted.is_empty() {
+            self.collect_after_deletes(target);
+        }
+        kept.reverse();
+        deleted.reverse();
+        Ok(model::BackupPrune {
+            image: image.to_string(),
+            dry_run: req.dry_run,
+            kept,
+            deleted,
+        })
     }
 
     /// `POST /v1/backups/gc`: removes the chunks no manifest references,

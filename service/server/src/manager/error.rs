@@ -128,6 +128,10 @@ pub enum Error {
         "backup '{name}' is {state}: only a done backup (with its manifest) can be restored or verified"
     )]
     BackupNotDone { name: String, state: &'static str },
+    #[error(
+        "a prune of image '{0}' with no keep_* count above 0 would delete every backup of it: give at least one (keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly)"
+    )]
+    RetentionKeepsNothing(String),
     #[error(transparent)]
     Backup(#[from] blockplane_backup::Error),
     #[error(transparent)]

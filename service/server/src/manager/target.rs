@@ -27,6 +27,9 @@ pub(super) struct BackupState {
     /// One gc at a time: two at once could each keep what the other's
     /// listing missed (`blockplane_backup::gc`).
     pub(super) gc: tokio::sync::Mutex<()>,
+    /// One prune at a time on this service: two at once would decide on
+    /// the same list and delete what the other keeps.
+    pub(super) prunes: tokio::sync::Mutex<()>,
     /// When this process started: its leases from before are a crash's.
     pub(super) started: OffsetDateTime,
     /// The file a backup waits at while it exists (the test fault
@@ -46,6 +49,7 @@ impl BackupState {
             uploaded_bytes: std::sync::atomic::AtomicU64::default(),
             deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
             gc: tokio::sync::Mutex::default(),
+            prunes: tokio::sync::Mutex::default(),
         }
     }
 }
