@@ -22,7 +22,7 @@ const CHUNK: u64 = 4 * MIB;
 const WAIT: Duration = Duration::from_secs(300);
 
 /// A service whose backup target is `target`, with `env` set.
-async fn service_to(target: &str, env: &[(&str, &str)]) -> Service {
+pub(crate) async fn service_to(target: &str, env: &[(&str, &str)]) -> Service {
     Service::start_with(Opts {
         extra_args: vec!["--backup-target".into(), target.into()],
         env: env
@@ -35,7 +35,7 @@ async fn service_to(target: &str, env: &[(&str, &str)]) -> Service {
 }
 
 /// A directory target beside the service's dirs.
-fn dir_target() -> tempfile::TempDir {
+pub(crate) fn dir_target() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("bp-target")
         .tempdir_in("/tmp")
@@ -44,7 +44,13 @@ fn dir_target() -> tempfile::TempDir {
 
 /// Creates a sparse image `name` of `size` bytes with `seed`'s pattern
 /// written over `data` (byte ranges); returns its path.
-async fn image_with(s: &Service, name: &str, size: u64, data: &[(u64, u64)], seed: u8) -> PathBuf {
+pub(crate) async fn image_with(
+    s: &Service,
+    name: &str,
+    size: u64,
+    data: &[(u64, u64)],
+    seed: u8,
+) -> PathBuf {
     let path = s.images.join(format!("{name}.img"));
     let a = s
         .post(
@@ -58,7 +64,7 @@ async fn image_with(s: &Service, name: &str, size: u64, data: &[(u64, u64)], see
 }
 
 /// Writes `seed`'s pattern over each `(offset, len)` of the file.
-fn write_pattern(path: &Path, data: &[(u64, u64)], seed: u8) {
+pub(crate) fn write_pattern(path: &Path, data: &[(u64, u64)], seed: u8) {
     let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
     for &(off, len) in data {
         let bytes: Vec<u8> = (0..len)
@@ -131,7 +137,7 @@ async fn image_end(s: &Service, name: &str) -> Value {
 }
 
 /// A restore of `backup` into image `name`, ready: its file.
-async fn restore(s: &Service, backup: &str, name: &str) -> PathBuf {
+pub(crate) async fn restore(s: &Service, backup: &str, name: &str) -> PathBuf {
     let (_, path) = start_restore(s, backup, name).await;
     let i = image_end(s, name).await;
     assert_eq!(i["state"], "ready", "{i}\n{}", s.log_text());
@@ -1050,17 +1056,22 @@ async fn a_prune_deletes_what_its_policy_does_not_keep_and_the_kept_restore() {
 
     // Refused, changing nothing: a policy that keeps nothing, an unknown
     // field, an image nobody knows.
-    let a = s.post("/v1/images/p/backups/prune", json!({})).await;
+    let a = s
+        .post("/v1/images/p/backups/prune", json!({"retention": {}}))
+        .await;
     assert_error(&a, 422, "retention_keeps_nothing");
     let a = s
         .post(
             "/v1/images/p/backups/prune",
-            json!({"keep_last": 1, "keep_hourly": 2}),
+            json!({"retention": {"keep_last": 1, "keep_hourly": 2}}),
         )
         .await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
     let a = s
-        .post("/v1/images/nobody/backups/prune", json!({"keep_last": 1}))
+        .post(
+            "/v1/images/nobody/backups/prune",
+            json!({"retention": {"keep_last": 1}}),
+        )
         .await;
     assert_error(&a, 404, "image_not_found");
     assert_eq!(listed(&s).await, ["p1", "p2", "p3", "p4"]);
@@ -1069,7 +1080,7 @@ async fn a_prune_deletes_what_its_policy_does_not_keep_and_the_kept_restore() {
     let a = s
         .post(
             "/v1/images/p/backups/prune",
-            json!({"keep_last": 2, "dry_run": true}),
+            json!({"retention": {"keep_last": 2}, "dry_run": true}),
         )
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
@@ -1083,7 +1094,10 @@ async fn a_prune_deletes_what_its_policy_does_not_keep_and_the_kept_restore() {
     // The prune: p1 and p2 deleted, with their events; the gc that follows
     // frees the chunks only they had.
     let a = s
-        .post("/v1/images/p/backups/prune", json!({"keep_last": 2}))
+        .post(
+            "/v1/images/p/backups/prune",
+            json!({"retention": {"keep_last": 2}}),
+        )
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     assert_eq!(names(&a.body["deleted"]), ["p2", "p1"], "{}", a.body);
@@ -1100,7 +1114,10 @@ async fn a_prune_deletes_what_its_policy_does_not_keep_and_the_kept_restore() {
     .await;
     // Asked again, the same policy finds nothing more to delete.
     let a = s
-        .post("/v1/images/p/backups/prune", json!({"keep_last": 2}))
+        .post(
+            "/v1/images/p/backups/prune",
+            json!({"retention": {"keep_last": 2}}),
+        )
         .await;
     assert_eq!(names(&a.body["deleted"]), Vec::<&str>::new(), "{}", a.body);
 

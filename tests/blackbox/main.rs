@@ -26,6 +26,7 @@ mod openapi;
 mod registry;
 mod remedies;
 mod restart;
+mod schedules;
 mod schema;
 mod snapshots;
 mod soak;

@@ -99,6 +99,9 @@ STATE_CODES = {
     "initiator_unavailable",
     "remote_unreachable",
     "invalid_key",
+    # A backup schedule's cron expression: its ranges and whether it ever
+    # matches (Feb 30) are the parser's to say, not a pattern's.
+    "invalid_cron",
 }
 
 

@@ -17,6 +17,7 @@ mod exports;
 mod images;
 mod moves;
 mod path;
+mod schedules;
 mod system;
 mod transport;
 mod volumes;

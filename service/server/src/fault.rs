@@ -177,6 +177,11 @@ pub enum FaultError {
         "{VAR}={0} is set, but this build of blockplane has no test faults: the cargo feature `test-faults` of package blockplane adds them (--features blockplane/test-faults)"
     )]
     NotBuilt(String),
+    /// This build has no test clock.
+    #[error(
+        "{CLOCK_VAR}={0} is set, but this build of blockplane has no test faults, so no test clock: the cargo feature `test-faults` of package blockplane adds it (--features blockplane/test-faults)"
+    )]
+    ClockNotBuilt(String),
     /// The variable names no fault.
     #[error(
         "{VAR}={0} names no test fault (kill_after_{{insert,add,create,attach,detach,change,first_change}}, fail_after_{{insert,add,attach,detach,change,first_change}}, slow_image_create, slow_allocate, slow_copy, slow_backup, gate_backup, gate_copy, gate_reconcile, slow_volume_change, slow_handover, fail_handover_start, fail_handover_recovery, fail_supervisor_start, fail_supervisor_wait, panic_supervisor, emfile_pidfd, fail_recovery_spawn)"
@@ -200,6 +205,57 @@ pub struct HandoverFaults {
     /// The new worker is told to recover a device that does not exist, so
     /// it fails once the old one has let go.
     pub recovery_fails: bool,
+}
+
+/// The variable that names the test clock's file.
+const CLOCK_VAR: &str = "BLOCKPLANE_TEST_CLOCK";
+
+/// The wall clock the manager dates and schedules by (backups' moments,
+/// backup schedules' runs). A test build reads it, when `BLOCKPLANE_TEST_CLOCK`
+/// names a file, from that file (an RFC 3339 time, read at every look), so
+/// that a test moves days on in seconds; a build without `test-faults`
+/// refuses the variable, as it refuses a fault.
+#[derive(Debug, Clone, Default)]
+pub struct Clock {
+    #[cfg(feature = "test-faults")]
+    file: Option<std::path::PathBuf>,
+}
+
+impl Clock {
+    /// The clock `BLOCKPLANE_TEST_CLOCK` names (unset or empty: the system's).
+    pub fn from_env() -> std::result::Result<Self, FaultError> {
+        let value = std::env::var_os(CLOCK_VAR).unwrap_or_default();
+        if value.is_empty() {
+            return Ok(Self::default());
+        }
+        #[cfg(feature = "test-faults")]
+        return Ok(Self {
+            file: Some(value.into()),
+        });
+        #[cfg(not(feature = "test-faults"))]
+        Err(FaultError::ClockNotBuilt(
+            value.to_string_lossy().into_owned(),
+        ))
+    }
+
+    /// Now: the system's time, or the test clock's (its file unreadable or
+    /// not a time: the system's, and a warning).
+    pub fn now(&self) -> time::OffsetDateTime {
+        #[cfg(feature = "test-faults")]
+        if let Some(file) = &self.file {
+            let text = std::fs::read_to_string(file).unwrap_or_default();
+            match time::OffsetDateTime::parse(
+                text.trim(),
+                &time::format_description::well_known::Rfc3339,
+            ) {
+                Ok(t) => return t,
+                Err(e) => {
+                    tracing::warn!(file = %file.display(), error = %e, "the test clock is not a time")
+                }
+            }
+        }
+        time::OffsetDateTime::now_utc()
+    }
 }
 
 /// The test fault a service injects: none in a build without `test-faults`.

@@ -143,10 +143,28 @@ pub struct SupervisorSample {
 pub struct BackupSample {
     /// Seconds since each image's last backup with a manifest, by image.
     pub ages: Vec<(String, f64)>,
+    /// The backup schedules.
+    pub schedules: Vec<ScheduleSample>,
     /// Bytes this service's backups put on the target.
     pub uploaded_bytes: u64,
     /// Bytes of chunks they found on the target already.
     pub deduplicated_bytes: u64,
+}
+
+/// A backup schedule, for its gauges.
+#[derive(Debug, Clone)]
+pub struct ScheduleSample {
+    /// Its name.
+    pub name: String,
+    /// Seconds since a run of it last ended with its backup done, or since
+    /// it was made when none has.
+    pub age_secs: f64,
+    /// Seconds between two of its cron times.
+    pub period_secs: u64,
+    /// Runs failed since the last that succeeded.
+    pub failures: u32,
+    /// Whether it runs.
+    pub enabled: bool,
 }
 
 const OPS: [&str; 4] = ["read", "write", "flush", "discard"];
@@ -496,6 +514,37 @@ impl Collector for Snapshot {
             for (image, age) in &b.ages {
                 ConstGauge::new(*age)
                     .encode(family.encode_family(&[("image", image.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "blockplane_backup_schedule_last_success_age_seconds",
+                "Seconds since a run of the backup schedule last ended with its backup done, or since it was made when none has",
+                None,
+                G,
+            )?;
+            for s in &b.schedules {
+                ConstGauge::new(s.age_secs)
+                    .encode(family.encode_family(&[("schedule", s.name.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "blockplane_backup_schedule_period_seconds",
+                "Seconds between two of the backup schedule's cron times (0 while it is paused)",
+                None,
+                G,
+            )?;
+            for s in &b.schedules {
+                let period = if s.enabled { s.period_secs as f64 } else { 0.0 };
+                ConstGauge::new(period)
+                    .encode(family.encode_family(&[("schedule", s.name.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "blockplane_backup_schedule_consecutive_failures",
+                "Runs of the backup schedule that failed since the last that succeeded",
+                None,
+                G,
+            )?;
+            for s in &b.schedules {
+                ConstGauge::new(f64::from(s.failures))
+                    .encode(family.encode_family(&[("schedule", s.name.as_str())])?)?;
             }
             for (name, help, x) in [
                 (

@@ -797,6 +797,7 @@ fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, Se
             None => None,
         },
         faults,
+        clock: crate::fault::Clock::from_env()?,
         export_addresses: cfg.export_addresses.clone(),
         peer_token: cfg.token.clone(),
     })

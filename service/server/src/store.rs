@@ -38,7 +38,9 @@ use blockplane_api::model::{
 };
 
 mod fabric;
+mod schedules;
 pub use fabric::{DrainRow, ExportHostRow, ExportRow, MoveRow, RemoteAttachment, RemoteRow};
+pub use schedules::ScheduleRow;
 
 /// The schema migrations this build knows (`migrations/`), applied at open.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

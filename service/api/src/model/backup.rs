@@ -165,16 +165,16 @@ pub struct BackupGc {
     pub running_backups: u64,
 }
 
-/// `POST /v1/images/{id}/backups/prune`: which of an image's finished
-/// backups to keep, as Proxmox Backup Server's prune decides: the last N,
-/// then the newest backup of each of the last N days, ISO weeks, months
-/// and years that have one (UTC), a period an earlier rule kept a backup in
-/// not counted again. A backup no rule keeps is deleted from the target.
-/// At least one count must be above 0, and none above [`MAX_KEEP`].
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+/// A retention policy: which of an image's finished backups to keep, as
+/// Proxmox Backup Server's prune decides: the last N, then the newest
+/// backup of each of the last N days, ISO weeks, months and years that have
+/// one (UTC), a period an earlier rule kept a backup in not counted again.
+/// A backup no rule keeps is deleted. At least one count must be above 0,
+/// and none above [`MAX_KEEP`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
-pub struct PruneBackupsRequest {
+pub struct RetentionPolicy {
     /// The newest backups to keep, whatever their dates.
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
@@ -195,6 +195,15 @@ pub struct PruneBackupsRequest {
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(maximum = 10000))]
     pub keep_yearly: u32,
+}
+
+/// `POST /v1/images/{id}/backups/prune`: the policy, and whether to delete.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PruneBackupsRequest {
+    /// What to keep.
+    pub retention: RetentionPolicy,
     /// Only say what would be kept and deleted; delete nothing.
     #[serde(default)]
     pub dry_run: bool,

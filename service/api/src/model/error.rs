@@ -190,8 +190,13 @@ error_codes! {
     BackupRunning = "backup_running",
     /// 409: the backup has no manifest (running, failed or cancelled).
     BackupNotDone = "backup_not_done",
-    /// 422: a prune whose policy keeps nothing (every `keep_*` is 0).
+    /// 422: a retention policy that keeps nothing (every `keep_*` is 0).
     RetentionKeepsNothing = "retention_keeps_nothing",
+    /// 422: a backup schedule's cron expression is not one, or matches no
+    /// time.
+    InvalidCron = "invalid_cron",
+    /// 404: no backup schedule of that id or name.
+    ScheduleNotFound = "schedule_not_found",
     /// 409: another gc (of this service or another) is collecting the
     /// backup target; one runs there at a time.
     BackupGcBusy = "backup_gc_busy",

@@ -429,25 +429,93 @@ pub enum BackupCmd {
     Prune {
         /// Image id or name.
         image: String,
-        /// The newest backups to keep.
-        #[arg(long, default_value_t = 0)]
-        keep_last: u32,
-        /// Days whose newest backup is kept.
-        #[arg(long, default_value_t = 0)]
-        keep_daily: u32,
-        /// ISO weeks whose newest backup is kept.
-        #[arg(long, default_value_t = 0)]
-        keep_weekly: u32,
-        /// Months whose newest backup is kept.
-        #[arg(long, default_value_t = 0)]
-        keep_monthly: u32,
-        /// Years whose newest backup is kept.
-        #[arg(long, default_value_t = 0)]
-        keep_yearly: u32,
+        #[command(flatten)]
+        keep: KeepArgs,
         /// Only say what would be kept and deleted.
         #[arg(long)]
         dry_run: bool,
     },
+    /// List the backup schedules, with their next and last runs.
+    Schedules,
+    /// Back an image up on a schedule (cron, UTC), pruning its backups by
+    /// the --keep-* policy after each run (none: every backup is kept).
+    ScheduleCreate {
+        /// The schedule's name ([a-z0-9][a-z0-9-]{0,39}).
+        name: String,
+        /// Image id or name.
+        #[arg(long)]
+        image: String,
+        /// Five fields (minute hour day-of-month month day-of-week), or
+        /// @hourly, @daily, @weekly, @monthly, @yearly.
+        #[arg(long)]
+        cron: String,
+        #[command(flatten)]
+        keep: KeepArgs,
+        /// Made paused.
+        #[arg(long)]
+        paused: bool,
+    },
+    /// Show a backup schedule.
+    ScheduleShow {
+        /// Schedule id or name.
+        schedule: String,
+    },
+    /// Change a backup schedule: its cron, its --keep-* policy (given
+    /// whole), or pause and resume it.
+    ScheduleSet {
+        /// Schedule id or name.
+        schedule: String,
+        /// A new cron expression.
+        #[arg(long)]
+        cron: Option<String>,
+        #[command(flatten)]
+        keep: KeepArgs,
+        /// Pause it.
+        #[arg(long, conflicts_with = "resume")]
+        pause: bool,
+        /// Resume it (at its next time from now).
+        #[arg(long)]
+        resume: bool,
+    },
+    /// Delete a backup schedule (its backups stay).
+    ScheduleRm {
+        /// Schedule id or name.
+        schedule: String,
+    },
+}
+
+/// A retention policy's counts (0: the rule is left out).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct KeepArgs {
+    /// The newest backups to keep.
+    #[arg(long, default_value_t = 0)]
+    pub keep_last: u32,
+    /// Days whose newest backup is kept.
+    #[arg(long, default_value_t = 0)]
+    pub keep_daily: u32,
+    /// ISO weeks whose newest backup is kept.
+    #[arg(long, default_value_t = 0)]
+    pub keep_weekly: u32,
+    /// Months whose newest backup is kept.
+    #[arg(long, default_value_t = 0)]
+    pub keep_monthly: u32,
+    /// Years whose newest backup is kept.
+    #[arg(long, default_value_t = 0)]
+    pub keep_yearly: u32,
+}
+
+impl KeepArgs {
+    /// The policy, or `None` when every count is 0.
+    pub fn policy(self) -> Option<blockplane_api::model::RetentionPolicy> {
+        let p = blockplane_api::model::RetentionPolicy {
+            keep_last: self.keep_last,
+            keep_daily: self.keep_daily,
+            keep_weekly: self.keep_weekly,
+            keep_monthly: self.keep_monthly,
+            keep_yearly: self.keep_yearly,
+        };
+        (p != blockplane_api::model::RetentionPolicy::default()).then_some(p)
+    }
 }
 
 /// `volume` commands.

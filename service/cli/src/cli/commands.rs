@@ -426,22 +426,57 @@ async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
         BackupCmd::Gc => View::Gc(client.collect_backups().await.map_err(api)?),
         BackupCmd::Prune {
             image,
-            keep_last,
-            keep_daily,
-            keep_weekly,
-            keep_monthly,
-            keep_yearly,
+            keep,
             dry_run,
         } => {
             let req = blockplane_api::model::PruneBackupsRequest {
-                keep_last: *keep_last,
-                keep_daily: *keep_daily,
-                keep_weekly: *keep_weekly,
-                keep_monthly: *keep_monthly,
-                keep_yearly: *keep_yearly,
+                // All zero: the service refuses it, naming the rule.
+                retention: keep.policy().unwrap_or_default(),
                 dry_run: *dry_run,
             };
             View::Prune(client.prune_backups(image, &req).await.map_err(api)?)
+        }
+        BackupCmd::Schedules => View::Schedules(client.schedules().await.map_err(api)?),
+        BackupCmd::ScheduleCreate {
+            name,
+            image,
+            cron,
+            keep,
+            paused,
+        } => {
+            let req = blockplane_api::model::CreateBackupScheduleRequest {
+                name: name.clone(),
+                image: image.clone(),
+                cron: cron.clone(),
+                retention: keep.policy(),
+                enabled: !paused,
+            };
+            View::Schedule(client.create_schedule(&req).await.map_err(api)?)
+        }
+        BackupCmd::ScheduleShow { schedule } => {
+            View::Schedule(client.schedule(schedule).await.map_err(api)?)
+        }
+        BackupCmd::ScheduleSet {
+            schedule,
+            cron,
+            keep,
+            pause,
+            resume,
+        } => {
+            let req = blockplane_api::model::PatchBackupScheduleRequest {
+                cron: cron.clone(),
+                retention: keep.policy(),
+                enabled: match (pause, resume) {
+                    (true, _) => Some(false),
+                    (_, true) => Some(true),
+                    _ => None,
+                },
+            };
+            View::Schedule(client.patch_schedule(schedule, &req).await.map_err(api)?)
+        }
+        BackupCmd::ScheduleRm { schedule } => {
+            client.delete_schedule(schedule).await.map_err(api)?;
+            View::Done("schedule removed")
         }
     })
 }

@@ -4,9 +4,9 @@
 use std::fmt::Display;
 
 use blockplane_api::model::{
-    Backup, BackupGc, BackupPrune, BackupVerify, Capability, ColdExport, Drain, Event, Export,
-    Host, Image, Move, MoveState, Remote, ResizeImageResponse, SupervisionState, Volume,
-    VolumeStats, human_size,
+    Backup, BackupGc, BackupPrune, BackupSchedule, BackupVerify, Capability, ColdExport, Drain,
+    Event, Export, Host, Image, Move, MoveState, Remote, ResizeImageResponse, SupervisionState,
+    Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -32,6 +32,8 @@ pub enum View {
     Verify(BackupVerify),
     Gc(BackupGc),
     Prune(BackupPrune),
+    Schedule(BackupSchedule),
+    Schedules(Vec<BackupSchedule>),
     /// An export; its hosts' keys, where the answer has them, printed only
     /// when `show_keys` (they are secrets, and a terminal is seen and
     /// scrolled back).
@@ -77,6 +79,8 @@ impl View {
             View::Verify(v) => json_pretty(v),
             View::Gc(g) => json_pretty(g),
             View::Prune(p) => json_pretty(p),
+            View::Schedule(x) => json_pretty(x),
+            View::Schedules(l) => json_pretty(l),
             View::Export { export, .. } => json_pretty(export),
             View::Exports(l) => json_pretty(l),
             View::Remote(r) => json_pretty(r),
@@ -125,6 +129,8 @@ impl View {
                 ("backups running", g.running_backups.to_string()),
             ]),
             View::Prune(p) => prune(p),
+            View::Schedule(x) => schedule(x),
+            View::Schedules(l) => schedules(l),
             View::Events(l) => table(
                 &["ID", "AT", "KIND", "MESSAGE"],
                 l.iter()
@@ -810,6 +816,68 @@ fn moves(l: &[Move]) -> String {
                     move_progress(m),
                     move_rate(m),
                     rate_limit(m.rate_limit_bytes_per_sec),
+                ]
+            })
+            .collect(),
+    )
+}
+
+/// A backup schedule's last run, in a few words.
+fn last_run(s: &BackupSchedule) -> String {
+    match &s.last_run {
+        None => "-".into(),
+        Some(r) => format!("{} {}", json_line(&r.result).trim_matches('"'), at(r.at)),
+    }
+}
+
+fn schedule(s: &BackupSchedule) -> String {
+    let keep = s.retention.map(|r| {
+        [
+            ("last", r.keep_last),
+            ("daily", r.keep_daily),
+            ("weekly", r.keep_weekly),
+            ("monthly", r.keep_monthly),
+            ("yearly", r.keep_yearly),
+        ]
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+    });
+    fields(vec![
+        ("name", s.name.clone()),
+        ("id", s.id.to_string()),
+        ("image", dash(s.image_name.as_deref())),
+        ("cron", s.cron.clone()),
+        ("keeps", keep.unwrap_or_else(|| "every backup".into())),
+        ("enabled", s.enabled.to_string()),
+        ("next run", at(s.next_run_at)),
+        ("last run", last_run(s)),
+        (
+            "last message",
+            dash(s.last_run.as_ref().and_then(|r| r.message.as_deref())),
+        ),
+        ("last success", dash(s.last_success_at.map(at))),
+        ("failures since", s.consecutive_failures.to_string()),
+    ])
+}
+
+fn schedules(l: &[BackupSchedule]) -> String {
+    table(
+        &[
+            "NAME", "IMAGE", "CRON", "ENABLED", "NEXT RUN", "LAST RUN", "FAILURES",
+        ],
+        l.iter()
+            .map(|s| {
+                vec![
+                    s.name.clone(),
+                    dash(s.image_name.as_deref()),
+                    s.cron.clone(),
+                    s.enabled.to_string(),
+                    at(s.next_run_at),
+                    last_run(s),
+                    s.consecutive_failures.to_string(),
                 ]
             })
             .collect(),

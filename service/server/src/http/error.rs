@@ -200,6 +200,9 @@ impl ApiError {
                 Error::RetentionKeepsNothing(_) => {
                     (S::UNPROCESSABLE_ENTITY, C::RetentionKeepsNothing)
                 }
+                Error::InvalidCron { .. } => (S::UNPROCESSABLE_ENTITY, C::InvalidCron),
+                Error::ScheduleNotFound(_) => (S::NOT_FOUND, C::ScheduleNotFound),
+                Error::ScheduleNameTaken { .. } => (S::CONFLICT, C::NameTaken),
                 Error::Backup(e) => backup(e),
                 Error::Export(e) => export(e),
                 Error::Remote(e) => remote(e),

@@ -10,6 +10,7 @@ mod exports;
 mod extract;
 mod images;
 mod moves;
+mod schedules;
 mod system;
 mod volumes;
 pub mod wire;
@@ -206,7 +207,7 @@ impl Modify for CrossFieldRules {
                     restore_with("clone_from", "string"),
                 ]}),
             );
-        // A prune keeps something: one keep_* count above 0.
+        // A retention policy keeps something: one keep_* count above 0.
         let keeps = [
             "keep_last",
             "keep_daily",
@@ -215,7 +216,7 @@ impl Modify for CrossFieldRules {
             "keep_yearly",
         ]
         .map(|k| serde_json::json!({"required": [k], "properties": {k: {"minimum": 1}}}));
-        object_schema(openapi, "PruneBackupsRequest")
+        object_schema(openapi, "RetentionPolicy")
             .extensions
             .get_or_insert_with(Default::default)
             .insert("anyOf".to_string(), serde_json::json!(keeps));
@@ -237,6 +238,15 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(backups::verify_backup))
         .routes(routes!(backups::collect_backups))
         .routes(routes!(backups::prune_backups))
+        .routes(routes!(
+            schedules::create_schedule,
+            schedules::list_schedules
+        ))
+        .routes(routes!(
+            schedules::get_schedule,
+            schedules::patch_schedule,
+            schedules::delete_schedule
+        ))
         .routes(routes!(volumes::create_volume, volumes::list_volumes))
         .routes(routes!(
             volumes::get_volume,

@@ -205,7 +205,7 @@ impl House {
                 path: src.path.clone(),
                 service: self.lease_owner(),
             },
-            created_at: OffsetDateTime::now_utc(),
+            created_at: self.settings.clock.now(),
         }
     }
 
@@ -463,7 +463,7 @@ impl Images {
 impl Backups {
     /// The backup target, or 409 `no_backup_target` naming the flag that
     /// sets one.
-    fn backup_target(&self, what: &str) -> Result<Target> {
+    pub(super) fn backup_target(&self, what: &str) -> Result<Target> {
         self.state
             .target
             .clone()
@@ -863,41 +863,15 @@ impl Backups {
 
     /// `POST /v1/images/{id}/backups/prune`: decides each finished backup
     /// of `image` by the policy ([`blockplane_backup::retention`]) and,
-    /// unless a dry run, deletes those it does not keep. One prune of an
-    /// image at a time: two at once would decide on the same list.
+    /// unless a dry run, deletes those it does not keep. One prune at a time
+    /// on this service: two at once would decide on the same list.
     pub(crate) async fn prune_backups(
         &self,
         image: &str,
         req: &model::PruneBackupsRequest,
     ) -> Result<model::BackupPrune> {
-        use blockplane_backup::retention::{self, Decision, Retention, Rule};
-        let policy = Retention {
-            last: req.keep_last,
-            daily: req.keep_daily,
-            weekly: req.keep_weekly,
-            monthly: req.keep_monthly,
-            yearly: req.keep_yearly,
-        };
-        for (field, n) in [
-            ("keep_last", req.keep_last),
-            ("keep_daily", req.keep_daily),
-            ("keep_weekly", req.keep_weekly),
-            ("keep_monthly", req.keep_monthly),
-            ("keep_yearly", req.keep_yearly),
-        ] {
-            if n > model::MAX_KEEP {
-                return Err(Error::InvalidField {
-                    field,
-                    reason: format!(
-                        "{n} is above {} (a prune of image '{image}')",
-                        model::MAX_KEEP
-                    ),
-                });
-            }
-        }
-        if policy.keeps_nothing() {
-            return Err(Error::RetentionKeepsNothing(image.to_string()));
-        }
+        use blockplane_backup::retention::{self, Decision, Rule};
+        let policy = retention_of(image, &req.retention)?;
         let target = self.backup_target("prune backups")?;
         let _one = self.state.prunes.lock().await;
         let backups: Vec<Backup> = self
@@ -1089,6 +1063,40 @@ impl Backups {
 }
 
 /// Refuses a backup named `name` of `src` when `target` holds one already.
+/// The backup crate's policy for `r`, refused when a count is above
+/// [`model::MAX_KEEP`] or none is above 0 (it would delete every backup of
+/// `image`).
+pub(super) fn retention_of(
+    image: &str,
+    r: &model::RetentionPolicy,
+) -> Result<blockplane_backup::retention::Retention> {
+    for (field, n) in [
+        ("keep_last", r.keep_last),
+        ("keep_daily", r.keep_daily),
+        ("keep_weekly", r.keep_weekly),
+        ("keep_monthly", r.keep_monthly),
+        ("keep_yearly", r.keep_yearly),
+    ] {
+        if n > model::MAX_KEEP {
+            return Err(Error::InvalidField {
+                field,
+                reason: format!("{n} is above {} (image '{image}')", model::MAX_KEEP),
+            });
+        }
+    }
+    let policy = blockplane_backup::retention::Retention {
+        last: r.keep_last,
+        daily: r.keep_daily,
+        weekly: r.keep_weekly,
+        monthly: r.keep_monthly,
+        yearly: r.keep_yearly,
+    };
+    if policy.keeps_nothing() {
+        return Err(Error::RetentionKeepsNothing(image.to_string()));
+    }
+    Ok(policy)
+}
+
 async fn refuse_taken_name(target: &Target, src: &ImageRow, name: &str) -> Result<()> {
     let taken = blockplane_backup::list(target)
         .await?

@@ -129,9 +129,21 @@ pub enum Error {
     )]
     BackupNotDone { name: String, state: &'static str },
     #[error(
-        "a prune of image '{0}' with no keep_* count above 0 would delete every backup of it: give at least one (keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly)"
+        "a retention policy for image '{0}' with no keep_* count above 0 would delete every backup of it: give at least one (keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly)"
     )]
     RetentionKeepsNothing(String),
+    #[error(
+        "backup schedule '{schedule}': '{cron}' is not a cron expression of five fields (minute hour day-of-month month day-of-week, or @hourly, @daily, @weekly, @monthly, @yearly): {reason}"
+    )]
+    InvalidCron {
+        schedule: String,
+        cron: String,
+        reason: String,
+    },
+    #[error("backup schedule '{0}' not found")]
+    ScheduleNotFound(String),
+    #[error("backup schedule name '{name}' is taken by schedule {id}")]
+    ScheduleNameTaken { name: String, id: Uuid },
     #[error(transparent)]
     Backup(#[from] blockplane_backup::Error),
     #[error(transparent)]

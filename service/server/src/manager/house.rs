@@ -36,6 +36,8 @@ pub(super) struct House {
 pub(super) struct Settings {
     /// The test fault to inject (none outside tests).
     pub(super) faults: Faults,
+    /// The wall clock backups are dated and schedules run by.
+    pub(super) clock: crate::fault::Clock,
     /// Volumes this host may have.
     pub(super) max_volumes: usize,
     /// Provisioned bytes of an image root over its filesystem's size, at most.

@@ -54,6 +54,10 @@ impl Manager {
         let ages = self
             .backups
             .backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));
+        let schedules = match backups.target {
+            Some(_) => self.backups.schedule_samples().await?,
+            None => Vec::new(),
+        };
         let images = images
             .into_iter()
             .map(|i| crate::metrics::ImageSample {
@@ -91,6 +95,7 @@ impl Manager {
                     .as_ref()
                     .map(|_| crate::metrics::BackupSample {
                         ages,
+                        schedules,
                         uploaded_bytes: backups.uploaded_bytes.load(Relaxed),
                         deduplicated_bytes: backups.deduplicated_bytes.load(Relaxed),
                     }),

@@ -40,6 +40,7 @@ mod reserve;
 mod rules;
 mod runs;
 mod sampler;
+mod schedules;
 mod target;
 mod undo;
 mod volume_part;
@@ -84,6 +85,9 @@ pub struct ManagerConfig {
     pub backup_target: Option<blockplane_backup::Target>,
     /// The test fault to inject (none outside tests).
     pub faults: Faults,
+    /// The wall clock backups are dated and schedules run by (a test's
+    /// own in tests).
+    pub clock: crate::fault::Clock,
     /// Where exports listen (`--export-address`); none: exports are refused.
     pub export_addresses: Vec<blockplane_system::nvmet::ListenAddr>,
     /// The bearer token to call other hosts' APIs with (a move tells its
@@ -146,6 +150,7 @@ impl Manager {
             backends: backends.list,
             settings: Settings {
                 faults: cfg.faults,
+                clock: cfg.clock,
                 max_volumes: cfg.max_volumes,
                 max_overcommit: cfg.max_overcommit,
                 kdf: cfg.kdf,
@@ -224,6 +229,9 @@ impl Manager {
                 }
                 if let Err(e) = me.follow_moves().await {
                     tracing::warn!(error = %e, "following moves failed");
+                }
+                if let Err(e) = me.backups.run_schedules().await {
+                    tracing::warn!(error = %e, "running backup schedules failed");
                 }
             }
         });

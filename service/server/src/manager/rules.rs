@@ -206,6 +206,7 @@ async fn manager_over(
             kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
             backup_target: None,
             faults: Faults::default(),
+            clock: crate::fault::Clock::default(),
             export_addresses: Vec::new(),
             peer_token: None,
         },

@@ -30,6 +30,9 @@ pub(super) struct BackupState {
     /// One prune at a time on this service: two at once would decide on
     /// the same list and delete what the other keeps.
     pub(super) prunes: tokio::sync::Mutex<()>,
+    /// One change to the schedules at a time: the follower's runs, and
+    /// the API's creates, changes and deletes.
+    pub(super) schedules: tokio::sync::Mutex<()>,
     /// When this process started: its leases from before are a crash's.
     pub(super) started: OffsetDateTime,
     /// The file a backup waits at while it exists (the test fault
@@ -50,6 +53,7 @@ impl BackupState {
             deduplicated_bytes: std::sync::atomic::AtomicU64::default(),
             gc: tokio::sync::Mutex::default(),
             prunes: tokio::sync::Mutex::default(),
+            schedules: tokio::sync::Mutex::default(),
         }
     }
 }
