@@ -1034,14 +1034,94 @@ export function backupsPage(ctx) {
       }, b.state === 'running' ? 'Cancel…' : 'Delete…')));
   }
 
+  // Backup schedules: each one's times, what it keeps, its next and last
+  // runs; made, paused, resumed and deleted here.
+  let schedules = [];
+  const scheduleList = h('div', null);
+  const scheduleOut = outcome();
+  const [scNameF, scName] = field('Schedule name', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false' }),
+    'lowercase letters, digits, -; its backups are named after it and the time');
+  const [scImgF, scImg] = field('Image', h('select', null));
+  const [scCronF, scCron] = field('When (cron, UTC)', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false', value: '0 3 * * *' }),
+    'minute hour day-of-month month day-of-week, or @daily, @weekly…');
+  const keepInputs = ['last', 'daily', 'weekly', 'monthly'].map((k) => field(`Keep ${k}`,
+    h('input', { type: 'number', min: 0, max: 10000, step: 1, value: k === 'daily' ? 7 : 0, 'data-keep': k })));
+  const scBtn = h('button', { type: 'submit' }, 'Make the schedule');
+  const scOut = outcome();
+  const scForm = h('form', { class: 'card', 'aria-labelledby': 'schedule-h' },
+    h('h2', { id: 'schedule-h' }, 'Schedule backups of an image'),
+    h('p', { class: 'hint' }, 'After each backup, the image\'s backups are pruned: the last N kept, and the newest of each of the last N days, weeks and months. All 0: every backup is kept.'),
+    h('div', { class: 'fields' }, scNameF, scImgF, scCronF, ...keepInputs.map(([f]) => f)),
+    h('div', { class: 'buttons' }, scBtn), scOut);
+  scForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const keep = Object.fromEntries(keepInputs.map(([, i]) => [`keep_${i.dataset.keep}`, Number(i.value) || 0]));
+    const body = { name: scName.value.trim(), image: scImg.value, cron: scCron.value.trim() };
+    if (Object.values(keep).some((n) => n > 0)) body.retention = keep;
+    const r = await act(ctx, scOut, [scBtn], () => api('POST', '/v1/backup-schedules', body),
+      (x) => `Schedule ${x.name} made; its first run is at ${when(x.next_run_at)}.`);
+    if (r) load();
+  });
+
+  /** What a schedule keeps, in a few words. */
+  function keeps(sc) {
+    const r = sc.retention;
+    if (!r) return 'every backup';
+    return ['last', 'daily', 'weekly', 'monthly', 'yearly']
+      .filter((k) => r[`keep_${k}`] > 0).map((k) => `${k} ${r[`keep_${k}`]}`).join(', ');
+  }
+
+  function scheduleRow(sc) {
+    const run = sc.last_run;
+    return h('tr', { 'data-schedule': sc.name },
+      h('td', { class: 'mono' }, sc.name),
+      h('td', null, sc.image_name ?? h('span', { class: 'warn' }, 'image forgotten')),
+      h('td', { class: 'mono', 'data-field': 'cron' }, sc.cron),
+      h('td', { 'data-field': 'keeps' }, keeps(sc)),
+      h('td', { 'data-field': 'next' }, sc.enabled ? when(sc.next_run_at) : 'paused'),
+      h('td', { 'data-field': 'last' }, run
+        ? h('span', { class: `state-${run.result}`, title: run.message ?? '' },
+          `${run.result}, ${when(run.at)}`, run.message ? h('span', { class: 'hint' }, ` — ${run.message}`) : null)
+        : 'not yet'),
+      h('td', { class: 'num', 'data-field': 'failures' }, String(sc.consecutive_failures)),
+      h('td', { class: 'actions' }, h('button', {
+        type: 'button',
+        'data-key': `pause-schedule-${sc.id}`,
+        'aria-label': `${sc.enabled ? 'Pause' : 'Resume'} schedule ${sc.name}`,
+        onclick: async (ev) => {
+          const r = await act(ctx, scheduleOut, [ev.currentTarget],
+            () => api('PATCH', `/v1/backup-schedules/${seg(sc.id)}`, { enabled: !sc.enabled }),
+            (x) => (x.enabled ? `Schedule ${x.name} resumed; next run at ${when(x.next_run_at)}.` : `Schedule ${x.name} paused.`));
+          if (r) load();
+        },
+      }, sc.enabled ? 'Pause' : 'Resume'), ' ', h('button', {
+        type: 'button',
+        class: 'danger',
+        'data-key': `delete-schedule-${sc.id}`,
+        'aria-label': `Delete schedule ${sc.name}`,
+        onclick: async (ev) => {
+          const btn = ev.currentTarget;
+          const ok = await ctx.confirm({
+            title: `Delete schedule ${sc.name}?`,
+            text: 'It makes no more backups; the backups it made stay.',
+            action: 'Delete schedule',
+          });
+          if (!ok.ok) return;
+          const r = await act(ctx, scheduleOut, [btn], () => api('DELETE', `/v1/backup-schedules/${seg(sc.id)}`).then(() => true),
+            `Schedule ${sc.name} deleted.`);
+          if (r !== undefined) load();
+        },
+      }, 'Delete…')));
+  }
+
   let runTimer = null;
   let stopped = false;
   async function load() {
     if (stopped || !target) return;
     const chosen = filter.value;
     try {
-      [images, backups] = await Promise.all([api('GET', '/v1/images'),
-        api('GET', `/v1/backups?${chosen ? `image=${seg(chosen)}` : ''}`)]);
+      [images, backups, schedules] = await Promise.all([api('GET', '/v1/images'),
+        api('GET', `/v1/backups?${chosen ? `image=${seg(chosen)}` : ''}`), api('GET', '/v1/backup-schedules')]);
     } catch (e) {
       showError(listOut, e);
       if (e.status === 401) ctx.unauthorized(e.message);
@@ -1051,6 +1131,12 @@ export function backupsPage(ctx) {
       ? table('Backups', ['Name', 'Image', 'State', 'Moment', 'Size', 'Stored', 'Uploaded', 'From host', 'Action'],
         h('tbody', null, backups.map(backupRow)))
       : h('p', null, chosen ? 'No backups of this image.' : 'No backups yet: back an image up below.'));
+    rebuild(scheduleList, schedules.length
+      ? table('Backup schedules', ['Name', 'Image', 'When (UTC)', 'Keeps', 'Next run', 'Last run', 'Failures', 'Action'],
+        h('tbody', null, schedules.map(scheduleRow)))
+      : h('p', null, 'No backup schedules: make one below.'));
+    const scBefore = scImg.value;
+    fill(scImg, images.map((i) => h('option', { value: i.id, selected: i.id === scBefore }, i.name)));
     fill(filter, h('option', { value: '', selected: !chosen }, 'every image'),
       images.map((i) => h('option', { value: i.id, selected: i.id === chosen }, i.name)));
     const bkBefore = bkImg.value;
@@ -1068,7 +1154,9 @@ export function backupsPage(ctx) {
     ? h('section', null, h('h1', { tabindex: -1 }, 'Backups'),
       h('p', { class: 'hint', 'data-field': 'backup-target' }, `Target: ${target}`),
       h('div', { class: 'fields' }, filterF), listOut, list,
-      h('div', { class: 'cards' }, bkForm, rsForm))
+      h('div', { class: 'cards' }, bkForm, rsForm),
+      h('h2', null, 'Schedules'), scheduleOut, scheduleList,
+      h('div', { class: 'cards' }, scForm))
     : h('section', null, h('h1', { tabindex: -1 }, 'Backups'),
       h('p', { 'data-field': 'backup-target' }, 'This service has no backup target: start it with --backup-target DIR or s3://BUCKET/PREFIX to back images up off the host.'));
   return {
