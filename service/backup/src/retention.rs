@@ -87,13 +87,13 @@ pub enum Decision {
     Remove,
 }
 
-/// Decides every backup of one image: `backups` as (key, creation time) in
-/// any order; the answer in the same order.
-pub fn select<K: Copy>(backups: &[(K, OffsetDateTime)], policy: &Retention) -> Vec<Decision> {
-    let mut newest_first: Vec<usize> = (0..backups.len()).collect();
+/// Decides every backup of one image, given their creation times in any
+/// order; the answer in the same order.
+pub fn select(created: &[OffsetDateTime], policy: &Retention) -> Vec<Decision> {
+    let mut newest_first: Vec<usize> = (0..created.len()).collect();
     // Newest first; equal times by position, so the answer is stable.
-    newest_first.sort_by(|a, b| backups[*b].1.cmp(&backups[*a].1).then(a.cmp(b)));
-    let mut decided: Vec<Option<Decision>> = vec![None; backups.len()];
+    newest_first.sort_by(|a, b| created[*b].cmp(&created[*a]).then(a.cmp(b)));
+    let mut decided: Vec<Option<Decision>> = vec![None; created.len()];
     for i in newest_first.iter().take(policy.last as usize) {
         decided[*i] = Some(Decision::Keep(Rule::Last));
     }
@@ -106,7 +106,7 @@ pub fn select<K: Copy>(backups: &[(K, OffsetDateTime)], policy: &Retention) -> V
         if count == 0 {
             continue;
         }
-        let period = |i: usize| rule.period(backups[i].1);
+        let period = |i: usize| rule.period(created[i]);
         let covered: HashSet<_> = newest_first
             .iter()
             .filter(|i| matches!(decided[**i], Some(Decision::Keep(_))))
@@ -140,8 +140,7 @@ mod tests {
 
     /// The backups kept, by their dates, newest first, with their rules.
     fn kept(dates: &[OffsetDateTime], policy: Retention) -> Vec<(String, Rule)> {
-        let backups: Vec<(usize, OffsetDateTime)> = dates.iter().copied().enumerate().collect();
-        let mut out: Vec<(OffsetDateTime, Rule)> = select(&backups, &policy)
+        let mut out: Vec<(OffsetDateTime, Rule)> = select(dates, &policy)
             .into_iter()
             .zip(dates)
             .filter_map(|(d, at)| match d {
@@ -216,7 +215,7 @@ mod tests {
             ]
         );
         // The one kept of a day is its newest, at 13:00.
-        let backups: Vec<(usize, OffsetDateTime)> = dates().into_iter().enumerate().collect();
+        let backups = dates();
         let decisions = select(
             &backups,
             &Retention {
@@ -228,7 +227,7 @@ mod tests {
             .iter()
             .zip(decisions)
             .filter(|(_, d)| *d == Decision::Keep(Rule::Daily))
-            .map(|((_, at), _)| *at)
+            .map(|(at, _)| *at)
             .collect();
         assert_eq!(only, [datetime!(2026-03-31 13:00 UTC)]);
     }

@@ -883,9 +883,8 @@ impl Backups {
         if backups.is_empty() && self.house().store.image(image).await?.is_none() {
             return Err(Error::ImageNotFound(image.to_string()));
         }
-        let dated: Vec<(usize, OffsetDateTime)> =
-            backups.iter().map(|b| b.created_at).enumerate().collect();
-        let decisions = retention::select(&dated, &policy);
+        let created: Vec<OffsetDateTime> = backups.iter().map(|b| b.created_at).collect();
+        let decisions = retention::select(&created, &policy);
         let entry = |b: &Backup, kept_by| model::PrunedBackup {
             id: b.id,
             name: b.name.clone(),
@@ -909,14 +908,23 @@ impl Backups {
             }
         }
         let mut deleted = Vec::new();
+        let mut failed = None;
         for b in doomed {
-            if !req.dry_run {
-                self.delete_done(&target, b).await?;
+            if !req.dry_run
+                && let Err(e) = self.delete_done(&target, b).await
+            {
+                failed = Some(e);
+                break;
             }
             deleted.push(entry(b, None));
         }
         if !req.dry_run && !deleted.is_empty() {
+            // Also after a delete that failed: the chunks of those before it
+            // are garbage either way.
             self.collect_after_deletes(target);
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         kept.reverse();
         deleted.reverse();

@@ -37,8 +37,9 @@ struct Times {
 }
 
 impl Times {
-    /// `cron` of schedule `schedule`, or why it is not a cron expression.
-    fn parse(schedule: &str, cron: &str) -> Result<Self> {
+    /// `cron` of schedule `schedule`, or why it is not a cron expression
+    /// with a time after `now` (the manager's clock, as every time here).
+    fn parse(schedule: &str, cron: &str, now: OffsetDateTime) -> Result<Self> {
         let times = Self {
             cron: cron.parse().map_err(|e: croner::errors::CronError| {
                 Self::invalid(schedule, cron, e.to_string())
@@ -47,7 +48,7 @@ impl Times {
             text: cron.to_string(),
         };
         // An expression that never matches (Feb 30) has no next time.
-        times.next_run(0, OffsetDateTime::now_utc())?;
+        times.next_run(0, now)?;
         Ok(times)
     }
 
@@ -126,8 +127,9 @@ impl Backups {
     /// A schedule's view, its image's name looked up.
     async fn schedule_view(&self, row: &ScheduleRow) -> Result<BackupSchedule> {
         let image = self.house().store.image(&row.image_id.to_string()).await?;
-        let period = Times::parse(&row.name, &row.cron)
-            .map(|t| t.period(self.house().settings.clock.now()))
+        let now = self.house().settings.clock.now();
+        let period = Times::parse(&row.name, &row.cron, now)
+            .map(|t| t.period(now))
             .unwrap_or(Duration::ZERO);
         Ok(BackupSchedule {
             id: row.id,
@@ -175,7 +177,7 @@ impl Backups {
             });
         }
         let image = self.house().image_row(&req.image).await?;
-        let times = Times::parse(&req.name, &req.cron)?;
+        let times = Times::parse(&req.name, &req.cron, self.house().settings.clock.now())?;
         if let Some(r) = &req.retention {
             retention_of(&image.name, r)?;
         }
@@ -251,7 +253,7 @@ impl Backups {
         let _one = self.state.schedules.lock().await;
         let mut row = self.schedule_row(id_or_name).await?;
         let cron = req.cron.clone().unwrap_or_else(|| row.cron.clone());
-        let times = Times::parse(&row.name, &cron)?;
+        let times = Times::parse(&row.name, &cron, self.house().settings.clock.now())?;
         if let Some(r) = &req.retention {
             retention_of(&row.name, r)?;
         }
@@ -324,7 +326,7 @@ impl Backups {
 
     /// Starts schedule `row`'s run at `now`.
     async fn start_run(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
-        let times = Times::parse(&row.name, &row.cron)?;
+        let times = Times::parse(&row.name, &row.cron, now)?;
         let name = backup_name(&row.name, now);
         let (result, backup, message) =
             match self.backup_image(&row.image_id.to_string(), &name).await {
@@ -336,23 +338,20 @@ impl Backups {
             };
         row.last_run_at = Some(now);
         row.last_backup_id = backup;
-        row.last_result = Some(result);
         row.last_message = message;
         row.next_run_at = times.next_run(row.spread_secs, now)?;
-        self.end_run(row, "backup_schedule_started").await
+        self.end_run(row, result).await
     }
 
     /// Follows the backup of schedule `row`'s running run; at its end,
     /// records it (and prunes after a backup done).
     async fn follow_run(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
         let Some(id) = row.last_backup_id else {
-            row.last_result = Some(ScheduleRunResult::Failed);
-            return self.end_run(row, "backup_schedule_failed").await;
+            return self.end_run(row, ScheduleRunResult::Failed).await;
         };
-        match self.backup(&id.to_string()).await {
+        let result = match self.backup(&id.to_string()).await {
             Ok(b) if b.state == BackupState::Running => return Ok(()),
             Ok(b) if b.state == BackupState::Done => {
-                row.last_result = Some(ScheduleRunResult::Done);
                 row.last_success_at = Some(now);
                 row.failures = 0;
                 row.last_message = Some(match row.retention {
@@ -373,42 +372,41 @@ impl Backups {
                         }
                     }
                 });
+                ScheduleRunResult::Done
             }
             Ok(b) => {
-                row.last_result = Some(ScheduleRunResult::Failed);
                 row.last_message = Some(format!(
                     "backup '{}' {}: {}",
                     b.name,
                     b.state.as_str(),
                     b.error.as_deref().unwrap_or("no reason given")
                 ));
+                ScheduleRunResult::Failed
             }
             Err(Error::BackupNotFound(_)) => {
-                row.last_result = Some(ScheduleRunResult::Failed);
                 row.last_message = Some(format!(
                     "backup {id} is gone: the service stopped before it was done, or it was deleted"
                 ));
+                ScheduleRunResult::Failed
             }
             // The target cannot say now: the next look.
             Err(e) => return Err(e),
-        }
-        let kind = match row.last_result {
-            Some(ScheduleRunResult::Done) => "backup_schedule_done",
-            _ => "backup_schedule_failed",
         };
-        self.end_run(row, kind).await
+        self.end_run(row, result).await
     }
 
-    /// Records schedule `row`'s run as it now is, with an event of `kind`
-    /// (a failed run counts, whatever `kind` was asked).
-    async fn end_run(&self, mut row: ScheduleRow, kind: &str) -> Result<()> {
-        let kind = match row.last_result {
-            Some(ScheduleRunResult::Failed) => {
+    /// Records schedule `row`'s run as now at `result`, with the event
+    /// that result names; a failed run counts toward the failures in a row.
+    async fn end_run(&self, mut row: ScheduleRow, result: ScheduleRunResult) -> Result<()> {
+        row.last_result = Some(result);
+        let kind = match result {
+            ScheduleRunResult::Failed => {
                 row.failures += 1;
                 "backup_schedule_failed"
             }
-            Some(ScheduleRunResult::Skipped) => "backup_schedule_skipped",
-            _ => kind,
+            ScheduleRunResult::Skipped => "backup_schedule_skipped",
+            ScheduleRunResult::Running => "backup_schedule_started",
+            ScheduleRunResult::Done => "backup_schedule_done",
         };
         let message = format!(
             "backup schedule '{}': {}; next run at {}",
@@ -452,9 +450,11 @@ mod tests {
     use super::*;
     use time::macros::datetime;
 
+    const NOW: OffsetDateTime = datetime!(2026-12-07 12:00 UTC);
+
     #[test]
     fn the_next_time_is_strictly_after_and_in_utc() {
-        let t = Times::parse("n", "0 3 * * *").unwrap();
+        let t = Times::parse("n", "0 3 * * *", NOW).unwrap();
         assert_eq!(
             t.after(datetime!(2026-12-07 02:59:59 UTC)).unwrap(),
             datetime!(2026-12-07 03:00 UTC)
@@ -464,7 +464,7 @@ mod tests {
             datetime!(2026-12-08 03:00 UTC)
         );
         assert_eq!(t.period(datetime!(2026-12-07 00:00 UTC)), Duration::days(1));
-        let weekly = Times::parse("w", "@weekly").unwrap();
+        let weekly = Times::parse("w", "@weekly", NOW).unwrap();
         assert_eq!(
             weekly.period(datetime!(2026-12-07 00:00 UTC)),
             Duration::weeks(1)
@@ -475,7 +475,7 @@ mod tests {
     fn runs_missed_while_down_are_one_run() {
         // Due at 03:00 on the 1st; the service comes back on the 4th at
         // 12:00: one run now, the next on the 5th.
-        let t = Times::parse("n", "0 3 * * *").unwrap();
+        let t = Times::parse("n", "0 3 * * *", NOW).unwrap();
         let due = datetime!(2026-12-01 03:00 UTC);
         let back = datetime!(2026-12-04 12:00 UTC);
         assert!(due <= back);
@@ -488,7 +488,7 @@ mod tests {
     #[test]
     fn bad_expressions_are_refused_naming_the_schedule() {
         for bad in ["", "61 * * * *", "* * *", "0 3 30 2 *", "every day"] {
-            let e = Times::parse("nightly", bad).err().unwrap();
+            let e = Times::parse("nightly", bad, NOW).err().unwrap();
             assert!(e.to_string().contains("nightly"), "{bad}: {e}");
         }
     }
