@@ -196,32 +196,80 @@ async fn live_change(a: &Vm, name: &str) {
     }
 }
 
+/// The two hosts of a test: A serving exports from its own namespace, B
+/// consuming them, and B's host NQN.
+struct TwoHosts {
+    // Dropped in this order: a failure undoes the NVMe/TCP state before
+    // the services' own clean-up runs, and the namespace goes last.
+    _leftovers: Leftovers,
+    a: Vm,
+    b: Service,
+    b_nqn: String,
+    hosts: Hosts,
+}
+
+impl TwoHosts {
+    async fn start() -> Self {
+        let hosts = Hosts::new();
+        let export_arg = format!("{A_IP}:4420");
+        let a = Vm::start_in(
+            &hosts.a,
+            &["--export-address", &export_arg, "--key-unlock-ms", "200"],
+        )
+        .await;
+        let b = consumer().await;
+        let b_nqn = host_nqn(&b).await;
+        Self {
+            _leftovers: Leftovers,
+            a,
+            b,
+            b_nqn,
+            hosts,
+        }
+    }
+
+    /// Teardown in order: B disconnects everything; then A, whose kernel
+    /// cannot say which export a connection is to, sees none and unexports.
+    async fn tear_down(self, remotes: &[Remote]) {
+        let Self {
+            a, mut b, hosts, ..
+        } = self;
+        for r in remotes {
+            let d = b.delete(&format!("/v1/remotes/{}", r.name)).await;
+            assert_eq!(d.status.as_u16(), 204, "{}: {}", r.name, d.body);
+        }
+        for r in remotes {
+            let e =
+                a.s.get(&format!("/v1/volumes/{}/export", r.name))
+                    .await
+                    .body;
+            assert_eq!(e["hosts"][0]["connected"], false, "{}: {e}", r.name);
+            let d = a.s.delete(&format!("/v1/volumes/{}/export", r.name)).await;
+            assert_eq!(d.status.as_u16(), 204, "{}: {}", r.name, d.body);
+            a.delete(r.name).await;
+        }
+        b.stop_and_clean();
+        drop(a);
+        drop(hosts);
+    }
+}
+
 /// A's volumes, one of each kind, each exported to B and written there by
-/// fio verify across a live change on A (a switch, a handover, a grow);
-/// then A's whole pod killed and B's service killed under fio, each
-/// restarted and reconciled; the refusals; and the teardown.
+/// fio verify across a live change on A (a switch, a handover, a grow).
+/// What differs between kernels is here: nvmet serving each kind of node,
+/// and each change under it. The hosts' kills, key rotation and refusals,
+/// the control plane's logic over that, are the next test's, on one kernel.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
-    let hosts = Hosts::new();
-    let export_arg = format!("{A_IP}:4420");
-    let mut a = Vm::start_in(
-        &hosts.a,
-        &["--export-address", &export_arg, "--key-unlock-ms", "200"],
-    )
-    .await;
-    let mut b = consumer().await;
-    // Dropped first: a failure undoes the NVMe/TCP state before the
-    // services' own clean-up runs.
-    let _leftovers = Leftovers;
-    let b_nqn = host_nqn(&b).await;
-
+    let two = TwoHosts::start().await;
+    let (a, b) = (&two.a, &two.b);
     let mut remotes = Vec::new();
     for kind in kinds() {
-        let r = export_and_connect(&a, &b, &b_nqn, &kind).await;
+        let r = export_and_connect(a, b, &two.b_nqn, &kind).await;
         // Short: the assertion is that the writes across the change verify.
         let fio = fio_verify(&r.device, "8M", &[]);
         writes_flow(&r.device, 1 << 20).await;
-        live_change(&a, kind.name).await;
+        live_change(a, kind.name).await;
         fio_ok(fio);
         remotes.push(r);
     }
@@ -232,10 +280,27 @@ async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
         async || b.get("/v1/remotes/x-dkernel").await.body["size_bytes"] == json!(48u64 << 20),
     )
     .await;
+    two.tear_down(&remotes).await;
+}
+
+/// A's whole pod killed and B's service killed under B's fio verify, each
+/// restarted and reconciled onto the same devices; B's key rotated on A;
+/// and what each host refuses. Four kinds: a kernel loop, a ublk worker to
+/// adopt, a dm table, and an encrypted volume whose key A's restart unlocks.
+#[tokio::test(flavor = "multi_thread")]
+async fn either_host_killed_under_fio_is_adopted_and_keys_rotate_and_refusals_hold() {
+    let mut two = TwoHosts::start().await;
+    let mut remotes = Vec::new();
+    for kind in kinds()
+        .into_iter()
+        .filter(|k| ["x-loop", "x-unowait", "x-dkernel", "x-crypt"].contains(&k.name))
+    {
+        remotes.push(export_and_connect(&two.a, &two.b, &two.b_nqn, &kind).await);
+    }
 
     // A's whole pod dies under B's writes; a new A adopts its exports.
     let pod = Pod::new();
-    pod.enter(a.s.pid());
+    pod.enter(two.a.s.pid());
     let fios: Vec<_> = remotes
         .iter()
         .map(|r| fio_verify(&r.device, "8M", &["--rate_iops=300"]))
@@ -244,13 +309,13 @@ async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
         writes_flow(&r.device, 256 << 10).await;
     }
     pod.kill().await;
-    let _ = a.s.wait_exit(Duration::from_secs(10));
-    a.s.restart().await;
+    let _ = two.a.s.wait_exit(Duration::from_secs(10));
+    two.a.s.restart().await;
     for fio in fios {
         fio_ok(fio);
     }
     for r in &remotes {
-        let e = a.s.get(&format!("/v1/volumes/{}/export", r.name)).await;
+        let e = two.a.s.get(&format!("/v1/volumes/{}/export", r.name)).await;
         assert_eq!(e.body["state"], "serving", "{}: {}", r.name, e.body);
     }
 
@@ -263,39 +328,20 @@ async fn a_volume_of_each_kind_serves_another_host_under_fio_verify() {
     for r in &remotes {
         writes_flow(&r.device, 256 << 10).await;
     }
-    b.kill();
-    b.restart().await;
+    two.b.kill();
+    two.b.restart().await;
     for fio in fios {
         fio_ok(fio);
     }
     for r in &remotes {
-        let got = b.get(&format!("/v1/remotes/{}", r.name)).await.body;
+        let got = two.b.get(&format!("/v1/remotes/{}", r.name)).await.body;
         assert_eq!(got["state"], "attached", "{}: {got}", r.name);
         assert_eq!(got["device"], r.device.as_str(), "{}: {got}", r.name);
     }
 
-    rotate_b_key(&a, &b, &b_nqn, &remotes).await;
-    refusals(&a, &b, &b_nqn).await;
-
-    // Teardown in order: B disconnects everything; then A, whose kernel
-    // cannot say which export a connection is to, sees none and unexports.
-    for r in &remotes {
-        let d = b.delete(&format!("/v1/remotes/{}", r.name)).await;
-        assert_eq!(d.status.as_u16(), 204, "{}: {}", r.name, d.body);
-    }
-    for r in &remotes {
-        let e =
-            a.s.get(&format!("/v1/volumes/{}/export", r.name))
-                .await
-                .body;
-        assert_eq!(e["hosts"][0]["connected"], false, "{}: {e}", r.name);
-        let d = a.s.delete(&format!("/v1/volumes/{}/export", r.name)).await;
-        assert_eq!(d.status.as_u16(), 204, "{}: {}", r.name, d.body);
-        a.delete(r.name).await;
-    }
-    b.stop_and_clean();
-    drop(a);
-    drop(hosts);
+    rotate_b_key(&two.a, &two.b, &two.b_nqn, &remotes).await;
+    refusals(&two.a, &two.b, &two.b_nqn).await;
+    two.tear_down(&remotes).await;
 }
 
 /// B's key rotated on A, for every export: B's connections take it live,
