@@ -1250,14 +1250,15 @@ describe('backups', { concurrency: false }, () => {
     await until('the refusal', async () => /invalid_cron, HTTP 422/.test(await form.locator('.error').innerText()));
     await form.getByLabel('When (cron, UTC)').fill('30 2 * * *');
     await form.getByLabel('Keep weekly').fill('4');
+    await form.getByLabel('Keep yearly').fill('2');
     await form.getByRole('button', { name: 'Make the schedule' }).click();
     await form.locator('.ok[role=status]').waitFor();
     const sc = await bk.ok('GET', '/v1/backup-schedules/nightly');
-    assert.deepEqual(sc.retention, { keep_last: 0, keep_daily: 7, keep_weekly: 4, keep_monthly: 0, keep_yearly: 0 });
+    assert.deepEqual(sc.retention, { keep_last: 0, keep_daily: 7, keep_weekly: 4, keep_monthly: 0, keep_yearly: 2 });
     const row = tab.locator('tr[data-schedule="nightly"]');
     await until('the row', async () => (await row.count()) === 1);
     assert.equal(await row.locator('[data-field=cron]').innerText(), '30 2 * * *');
-    assert.equal(await row.locator('[data-field=keeps]').innerText(), 'daily 7, weekly 4');
+    assert.equal(await row.locator('[data-field=keeps]').innerText(), 'daily 7, weekly 4, yearly 2');
     assert.equal(await row.locator('[data-field=last]').innerText(), 'not yet');
     assert.notEqual(await row.locator('[data-field=next]').innerText(), 'paused');
     await screenshot(tab, 'backup-schedule');

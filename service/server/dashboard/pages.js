@@ -1044,7 +1044,7 @@ export function backupsPage(ctx) {
   const [scImgF, scImg] = field('Image', h('select', null));
   const [scCronF, scCron] = field('When (cron, UTC)', h('input', { type: 'text', autocomplete: 'off', required: true, spellcheck: 'false', value: '0 3 * * *' }),
     'minute hour day-of-month month day-of-week, or @daily, @weekly…');
-  const keepInputs = ['last', 'daily', 'weekly', 'monthly'].map((k) => field(`Keep ${k}`,
+  const keepInputs = ['last', 'daily', 'weekly', 'monthly', 'yearly'].map((k) => field(`Keep ${k}`,
     h('input', { type: 'number', min: 0, max: 10000, step: 1, value: k === 'daily' ? 7 : 0, 'data-keep': k })));
   const scBtn = h('button', { type: 'submit' }, 'Make the schedule');
   const scOut = outcome();
