@@ -1,7 +1,8 @@
 //! Backup schedules on a clock the test moves (`BLOCKPLANE_TEST_CLOCK`, a
 //! test build's): runs at their times, ten days of them pruned by a
 //! retention policy with each kept backup restoring byte-equal, the runs a
-//! stopped service missed made once at its start, and the refusals.
+//! stopped service missed made once at its start, and the refusals; a
+//! schedule that names its images by labels.
 
 use std::time::Duration;
 
@@ -52,25 +53,36 @@ async fn run_at(s: &Service, name: &str, at: &str) -> Value {
     last
 }
 
-/// The names of image `image`'s backups, oldest first.
-async fn backup_names(s: &Service, image: &str) -> Vec<String> {
-    let l = s.get(&format!("/v1/backups?image={image}")).await.body;
+/// The names in a list answer, in its order.
+fn names(l: &Value) -> Vec<String> {
     l.as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("{l}"))
         .iter()
         .map(|b| b["name"].as_str().unwrap().to_string())
         .collect()
 }
 
-#[tokio::test]
-async fn ten_days_of_runs_keep_what_the_policy_says_and_a_stopped_service_runs_once() {
+/// The names of image `image`'s backups, oldest first.
+async fn backup_names(s: &Service, image: &str) -> Vec<String> {
+    names(&s.get(&format!("/v1/backups?image={image}")).await.body)
+}
+
+/// A service backing up to a new directory target on a clock at March
+/// 1st, 2026, 00:00 UTC: the clock, the target, the service.
+async fn on_a_clock() -> (Clock, tempfile::TempDir, Service) {
     let clock = Clock::at("2026-03-01T00:00:00Z");
     let t = dir_target();
-    let mut s = service_to(
+    let s = service_to(
         t.path().to_str().unwrap(),
         &[("BLOCKPLANE_TEST_CLOCK", clock.path())],
     )
     .await;
+    (clock, t, s)
+}
+
+#[tokio::test]
+async fn ten_days_of_runs_keep_what_the_policy_says_and_a_stopped_service_runs_once() {
+    let (clock, _target, mut s) = on_a_clock().await;
     let path = image_with(&s, "w", 16 * MIB, &[(0, 8 * MIB)], 2).await;
 
     // Refused, each changing nothing.
@@ -209,4 +221,173 @@ async fn ten_days_of_runs_keep_what_the_policy_says_and_a_stopped_service_runs_o
     let a = s.delete("/v1/backup-schedules/nightly").await;
     assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.body);
     assert_eq!(backup_names(&s, "w").await, before);
+}
+
+/// The names of the images `GET /v1/images?label=` lists for `filter`.
+async fn labelled(s: &Service, filter: &str) -> Vec<String> {
+    names(&s.get(&format!("/v1/images?label={filter}")).await.body)
+}
+
+#[tokio::test]
+async fn a_selector_backs_up_each_labelled_image_in_turn_and_prunes_each() {
+    let (clock, _target, mut s) = on_a_clock().await;
+    let mut paths = Vec::new();
+    for (name, seed) in [("a", 2u8), ("b", 4), ("c", 6)] {
+        paths.push(image_with(&s, name, 8 * MIB, &[(0, 4 * MIB)], seed).await);
+    }
+    // Labels at a create, and by a patch that sets and removes.
+    let path = s.images.join("d.img");
+    let d = s
+        .post(
+            "/v1/images",
+            json!({"name": "d", "path": path, "create": {"size_bytes": MIB},
+                   "labels": {"tier": "silver", "team.example/app": "db"}}),
+        )
+        .await;
+    assert_eq!(d.status, StatusCode::CREATED, "{}", d.body);
+    assert_eq!(d.body["labels"]["tier"], "silver", "{}", d.body);
+    for (image, tier) in [("a", "gold"), ("b", "gold"), ("c", "silver")] {
+        let p = s
+            .patch(
+                &format!("/v1/images/{image}"),
+                json!({"labels": {"tier": tier, "old": "x"}}),
+            )
+            .await;
+        assert_eq!(p.status, StatusCode::OK, "{}", p.body);
+        let p = s
+            .patch(
+                &format!("/v1/images/{image}"),
+                json!({"labels": {"old": null}}),
+            )
+            .await;
+        assert_eq!(p.body["labels"], json!({"tier": tier}), "{}", p.body);
+    }
+    assert_eq!(labelled(&s, "tier=gold").await, ["a", "b"]);
+    assert_eq!(labelled(&s, "tier").await, ["a", "b", "c", "d"]);
+    assert_eq!(labelled(&s, "team.example/app=db").await, ["d"]);
+
+    // Refused, each changing nothing.
+    let before = s.get("/v1/images/a").await.body;
+    let bad = s
+        .patch("/v1/images/a", json!({"labels": {"Tier": "gold"}}))
+        .await;
+    assert_error(&bad, 422, "invalid_label");
+    let bad = s
+        .patch("/v1/images/a", json!({"labels": {"tier": "-gold"}}))
+        .await;
+    assert_error(&bad, 422, "invalid_label");
+    let many: serde_json::Map<String, Value> =
+        (0..32).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let bad = s.patch("/v1/images/a", json!({"labels": many})).await;
+    assert_error(&bad, 422, "too_many_labels");
+    assert!(
+        bad.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'a'"),
+        "{}",
+        bad.body
+    );
+    assert_eq!(s.get("/v1/images/a").await.body, before);
+    for (body, code) in [
+        (
+            json!({"name": "g", "image": "a", "selector": {"tier": "gold"}, "cron": "@daily"}),
+            "invalid_field",
+        ),
+        (json!({"name": "g", "cron": "@daily"}), "invalid_field"),
+        (
+            json!({"name": "g", "selector": {}, "cron": "@daily"}),
+            "invalid_field",
+        ),
+        (
+            json!({"name": "g", "selector": {"Tier": "gold"}, "cron": "@daily"}),
+            "invalid_label",
+        ),
+    ] {
+        let a = s.post("/v1/backup-schedules", body).await;
+        assert_error(&a, 422, code);
+    }
+    assert_eq!(s.get("/v1/backup-schedules").await.body, json!([]));
+
+    let a = s
+        .post(
+            "/v1/backup-schedules",
+            json!({"name": "gold", "selector": {"tier": "gold"}, "cron": "0 3 * * *",
+                   "retention": {"keep_last": 2}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    assert_eq!(a.body["selector"], json!({"tier": "gold"}), "{}", a.body);
+    assert_eq!(a.body["image_id"], Value::Null, "{}", a.body);
+    let nobody = s
+        .post(
+            "/v1/backup-schedules",
+            json!({"name": "bronze", "selector": {"tier": "bronze"}, "cron": "0 3 * * *"}),
+        )
+        .await;
+    assert_eq!(nobody.status, StatusCode::CREATED, "{}", nobody.body);
+
+    // Three nights; c is labelled gold before the third, and its run
+    // takes it: the selector is read when a run starts.
+    let name = |day: u8| format!("gold-202603{day:02}t031000z");
+    for day in 1..=3u8 {
+        if day == 3 {
+            let p = s
+                .patch("/v1/images/c", json!({"labels": {"tier": "gold"}}))
+                .await;
+            assert_eq!(p.status, StatusCode::OK, "{}", p.body);
+        }
+        let at = format!("2026-03-{day:02}T03:10:00Z");
+        clock.set(&at);
+        let v = run_at(&s, "gold", &at).await;
+        let images = if day == 3 { 3 } else { 2 };
+        assert_eq!(v["last_run"]["result"], "done", "{v}");
+        assert_eq!(v["last_run"]["backups_done"], images, "{v}");
+        assert_eq!(v["last_run"]["backups_failed"], 0, "{v}");
+        assert_eq!(v["last_run"]["images_pending"], 0, "{v}");
+        let v = run_at(&s, "bronze", &at).await;
+        assert_eq!(v["last_run"]["result"], "skipped", "{v}");
+        assert!(
+            v["last_run"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("no image has"),
+            "{v}"
+        );
+    }
+    // keep_last 2 of each image's own backups.
+    for (image, days) in [("a", [2u8, 3].as_slice()), ("b", &[2, 3]), ("c", &[3])] {
+        assert_eq!(
+            backup_names(&s, image).await,
+            days.iter().map(|d| name(*d)).collect::<Vec<_>>(),
+            "{image}"
+        );
+    }
+    assert_eq!(backup_names(&s, "d").await, Vec::<String>::new());
+    // In turn: each image's backup starts once the one before is done.
+    let events = s.get("/v1/events?limit=1000").await.body;
+    let steps: Vec<&str> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["message"].as_str().unwrap().contains(&name(3)))
+        .filter_map(|e| match e["kind"].as_str().unwrap() {
+            k @ ("backup_started" | "backup_done") => Some(k),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        steps,
+        ["backup_started", "backup_done"].repeat(3),
+        "{events}"
+    );
+    // Each image's backup has the run's name: by id.
+    let cs = s.get("/v1/backups?image=c").await.body;
+    let r = restore(&s, cs[0]["id"].as_str().unwrap(), "rc").await;
+    assert!(std::fs::read(&r).unwrap() == std::fs::read(&paths[2]).unwrap());
+
+    // Labels are the registry's: a restart keeps them.
+    s.kill();
+    s.restart().await;
+    assert_eq!(labelled(&s, "tier=gold").await, ["a", "b", "c"]);
 }

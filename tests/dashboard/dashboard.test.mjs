@@ -1262,6 +1262,12 @@ describe('backups', { concurrency: false }, () => {
     assert.equal(await row.locator('[data-field=last]').innerText(), 'not yet');
     assert.notEqual(await row.locator('[data-field=next]').innerText(), 'paused');
     await screenshot(tab, 'backup-schedule');
+    // A schedule that names its images by a label says so.
+    await bk.ok('POST', '/v1/backup-schedules', { name: 'gold-tier', selector: { tier: 'gold' }, cron: '@daily' });
+    const gold = tab.locator('tr[data-schedule="gold-tier"]');
+    await until('the selector row', async () => (await gold.count()) === 1);
+    assert.equal(await gold.locator('[data-field=images]').innerText(), 'labelled tier=gold');
+    await bk.ok('DELETE', '/v1/backup-schedules/gold-tier');
 
     await row.getByRole('button', { name: 'Pause schedule nightly' }).click();
     await until('paused', async () => (await row.locator('[data-field=next]').innerText()) === 'paused');

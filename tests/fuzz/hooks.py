@@ -102,6 +102,9 @@ STATE_CODES = {
     # A backup schedule's cron expression: its ranges and whether it ever
     # matches (Feb 30) are the parser's to say, not a pattern's.
     "invalid_cron",
+    # How many labels an image has: a patch's own count says nothing of
+    # the labels it merges into.
+    "too_many_labels",
 }
 
 

@@ -7,7 +7,8 @@ use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
     AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image,
-    KeySlotAdded, ListImagesQuery, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
+    KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest, ResizeImageRequest,
+    ResizeImageResponse,
 };
 
 fn image_path(image: &str) -> String {
@@ -29,6 +30,11 @@ impl Client {
     /// (`ready`, or `copying` while a background copy fills it).
     pub async fn create_image(&self, req: &CreateImageRequest) -> Result<Image, Error> {
         self.send(Method::POST, "/v1/images", req).await
+    }
+
+    /// `PATCH /v1/images/{id}`: its labels set and removed as `req` says.
+    pub async fn patch_image(&self, image: &str, req: &PatchImageRequest) -> Result<Image, Error> {
+        self.send(Method::PATCH, &image_path(image), req).await
     }
 
     /// `DELETE /v1/images/{id}`.

@@ -514,6 +514,7 @@ impl ControllerService {
                 clone_from: src.map(|s| s.name.clone()),
                 restore_from: None,
                 allocation: None,
+                labels: Default::default(),
             })
             .await?;
         if image.state == ImageState::Copying {

@@ -1075,7 +1075,9 @@ export function backupsPage(ctx) {
     const run = sc.last_run;
     return h('tr', { 'data-schedule': sc.name },
       h('td', { class: 'mono' }, sc.name),
-      h('td', null, sc.image_name ?? h('span', { class: 'warn' }, 'image forgotten')),
+      h('td', { 'data-field': 'images' }, sc.selector
+        ? `labelled ${Object.entries(sc.selector).map(([k, v]) => `${k}=${v}`).join(', ')}`
+        : sc.image_name ?? h('span', { class: 'warn' }, 'image forgotten')),
       h('td', { class: 'mono', 'data-field': 'cron' }, sc.cron),
       h('td', { 'data-field': 'keeps' }, keeps(sc)),
       h('td', { 'data-field': 'next' }, sc.enabled ? when(sc.next_run_at) : 'paused'),
@@ -1132,7 +1134,7 @@ export function backupsPage(ctx) {
         h('tbody', null, backups.map(backupRow)))
       : h('p', null, chosen ? 'No backups of this image.' : 'No backups yet: back an image up below.'));
     rebuild(scheduleList, schedules.length
-      ? table('Backup schedules', ['Name', 'Image', 'When (UTC)', 'Keeps', 'Next run', 'Last run', 'Failures', 'Action'],
+      ? table('Backup schedules', ['Name', 'Images', 'When (UTC)', 'Keeps', 'Next run', 'Last run', 'Failures', 'Action'],
         h('tbody', null, schedules.map(scheduleRow)))
       : h('p', null, 'No backup schedules: make one below.'));
     const scBefore = scImg.value;

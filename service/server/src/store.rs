@@ -34,13 +34,13 @@ use uuid::Uuid;
 use crate::attachment::Attachment;
 use blockplane_api::model::{
     Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageEncryption,
-    ImageState, Qos, VolumeState,
+    ImageState, Labels, Qos, VolumeState,
 };
 
 mod fabric;
 mod schedules;
 pub use fabric::{DrainRow, ExportHostRow, ExportRow, MoveRow, RemoteAttachment, RemoteRow};
-pub use schedules::ScheduleRow;
+pub use schedules::{RunCounts, ScheduleRow, ScheduleTarget};
 
 /// The schema migrations this build knows (`migrations/`), applied at open.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
@@ -202,6 +202,8 @@ pub struct ImageRow {
     pub state_reason: Option<String>,
     /// Its LUKS2 header as last read; `None` for a plain image.
     pub encryption: Option<ImageEncryption>,
+    /// Its labels.
+    pub labels: Labels,
 }
 
 impl ImageRow {
@@ -235,6 +237,7 @@ impl ImageRow {
                 .try_get::<Option<String>, _>("encryption")?
                 .map(|e| from_json("image encryption", &e))
                 .transpose()?,
+            labels: from_json("image labels", r.try_get("labels")?)?,
         })
     }
 }
@@ -807,8 +810,8 @@ impl WriteTx {
             "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
                                  allocation, filesystem, created_at, updated_at,
                                  snapshot_of, cloned_from, read_only, method, state,
-                                 state_reason, encryption, restored_from)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 state_reason, encryption, restored_from, labels)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
@@ -830,9 +833,21 @@ impl WriteTx {
         .bind(&i.state_reason)
         .bind(i.encryption.as_ref().map(json))
         .bind(i.restored_from.map(|u| u.to_string()))
+        .bind(json(&i.labels))
         .execute(self.conn())
         .await?;
         self.wrote_rows = true;
+        Ok(())
+    }
+
+    /// Records an image's labels.
+    pub async fn set_image_labels(&mut self, id: Uuid, labels: &Labels) -> Result<()> {
+        sqlx::query("UPDATE images SET labels = ?, updated_at = ? WHERE id = ?")
+            .bind(json(labels))
+            .bind(ts(OffsetDateTime::now_utc()))
+            .bind(id.to_string())
+            .execute(self.conn())
+            .await?;
         Ok(())
     }
 
@@ -1110,6 +1125,7 @@ pub(crate) mod tests {
             state: ImageState::Ready,
             state_reason: None,
             encryption: None,
+            labels: Labels::new(),
         }
     }
 

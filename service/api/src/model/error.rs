@@ -197,6 +197,11 @@ error_codes! {
     InvalidCron = "invalid_cron",
     /// 404: no backup schedule of that id or name.
     ScheduleNotFound = "schedule_not_found",
+    /// 422: a label's key or value is not spelled as labels are, or an
+    /// image would have more than 32.
+    InvalidLabel = "invalid_label",
+    /// 422: a patch of an image's labels would leave it more than 32.
+    TooManyLabels = "too_many_labels",
     /// 409: another gc (of this service or another) is collecting the
     /// backup target; one runs there at a time.
     BackupGcBusy = "backup_gc_busy",

@@ -93,6 +93,23 @@ pub struct CreateImageRequest {
     /// `allocation_reason` in the answer says which and why.
     #[serde(default)]
     pub allocation: Option<Allocation>,
+    /// Its labels (none by default): at most 32, each key
+    /// `[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?`, each value empty or
+    /// `[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?`.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// `PATCH /v1/images/{id}`: what to change; what is left out stays.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PatchImageRequest {
+    /// Labels to set (a value) or remove (`null`), merged into the image's
+    /// as a JSON merge patch does; the others stay. The result has at most
+    /// 32 (422 `too_many_labels` otherwise, and nothing changes).
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, Option<String>>,
 }
 
 /// `POST /v1/images/{id}/snapshots`: a read-only copy of an image, next to it.
@@ -122,6 +139,10 @@ pub struct ListImagesQuery {
     /// Only the snapshots of this image (id or name).
     #[serde(default)]
     pub snapshot_of: Option<String>,
+    /// Only the images with this label: `key=value`, or `key` for any
+    /// value.
+    #[serde(default)]
+    pub label: Option<String>,
 }
 
 /// How a snapshot's or clone's bytes were made.
@@ -273,6 +294,9 @@ pub struct Image {
     /// `create.encryption`, or a LUKS2 file registered); `null` when plain.
     #[serde(default)]
     pub encryption: Option<ImageEncryption>,
+    /// Its labels, by key.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
     /// What the create or grow that answered this should make you check,
     /// e.g. a sparse image larger than its root's free space (empty
     /// otherwise).

@@ -1,6 +1,9 @@
-//! Backup schedules (`/v1/backup-schedules`): an image backed up on a cron
-//! schedule to the service's backup target, its backups pruned by a
-//! retention policy after each one.
+//! Backup schedules (`/v1/backup-schedules`): an image, or every image
+//! with some labels, backed up on a cron schedule to the service's backup
+//! target, each image's backups pruned by a retention policy after each
+//! one.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -21,8 +24,14 @@ pub struct CreateBackupScheduleRequest {
         schema(pattern = "^[a-z0-9][a-z0-9-]{0,39}$", min_length = 1, max_length = 40)
     )]
     pub name: String,
-    /// The image to back up: its id or name.
-    pub image: String,
+    /// The image to back up: its id or name. Either this or `selector`.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Back up every image that has all these labels when a run starts,
+    /// one after another (1 to 32 labels, as an image's labels are
+    /// spelled). Either this or `image`.
+    #[serde(default)]
+    pub selector: Option<BTreeMap<String, String>>,
     /// When, in UTC: a cron expression of five fields (minute, hour, day of
     /// month, month, day of week), or `@hourly`, `@daily`, `@weekly`,
     /// `@monthly`, `@yearly`.
@@ -82,11 +91,21 @@ pub struct ScheduleRun {
     #[serde(with = "time::serde::rfc3339")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub at: OffsetDateTime,
-    /// The backup it started.
+    /// The backup it started last.
     #[serde(default)]
     pub backup_id: Option<Uuid>,
-    /// How it ended.
+    /// How it ended: `done` when every image's backup was done, `failed`
+    /// when one failed or could not start, `skipped` when every image had
+    /// a backup running already (or the selector matched none).
     pub result: ScheduleRunResult,
+    /// Its images' backups done so far.
+    pub backups_done: u32,
+    /// Its images' backups that failed or could not start.
+    pub backups_failed: u32,
+    /// Its images skipped: each had a backup running already.
+    pub backups_skipped: u32,
+    /// Its images still to back up, after the one running.
+    pub images_pending: u32,
     /// What happened, for people.
     #[serde(default)]
     pub message: Option<String>,
@@ -100,12 +119,16 @@ pub struct BackupSchedule {
     pub id: Uuid,
     /// Its name.
     pub name: String,
-    /// The image it backs up.
-    pub image_id: Uuid,
-    /// That image's name (`null` once the image is forgotten: its runs
-    /// fail until the schedule is deleted).
+    /// The image it backs up (`null` for a selector's schedule).
+    #[serde(default)]
+    pub image_id: Option<Uuid>,
+    /// That image's name (`null` for a selector's schedule, and once the
+    /// image is forgotten: its runs fail until the schedule is deleted).
     #[serde(default)]
     pub image_name: Option<String>,
+    /// The labels of the images it backs up (`null` for one image's).
+    #[serde(default)]
+    pub selector: Option<BTreeMap<String, String>>,
     /// Its cron expression.
     pub cron: String,
     /// What it keeps after each run (`null`: every backup).

@@ -253,6 +253,10 @@ pub enum ImageCmd {
         /// (discards punch). Without it, a fully written file is full.
         #[arg(long, value_parser = wire::<Allocation>(&["sparse", "full"]))]
         allocation: Option<Allocation>,
+        /// A label, KEY=VALUE (repeat for more): a backup schedule's
+        /// --selector and `image ls --label` name images by them.
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = label)]
+        labels: Vec<(String, String)>,
     },
     /// Create a new file and register it.
     Create {
@@ -275,6 +279,19 @@ pub enum ImageCmd {
         /// user of the host can read a process's arguments.
         #[arg(long, requires = "encrypt")]
         key_file: Option<std::path::PathBuf>,
+        /// A label, KEY=VALUE (repeat for more): a backup schedule's
+        /// --selector and `image ls --label` name images by them.
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = label)]
+        labels: Vec<(String, String)>,
+    },
+    /// Set or remove an image's labels: KEY=VALUE sets one, KEY- removes
+    /// it; the others stay.
+    Label {
+        /// Image id or name.
+        image: String,
+        /// KEY=VALUE or KEY-, one or more.
+        #[arg(required = true, value_name = "KEY=VALUE|KEY-")]
+        changes: Vec<String>,
     },
     /// Add a key slot to an encrypted image (rotation: add the new key,
     /// then remove the old one's slot with `image key-rm`).
@@ -300,7 +317,11 @@ pub enum ImageCmd {
     },
     /// List images.
     #[command(visible_alias = "list")]
-    Ls,
+    Ls {
+        /// Only those with this label: KEY=VALUE, or KEY for any value.
+        #[arg(long)]
+        label: Option<String>,
+    },
     /// Show one image.
     Show {
         /// Image id or name.
@@ -443,8 +464,16 @@ pub enum BackupCmd {
         /// The schedule's name ([a-z0-9][a-z0-9-]{0,39}).
         name: String,
         /// Image id or name.
-        #[arg(long)]
-        image: String,
+        #[arg(
+            long,
+            required_unless_present = "selector",
+            conflicts_with = "selector"
+        )]
+        image: Option<String>,
+        /// Back up every image with this label when a run starts, one
+        /// after another: KEY=VALUE (repeat: images with every one).
+        #[arg(long = "selector", value_name = "KEY=VALUE", value_parser = label)]
+        selector: Vec<(String, String)>,
         /// Five fields (minute hour day-of-month month day-of-week), or
         /// @hourly, @daily, @weekly, @monthly, @yearly.
         #[arg(long)]
@@ -917,6 +946,14 @@ where
 {
     PossibleValuesParser::new(names.iter().copied())
         .map(|name| parse_wire(&name).expect("each possible value is an API spelling"))
+}
+
+/// A label as a flag spells it, `KEY=VALUE` (the service checks its
+/// characters).
+fn label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("'{s}' is not KEY=VALUE"))
 }
 
 /// A request size: as [`parse_size`], within the API's field (`u32`).

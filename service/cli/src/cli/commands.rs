@@ -9,8 +9,9 @@ use blockplane_api::model::{
     AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest, CreateEncryption,
     CreateImageFile, CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest,
     CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, DrainRequest,
-    EventQuery, ExportRequest, Image, ListImagesQuery, PatchDrainRequest, PatchMoveRequest,
-    PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
+    EventQuery, ExportRequest, Image, ListImagesQuery, PatchDrainRequest, PatchImageRequest,
+    PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest,
+    StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
@@ -111,7 +112,8 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             name,
             path,
             allocation,
-        } => image_add(client, name, path, *allocation).await,
+            labels,
+        } => image_add(client, name, path, *allocation, labels).await,
         ImageCmd::Create {
             name,
             path,
@@ -119,7 +121,12 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             allocation,
             encrypt: _,
             key_file,
-        } => image_create(client, name, path, *size, *allocation, key_file.as_deref()).await,
+            labels,
+        } => {
+            let file = (*size, *allocation);
+            image_create(client, name, path, file, key_file.as_deref(), labels).await
+        }
+        ImageCmd::Label { image, changes } => image_label(client, image, changes).await,
         ImageCmd::KeyAdd {
             image,
             key_file,
@@ -130,8 +137,11 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             slot,
             key_file,
         } => image_key_rm(client, image, *slot, key_file).await,
-        ImageCmd::Ls => {
-            let query = ListImagesQuery::default();
+        ImageCmd::Ls { label } => {
+            let query = ListImagesQuery {
+                label: label.clone(),
+                ..ListImagesQuery::default()
+            };
             Ok(View::Images(client.images(&query).await.map_err(api)?))
         }
         ImageCmd::Show { image } => Ok(View::Image(client.image(image).await.map_err(api)?)),
@@ -183,7 +193,29 @@ fn image_request(name: &str, path: &str) -> CreateImageRequest {
         clone_from: None,
         restore_from: None,
         allocation: None,
+        labels: Default::default(),
     }
+}
+
+/// `image label`: each `KEY=VALUE` set, each `KEY-` removed, in one patch.
+async fn image_label(client: &Client, image: &str, changes: &[String]) -> Result<View, ExitCode> {
+    let mut labels = std::collections::BTreeMap::new();
+    for c in changes {
+        match (c.split_once('='), c.strip_suffix('-')) {
+            (Some((k, v)), _) => labels.insert(k.to_string(), Some(v.to_string())),
+            (None, Some(k)) => labels.insert(k.to_string(), None),
+            (None, None) => {
+                eprintln!("error: '{c}' is neither KEY=VALUE (set) nor KEY- (remove)");
+                return Err(ExitCode::from(2));
+            }
+        };
+    }
+    let req = PatchImageRequest { labels };
+    let patched = client
+        .patch_image(image, &req)
+        .await
+        .map_err(|e| fail(&e))?;
+    Ok(View::Image(patched))
 }
 
 /// `image add`: an existing file registered, with the allocation given
@@ -193,9 +225,11 @@ async fn image_add(
     name: &str,
     path: &str,
     allocation: Option<Allocation>,
+    labels: &[(String, String)],
 ) -> Result<View, ExitCode> {
     let req = CreateImageRequest {
         allocation,
+        labels: labels.iter().cloned().collect(),
         ..image_request(name, path)
     };
     let added = client.create_image(&req).await.map_err(|e| fail(&e))?;
@@ -209,9 +243,9 @@ async fn image_create(
     client: &Client,
     name: &str,
     path: &str,
-    size: u64,
-    allocation: Allocation,
+    (size, allocation): (u64, Allocation),
     key_file: Option<&Path>,
+    labels: &[(String, String)],
 ) -> Result<View, ExitCode> {
     let encryption = match key_file {
         Some(path) => Some(CreateEncryption {
@@ -226,6 +260,7 @@ async fn image_create(
     };
     let req = CreateImageRequest {
         create: Some(file),
+        labels: labels.iter().cloned().collect(),
         ..image_request(name, path)
     };
     let created = client.create_image(&req).await.map_err(|e| fail(&e))?;
@@ -440,6 +475,7 @@ async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
         BackupCmd::ScheduleCreate {
             name,
             image,
+            selector,
             cron,
             keep,
             paused,
@@ -447,6 +483,7 @@ async fn backup(client: &Client, cmd: &BackupCmd) -> Result<View, ExitCode> {
             let req = blockplane_api::model::CreateBackupScheduleRequest {
                 name: name.clone(),
                 image: image.clone(),
+                selector: (!selector.is_empty()).then(|| selector.iter().cloned().collect()),
                 cron: cron.clone(),
                 retention: keep.policy(),
                 enabled: !paused,

@@ -285,6 +285,7 @@ fn image(i: &Image, names: &Names) -> String {
             },
         ),
         ("read only", i.read_only.to_string()),
+        ("labels", dash(pairs(&i.labels))),
         ("snapshot of", dash(i.snapshot_of)),
         ("cloned from", dash(i.cloned_from)),
         ("method", dash(i.method.map(|m| m.as_str()))),
@@ -848,7 +849,7 @@ fn schedule(s: &BackupSchedule) -> String {
     fields(vec![
         ("name", s.name.clone()),
         ("id", s.id.to_string()),
-        ("image", dash(s.image_name.as_deref())),
+        ("images", schedule_images(s)),
         ("cron", s.cron.clone()),
         ("keeps", keep.unwrap_or_else(|| "every backup".into())),
         ("enabled", s.enabled.to_string()),
@@ -863,6 +864,25 @@ fn schedule(s: &BackupSchedule) -> String {
     ])
 }
 
+/// What a schedule backs up: its image's name, or its selector.
+fn schedule_images(s: &BackupSchedule) -> String {
+    match &s.selector {
+        Some(sel) => format!("labelled {}", pairs(sel).unwrap_or_default()),
+        None => dash(s.image_name.as_deref()),
+    }
+}
+
+/// Labels as `k=v,k2=v2`; `None` when there are none.
+fn pairs(labels: &blockplane_api::model::Labels) -> Option<String> {
+    (!labels.is_empty()).then(|| {
+        labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    })
+}
+
 fn schedules(l: &[BackupSchedule]) -> String {
     table(
         &[
@@ -872,7 +892,7 @@ fn schedules(l: &[BackupSchedule]) -> String {
             .map(|s| {
                 vec![
                     s.name.clone(),
-                    dash(s.image_name.as_deref()),
+                    schedule_images(s),
                     s.cron.clone(),
                     s.enabled.to_string(),
                     at(s.next_run_at),

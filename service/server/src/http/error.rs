@@ -202,6 +202,8 @@ impl ApiError {
                 }
                 Error::InvalidCron { .. } => (S::UNPROCESSABLE_ENTITY, C::InvalidCron),
                 Error::ScheduleNotFound(_) => (S::NOT_FOUND, C::ScheduleNotFound),
+                Error::InvalidLabel { .. } => (S::UNPROCESSABLE_ENTITY, C::InvalidLabel),
+                Error::TooManyLabels { .. } => (S::UNPROCESSABLE_ENTITY, C::TooManyLabels),
                 Error::ScheduleNameTaken { .. } => (S::CONFLICT, C::NameTaken),
                 Error::Backup(e) => backup(e),
                 Error::Export(e) => export(e),

@@ -9,8 +9,8 @@ use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use blockplane_api::model::{
     AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image,
-    ImageState, KeySlotAdded, ListImagesQuery, RemoveKeyRequest, ResizeImageRequest,
-    ResizeImageResponse,
+    ImageState, KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest,
+    ResizeImageRequest, ResizeImageResponse,
 };
 
 /// 201 for an image that is ready, 202 for one whose copy runs.
@@ -102,10 +102,14 @@ pub async fn list_images(
     State(m): State<AppState>,
     ApiQuery(q): ApiQuery<ListImagesQuery>,
 ) -> Result<Json<Vec<Image>>, ApiError> {
-    Ok(Json(match q.snapshot_of {
+    let mut images = match q.snapshot_of {
         Some(source) => m.images().snapshots_of(&source).await?,
         None => m.images().list().await?,
-    }))
+    };
+    if let Some(label) = &q.label {
+        images.retain(|i| blockplane_api::model::has_label(&i.labels, label));
+    }
+    Ok(Json(images))
 }
 
 /// Show one image.
@@ -122,6 +126,32 @@ pub async fn get_image(
     Path(id): Path<String>,
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(m.images().image(&id).await?))
+}
+
+/// Change an image's labels: each key given with a value is set, each
+/// given `null` removed, the others kept (a JSON merge patch of
+/// `labels`); all or nothing, an `image_labels_changed` event when they
+/// change. Labels name images for a backup schedule's `selector` and for
+/// `GET /v1/images?label=`.
+#[utoipa::path(
+    patch, path = "/v1/images/{id}", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    request_body = PatchImageRequest,
+    responses(
+        (status = 200, description = "The image, its labels changed", body = Image),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 422, description = "A key or value not spelled as a label's (`invalid_label`), or more than 32 labels after the patch (`too_many_labels`)", body = ErrorBody),
+    )
+)]
+pub async fn patch_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PatchImageRequest>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.patch_image(&id, &req).await }).await?,
+    ))
 }
 
 /// Forget an image (and optionally delete its file). An image whose copy

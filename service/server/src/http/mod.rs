@@ -108,14 +108,17 @@ fn object_schema<'a>(
 /// host's, refused when given.
 struct FabricRules;
 
+/// Adds `rules`, a list of schemas, as schema `name`'s `allOf`.
+fn add_all_of(openapi: &mut utoipa::openapi::OpenApi, name: &str, rules: serde_json::Value) {
+    object_schema(openapi, name)
+        .extensions
+        .get_or_insert_with(Default::default)
+        .insert("allOf".to_string(), rules);
+}
+
 impl Modify for FabricRules {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let mut add = |name: &str, rules: serde_json::Value| {
-            object_schema(openapi, name)
-                .extensions
-                .get_or_insert_with(Default::default)
-                .insert("allOf".to_string(), rules);
-        };
+        let mut add = |name: &str, rules| add_all_of(openapi, name, rules);
         add(
             "ExportRequest",
             serde_json::json!([
@@ -142,6 +145,57 @@ impl Modify for FabricRules {
         add(
             "PatchRemoteRequest",
             serde_json::json!([{"properties": {"dispatch": {"type": "null"}, "qos": {"type": "null"}}}]),
+        );
+    }
+}
+
+/// The rules of labels (`blockplane_api::model::labels`) where requests
+/// carry them: an image's at its create (at most 32), a patch's (a value,
+/// or `null` to remove), and a schedule's selector, which names its images
+/// instead of `image` (one of the two, and at least one label).
+struct LabelRules;
+
+impl Modify for LabelRules {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use blockplane_api::model::{LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MAX_LABELS};
+        let labels = |extra: serde_json::Value| {
+            let mut l = serde_json::json!({
+                "propertyNames": {"pattern": LABEL_KEY_PATTERN, "maxLength": 63},
+                "additionalProperties": {"pattern": LABEL_VALUE_PATTERN, "maxLength": 63},
+            });
+            l.as_object_mut()
+                .expect("an object")
+                .extend(extra.as_object().expect("an object").clone());
+            l
+        };
+        let mut add = |name: &str, rules| add_all_of(openapi, name, rules);
+        add(
+            "CreateImageRequest",
+            serde_json::json!([{"properties": {
+                "labels": labels(serde_json::json!({"maxProperties": MAX_LABELS})),
+            }}]),
+        );
+        add(
+            "PatchImageRequest",
+            serde_json::json!([{"properties": {"labels": labels(serde_json::json!({}))}}]),
+        );
+        add(
+            "CreateBackupScheduleRequest",
+            serde_json::json!([
+                {"properties": {
+                    "selector": labels(serde_json::json!({"maxProperties": MAX_LABELS})),
+                }},
+                {"anyOf": [
+                    {"required": ["image"], "properties": {
+                        "image": {"type": "string"},
+                        "selector": {"type": "null"},
+                    }},
+                    {"required": ["selector"], "properties": {
+                        "image": {"type": "null"},
+                        "selector": {"type": "object", "minProperties": 1},
+                    }},
+                ]},
+            ]),
         );
     }
 }
@@ -226,7 +280,11 @@ impl Modify for CrossFieldRules {
 fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(images::create_image, images::list_images))
-        .routes(routes!(images::get_image, images::delete_image))
+        .routes(routes!(
+            images::get_image,
+            images::patch_image,
+            images::delete_image
+        ))
         .routes(routes!(images::resize_image))
         .routes(routes!(images::allocate_image, images::cancel_allocate))
         .routes(routes!(images::snapshot_image))
@@ -293,6 +351,7 @@ fn split() -> (Router<AppState>, utoipa::openapi::OpenApi) {
     // After the routes: their schemas are in the document only now.
     CrossFieldRules.modify(&mut doc);
     FabricRules.modify(&mut doc);
+    LabelRules.modify(&mut doc);
     for (path, item) in doc.paths.paths.iter_mut() {
         for (writes, op) in [
             (false, &mut item.get),

@@ -31,6 +31,7 @@ use super::target::Backups;
 use super::undo::Undo;
 use crate::backend::VolumeBackend;
 use crate::store::{ImageRow, VolumeRow};
+use blockplane_api::model::Labels;
 use blockplane_api::model::{
     self, Backend, Backup, BackupGc, BackupState, BackupVerify, BadChunk, Image, ImageState,
 };
@@ -871,7 +872,7 @@ impl Backups {
         req: &model::PruneBackupsRequest,
     ) -> Result<model::BackupPrune> {
         use blockplane_backup::retention::{self, Decision, Rule};
-        let policy = retention_of(image, &req.retention)?;
+        let policy = retention_of(&format!("image '{image}'"), &req.retention)?;
         let target = self.backup_target("prune backups")?;
         let _one = self.state.prunes.lock().await;
         let backups: Vec<Backup> = self
@@ -980,6 +981,7 @@ impl Backups {
         backup: &str,
         name: &str,
         path: &str,
+        labels: Labels,
     ) -> Result<Image> {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
@@ -1019,7 +1021,10 @@ impl Backups {
                 free,
             });
         }
-        let row = restore_row(name, &path, &file, &m)?;
+        let row = ImageRow {
+            labels,
+            ..restore_row(name, &path, &file, &m)?
+        };
         let recorded = async {
             let mut tx = self.house().store.begin().await?;
             tx.insert_image(&row).await?;
@@ -1072,10 +1077,10 @@ impl Backups {
 
 /// Refuses a backup named `name` of `src` when `target` holds one already.
 /// The backup crate's policy for `r`, refused when a count is above
-/// [`model::MAX_KEEP`] or none is above 0 (it would delete every backup of
-/// `image`).
+/// [`model::MAX_KEEP`] or none is above 0 (it would delete every backup);
+/// `owner` (`image 'db'`) names whose policy it is in the refusal.
 pub(super) fn retention_of(
-    image: &str,
+    owner: &str,
     r: &model::RetentionPolicy,
 ) -> Result<blockplane_backup::retention::Retention> {
     for (field, n) in [
@@ -1088,7 +1093,7 @@ pub(super) fn retention_of(
         if n > model::MAX_KEEP {
             return Err(Error::InvalidField {
                 field,
-                reason: format!("{n} is above {} (image '{image}')", model::MAX_KEEP),
+                reason: format!("{n} is above {} ({owner})", model::MAX_KEEP),
             });
         }
     }
@@ -1100,7 +1105,7 @@ pub(super) fn retention_of(
         yearly: r.keep_yearly,
     };
     if policy.keeps_nothing() {
-        return Err(Error::RetentionKeepsNothing(image.to_string()));
+        return Err(Error::RetentionKeepsNothing(owner.to_string()));
     }
     Ok(policy)
 }

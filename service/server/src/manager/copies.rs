@@ -22,6 +22,7 @@ use super::undo::Undo;
 use super::volumes::volume_error;
 use crate::backend::{Attachment, Change, MomentCopy, SnapshotDest, VolumeBackend};
 use crate::store::{ImageRow, VolumeRow};
+use blockplane_api::model::Labels;
 use blockplane_api::model::{
     self, ActiveDispatch, Allocation, Backend, CopyMethod, CreateImageFile, DispatchPolicy, Image,
     ImageState,
@@ -577,10 +578,11 @@ impl Images {
         name: &str,
         path: &str,
         grow: Option<CreateImageFile>,
+        labels: Labels,
     ) -> Result<Image> {
         validate_name("image", name)?;
         let src = self.house.image_row(source).await?;
-        self.copy_image(src, name, path, false, grow).await
+        self.copy_image(src, name, path, false, grow, labels).await
     }
 
     /// Makes the new file (reflink, or empty for a copy, refused with 507
@@ -592,6 +594,7 @@ impl Images {
         path: &str,
         snapshot: bool,
         grow: Option<CreateImageFile>,
+        labels: Labels,
     ) -> Result<Image> {
         let path = self.house.roots.resolve(path)?;
         let _registering = self.house.claim_name(name).await?;
@@ -613,7 +616,10 @@ impl Images {
             if let Some(src_file) = &made.copy_from {
                 copy_has_room(&src, name, &attached, &made.file, src_file, grow)?;
             }
-            let row = copy_row(&src, name, &path, size, &made, snapshot, grow)?;
+            let row = ImageRow {
+                labels: labels.clone(),
+                ..copy_row(&src, name, &path, size, &made, snapshot, grow)?
+            };
             let (event, how) = copy_event(name, snapshot, &made);
             let kind = if snapshot {
                 "a read-only snapshot"
@@ -994,7 +1000,10 @@ impl Images {
             .parent()
             .unwrap_or(std::path::Path::new("/"));
         let path = dir.join(name).display().to_string();
-        self.copy_image(src, name, &path, true, None).await
+        // A snapshot starts without labels: a schedule's selector that
+        // names its source does not back the snapshot up too.
+        self.copy_image(src, name, &path, true, None, Labels::new())
+            .await
     }
 
     /// `GET /v1/images?snapshot_of=`: the snapshots of an image (by id or

@@ -129,7 +129,7 @@ pub enum Error {
     )]
     BackupNotDone { name: String, state: &'static str },
     #[error(
-        "a retention policy for image '{0}' with no keep_* count above 0 would delete every backup of it: give at least one (keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly)"
+        "a retention policy for {0} with no keep_* count above 0 would delete every backup of it: give at least one (keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly)"
     )]
     RetentionKeepsNothing(String),
     #[error(
@@ -142,6 +142,19 @@ pub enum Error {
     },
     #[error("backup schedule '{0}' not found")]
     ScheduleNotFound(String),
+    #[error(
+        "{owner}: label {part} '{text}' {problem} (keys [a-z0-9]([a-z0-9._/-]{{0,61}}[a-z0-9])?, values empty or [A-Za-z0-9]([A-Za-z0-9._-]{{0,61}}[A-Za-z0-9])?, at most 32)"
+    )]
+    InvalidLabel {
+        owner: String,
+        part: &'static str,
+        text: String,
+        problem: &'static str,
+    },
+    #[error(
+        "image '{image}': the patch would leave it {count} labels, more than 32; nothing was changed"
+    )]
+    TooManyLabels { image: String, count: usize },
     #[error("backup schedule name '{name}' is taken by schedule {id}")]
     ScheduleNameTaken { name: String, id: Uuid },
     #[error(transparent)]

@@ -22,8 +22,8 @@ use crate::backend::{Attachment, BackendError, VolumeBackend};
 use crate::store::{ImageRow, VolumeRow};
 use blockplane_api::model::{
     AllocateState, Allocation, CreateImageFile, CreateImageRequest, DeleteImageQuery, Image,
-    ImageAllocate, ImageEncryption, ImageState, ResizeImageResponse, RootCapacity, VolumeResize,
-    VolumeState, size_text,
+    ImageAllocate, ImageEncryption, ImageState, Labels, ResizeImageResponse, RootCapacity,
+    VolumeResize, VolumeState, size_text,
 };
 use blockplane_system::extent::Unwritten;
 use blockplane_system::image::{Access, ImageFile, ImagePath, Written};
@@ -35,18 +35,23 @@ impl Manager {
         self: &std::sync::Arc<Self>,
         req: CreateImageRequest,
     ) -> Result<Image> {
+        super::labels::check_labels(&format!("image '{}'", req.name), &req.labels)?;
         match Origin::of(&req)? {
             Origin::Restore { backup } => {
                 self.backups
-                    .restore_image(&backup, &req.name, &req.path)
+                    .restore_image(&backup, &req.name, &req.path, req.labels)
                     .await
             }
             Origin::Clone { source, grow } => {
                 self.images
-                    .clone_image(&source, &req.name, &req.path, grow)
+                    .clone_image(&source, &req.name, &req.path, grow, req.labels)
                     .await
             }
-            Origin::File(file) => self.images.add_image(&req.name, &req.path, file).await,
+            Origin::File(file) => {
+                self.images
+                    .add_image(&req.name, &req.path, file, req.labels)
+                    .await
+            }
         }
     }
 }
@@ -183,6 +188,7 @@ pub(super) fn new_file_row(name: &str, path: &ImagePath, file: &ImageFile) -> Re
         state: ImageState::Ready,
         state_reason: None,
         encryption: None,
+        labels: Labels::new(),
     })
 }
 
@@ -725,7 +731,13 @@ impl Images {
     /// Registers an existing file, or makes a new one, as image `name`: the
     /// name claimed, the file made or opened, its row and event written. A
     /// step that fails after the file was made leaves no file behind.
-    async fn add_image(&self, name: &str, path: &str, file: NewFile) -> Result<Image> {
+    async fn add_image(
+        &self,
+        name: &str,
+        path: &str,
+        file: NewFile,
+        labels: Labels,
+    ) -> Result<Image> {
         validate_name("image", name)?;
         let path = self.house.roots.resolve(path)?;
         let _registering = self.house.claim_name(name).await?;
@@ -743,7 +755,10 @@ impl Images {
                 Vec::new(),
             ),
         };
-        let row = made.row(name, &path)?;
+        let row = ImageRow {
+            labels,
+            ..made.row(name, &path)?
+        };
         self.house
             .record_new_image(&row, made.created.is_some(), made.reason.as_deref())
             .await?;
@@ -919,6 +934,7 @@ impl Images {
             volumes,
             allocate,
             encryption: row.encryption,
+            labels: row.labels,
             warnings: Vec::new(),
         })
     }

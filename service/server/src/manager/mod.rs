@@ -23,6 +23,7 @@ mod house;
 mod image_jobs;
 mod images;
 mod jobs;
+mod labels;
 mod locks;
 mod look;
 mod metrics;

@@ -315,6 +315,7 @@ impl Manager {
             clone_from: None,
             restore_from: None,
             allocation: None,
+            labels: Default::default(),
         })
         .await?;
         let created = self

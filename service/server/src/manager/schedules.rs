@@ -18,11 +18,12 @@ use uuid::Uuid;
 
 use super::backups::retention_of;
 use super::error::{Error, Result};
+use super::labels::check_labels;
 use super::target::Backups;
-use crate::store::ScheduleRow;
+use crate::store::{RunCounts, ScheduleRow, ScheduleTarget};
 use blockplane_api::model::{
     self, BackupSchedule, BackupState, CreateBackupScheduleRequest, PatchBackupScheduleRequest,
-    ScheduleRun, ScheduleRunResult,
+    ScheduleRun, ScheduleRunResult, selects,
 };
 
 /// The longest spread of a schedule's runs after its cron times.
@@ -113,6 +114,26 @@ fn backup_name(schedule: &str, at: OffsetDateTime) -> String {
     )
 }
 
+/// Keeps what a run's step came to as its message: the first failure's
+/// once there is one (the reason an operator needs), else the latest.
+fn note(row: &mut ScheduleRow, failed: bool, text: String) {
+    let first_failure = failed && row.run.failed == 1;
+    if first_failure || row.run.failed == 0 {
+        row.last_message = Some(text);
+    }
+}
+
+/// How a run whose backups came to `run` ended.
+fn run_result(run: RunCounts) -> ScheduleRunResult {
+    if run.failed > 0 {
+        ScheduleRunResult::Failed
+    } else if run.done > 0 {
+        ScheduleRunResult::Done
+    } else {
+        ScheduleRunResult::Skipped
+    }
+}
+
 /// Whether `name` is a schedule's name: `[a-z0-9][a-z0-9-]{0,39}`.
 fn valid_name(name: &str) -> bool {
     let b = name.as_bytes();
@@ -126,7 +147,14 @@ fn valid_name(name: &str) -> bool {
 impl Backups {
     /// A schedule's view, its image's name looked up.
     async fn schedule_view(&self, row: &ScheduleRow) -> Result<BackupSchedule> {
-        let image = self.house().store.image(&row.image_id.to_string()).await?;
+        let (image_id, selector) = match &row.target {
+            ScheduleTarget::Image(id) => (Some(*id), None),
+            ScheduleTarget::Selector(s) => (None, Some(s.clone())),
+        };
+        let image = match image_id {
+            Some(id) => self.house().store.image(&id.to_string()).await?,
+            None => None,
+        };
         let now = self.house().settings.clock.now();
         let period = Times::parse(&row.name, &row.cron, now)
             .map(|t| t.period(now))
@@ -134,8 +162,9 @@ impl Backups {
         Ok(BackupSchedule {
             id: row.id,
             name: row.name.clone(),
-            image_id: row.image_id,
+            image_id,
             image_name: image.map(|i| i.name),
+            selector,
             cron: row.cron.clone(),
             retention: row.retention,
             enabled: row.enabled,
@@ -147,6 +176,10 @@ impl Backups {
                 backup_id: row.last_backup_id,
                 result: row.last_result.unwrap_or(ScheduleRunResult::Failed),
                 message: row.last_message.clone(),
+                backups_done: row.run.done,
+                backups_failed: row.run.failed,
+                backups_skipped: row.run.skipped,
+                images_pending: row.pending.len() as u32,
             }),
             last_success_at: row.last_success_at,
             consecutive_failures: row.failures,
@@ -176,10 +209,36 @@ impl Backups {
                 ),
             });
         }
-        let image = self.house().image_row(&req.image).await?;
+        let (target, what) = match (&req.image, &req.selector) {
+            (Some(image), None) => {
+                let image = self.house().image_row(image).await?;
+                (
+                    ScheduleTarget::Image(image.id),
+                    format!("image '{}'", image.name),
+                )
+            }
+            (None, Some(selector)) if !selector.is_empty() => {
+                let owner = format!("backup schedule '{}'", req.name);
+                check_labels(&owner, selector)?;
+                let shown: Vec<String> = selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                (
+                    ScheduleTarget::Selector(selector.clone()),
+                    format!("the images labelled {}", shown.join(",")),
+                )
+            }
+            (image, _) => {
+                return Err(Error::InvalidField {
+                    field: if image.is_some() { "selector" } else { "image" },
+                    reason: format!(
+                        "backup schedule '{}' names its images by one of \"image\" or a non-empty \"selector\", not both or neither",
+                        req.name
+                    ),
+                });
+            }
+        };
         let times = Times::parse(&req.name, &req.cron, self.house().settings.clock.now())?;
         if let Some(r) = &req.retention {
-            retention_of(&image.name, r)?;
+            retention_of(&format!("backup schedule '{}' of {what}", req.name), r)?;
         }
         self.backup_target("schedule backups")?;
         let _one = self.state.schedules.lock().await;
@@ -195,7 +254,7 @@ impl Backups {
         let row = ScheduleRow {
             id,
             name: req.name.clone(),
-            image_id: image.id,
+            target,
             cron: req.cron.clone(),
             retention: req.retention,
             enabled: req.enabled,
@@ -208,16 +267,17 @@ impl Backups {
             last_success_at: None,
             failures: 0,
             created_at: now,
+            pending: Vec::new(),
+            run: RunCounts::default(),
         };
         let mut tx = self.house().store.begin().await?;
         tx.put_schedule(&row).await?;
         tx.event(
             None,
-            Some(image.id),
+            row.target.image(),
             "backup_schedule_created",
             &format!(
-                "image '{}': backup schedule '{}' made ({}), next run at {}",
-                image.name,
+                "{what}: backup schedule '{}' made ({}), next run at {}",
                 row.name,
                 row.cron,
                 crate::store::ts(row.next_run_at)
@@ -255,7 +315,7 @@ impl Backups {
         let cron = req.cron.clone().unwrap_or_else(|| row.cron.clone());
         let times = Times::parse(&row.name, &cron, self.house().settings.clock.now())?;
         if let Some(r) = &req.retention {
-            retention_of(&row.name, r)?;
+            retention_of(&format!("backup schedule '{}'", row.name), r)?;
         }
         let resumed = req.enabled == Some(true) && !row.enabled;
         if cron != row.cron || resumed {
@@ -272,7 +332,7 @@ impl Backups {
         tx.put_schedule(&row).await?;
         tx.event(
             None,
-            Some(row.image_id),
+            row.target.image(),
             "backup_schedule_changed",
             &format!(
                 "backup schedule '{}': {} ({}), next run at {}",
@@ -296,7 +356,7 @@ impl Backups {
         tx.delete_schedule(row.id).await?;
         tx.event(
             None,
-            Some(row.image_id),
+            row.target.image(),
             "backup_schedule_deleted",
             &format!("backup schedule '{}' deleted; its backups stay", row.name),
         )
@@ -324,44 +384,94 @@ impl Backups {
         Ok(())
     }
 
-    /// Starts schedule `row`'s run at `now`.
+    /// Starts schedule `row`'s run at `now`: its images listed (its one
+    /// image, or those its selector names now, by name), then the first
+    /// one's backup.
     async fn start_run(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
         let times = Times::parse(&row.name, &row.cron, now)?;
-        let name = backup_name(&row.name, now);
-        let (result, backup, message) =
-            match self.backup_image(&row.image_id.to_string(), &name).await {
-                Ok(b) => (ScheduleRunResult::Running, Some(b.id), None),
-                Err(e @ Error::BackupRunning { .. }) => {
-                    (ScheduleRunResult::Skipped, None, Some(e.to_string()))
-                }
-                Err(e) => (ScheduleRunResult::Failed, None, Some(e.to_string())),
-            };
+        row.pending = match &row.target {
+            ScheduleTarget::Image(id) => vec![*id],
+            ScheduleTarget::Selector(selector) => self
+                .house()
+                .store
+                .images()
+                .await?
+                .into_iter()
+                .filter(|i| selects(selector, &i.labels))
+                .map(|i| i.id)
+                .collect(),
+        };
+        row.run = RunCounts::default();
         row.last_run_at = Some(now);
-        row.last_backup_id = backup;
-        row.last_message = message;
+        // Running from its first record: a reader never sees this run's
+        // time with the last run's result.
+        row.last_result = Some(ScheduleRunResult::Running);
+        row.last_backup_id = None;
+        row.last_message = None;
         row.next_run_at = times.next_run(row.spread_secs, now)?;
-        self.end_run(row, result).await
+        let mut tx = self.house().store.begin().await?;
+        tx.put_schedule(&row).await?;
+        tx.event(
+            None,
+            row.target.image(),
+            "backup_schedule_started",
+            &format!(
+                "backup schedule '{}': a run of {} image(s) starts; next run at {}",
+                row.name,
+                row.pending.len(),
+                crate::store::ts(row.next_run_at)
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.next_backup(row, now).await
     }
 
-    /// Follows the backup of schedule `row`'s running run; at its end,
-    /// records it (and prunes after a backup done).
+    /// Starts the backup of the run's next image that has none running;
+    /// ends the run when none is left.
+    async fn next_backup(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
+        while !row.pending.is_empty() {
+            let image = row.pending.remove(0);
+            let name = backup_name(&row.name, now);
+            match self.backup_image(&image.to_string(), &name).await {
+                Ok(b) => {
+                    row.last_backup_id = Some(b.id);
+                    let mut tx = self.house().store.begin().await?;
+                    tx.put_schedule(&row).await?;
+                    tx.commit().await?;
+                    return Ok(());
+                }
+                Err(e @ Error::BackupRunning { .. }) => {
+                    row.run.skipped += 1;
+                    note(&mut row, false, e.to_string());
+                }
+                Err(e) => {
+                    row.run.failed += 1;
+                    note(&mut row, true, e.to_string());
+                }
+            }
+        }
+        self.end_run(row, now).await
+    }
+
+    /// Follows the backup of schedule `row`'s running run: at its end, the
+    /// image's prune, then the run's next image.
     async fn follow_run(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
         let Some(id) = row.last_backup_id else {
-            return self.end_run(row, ScheduleRunResult::Failed).await;
+            return self.next_backup(row, now).await;
         };
-        let result = match self.backup(&id.to_string()).await {
+        match self.backup(&id.to_string()).await {
             Ok(b) if b.state == BackupState::Running => return Ok(()),
             Ok(b) if b.state == BackupState::Done => {
-                row.last_success_at = Some(now);
-                row.failures = 0;
-                row.last_message = Some(match row.retention {
+                row.run.done += 1;
+                let text = match row.retention {
                     None => format!("backup '{}' done", b.name),
                     Some(retention) => {
                         let req = model::PruneBackupsRequest {
                             retention,
                             dry_run: false,
                         };
-                        match self.prune_backups(&row.image_id.to_string(), &req).await {
+                        match self.prune_backups(&b.image_id.to_string(), &req).await {
                             Ok(p) => format!(
                                 "backup '{}' done; the prune kept {} and deleted {}",
                                 b.name,
@@ -371,55 +481,81 @@ impl Backups {
                             Err(e) => format!("backup '{}' done; the prune failed: {e}", b.name),
                         }
                     }
-                });
-                ScheduleRunResult::Done
+                };
+                note(&mut row, false, text);
             }
             Ok(b) => {
-                row.last_message = Some(format!(
+                row.run.failed += 1;
+                let text = format!(
                     "backup '{}' {}: {}",
                     b.name,
                     b.state.as_str(),
                     b.error.as_deref().unwrap_or("no reason given")
-                ));
-                ScheduleRunResult::Failed
+                );
+                note(&mut row, true, text);
             }
             Err(Error::BackupNotFound(_)) => {
-                row.last_message = Some(format!(
-                    "backup {id} is gone: the service stopped before it was done, or it was deleted"
-                ));
-                ScheduleRunResult::Failed
+                row.run.failed += 1;
+                note(
+                    &mut row,
+                    true,
+                    format!(
+                        "backup {id} is gone: the service stopped before it was done, or it was deleted"
+                    ),
+                );
             }
             // The target cannot say now: the next look.
             Err(e) => return Err(e),
-        };
-        self.end_run(row, result).await
+        }
+        row.last_backup_id = None;
+        self.next_backup(row, now).await
     }
 
-    /// Records schedule `row`'s run as now at `result`, with the event
-    /// that result names; a failed run counts toward the failures in a row.
-    async fn end_run(&self, mut row: ScheduleRow, result: ScheduleRunResult) -> Result<()> {
+    /// Records schedule `row`'s run as ended, with the event its result
+    /// names: `failed` when one of its backups failed (counting toward the
+    /// failures in a row), `done` when one was done, else `skipped`.
+    async fn end_run(&self, mut row: ScheduleRow, now: OffsetDateTime) -> Result<()> {
+        let result = run_result(row.run);
         row.last_result = Some(result);
         let kind = match result {
             ScheduleRunResult::Failed => {
                 row.failures += 1;
                 "backup_schedule_failed"
             }
-            ScheduleRunResult::Skipped => "backup_schedule_skipped",
-            ScheduleRunResult::Running => "backup_schedule_started",
-            ScheduleRunResult::Done => "backup_schedule_done",
+            ScheduleRunResult::Done => {
+                row.failures = 0;
+                row.last_success_at = Some(now);
+                "backup_schedule_done"
+            }
+            ScheduleRunResult::Skipped | ScheduleRunResult::Running => "backup_schedule_skipped",
         };
+        let total = row.run.done + row.run.failed + row.run.skipped;
+        let what = match (&row.target, row.last_message.as_deref()) {
+            (ScheduleTarget::Selector(_), _) if total == 0 => {
+                "no image has its selector's labels".to_string()
+            }
+            (ScheduleTarget::Image(_), Some(m)) => m.to_string(),
+            (_, m) => format!(
+                "{} done, {} failed, {} skipped{}",
+                row.run.done,
+                row.run.failed,
+                row.run.skipped,
+                m.map(|m| format!("; {m}")).unwrap_or_default()
+            ),
+        };
+        row.last_message = Some(what);
         let message = format!(
             "backup schedule '{}': {}; next run at {}",
             row.name,
-            row.last_message.as_deref().unwrap_or("its backup runs"),
+            row.last_message.as_deref().unwrap_or_default(),
             crate::store::ts(row.next_run_at)
         );
-        if kind == "backup_schedule_failed" {
+        if result == ScheduleRunResult::Failed {
             tracing::warn!(schedule = %row.name, "{message}");
         }
         let mut tx = self.house().store.begin().await?;
         tx.put_schedule(&row).await?;
-        tx.event(None, Some(row.image_id), kind, &message).await?;
+        tx.event(None, row.target.image(), kind, &message).await?;
         tx.commit().await?;
         Ok(())
     }
