@@ -108,12 +108,20 @@ fn object_schema<'a>(
 /// host's, refused when given.
 struct FabricRules;
 
-/// Adds `rules`, a list of schemas, as schema `name`'s `allOf`.
+/// Adds `rules`, a list of schemas, to schema `name`'s `allOf`. Every
+/// rule of a schema goes there, under one key: the extensions are a hash
+/// map, so two keys would serialize in either order and the committed
+/// document would change from build to build.
 fn add_all_of(openapi: &mut utoipa::openapi::OpenApi, name: &str, rules: serde_json::Value) {
-    object_schema(openapi, name)
+    let serde_json::Value::Array(rules) = rules else {
+        panic!("{name}: rules are a list");
+    };
+    let all = object_schema(openapi, name)
         .extensions
         .get_or_insert_with(Default::default)
-        .insert("allOf".to_string(), rules);
+        .entry("allOf".to_string())
+        .or_insert_with(|| serde_json::json!([]));
+    all.as_array_mut().expect("allOf is a list").extend(rules);
 }
 
 impl Modify for FabricRules {
@@ -204,7 +212,6 @@ struct CrossFieldRules;
 
 impl Modify for CrossFieldRules {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let request = object_schema(openapi, "CreateImageRequest");
         let both = |other: &str, kind: &str| {
             serde_json::json!({
                 "required": ["allocation", other],
@@ -246,21 +253,19 @@ impl Modify for CrossFieldRules {
                 },
             })
         };
-        request
-            .extensions
-            .get_or_insert_with(Default::default)
-            .insert(
-                "not".to_string(),
-                serde_json::json!({"anyOf": [
-                    both("create", "object"),
-                    both("clone_from", "string"),
-                    both("restore_from", "string"),
-                    encrypted_clone,
-                    encrypted_too_small,
-                    restore_with("create", "object"),
-                    restore_with("clone_from", "string"),
-                ]}),
-            );
+        add_all_of(
+            openapi,
+            "CreateImageRequest",
+            serde_json::json!([{"not": {"anyOf": [
+                both("create", "object"),
+                both("clone_from", "string"),
+                both("restore_from", "string"),
+                encrypted_clone,
+                encrypted_too_small,
+                restore_with("create", "object"),
+                restore_with("clone_from", "string"),
+            ]}}]),
+        );
         // A retention policy keeps something: one keep_* count above 0.
         let keeps = [
             "keep_last",
