@@ -12,20 +12,33 @@ use super::error::{Error, Result};
 /// Checks `labels` of `owner` (`image 'db'`, `backup schedule 'nightly'`)
 /// against the rules of a label and their count.
 pub(super) fn check_labels(owner: &str, labels: &Labels) -> Result<()> {
+    if labels.len() > MAX_LABELS {
+        return Err(Error::InvalidLabel {
+            owner: owner.to_string(),
+            part: "set",
+            text: String::new(),
+            problem: "has more than 32 labels",
+        });
+    }
+    check_pairs(owner, labels.iter().map(|(k, v)| (k, Some(v))))
+}
+
+/// Checks each key, and each value given, of `owner`'s labels.
+fn check_pairs<'a>(
+    owner: &str,
+    pairs: impl IntoIterator<Item = (&'a String, Option<&'a String>)>,
+) -> Result<()> {
     let refuse = |part, text: &str, problem| Error::InvalidLabel {
         owner: owner.to_string(),
         part,
         text: text.to_string(),
         problem,
     };
-    if labels.len() > MAX_LABELS {
-        return Err(refuse("set", "", "has more than 32 labels"));
-    }
-    for (k, v) in labels {
+    for (k, v) in pairs {
         if let Some(p) = label_key_problem(k) {
             return Err(refuse("key", k, p));
         }
-        if let Some(p) = label_value_problem(v) {
+        if let Some((v, p)) = v.and_then(|v| Some((v, label_value_problem(v)?))) {
             return Err(refuse("value", v, p));
         }
     }
@@ -56,25 +69,10 @@ impl Manager {
     ) -> Result<Image> {
         let house = &self.house;
         let row = house.image_row(id_or_name).await?;
-        let owner = format!("image '{}'", row.name);
-        for (k, v) in &req.labels {
-            if let Some(p) = label_key_problem(k) {
-                return Err(Error::InvalidLabel {
-                    owner,
-                    part: "key",
-                    text: k.clone(),
-                    problem: p,
-                });
-            }
-            if let Some(p) = v.as_deref().and_then(label_value_problem) {
-                return Err(Error::InvalidLabel {
-                    owner,
-                    part: "value",
-                    text: v.clone().unwrap_or_default(),
-                    problem: p,
-                });
-            }
-        }
+        check_pairs(
+            &format!("image '{}'", row.name),
+            req.labels.iter().map(|(k, v)| (k, v.as_ref())),
+        )?;
         let _image = house.locks.images.lock(&row.id.to_string()).await;
         let row = house.image_row(&row.id.to_string()).await?;
         let labels = merged(row.labels.clone(), &req.labels);
