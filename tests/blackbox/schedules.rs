@@ -155,6 +155,13 @@ async fn ten_days_of_runs_keep_what_the_policy_says_and_a_stopped_service_runs_o
         let v = run_at(&s, "nightly", &at).await;
         assert_eq!(v["last_run"]["result"], "done", "{v}");
         assert_eq!(v["consecutive_failures"], 0, "{v}");
+        // The run names its backup once it has ended.
+        let last = backup_names(&s, "w").await;
+        let backup = s
+            .get(&format!("/v1/backups/{}", last.last().unwrap()))
+            .await
+            .body;
+        assert_eq!(v["last_run"]["backup_id"], backup["id"], "{v}");
         moments.push(std::fs::read(&path).unwrap());
     }
     // Daily 3: the 10th, 9th, 8th. Weekly 2: ISO week 11 (9th-15th) and

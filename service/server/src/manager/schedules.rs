@@ -507,7 +507,6 @@ impl Backups {
             // The target cannot say now: the next look.
             Err(e) => return Err(e),
         }
-        row.last_backup_id = None;
         self.next_backup(row, now).await
     }
 
