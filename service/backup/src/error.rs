@@ -118,6 +118,27 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A standby refuses to apply `next` onto the `held` backup it holds:
+    /// they are not two backups of one image, in order, cut alike.
+    #[error("standby holding backup {held}: backup {next} cannot be applied onto it: {reason}")]
+    StandbyMismatch {
+        /// The backup the standby file holds.
+        held: BackupRef,
+        /// The backup that was to be applied.
+        next: BackupRef,
+        /// Which rule it breaks.
+        reason: String,
+    },
+    /// Reading or writing a standby's journal failed, or the journal was
+    /// not the new, empty file an apply writes into.
+    #[error("standby journal: {action}: {source}")]
+    Journal {
+        /// What was being done, naming the backup where known.
+        action: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A running backup could not refresh its lease for so long that a
     /// garbage collection may take it for a crashed one; its chunks are no
     /// longer safe, so it stops without a manifest.

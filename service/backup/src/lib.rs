@@ -113,6 +113,17 @@
 //! manifest, since a gc may treat its lease as stale after [`LEASE_STALE`].
 //! A service at its start deletes the leases it owns
 //! ([`release_leases`]): it runs no backup then, so they are a crash's.
+//!
+//! # Standby images
+//!
+//! A standby is a file holding one backup's bytes, kept current by
+//! [`standby::apply`]ing each newer backup of the same image onto it in
+//! place: only the chunks that differ ([`standby::Delta`]) are fetched,
+//! into a redo journal first, and the file is touched only once that
+//! journal is complete and synced. After a crash, [`standby::recover`]
+//! replays a complete journal or discards an incomplete one, so the file
+//! holds one backup or the other, never a mix. The method, the journal's
+//! format and its cost are in [`standby`].
 
 mod backup;
 mod config;
@@ -122,6 +133,7 @@ mod lease;
 mod manifest;
 mod restore;
 pub mod retention;
+pub mod standby;
 mod target;
 mod terms;
 

@@ -11,7 +11,7 @@ use blockplane_system::image::AllocateJob;
 use bytes::Bytes;
 use tokio::task::JoinHandle;
 
-use crate::error::{Error, Result, joined};
+use crate::error::{BackupRef, Error, Result, joined};
 use crate::manifest::{ChunkRef, Manifest};
 use crate::target::Target;
 
@@ -79,24 +79,7 @@ pub async fn restore(
         if job.cancel.load(Relaxed) {
             return Ok(false);
         }
-        let data = match fetch.next().await? {
-            Fetched::Intact(data) => data,
-            Fetched::Missing => {
-                return Err(Error::ChunkMissing {
-                    backup: bref,
-                    index: chunk.index,
-                    hash: chunk.hash.clone(),
-                });
-            }
-            Fetched::Corrupt(found) => {
-                return Err(Error::ChunkCorrupt {
-                    backup: bref,
-                    index: chunk.index,
-                    hash: chunk.hash.clone(),
-                    found,
-                });
-            }
-        };
+        let data = fetch.next().await?.intact(&bref, chunk)?;
         let offset = manifest.offset(chunk);
         let f = Arc::clone(&file);
         joined(tokio::task::spawn_blocking(move || f.write_all_at(&data, offset)).await).map_err(
@@ -165,17 +148,39 @@ fn prepare(file: &File, size: u64) -> std::io::Result<()> {
     file.set_len(size)
 }
 
-enum Fetched {
+/// A chunk as the target gave it.
+pub(crate) enum Fetched {
     Intact(Bytes),
     Missing,
     /// The hash of the bytes found (and their length when it is wrong).
     Corrupt(String),
 }
 
+impl Fetched {
+    /// The bytes of `chunk` of `backup`; a chunk missing or corrupt is the
+    /// error that names it.
+    pub(crate) fn intact(self, backup: &BackupRef, chunk: &ChunkRef) -> Result<Bytes> {
+        match self {
+            Fetched::Intact(data) => Ok(data),
+            Fetched::Missing => Err(Error::ChunkMissing {
+                backup: backup.clone(),
+                index: chunk.index,
+                hash: chunk.hash.clone(),
+            }),
+            Fetched::Corrupt(found) => Err(Error::ChunkCorrupt {
+                backup: backup.clone(),
+                index: chunk.index,
+                hash: chunk.hash.clone(),
+                found,
+            }),
+        }
+    }
+}
+
 /// Fetches and checks chunks in order, [`FETCH_CONCURRENCY`] ahead. Each
 /// fetch is its own task, so they go on while the caller writes; dropping
 /// the prefetch stops them.
-struct Prefetch<'a> {
+pub(crate) struct Prefetch<'a> {
     target: &'a Target,
     chunks: &'a [ChunkRef],
     next: usize,
@@ -183,7 +188,7 @@ struct Prefetch<'a> {
 }
 
 impl<'a> Prefetch<'a> {
-    fn new(target: &'a Target, chunks: &'a [ChunkRef]) -> Self {
+    pub(crate) fn new(target: &'a Target, chunks: &'a [ChunkRef]) -> Self {
         Prefetch {
             target,
             chunks,
@@ -192,7 +197,8 @@ impl<'a> Prefetch<'a> {
         }
     }
 
-    async fn next(&mut self) -> Result<Fetched> {
+    /// The next chunk's fetch; called once per chunk, in order.
+    pub(crate) async fn next(&mut self) -> Result<Fetched> {
         while self.pending.len() < FETCH_CONCURRENCY && self.next < self.chunks.len() {
             let chunk = self.chunks[self.next].clone();
             self.next += 1;

@@ -17,6 +17,7 @@ use uuid::Uuid;
 use crate::config::parse_with_env;
 use crate::*;
 
+mod standby;
 mod trust;
 
 const C: u64 = CHUNK_SIZE;
