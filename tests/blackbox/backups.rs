@@ -761,7 +761,7 @@ async fn without_a_target_backups_are_refused_naming_the_flag() {
 }
 
 /// The test S3 server as a backup target of a service.
-trait S3Service {
+pub(crate) trait S3Service {
     /// A service whose target is `prefix` of the bucket, with `secret` as
     /// its secret key, and `extra` arguments and `env`.
     async fn service(

@@ -30,5 +30,6 @@ mod schedules;
 mod schema;
 mod snapshots;
 mod soak;
+mod standbys;
 mod versions;
 mod volumes;

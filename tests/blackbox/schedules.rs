@@ -20,30 +20,30 @@ const MIB: u64 = 1 << 20;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// The service's clock: a file holding an RFC 3339 time.
-struct Clock(tempfile::NamedTempFile);
+pub(crate) struct Clock(tempfile::NamedTempFile);
 
 impl Clock {
-    fn at(t: &str) -> Self {
+    pub(crate) fn at(t: &str) -> Self {
         let c = Self(tempfile::NamedTempFile::new().unwrap());
         c.set(t);
         c
     }
 
-    fn set(&self, t: &str) {
+    pub(crate) fn set(&self, t: &str) {
         // Written whole and renamed over: the service never reads half a time.
         let tmp = self.0.path().with_extension("new");
         std::fs::write(&tmp, t).unwrap();
         std::fs::rename(&tmp, self.0.path()).unwrap();
     }
 
-    fn path(&self) -> &str {
+    pub(crate) fn path(&self) -> &str {
         self.0.path().to_str().unwrap()
     }
 }
 
 /// Waits until schedule `name`'s last run started at `at` and ended; its
 /// view.
-async fn run_at(s: &Service, name: &str, at: &str) -> Value {
+pub(crate) async fn run_at(s: &Service, name: &str, at: &str) -> Value {
     let mut last = Value::Null;
     eventually(WAIT, &format!("{name}'s run at {at}"), async || {
         last = s.get(&format!("/v1/backup-schedules/{name}")).await.body;

@@ -6,9 +6,9 @@ use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
-    AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image,
-    KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest, ResizeImageRequest,
-    ResizeImageResponse,
+    ActivateImageRequest, ActivatedImage, AddKeyRequest, CreateImageRequest, CreateSnapshotRequest,
+    DeleteImageQuery, Image, KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest,
+    ResizeImageRequest, ResizeImageResponse,
 };
 
 fn image_path(image: &str) -> String {
@@ -79,6 +79,23 @@ impl Client {
     pub async fn allocate_image(&self, image: &str) -> Result<Image, Error> {
         let path = format!("{}/allocate", image_path(image));
         self.call(Method::POST, &path, None).await
+    }
+
+    /// `POST /v1/images/{id}/standby/check`: lists the backup target for
+    /// a standby's newer backups now, starting an apply of the newest.
+    pub async fn check_standby(&self, image: &str) -> Result<Image, Error> {
+        let path = format!("{}/standby/check", image_path(image));
+        self.call(Method::POST, &path, None).await
+    }
+
+    /// `POST /v1/images/{id}/activate`: a standby becomes an ordinary image.
+    pub async fn activate_image(
+        &self,
+        image: &str,
+        req: &ActivateImageRequest,
+    ) -> Result<ActivatedImage, Error> {
+        let path = format!("{}/activate", image_path(image));
+        self.send(Method::POST, &path, req).await
     }
 
     /// `DELETE /v1/images/{id}/allocate`: stops the image's running allocate.

@@ -513,6 +513,7 @@ impl ControllerService {
                 }),
                 clone_from: src.map(|s| s.name.clone()),
                 restore_from: None,
+                standby_of: None,
                 allocation: None,
                 labels: Default::default(),
             })

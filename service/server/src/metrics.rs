@@ -145,6 +145,9 @@ pub struct BackupSample {
     pub ages: Vec<(String, f64)>,
     /// The backup schedules.
     pub schedules: Vec<ScheduleSample>,
+    /// Each standby image holding a backup: its name, seconds since the
+    /// moment that backup is of, and bytes behind its source's newest.
+    pub standbys: Vec<(String, f64, u64)>,
     /// Bytes this service's backups put on the target.
     pub uploaded_bytes: u64,
     /// Bytes of chunks they found on the target already.
@@ -513,6 +516,26 @@ impl Collector for Snapshot {
             )?;
             for (image, age) in &b.ages {
                 ConstGauge::new(*age)
+                    .encode(family.encode_family(&[("image", image.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "blockplane_standby_lag_seconds",
+                "Seconds since the moment of the backup a standby image holds: the data an activation now would lose",
+                None,
+                G,
+            )?;
+            for (image, lag, _) in &b.standbys {
+                ConstGauge::new(*lag)
+                    .encode(family.encode_family(&[("image", image.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "blockplane_standby_behind_bytes",
+                "Bytes of chunks the newest backup of a standby image's source has and the backup it holds lacks, at its last check",
+                None,
+                G,
+            )?;
+            for (image, _, behind) in &b.standbys {
+                ConstGauge::new(*behind as i64)
                     .encode(family.encode_family(&[("image", image.as_str())])?)?;
             }
             let mut family = enc.encode_descriptor(

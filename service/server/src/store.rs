@@ -36,6 +36,7 @@ use blockplane_api::model::{
     Allocation, Backend, CopyMethod, CreateVolumeRequest, DispatchPolicy, Event, ImageEncryption,
     ImageState, Labels, Qos, VolumeState,
 };
+use blockplane_backup::Manifest;
 
 mod fabric;
 mod schedules;
@@ -204,6 +205,9 @@ pub struct ImageRow {
     pub encryption: Option<ImageEncryption>,
     /// Its labels.
     pub labels: Labels,
+    /// The image whose backups it follows, while it is a standby (the
+    /// source's id, as the target's manifests name it).
+    pub standby_of: Option<Uuid>,
 }
 
 impl ImageRow {
@@ -238,6 +242,7 @@ impl ImageRow {
                 .map(|e| from_json("image encryption", &e))
                 .transpose()?,
             labels: from_json("image labels", r.try_get("labels")?)?,
+            standby_of: opt_uuid("standby_of", r.try_get("standby_of")?)?,
         })
     }
 }
@@ -590,6 +595,16 @@ impl Store {
         query::image(&self.readers, id_or_name).await
     }
 
+    /// The manifest of the backup standby image `id` holds, once it holds one.
+    pub async fn standby_held(&self, id: Uuid) -> Result<Option<Manifest>> {
+        sqlx::query("SELECT manifest FROM standby_held WHERE image_id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&self.readers)
+            .await?
+            .map(|r| from_json("a standby's manifest", &r.try_get::<String, _>("manifest")?))
+            .transpose()
+    }
+
     /// All volumes, by name.
     pub async fn volumes(&self) -> Result<Vec<VolumeRow>> {
         let generation = self.generation();
@@ -810,8 +825,8 @@ impl WriteTx {
             "INSERT INTO images (id, name, path, dev, ino, birth, size_bytes, allocated_bytes,
                                  allocation, filesystem, created_at, updated_at,
                                  snapshot_of, cloned_from, read_only, method, state,
-                                 state_reason, encryption, restored_from, labels)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 state_reason, encryption, restored_from, labels, standby_of)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(i.id.to_string())
         .bind(&i.name)
@@ -834,9 +849,48 @@ impl WriteTx {
         .bind(i.encryption.as_ref().map(json))
         .bind(i.restored_from.map(|u| u.to_string()))
         .bind(json(&i.labels))
+        .bind(i.standby_of.map(|u| u.to_string()))
         .execute(self.conn())
         .await?;
         self.wrote_rows = true;
+        Ok(())
+    }
+
+    /// Records the backup a standby image holds now: its id (as the
+    /// image's `restored_from`) and its manifest, the next apply's base.
+    pub async fn set_standby_held(&mut self, id: Uuid, held: &Manifest) -> Result<()> {
+        sqlx::query(
+            "UPDATE images SET restored_from = ?, size_bytes = ?, updated_at = ? WHERE id = ?",
+        )
+        .bind(held.id.to_string())
+        .bind(held.image.size_bytes as i64)
+        .bind(ts(OffsetDateTime::now_utc()))
+        .bind(id.to_string())
+        .execute(self.conn())
+        .await?;
+        sqlx::query(
+            "INSERT INTO standby_held (image_id, manifest) VALUES (?, ?)
+             ON CONFLICT (image_id) DO UPDATE SET manifest = excluded.manifest",
+        )
+        .bind(id.to_string())
+        .bind(json(held))
+        .execute(self.conn())
+        .await?;
+        Ok(())
+    }
+
+    /// Makes a standby image an ordinary one: it follows no source and
+    /// keeps no manifest (its `restored_from` still names what it holds).
+    pub async fn end_standby(&mut self, id: Uuid) -> Result<()> {
+        sqlx::query("UPDATE images SET standby_of = NULL, updated_at = ? WHERE id = ?")
+            .bind(ts(OffsetDateTime::now_utc()))
+            .bind(id.to_string())
+            .execute(self.conn())
+            .await?;
+        sqlx::query("DELETE FROM standby_held WHERE image_id = ?")
+            .bind(id.to_string())
+            .execute(self.conn())
+            .await?;
         Ok(())
     }
 
@@ -1126,6 +1180,7 @@ pub(crate) mod tests {
             state_reason: None,
             encryption: None,
             labels: Labels::new(),
+            standby_of: None,
         }
     }
 

@@ -190,6 +190,15 @@ error_codes! {
     BackupRunning = "backup_running",
     /// 409: the backup has no manifest (running, failed or cancelled).
     BackupNotDone = "backup_not_done",
+    /// 409: the image is a standby of another image's backups: it takes no
+    /// volume and no change until it is activated.
+    ImageIsStandby = "image_is_standby",
+    /// 409: the image is not a standby, so it has nothing to activate or
+    /// check.
+    NotAStandby = "not_a_standby",
+    /// 409: an apply of a newer backup runs on the standby (activate with
+    /// `force` to stop it).
+    StandbyApplying = "standby_applying",
     /// 422: a retention policy that keeps nothing (every `keep_*` is 0).
     RetentionKeepsNothing = "retention_keeps_nothing",
     /// 422: a backup schedule's cron expression is not one, or matches no

@@ -82,6 +82,17 @@ pub struct CreateImageRequest {
     /// `allocation` (422 `invalid_field`).
     #[serde(default)]
     pub restore_from: Option<String>,
+    /// Make a standby of this image's backups (its id or name, as the
+    /// backups on the service's backup target name it; usually another
+    /// host's image): the file is made from its newest backup as
+    /// `restore_from` does (202, `copying`), then follows each newer one,
+    /// fetching only the chunks that changed (`standby` in the answer says
+    /// which backup it holds and how far behind it is). It takes no volume,
+    /// backup, snapshot, clone, grow or allocate (409 `image_is_standby`)
+    /// until `POST /v1/images/{id}/activate`. Not with `create`,
+    /// `clone_from`, `restore_from` or `allocation` (422 `invalid_field`).
+    #[serde(default)]
+    pub standby_of: Option<String>,
     /// Registering only (neither `create` nor `clone_from`; 422
     /// `invalid_field` with either): the allocation to record instead of
     /// the one FIEMAP finds. `full` is checked against the file: a hole or
@@ -297,11 +308,80 @@ pub struct Image {
     /// Its labels, by key.
     #[serde(default)]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// While it is a standby of another image's backups: what it holds and
+    /// how far behind it is; `null` for an ordinary image.
+    #[serde(default)]
+    pub standby: Option<ImageStandby>,
     /// What the create or grow that answered this should make you check,
     /// e.g. a sparse image larger than its root's free space (empty
     /// otherwise).
     #[serde(default)]
     pub warnings: Vec<String>,
+}
+
+/// A standby image: the backup of its source it holds (complete, never a
+/// mix of two), the newest one the target has, and its apply.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImageStandby {
+    /// The id of the image whose backups it follows.
+    pub source_image_id: Uuid,
+    /// That image's name, as its newest backup names it.
+    pub source_image_name: String,
+    /// The backup it holds (`null` until its first copy is done).
+    pub backup_id: Option<Uuid>,
+    /// That backup's name.
+    pub backup_name: Option<String>,
+    /// The moment that backup's data is of.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub backup_created_at: Option<OffsetDateTime>,
+    /// Seconds since that moment: the data it would lose if activated now.
+    pub lag_seconds: Option<f64>,
+    /// The newest backup of the source on the target at the last check.
+    pub newest_backup_id: Option<Uuid>,
+    /// Bytes of chunks that newest backup has and the one held lacks:
+    /// what the next apply fetches (0 when it holds the newest).
+    pub behind_bytes: u64,
+    /// Whether an apply runs now (`copied_bytes` of `copy_total_bytes`).
+    pub applying: bool,
+    /// When the target was last listed for newer backups.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
+    pub checked_at: Option<OffsetDateTime>,
+    /// Why the last check or apply failed (`null` when it did not); it
+    /// still holds its backup whole.
+    pub error: Option<String>,
+}
+
+/// `POST /v1/images/{id}/activate`: a standby becomes an ordinary image.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ActivateImageRequest {
+    /// Stop an apply that runs (its journal dropped: the image keeps the
+    /// backup it held) instead of refusing with 409 `standby_applying`.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The answer to an activation: the image, and the backup whose bytes it
+/// holds.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ActivatedImage {
+    /// The image, ordinary now.
+    pub image: Image,
+    /// The backup it holds.
+    pub backup_id: Uuid,
+    /// That backup's name.
+    pub backup_name: String,
+    /// The moment its data is of.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    pub backup_created_at: OffsetDateTime,
+    /// Whether an apply was stopped for it (`force`).
+    pub stopped_apply: bool,
 }
 
 /// An image's allocate (`POST /v1/images/{id}/allocate`), running or ended.

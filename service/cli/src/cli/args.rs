@@ -399,6 +399,38 @@ pub enum ImageCmd {
         #[arg(long)]
         no_wait: bool,
     },
+    /// Make image NAME at PATH a standby of image SOURCE's backups (its
+    /// id or name, as `backup ls` shows it; usually another host's): its
+    /// newest backup restored, then each newer one applied as it appears
+    /// (only changed chunks fetched; the file holds one whole backup
+    /// throughout). It takes no volume until `image activate`.
+    Standby {
+        /// The new image's name.
+        name: String,
+        /// Its file (must not exist), under one of the service's image roots.
+        path: String,
+        /// The image whose backups it follows.
+        #[arg(long = "of", value_name = "SOURCE")]
+        source: String,
+        /// Answer once started (follow it with `image show`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Check a standby's source for newer backups now, starting an apply
+    /// of the newest (the service checks every minute on its own).
+    StandbyCheck {
+        /// Image id or name.
+        image: String,
+    },
+    /// Activate a standby: an ordinary image from now on, holding the
+    /// backup it holds now (printed), which volumes may use.
+    Activate {
+        /// Image id or name.
+        image: String,
+        /// Stop an apply that runs instead of refusing.
+        #[arg(long)]
+        force: bool,
+    },
     /// Forget an image.
     #[command(visible_alias = "delete")]
     Rm {

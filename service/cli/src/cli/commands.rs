@@ -6,12 +6,12 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use blockplane_api::model::{
-    AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest, CreateEncryption,
-    CreateImageFile, CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest,
-    CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery, DeleteImageQuery, DrainRequest,
-    EventQuery, ExportRequest, Image, ListImagesQuery, PatchDrainRequest, PatchImageRequest,
-    PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest,
-    StartMoveRequest,
+    ActivateImageRequest, AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest,
+    CreateEncryption, CreateImageFile, CreateImageRequest, CreateRemoteRequest,
+    CreateSnapshotRequest, CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery,
+    DeleteImageQuery, DrainRequest, EventQuery, ExportRequest, Image, ListImagesQuery,
+    PatchDrainRequest, PatchImageRequest, PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest,
+    RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
@@ -175,6 +175,38 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             from,
             no_wait,
         } => image_restore(client, name, path, from, *no_wait).await,
+        ImageCmd::Standby {
+            name,
+            path,
+            source,
+            no_wait,
+        } => {
+            let req = CreateImageRequest {
+                standby_of: Some(source.clone()),
+                ..image_request(name, path)
+            };
+            let started = client.create_image(&req).await.map_err(api)?;
+            copied(client, name, started, *no_wait).await
+        }
+        ImageCmd::StandbyCheck { image } => {
+            Ok(View::Image(client.check_standby(image).await.map_err(api)?))
+        }
+        ImageCmd::Activate { image, force } => {
+            let req = ActivateImageRequest { force: *force };
+            let done = client.activate_image(image, &req).await.map_err(api)?;
+            eprintln!(
+                "activated: holds backup '{}' ({}) taken at {}{}",
+                done.backup_name,
+                done.backup_id,
+                done.backup_created_at,
+                if done.stopped_apply {
+                    "; the apply that ran was stopped"
+                } else {
+                    ""
+                }
+            );
+            Ok(View::Image(done.image))
+        }
         ImageCmd::Rm {
             image,
             delete_file,
@@ -192,6 +224,7 @@ fn image_request(name: &str, path: &str) -> CreateImageRequest {
         create: None,
         clone_from: None,
         restore_from: None,
+        standby_of: None,
         allocation: None,
         labels: Default::default(),
     }
@@ -390,6 +423,7 @@ async fn image_restore(
 ) -> Result<View, ExitCode> {
     let req = CreateImageRequest {
         restore_from: Some(from.into()),
+        standby_of: None,
         ..image_request(name, path)
     };
     let started = client.create_image(&req).await.map_err(|e| fail(&e))?;

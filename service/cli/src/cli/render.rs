@@ -5,8 +5,8 @@ use std::fmt::Display;
 
 use blockplane_api::model::{
     Backup, BackupGc, BackupPrune, BackupSchedule, BackupVerify, Capability, ColdExport, Drain,
-    Event, Export, Host, Image, Move, MoveState, Remote, ResizeImageResponse, SupervisionState,
-    Volume, VolumeStats, human_size,
+    Event, Export, Host, Image, ImageStandby, Move, MoveState, Remote, ResizeImageResponse,
+    SupervisionState, Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -290,6 +290,10 @@ fn image(i: &Image, names: &Names) -> String {
         ("cloned from", dash(i.cloned_from)),
         ("method", dash(i.method.map(|m| m.as_str()))),
         (
+            "standby of",
+            i.standby.as_ref().map_or_else(|| "-".into(), standby),
+        ),
+        (
             "encryption",
             match &i.encryption {
                 None => "-".into(),
@@ -403,6 +407,27 @@ fn verify(v: &BackupVerify) -> String {
         }
     }
     out
+}
+
+/// A standby's line: what it follows and holds, and how far behind it is.
+fn standby(s: &ImageStandby) -> String {
+    let held = match (&s.backup_name, s.backup_id, s.lag_seconds) {
+        (Some(name), Some(id), Some(lag)) => {
+            format!("holds backup '{name}' ({id}), {lag:.0} s old")
+        }
+        _ => "holds no backup yet".into(),
+    };
+    let mut line = format!(
+        "image '{}' ({}); {held}; {} behind{}",
+        s.source_image_name,
+        s.source_image_id,
+        human_size(s.behind_bytes),
+        if s.applying { "; applying" } else { "" }
+    );
+    if let Some(e) = &s.error {
+        line.push_str(&format!("; last error: {e}"));
+    }
+    line
 }
 
 fn images(l: &[Image]) -> String {

@@ -59,12 +59,15 @@ fn backup(e: &blockplane_backup::Error) -> (StatusCode, ErrorCode) {
         E::ManifestCorrupt { .. }
         | E::ChunkMissing { .. }
         | E::ChunkCorrupt { .. }
+        | E::StandbyMismatch { .. }
         | E::GcRefused { .. } => (StatusCode::BAD_GATEWAY, ErrorCode::BackupCorrupt),
         E::Unreachable { .. } | E::Target { .. } | E::Hung { .. } | E::LeaseLost { .. } => (
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::BackupTargetUnavailable,
         ),
-        E::Config(_) | E::Image { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::IoError),
+        E::Config(_) | E::Image { .. } | E::Journal { .. } => {
+            (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::IoError)
+        }
     }
 }
 
@@ -194,7 +197,13 @@ impl ApiError {
                 Error::NoBackupTarget(_) => (S::CONFLICT, C::NoBackupTarget),
                 Error::BackupRunning { .. } => (S::CONFLICT, C::BackupRunning),
                 Error::BackupNameTaken { .. } => (S::CONFLICT, C::NameTaken),
-                Error::BackupNotFound(_) => (S::NOT_FOUND, C::BackupNotFound),
+                Error::BackupNotFound(_) | Error::StandbySourceNotFound { .. } => {
+                    (S::NOT_FOUND, C::BackupNotFound)
+                }
+                Error::StandbySourceAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
+                Error::ImageIsStandby { .. } => (S::CONFLICT, C::ImageIsStandby),
+                Error::NotAStandby(_) => (S::CONFLICT, C::NotAStandby),
+                Error::StandbyApplying { .. } => (S::CONFLICT, C::StandbyApplying),
                 Error::BackupAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
                 Error::BackupNotDone { .. } => (S::CONFLICT, C::BackupNotDone),
                 Error::RetentionKeepsNothing(_) => {

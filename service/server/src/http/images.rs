@@ -8,9 +8,9 @@ use super::error::ApiError;
 use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use blockplane_api::model::{
-    AddKeyRequest, CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image,
-    ImageState, KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest,
-    ResizeImageRequest, ResizeImageResponse,
+    ActivateImageRequest, ActivatedImage, AddKeyRequest, CreateImageRequest, CreateSnapshotRequest,
+    DeleteImageQuery, ErrorBody, Image, ImageState, KeySlotAdded, ListImagesQuery,
+    PatchImageRequest, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
 };
 
 /// 201 for an image that is ready, 202 for one whose copy runs.
@@ -234,6 +234,59 @@ pub async fn allocate_image(
 ) -> Result<(StatusCode, Json<Image>), ApiError> {
     let image = detached(async move { m.images().allocate_image(&id).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(image)))
+}
+
+/// Check a standby image's source for newer backups now (the follower
+/// checks every minute on its own): lists the backup target, records the
+/// newest backup and the bytes the standby is behind it, and starts an
+/// apply of it in the background when it is newer than the one held
+/// (`standby.applying`, then the events `standby_applied`,
+/// `standby_apply_failed` or `standby_apply_stopped`). An apply journals
+/// the changed chunks first, then writes them in place: the image holds
+/// one whole backup throughout, never a mix of two.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/standby/check", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    responses(
+        (status = 200, description = "Checked: the image, its `standby` as found", body = Image),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "Not a standby (`not_a_standby`), its first copy runs or failed (`image_not_ready`), or the service has no backup target (`no_backup_target`)", body = ErrorBody),
+        (status = 503, description = "The backup target cannot be reached (`backup_target_unavailable`)", body = ErrorBody),
+    )
+)]
+pub async fn check_standby(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Image>, ApiError> {
+    Ok(Json(
+        detached(async move { m.backups().check_standby(&id).await }).await?,
+    ))
+}
+
+/// Activate a standby image: it stops following its source's backups and
+/// becomes an ordinary image holding the backup it holds now (named in the
+/// answer), which volumes may use at once; event `image_standby_activated`.
+/// Refused while an apply runs (`standby_applying`) unless `force`, which
+/// stops it: an apply still journalling leaves the file as it was; one
+/// already writing in place finishes first, and the newer backup is held.
+#[utoipa::path(
+    post, path = "/v1/images/{id}/activate", tag = "images",
+    params(("id" = String, Path, description = "Image id or name")),
+    request_body = ActivateImageRequest,
+    responses(
+        (status = 200, description = "Activated: the image and the backup it holds", body = ActivatedImage),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "Not a standby (`not_a_standby`), its first copy runs or failed (`image_not_ready`), or an apply runs and `force` was not given (`standby_applying`)", body = ErrorBody),
+    )
+)]
+pub async fn activate_image(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ActivateImageRequest>,
+) -> Result<Json<ActivatedImage>, ApiError> {
+    Ok(Json(
+        detached(async move { m.backups().activate_image(&id, req).await }).await?,
+    ))
 }
 
 /// Stop an image's running allocate after its current 16 MiB stretch.

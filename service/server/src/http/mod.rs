@@ -243,16 +243,19 @@ impl Modify for CrossFieldRules {
                 ),
             },
         });
-        // A restore makes its file from the backup alone.
-        let restore_with = |other: &str, kind: &str| {
+        // A restore makes its file from the backup alone, and a standby
+        // from its source's newest backup alone.
+        let with = |from: &str, other: &str, kind: &str| {
             serde_json::json!({
-                "required": ["restore_from", other],
+                "required": [from, other],
                 "properties": {
-                    "restore_from": {"type": "string"},
+                    from: {"type": "string"},
                     other: {"type": kind},
                 },
             })
         };
+        let restore_with = |other: &str, kind: &str| with("restore_from", other, kind);
+        let standby_with = |other: &str, kind: &str| with("standby_of", other, kind);
         add_all_of(
             openapi,
             "CreateImageRequest",
@@ -264,6 +267,10 @@ impl Modify for CrossFieldRules {
                 encrypted_too_small,
                 restore_with("create", "object"),
                 restore_with("clone_from", "string"),
+                standby_with("create", "object"),
+                standby_with("clone_from", "string"),
+                standby_with("restore_from", "string"),
+                standby_with("allocation", "string"),
             ]}}]),
         );
         // A retention policy keeps something: one keep_* count above 0.
@@ -292,6 +299,8 @@ fn routes() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(images::resize_image))
         .routes(routes!(images::allocate_image, images::cancel_allocate))
+        .routes(routes!(images::check_standby))
+        .routes(routes!(images::activate_image))
         .routes(routes!(images::snapshot_image))
         .routes(routes!(images::add_image_key))
         .routes(routes!(images::remove_image_key))

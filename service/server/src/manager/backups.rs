@@ -985,10 +985,25 @@ impl Backups {
     ) -> Result<Image> {
         validate_name("image", name)?;
         let target = self.backup_target("restore a backup")?;
-        let path = self.house().roots.resolve(path)?;
         // The target is read before the registration lock, which every
         // image create on the host takes.
         let m = self.manifest(&target, backup).await?;
+        self.restore_into(target, m, name, path, labels, None).await
+    }
+
+    /// A new image `name` at `path` made from backup `m` in the background;
+    /// a standby of `standby_of` (its source image) when given, which
+    /// holds `m` once the copy is done.
+    pub(super) async fn restore_into(
+        &self,
+        target: Target,
+        m: Manifest,
+        name: &str,
+        path: &str,
+        labels: Labels,
+        standby_of: Option<Uuid>,
+    ) -> Result<Image> {
+        let path = self.house().roots.resolve(path)?;
         let _registering = self.house().claim_name(name).await?;
         let size = m.image.size_bytes;
         let warnings = self
@@ -1023,21 +1038,33 @@ impl Backups {
         }
         let row = ImageRow {
             labels,
+            standby_of,
             ..restore_row(name, &path, &file, &m)?
+        };
+        let (kind, what) = match standby_of {
+            Some(_) => ("image_standby_started", "a standby of the backups of image"),
+            None => (
+                "image_restore_started",
+                "being restored from a backup of image",
+            ),
         };
         let recorded = async {
             let mut tx = self.house().store.begin().await?;
             tx.insert_image(&row).await?;
+            if standby_of.is_some() {
+                // Held once the copy is `ready`; the next apply's base.
+                tx.set_standby_held(row.id, &m).await?;
+            }
             tx.event(
                 None,
                 Some(row.id),
-                "image_restore_started",
+                kind,
                 &format!(
-                    "image '{name}' ({}) is being restored from backup '{}' ({}) of image '{}' at {}: {} of data from {}; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
+                    "image '{name}' ({}) is {what} '{}': its backup '{}' ({}) of {} is copied first, {} of data from {}; GET /v1/images/{name} shows its progress, DELETE /v1/images/{name} stops it",
                     row.path,
+                    m.image.name,
                     m.name,
                     m.id,
-                    m.image.name,
                     m.created_at,
                     model::size_text(m.stored_bytes),
                     target.describe()

@@ -359,7 +359,7 @@ impl House {
     /// The file a copy waits at while it exists (the test faults
     /// `gate_copy`, for a copy of one moment, and `slow_copy`, for a copy
     /// of a file): `copy-gate` in the service's run dir.
-    fn copy_gate(&self) -> std::path::PathBuf {
+    pub(super) fn copy_gate(&self) -> std::path::PathBuf {
         self.settings.ublk_run_root.with_file_name("copy-gate")
     }
 
@@ -501,8 +501,23 @@ impl House {
         .await
     }
 
-    /// 409 `image_not_ready` unless the image's file is complete.
+    /// 409 `image_not_ready` unless the image's file is complete; 409
+    /// `image_is_standby` while it follows another image's backups (its
+    /// bytes are the next apply's, until it is activated).
     pub(super) fn refuse_unready(&self, row: &ImageRow, what: &str) -> Result<()> {
+        self.refuse_unready_copy(row, what)?;
+        match row.standby_of {
+            Some(source_image) => Err(Error::ImageIsStandby {
+                name: row.name.clone(),
+                source_image,
+                what: what.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// 409 `image_not_ready` while the image's copy runs or after it failed.
+    pub(super) fn refuse_unready_copy(&self, row: &ImageRow, what: &str) -> Result<()> {
         let (state, reason) = match row.state {
             ImageState::Ready => return Ok(()),
             ImageState::Copying => (

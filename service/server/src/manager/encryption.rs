@@ -349,6 +349,7 @@ impl Images {
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
         let row = self.house.image_row(&row.id.to_string()).await?;
         self.jobs.backups.refuse(&row, "change its key slots")?;
+        self.house.refuse_unready(&row, "change its key slots")?;
         slots_changeable(&row, &change)?;
         let header = self.house.header_holder(&row).await?;
         let adding = matches!(change, SlotChange::Add { .. });

@@ -122,6 +122,34 @@ pub enum Error {
     },
     #[error("backup '{0}' not found on the backup target")]
     BackupNotFound(String),
+    #[error(
+        "image '{image}': no backup on the backup target is of an image '{source_image}' (by id or name); a standby follows an image that has backups there"
+    )]
+    StandbySourceNotFound { image: String, source_image: String },
+    #[error(
+        "image '{image}': the backups on the target name several images '{source_image}' ({ids}); give the id of the one to follow"
+    )]
+    StandbySourceAmbiguous {
+        image: String,
+        source_image: String,
+        ids: String,
+    },
+    #[error(
+        "image '{name}' is a standby of image {source_image}'s backups, so it cannot {what} until it is activated (POST /v1/images/{name}/activate)"
+    )]
+    ImageIsStandby {
+        name: String,
+        source_image: Uuid,
+        what: String,
+    },
+    #[error(
+        "image '{0}' is not a standby (it follows no image's backups): there is nothing to activate or check"
+    )]
+    NotAStandby(String),
+    #[error(
+        "image '{name}': an apply of backup {backup} runs, so it is not activated now; wait for its end (GET /v1/images/{name}), or give \"force\": true to stop it and activate with the backup it holds"
+    )]
+    StandbyApplying { name: String, backup: Uuid },
     #[error("backup name '{name}' is that of several backups ({ids}): give its id")]
     BackupAmbiguous { name: String, ids: String },
     #[error(

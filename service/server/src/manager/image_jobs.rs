@@ -24,6 +24,10 @@ pub(super) struct ImageJobs {
     pub(super) moments: MomentCopies,
     /// This service's backups since it started, by backup id.
     pub(super) backups: Jobs<BackupRun>,
+    /// What the standby images' follower last found, by image id (their
+    /// applies are copies, in `copies`).
+    pub(super) standbys:
+        std::sync::Mutex<std::collections::HashMap<uuid::Uuid, super::standbys::Follow>>,
 }
 
 /// The images' part: the house, and the jobs on images. Cheap to clone (two

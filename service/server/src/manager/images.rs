@@ -42,6 +42,11 @@ impl Manager {
                     .restore_image(&backup, &req.name, &req.path, req.labels)
                     .await
             }
+            Origin::Standby { source } => {
+                self.backups
+                    .standby_image(&source, &req.name, &req.path, req.labels)
+                    .await
+            }
             Origin::Clone { source, grow } => {
                 self.images
                     .clone_image(&source, &req.name, &req.path, grow, req.labels)
@@ -84,6 +89,9 @@ enum Origin {
     },
     /// A backup's bytes, restored into a new file.
     Restore { backup: String },
+    /// The newest backup of image `source`, restored into a new file that
+    /// then follows that image's newer backups.
+    Standby { source: String },
 }
 
 /// How [`Images::add_image`] gets its file.
@@ -102,7 +110,10 @@ impl Origin {
             reason: format!("image '{}': {why}", req.name),
         };
         if let Some(declared) = req.allocation
-            && (req.create.is_some() || req.clone_from.is_some() || req.restore_from.is_some())
+            && (req.create.is_some()
+                || req.clone_from.is_some()
+                || req.restore_from.is_some()
+                || req.standby_of.is_some())
         {
             return Err(refused(
                 "allocation",
@@ -123,6 +134,19 @@ impl Origin {
                 "restore_from",
                 "a restore makes its file from the backup (its size and bytes); \"create\" and \"clone_from\" are not given with it",
             ));
+        }
+        if req.standby_of.is_some()
+            && (req.create.is_some() || req.clone_from.is_some() || req.restore_from.is_some())
+        {
+            return Err(refused(
+                "standby_of",
+                "a standby makes its file from its source's newest backup (its size and bytes); \"create\", \"clone_from\" and \"restore_from\" are not given with it",
+            ));
+        }
+        if let Some(source) = &req.standby_of {
+            return Ok(Origin::Standby {
+                source: source.clone(),
+            });
         }
         Ok(match (&req.restore_from, &req.clone_from, &req.create) {
             (Some(backup), ..) => Origin::Restore {
@@ -189,6 +213,7 @@ pub(super) fn new_file_row(name: &str, path: &ImagePath, file: &ImageFile) -> Re
         state_reason: None,
         encryption: None,
         labels: Labels::new(),
+        standby_of: None,
     })
 }
 
@@ -910,7 +935,12 @@ impl Images {
             .progress(row.id)
             .filter(|p| p.state == JobState::Running || row.state == ImageState::Copying)
             .map(|p| (p.done_bytes, p.total_bytes));
+        let standby = match row.standby_of {
+            Some(source) => Some(self.standby_view(&row, source).await?),
+            None => None,
+        };
         Ok(Image {
+            standby,
             state: row.state,
             state_reason: row.state_reason,
             snapshot_of: row.snapshot_of,

@@ -54,6 +54,7 @@ impl Manager {
         let ages = self
             .backups
             .backup_ages(images.iter().map(|i| (i.id, i.name.as_str())));
+        let standbys = super::standbys::standby_samples(&images);
         let schedules = match backups.target {
             Some(_) => self.backups.schedule_samples().await?,
             None => Vec::new(),
@@ -96,6 +97,7 @@ impl Manager {
                     .map(|_| crate::metrics::BackupSample {
                         ages,
                         schedules,
+                        standbys,
                         uploaded_bytes: backups.uploaded_bytes.load(Relaxed),
                         deduplicated_bytes: backups.deduplicated_bytes.load(Relaxed),
                     }),

@@ -42,6 +42,7 @@ mod rules;
 mod runs;
 mod sampler;
 mod schedules;
+mod standbys;
 mod target;
 mod undo;
 mod volume_part;
@@ -214,8 +215,10 @@ impl Manager {
         &self.house.store
     }
 
-    /// Samples every attached volume once a second, for as long as the service runs.
+    /// Samples every attached volume once a second, for as long as the
+    /// service runs, and starts the standby images' follower beside it.
     pub fn start_sampler(self: &Arc<Self>) {
+        standbys::start_follower(&self.backups);
         let me = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));

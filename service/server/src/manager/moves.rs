@@ -314,6 +314,7 @@ impl Manager {
             }),
             clone_from: None,
             restore_from: None,
+            standby_of: None,
             allocation: None,
             labels: Default::default(),
         })

@@ -78,6 +78,7 @@ impl Manager {
     pub async fn recovery(self: &Arc<Self>) -> Result<Recovery> {
         self.house.fail_interrupted_copies().await?;
         self.house.remove_backup_moments().await?;
+        self.backups.recover_standbys().await?;
         let me = self.clone();
         tokio::spawn(async move { me.backups.recover_backup_target().await });
         let mut held = Vec::new();

@@ -38,6 +38,9 @@ pub(super) struct BackupState {
     /// The file a backup waits at while it exists (the test fault
     /// `gate_backup`).
     pub(super) gate: std::path::PathBuf,
+    /// Where standby applies keep their journals (the service's own
+    /// directory, not an image root).
+    pub(super) journals: std::path::PathBuf,
 }
 
 impl BackupState {
@@ -47,6 +50,7 @@ impl BackupState {
         Self {
             target,
             gate: run_dir.join("backup-gate"),
+            journals: run_dir.join("standby"),
             started: OffsetDateTime::now_utc(),
             last_done: std::sync::Mutex::default(),
             uploaded_bytes: std::sync::atomic::AtomicU64::default(),
