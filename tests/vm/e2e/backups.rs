@@ -386,3 +386,78 @@ async fn a_backup_refuses_an_unlock_of_a_writable_volume_and_nothing_changes() {
     assert_eq!(a.status.as_u16(), 200, "after the backup: {}", a.body);
     vm.delete("bu").await;
 }
+
+/// A standby of a live ublk volume's backups (on this same service, which
+/// is what a second host's service does over the shared target) follows a
+/// second backup taken under the file writer, refuses a volume until it is
+/// activated, and once activated serves a filesystem that mounts with
+/// every file the second backup's moment had synced, and checks clean.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_of_a_live_ublk_volumes_backups_mounts_after_activation() {
+    let (vm, _target) = vm_with_target().await;
+    let name = "sb-src";
+    let src = vm.image(name, Scratch::Xfs, 128, "sparse").await;
+    let v = vm
+        .volume(json!({"name": name, "image": name, "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let dev = v["device"].as_str().unwrap().to_string();
+    let mnt = vm.root(Scratch::Tmpfs).join("mnt-sb-src");
+    sh("mkfs.ext4", &["-q", "-F", &dev]);
+    let mounted = Mounted::new(&dev, &mnt, &[]);
+    let writer = file_writer(&mnt);
+    writer.wait_for(8).await;
+    let b = start_backup(&vm, &src, "one").await;
+    backup_done(&vm, &b).await;
+
+    let path = vm.root(Scratch::Plain).join("sb.img");
+    let a =
+        vm.s.post(
+            "/v1/images",
+            json!({"name": "sb", "path": path, "standby_of": name}),
+        )
+        .await;
+    assert_eq!(a.status.as_u16(), 202, "{}", a.body);
+    vm.ended("/v1/images/sb", "copying", "ready").await;
+
+    writer.wait_for(writer.completed() + 8).await;
+    let synced = writer.completed();
+    let b = start_backup(&vm, &src, "two").await;
+    writer.wait_for(synced + 8).await;
+    assert!(writer.running(), "the file writer died");
+    writer.finish();
+    let two = backup_done(&vm, &b).await;
+    let c = vm.s.post("/v1/images/sb/standby/check", json!({})).await;
+    assert_eq!(c.status.as_u16(), 200, "{}", c.body);
+    crate::eventually(
+        std::time::Duration::from_secs(300),
+        "the standby to hold backup two",
+        async || {
+            let s = vm.s.get("/v1/images/sb").await.body;
+            s["standby"]["backup_id"] == two["id"] && s["standby"]["applying"] == false
+        },
+    )
+    .await;
+    let refused =
+        vm.s.post(
+            "/v1/volumes",
+            json!({"name": "sb", "image": "sb", "backend": "ublk"}),
+        )
+        .await;
+    assert_error(&refused, 409, "image_is_standby");
+
+    let act = vm.s.post("/v1/images/sb/activate", json!({})).await;
+    assert_eq!(act.status.as_u16(), 200, "{}", act.body);
+    assert_eq!(act.body["backup_id"], two["id"], "{}", act.body);
+    let sv = vm
+        .volume(json!({"name": "sb", "image": "sb", "backend": "ublk", "dispatch": "nowait"}))
+        .await;
+    let sdev = sv["device"].as_str().unwrap().to_string();
+    let again = vm.root(Scratch::Tmpfs).join("mnt-sb");
+    let standby_mounted = Mounted::new(&sdev, &again, &[]);
+    assert_files_kept(&again, synced, "the activated standby");
+    standby_mounted.unmount();
+    sh("e2fsck", &["-fn", &sdev]);
+    vm.delete("sb").await;
+    mounted.unmount();
+    vm.delete(name).await;
+}
