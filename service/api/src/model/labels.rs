@@ -61,6 +61,16 @@ pub fn has_label(labels: &Labels, filter: &str) -> bool {
     }
 }
 
+/// Labels as people and selectors spell them: `k=v,k2=v2` (empty when
+/// there are none), the form `--label` and `--selector` take.
+pub fn labels_text(labels: &Labels) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Whether `labels` has every pair of `selector`.
 pub fn selects(selector: &Labels, labels: &Labels) -> bool {
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))

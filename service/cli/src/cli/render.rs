@@ -899,13 +899,7 @@ fn schedule_images(s: &BackupSchedule) -> String {
 
 /// Labels as `k=v,k2=v2`; `None` when there are none.
 fn pairs(labels: &blockplane_api::model::Labels) -> Option<String> {
-    (!labels.is_empty()).then(|| {
-        labels
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    })
+    (!labels.is_empty()).then(|| blockplane_api::model::labels_text(labels))
 }
 
 fn schedules(l: &[BackupSchedule]) -> String {

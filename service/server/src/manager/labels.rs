@@ -85,12 +85,15 @@ impl Manager {
         if labels != row.labels {
             let mut tx = house.store.begin().await?;
             tx.set_image_labels(row.id, &labels).await?;
-            let shown: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
             tx.event(
                 None,
                 Some(row.id),
                 "image_labels_changed",
-                &format!("image '{}': labels now {{{}}}", row.name, shown.join(", ")),
+                &format!(
+                    "image '{}': labels now {{{}}}",
+                    row.name,
+                    blockplane_api::model::labels_text(&labels)
+                ),
             )
             .await?;
             tx.commit().await?;

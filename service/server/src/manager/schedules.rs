@@ -220,10 +220,12 @@ impl Backups {
             (None, Some(selector)) if !selector.is_empty() => {
                 let owner = format!("backup schedule '{}'", req.name);
                 check_labels(&owner, selector)?;
-                let shown: Vec<String> = selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 (
                     ScheduleTarget::Selector(selector.clone()),
-                    format!("the images labelled {}", shown.join(",")),
+                    format!(
+                        "the images labelled {}",
+                        blockplane_api::model::labels_text(selector)
+                    ),
                 )
             }
             (image, _) => {
