@@ -189,6 +189,33 @@ async fn a_standby_follows_five_backups_byte_for_byte_and_activates_into_a_volum
     assert_error(&again, 409, "not_a_standby");
 }
 
+/// Nobody tells it: the follower looks at the target on its own, every
+/// `--standby-check-secs`, and applies the newer backup it finds.
+#[tokio::test]
+async fn the_follower_finds_and_applies_a_newer_backup_on_its_own() {
+    let t = dir_target();
+    let target = t.path().to_str().unwrap();
+    let a = service_to(target, &[]).await;
+    let b = service_to(target, &[("BLOCKPLANE_STANDBY_CHECK_SECS", "1")]).await;
+    let src = image_with(&a, "db", 16 * MIB, &[(0, CHUNK)], 3).await;
+    backup(&a, "db", "one").await;
+    let s = standby(&b, "db-standby", "db").await;
+    let path = std::path::PathBuf::from(s["path"].as_str().unwrap());
+    write_pattern(&src, &[(2 * CHUNK, 4096)], 4);
+    let two = backup(&a, "db", "two").await;
+    let mut last = Value::Null;
+    eventually(WAIT, "the follower to apply backup two", async || {
+        last = b.get("/v1/images/db-standby").await.body;
+        last["standby"]["backup_id"] == two["id"] && last["standby"]["applying"] == false
+    })
+    .await;
+    assert!(last["standby"]["checked_at"].is_string(), "{last}");
+    assert!(
+        bytes_of(&path) == bytes_of(&src),
+        "the standby differs from backup two"
+    );
+}
+
 #[tokio::test]
 async fn a_standby_killed_mid_apply_or_activated_by_force_holds_one_whole_backup() {
     let t = dir_target();
@@ -310,7 +337,16 @@ async fn a_standby_keeps_up_through_a_week_of_pruned_nightly_backups() {
     let t = dir_target();
     let target = t.path().to_str().unwrap();
     let a = service_to(target, &[("BLOCKPLANE_TEST_CLOCK", clock.path())]).await;
-    let b = service_to(target, &[("BLOCKPLANE_TEST_CLOCK", clock.path())]).await;
+    // This standby looks only when told: the nights it skips are the
+    // test's, not the follower's interval's.
+    let b = service_to(
+        target,
+        &[
+            ("BLOCKPLANE_TEST_CLOCK", clock.path()),
+            ("BLOCKPLANE_STANDBY_CHECK_SECS", "0"),
+        ],
+    )
+    .await;
     let src = image_with(&a, "db", 32 * MIB, &[(0, 2 * CHUNK)], 1).await;
     let s = a
         .post(

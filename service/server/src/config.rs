@@ -129,6 +129,11 @@ pub struct ServeArgs {
     /// [default: 300].
     #[arg(long, env = "BLOCKPLANE_BACKUP_TIMEOUT_SECS")]
     pub backup_timeout_secs: Option<u64>,
+    /// Seconds between two looks at the backup target for each standby
+    /// image's newer backups; 0: only when told (`POST
+    /// /v1/images/{id}/standby/check`) [default: 60].
+    #[arg(long, env = "BLOCKPLANE_STANDBY_CHECK_SECS")]
+    pub standby_check_secs: Option<u64>,
     /// Largest request body, bytes [default: 65536].
     #[arg(long, env = "BLOCKPLANE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -221,6 +226,7 @@ struct FileConfig {
     export_address: Vec<String>,
     backup_credentials: Option<PathBuf>,
     backup_timeout_secs: Option<u64>,
+    standby_check_secs: Option<u64>,
     max_body_bytes: Option<usize>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -289,6 +295,9 @@ pub struct ServeConfig {
     /// How long an operation on the backup target may go unanswered
     /// (`--backup-timeout-secs`).
     pub backup_timeout: std::time::Duration,
+    /// How often standby images look for newer backups
+    /// (`--standby-check-secs`); `None`: only when told.
+    pub standby_check: Option<std::time::Duration>,
     /// What protects the service from its clients.
     pub limits: Limits,
     /// Start on a new registry even when devices blockplane made exist.
@@ -364,6 +373,10 @@ impl ServeArgs {
                 self.backup_target.or(file.backup_target),
                 self.backup_credentials.or(file.backup_credentials),
             )?,
+            standby_check: match self.standby_check_secs.or(file.standby_check_secs) {
+                Some(0) => None,
+                secs => Some(std::time::Duration::from_secs(secs.unwrap_or(60))),
+            },
             backup_timeout: self
                 .backup_timeout_secs
                 .or(file.backup_timeout_secs)

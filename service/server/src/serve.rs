@@ -796,6 +796,7 @@ fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, Se
             Some(t) => Some(blockplane_backup::Target::open(t, cfg.backup_timeout)?),
             None => None,
         },
+        standby_check: cfg.standby_check,
         faults,
         clock: crate::fault::Clock::from_env()?,
         export_addresses: cfg.export_addresses.clone(),

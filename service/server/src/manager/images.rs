@@ -1189,6 +1189,10 @@ impl Images {
         // A copy stops first; its partial file goes with the image.
         self.jobs.copies.stop(row.id).await;
         let _image = self.house.locks.images.lock(&row.id.to_string()).await;
+        // A standby's follower starts its applies under this lock: one it
+        // started before the lock was taken stops too (an apply's end
+        // takes no lock).
+        self.jobs.copies.stop(row.id).await;
         let mut tx = self.house.store.begin().await?;
         let Some(row) = tx.image(&row.id.to_string()).await? else {
             return Err(Error::ImageNotFound(id_or_name.to_string()));
@@ -1248,6 +1252,11 @@ impl Images {
         tx.commit().await?;
         self.jobs.allocations.forget(row.id);
         self.jobs.copies.forget(row.id);
+        if row.standby_of.is_some() {
+            // A stopped or failed apply's journal, of a file no longer kept.
+            let _ = std::fs::remove_file(self.house.standby_journal(row.id));
+            self.forget_follow(row.id);
+        }
         Ok(())
     }
 }

@@ -85,6 +85,9 @@ pub struct ManagerConfig {
     /// Where backups go (`--backup-target`), opened; `None`: backups are
     /// refused.
     pub backup_target: Option<blockplane_backup::Target>,
+    /// How often standby images look for newer backups
+    /// (`--standby-check-secs`); `None`: only when told.
+    pub standby_check: Option<std::time::Duration>,
     /// The test fault to inject (none outside tests).
     pub faults: Faults,
     /// The wall clock backups are dated and schedules run by (a test's
@@ -175,7 +178,12 @@ impl Manager {
             starting: Default::default(),
             move_metadata: move_metadata::MoveMetadata::new(&cfg.run_dir, &house.settings.instance),
             house,
-            backups: target::Backups::new(images.clone(), cfg.backup_target, &cfg.run_dir),
+            backups: target::Backups::new(
+                images.clone(),
+                cfg.backup_target,
+                &cfg.run_dir,
+                cfg.standby_check,
+            ),
             volumes: Volumes::new(images.clone()),
             images,
         });

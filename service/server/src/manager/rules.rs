@@ -205,6 +205,7 @@ async fn manager_over(
             max_overcommit: None,
             kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
             backup_target: None,
+            standby_check: None,
             faults: Faults::default(),
             clock: crate::fault::Clock::default(),
             export_addresses: Vec::new(),

@@ -6,7 +6,7 @@
 //! - Made by `POST /v1/images` with `standby_of`: its source's newest
 //!   backup restored as any restore is (`copying`, then `ready`).
 //! - Followed by the follower, which lists the target for each standby
-//!   every [`CHECK_EVERY`] (and at once when told,
+//!   every `--standby-check-secs` (and at once when told,
 //!   `POST /v1/images/{id}/standby/check`), and applies a newer backup
 //!   in the background as a copy job: the chunks that differ from the one
 //!   it holds are journalled, then written in place
@@ -30,6 +30,7 @@ use uuid::Uuid;
 
 use super::blocking::blocking;
 use super::error::{Error, Result};
+use super::house::House;
 use super::image_jobs::Images;
 use super::jobs::{Ended, JobState};
 use super::names::validate_name;
@@ -43,10 +44,6 @@ use blockplane_api::model::{
 use blockplane_backup::standby::{Applied, Delta};
 use blockplane_backup::{Manifest, Target};
 use blockplane_system::image::Access;
-
-/// How often the follower lists the target for each standby's newer
-/// backups.
-pub(super) const CHECK_EVERY: Duration = Duration::from_secs(60);
 
 /// What the follower last found for one standby.
 #[derive(Debug, Clone, Default)]
@@ -63,6 +60,21 @@ pub(super) struct Follow {
     error: Option<String>,
     /// Told to check at its next turn, not at its time.
     due: bool,
+    /// The backup the last apply started brings it to.
+    applying: Option<Uuid>,
+}
+
+impl House {
+    /// Where standby applies keep their journals: the service's run
+    /// directory, not an image root.
+    pub(super) fn standby_journals(&self) -> PathBuf {
+        self.settings.ublk_run_root.with_file_name("standby")
+    }
+
+    /// The journal of standby image `id`'s apply.
+    pub(super) fn standby_journal(&self, id: Uuid) -> PathBuf {
+        self.standby_journals().join(format!("{id}.journal"))
+    }
 }
 
 impl Images {
@@ -94,6 +106,11 @@ impl Images {
             checked_at: follow.checked_at,
             error: follow.error,
         })
+    }
+
+    /// Forgets what the follower found of image `id` (it is deleted).
+    pub(super) fn forget_follow(&self, id: Uuid) {
+        self.jobs.standbys.lock().expect("poisoned").remove(&id);
     }
 
     fn follow_of(&self, id: Uuid) -> Follow {
@@ -207,7 +224,11 @@ impl Backups {
                     continue;
                 }
                 let f = self.images.follow_of(row.id);
-                let due = f.due || f.checked.is_none_or(|at| at.elapsed() >= CHECK_EVERY);
+                let due = f.due
+                    || self
+                        .state
+                        .standby_check
+                        .is_some_and(|every| f.checked.is_none_or(|at| at.elapsed() >= every));
                 if !due {
                     continue;
                 }
@@ -218,10 +239,27 @@ impl Backups {
         }
     }
 
+    /// [`Self::check`], its failure recorded in the view (and its time,
+    /// so that the follower waits its interval before the next try).
+    async fn check_one(&self, row: &ImageRow) -> Result<()> {
+        let out = self.check(row).await;
+        if let Err(e) = &out {
+            let now = (
+                self.house().settings.clock.now(),
+                tokio::time::Instant::now(),
+            );
+            self.images.set_follow(row.id, |f| {
+                (f.checked_at, f.checked, f.due) = (Some(now.0), Some(now.1), false);
+                f.error = Some(e.to_string());
+            });
+        }
+        out
+    }
+
     /// Lists the target for `row`'s source's newest backup, records what
     /// it found, and starts an apply when that backup is newer than the
     /// one held. An apply running already is left alone.
-    async fn check_one(&self, row: &ImageRow) -> Result<()> {
+    async fn check(&self, row: &ImageRow) -> Result<()> {
         let target = self.backup_target("follow a standby")?;
         let Some(source) = row.standby_of else {
             return Ok(());
@@ -243,17 +281,7 @@ impl Backups {
             self.house().settings.clock.now(),
             tokio::time::Instant::now(),
         );
-        let newest = match listed {
-            Ok(newest) => newest,
-            Err(e) => {
-                let e = Error::from(e);
-                self.images.set_follow(row.id, |f| {
-                    (f.checked_at, f.checked, f.due) = (Some(now.0), Some(now.1), false);
-                    f.error = Some(e.to_string());
-                });
-                return Err(e);
-            }
-        };
+        let newest = listed?;
         let (newer, behind) = match &newest {
             Some(n) if n.id != held.id && n.created_at > held.created_at => {
                 (Some(n.clone()), Delta::between(&held, n).fetch_bytes())
@@ -270,6 +298,19 @@ impl Backups {
             Some(next) => self.start_apply(row, target, held, next).await,
             None => Ok(()),
         }
+    }
+
+    /// What the file holds now that the registry keeps of it: its LUKS2
+    /// header (a newer backup may have changed its key slots) and its
+    /// allocated bytes.
+    async fn found(&self, row: &ImageRow) -> Result<(Option<model::ImageEncryption>, u64)> {
+        let (me, r) = (self.clone(), row.clone());
+        blocking(move || -> Result<_> {
+            let file = me.house().open_image(&r, Access::ReadOnly)?;
+            let encryption = super::encryption::encryption_of(&r.name, file.fd())?;
+            Ok((encryption, file.allocated()))
+        })
+        .await?
     }
 
     /// Whether an apply runs on image `id`.
@@ -297,7 +338,7 @@ impl Backups {
 
     /// The journal of standby `id`'s apply.
     fn journal_path(&self, id: Uuid) -> PathBuf {
-        self.state.journals.join(format!("{id}.journal"))
+        self.house().standby_journal(id)
     }
 
     /// Starts applying `next` onto `row`, which holds `held`: under the
@@ -315,6 +356,9 @@ impl Backups {
         if row.standby_of.is_none() || row.state != ImageState::Ready || self.applying(row.id) {
             return Ok(());
         }
+        // A journal a failed apply kept is settled before another starts:
+        // truncated, it would leave the file a mix nobody can finish.
+        self.recover_journal(&row).await?;
         // Another check's apply may have ended since this one read what
         // the file holds: the difference would be from the wrong base.
         if self.held(&row).await?.id != held.id {
@@ -328,24 +372,23 @@ impl Backups {
             let image = std::fs::File::from(file.fd().try_clone().map_err(|e| {
                 Error::Internal(format!("standby image '{}': dup of its file: {e}", r.name))
             })?);
-            std::fs::create_dir_all(&me.state.journals).map_err(|e| {
+            make_dir_durable(&me.house().standby_journals()).map_err(|e| {
                 Error::Internal(format!(
                     "standby image '{}': making {}: {e}",
                     r.name,
-                    me.state.journals.display()
+                    me.house().standby_journals().display()
                 ))
             })?;
             let journal = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
                 .open(&j)
                 .and_then(|journal| {
                     // The journal's name must outlive a crash in its
                     // replay: a mix nobody can finish otherwise.
-                    std::fs::File::open(&me.state.journals)?.sync_all()?;
+                    std::fs::File::open(me.house().standby_journals())?.sync_all()?;
                     Ok(journal)
                 })
                 .map_err(|e| {
@@ -389,6 +432,8 @@ impl Backups {
             .faults
             .slows(Slow::Copy)
             .then(|| self.house().copy_gate());
+        self.images
+            .set_follow(row.id, |f| f.applying = Some(next.id));
         let me = self.clone();
         self.images.jobs.copies.start(
             row.id,
@@ -430,8 +475,10 @@ impl Backups {
         let recorded = async {
             match &out {
                 Ok(a) if !a.cancelled => {
+                    let found = self.found(row).await;
                     let mut tx = self.house().store.begin().await?;
                     tx.set_standby_held(row.id, next).await?;
+                    record_found(&mut tx, row, found).await?;
                     tx.event(
                         None,
                         Some(row.id),
@@ -533,13 +580,26 @@ impl Backups {
                         j.display()
                     ))
                 })?;
-            Ok(blockplane_backup::standby::recover(&journal, &image)?)
+            blockplane_backup::standby::recover(&journal, &image).map_err(|e| {
+                Error::Internal(format!(
+                    "standby image '{}': settling its journal {}: {e}",
+                    r.name,
+                    j.display()
+                ))
+            })
         })
         .await??;
+        let found = match &replayed {
+            Some(_) => Some(self.found(row).await),
+            None => None,
+        };
         let mut tx = self.house().store.begin().await?;
         match &replayed {
             Some(m) => {
                 tx.set_standby_held(row.id, m).await?;
+                if let Some(found) = found {
+                    record_found(&mut tx, row, found).await?;
+                }
                 tx.event(
                     None,
                     Some(row.id),
@@ -612,7 +672,7 @@ impl Backups {
                 let f = self.images.follow_of(row.id);
                 return Err(Error::StandbyApplying {
                     name: row.name,
-                    backup: f.newest.unwrap_or_default(),
+                    backup: f.applying.unwrap_or_default(),
                 });
             }
             self.images.jobs.copies.stop(row.id).await;
@@ -649,12 +709,7 @@ impl Backups {
         )
         .await?;
         tx.commit().await?;
-        self.images
-            .jobs
-            .standbys
-            .lock()
-            .expect("poisoned")
-            .remove(&row.id);
+        self.images.forget_follow(row.id);
         Ok(ActivatedImage {
             image: self.images.image(&row.id.to_string()).await?,
             backup_id: held.id,
@@ -681,4 +736,37 @@ pub(super) fn standby_samples(images: &[Image]) -> Vec<(String, f64, u64)> {
             Some((i.name.clone(), s.lag_seconds?, s.behind_bytes))
         })
         .collect()
+}
+
+/// Makes `dir` (and its parents) and syncs its parent, so that its name
+/// outlives a crash: the journals in it must.
+fn make_dir_durable(dir: &std::path::Path) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    if let Some(parent) = dir.parent() {
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Records what [`Backups::found`] read of a standby's file; a file that
+/// could not be read keeps what the registry had, and says why in the log.
+async fn record_found(
+    tx: &mut crate::store::WriteTx,
+    row: &ImageRow,
+    found: Result<(Option<model::ImageEncryption>, u64)>,
+) -> std::result::Result<(), crate::store::StoreError> {
+    match found {
+        Ok((encryption, allocated)) => {
+            tx.set_image_encryption(row.id, encryption.as_ref()).await?;
+            tx.set_image_state(row.id, ImageState::Ready, None, allocated)
+                .await
+        }
+        Err(e) => {
+            tracing::warn!(image = %row.name, error = %e, "a standby's header and allocation could not be read after an apply");
+            Ok(())
+        }
+    }
 }

@@ -38,19 +38,23 @@ pub(super) struct BackupState {
     /// The file a backup waits at while it exists (the test fault
     /// `gate_backup`).
     pub(super) gate: std::path::PathBuf,
-    /// Where standby applies keep their journals (the service's own
-    /// directory, not an image root).
-    pub(super) journals: std::path::PathBuf,
+    /// How often the follower looks for each standby's newer backups;
+    /// `None`: only when told.
+    pub(super) standby_check: Option<std::time::Duration>,
 }
 
 impl BackupState {
     /// Backups to `target`, when the service has one; `run_dir` holds the
     /// test fault's gate.
-    fn new(target: Option<Target>, run_dir: &std::path::Path) -> Self {
+    fn new(
+        target: Option<Target>,
+        run_dir: &std::path::Path,
+        standby_check: Option<std::time::Duration>,
+    ) -> Self {
         Self {
+            standby_check,
             target,
             gate: run_dir.join("backup-gate"),
-            journals: run_dir.join("standby"),
             started: OffsetDateTime::now_utc(),
             last_done: std::sync::Mutex::default(),
             uploaded_bytes: std::sync::atomic::AtomicU64::default(),
@@ -78,11 +82,17 @@ impl Backups {
     }
 
     /// Backups to `target` over `images`, when the service has a target;
-    /// `run_dir` holds the test fault's gate.
-    pub(super) fn new(images: Images, target: Option<Target>, run_dir: &std::path::Path) -> Self {
+    /// `run_dir` holds the test fault's gate;
+    /// standbys look for newer backups every `standby_check`.
+    pub(super) fn new(
+        images: Images,
+        target: Option<Target>,
+        run_dir: &std::path::Path,
+        standby_check: Option<std::time::Duration>,
+    ) -> Self {
         Self {
             images,
-            state: Arc::new(BackupState::new(target, run_dir)),
+            state: Arc::new(BackupState::new(target, run_dir, standby_check)),
         }
     }
 }
