@@ -275,6 +275,7 @@ pub async fn check_standby(
     request_body = ActivateImageRequest,
     responses(
         (status = 200, description = "Activated: the image and the backup it holds", body = ActivatedImage),
+        (status = 400, description = "Malformed request (bad JSON, a wrong type, a field it does not take)", body = ErrorBody),
         (status = 404, description = "No such image", body = ErrorBody),
         (status = 409, description = "Not a standby (`not_a_standby`), its first copy runs or failed (`image_not_ready`), or an apply runs and `force` was not given (`standby_applying`)", body = ErrorBody),
     )
