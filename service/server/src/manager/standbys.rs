@@ -83,11 +83,7 @@ impl Images {
     pub(super) async fn standby_view(&self, row: &ImageRow, source: Uuid) -> Result<ImageStandby> {
         let held = self.house.store.standby_held(row.id).await?;
         let follow = self.follow_of(row.id);
-        let applying = self
-            .jobs
-            .copies
-            .progress(row.id)
-            .is_some_and(|p| p.state == JobState::Running);
+        let applying = self.applying(row.id);
         let ready = row.state == ImageState::Ready;
         let now = self.house.settings.clock.now();
         let held_now = held.as_ref().filter(|_| ready);
@@ -106,6 +102,14 @@ impl Images {
             checked_at: follow.checked_at,
             error: follow.error,
         })
+    }
+
+    /// Whether a copy job (a standby's apply) runs on image `id`.
+    fn applying(&self, id: Uuid) -> bool {
+        self.jobs
+            .copies
+            .progress(id)
+            .is_some_and(|p| p.state == JobState::Running)
     }
 
     /// Forgets what the follower found of image `id` (it is deleted).
@@ -315,11 +319,7 @@ impl Backups {
 
     /// Whether an apply runs on image `id`.
     fn applying(&self, id: Uuid) -> bool {
-        self.images
-            .jobs
-            .copies
-            .progress(id)
-            .is_some_and(|p| p.state == JobState::Running)
+        self.images.applying(id)
     }
 
     /// The manifest of the backup standby `row` holds.
