@@ -14,6 +14,7 @@
 
 pub mod blockstat;
 pub mod build;
+pub mod changes;
 pub mod crypt;
 pub mod dhchap;
 pub mod dispatch;

@@ -27,7 +27,7 @@ mod pin;
 mod rules;
 mod stack;
 #[cfg(test)]
-mod testfs;
+pub(crate) mod testfs;
 
 pub use fiemap::{
     FIEMAP_EXTENT_UNWRITTEN, FsExtent, Unwritten, fiemap, fiemap_range, first_unwritten,

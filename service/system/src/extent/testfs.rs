@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-pub(super) fn temp_file_on(dir: &str, name: &str) -> (tempfile::TempDir, std::fs::File, PathBuf) {
+pub(crate) fn temp_file_on(dir: &str, name: &str) -> (tempfile::TempDir, std::fs::File, PathBuf) {
     let d = tempfile::tempdir_in(dir).unwrap();
     let p = d.path().join(name);
     let f = std::fs::OpenOptions::new()
@@ -16,7 +16,7 @@ pub(super) fn temp_file_on(dir: &str, name: &str) -> (tempfile::TempDir, std::fs
     (d, f, p)
 }
 
-pub(super) fn run(cmd: &str, args: &[&str]) -> String {
+pub(crate) fn run(cmd: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(cmd).args(args).output().unwrap();
     assert!(
         out.status.success(),
@@ -28,18 +28,23 @@ pub(super) fn run(cmd: &str, args: &[&str]) -> String {
 
 /// A real filesystem (mkfs.<fs>) on a loop device, mounted on a temp dir:
 /// its raw device is readable here, unlike the host's own disk.
-pub(super) struct TestFs {
+pub(crate) struct TestFs {
     dir: tempfile::TempDir,
-    pub(super) dev: String,
+    pub(crate) dev: String,
 }
 
 impl TestFs {
-    pub(super) fn new(fs: &str) -> Self {
+    pub(crate) fn new(fs: &str) -> Self {
+        Self::sized(fs, 400 << 20)
+    }
+
+    /// A filesystem of `bytes` (its backing file sparse).
+    pub(crate) fn sized(fs: &str, bytes: u64) -> Self {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let backing = dir.path().join("fs.raw");
         std::fs::File::create(&backing)
             .unwrap()
-            .set_len(400 << 20)
+            .set_len(bytes)
             .unwrap();
         let dev = run("losetup", &["-f", "--show", backing.to_str().unwrap()]);
         run(&format!("mkfs.{fs}"), &["-q", &dev]);
@@ -49,7 +54,7 @@ impl TestFs {
         Self { dir, dev }
     }
 
-    pub(super) fn mnt(&self) -> String {
+    pub(crate) fn mnt(&self) -> String {
         self.dir.path().join("mnt").display().to_string()
     }
 }
