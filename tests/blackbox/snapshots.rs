@@ -466,3 +466,137 @@ async fn a_crash_during_a_copy_never_leaves_a_ready_half_file() {
     assert_eq!(wait_copy(&s, "base-s").await["state"], "ready");
     assert!(same_bytes(&fs.mnt.join("base.img"), &snap));
 }
+
+/// The ranges of a snapshot (`/allocated`) and between two (`/changes`)
+/// in the device's coordinates, an encrypted image's header left out; and
+/// every refusal precise and changing nothing.
+#[tokio::test]
+async fn changed_ranges_are_a_snapshots_device_and_refusals_change_nothing() {
+    const MIB: u64 = 1 << 20;
+    let fs = LoopFs::new(XFS, 512 << 20);
+    let s = service_on(&fs, &[]).await;
+    let path = fs.mnt.join("enc.img");
+    let key = format!("key-{}", uuid::Uuid::new_v4().simple());
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "enc", "path": path,
+                   "create": {"size_bytes": 64 * MIB, "encryption": {"key": key}}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let header = a.body["encryption"]["header_bytes"].as_u64().unwrap();
+    // Bytes of the payload, written as a volume's ciphertext would be.
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[0x5a; 8192], header + MIB).unwrap();
+    f.sync_all().unwrap();
+    let a = s
+        .post("/v1/images/enc/snapshots", json!({"name": "enc-s1"}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    f.write_all_at(&[0xa5; 4096], header + 5 * MIB).unwrap();
+    f.sync_all().unwrap();
+    let a = s
+        .post("/v1/images/enc/snapshots", json!({"name": "enc-s2"}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+
+    let a = s.get("/v1/images/enc-s1/allocated").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["size_bytes"], 64 * MIB - header, "{}", a.body);
+    assert_eq!(a.body["block_bytes"], 4096, "{}", a.body);
+    assert_eq!(
+        a.body["ranges"],
+        json!([{"offset": MIB, "length": 8192}]),
+        "{}",
+        a.body
+    );
+    assert_eq!(a.body["next_offset"], Value::Null, "{}", a.body);
+    let a = s.get("/v1/images/enc-s2/changes?base=enc-s1").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(
+        a.body["ranges"],
+        json!([{"offset": 5 * MIB, "length": 4096}]),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        a.body["base_id"],
+        s.get("/v1/images/enc-s1").await.body["id"]
+    );
+    // Pages: one range at a time, on from next_offset.
+    let a = s.get("/v1/images/enc-s2/allocated?limit=1").await;
+    assert_eq!(
+        a.body["ranges"],
+        json!([{"offset": MIB, "length": 8192}]),
+        "{}",
+        a.body
+    );
+    let next = a.body["next_offset"].as_u64().unwrap();
+    let a = s
+        .get(&format!(
+            "/v1/images/enc-s2/allocated?limit=1&offset={next}"
+        ))
+        .await;
+    assert_eq!(
+        a.body["ranges"],
+        json!([{"offset": 5 * MIB, "length": 4096}]),
+        "{}",
+        a.body
+    );
+    assert_eq!(a.body["next_offset"], Value::Null, "{}", a.body);
+
+    // The CLI joins every page.
+    let out = crate::cli::cli(&s, &["image", "ranges", "enc-s2", "--base", "enc-s1"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 ranges of enc-s2 differ"), "{text}");
+    assert!(text.contains(&(5 * MIB).to_string()), "{text}");
+    let out = crate::cli::cli(&s, &["--json", "image", "ranges", "enc-s2"]);
+    let all: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(all["ranges"].as_array().unwrap().len(), 2, "{all}");
+
+    // Refusals.
+    let other = image_with_data(&s, &fs.mnt, "other", 16 * MIB, MIB).await;
+    assert!(other.exists());
+    let a = s
+        .post("/v1/images/other/snapshots", json!({"name": "other-s1"}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let before = s.snapshot().await;
+    for (path, status, code) in [
+        ("/v1/images/enc/allocated", 422, "not_a_snapshot"),
+        ("/v1/images/enc-s2/changes?base=enc", 422, "not_a_snapshot"),
+        (
+            "/v1/images/enc-s2/changes?base=other-s1",
+            422,
+            "snapshots_of_different_images",
+        ),
+        ("/v1/images/enc-s2/allocated?limit=0", 422, "invalid_field"),
+        (
+            "/v1/images/enc-s2/allocated?limit=10001",
+            422,
+            "invalid_field",
+        ),
+        ("/v1/images/enc-s2/changes", 400, "invalid_query"),
+        (
+            "/v1/images/enc-s2/allocated?offset=-1",
+            400,
+            "invalid_query",
+        ),
+        ("/v1/images/enc-s2/allocated?bogus=1", 400, "invalid_query"),
+        ("/v1/images/nope/allocated", 404, "image_not_found"),
+        (
+            "/v1/images/enc-s2/changes?base=nope",
+            404,
+            "image_not_found",
+        ),
+    ] {
+        let a = s.get(path).await;
+        assert_error(&a, status, code);
+    }
+    let a = s.get("/v1/images/enc-s2/changes?base=other-s1").await;
+    let m = a.body["error"]["message"].as_str().unwrap();
+    assert!(m.contains("'enc-s2'") && m.contains("'other-s1'"), "{m}");
+    assert_eq!(s.snapshot().await, before, "a refusal changed something");
+}

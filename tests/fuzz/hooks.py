@@ -74,8 +74,11 @@ STATE_CODES = {
     "already_registered",
     "shrink_refused",
     "volume_limit",
-    # The image is a read-only snapshot.
+    # The image is a read-only snapshot, or is not one (changed ranges);
+    # two snapshots are of different images.
     "image_read_only",
+    "not_a_snapshot",
+    "snapshots_of_different_images",
     # The backend (`auto` picks it by host) and what the host's kernel offers.
     "backend_unavailable",
     "unsupported",

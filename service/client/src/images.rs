@@ -6,9 +6,9 @@ use super::client::Client;
 use super::error::Error;
 use super::path::{encode_segment, with_query};
 use blockplane_api::model::{
-    ActivateImageRequest, ActivatedImage, AddKeyRequest, CreateImageRequest, CreateSnapshotRequest,
-    DeleteImageQuery, Image, KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest,
-    ResizeImageRequest, ResizeImageResponse,
+    ActivateImageRequest, ActivatedImage, AddKeyRequest, AllocatedQuery, ChangesQuery,
+    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, Image, ImageRanges, KeySlotAdded,
+    ListImagesQuery, PatchImageRequest, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
 };
 
 fn image_path(image: &str) -> String {
@@ -113,5 +113,27 @@ impl Client {
     ) -> Result<Image, Error> {
         let path = format!("{}/snapshots", image_path(image));
         self.send(Method::POST, &path, req).await
+    }
+
+    /// `GET /v1/images/{id}/allocated`: a page of the ranges of a
+    /// snapshot's device that hold data.
+    pub async fn image_allocated(
+        &self,
+        image: &str,
+        query: &AllocatedQuery,
+    ) -> Result<ImageRanges, Error> {
+        let path = format!("{}/allocated", image_path(image));
+        self.get(&with_query(path, query)).await
+    }
+
+    /// `GET /v1/images/{id}/changes`: a page of the ranges of a snapshot's
+    /// device whose bytes differ from another snapshot's of the same image.
+    pub async fn image_changes(
+        &self,
+        image: &str,
+        query: &ChangesQuery,
+    ) -> Result<ImageRanges, Error> {
+        let path = format!("{}/changes", image_path(image));
+        self.get(&with_query(path, query)).await
     }
 }

@@ -199,6 +199,12 @@ error_codes! {
     /// 409: an apply of a newer backup runs on the standby (activate with
     /// `force` to stop it).
     StandbyApplying = "standby_applying",
+    /// 422: changed ranges are answered for read-only snapshots only: a
+    /// writable image's ranges change while they are read.
+    NotASnapshot = "not_a_snapshot",
+    /// 422: the two images of a `changes` query are not snapshots of one
+    /// image, so their difference says nothing about a volume's changes.
+    SnapshotsOfDifferentImages = "snapshots_of_different_images",
     /// 422: a retention policy that keeps nothing (every `keep_*` is 0).
     RetentionKeepsNothing = "retention_keeps_nothing",
     /// 422: a backup schedule's cron expression is not one, or matches no

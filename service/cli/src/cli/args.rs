@@ -416,6 +416,16 @@ pub enum ImageCmd {
         #[arg(long)]
         no_wait: bool,
     },
+    /// The ranges of a snapshot's device that hold data or, with --base,
+    /// the ranges whose bytes differ from another snapshot of the same
+    /// image: what a backup, or an incremental one, must read.
+    Ranges {
+        /// Snapshot id or name.
+        image: String,
+        /// The snapshot to compare with.
+        #[arg(long)]
+        base: Option<String>,
+    },
     /// Check a standby's source for newer backups now, starting an apply
     /// of the newest (the service checks every minute on its own).
     StandbyCheck {

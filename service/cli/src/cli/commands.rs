@@ -6,12 +6,12 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use blockplane_api::model::{
-    ActivateImageRequest, AddKeyRequest, Allocation, ColdMoveRequest, CreateBackupRequest,
-    CreateEncryption, CreateImageFile, CreateImageRequest, CreateRemoteRequest,
-    CreateSnapshotRequest, CreateVolumeRequest, DEFAULT_MAX_IO_BYTES, DeleteExportQuery,
-    DeleteImageQuery, DrainRequest, EventQuery, ExportRequest, Image, ListImagesQuery,
-    PatchDrainRequest, PatchImageRequest, PatchMoveRequest, PatchRemoteRequest, PatchVolumeRequest,
-    RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
+    ActivateImageRequest, AddKeyRequest, AllocatedQuery, Allocation, ChangesQuery, ColdMoveRequest,
+    CreateBackupRequest, CreateEncryption, CreateImageFile, CreateImageRequest,
+    CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest, DEFAULT_MAX_IO_BYTES,
+    DeleteExportQuery, DeleteImageQuery, DrainRequest, EventQuery, ExportRequest, Image,
+    ImageRanges, ListImagesQuery, PatchDrainRequest, PatchImageRequest, PatchMoveRequest,
+    PatchRemoteRequest, PatchVolumeRequest, RemoveKeyRequest, ResizeImageRequest, StartMoveRequest,
 };
 use blockplane_client::{self as client, Client, Endpoint};
 
@@ -188,6 +188,7 @@ async fn image(client: &Client, cmd: &ImageCmd) -> Result<View, ExitCode> {
             let started = client.create_image(&req).await.map_err(api)?;
             copied(client, name, started, *no_wait).await
         }
+        ImageCmd::Ranges { image, base } => image_ranges(client, image, base.as_deref()).await,
         ImageCmd::StandbyCheck { image } => {
             Ok(View::Image(client.check_standby(image).await.map_err(api)?))
         }
@@ -827,4 +828,46 @@ async fn moves(client: &Client, cmd: &MoveCmd) -> Result<View, ExitCode> {
         }
         MoveCmd::Cancel { id } => View::Move(client.cancel_move(id).await.map_err(api)?),
     })
+}
+
+/// Every page of a snapshot's ranges, as one answer.
+async fn image_ranges(client: &Client, image: &str, base: Option<&str>) -> Result<View, ExitCode> {
+    let mut offset = 0;
+    let mut all: Option<ImageRanges> = None;
+    loop {
+        let page = match base {
+            Some(b) => {
+                let q = ChangesQuery {
+                    base: b.to_string(),
+                    offset,
+                    limit: None,
+                };
+                client.image_changes(image, &q).await
+            }
+            None => {
+                let q = AllocatedQuery {
+                    offset,
+                    limit: None,
+                };
+                client.image_allocated(image, &q).await
+            }
+        }
+        .map_err(|e| fail(&e))?;
+        let next = page.next_offset;
+        match all.as_mut() {
+            None => all = Some(page),
+            Some(a) => {
+                a.ranges.extend(page.ranges);
+                a.mapped_bytes += page.mapped_bytes;
+                a.compared_bytes += page.compared_bytes;
+            }
+        }
+        match next {
+            Some(n) => offset = n,
+            None => break,
+        }
+    }
+    let mut all = all.expect("at least one page");
+    all.next_offset = None;
+    Ok(View::Ranges(all))
 }

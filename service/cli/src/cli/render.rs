@@ -5,8 +5,8 @@ use std::fmt::Display;
 
 use blockplane_api::model::{
     Backup, BackupGc, BackupPrune, BackupSchedule, BackupVerify, Capability, ColdExport, Drain,
-    Event, Export, Host, Image, ImageStandby, Move, MoveState, Remote, ResizeImageResponse,
-    SupervisionState, Volume, VolumeStats, human_size,
+    Event, Export, Host, Image, ImageRanges, ImageStandby, Move, MoveState, Remote,
+    ResizeImageResponse, SupervisionState, Volume, VolumeStats, human_size,
 };
 use blockplane_client::Client;
 use serde::Serialize;
@@ -47,6 +47,8 @@ pub enum View {
     Move(Move),
     Moves(Vec<Move>),
     Drain(Drain),
+    /// A snapshot's ranges, every page joined.
+    Ranges(ImageRanges),
     /// An answer without a body, and what to say of it.
     Done(&'static str),
 }
@@ -88,6 +90,7 @@ impl View {
             View::Move(m) => json_pretty(m),
             View::Moves(l) => json_pretty(l),
             View::Drain(d) => json_pretty(d),
+            View::Ranges(r) => json_pretty(r),
             View::Done(_) => String::new(),
         }
     }
@@ -122,6 +125,7 @@ impl View {
             View::Move(m) => move_(m, names),
             View::Moves(l) => moves(l),
             View::Drain(d) => drain(d),
+            View::Ranges(r) => ranges(r),
             View::Gc(g) => fields(vec![
                 ("chunks deleted", g.chunks_deleted.to_string()),
                 ("bytes deleted", human_size(g.bytes_deleted)),
@@ -924,6 +928,35 @@ fn schedules(l: &[BackupSchedule]) -> String {
 }
 
 /// A prune: each backup, newest first, kept (by its rule) or deleted.
+/// A snapshot's ranges: what they cover, how they were found, then each.
+fn ranges(r: &ImageRanges) -> String {
+    let covered: u64 = r.ranges.iter().map(|x| x.length).sum();
+    let what = if r.base_id.is_some() {
+        "differ"
+    } else {
+        "hold data"
+    };
+    let mut out = format!(
+        "{} ranges of {} {what}: {} of {} (found from extent maps: {}, read and compared: {})\n",
+        r.ranges.len(),
+        r.image_name,
+        human_size(covered),
+        human_size(r.size_bytes),
+        human_size(r.mapped_bytes),
+        human_size(r.compared_bytes),
+    );
+    if !r.ranges.is_empty() {
+        out += &table(
+            &["OFFSET", "LENGTH"],
+            r.ranges
+                .iter()
+                .map(|x| vec![x.offset.to_string(), x.length.to_string()])
+                .collect(),
+        );
+    }
+    out
+}
+
 fn prune(p: &BackupPrune) -> String {
     let deleted = if p.dry_run { "would delete" } else { "deleted" };
     let mut rows: Vec<(OffsetDateTime, Vec<String>)> = p

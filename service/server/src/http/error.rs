@@ -203,6 +203,10 @@ impl ApiError {
                 Error::StandbySourceAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
                 Error::ImageIsStandby { .. } => (S::CONFLICT, C::ImageIsStandby),
                 Error::NotAStandby(_) => (S::CONFLICT, C::NotAStandby),
+                Error::NotASnapshot(_) => (S::UNPROCESSABLE_ENTITY, C::NotASnapshot),
+                Error::SnapshotsOfDifferentImages { .. } => {
+                    (S::UNPROCESSABLE_ENTITY, C::SnapshotsOfDifferentImages)
+                }
                 Error::StandbyApplying { .. } => (S::CONFLICT, C::StandbyApplying),
                 Error::BackupAmbiguous { .. } => (S::CONFLICT, C::BackupAmbiguous),
                 Error::BackupNotDone { .. } => (S::CONFLICT, C::BackupNotDone),

@@ -8,9 +8,10 @@ use super::error::ApiError;
 use super::extract::{ApiJson, ApiQuery};
 use super::{AppState, detached};
 use blockplane_api::model::{
-    ActivateImageRequest, ActivatedImage, AddKeyRequest, CreateImageRequest, CreateSnapshotRequest,
-    DeleteImageQuery, ErrorBody, Image, ImageState, KeySlotAdded, ListImagesQuery,
-    PatchImageRequest, RemoveKeyRequest, ResizeImageRequest, ResizeImageResponse,
+    ActivateImageRequest, ActivatedImage, AddKeyRequest, AllocatedQuery, ChangesQuery,
+    CreateImageRequest, CreateSnapshotRequest, DeleteImageQuery, ErrorBody, Image, ImageRanges,
+    ImageState, KeySlotAdded, ListImagesQuery, PatchImageRequest, RemoveKeyRequest,
+    ResizeImageRequest, ResizeImageResponse,
 };
 
 /// 201 for an image that is ready, 202 for one whose copy runs.
@@ -368,5 +369,59 @@ pub async fn remove_image_key(
 ) -> Result<Json<Image>, ApiError> {
     Ok(Json(
         detached(async move { m.images().remove_image_key(&id, slot, req).await }).await?,
+    ))
+}
+
+/// The ranges of a snapshot's device that hold data (the rest reads as
+/// zeroes), from `offset`, a page of at most `limit`: what a backup of the
+/// snapshot must read. Found from the file's extent map without reading
+/// its bytes. Offsets are the device's: an encrypted image's plaintext.
+#[utoipa::path(
+    get, path = "/v1/images/{id}/allocated", tag = "images",
+    params(("id" = String, Path, description = "Snapshot id or name"), AllocatedQuery),
+    responses(
+        (status = 200, description = "A page of ranges; `next_offset` where the next starts", body = ImageRanges),
+        (status = 400, description = "Malformed query", body = ErrorBody),
+        (status = 404, description = "No such image", body = ErrorBody),
+        (status = 409, description = "The snapshot's copy runs or failed (`image_not_ready`), it is a standby (`image_is_standby`), or its file was replaced", body = ErrorBody),
+        (status = 422, description = "Not a read-only snapshot (`not_a_snapshot`), or a `limit` outside 1..10000 (`invalid_field`)", body = ErrorBody),
+    )
+)]
+pub async fn image_allocated(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<AllocatedQuery>,
+) -> Result<Json<ImageRanges>, ApiError> {
+    Ok(Json(
+        detached(async move { m.images().allocated(&id, q).await }).await?,
+    ))
+}
+
+/// The ranges of a snapshot's device whose bytes differ from `base`'s,
+/// another snapshot of the same image, from `offset`, a page of at most
+/// `limit`: what an incremental backup must read. Exact to the 4096-byte
+/// block: a block is listed if and only if its bytes differ. Blocks the
+/// two files share (reflinked snapshots on xfs or btrfs) and holes in both
+/// are known from the extent maps; everything else is read from both and
+/// compared (`mapped_bytes` and `compared_bytes` say how much took which
+/// path).
+#[utoipa::path(
+    get, path = "/v1/images/{id}/changes", tag = "images",
+    params(("id" = String, Path, description = "Snapshot id or name"), ChangesQuery),
+    responses(
+        (status = 200, description = "A page of ranges; `next_offset` where the next starts", body = ImageRanges),
+        (status = 400, description = "Malformed query (`base` is required)", body = ErrorBody),
+        (status = 404, description = "No such image (either)", body = ErrorBody),
+        (status = 409, description = "A snapshot's copy runs or failed (`image_not_ready`), it is a standby (`image_is_standby`), or its file was replaced", body = ErrorBody),
+        (status = 422, description = "Either is not a read-only snapshot (`not_a_snapshot`), they are snapshots of different images (`snapshots_of_different_images`), or a `limit` outside 1..10000 (`invalid_field`)", body = ErrorBody),
+    )
+)]
+pub async fn image_changes(
+    State(m): State<AppState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ChangesQuery>,
+) -> Result<Json<ImageRanges>, ApiError> {
+    Ok(Json(
+        detached(async move { m.images().changes(&id, q).await }).await?,
     ))
 }

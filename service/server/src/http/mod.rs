@@ -302,6 +302,8 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::check_standby))
         .routes(routes!(images::activate_image))
         .routes(routes!(images::snapshot_image))
+        .routes(routes!(images::image_allocated))
+        .routes(routes!(images::image_changes))
         .routes(routes!(images::add_image_key))
         .routes(routes!(images::remove_image_key))
         .routes(routes!(backups::backup_image))

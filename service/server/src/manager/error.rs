@@ -147,6 +147,19 @@ pub enum Error {
     )]
     NotAStandby(String),
     #[error(
+        "image '{0}' is not a read-only snapshot: changed ranges are answered for snapshots only, since a writable image's ranges change while they are read"
+    )]
+    NotASnapshot(String),
+    #[error(
+        "images '{target}' and '{base}' are not snapshots of one image ({target} is of {target_of}, {base} of {base_of}): their difference says nothing about a volume's changes"
+    )]
+    SnapshotsOfDifferentImages {
+        target: String,
+        base: String,
+        target_of: String,
+        base_of: String,
+    },
+    #[error(
         "image '{name}': an apply of backup {backup} runs, so it is not activated now; wait for its end (GET /v1/images/{name}), or give \"force\": true to stop it and activate with the backup it holds"
     )]
     StandbyApplying { name: String, backup: Uuid },

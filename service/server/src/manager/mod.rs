@@ -33,6 +33,7 @@ mod moves;
 mod names;
 pub mod orphans;
 mod pagecache;
+mod ranges;
 mod reconcile;
 mod recovery;
 mod remotes;
