@@ -56,7 +56,8 @@ async fn capabilities_offer_the_controller_topology_and_online_expansion() {
         services,
         vec![
             service::Type::ControllerService as i32,
-            service::Type::VolumeAccessibilityConstraints as i32
+            service::Type::VolumeAccessibilityConstraints as i32,
+            service::Type::SnapshotMetadataService as i32
         ]
     );
     assert_eq!(expansion, vec![volume_expansion::Type::Online as i32]);

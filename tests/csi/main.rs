@@ -16,6 +16,7 @@ mod expand;
 mod identity;
 mod modify;
 mod node;
+mod snapshot_metadata;
 mod snapshots;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant};
 use blockplane_csi::proto::controller_client::ControllerClient;
 use blockplane_csi::proto::identity_client::IdentityClient;
 use blockplane_csi::proto::node_client::NodeClient;
+use blockplane_csi::proto::snapshot_metadata_client::SnapshotMetadataClient;
 use blockplane_csi::proto::volume_capability::access_mode::Mode;
 use blockplane_csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use blockplane_csi::proto::{
@@ -51,6 +53,7 @@ pub struct Csi {
     pub identity: IdentityClient<Channel>,
     pub controller: ControllerClient<Channel>,
     pub node: NodeClient<Channel>,
+    pub snapshot_metadata: SnapshotMetadataClient<Channel>,
     /// Where staging and target paths live.
     pub dir: PathBuf,
     pub sock: PathBuf,
@@ -81,6 +84,7 @@ impl Csi {
         Self {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
+            snapshot_metadata: SnapshotMetadataClient::new(channel.clone()),
             node: NodeClient::new(channel),
             dir,
             sock,
@@ -105,6 +109,7 @@ impl Csi {
         let channel = connect(&self.sock, &mut driver, &self.log).await;
         self.identity = IdentityClient::new(channel.clone());
         self.controller = ControllerClient::new(channel.clone());
+        self.snapshot_metadata = SnapshotMetadataClient::new(channel.clone());
         self.node = NodeClient::new(channel);
         self.driver = Some(driver);
     }

@@ -17,7 +17,7 @@ use crate::harness::{LoopFs, Opts};
 use crate::{Csi, MIB, NODE, assert_code, block, create_req};
 
 /// A driver whose image root is an xfs with reflink (dropped after it).
-async fn on_xfs() -> (Csi, LoopFs) {
+pub(crate) async fn on_xfs() -> (Csi, LoopFs) {
     let fs = LoopFs::new(&["mkfs.xfs", "-q", "-f", "-m", "reflink=1"], 512 << 20);
     let root = fs.mnt.display().to_string();
     let csi = Csi::start_with(
@@ -31,7 +31,7 @@ async fn on_xfs() -> (Csi, LoopFs) {
     (csi, fs)
 }
 
-async fn snap(csi: &Csi, name: &str, source: &str) -> Result<Snapshot, tonic::Status> {
+pub(crate) async fn snap(csi: &Csi, name: &str, source: &str) -> Result<Snapshot, tonic::Status> {
     csi.controller
         .clone()
         .create_snapshot(CreateSnapshotRequest {
@@ -457,7 +457,10 @@ async fn on_ext4_a_snapshot_under_a_writable_volume_is_a_failed_precondition() {
 
 /// Polls `call` until it succeeds and `done` holds, for at most 60 s;
 /// returns the first answer too.
-async fn poll<T, F, Fut>(mut call: F, done: impl Fn(&T) -> bool) -> (Result<T, tonic::Status>, T)
+pub(crate) async fn poll<T, F, Fut>(
+    mut call: F,
+    done: impl Fn(&T) -> bool,
+) -> (Result<T, tonic::Status>, T)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, tonic::Status>>,

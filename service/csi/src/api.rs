@@ -7,10 +7,10 @@ use hyper::StatusCode;
 
 use super::errors::CsiError;
 use blockplane_api::model::{
-    CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest, CreateVolumeRequest,
-    DeleteExportQuery, DeleteImageQuery, ErrorCode, Event, EventQuery, Export, ExportRequest, Host,
-    Image, ListImagesQuery, PatchVolumeRequest, Remote, ResizeImageRequest, ResizeImageResponse,
-    UnlockVolumeRequest, Volume,
+    AllocatedQuery, ChangesQuery, CreateImageRequest, CreateRemoteRequest, CreateSnapshotRequest,
+    CreateVolumeRequest, DeleteExportQuery, DeleteImageQuery, ErrorCode, Event, EventQuery, Export,
+    ExportRequest, Host, Image, ImageRanges, ListImagesQuery, PatchVolumeRequest, Remote,
+    ResizeImageRequest, ResizeImageResponse, UnlockVolumeRequest, Volume,
 };
 use blockplane_client::{self as client, Client};
 use time::OffsetDateTime;
@@ -50,6 +50,28 @@ impl Api {
     pub async fn images(&self) -> Result<Vec<Image>, CsiError> {
         let all = ListImagesQuery::default();
         self.client.images(&all).await.named(ANY)
+    }
+
+    /// A page of the ranges of snapshot image `image` that hold data; errors
+    /// name `snapshot`, its CSI id.
+    pub async fn image_allocated(
+        &self,
+        snapshot: &str,
+        image: &str,
+        q: &AllocatedQuery,
+    ) -> Result<ImageRanges, CsiError> {
+        self.client.image_allocated(image, q).await.named(snapshot)
+    }
+
+    /// A page of the ranges of snapshot image `image` whose bytes differ
+    /// from `q.base`'s; errors name `snapshot`, its CSI id.
+    pub async fn image_changes(
+        &self,
+        snapshot: &str,
+        image: &str,
+        q: &ChangesQuery,
+    ) -> Result<ImageRanges, CsiError> {
+        self.client.image_changes(image, q).await.named(snapshot)
     }
 
     /// The host.

@@ -176,7 +176,10 @@ pub fn api_code(status: StatusCode, code: &ErrorCode) -> Code {
             | C::InvalidField
             | C::InvalidSize
             | C::ShrinkRefused
+            | C::SnapshotsOfDifferentImages
             | C::Unsupported => Code::InvalidArgument,
+            // An id that names a volume, not a snapshot.
+            C::NotASnapshot => Code::NotFound,
             _ => Code::FailedPrecondition,
         },
         503 => Code::Unavailable,

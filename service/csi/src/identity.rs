@@ -56,6 +56,8 @@ impl Identity for IdentityService {
                 service_cap(service::Type::ControllerService),
                 // Volumes are reachable from their own node only.
                 service_cap(service::Type::VolumeAccessibilityConstraints),
+                // Changed-block tracking of snapshots, for backup tools.
+                service_cap(service::Type::SnapshotMetadataService),
                 // Images grow while their devices serve I/O.
                 PluginCapability {
                     r#type: Some(plugin_capability::Type::VolumeExpansion(

@@ -33,6 +33,7 @@ mod naming;
 mod node;
 pub mod proto;
 mod reach;
+mod snapshot_metadata;
 mod snapshots;
 
 use std::path::{Path, PathBuf};
@@ -179,6 +180,11 @@ pub async fn serve(args: CsiArgs, api: &str, token: Option<String>) -> Result<()
         .add_service(proto::node_server::NodeServer::from_arc(Arc::new(
             node::NodeService::new(driver.clone()),
         )))
+        .add_service(
+            proto::snapshot_metadata_server::SnapshotMetadataServer::from_arc(Arc::new(
+                snapshot_metadata::SnapshotMetadataService::new(driver.clone()),
+            )),
+        )
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(listener).map(|conn| conn.map(authority::Filtered::new)),
             shutdown(),
