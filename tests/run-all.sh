@@ -63,9 +63,13 @@ export BLOCKPLANE_TEST_PYTHON=$PWD/$venv/bin/python
 
 # The manifests against the schemas of an older Kubernetes release (1.31) and
 # of the newest one the validator bundles (1.37), read offline from the
-# package; --strict refuses fields a schema does not know (typos).
+# package; --strict refuses fields a schema does not know (typos). The
+# opt-in objects of changed blocks (snapshot-metadata/) too, but not its
+# DaemonSet patches, which are no objects: tests/snapshot-metadata-manifests.py
+# validates the DaemonSet they patch.
 step "Kubernetes manifests (deploy/kubernetes) against the 1.31 and 1.37 schemas"
-manifests=(deploy/kubernetes/*.yaml deploy/kubernetes/example/*.yaml)
+manifests=(deploy/kubernetes/*.yaml deploy/kubernetes/example/*.yaml
+    deploy/kubernetes/snapshot-metadata/{rbac,service,tls-secret}.yaml)
 for k in 1.31.0 1.37.0; do
     "$venv/bin/kubernetes-validate" --strict --quiet -k "$k" "${manifests[@]}"
 done
@@ -79,6 +83,12 @@ done
 # with a warning, unchecked: check those against the snapshot.storage.k8s.io/v1
 # fields, and against the rest of the manifests.
 "$venv/bin/python" tests/snapshot-manifests.py deploy/kubernetes
+# Likewise the SnapshotMetadataService (cbt.storage.k8s.io/v1beta1) against
+# that CRD's fields, and against the Service, Secret, sidecar and roles that
+# serve it (changed blocks for backup tools, opt-in): the DaemonSet as
+# snapshot-metadata/daemonset-patch.yaml patches it, which it validates as
+# above (-k), and the default one, which must have no sidecar.
+"$venv/bin/python" tests/snapshot-metadata-manifests.py -k 1.31.0 -k 1.37.0 deploy/kubernetes
 
 # The alert rules as Prometheus reads them (promtool from Debian's package);
 # the metrics they and the Grafana dashboard name are checked against a real
