@@ -590,6 +590,16 @@ impl Store {
             .collect()
     }
 
+    /// The standby images (those that follow another image's backups).
+    pub async fn standby_images(&self) -> Result<Vec<ImageRow>> {
+        sqlx::query("SELECT * FROM images WHERE standby_of IS NOT NULL ORDER BY name")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(ImageRow::from_row)
+            .collect()
+    }
+
     /// The image with this id or name.
     pub async fn image(&self, id_or_name: &str) -> Result<Option<ImageRow>> {
         query::image(&self.readers, id_or_name).await

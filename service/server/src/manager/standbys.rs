@@ -21,8 +21,9 @@
 //!   or activation.
 
 use std::collections::BTreeSet;
+use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -216,7 +217,7 @@ impl Backups {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            let rows = match self.house().store.images().await {
+            let rows = match self.house().store.standby_images().await {
                 Ok(rows) => rows,
                 Err(e) => {
                     tracing::warn!(error = %e, "listing standby images failed");
@@ -224,7 +225,7 @@ impl Backups {
                 }
             };
             for row in rows {
-                if row.standby_of.is_none() || row.state != ImageState::Ready {
+                if row.state != ImageState::Ready {
                     continue;
                 }
                 let f = self.images.follow_of(row.id);
@@ -367,40 +368,8 @@ impl Backups {
         let delta = Delta::between(&held, &next);
         let journal = self.journal_path(row.id);
         let (me, r, j) = (self.clone(), row.clone(), journal.clone());
-        let (image, journal_file) = blocking(move || -> Result<_> {
-            let file = me.house().open_image(&r, Access::ReadWrite)?;
-            let image = std::fs::File::from(file.fd().try_clone().map_err(|e| {
-                Error::Internal(format!("standby image '{}': dup of its file: {e}", r.name))
-            })?);
-            make_dir_durable(&me.house().standby_journals()).map_err(|e| {
-                Error::Internal(format!(
-                    "standby image '{}': making {}: {e}",
-                    r.name,
-                    me.house().standby_journals().display()
-                ))
-            })?;
-            let journal = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                .open(&j)
-                .and_then(|journal| {
-                    // The journal's name must outlive a crash in its
-                    // replay: a mix nobody can finish otherwise.
-                    std::fs::File::open(me.house().standby_journals())?.sync_all()?;
-                    Ok(journal)
-                })
-                .map_err(|e| {
-                    Error::Internal(format!(
-                        "standby image '{}': opening its journal {}: {e}",
-                        r.name,
-                        j.display()
-                    ))
-                })?;
-            Ok((image, journal))
-        })
-        .await??;
+        let (image, journal_file) =
+            blocking(move || me.apply_files(&r, &j, Journal::New)).await??;
         let mut tx = self.house().store.begin().await?;
         tx.event(
             None,
@@ -553,6 +522,37 @@ impl Backups {
         )
     }
 
+    /// A standby's image file, writable, and its apply's journal: made new
+    /// (its directory synced, so that its name outlives a crash in the
+    /// replay: a mix nobody can finish otherwise), or the one an apply left.
+    fn apply_files(&self, r: &ImageRow, j: &Path, which: Journal) -> Result<(File, File)> {
+        let file = self.house().open_image(r, Access::ReadWrite)?;
+        let image = File::from(file.fd().try_clone().map_err(|e| {
+            Error::Internal(format!("standby image '{}': dup of its file: {e}", r.name))
+        })?);
+        let dir = self.house().standby_journals();
+        let mut open = std::fs::OpenOptions::new();
+        open.read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32);
+        let opened = match which {
+            Journal::New => make_dir_durable(&dir)
+                .and_then(|()| open.write(true).create_new(true).open(j))
+                .and_then(|journal| {
+                    File::open(&dir)?.sync_all()?;
+                    Ok(journal)
+                }),
+            Journal::Left => open.open(j),
+        };
+        let journal = opened.map_err(|e| {
+            Error::Internal(format!(
+                "standby image '{}': opening its journal {}: {e}",
+                r.name,
+                j.display()
+            ))
+        })?;
+        Ok((image, journal))
+    }
+
     /// Settles a journal an apply left (a crash, or a failed apply): a
     /// whole one is replayed and the registry then holds its backup; a
     /// torn one is dropped (the file was never touched by it). Nothing
@@ -565,21 +565,7 @@ impl Backups {
         let held = self.held(row).await?;
         let (me, r, j) = (self.clone(), row.clone(), journal.clone());
         let replayed = blocking(move || -> Result<Option<Manifest>> {
-            let file = me.house().open_image(&r, Access::ReadWrite)?;
-            let image = std::fs::File::from(file.fd().try_clone().map_err(|e| {
-                Error::Internal(format!("standby image '{}': dup of its file: {e}", r.name))
-            })?);
-            let journal = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                .open(&j)
-                .map_err(|e| {
-                    Error::Internal(format!(
-                        "standby image '{}': opening its journal {}: {e}",
-                        r.name,
-                        j.display()
-                    ))
-                })?;
+            let (image, journal) = me.apply_files(&r, &j, Journal::Left)?;
             blockplane_backup::standby::recover(&journal, &image).map_err(|e| {
                 Error::Internal(format!(
                     "standby image '{}': settling its journal {}: {e}",
@@ -736,6 +722,15 @@ pub(super) fn standby_samples(images: &[Image]) -> Vec<(String, f64, u64)> {
             Some((i.name.clone(), s.lag_seconds?, s.behind_bytes))
         })
         .collect()
+}
+
+/// Which journal [`Backups::apply_files`] opens.
+#[derive(Debug, Clone, Copy)]
+enum Journal {
+    /// A new one, for an apply that starts.
+    New,
+    /// The one an apply left, to settle.
+    Left,
 }
 
 /// Makes `dir` (and its parents) and syncs its parent, so that its name
