@@ -13,12 +13,14 @@
 //!
 //! So two reflinked snapshots cost a read of what was written between
 //! them, and two full copies (ext4) cost a read of both. [`Cost`] says
-//! which bytes took which path.
+//! which bytes took which path, and a page ends once it has compared
+//! [`COMPARE_BUDGET`] bytes, so that no page reads without bound before
+//! its caller hears of it.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 
 use crate::extent::{FIEMAP_EXTENT_UNWRITTEN, FsExtent, fiemap_range};
 
@@ -29,10 +31,15 @@ pub const BLOCK: u64 = 4096;
 /// Bytes read from each file per comparison step.
 const READ_STEP: usize = 1 << 20;
 
-/// Extent flags under which the physical address says nothing about the
-/// bytes (not yet placed, packed, encoded or inline): such a stretch is
-/// compared, never taken as shared.
-const OPAQUE: u32 = 0x2 | 0x4 | 0x8 | 0x80 | 0x100 | 0x200 | 0x400;
+/// Device bytes a page of a delta compares at most before it ends (with
+/// `next` where the next page starts), whatever its range count.
+pub const COMPARE_BUDGET: u64 = 1 << 30;
+
+/// The extent flags under which two extents at the same physical address
+/// hold the same bytes (`LAST`, `UNWRITTEN`, `MERGED`, `SHARED`). Any other
+/// (not yet placed, unknown, encoded, encrypted, packed, inline, or one a
+/// later kernel adds) makes the stretch compared, never taken as shared.
+const PLAIN: u32 = 0x1 | FIEMAP_EXTENT_UNWRITTEN | 0x1000 | 0x2000;
 
 /// Where the device's bytes are in an image file: an encrypted image's
 /// payload starts after its header, and ranges are the device's, not the
@@ -80,8 +87,9 @@ pub struct Ranges {
     pub cost: Cost,
 }
 
-/// The ranges of the device that hold data (neither holes nor unwritten),
-/// from `from`, at most `max` of them.
+/// The ranges of the device that were ever written (neither holes nor
+/// unwritten extents, which a plain image reads as zeroes), from `from`, at
+/// most `max` of them.
 pub fn allocated(file: &File, layout: Layout, from: u64, max: usize) -> io::Result<Ranges> {
     let from = align_down(from);
     let mut out = Pages::new(max);
@@ -103,8 +111,10 @@ pub fn allocated(file: &File, layout: Layout, from: u64, max: usize) -> io::Resu
 }
 
 /// The ranges of the device whose bytes differ between `base` and
-/// `target`, from `from`, at most `max` of them. The device is `target`'s
-/// `layout`; `base` may be shorter (what it lacks reads as zeroes).
+/// `target`, from `from`, at most `max` of them, comparing at most
+/// [`COMPARE_BUDGET`] bytes. The device is `target`'s `layout`; `base` may
+/// be shorter (what it lacks reads as zeroes). Physical addresses are
+/// compared only between files of one filesystem.
 pub fn delta(
     base: &File,
     target: &File,
@@ -112,6 +122,19 @@ pub fn delta(
     layout: Layout,
     from: u64,
     max: usize,
+) -> io::Result<Ranges> {
+    delta_within(base, target, base_start, layout, from, max, COMPARE_BUDGET)
+}
+
+/// [`delta`], with the bytes a page may compare given.
+fn delta_within(
+    base: &File,
+    target: &File,
+    base_start: u64,
+    layout: Layout,
+    from: u64,
+    max: usize,
+    budget: u64,
 ) -> io::Result<Ranges> {
     let from = align_down(from);
     let mut out = Pages::new(max);
@@ -123,18 +146,24 @@ pub fn delta(
         data_start: base_start,
         size: layout.size,
     };
+    let one_fs = base.metadata()?.dev() == target.metadata()?.dev();
     let mut a = Extents::new(data_pieces(base, base_layout, from)?);
     let mut b = Extents::new(data_pieces(target, layout, from)?);
     let mut cmp = Compare::new(base, base_start, target, layout);
     let mut at = from;
     while at < layout.size && !out.full() {
+        if cost.compared_bytes >= budget {
+            // `at` ends a compared stretch, rounded up to a block: every
+            // block before it is answered, none after.
+            return Ok(out.finish_at(at, cost));
+        }
         let (pa, end_a) = a.at(at, layout.size);
         let (pb, end_b) = b.at(at, layout.size);
         let end = end_a.min(end_b);
         // Unwritten reads as zeroes, as a hole does.
         let same = match (pa.filter(|p| !p.zero()), pb.filter(|p| !p.zero())) {
             (None, None) => true,
-            (Some(x), Some(y)) => x.shares(y, at),
+            (Some(x), Some(y)) => one_fs && x.shares(y, at),
             _ => false,
         };
         if same {
@@ -145,6 +174,8 @@ pub fn delta(
             let hi = align_up(end, layout.size);
             cost.compared_bytes += end - at;
             cmp.differing(lo, hi, &mut out)?;
+            at = hi;
+            continue;
         }
         at = end;
     }
@@ -213,10 +244,11 @@ impl Piece {
         self.flags & FIEMAP_EXTENT_UNWRITTEN != 0
     }
 
-    /// Whether two written pieces hold the same bytes from `at` on (as far
-    /// as both reach) without reading them: the same physical blocks.
+    /// Whether two written pieces of one filesystem hold the same bytes
+    /// from `at` on (as far as both reach) without reading them: the same
+    /// physical blocks.
     fn shares(&self, other: &Piece, at: u64) -> bool {
-        (self.flags | other.flags) & OPAQUE == 0
+        (self.flags | other.flags) & !PLAIN == 0
             && self.physical + (at - self.offset) == other.physical + (at - other.offset)
     }
 }
@@ -338,6 +370,15 @@ impl Pages {
 
     fn full(&self) -> bool {
         self.ranges.len() > self.max
+    }
+
+    /// The page, ended at `at` before its limit: the next starts there.
+    fn finish_at(self, at: u64, cost: Cost) -> Ranges {
+        let mut page = self.finish(cost);
+        if page.next.is_none() {
+            page.next = Some(at);
+        }
+        page
     }
 
     fn finish(mut self, cost: Cost) -> Ranges {

@@ -95,7 +95,12 @@ pub fn drop_cached(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// writeback (an allocate filling it, say) inside the API call, and on a
 /// device it is a flush through the volume's own data path.
 pub fn drop_clean_at(path: &std::path::Path) -> io::Result<()> {
-    rustix::fs::fadvise(open(path)?.as_fd(), 0, None, rustix::fs::Advice::DontNeed)?;
+    drop_clean(open(path)?.as_fd())
+}
+
+/// Drops the clean cached pages of an open file ([`drop_clean_at`]'s).
+pub fn drop_clean(fd: BorrowedFd<'_>) -> io::Result<()> {
+    rustix::fs::fadvise(fd, 0, None, rustix::fs::Advice::DontNeed)?;
     Ok(())
 }
 

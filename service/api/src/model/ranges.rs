@@ -69,10 +69,13 @@ pub struct ImageRanges {
     /// The granularity of the ranges.
     pub block_bytes: u64,
     /// In ascending order, none touching the next. For `/allocated`: what
-    /// holds data (the rest reads as zeroes). For `/changes`: every block
-    /// whose bytes differ from the base's, and only those.
+    /// was ever written (the rest reads as zeroes on a plain image). For
+    /// `/changes`: every block whose bytes differ from the base's, and
+    /// only those.
     pub ranges: Vec<ByteRange>,
-    /// Where the next page starts; absent on the last page.
+    /// Where the next page starts; absent on the last page. A page of
+    /// `/changes` ends once it has compared 1 GiB, whatever its range
+    /// count, so it may hold fewer than `limit`, even none.
     pub next_offset: Option<u64>,
     /// Bytes of this page's stretch known from the files' extent maps
     /// alone: holes, unwritten extents, and blocks the two files share

@@ -857,7 +857,15 @@ async fn image_ranges(client: &Client, image: &str, base: Option<&str>) -> Resul
         match all.as_mut() {
             None => all = Some(page),
             Some(a) => {
-                a.ranges.extend(page.ranges);
+                // A range may go on where the last page stopped: one range.
+                for r in page.ranges {
+                    match a.ranges.last_mut() {
+                        Some(last) if last.offset + last.length == r.offset => {
+                            last.length += r.length
+                        }
+                        _ => a.ranges.push(r),
+                    }
+                }
                 a.mapped_bytes += page.mapped_bytes;
                 a.compared_bytes += page.compared_bytes;
             }

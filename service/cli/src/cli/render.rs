@@ -927,7 +927,6 @@ fn schedules(l: &[BackupSchedule]) -> String {
     )
 }
 
-/// A prune: each backup, newest first, kept (by its rule) or deleted.
 /// A snapshot's ranges: what they cover, how they were found, then each.
 fn ranges(r: &ImageRanges) -> String {
     let covered: u64 = r.ranges.iter().map(|x| x.length).sum();
@@ -957,6 +956,7 @@ fn ranges(r: &ImageRanges) -> String {
     out
 }
 
+/// A prune: each backup, newest first, kept (by its rule) or deleted.
 fn prune(p: &BackupPrune) -> String {
     let deleted = if p.dry_run { "would delete" } else { "deleted" };
     let mut rows: Vec<(OffsetDateTime, Vec<String>)> = p

@@ -372,8 +372,9 @@ pub async fn remove_image_key(
     ))
 }
 
-/// The ranges of a snapshot's device that hold data (the rest reads as
-/// zeroes), from `offset`, a page of at most `limit`: what a backup of the
+/// The ranges of a snapshot's device that were ever written (the rest
+/// reads as zeroes on a plain image), from `offset`, a page of at most
+/// `limit`: what a backup of the
 /// snapshot must read. Found from the file's extent map without reading
 /// its bytes. Offsets are the device's: an encrypted image's plaintext.
 #[utoipa::path(
@@ -392,9 +393,7 @@ pub async fn image_allocated(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<AllocatedQuery>,
 ) -> Result<Json<ImageRanges>, ApiError> {
-    Ok(Json(
-        detached(async move { m.images().allocated(&id, q).await }).await?,
-    ))
+    Ok(Json(m.images().allocated(&id, q).await?))
 }
 
 /// The ranges of a snapshot's device whose bytes differ from `base`'s,
@@ -404,7 +403,8 @@ pub async fn image_allocated(
 /// two files share (reflinked snapshots on xfs or btrfs) and holes in both
 /// are known from the extent maps; everything else is read from both and
 /// compared (`mapped_bytes` and `compared_bytes` say how much took which
-/// path).
+/// path). A page also ends once it has compared 1 GiB, with `next_offset`
+/// set, so it may hold fewer ranges than `limit`, even none.
 #[utoipa::path(
     get, path = "/v1/images/{id}/changes", tag = "images",
     params(("id" = String, Path, description = "Snapshot id or name"), ChangesQuery),
@@ -421,7 +421,5 @@ pub async fn image_changes(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ChangesQuery>,
 ) -> Result<Json<ImageRanges>, ApiError> {
-    Ok(Json(
-        detached(async move { m.images().changes(&id, q).await }).await?,
-    ))
+    Ok(Json(m.images().changes(&id, q).await?))
 }

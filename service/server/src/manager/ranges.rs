@@ -4,6 +4,7 @@
 //! module decides which images may be asked and where their devices start.
 
 use std::fs::File;
+use std::os::fd::AsFd;
 
 use super::blocking::blocking;
 use super::error::{Error, Result};
@@ -12,6 +13,7 @@ use crate::store::ImageRow;
 use blockplane_api::model::{AllocatedQuery, ByteRange, ChangesQuery, ImageRanges, MAX_RANGES};
 use blockplane_system::changes::{self, BLOCK, Layout, Ranges};
 use blockplane_system::image::Access;
+use blockplane_system::pagecache;
 
 impl Images {
     /// `GET /v1/images/{id}/allocated`: the ranges of a snapshot's device
@@ -56,7 +58,13 @@ impl Images {
         let base_file = self.snapshot_file(&base).await?;
         let (layout, base_start) = (layout(&row), layout(&base).data_start);
         let page = blocking(move || {
-            changes::delta(&base_file, &target_file, base_start, layout, q.offset, max)
+            let page = changes::delta(&base_file, &target_file, base_start, layout, q.offset, max);
+            // The bytes compared were read through the page cache: a
+            // direct-I/O volume on either snapshot must not find them there.
+            for f in [&base_file, &target_file] {
+                let _ = pagecache::drop_clean(f.as_fd());
+            }
+            page
         })
         .await?
         .map_err(|e| read_failed(&row, &e))?;
@@ -64,13 +72,13 @@ impl Images {
     }
 
     /// Refuses an image whose ranges would not hold still or are not whole:
-    /// writable, still being copied, or a standby an apply may rewrite.
+    /// anything but a read-only snapshot (a standby, which an apply
+    /// rewrites, is none), or a snapshot still being copied.
     fn answerable(&self, row: &ImageRow) -> Result<()> {
-        self.house.refuse_unready(row, "have its ranges read")?;
         if !row.read_only || row.snapshot_of.is_none() {
             return Err(Error::NotASnapshot(row.name.clone()));
         }
-        Ok(())
+        self.house.refuse_unready_copy(row, "have its ranges read")
     }
 
     async fn snapshot_file(&self, row: &ImageRow) -> Result<File> {
