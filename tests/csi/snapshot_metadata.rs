@@ -23,10 +23,13 @@ const SIZE: i64 = 32 * MIB;
 /// One stream's messages, as (capacity, ranges) each.
 type Pages = Vec<(i64, Vec<(i64, i64)>)>;
 
+/// One message's parts: its block metadata type, capacity and ranges.
+type Parts = (i32, i64, Vec<(i64, i64)>);
+
 /// One stream's messages, each checked to be variable-length ranges.
 async fn pages<M>(
     mut s: tonic::Streaming<M>,
-    parts: fn(&M) -> (i32, i64, Vec<(i64, i64)>),
+    parts: fn(&M) -> Parts,
 ) -> Result<Pages, tonic::Status> {
     let mut out = Vec::new();
     while let Some(m) = s.message().await? {
@@ -276,7 +279,7 @@ async fn snapshot_metadata_refusals_carry_the_specs_codes() {
 
     // Arguments.
     assert_code(allocated(&csi, "", 0, 0).await, Code::InvalidArgument);
-    assert_code(allocated(&csi, &s1, -1, 0).await, Code::InvalidArgument);
+    assert_code(allocated(&csi, &s1, -1, 0).await, Code::OutOfRange);
     assert_code(allocated(&csi, &s1, 0, -1).await, Code::InvalidArgument);
     assert_code(delta(&csi, "", &s2, 0, 0).await, Code::InvalidArgument);
     assert_code(delta(&csi, &s1, "", 0, 0).await, Code::InvalidArgument);
@@ -287,9 +290,14 @@ async fn snapshot_metadata_refusals_carry_the_specs_codes() {
         "{}",
         e.message()
     );
-    // Past the end.
-    assert_code(allocated(&csi, &s1, SIZE, 0).await, Code::OutOfRange);
+    // Past the end; at the end, nothing is left (a resume after the last
+    // range).
+    assert_code(allocated(&csi, &s1, SIZE + 1, 0).await, Code::OutOfRange);
     assert_code(delta(&csi, &s1, &s2, SIZE + 1, 0).await, Code::OutOfRange);
+    let end = allocated(&csi, &s1, SIZE, 0).await.unwrap();
+    assert_eq!(joined(&end, usize::MAX), []);
+    let end = delta(&csi, &s1, &s2, SIZE, 0).await.unwrap();
+    assert_eq!(joined(&end, usize::MAX), []);
     // Not found: no such snapshot, an id not the driver's, a volume.
     for missing in [
         format!("{NODE}/csi-nope"),

@@ -28,6 +28,7 @@ use super::proto::{
     GetMetadataDeltaRequest, GetMetadataDeltaResponse,
 };
 use blockplane_api::model::{AllocatedQuery, ChangesQuery, ImageRanges, MAX_RANGES};
+use uuid::Uuid;
 
 /// Pages in flight between the API and a slow reader of the stream.
 const PAGES_AHEAD: usize = 2;
@@ -73,8 +74,11 @@ impl Window {
             volume: snapshot.to_string(),
             reason,
         };
-        let offset = u64::try_from(starting_offset)
-            .map_err(|_| invalid(format!("starting_offset {starting_offset} is negative")))?;
+        // The spec's code for a negative offset, as for one past the end.
+        let offset = u64::try_from(starting_offset).map_err(|_| CsiError::OutOfRange {
+            volume: snapshot.to_string(),
+            reason: format!("starting_offset {starting_offset} is negative"),
+        })?;
         let limit = match max_results {
             0 => MAX_RANGES,
             n if n < 0 => return Err(invalid(format!("max_results {n} is negative"))),
@@ -97,13 +101,15 @@ fn blocks(page: &ImageRanges) -> (i64, Vec<BlockMetadata>) {
     (page.size_bytes as i64, ranges)
 }
 
-/// An offset past the device's end: OUT_OF_RANGE, as the spec asks.
+/// An offset that exceeds the device's size: OUT_OF_RANGE, as the spec
+/// asks. The size itself is where nothing is left: an empty answer, which
+/// a caller resuming after the last range gets.
 fn past_end(snapshot: &str, offset: u64, page: &ImageRanges) -> Result<(), CsiError> {
-    if offset >= page.size_bytes {
+    if offset > page.size_bytes {
         return Err(CsiError::OutOfRange {
             volume: snapshot.to_string(),
             reason: format!(
-                "starting_offset {offset} is not below the snapshot's size, {} bytes",
+                "starting_offset {offset} exceeds the snapshot's size, {} bytes",
                 page.size_bytes
             ),
         });
@@ -111,11 +117,34 @@ fn past_end(snapshot: &str, offset: u64, page: &ImageRanges) -> Result<(), CsiEr
     Ok(())
 }
 
+/// The images a stream's first page answered for. Later pages ask for them
+/// by id, so that a snapshot deleted and made again under its name during
+/// a stream ends it (NOT_FOUND) instead of mixing two files' ranges.
+#[derive(Debug, Clone, Copy)]
+struct Pinned {
+    image: Uuid,
+    base: Option<Uuid>,
+}
+
+impl Pinned {
+    /// The name or id to ask for: the id once the first page named it.
+    fn image(pinned: Option<Self>, name: &str) -> String {
+        pinned.map_or_else(|| name.to_string(), |p| p.image.to_string())
+    }
+
+    /// Likewise for the base of a delta.
+    fn base(pinned: Option<Self>, name: &str) -> String {
+        pinned
+            .and_then(|p| p.base)
+            .map_or_else(|| name.to_string(), |id| id.to_string())
+    }
+}
+
 type PageStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// Streams pages from `fetch(offset)` until the last, the first one
-/// fetched before the call answers (so that a refusal is the call's
-/// status, not a broken stream).
+/// Streams pages from `fetch(offset, pinned)` until the last, the first
+/// one fetched before the call answers (so that a refusal is the call's
+/// status, not a broken stream), the later ones of the images it named.
 async fn stream_pages<T, F, Fut>(
     snapshot: String,
     offset: u64,
@@ -124,11 +153,15 @@ async fn stream_pages<T, F, Fut>(
 ) -> Result<PageStream<T>, Status>
 where
     T: Send + 'static,
-    F: Fn(u64) -> Fut + Send + 'static,
+    F: Fn(u64, Option<Pinned>) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<ImageRanges, CsiError>> + Send,
 {
-    let first = fetch(offset).await?;
+    let first = fetch(offset, None).await?;
     past_end(&snapshot, offset, &first)?;
+    let pinned = Some(Pinned {
+        image: first.image_id,
+        base: first.base_id,
+    });
     let (tx, rx) = mpsc::channel(PAGES_AHEAD);
     tokio::spawn(async move {
         let mut page = first;
@@ -138,7 +171,7 @@ where
                 return; // The caller went away.
             }
             let Some(at) = next else { return };
-            page = match fetch(at).await {
+            page = match fetch(at, pinned).await {
                 Ok(p) => p,
                 Err(e) => {
                     let _ = tx.send(Err(e.into())).await;
@@ -168,8 +201,8 @@ impl SnapshotMetadata for SnapshotMetadataService {
         let w = Window::parse(&r.snapshot_id, r.starting_offset, r.max_results)?;
         let image = self.own_snapshot(&r.snapshot_id)?;
         let (api, id, limit) = (self.d.api.clone(), r.snapshot_id.clone(), w.limit);
-        let fetch = move |offset| {
-            let (api, id, image) = (api.clone(), id.clone(), image.clone());
+        let fetch = move |offset, pinned| {
+            let (api, id, image) = (api.clone(), id.clone(), Pinned::image(pinned, &image));
             async move {
                 let q = AllocatedQuery {
                     offset,
@@ -209,8 +242,9 @@ impl SnapshotMetadata for SnapshotMetadataService {
         let base = self.own_snapshot(&r.base_snapshot_id)?;
         let target = self.own_snapshot(&r.target_snapshot_id)?;
         let (api, id, limit) = (self.d.api.clone(), r.target_snapshot_id.clone(), w.limit);
-        let fetch = move |offset| {
-            let (api, id, target, base) = (api.clone(), id.clone(), target.clone(), base.clone());
+        let fetch = move |offset, pinned| {
+            let (api, id) = (api.clone(), id.clone());
+            let (target, base) = (Pinned::image(pinned, &target), Pinned::base(pinned, &base));
             async move {
                 let q = ChangesQuery {
                     base,
