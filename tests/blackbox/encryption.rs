@@ -639,3 +639,90 @@ async fn a_restore_of_a_plain_backup_that_holds_a_luks_header_fails_and_leaves_n
     );
     assert!(!s.images.join("open-back.img").exists());
 }
+
+/// Each key slot's argon2id `(time cost, memory KiB)` in the LUKS2 file
+/// `path`, by slot number, as cryptsetup reads the header.
+fn slot_costs(path: &std::path::Path) -> Vec<(u64, u64)> {
+    let out = Command::new("cryptsetup")
+        .args(["luksDump", "--dump-json-metadata"])
+        .arg(path)
+        .output()
+        .expect("cryptsetup runs");
+    assert!(out.status.success(), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut slots: Vec<(u32, (u64, u64))> = doc["keyslots"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(n, slot)| {
+            let kdf = &slot["kdf"];
+            assert_eq!(kdf["type"], "argon2id", "slot {n}: {kdf}");
+            let cost = |k: &str| kdf[k].as_u64().unwrap();
+            (n.parse().unwrap(), (cost("time"), cost("memory")))
+        })
+        .collect();
+    slots.sort();
+    slots.into_iter().map(|(_, c)| c).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fixed_key_cost_is_every_new_slots_and_half_of_one_refuses_to_start() {
+    let fixed = ["--key-kdf-iterations", "5", "--key-kdf-memory-kib", "64"];
+    let s = Service::start_with(Opts {
+        extra_args: fixed.iter().map(|a| a.to_string()).collect(),
+        ..Default::default()
+    })
+    .await;
+    let path = s.images.join("fixed.img");
+    let a = s
+        .post(
+            "/v1/images",
+            json!({"name": "fixed", "path": path,
+                   "create": {"size_bytes": 24u64 << 20, "encryption": {"key": "one"}}}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let a = s
+        .post(
+            "/v1/images/fixed/keys",
+            json!({"key": "one", "new_key": "two"}),
+        )
+        .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(slot_costs(&path), vec![(5, 64), (5, 64)]);
+    assert!(opens(&path, "two"));
+
+    // A cost given by halves, or both timed and fixed, is refused before
+    // anything starts.
+    let dir = tempfile::tempdir().unwrap();
+    for (args, names) in [
+        (&["--key-kdf-iterations", "5"][..], "give both"),
+        (
+            &[
+                "--key-unlock-ms",
+                "100",
+                "--key-kdf-iterations",
+                "5",
+                "--key-kdf-memory-kib",
+                "64",
+            ][..],
+            "one or the other",
+        ),
+        (
+            &["--key-kdf-iterations", "3", "--key-kdf-memory-kib", "64"][..],
+            "below argon2id's least, 4",
+        ),
+    ] {
+        let out = Command::new(crate::harness::bin())
+            .arg("serve")
+            .arg("--data-dir")
+            .arg(dir.path())
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(names), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("blockplane.db").exists(), "nothing starts");
+}

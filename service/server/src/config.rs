@@ -45,6 +45,9 @@ pub enum ConfigError {
     /// `--backup-target` or its credentials cannot be used.
     #[error("--backup-target: {0}")]
     BackupTarget(#[from] blockplane_backup::Error),
+    /// The key slots' cost is given in a way that cannot be used.
+    #[error("key slot cost: {0}")]
+    Kdf(String),
     /// An export address is not `IP[:PORT]`.
     #[error("--export-address '{address}': {reason}")]
     ExportAddress {
@@ -101,6 +104,15 @@ pub struct ServeArgs {
     /// a key harder to guess by trying, and every attach slower [default: 2000].
     #[arg(long, env = "BLOCKPLANE_KEY_UNLOCK_MS")]
     pub key_unlock_ms: Option<u32>,
+    /// A fixed argon2id time cost for new key slots instead of a timed one
+    /// (with --key-kdf-memory-kib; at least 4): the same cost on every host,
+    /// and no benchmark before each new key.
+    #[arg(long, env = "BLOCKPLANE_KEY_KDF_ITERATIONS")]
+    pub key_kdf_iterations: Option<u32>,
+    /// The fixed argon2id memory of new key slots, KiB (with
+    /// --key-kdf-iterations; 32 to 4194304).
+    #[arg(long, env = "BLOCKPLANE_KEY_KDF_MEMORY_KIB")]
+    pub key_kdf_memory_kib: Option<u32>,
     /// Where backups go: a directory (an absolute path, or `file:///path`:
     /// a local disk or an NFS mount), or S3-compatible storage
     /// (`s3://BUCKET/PREFIX?endpoint=URL&region=REGION`) [default: none,
@@ -221,6 +233,8 @@ struct FileConfig {
     queues: Option<u16>,
     extent_check_secs: Option<u32>,
     key_unlock_ms: Option<u32>,
+    key_kdf_iterations: Option<u32>,
+    key_kdf_memory_kib: Option<u32>,
     backup_target: Option<String>,
     #[serde(default)]
     export_address: Vec<String>,
@@ -288,8 +302,9 @@ pub struct ServeConfig {
     pub queues: u16,
     /// Seconds between re-reads of direct-mapped images' extents.
     pub extent_check_secs: u32,
-    /// Milliseconds one unlock of a key slot takes (`--key-unlock-ms`).
-    pub key_unlock_ms: u32,
+    /// The cost of new key slots (`--key-unlock-ms`, or
+    /// `--key-kdf-iterations` with `--key-kdf-memory-kib`).
+    pub kdf: blockplane_system::crypt::Kdf,
     /// Where backups go (`--backup-target`); `None`: backups are refused.
     pub backup_target: Option<blockplane_backup::TargetConfig>,
     /// How long an operation on the backup target may go unanswered
@@ -383,11 +398,11 @@ impl ServeArgs {
                 .map_or(blockplane_backup::DEFAULT_TIMEOUT, |s| {
                     std::time::Duration::from_secs(s.clamp(1, 3600))
                 }),
-            key_unlock_ms: self
-                .key_unlock_ms
-                .or(file.key_unlock_ms)
-                .unwrap_or(2000)
-                .clamp(1, 60_000),
+            kdf: kdf_of(
+                self.key_unlock_ms.or(file.key_unlock_ms),
+                self.key_kdf_iterations.or(file.key_kdf_iterations),
+                self.key_kdf_memory_kib.or(file.key_kdf_memory_kib),
+            )?,
             limits,
             accept_new_registry: self.accept_new_registry,
         })
@@ -447,6 +462,49 @@ impl FileConfig {
                 .map_err(|reason| refused(format!("max_overcommit: {reason}")))?;
         }
         Ok(file)
+    }
+}
+
+/// The cost of new key slots: timed unless a fixed cost is given whole,
+/// and never both, since either would silently overrule the other.
+fn kdf_of(
+    unlock_ms: Option<u32>,
+    iterations: Option<u32>,
+    memory_kib: Option<u32>,
+) -> Result<blockplane_system::crypt::Kdf, ConfigError> {
+    use blockplane_system::crypt::Kdf;
+    let refused = |reason: String| Err(ConfigError::Kdf(reason));
+    match (unlock_ms, iterations, memory_kib) {
+        (unlock_ms, None, None) => Ok(Kdf::Timed {
+            unlock_ms: unlock_ms.unwrap_or(2000).clamp(1, 60_000),
+        }),
+        (Some(_), _, _) => refused(
+            "--key-unlock-ms times the cost that --key-kdf-iterations and \
+             --key-kdf-memory-kib fix: give one or the other"
+                .into(),
+        ),
+        (None, Some(iterations), Some(memory_kib)) => {
+            if iterations < Kdf::MIN_ITERATIONS {
+                return refused(format!(
+                    "--key-kdf-iterations {iterations} is below argon2id's least, {}",
+                    Kdf::MIN_ITERATIONS
+                ));
+            }
+            if !(Kdf::MIN_MEMORY_KIB..=Kdf::MAX_MEMORY_KIB).contains(&memory_kib) {
+                return refused(format!(
+                    "--key-kdf-memory-kib {memory_kib} is outside argon2id's {}..={}",
+                    Kdf::MIN_MEMORY_KIB,
+                    Kdf::MAX_MEMORY_KIB
+                ));
+            }
+            Ok(Kdf::Fixed {
+                iterations,
+                memory_kib,
+            })
+        }
+        (None, _, _) => refused(
+            "--key-kdf-iterations and --key-kdf-memory-kib fix a cost together: give both".into(),
+        ),
     }
 }
 
@@ -625,5 +683,48 @@ mod tests {
         .resolve()
         .unwrap();
         assert_eq!(c.data_dir, PathBuf::from("/flag"));
+    }
+
+    #[test]
+    fn a_key_slots_cost_is_timed_or_fixed_whole_never_both() {
+        use blockplane_system::crypt::Kdf;
+        let kdf = |unlock_ms, iterations, memory_kib| {
+            ServeArgs {
+                key_unlock_ms: unlock_ms,
+                key_kdf_iterations: iterations,
+                key_kdf_memory_kib: memory_kib,
+                ..args()
+            }
+            .resolve()
+            .map(|c| c.kdf)
+        };
+        assert_eq!(
+            kdf(None, None, None).unwrap(),
+            Kdf::Timed { unlock_ms: 2000 }
+        );
+        assert_eq!(
+            kdf(Some(300), None, None).unwrap(),
+            Kdf::Timed { unlock_ms: 300 }
+        );
+        assert_eq!(
+            kdf(None, Some(4), Some(32)).unwrap(),
+            Kdf::Fixed {
+                iterations: 4,
+                memory_kib: 32
+            }
+        );
+        for (unlock_ms, iterations, memory_kib, names) in [
+            (Some(300), Some(4), Some(32), "one or the other"),
+            (None, Some(4), None, "give both"),
+            (None, None, Some(32), "give both"),
+            (None, Some(3), Some(32), "iterations 3"),
+            (None, Some(4), Some(31), "memory-kib 31"),
+            (None, Some(4), Some((4 << 20) + 1), "memory-kib 4194305"),
+        ] {
+            match kdf(unlock_ms, iterations, memory_kib) {
+                Err(ConfigError::Kdf(reason)) => assert!(reason.contains(names), "{reason}"),
+                other => panic!("{unlock_ms:?} {iterations:?} {memory_kib:?}: {other:?}"),
+            }
+        }
     }
 }

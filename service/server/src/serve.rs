@@ -789,9 +789,7 @@ fn manager_config(cfg: &ServeConfig, faults: Faults) -> Result<ManagerConfig, Se
         default_queues: cfg.queues,
         max_volumes: cfg.limits.max_volumes,
         max_overcommit: cfg.limits.max_overcommit,
-        kdf: blockplane_system::crypt::Kdf {
-            unlock_ms: cfg.key_unlock_ms,
-        },
+        kdf: cfg.kdf,
         backup_target: match &cfg.backup_target {
             Some(t) => Some(blockplane_backup::Target::open(t, cfg.backup_timeout)?),
             None => None,

@@ -138,12 +138,57 @@ pub enum Magic {
     },
 }
 
-/// How hard a key is to guess by trying: the time an unlock takes on this
-/// host (cryptsetup's `--iter-time`), which sizes argon2id's work.
-#[derive(Debug, Clone, Copy)]
-pub struct Kdf {
-    /// Milliseconds one unlock should take here.
-    pub unlock_ms: u32,
+/// How hard a new key slot is to guess by trying: argon2id's cost, either
+/// sized to a time here or given outright.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kdf {
+    /// As costly as one unlock taking this many milliseconds on this host
+    /// (cryptsetup's `--iter-time`): cryptsetup benchmarks argon2id before
+    /// each new slot, so the cost follows the host and its load at the time.
+    Timed {
+        /// Milliseconds one unlock should take here.
+        unlock_ms: u32,
+    },
+    /// A fixed cost, the same on every host and under any load, with no
+    /// benchmark first: what a fleet whose volumes move between hosts, or a
+    /// host that must not weaken keys made while it is busy, asks for.
+    Fixed {
+        /// argon2id's time cost (passes over its memory), at least
+        /// [`Kdf::MIN_ITERATIONS`].
+        iterations: u32,
+        /// argon2id's memory, KiB, from [`Kdf::MIN_MEMORY_KIB`] to
+        /// [`Kdf::MAX_MEMORY_KIB`].
+        memory_kib: u32,
+    },
+}
+
+impl Kdf {
+    /// cryptsetup's least argon2id time cost.
+    pub const MIN_ITERATIONS: u32 = 4;
+    /// cryptsetup's least argon2id memory, KiB.
+    pub const MIN_MEMORY_KIB: u32 = 32;
+    /// cryptsetup's most argon2id memory, KiB (4 GiB).
+    pub const MAX_MEMORY_KIB: u32 = 4 << 20;
+
+    /// cryptsetup's arguments for a new key slot of this cost.
+    fn args(self) -> Vec<String> {
+        let mut args = vec!["--pbkdf".to_string(), "argon2id".to_string()];
+        match self {
+            Kdf::Timed { unlock_ms } => {
+                args.extend(["--iter-time".to_string(), unlock_ms.to_string()]);
+            }
+            Kdf::Fixed {
+                iterations,
+                memory_kib,
+            } => args.extend([
+                "--pbkdf-force-iterations".to_string(),
+                iterations.to_string(),
+                "--pbkdf-memory".to_string(),
+                memory_kib.to_string(),
+            ]),
+        }
+        args
+    }
 }
 
 /// The image's LUKS2 layout, from its header.
@@ -177,8 +222,9 @@ impl<'a> Run<'a> {
         }
     }
 
-    fn args(mut self, args: &[&str]) -> Self {
-        self.args.extend(args.iter().map(|a| a.to_string()));
+    fn args(mut self, args: &[impl AsRef<str>]) -> Self {
+        self.args
+            .extend(args.iter().map(|a| a.as_ref().to_string()));
         self
     }
 
@@ -304,11 +350,8 @@ pub fn format(
             "--batch-mode",
             "--offset",
             &(header_bytes / 512).to_string(),
-            "--pbkdf",
-            "argon2id",
-            "--iter-time",
-            &kdf.unlock_ms.to_string(),
         ])
+        .args(&kdf.args())
         .key(key)
         .image(image)
         .run()
@@ -515,13 +558,8 @@ pub fn add_key(
 ) -> Result<u32, CryptError> {
     let before = layout(image)?.key_slots;
     Run::new("luksAddKey")
-        .args(&[
-            "--batch-mode",
-            "--pbkdf",
-            "argon2id",
-            "--iter-time",
-            &kdf.unlock_ms.to_string(),
-        ])
+        .args(&["--batch-mode"])
+        .args(&kdf.args())
         .key(key)
         .new_key(new_key)
         .image(image)
@@ -619,7 +657,61 @@ mod tests {
     use super::*;
     use std::os::fd::AsFd;
 
-    const FAST: Kdf = Kdf { unlock_ms: 100 };
+    const FAST: Kdf = Kdf::Fixed {
+        iterations: Kdf::MIN_ITERATIONS,
+        memory_kib: Kdf::MIN_MEMORY_KIB,
+    };
+
+    /// Each key slot's argon2id (time cost, memory KiB), by slot.
+    fn slot_costs(f: &std::fs::File) -> Vec<(String, u64, u64)> {
+        let out = Run::new("luksDump")
+            .args(&["--dump-json-metadata"])
+            .image(f.as_fd())
+            .output()
+            .unwrap();
+        let doc: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let mut slots: Vec<_> = doc["keyslots"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(n, s)| {
+                let kdf = &s["kdf"];
+                assert_eq!(kdf["type"], "argon2id", "slot {n}: {kdf}");
+                let cost = |k: &str| kdf[k].as_u64().unwrap();
+                (n.clone(), cost("time"), cost("memory"))
+            })
+            .collect();
+        slots.sort();
+        slots
+    }
+
+    #[test]
+    fn a_fixed_cost_is_every_new_slots_and_a_timed_one_is_benchmarked() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(&dir, 32 << 20);
+        let fixed = Kdf::Fixed {
+            iterations: 5,
+            memory_kib: 64,
+        };
+        format(f.as_fd(), b"first key", 16 << 20, fixed).unwrap();
+        add_key(f.as_fd(), b"first key", b"second key", fixed).unwrap();
+        assert_eq!(
+            slot_costs(&f),
+            vec![("0".into(), 5, 64), ("1".into(), 5, 64)]
+        );
+        // A timed slot gets what the benchmark chose, not the fixed cost.
+        add_key(
+            f.as_fd(),
+            b"first key",
+            b"third key",
+            Kdf::Timed { unlock_ms: 100 },
+        )
+        .unwrap();
+        let timed = slot_costs(&f).pop().unwrap();
+        assert_eq!(timed.0, "2");
+        assert_ne!((timed.1, timed.2), (5, 64), "{timed:?}");
+        check_key(f.as_fd(), b"third key").unwrap();
+    }
 
     fn image(dir: &tempfile::TempDir, size: u64) -> std::fs::File {
         let f = std::fs::OpenOptions::new()

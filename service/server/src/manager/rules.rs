@@ -203,7 +203,7 @@ async fn manager_over(
             default_queues: 1,
             max_volumes,
             max_overcommit: None,
-            kdf: blockplane_system::crypt::Kdf { unlock_ms: 100 },
+            kdf: blockplane_system::crypt::Kdf::Timed { unlock_ms: 100 },
             backup_target: None,
             standby_check: None,
             faults: Faults::default(),
