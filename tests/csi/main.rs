@@ -72,7 +72,9 @@ impl Csi {
     }
 
     /// A service with `opts` and a driver with `extra` arguments.
-    pub async fn start_with(opts: Opts, extra: &[&str]) -> Self {
+    pub async fn start_with(mut opts: Opts, extra: &[&str]) -> Self {
+        opts.extra_args
+            .extend(harness::CHEAP_KEYS.iter().map(|a| a.to_string()));
         let svc = Service::start_with(opts).await;
         let dir = svc.dir.path().join("csi");
         std::fs::create_dir_all(&dir).unwrap();

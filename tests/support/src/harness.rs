@@ -157,6 +157,12 @@ fn template_matches(template: &str, path: &str) -> bool {
             .all(|(t, p)| (t.starts_with('{') && !p.is_empty()) || t == p)
 }
 
+/// `serve` arguments giving new key slots argon2id's least fixed cost: for
+/// tests whose subject is not the key's cost, since a timed cost has
+/// cryptsetup benchmark argon2id before every new key, seconds each under an
+/// emulator.
+pub const CHEAP_KEYS: [&str; 4] = ["--key-kdf-iterations", "4", "--key-kdf-memory-kib", "32"];
+
 /// Options for starting the service.
 #[derive(Debug, Clone, Default)]
 pub struct Opts {

@@ -230,12 +230,7 @@ async fn vm_with_gated_target() -> (Vm, tempfile::TempDir) {
         .unwrap();
     let vm = Vm::start_with_env_and_args(
         &[("BLOCKPLANE_TEST_FAULT", "gate_backup")],
-        &[
-            "--backup-target",
-            target.path().to_str().unwrap(),
-            "--key-unlock-ms",
-            "200",
-        ],
+        &["--backup-target", target.path().to_str().unwrap()],
     )
     .await;
     (vm, target)

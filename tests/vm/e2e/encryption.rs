@@ -9,9 +9,6 @@ use serde_json::{Value, json};
 
 use crate::{Scratch, Vm, direct_write, fio_ok, fio_verify, run, sh};
 
-/// Each key check takes a fifth of a second here: the emulator is slow, and
-/// what is tested is the path, not the cost of guessing.
-const ARGS: &[&str] = &["--key-unlock-ms", "200"];
 const KEY: &str = "vm-test-key";
 
 /// What the tests write through the plaintext device and look for in the file.
@@ -118,7 +115,7 @@ fn check_plaintext(v: &Value, image_path: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_backend_and_policy_serves_an_encrypted_image_and_keeps_it_so_across_changes() {
-    let vm = Vm::start_with_args(ARGS).await;
+    let vm = Vm::start().await;
     let cases = [
         ("lp", "loop", "auto", Scratch::Xfs, "sparse"),
         ("ub", "ublk", "nowait", Scratch::Xfs, "sparse"),
@@ -265,7 +262,7 @@ async fn every_backend_and_policy_serves_an_encrypted_image_and_keeps_it_so_acro
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restart_keeps_the_plaintext_and_a_lost_one_is_locked_until_its_key_unlocks_it() {
-    let mut vm = Vm::start_with_args(ARGS).await;
+    let mut vm = Vm::start().await;
     let img = encrypted_image(&vm, "rs", Scratch::Xfs, 48, "sparse").await;
     let path = img["path"].as_str().unwrap().to_string();
     let v = vm

@@ -212,11 +212,7 @@ impl TwoHosts {
     async fn start() -> Self {
         let hosts = Hosts::new();
         let export_arg = format!("{A_IP}:4420");
-        let a = Vm::start_in(
-            &hosts.a,
-            &["--export-address", &export_arg, "--key-unlock-ms", "200"],
-        )
-        .await;
+        let a = Vm::start_in(&hosts.a, &["--export-address", &export_arg]).await;
         let b = consumer().await;
         let b_nqn = host_nqn(&b).await;
         Self {

@@ -93,19 +93,12 @@ async fn two_hosts(hosts: &Hosts, b_roots: Vec<std::path::PathBuf>) -> (Vm, Vm, 
     let listen = format!("{A_IP}:7400");
     let a = Vm::start_guarded(
         Some(&hosts.a),
-        &[
-            "--export-address",
-            &export_arg,
-            "--listen",
-            &listen,
-            "--key-unlock-ms",
-            "200",
-        ],
+        &["--export-address", &export_arg, "--listen", &listen],
         TOKEN,
         Vec::new(),
     )
     .await;
-    let b = Vm::start_guarded(None, &["--key-unlock-ms", "200"], TOKEN, b_roots).await;
+    let b = Vm::start_guarded(None, &[], TOKEN, b_roots).await;
     let b_nqn = b.s.get("/v1/host").await.body["fabric"]["host_nqn"]
         .as_str()
         .unwrap()
