@@ -315,14 +315,7 @@ impl ControllerService {
         source: Option<&model::Image>,
     ) -> Result<(), CsiError> {
         let image = d.api.image(&v.name).await?;
-        // An encrypted volume is its image less the header.
-        let header = image
-            .as_ref()
-            .and_then(|i| i.encryption.as_ref())
-            .map_or(0, |e| e.header_bytes);
-        let size = image
-            .as_ref()
-            .map_or(v.size_bytes, |i| i.size_bytes - header);
+        let size = image.as_ref().map_or(v.size_bytes, |i| i.device_bytes());
         let mut diffs = Vec::new();
         if !fits(size, range) {
             diffs.push(format!(
@@ -962,14 +955,10 @@ impl Controller for ControllerService {
                 if v.size_bytes >= size {
                     return Ok(v.size_bytes);
                 }
-                let header = d
-                    .api
-                    .image(&name)
-                    .await?
-                    .and_then(|i| i.encryption)
-                    .map_or(0, |e| e.header_bytes);
+                // An image gone since is the resize's own 404 to tell.
+                let image = d.api.image(&name).await?;
                 let grow = model::ResizeImageRequest {
-                    size_bytes: size + header,
+                    size_bytes: image.map_or(size, |i| i.file_bytes_for(size)),
                 };
                 let answer = d.api.resize_image(&name, &grow).await?;
                 if let Some(r) = answer.volumes.iter().find(|r| r.volume_id == v.id)
@@ -977,7 +966,7 @@ impl Controller for ControllerService {
                 {
                     return Err(pending(r.message.clone()));
                 }
-                Ok(answer.image.size_bytes - header)
+                Ok(answer.image.device_bytes())
             })
             .await?;
         Ok(Response::new(ControllerExpandVolumeResponse {

@@ -211,6 +211,12 @@ pub struct ImageRow {
 }
 
 impl ImageRow {
+    /// Bytes of a volume's device on this image: the file, less an
+    /// encrypted image's header.
+    pub fn device_bytes(&self) -> u64 {
+        blockplane_api::model::device_bytes(self.encryption.as_ref(), self.size_bytes)
+    }
+
     fn from_row(r: &SqliteRow) -> Result<Self> {
         let allocation: Option<String> = r.try_get("allocation")?;
         Ok(Self {
@@ -281,6 +287,12 @@ pub struct VolumeRow {
 }
 
 impl VolumeRow {
+    /// Bytes of the device the volume's consumer sees over a backend
+    /// device of `backend_bytes`: less the header under a dm-crypt layer.
+    pub fn device_bytes(&self, backend_bytes: u64) -> u64 {
+        backend_bytes.saturating_sub(self.crypt.as_ref().map_or(0, |c| c.header_bytes))
+    }
+
     fn from_row(r: &SqliteRow) -> Result<Self> {
         let qos: Option<String> = r.try_get("qos")?;
         let attachment: Option<String> = r.try_get("attachment")?;

@@ -319,6 +319,19 @@ pub struct Image {
     pub warnings: Vec<String>,
 }
 
+impl Image {
+    /// Bytes of a volume's device on this image: the file, less an
+    /// encrypted image's header.
+    pub fn device_bytes(&self) -> u64 {
+        super::key::device_bytes(self.encryption.as_ref(), self.size_bytes)
+    }
+
+    /// The file size at which this image's volumes are `device_bytes` long.
+    pub fn file_bytes_for(&self, device_bytes: u64) -> u64 {
+        device_bytes + (self.size_bytes - self.device_bytes())
+    }
+}
+
 /// A standby image: the backup of its source it holds (complete, never a
 /// mix of two), the newest one the target has, and its apply.
 #[derive(Debug, Clone, Deserialize, Serialize)]

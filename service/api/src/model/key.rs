@@ -85,6 +85,13 @@ pub struct ImageEncryption {
     pub key_slots: Vec<u32>,
 }
 
+/// Bytes of the device served from `file_bytes` of an image encrypted as
+/// `encryption` (`None`: plain): the file less the header. The one place
+/// that says how a volume's size follows from its image's.
+pub fn device_bytes(encryption: Option<&ImageEncryption>, file_bytes: u64) -> u64 {
+    file_bytes.saturating_sub(encryption.map_or(0, |e| e.header_bytes))
+}
+
 /// `POST /v1/volumes/{id}/unlock`: the key of a `locked` volume's image.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -690,7 +690,6 @@ impl House {
             };
             let grows = backend.grows_image();
             let outcome = self.grow_device(&v, backend, att, size, allocation).await?;
-            let header = v.crypt.as_ref().map_or(0, |c| c.header_bytes);
             if outcome.is_ok() {
                 self.settings.faults.point(After::Change)?;
             }
@@ -708,14 +707,14 @@ impl House {
                         format!(
                             "volume '{}' now {} on {}",
                             v.name,
-                            size_text(att.size_bytes - header),
+                            size_text(v.device_bytes(att.size_bytes)),
                             att.device
                         )
                     };
                     out.push(VolumeResize {
                         volume_id: v.id,
                         name: v.name.clone(),
-                        size_bytes: att.size_bytes - header,
+                        size_bytes: v.device_bytes(att.size_bytes),
                         resize_pending: pending,
                         message: msg.clone(),
                     });

@@ -102,10 +102,10 @@ fn limit(l: Option<u32>) -> Result<usize> {
 /// Where an image's device lies in its file: after an encrypted image's
 /// header.
 fn layout(row: &ImageRow) -> Layout {
-    let header = row.encryption.as_ref().map_or(0, |e| e.header_bytes);
+    let size = row.device_bytes();
     Layout {
-        data_start: header,
-        size: row.size_bytes.saturating_sub(header),
+        data_start: row.size_bytes - size,
+        size,
     }
 }
 

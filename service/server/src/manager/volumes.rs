@@ -516,8 +516,7 @@ impl House {
         let msg = format!(
             "volume '{}' attached as {device} ({} bytes, dispatch {}: {})",
             v.name,
-            att.size_bytes
-                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
+            v.device_bytes(att.size_bytes),
             att.dispatch.as_str(),
             att.dispatch_reason
         );
@@ -823,10 +822,7 @@ impl Volumes {
             },
             encrypted: v.crypt.is_some(),
             backing_device: att.filter(|_| v.crypt.is_some()).map(|a| a.device.clone()),
-            size_bytes: att
-                .map(|a| a.size_bytes)
-                .unwrap_or(image_size)
-                .saturating_sub(v.crypt.as_ref().map_or(0, |c| c.header_bytes)),
+            size_bytes: v.device_bytes(att.map(|a| a.size_bytes).unwrap_or(image_size)),
             read_only: v.read_only,
             // The device's count where known: the kernel caps it at its CPUs.
             queues: att
