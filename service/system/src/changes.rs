@@ -22,7 +22,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 
-use crate::extent::{FIEMAP_EXTENT_UNWRITTEN, FsExtent, fiemap_range};
+use crate::extent::{FIEMAP_EXTENT_UNWRITTEN, FsExtent, fiemap_range, written_ranges};
 
 /// The granularity of every answer: ranges start and end on a multiple of
 /// it (the last may end at the image's end).
@@ -194,24 +194,18 @@ fn data_pieces(file: &File, layout: Layout, from: u64) -> io::Result<Vec<Piece>>
         .collect())
 }
 
-/// The extents that hold data (not unwritten), merged where they touch.
+/// The extents that hold data (not unwritten), merged where they touch, in
+/// device offsets.
 fn data_extents(file: &File, layout: Layout, from: u64) -> io::Result<Vec<Range>> {
-    let mut out: Vec<Range> = Vec::new();
-    for p in data_pieces(file, layout, from)? {
-        if p.zero() {
-            continue;
-        }
-        match out.last_mut() {
-            Some(last) if last.end() >= p.offset => {
-                last.length = last.length.max(p.offset + p.len - last.offset);
-            }
-            _ => out.push(Range {
-                offset: p.offset,
-                length: p.len,
-            }),
-        }
-    }
-    Ok(out)
+    let lo = layout.data_start + from;
+    let hi = layout.data_start + layout.size;
+    Ok(written_ranges(file.as_fd(), lo, hi)?
+        .into_iter()
+        .map(|(a, b)| Range {
+            offset: a - layout.data_start,
+            length: b - a,
+        })
+        .collect())
 }
 
 /// One extent, in device offsets.

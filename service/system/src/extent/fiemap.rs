@@ -99,32 +99,38 @@ pub fn fiemap_range(
     }
 }
 
-/// The stretches of `[from, to)` that rule 2 refuses for want of written
-/// data: holes and UNWRITTEN extents (both read as zeroes), sorted, merged.
-pub fn unwritten_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Vec<(u64, u64)>> {
+/// The stretches of `[from, to)` that hold written data (extents not
+/// UNWRITTEN), after a sync, sorted, merged where they touch.
+pub fn written_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Vec<(u64, u64)>> {
     let mut out: Vec<(u64, u64)> = Vec::new();
-    let mut add = |a: u64, b: u64| {
-        let (a, b) = (a.max(from), b.min(to));
-        if a >= b {
-            return;
+    for e in fiemap_range(fd, from, to, true)? {
+        let (a, b) = (e.logical.max(from), (e.logical + e.len).min(to));
+        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 || a >= b {
+            continue;
         }
         match out.last_mut() {
             Some(last) if last.1 >= a => last.1 = last.1.max(b),
             _ => out.push((a, b)),
         }
-    };
-    let mut written_to = from;
-    for e in fiemap_range(fd, from, to, true)? {
-        let end = e.logical + e.len;
-        if e.logical > written_to {
-            add(written_to, e.logical);
-        }
-        if e.flags & FIEMAP_EXTENT_UNWRITTEN != 0 {
-            add(e.logical, end);
-        }
-        written_to = written_to.max(end);
     }
-    add(written_to, to);
+    Ok(out)
+}
+
+/// The stretches of `[from, to)` that rule 2 refuses for want of written
+/// data: holes and UNWRITTEN extents (both read as zeroes), sorted, merged.
+/// The gaps between [`written_ranges`].
+pub fn unwritten_ranges(fd: BorrowedFd<'_>, from: u64, to: u64) -> io::Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    let mut at = from;
+    for (a, b) in written_ranges(fd, from, to)? {
+        if a > at {
+            out.push((at, a));
+        }
+        at = b;
+    }
+    if at < to {
+        out.push((at, to));
+    }
     Ok(out)
 }
 

@@ -31,7 +31,7 @@ pub(crate) mod testfs;
 
 pub use fiemap::{
     FIEMAP_EXTENT_UNWRITTEN, FsExtent, Unwritten, fiemap, fiemap_range, first_unwritten,
-    hole_bytes, unwritten_ranges,
+    hole_bytes, unwritten_ranges, written_ranges,
 };
 pub use map::{ExtentMap, Piece, Pieces, RawDevice, Segment};
 pub use pin::{Pin, drop_page_cache, is_immutable, map_and_pin, pin, unpin};
