@@ -30,7 +30,7 @@ impl Images {
         let layout = layout(&row);
         let page = blocking(move || changes::allocated(&file, layout, q.offset, max))
             .await?
-            .map_err(|e| read_failed(&row, &e))?;
+            .map_err(|e| read_failed(&format!("image '{}'", row.name), &e))?;
         Ok(view(&row, None, layout, page))
     }
 
@@ -67,7 +67,11 @@ impl Images {
             page
         })
         .await?
-        .map_err(|e| read_failed(&row, &e))?;
+        .map_err(|e| {
+            // Either file may be the one that failed.
+            let which = format!("images '{}' and '{}'", row.name, base.name);
+            read_failed(&which, &e)
+        })?;
         Ok(view(&row, Some(&base), layout, page))
     }
 
@@ -109,11 +113,9 @@ fn layout(row: &ImageRow) -> Layout {
     }
 }
 
-fn read_failed(row: &ImageRow, e: &std::io::Error) -> Error {
-    Error::Internal(format!(
-        "image '{}': reading its extents and bytes failed: {e}",
-        row.name
-    ))
+/// A read of `which` images' extents or bytes failed.
+fn read_failed(which: &str, e: &std::io::Error) -> Error {
+    Error::Internal(format!("{which}: reading extents and bytes failed: {e}"))
 }
 
 fn view(row: &ImageRow, base: Option<&ImageRow>, layout: Layout, page: Ranges) -> ImageRanges {
