@@ -570,10 +570,15 @@ def main():
                 break
             time.sleep(0.1)
     host = api("GET", "/v1/host")
-    header = [f"kernel {host['kernel']}, {os.cpu_count()} vCPUs ({os.environ.get('BENCH_TCG', '?')} TCG); "
-              f"ublk features {host['backends']['ublk'].get('features')}",
+    icount = os.environ.get("BENCH_ICOUNT")
+    clock = (f"icount {icount}: seconds and IOPS in instructions, not host time"
+             if icount else "wall clock")
+    disk = (f"xfs in guest RAM ({os.environ['BENCH_RAM_MIB']} MiB brd)"
+            if os.environ.get("BENCH_RAM_MIB") else "xfs")
+    header = [f"kernel {host['kernel']}, {os.cpu_count()} vCPUs ({os.environ.get('BENCH_TCG', '?')} TCG, "
+              f"{clock}); ublk features {host['backends']['ublk'].get('features')}",
               f"fio 4k randrw, 2 jobs, direct, {RUNTIME} s per run, {REPEAT} rounds; "
-              f"each target on its own fully allocated {size >> 20} MiB image on xfs"]
+              f"each target on its own fully allocated {size >> 20} MiB image on {disk}"]
     if len(serves) > 1:
         header.append(f"(alt) rows: a second service running {ALT_BIN}; the others {BIN}")
     print("\n".join(header), flush=True)

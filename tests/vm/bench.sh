@@ -17,6 +17,13 @@
 #     BENCH_PROFILE=key,key... only those targets)
 #   BENCH_ALT_BIN=/path/to/blockplane (a second service with that binary serves the targets
 #     named <key>-alt in BENCH_TARGETS, e.g. ublk-nowait-alt: two builds in one boot)
+#   BENCH_CLOCK=wall|icount. wall (default): multi-threaded TCG, the guest's clock is the host's;
+#     what only wall time shows (latency, stalls), spread by whatever else the host runs.
+#     icount: single-threaded TCG with qemu -icount (shift BENCH_ICOUNT_SHIFT=2, sleep off), so the
+#     guest's clock counts the instructions it executes, and the images live on an xfs in guest RAM
+#     (brd, BENCH_RAM_MIB, default images x 14 + 512) so that no request waits for the host: IOPS
+#     then say how many instructions each path spends per request, whatever the host's load.
+#     Its default image size is 128M.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -36,9 +43,25 @@ if [ "$("$rublk" --version 2>/dev/null || true)" != "rublk $rublk_version" ]; th
   cargo install --locked rublk --version "$rublk_version" --root target/bench/rublk
 fi
 
-tcg=${VM_TCG_THREAD:-multi}
-env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-5} BENCH_REPEAT=${BENCH_REPEAT:-5} BENCH_IMAGE_SIZE=${BENCH_IMAGE_SIZE:-512M}"
-env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg"
+clock=${BENCH_CLOCK:-wall}
+mem=${VM_MEM:-3072}
+icount=
+case "$clock" in
+  wall)
+    tcg=${VM_TCG_THREAD:-multi}
+    image_size=${BENCH_IMAGE_SIZE:-512M} ;;
+  icount)
+    tcg=single
+    icount="shift=${BENCH_ICOUNT_SHIFT:-2},sleep=off"
+    image_size=${BENCH_IMAGE_SIZE:-128M}
+    [[ "$image_size" =~ ^[0-9]+M$ ]] || { echo "bench: BENCH_CLOCK=icount needs BENCH_IMAGE_SIZE in M" >&2; exit 2; }
+    ram=${BENCH_RAM_MIB:-$(( ${image_size%M} * 14 + 512 ))}
+    mem=${VM_MEM:-$(( 3072 + ram ))} ;;
+  *) echo "bench: BENCH_CLOCK must be wall or icount" >&2; exit 2 ;;
+esac
+env_vars="BENCH_RUNTIME=${BENCH_RUNTIME:-5} BENCH_REPEAT=${BENCH_REPEAT:-5} BENCH_IMAGE_SIZE=$image_size"
+env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BENCH_TCG=$tcg BENCH_CLOCK=$clock"
+[ -z "$icount" ] || env_vars+=" BENCH_ICOUNT=$icount BENCH_RAM_MIB=$ram"
 [ -z "${BENCH_TARGETS:-}" ] || env_vars+=" BENCH_TARGETS=$BENCH_TARGETS"
 [ -z "${BENCH_RUBLK_QUEUES:-}" ] || env_vars+=" BENCH_RUBLK_QUEUES=$BENCH_RUBLK_QUEUES"
 [ -z "${BENCH_ALT_BIN:-}" ] || env_vars+=" BENCH_ALT_BIN=$(realpath "$BENCH_ALT_BIN")"
@@ -47,7 +70,7 @@ env_vars+=" BENCH_WARMUP=${BENCH_WARMUP:-2} BENCH_PROFILE=${BENCH_PROFILE:-0} BE
 echo "bench: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 rc=0
 BLOCKPLANE_VM_ENV="$env_vars" VM_OUT=target/bench VM_TIMEOUT=${VM_TIMEOUT:-3600} \
-  VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_DISK_SIZES=${VM_DISK_SIZES:-"7G 1G 1G"} \
+  VM_SMP=${VM_SMP:-2} VM_TCG_THREAD=$tcg VM_ICOUNT=$icount VM_MEM=$mem VM_DISK_SIZES=${VM_DISK_SIZES:-"7G 1G 1G"} \
   "$here/run.sh" "${BENCH_KERNEL:-latest}" "$here/bench-job.sh" -- "$repo/target/release/blockplane" "$rublk" \
   || rc=$?
 echo "bench: host load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

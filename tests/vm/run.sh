@@ -22,6 +22,8 @@
 #   VM_APPEND="..."  extra kernel command line   VM_CONSOLE_TAIL=60 lines shown on failure
 #   VM_TCG_THREAD=single|multi  TCG mode (default single: multi-threaded TCG oopsed once at boot
 #                               here, an int3 left by kernel text patching; see README)
+#   VM_ICOUNT="shift=N,sleep=off"  qemu -icount: the guest's clock counts executed instructions
+#                               (single-threaded TCG only; the benchmark's icount mode)
 #   BLOCKPLANE_VM_CACHE, BLOCKPLANE_VM_REFRESH: see kernel.sh
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -49,6 +51,9 @@ for n in "$mem" "$smp" "$tmo"; do
   [[ "$n" =~ ^[0-9]+$ ]] || { bp_log "VM_MEM, VM_SMP and VM_TIMEOUT must be integers"; exit 2; }
 done
 case "${VM_TCG_THREAD:-single}" in single|multi) ;; *) bp_log "VM_TCG_THREAD must be single or multi"; exit 2 ;; esac
+if [ -n "${VM_ICOUNT:-}" ] && [ "${VM_TCG_THREAD:-single}" != single ]; then
+  bp_log "VM_ICOUNT needs VM_TCG_THREAD=single"; exit 2
+fi
 read -r -a sizes <<< "${VM_DISK_SIZES:-}"
 if [ "${#sizes[@]}" -eq 0 ]; then
   sizes=("${VM_DISK_SIZE:-3G}" "${VM_DISK_SIZE:-3G}" "${VM_DISK_SIZE:-3G}")
@@ -133,6 +138,7 @@ qemu_args=(
   -virtfs "local,path=$results,mount_tag=results,security_model=none"
   "${share_args[@]}"
 )
+[ -z "${VM_ICOUNT:-}" ] || qemu_args+=(-icount "$VM_ICOUNT")
 for d in "${disks[@]}"; do
   qemu_args+=(-drive "file=$d,if=virtio,format=raw,cache=none,aio=$aio,discard=unmap")
 done
